@@ -1,0 +1,121 @@
+// CPU kernels of zerofuse::flatten_into / unflatten_from (bucket copy-in / copy-out).
+//
+// Contiguous tensors are cut into ~256 KiB work items that at::parallel_for spreads over threads:
+// a memcpy when dtypes match, a converting loop otherwise (e.g. bf16 grads into an fp32 bucket).
+// Non-contiguous tensors go through Tensor::copy_ on a view of their range (TensorIterator walks
+// the strides and parallelises itself), after the parallel loop so it is not nested in it.
+#include "../flatten.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <c10/util/TypeCast.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+namespace zerofuse {
+namespace {
+
+constexpr int64_t kItemBytes = int64_t{1} << 18;
+// Below this much data, one thread finishes before a second one would have started.
+constexpr int64_t kParallelBytes = int64_t{1} << 16;
+
+struct Item {
+  size_t tensor;
+  int64_t begin;  // element range of tensors[tensor]
+  int64_t end;
+};
+
+#define ZF_DISPATCH_COPY_TYPES(TYPE, NAME, ...) \
+  AT_DISPATCH_ALL_TYPES_AND2(at::kHalf, at::kBFloat16, TYPE, NAME, __VA_ARGS__)
+
+void convert(const void* src, at::ScalarType src_type, void* dst, at::ScalarType dst_type, int64_t n) {
+  ZF_DISPATCH_COPY_TYPES(dst_type, "zerofuse_convert_dst", [&] {
+    using dst_t = scalar_t;
+    ZF_DISPATCH_COPY_TYPES(src_type, "zerofuse_convert_src", [&] {
+      const scalar_t* s = static_cast<const scalar_t*>(src);
+      dst_t* d = static_cast<dst_t*>(dst);
+      for (int64_t i = 0; i < n; ++i) d[i] = c10::convert<dst_t>(s[i]);
+    });
+  });
+}
+
+// kToFlat: tensors -> flat (flatten_into); otherwise flat -> tensors (unflatten_from).
+template <bool kToFlat>
+void copy_ranges(at::TensorList tensors, const at::Tensor& flat, at::IntArrayRef offsets) {
+  at::AutoDispatchBelowADInplaceOrView no_autograd;  // internal copies are not part of any graph
+  std::vector<Item> items;
+  std::vector<size_t> strided;
+  int64_t total_bytes = 0;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const at::Tensor& t = tensors[i];
+    const int64_t n = t.numel();
+    if (n == 0) continue;
+    if (!t.is_contiguous()) {
+      strided.push_back(i);
+      continue;
+    }
+    const int64_t per_item = std::max<int64_t>(1, kItemBytes / static_cast<int64_t>(t.element_size()));
+    for (int64_t b = 0; b < n; b += per_item) items.push_back({i, b, std::min(n, b + per_item)});
+    total_bytes += n * static_cast<int64_t>(t.element_size());
+  }
+
+  char* flat_base = static_cast<char*>(flat.data_ptr());
+  const at::ScalarType flat_type = flat.scalar_type();
+  const int64_t flat_size = static_cast<int64_t>(flat.element_size());
+  const int64_t n_items = static_cast<int64_t>(items.size());
+  const int64_t grain = total_bytes < kParallelBytes ? n_items + 1 : 1;
+  at::parallel_for(0, n_items, grain, [&](int64_t lo, int64_t hi) {
+    for (int64_t k = lo; k < hi; ++k) {
+      const Item& it = items[k];
+      const at::Tensor& t = tensors[it.tensor];
+      const int64_t len = it.end - it.begin;
+      char* tp = static_cast<char*>(t.data_ptr()) + it.begin * t.element_size();
+      char* fp = flat_base + (offsets[it.tensor] + it.begin) * flat_size;
+      if (tp == fp) continue;  // a tensor that is already a view of its own range (ZeRO params)
+      if (t.scalar_type() == flat_type) {
+        if (kToFlat) std::memcpy(fp, tp, len * flat_size);
+        else std::memcpy(tp, fp, len * flat_size);
+      } else if (kToFlat) {
+        convert(tp, t.scalar_type(), fp, flat_type, len);
+      } else {
+        convert(fp, flat_type, tp, t.scalar_type(), len);
+      }
+    }
+  });
+
+  for (size_t i : strided) {
+    const at::Tensor& t = tensors[i];
+    at::Tensor range = flat.narrow(0, offsets[i], t.numel()).view(t.sizes());
+    if (kToFlat) range.copy_(t);
+    else const_cast<at::Tensor&>(t).copy_(range);
+  }
+}
+
+void flatten_into_cpu(at::TensorList tensors,  // n tensors, any shapes/strides/dtypes
+                      const at::Tensor& flat,  // (N,) contiguous, written
+                      at::IntArrayRef offsets  // (n,) element offsets into flat
+) {
+  check_flatten_args(tensors, flat, offsets, "flatten_into", "tensors");
+  copy_ranges<true>(tensors, flat, offsets);
+}
+
+void unflatten_from_cpu(const at::Tensor& flat,  // (N,) contiguous, read
+                        at::TensorList tensors,  // n tensors, any shapes/strides/dtypes, written
+                        at::IntArrayRef offsets  // (n,) element offsets into flat
+) {
+  check_flatten_args(tensors, flat, offsets, "unflatten_from", "tensors");
+  copy_ranges<false>(tensors, flat, offsets);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(zerofuse, CPU, m) {
+  m.impl("flatten_into", &flatten_into_cpu);
+  m.impl("unflatten_from", &unflatten_from_cpu);
+}
+
+}  // namespace zerofuse

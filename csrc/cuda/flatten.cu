@@ -1,0 +1,158 @@
+// CUDA kernels of zerofuse::flatten_into / unflatten_from: one multi-tensor launch per call.
+//
+// The host writes one TensorMeta per tensor (pointer, numel, offset into flat, dtype, first chunk)
+// into a pinned buffer, copies it to the device on the current stream, and launches one block per
+// kChunk-element chunk of all tensors together; a block finds its tensor by binary search over
+// the chunk prefix. Same-dtype chunks move 16 bytes per thread per access when aligned; others
+// convert element by element (e.g. bf16 grads into an fp32 bucket). Tensors the kernel does not
+// take (non-contiguous, or dtypes other than fp32/fp16/bf16/fp64) go through Tensor::copy_,
+// correct but one launch each.
+#include "../flatten.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/util/TypeCast.h>
+#include <torch/library.h>
+
+#include <vector>
+
+namespace zerofuse {
+namespace {
+
+constexpr int64_t kChunk = 16384;
+constexpr int kThreads = 256;
+
+enum DType : int64_t { kF32 = 0, kF16 = 1, kBF16 = 2, kF64 = 3 };
+
+struct TensorMeta {
+  int64_t ptr;
+  int64_t numel;
+  int64_t offset;       // element offset into flat
+  int64_t dtype;        // DType
+  int64_t chunk_begin;  // index of this tensor's first chunk among all chunks
+};
+static_assert(sizeof(TensorMeta) == 5 * sizeof(int64_t), "TensorMeta is shipped as int64 words");
+
+int64_t dtype_code(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return kF32;
+    case at::kHalf: return kF16;
+    case at::kBFloat16: return kBF16;
+    case at::kDouble: return kF64;
+    default: return -1;
+  }
+}
+
+template <typename T, typename F, bool kToFlat>
+__device__ void copy_chunk(T* t, F* f, int64_t begin, int64_t end) {
+  if constexpr (sizeof(T) == sizeof(F) && std::is_same_v<T, F>) {
+    // 16-byte vector path when both sides of this chunk are aligned.
+    constexpr int64_t kVec = 16 / sizeof(T);
+    const bool aligned = ((reinterpret_cast<uintptr_t>(t + begin) | reinterpret_cast<uintptr_t>(f + begin)) % 16) == 0;
+    if (aligned) {
+      const int64_t n_vec = (end - begin) / kVec;
+      const int4* src = reinterpret_cast<const int4*>(kToFlat ? t + begin : f + begin);
+      int4* dst = reinterpret_cast<int4*>(kToFlat ? f + begin : t + begin);
+      for (int64_t v = threadIdx.x; v < n_vec; v += blockDim.x) dst[v] = src[v];
+      begin += n_vec * kVec;
+    }
+  }
+  for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
+    if constexpr (kToFlat) f[i] = c10::convert<F>(t[i]);
+    else t[i] = c10::convert<T>(f[i]);
+  }
+}
+
+template <typename F, bool kToFlat>
+__global__ void __launch_bounds__(kThreads) multi_tensor_copy_kernel(const TensorMeta* __restrict__ meta,
+                                                                    int64_t n_tensors, F* flat) {
+  const int64_t chunk = blockIdx.x;
+  int64_t lo = 0, hi = n_tensors - 1;
+  while (lo < hi) {
+    const int64_t mid = (lo + hi + 1) / 2;
+    if (meta[mid].chunk_begin <= chunk) lo = mid;
+    else hi = mid - 1;
+  }
+  const TensorMeta m = meta[lo];
+  const int64_t begin = (chunk - m.chunk_begin) * kChunk;
+  const int64_t end = begin + kChunk < m.numel ? begin + kChunk : m.numel;
+  F* f = flat + m.offset;
+  switch (m.dtype) {
+    case kF32: copy_chunk<float, F, kToFlat>(reinterpret_cast<float*>(m.ptr), f, begin, end); break;
+    case kF16: copy_chunk<at::Half, F, kToFlat>(reinterpret_cast<at::Half*>(m.ptr), f, begin, end); break;
+    case kBF16: copy_chunk<at::BFloat16, F, kToFlat>(reinterpret_cast<at::BFloat16*>(m.ptr), f, begin, end); break;
+    case kF64: copy_chunk<double, F, kToFlat>(reinterpret_cast<double*>(m.ptr), f, begin, end); break;
+  }
+}
+
+template <bool kToFlat>
+void copy_ranges(at::TensorList tensors, const at::Tensor& flat, at::IntArrayRef offsets) {
+  at::AutoDispatchBelowADInplaceOrView no_autograd;
+  c10::cuda::CUDAGuard guard(flat.device());
+  const bool flat_in_kernel = dtype_code(flat.scalar_type()) >= 0;
+  std::vector<TensorMeta> metas;
+  std::vector<size_t> fallback;
+  int64_t n_chunks = 0;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const at::Tensor& t = tensors[i];
+    if (t.numel() == 0) continue;
+    const int64_t code = dtype_code(t.scalar_type());
+    if (!flat_in_kernel || code < 0 || !t.is_contiguous()) {
+      fallback.push_back(i);
+      continue;
+    }
+    metas.push_back({reinterpret_cast<int64_t>(t.data_ptr()), t.numel(), offsets[i], code, n_chunks});
+    n_chunks += (t.numel() + kChunk - 1) / kChunk;
+  }
+
+  if (!metas.empty()) {
+    const int64_t words = static_cast<int64_t>(metas.size() * sizeof(TensorMeta) / sizeof(int64_t));
+    at::Tensor host = at::empty({words}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
+    std::memcpy(host.data_ptr(), metas.data(), metas.size() * sizeof(TensorMeta));
+    // The caching host allocator keeps the pinned block until this copy has completed.
+    at::Tensor device_meta = host.to(flat.device(), /*non_blocking=*/true);
+    const auto* meta = reinterpret_cast<const TensorMeta*>(device_meta.data_ptr<int64_t>());
+    const int64_t n = static_cast<int64_t>(metas.size());
+    cudaStream_t stream = c10::cuda::getCurrentCUDAStream(flat.get_device()).stream();
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, flat.scalar_type(), "zerofuse_multi_tensor_copy", [&] {
+      multi_tensor_copy_kernel<scalar_t, kToFlat>
+          <<<static_cast<unsigned>(n_chunks), kThreads, 0, stream>>>(meta, n, flat.data_ptr<scalar_t>());
+    });
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+
+  for (size_t i : fallback) {
+    const at::Tensor& t = tensors[i];
+    at::Tensor range = flat.narrow(0, offsets[i], t.numel()).view(t.sizes());
+    if (kToFlat) range.copy_(t);
+    else const_cast<at::Tensor&>(t).copy_(range);
+  }
+}
+
+void flatten_into_cuda(at::TensorList tensors,  // n tensors, any shapes/strides/dtypes, on flat's device
+                       const at::Tensor& flat,  // (N,) contiguous, written
+                       at::IntArrayRef offsets  // (n,) element offsets into flat
+) {
+  check_flatten_args(tensors, flat, offsets, "flatten_into", "tensors");
+  copy_ranges<true>(tensors, flat, offsets);
+}
+
+void unflatten_from_cuda(const at::Tensor& flat,  // (N,) contiguous, read
+                         at::TensorList tensors,  // n tensors, any shapes/strides/dtypes, written
+                         at::IntArrayRef offsets  // (n,) element offsets into flat
+) {
+  check_flatten_args(tensors, flat, offsets, "unflatten_from", "tensors");
+  copy_ranges<false>(tensors, flat, offsets);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(zerofuse, CUDA, m) {
+  m.impl("flatten_into", &flatten_into_cuda);
+  m.impl("unflatten_from", &unflatten_from_cuda);
+}
+
+}  // namespace zerofuse

@@ -1,0 +1,24 @@
+"""zerofuse: fused kernels, fused bucketed collectives and ZeRO/TP wrappers for PyTorch training.
+
+Import order matters: zerofuse.kernels decides interpreter mode (ZEROFUSE_TRITON_ON_CPU) before any
+Triton kernel is defined, then the C++ extension registers its ops, then the Python ops register
+their fake impls on top.
+"""
+import torch  # noqa: F401  (libtorch must be loaded before zerofuse._C)
+
+from zerofuse import kernels  # noqa: F401
+from zerofuse._loader import load_extension
+
+_C = load_extension()
+
+from zerofuse import ops  # noqa: E402
+from zerofuse.ops import flatten_into, packed_offsets, unflatten_from  # noqa: E402
+
+__version__ = "0.1.0"
+
+__all__ = ["ops", "flatten_into", "unflatten_from", "packed_offsets", "build_info", "__version__"]
+
+
+def build_info() -> dict:
+    """What this build contains: {'cuda': bool, 'nccl': bool, 'nccl_compiled_version': int, ...}."""
+    return _C.build_info()

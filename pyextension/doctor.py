@@ -1,0 +1,123 @@
+"""``python -m zerofuse.doctor``: what was built, what runs here, and a self-test of every op.
+
+Prints the zerofuse, torch, triton and NCCL versions, the backends compiled into zerofuse._C, the
+visible devices and how Triton runs (natively on a GPU or in the interpreter), then runs each
+registered op's self-test on every available device against zerofuse.reference. Exits 1 if any
+self-test fails or an op registered with torch has no self-test.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import os
+import platform
+import sys
+import time
+import traceback
+
+import torch
+
+
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _nccl_str(code: int) -> str:
+    # NCCL_VERSION_CODE is major*10000 + minor*100 + patch since 2.9.
+    return f"{code // 10000}.{code // 100 % 100}.{code % 100}" if code else "unknown"
+
+
+def _devices() -> list[torch.device]:
+    devs = [torch.device("cpu")]
+    if torch.cuda.is_available():
+        devs.append(torch.device("cuda", torch.cuda.current_device()))
+    return devs
+
+
+def report() -> list[str]:
+    import zerofuse
+    from zerofuse import kernels
+
+    info = zerofuse.build_info()
+    lines = [
+        f"zerofuse   {zerofuse.__version__}  ({os.path.dirname(zerofuse.__file__)})",
+        f"python     {platform.python_version()}  ({sys.executable})",
+        f"torch      {torch.__version__}  (CUDA {torch.version.cuda or 'none'})",
+        f"triton     {_version('triton')}",
+    ]
+    if info["nccl"]:
+        lines.append(
+            f"NCCL       compiled against {_nccl_str(info['nccl_compiled_version'])}, "
+            f"loaded {_nccl_str(info['nccl_runtime_version'])}"
+        )
+    else:
+        lines.append(f"NCCL       not compiled in (CPU build); nvidia-nccl-cu13 wheel: {_version('nvidia-nccl-cu13')}")
+    lines.append(
+        "backends   CPU yes, CUDA " + ("yes" if info["cuda"] else "no") + ", NCCL " + ("yes" if info["nccl"] else "no")
+    )
+    lines.append(f"devices    cpu ({torch.get_num_threads()} threads)")
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            p = torch.cuda.get_device_properties(i)
+            lines.append(f"           cuda:{i} {p.name}, sm_{p.major}{p.minor}, {p.total_memory / 2**30:.0f} GiB")
+    else:
+        lines.append("           cuda: none visible")
+    if kernels.interpreted():
+        mode = "interpreter (TRITON_INTERPRET=1)"
+    elif torch.cuda.is_available():
+        mode = "native on CUDA"
+    else:
+        mode = "no GPU: Triton kernels do not run (ZEROFUSE_TRITON_ON_CPU=1 runs them in the interpreter)"
+    lines.append(f"triton     {mode}; CPU tensors use " + ("Triton" if kernels.triton_on_cpu() else "the CPU kernels"))
+    return lines
+
+
+def selftest(devices: list[torch.device]) -> list[str]:
+    """Runs every self-test; returns failure descriptions (empty when all pass)."""
+    from zerofuse import ops
+
+    failures = []
+    known = set(ops.list_ops())
+    in_torch = ops.registered_in_torch()
+    print(f"ops        {len(in_torch)} registered: {', '.join(in_torch)}")
+    for name in in_torch:
+        if name not in known:
+            failures.append(f"{name}: registered with torch but has no self-test")
+            print(f"  FAIL  {name}: no self-test")
+    for name in ops.list_ops():
+        info = ops.OPS[name]
+        keys = [k for k in ("CPU", "CUDA", "Meta") if torch._C._dispatch_has_kernel_for_dispatch_key(name, k)]
+        for dev in devices:
+            t0 = time.perf_counter()
+            try:
+                info.selftest(dev)
+            except Exception:
+                failures.append(f"{name} on {dev}: {traceback.format_exc()}")
+                print(f"  FAIL  {name:28s} {str(dev):7s} [{info.kind}]\n{traceback.format_exc()}")
+                continue
+            dt = (time.perf_counter() - t0) * 1e3
+            print(f"  ok    {name:28s} {str(dev):7s} [{info.kind}; kernels: {', '.join(keys)}] {dt:.1f} ms")
+    return failures
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m zerofuse.doctor", description=__doc__.splitlines()[0])
+    parser.add_argument("--no-selftest", action="store_true", help="only print what was built and what runs here")
+    args = parser.parse_args(argv)
+    for line in report():
+        print(line)
+    if args.no_selftest:
+        return 0
+    failures = selftest(_devices())
+    if failures:
+        print(f"doctor: {len(failures)} self-test(s) failed", file=sys.stderr)
+        return 1
+    print("doctor: all self-tests passed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,44 @@
+"""zerofuse's torch ops, and the registry that lists them.
+
+Every op is a ``torch.ops.zerofuse.<name>``: C++ ops get their schema in csrc/registration.cpp and
+their fake impl here; Triton ops are ``torch.library.custom_op``s. Each op module registers an
+:class:`OpInfo` with a self-test (used by ``python -m zerofuse.doctor``) that checks the op against
+``zerofuse.reference`` on a given device.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class OpInfo:
+    name: str  # qualified, "zerofuse::flatten_into"
+    kind: str  # "C++" or "Triton": where the device kernels come from
+    selftest: Callable[[torch.device], None]  # raises AssertionError on a wrong result
+
+
+OPS: dict[str, OpInfo] = {}
+
+
+def register(name: str, kind: str, selftest: Callable[[torch.device], None]) -> None:
+    OPS[name] = OpInfo(name, kind, selftest)
+
+
+def list_ops() -> list[str]:
+    """Qualified names of zerofuse's registered ops."""
+    return sorted(OPS)
+
+
+def registered_in_torch() -> list[str]:
+    """Every zerofuse:: op the dispatcher knows, to check nothing ships without a self-test."""
+    return sorted(
+        {n.split(".")[0] for n in torch._C._dispatch_get_all_op_names() if n.startswith("zerofuse::")}
+    )
+
+
+from zerofuse.ops.flatten import flatten_into, packed_offsets, unflatten_from  # noqa: E402
+
+__all__ = ["OPS", "OpInfo", "list_ops", "registered_in_torch", "flatten_into", "unflatten_from", "packed_offsets"]

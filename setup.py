@@ -1,0 +1,78 @@
+"""Build zerofuse._C.
+
+Always: a CppExtension from csrc/**/*.cpp (CPU kernels, op registration).
+With a CUDA torch and nvcc: a CUDAExtension that also compiles csrc/**/*.cu and links the NCCL that
+torch uses (the nvidia-nccl-cuXX wheel next to torch), with an rpath so the .so finds libnccl on a
+fresh machine, in an editable install and after `pip install .`.
+
+Environment: ZEROFUSE_CUDA=0/1 forces the CPU-only / CUDA build; MAX_JOBS caps ninja's jobs
+(torch.utils.cpp_extension honours it); ZEROFUSE_DEBUG=1 builds with -g -O0 (release by default:
+-g doubles compile time); TORCH_CUDA_ARCH_LIST picks the GPU architectures (default: the visible GPU).
+"""
+import os
+import sys
+
+from setuptools import find_packages, setup
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension  # noqa: E402
+
+from tools import buildenv  # noqa: E402
+
+
+def _want_cuda() -> bool:
+    have = torch.version.cuda is not None and buildenv.find_nvcc() is not None
+    forced = os.environ.get("ZEROFUSE_CUDA")
+    if forced == "0":
+        return False
+    if forced == "1" and not have:
+        raise SystemExit(
+            f"ZEROFUSE_CUDA=1 needs a CUDA build of torch and nvcc; found torch {torch.__version__} "
+            f"(torch.version.cuda={torch.version.cuda}) and nvcc={buildenv.find_nvcc()}"
+        )
+    return have
+
+
+def _extension():
+    debug = os.environ.get("ZEROFUSE_DEBUG") == "1"
+    opt = ["-g", "-O0"] if debug else ["-O3"]
+    cxx = opt + ["-fvisibility=hidden"]
+    if not _want_cuda():
+        print("zerofuse: building the CPU-only extension", file=sys.stderr)
+        return CppExtension("zerofuse._C", buildenv.cpp_sources(), extra_compile_args={"cxx": cxx})
+
+    nccl = buildenv.find_nccl()
+    if nccl is None:
+        raise SystemExit(
+            "zerofuse: CUDA build needs NCCL (nccl.h and libnccl.so). Install the nvidia-nccl-cuXX "
+            "wheel that torch uses, set NCCL_HOME, or build CPU-only with ZEROFUSE_CUDA=0."
+        )
+    inc, lib = nccl
+    print(f"zerofuse: building with CUDA {torch.version.cuda} and NCCL from {lib}", file=sys.stderr)
+    nvcc = (["-G", "-O0"] if debug else []) + buildenv.NVCC_FLAGS
+    # $ORIGIN/../nvidia/nccl/lib finds the wheel's libnccl after a non-editable install into
+    # site-packages; the absolute path covers editable installs and NCCL_HOME builds.
+    rpath = ["-Wl,-rpath,$ORIGIN/../nvidia/nccl/lib", f"-Wl,-rpath,{lib}"]
+    return CUDAExtension(
+        "zerofuse._C",
+        buildenv.cpp_sources() + buildenv.cuda_sources(),
+        include_dirs=[inc],
+        library_dirs=[lib],
+        extra_link_args=rpath + [buildenv.nccl_link_name(lib)],
+        define_macros=[("ZEROFUSE_WITH_CUDA", "1"), ("ZEROFUSE_WITH_NCCL", "1")],
+        extra_compile_args={"cxx": cxx, "nvcc": nvcc},
+    )
+
+
+packages = ["zerofuse"] + ["zerofuse." + p for p in find_packages("pyextension")] + ["zerofuse.kernels"]
+
+setup(
+    packages=packages,
+    package_dir={"zerofuse": "pyextension", "zerofuse.kernels": "kernels"},
+    package_data={"zerofuse": ["data/*.txt"]},
+    ext_modules=[_extension()],
+    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+)

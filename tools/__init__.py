@@ -1,0 +1,1 @@
+"""Build and maintenance helpers (not installed; run from a source checkout)."""

@@ -1,0 +1,96 @@
+"""Where the build finds its toolchain: sources, nvcc, CUDA headers, the NCCL that torch uses.
+
+Shared by setup.py and tools/check_cuda.py so the compile-only check compiles exactly what a CUDA
+build compiles, with the same include paths and defines.
+"""
+from __future__ import annotations
+
+import glob
+import importlib.util
+import os
+import shutil
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CSRC = os.path.join(ROOT, "csrc")
+
+
+def _sources(pattern: str) -> list[str]:
+    """Paths relative to the repository root, as setup() requires."""
+    return sorted(glob.glob(os.path.join("csrc", "**", pattern), recursive=True, root_dir=ROOT))
+
+
+def cpp_sources() -> list[str]:
+    """C++ built into every zerofuse._C (CPU kernels, registration, module)."""
+    return _sources("*.cpp")
+
+
+def cuda_sources() -> list[str]:
+    """Everything that needs CUDA or NCCL headers is a .cu file: built only in CUDA builds."""
+    return _sources("*.cu")
+
+
+def find_cuda_home() -> str | None:
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        if os.environ.get(var) and os.path.isdir(os.environ[var]):
+            return os.environ[var]
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        return os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))
+    if os.path.exists("/usr/local/cuda/bin/nvcc"):
+        return "/usr/local/cuda"
+    return None
+
+
+def find_nvcc() -> str | None:
+    home = find_cuda_home()
+    if home and os.path.exists(os.path.join(home, "bin", "nvcc")):
+        return os.path.join(home, "bin", "nvcc")
+    return shutil.which("nvcc")
+
+
+def find_nccl() -> tuple[str, str] | None:
+    """(include_dir, lib_dir) of NCCL, or None.
+
+    Order: NCCL_HOME / NCCL_ROOT; the nvidia-nccl-cuXX wheel (the NCCL torch itself is linked
+    against, installed next to torch); a system install under CUDA_HOME or /usr.
+    """
+    candidates = []
+    for var in ("NCCL_HOME", "NCCL_ROOT"):
+        if os.environ.get(var):
+            home = os.environ[var]
+            candidates.append((os.path.join(home, "include"), os.path.join(home, "lib")))
+    try:
+        spec = importlib.util.find_spec("nvidia.nccl")
+    except ModuleNotFoundError:
+        spec = None
+    if spec is not None:
+        for loc in spec.submodule_search_locations or []:
+            candidates.append((os.path.join(loc, "include"), os.path.join(loc, "lib")))
+    cuda = find_cuda_home()
+    if cuda:
+        candidates.append((os.path.join(cuda, "include"), os.path.join(cuda, "lib64")))
+    candidates.append(("/usr/include", "/usr/lib/x86_64-linux-gnu"))
+    for inc, lib in candidates:
+        if os.path.exists(os.path.join(inc, "nccl.h")) and glob.glob(os.path.join(lib, "libnccl.so*")):
+            return inc, lib
+    return None
+
+
+def nccl_link_name(lib_dir: str) -> str:
+    """Linker argument for libnccl: wheels ship only libnccl.so.2 (no unversioned symlink)."""
+    if os.path.exists(os.path.join(lib_dir, "libnccl.so")):
+        return "-lnccl"
+    return "-l:" + os.path.basename(sorted(glob.glob(os.path.join(lib_dir, "libnccl.so*")))[0])
+
+
+# Defines that let .cu files compile against a CPU-only torch's headers (DESIGN.md §4): the c10
+# CUDA headers otherwise include a cmake-generated file that only CUDA torch builds ship.
+CPU_TORCH_CUDA_DEFINES = ["-DC10_CUDA_NO_CMAKE_CONFIGURE_FILE"]
+
+NVCC_FLAGS = [
+    "-O3",
+    "--expt-relaxed-constexpr",
+    "-U__CUDA_NO_HALF_OPERATORS__",
+    "-U__CUDA_NO_HALF_CONVERSIONS__",
+    "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
+]
