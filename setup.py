@@ -39,10 +39,15 @@ def _want_cuda() -> bool:
 def _extension():
     debug = os.environ.get("ZEROFUSE_DEBUG") == "1"
     opt = ["-g", "-O0"] if debug else ["-O3"]
-    cxx = opt + ["-fvisibility=hidden"]
+    # -fopenmp: at::parallel_for is OpenMP inline code; without the flag it silently runs on one
+    # thread. libgomp.so.1 resolves to the copy torch has already loaded.
+    cxx = opt + ["-fvisibility=hidden", "-fopenmp"]
+    link = ["-fopenmp"]
     if not _want_cuda():
         print("zerofuse: building the CPU-only extension", file=sys.stderr)
-        return CppExtension("zerofuse._C", buildenv.cpp_sources(), extra_compile_args={"cxx": cxx})
+        return CppExtension(
+            "zerofuse._C", buildenv.cpp_sources(), extra_compile_args={"cxx": cxx}, extra_link_args=link
+        )
 
     nccl = buildenv.find_nccl()
     if nccl is None:
@@ -61,7 +66,7 @@ def _extension():
         buildenv.cpp_sources() + buildenv.cuda_sources(),
         include_dirs=[inc],
         library_dirs=[lib],
-        extra_link_args=rpath + [buildenv.nccl_link_name(lib)],
+        extra_link_args=link + rpath + [buildenv.nccl_link_name(lib)],
         define_macros=[("ZEROFUSE_WITH_CUDA", "1"), ("ZEROFUSE_WITH_NCCL", "1")],
         extra_compile_args={"cxx": cxx, "nvcc": nvcc},
     )

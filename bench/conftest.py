@@ -1,0 +1,98 @@
+"""pytest-benchmark setup shared by every suite in bench/.
+
+- Device: CUDA when available, else CPU (``--bench-device`` overrides). GPU timings synchronise.
+- ``--smoke`` (or ZEROFUSE_BENCH_SMOKE=1): tiny sizes, for CI with ``--benchmark-disable``, so the
+  suites run (and check their results) without costing minutes.
+- :func:`measure` times one provider with warm-up rounds and records in ``extra_info``: GB/s (or
+  TFLOP/s), the ratio to the roofline measured in the same session (a plain large device copy for
+  memory-bound ops), and for the zerofuse provider the speedup over each peer measured earlier in
+  the same session on the same case (parametrise providers with zerofuse last).
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+import pytest
+import torch
+
+
+def pytest_addoption(parser):
+    parser.addoption("--smoke", action="store_true", help="tiny sizes (CI smoke run)")
+    parser.addoption("--bench-device", default=None, help="cpu or cuda (default: cuda if available)")
+
+
+@pytest.fixture(scope="session")
+def smoke(request) -> bool:
+    return request.config.getoption("--smoke") or os.environ.get("ZEROFUSE_BENCH_SMOKE") == "1"
+
+
+@pytest.fixture(scope="session")
+def device(request) -> torch.device:
+    name = request.config.getoption("--bench-device") or ("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_seconds(fn, device, rounds: int) -> float:
+    times = []
+    for _ in range(rounds):
+        synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+@pytest.fixture(scope="session")
+def copy_roofline(device, smoke) -> float:
+    """Measured device copy bandwidth in GB/s (bytes read + written), the memory-bound roofline."""
+    n = (1 << 20) if smoke else (64 << 20)  # fp32 elements: 4 MiB / 256 MiB
+    src = torch.randn(n, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    t = _median_seconds(lambda: dst.copy_(src), device, 3 if smoke else 15)
+    return 2 * src.numel() * src.element_size() / t / 1e9
+
+
+class _Registry:
+    """Median seconds per (case, provider) measured this session, for same-run ratios."""
+
+    def __init__(self):
+        self.medians: dict[tuple[str, str], float] = {}
+
+
+@pytest.fixture(scope="session")
+def registry() -> _Registry:
+    return _Registry()
+
+
+@pytest.fixture
+def measure(benchmark, device, smoke, copy_roofline, registry):
+    def run(fn, *, case: str, provider: str, bytes_moved: int | None = None, flops: float | None = None):
+        rounds = 1 if smoke else 20
+        benchmark.pedantic(lambda: (fn(), synchronize(device)), rounds=rounds, warmup_rounds=1 if smoke else 3)
+        info = benchmark.extra_info
+        info.update(case=case, provider=provider, device=str(device))
+        if benchmark.stats is None:  # --benchmark-disable: ran once, nothing timed
+            return
+        median = benchmark.stats.stats.median
+        registry.medians[(case, provider)] = median
+        if bytes_moved is not None:
+            gbps = bytes_moved / median / 1e9
+            info.update(**{"GB/s": round(gbps, 2), "roofline_GB/s": round(copy_roofline, 2),
+                           "roofline_ratio": round(gbps / copy_roofline, 3)})
+        if flops is not None:
+            info["TFLOP/s"] = round(flops / median / 1e12, 3)
+        if provider == "zerofuse":
+            for (c, peer), m in registry.medians.items():
+                if c == case and peer != provider:
+                    info[f"speedup_vs_{peer}"] = round(m / median, 3)
+
+    return run

@@ -1,0 +1,36 @@
+"""Test setup. Interpreter mode is on for the whole session (ZEROFUSE_TRITON_ON_CPU=1, set before
+zerofuse is imported so TRITON_INTERPRET is in place before any kernel is defined): CPU tensors go
+through the real Triton kernels. Tests of the native CPU path use the ``cpu_kernels`` fixture.
+Tests marked ``gpu`` (or parametrised with common.DEVICES' ``cuda``) skip without CUDA.
+"""
+import os
+
+os.environ.setdefault("ZEROFUSE_TRITON_ON_CPU", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import zerofuse  # noqa: E402,F401
+from common import HAS_CUDA  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_CUDA:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+@pytest.fixture
+def cpu_kernels(monkeypatch):
+    """Route CPU tensors through the C++/torch CPU kernels instead of the Triton interpreter."""
+    from zerofuse import kernels
+
+    monkeypatch.setattr(kernels, "TRITON_ON_CPU", False)

@@ -1,0 +1,216 @@
+"""zerofuse::flatten_into / unflatten_from against zerofuse.reference, plus errors, opcheck, compile."""
+import pytest
+import torch
+
+import zerofuse
+from common import DEVICES
+from zerofuse import reference
+
+SENTINEL = -7.0
+
+
+def _mixed(device, dtypes=(torch.float32, torch.bfloat16, torch.float16, torch.float64)):
+    """Odd shapes, a 0-dim and an empty tensor, several non-contiguous views, one > 1M elements."""
+    shapes = [(123,), (97, 5), (), (0, 3), (4, 1025), (3, 7, 11), (1, 1), (1 << 20) + 3, (33, 65)]
+    ts = [torch.randn(s, device=device).to(dtypes[i % len(dtypes)]) for i, s in enumerate(shapes)]
+    ts[4] = ts[4].t()  # (1025, 4) transposed
+    ts[5] = ts[5][:, ::2, 1:]  # strided slice
+    ts.append(torch.randn(5, 8, device=device)[:, 3])  # column
+    ts.append(torch.randn(1, device=device).expand(6, 4))  # stride 0 source
+    return ts
+
+
+def _layout(tensors, align, gap=0):
+    offsets, pos = [], gap
+    for t in tensors:
+        offsets.append(pos)
+        pos += -(-t.numel() // align) * align + gap
+    return offsets, pos
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("flat_dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("align", [1, 128 * 3])
+def test_flatten_into_matches_reference_and_keeps_padding(device, flat_dtype, align):
+    ts = _mixed(device)
+    offsets, total = _layout(ts, align, gap=5)
+    flat = torch.full((total,), SENTINEL, device=device, dtype=flat_dtype)
+    expected = flat.clone()
+    zerofuse.flatten_into(ts, flat, offsets)
+    reference.flatten_into(ts, expected, offsets)
+    torch.testing.assert_close(flat, expected, rtol=0, atol=0)  # a cast is exact: same rounding
+    written = torch.zeros(total, dtype=torch.bool, device=device)
+    for t, o in zip(ts, offsets):
+        written[o : o + t.numel()] = True
+    assert (flat[~written] == SENTINEL).all(), "padding between ranges was overwritten"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("flat_dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_unflatten_from_matches_reference(device, flat_dtype):
+    ts = [t for t in _mixed(device) if t.stride() != (0, 0)]  # an expanded view cannot be written
+    offsets, total = _layout(ts, align=8, gap=3)
+    flat = torch.randn(total, device=device).to(flat_dtype)
+    outs = [torch.full_like(t, SENTINEL) for t in ts]
+    outs = [o if t.is_contiguous() else o.transpose(0, -1).contiguous().transpose(0, -1) for o, t in zip(outs, ts)]
+    expected = [o.clone() for o in outs]
+    zerofuse.unflatten_from(flat, outs, offsets)
+    reference.unflatten_from(flat, expected, offsets)
+    for o, e in zip(outs, expected):
+        torch.testing.assert_close(o, e, rtol=0, atol=0)
+        assert o.numel() == 0 or not (o == SENTINEL).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("pair", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32), (torch.float32, torch.float16), (torch.float16, torch.float32)])
+def test_casts_round_like_torch_on_special_values(device, pair):
+    """Rounding ties, NaN, +-inf, -0, subnormals and overflow convert exactly as torch's copy_ does."""
+    src_dtype, flat_dtype = pair
+    bits = torch.tensor([0x3F808000, 0x3F818000, 0x3F80FFFF, 0x7F7FFFFF, 0x00000001, 0x80000000, 0x7FC00001, 0xFF800000, 0x7F800000, 0x477FF000], dtype=torch.int64)
+    special = bits.to(torch.int32).view(torch.float32)
+    src = torch.cat([special, torch.randn(3001) * 1e3]).to(device=device, dtype=src_dtype)
+    flat = torch.empty(src.numel(), device=device, dtype=flat_dtype)
+    zerofuse.flatten_into([src], flat, [0])
+    expected = src.to(flat_dtype)
+    assert torch.equal(flat.isnan(), expected.isnan())
+    assert torch.equal(flat.nan_to_num(), expected.nan_to_num())
+    back = torch.empty_like(src)
+    zerofuse.unflatten_from(flat, [back], [0])
+    assert torch.equal(back.nan_to_num(), flat.to(src_dtype).nan_to_num())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_round_trip_and_integer_dtypes(device):
+    ts = [torch.randint(-100, 100, (s,), device=device, dtype=d) for s, d in [(17, torch.int32), (1000, torch.int64), (3, torch.int8)]]
+    offsets, total = zerofuse.packed_offsets([t.numel() for t in ts], align=4)
+    flat = torch.zeros(total, device=device, dtype=torch.int64)
+    zerofuse.flatten_into(ts, flat, offsets)
+    outs = [torch.empty_like(t) for t in ts]
+    zerofuse.unflatten_from(flat, outs, offsets)
+    for o, t in zip(outs, ts):
+        assert torch.equal(o, t)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_views_of_flat_at_their_own_offsets_are_left_intact(device):
+    """ZeRO keeps parameters as views into the flat buffer: copying them onto themselves is a no-op."""
+    flat = torch.randn(300, device=device)
+    before = flat.clone()
+    offsets = [0, 100, 250]
+    views = [flat[0:100].view(10, 10), flat[100:200], flat[250:300].view(5, 10)]
+    zerofuse.flatten_into(views, flat, offsets)
+    zerofuse.unflatten_from(flat, views, offsets)
+    assert torch.equal(flat, before)
+
+
+def test_tensors_that_require_grad_can_be_flattened():
+    params = [torch.randn(4, 5, requires_grad=True), torch.randn(7, requires_grad=True)]
+    flat = torch.zeros(27)
+    zerofuse.flatten_into(params, flat, [0, 20])
+    torch.testing.assert_close(flat, torch.cat([p.detach().reshape(-1) for p in params]))
+
+
+def test_empty_list_and_empty_flat():
+    zerofuse.flatten_into([], torch.empty(0), [])
+    zerofuse.unflatten_from(torch.empty(0), [], [])
+    zerofuse.flatten_into([torch.empty(0, 3)], torch.empty(0), [0])
+
+
+def test_packed_offsets():
+    assert zerofuse.packed_offsets([3, 0, 5], align=4) == ([0, 4, 4], 12)
+    assert zerofuse.packed_offsets([], align=4) == ([], 0)
+    with pytest.raises(ValueError, match="align >= 1, got 0"):
+        zerofuse.packed_offsets([1], align=0)
+
+
+# ---- errors: each names the argument, the expectation and the value, and nothing is written ----
+
+ERROR_CASES = [
+    # (tensors, flat numel, offsets, exception, message)
+    ([(4,), (4,)], 10, [0, 3], ValueError, r"ranges of tensors\[0\] \[0, 4\) and tensors\[1\] \[3, 7\) overlap"),
+    ([(4,), (6,)], 10, [0, 5], ValueError, r"offsets\[1\] = 5 with tensors\[1\]\.numel\(\) = 6 runs outside flat of numel 10"),
+    ([(4,)], 10, [-1], ValueError, r"offsets\[0\] = -1"),
+    ([(4,), (2,)], 10, [0], ValueError, r"expected len\(offsets\) == len\(tensors\) == 2, got len\(offsets\) == 1"),
+]
+
+
+@pytest.mark.parametrize("shapes,n,offsets,exc,msg", ERROR_CASES)
+@pytest.mark.parametrize("op", ["flatten_into", "unflatten_from"])
+def test_bad_layout_raises_before_writing(shapes, n, offsets, exc, msg, op):
+    ts = [torch.randn(s) for s in shapes]
+    flat = torch.full((n,), SENTINEL)
+    before = [t.clone() for t in ts]
+    with pytest.raises(exc, match=f"zerofuse::{op}: {msg}"):
+        if op == "flatten_into":
+            zerofuse.flatten_into(ts, flat, offsets)
+        else:
+            zerofuse.unflatten_from(flat, ts, offsets)
+    assert (flat == SENTINEL).all()
+    assert all(torch.equal(t, b) for t, b in zip(ts, before))
+
+
+@pytest.mark.parametrize(
+    "tensors,flat,msg",
+    [
+        ([torch.randn(3, device="meta")], torch.zeros(4), r"expected tensors\[0\] on the device of flat \(cpu\), got meta"),
+        ([torch.randn(3)], torch.zeros(2, 4), r"expected flat to be a 1-D contiguous tensor, got shape \[2, 4\]"),
+        ([torch.randn(3)], torch.zeros(8)[::2], r"expected flat to be a 1-D contiguous tensor, got shape \[4\] with strides \[2\]"),
+        ([torch.randn(3, dtype=torch.complex64)], torch.zeros(4), r"expected tensors\[0\] to have a real, non-bool dtype, got ComplexFloat"),
+        ([torch.ones(3, dtype=torch.bool)], torch.zeros(4), r"expected tensors\[0\] to have a real, non-bool dtype, got Bool"),
+    ],
+)
+def test_bad_tensors_raise(tensors, flat, msg):
+    with pytest.raises(RuntimeError, match=f"zerofuse::flatten_into: {msg}"):
+        zerofuse.flatten_into(tensors, flat, [0])
+
+
+def test_fake_impl_raises_the_same_errors():
+    """Under torch.compile the fake impl checks the layout at trace time."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        ts, flat = [torch.randn(4), torch.randn(4)], torch.empty(10)
+        with pytest.raises(ValueError, match=r"ranges of tensors\[0\] \[0, 4\) and tensors\[1\] \[3, 7\) overlap"):
+            torch.ops.zerofuse.flatten_into(ts, flat, [0, 3])
+        with pytest.raises(ValueError, match=r"offsets\[1\] = 8 with tensors\[1\]\.numel\(\) = 4 runs outside"):
+            torch.ops.zerofuse.unflatten_from(flat, ts, [0, 8])
+        torch.ops.zerofuse.flatten_into(ts, flat, [0, 6])
+
+
+# ---- torch.library: opcheck and torch.compile ----
+
+
+def _opcheck_samples(device):
+    ts = [torch.randn(5, 3, device=device), torch.randn(7, device=device).to(torch.bfloat16), torch.randn(4, 6, device=device).t()]
+    offsets = [0, 16, 24]
+    return ts, torch.zeros(48, device=device), offsets
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck(device):
+    ts, flat, offsets = _opcheck_samples(device)
+    torch.library.opcheck(torch.ops.zerofuse.flatten_into.default, (ts, flat, offsets))
+    flat = torch.randn(48, device=device)
+    outs = [torch.zeros(5, 3, device=device), torch.zeros(7, device=device, dtype=torch.bfloat16), torch.zeros(4, 6, device=device)]
+    torch.library.opcheck(torch.ops.zerofuse.unflatten_from.default, (flat, outs, offsets))
+
+
+def _scale_through_bucket(grads, scale):
+    offsets, total = zerofuse.packed_offsets([g.numel() for g in grads], align=128)
+    flat = torch.zeros(total, dtype=torch.float32, device=grads[0].device)
+    torch.ops.zerofuse.flatten_into(grads, flat, offsets)
+    flat.mul_(scale)
+    outs = [torch.empty_like(g) for g in grads]
+    torch.ops.zerofuse.unflatten_from(flat, outs, offsets)
+    return outs
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_torch_compile_fullgraph(device):
+    grads = [torch.randn(33, 7, device=device), torch.randn(5, device=device).to(torch.bfloat16), torch.randn(3, 4, device=device).t()]
+    compiled = torch.compile(_scale_through_bucket, fullgraph=True, backend="inductor")
+    got = compiled(grads, 0.5)
+    want = _scale_through_bucket(grads, 0.5)
+    for g, w, src in zip(got, want, grads):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+        torch.testing.assert_close(g, (src.float() * 0.5).to(src.dtype), rtol=0, atol=0)

@@ -1,0 +1,78 @@
+"""Packaging facts: the layout users import, the shipped data, build info, interpreter mode."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import zerofuse
+
+
+def test_kernels_is_installed_inside_zerofuse_only(tmp_path):
+    code = "import importlib.util, zerofuse.kernels; print(zerofuse.kernels.__name__, importlib.util.find_spec('kernels'))"
+    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=_clean_env(), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["zerofuse.kernels", "None"]
+
+
+def test_corpus_is_shipped_with_the_package():
+    path = os.path.join(os.path.dirname(zerofuse.__file__), "data", "tinyshakespeare.txt")
+    assert os.path.getsize(path) == 1_115_394
+    with open(path) as f:
+        assert f.read(15) == "First Citizen:\n"
+
+
+def test_build_info_matches_torch():
+    import torch
+
+    info = zerofuse.build_info()
+    assert set(info) == {"cuda", "nccl", "nccl_compiled_version", "nccl_runtime_version"}
+    if torch.version.cuda is None:
+        assert info["cuda"] is False and info["nccl"] is False
+    if info["nccl"]:
+        assert info["nccl_runtime_version"] >= 22000
+
+
+def test_ops_are_listed():
+    assert zerofuse.ops.list_ops() == zerofuse.ops.registered_in_torch()
+    assert {"zerofuse::flatten_into", "zerofuse::unflatten_from"} <= set(zerofuse.ops.list_ops())
+
+
+def _clean_env(**env):
+    """The environment without interpreter settings or the test path (a user's process)."""
+    drop = ("TRITON_INTERPRET", "ZEROFUSE_TRITON_ON_CPU", "PYTHONPATH")
+    return {k: v for k, v in os.environ.items() if k not in drop} | env
+
+
+def _run(code, **env):
+    full_env = _clean_env(**env)
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=full_env, capture_output=True, text=True, timeout=300)
+
+
+TRITON_PROGRAM = """
+    import zerofuse, torch, triton, triton.language as tl
+    from zerofuse import kernels
+
+    @triton.jit
+    def add_one(x_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=mask) + 1, mask=mask)
+
+    print(kernels.interpreted(), kernels.triton_on_cpu())
+    x = torch.arange(1000, dtype=torch.float32)
+    add_one[(triton.cdiv(1000, 256),)](x, 1000, BLOCK=256)
+    assert torch.equal(x, torch.arange(1, 1001, dtype=torch.float32)), x
+    print("ran")
+"""
+
+
+def test_triton_on_cpu_sets_interpreter_before_kernels_are_defined():
+    r = _run(TRITON_PROGRAM, ZEROFUSE_TRITON_ON_CPU="1")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["True", "True", "ran"]
+
+
+def test_without_the_flag_triton_stays_native():
+    r = _run("import zerofuse; from zerofuse import kernels; print(kernels.interpreted(), kernels.triton_on_cpu())")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["False", "False"]
