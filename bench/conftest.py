@@ -61,6 +61,14 @@ def copy_roofline(device, smoke) -> float:
     return 2 * src.numel() * src.element_size() / t / 1e9
 
 
+def _versions(device: torch.device) -> dict:
+    import triton
+
+    out = {"torch": torch.__version__, "triton": triton.__version__}
+    out["device_name"] = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return out
+
+
 class _Registry:
     """Median seconds per (case, provider) measured this session, for same-run ratios."""
 
@@ -79,7 +87,7 @@ def measure(benchmark, device, smoke, copy_roofline, registry):
         rounds = 1 if smoke else 20
         benchmark.pedantic(lambda: (fn(), synchronize(device)), rounds=rounds, warmup_rounds=1 if smoke else 3)
         info = benchmark.extra_info
-        info.update(case=case, provider=provider, device=str(device))
+        info.update(case=case, provider=provider, device=str(device), **_versions(device))
         if benchmark.stats is None:  # --benchmark-disable: ran once, nothing timed
             return
         median = benchmark.stats.stats.median

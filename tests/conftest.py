@@ -1,14 +1,17 @@
-"""Test setup. Interpreter mode is on for the whole session (ZEROFUSE_TRITON_ON_CPU=1, set before
-zerofuse is imported so TRITON_INTERPRET is in place before any kernel is defined): CPU tensors go
-through the real Triton kernels. Tests of the native CPU path use the ``cpu_kernels`` fixture.
+"""Test setup. Without a GPU, interpreter mode is on for the whole session (ZEROFUSE_TRITON_ON_CPU=1,
+set before zerofuse is imported so TRITON_INTERPRET is in place before any kernel is defined): CPU
+tensors go through the real Triton kernels. Tests of the native CPU path use the ``cpu_kernels`` fixture.
 Tests marked ``gpu`` (or parametrised with common.DEVICES' ``cuda``) skip without CUDA.
 """
 import os
 
-os.environ.setdefault("ZEROFUSE_TRITON_ON_CPU", "1")
+import pytest
+import torch
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+if not torch.cuda.is_available():
+    # Only without a GPU: interpreter mode is process-wide, and on a GPU machine the CUDA tests
+    # must run the compiled kernels.
+    os.environ.setdefault("ZEROFUSE_TRITON_ON_CPU", "1")
 
 import zerofuse  # noqa: E402,F401
 from common import HAS_CUDA  # noqa: E402

@@ -1,0 +1,53 @@
+"""Turn a pytest-benchmark JSON file into a markdown table.
+
+    python bench/summarize.py bench.json [--title "..."] > summary.md
+
+One row per benchmark: median time, GB/s or TFLOP/s, ratio to the measured roofline, and the
+zerofuse provider's speedups over the peers measured in the same run (all from extra_info).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def render(data: dict, title: str) -> str:
+    m = data.get("machine_info", {})
+    c = data.get("commit_info", {})
+    lines = [
+        f"# {title}",
+        "",
+        f"- date: {data.get('datetime', '?')}",
+        f"- commit: {c.get('id', '?')[:12]}{' (dirty)' if c.get('dirty') else ''}",
+        f"- machine: {m.get('node', '?')}, {m.get('cpu', {}).get('brand_raw', '?')}, python {m.get('python_version', '?')}",
+    ]
+    extra = data["benchmarks"][0].get("extra_info", {}) if data.get("benchmarks") else {}
+    for key in ("device", "device_name", "torch", "triton"):
+        if key in extra:
+            lines.append(f"- {key}: {extra[key]}")
+    lines += ["", "| benchmark | median (ms) | GB/s | TFLOP/s | roofline ratio | speedups (zerofuse vs peer) |",
+              "|---|---:|---:|---:|---:|---|"]
+    for b in data.get("benchmarks", []):
+        e = b.get("extra_info", {})
+        speedups = ", ".join(f"{k[len('speedup_vs_'):]} {v:.2f}x" for k, v in e.items() if k.startswith("speedup_vs_"))
+        lines.append(
+            f"| {b['name']} | {b['stats']['median'] * 1e3:.3f} | {e.get('GB/s', '')} | {e.get('TFLOP/s', '')} "
+            f"| {e.get('roofline_ratio', '')} | {speedups} |"
+        )
+    roof = next((b["extra_info"].get("roofline_GB/s") for b in data.get("benchmarks", []) if "roofline_GB/s" in b.get("extra_info", {})), None)
+    if roof:
+        lines += ["", f"Roofline: measured device copy bandwidth {roof} GB/s (bytes read + written)."]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("json")
+    p.add_argument("--title", default="zerofuse benchmarks")
+    args = p.parse_args()
+    with open(args.json) as f:
+        print(render(json.load(f), args.title), end="")
+
+
+if __name__ == "__main__":
+    main()
