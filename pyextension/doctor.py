@@ -89,7 +89,11 @@ def selftest(devices: list[torch.device]) -> list[str]:
             print(f"  FAIL  {name}: no self-test")
     for name in ops.list_ops():
         info = ops.OPS[name]
-        keys = [k for k in ("CPU", "CUDA", "Meta") if torch._C._dispatch_has_kernel_for_dispatch_key(name, k)]
+        keys = [
+            {"CompositeExplicitAutograd": "all devices"}.get(k, k)
+            for k in ("CPU", "CUDA", "CompositeExplicitAutograd", "Meta")
+            if torch._C._dispatch_has_kernel_for_dispatch_key(name, k)
+        ]
         for dev in devices:
             t0 = time.perf_counter()
             try:

@@ -20,3 +20,31 @@ def unflatten_from(flat: torch.Tensor, tensors: Sequence[torch.Tensor], offsets:
     """tensors[i][...] = flat[offsets[i] : offsets[i] + tensors[i].numel()].view(tensors[i].shape), cast."""
     for t, off in zip(tensors, offsets):
         t.copy_(flat[off : off + t.numel()].view(t.shape))
+
+
+def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5, residual=None):
+    """(y, h): h = x + residual (or x), y = (h - mean) / sqrt(var + eps) * weight + bias over the
+    trailing normalized_shape dims (biased variance). Computed in the inputs' dtype: pass float64
+    tensors for a float64 reference."""
+    h = x + residual if residual is not None else x
+    dims = tuple(range(-len(normalized_shape), 0))
+    mean = h.mean(dims, keepdim=True)
+    var = (h - mean).square().mean(dims, keepdim=True)
+    y = (h - mean) * torch.rsqrt(var + eps)
+    if weight is not None:
+        y = y * weight
+    if bias is not None:
+        y = y + bias
+    return y, h
+
+
+def rms_norm(x, normalized_shape, weight=None, eps=None, residual=None):
+    """(y, h): h = x + residual (or x), y = h / sqrt(mean(h^2) + eps) * weight; eps defaults to
+    torch.finfo(x.dtype).eps, as in torch.nn.functional.rms_norm."""
+    h = x + residual if residual is not None else x
+    eps = torch.finfo(x.dtype).eps if eps is None else eps
+    dims = tuple(range(-len(normalized_shape), 0))
+    y = h * torch.rsqrt(h.square().mean(dims, keepdim=True) + eps)
+    if weight is not None:
+        y = y * weight
+    return y, h

@@ -1,0 +1,197 @@
+"""LayerNorm and RMSNorm in Triton, forward and backward, with an optional fused residual add.
+
+Forward (per row of N elements, statistics in fp32; Ba et al. 2016, Zhang & Sennrich 2019):
+    h    = x + residual                                   (only with a residual; stored, dtype of h)
+    LN:  mean = sum(h) / N,  rstd = 1 / sqrt(sum((h - mean)^2) / N + eps),  y = (h - mean) * rstd * w + b
+    RMS: rstd = 1 / sqrt(sum(h^2) / N + eps),                                y = h * rstd * w
+Only mean (LN) and rstd per row are saved for backward. Backward, with xhat = (h - mean) * rstd and
+wdy = w * dy (the standard derivation, as in Apex / Triton's layer-norm tutorial):
+    LN:  dh = rstd * (wdy - xhat * mean(xhat * wdy) - mean(wdy))
+    RMS: dh = rstd * (wdy - xhat * mean(xhat * wdy))
+plus the incoming gradient of the h output when the residual add was fused (that sum is the
+gradient of both x and residual). dw = sum over rows of dy * xhat, db = sum of dy: each program
+accumulates its rows' partial sums in fp32 and a second small kernel adds the partials in a fixed
+order, so gradients are deterministic (no atomics).
+
+Each program handles BLOCK_M rows of the whole hidden size at once (BLOCK_N = next power of two of
+N, up to 65536): every byte is read once and written once.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from zerofuse.kernels import interpreted
+
+MAX_HIDDEN = 65536
+
+
+@triton.jit
+def _norm_fwd_kernel(
+    X, R, H, Y, W, B, Mean, Rstd,
+    M, N, eps,
+    HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, IS_RMS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    row_mask = rows < M
+    col_mask = cols < N
+    mask = row_mask[:, None] & col_mask[None, :]
+    offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+    x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RES:
+        h = (x + tl.load(R + offs, mask=mask, other=0.0).to(tl.float32)).to(H.dtype.element_ty)
+        tl.store(H + offs, h, mask=mask)
+        x = h.to(tl.float32)  # normalise the stored (rounded) sum, as unfused code would
+    if IS_RMS:
+        xc = x
+    else:
+        mean = tl.sum(x, axis=1) / N
+        tl.store(Mean + rows, mean, mask=row_mask)
+        xc = tl.where(mask, x - mean[:, None], 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / N + eps)
+    tl.store(Rstd + rows, rstd, mask=row_mask)
+    y = xc * rstd[:, None]
+    if HAS_W:
+        y = y * tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    if HAS_B:
+        y = y + tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _norm_bwd_kernel(
+    DY, DH, X, W, Mean, Rstd, DX, DW_part, DB_part,
+    M, N, rows_per_program,
+    HAS_DH: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, IS_RMS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    if HAS_W:
+        w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
+    dw_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    db_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    first = pid * rows_per_program
+    for start in range(first, first + rows_per_program, BLOCK_M):
+        rows = start + tl.arange(0, BLOCK_M)
+        row_mask = rows < M
+        mask = row_mask[:, None] & col_mask[None, :]
+        offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+        x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(Rstd + rows, mask=row_mask, other=0.0)
+        if IS_RMS:
+            xhat = x * rstd[:, None]
+        else:
+            mean = tl.load(Mean + rows, mask=row_mask, other=0.0)
+            xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+        if HAS_W:
+            wdy = dy * w[None, :]
+        else:
+            wdy = dy
+        c1 = tl.sum(xhat * wdy, axis=1) / N
+        if IS_RMS:
+            dx = (wdy - xhat * c1[:, None]) * rstd[:, None]
+        else:
+            c2 = tl.sum(wdy, axis=1) / N
+            dx = (wdy - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
+        if HAS_DH:
+            dx += tl.load(DH + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
+        if HAS_W:
+            dw_acc += tl.sum(dy * xhat, axis=0)
+        if HAS_B:
+            db_acc += tl.sum(dy, axis=0)
+    if HAS_W:
+        tl.store(DW_part + pid * N + cols, dw_acc, mask=col_mask)
+    if HAS_B:
+        tl.store(DB_part + pid * N + cols, db_acc, mask=col_mask)
+
+
+@triton.jit
+def _sum_partials_kernel(P, Out, n_parts, N, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    # Out[c] = sum_p P[p, c], in a fixed order; column blocks in parallel.
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for p0 in range(0, n_parts, BLOCK_P):
+        parts = p0 + tl.arange(0, BLOCK_P)
+        mask = (parts < n_parts)[:, None] & col_mask[None, :]
+        acc += tl.sum(tl.load(P + parts[:, None] * N + cols[None, :], mask=mask, other=0.0), axis=0)
+    tl.store(Out + cols, acc.to(Out.dtype.element_ty), mask=col_mask)
+
+
+def _config(n: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) for hidden size n."""
+    block_n = triton.next_power_of_2(n)
+    # The interpreter pays per program, so it takes many rows at once; on a GPU small rows are
+    # grouped to give each program ~4K elements.
+    block_m = max(1, min(256 if interpreted() else 16, (65536 if interpreted() else 4096) // block_n))
+    elems = block_m * block_n
+    num_warps = 4 if elems <= 2048 else 8 if elems <= 8192 else 16 if elems <= 32768 else 32
+    return block_m, block_n, num_warps
+
+
+def _bwd_programs(m: int, block_m: int, device: torch.device) -> int:
+    blocks = triton.cdiv(m, block_m)
+    if interpreted() or device.type != "cuda":
+        return min(blocks, 4)
+    return min(blocks, 4 * torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+def norm_fwd(x, weight, bias, residual, eps: float, is_rms: bool):
+    """x, residual: (M, N) contiguous. Returns (y, h or None, mean (M,) fp32 or None, rstd (M,) fp32)."""
+    m, n = x.shape
+    block_m, block_n, num_warps = _config(n)
+    h_dtype = torch.result_type(x, residual) if residual is not None else x.dtype
+    y = torch.empty((m, n), device=x.device, dtype=h_dtype)
+    h = torch.empty((m, n), device=x.device, dtype=h_dtype) if residual is not None else None
+    mean = None if is_rms else torch.empty(m, device=x.device, dtype=torch.float32)
+    rstd = torch.empty(m, device=x.device, dtype=torch.float32)
+    grid = (triton.cdiv(m, block_m),)
+    _norm_fwd_kernel[grid](
+        x, residual, h, y, weight, bias, mean, rstd, m, n, eps,
+        HAS_RES=residual is not None, HAS_W=weight is not None, HAS_B=bias is not None, IS_RMS=is_rms,
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+    )
+    return y, h, mean, rstd
+
+
+def norm_bwd(dy, dh, x, weight, bias, mean, rstd, is_rms: bool):
+    """dy, dh, x: (M, N) contiguous (x is the normalised input, h when the residual was fused);
+    bias only tells whether (and in which dtype) db is wanted.
+    Returns (dx in x.dtype, dw in weight.dtype or None, db in bias.dtype or None)."""
+    m, n = x.shape
+    block_m, block_n, num_warps = _config(n)
+    progs = _bwd_programs(m, block_m, x.device)
+    rows_per_program = triton.cdiv(triton.cdiv(m, block_m), progs) * block_m
+    progs = triton.cdiv(m, rows_per_program)
+    dx = torch.empty_like(x)
+    part = dict(device=x.device, dtype=torch.float32)
+    dw_part = torch.empty((progs, n), **part) if weight is not None else None
+    db_part = torch.empty((progs, n), **part) if bias is not None else None
+    _norm_bwd_kernel[(progs,)](
+        dy, dh, x, weight, mean, rstd, dx, dw_part, db_part, m, n, rows_per_program,
+        HAS_DH=dh is not None, HAS_W=weight is not None, HAS_B=bias is not None, IS_RMS=is_rms,
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+    )
+    return (
+        dx,
+        _sum_partials(dw_part, weight.dtype if weight is not None else None),
+        _sum_partials(db_part, bias.dtype if bias is not None else None),
+    )
+
+
+def _sum_partials(part, dtype):
+    if part is None:
+        return None
+    n_parts, n = part.shape
+    out = torch.empty(n, device=part.device, dtype=dtype)
+    block_n = min(triton.next_power_of_2(n), 65536 if interpreted() else 256)
+    block_p = min(triton.next_power_of_2(n_parts), 64)
+    _sum_partials_kernel[(triton.cdiv(n, block_n),)](part, out, n_parts, n, BLOCK_P=block_p, BLOCK_N=block_n)
+    return out

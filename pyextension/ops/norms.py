@@ -1,0 +1,223 @@
+"""``zerofuse::layer_norm`` / ``zerofuse::rms_norm`` (+ their backward ops), Triton custom ops.
+
+Forward ops take x (..., N) with the normalised dims already flattened into N, optional weight /
+bias (N,), an optional residual (same shape as x, fused as ``h = x + residual``) and eps; they
+return (y, h, mean, rstd) / (y, h, rstd), with h an empty tensor when there is no residual
+(custom ops may not return their inputs) and fp32 per-row statistics for backward.
+
+CUDA tensors run kernels/norms.py. CPU tensors run torch's native kernels
+(aten.native_layer_norm / aten._fused_rms_norm and their backwards), or the Triton kernels in
+the interpreter under ZEROFUSE_TRITON_ON_CPU=1.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from zerofuse import kernels, reference
+from zerofuse.kernels import norms as K
+from zerofuse.ops import register
+
+_EMPTY = (0,)
+
+
+def _use_triton(x: Tensor) -> bool:
+    # Rows wider than one program's block take torch's native kernels (correct, not fused).
+    fits = 0 < x.shape[-1] <= K.MAX_HIDDEN
+    return fits and (x.is_cuda or (x.device.type == "cpu" and kernels.triton_on_cpu()))
+
+
+def _2d(t: Tensor | None, n: int) -> Tensor | None:
+    return None if t is None else t.reshape(-1, n).contiguous()
+
+
+def _empty(x: Tensor) -> Tensor:
+    return x.new_empty(_EMPTY)
+
+
+# ---------------------------------------------------------------- forward ops
+
+
+def _norm_fwd(x, weight, bias, residual, eps, is_rms):
+    n = x.shape[-1]
+    w = None if weight is None else weight.contiguous()
+    b = None if bias is None else bias.contiguous()
+    if _use_triton(x):
+        y, h, mean, rstd = K.norm_fwd(_2d(x, n), w, b, _2d(residual, n), eps, is_rms)
+        y = y.view(x.shape)
+        h = h.view(x.shape) if h is not None else _empty(x)
+        return y, h, mean, rstd
+    h = x + residual if residual is not None else x
+    h2 = h.reshape(-1, n)
+    if is_rms:
+        y, rstd = torch.ops.aten._fused_rms_norm(h2, [n], w, eps)
+        mean = None
+    else:
+        y, mean, rstd = torch.ops.aten.native_layer_norm(h2, [n], w, b, eps)
+        mean = mean.view(-1).float()
+    return y.view(h.shape), (h if residual is not None else _empty(x)), mean, rstd.view(-1).float()
+
+
+@torch.library.custom_op("zerofuse::layer_norm", mutates_args=())
+def layer_norm(
+    x: Tensor, weight: Tensor | None, bias: Tensor | None, residual: Tensor | None, eps: float
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return _norm_fwd(x, weight, bias, residual, eps, is_rms=False)
+
+
+@torch.library.custom_op("zerofuse::rms_norm", mutates_args=())
+def rms_norm(x: Tensor, weight: Tensor | None, residual: Tensor | None, eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    y, h, _, rstd = _norm_fwd(x, weight, None, residual, eps, is_rms=True)
+    return y, h, rstd
+
+
+def _fake_fwd(x, residual):
+    dtype = torch.result_type(x, residual) if residual is not None else x.dtype
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    y = x.new_empty(x.shape, dtype=dtype)
+    h = x.new_empty(x.shape, dtype=dtype) if residual is not None else _empty(x)
+    return y, h, x.new_empty(rows, dtype=torch.float32)
+
+
+@layer_norm.register_fake
+def _(x, weight, bias, residual, eps):
+    y, h, stat = _fake_fwd(x, residual)
+    return y, h, stat, torch.empty_like(stat)
+
+
+@rms_norm.register_fake
+def _(x, weight, residual, eps):
+    return _fake_fwd(x, residual)
+
+
+# ---------------------------------------------------------------- backward ops
+
+
+def _norm_bwd(dy, dh, x, weight, bias, mean, rstd, is_rms):
+    n = x.shape[-1]
+    w = None if weight is None else weight.contiguous()
+    if _use_triton(x):
+        dx, dw, db = K.norm_bwd(_2d(dy, n), _2d(dh, n), _2d(x, n), w, bias, mean, rstd, is_rms)
+        dx = dx.view(x.shape)
+    else:
+        x2, dy2, stat = x.reshape(-1, n), dy.reshape(-1, n), rstd.view(-1, 1)
+        if is_rms:  # aten._fused_rms_norm_backward has no CPU kernel: the same formula in torch ops
+            xhat, dyf = x2.float() * stat, dy2.float()
+            wdy = dyf * w.float() if w is not None else dyf
+            dx = ((wdy - xhat * (xhat * wdy).mean(-1, keepdim=True)) * stat).to(x.dtype)
+            dw = (dyf * xhat).sum(0).to(w.dtype) if w is not None else None
+            db = None
+        else:
+            dx, dw, db = torch.ops.aten.native_layer_norm_backward(
+                dy2, x2, [n], mean.view(-1, 1), stat, w, bias, [True, w is not None, bias is not None]
+            )
+        dx = dx.view(x.shape) if dh is None else dx.view(x.shape) + dh
+        db = db.to(bias.dtype) if db is not None else None
+    return dx, (dw if dw is not None else _empty(x)), (db if db is not None else _empty(x))
+
+
+@torch.library.custom_op("zerofuse::layer_norm_backward", mutates_args=())
+def layer_norm_backward(
+    dy: Tensor, dh: Tensor | None, x: Tensor, weight: Tensor | None, bias: Tensor | None, mean: Tensor, rstd: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(dx, dweight, dbias) of layer_norm; x is the normalised input (h when the residual was fused),
+    dh the gradient of the h output (added to dx). Absent weight/bias give empty gradients."""
+    return _norm_bwd(dy, dh, x, weight, bias, mean, rstd, is_rms=False)
+
+
+@torch.library.custom_op("zerofuse::rms_norm_backward", mutates_args=())
+def rms_norm_backward(
+    dy: Tensor, dh: Tensor | None, x: Tensor, weight: Tensor | None, rstd: Tensor
+) -> tuple[Tensor, Tensor]:
+    """(dx, dweight) of rms_norm; see layer_norm_backward."""
+    dx, dw, _ = _norm_bwd(dy, dh, x, weight, None, None, rstd, is_rms=True)
+    return dx, dw
+
+
+def _param_grad_fake(x, p):
+    return torch.empty_like(p) if p is not None else _empty(x)
+
+
+@layer_norm_backward.register_fake
+def _(dy, dh, x, weight, bias, mean, rstd):
+    return torch.empty_like(x), _param_grad_fake(x, weight), _param_grad_fake(x, bias)
+
+
+@rms_norm_backward.register_fake
+def _(dy, dh, x, weight, rstd):
+    return torch.empty_like(x), _param_grad_fake(x, weight)
+
+
+# ---------------------------------------------------------------- autograd
+
+
+def _save(ctx, x, residual, h, *params_and_stats):
+    ctx.has_residual = residual is not None
+    ctx.x_dtype = x.dtype
+    ctx.residual_dtype = residual.dtype if residual is not None else None
+    ctx.save_for_backward(h if residual is not None else x, *params_and_stats)
+
+
+def _input_grads(ctx, dx):
+    return dx.to(ctx.x_dtype), (dx.to(ctx.residual_dtype) if ctx.has_residual else None)
+
+
+def _layer_norm_setup(ctx, inputs, output):
+    x, weight, bias, residual, _ = inputs
+    _, h, mean, rstd = output
+    _save(ctx, x, residual, h, weight, bias, mean, rstd)
+
+
+def _layer_norm_backward(ctx, dy, dh, _dmean, _drstd):
+    xin, weight, bias, mean, rstd = ctx.saved_tensors
+    dx, dw, db = layer_norm_backward(dy, dh if ctx.has_residual else None, xin, weight, bias, mean, rstd)
+    dx, dres = _input_grads(ctx, dx)
+    return dx, (dw if weight is not None else None), (db if bias is not None else None), dres, None
+
+
+def _rms_norm_setup(ctx, inputs, output):
+    x, weight, residual, _ = inputs
+    _, h, rstd = output
+    _save(ctx, x, residual, h, weight, rstd)
+
+
+def _rms_norm_backward(ctx, dy, dh, _drstd):
+    xin, weight, rstd = ctx.saved_tensors
+    dx, dw = rms_norm_backward(dy, dh if ctx.has_residual else None, xin, weight, rstd)
+    dx, dres = _input_grads(ctx, dx)
+    return dx, (dw if weight is not None else None), dres, None
+
+
+layer_norm.register_autograd(_layer_norm_backward, setup_context=_layer_norm_setup)
+rms_norm.register_autograd(_rms_norm_backward, setup_context=_rms_norm_setup)
+
+
+# ---------------------------------------------------------------- self-tests (doctor)
+
+
+def _selftest_case(device: torch.device, is_rms: bool):
+    """Forward and gradients of the fused residual-add norm vs the float64 reference."""
+    g = torch.Generator().manual_seed(0)
+    x, res, dy = (torch.randn(3, 37, 123, generator=g, dtype=torch.float64) for _ in range(3))
+    w, b = torch.randn(123, generator=g, dtype=torch.float64), torch.randn(123, generator=g, dtype=torch.float64)
+    leaves = [x, res, w] if is_rms else [x, res, w, b]
+    ours = [t.to(device=device, dtype=torch.float32).requires_grad_() for t in leaves]
+    refs = [t.clone().requires_grad_() for t in leaves]
+    if is_rms:
+        y, h, _ = rms_norm(ours[0], ours[2], ours[1], 1e-6)
+        y_ref, h_ref = reference.rms_norm(refs[0], (123,), refs[2], 1e-6, residual=refs[1])
+    else:
+        y, h, _, _ = layer_norm(ours[0], ours[2], ours[3], ours[1], 1e-5)
+        y_ref, h_ref = reference.layer_norm(refs[0], (123,), refs[2], refs[3], 1e-5, residual=refs[1])
+    torch.testing.assert_close(y.double().cpu(), y_ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(h.double().cpu(), h_ref, atol=1e-6, rtol=1e-6)
+    (y.double().cpu() * dy).sum().backward()
+    (y_ref * dy).sum().backward()
+    for a, r in zip(ours, refs):
+        torch.testing.assert_close(a.grad.double().cpu(), r.grad, atol=1e-3, rtol=1e-3)
+
+
+register("zerofuse::layer_norm", "Triton", lambda d: _selftest_case(d, is_rms=False))
+register("zerofuse::layer_norm_backward", "Triton", lambda d: _selftest_case(d, is_rms=False))
+register("zerofuse::rms_norm", "Triton", lambda d: _selftest_case(d, is_rms=True))
+register("zerofuse::rms_norm_backward", "Triton", lambda d: _selftest_case(d, is_rms=True))
