@@ -28,11 +28,23 @@ MAX_HIDDEN = 65536
 
 
 @triton.jit
+def _cast(x, dtype: tl.constexpr, EMULATE_RNE: tl.constexpr):
+    """x (fp32) -> dtype. The interpreter truncates fp32 -> bf16 (GPUs round to nearest even);
+    with EMULATE_RNE the rounding is done on the bits first, so the result is exact either way."""
+    if EMULATE_RNE and dtype == tl.bfloat16:
+        u = x.to(tl.uint32, bitcast=True)
+        u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+        return u.to(tl.float32, bitcast=True).to(dtype)
+    else:
+        return x.to(dtype)
+
+
+@triton.jit
 def _norm_fwd_kernel(
     X, R, H, Y, W, B, Mean, Rstd,
     M, N, eps,
     HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, IS_RMS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EMULATE_RNE: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
@@ -42,7 +54,7 @@ def _norm_fwd_kernel(
     offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
     x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_RES:
-        h = (x + tl.load(R + offs, mask=mask, other=0.0).to(tl.float32)).to(H.dtype.element_ty)
+        h = _cast(x + tl.load(R + offs, mask=mask, other=0.0).to(tl.float32), H.dtype.element_ty, EMULATE_RNE)
         tl.store(H + offs, h, mask=mask)
         x = h.to(tl.float32)  # normalise the stored (rounded) sum, as unfused code would
     if IS_RMS:
@@ -58,7 +70,7 @@ def _norm_fwd_kernel(
         y = y * tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     if HAS_B:
         y = y + tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
+    tl.store(Y + offs, _cast(y, Y.dtype.element_ty, EMULATE_RNE), mask=mask)
 
 
 @triton.jit
@@ -66,7 +78,7 @@ def _norm_bwd_kernel(
     DY, DH, X, W, Mean, Rstd, DX, DW_part, DB_part,
     M, N, rows_per_program,
     HAS_DH: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, IS_RMS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EMULATE_RNE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
@@ -101,7 +113,7 @@ def _norm_bwd_kernel(
             dx = (wdy - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
         if HAS_DH:
             dx += tl.load(DH + offs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
+        tl.store(DX + offs, _cast(dx, DX.dtype.element_ty, EMULATE_RNE), mask=mask)
         if HAS_W:
             dw_acc += tl.sum(dy * xhat, axis=0)
         if HAS_B:
@@ -113,7 +125,7 @@ def _norm_bwd_kernel(
 
 
 @triton.jit
-def _sum_partials_kernel(P, Out, n_parts, N, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+def _sum_partials_kernel(P, Out, n_parts, N, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, EMULATE_RNE: tl.constexpr):
     # Out[c] = sum_p P[p, c], in a fixed order; column blocks in parallel.
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
@@ -122,7 +134,7 @@ def _sum_partials_kernel(P, Out, n_parts, N, BLOCK_P: tl.constexpr, BLOCK_N: tl.
         parts = p0 + tl.arange(0, BLOCK_P)
         mask = (parts < n_parts)[:, None] & col_mask[None, :]
         acc += tl.sum(tl.load(P + parts[:, None] * N + cols[None, :], mask=mask, other=0.0), axis=0)
-    tl.store(Out + cols, acc.to(Out.dtype.element_ty), mask=col_mask)
+    tl.store(Out + cols, _cast(acc, Out.dtype.element_ty, EMULATE_RNE), mask=col_mask)
 
 
 def _config(n: int) -> tuple[int, int, int]:
@@ -156,7 +168,7 @@ def norm_fwd(x, weight, bias, residual, eps: float, is_rms: bool):
     _norm_fwd_kernel[grid](
         x, residual, h, y, weight, bias, mean, rstd, m, n, eps,
         HAS_RES=residual is not None, HAS_W=weight is not None, HAS_B=bias is not None, IS_RMS=is_rms,
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+        BLOCK_M=block_m, BLOCK_N=block_n, EMULATE_RNE=interpreted(), num_warps=num_warps,
     )
     return y, h, mean, rstd
 
@@ -177,7 +189,7 @@ def norm_bwd(dy, dh, x, weight, bias, mean, rstd, is_rms: bool):
     _norm_bwd_kernel[(progs,)](
         dy, dh, x, weight, mean, rstd, dx, dw_part, db_part, m, n, rows_per_program,
         HAS_DH=dh is not None, HAS_W=weight is not None, HAS_B=bias is not None, IS_RMS=is_rms,
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+        BLOCK_M=block_m, BLOCK_N=block_n, EMULATE_RNE=interpreted(), num_warps=num_warps,
     )
     return (
         dx,
@@ -193,5 +205,7 @@ def _sum_partials(part, dtype):
     out = torch.empty(n, device=part.device, dtype=dtype)
     block_n = min(triton.next_power_of_2(n), 65536 if interpreted() else 256)
     block_p = min(triton.next_power_of_2(n_parts), 64)
-    _sum_partials_kernel[(triton.cdiv(n, block_n),)](part, out, n_parts, n, BLOCK_P=block_p, BLOCK_N=block_n)
+    _sum_partials_kernel[(triton.cdiv(n, block_n),)](
+        part, out, n_parts, n, BLOCK_P=block_p, BLOCK_N=block_n, EMULATE_RNE=interpreted()
+    )
     return out

@@ -12,6 +12,10 @@ TOLERANCES: dict = {
     torch.float32: dict(atol=1e-5, rtol=1.3e-6),
     torch.float16: dict(atol=1e-3, rtol=1e-3),
     torch.bfloat16: dict(atol=1e-2, rtol=1.6e-2),
+    # weight/bias gradients sum over every row: fp32 accumulation error grows with the row count
+    ("norm_param_grad", torch.float32): dict(atol=1e-4, rtol=1e-4),
+    ("norm_param_grad", torch.float16): dict(atol=1e-2, rtol=2e-3),
+    ("norm_param_grad", torch.bfloat16): dict(atol=5e-2, rtol=1.6e-2),
 }
 
 

@@ -6,8 +6,9 @@
     add_rms_norm(input, residual, normalized_shape, weight=None, eps=None) -> (y, h)
 
 with h = input + residual, y = norm(h): the pre-norm transformer step in one pass. On CPU (without
-ZEROFUSE_TRITON_ON_CPU=1) these call torch's native kernels directly, so the face is never slower
-than torch there; CUDA tensors run the fused Triton kernels through the zerofuse ops.
+ZEROFUSE_TRITON_ON_CPU=1) these call torch's native kernels directly (fp16/bf16 LayerNorm goes
+through the op for an fp32 backward, see _native); CUDA tensors run the fused Triton kernels
+through the zerofuse ops.
 """
 from __future__ import annotations
 
@@ -57,8 +58,13 @@ def _check(fn, input, shape, weight, bias, residual) -> None:
             )
 
 
-def _native(input: Tensor) -> bool:
-    return input.device.type == "cpu" and not kernels.triton_on_cpu()
+def _native(input: Tensor, norm: str) -> bool:
+    """Whether to call torch's functional directly (CPU, no interpreter): always for RMSNorm and
+    fp32/fp64 LayerNorm. fp16/bf16 LayerNorm takes the zerofuse op, whose CPU backward runs torch's
+    kernel in fp32, because torch's own low-precision CPU backward loses ~10 ulps on dweight/dbias."""
+    if input.device.type != "cpu" or kernels.triton_on_cpu():
+        return False
+    return norm == "rms" or input.dtype not in (torch.float16, torch.bfloat16)
 
 
 def _flat(t: Tensor | None, n: int) -> Tensor | None:
@@ -68,7 +74,7 @@ def _flat(t: Tensor | None, n: int) -> Tensor | None:
 def _layer_norm(fn, input, residual, normalized_shape, weight, bias, eps):
     shape = _shape(normalized_shape)
     _check(fn, input, shape, weight, bias, residual)
-    if _native(input):
+    if _native(input, "layer"):
         h = input if residual is None else input + residual
         return F.layer_norm(h, shape, weight, bias, eps), h
     n = math.prod(shape)
@@ -81,7 +87,7 @@ def _layer_norm(fn, input, residual, normalized_shape, weight, bias, eps):
 def _rms_norm(fn, input, residual, normalized_shape, weight, eps):
     shape = _shape(normalized_shape)
     _check(fn, input, shape, weight, None, residual)
-    if _native(input):
+    if _native(input, "rms"):
         h = input if residual is None else input + residual
         return F.rms_norm(h, shape, weight, eps), h
     if eps is None:

@@ -19,6 +19,11 @@ from zerofuse.kernels import norms as K
 from zerofuse.ops import register
 
 _EMPTY = (0,)
+_LOW = (torch.float16, torch.bfloat16)
+
+
+def _up(t: Tensor | None) -> Tensor | None:
+    return None if t is None else t.float()
 
 
 def _use_triton(x: Tensor) -> bool:
@@ -53,7 +58,11 @@ def _norm_fwd(x, weight, bias, residual, eps, is_rms):
         y, rstd = torch.ops.aten._fused_rms_norm(h2, [n], w, eps)
         mean = None
     else:
-        y, mean, rstd = torch.ops.aten.native_layer_norm(h2, [n], w, b, eps)
+        if h2.dtype in _LOW:  # see _norm_bwd: torch's low-precision CPU kernels lose accuracy
+            y, mean, rstd = torch.ops.aten.native_layer_norm(h2.float(), [n], _up(w), _up(b), eps)
+            y = y.to(h2.dtype)
+        else:
+            y, mean, rstd = torch.ops.aten.native_layer_norm(h2, [n], w, b, eps)
         mean = mean.view(-1).float()
     return y.view(h.shape), (h if residual is not None else _empty(x)), mean, rstd.view(-1).float()
 
@@ -108,9 +117,14 @@ def _norm_bwd(dy, dh, x, weight, bias, mean, rstd, is_rms):
             dw = (dyf * xhat).sum(0).to(w.dtype) if w is not None else None
             db = None
         else:
+            # torch's fp16/bf16 CPU LayerNorm is off by up to ~10 ulps on dweight/dbias and on
+            # rows of thousands (tests/test_norms.py, native path): run it in fp32, round once.
+            up = _up if x.dtype in _LOW else (lambda t: t)
             dx, dw, db = torch.ops.aten.native_layer_norm_backward(
-                dy2, x2, [n], mean.view(-1, 1), stat, w, bias, [True, w is not None, bias is not None]
+                up(dy2), up(x2), [n], mean.view(-1, 1), stat, up(w), up(bias), [True, w is not None, bias is not None]
             )
+            dx = dx.to(x.dtype)
+            dw = dw.to(w.dtype) if dw is not None else None
         dx = dx.view(x.shape) if dh is None else dx.view(x.shape) + dh
         db = db.to(bias.dtype) if db is not None else None
     return dx, (dw if dw is not None else _empty(x)), (db if db is not None else _empty(x))

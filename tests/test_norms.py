@@ -1,0 +1,320 @@
+"""Fused LayerNorm / RMSNorm: values and gradients vs the fp64 reference, faces, compile, errors.
+
+Without a GPU the session runs the Triton kernels in the interpreter (conftest); ``path=native``
+cases use the cpu_kernels fixture to test the CPU face (torch's native kernels) the same way.
+"""
+import inspect
+
+import pytest
+import torch
+
+import zerofuse
+import zerofuse.nn.functional as ZF
+from common import DEVICES
+from tolerances import assert_close
+from zerofuse import reference
+
+
+def _make(shape, normalized, dtype, device, affine=True, bias=True, residual=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    mk = lambda s: torch.randn(s, generator=g, dtype=torch.float64)  # noqa: E731
+    t = {"x": mk(shape) * 2 + 0.5, "dy": mk(shape)}
+    if residual:
+        t["residual"] = mk(shape)
+    if affine:
+        t["weight"] = mk(normalized) * 0.5 + 1
+        if bias:
+            t["bias"] = mk(normalized)
+    # round to the test dtype first, so reference and kernel see the same input values
+    return {k: v.to(dtype).to(device) for k, v in t.items()}
+
+
+def _run(norm, t, normalized, eps, grad_keys):
+    """Our forward + backward; returns (y, h, grads) with grads keyed like t."""
+    leaves = {k: t[k].clone().requires_grad_() for k in grad_keys}
+    w, b, r = leaves.get("weight"), leaves.get("bias"), leaves.get("residual")
+    if norm == "layer":
+        out = ZF.add_layer_norm(leaves["x"], r, normalized, w, b, eps) if r is not None else (ZF.layer_norm(leaves["x"], normalized, w, b, eps), None)
+    else:
+        out = ZF.add_rms_norm(leaves["x"], r, normalized, w, eps) if r is not None else (ZF.rms_norm(leaves["x"], normalized, w, eps), None)
+    y, h = out
+    loss = (y.float() * t["dy"].float()).sum()
+    if h is not None:  # the residual stream continues: its gradient must be accumulated too
+        loss = loss + (h.float() * 0.25).sum()
+    loss.backward()
+    return y, h, {k: v.grad for k, v in leaves.items()}
+
+
+def _reference(norm, t, normalized, eps, grad_keys):
+    """fp64 reference of the same math. The fused sum h = x + residual is rounded to the input
+    dtype, as unfused code would round it, then normalised in fp64; its gradient is both dx and
+    dresidual."""
+    h_in = t["x"] + t["residual"] if "residual" in t else t["x"]
+    base = h_in.double().cpu().requires_grad_()
+    params = {k: t[k].double().cpu().requires_grad_() for k in grad_keys if k in ("weight", "bias")}
+    kw = dict(weight=params.get("weight"), eps=eps)
+    if norm == "layer":
+        kw["bias"] = params.get("bias")
+    y, h = (reference.layer_norm if norm == "layer" else reference.rms_norm)(base, normalized, **kw)
+    loss = (y * t["dy"].double().cpu()).sum()
+    if "residual" in t:
+        loss = loss + (h * 0.25).sum()
+    loss.backward()
+    grads = {k: p.grad for k, p in params.items()}
+    grads.update({k: base.grad for k in ("x", "residual") if k in grad_keys})
+    return y, h, grads
+
+
+def _check(norm, shape, normalized, dtype, device, eps=1e-5, grad_override=None, **kw):
+    t = _make(shape, normalized, dtype, device, **kw)
+    keys = [k for k in ("x", "residual", "weight", "bias") if k in t and not (norm == "rms" and k == "bias")]
+    y, h, grads = _run(norm, t, normalized, eps, keys)
+    y_ref, h_ref, grads_ref = _reference(norm, t, normalized, eps, keys)
+    assert y.dtype == dtype and y.shape == t["x"].shape
+    assert_close(y.cpu(), y_ref)
+    if h is not None:
+        assert torch.equal(h, t["x"] + t["residual"])  # the sum is rounded exactly as unfused code
+    for k in keys:
+        assert grads[k].dtype == t[k].dtype, k
+        op = "norm_param_grad" if k in ("weight", "bias") else None
+        assert_close(grads[k].cpu(), grads_ref[k], op=op, msg=lambda m: f"d{k}: {m}", **(grad_override or {}))
+
+
+PATHS = ["triton", "native"]
+
+
+@pytest.fixture(params=PATHS)
+def path(request):
+    if request.param == "native":
+        request.getfixturevalue("cpu_kernels")
+    return request.param
+
+
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
+@pytest.mark.parametrize("hidden", [1, 123, 4095, 5120])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("norm", ["layer", "rms"])
+def test_forward_and_gradients_match_fp64_reference(norm, dtype, hidden, residual, path):
+    rows = 97 if hidden < 4096 else 9
+    # torch's own LayerNorm backward at hidden 1 (where dx and dweight are exactly 0) leaves fp32
+    # noise up to ~4e-4 (rstd = 1/sqrt(eps) ~ 316 amplifies it); the native path is torch's kernel.
+    loose = dict(atol=1e-3) if (path, norm, hidden, dtype) == ("native", "layer", 1, torch.float32) else None
+    shape = (2, rows, hidden) if hidden < 4096 else (rows, hidden)
+    _check(norm, shape, (hidden,), dtype, "cpu", residual=residual, grad_override=loose)
+
+
+@pytest.mark.parametrize("norm", ["layer", "rms"])
+@pytest.mark.parametrize("affine,bias", [(True, False), (False, False)], ids=["no_bias", "no_affine"])
+def test_optional_weight_and_bias(norm, affine, bias, path):
+    _check(norm, (3, 33, 80), (80,), torch.float32, "cpu", affine=affine, bias=bias, residual=True)
+
+
+@pytest.mark.parametrize("norm", ["layer", "rms"])
+def test_widest_rows(norm):
+    _check(norm, (3, 65536), (65536,), torch.bfloat16, "cpu")
+
+
+@pytest.mark.parametrize("norm", ["layer", "rms"])
+def test_rows_wider_than_the_kernel_fall_back_correctly(norm):
+    _check(norm, (2, 65537), (65537,), torch.float32, "cpu")
+
+
+@pytest.mark.parametrize("norm", ["layer", "rms"])
+def test_multi_dim_normalized_shape_and_eps(norm, path):
+    _check(norm, (4, 5, 6, 7), (6, 7), torch.float32, "cpu", eps=0.3, residual=True)
+
+
+@pytest.mark.parametrize("norm", ["layer", "rms"])
+def test_non_contiguous_input(norm, path):
+    x = torch.randn(40, 3, 64).transpose(0, 1)  # (3, 40, 64), non-contiguous
+    w = torch.randn(64)
+    xr = x.detach().double().requires_grad_()
+    x = x.requires_grad_()
+    if norm == "layer":
+        y, y_ref = ZF.layer_norm(x, (64,), w), reference.layer_norm(xr, (64,), w.double())[0]
+    else:
+        y, y_ref = ZF.rms_norm(x, (64,), w, 1e-6), reference.rms_norm(xr, (64,), w.double(), 1e-6)[0]
+    assert_close(y, y_ref)
+    g = torch.randn_like(y)
+    y.backward(g)
+    y_ref.backward(g.double())
+    assert_close(x.grad, xr.grad)
+
+
+def test_rms_norm_default_eps_is_torchs():
+    x = torch.full((2, 8), 1e-4)
+    torch.testing.assert_close(ZF.rms_norm(x, (8,)), torch.nn.functional.rms_norm(x, (8,)))
+
+
+@pytest.mark.parametrize("norm", ["layer", "rms"])
+def test_gradients_are_deterministic(norm):
+    t = _make((4, 61, 300), (300,), torch.bfloat16, "cpu", residual=True)
+    keys = ["x", "residual", "weight"] + (["bias"] if norm == "layer" else [])
+    first = _run(norm, t, (300,), 1e-5, keys)[2]
+    second = _run(norm, t, (300,), 1e-5, keys)[2]
+    for k in keys:
+        assert torch.equal(first[k], second[k]), k
+
+
+# ---- modules ----
+
+
+def test_modules_have_torchs_signatures_and_state_dicts():
+    assert inspect.signature(zerofuse.nn.LayerNorm.__init__) == inspect.signature(torch.nn.LayerNorm.__init__)
+    assert inspect.signature(zerofuse.nn.RMSNorm.__init__) == inspect.signature(torch.nn.RMSNorm.__init__)
+    assert inspect.signature(ZF.layer_norm).parameters.keys() == inspect.signature(torch.nn.functional.layer_norm).parameters.keys()
+    assert inspect.signature(ZF.rms_norm).parameters.keys() == inspect.signature(torch.nn.functional.rms_norm).parameters.keys()
+    for kw in [{}, {"bias": False}, {"elementwise_affine": False}]:
+        ours, theirs = zerofuse.nn.LayerNorm(96, **kw), torch.nn.LayerNorm(96, **kw)
+        assert ours.state_dict().keys() == theirs.state_dict().keys()
+    theirs = torch.nn.LayerNorm((4, 6))
+    with torch.no_grad():
+        theirs.weight.normal_()
+        theirs.bias.normal_()
+    ours = zerofuse.nn.LayerNorm((4, 6))
+    ours.load_state_dict(theirs.state_dict())
+    x = torch.randn(3, 4, 6)
+    assert_close(ours(x), theirs(x), atol=1e-5, rtol=1e-5)
+    rms_t, rms_o = torch.nn.RMSNorm(32, eps=1e-6), zerofuse.nn.RMSNorm(32, eps=1e-6)
+    rms_o.load_state_dict(rms_t.state_dict())
+    x = torch.randn(5, 32)
+    assert_close(rms_o(x), rms_t(x))
+
+
+def test_module_residual_forward_returns_norm_and_sum():
+    m = zerofuse.nn.RMSNorm(16)
+    x, r = torch.randn(4, 16), torch.randn(4, 16)
+    y, h = m(x, r)
+    assert torch.equal(h, x + r)
+    assert_close(y, torch.nn.functional.rms_norm(x + r, (16,), m.weight))
+
+
+class _PreNormBlock(torch.nn.Module):
+    """Hugging Face-style pre-norm decoder block (LLaMA: RMSNorm; GPT-2: LayerNorm)."""
+
+    def __init__(self, d, norm):
+        super().__init__()
+        self.input_layernorm = norm(d)
+        self.attn = torch.nn.Linear(d, d)
+        self.post_attention_layernorm = norm(d)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(d, 4 * d), torch.nn.GELU(), torch.nn.Linear(4 * d, d))
+
+    def forward(self, x):
+        x = x + self.attn(self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class _Model(torch.nn.Module):
+    def __init__(self, norm, d=48, layers=2):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(_PreNormBlock(d, norm) for _ in range(layers))
+        self.norm = norm(d)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.norm(x)
+
+
+@pytest.mark.parametrize("norm", [torch.nn.LayerNorm, torch.nn.RMSNorm])
+def test_replace_norms_keeps_outputs_gradients_and_parameters(norm, path):
+    torch.manual_seed(0)
+    model = _Model(norm)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.normal_()
+    x = torch.randn(3, 17, 48)
+    y0 = model(x)
+    y0.square().mean().backward()
+    grads0 = {n: p.grad.clone() for n, p in model.named_parameters()}
+    params0 = {n: p for n, p in model.named_parameters()}
+    model.zero_grad()
+
+    assert zerofuse.nn.replace_norms(model) is model
+    kinds = {type(m) for m in model.modules()}
+    assert norm not in kinds and (zerofuse.nn.LayerNorm in kinds or zerofuse.nn.RMSNorm in kinds)
+    assert {n: p for n, p in model.named_parameters()} == params0  # same Parameter objects
+    y1 = model(x)
+    y1.square().mean().backward()
+    assert_close(y1, y0, atol=1e-5, rtol=1e-5)
+    for n, p in model.named_parameters():
+        assert_close(p.grad, grads0[n], atol=1e-5, rtol=1e-4, msg=lambda m: f"{n}: {m}")
+
+
+def test_replace_norms_on_a_bare_norm_returns_the_replacement():
+    ln = torch.nn.LayerNorm(8, bias=False)
+    new = zerofuse.nn.replace_norms(ln)
+    assert type(new) is zerofuse.nn.LayerNorm and new.weight is ln.weight and new.bias is None
+
+
+# ---- errors ----
+
+
+@pytest.mark.parametrize(
+    "call,exc,msg",
+    [
+        (lambda: ZF.layer_norm(torch.randn(2, 8), (8,), torch.ones(7)), ValueError, r"layer_norm: expected weight of shape \[8\] \(normalized_shape\), got \[7\]"),
+        (lambda: ZF.layer_norm(torch.randn(2, 8), (4,)), ValueError, r"expected input whose trailing dimensions equal normalized_shape=\[4\], got input of shape \[2, 8\]"),
+        (lambda: ZF.rms_norm(torch.ones(2, 8, dtype=torch.int64), (8,)), TypeError, r"rms_norm: expected input to be a floating-point tensor, got torch.int64"),
+        (lambda: ZF.layer_norm(torch.randn(2, 8), (8,), None, torch.ones(8, dtype=torch.int32)), TypeError, r"expected bias to be a floating-point tensor, got torch.int32"),
+        (lambda: ZF.add_rms_norm(torch.randn(2, 8), torch.randn(3, 8), (8,)), ValueError, r"add_rms_norm: expected residual of the input's shape \[2, 8\], got \[3, 8\]"),
+        (lambda: ZF.layer_norm(torch.randn(2, 8), (8,), torch.ones(8, device="meta")), ValueError, r"expected weight on the device of input \(cpu\), got meta"),
+    ],
+)
+def test_bad_input_errors_name_the_argument(call, exc, msg):
+    with pytest.raises(exc, match=msg):
+        call()
+
+
+# ---- torch.library ----
+
+
+def _op_samples(dtype=torch.float32):
+    x, r = torch.randn(3, 7, 40, dtype=dtype), torch.randn(3, 7, 40, dtype=dtype)
+    w, b = torch.randn(40, dtype=dtype), torch.randn(40, dtype=dtype)
+    return x, r, w, b
+
+
+def test_opcheck_forward_and_backward_ops():
+    x, r, w, b = _op_samples()
+    for args in [(x, w, b, r, 1e-5), (x, None, None, None, 1e-5), (x.requires_grad_(), w.requires_grad_(), b, r, 1e-5)]:
+        torch.library.opcheck(torch.ops.zerofuse.layer_norm.default, args)
+    for args in [(x, w, r, 1e-6), (x.detach(), None, None, 1e-6)]:
+        torch.library.opcheck(torch.ops.zerofuse.rms_norm.default, args)
+    y, h, mean, rstd = torch.ops.zerofuse.layer_norm(x.detach(), w.detach(), b, r, 1e-5)
+    dy = torch.randn_like(y)
+    torch.library.opcheck(torch.ops.zerofuse.layer_norm_backward.default, (dy, torch.randn_like(h), h, w.detach(), b, mean, rstd))
+    y, h, rstd = torch.ops.zerofuse.rms_norm(x.detach(), w.detach(), r, 1e-6)
+    torch.library.opcheck(torch.ops.zerofuse.rms_norm_backward.default, (dy, None, h, w.detach(), rstd))
+
+
+def _block(x, r, w, b):
+    y, h = ZF.add_layer_norm(x, r, (x.shape[-1],), w, b)
+    z, _ = ZF.add_rms_norm(torch.nn.functional.gelu(y), h, (x.shape[-1],), w)
+    return z
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_torch_compile_fullgraph_forward_and_backward(device):
+    x, r, w, b = (t.to(device) for t in _op_samples())
+    leaves = [t.clone().requires_grad_() for t in (x, r, w, b)]
+    eager_leaves = [t.clone().requires_grad_() for t in (x, r, w, b)]
+    out = torch.compile(_block, fullgraph=True)(*leaves)
+    ref = _block(*eager_leaves)
+    assert_close(out, ref)
+    out.sum().backward()
+    ref.sum().backward()
+    for a, e in zip(leaves, eager_leaves):
+        assert_close(a.grad, e.grad, atol=1e-4, rtol=1e-4)
+
+
+# ---- GPU (skipped without CUDA) ----
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("norm", ["layer", "rms"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("hidden", [123, 4096, 5120, 8192, 65536])
+def test_cuda_matches_reference(norm, dtype, hidden):
+    _check(norm, (1024 if hidden <= 8192 else 64, hidden), (hidden,), dtype, "cuda", residual=True)
