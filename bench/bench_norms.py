@@ -1,0 +1,85 @@
+"""LayerNorm / RMSNorm forward, backward and forward+backward: zerofuse vs torch eager,
+torch.compile and Liger-Kernel (when installed).
+
+GB/s counts the minimum bytes: each input read once, each output written once (forward: x, weight,
+bias in; y, mean/rstd out; backward: x, dy, weight, mean/rstd in; dx, dweight, dbias out), against
+the device's measured copy bandwidth (roofline_ratio). The zerofuse provider runs last so its
+extra_info holds its speedup over each peer measured in the same run.
+"""
+import pytest
+import torch
+
+import zerofuse.nn.functional as ZF
+
+GPU_SHAPES = [(4096, 1024), (4096, 4096), (16384, 4096), (4096, 8192), (16384, 8192), (4096, 16384)]
+CPU_SHAPES = [(4096, 1024), (4096, 4096)]
+SMOKE_SHAPES = [(64, 256)]
+
+
+def _liger(norm):
+    mod = pytest.importorskip("liger_kernel.transformers")
+    return mod.LigerLayerNorm if norm == "layer" else mod.LigerRMSNorm
+
+
+def _forward_fn(norm, provider, n, dtype, device):
+    w = torch.nn.Parameter(torch.randn(n, device=device, dtype=dtype))
+    b = torch.nn.Parameter(torch.randn(n, device=device, dtype=dtype)) if norm == "layer" else None
+    if provider == "liger":
+        m = _liger(norm)(n).to(device=device, dtype=dtype)
+        return m, list(m.parameters())
+    if provider == "zerofuse":
+        fn = (lambda x: ZF.layer_norm(x, (n,), w, b)) if norm == "layer" else (lambda x: ZF.rms_norm(x, (n,), w, 1e-6))
+    else:
+        F = torch.nn.functional
+        fn = (lambda x: F.layer_norm(x, (n,), w, b)) if norm == "layer" else (lambda x: F.rms_norm(x, (n,), w, 1e-6))
+        if provider == "torch_compile":
+            fn = torch.compile(fn)
+    return fn, [p for p in (w, b) if p is not None]
+
+
+def _bytes(norm, mode, m, n, dtype):
+    e = torch.empty((), dtype=dtype).element_size()
+    params = 2 if norm == "layer" else 1
+    stats = 2 if norm == "layer" else 1
+    fwd = 2 * m * n * e + params * n * e + stats * m * 4
+    bwd = 3 * m * n * e + n * e + stats * m * 4 + params * n * e
+    return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd + bwd}[mode]
+
+
+def _shapes(device, smoke):
+    return SMOKE_SHAPES if smoke else (GPU_SHAPES if device.type == "cuda" else CPU_SHAPES)
+
+
+def pytest_generate_tests(metafunc):
+    if "shape" in metafunc.fixturenames:
+        smoke = metafunc.config.getoption("--smoke")
+        dev = metafunc.config.getoption("--bench-device") or ("cuda" if torch.cuda.is_available() else "cpu")
+        shapes = _shapes(torch.device(dev), smoke)
+        metafunc.parametrize("shape", shapes, ids=[f"{m}x{n}" for m, n in shapes])
+
+
+@pytest.mark.parametrize("provider", ["torch", "torch_compile", "liger", "zerofuse"])
+@pytest.mark.parametrize("mode", ["fwd", "bwd", "fwd+bwd"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("norm", ["layer", "rms"])
+def bench_norm(measure, device, smoke, norm, dtype, mode, provider, shape):
+    if device.type == "cpu" and provider == "liger":
+        pytest.skip("Liger-Kernel's norm kernels need a GPU")
+    m, n = shape
+    fn, params = _forward_fn(norm, provider, n, dtype, device)
+    x = torch.randn(m, n, device=device, dtype=dtype, requires_grad=True)
+    dy = torch.randn(m, n, device=device, dtype=dtype)
+    leaves = [x, *params]
+    if mode == "fwd":
+        def run():
+            with torch.no_grad():
+                return fn(x)
+    elif mode == "bwd":
+        y = fn(x)
+        def run():
+            return torch.autograd.grad(y, leaves, dy, retain_graph=True)
+    else:
+        def run():
+            return torch.autograd.grad(fn(x), leaves, dy)
+    run()  # compile / autotune outside the timing
+    measure(run, case=f"{norm}/{mode}/{dtype}/{m}x{n}", provider=provider, bytes_moved=_bytes(norm, mode, m, n, dtype))
