@@ -6,6 +6,8 @@ bias in; y, mean/rstd out; backward: x, dy, weight, mean/rstd in; dx, dweight, d
 the device's measured copy bandwidth (roofline_ratio). The zerofuse provider runs last so its
 extra_info holds its speedup over each peer measured in the same run.
 """
+import os
+
 import pytest
 import torch
 
@@ -52,7 +54,7 @@ def _shapes(device, smoke):
 
 def pytest_generate_tests(metafunc):
     if "shape" in metafunc.fixturenames:
-        smoke = metafunc.config.getoption("--smoke")
+        smoke = metafunc.config.getoption("--smoke") or os.environ.get("ZEROFUSE_BENCH_SMOKE") == "1"
         dev = metafunc.config.getoption("--bench-device") or ("cuda" if torch.cuda.is_available() else "cpu")
         shapes = _shapes(torch.device(dev), smoke)
         metafunc.parametrize("shape", shapes, ids=[f"{m}x{n}" for m, n in shapes])

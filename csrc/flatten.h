@@ -54,4 +54,16 @@ inline void check_flatten_args(at::TensorList tensors,       // n tensors, any s
   }
 }
 
+// Tensor::copy_ between tensors[i] and its range of flat, for each i in `which`: the path for the
+// tensors a kernel's fast path does not take (non-contiguous ones; on CUDA also other dtypes).
+inline void copy_ranges_with_aten(at::TensorList tensors, const at::Tensor& flat, at::IntArrayRef offsets,
+                                  const std::vector<size_t>& which, bool to_flat) {
+  for (size_t i : which) {
+    const at::Tensor& t = tensors[i];
+    at::Tensor range = flat.narrow(0, offsets[i], t.numel()).view(t.sizes());
+    if (to_flat) range.copy_(t);
+    else const_cast<at::Tensor&>(t).copy_(range);
+  }
+}
+
 }  // namespace zerofuse

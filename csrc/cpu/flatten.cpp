@@ -115,12 +115,7 @@ void copy_ranges(at::TensorList tensors, const at::Tensor& flat, at::IntArrayRef
     }
   });
 
-  for (size_t i : strided) {
-    const at::Tensor& t = tensors[i];
-    at::Tensor range = flat.narrow(0, offsets[i], t.numel()).view(t.sizes());
-    if (kToFlat) range.copy_(t);
-    else const_cast<at::Tensor&>(t).copy_(range);
-  }
+  copy_ranges_with_aten(tensors, flat, offsets, strided, kToFlat);
 }
 
 void flatten_into_cpu(at::TensorList tensors,  // n tensors, any shapes/strides/dtypes

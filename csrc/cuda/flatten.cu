@@ -124,12 +124,7 @@ void copy_ranges(at::TensorList tensors, const at::Tensor& flat, at::IntArrayRef
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
 
-  for (size_t i : fallback) {
-    const at::Tensor& t = tensors[i];
-    at::Tensor range = flat.narrow(0, offsets[i], t.numel()).view(t.sizes());
-    if (kToFlat) range.copy_(t);
-    else const_cast<at::Tensor&>(t).copy_(range);
-  }
+  copy_ranges_with_aten(tensors, flat, offsets, fallback, kToFlat);
 }
 
 void flatten_into_cuda(at::TensorList tensors,  // n tensors, any shapes/strides/dtypes, on flat's device
