@@ -8,4 +8,11 @@ TORCH_LIBRARY(zerofuse, m) {
   m.def("flatten_into(Tensor[] tensors, Tensor(a!) flat, int[] offsets) -> ()");
   // Bucket copy-out, the reverse: tensors[i] = flat[offsets[i] : ...].view(shape), cast.
   m.def("unflatten_from(Tensor flat, Tensor(a!)[] tensors, int[] offsets) -> ()");
+  // CPU kernels behind zerofuse::layer_norm / rms_norm (Python custom ops; CUDA runs Triton):
+  // x, residual (M, N) contiguous fp32/fp16/bf16; returns (y, h or empty, mean or empty, rstd).
+  m.def("norm_fwd_cpu(Tensor x, Tensor? weight, Tensor? bias, Tensor? residual, float eps, bool rms) "
+        "-> (Tensor, Tensor, Tensor, Tensor)");
+  // returns (dx, dweight or empty, dbias or empty); dh is added to dx.
+  m.def("norm_bwd_cpu(Tensor dy, Tensor? dh, Tensor x, Tensor? weight, Tensor? bias, Tensor mean, "
+        "Tensor rstd, bool rms) -> (Tensor, Tensor, Tensor)");
 }

@@ -5,10 +5,9 @@
     add_layer_norm(input, residual, normalized_shape, weight=None, bias=None, eps=1e-05) -> (y, h)
     add_rms_norm(input, residual, normalized_shape, weight=None, eps=None) -> (y, h)
 
-with h = input + residual, y = norm(h): the pre-norm transformer step in one pass. On CPU (without
-ZEROFUSE_TRITON_ON_CPU=1) these call torch's native kernels directly (fp16/bf16 LayerNorm goes
-through the op for an fp32 backward, see _native); CUDA tensors run the fused Triton kernels
-through the zerofuse ops.
+with h = input + residual, y = norm(h): the pre-norm transformer step in one pass. All go through
+the zerofuse ops: Triton kernels on CUDA, C++ kernels on CPU (Triton in the interpreter under
+ZEROFUSE_TRITON_ON_CPU=1).
 """
 from __future__ import annotations
 
@@ -16,10 +15,8 @@ import math
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from zerofuse import kernels
 from zerofuse.ops import norms as _ops
 
 _ShapeLike = int | Sequence[int] | torch.Size
@@ -58,15 +55,6 @@ def _check(fn, input, shape, weight, bias, residual) -> None:
             )
 
 
-def _native(input: Tensor, norm: str) -> bool:
-    """Whether to call torch's functional directly (CPU, no interpreter): always for RMSNorm and
-    fp32/fp64 LayerNorm. fp16/bf16 LayerNorm takes the zerofuse op, whose CPU backward runs torch's
-    kernel in fp32, because torch's own low-precision CPU backward loses ~10 ulps on dweight/dbias."""
-    if input.device.type != "cpu" or kernels.triton_on_cpu():
-        return False
-    return norm == "rms" or input.dtype not in (torch.float16, torch.bfloat16)
-
-
 def _flat(t: Tensor | None, n: int) -> Tensor | None:
     return None if t is None else t.reshape(n)
 
@@ -74,9 +62,6 @@ def _flat(t: Tensor | None, n: int) -> Tensor | None:
 def _layer_norm(fn, input, residual, normalized_shape, weight, bias, eps):
     shape = _shape(normalized_shape)
     _check(fn, input, shape, weight, bias, residual)
-    if _native(input, "layer"):
-        h = input if residual is None else input + residual
-        return F.layer_norm(h, shape, weight, bias, eps), h
     n = math.prod(shape)
     x = input.reshape(*input.shape[: input.dim() - len(shape)], n)
     r = None if residual is None else residual.reshape(x.shape)
@@ -87,9 +72,6 @@ def _layer_norm(fn, input, residual, normalized_shape, weight, bias, eps):
 def _rms_norm(fn, input, residual, normalized_shape, weight, eps):
     shape = _shape(normalized_shape)
     _check(fn, input, shape, weight, None, residual)
-    if _native(input, "rms"):
-        h = input if residual is None else input + residual
-        return F.rms_norm(h, shape, weight, eps), h
     if eps is None:
         eps = torch.finfo(input.dtype).eps
     n = math.prod(shape)

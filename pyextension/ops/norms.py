@@ -5,9 +5,10 @@ bias (N,), an optional residual (same shape as x, fused as ``h = x + residual``)
 return (y, h, mean, rstd) / (y, h, rstd), with h an empty tensor when there is no residual
 (custom ops may not return their inputs) and fp32 per-row statistics for backward.
 
-CUDA tensors run kernels/norms.py. CPU tensors run torch's native kernels
-(aten.native_layer_norm / aten._fused_rms_norm and their backwards), or the Triton kernels in
-the interpreter under ZEROFUSE_TRITON_ON_CPU=1.
+CUDA tensors run kernels/norms.py. CPU tensors run the C++ kernels of csrc/cpu/norms.cpp
+(zerofuse::norm_fwd_cpu / norm_bwd_cpu: fp32 math, one rounding, deterministic), float64 runs
+torch's native kernels, and under ZEROFUSE_TRITON_ON_CPU=1 CPU tensors go through the Triton
+kernels in the interpreter.
 """
 from __future__ import annotations
 
@@ -19,11 +20,12 @@ from zerofuse.kernels import norms as K
 from zerofuse.ops import register
 
 _EMPTY = (0,)
-_LOW = (torch.float16, torch.bfloat16)
+_CPU_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def _up(t: Tensor | None) -> Tensor | None:
-    return None if t is None else t.float()
+def _cpu_kernel(*ts: Tensor | None) -> bool:
+    """Whether csrc/cpu/norms.cpp takes these CPU tensors (fp32/fp16/bf16; fp64 takes aten's)."""
+    return all(t is None or (t.device.type == "cpu" and t.dtype in _CPU_KERNEL_DTYPES) for t in ts)
 
 
 def _use_triton(x: Tensor) -> bool:
@@ -52,17 +54,17 @@ def _norm_fwd(x, weight, bias, residual, eps, is_rms):
         y = y.view(x.shape)
         h = h.view(x.shape) if h is not None else _empty(x)
         return y, h, mean, rstd
+    if _cpu_kernel(x, residual, w, b):
+        y, h, mean, rstd = torch.ops.zerofuse.norm_fwd_cpu(_2d(x, n), w, b, _2d(residual, n), eps, is_rms)
+        return y.view(x.shape), (h.view(x.shape) if residual is not None else h), (None if is_rms else mean), rstd
+    # float64 (and rows wider than the Triton kernel on CUDA): torch's native kernels
     h = x + residual if residual is not None else x
     h2 = h.reshape(-1, n)
     if is_rms:
         y, rstd = torch.ops.aten._fused_rms_norm(h2, [n], w, eps)
         mean = None
     else:
-        if h2.dtype in _LOW:  # see _norm_bwd: torch's low-precision CPU kernels lose accuracy
-            y, mean, rstd = torch.ops.aten.native_layer_norm(h2.float(), [n], _up(w), _up(b), eps)
-            y = y.to(h2.dtype)
-        else:
-            y, mean, rstd = torch.ops.aten.native_layer_norm(h2, [n], w, b, eps)
+        y, mean, rstd = torch.ops.aten.native_layer_norm(h2, [n], w, b, eps)
         mean = mean.view(-1).float()
     return y.view(h.shape), (h if residual is not None else _empty(x)), mean, rstd.view(-1).float()
 
@@ -108,6 +110,12 @@ def _norm_bwd(dy, dh, x, weight, bias, mean, rstd, is_rms):
     if _use_triton(x):
         dx, dw, db = K.norm_bwd(_2d(dy, n), _2d(dh, n), _2d(x, n), w, bias, mean, rstd, is_rms)
         dx = dx.view(x.shape)
+    elif _cpu_kernel(x, dy, dh, w, bias):
+        empty = rstd.new_empty(_EMPTY)
+        dx, dw, db = torch.ops.zerofuse.norm_bwd_cpu(
+            _2d(dy, n), _2d(dh, n), _2d(x, n), w, bias, empty if mean is None else mean, rstd, is_rms
+        )
+        return dx.view(x.shape), dw, db
     else:
         x2, dy2, stat = x.reshape(-1, n), dy.reshape(-1, n), rstd.view(-1, 1)
         if is_rms:  # aten._fused_rms_norm_backward has no CPU kernel: the same formula in torch ops
@@ -117,14 +125,9 @@ def _norm_bwd(dy, dh, x, weight, bias, mean, rstd, is_rms):
             dw = (dyf * xhat).sum(0).to(w.dtype) if w is not None else None
             db = None
         else:
-            # torch's fp16/bf16 CPU LayerNorm is off by up to ~10 ulps on dweight/dbias and on
-            # rows of thousands (tests/test_norms.py, native path): run it in fp32, round once.
-            up = _up if x.dtype in _LOW else (lambda t: t)
             dx, dw, db = torch.ops.aten.native_layer_norm_backward(
-                up(dy2), up(x2), [n], mean.view(-1, 1), stat, up(w), up(bias), [True, w is not None, bias is not None]
+                dy2, x2, [n], mean.view(-1, 1), stat, w, bias, [True, w is not None, bias is not None]
             )
-            dx = dx.to(x.dtype)
-            dw = dw.to(w.dtype) if dw is not None else None
         dx = dx.view(x.shape) if dh is None else dx.view(x.shape) + dh
         db = db.to(bias.dtype) if db is not None else None
     return dx, (dw if dw is not None else _empty(x)), (db if db is not None else _empty(x))
@@ -231,6 +234,28 @@ def _selftest_case(device: torch.device, is_rms: bool):
         torch.testing.assert_close(a.grad.double().cpu(), r.grad, atol=1e-3, rtol=1e-3)
 
 
+@torch.library.register_fake("zerofuse::norm_fwd_cpu")
+def _(x, weight, bias, residual, eps, rms):
+    y, h, stat = _fake_fwd(x, residual)
+    return y, h, (x.new_empty(_EMPTY, dtype=torch.float32) if rms else torch.empty_like(stat)), stat
+
+
+@torch.library.register_fake("zerofuse::norm_bwd_cpu")
+def _(dy, dh, x, weight, bias, mean, rstd, rms):
+    return torch.empty_like(x), _param_grad_fake(x, weight), _param_grad_fake(x, bias)
+
+
+def _selftest_cpu_kernels(device: torch.device) -> None:
+    if device.type == "cpu":
+        from unittest import mock
+
+        with mock.patch.object(kernels, "TRITON_ON_CPU", False):
+            _selftest_case(device, is_rms=False)
+            _selftest_case(device, is_rms=True)
+
+
+register("zerofuse::norm_fwd_cpu", "C++", _selftest_cpu_kernels)
+register("zerofuse::norm_bwd_cpu", "C++", _selftest_cpu_kernels)
 register("zerofuse::layer_norm", "Triton", lambda d: _selftest_case(d, is_rms=False))
 register("zerofuse::layer_norm_backward", "Triton", lambda d: _selftest_case(d, is_rms=False))
 register("zerofuse::rms_norm", "Triton", lambda d: _selftest_case(d, is_rms=True))

@@ -1,0 +1,277 @@
+// CPU kernels of LayerNorm / RMSNorm (+ fused residual add), forward and backward, for fp32, fp16
+// and bf16 tensors; the CPU impl of zerofuse::layer_norm / rms_norm (pyextension/ops/norms.py).
+//
+// Same math as kernels/norms.py (see its docstring). Each row is converted to fp32 once into a
+// per-thread buffer that stays in cache, reduced with 16 independent accumulators (so the
+// compiler vectorises the sums in a fixed order), and written back rounded once. Rows run in
+// parallel; weight/bias gradients are summed per fixed block of rows and the blocks are added in
+// order, so results do not depend on the thread count.
+#include "../checks.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/TypeCast.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+namespace zerofuse {
+namespace {
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#define ZF_VECTOR_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define ZF_VECTOR_CLONES
+#endif
+
+constexpr int64_t kLanes = 16;
+constexpr int64_t kMaxRowBlocks = 64;
+
+// ---- conversions between a row of the tensor's dtype and an fp32 buffer
+
+ZF_VECTOR_CLONES void widen_bf16(const uint16_t* s, float* d, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t u = static_cast<uint32_t>(s[i]) << 16;
+    std::memcpy(d + i, &u, 4);
+  }
+}
+
+ZF_VECTOR_CLONES void narrow_bf16(const float* s, uint16_t* d, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t u;
+    std::memcpy(&u, s + i, 4);
+    const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+    d[i] = static_cast<uint16_t>((u & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0u : rounded);
+  }
+}
+
+void to_float(const void* src, at::ScalarType t, float* dst, int64_t n) {
+  switch (t) {
+    case at::kFloat: std::memcpy(dst, src, n * sizeof(float)); return;
+    case at::kBFloat16: widen_bf16(static_cast<const uint16_t*>(src), dst, n); return;
+    case at::kHalf: {
+      const auto* s = static_cast<const at::Half*>(src);
+      for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(s[i]);
+      return;
+    }
+    default: TORCH_CHECK(false, "zerofuse: unexpected dtype ", t);
+  }
+}
+
+void from_float(const float* src, void* dst, at::ScalarType t, int64_t n) {
+  switch (t) {
+    case at::kFloat: std::memcpy(dst, src, n * sizeof(float)); return;
+    case at::kBFloat16: narrow_bf16(src, static_cast<uint16_t*>(dst), n); return;
+    case at::kHalf: {
+      auto* d = static_cast<at::Half*>(dst);
+      for (int64_t i = 0; i < n; ++i) d[i] = static_cast<at::Half>(src[i]);
+      return;
+    }
+    default: TORCH_CHECK(false, "zerofuse: unexpected dtype ", t);
+  }
+}
+
+// ---- vectorisable row primitives (fixed summation order: lane i % 16, then lanes in order)
+
+ZF_VECTOR_CLONES float row_sum(const float* x, int64_t n) {
+  float acc[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    for (int64_t j = 0; j < kLanes; ++j) acc[j] += x[i + j];
+  for (; i < n; ++i) acc[i % kLanes] += x[i];
+  float s = 0.f;
+  for (int64_t j = 0; j < kLanes; ++j) s += acc[j];
+  return s;
+}
+
+ZF_VECTOR_CLONES float row_sq_dev(const float* x, float mu, int64_t n) {
+  // sum((x - mu)^2): the squared deviations (LayerNorm) or, with mu = 0, the squares (RMSNorm)
+  float acc[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    for (int64_t j = 0; j < kLanes; ++j) acc[j] += (x[i + j] - mu) * (x[i + j] - mu);
+  for (; i < n; ++i) acc[i % kLanes] += (x[i] - mu) * (x[i] - mu);
+  float s = 0.f;
+  for (int64_t j = 0; j < kLanes; ++j) s += acc[j];
+  return s;
+}
+
+ZF_VECTOR_CLONES void row_normalize(float* x, float mean, float rstd, const float* w, const float* b, int64_t n) {
+  if (w && b) for (int64_t i = 0; i < n; ++i) x[i] = (x[i] - mean) * rstd * w[i] + b[i];
+  else if (w) for (int64_t i = 0; i < n; ++i) x[i] = (x[i] - mean) * rstd * w[i];
+  else if (b) for (int64_t i = 0; i < n; ++i) x[i] = (x[i] - mean) * rstd + b[i];
+  else for (int64_t i = 0; i < n; ++i) x[i] = (x[i] - mean) * rstd;
+}
+
+// dx = rstd * (wdy - xhat * c1 - c2), xhat = (x - mean) * rstd, wdy = w * dy; also accumulates
+// dw += dy * xhat and db += dy. `x` is overwritten with dx.
+ZF_VECTOR_CLONES void row_backward(float* x, const float* dy, const float* w, float mean, float rstd, bool rms,
+                                   int64_t n, float* dw, float* db) {
+  float a1[kLanes] = {}, a2[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    for (int64_t j = 0; j < kLanes; ++j) {
+      const float xhat = (x[i + j] - mean) * rstd;
+      const float wdy = w ? w[i + j] * dy[i + j] : dy[i + j];
+      a1[j] += xhat * wdy;
+      a2[j] += wdy;
+    }
+  for (; i < n; ++i) {
+    const float xhat = (x[i] - mean) * rstd;
+    const float wdy = w ? w[i] * dy[i] : dy[i];
+    a1[i % kLanes] += xhat * wdy;
+    a2[i % kLanes] += wdy;
+  }
+  float c1 = 0.f, c2 = 0.f;
+  for (int64_t j = 0; j < kLanes; ++j) {
+    c1 += a1[j];
+    c2 += a2[j];
+  }
+  c1 /= static_cast<float>(n);
+  c2 = rms ? 0.f : c2 / static_cast<float>(n);
+  for (int64_t k = 0; k < n; ++k) {
+    const float xhat = (x[k] - mean) * rstd;
+    const float wdy = w ? w[k] * dy[k] : dy[k];
+    if (dw) dw[k] += dy[k] * xhat;
+    if (db) db[k] += dy[k];
+    x[k] = (wdy - xhat * c1 - c2) * rstd;
+  }
+}
+
+std::vector<float> param_as_float(const c10::optional<at::Tensor>& p, int64_t n) {
+  if (!p.has_value() || !p->defined()) return {};
+  std::vector<float> out(n);
+  to_float(p->contiguous().data_ptr(), p->scalar_type(), out.data(), n);
+  return out;
+}
+
+bool is_kernel_dtype(at::ScalarType t) { return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf; }
+
+void check_2d(const at::Tensor& t, const char* name, int64_t m, int64_t n) {
+  ZF_CHECK(t.dim() == 2 && t.size(0) == m && t.size(1) == n && t.is_contiguous(), "norm_cpu", "expected ", name,
+           " to be a contiguous (", m, ", ", n, ") tensor, got shape ", t.sizes(), " with strides ", t.strides());
+  ZF_CHECK(is_kernel_dtype(t.scalar_type()), "norm_cpu", "expected ", name, " in float32, float16 or bfloat16, got ",
+           t.scalar_type());
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> norm_fwd_cpu(
+    const at::Tensor& x,                          // (M, N) contiguous
+    const c10::optional<at::Tensor>& weight,      // (N,)
+    const c10::optional<at::Tensor>& bias,        // (N,)
+    const c10::optional<at::Tensor>& residual,    // (M, N) contiguous
+    double eps, bool rms) {
+  ZF_CHECK(x.dim() == 2, "norm_cpu", "expected x of 2 dims (rows, hidden), got shape ", x.sizes());
+  const int64_t m = x.size(0), n = x.size(1);
+  check_2d(x, "x", m, n);
+  const bool has_res = residual.has_value() && residual->defined();
+  if (has_res) check_2d(*residual, "residual", m, n);
+  const at::ScalarType ht = has_res ? at::promote_types(x.scalar_type(), residual->scalar_type()) : x.scalar_type();
+  at::Tensor y = at::empty({m, n}, x.options().dtype(ht));
+  at::Tensor h = has_res ? at::empty({m, n}, x.options().dtype(ht)) : at::empty({0}, x.options());
+  at::Tensor mean = at::empty({rms ? 0 : m}, x.options().dtype(at::kFloat));
+  at::Tensor rstd = at::empty({m}, x.options().dtype(at::kFloat));
+  const std::vector<float> w = param_as_float(weight, n), b = param_as_float(bias, n);
+  const float* wp = w.empty() ? nullptr : w.data();
+  const float* bp = b.empty() ? nullptr : b.data();
+  const char* xp = static_cast<const char*>(x.data_ptr());
+  const char* rp = has_res ? static_cast<const char*>(residual->data_ptr()) : nullptr;
+  const int64_t xs = n * x.element_size(), rs = has_res ? n * residual->element_size() : 0, hs = n * y.element_size();
+  float* meanp = rms ? nullptr : mean.data_ptr<float>();
+  float* rstdp = rstd.data_ptr<float>();
+  char* yp = static_cast<char*>(y.data_ptr());
+  char* hp = has_res ? static_cast<char*>(h.data_ptr()) : nullptr;
+
+  at::parallel_for(0, m, std::max<int64_t>(1, 16384 / std::max<int64_t>(n, 1)), [&](int64_t lo, int64_t hi) {
+    std::vector<float> row(n), tmp(has_res ? n : 0);
+    for (int64_t r = lo; r < hi; ++r) {
+      to_float(xp + r * xs, x.scalar_type(), row.data(), n);
+      if (has_res) {
+        to_float(rp + r * rs, residual->scalar_type(), tmp.data(), n);
+        for (int64_t i = 0; i < n; ++i) row[i] += tmp[i];
+        from_float(row.data(), hp + r * hs, ht, n);
+        to_float(hp + r * hs, ht, row.data(), n);  // normalise the rounded sum, as unfused code would
+      }
+      const float mu = rms ? 0.f : row_sum(row.data(), n) / static_cast<float>(n);
+      const float var = row_sq_dev(row.data(), mu, n) / static_cast<float>(n);
+      const float rs_ = 1.f / std::sqrt(var + static_cast<float>(eps));
+      if (meanp) meanp[r] = mu;
+      rstdp[r] = rs_;
+      row_normalize(row.data(), mu, rs_, wp, bp, n);
+      from_float(row.data(), yp + r * hs, ht, n);
+    }
+  });
+  return {y, h, mean, rstd};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_bwd_cpu(
+    const at::Tensor& dy,                     // (M, N) contiguous
+    const c10::optional<at::Tensor>& dh,      // (M, N) contiguous: gradient of the h output, added to dx
+    const at::Tensor& x,                      // (M, N) contiguous: the normalised input (h when fused)
+    const c10::optional<at::Tensor>& weight,  // (N,)
+    const c10::optional<at::Tensor>& bias,    // (N,): only its presence and dtype matter
+    const at::Tensor& mean,                   // (M,) fp32, empty for RMSNorm
+    const at::Tensor& rstd,                   // (M,) fp32
+    bool rms) {
+  ZF_CHECK(x.dim() == 2, "norm_cpu", "expected x of 2 dims (rows, hidden), got shape ", x.sizes());
+  const int64_t m = x.size(0), n = x.size(1);
+  check_2d(x, "x", m, n);
+  check_2d(dy, "dy", m, n);
+  const bool has_dh = dh.has_value() && dh->defined();
+  if (has_dh) check_2d(*dh, "dh", m, n);
+  ZF_CHECK(rstd.numel() == m && (rms || mean.numel() == m), "norm_cpu", "expected ", m, " rows of statistics, got mean ",
+           mean.sizes(), " and rstd ", rstd.sizes());
+  const bool has_w = weight.has_value() && weight->defined();
+  const bool has_b = bias.has_value() && bias->defined();
+  const std::vector<float> w = param_as_float(weight, n);
+  const float* wp = has_w ? w.data() : nullptr;
+
+  at::Tensor dx = at::empty_like(x);
+  const int64_t blocks = std::min<int64_t>(std::max<int64_t>(m, 1), kMaxRowBlocks);
+  const int64_t rows_per_block = (m + blocks - 1) / blocks;
+  // per-block partial sums of dw and db, added in block order afterwards
+  std::vector<float> dw_part(has_w ? blocks * n : 0, 0.f), db_part(has_b ? blocks * n : 0, 0.f);
+  const float* meanp = rms ? nullptr : mean.data_ptr<float>();
+  const float* rstdp = rstd.data_ptr<float>();
+  const int64_t xs = n * x.element_size(), dys = n * dy.element_size(), dhs = has_dh ? n * dh->element_size() : 0;
+
+  at::parallel_for(0, blocks, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> row(n), g(n), extra(has_dh ? n : 0);
+    for (int64_t blk = lo; blk < hi; ++blk) {
+      float* dwp = has_w ? dw_part.data() + blk * n : nullptr;
+      float* dbp = has_b ? db_part.data() + blk * n : nullptr;
+      const int64_t end = std::min(m, (blk + 1) * rows_per_block);
+      for (int64_t r = blk * rows_per_block; r < end; ++r) {
+        to_float(static_cast<const char*>(x.data_ptr()) + r * xs, x.scalar_type(), row.data(), n);
+        to_float(static_cast<const char*>(dy.data_ptr()) + r * dys, dy.scalar_type(), g.data(), n);
+        row_backward(row.data(), g.data(), wp, meanp ? meanp[r] : 0.f, rstdp[r], rms, n, dwp, dbp);
+        if (has_dh) {
+          to_float(static_cast<const char*>(dh->data_ptr()) + r * dhs, dh->scalar_type(), extra.data(), n);
+          for (int64_t i = 0; i < n; ++i) row[i] += extra[i];
+        }
+        from_float(row.data(), static_cast<char*>(dx.data_ptr()) + r * xs, x.scalar_type(), n);
+      }
+    }
+  });
+
+  auto reduce = [&](const std::vector<float>& part, const c10::optional<at::Tensor>& like) {
+    if (part.empty()) return at::empty({0}, x.options());
+    std::vector<float> sum(n, 0.f);
+    for (int64_t blk = 0; blk < blocks; ++blk)
+      for (int64_t i = 0; i < n; ++i) sum[i] += part[blk * n + i];
+    at::Tensor out = at::empty({n}, like->options());
+    from_float(sum.data(), out.data_ptr(), out.scalar_type(), n);
+    return out;
+  };
+  return {dx, reduce(dw_part, weight), reduce(db_part, bias)};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(zerofuse, CPU, m) {
+  m.impl("norm_fwd_cpu", &norm_fwd_cpu);
+  m.impl("norm_bwd_cpu", &norm_bwd_cpu);
+}
+
+}  // namespace zerofuse
