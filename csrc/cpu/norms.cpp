@@ -98,17 +98,18 @@ ZF_VECTOR_CLONES float row_sq_dev(const float* x, float mu, int64_t n) {
   return s;
 }
 
-ZF_VECTOR_CLONES void row_normalize(float* x, float mean, float rstd, const float* w, const float* b, int64_t n) {
-  if (w && b) for (int64_t i = 0; i < n; ++i) x[i] = (x[i] - mean) * rstd * w[i] + b[i];
-  else if (w) for (int64_t i = 0; i < n; ++i) x[i] = (x[i] - mean) * rstd * w[i];
-  else if (b) for (int64_t i = 0; i < n; ++i) x[i] = (x[i] - mean) * rstd + b[i];
-  else for (int64_t i = 0; i < n; ++i) x[i] = (x[i] - mean) * rstd;
+ZF_VECTOR_CLONES void row_normalize(const float* x, float* y, float mean, float rstd, const float* w, const float* b,
+                                    int64_t n) {
+  if (w && b) for (int64_t i = 0; i < n; ++i) y[i] = (x[i] - mean) * rstd * w[i] + b[i];
+  else if (w) for (int64_t i = 0; i < n; ++i) y[i] = (x[i] - mean) * rstd * w[i];
+  else if (b) for (int64_t i = 0; i < n; ++i) y[i] = (x[i] - mean) * rstd + b[i];
+  else for (int64_t i = 0; i < n; ++i) y[i] = (x[i] - mean) * rstd;
 }
 
 // dx = rstd * (wdy - xhat * c1 - c2), xhat = (x - mean) * rstd, wdy = w * dy; also accumulates
-// dw += dy * xhat and db += dy. `x` is overwritten with dx.
-ZF_VECTOR_CLONES void row_backward(float* x, const float* dy, const float* w, float mean, float rstd, bool rms,
-                                   int64_t n, float* dw, float* db) {
+// dw += dy * xhat and db += dy. dx may alias x.
+ZF_VECTOR_CLONES void row_backward(const float* x, const float* dy, float* dx, const float* w, float mean, float rstd,
+                                   bool rms, int64_t n, float* dw, float* db) {
   float a1[kLanes] = {}, a2[kLanes] = {};
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes)
@@ -136,7 +137,7 @@ ZF_VECTOR_CLONES void row_backward(float* x, const float* dy, const float* w, fl
     const float wdy = w ? w[k] * dy[k] : dy[k];
     if (dw) dw[k] += dy[k] * xhat;
     if (db) db[k] += dy[k];
-    x[k] = (wdy - xhat * c1 - c2) * rstd;
+    dx[k] = (wdy - xhat * c1 - c2) * rstd;
   }
 }
 
@@ -183,23 +184,27 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> norm_fwd_cpu(
   char* yp = static_cast<char*>(y.data_ptr());
   char* hp = has_res ? static_cast<char*>(h.data_ptr()) : nullptr;
 
+  // fp32 rows are read and written in place; other dtypes go through a per-thread fp32 row.
+  const bool read_direct = x.scalar_type() == at::kFloat && !has_res;
+  const bool write_direct = ht == at::kFloat;
   at::parallel_for(0, m, std::max<int64_t>(1, 16384 / std::max<int64_t>(n, 1)), [&](int64_t lo, int64_t hi) {
-    std::vector<float> row(n), tmp(has_res ? n : 0);
+    std::vector<float> row(read_direct && write_direct ? 0 : n), tmp(has_res ? n : 0);
     for (int64_t r = lo; r < hi; ++r) {
-      to_float(xp + r * xs, x.scalar_type(), row.data(), n);
+      const float* in = read_direct ? reinterpret_cast<const float*>(xp + r * xs) : row.data();
+      if (!read_direct) to_float(xp + r * xs, x.scalar_type(), row.data(), n);
       if (has_res) {
         to_float(rp + r * rs, residual->scalar_type(), tmp.data(), n);
         for (int64_t i = 0; i < n; ++i) row[i] += tmp[i];
         from_float(row.data(), hp + r * hs, ht, n);
         to_float(hp + r * hs, ht, row.data(), n);  // normalise the rounded sum, as unfused code would
       }
-      const float mu = rms ? 0.f : row_sum(row.data(), n) / static_cast<float>(n);
-      const float var = row_sq_dev(row.data(), mu, n) / static_cast<float>(n);
-      const float rs_ = 1.f / std::sqrt(var + static_cast<float>(eps));
+      const float mu = rms ? 0.f : row_sum(in, n) / static_cast<float>(n);
+      const float rs_ = 1.f / std::sqrt(row_sq_dev(in, mu, n) / static_cast<float>(n) + static_cast<float>(eps));
       if (meanp) meanp[r] = mu;
       rstdp[r] = rs_;
-      row_normalize(row.data(), mu, rs_, wp, bp, n);
-      from_float(row.data(), yp + r * hs, ht, n);
+      float* out = write_direct ? reinterpret_cast<float*>(yp + r * hs) : row.data();
+      row_normalize(in, out, mu, rs_, wp, bp, n);
+      if (!write_direct) from_float(row.data(), yp + r * hs, ht, n);
     }
   });
   return {y, h, mean, rstd};
@@ -236,21 +241,35 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_bwd_cpu(
   const float* rstdp = rstd.data_ptr<float>();
   const int64_t xs = n * x.element_size(), dys = n * dy.element_size(), dhs = has_dh ? n * dh->element_size() : 0;
 
+  const bool direct = x.scalar_type() == at::kFloat && dy.scalar_type() == at::kFloat;
   at::parallel_for(0, blocks, 1, [&](int64_t lo, int64_t hi) {
-    std::vector<float> row(n), g(n), extra(has_dh ? n : 0);
+    std::vector<float> row(direct ? 0 : n), g(direct ? 0 : n), extra(has_dh ? n : 0);
     for (int64_t blk = lo; blk < hi; ++blk) {
       float* dwp = has_w ? dw_part.data() + blk * n : nullptr;
       float* dbp = has_b ? db_part.data() + blk * n : nullptr;
       const int64_t end = std::min(m, (blk + 1) * rows_per_block);
       for (int64_t r = blk * rows_per_block; r < end; ++r) {
-        to_float(static_cast<const char*>(x.data_ptr()) + r * xs, x.scalar_type(), row.data(), n);
-        to_float(static_cast<const char*>(dy.data_ptr()) + r * dys, dy.scalar_type(), g.data(), n);
-        row_backward(row.data(), g.data(), wp, meanp ? meanp[r] : 0.f, rstdp[r], rms, n, dwp, dbp);
+        const char* xr = static_cast<const char*>(x.data_ptr()) + r * xs;
+        const char* gr = static_cast<const char*>(dy.data_ptr()) + r * dys;
+        char* dxr = static_cast<char*>(dx.data_ptr()) + r * xs;
+        if (direct) {
+          float* out = reinterpret_cast<float*>(dxr);
+          row_backward(reinterpret_cast<const float*>(xr), reinterpret_cast<const float*>(gr), out, wp,
+                       meanp ? meanp[r] : 0.f, rstdp[r], rms, n, dwp, dbp);
+          if (has_dh) {
+            to_float(static_cast<const char*>(dh->data_ptr()) + r * dhs, dh->scalar_type(), extra.data(), n);
+            for (int64_t i = 0; i < n; ++i) out[i] += extra[i];
+          }
+          continue;
+        }
+        to_float(xr, x.scalar_type(), row.data(), n);
+        to_float(gr, dy.scalar_type(), g.data(), n);
+        row_backward(row.data(), g.data(), row.data(), wp, meanp ? meanp[r] : 0.f, rstdp[r], rms, n, dwp, dbp);
         if (has_dh) {
           to_float(static_cast<const char*>(dh->data_ptr()) + r * dhs, dh->scalar_type(), extra.data(), n);
           for (int64_t i = 0; i < n; ++i) row[i] += extra[i];
         }
-        from_float(row.data(), static_cast<char*>(dx.data_ptr()) + r * xs, x.scalar_type(), n);
+        from_float(row.data(), dxr, x.scalar_type(), n);
       }
     }
   });
