@@ -1,10 +1,12 @@
 // CPU kernels of zerofuse::flatten_into / unflatten_from (bucket copy-in / copy-out).
 //
 // Contiguous tensors are cut into ~256 KiB work items that at::parallel_for spreads over threads:
-// a memcpy when dtypes match, a converting loop otherwise (e.g. bf16 grads into an fp32 bucket).
+// a memcpy when dtypes match, a converting loop otherwise (e.g. bf16 grads into an fp32 bucket;
+// bf16 <-> fp32 through the vectorised loops of convert.h, which c10::convert's path is not).
 // Non-contiguous tensors go through Tensor::copy_ on a view of their range (TensorIterator walks
 // the strides and parallelises itself), after the parallel loop so it is not nested in it.
 #include "../flatten.h"
+#include "convert.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -32,34 +34,12 @@ struct Item {
 #define ZF_DISPATCH_COPY_TYPES(TYPE, NAME, ...) \
   AT_DISPATCH_ALL_TYPES_AND2(at::kHalf, at::kBFloat16, TYPE, NAME, __VA_ARGS__)
 
-// bf16 <-> fp32 on raw bits, in loops the compiler vectorises (c10::convert's per-element path
-// does not): widening is a shift; narrowing rounds to nearest even and keeps NaNs quiet NaNs,
-// bit-identical to torch's conversion. target_clones compiles AVX-512/AVX2 versions picked at load
-// time, so the build stays portable.
-#if defined(__x86_64__) && defined(__GNUC__)
-#define ZF_VECTOR_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define ZF_VECTOR_CLONES
-#endif
-
-ZF_VECTOR_CLONES void bf16_to_f32(const uint16_t* s, uint32_t* d, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) d[i] = static_cast<uint32_t>(s[i]) << 16;
-}
-
-ZF_VECTOR_CLONES void f32_to_bf16(const uint32_t* s, uint16_t* d, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    const uint32_t u = s[i];
-    const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-    d[i] = static_cast<uint16_t>((u & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0u : rounded);
-  }
-}
-
 void convert(const void* src, at::ScalarType src_type, void* dst, at::ScalarType dst_type, int64_t n) {
   if (src_type == at::kBFloat16 && dst_type == at::kFloat) {
-    return bf16_to_f32(static_cast<const uint16_t*>(src), static_cast<uint32_t*>(dst), n);
+    return bf16_to_f32(static_cast<const uint16_t*>(src), static_cast<float*>(dst), n);
   }
   if (src_type == at::kFloat && dst_type == at::kBFloat16) {
-    return f32_to_bf16(static_cast<const uint32_t*>(src), static_cast<uint16_t*>(dst), n);
+    return f32_to_bf16(static_cast<const float*>(src), static_cast<uint16_t*>(dst), n);
   }
   ZF_DISPATCH_COPY_TYPES(dst_type, "zerofuse_convert_dst", [&] {
     using dst_t = scalar_t;

@@ -1,12 +1,14 @@
 // CPU kernels of LayerNorm / RMSNorm (+ fused residual add), forward and backward, for fp32, fp16
 // and bf16 tensors; the CPU impl of zerofuse::layer_norm / rms_norm (pyextension/ops/norms.py).
 //
-// Same math as kernels/norms.py (see its docstring). Each row is converted to fp32 once into a
-// per-thread buffer that stays in cache, reduced with 16 independent accumulators (so the
-// compiler vectorises the sums in a fixed order), and written back rounded once. Rows run in
+// Same math as kernels/norms.py (see its docstring). fp32 rows are read and written in place;
+// fp16/bf16 rows are converted to fp32 once into a per-thread buffer that stays in cache. Sums use
+// 16 independent accumulators (so the compiler vectorises them, in a fixed order), and results
+// are rounded once. Rows run in
 // parallel; weight/bias gradients are summed per fixed block of rows and the blocks are added in
 // order, so results do not depend on the thread count.
 #include "../checks.h"
+#include "convert.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -20,37 +22,13 @@
 namespace zerofuse {
 namespace {
 
-#if defined(__x86_64__) && defined(__GNUC__)
-#define ZF_VECTOR_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define ZF_VECTOR_CLONES
-#endif
-
 constexpr int64_t kLanes = 16;
 constexpr int64_t kMaxRowBlocks = 64;
-
-// ---- conversions between a row of the tensor's dtype and an fp32 buffer
-
-ZF_VECTOR_CLONES void widen_bf16(const uint16_t* s, float* d, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    const uint32_t u = static_cast<uint32_t>(s[i]) << 16;
-    std::memcpy(d + i, &u, 4);
-  }
-}
-
-ZF_VECTOR_CLONES void narrow_bf16(const float* s, uint16_t* d, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    uint32_t u;
-    std::memcpy(&u, s + i, 4);
-    const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-    d[i] = static_cast<uint16_t>((u & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0u : rounded);
-  }
-}
 
 void to_float(const void* src, at::ScalarType t, float* dst, int64_t n) {
   switch (t) {
     case at::kFloat: std::memcpy(dst, src, n * sizeof(float)); return;
-    case at::kBFloat16: widen_bf16(static_cast<const uint16_t*>(src), dst, n); return;
+    case at::kBFloat16: bf16_to_f32(static_cast<const uint16_t*>(src), dst, n); return;
     case at::kHalf: {
       const auto* s = static_cast<const at::Half*>(src);
       for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(s[i]);
@@ -63,7 +41,7 @@ void to_float(const void* src, at::ScalarType t, float* dst, int64_t n) {
 void from_float(const float* src, void* dst, at::ScalarType t, int64_t n) {
   switch (t) {
     case at::kFloat: std::memcpy(dst, src, n * sizeof(float)); return;
-    case at::kBFloat16: narrow_bf16(src, static_cast<uint16_t*>(dst), n); return;
+    case at::kBFloat16: f32_to_bf16(src, static_cast<uint16_t*>(dst), n); return;
     case at::kHalf: {
       auto* d = static_cast<at::Half*>(dst);
       for (int64_t i = 0; i < n; ++i) d[i] = static_cast<at::Half>(src[i]);
