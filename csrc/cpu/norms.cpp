@@ -2,9 +2,9 @@
 // and bf16 tensors; the CPU impl of zerofuse::layer_norm / rms_norm (pyextension/ops/norms.py).
 //
 // Same math as kernels/norms.py (see its docstring). fp32 rows are read and written in place;
-// fp16/bf16 rows are converted to fp32 once into a per-thread buffer that stays in cache. Sums use
-// 16 independent accumulators (so the compiler vectorises them, in a fixed order), and results
-// are rounded once. Rows run in
+// fp16/bf16 rows are converted to fp32 once into a per-thread buffer that stays in cache. Row sums
+// are `omp simd` reductions (vectorised; their order depends only on the vector width of the
+// clone picked for the machine), and results are rounded once. Rows run in
 // parallel; weight/bias gradients are summed per fixed block of rows and the blocks are added in
 // order, so results do not depend on the thread count.
 #include "../checks.h"
@@ -22,7 +22,6 @@
 namespace zerofuse {
 namespace {
 
-constexpr int64_t kLanes = 16;
 constexpr int64_t kMaxRowBlocks = 64;
 
 void to_float(const void* src, at::ScalarType t, float* dst, int64_t n) {
@@ -53,26 +52,18 @@ void from_float(const float* src, void* dst, at::ScalarType t, int64_t n) {
 
 // ---- vectorisable row primitives (fixed summation order: lane i % 16, then lanes in order)
 
-ZF_VECTOR_CLONES float row_sum(const float* x, int64_t n) {
-  float acc[kLanes] = {};
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes)
-    for (int64_t j = 0; j < kLanes; ++j) acc[j] += x[i + j];
-  for (; i < n; ++i) acc[i % kLanes] += x[i];
+ZF_VECTOR_CLONES float row_sum(const float* __restrict__ x, int64_t n) {
   float s = 0.f;
-  for (int64_t j = 0; j < kLanes; ++j) s += acc[j];
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < n; ++i) s += x[i];
   return s;
 }
 
-ZF_VECTOR_CLONES float row_sq_dev(const float* x, float mu, int64_t n) {
+ZF_VECTOR_CLONES float row_sq_dev(const float* __restrict__ x, float mu, int64_t n) {
   // sum((x - mu)^2): the squared deviations (LayerNorm) or, with mu = 0, the squares (RMSNorm)
-  float acc[kLanes] = {};
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes)
-    for (int64_t j = 0; j < kLanes; ++j) acc[j] += (x[i + j] - mu) * (x[i + j] - mu);
-  for (; i < n; ++i) acc[i % kLanes] += (x[i] - mu) * (x[i] - mu);
   float s = 0.f;
-  for (int64_t j = 0; j < kLanes; ++j) s += acc[j];
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < n; ++i) s += (x[i] - mu) * (x[i] - mu);
   return s;
 }
 
@@ -92,28 +83,17 @@ __attribute__((always_inline)) inline void row_backward_impl(const float* __rest
                                                              float* __restrict__ dx, const float* __restrict__ w,
                                                              float mean, float rstd, bool rms, int64_t n,
                                                              float* __restrict__ dw, float* __restrict__ db) {
-  float a1[kLanes] = {}, a2[kLanes] = {};
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes)
-    for (int64_t j = 0; j < kLanes; ++j) {
-      const float xhat = (x[i + j] - mean) * rstd;
-      const float wdy = kW ? w[i + j] * dy[i + j] : dy[i + j];
-      a1[j] += xhat * wdy;
-      a2[j] += wdy;
-    }
-  for (; i < n; ++i) {
+  float c1 = 0.f, c2 = 0.f;
+#pragma omp simd reduction(+ : c1, c2)
+  for (int64_t i = 0; i < n; ++i) {
     const float xhat = (x[i] - mean) * rstd;
     const float wdy = kW ? w[i] * dy[i] : dy[i];
-    a1[i % kLanes] += xhat * wdy;
-    a2[i % kLanes] += wdy;
-  }
-  float c1 = 0.f, c2 = 0.f;
-  for (int64_t j = 0; j < kLanes; ++j) {
-    c1 += a1[j];
-    c2 += a2[j];
+    c1 += xhat * wdy;
+    c2 += wdy;
   }
   c1 /= static_cast<float>(n);
   c2 = rms ? 0.f : c2 / static_cast<float>(n);
+#pragma omp simd
   for (int64_t k = 0; k < n; ++k) {
     const float xhat = (x[k] - mean) * rstd;
     const float wdy = kW ? w[k] * dy[k] : dy[k];
