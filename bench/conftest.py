@@ -83,9 +83,13 @@ def registry() -> _Registry:
 
 @pytest.fixture
 def measure(benchmark, device, smoke, copy_roofline, registry):
-    def run(fn, *, case: str, provider: str, bytes_moved: int | None = None, flops: float | None = None):
+    def run(fn, *, case: str, provider: str, bytes_moved: int | None = None, flops: float | None = None, setup=None):
+        """Times fn(); with ``setup``, fn(*setup()) where setup (untimed, before every round)
+        makes fn's arguments (e.g. a fresh autograd graph for a backward)."""
         rounds = 1 if smoke else 20
-        benchmark.pedantic(lambda: (fn(), synchronize(device)), rounds=rounds, warmup_rounds=1 if smoke else 3)
+        pedantic_setup = (lambda: (setup(), {})) if setup else None
+        benchmark.pedantic(lambda *a: (fn(*a), synchronize(device)), setup=pedantic_setup, rounds=rounds,
+                           warmup_rounds=1 if smoke else 3)
         info = benchmark.extra_info
         info.update(case=case, provider=provider, device=str(device), **_versions(device))
         if benchmark.stats is None:  # --benchmark-disable: ran once, nothing timed
