@@ -74,10 +74,23 @@ void copy_ranges(at::TensorList tensors, const at::Tensor& flat, at::IntArrayRef
   char* flat_base = static_cast<char*>(flat.data_ptr());
   const at::ScalarType flat_type = flat.scalar_type();
   const int64_t flat_size = static_cast<int64_t>(flat.element_size());
-  const int64_t n_items = static_cast<int64_t>(items.size());
-  const int64_t grain = total_bytes < kParallelBytes ? n_items + 1 : 1;
-  at::parallel_for(0, n_items, grain, [&](int64_t lo, int64_t hi) {
-    for (int64_t k = lo; k < hi; ++k) {
+  // Consecutive small items are grouped to ~kItemBytes, so that parallel_for, which splits its
+  // range by count, splits by bytes: otherwise a list of many small tensors followed by a few
+  // large ones leaves one thread with nearly all the bytes (measured: 2x slower).
+  std::vector<size_t> group_begin;
+  int64_t group_bytes = kItemBytes;
+  for (size_t k = 0; k < items.size(); ++k) {
+    if (group_bytes >= kItemBytes) {
+      group_begin.push_back(k);
+      group_bytes = 0;
+    }
+    group_bytes += (items[k].end - items[k].begin) * static_cast<int64_t>(tensors[items[k].tensor].element_size());
+  }
+  group_begin.push_back(items.size());
+  const int64_t n_groups = static_cast<int64_t>(group_begin.size()) - 1;
+  const int64_t grain = total_bytes < kParallelBytes ? n_groups + 1 : 1;
+  at::parallel_for(0, n_groups, grain, [&](int64_t lo, int64_t hi) {
+    for (size_t k = group_begin[lo]; k < group_begin[hi]; ++k) {
       const Item& it = items[k];
       const at::Tensor& t = tensors[it.tensor];
       const int64_t len = it.end - it.begin;
