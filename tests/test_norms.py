@@ -38,9 +38,9 @@ def _run(norm, t, normalized, eps, grad_keys):
     else:
         out = ZF.add_rms_norm(leaves["x"], r, normalized, w, eps) if r is not None else (ZF.rms_norm(leaves["x"], normalized, w, eps), None)
     y, h = out
-    loss = (y.float() * t["dy"].float()).sum()
+    loss = (y.double() * t["dy"].double()).sum()
     if h is not None:  # the residual stream continues: its gradient must be accumulated too
-        loss = loss + (h.float() * 0.25).sum()
+        loss = loss + (h.double() * 0.25).sum()
     loss.backward()
     return y, h, {k: v.grad for k, v in leaves.items()}
 
@@ -104,6 +104,12 @@ def test_forward_and_gradients_match_fp64_reference(norm, dtype, hidden, residua
 @pytest.mark.parametrize("affine,bias", [(True, False), (False, False)], ids=["no_bias", "no_affine"])
 def test_optional_weight_and_bias(norm, affine, bias, path):
     _check(norm, (3, 33, 80), (80,), torch.float32, "cpu", affine=affine, bias=bias, residual=True)
+
+
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
+@pytest.mark.parametrize("norm", ["layer", "rms"])
+def test_float64_is_computed_in_float64(norm, residual, path):
+    _check(norm, (3, 21, 77), (77,), torch.float64, "cpu", residual=residual)
 
 
 @pytest.mark.parametrize("norm", ["layer", "rms"])

@@ -3,7 +3,8 @@
 Forward ops take x (..., N) with the normalised dims already flattened into N, optional weight /
 bias (N,), an optional residual (same shape as x, fused as ``h = x + residual``) and eps; they
 return (y, h, mean, rstd) / (y, h, rstd), with h an empty tensor when there is no residual
-(custom ops may not return their inputs) and fp32 per-row statistics for backward.
+(custom ops may not return their inputs) and per-row statistics for backward (fp32; fp64 for
+fp64 inputs).
 
 CUDA tensors run kernels/norms.py. CPU tensors run the C++ kernels of csrc/cpu/norms.cpp
 (zerofuse::norm_fwd_cpu / norm_bwd_cpu: fp32 math, one rounding, deterministic), float64 runs
@@ -20,18 +21,26 @@ from zerofuse.kernels import norms as K
 from zerofuse.ops import register
 
 _EMPTY = (0,)
-_CPU_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _cpu_kernel(*ts: Tensor | None) -> bool:
     """Whether csrc/cpu/norms.cpp takes these CPU tensors (fp32/fp16/bf16; fp64 takes aten's)."""
-    return all(t is None or (t.device.type == "cpu" and t.dtype in _CPU_KERNEL_DTYPES) for t in ts)
+    return all(t is None or (t.device.type == "cpu" and t.dtype in _KERNEL_DTYPES) for t in ts)
 
 
 def _use_triton(x: Tensor) -> bool:
-    # Rows wider than one program's block take torch's native kernels (correct, not fused).
-    fits = 0 < x.shape[-1] <= K.MAX_HIDDEN
+    # float64 (computed in float64) and rows wider than one program's block take torch's native
+    # kernels: correct, not fused.
+    fits = 0 < x.shape[-1] <= K.MAX_HIDDEN and x.dtype in _KERNEL_DTYPES
     return fits and (x.is_cuda or (x.device.type == "cpu" and kernels.triton_on_cpu()))
+
+
+def _stat_dtype(x: Tensor) -> torch.dtype:
+    """mean/rstd are fp32, fp64 for fp64 inputs."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
 def _2d(t: Tensor | None, n: int) -> Tensor | None:
@@ -57,7 +66,7 @@ def _norm_fwd(x, weight, bias, residual, eps, is_rms):
     if _cpu_kernel(x, residual, w, b):
         y, h, mean, rstd = torch.ops.zerofuse.norm_fwd_cpu(_2d(x, n), w, b, _2d(residual, n), eps, is_rms)
         return y.view(x.shape), (h.view(x.shape) if residual is not None else h), (None if is_rms else mean), rstd
-    # float64 (and rows wider than the Triton kernel on CUDA): torch's native kernels
+    # float64, and rows wider than the Triton kernel on CUDA: torch's native kernels
     h = x + residual if residual is not None else x
     h2 = h.reshape(-1, n)
     if is_rms:
@@ -65,8 +74,8 @@ def _norm_fwd(x, weight, bias, residual, eps, is_rms):
         mean = None
     else:
         y, mean, rstd = torch.ops.aten.native_layer_norm(h2, [n], w, b, eps)
-        mean = mean.view(-1).float()
-    return y.view(h.shape), (h if residual is not None else _empty(x)), mean, rstd.view(-1).float()
+        mean = mean.view(-1)
+    return y.view(h.shape), (h if residual is not None else _empty(x)), mean, rstd.view(-1)
 
 
 @torch.library.custom_op("zerofuse::layer_norm", mutates_args=())
@@ -87,7 +96,7 @@ def _fake_fwd(x, residual):
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     y = x.new_empty(x.shape, dtype=dtype)
     h = x.new_empty(x.shape, dtype=dtype) if residual is not None else _empty(x)
-    return y, h, x.new_empty(rows, dtype=torch.float32)
+    return y, h, x.new_empty(rows, dtype=_stat_dtype(x))
 
 
 @layer_norm.register_fake
@@ -119,8 +128,9 @@ def _norm_bwd(dy, dh, x, weight, bias, mean, rstd, is_rms):
     else:
         x2, dy2, stat = x.reshape(-1, n), dy.reshape(-1, n), rstd.view(-1, 1)
         if is_rms:  # aten._fused_rms_norm_backward has no CPU kernel: the same formula in torch ops
-            xhat, dyf = x2.float() * stat, dy2.float()
-            wdy = dyf * w.float() if w is not None else dyf
+            acc = _stat_dtype(x)
+            xhat, dyf = x2.to(acc) * stat, dy2.to(acc)
+            wdy = dyf * w.to(acc) if w is not None else dyf
             dx = ((wdy - xhat * (xhat * wdy).mean(-1, keepdim=True)) * stat).to(x.dtype)
             dw = (dyf * xhat).sum(0).to(w.dtype) if w is not None else None
             db = None
