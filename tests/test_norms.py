@@ -355,3 +355,22 @@ def test_cpu_kernel_rejects_bad_input():
         torch.ops.zerofuse.norm_fwd_cpu(torch.randn(2, 4, dtype=torch.float64), None, None, None, 1e-5, False)
     with pytest.raises(RuntimeError, match=r"expected residual to be a contiguous \(2, 4\) tensor, got shape \[2, 5\]"):
         torch.ops.zerofuse.norm_fwd_cpu(torch.randn(2, 4), None, None, torch.randn(2, 5), 1e-5, False)
+
+
+@pytest.mark.parametrize("norm", ["layer", "rms"])
+def test_custom_op_autograd_matches_the_eager_path(norm, path):
+    """Eager faces use ops.norms.EagerNorm; compiled graphs use the custom ops' registered autograd."""
+    from zerofuse.ops import norms as ops
+
+    t = _make((3, 29, 70), (70,), torch.float32, "cpu", residual=True)
+    keys = ["x", "residual", "weight"] + (["bias"] if norm == "layer" else [])
+    eager = _run(norm, t, (70,), 1e-5, keys)
+    leaves = {k: t[k].clone().requires_grad_() for k in keys}
+    if norm == "layer":
+        y, h, _, _ = ops.layer_norm(leaves["x"], leaves["weight"], leaves["bias"], leaves["residual"], 1e-5)
+    else:
+        y, h, _ = ops.rms_norm(leaves["x"], leaves["weight"], leaves["residual"], 1e-5)
+    ((y.double() * t["dy"].double()).sum() + (h.double() * 0.25).sum()).backward()
+    assert torch.equal(y, eager[0]) and torch.equal(h, eager[1])
+    for k in keys:
+        assert torch.equal(leaves[k].grad, eager[2][k]), k

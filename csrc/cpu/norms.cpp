@@ -69,10 +69,19 @@ ZF_VECTOR_CLONES float row_sq_dev(const float* __restrict__ x, float mu, int64_t
 
 ZF_VECTOR_CLONES void row_normalize(const float* __restrict__ x, float* __restrict__ y, float mean, float rstd,
                                     const float* __restrict__ w, const float* __restrict__ b, int64_t n) {
-  if (w && b) for (int64_t i = 0; i < n; ++i) y[i] = (x[i] - mean) * rstd * w[i] + b[i];
-  else if (w) for (int64_t i = 0; i < n; ++i) y[i] = (x[i] - mean) * rstd * w[i];
-  else if (b) for (int64_t i = 0; i < n; ++i) y[i] = (x[i] - mean) * rstd + b[i];
-  else for (int64_t i = 0; i < n; ++i) y[i] = (x[i] - mean) * rstd;
+  if (w && b) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) y[i] = (x[i] - mean) * rstd * w[i] + b[i];
+  } else if (w) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) y[i] = (x[i] - mean) * rstd * w[i];
+  } else if (b) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) y[i] = (x[i] - mean) * rstd + b[i];
+  } else {
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) y[i] = (x[i] - mean) * rstd;
+  }
 }
 
 // dx = rstd * (wdy - xhat * c1 - c2), xhat = (x - mean) * rstd, wdy = w * dy; also accumulates

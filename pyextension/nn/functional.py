@@ -5,9 +5,10 @@
     add_layer_norm(input, residual, normalized_shape, weight=None, bias=None, eps=1e-05) -> (y, h)
     add_rms_norm(input, residual, normalized_shape, weight=None, eps=None) -> (y, h)
 
-with h = input + residual, y = norm(h): the pre-norm transformer step in one pass. All go through
-the zerofuse ops: Triton kernels on CUDA, C++ kernels on CPU (Triton in the interpreter under
-ZEROFUSE_TRITON_ON_CPU=1).
+with h = input + residual, y = norm(h): the pre-norm transformer step in one pass. Triton kernels
+on CUDA, C++ kernels on CPU (Triton in the interpreter under ZEROFUSE_TRITON_ON_CPU=1). Under
+torch.compile they trace the zerofuse custom ops; in eager mode they call the same kernels through
+ops.norms.EagerNorm, which skips custom_op's Python dispatch overhead.
 """
 from __future__ import annotations
 
@@ -65,7 +66,10 @@ def _layer_norm(fn, input, residual, normalized_shape, weight, bias, eps):
     n = math.prod(shape)
     x = input.reshape(*input.shape[: input.dim() - len(shape)], n)
     r = None if residual is None else residual.reshape(x.shape)
-    y, h, _, _ = _ops.layer_norm(x, _flat(weight, n), _flat(bias, n), r, eps)
+    if torch.compiler.is_compiling():
+        y, h, _, _ = _ops.layer_norm(x, _flat(weight, n), _flat(bias, n), r, eps)
+    else:
+        y, h = _ops.EagerNorm.apply(x, _flat(weight, n), _flat(bias, n), r, eps, False)
     return y.view(input.shape), (input if residual is None else h.view(input.shape))
 
 
@@ -77,7 +81,10 @@ def _rms_norm(fn, input, residual, normalized_shape, weight, eps):
     n = math.prod(shape)
     x = input.reshape(*input.shape[: input.dim() - len(shape)], n)
     r = None if residual is None else residual.reshape(x.shape)
-    y, h, _ = _ops.rms_norm(x, _flat(weight, n), r, eps)
+    if torch.compiler.is_compiling():
+        y, h, _ = _ops.rms_norm(x, _flat(weight, n), r, eps)
+    else:
+        y, h = _ops.EagerNorm.apply(x, _flat(weight, n), None, r, eps, True)
     return y.view(input.shape), (input if residual is None else h.view(input.shape))
 
 

@@ -219,6 +219,29 @@ layer_norm.register_autograd(_layer_norm_backward, setup_context=_layer_norm_set
 rms_norm.register_autograd(_rms_norm_backward, setup_context=_rms_norm_setup)
 
 
+class EagerNorm(torch.autograd.Function):
+    """The same forward/backward as the ops above, for eager mode without custom_op's Python
+    dispatch (measured on CPU: ~25 us per forward, ~70 us with autograd, vs ~6 us for the kernel
+    on small rows). The faces use it outside torch.compile; compiled graphs use the ops.
+
+    apply(x, weight, bias, residual, eps, is_rms) -> (y, h) with h empty when residual is None.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, residual, eps, is_rms):
+        y, h, mean, rstd = _norm_fwd(x, weight, bias, residual, eps, is_rms)
+        ctx.is_rms = is_rms
+        _save(ctx, x, residual, h, weight, bias, mean, rstd)
+        return y, h
+
+    @staticmethod
+    def backward(ctx, dy, dh):
+        xin, weight, bias, mean, rstd = ctx.saved_tensors
+        dx, dw, db = _norm_bwd(dy, dh if ctx.has_residual else None, xin, weight, bias, mean, rstd, ctx.is_rms)
+        dx, dres = _input_grads(ctx, dx)
+        return dx, (dw if weight is not None else None), (db if bias is not None else None), dres, None, None
+
+
 # ---------------------------------------------------------------- self-tests (doctor)
 
 
