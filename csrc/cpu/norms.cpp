@@ -23,6 +23,7 @@ namespace zerofuse {
 namespace {
 
 constexpr int64_t kMaxRowBlocks = 64;
+constexpr int64_t kColumnTile = 1024;  // floats: a 4 KB tile of dw and of db
 
 void to_float(const void* src, at::ScalarType t, float* dst, int64_t n) {
   switch (t) {
@@ -84,14 +85,13 @@ ZF_VECTOR_CLONES void row_normalize(const float* __restrict__ x, float* __restri
   }
 }
 
-// dx = rstd * (wdy - xhat * c1 - c2), xhat = (x - mean) * rstd, wdy = w * dy; also accumulates
-// dw += dy * xhat (with a weight) and db += dy. Specialised per case so every loop is branch-free
-// and vectorises; always_inline puts it inside row_backward's ISA clones.
-template <bool kW, bool kDB>
+// dx = rstd * (wdy - xhat * c1 - c2), xhat = (x - mean) * rstd, wdy = w * dy (w may be null).
+// Specialised on the weight so every loop is branch-free; always_inline puts it inside
+// row_backward's ISA clones.
+template <bool kW>
 __attribute__((always_inline)) inline void row_backward_impl(const float* __restrict__ x, const float* __restrict__ dy,
                                                              float* __restrict__ dx, const float* __restrict__ w,
-                                                             float mean, float rstd, bool rms, int64_t n,
-                                                             float* __restrict__ dw, float* __restrict__ db) {
+                                                             float mean, float rstd, bool rms, int64_t n) {
   float c1 = 0.f, c2 = 0.f;
 #pragma omp simd reduction(+ : c1, c2)
   for (int64_t i = 0; i < n; ++i) {
@@ -106,19 +106,29 @@ __attribute__((always_inline)) inline void row_backward_impl(const float* __rest
   for (int64_t k = 0; k < n; ++k) {
     const float xhat = (x[k] - mean) * rstd;
     const float wdy = kW ? w[k] * dy[k] : dy[k];
-    if constexpr (kW) dw[k] += dy[k] * xhat;
-    if constexpr (kDB) db[k] += dy[k];
     dx[k] = (wdy - xhat * c1 - c2) * rstd;
   }
 }
 
-// dx must not alias x or dy. dw is given exactly when w is.
+// dx must not alias x or dy.
 ZF_VECTOR_CLONES void row_backward(const float* x, const float* dy, float* dx, const float* w, float mean, float rstd,
-                                   bool rms, int64_t n, float* dw, float* db) {
-  if (w && db) row_backward_impl<true, true>(x, dy, dx, w, mean, rstd, rms, n, dw, db);
-  else if (w) row_backward_impl<true, false>(x, dy, dx, w, mean, rstd, rms, n, dw, db);
-  else if (db) row_backward_impl<false, true>(x, dy, dx, w, mean, rstd, rms, n, dw, db);
-  else row_backward_impl<false, false>(x, dy, dx, w, mean, rstd, rms, n, dw, db);
+                                   bool rms, int64_t n) {
+  if (w) row_backward_impl<true>(x, dy, dx, w, mean, rstd, rms, n);
+  else row_backward_impl<false>(x, dy, dx, w, mean, rstd, rms, n);
+}
+
+// dw[i] += dy[i] * (x[i] - mean) * rstd and db[i] += dy[i] over one column tile of one row
+// (either may be null).
+ZF_VECTOR_CLONES void accumulate_param_grads(const float* __restrict__ x, const float* __restrict__ dy, float mean,
+                                             float rstd, int64_t n, float* __restrict__ dw, float* __restrict__ db) {
+  if (dw) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) dw[i] += dy[i] * ((x[i] - mean) * rstd);
+  }
+  if (db) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) db[i] += dy[i];
+  }
 }
 
 std::vector<float> param_as_float(const c10::optional<at::Tensor>& p, int64_t n) {
@@ -221,35 +231,42 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_bwd_cpu(
   const float* rstdp = rstd.data_ptr<float>();
   const int64_t xs = n * x.element_size(), dys = n * dy.element_size(), dhs = has_dh ? n * dh->element_size() : 0;
 
+  // Per block of rows: dx row by row, then dw/db column tile by column tile over the block's rows
+  // (which are still in L2), so the partial-sum tiles stay in L1 even for wide rows.
   const bool direct = x.scalar_type() == at::kFloat && dy.scalar_type() == at::kFloat;
   at::parallel_for(0, blocks, 1, [&](int64_t lo, int64_t hi) {
-    std::vector<float> row(direct ? 0 : n), g(direct ? 0 : n), out(direct ? 0 : n), extra(has_dh ? n : 0);
+    const size_t buf = direct ? 0 : static_cast<size_t>(rows_per_block * n);
+    std::vector<float> xb(buf), gb(buf), out(n), extra(has_dh ? n : 0);
     for (int64_t blk = lo; blk < hi; ++blk) {
-      float* dwp = has_w ? dw_part.data() + blk * n : nullptr;
-      float* dbp = has_b ? db_part.data() + blk * n : nullptr;
-      const int64_t end = std::min(m, (blk + 1) * rows_per_block);
-      for (int64_t r = blk * rows_per_block; r < end; ++r) {
-        const char* xr = static_cast<const char*>(x.data_ptr()) + r * xs;
-        const char* gr = static_cast<const char*>(dy.data_ptr()) + r * dys;
-        char* dxr = static_cast<char*>(dx.data_ptr()) + r * xs;
-        if (direct) {
-          float* out = reinterpret_cast<float*>(dxr);
-          row_backward(reinterpret_cast<const float*>(xr), reinterpret_cast<const float*>(gr), out, wp,
-                       meanp ? meanp[r] : 0.f, rstdp[r], rms, n, dwp, dbp);
-          if (has_dh) {
-            to_float(static_cast<const char*>(dh->data_ptr()) + r * dhs, dh->scalar_type(), extra.data(), n);
-            for (int64_t i = 0; i < n; ++i) out[i] += extra[i];
-          }
-          continue;
+      const int64_t r0 = blk * rows_per_block, r1 = std::min(m, r0 + rows_per_block);
+      auto x_row = [&](int64_t r) {
+        return direct ? static_cast<const float*>(x.data_ptr()) + r * n : xb.data() + (r - r0) * n;
+      };
+      auto g_row = [&](int64_t r) {
+        return direct ? static_cast<const float*>(dy.data_ptr()) + r * n : gb.data() + (r - r0) * n;
+      };
+      for (int64_t r = r0; r < r1; ++r) {
+        if (!direct) {
+          to_float(static_cast<const char*>(x.data_ptr()) + r * xs, x.scalar_type(), xb.data() + (r - r0) * n, n);
+          to_float(static_cast<const char*>(dy.data_ptr()) + r * dys, dy.scalar_type(), gb.data() + (r - r0) * n, n);
         }
-        to_float(xr, x.scalar_type(), row.data(), n);
-        to_float(gr, dy.scalar_type(), g.data(), n);
-        row_backward(row.data(), g.data(), out.data(), wp, meanp ? meanp[r] : 0.f, rstdp[r], rms, n, dwp, dbp);
+        char* dxr = static_cast<char*>(dx.data_ptr()) + r * xs;
+        float* o = direct ? reinterpret_cast<float*>(dxr) : out.data();
+        row_backward(x_row(r), g_row(r), o, wp, meanp ? meanp[r] : 0.f, rstdp[r], rms, n);
         if (has_dh) {
           to_float(static_cast<const char*>(dh->data_ptr()) + r * dhs, dh->scalar_type(), extra.data(), n);
-          for (int64_t i = 0; i < n; ++i) out[i] += extra[i];
+          for (int64_t i = 0; i < n; ++i) o[i] += extra[i];
         }
-        from_float(out.data(), dxr, x.scalar_type(), n);
+        if (!direct) from_float(o, dxr, x.scalar_type(), n);
+      }
+      if (!has_w && !has_b) continue;
+      float* dwp = has_w ? dw_part.data() + blk * n : nullptr;
+      float* dbp = has_b ? db_part.data() + blk * n : nullptr;
+      for (int64_t c0 = 0; c0 < n; c0 += kColumnTile) {
+        const int64_t len = std::min(kColumnTile, n - c0);
+        for (int64_t r = r0; r < r1; ++r)
+          accumulate_param_grads(x_row(r) + c0, g_row(r) + c0, meanp ? meanp[r] : 0.f, rstdp[r], len,
+                                 dwp ? dwp + c0 : nullptr, dbp ? dbp + c0 : nullptr);
       }
     }
   });
