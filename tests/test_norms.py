@@ -112,6 +112,15 @@ def test_float64_is_computed_in_float64(norm, residual, path):
     _check(norm, (3, 21, 77), (77,), torch.float64, "cpu", residual=residual)
 
 
+def test_layer_norm_of_rows_with_a_large_mean_and_tiny_spread(path):
+    """|mean| / std = 1e5: a plain one-pass sum of squares cancels to garbage (errors of O(1) or
+    NaN) in fp32. What remains is inherent to fp32: the mean's rounding (ulp(1000) = 6e-5) over a
+    std of 0.01 moves y by up to ~6e-3."""
+    x = (1000.0 + 0.01 * torch.randn(6, 513, dtype=torch.float64)).float()
+    y = ZF.layer_norm(x, (513,))
+    assert_close(y, reference.layer_norm(x.double(), (513,))[0], atol=1e-2, rtol=0)
+
+
 @pytest.mark.parametrize("norm", ["layer", "rms"])
 def test_widest_rows(norm):
     _check(norm, (3, 65536), (65536,), torch.bfloat16, "cpu")

@@ -53,11 +53,20 @@ void from_float(const float* src, void* dst, at::ScalarType t, int64_t n) {
 
 // ---- vectorisable row primitives (fixed summation order: lane i % 16, then lanes in order)
 
-ZF_VECTOR_CLONES float row_sum(const float* __restrict__ x, int64_t n) {
-  float s = 0.f;
-#pragma omp simd reduction(+ : s)
-  for (int64_t i = 0; i < n; ++i) s += x[i];
-  return s;
+// Mean and biased variance in one pass over x, on data shifted by x[0] (the shifted-data
+// algorithm: no cancellation when |mean| >> std, unlike the plain sum of squares).
+ZF_VECTOR_CLONES void row_moments(const float* __restrict__ x, int64_t n, float* mean, float* var) {
+  const float k = x[0];
+  float s1 = 0.f, s2 = 0.f;
+#pragma omp simd reduction(+ : s1, s2)
+  for (int64_t i = 0; i < n; ++i) {
+    const float d = x[i] - k;
+    s1 += d;
+    s2 += d * d;
+  }
+  const float inv_n = 1.f / static_cast<float>(n);
+  *mean = k + s1 * inv_n;
+  *var = std::max(0.f, (s2 - s1 * s1 * inv_n) * inv_n);
 }
 
 ZF_VECTOR_CLONES float row_sq_dev(const float* __restrict__ x, float mu, int64_t n) {
@@ -188,8 +197,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> norm_fwd_cpu(
         from_float(row.data(), hp + r * hs, ht, n);
         to_float(hp + r * hs, ht, row.data(), n);  // normalise the rounded sum, as unfused code would
       }
-      const float mu = rms ? 0.f : row_sum(in, n) / static_cast<float>(n);
-      const float rs_ = 1.f / std::sqrt(row_sq_dev(in, mu, n) / static_cast<float>(n) + static_cast<float>(eps));
+      float mu, var;
+      if (rms) {
+        mu = 0.f;
+        var = row_sq_dev(in, 0.f, n) / static_cast<float>(n);
+      } else {
+        row_moments(in, n, &mu, &var);
+      }
+      const float rs_ = 1.f / std::sqrt(var + static_cast<float>(eps));
       if (meanp) meanp[r] = mu;
       rstdp[r] = rs_;
       float* out = write_direct ? reinterpret_cast<float*>(yp + r * hs) : tmp.data();
