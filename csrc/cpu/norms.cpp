@@ -94,6 +94,22 @@ ZF_VECTOR_CLONES void row_normalize(const float* __restrict__ x, float* __restri
   }
 }
 
+// row_normalize fused with the rounding to bf16 (round to nearest even, as f32_to_bf16): saves
+// a pass and an fp32 row buffer for bf16 outputs.
+ZF_VECTOR_CLONES void row_normalize_bf16(const float* __restrict__ x, uint16_t* __restrict__ y, float mean, float rstd,
+                                         const float* __restrict__ w, const float* __restrict__ b, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    float v = (x[i] - mean) * rstd;
+    if (w) v *= w[i];
+    if (b) v += b[i];
+    uint32_t u;
+    std::memcpy(&u, &v, 4);
+    const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+    y[i] = static_cast<uint16_t>((u & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0u : rounded);
+  }
+}
+
 // dx = rstd * (wdy - xhat * c1 - c2), xhat = (x - mean) * rstd, wdy = w * dy (w may be null).
 // Specialised on the weight so every loop is branch-free; always_inline puts it inside
 // row_backward's ISA clones.
@@ -207,6 +223,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> norm_fwd_cpu(
       const float rs_ = 1.f / std::sqrt(var + static_cast<float>(eps));
       if (meanp) meanp[r] = mu;
       rstdp[r] = rs_;
+      if (ht == at::kBFloat16) {
+        row_normalize_bf16(in, reinterpret_cast<uint16_t*>(yp + r * hs), mu, rs_, wp, bp, n);
+        continue;
+      }
       float* out = write_direct ? reinterpret_cast<float*>(yp + r * hs) : tmp.data();
       row_normalize(in, out, mu, rs_, wp, bp, n);
       if (!write_direct) from_float(out, yp + r * hs, ht, n);
