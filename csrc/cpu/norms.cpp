@@ -95,19 +95,30 @@ ZF_VECTOR_CLONES void row_normalize(const float* __restrict__ x, float* __restri
 }
 
 // row_normalize fused with the rounding to bf16 (round to nearest even, as f32_to_bf16): saves
-// a pass and an fp32 row buffer for bf16 outputs.
-ZF_VECTOR_CLONES void row_normalize_bf16(const float* __restrict__ x, uint16_t* __restrict__ y, float mean, float rstd,
-                                         const float* __restrict__ w, const float* __restrict__ b, int64_t n) {
+// a pass and an fp32 row buffer for bf16 outputs. Specialised on weight/bias (branch-free loops).
+template <bool kW, bool kB>
+__attribute__((always_inline)) inline void row_normalize_bf16_impl(const float* __restrict__ x,
+                                                                   uint16_t* __restrict__ y, float mean, float rstd,
+                                                                   const float* __restrict__ w,
+                                                                   const float* __restrict__ b, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
     float v = (x[i] - mean) * rstd;
-    if (w) v *= w[i];
-    if (b) v += b[i];
+    if constexpr (kW) v *= w[i];
+    if constexpr (kB) v += b[i];
     uint32_t u;
     std::memcpy(&u, &v, 4);
     const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
     y[i] = static_cast<uint16_t>((u & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0u : rounded);
   }
+}
+
+ZF_VECTOR_CLONES void row_normalize_bf16(const float* x, uint16_t* y, float mean, float rstd, const float* w,
+                                         const float* b, int64_t n) {
+  if (w && b) row_normalize_bf16_impl<true, true>(x, y, mean, rstd, w, b, n);
+  else if (w) row_normalize_bf16_impl<true, false>(x, y, mean, rstd, w, b, n);
+  else if (b) row_normalize_bf16_impl<false, true>(x, y, mean, rstd, w, b, n);
+  else row_normalize_bf16_impl<false, false>(x, y, mean, rstd, w, b, n);
 }
 
 // dx = rstd * (wdy - xhat * c1 - c2), xhat = (x - mean) * rstd, wdy = w * dy (w may be null).
