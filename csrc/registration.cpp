@@ -15,4 +15,11 @@ TORCH_LIBRARY(zerofuse, m) {
   // returns (dx, dweight or empty, dbias or empty); dh is added to dx.
   m.def("norm_bwd_cpu(Tensor dy, Tensor? dh, Tensor x, Tensor? weight, Tensor? bias, Tensor mean, "
         "Tensor rstd, bool rms) -> (Tensor, Tensor, Tensor)");
+  // Adam / AdamW step over lists of tensors (a flat ZeRO shard is a list of one), in place.
+  // masters: empty, or fp32 master weights the low-precision params are written from.
+  // found_inf: when nonzero the step is skipped (no state changes).
+  m.def("adam_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
+        "Tensor(d!)[] masters, float lr, float beta1, float beta2, float eps, float weight_decay, "
+        "float bias_correction1, float bias_correction2, bool decoupled, bool maximize, float inv_grad_scale, "
+        "Tensor? found_inf) -> ()");
 }

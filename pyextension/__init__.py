@@ -13,11 +13,12 @@ _C = load_extension()
 
 from zerofuse import ops  # noqa: E402
 from zerofuse import nn  # noqa: E402
+from zerofuse import optim  # noqa: E402
 from zerofuse.ops import flatten_into, packed_offsets, unflatten_from  # noqa: E402
 
 __version__ = "0.1.0"
 
-__all__ = ["ops", "nn", "flatten_into", "unflatten_from", "packed_offsets", "build_info", "__version__"]
+__all__ = ["ops", "nn", "optim", "flatten_into", "unflatten_from", "packed_offsets", "build_info", "__version__"]
 
 
 def build_info() -> dict:

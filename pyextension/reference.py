@@ -48,3 +48,20 @@ def rms_norm(x, normalized_shape, weight=None, eps=None, residual=None):
     if weight is not None:
         y = y * weight
     return y, h
+
+
+def adam_step(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, weight_decay,
+              decoupled=True, maximize=False):
+    """One Adam (decoupled=False: L2 decay added to the gradient, as torch.optim.Adam) or AdamW
+    (decoupled=True: param *= 1 - lr * weight_decay, as torch.optim.AdamW) step, in place, in the
+    tensors' dtype (Kingma & Ba 2015; Loshchilov & Hutter 2019). `step` counts from 1."""
+    g = -grad if maximize else grad
+    if weight_decay:
+        if decoupled:
+            param.mul_(1 - lr * weight_decay)
+        else:
+            g = g + weight_decay * param
+    exp_avg.lerp_(g, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    denom = (exp_avg_sq.sqrt() / (1 - beta2**step) ** 0.5).add_(eps)
+    param.addcdiv_(exp_avg, denom, value=-lr / (1 - beta1**step))

@@ -2,6 +2,8 @@
 // (round to nearest even, NaN stays a quiet NaN), in loops the compiler vectorises.
 #pragma once
 
+#include <c10/core/ScalarType.h>
+
 #include <cstdint>
 
 // Compiles AVX-512 / AVX2 / baseline versions of a function, picked at load time, so a build
@@ -16,5 +18,9 @@ namespace zerofuse {
 
 void bf16_to_f32(const uint16_t* src, float* dst, int64_t n);
 void f32_to_bf16(const float* src, uint16_t* dst, int64_t n);
+
+// n elements of dtype t (float32, bfloat16 or float16) <-> an fp32 array.
+void to_float(const void* src, at::ScalarType t, float* dst, int64_t n);
+void from_float(const float* src, void* dst, at::ScalarType t, int64_t n);
 
 }  // namespace zerofuse

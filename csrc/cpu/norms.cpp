@@ -25,34 +25,6 @@ namespace {
 constexpr int64_t kMaxRowBlocks = 64;
 constexpr int64_t kColumnTile = 1024;  // floats: a 4 KB tile of dw and of db
 
-void to_float(const void* src, at::ScalarType t, float* dst, int64_t n) {
-  switch (t) {
-    case at::kFloat: std::memcpy(dst, src, n * sizeof(float)); return;
-    case at::kBFloat16: bf16_to_f32(static_cast<const uint16_t*>(src), dst, n); return;
-    case at::kHalf: {
-      const auto* s = static_cast<const at::Half*>(src);
-      for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(s[i]);
-      return;
-    }
-    default: TORCH_CHECK(false, "zerofuse: unexpected dtype ", t);
-  }
-}
-
-void from_float(const float* src, void* dst, at::ScalarType t, int64_t n) {
-  switch (t) {
-    case at::kFloat: std::memcpy(dst, src, n * sizeof(float)); return;
-    case at::kBFloat16: f32_to_bf16(src, static_cast<uint16_t*>(dst), n); return;
-    case at::kHalf: {
-      auto* d = static_cast<at::Half*>(dst);
-      for (int64_t i = 0; i < n; ++i) d[i] = static_cast<at::Half>(src[i]);
-      return;
-    }
-    default: TORCH_CHECK(false, "zerofuse: unexpected dtype ", t);
-  }
-}
-
-// ---- vectorisable row primitives (fixed summation order: lane i % 16, then lanes in order)
-
 // Mean and biased variance in one pass over x, on data shifted by x[0] (the shifted-data
 // algorithm: no cancellation when |mean| >> std, unlike the plain sum of squares).
 ZF_VECTOR_CLONES void row_moments(const float* __restrict__ x, int64_t n, float* mean, float* var) {

@@ -41,5 +41,6 @@ def registered_in_torch() -> list[str]:
 
 from zerofuse.ops.flatten import flatten_into, packed_offsets, unflatten_from  # noqa: E402
 from zerofuse.ops import norms  # noqa: E402,F401
+from zerofuse.ops.adam import adam_  # noqa: E402
 
-__all__ = ["OPS", "OpInfo", "list_ops", "registered_in_torch", "flatten_into", "unflatten_from", "packed_offsets"]
+__all__ = ["OPS", "OpInfo", "list_ops", "registered_in_torch", "flatten_into", "unflatten_from", "packed_offsets", "adam_"]
