@@ -41,7 +41,8 @@ def _extension():
     opt = ["-g", "-O0"] if debug else ["-O3"]
     # -fopenmp: at::parallel_for is OpenMP inline code; without the flag it silently runs on one
     # thread. libgomp.so.1 resolves to the copy torch has already loaded.
-    cxx = opt + ["-fvisibility=hidden", "-fopenmp"]
+    # -fno-math-errno: otherwise sqrt in a loop cannot vectorise (errno) - the Adam kernel ran 2x slower.
+    cxx = opt + ["-fvisibility=hidden", "-fopenmp", "-fno-math-errno"]
     link = ["-fopenmp"]
     if not _want_cuda():
         print("zerofuse: building the CPU-only extension", file=sys.stderr)
