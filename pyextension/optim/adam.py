@@ -63,8 +63,7 @@ class _FusedAdamMixin:
         skip = found_inf is not None and bool(found_inf.ne(0).any())
         name = type(self).__name__
         for group in self.param_groups:
-            # parameters sharing a step count (all of them, unless states were loaded piecemeal)
-            batches: dict[tuple, list] = {}
+            items = []
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -72,22 +71,20 @@ class _FusedAdamMixin:
                     raise RuntimeError(f"zerofuse.optim.{name}: sparse gradients are not supported")
                 if p.is_complex():
                     raise RuntimeError(f"zerofuse.optim.{name}: complex parameters are not supported")
-                state = self._init_state(p, group["master_weights"])
-                key = (p.device, int(state["step"].item()))
-                batches.setdefault(key, []).append((p, state))
-            if skip:
+                items.append((p, self._init_state(p, group["master_weights"])))
+            if skip or not items:
                 continue
+            # one host read and one add for all step counters (per-param .item() and += cost
+            # ~5 us each: a quarter of a 1M-parameter step)
+            steps = [s["step"] for _, s in items]
+            counts = torch.stack(steps).tolist()
+            torch._foreach_add_(steps, 1.0)
+            batches: dict[tuple, list] = {}  # parameters sharing a device, step count and master use
+            for (p, s), count in zip(items, counts):
+                batches.setdefault((p.device, int(count), "master" in s), []).append((p, s))
             beta1, beta2 = group["betas"]
-            for (_, step), items in batches.items():
-                for _, s in items:
-                    s["step"] += 1
-                masters = [s["master"] for p, s in items if "master" in s]
-                if masters and len(masters) != len(items):
-                    # mixed precisions in one group: update the ones with masters separately
-                    self._step_items(group, [it for it in items if "master" in it[1]], step + 1, beta1, beta2, inv_scale)
-                    self._step_items(group, [it for it in items if "master" not in it[1]], step + 1, beta1, beta2, inv_scale)
-                else:
-                    self._step_items(group, items, step + 1, beta1, beta2, inv_scale)
+            for (_, count, _), batch in batches.items():
+                self._step_items(group, batch, count + 1, beta1, beta2, inv_scale)
         return loss
 
     def _step_items(self, group, items, step, beta1, beta2, inv_scale):
