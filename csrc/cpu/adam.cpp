@@ -12,6 +12,7 @@
 // target_clones (AVX-512 / AVX2 / baseline) so it vectorises at the machine's width.
 #include "../checks.h"
 #include "convert.h"
+#include "spans.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -25,7 +26,7 @@ namespace zerofuse {
 namespace {
 
 constexpr int64_t kChunk = 4096;  // elements converted at a time into stack buffers
-constexpr int64_t kSpan = 1 << 16;  // elements per parallel work item
+constexpr int64_t kSpan = 1 << 16;  // elements per span / group of spans (spans.h)
 
 // Scalars are derived in double and rounded once, as torch.optim passes Python floats to its ops:
 // float(1 - beta1) differs from 1 - float(beta1).
@@ -54,11 +55,6 @@ ZF_VECTOR_CLONES void adam_chunk(float* __restrict__ p, const float* __restrict_
     p[i] = pi - c.step_size * (mi / (std::sqrt(vi) / c.bc2_sqrt + c.eps));
   }
 }
-
-struct Span {
-  size_t tensor;
-  int64_t begin, end;
-};
 
 void check_lists(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
                  at::TensorList masters) {
@@ -123,40 +119,36 @@ void adam_cpu(at::TensorList params,       // n tensors (any shape), fp32/bf16/f
                      static_cast<float>(inv_grad_scale),
                      decoupled,
                      maximize};
-  std::vector<Span> spans;
-  for (size_t i = 0; i < params.size(); ++i)
-    for (int64_t b = 0; b < params[i].numel(); b += kSpan) spans.push_back({i, b, std::min(params[i].numel(), b + kSpan)});
+  SpanPlan plan;
+  for (size_t i = 0; i < params.size(); ++i) plan.add(i, params[i].numel(), 1, kSpan);
   const bool has_master = !masters.empty();
 
-  at::parallel_for(0, static_cast<int64_t>(spans.size()), 1, [&](int64_t lo, int64_t hi) {
-    std::vector<float> gbuf(kChunk), pbuf(kChunk);
-    for (int64_t s = lo; s < hi; ++s) {
-      const Span& sp = spans[s];
-      const at::Tensor& param = params[sp.tensor];
-      const at::Tensor& grad = grads[sp.tensor];
-      float* m = exp_avgs[sp.tensor].data_ptr<float>();
-      float* v = exp_avg_sqs[sp.tensor].data_ptr<float>();
-      float* master = has_master ? masters[sp.tensor].data_ptr<float>() : nullptr;
-      const bool p32 = param.scalar_type() == at::kFloat, g32 = grad.scalar_type() == at::kFloat;
-      char* pbase = static_cast<char*>(param.data_ptr());
-      const char* gbase = static_cast<const char*>(grad.data_ptr());
-      const int64_t pe = param.element_size(), ge = grad.element_size();
-      for (int64_t b = sp.begin; b < sp.end; b += kChunk) {
-        const int64_t len = std::min(kChunk, sp.end - b);
-        const float* g = g32 ? reinterpret_cast<const float*>(gbase) + b : gbuf.data();
-        if (!g32) to_float(gbase + b * ge, grad.scalar_type(), gbuf.data(), len);
-        float* p;
-        if (master) {
-          p = master + b;
-        } else if (p32) {
-          p = reinterpret_cast<float*>(pbase) + b;
-        } else {
-          to_float(pbase + b * pe, param.scalar_type(), pbuf.data(), len);
-          p = pbuf.data();
-        }
-        adam_chunk(p, g, m + b, v + b, len, c);
-        if (master || !p32) from_float(p, pbase + b * pe, param.scalar_type(), len);
+  plan.for_each(kChunk, [&](const Span& sp) {
+    std::vector<float> gbuf(kChunk), pbuf(kChunk);  // fp32 staging for bf16/fp16 chunks
+    const at::Tensor& param = params[sp.tensor];
+    const at::Tensor& grad = grads[sp.tensor];
+    float* m = exp_avgs[sp.tensor].data_ptr<float>();
+    float* v = exp_avg_sqs[sp.tensor].data_ptr<float>();
+    float* master = has_master ? masters[sp.tensor].data_ptr<float>() : nullptr;
+    const bool p32 = param.scalar_type() == at::kFloat, g32 = grad.scalar_type() == at::kFloat;
+    char* pbase = static_cast<char*>(param.data_ptr());
+    const char* gbase = static_cast<const char*>(grad.data_ptr());
+    const int64_t pe = param.element_size(), ge = grad.element_size();
+    for (int64_t b = sp.begin; b < sp.end; b += kChunk) {
+      const int64_t len = std::min(kChunk, sp.end - b);
+      const float* g = g32 ? reinterpret_cast<const float*>(gbase) + b : gbuf.data();
+      if (!g32) to_float(gbase + b * ge, grad.scalar_type(), gbuf.data(), len);
+      float* p;
+      if (master) {
+        p = master + b;
+      } else if (p32) {
+        p = reinterpret_cast<float*>(pbase) + b;
+      } else {
+        to_float(pbase + b * pe, param.scalar_type(), pbuf.data(), len);
+        p = pbuf.data();
       }
+      adam_chunk(p, g, m + b, v + b, len, c);
+      if (master || !p32) from_float(p, pbase + b * pe, param.scalar_type(), len);
     }
   });
 }

@@ -1,12 +1,13 @@
 // CPU kernels of zerofuse::flatten_into / unflatten_from (bucket copy-in / copy-out).
 //
-// Contiguous tensors are cut into ~256 KiB work items that at::parallel_for spreads over threads:
+// Contiguous tensors are cut into ~256 KiB spans (spans.h) that at::parallel_for spreads over threads:
 // a memcpy when dtypes match, a converting loop otherwise (e.g. bf16 grads into an fp32 bucket;
 // bf16 <-> fp32 through the vectorised loops of convert.h, which c10::convert's path is not).
 // Non-contiguous tensors go through Tensor::copy_ on a view of their range (TensorIterator walks
 // the strides and parallelises itself), after the parallel loop so it is not nested in it.
 #include "../flatten.h"
 #include "convert.h"
+#include "spans.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -24,12 +25,6 @@ namespace {
 constexpr int64_t kItemBytes = int64_t{1} << 18;
 // Below this much data, one thread finishes before a second one would have started.
 constexpr int64_t kParallelBytes = int64_t{1} << 16;
-
-struct Item {
-  size_t tensor;
-  int64_t begin;  // element range of tensors[tensor]
-  int64_t end;
-};
 
 #define ZF_DISPATCH_COPY_TYPES(TYPE, NAME, ...) \
   AT_DISPATCH_ALL_TYPES_AND2(at::kHalf, at::kBFloat16, TYPE, NAME, __VA_ARGS__)
@@ -55,56 +50,34 @@ void convert(const void* src, at::ScalarType src_type, void* dst, at::ScalarType
 template <bool kToFlat>
 void copy_ranges(at::TensorList tensors, const at::Tensor& flat, at::IntArrayRef offsets) {
   at::AutoDispatchBelowADInplaceOrView no_autograd;  // internal copies are not part of any graph
-  std::vector<Item> items;
+  SpanPlan plan;
   std::vector<size_t> strided;
-  int64_t total_bytes = 0;
   for (size_t i = 0; i < tensors.size(); ++i) {
     const at::Tensor& t = tensors[i];
-    const int64_t n = t.numel();
-    if (n == 0) continue;
+    if (t.numel() == 0) continue;
     if (!t.is_contiguous()) {
       strided.push_back(i);
       continue;
     }
-    const int64_t per_item = std::max<int64_t>(1, kItemBytes / static_cast<int64_t>(t.element_size()));
-    for (int64_t b = 0; b < n; b += per_item) items.push_back({i, b, std::min(n, b + per_item)});
-    total_bytes += n * static_cast<int64_t>(t.element_size());
+    plan.add(i, t.numel(), static_cast<int64_t>(t.element_size()), kItemBytes);
   }
 
   char* flat_base = static_cast<char*>(flat.data_ptr());
   const at::ScalarType flat_type = flat.scalar_type();
   const int64_t flat_size = static_cast<int64_t>(flat.element_size());
-  // Consecutive small items are grouped to ~kItemBytes, so that parallel_for, which splits its
-  // range by count, splits by bytes: otherwise a list of many small tensors followed by a few
-  // large ones leaves one thread with nearly all the bytes (measured: 2x slower).
-  std::vector<size_t> group_begin;
-  int64_t group_bytes = kItemBytes;
-  for (size_t k = 0; k < items.size(); ++k) {
-    if (group_bytes >= kItemBytes) {
-      group_begin.push_back(k);
-      group_bytes = 0;
-    }
-    group_bytes += (items[k].end - items[k].begin) * static_cast<int64_t>(tensors[items[k].tensor].element_size());
-  }
-  group_begin.push_back(items.size());
-  const int64_t n_groups = static_cast<int64_t>(group_begin.size()) - 1;
-  const int64_t grain = total_bytes < kParallelBytes ? n_groups + 1 : 1;
-  at::parallel_for(0, n_groups, grain, [&](int64_t lo, int64_t hi) {
-    for (size_t k = group_begin[lo]; k < group_begin[hi]; ++k) {
-      const Item& it = items[k];
-      const at::Tensor& t = tensors[it.tensor];
-      const int64_t len = it.end - it.begin;
-      char* tp = static_cast<char*>(t.data_ptr()) + it.begin * t.element_size();
-      char* fp = flat_base + (offsets[it.tensor] + it.begin) * flat_size;
-      if (tp == fp) continue;  // a tensor that is already a view of its own range (ZeRO params)
-      if (t.scalar_type() == flat_type) {
-        if (kToFlat) std::memcpy(fp, tp, len * flat_size);
-        else std::memcpy(tp, fp, len * flat_size);
-      } else if (kToFlat) {
-        convert(tp, t.scalar_type(), fp, flat_type, len);
-      } else {
-        convert(fp, flat_type, tp, t.scalar_type(), len);
-      }
+  plan.for_each(kParallelBytes, [&](const Span& it) {
+    const at::Tensor& t = tensors[it.tensor];
+    const int64_t len = it.end - it.begin;
+    char* tp = static_cast<char*>(t.data_ptr()) + it.begin * t.element_size();
+    char* fp = flat_base + (offsets[it.tensor] + it.begin) * flat_size;
+    if (tp == fp) return;  // a tensor that is already a view of its own range (ZeRO params)
+    if (t.scalar_type() == flat_type) {
+      if (kToFlat) std::memcpy(fp, tp, len * flat_size);
+      else std::memcpy(tp, fp, len * flat_size);
+    } else if (kToFlat) {
+      convert(tp, t.scalar_type(), fp, flat_type, len);
+    } else {
+      convert(fp, flat_type, tp, t.scalar_type(), len);
     }
   });
 
