@@ -15,11 +15,26 @@ TORCH_LIBRARY(zerofuse, m) {
   // returns (dx, dweight or empty, dbias or empty); dh is added to dx.
   m.def("norm_bwd_cpu(Tensor dy, Tensor? dh, Tensor x, Tensor? weight, Tensor? bias, Tensor mean, "
         "Tensor rstd, bool rms) -> (Tensor, Tensor, Tensor)");
-  // Adam / AdamW step over lists of tensors (a flat ZeRO shard is a list of one), in place.
-  // masters: empty, or fp32 master weights the low-precision params are written from.
-  // found_inf: when nonzero the step is skipped (no state changes).
+  // Optimizer steps over lists of tensors (the segments of a flat ZeRO shard are a list of views),
+  // in place. masters: empty, or fp32 master weights the low-precision params are written from.
+  // steps[i]: 1-element float tensor, the step count (from 1) of params[i]. grad_mult: (1,) tensor
+  // the grads are multiplied by (1 / loss scale, times a clipping factor). found_inf: (1,) tensor,
+  // nonzero skips the step (nothing changes). Math: the backend files and zerofuse.reference.
   m.def("adam_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
-        "Tensor(d!)[] masters, float lr, float beta1, float beta2, float eps, float weight_decay, "
-        "float bias_correction1, float bias_correction2, bool decoupled, bool maximize, float inv_grad_scale, "
-        "Tensor? found_inf) -> ()");
+        "Tensor(d!)[] masters, Tensor[] steps, float lr, float beta1, float beta2, float eps, float weight_decay, "
+        "bool decoupled, bool maximize, Tensor? grad_mult, Tensor? found_inf) -> ()");
+  // LAMB stage 1: moments, and per-tensor (sum p^2, sum u^2) into norms (n, 2) fp32.
+  m.def("lamb_stage1_(Tensor[] params, Tensor[] grads, Tensor(a!)[] exp_avgs, Tensor(b!)[] exp_avg_sqs, "
+        "Tensor[] masters, Tensor[] steps, float beta1, float beta2, float eps, float weight_decay, "
+        "bool bias_correction, Tensor? grad_mult, Tensor? found_inf, Tensor(c!) norms) -> ()");
+  // LAMB stage 2: p -= lr * trust(norms) * u; trust_mode 0 = paper (clamped |p|), 1 = nvlamb.
+  m.def("lamb_stage2_(Tensor(a!)[] params, Tensor[] exp_avgs, Tensor[] exp_avg_sqs, Tensor(b!)[] masters, "
+        "Tensor[] steps, Tensor norms, float lr, float beta1, float beta2, float eps, float weight_decay, "
+        "bool bias_correction, int trust_mode, float min_trust, float max_trust, Tensor? found_inf) -> ()");
+  // LARS with momentum; norms (2n,) fp32: |p_i| then |grad_i| (from l2norm).
+  m.def("lars_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] momentum_buffers, Tensor(c!)[] masters, "
+        "Tensor norms, float lr, float momentum, float weight_decay, float trust_coefficient, float eps, "
+        "Tensor? grad_mult, Tensor? found_inf) -> ()");
+  // 2-norm of all tensors together (0-dim fp32) and, with per_tensor, of each ((n,) fp32; else (0,)).
+  m.def("l2norm(Tensor[] tensors, bool per_tensor) -> (Tensor, Tensor)");
 }

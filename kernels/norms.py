@@ -23,20 +23,9 @@ import triton
 import triton.language as tl
 
 from zerofuse.kernels import interpreted
+from zerofuse.kernels.common import _cast
 
 MAX_HIDDEN = 65536
-
-
-@triton.jit
-def _cast(x, dtype: tl.constexpr, EMULATE_RNE: tl.constexpr):
-    """x (fp32) -> dtype. The interpreter truncates fp32 -> bf16 (GPUs round to nearest even);
-    with EMULATE_RNE the rounding is done on the bits first, so the result is exact either way."""
-    if EMULATE_RNE and dtype == tl.bfloat16:
-        u = x.to(tl.uint32, bitcast=True)
-        u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
-        return u.to(tl.float32, bitcast=True).to(dtype)
-    else:
-        return x.to(dtype)
 
 
 @triton.jit

@@ -65,3 +65,55 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, 
     exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
     denom = (exp_avg_sq.sqrt() / (1 - beta2**step) ** 0.5).add_(eps)
     param.addcdiv_(exp_avg, denom, value=-lr / (1 - beta1**step))
+
+
+def global_norm(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """2-norm of all the tensors taken together, in float64 (0-dim)."""
+    total = torch.zeros((), dtype=torch.float64)
+    for t in tensors:
+        total = total + t.double().square().sum().cpu()
+    return total.sqrt()
+
+
+def lamb_step(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1, beta2, eps, weight_decay,
+              bias_correction=True, mode="nvlamb", min_trust=0.0, max_trust=10.0, max_grad_norm=None):
+    """One LAMB step over a list of tensors, in place, in the tensors' dtype.
+
+    Paper (You et al. 2019, "Large Batch Optimization for Deep Learning", Algorithm 2, with Adam's
+    moments and bias correction):
+        m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2;  r = (m / bc1) / (sqrt(v / bc2) + eps)
+        u = r + wd * x;  x -= lr * phi(|x|) / |u| * u,  phi(z) = clamp(z, min_trust, max_trust)
+    (|u| = 0: ratio 1). mode="nvlamb" (NVIDIA's LAMB as in Apex FusedLAMB with use_nvlamb=True):
+    the ratio is |x| / |u|, 1 when either norm is 0, for every tensor. In both modes, with
+    max_grad_norm, grads are first divided by max(1, global_norm / max_grad_norm) (Apex).
+    """
+    if max_grad_norm:
+        norm = float(global_norm(grads))
+        if norm > max_grad_norm:
+            grads = [g / (norm / max_grad_norm) for g in grads]
+    bc1 = 1 - beta1**step if bias_correction else 1.0
+    bc2 = 1 - beta2**step if bias_correction else 1.0
+    for x, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs):
+        m.mul_(beta1).add_(g, alpha=1 - beta1)
+        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        u = (m / bc1) / ((v / bc2).sqrt() + eps) + weight_decay * x
+        xn, un = float(x.double().norm()), float(u.double().norm())
+        if mode == "paper":
+            ratio = min(max(xn, min_trust), max_trust) / un if un > 0 else 1.0
+        elif mode == "nvlamb":
+            ratio = xn / un if xn > 0 and un > 0 else 1.0
+        else:
+            raise ValueError(f"mode: expected 'paper' or 'nvlamb', got {mode!r}")
+        x.add_(u, alpha=-lr * ratio)
+
+
+def lars_step(params, grads, momentum_buffers, *, lr, momentum, weight_decay, trust_coefficient, eps=0.0):
+    """One LARS step (You, Gitman & Ginsburg 2017, "Large Batch Training of Convolutional Networks",
+    Algorithm 1), in place: per tensor, local_lr = trust_coefficient * |x| / (|g| + wd |x| + eps)
+    (1 when |x| or |g| is 0, as NVIDIA's LARC does), v = momentum v + lr * local_lr * (g + wd x),
+    x -= v."""
+    for x, g, v in zip(params, grads, momentum_buffers):
+        xn, gn = float(x.double().norm()), float(g.double().norm())
+        local = trust_coefficient * xn / (gn + weight_decay * xn + eps) if xn > 0 and gn > 0 else 1.0
+        v.mul_(momentum).add_(g + weight_decay * x, alpha=lr * local)
+        x.sub_(v)

@@ -1,24 +1,40 @@
-"""FusedAdam / FusedAdamW and zerofuse::adam_ vs torch.optim and zerofuse.reference."""
+"""Fused optimizers (FusedAdam, FusedAdamW, FusedLAMB, FusedLARS), their ops and the flat-buffer
+functional API vs torch.optim and zerofuse.reference.
+
+Most tests run three ways (the ``path`` fixture): the C++ CPU kernels, the Triton kernels in the
+interpreter on CPU tensors, and the Triton kernels on CUDA (skipped without a GPU).
+"""
 import copy
 
 import pytest
 import torch
 
 import zerofuse
-from zerofuse import reference
-from zerofuse.optim import FusedAdam, FusedAdamW
+from zerofuse import kernels, reference
+from zerofuse.optim import FusedAdam, FusedAdamW, FusedLAMB, FusedLARS, functional
+
+from dist_utils import run_distributed
 
 SHAPES = [(33, 65), (65,), (7, 65), (7,), (1,), (0, 3), (4097,)]
 
 
-def _params(dtype=torch.float32, seed=0):
+@pytest.fixture(params=["cpp", "triton", pytest.param("cuda", marks=pytest.mark.gpu)])
+def path(request, monkeypatch):
+    """The device the test runs on; for "cpp" / "triton", which kernels CPU tensors go through."""
+    if request.param == "triton" and not kernels.interpreted():
+        pytest.skip("Triton on CPU tensors needs the interpreter (ZEROFUSE_TRITON_ON_CPU=1 before import)")
+    monkeypatch.setattr(kernels, "TRITON_ON_CPU", request.param == "triton")
+    return torch.device("cuda" if request.param == "cuda" else "cpu")
+
+
+def _params(dtype=torch.float32, seed=0, device="cpu", shapes=SHAPES):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(s, generator=g).to(dtype) for s in SHAPES]
+    return [torch.randn(s, generator=g).to(device=device, dtype=dtype) for s in shapes]
 
 
-def _grads(step, dtype=torch.float32):
+def _grads(step, dtype=torch.float32, device="cpu", shapes=SHAPES):
     g = torch.Generator().manual_seed(1000 + step)
-    return [torch.randn(s, generator=g).to(dtype) for s in SHAPES]
+    return [torch.randn(s, generator=g).to(device=device, dtype=dtype) for s in shapes]
 
 
 def _run(opt_cls, params, steps=20, scheduler=False, **kw):
@@ -26,12 +42,15 @@ def _run(opt_cls, params, steps=20, scheduler=False, **kw):
     opt = opt_cls([{"params": params[:3]}, {"params": params[3:], "lr": kw.get("lr", 1e-3) * 3}], **kw)
     sched = torch.optim.lr_scheduler.StepLR(opt, 7, 0.5) if scheduler else None
     for step in range(steps):
-        for p, g in zip(params, _grads(step, params[0].dtype)):
+        for p, g in zip(params, _grads(step, params[0].dtype, params[0].device)):
             p.grad = g.clone()
         opt.step()
         if sched:
             sched.step()
     return params, opt
+
+
+# ---------------------------------------------------------------------------------- Adam / AdamW
 
 
 @pytest.mark.parametrize(
@@ -43,23 +62,23 @@ def _run(opt_cls, params, steps=20, scheduler=False, **kw):
         (FusedAdam, torch.optim.Adam, dict(lr=1e-2)),
     ],
 )
-def test_twenty_steps_match_torch_optim(ours, theirs, kw):
-    got, _ = _run(ours, _params(), scheduler=True, **kw)
-    want, _ = _run(theirs, _params(), scheduler=True, foreach=False, **kw)
+def test_twenty_steps_match_torch_optim(path, ours, theirs, kw):
+    got, _ = _run(ours, _params(device=path), scheduler=True, **kw)
+    want, _ = _run(theirs, _params(device=path), scheduler=True, foreach=False, **kw)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_master_weights_follow_an_fp32_run(dtype):
+def test_master_weights_follow_an_fp32_run(path, dtype):
     """bf16/fp16 params with fp32 masters: the masters follow torch's fp32 AdamW fed the same
     gradients, and each param is its master rounded once."""
-    params = [torch.nn.Parameter(p) for p in _params(dtype)]
+    params = [torch.nn.Parameter(p) for p in _params(dtype, device=path)]
     ref = [torch.nn.Parameter(p.detach().float()) for p in params]
     opt = FusedAdamW(params, lr=1e-2, weight_decay=0.1, master_weights=True)
     ref_opt = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.1, foreach=False)
     for step in range(20):
-        for p, r, g in zip(params, ref, _grads(step, dtype)):
+        for p, r, g in zip(params, ref, _grads(step, dtype, path)):
             p.grad, r.grad = g.clone(), g.float()
         opt.step()
         ref_opt.step()
@@ -69,12 +88,12 @@ def test_master_weights_follow_an_fp32_run(dtype):
         assert torch.equal(p.detach(), master.to(dtype))
 
 
-def test_low_precision_params_without_masters_use_fp32_moments():
-    p = torch.nn.Parameter(torch.randn(1000).bfloat16())
-    expected, m, v = p.detach().float(), torch.zeros(1000), torch.zeros(1000)
+def test_low_precision_params_without_masters_use_fp32_moments(path):
+    p = torch.nn.Parameter(torch.randn(1000, device=path).bfloat16())
+    expected, m, v = p.detach().float(), torch.zeros(1000, device=path), torch.zeros(1000, device=path)
     opt = FusedAdamW([p], lr=1e-2)
     for step in range(1, 4):
-        g = torch.randn(1000).bfloat16()
+        g = torch.randn(1000, device=path).bfloat16()
         p.grad = g
         opt.step()
         reference.adam_step(expected, g.float(), m, v, step=step, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8,
@@ -84,46 +103,107 @@ def test_low_precision_params_without_masters_use_fp32_moments():
     torch.testing.assert_close(p.detach().float(), expected, rtol=1.6e-2, atol=1e-2)
 
 
-def test_mixed_dtypes_in_one_group_and_params_without_grad():
-    a, b, c = (torch.nn.Parameter(torch.randn(50)), torch.nn.Parameter(torch.randn(30).bfloat16()),
-               torch.nn.Parameter(torch.randn(10)))
+def test_mixed_dtypes_in_one_group_and_params_without_grad(path):
+    a, b, c, d = (torch.nn.Parameter(torch.randn(50, device=path)),
+                  torch.nn.Parameter(torch.randn(30, device=path).bfloat16()),
+                  torch.nn.Parameter(torch.randn(10, device=path)),
+                  torch.nn.Parameter(torch.randn(20, device=path).half()))
     c_before = c.detach().clone()
-    opt = FusedAdamW([a, b, c], lr=1e-2, master_weights=True)
-    a.grad, b.grad = torch.randn(50), torch.randn(30).bfloat16()
-    opt.step()
+    ref = [torch.nn.Parameter(t.detach().float()) for t in (a, b, d)]
+    opt = FusedAdamW([a, b, c, d], lr=1e-2, master_weights=True)
+    ref_opt = torch.optim.AdamW(ref, lr=1e-2, foreach=False)
+    for step in range(3):
+        grads = [torch.randn(50, device=path), torch.randn(30, device=path).bfloat16(), torch.randn(20, device=path)]
+        a.grad, b.grad, d.grad = grads[0], grads[1], grads[2].half()
+        for r, g in zip(ref, (grads[0], grads[1], grads[2].half())):
+            r.grad = g.float()
+        opt.step()
+        ref_opt.step()
     assert torch.equal(c.detach(), c_before) and c not in opt.state
-    assert "master" in opt.state[b] and "master" not in opt.state[a]
-    assert opt.state[a]["step"].item() == opt.state[b]["step"].item() == 1
+    assert "master" in opt.state[b] and "master" in opt.state[d] and "master" not in opt.state[a]
+    assert opt.state[a]["step"].item() == opt.state[b]["step"].item() == 3
+    for t, r in zip((a, b, d), ref):
+        torch.testing.assert_close(opt.state[t].get("master", t).detach(), r.detach(), rtol=1e-6, atol=1e-6)
 
 
-def test_ten_million_elements():
-    p = torch.nn.Parameter(torch.randn(10_000_003))
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_ten_million_elements(device, cpu_kernels):
+    p = torch.nn.Parameter(torch.randn(10_000_003, device=device))
     r = torch.nn.Parameter(p.detach().clone())
-    g = torch.randn(10_000_003)
+    g = torch.randn(10_000_003, device=device)
     p.grad, r.grad = g, g.clone()
     FusedAdamW([p], lr=1e-3).step()
     torch.optim.AdamW([r], lr=1e-3, foreach=False).step()
     torch.testing.assert_close(p, r, rtol=1e-6, atol=1e-6)
 
 
-def test_found_inf_skips_the_step_and_grad_scale_unscales():
-    params, opt = _run(FusedAdamW, _params(), steps=3, lr=1e-2)
+@pytest.mark.parametrize("opt_cls", [FusedAdamW, FusedLAMB, FusedLARS])
+def test_found_inf_skips_the_step_and_grad_scale_unscales(path, opt_cls):
+    params, opt = _run(opt_cls, _params(device=path), steps=3, lr=1e-2)
     before = [p.detach().clone() for p in params]
-    states = {k: [opt.state[p][k].clone() for p in params] for k in ("step", "exp_avg", "exp_avg_sq")}
+    keys = ("step", "exp_avg", "exp_avg_sq") if opt_cls is not FusedLARS else ("momentum_buffer",)
+    states = {k: [opt.state[p][k].clone() for p in params] for k in keys}
     for p in params:
         p.grad = torch.full_like(p, float("inf"))
-    opt.step(found_inf=torch.tensor([1.0]))
+    opt.step(found_inf=torch.tensor([1.0], device=path))
     assert all(torch.equal(p, b) for p, b in zip(params, before))
     for k, vals in states.items():
         assert all(torch.equal(opt.state[p][k], v) for p, v in zip(params, vals)), k
     # a scaled gradient with grad_scale gives the unscaled step
-    twin, twin_opt = _run(FusedAdamW, _params(), steps=3, lr=1e-2)
-    for p, t, g in zip(params, twin, _grads(99)):
+    twin, twin_opt = _run(opt_cls, _params(device=path), steps=3, lr=1e-2)
+    for p, t, g in zip(params, twin, _grads(99, device=path)):
         p.grad, t.grad = g * 1024.0, g.clone()
-    opt.step(grad_scale=1024.0)
+    opt.step(grad_scale=torch.tensor(1024.0, device=path), found_inf=torch.zeros(1, device=path))
     twin_opt.step()
     for p, t in zip(params, twin):
         torch.testing.assert_close(p, t, rtol=1e-6, atol=1e-7)
+
+
+def test_grad_scaler_drives_the_step(path):
+    """torch.amp.GradScaler hands its scale and inf flag to the fused step: an inf gradient skips
+    the step and halves the scale; otherwise the update equals the unscaled one."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 8).to(path)
+    twin = copy.deepcopy(model)
+    opt, twin_opt = FusedAdamW(model.parameters(), lr=1e-2), torch.optim.AdamW(twin.parameters(), lr=1e-2,
+                                                                                foreach=False)
+    scaler = torch.amp.GradScaler(path.type, init_scale=256.0)
+    x = torch.randn(4, 16, device=path)
+    for step in range(3):
+        opt.zero_grad()
+        twin_opt.zero_grad()
+        scaler.scale(model(x).square().sum()).backward()
+        twin(x).square().sum().backward()
+        if step == 1:
+            model.weight.grad[0, 0] = float("inf")
+        scaler.step(opt)
+        scaler.update()
+        if step != 1:
+            twin_opt.step()
+    assert scaler.get_scale() == 256.0 * 0.5
+    assert opt.state[model.weight]["step"].item() == 2
+    for a, b in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("max_norm", [0.5, 1e6])
+def test_max_grad_norm_clips_like_clip_grad_norm(path, max_norm):
+    params = [torch.nn.Parameter(p) for p in _params(device=path)]
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt = FusedAdamW(params, lr=1e-2, max_grad_norm=max_norm)
+    ref_opt = torch.optim.AdamW(ref, lr=1e-2, foreach=False)
+    for step in range(5):
+        for p, r, g in zip(params, ref, _grads(step, device=path)):
+            p.grad, r.grad = g.clone(), g.clone()
+        norm = float(reference.global_norm([r.grad for r in ref]))
+        if norm > max_norm:
+            for r in ref:
+                r.grad.mul_(max_norm / norm)
+        opt.step()
+        ref_opt.step()
+        assert abs(opt.last_grad_norm.item() - norm) <= 1e-5 * norm
+    for a, b in zip(params, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_state_dict_moves_both_ways_with_torch():
@@ -150,47 +230,308 @@ def test_state_dict_moves_both_ways_with_torch():
         torch.testing.assert_close(d, b, rtol=1e-6, atol=1e-6)
 
 
+# ---------------------------------------------------------------------------------- LAMB / LARS
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(mode="nvlamb", lr=1e-2, weight_decay=0.01, max_grad_norm=1.0),
+        dict(mode="paper", lr=1e-2, weight_decay=0.01, max_grad_norm=None, min_trust=0.05, max_trust=2.0),
+        dict(mode="nvlamb", lr=3e-3, weight_decay=0.0, max_grad_norm=50.0, bias_correction=False),
+    ],
+)
+def test_lamb_twenty_steps_match_the_reference(path, kw):
+    params, opt = _run(FusedLAMB, _params(device=path), **kw)
+    ref = _params(device=path)
+    states = [[torch.zeros_like(p) for p in ref] for _ in range(2)]
+    ref_kw = dict(kw, beta1=0.9, beta2=0.999, eps=1e-6)
+    lr = ref_kw.pop("lr")
+    for step in range(20):
+        grads = _grads(step, device=path)
+        # two param groups (the second at 3x lr): one global clipping factor for both
+        if kw["max_grad_norm"]:
+            norm = float(reference.global_norm(grads))
+            if norm > kw["max_grad_norm"]:
+                grads = [g / (norm / kw["max_grad_norm"]) for g in grads]
+        one = dict(ref_kw, max_grad_norm=None)
+        reference.lamb_step(ref[:3], grads[:3], states[0][:3], states[1][:3], step=step + 1, lr=lr, **one)
+        reference.lamb_step(ref[3:], grads[3:], states[0][3:], states[1][3:], step=step + 1, lr=3 * lr, **one)
+    for a, b in zip(params, ref):
+        torch.testing.assert_close(a.detach(), b, rtol=1e-5, atol=1e-6)
+
+
+def test_lamb_modes_differ_where_the_paper_clamps():
+    """A tensor with |p| above max_trust: "paper" clamps phi(|p|), "nvlamb" does not."""
+    p = torch.randn(1000) * 10  # |p| ~ 316
+    out = {}
+    for mode in ("paper", "nvlamb"):
+        q = torch.nn.Parameter(p.clone())
+        q.grad = torch.randn(1000)
+        FusedLAMB([q], lr=1e-2, mode=mode, max_trust=10.0, max_grad_norm=None).step()
+        out[mode] = (q.detach() - p).norm().item()
+    # the step length is lr * trust * |u| = lr * phi(|p|): 1e-2 * 10 vs 1e-2 * 316
+    assert out["paper"] == pytest.approx(1e-2 * 10.0, rel=1e-4)
+    assert out["nvlamb"] == pytest.approx(1e-2 * p.norm().item(), rel=1e-4)
+
+
+def test_lamb_master_weights_follow_an_fp32_run(path):
+    params = [torch.nn.Parameter(p) for p in _params(torch.bfloat16, device=path)]
+    ref = [torch.nn.Parameter(p.detach().float()) for p in params]
+    opt = FusedLAMB(params, lr=1e-2, master_weights=True)
+    ref_opt = FusedLAMB(ref, lr=1e-2)
+    for step in range(10):
+        for p, r, g in zip(params, ref, _grads(step, torch.bfloat16, path)):
+            p.grad, r.grad = g.clone(), g.float()
+        opt.step()
+        ref_opt.step()
+    for p, r in zip(params, ref):
+        torch.testing.assert_close(opt.state[p]["master"], r.detach(), rtol=1e-6, atol=1e-6)
+        assert torch.equal(p.detach(), opt.state[p]["master"].bfloat16())
+
+
+def test_lars_twenty_steps_match_the_reference(path):
+    kw = dict(lr=0.5, momentum=0.9, weight_decay=1e-4, trust_coefficient=1e-3, eps=1e-8)
+    params, _ = _run(FusedLARS, _params(device=path), **kw)
+    ref = _params(device=path)
+    bufs = [torch.zeros_like(p) for p in ref]
+    for step in range(20):
+        grads = _grads(step, device=path)
+        reference.lars_step(ref[:3], grads[:3], bufs[:3], **kw)
+        reference.lars_step(ref[3:], grads[3:], bufs[3:], **dict(kw, lr=3 * kw["lr"]))
+    for a, b in zip(params, ref):
+        torch.testing.assert_close(a.detach(), b, rtol=1e-5, atol=1e-6)
+
+
+def test_lars_moves_zero_initialised_tensors():
+    """|p| = 0 (a zero-initialised bias): local lr 1, as NVIDIA's LARC, not a frozen tensor."""
+    p = torch.nn.Parameter(torch.zeros(10))
+    p.grad = torch.ones(10)
+    FusedLARS([p], lr=0.1, momentum=0.0).step()
+    torch.testing.assert_close(p.detach(), torch.full((10,), -0.1))
+
+
+# ---------------------------------------------------------------------------------- norms
+
+
+def test_l2norm_matches_float64_and_flags_non_finite(path):
+    ts = _params(device=path) + [torch.randn(300, device=path).bfloat16(), torch.randn(77, device=path).half()]
+    total, each = zerofuse.ops.l2norm(ts, per_tensor=True)
+    torch.testing.assert_close(total.double().cpu(), reference.global_norm(ts), rtol=1e-6, atol=0)
+    torch.testing.assert_close(each.double().cpu(), torch.stack([reference.global_norm([t]) for t in ts]),
+                               rtol=1e-6, atol=1e-30)
+    assert zerofuse.ops.l2norm(ts)[1].numel() == 0
+    for bad in (float("inf"), float("nan")):
+        ts[3][2] = bad
+        norm, found = functional.grad_norm(ts, grad_scale=4.0)
+        assert not torch.isfinite(norm).item() and found.item() == 1.0
+    ts[3][2] = 0.0
+    norm, found = functional.grad_norm(ts, grad_scale=4.0)
+    assert found.item() == 0.0
+    torch.testing.assert_close(norm.double().cpu(), reference.global_norm(ts).reshape(1) / 4, rtol=1e-6, atol=0)
+    assert zerofuse.ops.l2norm([])[0].item() == 0.0
+
+
+# ---------------------------------------------------------------------------------- flat buffers
+
+
+def test_adamw_flat_equals_the_optimizer_on_separate_tensors(path):
+    params = _params(device=path)
+    flat = torch.cat([p.reshape(-1) for p in params])
+    m, v, step = torch.zeros_like(flat), torch.zeros_like(flat), torch.zeros((), device=path)
+    twin = [torch.nn.Parameter(p.clone()) for p in params]
+    opt = FusedAdamW(twin, lr=1e-2, weight_decay=0.1)
+    for s in range(5):
+        grads = _grads(s, device=path)
+        step += 1
+        functional.adamw_flat(flat, torch.cat([g.reshape(-1) for g in grads]), m, v, step, lr=1e-2, weight_decay=0.1)
+        for t, g in zip(twin, grads):
+            t.grad = g
+        opt.step()
+    torch.testing.assert_close(flat, torch.cat([t.detach().reshape(-1) for t in twin]), rtol=1e-6, atol=1e-6)
+
+
+def _segments(shapes):
+    out, off = [], 0
+    for s in shapes:
+        n = torch.Size(s).numel()
+        out.append((off, n))
+        off += n
+    return out
+
+
+def test_lamb_flat_equals_the_optimizer_on_separate_tensors(path):
+    params = _params(device=path)
+    flat = torch.cat([p.reshape(-1) for p in params])
+    m, v, step = torch.zeros_like(flat), torch.zeros_like(flat), torch.zeros((), device=path)
+    twin = [torch.nn.Parameter(p.clone()) for p in params]
+    opt = FusedLAMB(twin, lr=1e-2, max_grad_norm=None)
+    calls = []
+    for s in range(5):
+        grads = _grads(s, device=path)
+        step += 1
+        functional.lamb_flat(flat, torch.cat([g.reshape(-1) for g in grads]), m, v, step, _segments(SHAPES),
+                             lr=1e-2, norm_reduce=calls.append)
+        for t, g in zip(twin, grads):
+            t.grad = g
+        opt.step()
+    assert len(calls) == 5 and calls[0].shape == (len(SHAPES), 2)
+    torch.testing.assert_close(flat, torch.cat([t.detach().reshape(-1) for t in twin]), rtol=1e-5, atol=1e-6)
+
+
+def _lamb_shard_rank(rank, world_size):
+    """Each rank holds 1/world_size of the flat buffer (padded); segments are the pieces of the
+    params that fall in its shard; norm sums are all-reduced between the stages."""
+    import torch.distributed as dist
+
+    params, total = _params(), sum(torch.Size(s).numel() for s in SHAPES)
+    shard = -(-total // world_size)
+    flat = torch.zeros(shard * world_size)
+    flat[:total] = torch.cat([p.reshape(-1) for p in params])
+    lo, hi = rank * shard, (rank + 1) * shard
+    segments = []  # (offset in shard, length) of each param's piece, also when empty
+    for off, n in _segments(SHAPES):
+        b, e = max(off, lo), min(off + n, hi)
+        segments.append((b - lo, max(0, e - b)) if e > b else (0, 0))
+    mine = flat[lo:hi].clone()
+    m, v, step = torch.zeros_like(mine), torch.zeros_like(mine), torch.zeros(())
+    for s in range(3):
+        g = torch.zeros(shard * world_size)
+        g[:total] = torch.cat([x.reshape(-1) for x in _grads(s)])
+        step += 1
+        functional.lamb_flat(mine, g[lo:hi].clone(), m, v, step, segments, lr=1e-2, mode="nvlamb",
+                             norm_reduce=dist.all_reduce)
+    out = [torch.empty_like(mine) for _ in range(world_size)]
+    dist.all_gather(out, mine)
+    return torch.cat(out)[:total]
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_lamb_on_shards_with_all_reduced_norms_equals_unsharded(world_size, cpu_kernels):
+    got = run_distributed(_lamb_shard_rank, world_size, timeout=120)
+    ref = _params()
+    states = [[torch.zeros_like(p) for p in ref] for _ in range(2)]
+    for s in range(3):
+        reference.lamb_step(ref, _grads(s), *states, step=s + 1, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-6,
+                            weight_decay=0.01, mode="nvlamb")
+    want = torch.cat([p.reshape(-1) for p in ref])
+    for r in range(world_size):
+        torch.testing.assert_close(got[r], want, rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------- errors, op checks
+
+
 @pytest.mark.parametrize(
     "make,exc,msg",
     [
         (lambda p: FusedAdamW([p], amsgrad=True), ValueError, r"FusedAdamW: amsgrad=True is not supported \(use torch.optim.AdamW\)"),
         (lambda p: FusedAdam([p], differentiable=True), ValueError, r"FusedAdam: differentiable=True is not supported"),
+        (lambda p: FusedAdamW([p], max_grad_norm=-1.0), ValueError, r"FusedAdamW: expected max_grad_norm > 0 or None, got -1.0"),
+        (lambda p: FusedLAMB([p], mode="lars"), ValueError, r"FusedLAMB: expected mode 'paper' or 'nvlamb', got 'lars'"),
+        (lambda p: FusedLAMB([p], min_trust=2.0, max_trust=1.0), ValueError, r"expected 0 <= min_trust <= max_trust"),
+        (lambda p: FusedLARS([p], momentum=-0.1), ValueError, r"FusedLARS: expected momentum >= 0, got -0.1"),
     ],
 )
-def test_unsupported_options_raise(make, exc, msg):
+def test_bad_options_raise(make, exc, msg):
     with pytest.raises(exc, match=msg):
         make(torch.nn.Parameter(torch.randn(3)))
 
 
-def test_sparse_and_complex_gradients_raise():
+@pytest.mark.parametrize("opt_cls", [FusedAdamW, FusedLAMB, FusedLARS])
+def test_sparse_and_complex_gradients_raise(opt_cls):
+    name = opt_cls.__name__
     p = torch.nn.Parameter(torch.randn(4, 3))
     p.grad = torch.randn(4, 3).to_sparse()
-    with pytest.raises(RuntimeError, match="FusedAdamW: sparse gradients are not supported"):
-        FusedAdamW([p]).step()
+    with pytest.raises(RuntimeError, match=f"{name}: sparse gradients are not supported"):
+        opt_cls([p]).step()
     q = torch.nn.Parameter(torch.randn(3, dtype=torch.complex64))
     q.grad = torch.randn(3, dtype=torch.complex64)
-    with pytest.raises(RuntimeError, match="FusedAdamW: complex parameters are not supported"):
-        FusedAdamW([q]).step()
+    with pytest.raises(RuntimeError, match=f"{name}: complex parameters are not supported"):
+        opt_cls([q]).step()
 
 
-def test_op_errors_name_the_argument():
-    p, g = [torch.randn(5)], [torch.randn(5)]
-    kw = dict(step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled=True)
-    with pytest.raises(ValueError, match=r"expected params, grads, exp_avgs and exp_avg_sqs of the same length, got 1, 1, 0, 1"):
-        zerofuse.ops.adam_(p, g, [], [torch.zeros(5)], **kw)
-    with pytest.raises(RuntimeError, match=r"expected exp_avgs\[0\] in float32, got BFloat16"):
-        zerofuse.ops.adam_(p, g, [torch.zeros(5, dtype=torch.bfloat16)], [torch.zeros(5)], **kw)
+def test_op_errors_name_the_argument(path):
+    p, g = [torch.randn(5, device=path)], [torch.randn(5, device=path)]
+    z = lambda *s, **k: torch.zeros(*s, device=path, **k)  # noqa: E731
+    steps = [torch.ones((), device=path)]
+    kw = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled=True)
+    with pytest.raises(ValueError, match=r"zerofuse::adam_: expected exp_avgs to have one tensor per param \(1\), got 0"):
+        zerofuse.ops.adam_(p, g, [], [z(5)], steps, **kw)
+    with pytest.raises(RuntimeError, match=r"zerofuse::adam_: expected exp_avgs\[0\] in float32, got .*[bB][fF]loat16"):
+        zerofuse.ops.adam_(p, g, [z(5, dtype=torch.bfloat16)], [z(5)], steps, **kw)
     with pytest.raises(ValueError, match=r"expected grads\[0\] to have 5 elements like params\[0\], got 4"):
-        zerofuse.ops.adam_(p, [torch.randn(4)], [torch.zeros(5)], [torch.zeros(5)], **kw)
-    with pytest.raises(ValueError, match=r"expected step >= 1"):
-        zerofuse.ops.adam_(p, g, [torch.zeros(5)], [torch.zeros(5)], **(kw | {"step": 0}))
+        zerofuse.ops.adam_(p, [torch.randn(4, device=path)], [z(5)], [z(5)], steps, **kw)
+    with pytest.raises(RuntimeError, match=r"expected params\[0\] to be contiguous"):
+        zerofuse.ops.adam_([torch.randn(5, 2, device=path).t()], [z(2, 5)], [z(10)], [z(10)], steps, **kw)
+    with pytest.raises(ValueError, match=r"expected steps to have one tensor per param \(1\), got 0"):
+        zerofuse.ops.adam_(p, g, [z(5)], [z(5)], [], **kw)
+    with pytest.raises(RuntimeError, match=r"lamb_stage1_: expected norms to be a contiguous float32 (cpu )?tensor of shape \[1, 2\]"):
+        zerofuse.ops.lamb_stage1_(p, g, [z(5)], [z(5)], steps, z(2), beta1=0.9, beta2=0.99, eps=1e-6, weight_decay=0)
+    with pytest.raises(ValueError, match=r"lamb_stage2_: expected mode 'paper' or 'nvlamb', got 'x'"):
+        zerofuse.ops.lamb_stage2_(p, [z(5)], [z(5)], steps, z(1, 2), lr=1, beta1=0.9, beta2=0.99, eps=1e-6,
+                                  weight_decay=0, mode="x")
+    with pytest.raises(ValueError, match=r"segments\[1\] = \(3, 9\) runs outside the flat buffer of 5 elements"):
+        functional.lamb_flat(z(5), z(5), z(5), z(5), steps[0], [(0, 3), (3, 9)], lr=1e-3)
 
 
-def test_opcheck():
-    ps = [torch.randn(7, 3), torch.randn(5).bfloat16()]
+def _op_args():
+    ps = [torch.randn(7, 3), torch.randn(5)]
     gs = [torch.randn(7, 3), torch.randn(5).bfloat16()]
-    ms = [torch.zeros(7, 3), torch.zeros(5)]
-    vs = [torch.zeros(7, 3), torch.zeros(5)]
-    masters = [ps[0].clone(), ps[1].float()]
-    args = (ps, gs, ms, vs, masters, 1e-3, 0.9, 0.999, 1e-8, 0.01, 0.1, 0.001, True, False, 1.0, None)
-    torch.library.opcheck(torch.ops.zerofuse.adam_.default, args)
+    st = [torch.zeros(7, 3), torch.zeros(5)]
+    st2 = [torch.zeros(7, 3), torch.zeros(5)]
+    steps = [torch.tensor(2.0), torch.tensor(3.0)]
+    return ps, gs, st, st2, steps
+
+
+def test_opcheck(cpu_kernels):
+    ps, gs, st, st2, steps = _op_args()
+    masters = [p.clone() for p in ps]
+    mult, found = torch.tensor([0.5]), torch.tensor([0.0])
+    torch.library.opcheck(torch.ops.zerofuse.adam_.default,
+                          (ps, gs, st, st2, masters, steps, 1e-3, 0.9, 0.999, 1e-8, 0.01, True, False, mult, found))
+    norms = torch.zeros(2, 2)
+    torch.library.opcheck(torch.ops.zerofuse.lamb_stage1_.default,
+                          (ps, gs, st, st2, [], steps, 0.9, 0.999, 1e-6, 0.01, True, mult, found, norms))
+    torch.library.opcheck(torch.ops.zerofuse.lamb_stage2_.default,
+                          (ps, st, st2, [], steps, norms.abs() + 1, 1e-3, 0.9, 0.999, 1e-6, 0.01, True, 1, 0.0, 10.0,
+                           None))
+    torch.library.opcheck(torch.ops.zerofuse.lars_.default,
+                          (ps, gs, st, [], torch.ones(4), 0.1, 0.9, 1e-4, 1e-3, 1e-8, None, None))
+    torch.library.opcheck(torch.ops.zerofuse.l2norm.default, (gs, True))
+
+
+def test_torch_compile_fullgraph(cpu_kernels):
+    ps, gs, st, st2, steps = _op_args()
+    ref = [t.clone() for t in ps]
+    ref_st = [[t.clone() for t in st], [t.clone() for t in st2]]
+
+    def step(ps, gs, st, st2, steps):
+        norm, _ = torch.ops.zerofuse.l2norm(gs, False)
+        torch.ops.zerofuse.adam_(ps, gs, st, st2, [], steps, 1e-2, 0.9, 0.999, 1e-8, 0.01, True, False, None, None)
+        return norm
+
+    norm = torch.compile(step, fullgraph=True, backend="aot_eager")(ps, gs, st, st2, steps)
+    torch.testing.assert_close(norm.double(), reference.global_norm(gs).float().double(), rtol=1e-6, atol=0)
+    for i, s in enumerate((2, 3)):
+        reference.adam_step(ref[i], gs[i].float(), ref_st[0][i], ref_st[1][i], step=s, lr=1e-2, beta1=0.9,
+                            beta2=0.999, eps=1e-8, weight_decay=0.01)
+        torch.testing.assert_close(ps[i], ref[i], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.gpu
+def test_cuda_step_with_amp_inputs_never_syncs():
+    """The whole CUDA step (unscale, clipping norm, inf flag, update, step counters) runs without
+    a host sync: torch's sync debug mode turns any sync into an error."""
+    params = [torch.nn.Parameter(p) for p in _params(device="cuda")]
+    opt = FusedAdamW(params, lr=1e-2, max_grad_norm=1.0)
+    for p, g in zip(params, _grads(0, device="cuda")):
+        p.grad = g
+    scale, found = torch.tensor(2.0, device="cuda"), torch.zeros(1, device="cuda")
+    opt.step(grad_scale=scale, found_inf=found)  # warm-up: kernel compilation may sync
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        opt.step(grad_scale=scale, found_inf=found)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert opt.state[params[0]]["step"].item() == 2

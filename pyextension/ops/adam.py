@@ -1,7 +1,8 @@
-"""``zerofuse::adam_``: Adam / AdamW over lists of tensors (or one flat ZeRO shard), in place.
+"""``zerofuse::adam_``: Adam / AdamW over lists of tensors (or the segments of a flat ZeRO shard), in place.
 
-Schema in csrc/registration.cpp, CPU kernel in csrc/cpu/adam.cpp (vectorised, parallel). Fake impl
-and the Python face here; the optimizers in zerofuse.optim call :func:`adam_`.
+Schema in csrc/registration.cpp; CPU kernel csrc/cpu/adam.cpp (vectorised, parallel); CUDA (and
+CPU under ZEROFUSE_TRITON_ON_CPU=1) kernels/optim.py. Fake impl and the Python face here; the
+optimizers in zerofuse.optim call :func:`adam_`.
 """
 from __future__ import annotations
 
@@ -10,13 +11,31 @@ from collections.abc import Sequence
 import torch
 
 from zerofuse import reference
+from zerofuse.kernels import optim as K
 from zerofuse.ops import register
+from zerofuse.ops._optim import LIB, check_param_lists, use_triton
+
+
+def _check(params, grads, exp_avgs, exp_avg_sqs, masters, steps):
+    check_param_lists("adam_", params, {"grads": grads}, {"exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs},
+                      masters, steps)
 
 
 @torch.library.register_fake("zerofuse::adam_")
-def _adam_fake(params, grads, exp_avgs, exp_avg_sqs, masters, lr, beta1, beta2, eps, weight_decay,
-               bias_correction1, bias_correction2, decoupled, maximize, inv_grad_scale, found_inf):
-    return None
+def _adam_fake(params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr, beta1, beta2, eps, weight_decay,
+               decoupled, maximize, grad_mult, found_inf):
+    _check(params, grads, exp_avgs, exp_avg_sqs, masters, steps)
+
+
+def _adam_triton(params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr, beta1, beta2, eps, weight_decay,
+                 decoupled, maximize, grad_mult, found_inf):
+    _check(params, grads, exp_avgs, exp_avg_sqs, masters, steps)
+    K.adam(params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+           weight_decay=weight_decay, decoupled=decoupled, maximize=maximize, grad_mult=grad_mult,
+           found_inf=found_inf)
+
+
+LIB.impl("adam_", _adam_triton, "CUDA")
 
 
 def adam_(
@@ -24,8 +43,8 @@ def adam_(
     grads: Sequence[torch.Tensor],
     exp_avgs: Sequence[torch.Tensor],
     exp_avg_sqs: Sequence[torch.Tensor],
+    steps: Sequence[torch.Tensor],
     *,
-    step: int,
     lr: float,
     beta1: float,
     beta2: float,
@@ -34,18 +53,25 @@ def adam_(
     decoupled: bool,
     maximize: bool = False,
     masters: Sequence[torch.Tensor] = (),
-    inv_grad_scale: float = 1.0,
+    grad_mult: torch.Tensor | None = None,
     found_inf: torch.Tensor | None = None,
 ) -> None:
-    """One Adam/AdamW step (see zerofuse.reference.adam_step) for every tensor of the lists, with
-    optional fp32 master weights, grad unscaling and an inf flag that skips the step."""
-    if step < 1:
-        raise ValueError(f"zerofuse::adam_: expected step >= 1 (steps count from 1), got {step}")
-    torch.ops.zerofuse.adam_(
-        list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), list(masters), float(lr), float(beta1),
-        float(beta2), float(eps), float(weight_decay), 1.0 - beta1**step, 1.0 - beta2**step, bool(decoupled),
-        bool(maximize), float(inv_grad_scale), found_inf,
-    )
+    """One Adam/AdamW step (zerofuse.reference.adam_step) for every tensor of the lists, in place.
+
+    steps[i] is the step count of params[i] (from 1, already incremented; a 1-element float
+    tensor, on the params' device for CUDA). Optional fp32 master weights (params written from
+    them), grads multiplied by grad_mult (a 1-element tensor: 1 / loss scale, times a clipping
+    factor), and found_inf (1-element tensor): nonzero skips the step, read by the kernel (no host
+    sync on CUDA)."""
+    if not params:  # nothing to update (and no tensor to dispatch on)
+        return
+    args = (list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), list(masters), list(steps), float(lr),
+            float(beta1), float(beta2), float(eps), float(weight_decay), bool(decoupled), bool(maximize), grad_mult,
+            found_inf)
+    if use_triton(args[0]) and not args[0][0].is_cuda:
+        _adam_triton(*args)
+    else:
+        torch.ops.zerofuse.adam_(*args)
 
 
 def _selftest(device: torch.device) -> None:
@@ -57,12 +83,13 @@ def _selftest(device: torch.device) -> None:
     ref_state = [[torch.zeros_like(p) for p in ps] for _ in range(2)]
     for step in (1, 2, 3):
         grads = [torch.randn(s, generator=g).to(device) for s in shapes]
-        kw = dict(step=step, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
-        adam_(ps, grads, *state, decoupled=True, **kw)
+        kw = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
+        steps = [torch.tensor(float(step), device=device) for _ in ps]
+        adam_(ps, grads, *state, steps, decoupled=True, **kw)
         for i in range(len(ps)):
-            reference.adam_step(refs[i], grads[i], ref_state[0][i], ref_state[1][i], **kw)
+            reference.adam_step(refs[i], grads[i], ref_state[0][i], ref_state[1][i], step=step, **kw)
     for p, r in zip(ps, refs):
         torch.testing.assert_close(p, r, rtol=1e-6, atol=1e-6)
 
 
-register("zerofuse::adam_", "C++", _selftest)
+register("zerofuse::adam_", "C++ (CPU), Triton (CUDA)", _selftest)

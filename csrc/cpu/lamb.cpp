@@ -1,0 +1,161 @@
+// CPU kernels of zerofuse::lamb_stage1_ / lamb_stage2_ (LAMB, You et al. 2019, over many tensors
+// or the segments of one flat ZeRO shard). Two passes because the trust ratio of a tensor needs
+// norms over the whole tensor before any element moves:
+//   stage 1, per element, fp32:  g = grad * grad_mult
+//                                m = beta1 m + (1 - beta1) g;  v = beta2 v + (1 - beta2) g^2
+//                                u = (m / bc1) / (sqrt(v / bc2) + eps) + wd * p
+//            per tensor: norms[i] = (sum p^2, sum u^2)  (sums of squares, so that shards of one
+//            tensor on several ranks can be all-reduced between the stages)
+//   stage 2: trust from the norms (mode below), p -= lr * trust * u, u recomputed from m, v, p
+//            (re-reading m and v costs what writing u to a buffer and reading it back would, and
+//            leaves the grads untouched).
+// bc1 = 1 - beta1^step, bc2 = 1 - beta2^step (1 without bias correction). Partial sums are per
+// span, in a fixed order: results do not depend on the thread count.
+#include "optim.h"
+
+#include <torch/library.h>
+
+#include <cmath>
+#include <vector>
+
+namespace zerofuse {
+namespace {
+
+struct LambConsts {
+  float beta1, beta2, w1, w2, eps, wd, bc1, bc2, mult;
+};
+
+LambConsts lamb_consts(double beta1, double beta2, double eps, double wd, bool bias_correction, double step,
+                       double mult) {
+  const double bc1 = bias_correction ? 1.0 - std::pow(beta1, step) : 1.0;
+  const double bc2 = bias_correction ? 1.0 - std::pow(beta2, step) : 1.0;
+  return LambConsts{static_cast<float>(beta1), static_cast<float>(beta2), static_cast<float>(1.0 - beta1),
+                    static_cast<float>(1.0 - beta2), static_cast<float>(eps), static_cast<float>(wd),
+                    static_cast<float>(bc1), static_cast<float>(bc2), static_cast<float>(mult)};
+}
+
+// Updates m and v; returns (sum p^2, sum u^2) of the chunk.
+ZF_VECTOR_CLONES std::pair<float, float> lamb_moments(const float* __restrict__ p, const float* __restrict__ g,
+                                                      float* __restrict__ m, float* __restrict__ v, int64_t n,
+                                                      const LambConsts c) {
+  float spp = 0.f, suu = 0.f;
+#pragma omp simd reduction(+ : spp, suu)
+  for (int64_t i = 0; i < n; ++i) {
+    const float gi = g[i] * c.mult;
+    const float mi = m[i] * c.beta1 + c.w1 * gi;
+    const float vi = v[i] * c.beta2 + c.w2 * gi * gi;
+    m[i] = mi;
+    v[i] = vi;
+    const float u = (mi / c.bc1) / (std::sqrt(vi / c.bc2) + c.eps) + c.wd * p[i];
+    spp += p[i] * p[i];
+    suu += u * u;
+  }
+  return {spp, suu};
+}
+
+ZF_VECTOR_CLONES void lamb_apply(float* __restrict__ p, const float* __restrict__ m, const float* __restrict__ v,
+                                 int64_t n, const LambConsts c, const float ratio) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    const float u = (m[i] / c.bc1) / (std::sqrt(v[i] / c.bc2) + c.eps) + c.wd * p[i];
+    p[i] = p[i] - ratio * u;
+  }
+}
+
+void check_norms(const at::Tensor& norms, size_t n, const char* op) {
+  ZF_CHECK(norms.device().is_cpu() && norms.scalar_type() == at::kFloat && norms.is_contiguous() &&
+               norms.dim() == 2 && norms.size(0) == static_cast<int64_t>(n) && norms.size(1) == 2,
+           op, "expected norms to be a contiguous float32 cpu tensor of shape [", n, ", 2], got ",
+           norms.scalar_type(), " ", norms.sizes(), " on ", norms.device());
+}
+
+std::vector<LambConsts> consts_per_param(at::TensorList steps, double beta1, double beta2, double eps, double wd,
+                                         bool bias_correction, double mult, const char* op) {
+  std::vector<LambConsts> out;
+  out.reserve(steps.size());
+  for (size_t i = 0; i < steps.size(); ++i) {
+    const double step = step_count(steps[i]);
+    ZF_CHECK_VALUE(step >= 1, op, "expected ", indexed("steps", i), " >= 1 (steps count from 1), got ", step);
+    out.push_back(lamb_consts(beta1, beta2, eps, wd, bias_correction, step, mult));
+  }
+  return out;
+}
+
+void lamb_stage1_cpu(at::TensorList params,       // n tensors, fp32/bf16/fp16 (read)
+                     at::TensorList grads,        // n tensors like params
+                     at::TensorList exp_avgs,     // n fp32, updated
+                     at::TensorList exp_avg_sqs,  // n fp32, updated
+                     at::TensorList masters,      // empty or n fp32 masters (read in place of params)
+                     at::TensorList steps,        // n 1-element float tensors, step count from 1
+                     double beta1, double beta2, double eps, double weight_decay, bool bias_correction,
+                     const c10::optional<at::Tensor>& grad_mult,  // (1,) or None
+                     const c10::optional<at::Tensor>& found_inf,  // (1,) nonzero: nothing changes
+                     const at::Tensor& norms) {                   // (n, 2) fp32 out: sum p^2, sum u^2
+  const char* op = "lamb_stage1_";
+  check_param_lists(op, params, {{grads, "grads"}}, {{exp_avgs, "exp_avgs"}, {exp_avg_sqs, "exp_avg_sqs"}},
+                    masters, &steps);
+  check_norms(norms, params.size(), op);
+  const double mult = scalar_arg(grad_mult, op, "grad_mult", 1.0);
+  if (skip_step(found_inf, op)) return;
+  const auto consts = consts_per_param(steps, beta1, beta2, eps, weight_decay, bias_correction, mult, op);
+  const SpanPlan plan = plan_params(params);
+  std::vector<double> partial(2 * plan.spans.size(), 0.0);
+  for_each_chunk(plan, params, grads, masters, /*write_param=*/false, [&](const Chunk& c) {
+    const auto [spp, suu] = lamb_moments(c.p, c.g, exp_avgs[c.tensor].data_ptr<float>() + c.begin,
+                                         exp_avg_sqs[c.tensor].data_ptr<float>() + c.begin, c.len, consts[c.tensor]);
+    partial[2 * c.span] += spp;
+    partial[2 * c.span + 1] += suu;
+  });
+  std::vector<double> sums(2 * params.size(), 0.0);
+  for (size_t k = 0; k < plan.spans.size(); ++k) {
+    sums[2 * plan.spans[k].tensor] += partial[2 * k];
+    sums[2 * plan.spans[k].tensor + 1] += partial[2 * k + 1];
+  }
+  float* out = norms.data_ptr<float>();
+  for (size_t k = 0; k < sums.size(); ++k) out[k] = static_cast<float>(sums[k]);
+}
+
+// trust_mode 0 ("paper"): clamp(|p|, min_trust, max_trust) / |u|, 1 when |u| = 0.
+// trust_mode 1 ("nvlamb", Apex): |p| / |u|, 1 when either is 0.
+double trust_ratio(double pp, double uu, int64_t mode, double min_trust, double max_trust) {
+  const double pn = std::sqrt(pp), un = std::sqrt(uu);
+  if (mode == 0) return un > 0 ? std::min(std::max(pn, min_trust), max_trust) / un : 1.0;
+  return pn > 0 && un > 0 ? pn / un : 1.0;
+}
+
+void lamb_stage2_cpu(at::TensorList params,       // n tensors, fp32/bf16/fp16, updated
+                     at::TensorList exp_avgs,     // n fp32 (from stage 1)
+                     at::TensorList exp_avg_sqs,  // n fp32 (from stage 1)
+                     at::TensorList masters,      // empty or n fp32 masters, updated
+                     at::TensorList steps,        // as in stage 1
+                     const at::Tensor& norms,     // (n, 2) fp32 sums of squares from stage 1 (all-reduced)
+                     double lr, double beta1, double beta2, double eps, double weight_decay, bool bias_correction,
+                     int64_t trust_mode, double min_trust, double max_trust,
+                     const c10::optional<at::Tensor>& found_inf) {
+  const char* op = "lamb_stage2_";
+  check_param_lists(op, params, {}, {{exp_avgs, "exp_avgs"}, {exp_avg_sqs, "exp_avg_sqs"}}, masters, &steps);
+  check_norms(norms, params.size(), op);
+  ZF_CHECK_VALUE(trust_mode == 0 || trust_mode == 1, op, "expected trust_mode 0 (paper) or 1 (nvlamb), got ",
+                 trust_mode);
+  if (skip_step(found_inf, op)) return;
+  const auto consts = consts_per_param(steps, beta1, beta2, eps, weight_decay, bias_correction, 1.0, op);
+  const float* nrm = norms.data_ptr<float>();
+  std::vector<float> ratio(params.size());
+  for (size_t i = 0; i < params.size(); ++i) {
+    ratio[i] = static_cast<float>(lr * trust_ratio(nrm[2 * i], nrm[2 * i + 1], trust_mode, min_trust, max_trust));
+  }
+  const SpanPlan plan = plan_params(params);
+  for_each_chunk(plan, params, {}, masters, /*write_param=*/true, [&](const Chunk& c) {
+    lamb_apply(c.p, exp_avgs[c.tensor].data_ptr<float>() + c.begin, exp_avg_sqs[c.tensor].data_ptr<float>() + c.begin,
+               c.len, consts[c.tensor], ratio[c.tensor]);
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(zerofuse, CPU, m) {
+  m.impl("lamb_stage1_", &lamb_stage1_cpu);
+  m.impl("lamb_stage2_", &lamb_stage2_cpu);
+}
+
+}  // namespace zerofuse

@@ -1,0 +1,56 @@
+"""Shared by the optimizer ops (adam.py, lamb.py, lars.py, l2norm.py): routing to the Triton
+kernels, and the list checks of csrc/cpu/optim.h in Python (same messages and exception types)
+for the paths that do not go through C++ (CUDA, Triton on CPU, fake tensors).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from zerofuse import kernels
+
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+# Python-registered device impls of the C++ schemas (CUDA runs the Triton kernels)
+LIB = torch.library.Library("zerofuse", "IMPL")
+
+
+def use_triton(tensors: Sequence[torch.Tensor]) -> bool:
+    """CUDA tensors run the Triton kernels; CPU tensors do under ZEROFUSE_TRITON_ON_CPU=1."""
+    return bool(tensors) and (tensors[0].is_cuda or (tensors[0].device.type == "cpu" and kernels.triton_on_cpu()))
+
+
+def check_param_lists(op: str, params, like: dict, fp32: dict, masters=(), steps=None) -> None:
+    pre = f"zerofuse::{op}: "
+    n = len(params)
+    for name, lst in (*like.items(), *fp32.items()):
+        if len(lst) != n:
+            raise ValueError(f"{pre}expected {name} to have one tensor per param ({n}), got {len(lst)}")
+    if masters and len(masters) != n:
+        raise ValueError(f"{pre}expected masters to be empty or of length {n}, got {len(masters)}")
+    if steps is not None and len(steps) != n:
+        raise ValueError(f"{pre}expected steps to have one tensor per param ({n}), got {len(steps)}")
+    dev = params[0].device if n else None
+    for i, p in enumerate(params):
+        if p.device != dev:
+            raise RuntimeError(f"{pre}expected params[{i}] on {dev} like params[0], got {p.device}")
+        if p.dtype not in _FLOATS:
+            raise RuntimeError(f"{pre}expected params[{i}] in float32, bfloat16 or float16, got {p.dtype}")
+        if not p.is_contiguous():
+            raise RuntimeError(f"{pre}expected params[{i}] to be contiguous, got strides {list(p.stride())}")
+        checks = [(lst[i], f"{name}[{i}]", False) for name, lst in like.items()]
+        checks += [(lst[i], f"{name}[{i}]", True) for name, lst in fp32.items()]
+        if masters:
+            checks.append((masters[i], f"masters[{i}]", True))
+        for t, name, must_fp32 in checks:
+            if must_fp32 and t.dtype != torch.float32:
+                raise RuntimeError(f"{pre}expected {name} in float32, got {t.dtype}")
+            if not must_fp32 and t.dtype not in _FLOATS:
+                raise RuntimeError(f"{pre}expected {name} in float32, bfloat16 or float16, got {t.dtype}")
+            if not t.is_contiguous():
+                raise RuntimeError(f"{pre}expected {name} to be contiguous, got strides {list(t.stride())}")
+            if t.numel() != p.numel():
+                raise ValueError(f"{pre}expected {name} to have {p.numel()} elements like params[{i}], got {t.numel()}")
+            if t.device != p.device:
+                raise RuntimeError(f"{pre}expected {name} on the device of params[{i}] ({p.device}), got {t.device}")

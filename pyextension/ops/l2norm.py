@@ -1,0 +1,56 @@
+"""``zerofuse::l2norm``: the 2-norm of many tensors taken together, and optionally of each one.
+
+The global gradient norm (clipping, logging, and the inf/NaN check: any inf or NaN makes it
+non-finite) in one pass over all grads; per-tensor norms for LARS. Schema in
+csrc/registration.cpp; CPU kernel csrc/cpu/l2norm.cpp; CUDA kernels/optim.py.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from zerofuse import reference
+from zerofuse.kernels import optim as K
+from zerofuse.ops import register
+from zerofuse.ops._optim import LIB, check_param_lists, use_triton
+
+
+@torch.library.register_fake("zerofuse::l2norm")
+def _l2norm_fake(tensors, per_tensor):
+    check_param_lists("l2norm", tensors, {}, {})
+    device = tensors[0].device if tensors else torch.device("cpu")
+    return (torch.empty((), device=device, dtype=torch.float32),
+            torch.empty(len(tensors) if per_tensor else 0, device=device, dtype=torch.float32))
+
+
+def _l2norm_triton(tensors, per_tensor):
+    check_param_lists("l2norm", tensors, {}, {})
+    return K.l2norm(tensors, per_tensor)
+
+
+LIB.impl("l2norm", _l2norm_triton, "CUDA")
+
+
+def l2norm(tensors: Sequence[torch.Tensor], per_tensor: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm of all tensors together, 0-dim fp32; (n,) fp32 norms of each, or (0,)), on the
+    tensors' device; contiguous fp32/bf16/fp16 tensors."""
+    tensors = list(tensors)
+    if not tensors:  # no tensor to dispatch on
+        return torch.zeros((), dtype=torch.float32), torch.empty(0, dtype=torch.float32)
+    if use_triton(tensors) and not tensors[0].is_cuda:
+        return _l2norm_triton(tensors, per_tensor)
+    return torch.ops.zerofuse.l2norm(tensors, per_tensor)
+
+
+def _selftest(device: torch.device) -> None:
+    g = torch.Generator().manual_seed(0)
+    ts = [torch.randn(s, generator=g).to(device) for s in [(37, 5), (1,), (0,), (4099,)]]
+    ts.append(torch.randn(300, generator=g).to(device).bfloat16())
+    total, each = l2norm(ts, per_tensor=True)
+    torch.testing.assert_close(total.double().cpu(), reference.global_norm(ts), rtol=1e-6, atol=0)
+    want = torch.stack([reference.global_norm([t]) for t in ts])
+    torch.testing.assert_close(each.double().cpu(), want, rtol=1e-6, atol=0)
+
+
+register("zerofuse::l2norm", "C++ (CPU), Triton (CUDA)", _selftest)

@@ -1,0 +1,122 @@
+"""``zerofuse::lamb_stage1_`` / ``zerofuse::lamb_stage2_``: LAMB over lists of tensors, in two passes.
+
+Stage 1 updates the moments and writes, per tensor, (sum p^2, sum u^2) into ``norms`` (n, 2);
+stage 2 applies ``p -= lr * trust * u``. The split lets ZeRO all-reduce the sums of a tensor
+sharded over ranks between the stages. Math: zerofuse.reference.lamb_step. Schemas in
+csrc/registration.cpp; CPU kernels csrc/cpu/lamb.cpp; CUDA kernels/optim.py.
+"""
+from __future__ import annotations
+
+import torch
+
+from zerofuse import reference
+from zerofuse.kernels import optim as K
+from zerofuse.ops import register
+from zerofuse.ops._optim import LIB, check_param_lists, use_triton
+
+TRUST_MODES = {"paper": 0, "nvlamb": 1}
+
+
+def _check_norms(op, norms, n):
+    if norms.dtype != torch.float32 or tuple(norms.shape) != (n, 2) or not norms.is_contiguous():
+        raise RuntimeError(f"zerofuse::{op}: expected norms to be a contiguous float32 tensor of shape [{n}, 2], "
+                           f"got {norms.dtype} {list(norms.shape)}")
+
+
+def _check1(params, grads, exp_avgs, exp_avg_sqs, masters, steps, norms):
+    check_param_lists("lamb_stage1_", params, {"grads": grads}, {"exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs},
+                      masters, steps)
+    _check_norms("lamb_stage1_", norms, len(params))
+
+
+def _check2(params, exp_avgs, exp_avg_sqs, masters, steps, norms, trust_mode):
+    check_param_lists("lamb_stage2_", params, {}, {"exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs}, masters, steps)
+    _check_norms("lamb_stage2_", norms, len(params))
+    if trust_mode not in (0, 1):
+        raise ValueError(f"zerofuse::lamb_stage2_: expected trust_mode 0 (paper) or 1 (nvlamb), got {trust_mode}")
+
+
+@torch.library.register_fake("zerofuse::lamb_stage1_")
+def _stage1_fake(params, grads, exp_avgs, exp_avg_sqs, masters, steps, beta1, beta2, eps, weight_decay,
+                 bias_correction, grad_mult, found_inf, norms):
+    _check1(params, grads, exp_avgs, exp_avg_sqs, masters, steps, norms)
+
+
+@torch.library.register_fake("zerofuse::lamb_stage2_")
+def _stage2_fake(params, exp_avgs, exp_avg_sqs, masters, steps, norms, lr, beta1, beta2, eps, weight_decay,
+                 bias_correction, trust_mode, min_trust, max_trust, found_inf):
+    _check2(params, exp_avgs, exp_avg_sqs, masters, steps, norms, trust_mode)
+
+
+def _stage1_triton(params, grads, exp_avgs, exp_avg_sqs, masters, steps, beta1, beta2, eps, weight_decay,
+                   bias_correction, grad_mult, found_inf, norms):
+    _check1(params, grads, exp_avgs, exp_avg_sqs, masters, steps, norms)
+    K.lamb_stage1(params, grads, exp_avgs, exp_avg_sqs, masters, steps, beta1=beta1, beta2=beta2, eps=eps,
+                  weight_decay=weight_decay, bias_correction=bias_correction, grad_mult=grad_mult,
+                  found_inf=found_inf, norms=norms)
+
+
+def _stage2_triton(params, exp_avgs, exp_avg_sqs, masters, steps, norms, lr, beta1, beta2, eps, weight_decay,
+                   bias_correction, trust_mode, min_trust, max_trust, found_inf):
+    _check2(params, exp_avgs, exp_avg_sqs, masters, steps, norms, trust_mode)
+    K.lamb_stage2(params, exp_avgs, exp_avg_sqs, masters, steps, norms, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                  weight_decay=weight_decay, bias_correction=bias_correction, trust_mode=trust_mode,
+                  min_trust=min_trust, max_trust=max_trust, found_inf=found_inf)
+
+
+LIB.impl("lamb_stage1_", _stage1_triton, "CUDA")
+LIB.impl("lamb_stage2_", _stage2_triton, "CUDA")
+
+
+def lamb_stage1_(params, grads, exp_avgs, exp_avg_sqs, steps, norms, *, beta1, beta2, eps, weight_decay,
+                 bias_correction=True, masters=(), grad_mult=None, found_inf=None) -> None:
+    """Moments of every tensor, and norms[i] = (sum p_i^2, sum u_i^2) (fp32, (n, 2))."""
+    if not params:
+        return
+    args = (list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), list(masters), list(steps), float(beta1),
+            float(beta2), float(eps), float(weight_decay), bool(bias_correction), grad_mult, found_inf, norms)
+    if use_triton(args[0]) and not args[0][0].is_cuda:
+        _stage1_triton(*args)
+    else:
+        torch.ops.zerofuse.lamb_stage1_(*args)
+
+
+def lamb_stage2_(params, exp_avgs, exp_avg_sqs, steps, norms, *, lr, beta1, beta2, eps, weight_decay,
+                 bias_correction=True, mode="nvlamb", min_trust=0.0, max_trust=10.0, masters=(),
+                 found_inf=None) -> None:
+    """p -= lr * trust(norms) * u for every tensor; mode "paper" or "nvlamb" (reference.lamb_step)."""
+    if mode not in TRUST_MODES:
+        raise ValueError(f"zerofuse::lamb_stage2_: expected mode 'paper' or 'nvlamb', got {mode!r}")
+    if not params:
+        return
+    args = (list(params), list(exp_avgs), list(exp_avg_sqs), list(masters), list(steps), norms, float(lr),
+            float(beta1), float(beta2), float(eps), float(weight_decay), bool(bias_correction), TRUST_MODES[mode],
+            float(min_trust), float(max_trust), found_inf)
+    if use_triton(args[0]) and not args[0][0].is_cuda:
+        _stage2_triton(*args)
+    else:
+        torch.ops.zerofuse.lamb_stage2_(*args)
+
+
+def _selftest(device: torch.device) -> None:
+    g = torch.Generator().manual_seed(0)
+    shapes = [(37, 5), (1,), (0,), (4099,)]
+    ps = [torch.randn(s, generator=g).to(device) for s in shapes]
+    refs = [p.clone() for p in ps]
+    state = [[torch.zeros_like(p) for p in ps] for _ in range(2)]
+    ref_state = [[torch.zeros_like(p) for p in ps] for _ in range(2)]
+    kw = dict(beta1=0.9, beta2=0.999, eps=1e-6, weight_decay=0.01)
+    for mode in ("nvlamb", "paper"):
+        grads = [torch.randn(s, generator=g).to(device) for s in shapes]
+        step = 1 if mode == "nvlamb" else 2
+        steps = [torch.tensor(float(step), device=device) for _ in ps]
+        norms = torch.empty((len(ps), 2), device=device)
+        lamb_stage1_(ps, grads, *state, steps, norms, **kw)
+        lamb_stage2_(ps, *state, steps, norms, lr=1e-2, mode=mode, **kw)
+        reference.lamb_step(refs, grads, *ref_state, step=step, lr=1e-2, mode=mode, **kw)
+    for p, r in zip(ps, refs):
+        torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-6)
+
+
+register("zerofuse::lamb_stage1_", "C++ (CPU), Triton (CUDA)", _selftest)
+register("zerofuse::lamb_stage2_", "C++ (CPU), Triton (CUDA)", _selftest)

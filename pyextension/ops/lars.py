@@ -1,0 +1,73 @@
+"""``zerofuse::lars_``: LARS with momentum over lists of tensors, in place (reference.lars_step).
+
+The per-tensor norms of params and grads come from one zerofuse::l2norm launch over both lists.
+Schema in csrc/registration.cpp; CPU kernel csrc/cpu/lars.cpp; CUDA kernels/optim.py.
+"""
+from __future__ import annotations
+
+import torch
+
+from zerofuse import reference
+from zerofuse.kernels import optim as K
+from zerofuse.ops import register
+from zerofuse.ops._optim import LIB, check_param_lists, use_triton
+from zerofuse.ops.l2norm import l2norm
+
+
+def _check(params, grads, momentum_buffers, masters, norms):
+    check_param_lists("lars_", params, {"grads": grads}, {"momentum_buffers": momentum_buffers}, masters)
+    n = len(params)
+    if norms.dtype != torch.float32 or tuple(norms.shape) != (2 * n,) or not norms.is_contiguous():
+        raise RuntimeError(f"zerofuse::lars_: expected norms to be a contiguous float32 tensor of shape [{2 * n}], "
+                           f"got {norms.dtype} {list(norms.shape)}")
+
+
+@torch.library.register_fake("zerofuse::lars_")
+def _lars_fake(params, grads, momentum_buffers, masters, norms, lr, momentum, weight_decay, trust_coefficient, eps,
+               grad_mult, found_inf):
+    _check(params, grads, momentum_buffers, masters, norms)
+
+
+def _lars_triton(params, grads, momentum_buffers, masters, norms, lr, momentum, weight_decay, trust_coefficient, eps,
+                 grad_mult, found_inf):
+    _check(params, grads, momentum_buffers, masters, norms)
+    K.lars(params, grads, momentum_buffers, masters, norms, lr=lr, momentum=momentum, weight_decay=weight_decay,
+           trust_coefficient=trust_coefficient, eps=eps, grad_mult=grad_mult, found_inf=found_inf)
+
+
+LIB.impl("lars_", _lars_triton, "CUDA")
+
+
+def lars_(params, grads, momentum_buffers, *, lr, momentum, weight_decay, trust_coefficient, eps=1e-8, masters=(),
+          grad_mult=None, found_inf=None) -> None:
+    """One LARS step for every tensor; norms of the params (their masters if given) and of the
+    grads are computed here in one pass."""
+    if not params:  # nothing to update (and no tensor to dispatch on)
+        return
+    params, grads, masters = list(params), list(grads), list(masters)
+    _, norms = l2norm((masters or params) + grads, per_tensor=True)
+    args = (params, grads, list(momentum_buffers), masters, norms, float(lr), float(momentum), float(weight_decay),
+            float(trust_coefficient), float(eps), grad_mult, found_inf)
+    if use_triton(params) and not params[0].is_cuda:
+        _lars_triton(*args)
+    else:
+        torch.ops.zerofuse.lars_(*args)
+
+
+def _selftest(device: torch.device) -> None:
+    g = torch.Generator().manual_seed(0)
+    shapes = [(37, 5), (1,), (0,), (4099,)]
+    ps = [torch.randn(s, generator=g).to(device) for s in shapes]
+    refs = [p.clone() for p in ps]
+    bufs = [torch.zeros_like(p) for p in ps]
+    ref_bufs = [torch.zeros_like(p) for p in ps]
+    kw = dict(lr=0.1, momentum=0.9, weight_decay=1e-4, trust_coefficient=1e-3, eps=1e-8)
+    for _ in range(2):
+        grads = [torch.randn(s, generator=g).to(device) for s in shapes]
+        lars_(ps, grads, bufs, **kw)
+        reference.lars_step(refs, grads, ref_bufs, **kw)
+    for p, r in zip(ps, refs):
+        torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-7)
+
+
+register("zerofuse::lars_", "C++ (CPU), Triton (CUDA)", _selftest)

@@ -1,0 +1,49 @@
+"""FusedLAMB: LAMB (You et al. 2019) with a fused two-stage step (zerofuse::lamb_stage1_ / _stage2_).
+
+Defaults follow Apex's FusedLAMB (lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01,
+bias_correction=True, max_grad_norm=1.0). mode="nvlamb" (default; Apex with use_nvlamb=True):
+trust ratio |p| / |u| (1 when either is 0) on every tensor; mode="paper": phi(|p|) / |u| with phi
+clamping to [min_trust, max_trust] (Algorithm 2 of the paper). Grads are first clipped to a
+global norm of max_grad_norm (None or 0: no clipping). State keys 'step', 'exp_avg', 'exp_avg_sq'
+(+ 'master' with master_weights). The math is zerofuse.reference.lamb_step.
+"""
+from __future__ import annotations
+
+import torch
+
+from zerofuse.ops import lamb_stage1_, lamb_stage2_
+from zerofuse.ops.lamb import TRUST_MODES
+from zerofuse.optim._base import FusedOptimizerMixin
+
+
+class FusedLAMB(FusedOptimizerMixin, torch.optim.Optimizer):
+    _STATE_KEYS = ("exp_avg", "exp_avg_sq")
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01, *, bias_correction=True,
+                 max_grad_norm=1.0, mode="nvlamb", min_trust=0.0, max_trust=10.0, master_weights=False):
+        name = "zerofuse.optim.FusedLAMB"
+        if not lr >= 0:
+            raise ValueError(f"{name}: expected lr >= 0, got {lr}")
+        if not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
+            raise ValueError(f"{name}: expected betas in [0, 1), got {betas}")
+        if not eps >= 0:
+            raise ValueError(f"{name}: expected eps >= 0, got {eps}")
+        if mode not in TRUST_MODES:
+            raise ValueError(f"{name}: expected mode 'paper' or 'nvlamb', got {mode!r}")
+        if not 0 <= min_trust <= max_trust:
+            raise ValueError(f"{name}: expected 0 <= min_trust <= max_trust, got {min_trust}, {max_trust}")
+        if max_grad_norm is not None and max_grad_norm < 0:
+            raise ValueError(f"{name}: expected max_grad_norm >= 0 or None, got {max_grad_norm}")
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, bias_correction=bias_correction,
+                        max_grad_norm=max_grad_norm, mode=mode, min_trust=min_trust, max_trust=max_trust,
+                        master_weights=master_weights)
+        super().__init__(params, defaults)
+
+    def _update(self, group, params, grads, states, masters, steps, mult, found):
+        beta1, beta2 = group["betas"]
+        kw = dict(beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+                  bias_correction=group["bias_correction"], masters=masters, found_inf=found)
+        norms = torch.empty((len(params), 2), device=params[0].device, dtype=torch.float32)
+        lamb_stage1_(params, grads, states[0], states[1], steps, norms, grad_mult=mult, **kw)
+        lamb_stage2_(params, states[0], states[1], steps, norms, lr=float(group["lr"]), mode=group["mode"],
+                     min_trust=group["min_trust"], max_trust=group["max_trust"], **kw)
