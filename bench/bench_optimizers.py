@@ -1,14 +1,19 @@
 """Optimizer step time: zerofuse FusedAdamW vs torch.optim.AdamW (foreach, fused=True) and
-DeepSpeedCPUAdam (CPU, when installed).
+DeepSpeedCPUAdam (CPU, when installed); zerofuse FusedLAMB vs an unfused PyTorch LAMB
+(zerofuse.reference.lamb_step) and vs zerofuse's own AdamW time.
 
 Parameters are split like a transformer's (a few large matrices, many vectors). GB/s counts 28
 bytes per fp32 parameter for AdamW (read param, grad, exp_avg, exp_avg_sq; write param,
-exp_avg, exp_avg_sq), against the device's measured copy bandwidth (roofline_ratio).
+exp_avg, exp_avg_sq) and 44 for LAMB with grad clipping (norm pass: read grad; stage 1: read
+param, grad, m, v, write m, v; stage 2: read param, m, v, write param), against the device's
+measured copy bandwidth (roofline_ratio). The floor of a LAMB step is therefore 44/28 = 1.57x an
+AdamW step at equal bandwidth, 40/28 = 1.43x without clipping.
 """
 import pytest
 import torch
 
-from zerofuse.optim import FusedAdamW
+from zerofuse import reference
+from zerofuse.optim import FusedAdamW, FusedLAMB
 
 SIZES = {"1M": 1_000_000, "10M": 10_000_000, "100M": 100_000_000}
 
@@ -20,6 +25,13 @@ def _split(total: int) -> list[int]:
     while sum(sizes) + 12 * d * d <= total:
         sizes += [3 * d * d, d * d, 4 * d * d, 4 * d * d] + [d] * 9
     return sizes or [total]
+
+
+def _params(device, total):
+    params = [torch.nn.Parameter(torch.randn(n, device=device) * 0.02) for n in _split(total)]
+    for p in params:
+        p.grad = torch.randn_like(p) * 1e-3
+    return params
 
 
 def _optimizer(provider, params):
@@ -40,13 +52,42 @@ def _optimizer(provider, params):
 def bench_adamw_step(measure, device, smoke, size, provider):
     if provider == "deepspeed_cpu_adam" and device.type != "cpu":
         pytest.skip("DeepSpeedCPUAdam is a CPU optimizer")
-    if size == "100M" and device.type == "cpu" and not smoke:
-        pytest.skip("100M parameters: ~2 GB of state and minutes of rounds on a 2-core CPU")
-    total = 20_000 if smoke else SIZES[size]
-    params = [torch.nn.Parameter(torch.randn(n, device=device) * 0.02) for n in _split(total)]
-    for p in params:
-        p.grad = torch.randn_like(p) * 1e-3
+    if size == "100M" and device.type == "cpu" and provider == "torch_foreach" and not smoke:
+        pytest.skip("torch's foreach AdamW at 100M parameters: seconds per step on a 2-core CPU")
+    params = _params(device, 20_000 if smoke else SIZES[size])
     opt = _optimizer(provider, params)
     opt.step()  # states allocated outside the timing
     n = sum(p.numel() for p in params)
     measure(opt.step, case=f"adamw/{size}", provider=provider, bytes_moved=28 * n)
+
+
+class _EagerLAMB:
+    """LAMB as plain PyTorch ops (zerofuse.reference.lamb_step), the unfused baseline."""
+
+    def __init__(self, params):
+        self.params = params
+        self.m = [torch.zeros_like(p) for p in params]
+        self.v = [torch.zeros_like(p) for p in params]
+        self.t = 0
+
+    @torch.no_grad()
+    def step(self):
+        self.t += 1
+        reference.lamb_step([p.data for p in self.params], [p.grad for p in self.params], self.m, self.v,
+                            step=self.t, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-6, weight_decay=0.01,
+                            max_grad_norm=1.0)
+
+
+@pytest.mark.parametrize("provider", ["torch_eager", "zerofuse"])
+@pytest.mark.parametrize("size", list(SIZES))
+def bench_lamb_step(measure, registry, device, smoke, size, provider, benchmark):
+    if size == "100M" and device.type == "cpu" and provider == "torch_eager" and not smoke:
+        pytest.skip("eager LAMB at 100M parameters: seconds per step on a 2-core CPU")
+    params = _params(device, 20_000 if smoke else SIZES[size])
+    opt = FusedLAMB(params, lr=1e-3, weight_decay=0.01, max_grad_norm=1.0) if provider == "zerofuse" else _EagerLAMB(params)
+    opt.step()
+    n = sum(p.numel() for p in params)
+    measure(opt.step, case=f"lamb/{size}", provider=provider, bytes_moved=44 * n)
+    adamw = registry.medians.get((f"adamw/{size}", "zerofuse"))
+    if provider == "zerofuse" and adamw and benchmark.stats is not None:
+        benchmark.extra_info["time_vs_zerofuse_adamw"] = round(benchmark.stats.stats.median / adamw, 3)

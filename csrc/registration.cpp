@@ -17,15 +17,21 @@ TORCH_LIBRARY(zerofuse, m) {
         "Tensor rstd, bool rms) -> (Tensor, Tensor, Tensor)");
   // Optimizer steps over lists of tensors (the segments of a flat ZeRO shard are a list of views),
   // in place. masters: empty, or fp32 master weights the low-precision params are written from.
-  // steps[i]: 1-element float tensor, the step count (from 1) of params[i]. grad_mult: (1,) tensor
+  // steps[i]: 1-element float tensor, the step count of params[i], advanced by 1 by the op (once per
+  // distinct tensor; not when the step is skipped) before its bias corrections. grad_mult: (1,) tensor
   // the grads are multiplied by (1 / loss scale, times a clipping factor). found_inf: (1,) tensor,
   // nonzero skips the step (nothing changes). Math: the backend files and zerofuse.reference.
   m.def("adam_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
-        "Tensor(d!)[] masters, Tensor[] steps, float lr, float beta1, float beta2, float eps, float weight_decay, "
-        "bool decoupled, bool maximize, Tensor? grad_mult, Tensor? found_inf) -> ()");
-  // LAMB stage 1: moments, and per-tensor (sum p^2, sum u^2) into norms (n, 2) fp32.
+        "Tensor(d!)[] masters, Tensor(e!)[] steps, float lr, float beta1, float beta2, float eps, "
+        "float weight_decay, bool decoupled, bool maximize, Tensor? grad_mult, Tensor? found_inf) -> ()");
+  // LAMB in one call (both stages; the CPU kernel blocks them for the cache).
+  m.def("lamb_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
+        "Tensor(d!)[] masters, Tensor(e!)[] steps, float lr, float beta1, float beta2, float eps, float weight_decay, "
+        "bool bias_correction, int trust_mode, float min_trust, float max_trust, Tensor? grad_mult, "
+        "Tensor? found_inf) -> ()");
+  // LAMB stage 1 (advances steps): moments, and per-tensor (sum p^2, sum u^2) into norms (n, 2) fp32.
   m.def("lamb_stage1_(Tensor[] params, Tensor[] grads, Tensor(a!)[] exp_avgs, Tensor(b!)[] exp_avg_sqs, "
-        "Tensor[] masters, Tensor[] steps, float beta1, float beta2, float eps, float weight_decay, "
+        "Tensor[] masters, Tensor(d!)[] steps, float beta1, float beta2, float eps, float weight_decay, "
         "bool bias_correction, Tensor? grad_mult, Tensor? found_inf, Tensor(c!) norms) -> ()");
   // LAMB stage 2: p -= lr * trust(norms) * u; trust_mode 0 = paper (clamped |p|), 1 = nvlamb.
   m.def("lamb_stage2_(Tensor(a!)[] params, Tensor[] exp_avgs, Tensor[] exp_avg_sqs, Tensor(b!)[] masters, "

@@ -10,9 +10,10 @@ corrections want float64). Each program handles BLOCK elements of one tensor, fo
 search over the block offsets. Per-tensor sums (LAMB, norms) are written per block and added per
 tensor by a second small kernel in a fixed order: deterministic, no atomics.
 
-Step counts live in 1-element fp32 tensors on the device (torch's fused optimizers do the same),
-so a step skipped on an inf/NaN flag (found_inf, read by the kernel) needs no host sync; bias
-corrections beta^step are computed in float64 by exponentiation by squaring.
+Step counts live in 1-element fp32 tensors on the device (torch's fused optimizers do the same)
+and are advanced by (1 - found_inf) before the update, so a step skipped on an inf/NaN flag
+(found_inf, read by the kernel) needs no host sync; bias corrections beta^step are computed in
+float64 by exponentiation by squaring.
 """
 from __future__ import annotations
 
@@ -302,12 +303,18 @@ def _flag(t: torch.Tensor | None, name: str, device: torch.device) -> torch.Tens
     return t.float() if t.dtype != torch.float32 else t
 
 
-def _steps(steps: Sequence[torch.Tensor], device: torch.device) -> None:
+def _steps(steps: Sequence[torch.Tensor], device: torch.device, found: torch.Tensor | None = None,
+           advance: bool = False) -> None:
+    """Checks the step counters and, with advance, adds 1 to each distinct one (0 when found != 0),
+    on the device: no host sync."""
     for i, s in enumerate(steps):
         if s.device != device or s.dtype != torch.float32 or s.numel() != 1:
             raise RuntimeError(f"zerofuse: expected steps[{i}] to be a 1-element float32 tensor on {device} "
                                f"(the Triton kernels read step counts on the device), got {s.dtype} "
                                f"{tuple(s.shape)} on {s.device}")
+    if advance and steps:
+        distinct = list({s.data_ptr(): s for s in steps}.values())
+        torch._foreach_add_(distinct, 1.0 if found is None else (1.0 - found).reshape(()))
 
 
 def adam(params, grads, exp_avgs, exp_avg_sqs, masters, steps, *, lr, beta1, beta2, eps, weight_decay,
@@ -316,8 +323,8 @@ def adam(params, grads, exp_avgs, exp_avg_sqs, masters, steps, *, lr, beta1, bet
     if not params:
         return
     device = params[0].device
-    _steps(steps, device)
     mult, found = _flag(grad_mult, "grad_mult", device), _flag(found_inf, "found_inf", device)
+    _steps(steps, device, found, advance=True)
     for idx in _groups(params, grads):
         tab = _Table([[params[i] for i in idx], [grads[i] for i in idx], [exp_avgs[i] for i in idx],
                       [exp_avg_sqs[i] for i in idx], [masters[i] for i in idx] if masters else None,
@@ -351,8 +358,8 @@ def lamb_stage1(params, grads, exp_avgs, exp_avg_sqs, masters, steps, *, beta1, 
     if not params:
         return
     device = params[0].device
-    _steps(steps, device)
     mult, found = _flag(grad_mult, "grad_mult", device), _flag(found_inf, "found_inf", device)
+    _steps(steps, device, found, advance=True)
     for idx in _groups(params, grads):
         tab = _Table([[params[i] for i in idx], [grads[i] for i in idx], [exp_avgs[i] for i in idx],
                       [exp_avg_sqs[i] for i in idx], [masters[i] for i in idx] if masters else None,

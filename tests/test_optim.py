@@ -343,7 +343,6 @@ def test_adamw_flat_equals_the_optimizer_on_separate_tensors(path):
     opt = FusedAdamW(twin, lr=1e-2, weight_decay=0.1)
     for s in range(5):
         grads = _grads(s, device=path)
-        step += 1
         functional.adamw_flat(flat, torch.cat([g.reshape(-1) for g in grads]), m, v, step, lr=1e-2, weight_decay=0.1)
         for t, g in zip(twin, grads):
             t.grad = g
@@ -369,7 +368,6 @@ def test_lamb_flat_equals_the_optimizer_on_separate_tensors(path):
     calls = []
     for s in range(5):
         grads = _grads(s, device=path)
-        step += 1
         functional.lamb_flat(flat, torch.cat([g.reshape(-1) for g in grads]), m, v, step, _segments(SHAPES),
                              lr=1e-2, norm_reduce=calls.append)
         for t, g in zip(twin, grads):
@@ -398,7 +396,6 @@ def _lamb_shard_rank(rank, world_size):
     for s in range(3):
         g = torch.zeros(shard * world_size)
         g[:total] = torch.cat([x.reshape(-1) for x in _grads(s)])
-        step += 1
         functional.lamb_flat(mine, g[lo:hi].clone(), m, v, step, segments, lr=1e-2, mode="nvlamb",
                              norm_reduce=dist.all_reduce)
     out = [torch.empty_like(mine) for _ in range(world_size)]
@@ -468,6 +465,8 @@ def test_op_errors_name_the_argument(path):
         zerofuse.ops.adam_(p, g, [z(5)], [z(5)], [], **kw)
     with pytest.raises(RuntimeError, match=r"lamb_stage1_: expected norms to be a contiguous float32 (cpu )?tensor of shape \[1, 2\]"):
         zerofuse.ops.lamb_stage1_(p, g, [z(5)], [z(5)], steps, z(2), beta1=0.9, beta2=0.99, eps=1e-6, weight_decay=0)
+    with pytest.raises(ValueError, match=r"zerofuse::lamb_: expected mode 'paper' or 'nvlamb', got 'x'"):
+        zerofuse.ops.lamb_(p, g, [z(5)], [z(5)], steps, lr=1, beta1=0.9, beta2=0.99, eps=1e-6, weight_decay=0, mode="x")
     with pytest.raises(ValueError, match=r"lamb_stage2_: expected mode 'paper' or 'nvlamb', got 'x'"):
         zerofuse.ops.lamb_stage2_(p, [z(5)], [z(5)], steps, z(1, 2), lr=1, beta1=0.9, beta2=0.99, eps=1e-6,
                                   weight_decay=0, mode="x")
@@ -480,7 +479,7 @@ def _op_args():
     gs = [torch.randn(7, 3), torch.randn(5).bfloat16()]
     st = [torch.zeros(7, 3), torch.zeros(5)]
     st2 = [torch.zeros(7, 3), torch.zeros(5)]
-    steps = [torch.tensor(2.0), torch.tensor(3.0)]
+    steps = [torch.tensor(1.0), torch.tensor(2.0)]  # advanced to 2 and 3 by the step
     return ps, gs, st, st2, steps
 
 
@@ -493,6 +492,8 @@ def test_opcheck(cpu_kernels):
     norms = torch.zeros(2, 2)
     torch.library.opcheck(torch.ops.zerofuse.lamb_stage1_.default,
                           (ps, gs, st, st2, [], steps, 0.9, 0.999, 1e-6, 0.01, True, mult, found, norms))
+    torch.library.opcheck(torch.ops.zerofuse.lamb_.default,
+                          (ps, gs, st, st2, [], steps, 1e-3, 0.9, 0.999, 1e-6, 0.01, True, 0, 0.0, 10.0, mult, None))
     torch.library.opcheck(torch.ops.zerofuse.lamb_stage2_.default,
                           (ps, st, st2, [], steps, norms.abs() + 1, 1e-3, 0.9, 0.999, 1e-6, 0.01, True, 1, 0.0, 10.0,
                            None))

@@ -76,7 +76,7 @@ void adam_cpu(at::TensorList params,       // n tensors (any shape), fp32/bf16/f
               at::TensorList exp_avgs,     // n fp32 tensors like params, updated
               at::TensorList exp_avg_sqs,  // n fp32 tensors like params, updated
               at::TensorList masters,      // empty, or n fp32 master copies of params, updated
-              at::TensorList steps,        // n 1-element float tensors: the step count, from 1, of each param
+              at::TensorList steps,        // n 1-element float tensors: step counts, advanced by 1 here (not when skipped)
               double lr, double beta1, double beta2, double eps, double weight_decay,
               bool decoupled,              // AdamW (decoupled decay) vs Adam (L2 added to the gradient)
               bool maximize,
@@ -90,11 +90,7 @@ void adam_cpu(at::TensorList params,       // n tensors (any shape), fp32/bf16/f
   const AdamArgs args{lr, beta1, beta2, eps, weight_decay, decoupled, maximize, static_cast<float>(mult)};
   std::vector<AdamConsts> consts;
   consts.reserve(params.size());
-  for (size_t i = 0; i < params.size(); ++i) {
-    const double step = step_count(steps[i]);
-    ZF_CHECK_VALUE(step >= 1, op, "expected ", indexed("steps", i), " >= 1 (steps count from 1), got ", step);
-    consts.push_back(consts_for(args, step));
-  }
+  for (double step : advance_steps(steps, op)) consts.push_back(consts_for(args, step));
   const SpanPlan plan = plan_params(params);
   for_each_chunk(plan, params, grads, masters, /*write_param=*/true, [&](const Chunk& c) {
     adam_chunk(c.p, c.g, exp_avgs[c.tensor].data_ptr<float>() + c.begin,

@@ -34,10 +34,10 @@ LambConsts lamb_consts(double beta1, double beta2, double eps, double wd, bool b
                     static_cast<float>(bc1), static_cast<float>(bc2), static_cast<float>(mult)};
 }
 
-// Updates m and v; returns (sum p^2, sum u^2) of the chunk.
+// Updates m and v, writes the update u; returns (sum p^2, sum u^2) of the chunk.
 ZF_VECTOR_CLONES std::pair<float, float> lamb_moments(const float* __restrict__ p, const float* __restrict__ g,
-                                                      float* __restrict__ m, float* __restrict__ v, int64_t n,
-                                                      const LambConsts c) {
+                                                      float* __restrict__ m, float* __restrict__ v,
+                                                      float* __restrict__ u_out, int64_t n, const LambConsts c) {
   float spp = 0.f, suu = 0.f;
 #pragma omp simd reduction(+ : spp, suu)
   for (int64_t i = 0; i < n; ++i) {
@@ -47,10 +47,17 @@ ZF_VECTOR_CLONES std::pair<float, float> lamb_moments(const float* __restrict__ 
     m[i] = mi;
     v[i] = vi;
     const float u = (mi / c.bc1) / (std::sqrt(vi / c.bc2) + c.eps) + c.wd * p[i];
+    u_out[i] = u;
     spp += p[i] * p[i];
     suu += u * u;
   }
   return {spp, suu};
+}
+
+// p -= ratio * u with u kept by lamb_moments (the same values lamb_apply recomputes).
+ZF_VECTOR_CLONES void lamb_apply_u(float* __restrict__ p, const float* __restrict__ u, int64_t n, const float ratio) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) p[i] = p[i] - ratio * u[i];
 }
 
 ZF_VECTOR_CLONES void lamb_apply(float* __restrict__ p, const float* __restrict__ m, const float* __restrict__ v,
@@ -69,50 +76,48 @@ void check_norms(const at::Tensor& norms, size_t n, const char* op) {
            norms.scalar_type(), " ", norms.sizes(), " on ", norms.device());
 }
 
-std::vector<LambConsts> consts_per_param(at::TensorList steps, double beta1, double beta2, double eps, double wd,
-                                         bool bias_correction, double mult, const char* op) {
+std::vector<LambConsts> consts_for_steps(const std::vector<double>& steps, double beta1, double beta2, double eps,
+                                         double wd, bool bias_correction, double mult) {
   std::vector<LambConsts> out;
   out.reserve(steps.size());
-  for (size_t i = 0; i < steps.size(); ++i) {
-    const double step = step_count(steps[i]);
-    ZF_CHECK_VALUE(step >= 1, op, "expected ", indexed("steps", i), " >= 1 (steps count from 1), got ", step);
-    out.push_back(lamb_consts(beta1, beta2, eps, wd, bias_correction, step, mult));
-  }
+  for (double step : steps) out.push_back(lamb_consts(beta1, beta2, eps, wd, bias_correction, step, mult));
   return out;
 }
 
-void lamb_stage1_cpu(at::TensorList params,       // n tensors, fp32/bf16/fp16 (read)
-                     at::TensorList grads,        // n tensors like params
-                     at::TensorList exp_avgs,     // n fp32, updated
-                     at::TensorList exp_avg_sqs,  // n fp32, updated
-                     at::TensorList masters,      // empty or n fp32 masters (read in place of params)
-                     at::TensorList steps,        // n 1-element float tensors, step count from 1
-                     double beta1, double beta2, double eps, double weight_decay, bool bias_correction,
-                     const c10::optional<at::Tensor>& grad_mult,  // (1,) or None
-                     const c10::optional<at::Tensor>& found_inf,  // (1,) nonzero: nothing changes
-                     const at::Tensor& norms) {                   // (n, 2) fp32 out: sum p^2, sum u^2
-  const char* op = "lamb_stage1_";
-  check_param_lists(op, params, {{grads, "grads"}}, {{exp_avgs, "exp_avgs"}, {exp_avg_sqs, "exp_avg_sqs"}},
-                    masters, &steps);
-  check_norms(norms, params.size(), op);
-  const double mult = scalar_arg(grad_mult, op, "grad_mult", 1.0);
-  if (skip_step(found_inf, op)) return;
-  const auto consts = consts_per_param(steps, beta1, beta2, eps, weight_decay, bias_correction, mult, op);
+std::vector<double> read_steps(at::TensorList steps) {
+  std::vector<double> out;
+  out.reserve(steps.size());
+  for (const auto& s : steps) out.push_back(step_count(s));
+  return out;
+}
+
+at::TensorList slice(at::TensorList l, size_t b, size_t e) { return l.empty() ? l : l.slice(b, e - b); }
+
+// Where stage 1 leaves the updates u for stage 2: params[i]'s at base + offset[i] (nullptr: not kept).
+struct Scratch {
+  float* base = nullptr;
+  std::vector<int64_t> offset;
+};
+
+// Stage 1 over params: moments, (sum p^2, sum u^2) of each into out[2 * i + k], u into scratch.
+void stage1(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
+            at::TensorList masters, const LambConsts* consts, double* out, const Scratch& scratch) {
   const SpanPlan plan = plan_params(params);
   std::vector<double> partial(2 * plan.spans.size(), 0.0);
   for_each_chunk(plan, params, grads, masters, /*write_param=*/false, [&](const Chunk& c) {
+    float ubuf[kOptimChunk];
+    float* u = scratch.base ? scratch.base + scratch.offset[c.tensor] + c.begin : ubuf;
     const auto [spp, suu] = lamb_moments(c.p, c.g, exp_avgs[c.tensor].data_ptr<float>() + c.begin,
-                                         exp_avg_sqs[c.tensor].data_ptr<float>() + c.begin, c.len, consts[c.tensor]);
+                                         exp_avg_sqs[c.tensor].data_ptr<float>() + c.begin, u, c.len,
+                                         consts[c.tensor]);
     partial[2 * c.span] += spp;
     partial[2 * c.span + 1] += suu;
   });
-  std::vector<double> sums(2 * params.size(), 0.0);
+  for (size_t i = 0; i < 2 * params.size(); ++i) out[i] = 0.0;
   for (size_t k = 0; k < plan.spans.size(); ++k) {
-    sums[2 * plan.spans[k].tensor] += partial[2 * k];
-    sums[2 * plan.spans[k].tensor + 1] += partial[2 * k + 1];
+    out[2 * plan.spans[k].tensor] += partial[2 * k];
+    out[2 * plan.spans[k].tensor + 1] += partial[2 * k + 1];
   }
-  float* out = norms.data_ptr<float>();
-  for (size_t k = 0; k < sums.size(); ++k) out[k] = static_cast<float>(sums[k]);
 }
 
 // trust_mode 0 ("paper"): clamp(|p|, min_trust, max_trust) / |u|, 1 when |u| = 0.
@@ -123,11 +128,64 @@ double trust_ratio(double pp, double uu, int64_t mode, double min_trust, double 
   return pn > 0 && un > 0 ? pn / un : 1.0;
 }
 
+struct TrustArgs {
+  double lr, min_trust, max_trust;
+  int64_t mode;
+};
+
+// Stage 2 over params, with sums of squares `sums` (2 per param, as stage1 writes them).
+template <typename T>
+void stage2(at::TensorList params, at::TensorList exp_avgs, at::TensorList exp_avg_sqs, at::TensorList masters,
+            const LambConsts* consts, const T* sums, const TrustArgs& t, const Scratch& scratch) {
+  std::vector<float> ratio(params.size());
+  for (size_t i = 0; i < params.size(); ++i) {
+    ratio[i] = static_cast<float>(t.lr * trust_ratio(sums[2 * i], sums[2 * i + 1], t.mode, t.min_trust, t.max_trust));
+  }
+  const SpanPlan plan = plan_params(params);
+  for_each_chunk(plan, params, {}, masters, /*write_param=*/true, [&](const Chunk& c) {
+    if (scratch.base) {
+      lamb_apply_u(c.p, scratch.base + scratch.offset[c.tensor] + c.begin, c.len, ratio[c.tensor]);
+    } else {
+      lamb_apply(c.p, exp_avgs[c.tensor].data_ptr<float>() + c.begin,
+                 exp_avg_sqs[c.tensor].data_ptr<float>() + c.begin, c.len, consts[c.tensor], ratio[c.tensor]);
+    }
+  });
+}
+
+void check_trust_mode(int64_t trust_mode, const char* op) {
+  ZF_CHECK_VALUE(trust_mode == 0 || trust_mode == 1, op, "expected trust_mode 0 (paper) or 1 (nvlamb), got ",
+                 trust_mode);
+}
+
+void lamb_stage1_cpu(at::TensorList params,       // n tensors, fp32/bf16/fp16 (read)
+                     at::TensorList grads,        // n tensors like params
+                     at::TensorList exp_avgs,     // n fp32, updated
+                     at::TensorList exp_avg_sqs,  // n fp32, updated
+                     at::TensorList masters,      // empty or n fp32 masters (read in place of params)
+                     at::TensorList steps,        // n 1-element float tensors, advanced by 1 here
+                     double beta1, double beta2, double eps, double weight_decay, bool bias_correction,
+                     const c10::optional<at::Tensor>& grad_mult,  // (1,) or None
+                     const c10::optional<at::Tensor>& found_inf,  // (1,) nonzero: nothing changes
+                     const at::Tensor& norms) {                   // (n, 2) fp32 out: sum p^2, sum u^2
+  const char* op = "lamb_stage1_";
+  check_param_lists(op, params, {{grads, "grads"}}, {{exp_avgs, "exp_avgs"}, {exp_avg_sqs, "exp_avg_sqs"}},
+                    masters, &steps);
+  check_norms(norms, params.size(), op);
+  const double mult = scalar_arg(grad_mult, op, "grad_mult", 1.0);
+  if (skip_step(found_inf, op)) return;
+  const auto consts =
+      consts_for_steps(advance_steps(steps, op), beta1, beta2, eps, weight_decay, bias_correction, mult);
+  std::vector<double> sums(2 * params.size());
+  stage1(params, grads, exp_avgs, exp_avg_sqs, masters, consts.data(), sums.data(), Scratch{});
+  float* out = norms.data_ptr<float>();
+  for (size_t k = 0; k < sums.size(); ++k) out[k] = static_cast<float>(sums[k]);
+}
+
 void lamb_stage2_cpu(at::TensorList params,       // n tensors, fp32/bf16/fp16, updated
                      at::TensorList exp_avgs,     // n fp32 (from stage 1)
                      at::TensorList exp_avg_sqs,  // n fp32 (from stage 1)
                      at::TensorList masters,      // empty or n fp32 masters, updated
-                     at::TensorList steps,        // as in stage 1
+                     at::TensorList steps,        // as advanced by stage 1
                      const at::Tensor& norms,     // (n, 2) fp32 sums of squares from stage 1 (all-reduced)
                      double lr, double beta1, double beta2, double eps, double weight_decay, bool bias_correction,
                      int64_t trust_mode, double min_trust, double max_trust,
@@ -135,20 +193,55 @@ void lamb_stage2_cpu(at::TensorList params,       // n tensors, fp32/bf16/fp16, 
   const char* op = "lamb_stage2_";
   check_param_lists(op, params, {}, {{exp_avgs, "exp_avgs"}, {exp_avg_sqs, "exp_avg_sqs"}}, masters, &steps);
   check_norms(norms, params.size(), op);
-  ZF_CHECK_VALUE(trust_mode == 0 || trust_mode == 1, op, "expected trust_mode 0 (paper) or 1 (nvlamb), got ",
-                 trust_mode);
+  check_trust_mode(trust_mode, op);
   if (skip_step(found_inf, op)) return;
-  const auto consts = consts_per_param(steps, beta1, beta2, eps, weight_decay, bias_correction, 1.0, op);
-  const float* nrm = norms.data_ptr<float>();
-  std::vector<float> ratio(params.size());
-  for (size_t i = 0; i < params.size(); ++i) {
-    ratio[i] = static_cast<float>(lr * trust_ratio(nrm[2 * i], nrm[2 * i + 1], trust_mode, min_trust, max_trust));
+  const auto consts = consts_for_steps(read_steps(steps), beta1, beta2, eps, weight_decay, bias_correction, 1.0);
+  stage2(params, exp_avgs, exp_avg_sqs, masters, consts.data(), norms.data_ptr<float>(),
+         TrustArgs{lr, min_trust, max_trust, trust_mode}, Scratch{});
+}
+
+// Both stages in one call, blocked for the cache: consecutive whole tensors of up to kCacheBlock
+// elements go through stage 1, which keeps their updates u in a block-sized scratch buffer, and
+// then stage 2, which reads u and p back from cache: stage 2 is one multiply-add per element
+// instead of a second trip through memory and a second division and square root. A tensor larger
+// than a block is a block of its own and recomputes u instead (no scratch of its size).
+constexpr int64_t kCacheBlock = 1 << 21;
+
+void lamb_cpu(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
+              at::TensorList masters, at::TensorList steps, double lr, double beta1, double beta2, double eps,
+              double weight_decay, bool bias_correction, int64_t trust_mode, double min_trust, double max_trust,
+              const c10::optional<at::Tensor>& grad_mult, const c10::optional<at::Tensor>& found_inf) {
+  const char* op = "lamb_";
+  check_param_lists(op, params, {{grads, "grads"}}, {{exp_avgs, "exp_avgs"}, {exp_avg_sqs, "exp_avg_sqs"}},
+                    masters, &steps);
+  check_trust_mode(trust_mode, op);
+  const double mult = scalar_arg(grad_mult, op, "grad_mult", 1.0);
+  if (skip_step(found_inf, op)) return;
+  const auto c1 = consts_for_steps(advance_steps(steps, op), beta1, beta2, eps, weight_decay, bias_correction, mult);
+  const auto c2 = consts_for_steps(read_steps(steps), beta1, beta2, eps, weight_decay, bias_correction, 1.0);
+  const TrustArgs trust{lr, min_trust, max_trust, trust_mode};
+  std::vector<double> sums(2 * params.size());
+  std::vector<float> buffer;
+  for (size_t b = 0; b < params.size();) {
+    size_t e = b + 1;
+    int64_t elems = params[b].numel();
+    while (e < params.size() && elems + params[e].numel() <= kCacheBlock) elems += params[e++].numel();
+    Scratch scratch;
+    if (elems <= kCacheBlock) {
+      buffer.resize(kCacheBlock);
+      scratch.base = buffer.data();
+      int64_t off = 0;
+      for (size_t i = b; i < e; ++i) {
+        scratch.offset.push_back(off);
+        off += params[i].numel();
+      }
+    }
+    stage1(slice(params, b, e), slice(grads, b, e), slice(exp_avgs, b, e), slice(exp_avg_sqs, b, e),
+           slice(masters, b, e), c1.data() + b, sums.data() + 2 * b, scratch);
+    stage2(slice(params, b, e), slice(exp_avgs, b, e), slice(exp_avg_sqs, b, e), slice(masters, b, e),
+           c2.data() + b, sums.data() + 2 * b, trust, scratch);
+    b = e;
   }
-  const SpanPlan plan = plan_params(params);
-  for_each_chunk(plan, params, {}, masters, /*write_param=*/true, [&](const Chunk& c) {
-    lamb_apply(c.p, exp_avgs[c.tensor].data_ptr<float>() + c.begin, exp_avg_sqs[c.tensor].data_ptr<float>() + c.begin,
-               c.len, consts[c.tensor], ratio[c.tensor]);
-  });
 }
 
 }  // namespace
@@ -156,6 +249,7 @@ void lamb_stage2_cpu(at::TensorList params,       // n tensors, fp32/bf16/fp16, 
 TORCH_LIBRARY_IMPL(zerofuse, CPU, m) {
   m.impl("lamb_stage1_", &lamb_stage1_cpu);
   m.impl("lamb_stage2_", &lamb_stage2_cpu);
+  m.impl("lamb_", &lamb_cpu);
 }
 
 }  // namespace zerofuse

@@ -87,7 +87,29 @@ inline void check_param_lists(const char* op, at::TensorList params, std::initia
   }
 }
 
-// The step count of one param (torch.optim keeps it as a float tensor), without a dispatcher call.
+// Adds 1 to every distinct step tensor (a flat shard's segments may share one) and returns each
+// param's new count, without dispatcher calls (torch.optim keeps counts as float tensors).
+inline std::vector<double> advance_steps(at::TensorList steps, const char* op) {
+  std::vector<const void*> done;
+  std::vector<double> out(steps.size());
+  for (size_t i = 0; i < steps.size(); ++i) {
+    const at::Tensor& s = steps[i];
+    void* ptr = s.data_ptr();
+    if (std::find(done.begin(), done.end(), ptr) == done.end()) {
+      done.push_back(ptr);
+      if (s.scalar_type() == at::kFloat) {
+        *static_cast<float*>(ptr) += 1.f;
+      } else {
+        *static_cast<double*>(ptr) += 1.0;
+      }
+    }
+    out[i] = s.scalar_type() == at::kFloat ? *static_cast<float*>(ptr) : *static_cast<double*>(ptr);
+    ZF_CHECK_VALUE(out[i] >= 1, op, "expected ", indexed("steps", i), " >= 0 before the step, got ", out[i] - 1);
+  }
+  return out;
+}
+
+// The step count of one param, as stored.
 inline double step_count(const at::Tensor& s) {
   return s.scalar_type() == at::kFloat ? *s.data_ptr<float>() : *s.data_ptr<double>();
 }

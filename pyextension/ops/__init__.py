@@ -43,8 +43,8 @@ from zerofuse.ops.flatten import flatten_into, packed_offsets, unflatten_from  #
 from zerofuse.ops import norms  # noqa: E402,F401
 from zerofuse.ops.adam import adam_  # noqa: E402
 from zerofuse.ops.l2norm import l2norm  # noqa: E402
-from zerofuse.ops.lamb import lamb_stage1_, lamb_stage2_  # noqa: E402
+from zerofuse.ops.lamb import lamb_, lamb_stage1_, lamb_stage2_  # noqa: E402
 from zerofuse.ops.lars import lars_  # noqa: E402
 
 __all__ = ["OPS", "OpInfo", "list_ops", "registered_in_torch", "flatten_into", "unflatten_from", "packed_offsets", "adam_", "l2norm",
-           "lamb_stage1_", "lamb_stage2_", "lars_"]
+           "lamb_", "lamb_stage1_", "lamb_stage2_", "lars_"]

@@ -58,8 +58,8 @@ def adam_(
 ) -> None:
     """One Adam/AdamW step (zerofuse.reference.adam_step) for every tensor of the lists, in place.
 
-    steps[i] is the step count of params[i] (from 1, already incremented; a 1-element float
-    tensor, on the params' device for CUDA). Optional fp32 master weights (params written from
+    steps[i] is the step count of params[i] (a 1-element float tensor, on the params' device for
+    CUDA), advanced by 1 here before use (each distinct tensor once; not on a skipped step). Optional fp32 master weights (params written from
     them), grads multiplied by grad_mult (a 1-element tensor: 1 / loss scale, times a clipping
     factor), and found_inf (1-element tensor): nonzero skips the step, read by the kernel (no host
     sync on CUDA)."""
@@ -81,15 +81,16 @@ def _selftest(device: torch.device) -> None:
     refs = [p.clone() for p in ps]
     state = [[torch.zeros_like(p) for p in ps] for _ in range(2)]
     ref_state = [[torch.zeros_like(p) for p in ps] for _ in range(2)]
+    steps = [torch.tensor(0.0, device=device) for _ in ps]
     for step in (1, 2, 3):
         grads = [torch.randn(s, generator=g).to(device) for s in shapes]
         kw = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
-        steps = [torch.tensor(float(step), device=device) for _ in ps]
         adam_(ps, grads, *state, steps, decoupled=True, **kw)
         for i in range(len(ps)):
             reference.adam_step(refs[i], grads[i], ref_state[0][i], ref_state[1][i], step=step, **kw)
     for p, r in zip(ps, refs):
         torch.testing.assert_close(p, r, rtol=1e-6, atol=1e-6)
+    assert all(s.item() == 3 for s in steps)
 
 
 register("zerofuse::adam_", "C++ (CPU), Triton (CUDA)", _selftest)

@@ -1,8 +1,9 @@
-"""``zerofuse::lamb_stage1_`` / ``zerofuse::lamb_stage2_``: LAMB over lists of tensors, in two passes.
+"""``zerofuse::lamb_`` and its two stages ``lamb_stage1_`` / ``lamb_stage2_``: LAMB over lists of tensors.
 
-Stage 1 updates the moments and writes, per tensor, (sum p^2, sum u^2) into ``norms`` (n, 2);
-stage 2 applies ``p -= lr * trust * u``. The split lets ZeRO all-reduce the sums of a tensor
-sharded over ranks between the stages. Math: zerofuse.reference.lamb_step. Schemas in
+Stage 1 advances the step counters, updates the moments and writes, per tensor, (sum p^2,
+sum u^2) into ``norms`` (n, 2); stage 2 applies ``p -= lr * trust * u``. The split lets ZeRO
+all-reduce the sums of a tensor sharded over ranks between the stages; ``lamb_`` runs both (on
+CPU blocked for the cache, so stage 2 reads p, m, v from cache, not memory). Math: zerofuse.reference.lamb_step. Schemas in
 csrc/registration.cpp; CPU kernels csrc/cpu/lamb.cpp; CUDA kernels/optim.py.
 """
 from __future__ import annotations
@@ -64,13 +65,53 @@ def _stage2_triton(params, exp_avgs, exp_avg_sqs, masters, steps, norms, lr, bet
                   min_trust=min_trust, max_trust=max_trust, found_inf=found_inf)
 
 
+@torch.library.register_fake("zerofuse::lamb_")
+def _lamb_fake(params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr, beta1, beta2, eps, weight_decay,
+               bias_correction, trust_mode, min_trust, max_trust, grad_mult, found_inf):
+    _check1(params, grads, exp_avgs, exp_avg_sqs, masters, steps, torch.empty((len(params), 2)))
+    _check2(params, exp_avgs, exp_avg_sqs, masters, steps, torch.empty((len(params), 2)), trust_mode)
+
+
+def _lamb_triton(params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr, beta1, beta2, eps, weight_decay,
+                 bias_correction, trust_mode, min_trust, max_trust, grad_mult, found_inf):
+    norms = torch.empty((len(params), 2), device=params[0].device, dtype=torch.float32)
+    _stage1_triton(params, grads, exp_avgs, exp_avg_sqs, masters, steps, beta1, beta2, eps, weight_decay,
+                   bias_correction, grad_mult, found_inf, norms)
+    _stage2_triton(params, exp_avgs, exp_avg_sqs, masters, steps, norms, lr, beta1, beta2, eps, weight_decay,
+                   bias_correction, trust_mode, min_trust, max_trust, found_inf)
+
+
+LIB.impl("lamb_", _lamb_triton, "CUDA")
 LIB.impl("lamb_stage1_", _stage1_triton, "CUDA")
 LIB.impl("lamb_stage2_", _stage2_triton, "CUDA")
 
 
+def _mode(op, mode):
+    if mode not in TRUST_MODES:
+        raise ValueError(f"zerofuse::{op}: expected mode 'paper' or 'nvlamb', got {mode!r}")
+    return TRUST_MODES[mode]
+
+
+def lamb_(params, grads, exp_avgs, exp_avg_sqs, steps, *, lr, beta1, beta2, eps, weight_decay, bias_correction=True,
+          mode="nvlamb", min_trust=0.0, max_trust=10.0, masters=(), grad_mult=None, found_inf=None) -> None:
+    """One LAMB step (reference.lamb_step, without the clipping: fold it into grad_mult) of every
+    tensor; steps are advanced by 1 (not on a skipped step)."""
+    trust_mode = _mode("lamb_", mode)
+    if not params:
+        return
+    args = (list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), list(masters), list(steps), float(lr),
+            float(beta1), float(beta2), float(eps), float(weight_decay), bool(bias_correction), trust_mode,
+            float(min_trust), float(max_trust), grad_mult, found_inf)
+    if use_triton(args[0]) and not args[0][0].is_cuda:
+        _lamb_triton(*args)
+    else:
+        torch.ops.zerofuse.lamb_(*args)
+
+
 def lamb_stage1_(params, grads, exp_avgs, exp_avg_sqs, steps, norms, *, beta1, beta2, eps, weight_decay,
                  bias_correction=True, masters=(), grad_mult=None, found_inf=None) -> None:
-    """Moments of every tensor, and norms[i] = (sum p_i^2, sum u_i^2) (fp32, (n, 2))."""
+    """Advances steps, updates the moments of every tensor, and writes norms[i] = (sum p_i^2,
+    sum u_i^2) (fp32, (n, 2))."""
     if not params:
         return
     args = (list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), list(masters), list(steps), float(beta1),
@@ -85,12 +126,11 @@ def lamb_stage2_(params, exp_avgs, exp_avg_sqs, steps, norms, *, lr, beta1, beta
                  bias_correction=True, mode="nvlamb", min_trust=0.0, max_trust=10.0, masters=(),
                  found_inf=None) -> None:
     """p -= lr * trust(norms) * u for every tensor; mode "paper" or "nvlamb" (reference.lamb_step)."""
-    if mode not in TRUST_MODES:
-        raise ValueError(f"zerofuse::lamb_stage2_: expected mode 'paper' or 'nvlamb', got {mode!r}")
+    trust_mode = _mode("lamb_stage2_", mode)
     if not params:
         return
     args = (list(params), list(exp_avgs), list(exp_avg_sqs), list(masters), list(steps), norms, float(lr),
-            float(beta1), float(beta2), float(eps), float(weight_decay), bool(bias_correction), TRUST_MODES[mode],
+            float(beta1), float(beta2), float(eps), float(weight_decay), bool(bias_correction), trust_mode,
             float(min_trust), float(max_trust), found_inf)
     if use_triton(args[0]) and not args[0][0].is_cuda:
         _stage2_triton(*args)
@@ -106,17 +146,20 @@ def _selftest(device: torch.device) -> None:
     state = [[torch.zeros_like(p) for p in ps] for _ in range(2)]
     ref_state = [[torch.zeros_like(p) for p in ps] for _ in range(2)]
     kw = dict(beta1=0.9, beta2=0.999, eps=1e-6, weight_decay=0.01)
-    for mode in ("nvlamb", "paper"):
+    steps = [torch.tensor(0.0, device=device) for _ in ps]
+    for step, mode in ((1, "nvlamb"), (2, "paper")):
         grads = [torch.randn(s, generator=g).to(device) for s in shapes]
-        step = 1 if mode == "nvlamb" else 2
-        steps = [torch.tensor(float(step), device=device) for _ in ps]
-        norms = torch.empty((len(ps), 2), device=device)
-        lamb_stage1_(ps, grads, *state, steps, norms, **kw)
-        lamb_stage2_(ps, *state, steps, norms, lr=1e-2, mode=mode, **kw)
+        if step == 1:
+            lamb_(ps, grads, *state, steps, lr=1e-2, mode=mode, **kw)
+        else:
+            norms = torch.empty((len(ps), 2), device=device)
+            lamb_stage1_(ps, grads, *state, steps, norms, **kw)
+            lamb_stage2_(ps, *state, steps, norms, lr=1e-2, mode=mode, **kw)
         reference.lamb_step(refs, grads, *ref_state, step=step, lr=1e-2, mode=mode, **kw)
     for p, r in zip(ps, refs):
         torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-6)
 
 
+register("zerofuse::lamb_", "C++ (CPU), Triton (CUDA)", _selftest)
 register("zerofuse::lamb_stage1_", "C++ (CPU), Triton (CUDA)", _selftest)
 register("zerofuse::lamb_stage2_", "C++ (CPU), Triton (CUDA)", _selftest)

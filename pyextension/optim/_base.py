@@ -4,8 +4,8 @@ states, fp32 master weights, per-param step counters, and the mixed-precision in
 CUDA step never waits on the host.
 
 [Note: skipped steps] A step with found_inf != 0 changes nothing: the kernels read the flag and
-write nothing, and step counters are advanced by (1 - found_inf). On CPU the flag is read on the
-host and the step returns early. torch.amp.GradScaler works unchanged: like torch's fused
+write nothing, and the ops advance step counters by (1 - found_inf). On CPU the flag is read on
+the host and the step returns early. torch.amp.GradScaler works unchanged: like torch's fused
 optimizers these set _step_supports_amp_scaling, and GradScaler hands over its scale and inf flag
 as the attributes grad_scale / found_inf before calling step().
 """
@@ -31,6 +31,7 @@ class FusedOptimizerMixin:
 
     def load_state_dict(self, state_dict):
         """Also takes torch.optim's (and Apex's) state dicts: missing group options get defaults."""
+        self._checked = set()
         super().load_state_dict(state_dict)
         for group in self.param_groups:
             for key, value in self.defaults.items():
@@ -38,6 +39,10 @@ class FusedOptimizerMixin:
 
     def _state(self, p: torch.Tensor, master_weights: bool) -> dict:
         state = self.state[p]
+        checked = self.__dict__.setdefault("_checked", set())
+        if id(p) in checked:  # states made or converted here already (per-step cost: ~1 us a param)
+            return state
+        checked.add(id(p))
         if not state:
             if self._USES_STEP:
                 state["step"] = torch.zeros((), dtype=torch.float32, device=p.device if p.is_cuda else "cpu")
@@ -122,12 +127,6 @@ class FusedOptimizerMixin:
         for group, items in groups:
             if not items:
                 continue
-            steps = [s["step"] for _, s in items] if self._USES_STEP else []
-            if steps:
-                if found is None or on_cpu:
-                    torch._foreach_add_(steps, 1.0)
-                else:
-                    torch._foreach_add_(steps, (1.0 - found).reshape(()))
             # params with and without fp32 masters go to separate calls
             for with_master in (False, True):
                 sel = [(p, s) for p, s in items if ("master" in s) == with_master]

@@ -24,7 +24,7 @@ def _flat(name: str, t: torch.Tensor) -> None:
 def adamw_flat(param, grad, exp_avg, exp_avg_sq, step, *, lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
                decoupled=True, maximize=False, master=None, grad_mult=None, found_inf=None) -> None:
     """One AdamW (Adam with decoupled=False) step of a flat shard, in place. step: 1-element fp32
-    tensor holding the step count (from 1) of this update."""
+    tensor holding the step count, advanced by 1 here (not on a skipped step)."""
     for name, t in (("param", param), ("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
         _flat(name, t)
     adam_([param], [grad], [exp_avg], [exp_avg_sq], [step], lr=lr, beta1=betas[0], beta2=betas[1], eps=eps,
@@ -49,7 +49,8 @@ def lamb_flat(param, grad, exp_avg, exp_avg_sq, step, segments, *, lr, betas=(0.
               norm_reduce: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
     """One LAMB step of a flat shard whose segments (offset, length) are the pieces of separate
     params (one trust ratio each). Between the passes norm_reduce(norms) may combine, in place,
-    the (segments, 2) fp32 sums of squares (|p|^2, |u|^2) with other ranks'. Returns the norms."""
+    the (segments, 2) fp32 sums of squares (|p|^2, |u|^2) with other ranks'. step: as in
+    adamw_flat (advanced by 1 here). Returns the norms."""
     for name, t in (("param", param), ("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
         _flat(name, t)
     views = [segment_views(t, segments) for t in (param, grad, exp_avg, exp_avg_sq)]

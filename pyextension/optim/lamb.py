@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from zerofuse.ops import lamb_stage1_, lamb_stage2_
+from zerofuse.ops import lamb_
 from zerofuse.ops.lamb import TRUST_MODES
 from zerofuse.optim._base import FusedOptimizerMixin
 
@@ -41,9 +41,7 @@ class FusedLAMB(FusedOptimizerMixin, torch.optim.Optimizer):
 
     def _update(self, group, params, grads, states, masters, steps, mult, found):
         beta1, beta2 = group["betas"]
-        kw = dict(beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
-                  bias_correction=group["bias_correction"], masters=masters, found_inf=found)
-        norms = torch.empty((len(params), 2), device=params[0].device, dtype=torch.float32)
-        lamb_stage1_(params, grads, states[0], states[1], steps, norms, grad_mult=mult, **kw)
-        lamb_stage2_(params, states[0], states[1], steps, norms, lr=float(group["lr"]), mode=group["mode"],
-                     min_trust=group["min_trust"], max_trust=group["max_trust"], **kw)
+        lamb_(params, grads, states[0], states[1], steps, lr=float(group["lr"]), beta1=beta1, beta2=beta2,
+              eps=group["eps"], weight_decay=group["weight_decay"], bias_correction=group["bias_correction"],
+              mode=group["mode"], min_trust=group["min_trust"], max_trust=group["max_trust"], masters=masters,
+              grad_mult=mult, found_inf=found)
