@@ -137,6 +137,26 @@ def test_ten_million_elements(device, cpu_kernels):
     torch.testing.assert_close(p, r, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_lamb_with_tensors_larger_than_a_cache_block(device, cpu_kernels):
+    """The CPU lamb_ keeps updates in a scratch block for tensors up to 2M elements and recomputes
+    them for larger ones: a mix of both vs the reference."""
+    shapes = [(3_000_001,), (1000, 1001), (5,), (2_100_000,)]
+    params = [torch.nn.Parameter(p) for p in _params(device=device, shapes=shapes)]
+    ref = [p.detach().clone() for p in params]
+    states = [[torch.zeros_like(p) for p in ref] for _ in range(2)]
+    opt = FusedLAMB(params, lr=1e-2, max_grad_norm=None)
+    for step in range(2):
+        grads = _grads(step, device=device, shapes=shapes)
+        for p, g in zip(params, grads):
+            p.grad = g
+        opt.step()
+        reference.lamb_step(ref, grads, *states, step=step + 1, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-6,
+                            weight_decay=0.01)
+    for p, r in zip(params, ref):
+        torch.testing.assert_close(p.detach(), r, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("opt_cls", [FusedAdamW, FusedLAMB, FusedLARS])
 def test_found_inf_skips_the_step_and_grad_scale_unscales(path, opt_cls):
     params, opt = _run(opt_cls, _params(device=path), steps=3, lr=1e-2)
