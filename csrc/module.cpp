@@ -1,40 +1,78 @@
 // The zerofuse._C Python module. Importing it runs the TORCH_LIBRARY registrations; ops are
-// reached through torch.ops.zerofuse (no pybind bindings for ops). build_info() tells the doctor
-// what this build contains.
-#include <Python.h>
+// reached through torch.ops.zerofuse (no pybind bindings for ops). Bound here: build_info() (what
+// this build contains, for the doctor) and the Communicator (csrc/comm/), whose Python face is
+// zerofuse.comm.
+#include <torch/extension.h>
 
+#include "comm/communicator.h"
 #ifdef ZEROFUSE_WITH_NCCL
 #include "comm/nccl_info.h"
 #endif
 
+namespace py = pybind11;
+using zerofuse::comm::Communicator;
+using zerofuse::comm::Work;
+
 namespace {
 
-PyObject* build_info(PyObject*, PyObject*) {
+py::dict build_info() {
+  py::dict d;
 #ifdef ZEROFUSE_WITH_CUDA
-  PyObject* cuda = Py_True;
+  d["cuda"] = true;
 #else
-  PyObject* cuda = Py_False;
+  d["cuda"] = false;
 #endif
 #ifdef ZEROFUSE_WITH_NCCL
-  PyObject* nccl = Py_True;
-  const long nccl_compiled = zerofuse::nccl_compiled_version();
-  const long nccl_runtime = zerofuse::nccl_runtime_version();
+  d["nccl"] = true;
+  d["nccl_compiled_version"] = zerofuse::nccl_compiled_version();
+  d["nccl_runtime_version"] = zerofuse::nccl_runtime_version();
 #else
-  PyObject* nccl = Py_False;
-  const long nccl_compiled = 0;
-  const long nccl_runtime = 0;
+  d["nccl"] = false;
+  d["nccl_compiled_version"] = 0;
+  d["nccl_runtime_version"] = 0;
 #endif
-  return Py_BuildValue("{s:O,s:O,s:l,s:l}", "cuda", cuda, "nccl", nccl, "nccl_compiled_version",
-                       nccl_compiled, "nccl_runtime_version", nccl_runtime);
+  return d;
 }
-
-PyMethodDef methods[] = {
-    {"build_info", build_info, METH_NOARGS, "Backends compiled into this build of zerofuse._C."},
-    {nullptr, nullptr, 0, nullptr},
-};
-
-PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, methods};
 
 }  // namespace
 
-PyMODINIT_FUNC PyInit__C() { return PyModule_Create(&module); }
+PYBIND11_MODULE(_C, m) {
+  m.def("build_info", &build_info, "Backends compiled into this build of zerofuse._C.");
+
+  py::class_<Work, std::shared_ptr<Work>>(m, "Work")
+      .def("wait", &Work::wait, py::call_guard<py::gil_scoped_release>(),
+           "CPU: block until the collective is done (bounded by the communicator's timeout); CUDA: make the "
+           "current stream wait for it. Then copy the result out (once).")
+      .def("is_completed", &Work::is_completed)
+      .def_property_readonly("what", &Work::what);
+
+  using Tensors = std::vector<at::Tensor>;
+  py::class_<Communicator, std::shared_ptr<Communicator>>(m, "_Communicator")
+      .def(py::init<c10::intrusive_ptr<c10d::ProcessGroup>, c10::intrusive_ptr<c10d::Store>, const std::string&,
+                    const std::string&, double, double>(),
+           py::arg("group"), py::arg("store"), py::arg("transport"), py::arg("key"), py::arg("timeout_s"),
+           py::arg("debug_delay_ms"), py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("rank", &Communicator::rank)
+      .def_property_readonly("world_size", &Communicator::world_size)
+      .def_property_readonly("transport", &Communicator::transport_name)
+      .def_property_readonly("sequence", &Communicator::sequence)
+      .def("shard_numel", [](const Communicator& c, const Tensors& ts) { return c.shard_numel(ts); })
+      .def(
+          "reduce_scatter_coalesced",
+          [](Communicator& c, const Tensors& ts, const at::Tensor& out, const std::string& op,
+             std::optional<double> scale, std::optional<at::ScalarType> reduce_dtype) {
+            return c.reduce_scatter_coalesced(ts, out, op, scale, reduce_dtype);
+          },
+          py::arg("tensors"), py::arg("out_shard"), py::arg("op"), py::arg("scale"), py::arg("reduce_dtype"),
+          py::call_guard<py::gil_scoped_release>())
+      .def(
+          "all_gather_coalesced",
+          [](Communicator& c, const at::Tensor& shard, const Tensors& ts) { return c.all_gather_coalesced(shard, ts); },
+          py::arg("shard"), py::arg("tensors"), py::call_guard<py::gil_scoped_release>())
+      .def(
+          "all_reduce_coalesced",
+          [](Communicator& c, const Tensors& ts, const std::string& op, std::optional<double> scale,
+             std::optional<at::ScalarType> reduce_dtype) { return c.all_reduce_coalesced(ts, op, scale, reduce_dtype); },
+          py::arg("tensors"), py::arg("op"), py::arg("scale"), py::arg("reduce_dtype"),
+          py::call_guard<py::gil_scoped_release>());
+}

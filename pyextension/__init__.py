@@ -14,6 +14,7 @@ _C = load_extension()
 from zerofuse import ops  # noqa: E402
 from zerofuse import nn  # noqa: E402
 from zerofuse import optim  # noqa: E402
+from zerofuse import comm  # noqa: E402
 from zerofuse.ops import flatten_into, packed_offsets, unflatten_from  # noqa: E402
 
 __version__ = "0.1.0"

@@ -1,0 +1,329 @@
+// Communicator (communicator.h): the coalesced collectives and the ProcessGroup transport.
+#include "communicator.h"
+
+#include "../checks.h"
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/util/Exception.h>
+
+#include <sstream>
+#include <thread>
+
+namespace zerofuse::comm {
+
+namespace {
+
+const char* kOp = "comm";
+
+void flatten_into(at::TensorList tensors, const at::Tensor& flat, c10::ArrayRef<int64_t> offsets) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("zerofuse::flatten_into", "")
+                       .typed<void(at::TensorList, const at::Tensor&, c10::ArrayRef<int64_t>)>();
+  op.call(tensors, flat, offsets);
+}
+
+void unflatten_from(const at::Tensor& flat, at::TensorList tensors, c10::ArrayRef<int64_t> offsets) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("zerofuse::unflatten_from", "")
+                       .typed<void(const at::Tensor&, at::TensorList, c10::ArrayRef<int64_t>)>();
+  op.call(flat, tensors, offsets);
+}
+
+std::vector<int64_t> packed_offsets(at::TensorList tensors, int64_t* total) {
+  std::vector<int64_t> offsets;
+  offsets.reserve(tensors.size());
+  int64_t off = 0;
+  for (const auto& t : tensors) {
+    offsets.push_back(off);
+    off += t.numel();
+  }
+  *total = off;
+  return offsets;
+}
+
+void check_one_device(at::TensorList tensors, const char* fn, const at::Tensor* other, const char* other_name) {
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const at::Device want = other ? other->device() : tensors[0].device();
+    ZF_CHECK(tensors[i].device() == want, kOp, fn, ": expected ", indexed("tensors", i), " on ", want,
+             other ? " like " : " like tensors[0]", other ? other_name : "", ", got ", tensors[i].device());
+  }
+}
+
+void check_flat(const at::Tensor& t, int64_t numel, const char* fn, const char* name) {
+  ZF_CHECK(t.dim() == 1 && t.is_contiguous(), kOp, fn, ": expected ", name,
+           " to be a 1-D contiguous tensor, got shape ", t.sizes(), " with strides ", t.strides());
+  ZF_CHECK_VALUE(t.numel() == numel, kOp, fn, ": expected ", name, " to have ", numel,
+                 " elements (ceil(total numel / world_size)), got ", t.numel());
+}
+
+c10d::ReduceOp to_c10d(Reduce op) {
+  switch (op) {
+    case Reduce::kMax:
+      return c10d::ReduceOp(c10d::ReduceOp::MAX);
+    case Reduce::kMin:
+      return c10d::ReduceOp(c10d::ReduceOp::MIN);
+    default:
+      return c10d::ReduceOp(c10d::ReduceOp::SUM);
+  }
+}
+
+// ------------------------------------------------------------------ ProcessGroup transport
+
+using Launch = std::function<c10::intrusive_ptr<c10d::Work>()>;
+
+class PgWork : public Work {
+ public:
+  PgWork(std::string what, std::chrono::milliseconds timeout, std::shared_future<c10::intrusive_ptr<c10d::Work>> fut)
+      : Work(std::move(what), timeout), fut_(std::move(fut)) {}
+
+ protected:
+  void wait_transport() override {
+    if (fut_.wait_for(timeout_) != std::future_status::ready) {
+      TORCH_CHECK(false, "timed out after ", timeout_.count(), " ms before the collective was launched");
+    }
+    fut_.get()->wait(timeout_);
+  }
+  bool transport_done() override {
+    return fut_.wait_for(std::chrono::seconds(0)) == std::future_status::ready && fut_.get()->isCompleted();
+  }
+
+ private:
+  std::shared_future<c10::intrusive_ptr<c10d::Work>> fut_;
+};
+
+class ProcessGroupTransport : public Transport {
+ public:
+  ProcessGroupTransport(c10::intrusive_ptr<c10d::ProcessGroup> pg, std::chrono::milliseconds timeout,
+                        std::chrono::milliseconds delay)
+      : pg_(std::move(pg)), timeout_(timeout), delay_(delay) {}
+
+  std::string name() const override { return "process_group(" + pg_->getBackendName() + ")"; }
+
+  std::shared_ptr<Work> reduce_scatter(const at::Tensor& out, const at::Tensor& in, Reduce op,
+                                       const std::string& what) override {
+    c10d::ReduceScatterOptions opts;
+    opts.reduceOp = to_c10d(op);
+    opts.timeout = timeout_;
+    auto pg = pg_;
+    return submit(what, [pg, out, in, opts]() {
+      at::Tensor o = out, i = in;  // c10d takes non-const references
+      return pg->_reduce_scatter_base(o, i, opts);
+    });
+  }
+
+  std::shared_ptr<Work> all_gather(const at::Tensor& out, const at::Tensor& in, const std::string& what) override {
+    c10d::AllgatherOptions opts;
+    opts.timeout = timeout_;
+    auto pg = pg_;
+    return submit(what, [pg, out, in, opts]() {
+      at::Tensor o = out, i = in;
+      return pg->_allgather_base(o, i, opts);
+    });
+  }
+
+  std::shared_ptr<Work> all_reduce(const at::Tensor& buf, Reduce op, const std::string& what) override {
+    c10d::AllreduceOptions opts;
+    opts.reduceOp = to_c10d(op);
+    opts.timeout = timeout_;
+    auto pg = pg_;
+    return submit(what, [pg, buf, opts]() {
+      std::vector<at::Tensor> ts{buf};
+      return pg->allreduce(ts, opts);
+    });
+  }
+
+ private:
+  // Without a delay the collective is launched here. With one (tests), launches go through a
+  // chain of futures: each waits for the previous launch, sleeps, then launches, so the order of
+  // collectives on the group is the order of the calls (gloo matches collectives by order).
+  std::shared_ptr<Work> submit(const std::string& what, Launch launch) {
+    std::shared_future<c10::intrusive_ptr<c10d::Work>> fut;
+    if (delay_.count() == 0) {
+      std::promise<c10::intrusive_ptr<c10d::Work>> p;
+      p.set_value(launch());
+      fut = p.get_future().share();
+    } else {
+      auto prev = last_;
+      auto delay = delay_;
+      fut = std::async(std::launch::async, [prev, delay, launch]() {
+              if (prev.valid()) prev.wait();
+              std::this_thread::sleep_for(delay);
+              return launch();
+            }).share();
+      last_ = fut;
+    }
+    return std::make_shared<PgWork>(what, timeout_, fut);
+  }
+
+  c10::intrusive_ptr<c10d::ProcessGroup> pg_;
+  std::chrono::milliseconds timeout_, delay_;
+  std::shared_future<c10::intrusive_ptr<c10d::Work>> last_;
+};
+
+}  // namespace
+
+Reduce parse_reduce(const std::string& op, const char* fn) {
+  if (op == "sum") return Reduce::kSum;
+  if (op == "avg") return Reduce::kAvg;
+  if (op == "max") return Reduce::kMax;
+  if (op == "min") return Reduce::kMin;
+  TORCH_CHECK_VALUE(false, "zerofuse::comm", fn, ": expected op 'sum', 'avg', 'max' or 'min', got '", op, "'");
+}
+
+void Work::wait() {
+  if (finished_) return;
+  try {
+    wait_transport();
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "zerofuse.comm: ", what_, " failed: ", e.what());
+  }
+  finished_ = true;
+  if (finish_) finish_();
+  keep_.clear();
+}
+
+bool Work::is_completed() { return finished_ || transport_done(); }
+
+std::unique_ptr<Transport> make_process_group_transport(c10::intrusive_ptr<c10d::ProcessGroup> pg,
+                                                        std::chrono::milliseconds timeout,
+                                                        std::chrono::milliseconds delay) {
+  return std::make_unique<ProcessGroupTransport>(std::move(pg), timeout, delay);
+}
+
+#ifndef ZEROFUSE_WITH_NCCL
+std::unique_ptr<Transport> make_nccl_transport(const c10::intrusive_ptr<c10d::ProcessGroup>&,
+                                               const c10::intrusive_ptr<c10d::Store>&, const std::string&,
+                                               std::chrono::milliseconds) {
+  TORCH_CHECK(false,
+              "zerofuse.comm.Communicator: the NCCL transport needs CUDA: this build of zerofuse has no CUDA/NCCL "
+              "(CPU torch or no nvcc at build time); use transport='process_group'");
+}
+#endif
+
+Communicator::Communicator(c10::intrusive_ptr<c10d::ProcessGroup> pg, c10::intrusive_ptr<c10d::Store> store,
+                           const std::string& transport, const std::string& key, double timeout_s,
+                           double debug_delay_ms)
+    : pg_(std::move(pg)),
+      store_(std::move(store)),
+      mode_(transport),
+      key_(key),
+      rank_(pg_->getRank()),
+      world_size_(pg_->getSize()),
+      timeout_(static_cast<int64_t>(timeout_s * 1000)) {
+  TORCH_CHECK_VALUE(timeout_s > 0, "zerofuse.comm.Communicator: expected timeout > 0 seconds, got ", timeout_s);
+  TORCH_CHECK_VALUE(mode_ == "auto" || mode_ == "process_group" || mode_ == "nccl",
+                    "zerofuse.comm.Communicator: expected transport 'auto', 'process_group' or 'nccl', got '", mode_,
+                    "'");
+  pg_transport_ =
+      make_process_group_transport(pg_, timeout_, std::chrono::milliseconds(static_cast<int64_t>(debug_delay_ms)));
+  if (mode_ == "nccl") {
+    TORCH_CHECK_VALUE(store_, "zerofuse.comm.Communicator: the NCCL transport needs a store to share its id");
+    nccl_transport_ = make_nccl_transport(pg_, store_, key_, timeout_);
+  }
+}
+
+Transport& Communicator::transport_for(const at::Device& device, const char* fn) {
+  if (mode_ == "process_group") return *pg_transport_;
+  if (mode_ == "nccl") {
+    ZF_CHECK(device.is_cuda(), kOp, fn, ": the NCCL transport takes CUDA tensors, got tensors on ", device);
+    return *nccl_transport_;
+  }
+#ifdef ZEROFUSE_WITH_NCCL
+  if (device.is_cuda()) {
+    // every rank issues its first CUDA collective in the same order: creation is collective too
+    if (!nccl_transport_) nccl_transport_ = make_nccl_transport(pg_, store_, key_, timeout_);
+    return *nccl_transport_;
+  }
+#endif
+  return *pg_transport_;
+}
+
+int64_t Communicator::shard_numel(at::TensorList tensors) const {
+  int64_t total = 0;
+  for (const auto& t : tensors) total += t.numel();
+  return (total + world_size_ - 1) / world_size_;
+}
+
+std::string Communicator::label(const char* fn) {
+  std::ostringstream s;
+  s << fn << " #" << seq_++ << " on rank " << rank_ << " of " << world_size_;
+  return s.str();
+}
+
+std::shared_ptr<Work> Communicator::reduce_scatter_coalesced(at::TensorList tensors, const at::Tensor& out_shard,
+                                                             const std::string& op, std::optional<double> scale,
+                                                             std::optional<at::ScalarType> reduce_dtype) {
+  const char* fn = ".reduce_scatter_coalesced";
+  const Reduce red = parse_reduce(op, fn);
+  check_one_device(tensors, fn, &out_shard, "out_shard");
+  int64_t total = 0;
+  const auto offsets = packed_offsets(tensors, &total);
+  const int64_t shard = (total + world_size_ - 1) / world_size_;
+  check_flat(out_shard, shard, fn, "out_shard");
+  const std::string what = label("reduce_scatter_coalesced");
+  if (total == 0) return std::make_shared<DoneWork>(what, timeout_);
+  Transport& transport = transport_for(out_shard.device(), fn);
+  const at::ScalarType dtype = reduce_dtype.value_or(out_shard.scalar_type());
+  at::Tensor flat = at::empty({shard * world_size_}, out_shard.options().dtype(dtype));
+  if (shard * world_size_ > total) flat.narrow(0, total, shard * world_size_ - total).zero_();
+  flatten_into(tensors, flat, offsets);
+  const bool direct = dtype == out_shard.scalar_type();
+  at::Tensor out = direct ? out_shard : at::empty({shard}, flat.options());
+  const bool avg_here = red == Reduce::kAvg && !transport.native_avg();
+  auto work = transport.reduce_scatter(out, flat, avg_here ? Reduce::kSum : red, what);
+  const double factor = scale.value_or(1.0) / (avg_here ? world_size_ : 1);
+  work->set_finish([out, out_shard, direct, factor]() mutable {
+    if (factor != 1.0) out.mul_(factor);
+    if (!direct) out_shard.copy_(out);
+  });
+  work->keep_alive({flat, out, out_shard});
+  return work;
+}
+
+std::shared_ptr<Work> Communicator::all_gather_coalesced(const at::Tensor& shard, at::TensorList tensors) {
+  const char* fn = ".all_gather_coalesced";
+  check_one_device(tensors, fn, &shard, "shard");
+  int64_t total = 0;
+  const auto offsets = packed_offsets(tensors, &total);
+  const int64_t n = (total + world_size_ - 1) / world_size_;
+  check_flat(shard, n, fn, "shard");
+  const std::string what = label("all_gather_coalesced");
+  if (total == 0) return std::make_shared<DoneWork>(what, timeout_);
+  Transport& transport = transport_for(shard.device(), fn);
+  at::Tensor flat = at::empty({n * world_size_}, shard.options());
+  auto work = transport.all_gather(flat, shard, what);
+  std::vector<at::Tensor> outs(tensors.begin(), tensors.end());
+  work->set_finish([flat, outs, offsets]() { unflatten_from(flat, outs, offsets); });
+  work->keep_alive({flat, shard});
+  return work;
+}
+
+std::shared_ptr<Work> Communicator::all_reduce_coalesced(at::TensorList tensors, const std::string& op,
+                                                         std::optional<double> scale,
+                                                         std::optional<at::ScalarType> reduce_dtype) {
+  const char* fn = ".all_reduce_coalesced";
+  const Reduce red = parse_reduce(op, fn);
+  check_one_device(tensors, fn, nullptr, nullptr);
+  int64_t total = 0;
+  const auto offsets = packed_offsets(tensors, &total);
+  const std::string what = label("all_reduce_coalesced");
+  if (total == 0) return std::make_shared<DoneWork>(what, timeout_);
+  Transport& transport = transport_for(tensors[0].device(), fn);
+  at::ScalarType dtype = tensors[0].scalar_type();
+  for (const auto& t : tensors) dtype = c10::promoteTypes(dtype, t.scalar_type());
+  dtype = reduce_dtype.value_or(dtype);
+  at::Tensor flat = at::empty({total}, tensors[0].options().dtype(dtype));
+  flatten_into(tensors, flat, offsets);
+  const bool avg_here = red == Reduce::kAvg && !transport.native_avg();
+  auto work = transport.all_reduce(flat, avg_here ? Reduce::kSum : red, what);
+  const double factor = scale.value_or(1.0) / (avg_here ? world_size_ : 1);
+  std::vector<at::Tensor> outs(tensors.begin(), tensors.end());
+  work->set_finish([flat, outs, offsets, factor]() mutable {
+    if (factor != 1.0) flat.mul_(factor);
+    unflatten_from(flat, outs, offsets);
+  });
+  work->keep_alive({flat});
+  return work;
+}
+
+}  // namespace zerofuse::comm

@@ -1,0 +1,131 @@
+// zerofuse's Communicator: fused, coalesced collectives over lists of tensors on top of a c10d
+// ProcessGroup (any backend; gloo on CPU) or, in CUDA builds, its own NCCL communicator.
+//
+// A coalesced collective copies its tensors into one flat buffer (zerofuse::flatten_into: one
+// parallel pass on CPU, one kernel on CUDA), runs one collective on it, and copies the result
+// out (zerofuse::unflatten_from) when the caller waits: the Work returned by every call is the
+// only way to the result, like torch's async collectives.
+//
+// [Note: Work lifetimes] A Work owns every buffer its collective touches (the flat buffers, the
+// output shard). The ProcessGroup transport keeps them alive through the c10d Work; the NCCL
+// transport keeps each in-flight Work in a list until its done event has fired, so buffers that
+// the comm stream uses are never freed early and record_stream is never needed, even when the
+// caller drops the Work without waiting.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/util/intrusive_ptr.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <chrono>
+#include <functional>
+#include <future>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace zerofuse::comm {
+
+enum class Reduce { kSum, kAvg, kMax, kMin };
+
+Reduce parse_reduce(const std::string& op, const char* fn);
+
+// One collective in flight. wait(): CPU, blocks until done (at most the communicator's timeout);
+// CUDA, makes the current stream wait for it (no host block). Then runs the copy-out once.
+class Work {
+ public:
+  Work(std::string what, std::chrono::milliseconds timeout) : what_(std::move(what)), timeout_(timeout) {}
+  virtual ~Work() = default;
+  void wait();
+  bool is_completed();
+  const std::string& what() const { return what_; }
+  // runs after the collective, in wait() (on the current stream for CUDA tensors)
+  void set_finish(std::function<void()> fn) { finish_ = std::move(fn); }
+  void keep_alive(std::vector<at::Tensor> ts) { keep_ = std::move(ts); }
+
+ protected:
+  virtual void wait_transport() = 0;
+  virtual bool transport_done() = 0;
+  std::string what_;
+  std::chrono::milliseconds timeout_;
+
+ private:
+  std::function<void()> finish_;
+  std::vector<at::Tensor> keep_;
+  bool finished_ = false;
+};
+
+// A Work that is complete at creation (empty lists: no collective runs).
+class DoneWork : public Work {
+ public:
+  using Work::Work;
+
+ protected:
+  void wait_transport() override {}
+  bool transport_done() override { return true; }
+};
+
+// How a collective reaches the other ranks. Buffers are flat, contiguous, on one device.
+class Transport {
+ public:
+  virtual ~Transport() = default;
+  virtual std::string name() const = 0;
+  virtual std::shared_ptr<Work> reduce_scatter(const at::Tensor& out, const at::Tensor& in, Reduce op,
+                                               const std::string& what) = 0;
+  virtual std::shared_ptr<Work> all_gather(const at::Tensor& out, const at::Tensor& in, const std::string& what) = 0;
+  virtual std::shared_ptr<Work> all_reduce(const at::Tensor& buf, Reduce op, const std::string& what) = 0;
+  // AVG is done by the transport (true) or by the communicator as SUM then a scale (false)
+  virtual bool native_avg() const { return false; }
+};
+
+std::unique_ptr<Transport> make_process_group_transport(c10::intrusive_ptr<c10d::ProcessGroup> pg,
+                                                        std::chrono::milliseconds timeout,
+                                                        std::chrono::milliseconds delay);
+// CUDA builds: csrc/comm/nccl_transport.cu; CPU builds: an error naming what is missing.
+std::unique_ptr<Transport> make_nccl_transport(const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
+                                               const c10::intrusive_ptr<c10d::Store>& store, const std::string& key,
+                                               std::chrono::milliseconds timeout);
+
+class Communicator {
+ public:
+  // transport: "auto" (CPU tensors through the ProcessGroup; CUDA tensors through NCCL in CUDA
+  // builds, created at the first CUDA collective, else the ProcessGroup), "process_group" or
+  // "nccl" (created now). store and key: where rank 0 publishes the NCCL id.
+  // timeout_s bounds every blocking wait; debug_delay_ms delays each collective's launch (tests
+  // use it to expose reads that do not wait).
+  Communicator(c10::intrusive_ptr<c10d::ProcessGroup> pg, c10::intrusive_ptr<c10d::Store> store,
+               const std::string& transport, const std::string& key, double timeout_s, double debug_delay_ms);
+
+  int rank() const { return rank_; }
+  int world_size() const { return world_size_; }
+  std::string transport_name() const { return mode_; }
+  int64_t sequence() const { return seq_; }
+
+  // ceil(total numel / world_size): the shard numel of a coalesced reduce-scatter / all-gather
+  int64_t shard_numel(at::TensorList tensors) const;
+
+  std::shared_ptr<Work> reduce_scatter_coalesced(at::TensorList tensors,  // any shapes, one device
+                                                 const at::Tensor& out_shard,  // (shard_numel,) contiguous
+                                                 const std::string& op,  // "sum" | "avg" | "max" | "min"
+                                                 std::optional<double> scale,  // multiplies the result
+                                                 std::optional<at::ScalarType> reduce_dtype);  // default out's
+  std::shared_ptr<Work> all_gather_coalesced(const at::Tensor& shard,  // (shard_numel,) contiguous
+                                             at::TensorList tensors);  // written at wait()
+  std::shared_ptr<Work> all_reduce_coalesced(at::TensorList tensors, const std::string& op,
+                                             std::optional<double> scale, std::optional<at::ScalarType> reduce_dtype);
+
+ private:
+  std::string label(const char* fn);
+  Transport& transport_for(const at::Device& device, const char* fn);
+  c10::intrusive_ptr<c10d::ProcessGroup> pg_;
+  c10::intrusive_ptr<c10d::Store> store_;
+  std::string mode_, key_;
+  std::unique_ptr<Transport> pg_transport_, nccl_transport_;
+  int rank_, world_size_;
+  int64_t seq_ = 0;
+  std::chrono::milliseconds timeout_;
+};
+
+}  // namespace zerofuse::comm

@@ -1,0 +1,223 @@
+// The NCCL transport of the Communicator (CUDA builds): zerofuse's own ncclComm_t, dedicated
+// high-priority streams, CUDA events for ordering, buffer lifetimes held by in-flight Works.
+//
+// [Note: stream ordering] A collective is launched on a comm stream (one for reduce-scatter /
+// all-reduce, one for all-gather, so the two directions overlap each other and compute). The comm
+// stream first waits on an event recorded on the caller's current stream, so the copy-in queued
+// there has finished; the collective then records a done event, and Work::wait() makes the
+// caller's current stream wait on it (no host block) before the copy-out is queued there.
+// Buffers are allocated on the caller's stream: the caching allocator reuses a freed block only
+// for that stream, which already waits on the done event once wait() was called; a Work dropped
+// without wait() stays in the in-flight list (keeping its buffers) until its done event fires
+// ([Note: Work lifetimes] in communicator.h).
+//
+// The communicator is created non-blocking (ncclConfig_t.blocking = 0) so that an init or a
+// collective that does not complete within the timeout is aborted (ncclCommAbort) and reported,
+// instead of hanging the process.
+#include "communicator.h"
+
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+#include <cstring>
+#include <deque>
+#include <thread>
+
+namespace zerofuse::comm {
+namespace {
+
+ncclDataType_t nccl_type(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat:
+      return ncclFloat32;
+    case at::kHalf:
+      return ncclFloat16;
+    case at::kBFloat16:
+      return ncclBfloat16;
+    case at::kDouble:
+      return ncclFloat64;
+    case at::kInt:
+      return ncclInt32;
+    case at::kLong:
+      return ncclInt64;
+    case at::kByte:
+      return ncclUint8;
+    case at::kChar:
+      return ncclInt8;
+    default:
+      TORCH_CHECK(false, "zerofuse.comm (NCCL): unsupported dtype ", t);
+  }
+}
+
+ncclRedOp_t nccl_op(Reduce op) {
+  switch (op) {
+    case Reduce::kAvg:
+      return ncclAvg;
+    case Reduce::kMax:
+      return ncclMax;
+    case Reduce::kMin:
+      return ncclMin;
+    default:
+      return ncclSum;
+  }
+}
+
+class NcclWork : public Work {
+ public:
+  NcclWork(std::string what, std::chrono::milliseconds timeout, cudaEvent_t done, c10::DeviceIndex device)
+      : Work(std::move(what), timeout), done_(done), device_(device) {}
+  ~NcclWork() override { cudaEventDestroy(done_); }
+  bool done() { return transport_done(); }
+
+ protected:
+  void wait_transport() override {
+    const auto stream = c10::cuda::getCurrentCUDAStream(device_);
+    C10_CUDA_CHECK(cudaStreamWaitEvent(stream.stream(), done_, 0));
+  }
+  bool transport_done() override {
+    const cudaError_t r = cudaEventQuery(done_);
+    if (r == cudaErrorNotReady) {
+      (void)cudaGetLastError();
+      return false;
+    }
+    C10_CUDA_CHECK(r);
+    return true;
+  }
+
+ private:
+  cudaEvent_t done_;
+  c10::DeviceIndex device_;
+};
+
+class NcclTransport : public Transport {
+ public:
+  NcclTransport(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, const c10::intrusive_ptr<c10d::Store>& store,
+                const std::string& key, std::chrono::milliseconds timeout)
+      : timeout_(timeout),
+        device_(c10::cuda::current_device()),
+        rs_stream_(c10::cuda::getStreamFromPool(/*isHighPriority=*/true, device_)),
+        ag_stream_(c10::cuda::getStreamFromPool(/*isHighPriority=*/true, device_)) {
+    const int rank = pg->getRank(), ws = pg->getSize();
+    ncclUniqueId id;
+    if (rank == 0) {
+      check(ncclGetUniqueId(&id), "ncclGetUniqueId");
+      const auto* bytes = reinterpret_cast<const uint8_t*>(&id);
+      store->set(key, std::vector<uint8_t>(bytes, bytes + sizeof(id)));
+    } else {
+      store->wait({key}, timeout_);
+      const std::vector<uint8_t> bytes = store->get(key);
+      TORCH_CHECK(bytes.size() == sizeof(id), "zerofuse.comm (NCCL): the id under '", key, "' has ", bytes.size(),
+                  " bytes, expected ", sizeof(id));
+      std::memcpy(&id, bytes.data(), sizeof(id));
+    }
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 0;
+    check(ncclCommInitRankConfig(&comm_, ws, id, rank, &config), "ncclCommInitRankConfig");
+    settle("ncclCommInitRankConfig");
+  }
+
+  ~NcclTransport() override {
+    inflight_.clear();
+    if (comm_) {
+      // an in-flight collective would make ncclCommDestroy wait for it: Works that were never
+      // waited for are done by now only if the caller synchronised; abort is safe either way
+      ncclCommAbort(comm_);
+    }
+  }
+
+  std::string name() const override { return "nccl"; }
+  bool native_avg() const override { return true; }
+
+  std::shared_ptr<Work> reduce_scatter(const at::Tensor& out, const at::Tensor& in, Reduce op,
+                                       const std::string& what) override {
+    return launch(rs_stream_, what, {in, out}, [&](cudaStream_t s) {
+      return ncclReduceScatter(in.data_ptr(), out.data_ptr(), out.numel(), nccl_type(out.scalar_type()), nccl_op(op),
+                               comm_, s);
+    });
+  }
+
+  std::shared_ptr<Work> all_gather(const at::Tensor& out, const at::Tensor& in, const std::string& what) override {
+    return launch(ag_stream_, what, {in, out}, [&](cudaStream_t s) {
+      return ncclAllGather(in.data_ptr(), out.data_ptr(), in.numel(), nccl_type(in.scalar_type()), comm_, s);
+    });
+  }
+
+  std::shared_ptr<Work> all_reduce(const at::Tensor& buf, Reduce op, const std::string& what) override {
+    return launch(rs_stream_, what, {buf}, [&](cudaStream_t s) {
+      return ncclAllReduce(buf.data_ptr(), buf.data_ptr(), buf.numel(), nccl_type(buf.scalar_type()), nccl_op(op),
+                           comm_, s);
+    });
+  }
+
+ private:
+  void check(ncclResult_t r, const char* what) {
+    if (r == ncclSuccess || r == ncclInProgress) return;
+    const std::string msg = ncclGetErrorString(r);
+    if (comm_) {
+      ncclCommAbort(comm_);
+      comm_ = nullptr;
+    }
+    TORCH_CHECK(false, "zerofuse.comm (NCCL): ", what, " failed: ", msg);
+  }
+
+  // Waits (up to the timeout) until the non-blocking communicator has no operation in progress.
+  void settle(const char* what) {
+    const auto deadline = std::chrono::steady_clock::now() + timeout_;
+    ncclResult_t state = ncclInProgress;
+    while (true) {
+      TORCH_CHECK(comm_, "zerofuse.comm (NCCL): the communicator was aborted after an earlier error");
+      check(ncclCommGetAsyncError(comm_, &state), what);
+      if (state != ncclInProgress) break;
+      if (std::chrono::steady_clock::now() > deadline) {
+        ncclCommAbort(comm_);
+        comm_ = nullptr;
+        TORCH_CHECK(false, "zerofuse.comm (NCCL): ", what, " did not complete within ", timeout_.count(),
+                    " ms; the communicator was aborted");
+      }
+      std::this_thread::yield();
+    }
+    check(state, what);
+  }
+
+  template <typename F>
+  std::shared_ptr<Work> launch(const c10::cuda::CUDAStream& comm_stream, const std::string& what,
+                               std::vector<at::Tensor> buffers, F&& collective) {
+    TORCH_CHECK(comm_, "zerofuse.comm (NCCL): the communicator was aborted after an earlier error");
+    while (!inflight_.empty() && inflight_.front()->done()) inflight_.pop_front();
+    // [Note: stream ordering]
+    cudaEvent_t ready, done;
+    C10_CUDA_CHECK(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming));
+    C10_CUDA_CHECK(cudaEventRecord(ready, c10::cuda::getCurrentCUDAStream(device_).stream()));
+    C10_CUDA_CHECK(cudaStreamWaitEvent(comm_stream.stream(), ready, 0));
+    C10_CUDA_CHECK(cudaEventDestroy(ready));
+    check(ncclGroupStart(), "ncclGroupStart");
+    check(collective(comm_stream.stream()), what.c_str());
+    check(ncclGroupEnd(), "ncclGroupEnd");
+    settle(what.c_str());
+    C10_CUDA_CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
+    C10_CUDA_CHECK(cudaEventRecord(done, comm_stream.stream()));
+    auto work = std::make_shared<NcclWork>(what, timeout_, done, device_);
+    work->keep_alive(std::move(buffers));
+    inflight_.push_back(work);
+    return work;
+  }
+
+  std::chrono::milliseconds timeout_;
+  c10::DeviceIndex device_;
+  c10::cuda::CUDAStream rs_stream_, ag_stream_;
+  ncclComm_t comm_ = nullptr;
+  std::deque<std::shared_ptr<NcclWork>> inflight_;
+};
+
+}  // namespace
+
+std::unique_ptr<Transport> make_nccl_transport(const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
+                                               const c10::intrusive_ptr<c10d::Store>& store, const std::string& key,
+                                               std::chrono::milliseconds timeout) {
+  return std::make_unique<NcclTransport>(pg, store, key, timeout);
+}
+
+}  // namespace zerofuse::comm

@@ -1,0 +1,134 @@
+"""``zerofuse.comm.Communicator``: fused, coalesced collectives over lists of tensors.
+
+Python face of the C++ Communicator (csrc/comm/communicator.h). Every call copies its tensors into
+one flat buffer (one kernel / one parallel pass), runs one collective, and returns a ``Work``; the
+result (the output shard, or the tensors themselves for all-gather / all-reduce) is written when
+``wait()`` returns. ``wait()`` blocks on CPU (bounded by ``timeout``) and, for CUDA tensors, only
+orders the current stream after the collective.
+
+Transports: ``"auto"`` (default: CPU tensors through the c10d ProcessGroup, e.g. gloo; CUDA
+tensors through zerofuse's own NCCL communicator in CUDA builds), ``"process_group"``, ``"nccl"``.
+
+Debug checker: with ``ZEROFUSE_CHECK_COLLECTIVES=1`` every rank publishes each call's signature
+(op, shapes, dtypes, sequence number) in the group's store before the collective and compares it
+with every other rank's; a mismatch raises :class:`CollectiveMismatch` on every rank naming the
+ranks and their calls, and a rank that never arrives is named after ``timeout``, instead of a
+hang.
+"""
+from __future__ import annotations
+
+import datetime
+import itertools
+import os
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from zerofuse import _C
+
+_instances = itertools.count()
+
+
+class CollectiveMismatch(RuntimeError):
+    """Ranks issued different collectives at the same point of their sequence."""
+
+
+def _signature(name: str, **parts) -> str:
+    items = []
+    for key, value in parts.items():
+        if isinstance(value, torch.Tensor):
+            value = f"{tuple(value.shape)}:{str(value.dtype).removeprefix('torch.')}"
+        elif isinstance(value, (list, tuple)) and value and isinstance(value[0], torch.Tensor):
+            value = "[" + ", ".join(f"{tuple(t.shape)}:{str(t.dtype).removeprefix('torch.')}" for t in value) + "]"
+        items.append(f"{key}={value}")
+    return f"{name}({', '.join(items)})"
+
+
+class Communicator:
+    """Coalesced collectives on ``group`` (None: the default group)."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None, *, transport: str = "auto",
+                 timeout: float = 300.0, debug_delay_ms: float | None = None):
+        if not dist.is_initialized():
+            raise RuntimeError("zerofuse.comm.Communicator: torch.distributed is not initialized "
+                               "(call torch.distributed.init_process_group first)")
+        self.group = group if group is not None else dist.distributed_c10d._get_default_group()
+        name = dist.distributed_c10d._get_process_group_name(self.group)
+        self._uid = f"zerofuse/{name}/{next(_instances)}"
+        self.store = dist.distributed_c10d._get_default_store()
+        if debug_delay_ms is None:
+            debug_delay_ms = float(os.environ.get("ZEROFUSE_COMM_DELAY_MS", "0"))
+        self.timeout = float(timeout)
+        self._c = _C._Communicator(self.group, self.store, transport, f"{self._uid}/nccl_id", self.timeout,
+                                   float(debug_delay_ms))
+        self.check = os.environ.get("ZEROFUSE_CHECK_COLLECTIVES", "0") == "1"
+        self._seq = 0
+
+    @property
+    def rank(self) -> int:
+        return self._c.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._c.world_size
+
+    @property
+    def transport(self) -> str:
+        return self._c.transport
+
+    def shard_numel(self, tensors: Sequence[torch.Tensor]) -> int:
+        """ceil(total numel / world_size): the numel of a coalesced reduce-scatter's output shard."""
+        return self._c.shard_numel(list(tensors))
+
+    # ------------------------------------------------------------------ collectives
+
+    def reduce_scatter_coalesced(self, tensors: Sequence[torch.Tensor], out_shard: torch.Tensor, op: str = "avg",
+                                 scale: float | None = None, reduce_dtype: torch.dtype | None = None):
+        """Reduce the concatenation of ``tensors`` (padded with zeros to world_size * shard) over
+        the ranks and write this rank's shard, times ``scale``, into ``out_shard``. Reduced in
+        ``reduce_dtype`` (default out_shard's dtype), e.g. bf16 grads in fp32."""
+        tensors = list(tensors)
+        self._checked("reduce_scatter_coalesced", tensors=tensors, out_shard=out_shard, op=op, scale=scale,
+                      reduce_dtype=reduce_dtype)
+        return self._c.reduce_scatter_coalesced(tensors, out_shard, op, scale, reduce_dtype)
+
+    def all_gather_coalesced(self, shard: torch.Tensor, tensors: Sequence[torch.Tensor]):
+        """Gather every rank's ``shard`` into the concatenation of ``tensors`` (the inverse of
+        reduce_scatter_coalesced's layout); the tensors are written at ``wait()``."""
+        tensors = list(tensors)
+        self._checked("all_gather_coalesced", shard=shard, tensors=tensors)
+        return self._c.all_gather_coalesced(shard, tensors)
+
+    def all_reduce_coalesced(self, tensors: Sequence[torch.Tensor], op: str = "sum", scale: float | None = None,
+                             reduce_dtype: torch.dtype | None = None):
+        """Reduce every tensor over the ranks, in place (at ``wait()``), through one flat buffer."""
+        tensors = list(tensors)
+        self._checked("all_reduce_coalesced", tensors=tensors, op=op, scale=scale, reduce_dtype=reduce_dtype)
+        return self._c.all_reduce_coalesced(tensors, op, scale, reduce_dtype)
+
+    # ------------------------------------------------------------------ checker
+
+    def _checked(self, name: str, **parts) -> None:
+        seq = self._seq
+        self._seq += 1
+        if not self.check:
+            return
+        mine = _signature(name, **parts)
+        prefix = f"{self._uid}/check/{seq}/"
+        self.store.set(prefix + str(self.rank), mine)
+        keys = [prefix + str(r) for r in range(self.world_size)]
+        try:
+            self.store.wait(keys, datetime.timedelta(seconds=self.timeout))
+        except Exception as e:  # noqa: BLE001 - the store reports a timeout in backend-specific types
+            missing = [r for r, k in enumerate(keys) if not self.store.check([k])]
+            raise CollectiveMismatch(
+                f"zerofuse.comm: rank(s) {missing} did not reach collective #{seq} within {self.timeout:.0f} s; "
+                f"rank {self.rank} issued {mine}") from e
+        calls = {r: self.store.get(k).decode() for r, k in enumerate(keys)}
+        if len(set(calls.values())) > 1:
+            by_call: dict[str, list[int]] = {}
+            for r, c in calls.items():
+                by_call.setdefault(c, []).append(r)
+            detail = "; ".join(f"rank(s) {ranks}: {c}" for c, ranks in by_call.items())
+            raise CollectiveMismatch(f"zerofuse.comm: collective #{seq} differs across ranks: {detail}")

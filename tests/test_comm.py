@@ -1,0 +1,237 @@
+"""zerofuse.comm: coalesced collectives, buckets, overlap, the checker and failure handling, on real
+gloo ranks (world sizes 2, 3, 4), against torch.distributed's own all_reduce."""
+import os
+import tempfile
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dist_utils import DistributedFailure, run_distributed
+
+SIZES = (1, 7, 1023, 4097)
+
+
+def _tensors(rank, count, dtype, seed=0):
+    g = torch.Generator().manual_seed(1000 * seed + rank)
+    return [torch.randn(SIZES[(i * 7 + seed) % len(SIZES)], generator=g).to(dtype) for i in range(count)]
+
+
+def _flat_padded(ts, ws, dtype=torch.float32):
+    flat = torch.cat([t.reshape(-1).to(dtype) for t in ts]) if ts else torch.zeros(0, dtype=dtype)
+    shard = -(-flat.numel() // ws)
+    return torch.cat([flat, flat.new_zeros(shard * ws - flat.numel())]), shard
+
+
+def _collectives_rank(rank, ws):
+    """Each coalesced collective vs all_reduce (+ chunk) of the same data, over several lists."""
+    import zerofuse  # noqa: F401
+    from zerofuse.comm import Communicator
+
+    comm = Communicator(timeout=60)
+    checked = 0
+    for count in (1, 3, 300):
+        for dtype in (torch.float32, torch.bfloat16):
+            ts = _tensors(rank, count, dtype, seed=count)
+            ref, shard = _flat_padded(ts, ws)
+            dist.all_reduce(ref)
+            assert comm.shard_numel(ts) == shard
+            # reduce-scatter: avg (and sum with a scale), bf16 reduced in fp32
+            out = torch.empty(shard, dtype=torch.float32)
+            comm.reduce_scatter_coalesced(ts, out, op="avg", reduce_dtype=torch.float32).wait()
+            torch.testing.assert_close(out, (ref / ws)[rank * shard:(rank + 1) * shard], rtol=1e-6, atol=1e-6)
+            comm.reduce_scatter_coalesced(ts, out, op="sum", scale=0.5, reduce_dtype=torch.float32).wait()
+            torch.testing.assert_close(out, (ref * 0.5)[rank * shard:(rank + 1) * shard], rtol=1e-6, atol=1e-6)
+            # all-gather: every rank's shard back into the tensors' layout
+            gathered = [torch.empty_like(t) for t in ts]
+            mine = (ref / ws)[rank * shard:(rank + 1) * shard].to(dtype)
+            comm.all_gather_coalesced(mine, gathered).wait()
+            want = (ref / ws).to(dtype)
+            torch.testing.assert_close(torch.cat([g.reshape(-1) for g in gathered]), want[: sum(t.numel() for t in ts)])
+            # all-reduce in place, in fp32 for bf16 tensors
+            comm.all_reduce_coalesced(ts, op="sum", reduce_dtype=torch.float32).wait()
+            got = torch.cat([t.reshape(-1).float() for t in ts])
+            torch.testing.assert_close(got, ref[: got.numel()].to(dtype).float(), rtol=0, atol=0)
+            checked += 1
+    # empty list: nothing to send, a completed Work
+    w = comm.reduce_scatter_coalesced([], torch.empty(0), op="avg")
+    assert w.is_completed()
+    w.wait()
+    comm.all_reduce_coalesced([], op="sum").wait()
+    return checked
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_coalesced_collectives_match_torch(world_size):
+    assert run_distributed(_collectives_rank, world_size, timeout=180) == [6] * world_size
+
+
+def _buckets_rank(rank, ws, delay_ms):
+    """An 8-layer model: bucketed reduce-scatter launched from grad-ready hooks during backward
+    equals one unbucketed reduce-scatter; the first bucket is launched before the first layers'
+    backward has run (overlap)."""
+    import zerofuse  # noqa: F401
+    from zerofuse.comm import BucketGroup, BucketPlan, Communicator
+
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(33, 33) for _ in range(8)]
+    model = torch.nn.Sequential(*layers)
+    comm = Communicator(timeout=60, debug_delay_ms=delay_ms)
+    params = list(model.parameters())
+    plan = BucketPlan(params, bucket_mb=33 * 34 * 4 * 2 / (1 << 20), world_size=ws)  # ~2 layers a bucket
+    assert len(plan.buckets) >= 4 and all(b.padded_numel % (ws * 128) == 0 for b in plan.buckets)
+    group = BucketGroup(plan, comm, op="avg")
+    group.register_grad_ready_hooks()
+    order = []
+    for i, layer in enumerate(layers):
+        layer.register_full_backward_hook(lambda m, gi, go, i=i: order.append(("layer_backward", i, time.perf_counter())))
+    x = torch.randn(16, 33, generator=torch.Generator().manual_seed(rank))
+    model(x).square().sum().backward()
+    group.finish_grad_sync()
+    launches = [e for e in group.events if e[0] == "launch"]
+    first_launch = min(t for _, _, t in launches)
+    layer0_backward = next(t for kind, i, t in order if i == 0)
+    assert first_launch < layer0_backward, "the first bucket waited for the whole backward"
+    # reference: one reduce-scatter of every grad, bucket by bucket layout
+    for b, shard in zip(plan.buckets, group.grad_shards):
+        flat = torch.zeros(b.padded_numel)
+        flat[: b.numel] = torch.cat([p.grad.reshape(-1) for p in b.params])
+        dist.all_reduce(flat)
+        torch.testing.assert_close(shard, (flat / ws)[rank * b.shard_numel:(rank + 1) * b.shard_numel],
+                                   rtol=1e-6, atol=1e-7)
+    # param sync: every rank's param shard gathered back gives the params
+    before = [p.detach().clone() for p in params]
+    shards = [group.param_shard(b) for b in plan.buckets]
+    with torch.no_grad():
+        for p in params:
+            p.zero_()
+    group.start_param_sync(shards)
+    group.finish_param_sync()
+    assert all(torch.equal(p, q) for p, q in zip(params, before))
+    return len(plan.buckets)
+
+
+@pytest.mark.parametrize("world_size,delay_ms", [(2, 0), (3, 0), (4, 0), (3, 30)])
+def test_buckets_overlap_backward_and_match_unbucketed(world_size, delay_ms):
+    """delay_ms: every collective is launched late; results must not change (missing waits)."""
+    out = run_distributed(_buckets_rank, world_size, delay_ms, timeout=180)
+    assert len(set(out)) == 1
+
+
+def _mismatch_rank(rank, ws):
+    import zerofuse  # noqa: F401
+    from zerofuse.comm import CollectiveMismatch, Communicator
+
+    os.environ["ZEROFUSE_CHECK_COLLECTIVES"] = "1"
+    comm = Communicator(timeout=20)
+    comm.all_reduce_coalesced([torch.ones(5)], op="sum").wait()
+    n = 7 if rank == ws - 1 else 6
+    t0 = time.monotonic()
+    try:
+        comm.all_reduce_coalesced([torch.ones(n)], op="sum").wait()
+    except CollectiveMismatch as e:
+        return str(e), time.monotonic() - t0
+    return "no error", 0.0
+
+
+def test_checker_names_the_ranks_that_differ():
+    out = run_distributed(_mismatch_rank, 3, timeout=60)
+    for msg, elapsed in out:
+        assert "collective #1 differs across ranks" in msg
+        assert "rank(s) [0, 1]: all_reduce_coalesced(tensors=[(6,):float32]" in msg
+        assert "rank(s) [2]: all_reduce_coalesced(tensors=[(7,):float32]" in msg
+        assert elapsed < 5
+
+
+def _dying_rank(rank, ws):
+    import zerofuse  # noqa: F401
+    from zerofuse.comm import Communicator
+
+    comm = Communicator(timeout=15)
+    comm.all_reduce_coalesced([torch.ones(5)], op="sum").wait()
+    if rank == 1:
+        os._exit(3)
+    comm.all_reduce_coalesced([torch.ones(1 << 16)], op="sum").wait()
+    return "finished"
+
+
+def test_a_dead_rank_makes_the_others_fail_clearly():
+    t0 = time.monotonic()
+    with pytest.raises(DistributedFailure) as info:
+        run_distributed(_dying_rank, 3, timeout=60)
+    msg = str(info.value)
+    assert time.monotonic() - t0 < 40
+    assert "process exited with code 3" in msg
+    for r in (0, 2):
+        assert f"zerofuse.comm: all_reduce_coalesced #1 on rank {r} of 3 failed" in msg
+    assert "did not finish" not in msg
+
+
+# ------------------------------------------------------------------ single process
+
+
+@pytest.fixture
+def world_of_one():
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/init", rank=0, world_size=1)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
+
+
+def test_nccl_transport_needs_cuda(world_of_one):
+    import zerofuse
+    from zerofuse.comm import Communicator
+
+    if zerofuse.build_info()["nccl"]:
+        pytest.skip("this build has NCCL")
+    with pytest.raises(RuntimeError, match="the NCCL transport needs CUDA"):
+        Communicator(transport="nccl")
+
+
+def test_bad_arguments_raise(world_of_one):
+    from zerofuse.comm import BucketPlan, Communicator
+
+    comm = Communicator()
+    with pytest.raises(ValueError, match=r"expected out_shard to have 8 elements \(ceil\(total numel / world_size\)\), got 3"):
+        comm.reduce_scatter_coalesced([torch.ones(8)], torch.empty(3))
+    with pytest.raises(ValueError, match=r"expected op 'sum', 'avg', 'max' or 'min', got 'mean'"):
+        comm.all_reduce_coalesced([torch.ones(8)], op="mean")
+    with pytest.raises(ValueError, match=r"expected transport 'auto', 'process_group' or 'nccl', got 'mpi'"):
+        Communicator(transport="mpi")
+    with pytest.raises(ValueError, match=r"BucketPlan: expected bucket_mb > 0, got 0"):
+        BucketPlan([torch.nn.Parameter(torch.ones(3))], bucket_mb=0)
+
+
+def test_world_of_one_is_the_identity(world_of_one):
+    from zerofuse.comm import Communicator
+
+    comm = Communicator(transport="process_group")
+    ts = _tensors(0, 5, torch.float32)
+    out = torch.empty(comm.shard_numel(ts))
+    comm.reduce_scatter_coalesced(ts, out, op="avg").wait()
+    torch.testing.assert_close(out, torch.cat([t.reshape(-1) for t in ts]))
+
+
+@pytest.mark.gpu
+def test_nccl_world_of_one_matches_the_reference(world_of_one):
+    """The NCCL transport on one GPU: every collective through zerofuse's own ncclComm_t."""
+    import zerofuse
+    from zerofuse.comm import Communicator
+
+    if not zerofuse.build_info()["nccl"]:
+        pytest.skip("this build has no NCCL")
+    comm = Communicator(transport="nccl")
+    ts = [t.cuda() for t in _tensors(0, 300, torch.bfloat16)]
+    flat = torch.cat([t.reshape(-1).float() for t in ts])
+    out = torch.empty(comm.shard_numel(ts), device="cuda")
+    comm.reduce_scatter_coalesced(ts, out, op="avg", reduce_dtype=torch.float32).wait()
+    torch.testing.assert_close(out, flat)
+    back = [torch.empty_like(t) for t in ts]
+    comm.all_gather_coalesced(out.bfloat16(), back).wait()
+    torch.testing.assert_close(torch.cat([b.reshape(-1) for b in back]).float(), flat.bfloat16().float())
+    comm.all_reduce_coalesced(ts, op="sum", scale=2.0, reduce_dtype=torch.float32).wait()
+    torch.testing.assert_close(torch.cat([t.reshape(-1).float() for t in ts]), (flat * 2).bfloat16().float())
+    torch.cuda.synchronize()
