@@ -30,7 +30,9 @@ def render(data: dict, title: str) -> str:
     for b in data.get("benchmarks", []):
         e = b.get("extra_info", {})
         speedups = ", ".join(f"{k[len('speedup_vs_'):]} {v:.2f}x" for k, v in e.items() if k.startswith("speedup_vs_"))
-        ratios = ", ".join(f"{k} {v:.2f}" for k, v in e.items() if k.startswith("time_vs_"))
+        notes = ("busbw_GB/s", "busbw_vs_single", "comm_ms_overlap_off", "exposed_comm_ms_overlap_on", "exposed_ratio")
+        ratios = ", ".join(f"{k} {v:.2f}" for k, v in e.items()
+                           if (k.startswith("time_vs_") or k in notes) and isinstance(v, (int, float)))
         speedups = "; ".join(x for x in (speedups, ratios) if x)
         lines.append(
             f"| {b['name']} | {b['stats']['median'] * 1e3:.3f} | {e.get('GB/s', '')} | {e.get('TFLOP/s', '')} "

@@ -24,6 +24,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 # After the first rank fails, the others get this long to finish before they are stopped: they
@@ -49,10 +50,18 @@ def _die_with_parent() -> None:
         pass
 
 
+def ranks_threads(world_size: int) -> int:
+    """Intra-op threads per rank when world_size ranks share this machine's cores."""
+    return max(1, (os.cpu_count() or 1) // world_size)
+
+
 def _rank_main(rank, world_size, init_file, tb_dir, backend, timeout, fn, args, kwargs, results):
     _die_with_parent()
     tb_file = open(os.path.join(tb_dir, f"rank{rank}.txt"), "w")
     faulthandler.register(signal.SIGUSR1, file=tb_file, all_threads=True)
+    # as torchrun does for several ranks on one machine: share the cores out (OpenMP threads of
+    # co-located ranks spin against each other and against gloo otherwise)
+    torch.set_num_threads(ranks_threads(world_size))
     try:
         dist.init_process_group(
             backend,

@@ -1,0 +1,279 @@
+"""Collectives on gloo with 2 and 4 ranks: zerofuse's coalesced collectives vs one collective per
+tensor and torch's coalescing paths; a bucket-size sweep (algorithm and bus bandwidth, vs one
+collective of the same total size); exposed communication of a backward with overlap on and off.
+
+The pytest process is rank 0 and times with pytest-benchmark; ranks 1.. are helper processes that
+run the same collective in lockstep (every round starts after a barrier, outside the timing).
+Timings therefore include gloo's work on every rank, on this machine's cores. Each rank gets
+cores // world_size intra-op threads, as torchrun sets OMP_NUM_THREADS for co-located ranks
+(measured: with every rank on all cores, OpenMP threads spinning after each parallel copy made a
+1 MB gloo all-reduce ~12 ms instead of ~2 ms).
+
+Bandwidths (nccl-tests conventions): algbw = bytes / time, with bytes the full input of the
+collective; busbw = algbw * 2 (ws - 1) / ws for all-reduce, algbw * (ws - 1) / ws for
+reduce-scatter and all-gather.
+"""
+from __future__ import annotations
+
+import datetime
+import math
+import multiprocessing as mp
+import os
+import tempfile
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+
+WORLD_SIZES = [2, 4]
+BUCKET_MB = [1, 5, 25, 100]
+warnings.filterwarnings("ignore", message=".*reduce_scatter_tensor.* is deprecated")
+
+
+def _sizes(case: str, smoke: bool) -> list[int]:
+    """fp32 element counts: 256 tensors of 4 KB ("small") or log-uniform 4 KB - 4 MB ("mixed")."""
+    n = 16 if smoke else 256
+    if case == "small":
+        return [1024] * n
+    g = torch.Generator().manual_seed(0)
+    lo, hi = math.log(1024), math.log((1 << 12) if smoke else (1 << 20))
+    return [int(math.exp(lo + (hi - lo) * torch.rand((), generator=g).item())) for _ in range(n)]
+
+
+def _pad(n: int, ws: int) -> int:
+    return -(-n // ws) * ws
+
+
+class _Workload:
+    """One timed collective (op) and the bytes it moves, built the same way on every rank."""
+
+    def __init__(self, spec: tuple, rank: int, ws: int, smoke: bool):
+        import zerofuse  # noqa: F401
+        from zerofuse.comm import BucketGroup, BucketPlan, Communicator
+
+        suite, case, provider = spec[:3]
+        g = torch.Generator().manual_seed(rank)
+        self.bytes = 0
+        if suite in ("all_reduce", "reduce_scatter"):
+            ts = [torch.randn(n, generator=g) for n in _sizes(case, smoke)]
+            self.bytes = 4 * sum(t.numel() for t in ts)
+            comm = Communicator() if provider == "zerofuse" else None
+            if suite == "all_reduce":
+                self.op = {
+                    "per_tensor": lambda: [w.wait() for w in [dist.all_reduce(t, async_op=True) for t in ts]],
+                    "torch_all_reduce_coalesced": lambda: dist.all_reduce_coalesced(ts, async_op=True).wait(),
+                    "torch_coalescing_manager": lambda: self._coalesced(lambda: [dist.all_reduce(t) for t in ts]),
+                    "zerofuse": lambda: comm.all_reduce_coalesced(ts, op="sum").wait(),
+                }[provider]
+            else:
+                padded = [torch.cat([t, t.new_zeros(_pad(t.numel(), ws) - t.numel())]) for t in ts]
+                outs = [torch.empty(p.numel() // ws) for p in padded]
+                total = sum(t.numel() for t in ts)
+                flat_out = torch.empty(_pad(total, ws) // ws)
+
+                def cat_flat():
+                    flat = torch.cat([t.reshape(-1) for t in ts] + [ts[0].new_zeros(_pad(total, ws) - total)])
+                    dist.reduce_scatter_tensor(flat_out, flat)
+
+                def per_tensor():
+                    works = [dist.reduce_scatter_tensor(o, p, async_op=True) for o, p in zip(outs, padded)]
+                    for w in works:
+                        w.wait()
+
+                self.op = {
+                    "per_tensor": per_tensor,
+                    "torch_coalescing_manager": lambda: self._coalesced(
+                        lambda: [dist.reduce_scatter_tensor(o, p) for o, p in zip(outs, padded)]),
+                    "torch_cat_flat": cat_flat,
+                    "zerofuse": lambda: comm.reduce_scatter_coalesced(ts, flat_out, op="sum").wait(),
+                }[provider]
+        elif suite == "buckets":
+            params = [torch.nn.Parameter(torch.randn(n, generator=g)) for n in _model_sizes(smoke)]
+            for p in params:
+                p.grad = torch.randn_like(p)
+            self.bytes = 4 * sum(p.numel() for p in params)
+            comm = Communicator()
+            if provider == "single":
+                flat = torch.cat([p.grad for p in params])
+                out = torch.empty(comm.shard_numel([flat]))
+                self.op = lambda: comm.reduce_scatter_coalesced([flat], out, op="sum").wait()
+            else:
+                mb = float(provider.removeprefix("bucket_").removesuffix("MB"))
+                group = BucketGroup(BucketPlan(params, bucket_mb=mb / (64 if smoke else 1), world_size=ws), comm, op="sum")
+                self.op = group.finish_grad_sync
+        elif suite == "overlap":
+            torch.manual_seed(0)
+            width = 64 if smoke else 1024
+            model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(12)])
+            x = torch.randn(32 if smoke else 256, width, generator=g)
+            comm = Communicator()
+            params = list(model.parameters())
+            group = BucketGroup(BucketPlan(params, bucket_mb=8 / (64 if smoke else 1), world_size=ws), comm, op="avg")
+            if provider == "overlap_on":
+                group.register_grad_ready_hooks()
+
+            def step():
+                model.zero_grad(set_to_none=False)
+                model(x).square().mean().backward()
+                if provider != "no_comm":
+                    group.finish_grad_sync()
+
+            self.op = step
+            self.bytes = 4 * sum(p.numel() for p in params)
+
+    @staticmethod
+    def _coalesced(launch):
+        with dist._coalescing_manager(async_ops=True) as cm:
+            launch()
+        cm.wait()
+
+
+def _model_sizes(smoke: bool) -> list[int]:
+    """~100 MB of fp32 grads shaped like 6 transformer blocks (d = 1024) (smoke: ~1.5 MB)."""
+    d = 64 if smoke else 1024
+    sizes = []
+    for _ in range(6):
+        sizes += [3 * d * d, 3 * d, d * d, d, d, d, 4 * d * d, 4 * d, 4 * d * d, d, d, d]
+    return sizes
+
+
+def _threads(ws: int) -> int:
+    return max(1, (os.cpu_count() or 1) // ws)
+
+
+def _helper(rank: int, ws: int, init_file: str, smoke: bool) -> None:
+    torch.set_num_threads(_threads(ws))
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=ws,
+                            timeout=datetime.timedelta(seconds=600))
+    try:
+        while True:
+            box = [None]
+            dist.broadcast_object_list(box, src=0)
+            if box[0] is None:
+                break
+            spec, rounds = box[0]
+            work = _Workload(spec, rank, ws, smoke)
+            for _ in range(rounds):
+                dist.barrier()
+                work.op()
+    finally:
+        dist.destroy_process_group()
+
+
+class _Group:
+    def __init__(self, ws: int, smoke: bool):
+        self.ws, self.smoke = ws, smoke
+        self.tmp = tempfile.TemporaryDirectory(prefix="zerofuse-bench-")
+        init = os.path.join(self.tmp.name, "init")
+        ctx = mp.get_context("spawn")
+        self.procs = [ctx.Process(target=_helper, args=(r, ws, init, smoke), daemon=True) for r in range(1, ws)]
+        for p in self.procs:
+            p.start()
+        self.threads = torch.get_num_threads()
+        torch.set_num_threads(_threads(ws))
+        dist.init_process_group("gloo", init_method=f"file://{init}", rank=0, world_size=ws,
+                                timeout=datetime.timedelta(seconds=600))
+
+    def run(self, benchmark, spec: tuple, rounds: int = 10, warmup: int = 2) -> _Workload:
+        total = 1 if benchmark.disabled else rounds + warmup
+        dist.broadcast_object_list([(spec, total)], src=0)
+        work = _Workload(spec, 0, self.ws, self.smoke)
+        benchmark.pedantic(work.op, setup=dist.barrier, rounds=1 if benchmark.disabled else rounds,
+                           warmup_rounds=0 if benchmark.disabled else warmup)
+        info = benchmark.extra_info
+        info.update(case="/".join(map(str, spec[:2])) + f"/ws{self.ws}", provider=spec[2], world_size=self.ws,
+                    device="cpu (gloo)", torch=torch.__version__)
+        return work
+
+    def close(self):
+        dist.broadcast_object_list([None], src=0)
+        dist.destroy_process_group()
+        for p in self.procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+        torch.set_num_threads(self.threads)
+        self.tmp.cleanup()
+
+
+@pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda ws: f"ws{ws}")
+def group(request, smoke):
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    g = _Group(request.param, smoke)
+    yield g
+    g.close()
+
+
+def _median(benchmark):
+    return None if benchmark.stats is None else benchmark.stats.stats.median
+
+
+_MEDIANS: dict[tuple, float] = {}
+
+
+def _record(benchmark, key, peers=()):
+    """Keep this median; for zerofuse, add speedups over the peers measured earlier."""
+    m = _median(benchmark)
+    if m is None:
+        return
+    _MEDIANS[key] = m
+    for peer in peers:
+        pm = _MEDIANS.get(key[:-1] + (peer,))
+        if pm:
+            benchmark.extra_info[f"speedup_vs_{peer}"] = round(pm / m, 3)
+
+
+def _bw(benchmark, work, factor):
+    m = _median(benchmark)
+    if m is None:
+        return
+    algbw = work.bytes / m / 1e9
+    benchmark.extra_info.update({"GB/s": round(algbw, 3), "busbw_GB/s": round(algbw * factor, 3)})
+
+
+AR_PROVIDERS = ["per_tensor", "torch_all_reduce_coalesced", "torch_coalescing_manager", "zerofuse"]
+RS_PROVIDERS = ["per_tensor", "torch_coalescing_manager", "torch_cat_flat", "zerofuse"]
+
+
+@pytest.mark.parametrize("provider", AR_PROVIDERS)
+@pytest.mark.parametrize("case", ["small", "mixed"])
+def bench_all_reduce_coalesced(benchmark, group, case, provider):
+    work = group.run(benchmark, ("all_reduce", case, provider))
+    _bw(benchmark, work, 2 * (group.ws - 1) / group.ws)
+    _record(benchmark, ("all_reduce", case, group.ws, provider), AR_PROVIDERS[:-1] if provider == "zerofuse" else ())
+
+
+@pytest.mark.parametrize("provider", RS_PROVIDERS)
+@pytest.mark.parametrize("case", ["small", "mixed"])
+def bench_reduce_scatter_coalesced(benchmark, group, case, provider):
+    work = group.run(benchmark, ("reduce_scatter", case, provider))
+    _bw(benchmark, work, (group.ws - 1) / group.ws)
+    _record(benchmark, ("reduce_scatter", case, group.ws, provider), RS_PROVIDERS[:-1] if provider == "zerofuse" else ())
+
+
+@pytest.mark.parametrize("provider", ["single"] + [f"bucket_{mb}MB" for mb in BUCKET_MB])
+def bench_bucket_sweep(benchmark, group, provider):
+    """Reduce-scatter of ~100 MB of grads in buckets of 1..100 MB vs one collective of it all."""
+    work = group.run(benchmark, ("buckets", "100MB", provider), rounds=5, warmup=1)
+    _bw(benchmark, work, (group.ws - 1) / group.ws)
+    _record(benchmark, ("buckets", group.ws, provider))
+    single = _MEDIANS.get(("buckets", group.ws, "single"))
+    if provider != "single" and single and _median(benchmark):
+        benchmark.extra_info["busbw_vs_single"] = round(single / _median(benchmark), 3)
+
+
+@pytest.mark.parametrize("provider", ["no_comm", "overlap_off", "overlap_on"])
+def bench_backward_overlap(benchmark, group, provider):
+    """Backward of a 12-layer MLP (width 1024) with its gradient reduce-scatter: exposed comm =
+    time - backward-alone time; overlap_on launches buckets from grad-ready hooks."""
+    group.run(benchmark, ("overlap", "mlp12", provider), rounds=8, warmup=2)
+    _record(benchmark, ("overlap", group.ws, provider))
+    base, off = _MEDIANS.get(("overlap", group.ws, "no_comm")), _MEDIANS.get(("overlap", group.ws, "overlap_off"))
+    m = _median(benchmark)
+    if provider == "overlap_on" and base and off and m:
+        comm_off, exposed_on = off - base, m - base
+        benchmark.extra_info.update(comm_ms_overlap_off=round(comm_off * 1e3, 3),
+                                    exposed_comm_ms_overlap_on=round(exposed_on * 1e3, 3),
+                                    exposed_ratio=round(exposed_on / comm_off, 3) if comm_off > 0 else None)
