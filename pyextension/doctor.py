@@ -107,6 +107,57 @@ def selftest(devices: list[torch.device]) -> list[str]:
     return failures
 
 
+def _comm_case(transport: str, device: torch.device) -> None:
+    from zerofuse.comm import Communicator
+
+    comm = Communicator(transport=transport, timeout=60)
+    g = torch.Generator().manual_seed(0)
+    ts = [torch.randn(n, generator=g).to(device) for n in (1, 7, 1023, 4097)]
+    flat = torch.cat(ts)
+    out = torch.empty(comm.shard_numel(ts), device=device)
+    comm.reduce_scatter_coalesced(ts, out, op="avg").wait()
+    back = [torch.empty_like(t) for t in ts]
+    comm.all_gather_coalesced(out * 2, back).wait()
+    comm.all_reduce_coalesced(ts, op="sum", scale=3.0).wait()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    torch.testing.assert_close(out, flat)
+    torch.testing.assert_close(torch.cat(back), flat * 2)
+    torch.testing.assert_close(torch.cat(ts), flat * 3)
+
+
+def comm_selftest(devices: list[torch.device]) -> list[str]:
+    """The Communicator in a world of one (gloo group in this process): the ProcessGroup transport
+    on CPU, the NCCL transport on CUDA in NCCL builds."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    import zerofuse
+
+    if dist.is_initialized():
+        print("comm       skipped: a process group is already initialized")
+        return []
+    cases = [("process_group", torch.device("cpu"))]
+    cases += [("nccl", d) for d in devices if d.type == "cuda" and zerofuse.build_info()["nccl"]]
+    failures = []
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/init", rank=0, world_size=1)
+        try:
+            for transport, dev in cases:
+                t0 = time.perf_counter()
+                try:
+                    _comm_case(transport, dev)
+                except Exception:
+                    failures.append(f"comm {transport} on {dev}: {traceback.format_exc()}")
+                    print(f"  FAIL  comm ({transport}, world of one) {dev}\n{traceback.format_exc()}")
+                    continue
+                print(f"  ok    comm ({transport}, world of one) {str(dev):7s} {(time.perf_counter() - t0) * 1e3:.1f} ms")
+        finally:
+            dist.destroy_process_group()
+    return failures
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m zerofuse.doctor", description=__doc__.splitlines()[0])
     parser.add_argument("--no-selftest", action="store_true", help="only print what was built and what runs here")
@@ -115,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         print(line)
     if args.no_selftest:
         return 0
-    failures = selftest(_devices())
+    failures = selftest(_devices()) + comm_selftest(_devices())
     if failures:
         print(f"doctor: {len(failures)} self-test(s) failed", file=sys.stderr)
         return 1

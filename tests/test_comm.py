@@ -54,6 +54,13 @@ def _collectives_rank(rank, ws):
             got = torch.cat([t.reshape(-1).float() for t in ts])
             torch.testing.assert_close(got, ref[: got.numel()].to(dtype).float(), rtol=0, atol=0)
             checked += 1
+    # above the 4 MB piece size, the ProcessGroup transport splits an all-reduce into pieces
+    g = torch.Generator().manual_seed(rank)
+    big = [torch.randn(3_000_001, generator=g), torch.randn(2_500_003, generator=g)]
+    ref = torch.cat(big)
+    dist.all_reduce(ref)
+    comm.all_reduce_coalesced(big, op="avg").wait()
+    torch.testing.assert_close(torch.cat(big), ref / ws, rtol=1e-6, atol=1e-6)
     # empty list: nothing to send, a completed Work
     w = comm.reduce_scatter_coalesced([], torch.empty(0), op="avg")
     assert w.is_completed()
