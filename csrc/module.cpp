@@ -56,6 +56,8 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("world_size", &Communicator::world_size)
       .def_property_readonly("transport", &Communicator::transport_name)
       .def_property_readonly("sequence", &Communicator::sequence)
+      .def("group_start", &Communicator::group_start)
+      .def("group_end", &Communicator::group_end, py::call_guard<py::gil_scoped_release>())
       .def("shard_numel", [](const Communicator& c, const Tensors& ts) { return c.shard_numel(ts); })
       .def(
           "reduce_scatter_coalesced",

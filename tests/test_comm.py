@@ -212,6 +212,25 @@ def test_bad_arguments_raise(world_of_one):
         BucketPlan([torch.nn.Parameter(torch.ones(3))], bucket_mb=0)
 
 
+def test_coalesce_block_and_group_errors(world_of_one):
+    from zerofuse.comm import Communicator
+
+    comm = Communicator()
+    ts = _tensors(0, 3, torch.float32)
+    outs = [torch.empty(comm.shard_numel([t])) for t in ts]
+    with comm.coalesce():
+        works = [comm.reduce_scatter_coalesced([t], o, op="sum") for t, o in zip(ts, outs)]
+    for w, t, o in zip(works, ts, outs):
+        w.wait()
+        torch.testing.assert_close(o, t)
+    comm._c.group_start()
+    with pytest.raises(RuntimeError, match="group_start\\(\\) inside an open group"):
+        comm._c.group_start()
+    comm._c.group_end()
+    with pytest.raises(RuntimeError, match="group_end\\(\\) without group_start\\(\\)"):
+        comm._c.group_end()
+
+
 def test_world_of_one_is_the_identity(world_of_one):
     from zerofuse.comm import Communicator
 
@@ -241,4 +260,13 @@ def test_nccl_world_of_one_matches_the_reference(world_of_one):
     torch.testing.assert_close(torch.cat([b.reshape(-1) for b in back]).float(), flat.bfloat16().float())
     comm.all_reduce_coalesced(ts, op="sum", scale=2.0, reduce_dtype=torch.float32).wait()
     torch.testing.assert_close(torch.cat([t.reshape(-1).float() for t in ts]), (flat * 2).bfloat16().float())
+    # several reduce-scatters in one ncclGroupStart/End launch
+    parts = [torch.randn(n, device="cuda") for n in (5, 4097, 1023)]
+    outs = [torch.empty(comm.shard_numel([p]), device="cuda") for p in parts]
+    with comm.coalesce():
+        works = [comm.reduce_scatter_coalesced([p], o, op="sum") for p, o in zip(parts, outs)]
+    for w in works:
+        w.wait()
+    for p, o in zip(parts, outs):
+        torch.testing.assert_close(o, p)
     torch.cuda.synchronize()

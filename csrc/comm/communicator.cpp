@@ -252,11 +252,28 @@ Transport& Communicator::transport_for(const at::Device& device, const char* fn)
 #ifdef ZEROFUSE_WITH_NCCL
   if (device.is_cuda()) {
     // every rank issues its first CUDA collective in the same order: creation is collective too
-    if (!nccl_transport_) nccl_transport_ = make_nccl_transport(pg_, store_, key_, timeout_);
+    if (!nccl_transport_) {
+      nccl_transport_ = make_nccl_transport(pg_, store_, key_, timeout_);
+      if (grouping_) nccl_transport_->group_start();
+    }
     return *nccl_transport_;
   }
 #endif
   return *pg_transport_;
+}
+
+void Communicator::group_start() {
+  TORCH_CHECK(!grouping_, "zerofuse.comm: group_start() inside an open group");
+  grouping_ = true;
+  pg_transport_->group_start();
+  if (nccl_transport_) nccl_transport_->group_start();
+}
+
+void Communicator::group_end() {
+  TORCH_CHECK(grouping_, "zerofuse.comm: group_end() without group_start()");
+  grouping_ = false;
+  pg_transport_->group_end();
+  if (nccl_transport_) nccl_transport_->group_end();
 }
 
 int64_t Communicator::shard_numel(at::TensorList tensors) const {

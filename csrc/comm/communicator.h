@@ -78,6 +78,10 @@ class Transport {
   virtual std::shared_ptr<Work> all_reduce(const at::Tensor& buf, Reduce op, const std::string& what) = 0;
   // AVG is done by the transport (true) or by the communicator as SUM then a scale (false)
   virtual bool native_avg() const { return false; }
+  // Collectives issued between group_start() and group_end() may be launched together (NCCL:
+  // one ncclGroupStart/End, one done event); the ProcessGroup transport launches them at once.
+  virtual void group_start() {}
+  virtual void group_end() {}
 };
 
 std::unique_ptr<Transport> make_process_group_transport(c10::intrusive_ptr<c10d::ProcessGroup> pg,
@@ -115,6 +119,11 @@ class Communicator {
                                              at::TensorList tensors);  // written at wait()
   std::shared_ptr<Work> all_reduce_coalesced(at::TensorList tensors, const std::string& op,
                                              std::optional<double> scale, std::optional<at::ScalarType> reduce_dtype);
+  // Fuse the collectives issued in between into one launch where the transport can (NCCL: e.g.
+  // every bucket's reduce-scatter in one ncclGroupStart/End). Their Works may be waited for
+  // only after group_end().
+  void group_start();
+  void group_end();
 
  private:
   std::string label(const char* fn);
@@ -125,6 +134,7 @@ class Communicator {
   std::unique_ptr<Transport> pg_transport_, nccl_transport_;
   int rank_, world_size_;
   int64_t seq_ = 0;
+  bool grouping_ = false;
   std::chrono::milliseconds timeout_;
 };
 

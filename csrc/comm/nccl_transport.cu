@@ -65,20 +65,31 @@ ncclRedOp_t nccl_op(Reduce op) {
   }
 }
 
+// One done event, shared by the Works of collectives launched in one NCCL group.
+struct DoneEvent {
+  cudaEvent_t event = nullptr;
+  ~DoneEvent() {
+    if (event) cudaEventDestroy(event);
+  }
+};
+
 class NcclWork : public Work {
  public:
-  NcclWork(std::string what, std::chrono::milliseconds timeout, cudaEvent_t done, c10::DeviceIndex device)
-      : Work(std::move(what), timeout), done_(done), device_(device) {}
-  ~NcclWork() override { cudaEventDestroy(done_); }
-  bool done() { return transport_done(); }
+  NcclWork(std::string what, std::chrono::milliseconds timeout, c10::DeviceIndex device)
+      : Work(std::move(what), timeout), device_(device) {}
+  void set_done(std::shared_ptr<DoneEvent> done) { done_ = std::move(done); }
+  bool launched() const { return done_ != nullptr; }
+  bool done() { return launched() && transport_done(); }
 
  protected:
   void wait_transport() override {
+    TORCH_CHECK(launched(), "wait() on a collective of a group that is still open: end the group first");
     const auto stream = c10::cuda::getCurrentCUDAStream(device_);
-    C10_CUDA_CHECK(cudaStreamWaitEvent(stream.stream(), done_, 0));
+    C10_CUDA_CHECK(cudaStreamWaitEvent(stream.stream(), done_->event, 0));
   }
   bool transport_done() override {
-    const cudaError_t r = cudaEventQuery(done_);
+    if (!launched()) return false;
+    const cudaError_t r = cudaEventQuery(done_->event);
     if (r == cudaErrorNotReady) {
       (void)cudaGetLastError();
       return false;
@@ -88,8 +99,16 @@ class NcclWork : public Work {
   }
 
  private:
-  cudaEvent_t done_;
+  std::shared_ptr<DoneEvent> done_;
   c10::DeviceIndex device_;
+};
+
+using Collective = std::function<ncclResult_t(cudaStream_t)>;
+
+struct Pending {
+  Collective run;
+  std::shared_ptr<NcclWork> work;
+  std::string what;
 };
 
 class NcclTransport : public Transport {
@@ -133,20 +152,20 @@ class NcclTransport : public Transport {
 
   std::shared_ptr<Work> reduce_scatter(const at::Tensor& out, const at::Tensor& in, Reduce op,
                                        const std::string& what) override {
-    return launch(rs_stream_, what, {in, out}, [&](cudaStream_t s) {
+    return launch(rs_stream_, what, {in, out}, [this, in, out, op](cudaStream_t s) {
       return ncclReduceScatter(in.data_ptr(), out.data_ptr(), out.numel(), nccl_type(out.scalar_type()), nccl_op(op),
                                comm_, s);
     });
   }
 
   std::shared_ptr<Work> all_gather(const at::Tensor& out, const at::Tensor& in, const std::string& what) override {
-    return launch(ag_stream_, what, {in, out}, [&](cudaStream_t s) {
+    return launch(ag_stream_, what, {in, out}, [this, in, out](cudaStream_t s) {
       return ncclAllGather(in.data_ptr(), out.data_ptr(), in.numel(), nccl_type(in.scalar_type()), comm_, s);
     });
   }
 
   std::shared_ptr<Work> all_reduce(const at::Tensor& buf, Reduce op, const std::string& what) override {
-    return launch(rs_stream_, what, {buf}, [&](cudaStream_t s) {
+    return launch(rs_stream_, what, {buf}, [this, buf, op](cudaStream_t s) {
       return ncclAllReduce(buf.data_ptr(), buf.data_ptr(), buf.numel(), nccl_type(buf.scalar_type()), nccl_op(op),
                            comm_, s);
     });
@@ -182,29 +201,53 @@ class NcclTransport : public Transport {
     check(state, what);
   }
 
-  template <typename F>
   std::shared_ptr<Work> launch(const c10::cuda::CUDAStream& comm_stream, const std::string& what,
-                               std::vector<at::Tensor> buffers, F&& collective) {
+                               std::vector<at::Tensor> buffers, Collective collective) {
     TORCH_CHECK(comm_, "zerofuse.comm (NCCL): the communicator was aborted after an earlier error");
+    auto work = std::make_shared<NcclWork>(what, timeout_, device_);
+    work->keep_alive(std::move(buffers));
+    // kept (with its buffers) until its done event fires, waited for or not ([Note: Work lifetimes])
+    inflight_.push_back(work);
+    if (grouping_) {
+      pending_.push_back({std::move(collective), work, what});
+    } else {
+      run_group(comm_stream, {{std::move(collective), work, what}});
+    }
+    return work;
+  }
+
+  void run_group(const c10::cuda::CUDAStream& comm_stream, const std::vector<Pending>& group) {
     while (!inflight_.empty() && inflight_.front()->done()) inflight_.pop_front();
     // [Note: stream ordering]
-    cudaEvent_t ready, done;
+    cudaEvent_t ready;
     C10_CUDA_CHECK(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming));
     C10_CUDA_CHECK(cudaEventRecord(ready, c10::cuda::getCurrentCUDAStream(device_).stream()));
     C10_CUDA_CHECK(cudaStreamWaitEvent(comm_stream.stream(), ready, 0));
     C10_CUDA_CHECK(cudaEventDestroy(ready));
     check(ncclGroupStart(), "ncclGroupStart");
-    check(collective(comm_stream.stream()), what.c_str());
+    for (const auto& p : group) check(p.run(comm_stream.stream()), p.what.c_str());
     check(ncclGroupEnd(), "ncclGroupEnd");
-    settle(what.c_str());
-    C10_CUDA_CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
-    C10_CUDA_CHECK(cudaEventRecord(done, comm_stream.stream()));
-    auto work = std::make_shared<NcclWork>(what, timeout_, done, device_);
-    work->keep_alive(std::move(buffers));
-    inflight_.push_back(work);
-    return work;
+    settle(group.size() == 1 ? group[0].what.c_str() : "a group of collectives");
+    auto done = std::make_shared<DoneEvent>();
+    C10_CUDA_CHECK(cudaEventCreateWithFlags(&done->event, cudaEventDisableTiming));
+    C10_CUDA_CHECK(cudaEventRecord(done->event, comm_stream.stream()));
+    for (const auto& p : group) p.work->set_done(done);
   }
 
+ public:
+  void group_start() override { grouping_ = true; }
+  void group_end() override {
+    grouping_ = false;
+    if (pending_.empty()) return;
+    std::vector<Pending> group;
+    group.swap(pending_);
+    // one launch on one stream: the whole group is ordered after the caller's copy-ins
+    run_group(rs_stream_, group);
+  }
+
+ private:
+  bool grouping_ = false;
+  std::vector<Pending> pending_;
   std::chrono::milliseconds timeout_;
   c10::DeviceIndex device_;
   c10::cuda::CUDAStream rs_stream_, ag_stream_;

@@ -111,22 +111,28 @@ class BucketGroup:
 
     def start_grad_sync(self, bucket: Bucket | int | None = None) -> None:
         """Launch the collective of one bucket (or of every bucket not launched yet)."""
-        buckets = self.plan.buckets if bucket is None else [self._bucket(bucket)]
-        for b in buckets:
-            if b.index in self._works:
-                continue
-            self.events.append(("launch", b.index, time.perf_counter()))
-            if self.mode == "reduce_scatter":
-                self._works[b.index] = self.comm.reduce_scatter_coalesced(
-                    self._grads(b) + [self._pads[b.index]], self.grad_shards[b.index], op=self.op,
-                    reduce_dtype=self.reduce_dtype)
-            else:
-                grads = []
-                for p in b.params:
-                    if p.grad is None:
-                        p.grad = torch.zeros_like(p)
-                    grads.append(p.grad)
-                self._works[b.index] = self.comm.all_reduce_coalesced(grads, op=self.op, reduce_dtype=self.reduce_dtype)
+        if bucket is None:  # every bucket left: one fused launch where the transport can
+            with self.comm.coalesce():
+                for b in self.plan.buckets:
+                    self._start(b)
+        else:
+            self._start(self._bucket(bucket))
+
+    def _start(self, b: Bucket) -> None:
+        if b.index in self._works:
+            return
+        self.events.append(("launch", b.index, time.perf_counter()))
+        if self.mode == "reduce_scatter":
+            self._works[b.index] = self.comm.reduce_scatter_coalesced(
+                self._grads(b) + [self._pads[b.index]], self.grad_shards[b.index], op=self.op,
+                reduce_dtype=self.reduce_dtype)
+        else:
+            grads = []
+            for p in b.params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                grads.append(p.grad)
+            self._works[b.index] = self.comm.all_reduce_coalesced(grads, op=self.op, reduce_dtype=self.reduce_dtype)
 
     def finish_grad_sync(self) -> None:
         """Launch what is left, then wait for every bucket (buckets launched by hooks first)."""

@@ -17,6 +17,7 @@ hang.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import itertools
 import os
@@ -106,6 +107,18 @@ class Communicator:
         tensors = list(tensors)
         self._checked("all_reduce_coalesced", tensors=tensors, op=op, scale=scale, reduce_dtype=reduce_dtype)
         return self._c.all_reduce_coalesced(tensors, op, scale, reduce_dtype)
+
+    @contextlib.contextmanager
+    def coalesce(self):
+        """Collectives issued inside the block are launched together where the transport can:
+        NCCL runs them in one ncclGroupStart/End with one done event (e.g. every bucket's
+        reduce-scatter); the ProcessGroup transport launches each at once. Wait for their Works
+        after the block."""
+        self._c.group_start()
+        try:
+            yield self
+        finally:
+            self._c.group_end()
 
     # ------------------------------------------------------------------ checker
 
