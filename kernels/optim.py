@@ -317,6 +317,14 @@ def _steps(steps: Sequence[torch.Tensor], device: torch.device, found: torch.Ten
         torch._foreach_add_(distinct, 1.0 if found is None else (1.0 - found).reshape(()))
 
 
+def _moment_tables(params, grads, exp_avgs, exp_avg_sqs, masters, steps, consts, device):
+    """(indices, table) per (param dtype, grad dtype) group, meta rows as the Adam / LAMB kernels'."""
+    for idx in _groups(params, grads):
+        pick = lambda lst: [lst[i] for i in idx] if lst else None  # noqa: E731
+        yield idx, _Table([pick(params), pick(grads), pick(exp_avgs), pick(exp_avg_sqs), pick(masters),
+                           pick(steps)], consts, device)
+
+
 def adam(params, grads, exp_avgs, exp_avg_sqs, masters, steps, *, lr, beta1, beta2, eps, weight_decay,
          decoupled, maximize, grad_mult=None, found_inf=None):
     """One launch per (param dtype, grad dtype) group; lists already checked by the op layer."""
@@ -325,10 +333,8 @@ def adam(params, grads, exp_avgs, exp_avg_sqs, masters, steps, *, lr, beta1, bet
     device = params[0].device
     mult, found = _flag(grad_mult, "grad_mult", device), _flag(found_inf, "found_inf", device)
     _steps(steps, device, found, advance=True)
-    for idx in _groups(params, grads):
-        tab = _Table([[params[i] for i in idx], [grads[i] for i in idx], [exp_avgs[i] for i in idx],
-                      [exp_avg_sqs[i] for i in idx], [masters[i] for i in idx] if masters else None,
-                      [steps[i] for i in idx]], [lr, beta1, beta2, eps, weight_decay], device)
+    consts = [lr, beta1, beta2, eps, weight_decay]
+    for idx, tab in _moment_tables(params, grads, exp_avgs, exp_avg_sqs, masters, steps, consts, device):
         if tab.blocks:
             _adam_kernel[(tab.blocks,)](
                 tab.meta, tab.n, mult, found, P_TY=_TL[params[idx[0]].dtype], G_TY=_TL[grads[idx[0]].dtype],
@@ -360,10 +366,8 @@ def lamb_stage1(params, grads, exp_avgs, exp_avg_sqs, masters, steps, *, beta1, 
     device = params[0].device
     mult, found = _flag(grad_mult, "grad_mult", device), _flag(found_inf, "found_inf", device)
     _steps(steps, device, found, advance=True)
-    for idx in _groups(params, grads):
-        tab = _Table([[params[i] for i in idx], [grads[i] for i in idx], [exp_avgs[i] for i in idx],
-                      [exp_avg_sqs[i] for i in idx], [masters[i] for i in idx] if masters else None,
-                      [steps[i] for i in idx]], [beta1, beta2, eps, weight_decay], device)
+    consts = [beta1, beta2, eps, weight_decay]
+    for idx, tab in _moment_tables(params, grads, exp_avgs, exp_avg_sqs, masters, steps, consts, device):
         part = torch.zeros((tab.blocks, 2), device=device, dtype=torch.float32)
         if tab.blocks:
             _lamb_stage1_kernel[(tab.blocks,)](
@@ -385,10 +389,8 @@ def lamb_stage2(params, exp_avgs, exp_avg_sqs, masters, steps, norms, *, lr, bet
     device = params[0].device
     _steps(steps, device)
     found = _flag(found_inf, "found_inf", device)
-    for idx in _groups(params, None):
-        tab = _Table([[params[i] for i in idx], None, [exp_avgs[i] for i in idx], [exp_avg_sqs[i] for i in idx],
-                      [masters[i] for i in idx] if masters else None, [steps[i] for i in idx]],
-                     [beta1, beta2, eps, weight_decay, lr, min_trust, max_trust], device)
+    consts = [beta1, beta2, eps, weight_decay, lr, min_trust, max_trust]
+    for idx, tab in _moment_tables(params, None, exp_avgs, exp_avg_sqs, masters, steps, consts, device):
         sub = norms[idx].contiguous()
         if tab.blocks:
             _lamb_stage2_kernel[(tab.blocks,)](

@@ -21,6 +21,23 @@ def use_triton(tensors: Sequence[torch.Tensor]) -> bool:
     return bool(tensors) and (tensors[0].is_cuda or (tensors[0].device.type == "cpu" and kernels.triton_on_cpu()))
 
 
+def call(op: str, triton_impl, args: tuple):
+    """Runs torch.ops.zerofuse.<op>(*args) (C++ on CPU, Triton on CUDA), or triton_impl(*args)
+    directly for CPU tensors under ZEROFUSE_TRITON_ON_CPU=1 (args[0] is the params list)."""
+    if use_triton(args[0]) and not args[0][0].is_cuda:
+        return triton_impl(*args)
+    return getattr(torch.ops.zerofuse, op)(*args)
+
+
+def selftest_tensors(device: torch.device):
+    """(params, reference copies, two zero states, two zero reference states, zero step counters)
+    of odd shapes (an empty tensor and a 1-element one included), for the op self-tests."""
+    g = torch.Generator().manual_seed(0)
+    ps = [torch.randn(s, generator=g).to(device) for s in [(37, 5), (1,), (0,), (4099,)]]
+    zeros = lambda: [torch.zeros_like(p) for p in ps]  # noqa: E731
+    return ps, [p.clone() for p in ps], [zeros(), zeros()], [zeros(), zeros()], [torch.tensor(0.0, device=device) for _ in ps]
+
+
 def check_param_lists(op: str, params, like: dict, fp32: dict, masters=(), steps=None) -> None:
     pre = f"zerofuse::{op}: "
     n = len(params)

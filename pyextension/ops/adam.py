@@ -13,7 +13,7 @@ import torch
 from zerofuse import reference
 from zerofuse.kernels import optim as K
 from zerofuse.ops import register
-from zerofuse.ops._optim import LIB, check_param_lists, use_triton
+from zerofuse.ops._optim import LIB, call, check_param_lists, selftest_tensors
 
 
 def _check(params, grads, exp_avgs, exp_avg_sqs, masters, steps):
@@ -68,22 +68,14 @@ def adam_(
     args = (list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), list(masters), list(steps), float(lr),
             float(beta1), float(beta2), float(eps), float(weight_decay), bool(decoupled), bool(maximize), grad_mult,
             found_inf)
-    if use_triton(args[0]) and not args[0][0].is_cuda:
-        _adam_triton(*args)
-    else:
-        torch.ops.zerofuse.adam_(*args)
+    call("adam_", _adam_triton, args)
 
 
 def _selftest(device: torch.device) -> None:
-    g = torch.Generator().manual_seed(0)
-    shapes = [(37, 5), (1,), (0,), (4099,)]
-    ps = [torch.randn(s, generator=g).to(device) for s in shapes]
-    refs = [p.clone() for p in ps]
-    state = [[torch.zeros_like(p) for p in ps] for _ in range(2)]
-    ref_state = [[torch.zeros_like(p) for p in ps] for _ in range(2)]
-    steps = [torch.tensor(0.0, device=device) for _ in ps]
+    ps, refs, state, ref_state, steps = selftest_tensors(device)
+    g = torch.Generator().manual_seed(1)
     for step in (1, 2, 3):
-        grads = [torch.randn(s, generator=g).to(device) for s in shapes]
+        grads = [torch.randn(p.shape, generator=g).to(device) for p in ps]
         kw = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
         adam_(ps, grads, *state, steps, decoupled=True, **kw)
         for i in range(len(ps)):

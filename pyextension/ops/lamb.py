@@ -13,7 +13,7 @@ import torch
 from zerofuse import reference
 from zerofuse.kernels import optim as K
 from zerofuse.ops import register
-from zerofuse.ops._optim import LIB, check_param_lists, use_triton
+from zerofuse.ops._optim import LIB, call, check_param_lists, selftest_tensors
 
 TRUST_MODES = {"paper": 0, "nvlamb": 1}
 
@@ -102,10 +102,7 @@ def lamb_(params, grads, exp_avgs, exp_avg_sqs, steps, *, lr, beta1, beta2, eps,
     args = (list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), list(masters), list(steps), float(lr),
             float(beta1), float(beta2), float(eps), float(weight_decay), bool(bias_correction), trust_mode,
             float(min_trust), float(max_trust), grad_mult, found_inf)
-    if use_triton(args[0]) and not args[0][0].is_cuda:
-        _lamb_triton(*args)
-    else:
-        torch.ops.zerofuse.lamb_(*args)
+    call("lamb_", _lamb_triton, args)
 
 
 def lamb_stage1_(params, grads, exp_avgs, exp_avg_sqs, steps, norms, *, beta1, beta2, eps, weight_decay,
@@ -116,10 +113,7 @@ def lamb_stage1_(params, grads, exp_avgs, exp_avg_sqs, steps, norms, *, beta1, b
         return
     args = (list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), list(masters), list(steps), float(beta1),
             float(beta2), float(eps), float(weight_decay), bool(bias_correction), grad_mult, found_inf, norms)
-    if use_triton(args[0]) and not args[0][0].is_cuda:
-        _stage1_triton(*args)
-    else:
-        torch.ops.zerofuse.lamb_stage1_(*args)
+    call("lamb_stage1_", _stage1_triton, args)
 
 
 def lamb_stage2_(params, exp_avgs, exp_avg_sqs, steps, norms, *, lr, beta1, beta2, eps, weight_decay,
@@ -132,23 +126,15 @@ def lamb_stage2_(params, exp_avgs, exp_avg_sqs, steps, norms, *, lr, beta1, beta
     args = (list(params), list(exp_avgs), list(exp_avg_sqs), list(masters), list(steps), norms, float(lr),
             float(beta1), float(beta2), float(eps), float(weight_decay), bool(bias_correction), trust_mode,
             float(min_trust), float(max_trust), found_inf)
-    if use_triton(args[0]) and not args[0][0].is_cuda:
-        _stage2_triton(*args)
-    else:
-        torch.ops.zerofuse.lamb_stage2_(*args)
+    call("lamb_stage2_", _stage2_triton, args)
 
 
 def _selftest(device: torch.device) -> None:
-    g = torch.Generator().manual_seed(0)
-    shapes = [(37, 5), (1,), (0,), (4099,)]
-    ps = [torch.randn(s, generator=g).to(device) for s in shapes]
-    refs = [p.clone() for p in ps]
-    state = [[torch.zeros_like(p) for p in ps] for _ in range(2)]
-    ref_state = [[torch.zeros_like(p) for p in ps] for _ in range(2)]
+    ps, refs, state, ref_state, steps = selftest_tensors(device)
+    g = torch.Generator().manual_seed(1)
     kw = dict(beta1=0.9, beta2=0.999, eps=1e-6, weight_decay=0.01)
-    steps = [torch.tensor(0.0, device=device) for _ in ps]
     for step, mode in ((1, "nvlamb"), (2, "paper")):
-        grads = [torch.randn(s, generator=g).to(device) for s in shapes]
+        grads = [torch.randn(p.shape, generator=g).to(device) for p in ps]
         if step == 1:
             lamb_(ps, grads, *state, steps, lr=1e-2, mode=mode, **kw)
         else:

@@ -10,7 +10,7 @@ import torch
 from zerofuse import reference
 from zerofuse.kernels import optim as K
 from zerofuse.ops import register
-from zerofuse.ops._optim import LIB, check_param_lists, use_triton
+from zerofuse.ops._optim import LIB, call, check_param_lists, selftest_tensors
 from zerofuse.ops.l2norm import l2norm
 
 
@@ -48,19 +48,13 @@ def lars_(params, grads, momentum_buffers, *, lr, momentum, weight_decay, trust_
     _, norms = l2norm((masters or params) + grads, per_tensor=True)
     args = (params, grads, list(momentum_buffers), masters, norms, float(lr), float(momentum), float(weight_decay),
             float(trust_coefficient), float(eps), grad_mult, found_inf)
-    if use_triton(params) and not params[0].is_cuda:
-        _lars_triton(*args)
-    else:
-        torch.ops.zerofuse.lars_(*args)
+    call("lars_", _lars_triton, args)
 
 
 def _selftest(device: torch.device) -> None:
-    g = torch.Generator().manual_seed(0)
-    shapes = [(37, 5), (1,), (0,), (4099,)]
-    ps = [torch.randn(s, generator=g).to(device) for s in shapes]
-    refs = [p.clone() for p in ps]
-    bufs = [torch.zeros_like(p) for p in ps]
-    ref_bufs = [torch.zeros_like(p) for p in ps]
+    ps, refs, (bufs, _), (ref_bufs, _), _ = selftest_tensors(device)
+    g = torch.Generator().manual_seed(1)
+    shapes = [p.shape for p in ps]
     kw = dict(lr=0.1, momentum=0.9, weight_decay=1e-4, trust_coefficient=1e-3, eps=1e-8)
     for _ in range(2):
         grads = [torch.randn(s, generator=g).to(device) for s in shapes]
