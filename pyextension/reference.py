@@ -117,3 +117,20 @@ def lars_step(params, grads, momentum_buffers, *, lr, momentum, weight_decay, tr
         local = trust_coefficient * xn / (gn + weight_decay * xn + eps) if xn > 0 and gn > 0 else 1.0
         v.mul_(momentum).add_(g + weight_decay * x, alpha=lr * local)
         x.sub_(v)
+
+
+def attention(q, k, v, is_causal=False, scale=None):
+    """(out, lse) of softmax(q k^T * scale [+ causal mask]) v in the inputs' dtype (pass float64 for
+    a float64 reference). (B, H, N, D) layout; key/value heads repeated for grouped-query
+    attention (Hq a multiple of Hkv); causal is torch's top-left mask (query i sees keys 0..i);
+    lse is the natural log-sum-exp of each row's scaled, masked scores."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    s = (q @ k.transpose(-2, -1)) * scale
+    if is_causal:
+        nq, nk = q.shape[-2], k.shape[-2]
+        keep = torch.ones(nq, nk, dtype=torch.bool, device=q.device).tril()
+        s = s.masked_fill(~keep, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    return torch.softmax(s, dim=-1) @ v, lse

@@ -1,0 +1,263 @@
+"""Flash attention in Triton, forward and backward (Dao et al. 2022; Dao 2023), never materialising
+the N x N score matrix.
+
+Layout (B, H, N, D) like torch.nn.functional.scaled_dot_product_attention; any strides. Grouped
+query attention: Hq = G * Hkv, query head h reads key/value head h // G (no copies of k/v).
+Causal masking is torch's (top-left aligned: query i sees keys 0..i, also when Nq != Nk).
+
+Forward, per block of BLOCK_M query rows, over blocks of BLOCK_N keys (online softmax, base 2):
+    s = q k^T * scale * log2(e);  m' = max(m, rowmax s);  p = 2^(s - m')
+    l = l * 2^(m - m') + rowsum p;  acc = acc * 2^(m - m') + p v;  m = m'
+    out = acc / l,  lse = (m + log2 l) * ln 2     (natural log-sum-exp of the scaled scores, fp32)
+Backward recomputes p = exp(q k^T * scale - lse) blockwise, with delta = rowsum(dout * out) from a
+preprocessing pass:
+    dv = p^T dout;  dp = dout v^T;  ds = p * (dp - delta);  dq = ds k * scale;  dk = ds^T q * scale
+dk and dv are accumulated per key block over every query head of the group (no atomics), dq per
+query block over the key blocks. All accumulation is fp32.
+
+In the interpreter, tl.dot on fp16/bf16 is wrong: operands are upcast to fp32 there (UPCAST).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from zerofuse.kernels import interpreted
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+@triton.jit
+def _dot(a, b, UPCAST: tl.constexpr):
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32))
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
+def _attn_fwd_kernel(Q, K, V, O, LSE, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son,
+                     Hq, G, Nq, Nk, D, qk_scale,
+                     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                     UPCAST: tl.constexpr):
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // Hq
+    h = bh % Hq
+    hk = h // G
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < D
+    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqn + offs_d[None, :],
+                mask=(offs_m[:, None] < Nq) & d_mask[None, :], other=0.0)
+    k_base = K + b * skb + hk * skh
+    v_base = V + b * svb + hk * svh
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    hi = Nk
+    if CAUSAL:
+        hi = tl.minimum(Nk, (pid_m + 1) * BLOCK_M)
+    for start_n in range(0, hi, BLOCK_N):
+        cols = start_n + offs_n
+        kv_mask = (cols[:, None] < Nk) & d_mask[None, :]
+        k = tl.load(k_base + cols[:, None] * skn + offs_d[None, :], mask=kv_mask, other=0.0)
+        s = _dot(q, tl.trans(k), UPCAST) * qk_scale
+        keep = cols[None, :] < Nk
+        if CAUSAL:
+            keep = keep & (cols[None, :] <= offs_m[:, None])
+        s = tl.where(keep, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_base + cols[:, None] * svn + offs_d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST)
+        m_i = m_new
+    out = acc / l_i[:, None]
+    row_ok = offs_m < Nq
+    tl.store(O + b * sob + h * soh + offs_m[:, None] * son + offs_d[None, :], out.to(O.dtype.element_ty),
+             mask=row_ok[:, None] & d_mask[None, :])
+    tl.store(LSE + bh * Nq + offs_m, (m_i + tl.log2(l_i)) * 0.6931471805599453, mask=row_ok)
+
+
+@triton.jit
+def _attn_delta_kernel(O, DO, DELTA, sob, soh, son, sdb, sdh, sdn, Hq, Nq, D,
+                       BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // Hq
+    h = bh % Hq
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_m[:, None] < Nq) & (offs_d[None, :] < D)
+    o = tl.load(O + b * sob + h * soh + offs_m[:, None] * son + offs_d[None, :], mask=mask, other=0.0)
+    do = tl.load(DO + b * sdb + h * sdh + offs_m[:, None] * sdn + offs_d[None, :], mask=mask, other=0.0)
+    tl.store(DELTA + bh * Nq + offs_m, tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1), mask=offs_m < Nq)
+
+
+@triton.jit
+def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
+                          sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sdb, sdh, sdn,
+                          Hq, Hkv, G, Nq, Nk, D, scale,
+                          CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_D: tl.constexpr, UPCAST: tl.constexpr):
+    pid_n = tl.program_id(0)
+    bh = tl.program_id(1)  # over B * Hkv
+    b = bh // Hkv
+    hk = bh % Hkv
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < D
+    kv_mask = (offs_n[:, None] < Nk) & d_mask[None, :]
+    k = tl.load(K + b * skb + hk * skh + offs_n[:, None] * skn + offs_d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(V + b * svb + hk * svh + offs_n[:, None] * svn + offs_d[None, :], mask=kv_mask, other=0.0)
+    dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
+    dv = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
+    lo = 0
+    if CAUSAL:
+        lo = (pid_n * BLOCK_N // BLOCK_M) * BLOCK_M  # rows before the block's first key see none of it
+    for g in range(0, G):
+        h = hk * G + g
+        q_base = Q + b * sqb + h * sqh
+        do_base = DO + b * sdb + h * sdh
+        for start_m in range(lo, Nq, BLOCK_M):
+            rows = start_m + offs_m
+            row_mask = (rows[:, None] < Nq) & d_mask[None, :]
+            q = tl.load(q_base + rows[:, None] * sqn + offs_d[None, :], mask=row_mask, other=0.0)
+            do = tl.load(do_base + rows[:, None] * sdn + offs_d[None, :], mask=row_mask, other=0.0)
+            lse = tl.load(LSE + (b * Hq + h) * Nq + rows, mask=rows < Nq, other=0.0)
+            delta = tl.load(DELTA + (b * Hq + h) * Nq + rows, mask=rows < Nq, other=0.0)
+            # scores transposed: (BLOCK_N keys, BLOCK_M rows)
+            st = _dot(k, tl.trans(q), UPCAST) * scale
+            keep = (offs_n[:, None] < Nk) & (rows[None, :] < Nq)
+            if CAUSAL:
+                keep = keep & (offs_n[:, None] <= rows[None, :])
+            pt = tl.where(keep, tl.exp(st - lse[None, :]), 0.0)
+            dv += _dot(pt.to(do.dtype), do, UPCAST)
+            dpt = _dot(v, tl.trans(do), UPCAST)
+            dst = pt * (dpt - delta[None, :])
+            dk += _dot(dst.to(q.dtype), q, UPCAST)
+    out_mask = (offs_n[:, None] < Nk) & d_mask[None, :]
+    out_off = bh * Nk * D + offs_n[:, None] * D + offs_d[None, :]
+    tl.store(DK + out_off, (dk * scale).to(DK.dtype.element_ty), mask=out_mask)
+    tl.store(DV + out_off, dv.to(DV.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
+                        sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sdb, sdh, sdn,
+                        Hq, G, Nq, Nk, D, scale,
+                        CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_D: tl.constexpr, UPCAST: tl.constexpr):
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // Hq
+    h = bh % Hq
+    hk = h // G
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < D
+    row_mask = (offs_m[:, None] < Nq) & d_mask[None, :]
+    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqn + offs_d[None, :], mask=row_mask, other=0.0)
+    do = tl.load(DO + b * sdb + h * sdh + offs_m[:, None] * sdn + offs_d[None, :], mask=row_mask, other=0.0)
+    lse = tl.load(LSE + bh * Nq + offs_m, mask=offs_m < Nq, other=0.0)
+    delta = tl.load(DELTA + bh * Nq + offs_m, mask=offs_m < Nq, other=0.0)
+    dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    hi = Nk
+    if CAUSAL:
+        hi = tl.minimum(Nk, (pid_m + 1) * BLOCK_M)
+    k_base = K + b * skb + hk * skh
+    v_base = V + b * svb + hk * svh
+    for start_n in range(0, hi, BLOCK_N):
+        cols = start_n + offs_n
+        kv_mask = (cols[:, None] < Nk) & d_mask[None, :]
+        k = tl.load(k_base + cols[:, None] * skn + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_base + cols[:, None] * svn + offs_d[None, :], mask=kv_mask, other=0.0)
+        s = _dot(q, tl.trans(k), UPCAST) * scale
+        keep = (cols[None, :] < Nk) & (offs_m[:, None] < Nq)
+        if CAUSAL:
+            keep = keep & (cols[None, :] <= offs_m[:, None])
+        p = tl.where(keep, tl.exp(s - lse[:, None]), 0.0)
+        dp = _dot(do, tl.trans(v), UPCAST)
+        ds = p * (dp - delta[:, None])
+        dq += _dot(ds.to(k.dtype), k, UPCAST)
+    tl.store(DQ + bh * Nq * D + offs_m[:, None] * D + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty),
+             mask=row_mask)
+
+
+def _config(d: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_D, num_warps) for head_dim d: one fixed config (the interpreter
+    runs no autotuning; GPU tuning is measured work still to do)."""
+    block_d = max(16, triton.next_power_of_2(d))
+    if interpreted():
+        return 64, 64, block_d, 4
+    block = 64 if block_d <= 128 else 32
+    return block, block, block_d, 4 if block_d <= 64 else 8
+
+
+def _check(q, k, v):
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"zerofuse attention: expected 4-D (B, H, N, D) query, key and value, got shapes "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    b, hq, _, d = q.shape
+    if k.shape != v.shape or k.shape[0] != b or k.shape[3] != d:
+        raise ValueError(f"zerofuse attention: expected key and value of shape (B={b}, Hkv, Nk, D={d}), got "
+                         f"{tuple(k.shape)} and {tuple(v.shape)}")
+    if hq % k.shape[1]:
+        raise ValueError(f"zerofuse attention: expected the key/value heads ({k.shape[1]}) to divide the query "
+                         f"heads ({hq})")
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError("zerofuse attention: expected the last dimension of query, key and value to be contiguous")
+
+
+def attention_fwd(q, k, v, causal: bool, scale: float):
+    """(out (B, Hq, Nq, D) like q, lse (B, Hq, Nq) fp32 natural log-sum-exp of the scaled scores)."""
+    _check(q, k, v)
+    b, hq, nq, d = q.shape
+    hkv, nk = k.shape[1], k.shape[2]
+    out = torch.empty((b, hq, nq, d), device=q.device, dtype=q.dtype)
+    lse = torch.empty((b, hq, nq), device=q.device, dtype=torch.float32)
+    bm, bn, bd, warps = _config(d)
+    _attn_fwd_kernel[(triton.cdiv(nq, bm), b * hq)](
+        q, k, v, out, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
+        hq, hq // hkv, nq, nk, d, scale * LOG2E,
+        CAUSAL=causal, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, UPCAST=interpreted(), num_warps=warps,
+    )
+    return out, lse
+
+
+def attention_bwd(dout, q, k, v, out, lse, causal: bool, scale: float):
+    """(dq, dk, dv) in the inputs' dtypes."""
+    b, hq, nq, d = q.shape
+    hkv, nk = k.shape[1], k.shape[2]
+    dout = dout if dout.stride(-1) == 1 else dout.contiguous()
+    bm, bn, bd, warps = _config(d)
+    delta = torch.empty_like(lse)
+    _attn_delta_kernel[(triton.cdiv(nq, bm), b * hq)](
+        out, dout, delta, *out.stride()[:3], *dout.stride()[:3], hq, nq, d, BLOCK_M=bm, BLOCK_D=bd,
+    )
+    dq = torch.empty((b, hq, nq, d), device=q.device, dtype=q.dtype)
+    dk = torch.empty((b, hkv, nk, d), device=k.device, dtype=k.dtype)
+    dv = torch.empty((b, hkv, nk, d), device=v.device, dtype=v.dtype)
+    strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3])
+    _attn_bwd_dkdv_kernel[(triton.cdiv(nk, bn), b * hkv)](
+        q, k, v, dout, lse, delta, dk, dv, *strides, hq, hkv, hq // hkv, nq, nk, d, scale,
+        CAUSAL=causal, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, UPCAST=interpreted(), num_warps=warps,
+    )
+    _attn_bwd_dq_kernel[(triton.cdiv(nq, bm), b * hq)](
+        q, k, v, dout, lse, delta, dq, *strides, hq, hq // hkv, nq, nk, d, scale,
+        CAUSAL=causal, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, UPCAST=interpreted(), num_warps=warps,
+    )
+    return dq, dk, dv
+
+
+def default_scale(d: int) -> float:
+    return 1.0 / math.sqrt(d)
