@@ -78,3 +78,99 @@ def test_bad_shapes_raise():
         K.attention_fwd(q, k, k, False, 1.0)
     with pytest.raises(ValueError, match=r"expected 4-D"):
         K.attention_fwd(q[0], k, k, False, 1.0)
+
+
+# ---------------------------------------------------------------------------------- op and faces
+
+import zerofuse  # noqa: E402
+from zerofuse.nn import Attention  # noqa: E402
+from zerofuse.nn.functional import scaled_dot_product_attention as zf_sdpa  # noqa: E402
+
+
+@pytest.fixture(params=["triton", "cpu_kernels"])
+def path(request, monkeypatch):
+    """Which kernels CPU tensors take: the Triton kernels (interpreter) or torch's CPU flash path."""
+    monkeypatch.setattr(kernels, "TRITON_ON_CPU", request.param == "triton" and kernels.interpreted())
+    return request.param
+
+
+@pytest.mark.parametrize("case", CASES[1:4], ids=lambda c: "-".join(map(str, c)))
+def test_face_matches_torch_sdpa_with_gradients(path, case):
+    b, hq, hkv, nq, nk, d, causal = case
+    q, k, v, dout = _inputs(b, hq, hkv, nq, nk, d, torch.float32, seed=3)
+    ours = [t.clone().requires_grad_() for t in (q, k, v)]
+    theirs = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = zf_sdpa(*ours, is_causal=causal, enable_gqa=hq != hkv)
+    want = torch.nn.functional.scaled_dot_product_attention(*theirs, is_causal=causal, enable_gqa=hq != hkv)
+    out.backward(dout)
+    want.backward(dout)
+    torch.testing.assert_close(out, want, rtol=2e-5, atol=2e-5)
+    for a, t in zip(ours, theirs):
+        torch.testing.assert_close(a.grad, t.grad, rtol=2e-4, atol=2e-4)
+
+
+def test_unsupported_arguments_fall_back_with_one_warning():
+    q, k, v, _ = _inputs(1, 2, 2, 9, 9, 16, torch.float32)
+    mask = torch.rand(9, 9, device=DEVICE) > 0.3
+    zerofuse.nn.functional._warned.clear()
+    with pytest.warns(UserWarning, match="attn_mask is not supported by the fused kernel"):
+        out = zf_sdpa(q, k, v, attn_mask=mask)
+    torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        zf_sdpa(q, k, v, attn_mask=mask)  # the second time: no warning
+    with pytest.raises(ValueError, match="pass enable_gqa=True"):
+        zf_sdpa(q, k[:, :1], v[:, :1])
+
+
+def test_opcheck_and_compile():
+    q, k, v, _ = _inputs(1, 4, 2, 33, 17, 32, torch.float32)
+    torch.library.opcheck(torch.ops.zerofuse.attention.default, (q, k, v, True, 0.3))
+    dout = torch.randn_like(q)
+    out, lse = torch.ops.zerofuse.attention(q, k, v, True, 0.3)
+    torch.library.opcheck(torch.ops.zerofuse.attention_backward.default, (dout, q, k, v, out, lse, True, 0.3))
+
+    def f(q, k, v):
+        return zf_sdpa(q, k, v, is_causal=True, enable_gqa=True).sum()
+
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    torch.compile(f, fullgraph=True, backend="aot_eager")(*leaves).backward()
+    ref = [t.clone().requires_grad_() for t in (q, k, v)]
+    f(*ref).backward()
+    for a, b in zip(leaves, ref):
+        torch.testing.assert_close(a.grad, b.grad)
+
+
+def test_attention_module_matches_a_plain_implementation(path):
+    torch.manual_seed(0)
+    m = Attention(96, num_heads=6, num_kv_heads=2).to(DEVICE)
+    x = torch.randn(2, 37, 96, device=DEVICE, requires_grad=True)
+    out = m(x)
+    qkv = m.qkv(x)
+    q = qkv[..., :96].view(2, 37, 6, 16).transpose(1, 2)
+    k = qkv[..., 96:128].view(2, 37, 2, 16).transpose(1, 2)
+    v = qkv[..., 128:].view(2, 37, 2, 16).transpose(1, 2)
+    want = m.proj(reference.attention(q, k, v, is_causal=True)[0].transpose(1, 2).reshape(2, 37, 96))
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    out.sum().backward()
+    assert m.qkv.weight.grad is not None and x.grad.shape == x.shape
+    with pytest.raises(ValueError, match=r"num_kv_heads \(4\) to divide num_heads \(6\)"):
+        Attention(96, num_heads=6, num_kv_heads=4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_long_sequence_has_no_quadratic_buffer(dtype):
+    """N = 16384: an N x N fp32 score matrix per head would be 1 GiB; peak extra memory stays O(N)."""
+    b, h, n, d = 1, 4, 16384, 64
+    q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = zf_sdpa(q, k, v, is_causal=True)
+    out.backward(torch.ones_like(out))
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    assert extra < 16 * b * h * n * d * q.element_size(), extra

@@ -110,3 +110,50 @@ def add_rms_norm(input: Tensor, residual: Tensor, normalized_shape: _ShapeLike, 
                  eps: float | None = None) -> tuple[Tensor, Tensor]:
     """(rms_norm(h), h) with h = input + residual, fused; gradients flow to input and residual."""
     return _rms_norm("add_rms_norm", input, residual, normalized_shape, weight, eps)
+
+
+_warned: set[str] = set()
+
+
+def _fallback_warning(reason: str) -> None:
+    if reason not in _warned:
+        _warned.add(reason)
+        import warnings
+
+        warnings.warn(f"zerofuse.nn.functional.scaled_dot_product_attention: {reason}; running torch's "
+                      "implementation instead (warned once)", stacklevel=3)
+
+
+def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None,
+                                 dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+                                 enable_gqa: bool = False) -> Tensor:
+    """torch.nn.functional.scaled_dot_product_attention with zerofuse's fused kernel: (B, H, N, D)
+    tensors, causal or not, grouped-query attention with enable_gqa=True. What the kernel does not
+    take (an attn_mask, dropout_p > 0, other ranks, head_dim > 256, float64 on CUDA) runs torch's
+    implementation after a one-time warning: never a silently different result."""
+    from zerofuse.ops import attention as _attn
+
+    if query.dim() == 4 and key.dim() == 4 and query.shape[1] != key.shape[1] and not enable_gqa:
+        raise ValueError(f"zerofuse.nn.functional.scaled_dot_product_attention: query has {query.shape[1]} heads, "
+                         f"key {key.shape[1]}: pass enable_gqa=True for grouped-query attention")
+    reason = None
+    if attn_mask is not None:
+        reason = "attn_mask is not supported by the fused kernel"
+    elif dropout_p > 0.0:
+        reason = "dropout_p > 0 is not supported by the fused kernel"
+    elif query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
+        reason = f"expected 4-D (B, H, N, D) inputs, got {query.dim()}-D"
+    elif query.shape[-1] > _attn.MAX_HEAD_DIM:
+        reason = f"head_dim {query.shape[-1]} > {_attn.MAX_HEAD_DIM}"
+    elif query.is_cuda and query.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        reason = f"dtype {query.dtype} on CUDA"
+    elif key.shape[-2] == 0:
+        reason = "no keys"
+    if reason is not None:
+        _fallback_warning(reason)
+        kw = {"enable_gqa": enable_gqa} if enable_gqa else {}
+        return torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal,
+                                                                scale=scale, **kw)
+    scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
+    out, _ = torch.ops.zerofuse.attention(query, key, value, bool(is_causal), scale)
+    return out

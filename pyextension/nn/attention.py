@@ -1,0 +1,40 @@
+"""zerofuse.nn.Attention: multi-head self-attention with grouped-query heads, one fused QKV
+projection, zerofuse's fused attention, and the output projection."""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from zerofuse.nn.functional import scaled_dot_product_attention
+
+
+class Attention(torch.nn.Module):
+    """x (B, N, embed_dim) -> (B, N, embed_dim). num_kv_heads (default num_heads) must divide
+    num_heads; qkv is one Linear of embed_dim -> (num_heads + 2 * num_kv_heads) * head_dim."""
+
+    def __init__(self, embed_dim: int, num_heads: int, num_kv_heads: int | None = None, *, bias: bool = False,
+                 causal: bool = True, device=None, dtype=None):
+        super().__init__()
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if embed_dim % num_heads:
+            raise ValueError(f"zerofuse.nn.Attention: expected num_heads ({num_heads}) to divide embed_dim ({embed_dim})")
+        if num_heads % num_kv_heads:
+            raise ValueError(f"zerofuse.nn.Attention: expected num_kv_heads ({num_kv_heads}) to divide num_heads "
+                             f"({num_heads})")
+        self.embed_dim, self.num_heads, self.num_kv_heads = embed_dim, num_heads, num_kv_heads
+        self.head_dim = embed_dim // num_heads
+        self.causal = causal
+        kw = dict(bias=bias, device=device, dtype=dtype)
+        self.qkv = torch.nn.Linear(embed_dim, (num_heads + 2 * num_kv_heads) * self.head_dim, **kw)
+        self.proj = torch.nn.Linear(embed_dim, embed_dim, **kw)
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, n, _ = x.shape
+        hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv(x)
+        # views of the fused projection in (B, H, N, D) order (strided; the kernel takes strides)
+        q = qkv[..., : hq * d].view(b, n, hq, d).transpose(1, 2)
+        k = qkv[..., hq * d:(hq + hkv) * d].view(b, n, hkv, d).transpose(1, 2)
+        v = qkv[..., (hq + hkv) * d:].view(b, n, hkv, d).transpose(1, 2)
+        out = scaled_dot_product_attention(q, k, v, is_causal=self.causal, enable_gqa=hq != hkv)
+        return self.proj(out.transpose(1, 2).reshape(b, n, hq * d))

@@ -1,0 +1,110 @@
+"""``zerofuse::attention`` / ``zerofuse::attention_backward``: fused attention, Triton custom ops.
+
+attention(q, k, v, is_causal, scale) -> (out, lse): (B, H, N, D) layout, grouped-query attention
+when k/v have fewer heads (Hq a multiple of Hkv), torch's top-left causal mask; lse is the natural
+log-sum-exp per query row (fp32; fp64 for fp64 inputs). Not differentiable through lse.
+
+CUDA tensors (and CPU tensors under ZEROFUSE_TRITON_ON_CPU=1) run kernels/attention.py; other
+CPU tensors run torch's CPU flash-attention kernels (k/v heads repeated for GQA; their gradients
+summed back over the group).
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from zerofuse import kernels, reference
+from zerofuse.kernels import attention as K
+from zerofuse.ops import register
+
+# head_dim the Triton kernels take (one program holds a whole head_dim row block)
+MAX_HEAD_DIM = 256
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def use_triton(q: Tensor) -> bool:
+    fits = q.shape[-1] <= MAX_HEAD_DIM and q.dtype in _DTYPES
+    return fits and (q.is_cuda or (q.device.type == "cpu" and kernels.triton_on_cpu()))
+
+
+def _lse_dtype(q: Tensor) -> torch.dtype:
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+def _groups(q: Tensor, k: Tensor) -> int:
+    return q.shape[1] // k.shape[1]
+
+
+@torch.library.custom_op("zerofuse::attention", mutates_args=())
+def attention(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+    K._check(q, k, v)
+    if use_triton(q):
+        return K.attention_fwd(q, k, v, is_causal, scale)
+    g = _groups(q, k)
+    kk, vv = (k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)) if g > 1 else (k, v)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, kk, vv, 0.0, is_causal, scale=scale)
+    return out, lse.to(_lse_dtype(q))
+
+
+@attention.register_fake
+def _(q, k, v, is_causal, scale):
+    K._check(q, k, v)
+    return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(q.shape[:3], dtype=_lse_dtype(q))
+
+
+@torch.library.custom_op("zerofuse::attention_backward", mutates_args=())
+def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, is_causal: bool,
+                       scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    if use_triton(q):
+        return K.attention_bwd(dout, q, k, v, out, lse, is_causal, scale)
+    g = _groups(q, k)
+    kk, vv = (k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)) if g > 1 else (k, v)
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout.contiguous(), q, kk, vv, out, lse.to(q.dtype if q.dtype == torch.float64 else torch.float32), 0.0,
+        is_causal, scale=scale)
+    if g > 1:
+        b, hkv, nk, d = k.shape
+        dk = dk.view(b, hkv, g, nk, d).sum(2)
+        dv = dv.view(b, hkv, g, nk, d).sum(2)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+@attention_backward.register_fake
+def _(dout, q, k, v, out, lse, is_causal, scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, is_causal, scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.is_causal, ctx.scale = is_causal, scale
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = attention_backward(dout, q, k, v, out, lse, ctx.is_causal, ctx.scale)
+    return dq, dk, dv, None, None
+
+
+attention.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _selftest(device: torch.device) -> None:
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 37, 32, generator=g).to(device) for _ in range(3))
+    k, v = k[:, :2], v[:, :2]  # grouped-query: 2 kv heads for 4 query heads
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, lse = attention(*leaves, True, 0.2)
+    out.backward(torch.ones_like(out))
+    ref = [t.double().requires_grad_() for t in (q, k, v)]
+    out64, lse64 = reference.attention(*ref, is_causal=True, scale=0.2)
+    out64.backward(torch.ones_like(out64))
+    torch.testing.assert_close(out.double(), out64, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(lse.double(), lse64, rtol=1e-4, atol=1e-4)
+    for a, b in zip(leaves, ref):
+        torch.testing.assert_close(a.grad.double(), b.grad, rtol=1e-4, atol=1e-4)
+
+
+register("zerofuse::attention", "Triton", _selftest)
+register("zerofuse::attention_backward", "Triton", _selftest)
