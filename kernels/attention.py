@@ -40,21 +40,30 @@ def _dot(a, b, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _query_block(Q, sqb, sqh, sqn, Hq, G, Nq, D, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_D: tl.constexpr):
+    """This program's (batch, query head, kv head, rows, key offsets, dim offsets, dim mask, row
+    mask) and its block of queries."""
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // Hq
+    h = bh % Hq
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < D
+    row_mask = (offs_m[:, None] < Nq) & d_mask[None, :]
+    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqn + offs_d[None, :], mask=row_mask, other=0.0)
+    return b, h, h // G, offs_m, tl.arange(0, BLOCK_N), offs_d, d_mask, row_mask, q
+
+
+@triton.jit
 def _attn_fwd_kernel(Q, K, V, O, LSE, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son,
                      Hq, G, Nq, Nk, D, qk_scale,
                      CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                      UPCAST: tl.constexpr):
     pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // Hq
-    h = bh % Hq
-    hk = h // G
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d < D
-    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqn + offs_d[None, :],
-                mask=(offs_m[:, None] < Nq) & d_mask[None, :], other=0.0)
+    b, h, hk, offs_m, offs_n, offs_d, d_mask, row_mask, q = _query_block(Q, sqb, sqh, sqn, Hq, G, Nq, D, BLOCK_M,
+                                                                         BLOCK_N, BLOCK_D)
     k_base = K + b * skb + hk * skh
     v_base = V + b * svb + hk * svh
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
@@ -80,10 +89,9 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, sqb, sqh, sqn, skb, skh, skn, svb, svh, sv
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST)
         m_i = m_new
     out = acc / l_i[:, None]
-    row_ok = offs_m < Nq
     tl.store(O + b * sob + h * soh + offs_m[:, None] * son + offs_d[None, :], out.to(O.dtype.element_ty),
-             mask=row_ok[:, None] & d_mask[None, :])
-    tl.store(LSE + bh * Nq + offs_m, (m_i + tl.log2(l_i)) * 0.6931471805599453, mask=row_ok)
+             mask=row_mask)
+    tl.store(LSE + (b * Hq + h) * Nq + offs_m, (m_i + tl.log2(l_i)) * 0.6931471805599453, mask=offs_m < Nq)
 
 
 @triton.jit
@@ -157,16 +165,9 @@ def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
                         CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_D: tl.constexpr, UPCAST: tl.constexpr):
     pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // Hq
-    h = bh % Hq
-    hk = h // G
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d < D
-    row_mask = (offs_m[:, None] < Nq) & d_mask[None, :]
-    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqn + offs_d[None, :], mask=row_mask, other=0.0)
+    b, h, hk, offs_m, offs_n, offs_d, d_mask, row_mask, q = _query_block(Q, sqb, sqh, sqn, Hq, G, Nq, D, BLOCK_M,
+                                                                         BLOCK_N, BLOCK_D)
+    bh = b * Hq + h
     do = tl.load(DO + b * sdb + h * sdh + offs_m[:, None] * sdn + offs_d[None, :], mask=row_mask, other=0.0)
     lse = tl.load(LSE + bh * Nq + offs_m, mask=offs_m < Nq, other=0.0)
     delta = tl.load(DELTA + bh * Nq + offs_m, mask=offs_m < Nq, other=0.0)
