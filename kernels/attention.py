@@ -97,16 +97,9 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, sqb, sqh, sqn, skb, skh, skn, svb, svh, sv
 @triton.jit
 def _attn_delta_kernel(O, DO, DELTA, sob, soh, son, sdb, sdh, sdn, Hq, Nq, D,
                        BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // Hq
-    h = bh % Hq
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask = (offs_m[:, None] < Nq) & (offs_d[None, :] < D)
-    o = tl.load(O + b * sob + h * soh + offs_m[:, None] * son + offs_d[None, :], mask=mask, other=0.0)
+    b, h, _, offs_m, _, offs_d, _, mask, o = _query_block(O, sob, soh, son, Hq, 1, Nq, D, BLOCK_M, BLOCK_M, BLOCK_D)
     do = tl.load(DO + b * sdb + h * sdh + offs_m[:, None] * sdn + offs_d[None, :], mask=mask, other=0.0)
-    tl.store(DELTA + bh * Nq + offs_m, tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1), mask=offs_m < Nq)
+    tl.store(DELTA + (b * Hq + h) * Nq + offs_m, tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1), mask=offs_m < Nq)
 
 
 @triton.jit

@@ -57,6 +57,14 @@ void check_flat(const at::Tensor& t, int64_t numel, const char* fn, const char* 
                  " elements (ceil(total numel / world_size)), got ", t.numel());
 }
 
+// The op the transport runs and the factor the result is multiplied by afterwards: AVG is SUM
+// then 1 / world_size where the transport has no AVG; `scale` multiplies either way.
+std::pair<Reduce, double> plan_reduce(Reduce op, const Transport& transport, std::optional<double> scale,
+                                      int world_size) {
+  const bool avg_here = op == Reduce::kAvg && !transport.native_avg();
+  return {avg_here ? Reduce::kSum : op, scale.value_or(1.0) / (avg_here ? world_size : 1)};
+}
+
 c10d::ReduceOp to_c10d(Reduce op) {
   switch (op) {
     case Reduce::kMax:
@@ -279,7 +287,7 @@ void Communicator::group_end() {
 int64_t Communicator::shard_numel(at::TensorList tensors) const {
   int64_t total = 0;
   for (const auto& t : tensors) total += t.numel();
-  return (total + world_size_ - 1) / world_size_;
+  return ceil_shard(total);
 }
 
 std::string Communicator::label(const char* fn) {
@@ -296,7 +304,7 @@ std::shared_ptr<Work> Communicator::reduce_scatter_coalesced(at::TensorList tens
   check_one_device(tensors, fn, &out_shard, "out_shard");
   int64_t total = 0;
   const auto offsets = packed_offsets(tensors, &total);
-  const int64_t shard = (total + world_size_ - 1) / world_size_;
+  const int64_t shard = ceil_shard(total);
   check_flat(out_shard, shard, fn, "out_shard");
   const std::string what = label("reduce_scatter_coalesced");
   if (total == 0) return std::make_shared<DoneWork>(what, timeout_);
@@ -307,9 +315,9 @@ std::shared_ptr<Work> Communicator::reduce_scatter_coalesced(at::TensorList tens
   flatten_into(tensors, flat, offsets);
   const bool direct = dtype == out_shard.scalar_type();
   at::Tensor out = direct ? out_shard : at::empty({shard}, flat.options());
-  const bool avg_here = red == Reduce::kAvg && !transport.native_avg();
-  auto work = transport.reduce_scatter(out, flat, avg_here ? Reduce::kSum : red, what);
-  const double factor = scale.value_or(1.0) / (avg_here ? world_size_ : 1);
+  const auto plan = plan_reduce(red, transport, scale, world_size_);
+  const double factor = plan.second;  // a plain variable: lambdas may not capture structured bindings in C++17
+  auto work = transport.reduce_scatter(out, flat, plan.first, what);
   work->set_finish([out, out_shard, direct, factor]() mutable {
     if (factor != 1.0) out.mul_(factor);
     if (!direct) out_shard.copy_(out);
@@ -323,7 +331,7 @@ std::shared_ptr<Work> Communicator::all_gather_coalesced(const at::Tensor& shard
   check_one_device(tensors, fn, &shard, "shard");
   int64_t total = 0;
   const auto offsets = packed_offsets(tensors, &total);
-  const int64_t n = (total + world_size_ - 1) / world_size_;
+  const int64_t n = ceil_shard(total);
   check_flat(shard, n, fn, "shard");
   const std::string what = label("all_gather_coalesced");
   if (total == 0) return std::make_shared<DoneWork>(what, timeout_);
@@ -352,9 +360,9 @@ std::shared_ptr<Work> Communicator::all_reduce_coalesced(at::TensorList tensors,
   dtype = reduce_dtype.value_or(dtype);
   at::Tensor flat = at::empty({total}, tensors[0].options().dtype(dtype));
   flatten_into(tensors, flat, offsets);
-  const bool avg_here = red == Reduce::kAvg && !transport.native_avg();
-  auto work = transport.all_reduce(flat, avg_here ? Reduce::kSum : red, what);
-  const double factor = scale.value_or(1.0) / (avg_here ? world_size_ : 1);
+  const auto plan = plan_reduce(red, transport, scale, world_size_);
+  const double factor = plan.second;
+  auto work = transport.all_reduce(flat, plan.first, what);
   std::vector<at::Tensor> outs(tensors.begin(), tensors.end());
   work->set_finish([flat, outs, offsets, factor]() mutable {
     if (factor != 1.0) flat.mul_(factor);

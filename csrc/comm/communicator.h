@@ -127,6 +127,7 @@ class Communicator {
 
  private:
   std::string label(const char* fn);
+  int64_t ceil_shard(int64_t total) const { return (total + world_size_ - 1) / world_size_; }
   Transport& transport_for(const at::Device& device, const char* fn);
   c10::intrusive_ptr<c10d::ProcessGroup> pg_;
   c10::intrusive_ptr<c10d::Store> store_;

@@ -217,8 +217,9 @@ void lamb_cpu(at::TensorList params, at::TensorList grads, at::TensorList exp_av
   check_trust_mode(trust_mode, op);
   const double mult = scalar_arg(grad_mult, op, "grad_mult", 1.0);
   if (skip_step(found_inf, op)) return;
-  const auto c1 = consts_for_steps(advance_steps(steps, op), beta1, beta2, eps, weight_decay, bias_correction, mult);
-  const auto c2 = consts_for_steps(read_steps(steps), beta1, beta2, eps, weight_decay, bias_correction, 1.0);
+  // one set for both stages: stage 2 (lamb_apply) does not use the grad multiplier
+  const auto consts =
+      consts_for_steps(advance_steps(steps, op), beta1, beta2, eps, weight_decay, bias_correction, mult);
   const TrustArgs trust{lr, min_trust, max_trust, trust_mode};
   std::vector<double> sums(2 * params.size());
   std::vector<float> buffer;
@@ -237,9 +238,9 @@ void lamb_cpu(at::TensorList params, at::TensorList grads, at::TensorList exp_av
       }
     }
     stage1(slice(params, b, e), slice(grads, b, e), slice(exp_avgs, b, e), slice(exp_avg_sqs, b, e),
-           slice(masters, b, e), c1.data() + b, sums.data() + 2 * b, scratch);
+           slice(masters, b, e), consts.data() + b, sums.data() + 2 * b, scratch);
     stage2(slice(params, b, e), slice(exp_avgs, b, e), slice(exp_avg_sqs, b, e), slice(masters, b, e),
-           c2.data() + b, sums.data() + 2 * b, trust, scratch);
+           consts.data() + b, sums.data() + 2 * b, trust, scratch);
     b = e;
   }
 }

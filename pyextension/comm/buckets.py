@@ -27,12 +27,7 @@ class Bucket:
     offsets: list[int]  # of each param in the bucket's flat layout
     numel: int  # sum of the params' numel
     padded_numel: int  # multiple of world_size * align
-
-    @property
-    def shard_numel(self) -> int:
-        return self.padded_numel // self._world_size
-
-    _world_size: int = 1
+    shard_numel: int  # padded_numel / world_size: each rank's piece
 
 
 class BucketPlan:
@@ -66,7 +61,7 @@ class BucketPlan:
             offsets.append(off)
             off += p.numel()
         padded = max(unit, -(-off // unit) * unit)
-        self.buckets.append(Bucket(len(self.buckets), list(params), offsets, off, padded, self.world_size))
+        self.buckets.append(Bucket(len(self.buckets), list(params), offsets, off, padded, padded // self.world_size))
 
     def bucket_of(self, p: torch.nn.Parameter) -> Bucket:
         for b in self.buckets:

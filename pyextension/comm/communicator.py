@@ -64,7 +64,6 @@ class Communicator:
         self._c = _C._Communicator(self.group, self.store, transport, f"{self._uid}/nccl_id", self.timeout,
                                    float(debug_delay_ms))
         self.check = os.environ.get("ZEROFUSE_CHECK_COLLECTIVES", "0") == "1"
-        self._seq = 0
 
     @property
     def rank(self) -> int:
@@ -123,10 +122,9 @@ class Communicator:
     # ------------------------------------------------------------------ checker
 
     def _checked(self, name: str, **parts) -> None:
-        seq = self._seq
-        self._seq += 1
         if not self.check:
             return
+        seq = self._c.sequence  # the number the C++ call is about to take
         mine = _signature(name, **parts)
         prefix = f"{self._uid}/check/{seq}/"
         self.store.set(prefix + str(self.rank), mine)

@@ -60,8 +60,7 @@ def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tenso
     g = _groups(q, k)
     kk, vv = (k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)) if g > 1 else (k, v)
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        dout.contiguous(), q, kk, vv, out, lse.to(q.dtype if q.dtype == torch.float64 else torch.float32), 0.0,
-        is_causal, scale=scale)
+        dout.contiguous(), q, kk, vv, out, lse.to(_lse_dtype(q)), 0.0, is_causal, scale=scale)
     if g > 1:
         b, hkv, nk, d = k.shape
         dk = dk.view(b, hkv, g, nk, d).sum(2)
