@@ -15,11 +15,13 @@ from zerofuse import ops  # noqa: E402
 from zerofuse import nn  # noqa: E402
 from zerofuse import optim  # noqa: E402
 from zerofuse import comm  # noqa: E402
+from zerofuse import zero  # noqa: E402
+from zerofuse import models  # noqa: E402
 from zerofuse.ops import flatten_into, packed_offsets, unflatten_from  # noqa: E402
 
 __version__ = "0.1.0"
 
-__all__ = ["ops", "nn", "optim", "flatten_into", "unflatten_from", "packed_offsets", "build_info", "__version__"]
+__all__ = ["ops", "nn", "optim", "comm", "zero", "models", "flatten_into", "unflatten_from", "packed_offsets", "build_info", "__version__"]
 
 
 def build_info() -> dict:

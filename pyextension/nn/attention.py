@@ -10,10 +10,12 @@ from zerofuse.nn.functional import scaled_dot_product_attention
 
 class Attention(torch.nn.Module):
     """x (B, N, embed_dim) -> (B, N, embed_dim). num_kv_heads (default num_heads) must divide
-    num_heads; qkv is one Linear of embed_dim -> (num_heads + 2 * num_kv_heads) * head_dim."""
+    num_heads; qkv is one Linear of embed_dim -> (num_heads + 2 * num_kv_heads) * head_dim. sdpa:
+    the attention function (default zerofuse.nn.functional.scaled_dot_product_attention; any
+    function with torch's signature, e.g. torch.nn.functional.scaled_dot_product_attention)."""
 
     def __init__(self, embed_dim: int, num_heads: int, num_kv_heads: int | None = None, *, bias: bool = False,
-                 causal: bool = True, device=None, dtype=None):
+                 causal: bool = True, sdpa=None, device=None, dtype=None):
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         if embed_dim % num_heads:
@@ -24,6 +26,8 @@ class Attention(torch.nn.Module):
         self.embed_dim, self.num_heads, self.num_kv_heads = embed_dim, num_heads, num_kv_heads
         self.head_dim = embed_dim // num_heads
         self.causal = causal
+        # the attention function: zerofuse's by default; torch.nn.functional's to compare against
+        self.sdpa = scaled_dot_product_attention if sdpa is None else sdpa
         kw = dict(bias=bias, device=device, dtype=dtype)
         self.qkv = torch.nn.Linear(embed_dim, (num_heads + 2 * num_kv_heads) * self.head_dim, **kw)
         self.proj = torch.nn.Linear(embed_dim, embed_dim, **kw)
@@ -36,5 +40,5 @@ class Attention(torch.nn.Module):
         q = qkv[..., : hq * d].view(b, n, hq, d).transpose(1, 2)
         k = qkv[..., hq * d:(hq + hkv) * d].view(b, n, hkv, d).transpose(1, 2)
         v = qkv[..., (hq + hkv) * d:].view(b, n, hkv, d).transpose(1, 2)
-        out = scaled_dot_product_attention(q, k, v, is_causal=self.causal, enable_gqa=hq != hkv)
+        out = self.sdpa(q, k, v, is_causal=self.causal, enable_gqa=hq != hkv)
         return self.proj(out.transpose(1, 2).reshape(b, n, hq * d))

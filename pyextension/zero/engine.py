@@ -1,0 +1,370 @@
+"""``zerofuse.zero.parallelize``: make a module ZeRO data-parallel in place (stage 1, 2 or 3).
+
+Stage 1/2: trainable params are grouped, in reverse registration order (the order their grads
+become ready), into units of about ``bucket_mb``; stage 3: one unit per wrap module (default: each
+child of the model's main ModuleList, e.g. the transformer blocks) plus a root unit for the rest
+(embeddings, final norm, head, and any param shared between units). See zerofuse/zero/flat.py for
+a unit's buffers.
+
+[Note: ZeRO hooks]
+- grads: a post-accumulate-grad hook on every param adds .grad into its unit's gflat and drops it;
+  when a unit's last param is ready its reduce-scatter is launched (overlap=True) while backward
+  goes on. The first hook of a backward queues an end-of-backward callback that launches what is
+  left (units with unused params), waits for every reduce-scatter and, stage 3, frees the root.
+  Inside ``no_sync()`` grads accumulate in gflat and nothing is launched.
+- stage 1/2 params: the optimizer's step all-gathers updated shards; a forward pre-hook on each
+  module waits only for the units its own params live in, so the gathers overlap the forward.
+- stage 3 params: the root is gathered by the model's forward pre-hook and kept until the end of
+  backward. A unit is gathered by its forward pre-hook (which also starts gathering the next
+  ``prefetch`` units in the forward order recorded last step) and freed by its forward post-hook;
+  hooks on its outputs' grads gather it again before its backward (prefetching the next units in
+  backward order), and it is freed when its last grad is ready. Forward under no_grad frees
+  everything after use. A forward re-run inside backward (activation checkpointing) keeps the
+  unit gathered.
+"""
+from __future__ import annotations
+
+import contextlib
+import weakref
+
+import torch
+
+from zerofuse.comm import Communicator
+from zerofuse.zero.flat import FREE, FlatUnit
+
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+REDUCE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+ALIGN = 128
+
+
+def _main_module_list(model: torch.nn.Module) -> list[torch.nn.Module]:
+    best = None
+    for mod in model.modules():
+        if isinstance(mod, torch.nn.ModuleList) and (best is None or len(mod) > len(best)):
+            best = mod
+    return list(best) if best is not None else []
+
+
+def _wrap_modules(model: torch.nn.Module, wrap) -> list[torch.nn.Module]:
+    if wrap is None:
+        mods = _main_module_list(model)
+    elif isinstance(wrap, (list, tuple)) and all(isinstance(w, type) for w in wrap):
+        mods = [m for m in model.modules() if isinstance(m, tuple(wrap)) and m is not model]
+    elif isinstance(wrap, (list, tuple)) and all(isinstance(w, torch.nn.Module) for w in wrap):
+        mods = list(wrap)
+    elif callable(wrap):
+        mods = [m for m in model.modules() if m is not model and wrap(m)]
+    else:
+        raise TypeError("zerofuse.zero.parallelize: expected wrap to be None, a list of module classes, a list of "
+                        f"submodules or a callable(module) -> bool, got {type(wrap).__name__}")
+    inside = set()  # drop modules nested in an earlier one: units do not nest
+    out = []
+    for m in mods:
+        if id(m) in inside:
+            continue
+        out.append(m)
+        inside.update(id(s) for s in m.modules())
+    return out
+
+
+class ZeroEngine:
+    def __init__(self, model, *, stage, group, precision, reduce_dtype, bucket_mb, overlap, prefetch, wrap):
+        name = "zerofuse.zero.parallelize"
+        if stage not in (1, 2, 3):
+            raise ValueError(f"{name}: expected stage 1, 2 or 3, got {stage!r}")
+        if precision not in PRECISIONS:
+            raise ValueError(f"{name}: expected precision 'fp32', 'bf16' or 'fp16', got {precision!r}")
+        if reduce_dtype is not None and reduce_dtype not in REDUCE_DTYPES:
+            raise ValueError(f"{name}: expected reduce_dtype None, torch.float32, torch.bfloat16 or torch.float16, got "
+                             f"{reduce_dtype!r}")
+        if not bucket_mb > 0:
+            raise ValueError(f"{name}: expected bucket_mb > 0, got {bucket_mb}")
+        if not isinstance(prefetch, int) or prefetch < 0:
+            raise ValueError(f"{name}: expected prefetch to be an int >= 0, got {prefetch!r}")
+        if getattr(model, "_zerofuse_zero", None) is not None:
+            raise ValueError(f"{name}: the model is already parallelized")
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        if not named:
+            raise ValueError(f"{name}: the model has no trainable parameters")
+        devices = {p.device for _, p in named}
+        if len(devices) > 1:
+            raise ValueError(f"{name}: expected every parameter on one device, got {sorted(map(str, devices))}")
+        self.comm = Communicator(group)
+        self.rank, self.world_size = self.comm.rank, self.comm.world_size
+        self.stage, self.precision, self.overlap, self.prefetch = stage, precision, overlap, prefetch
+        self.dtype = PRECISIONS[precision]
+        model.to(self.dtype)
+        self.names = [n for n, _ in named]
+        self.params = [p for _, p in named]
+        self.param_index = {id(p): i for i, p in enumerate(self.params)}
+        self.reduce_dtype = reduce_dtype or self.dtype
+        self.model_ref = weakref.ref(model)
+
+        self.units: list[FlatUnit] = []
+        self.wrap_units: dict[int, FlatUnit] = {}  # id(module) -> unit
+        kw = dict(rank=self.rank, world_size=self.world_size, align=ALIGN, stage=stage, reduce_dtype=reduce_dtype)
+        if stage == 3:
+            self._build_stage3(model, named, wrap, kw)
+        else:
+            self._build_buckets(named, bucket_mb, kw)
+        self.unit_of: dict[int, tuple[FlatUnit, int]] = {}
+        for u in self.units:
+            for i, p in enumerate(u.params):
+                self.unit_of[id(p)] = (u, i)
+
+        self.sync_grads = True
+        self._final_queued = False
+        self._in_backward = False
+        self._hooks = []
+        self._fwd_order: list[FlatUnit] = []
+        self._last_order: list[FlatUnit] = [self.wrap_units[id(m)] for m in self._wrap_mods] if stage == 3 else []
+        for p in self.params:
+            self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_ready))
+        if stage == 3:
+            self._install_stage3_hooks(model)
+        else:
+            self._install_param_wait_hooks(model)
+
+    # ------------------------------------------------------------------ layout
+
+    def _build_buckets(self, named, bucket_mb, kw):
+        limit = bucket_mb * (1 << 20)
+        cur, size = [], 0
+        for n, p in reversed(named):
+            cur.append((n, p))
+            size += p.numel() * self.dtype.itemsize
+            if size >= limit:
+                self.units.append(FlatUnit(len(self.units), f"bucket{len(self.units)}", cur, **kw))
+                cur, size = [], 0
+        if cur:
+            self.units.append(FlatUnit(len(self.units), f"bucket{len(self.units)}", cur, **kw))
+        self._wrap_mods = []
+
+    def _build_stage3(self, model, named, wrap, kw):
+        mods = _wrap_modules(model, wrap)
+        mod_names = {id(m): n for n, m in model.named_modules()}
+        owner: dict[int, set[int]] = {}  # id(param) -> the units (wrap index, -1 root) of modules holding it
+        unit_of_mod = {}
+        for i, m in enumerate(mods):
+            for s in m.modules():
+                unit_of_mod[id(s)] = i
+        for m in model.modules():
+            for p in m.parameters(recurse=False):
+                owner.setdefault(id(p), set()).add(unit_of_mod.get(id(m), -1))
+        groups: dict[int, list] = {i: [] for i in range(-1, len(mods))}
+        for n, p in named:
+            units = owner[id(p)]
+            # a param shared by modules of different units (tied weights) lives in the root, which
+            # stays gathered through forward and backward
+            groups[units.pop() if len(units) == 1 else -1].append((n, p))
+        self._wrap_mods = []
+        for i, m in enumerate(mods):
+            if groups[i]:
+                u = FlatUnit(len(self.units), mod_names.get(id(m), f"unit{i}"), groups[i], **kw)
+                self.units.append(u)
+                self.wrap_units[id(m)] = u
+                self._wrap_mods.append(m)
+        self.root = FlatUnit(len(self.units), "<root>", groups[-1], **kw) if groups[-1] else None
+        if self.root is not None:
+            self.units.append(self.root)
+
+    # ------------------------------------------------------------------ grads
+
+    def _grad_ready(self, p: torch.Tensor) -> None:
+        if p.grad is None:
+            return
+        unit, i = self.unit_of[id(p)]
+        unit.grad_view(i).add_(p.grad.reshape(-1))
+        p.grad = None
+        unit.dirty = True
+        unit.ready += 1
+        if not self._final_queued:
+            self._final_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        if unit.ready == len(unit.params):
+            if self.sync_grads and self.overlap:
+                unit.launch_reduce(self.comm)
+            if self.stage == 3 and unit is not self.root:
+                unit.free()
+
+    def _end_of_backward(self) -> None:
+        self._final_queued = False
+        self._in_backward = False
+        if self.sync_grads:
+            for u in self.units:  # units with unused params, or all of them without overlap
+                if u.dirty and not u.launched:
+                    u.launch_reduce(self.comm)
+        self.finish_grad_sync()
+        for u in self.units:
+            u.ready = 0
+            u.launched = False
+            if self.stage == 3:
+                u.free()
+
+    def finish_grad_sync(self) -> None:
+        for u in self.units:
+            u.finish_reduce()
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward passes inside accumulate grads locally (in the reduce dtype); the first
+        backward outside reduces everything accumulated."""
+        prev, self.sync_grads = self.sync_grads, False
+        try:
+            yield
+        finally:
+            self.sync_grads = prev
+
+    def zero_grad(self) -> None:
+        for u in self.units:
+            u.zero_grad()
+        for p in self.params:
+            p.grad = None
+
+    # ------------------------------------------------------------------ params, stage 1/2
+
+    def start_param_sync(self) -> None:
+        """All-gather every unit's updated shard (forward order first); waited per module by the
+        forward pre-hooks, or by finish_param_sync."""
+        for u in reversed(self.units):
+            u.gather_work = self.comm.all_gather_coalesced(u.shard, [u.full])
+        if not self.overlap:
+            self.finish_param_sync()
+
+    def finish_param_sync(self) -> None:
+        for u in reversed(self.units):
+            self._wait_params(u)
+
+    def _wait_params(self, u: FlatUnit) -> None:
+        if u.gather_work is not None:
+            u.gather_work.wait()
+            u.gather_work = None
+
+    def _install_param_wait_hooks(self, model) -> None:
+        for m in model.modules():
+            units = []
+            for p in m.parameters(recurse=False):
+                if id(p) in self.unit_of and self.unit_of[id(p)][0] not in units:
+                    units.append(self.unit_of[id(p)][0])
+            if units:
+                self._hooks.append(m.register_forward_pre_hook(self._make_wait_hook(units)))
+
+    def _make_wait_hook(self, units):
+        def hook(_mod, _args):
+            for u in units:
+                self._wait_params(u)
+
+        return hook
+
+    # ------------------------------------------------------------------ params, stage 3
+
+    def _install_stage3_hooks(self, model) -> None:
+        self._hooks.append(model.register_forward_pre_hook(self._root_pre_forward))
+        self._hooks.append(model.register_forward_hook(self._root_post_forward))
+        for m in self._wrap_mods:
+            u = self.wrap_units[id(m)]
+            self._hooks.append(m.register_forward_pre_hook(self._make_pre_forward(u)))
+            self._hooks.append(m.register_forward_hook(self._make_post_forward(u)))
+
+    def _root_pre_forward(self, _mod, _args) -> None:
+        if self.root is not None:
+            self.root.wait_gather(self.comm)
+        if not self._in_backward:
+            self._fwd_order = []
+            self._prefetch(self._last_order[: self.prefetch])
+
+    def _root_post_forward(self, _mod, _args, _out) -> None:
+        if self._fwd_order:
+            self._last_order = self._fwd_order
+        if not torch.is_grad_enabled() and not self._in_backward:
+            for u in self.units:
+                u.free()
+
+    def _prefetch(self, units) -> None:
+        for u in units:
+            u.start_gather(self.comm)
+
+    def _next(self, u: FlatUnit, order: list[FlatUnit]) -> list[FlatUnit]:
+        for i, v in enumerate(order):
+            if v is u:
+                return order[i + 1:i + 1 + self.prefetch]
+        return []
+
+    def _make_pre_forward(self, u: FlatUnit):
+        def hook(_mod, _args):
+            u.wait_gather(self.comm)
+            if not self._in_backward:
+                self._fwd_order.append(u)
+                self._prefetch(self._next(u, self._last_order))
+
+        return hook
+
+    def _make_post_forward(self, u: FlatUnit):
+        def hook(_mod, _args, out):
+            if self._in_backward:  # a re-run forward (activation checkpointing): backward needs the params
+                return
+            u.free()
+            if torch.is_grad_enabled():
+                for t in _tensors(out):
+                    if t.requires_grad:
+                        t.register_hook(self._make_pre_backward(u))
+
+        return hook
+
+    def _make_pre_backward(self, u: FlatUnit):
+        def hook(_grad):
+            self._in_backward = True
+            if not self._final_queued:
+                self._final_queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            if u.ready < len(u.params):
+                u.wait_gather(self.comm)
+                self._prefetch(self._next(u, self._last_order[::-1]))
+
+        return hook
+
+    # ------------------------------------------------------------------ state
+
+    def gathered(self) -> bool:
+        return all(u.state != FREE for u in self.units)
+
+    def remove(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+
+def _tensors(out):
+    if isinstance(out, torch.Tensor):
+        yield out
+    elif isinstance(out, (list, tuple)):
+        for o in out:
+            yield from _tensors(o)
+    elif isinstance(out, dict):
+        for o in out.values():
+            yield from _tensors(o)
+
+
+def parallelize(model: torch.nn.Module, *, stage: int, group=None, precision: str = "fp32",
+                reduce_dtype: torch.dtype | None = None, bucket_mb: float = 25.0, overlap: bool = True,
+                prefetch: int = 1, wrap=None) -> torch.nn.Module:
+    """Make ``model`` ZeRO data-parallel over ``group`` (None: the default group), in place, and
+    return it. precision: the dtype params and grads are kept in (fp32 masters live in the
+    optimizer); reduce_dtype: the dtype grads are reduced and accumulated in (default: the
+    params'). stage 3: ``wrap`` picks the units (None: each child of the main ModuleList; a list
+    of module classes; a list of submodules; a callable(module) -> bool) and ``prefetch`` how many
+    units are gathered ahead. ``model.no_sync()`` then skips communication in backward, for
+    gradient accumulation. Build ``zerofuse.zero.Optimizer(model, ...)`` to train."""
+    engine = ZeroEngine(model, stage=stage, group=group, precision=precision, reduce_dtype=reduce_dtype,
+                        bucket_mb=bucket_mb, overlap=overlap, prefetch=prefetch, wrap=wrap)
+    model._zerofuse_zero = engine
+    model.no_sync = engine.no_sync
+    return model
+
+
+def engine_of(model: torch.nn.Module, who: str) -> ZeroEngine:
+    engine = getattr(model, "_zerofuse_zero", None)
+    if engine is None:
+        raise ValueError(f"{who}: expected a model made data-parallel by zerofuse.zero.parallelize, got a plain "
+                         f"{type(model).__name__}")
+    return engine

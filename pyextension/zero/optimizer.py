@@ -1,0 +1,348 @@
+"""``zerofuse.zero.Optimizer``: the optimizer of a ZeRO model; each rank steps only its shard.
+
+Per unit the rank holds fp32 states for its shard (m and v for Adam/AdamW/LAMB, the momentum
+buffer for LARS) and, when params are bf16/fp16, an fp32 master copy; fp32 params are stepped in
+place. A step is one fused launch per param group over every unit's shard (Adam/AdamW: adjacent
+pieces of the same group are merged into one flat view; LAMB/LARS: one view per param piece, with
+the per-param norms summed over the ranks between the passes). The multiplier 1 / world_size
+(grads are reduced as sums), the loss-scale unscale and the clip coefficient are one device
+tensor read by the kernel, so nothing waits on the host.
+
+fp16: ``scale_loss(loss)`` multiplies by the dynamic loss scale; every step computes the global
+grad norm (one all-reduce of a scalar): inf/NaN on any rank gives inf/NaN on every rank, so every
+rank skips the same step (the kernels read the flag: [Note: skipped steps] in optim/_base.py) and
+the scale backs off; after ``growth_interval`` clean steps it grows.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from zerofuse.ops import adam_, l2norm, lamb_stage1_, lamb_stage2_
+from zerofuse.ops._optim import call
+from zerofuse.ops.lars import _lars_triton
+from zerofuse.ops.lamb import TRUST_MODES
+from zerofuse.zero.engine import engine_of
+
+NAME = "zerofuse.zero.Optimizer"
+
+DEFAULTS = {
+    "adamw": dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2),
+    "adam": dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0),
+    # Apex FusedLAMB's defaults (nvlamb: global grad-norm clipping at 1.0 first)
+    "lamb": dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01, bias_correction=True, mode="nvlamb",
+                 min_trust=0.0, max_trust=10.0),
+    "lars": dict(lr=0.1, momentum=0.9, weight_decay=0.0, trust_coefficient=1e-3, eps=1e-8),
+}
+STATE_KEYS = {"adamw": ("exp_avg", "exp_avg_sq"), "adam": ("exp_avg", "exp_avg_sq"),
+              "lamb": ("exp_avg", "exp_avg_sq"), "lars": ("momentum_buffer",)}
+
+
+class _Piece:
+    """A run of one unit's shard owned by one param group: [start, start + length) of the shard,
+    with the (global param index) of each param piece in it when per-param math needs them."""
+
+    __slots__ = ("unit", "start", "length", "param")
+
+    def __init__(self, unit, start, length, param):
+        self.unit, self.start, self.length, self.param = unit, start, length, param
+
+
+class Optimizer(torch.optim.Optimizer):
+    """Optimizer(model, optimizer="adamw"|"adam"|"lamb"|"lars", *, param_groups=None,
+    max_grad_norm=None, initial_scale=2**16, growth_interval=1000, **hyperparameters).
+
+    param_groups: None (one group) or torch-style dicts {"params": [model params], **overrides},
+    e.g. no weight decay for norms and biases. max_grad_norm: clip every step (LAMB defaults to
+    1.0, as Apex); or call clip_grad_norm_ before step. lr schedulers work unchanged."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: str = "adamw", *, param_groups=None, max_grad_norm=None,
+                 initial_scale: float = 2.0 ** 16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
+                 growth_interval: int = 1000, **hyperparameters):
+        eng = engine_of(model, NAME)
+        if optimizer not in DEFAULTS:
+            raise ValueError(f"{NAME}: expected optimizer 'adamw', 'adam', 'lamb' or 'lars', got {optimizer!r}")
+        unknown = set(hyperparameters) - set(DEFAULTS[optimizer])
+        if unknown:
+            raise TypeError(f"{NAME}: unknown hyperparameter(s) {sorted(unknown)} for {optimizer!r}; expected some of "
+                            f"{sorted(DEFAULTS[optimizer])}")
+        defaults = {**DEFAULTS[optimizer], **hyperparameters}
+        if optimizer == "lamb":
+            if max_grad_norm is None:
+                max_grad_norm = 1.0
+            if defaults["mode"] not in TRUST_MODES:
+                raise ValueError(f"{NAME}: expected mode 'nvlamb' or 'paper', got {defaults['mode']!r}")
+        if not defaults["lr"] >= 0:
+            raise ValueError(f"{NAME}: expected lr >= 0, got {defaults['lr']}")
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ValueError(f"{NAME}: expected max_grad_norm > 0 or None, got {max_grad_norm}")
+        self.engine, self.kind, self.max_grad_norm = eng, optimizer, max_grad_norm
+        groups = self._groups(eng, param_groups)
+        super().__init__(groups, defaults)
+        self._group_of = {}
+        for gi, g in enumerate(self.param_groups):
+            for p in g["params"]:
+                self._group_of[id(p)] = gi
+        self._build_states()
+        dev = eng.params[0].device
+        self._steps = [torch.zeros(1, dtype=torch.float32, device=dev) for _ in self.param_groups]
+        self._clip_coef = None
+        self.last_grad_norm: torch.Tensor | None = None
+        self.fp16 = eng.dtype == torch.float16
+        self.scale = torch.full((1,), float(initial_scale) if self.fp16 else 1.0, dtype=torch.float32, device=dev)
+        self._growth_tracker = torch.zeros(1, dtype=torch.int32, device=dev)
+        self._scaler_cfg = (float(growth_factor), float(backoff_factor), int(growth_interval))
+        self._found_inf: torch.Tensor | None = None
+
+    @staticmethod
+    def _groups(eng, param_groups):
+        if param_groups is None:
+            return [{"params": list(eng.params)}]
+        seen, out = set(), []
+        for i, g in enumerate(param_groups):
+            if not isinstance(g, dict) or "params" not in g:
+                raise TypeError(f"{NAME}: expected param_groups[{i}] to be a dict with 'params', got {g!r}")
+            ps = list(g["params"])
+            for p in ps:
+                if id(p) not in eng.param_index:
+                    raise ValueError(f"{NAME}: param_groups[{i}] holds a tensor of shape {list(p.shape)} that is not a "
+                                     "trainable parameter of the model")
+                if id(p) in seen:
+                    raise ValueError(f"{NAME}: a parameter appears in more than one param group")
+                seen.add(id(p))
+            out.append({**g, "params": ps})
+        rest = [p for p in eng.params if id(p) not in seen]
+        if rest:
+            raise ValueError(f"{NAME}: {len(rest)} trainable parameter(s) are in no param group, e.g. "
+                             f"{eng.names[eng.param_index[id(rest[0])]]}")
+        return out
+
+    # ------------------------------------------------------------------ layout and states
+
+    def _build_states(self) -> None:
+        eng = self.engine
+        low = eng.dtype != torch.float32
+        self.unit_states = []
+        for u in eng.units:
+            st = {k: torch.zeros(u.shard_numel, dtype=torch.float32, device=u.device) for k in STATE_KEYS[self.kind]}
+            if low:
+                st["master"] = u.shard.float()
+            self.unit_states.append(st)
+        self._runs = [[] for _ in self.param_groups]  # merged runs (Adam/AdamW)
+        self._pieces = [[] for _ in self.param_groups]  # one per param piece (LAMB/LARS)
+        for u in eng.units:
+            last = None
+            for s in u.segments:
+                p = u.params[s.param]
+                gi = self._group_of[id(p)]
+                gp = eng.param_index[id(p)]
+                self._pieces[gi].append(_Piece(u, s.shard_offset, s.length, gp))
+                if last is not None and last.unit is u and last.param == gi and last.start + last.length == s.shard_offset:
+                    last.length += s.length
+                else:
+                    last = _Piece(u, s.shard_offset, s.length, gi)
+                    self._runs[gi].append(last)
+
+    def _views(self, pieces, key):
+        out = []
+        for pc in pieces:
+            if key == "param":
+                t = pc.unit.shard
+            elif key == "grad":
+                t = pc.unit.grad_shard()
+            else:
+                t = self.unit_states[pc.unit.index][key]
+            out.append(t.narrow(0, pc.start, pc.length))
+        return out
+
+    def _masters(self, pieces):
+        return self._views(pieces, "master") if self.engine.dtype != torch.float32 else []
+
+    # ------------------------------------------------------------------ norms
+
+    def _global_sumsq(self, local: torch.Tensor) -> torch.Tensor:
+        self.engine.comm.all_reduce_coalesced([local], op="sum").wait()
+        return local
+
+    def _grad_norm(self) -> torch.Tensor:
+        """Global 2-norm of the averaged, unscaled gradient (1-element fp32 on the device)."""
+        eng = self.engine
+        eng.finish_grad_sync()
+        total, _ = l2norm([u.grad_shard() for u in eng.units])
+        sq = self._global_sumsq(total.reshape(1).to(torch.float32) ** 2)
+        return sq.sqrt() / (eng.world_size * self.scale)
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip the gradient of the coming step to global norm max_norm (fused into the step) and
+        return the global norm before clipping, the same on every rank."""
+        if not max_norm > 0:
+            raise ValueError(f"{NAME}.clip_grad_norm_: expected max_norm > 0, got {max_norm}")
+        norm = self._grad_norm()
+        self._clip_coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        self._found_inf = (~torch.isfinite(norm)).float()
+        self.last_grad_norm = norm
+        return norm
+
+    def _per_param_norms(self, sums: torch.Tensor, pieces) -> torch.Tensor:
+        """sums (pieces, k) of this rank's squares -> (pieces, k) summed over every rank's pieces
+        of the same params."""
+        eng = self.engine
+        idx = torch.tensor([pc.param for pc in pieces], dtype=torch.long, device=sums.device)
+        full = torch.zeros((len(eng.params), sums.shape[1]), dtype=torch.float32, device=sums.device)
+        if len(pieces):
+            full.index_add_(0, idx, sums)
+        self._global_sumsq(full.reshape(-1))
+        return full[idx] if len(pieces) else sums
+
+    # ------------------------------------------------------------------ step
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """loss times the dynamic loss scale (fp16; 1 otherwise): call backward on this."""
+        return loss * self.scale.to(loss.dtype) if self.fp16 else loss
+
+    @property
+    def loss_scale(self) -> float:
+        return float(self.scale.item())
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        eng = self.engine
+        eng.finish_grad_sync()
+        found = self._found_inf
+        mult = torch.full((1,), 1.0 / eng.world_size, dtype=torch.float32, device=self.scale.device) / self.scale
+        if self._clip_coef is None and (self.max_grad_norm is not None or self.fp16):
+            norm = self._grad_norm()
+            self.last_grad_norm = norm
+            found = (~torch.isfinite(norm)).float()
+            if self.max_grad_norm is not None:
+                self._clip_coef = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
+        if self._clip_coef is not None:
+            mult = mult * self._clip_coef
+        for gi, group in enumerate(self.param_groups):
+            self._step_group(gi, group, mult, found)
+        if self.fp16:
+            torch._amp_update_scale_(self.scale, self._growth_tracker, found, *self._scaler_cfg)
+        self.last_step_skipped = found
+        self._clip_coef = None
+        self._found_inf = None
+        if eng.stage != 3:
+            eng.start_param_sync()
+        return loss
+
+    def _step_group(self, gi, group, mult, found):
+        step = self._steps[gi]
+        if self.kind in ("adam", "adamw"):
+            runs = self._runs[gi]
+            if not runs:  # this rank holds no piece of the group: count the step as the others do
+                step += 1.0 if found is None else 1.0 - found
+                return
+            b1, b2 = group["betas"]
+            adam_(self._views(runs, "param"), self._views(runs, "grad"), self._views(runs, "exp_avg"),
+                  self._views(runs, "exp_avg_sq"), [step] * len(runs), lr=group["lr"], beta1=b1, beta2=b2,
+                  eps=group["eps"], weight_decay=group["weight_decay"], decoupled=self.kind == "adamw",
+                  maximize=False, masters=self._masters(runs), grad_mult=mult, found_inf=found)
+        elif self.kind == "lamb":
+            self._lamb(gi, group, mult, found, step)
+        else:
+            self._lars(gi, group, mult, found)
+
+    def _lamb(self, gi, group, mult, found, step):
+        pieces = self._pieces[gi]
+        dev = self.scale.device
+        b1, b2 = group["betas"]
+        kw = dict(beta1=b1, beta2=b2, eps=group["eps"], weight_decay=group["weight_decay"],
+                  bias_correction=group["bias_correction"], masters=self._masters(pieces), found_inf=found)
+        norms = torch.zeros((len(pieces), 2), dtype=torch.float32, device=dev)
+        params, m, v = (self._views(pieces, k) for k in ("param", "exp_avg", "exp_avg_sq"))
+        steps = [step] * len(pieces)
+        if pieces:
+            lamb_stage1_(params, self._views(pieces, "grad"), m, v, steps, norms, grad_mult=mult, **kw)
+        norms = self._per_param_norms(norms, pieces)
+        if pieces:
+            lamb_stage2_(params, m, v, steps, norms, lr=group["lr"], mode=group["mode"], min_trust=group["min_trust"],
+                         max_trust=group["max_trust"], **kw)
+        else:
+            step += 1.0 if found is None else 1.0 - found
+
+    def _lars(self, gi, group, mult, found):
+        pieces = self._pieces[gi]
+        params, grads = self._views(pieces, "param"), self._views(pieces, "grad")
+        masters = self._masters(pieces)
+        n = len(pieces)
+        if n:
+            _, each = l2norm((masters or params) + grads, per_tensor=True)
+            sums = (each.float() ** 2).reshape(2, n).t().contiguous()
+        else:
+            sums = torch.zeros((0, 2), dtype=torch.float32, device=self.scale.device)
+        sums = self._per_param_norms(sums, pieces)
+        if not n:
+            return
+        norms = sums.sqrt().t().contiguous().reshape(-1)
+        args = (params, grads, self._views(pieces, "momentum_buffer"), masters, norms, float(group["lr"]),
+                float(group["momentum"]), float(group["weight_decay"]), float(group["trust_coefficient"]),
+                float(group["eps"]), mult, found)
+        call("lars_", _lars_triton, args)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.engine.zero_grad()
+
+    # ------------------------------------------------------------------ state dict (this rank's shard)
+
+    def _layout(self) -> dict:
+        eng = self.engine
+        return dict(world_size=eng.world_size, rank=eng.rank, stage=eng.stage, kind=self.kind,
+                    units=[(u.names, u.padded) for u in eng.units])
+
+    def state_dict(self) -> dict:
+        """This rank's shard of the optimizer state (load it back at the same world size, stage and
+        model; zerofuse.checkpoint saves and reshards across world sizes and stages)."""
+        groups = [{k: v for k, v in g.items() if k != "params"} | {"params": [self.engine.param_index[id(p)]
+                                                                            for p in g["params"]]}
+                  for g in self.param_groups]
+        return {"layout": self._layout(), "param_groups": groups,
+                "units": [{k: t.clone() for k, t in st.items()} for st in self.unit_states],
+                "steps": [s.clone() for s in self._steps], "scale": self.scale.clone(),
+                "growth_tracker": self._growth_tracker.clone()}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        mine = self._layout()
+        theirs = state_dict.get("layout")
+        if theirs != mine:
+            raise ValueError(f"{NAME}.load_state_dict: the state is for a different layout (world size, rank, stage, "
+                             f"optimizer or model): expected {_brief(mine)}, got {_brief(theirs)}; use "
+                             "zerofuse.checkpoint to reshard")
+        with torch.no_grad():
+            for st, saved in zip(self.unit_states, state_dict["units"]):
+                for k, t in st.items():
+                    t.copy_(saved[k])
+            for s, saved in zip(self._steps, state_dict["steps"]):
+                s.copy_(saved)
+            self.scale.copy_(state_dict["scale"])
+            self._growth_tracker.copy_(state_dict["growth_tracker"])
+            for g, saved in zip(self.param_groups, state_dict["param_groups"]):
+                g.update({k: v for k, v in saved.items() if k != "params"})
+            self.write_params()
+
+    @torch.no_grad()
+    def write_params(self) -> None:
+        """Params from the fp32 masters (after a load), then gathered (stage 1/2)."""
+        eng = self.engine
+        if eng.dtype != torch.float32:
+            for u, st in zip(eng.units, self.unit_states):
+                u.shard.copy_(st["master"])
+        if eng.stage != 3:
+            eng.start_param_sync()
+            eng.finish_param_sync()
+
+
+def _brief(layout) -> str:
+    if not isinstance(layout, dict):
+        return repr(layout)
+    return (f"world_size={layout.get('world_size')}, rank={layout.get('rank')}, stage={layout.get('stage')}, "
+            f"optimizer={layout.get('kind')}, {len(layout.get('units', []))} units")
