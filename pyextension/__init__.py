@@ -17,11 +17,12 @@ from zerofuse import optim  # noqa: E402
 from zerofuse import comm  # noqa: E402
 from zerofuse import zero  # noqa: E402
 from zerofuse import models  # noqa: E402
+from zerofuse import checkpoint  # noqa: E402
 from zerofuse.ops import flatten_into, packed_offsets, unflatten_from  # noqa: E402
 
 __version__ = "0.1.0"
 
-__all__ = ["ops", "nn", "optim", "comm", "zero", "models", "flatten_into", "unflatten_from", "packed_offsets", "build_info", "__version__"]
+__all__ = ["ops", "nn", "optim", "comm", "zero", "models", "checkpoint", "flatten_into", "unflatten_from", "packed_offsets", "build_info", "__version__"]
 
 
 def build_info() -> dict:

@@ -16,6 +16,7 @@ import datetime
 import faulthandler
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import signal
 import tempfile
@@ -71,7 +72,8 @@ def _rank_main(rank, world_size, init_file, tb_dir, backend, timeout, fn, args, 
             timeout=datetime.timedelta(seconds=timeout),
         )
         out = fn(rank, world_size, *args, **kwargs)
-        results.put((rank, True, out))
+        # by value: a tensor sent through the queue as a shared-memory handle dies with this process
+        results.put((rank, True, pickle.dumps(out)))
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -150,4 +152,4 @@ def run_distributed(
             state = errors.get(r, "finished")
             parts.append(f"--- rank {r} ---\n{state}")
         raise DistributedFailure("\n".join(parts), [p.pid for p in procs])
-    return [outputs[r] for r in range(world_size)]
+    return [pickle.loads(outputs[r]) for r in range(world_size)]

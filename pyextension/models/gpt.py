@@ -14,6 +14,7 @@ import math
 import torch
 import torch.nn.functional as TF
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
 from zerofuse import nn as znn
 
@@ -112,6 +113,8 @@ class GPT(torch.nn.Module):
         self.head = torch.nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.head.weight = self.wte.weight
+        # recompute each block's forward in backward instead of keeping its activations
+        self.activation_checkpointing = False
         self.reset_parameters(seed)
         if device is not None:
             self.to(device)
@@ -141,7 +144,10 @@ class GPT(torch.nn.Module):
         pos = torch.arange(n, device=idx.device)
         x = self.wte(idx) + self.wpe(pos)
         for block in self.blocks:
-            x = block(x)
+            if self.activation_checkpointing and torch.is_grad_enabled():
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
         logits = self.head(self.norm(x))
         loss = None
         if targets is not None:

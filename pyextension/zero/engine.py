@@ -113,6 +113,7 @@ class ZeroEngine:
                 self.unit_of[id(p)] = (u, i)
 
         self.sync_grads = True
+        self.events: list[tuple[str, int, str]] = []  # ("reduce_scatter", unit, "backward" | "end"): overlap evidence
         self._final_queued = False
         self._in_backward = False
         self._hooks = []
@@ -184,6 +185,7 @@ class ZeroEngine:
         if unit.ready == len(unit.params):
             if self.sync_grads and self.overlap:
                 unit.launch_reduce(self.comm)
+                self.events.append(("reduce_scatter", unit.index, "backward"))
             if self.stage == 3 and unit is not self.root:
                 unit.free()
 
@@ -194,6 +196,7 @@ class ZeroEngine:
             for u in self.units:  # units with unused params, or all of them without overlap
                 if u.dirty and not u.launched:
                     u.launch_reduce(self.comm)
+                    self.events.append(("reduce_scatter", u.index, "end"))
         self.finish_grad_sync()
         for u in self.units:
             u.ready = 0
@@ -325,8 +328,24 @@ class ZeroEngine:
 
     # ------------------------------------------------------------------ state
 
-    def gathered(self) -> bool:
-        return all(u.state != FREE for u in self.units)
+    @contextlib.contextmanager
+    def full_params(self):
+        """Every param holds its full value inside the block (stage 3 gathers and frees after;
+        stage 1/2 wait for a pending all-gather). Read-only: writes to stage-3 params are lost."""
+        if self.stage != 3:
+            self.finish_param_sync()
+            yield
+            return
+        was_free = [u for u in self.units if u.state == FREE]
+        for u in was_free:
+            u.start_gather(self.comm)
+        for u in self.units:
+            u.wait_gather(self.comm)
+        try:
+            yield
+        finally:
+            for u in was_free:  # units a forward/backward in progress holds stay gathered
+                u.free()
 
     def remove(self) -> None:
         for h in self._hooks:
@@ -360,6 +379,12 @@ def parallelize(model: torch.nn.Module, *, stage: int, group=None, precision: st
     model._zerofuse_zero = engine
     model.no_sync = engine.no_sync
     return model
+
+
+def full_params(model: torch.nn.Module):
+    """Context manager: the model's params hold their full values inside (e.g. to export or
+    evaluate outside the hooks); see ZeroEngine.full_params."""
+    return engine_of(model, "zerofuse.zero.full_params").full_params()
 
 
 def engine_of(model: torch.nn.Module, who: str) -> ZeroEngine:
