@@ -25,7 +25,6 @@ a unit's buffers.
 from __future__ import annotations
 
 import contextlib
-import weakref
 
 import torch
 
@@ -98,7 +97,6 @@ class ZeroEngine:
         self.params = [p for _, p in named]
         self.param_index = {id(p): i for i, p in enumerate(self.params)}
         self.reduce_dtype = reduce_dtype or self.dtype
-        self.model_ref = weakref.ref(model)
 
         self.units: list[FlatUnit] = []
         self.wrap_units: dict[int, FlatUnit] = {}  # id(module) -> unit

@@ -1,0 +1,177 @@
+"""zerofuse.checkpoint: sharded saves that load at any world size and stage, atomically."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import zerofuse
+from zerofuse.models import GPT, GPTConfig
+
+from dist_utils import run_distributed
+from test_zero import GLOBAL_BATCH, LR, WD, batches, full_state, make_model
+
+STEPS_BEFORE, STEPS_AFTER = 3, 2
+
+
+@pytest.fixture(autouse=True)
+def _native_kernels(monkeypatch, cpu_kernels):
+    monkeypatch.setenv("ZEROFUSE_TRITON_ON_CPU", "0")
+
+
+def _steps(rank, ws, model, opt, data):
+    per = GLOBAL_BATCH // ws
+    losses = []
+    for b in data:
+        mine = b[rank * per:(rank + 1) * per]
+        _, loss = model(mine[:, :-1], mine[:, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        t = loss.detach().clone()
+        dist.all_reduce(t)
+        losses.append(t.item() / ws)
+    return losses
+
+
+def _save_rank(rank, ws, path, stage, precision):
+    model = make_model()
+    zerofuse.zero.parallelize(model, stage=stage, precision=precision, bucket_mb=0.25)
+    opt = zerofuse.zero.Optimizer(model, "adamw", lr=LR, weight_decay=WD)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.9 ** s)
+    data = batches(STEPS_BEFORE + STEPS_AFTER)
+    for b in data[:STEPS_BEFORE]:
+        _steps(rank, ws, model, opt, [b])
+        sched.step()
+    zerofuse.checkpoint.save(path, model, opt, extra={"step": STEPS_BEFORE, "sched": sched.state_dict()})
+    cont = []
+    for b in data[STEPS_BEFORE:]:
+        cont += _steps(rank, ws, model, opt, [b])
+        sched.step()
+    return cont
+
+
+def _load_rank(rank, ws, path, stage, precision):
+    model = make_model(n_layer=3)
+    zerofuse.zero.parallelize(model, stage=stage, precision=precision, bucket_mb=0.1)
+    opt = zerofuse.zero.Optimizer(model, "adamw", lr=123.0, weight_decay=0.5)  # overwritten by the load
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.9 ** s)
+    extra = zerofuse.checkpoint.load(path, model, opt)
+    sched.load_state_dict(extra["sched"])
+    losses = []
+    for b in batches(STEPS_BEFORE + STEPS_AFTER)[extra["step"]:]:
+        losses += _steps(rank, ws, model, opt, [b])
+        sched.step()
+    return losses
+
+
+def test_resharding_round_trip(tmp_path):
+    """Saved at 4 ranks stage 3, resumed at 2 ranks stage 1, 1 rank stage 2, and as a plain model
+    with torch.optim.AdamW: the same next losses as the run that never stopped."""
+    path = str(tmp_path / "ckpt")
+    cont = run_distributed(_save_rank, 4, path, 3, "fp32", timeout=240)[0]
+    assert sorted(os.listdir(path)) == ["meta.json", "rank0.pt", "rank1.pt", "rank2.pt", "rank3.pt"]
+    assert not os.path.exists(path + ".tmp")
+    for ws, stage in ((2, 1), (1, 2)):
+        resumed = run_distributed(_load_rank, ws, path, stage, "fp32", timeout=240)[0]
+        torch.testing.assert_close(torch.tensor(resumed), torch.tensor(cont), rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"ws {ws} stage {stage}: {m}")
+    # consolidated: a plain state_dict and torch.optim state
+    full = zerofuse.checkpoint.consolidate(path)
+    model = make_model()
+    model.load_state_dict(full["model"])
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.9 ** s)  # before the load, as usual
+    opt.load_state_dict(full["optimizer"])
+    sched.load_state_dict(full["extra"]["sched"])
+    losses = []
+    for b in batches(STEPS_BEFORE + STEPS_AFTER)[STEPS_BEFORE:]:
+        _, loss = model(b[:, :-1], b[:, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+        losses.append(loss.item())
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(cont), rtol=1e-5, atol=1e-6)
+
+
+def test_bf16_masters_survive_a_reshard(tmp_path):
+    path = str(tmp_path / "ckpt")
+    cont = run_distributed(_save_rank, 2, path, 2, "bf16", timeout=240)[0]
+    resumed = run_distributed(_load_rank, 3, path, 3, "bf16", timeout=240)[0]
+    # bf16 forward at a different per-rank batch split: equal to bf16 rounding of the loss
+    torch.testing.assert_close(torch.tensor(resumed), torch.tensor(cont), rtol=2e-3, atol=0)
+    full = zerofuse.checkpoint.consolidate(path)
+    assert all(t.dtype == torch.float32 for t in full["model"].values())  # from the fp32 masters
+
+
+def _crash_rank(rank, ws, path, where):
+    model = make_model()
+    zerofuse.zero.parallelize(model, stage=2)
+    opt = zerofuse.zero.Optimizer(model, "adamw", lr=LR)
+    _steps(rank, ws, model, opt, batches(1))
+    zerofuse.checkpoint.save(path, model, opt, extra="first")
+    first = full_state(model)
+    _steps(rank, ws, model, opt, batches(2)[1:])
+    real_rename = os.rename
+
+    def crashing_rename(src, dst):
+        # before_swap: the old checkpoint is still in place; mid_swap: it was moved to .old
+        if (where == "before_swap" and src == os.path.abspath(path)) or (where == "mid_swap" and src.endswith(".tmp")):
+            raise OSError("simulated crash")
+        return real_rename(src, dst)
+
+    os.rename = crashing_rename
+    try:
+        zerofuse.checkpoint.save(path, model, opt, extra="second")
+    except OSError:
+        pass
+    finally:
+        os.rename = real_rename
+    assert os.path.exists(path) == (where == "before_swap")
+    model2 = make_model()
+    zerofuse.zero.parallelize(model2, stage=2)
+    opt2 = zerofuse.zero.Optimizer(model2, "adamw", lr=LR)
+    extra = zerofuse.checkpoint.load(path, model2, opt2)
+    loaded = full_state(model2)
+    return extra, all(torch.equal(first[n], loaded[n]) for n in first)
+
+
+@pytest.mark.parametrize("where", ["before_swap", "mid_swap"])
+def test_a_crash_mid_save_leaves_the_previous_checkpoint(tmp_path, where):
+    extra, same = run_distributed(_crash_rank, 1, str(tmp_path / "ckpt"), where, timeout=240)[0]
+    assert extra == "first" and same
+
+
+def _mismatch_rank(rank, ws, path):
+    model = make_model()
+    zerofuse.zero.parallelize(model, stage=1)
+    opt = zerofuse.zero.Optimizer(model, "adamw")
+    zerofuse.checkpoint.save(path, model, opt)
+    msgs = []
+    for over in (dict(dim=32), dict(n_layer=4)):
+        other = zerofuse.zero.parallelize(GPT(GPTConfig(**{**dict(vocab_size=65, seq_len=32, n_layer=3, n_head=4,
+                                                                   n_kv_head=2, dim=64), **over})), stage=2)
+        try:
+            zerofuse.checkpoint.load(path, other)
+        except ValueError as e:
+            msgs.append(str(e))
+    lamb_model = zerofuse.zero.parallelize(make_model(), stage=2)
+    lamb = zerofuse.zero.Optimizer(lamb_model, "lamb")
+    try:
+        zerofuse.checkpoint.load(path, lamb_model, lamb)
+    except ValueError as e:
+        msgs.append(str(e))
+    return msgs
+
+
+def test_a_checkpoint_of_another_model_is_refused(tmp_path):
+    msgs = run_distributed(_mismatch_rank, 2, str(tmp_path / "ckpt"), timeout=240)[0]
+    assert len(msgs) == 3
+    assert "different model" in msgs[0] and "blocks.0.attn.qkv.weight: saved [128, 64], model [64, 32]" in msgs[0]
+    assert "missing in the checkpoint: ['blocks.3." in msgs[1]
+    assert "'adamw'" in msgs[2] and "'lamb'" in msgs[2]
+    with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
+        zerofuse.checkpoint.consolidate(str(tmp_path / "nothing"))
