@@ -74,6 +74,34 @@ def test_coalesced_collectives_match_torch(world_size):
     assert run_distributed(_collectives_rank, world_size, timeout=180) == [6] * world_size
 
 
+def _flat_buffers_rank(rank, ws):
+    """One flat buffer of exactly the collective's size skips the copies: reduce-scatter reads it
+    in place, all-gather writes into it, also with the shard being this rank's own slot of it."""
+    from zerofuse.comm import Communicator
+
+    comm = Communicator()
+    n = 1000 * ws
+    flat = torch.arange(n, dtype=torch.float32) * (rank + 1)
+    out = torch.empty(n // ws)
+    comm.reduce_scatter_coalesced([flat], out, op="sum").wait()
+    total = sum(range(1, ws + 1))
+    rs_ok = torch.equal(out, torch.arange(n, dtype=torch.float32)[rank * n // ws:(rank + 1) * n // ws] * total)
+    full = torch.zeros(n)
+    shard = full[rank * n // ws:(rank + 1) * n // ws]
+    shard.copy_(torch.full((n // ws,), float(rank)))
+    comm.all_gather_coalesced(shard, [full]).wait()  # in place
+    ag_ok = torch.equal(full, torch.arange(ws, dtype=torch.float32).repeat_interleave(n // ws))
+    other = torch.empty(n)
+    comm.all_gather_coalesced(torch.full((n // ws,), float(rank + 10)), [other]).wait()
+    ag2_ok = torch.equal(other, torch.arange(10, 10 + ws, dtype=torch.float32).repeat_interleave(n // ws))
+    return rs_ok, ag_ok, ag2_ok
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_flat_buffers_without_copies(world_size):
+    assert all(all(r) for r in run_distributed(_flat_buffers_rank, world_size))
+
+
 def _buckets_rank(rank, ws, delay_ms):
     """An 8-layer model: bucketed reduce-scatter launched from grad-ready hooks during backward
     equals one unbucketed reduce-scatter; the first bucket is launched before the first layers'

@@ -50,6 +50,12 @@ void check_one_device(at::TensorList tensors, const char* fn, const at::Tensor* 
   }
 }
 
+// One contiguous tensor of exactly the collective's flat size and dtype: used as the flat buffer.
+bool is_whole_flat(at::TensorList tensors, int64_t numel, at::ScalarType dtype) {
+  return tensors.size() == 1 && tensors[0].is_contiguous() && tensors[0].numel() == numel &&
+         tensors[0].scalar_type() == dtype;
+}
+
 void check_flat(const at::Tensor& t, int64_t numel, const char* fn, const char* name) {
   ZF_CHECK(t.dim() == 1 && t.is_contiguous(), kOp, fn, ": expected ", name,
            " to be a 1-D contiguous tensor, got shape ", t.sizes(), " with strides ", t.strides());
@@ -310,9 +316,14 @@ std::shared_ptr<Work> Communicator::reduce_scatter_coalesced(at::TensorList tens
   if (total == 0) return std::make_shared<DoneWork>(what, timeout_);
   Transport& transport = transport_for(out_shard.device(), fn);
   const at::ScalarType dtype = reduce_dtype.value_or(out_shard.scalar_type());
-  at::Tensor flat = at::empty({shard * world_size_}, out_shard.options().dtype(dtype));
-  if (shard * world_size_ > total) flat.narrow(0, total, shard * world_size_ - total).zero_();
-  flatten_into(tensors, flat, offsets);
+  at::Tensor flat;
+  if (is_whole_flat(tensors, shard * world_size_, dtype) && !out_shard.is_alias_of(tensors[0])) {
+    flat = tensors[0];  // already one flat buffer (e.g. ZeRO's): no copy; kept alive until done
+  } else {
+    flat = at::empty({shard * world_size_}, out_shard.options().dtype(dtype));
+    if (shard * world_size_ > total) flat.narrow(0, total, shard * world_size_ - total).zero_();
+    flatten_into(tensors, flat, offsets);
+  }
   const bool direct = dtype == out_shard.scalar_type();
   at::Tensor out = direct ? out_shard : at::empty({shard}, flat.options());
   const auto plan = plan_reduce(red, transport, scale, world_size_);
@@ -336,6 +347,16 @@ std::shared_ptr<Work> Communicator::all_gather_coalesced(const at::Tensor& shard
   const std::string what = label("all_gather_coalesced");
   if (total == 0) return std::make_shared<DoneWork>(what, timeout_);
   Transport& transport = transport_for(shard.device(), fn);
+  // The output is one flat buffer (a ZeRO unit's): gathered into directly, no copy-out. The shard
+  // may be this rank's own slot of it (in place: gloo and NCCL both take that form).
+  const bool in_place = shard.is_alias_of(tensors[0]) &&
+                        static_cast<const char*>(shard.data_ptr()) ==
+                            static_cast<const char*>(tensors[0].data_ptr()) + rank_ * n * shard.element_size();
+  if (is_whole_flat(tensors, n * world_size_, shard.scalar_type()) && (in_place || !shard.is_alias_of(tensors[0]))) {
+    auto work = transport.all_gather(tensors[0], shard, what);
+    work->keep_alive({tensors[0], shard});
+    return work;
+  }
   at::Tensor flat = at::empty({n * world_size_}, shard.options());
   auto work = transport.all_gather(flat, shard, what);
   std::vector<at::Tensor> outs(tensors.begin(), tensors.end());

@@ -87,7 +87,9 @@ class Communicator:
                                  scale: float | None = None, reduce_dtype: torch.dtype | None = None):
         """Reduce the concatenation of ``tensors`` (padded with zeros to world_size * shard) over
         the ranks and write this rank's shard, times ``scale``, into ``out_shard``. Reduced in
-        ``reduce_dtype`` (default out_shard's dtype), e.g. bf16 grads in fp32."""
+        ``reduce_dtype`` (default out_shard's dtype), e.g. bf16 grads in fp32. A single contiguous
+        tensor of exactly world_size * shard elements in the reduce dtype is reduced in place of
+        the copy: leave it unmodified until ``wait()``."""
         tensors = list(tensors)
         self._checked("reduce_scatter_coalesced", tensors=tensors, out_shard=out_shard, op=op, scale=scale,
                       reduce_dtype=reduce_dtype)
@@ -95,7 +97,8 @@ class Communicator:
 
     def all_gather_coalesced(self, shard: torch.Tensor, tensors: Sequence[torch.Tensor]):
         """Gather every rank's ``shard`` into the concatenation of ``tensors`` (the inverse of
-        reduce_scatter_coalesced's layout); the tensors are written at ``wait()``."""
+        reduce_scatter_coalesced's layout); the tensors are written at ``wait()`` (a single
+        contiguous tensor of exactly world_size * shard elements is gathered into directly)."""
         tensors = list(tensors)
         self._checked("all_gather_coalesced", shard=shard, tensors=tensors)
         return self._c.all_gather_coalesced(shard, tensors)

@@ -8,8 +8,9 @@ view of it; stage 3 keeps its own ``shard`` and gives ``full``'s storage back be
 (storage resized to 0: the views keep their shapes, nothing is reallocated by autograd).
 
 Gradients: the grad-ready hook adds each param's .grad into ``gflat`` (the unit's full-size local
-accumulation buffer, in the reduce dtype) and drops the .grad; a reduce-scatter (op sum) of gflat
-lands this rank's piece in ``gshard``. Stage 1 keeps gflat and gshard is a view of it (after a sync
+accumulation buffer, in the reduce dtype) and drops the .grad (stage 2/3 outside no_sync: keeps the
+grad as is in ``pending`` instead, saving a pass); a reduce-scatter (op sum) lands this rank's
+piece in ``gshard``. Stage 1 keeps gflat and gshard is a view of it (after a sync
 gflat is zero except the rank's own region); stage 2/3 keep only gshard and allocate gflat per
 backward. Sums, not means: the optimizer multiplies by 1 / world_size in its kernel, and repeated
 syncs before a step add up exactly (gradient accumulation with communication).
@@ -83,6 +84,10 @@ class FlatUnit:
             self.gshard = self.gflat[self.lo:self.hi]
         else:
             self.gshard = torch.zeros(self.shard_numel, dtype=self.reduce_dtype, device=self.device)
+        # stage 2/3 with nothing accumulated locally: each param's grad as autograd made it, handed
+        # to the reduce-scatter as is (one copy into the communicator's buffer, no gflat)
+        self.pending: list[torch.Tensor | None] = [None] * len(self.params)
+        self._pad = torch.zeros(self.padded - self.numel, dtype=self.dtype, device=self.device)
         self.ready = 0  # params whose grad arrived in this backward
         self.dirty = False  # gflat holds local grads not reduced yet
         self.launched = False
@@ -118,15 +123,39 @@ class FlatUnit:
         o = self.offsets[i]
         return self.gflat[o:o + self.params[i].numel()]
 
+    def add_grad(self, i: int, grad: torch.Tensor, keep: bool) -> None:
+        """A param's grad arrived: kept as is for the coming reduce (keep, nothing accumulated
+        yet), else added into gflat."""
+        if keep and not self.dirty:
+            self.pending[i] = grad.reshape(-1)
+        else:
+            self.grad_view(i).add_(grad.reshape(-1))
+            self.dirty = True
+
+    @property
+    def has_grads(self) -> bool:
+        return self.dirty or any(g is not None for g in self.pending)
+
     def launch_reduce(self, comm) -> None:
-        """Reduce-scatter (sum) gflat into this rank's shard; the result lands at finish_reduce."""
+        """Reduce-scatter (sum) this unit's grads into this rank's shard; the result lands at
+        finish_reduce."""
+        if self.dirty:
+            for i, g in enumerate(self.pending):
+                if g is not None:
+                    self.grad_view(i).add_(g)
+            src = [self.gflat]
+        else:
+            src = [g if g is not None else torch.zeros(p.numel(), dtype=self.dtype, device=self.device)
+                   for g, p in zip(self.pending, self.params)] + [self._pad]
         if self.stage == 1 or not self.gshard_fresh:
             self.rs_out = torch.empty(self.shard_numel, dtype=self.reduce_dtype, device=self.device)
         else:
             self.rs_out = self.gshard
-        self.rs_work = comm.reduce_scatter_coalesced([self.gflat], self.rs_out, op="sum")
+        self.rs_work = comm.reduce_scatter_coalesced(src, self.rs_out, op="sum",
+                                                     reduce_dtype=self.reduce_dtype)
         self.launched = True
         self.dirty = False
+        self.pending = [None] * len(self.params)
         if self.stage != 1:
             self.gflat = None  # the communicator holds what it still needs
 
@@ -154,6 +183,7 @@ class FlatUnit:
         else:
             self.gflat = None
             self.gshard_fresh = True
+        self.pending = [None] * len(self.params)
         self.dirty = False
 
     def grad_shard(self) -> torch.Tensor:

@@ -1,0 +1,215 @@
+"""Data-parallel training steps on gloo, 2 ranks: zerofuse ZeRO-1/2/3 vs torch DDP, FSDP2
+(fully_shard, reshard_after_forward True and False) and DeepSpeed ZeRO-1/2/3 (when installed), on
+the same GPT (~10.7M params, zerofuse's attention and norms in every provider), batch, precision
+(fp32) and optimizer (AdamW; torch's fused CPU AdamW for the peers).
+
+The pytest process is rank 0 and times whole steps (forward, backward, optimizer step, with the
+communication each provider does) with pytest-benchmark; a fresh helper process per provider is
+rank 1 and runs the same steps in lockstep (a barrier before each, outside the timing). Memory:
+the helper's peak RSS growth (sampled every ms) from just before the model is built to the end
+(model states, activations, communication buffers, allocator slack: what a rank really needs),
+and for zerofuse the model-state bytes of zero.memory_report. Each rank gets cores // 2 intra-op threads (as torchrun would).
+"""
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import resource
+import tempfile
+import threading
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+
+WS = 2
+PROVIDERS = ["ddp", "fsdp2_reshard", "fsdp2_no_reshard", "deepspeed_z1", "deepspeed_z2", "deepspeed_z3",
+             "zerofuse_z1", "zerofuse_z2", "zerofuse_z3"]
+warnings.filterwarnings("ignore", message=".*is deprecated.*")
+
+
+def _shape(smoke: bool) -> dict:
+    if smoke:
+        return dict(model=dict(vocab_size=65, seq_len=32, n_layer=2, n_head=2, dim=64), batch=2)
+    return dict(model=dict(vocab_size=65, seq_len=128, n_layer=6, n_head=6, dim=384), batch=4)
+
+
+def _adamw(params):
+    try:
+        return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01, fused=True)
+    except (RuntimeError, TypeError, ValueError):
+        return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
+
+
+class _Workload:
+    """The model and optimizer of one provider, built the same way on every rank; step() is one
+    training step on this rank's batch."""
+
+    def __init__(self, provider: str, rank: int, smoke: bool):
+        import zerofuse
+        from zerofuse.models import GPT, GPTConfig
+
+        shape = _shape(smoke)
+        model = GPT(GPTConfig(**shape["model"]), seed=0)
+        g = torch.Generator().manual_seed(rank)
+        self.x = torch.randint(0, 65, (shape["batch"], shape["model"]["seq_len"] + 1), generator=g)
+        self.psi = model.num_params()
+        self.model_state_bytes = None
+        self.provider = provider
+        if provider == "ddp":
+            self.model = torch.nn.parallel.DistributedDataParallel(model)
+            self.opt = _adamw(self.model.parameters())
+        elif provider.startswith("fsdp2"):
+            from torch.distributed.fsdp import fully_shard
+
+            reshard = provider == "fsdp2_reshard"
+            for blk in model.blocks:
+                fully_shard(blk, reshard_after_forward=reshard)
+            fully_shard(model, reshard_after_forward=reshard)
+            self.model = model
+            self.opt = _adamw(model.parameters())
+        elif provider.startswith("deepspeed"):
+            import logging
+
+            import deepspeed
+
+            deepspeed.utils.logger.setLevel(logging.WARNING)
+            cfg = {"train_micro_batch_size_per_gpu": shape["batch"], "gradient_accumulation_steps": 1,
+                   "zero_optimization": {"stage": int(provider[-1])}, "zero_allow_untested_optimizer": True,
+                   "steps_per_print": 1 << 30}
+            self.model, self.opt, _, _ = deepspeed.initialize(model=model, optimizer=_adamw(model.parameters()),
+                                                              config=cfg)
+        else:
+            zerofuse.zero.parallelize(model, stage=int(provider[-1]))
+            self.model = model
+            self.opt = zerofuse.zero.Optimizer(model, "adamw", lr=1e-3, weight_decay=0.01)
+
+    def step(self) -> None:
+        _, loss = self.model(self.x[:, :-1], self.x[:, 1:])
+        if self.provider.startswith("deepspeed"):
+            self.model.backward(loss)
+            self.model.step()
+            return
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        if self.provider.startswith("zerofuse"):
+            import zerofuse
+
+            self.model_state_bytes = zerofuse.zero.memory_report(self.model, self.opt)["total"]
+
+
+def _threads() -> int:
+    return max(1, (os.cpu_count() or 1) // WS)
+
+
+def _env(rank: int) -> None:
+    # DeepSpeed reads the launcher's variables; CPU tensors use the C++ kernels here
+    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(WS), DS_ACCELERATOR="cpu")
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+
+class _PeakRSS:
+    """Highest resident set size seen by a thread sampling /proc/self/statm every millisecond
+    (getrusage's high-water mark would include the imports' peak)."""
+
+    def __init__(self):
+        self.peak = _rss_bytes()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        while not self._stop.wait(0.001):
+            self.peak = max(self.peak, _rss_bytes())
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return max(self.peak, _rss_bytes())
+
+
+def _helper(init_file: str, provider: str, steps: int, smoke: bool) -> None:
+    _env(1)
+    torch.set_num_threads(_threads())
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=1, world_size=WS,
+                            timeout=datetime.timedelta(seconds=600))
+    try:
+        if provider.startswith("deepspeed"):
+            import deepspeed  # noqa: F401  (imports before the baseline)
+        import zerofuse  # noqa: F401
+        base = _rss_bytes()
+        sampler = _PeakRSS()
+        work = _Workload(provider, 1, smoke)
+        for _ in range(steps):
+            dist.barrier()
+            work.step()
+        box = [(sampler.stop() - base, work.model_state_bytes)]
+        dist.broadcast_object_list(box, src=1)
+    finally:
+        dist.destroy_process_group()
+
+
+_MEDIANS: dict[str, float] = {}
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+def bench_zero_step(benchmark, provider, smoke):
+    if provider.startswith("deepspeed"):
+        pytest.importorskip("deepspeed")
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    rounds, warmup = (1, 0) if benchmark.disabled or smoke else (8, 2)
+    tmp = tempfile.TemporaryDirectory(prefix="zerofuse-bench-")
+    init = os.path.join(tmp.name, "init")
+    helper = mp.get_context("spawn").Process(target=_helper, args=(init, provider, rounds + warmup, smoke),
+                                             daemon=True)
+    helper.start()
+    threads = torch.get_num_threads()
+    saved_env = dict(os.environ)
+    _env(0)
+    torch.set_num_threads(_threads())
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=0, world_size=WS,
+                            timeout=datetime.timedelta(seconds=600))
+    try:
+        work = _Workload(provider, 0, smoke)
+        benchmark.pedantic(work.step, setup=dist.barrier, rounds=rounds, warmup_rounds=warmup)
+        box = [None]
+        dist.broadcast_object_list(box, src=1)
+        rss, state_bytes = box[0]
+    finally:
+        if provider.startswith("deepspeed"):
+            import deepspeed.comm
+            from deepspeed.utils import groups
+
+            # DeepSpeed caches its backend and groups of the process group destroyed below
+            deepspeed.comm.comm.cdb = None
+            groups._WORLD_GROUP = groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = groups._DATA_PARALLEL_GROUP = None
+        dist.destroy_process_group()
+        helper.join(timeout=60)
+        if helper.is_alive():
+            helper.kill()
+        torch.set_num_threads(threads)
+        os.environ.clear()
+        os.environ.update(saved_env)
+        tmp.cleanup()
+    info = benchmark.extra_info
+    info.update(case=f"gpt{work.psi / 1e6:.1f}M/ws{WS}/fp32", provider=provider, world_size=WS, params=work.psi,
+                device="cpu (gloo)", torch=torch.__version__, peak_rss_growth_MB_rank1=round(rss / 2**20, 1))
+    if state_bytes is not None:
+        info["model_state_MB_rank1"] = round(state_bytes / 2**20, 2)
+    if benchmark.stats is None:
+        return
+    median = benchmark.stats.stats.median
+    _MEDIANS[provider] = median
+    info["tokens_per_s"] = round(WS * work.x[:, :-1].numel() / median, 1)
+    if provider.startswith("zerofuse"):
+        for peer in PROVIDERS:
+            if not peer.startswith("zerofuse") and peer in _MEDIANS:
+                info[f"speedup_vs_{peer}"] = round(_MEDIANS[peer] / median, 3)
