@@ -122,9 +122,16 @@ class ProcessGroupTransport : public Transport {
  public:
   ProcessGroupTransport(c10::intrusive_ptr<c10d::ProcessGroup> pg, std::chrono::milliseconds timeout,
                         std::chrono::milliseconds delay)
-      : pg_(std::move(pg)), timeout_(timeout), delay_(delay) {}
+      : pg_(std::move(pg)), timeout_(timeout), delay_(delay), gloo_(pg_->getBackendName() == "gloo") {}
 
   std::string name() const override { return "process_group(" + pg_->getBackendName() + ")"; }
+
+  // gloo's tensor reduce-scatter and all-gather stage the whole buffer through temporaries
+  // (measured, 2 ranks, 100 MB fp32: reduce_scatter_tensor 168 ms and +153 MB resident,
+  // all_gather_into_tensor 112 ms and +102 MB; an in-place all-reduce 65 ms and +5 MB, one
+  // in-place broadcast per rank's slot 33 ms and +1 MB): on gloo, reduce-scatter is an in-place
+  // all-reduce and all-gather a broadcast from each rank's slot of the output.
+  bool reduce_scatter_via_all_reduce() const override { return gloo_; }
 
   std::shared_ptr<Work> reduce_scatter(const at::Tensor& out, const at::Tensor& in, Reduce op,
                                        const std::string& what) override {
@@ -139,9 +146,26 @@ class ProcessGroupTransport : public Transport {
   }
 
   std::shared_ptr<Work> all_gather(const at::Tensor& out, const at::Tensor& in, const std::string& what) override {
+    auto pg = pg_;
+    if (gloo_) {
+      const int64_t n = in.numel();
+      const int ws = pg->getSize(), rank = pg->getRank();
+      c10d::BroadcastOptions bopts;
+      bopts.timeout = timeout_;
+      std::vector<Launch> launches;
+      for (int r = 0; r < ws; ++r) {
+        at::Tensor slot = out.narrow(0, r * n, n);
+        bopts.rootRank = r;
+        launches.push_back([pg, slot, in, bopts, own = r == rank]() {
+          if (own && slot.data_ptr() != in.data_ptr()) slot.copy_(in);  // not already in place
+          std::vector<at::Tensor> ts{slot};
+          return pg->broadcast(ts, bopts);
+        });
+      }
+      return submit(what, launches);
+    }
     c10d::AllgatherOptions opts;
     opts.timeout = timeout_;
-    auto pg = pg_;
     return submit(what, {[pg, out, in, opts]() {
                     at::Tensor o = out, i = in;
                     return pg->_allgather_base(o, i, opts);
@@ -192,6 +216,7 @@ class ProcessGroupTransport : public Transport {
 
   c10::intrusive_ptr<c10d::ProcessGroup> pg_;
   std::chrono::milliseconds timeout_, delay_;
+  bool gloo_;
   PgWork::Future last_;
 };
 
@@ -324,10 +349,21 @@ std::shared_ptr<Work> Communicator::reduce_scatter_coalesced(at::TensorList tens
     if (shard * world_size_ > total) flat.narrow(0, total, shard * world_size_ - total).zero_();
     flatten_into(tensors, flat, offsets);
   }
-  const bool direct = dtype == out_shard.scalar_type();
-  at::Tensor out = direct ? out_shard : at::empty({shard}, flat.options());
   const auto plan = plan_reduce(red, transport, scale, world_size_);
   const double factor = plan.second;  // a plain variable: lambdas may not capture structured bindings in C++17
+  if (transport.reduce_scatter_via_all_reduce()) {
+    auto work = transport.all_reduce(flat, plan.first, what);
+    const int64_t lo = rank_ * shard;
+    work->set_finish([flat, out_shard, lo, shard, factor]() mutable {
+      at::Tensor mine = flat.narrow(0, lo, shard);
+      if (factor != 1.0) mine.mul_(factor);
+      out_shard.copy_(mine);
+    });
+    work->keep_alive({flat, out_shard});
+    return work;
+  }
+  const bool direct = dtype == out_shard.scalar_type();
+  at::Tensor out = direct ? out_shard : at::empty({shard}, flat.options());
   auto work = transport.reduce_scatter(out, flat, plan.first, what);
   work->set_finish([out, out_shard, direct, factor]() mutable {
     if (factor != 1.0) out.mul_(factor);

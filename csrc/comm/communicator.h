@@ -78,6 +78,9 @@ class Transport {
   virtual std::shared_ptr<Work> all_reduce(const at::Tensor& buf, Reduce op, const std::string& what) = 0;
   // AVG is done by the transport (true) or by the communicator as SUM then a scale (false)
   virtual bool native_avg() const { return false; }
+  // Reduce-scatter is faster and lighter as an in-place all-reduce of the flat buffer, then a
+  // copy of this rank's shard (gloo: see ProcessGroupTransport)
+  virtual bool reduce_scatter_via_all_reduce() const { return false; }
   // Collectives issued between group_start() and group_end() may be launched together (NCCL:
   // one ncclGroupStart/End, one done event); the ProcessGroup transport launches them at once.
   virtual void group_start() {}

@@ -88,8 +88,9 @@ class Communicator:
         """Reduce the concatenation of ``tensors`` (padded with zeros to world_size * shard) over
         the ranks and write this rank's shard, times ``scale``, into ``out_shard``. Reduced in
         ``reduce_dtype`` (default out_shard's dtype), e.g. bf16 grads in fp32. A single contiguous
-        tensor of exactly world_size * shard elements in the reduce dtype is reduced in place of
-        the copy: leave it unmodified until ``wait()``."""
+        tensor of exactly world_size * shard elements in the reduce dtype is used as the flat
+        buffer instead of a copy: leave it alone until ``wait()``, and treat its contents as
+        scratch after (on gloo it is all-reduced in place)."""
         tensors = list(tensors)
         self._checked("reduce_scatter_coalesced", tensors=tensors, out_shard=out_shard, op=op, scale=scale,
                       reduce_dtype=reduce_dtype)

@@ -173,7 +173,7 @@ class ZeroEngine:
         if p.grad is None:
             return
         unit, i = self.unit_of[id(p)]
-        unit.add_grad(i, p.grad, keep=self.sync_grads and self.stage != 1)
+        unit.add_grad(i, p.grad)
         p.grad = None
         unit.ready += 1
         if not self._final_queued:
@@ -191,7 +191,7 @@ class ZeroEngine:
         self._in_backward = False
         if self.sync_grads:
             for u in self.units:  # units with unused params, or all of them without overlap
-                if u.has_grads and not u.launched:
+                if u.dirty and not u.launched:
                     u.launch_reduce(self.comm)
                     self.events.append(("reduce_scatter", u.index, "end"))
         self.finish_grad_sync()

@@ -7,10 +7,9 @@ and autograd see ordinary parameters. Stage 1/2 keep ``full`` resident and the r
 view of it; stage 3 keeps its own ``shard`` and gives ``full``'s storage back between uses
 (storage resized to 0: the views keep their shapes, nothing is reallocated by autograd).
 
-Gradients: the grad-ready hook adds each param's .grad into ``gflat`` (the unit's full-size local
-accumulation buffer, in the reduce dtype) and drops the .grad (stage 2/3 outside no_sync: keeps the
-grad as is in ``pending`` instead, saving a pass); a reduce-scatter (op sum) lands this rank's
-piece in ``gshard``. Stage 1 keeps gflat and gshard is a view of it (after a sync
+Gradients: the grad-ready hook copies (or, accumulating, adds) each param's .grad into ``gflat``
+(the unit's full-size local buffer, in the reduce dtype) and drops the .grad; a reduce-scatter (op
+sum) of gflat, which the communicator reads in place, lands this rank's piece in ``gshard``. Stage 1 keeps gflat and gshard is a view of it (after a sync
 gflat is zero except the rank's own region); stage 2/3 keep only gshard and allocate gflat per
 backward. Sums, not means: the optimizer multiplies by 1 / world_size in its kernel, and repeated
 syncs before a step add up exactly (gradient accumulation with communication).
@@ -78,16 +77,14 @@ class FlatUnit:
             self.shard = self.full[self.lo:self.hi]
         # gradients
         self.gflat: torch.Tensor | None = None
+        self.written = [False] * len(self.params)  # param regions of gflat holding values
         self.gshard_fresh = True  # gshard holds nothing of this accumulation window yet
         if stage == 1:
             self.gflat = torch.zeros(self.padded, dtype=self.reduce_dtype, device=self.device)
+            self.written = [True] * len(self.params)
             self.gshard = self.gflat[self.lo:self.hi]
         else:
             self.gshard = torch.zeros(self.shard_numel, dtype=self.reduce_dtype, device=self.device)
-        # stage 2/3 with nothing accumulated locally: each param's grad as autograd made it, handed
-        # to the reduce-scatter as is (one copy into the communicator's buffer, no gflat)
-        self.pending: list[torch.Tensor | None] = [None] * len(self.params)
-        self._pad = torch.zeros(self.padded - self.numel, dtype=self.dtype, device=self.device)
         self.ready = 0  # params whose grad arrived in this backward
         self.dirty = False  # gflat holds local grads not reduced yet
         self.launched = False
@@ -117,47 +114,38 @@ class FlatUnit:
 
     # ------------------------------------------------------------------ grads
 
-    def grad_view(self, i: int) -> torch.Tensor:
-        if self.gflat is None:
-            self.gflat = torch.zeros(self.padded, dtype=self.reduce_dtype, device=self.device)
+    def add_grad(self, i: int, grad: torch.Tensor) -> None:
+        """Param i's grad arrived: copied into its region of gflat (added when the region already
+        holds grads of this accumulation window)."""
+        if self.gflat is None:  # stage 2/3: per backward, not zero-filled (each region is written once)
+            self.gflat = torch.empty(self.padded, dtype=self.reduce_dtype, device=self.device)
+            self.gflat[self.numel:].zero_()
         o = self.offsets[i]
-        return self.gflat[o:o + self.params[i].numel()]
-
-    def add_grad(self, i: int, grad: torch.Tensor, keep: bool) -> None:
-        """A param's grad arrived: kept as is for the coming reduce (keep, nothing accumulated
-        yet), else added into gflat."""
-        if keep and not self.dirty:
-            self.pending[i] = grad.reshape(-1)
+        view = self.gflat[o:o + self.params[i].numel()]
+        if self.written[i]:
+            view.add_(grad.reshape(-1))
         else:
-            self.grad_view(i).add_(grad.reshape(-1))
-            self.dirty = True
-
-    @property
-    def has_grads(self) -> bool:
-        return self.dirty or any(g is not None for g in self.pending)
+            view.copy_(grad.reshape(-1))
+            self.written[i] = True
+        self.dirty = True
 
     def launch_reduce(self, comm) -> None:
-        """Reduce-scatter (sum) this unit's grads into this rank's shard; the result lands at
-        finish_reduce."""
-        if self.dirty:
-            for i, g in enumerate(self.pending):
-                if g is not None:
-                    self.grad_view(i).add_(g)
-            src = [self.gflat]
-        else:
-            src = [g if g is not None else torch.zeros(p.numel(), dtype=self.dtype, device=self.device)
-                   for g, p in zip(self.pending, self.params)] + [self._pad]
+        """Reduce-scatter (sum) gflat into this rank's shard (gflat is the communicator's flat
+        buffer: no copy); the result lands at finish_reduce."""
+        for i, done in enumerate(self.written):  # params that got no grad
+            if not done:
+                o = self.offsets[i]
+                self.gflat[o:o + self.params[i].numel()].zero_()
         if self.stage == 1 or not self.gshard_fresh:
             self.rs_out = torch.empty(self.shard_numel, dtype=self.reduce_dtype, device=self.device)
         else:
             self.rs_out = self.gshard
-        self.rs_work = comm.reduce_scatter_coalesced(src, self.rs_out, op="sum",
-                                                     reduce_dtype=self.reduce_dtype)
+        self.rs_work = comm.reduce_scatter_coalesced([self.gflat], self.rs_out, op="sum")
         self.launched = True
         self.dirty = False
-        self.pending = [None] * len(self.params)
-        if self.stage != 1:
-            self.gflat = None  # the communicator holds what it still needs
+        if self.stage != 1:  # the communicator holds gflat until the reduce is done
+            self.gflat = None
+            self.written = [False] * len(self.params)
 
     def finish_reduce(self) -> None:
         if self.rs_work is None:
@@ -182,8 +170,8 @@ class FlatUnit:
                 self.gshard.zero_()
         else:
             self.gflat = None
+            self.written = [False] * len(self.params)
             self.gshard_fresh = True
-        self.pending = [None] * len(self.params)
         self.dirty = False
 
     def grad_shard(self) -> torch.Tensor:

@@ -33,7 +33,6 @@ def memory_report(model: torch.nn.Module, optimizer=None) -> dict:
             grads += u.gflat.untyped_storage().nbytes()
         if eng.stage != 1:
             grads += _bytes(u.gshard)
-        grads += sum(_bytes(g) for g in u.pending)
     grads += sum(_bytes(p.grad) for p in eng.params)
     opt = 0
     k = 0
