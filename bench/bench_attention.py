@@ -1,0 +1,128 @@
+"""Attention forward, backward and forward+backward: zerofuse vs torch SDPA (flash and efficient
+backends on CUDA; torch's CPU kernel on CPU) and flash-attn (when installed).
+
+GPU: bf16, B * N = 16k tokens, N from 512 to 16384, head_dim 64 (32 heads) and 128 (16 heads),
+causal and not. FLOPs (the FlashAttention convention): forward 4 * B * H * N^2 * D, halved when
+causal; backward 2.5x the forward. TFLOP/s are reported with the ratio to the bf16 matmul peak
+measured in the same session (``matmul_peak``). CPU: fp32 at small sizes (the same code path
+users get on CPU); smoke: one tiny shape. The zerofuse provider runs last, so its extra_info holds
+its speedup over each peer measured in the same run.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+
+import pytest
+import torch
+
+import zerofuse.nn.functional as ZF
+
+GPU_N = [512, 1024, 2048, 4096, 8192, 16384]
+GPU_TOKENS = 16384
+CPU_N = [256, 1024]
+CPU_TOKENS = 2048
+
+
+def _cases(device: torch.device, smoke: bool):
+    if smoke:
+        return [(2, 2, 128, 64)]
+    if device.type == "cuda":
+        return [(GPU_TOKENS // n, 2048 // d, n, d) for d in (64, 128) for n in GPU_N]
+    return [(CPU_TOKENS // n, 4, n, 64) for n in CPU_N]
+
+
+def pytest_generate_tests(metafunc):
+    if "case" in metafunc.fixturenames:
+        smoke = metafunc.config.getoption("--smoke") or os.environ.get("ZEROFUSE_BENCH_SMOKE") == "1"
+        dev = metafunc.config.getoption("--bench-device") or ("cuda" if torch.cuda.is_available() else "cpu")
+        cases = _cases(torch.device(dev), smoke)
+        metafunc.parametrize("case", cases, ids=[f"B{b}H{h}N{n}D{d}" for b, h, n, d in cases])
+
+
+@pytest.fixture(scope="session")
+def matmul_peak(device, smoke) -> float:
+    """Measured matmul TFLOP/s (bf16 on CUDA, fp32 on CPU): the compute roofline."""
+    import statistics
+    import time
+
+    def seconds(fn):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - t0
+
+    n = 256 if smoke else (8192 if device.type == "cuda" else 1024)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    a @ b
+    t = statistics.median(seconds(lambda: a @ b) for _ in range(3 if smoke else 20))
+    return 2 * n ** 3 / t / 1e12
+
+
+def _sdpa(provider: str):
+    F = torch.nn.functional
+    if provider == "zerofuse":
+        return ZF.scaled_dot_product_attention, contextlib.nullcontext
+    if provider == "flash_attn":
+        fa = pytest.importorskip("flash_attn")
+
+        def fn(q, k, v, is_causal):  # flash-attn's layout is (B, N, H, D)
+            return fa.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                      causal=is_causal).transpose(1, 2)
+
+        return fn, contextlib.nullcontext
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = {"torch_flash": SDPBackend.FLASH_ATTENTION, "torch_efficient": SDPBackend.EFFICIENT_ATTENTION,
+               "torch_sdpa": None}[provider]
+    ctx = contextlib.nullcontext if backend is None else (lambda: sdpa_kernel(backend))
+    return F.scaled_dot_product_attention, ctx
+
+
+PROVIDERS = ["torch_sdpa", "torch_flash", "torch_efficient", "flash_attn", "zerofuse"]
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+@pytest.mark.parametrize("mode", ["fwd", "bwd", "fwd+bwd"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def bench_attention(measure, device, smoke, matmul_peak, benchmark, causal, mode, provider, case):
+    cuda = device.type == "cuda"
+    if cuda and provider == "torch_sdpa":
+        pytest.skip("on CUDA the flash and efficient backends are measured separately")
+    if not cuda and provider in ("torch_flash", "torch_efficient", "flash_attn"):
+        pytest.skip(f"{provider} needs CUDA")
+    b, h, n, d = case
+    dtype = torch.bfloat16 if cuda else torch.float32
+    fn, ctx = _sdpa(provider)
+    g = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(b, h, n, d, device=device, dtype=dtype, generator=g).requires_grad_() for _ in range(3))
+    dout = torch.randn(b, h, n, d, device=device, dtype=dtype, generator=g)
+    fwd_flops = 4 * b * h * n * n * d / (2 if causal else 1)
+    flops = {"fwd": fwd_flops, "bwd": 2.5 * fwd_flops, "fwd+bwd": 3.5 * fwd_flops}[mode]
+    setup = None
+    with ctx():
+        if mode == "fwd":
+            def run():
+                with torch.no_grad():
+                    return fn(q, k, v, is_causal=causal)
+        elif mode == "bwd":
+            def setup():  # a fresh graph each round, outside the timing
+                return (fn(q, k, v, is_causal=causal),)
+
+            def run(out):
+                return torch.autograd.grad(out, (q, k, v), dout)
+        else:
+            def run():
+                return torch.autograd.grad(fn(q, k, v, is_causal=causal), (q, k, v), dout)
+        run(*(setup() if setup else ()))  # autotune / warm up outside the timing
+        measure(run, case=f"{mode}/{'causal' if causal else 'full'}/{dtype}/B{b}H{h}N{n}D{d}", provider=provider,
+                flops=flops, setup=setup)
+    if benchmark.stats is not None:
+        tflops = benchmark.extra_info["TFLOP/s"]
+        benchmark.extra_info.update({"matmul_peak_TFLOP/s": round(matmul_peak, 2),
+                                     "peak_ratio": round(tflops / matmul_peak, 3)})

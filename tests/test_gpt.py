@@ -1,0 +1,62 @@
+"""zerofuse.models.GPT: deterministic init, zerofuse's attention as a drop-in for torch's, errors."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from zerofuse.models import GPT, GPTConfig, config
+
+SMALL = dict(vocab_size=65, seq_len=64, n_layer=2, n_head=4, n_kv_head=2, dim=128)
+
+
+def test_init_is_deterministic_from_the_seed():
+    torch.manual_seed(1)
+    a = GPT(GPTConfig(**SMALL), seed=3)
+    torch.manual_seed(2)  # the global RNG plays no part
+    b = GPT(GPTConfig(**SMALL), seed=3)
+    c = GPT(GPTConfig(**SMALL), seed=4)
+    for (n, p), q, r in zip(a.named_parameters(), b.parameters(), c.parameters()):
+        assert torch.equal(p, q), n
+        if p.dim() == 2:
+            assert not torch.equal(p, r), n
+    assert a.blocks[0].norm1.weight.eq(1).all()
+    std = a.blocks[0].mlp.proj.weight.std().item()
+    assert abs(std - 0.02 / (2 * SMALL["n_layer"]) ** 0.5) < 2e-3  # GPT-2's scaled residual init
+
+
+@pytest.mark.parametrize("n", [33, 64])
+def test_zerofuse_attention_is_a_drop_in_for_torch_sdpa(n):
+    """The same GPT with torch's scaled_dot_product_attention and with zerofuse's (here the Triton
+    kernels in the interpreter): same loss and gradients."""
+    ours = GPT(GPTConfig(**SMALL), seed=0)
+    theirs = GPT(GPTConfig(**SMALL, attention="torch"), seed=0)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 65, (2, n + 1), generator=g)
+    _, loss_a = ours(x[:, :-1], x[:, 1:])
+    _, loss_b = theirs(x[:, :-1], x[:, 1:])
+    loss_a.backward()
+    loss_b.backward()
+    torch.testing.assert_close(loss_a, loss_b, rtol=1e-5, atol=1e-6)
+    for (name, p), q in zip(ours.named_parameters(), theirs.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def test_tied_embeddings_and_generate():
+    model = GPT(GPTConfig(**SMALL, tie_embeddings=True), seed=0)
+    assert model.head.weight is model.wte.weight
+    assert model.num_params() == sum(p.numel() for p in model.parameters())
+    out = model.generate(torch.zeros((2, 1), dtype=torch.long), 5, top_k=10,
+                         generator=torch.Generator().manual_seed(0))
+    assert out.shape == (2, 6) and out.dtype == torch.long and int(out.max()) < 65
+
+
+def test_config_errors():
+    with pytest.raises(ValueError, match="n_head \\(3\\) to divide dim \\(128\\)"):
+        GPTConfig(**{**SMALL, "n_head": 3})
+    with pytest.raises(ValueError, match="n_kv_head \\(3\\) to divide n_head \\(4\\)"):
+        GPTConfig(**{**SMALL, "n_kv_head": 3})
+    with pytest.raises(ValueError, match="unknown model 'huge'"):
+        config("huge")
+    with pytest.raises(ValueError, match="sequence length 65 exceeds the model's seq_len 64"):
+        GPT(GPTConfig(**SMALL))(torch.zeros((1, 65), dtype=torch.long))
+    assert config("tiny").dim == 128
