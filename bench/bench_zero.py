@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 WS = 2
 PROVIDERS = ["ddp", "fsdp2_reshard", "fsdp2_no_reshard", "deepspeed_z1", "deepspeed_z2", "deepspeed_z3",
-             "zerofuse_z1", "zerofuse_z2", "zerofuse_z3"]
+             "zerofuse_z1", "zerofuse_z2", "zerofuse_z3", "zerofuse_z3_no_reshard"]
 warnings.filterwarnings("ignore", message=".*is deprecated.*")
 
 
@@ -82,7 +82,8 @@ class _Workload:
             self.model, self.opt, _, _ = deepspeed.initialize(model=model, optimizer=_adamw(model.parameters()),
                                                               config=cfg)
         else:
-            zerofuse.zero.parallelize(model, stage=int(provider[-1]))
+            stage = int(provider.split("_z")[1][0])
+            zerofuse.zero.parallelize(model, stage=stage, reshard_after_forward=not provider.endswith("no_reshard"))
             self.model = model
             self.opt = zerofuse.zero.Optimizer(model, "adamw", lr=1e-3, weight_decay=0.01)
 

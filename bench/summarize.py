@@ -30,13 +30,14 @@ def render(data: dict, title: str) -> str:
     for b in data.get("benchmarks", []):
         e = b.get("extra_info", {})
         speedups = ", ".join(f"{k[len('speedup_vs_'):]} {v:.2f}x" for k, v in e.items() if k.startswith("speedup_vs_"))
-        notes = ("busbw_GB/s", "busbw_vs_single", "comm_ms_overlap_off", "exposed_comm_ms_overlap_on", "exposed_ratio")
+        notes = ("busbw_GB/s", "busbw_vs_single", "comm_ms_overlap_off", "exposed_comm_ms_overlap_on", "exposed_ratio",
+                 "peak_rss_growth_MB_rank1", "model_state_MB_rank1", "peak_ratio")
         ratios = ", ".join(f"{k} {v:.2f}" for k, v in e.items()
                            if (k.startswith("time_vs_") or k in notes) and isinstance(v, (int, float)))
         speedups = "; ".join(x for x in (speedups, ratios) if x)
         lines.append(
             f"| {b['name']} | {b['stats']['median'] * 1e3:.3f} | {e.get('GB/s', '')} | {e.get('TFLOP/s', '')} "
-            f"| {e.get('roofline_ratio', '')} | {speedups} |"
+            f"| {e.get('roofline_ratio', e.get('peak_ratio', ''))} | {speedups} |"
         )
     roof = next((b["extra_info"].get("roofline_GB/s") for b in data.get("benchmarks", []) if "roofline_GB/s" in b.get("extra_info", {})), None)
     if roof:

@@ -386,6 +386,32 @@ def test_stage3_frees_params_and_supports_activation_checkpointing():
         torch.testing.assert_close(r["params"][name], want, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
 
 
+def _no_reshard_rank(rank, ws):
+    model = make_model()
+    zerofuse.zero.parallelize(model, stage=3, reshard_after_forward=False)
+    eng = model._zerofuse_zero
+    opt = zerofuse.zero.Optimizer(model, "adamw", lr=LR, weight_decay=WD)
+    per = GLOBAL_BATCH // ws
+    states = []
+    for b in batches(2):
+        mine = b[rank * per:(rank + 1) * per]
+        _, loss = model(mine[:, :-1], mine[:, 1:])
+        states.append([u.state for u in eng.units])  # after forward: everything still gathered
+        loss.backward()
+        states.append([u.state for u in eng.units])  # after backward: freed
+        opt.step()
+        opt.zero_grad()
+    return states, full_state(model)
+
+
+def test_stage3_without_resharding_after_forward():
+    states, params = run_distributed(_no_reshard_rank, 2, timeout=240)[0]
+    assert states[0] == ["gathered"] * 4 and states[1] == ["free"] * 4
+    _, _, ref_params = reference_run(2, clip=False)
+    for name, want in ref_params.items():
+        torch.testing.assert_close(params[name], want, rtol=1e-4, atol=1e-5)
+
+
 def _overlap_off_rank(rank, ws):
     model = make_model()
     zerofuse.zero.parallelize(model, stage=2, bucket_mb=0.25, overlap=False)

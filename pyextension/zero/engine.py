@@ -16,7 +16,8 @@ a unit's buffers.
   module waits only for the units its own params live in, so the gathers overlap the forward.
 - stage 3 params: the root is gathered by the model's forward pre-hook and kept until the end of
   backward. A unit is gathered by its forward pre-hook (which also starts gathering the next
-  ``prefetch`` units in the forward order recorded last step) and freed by its forward post-hook;
+  ``prefetch`` units in the forward order recorded last step) and freed by its forward post-hook
+  (unless reshard_after_forward=False);
   hooks on its outputs' grads gather it again before its backward (prefetching the next units in
   backward order), and it is freed when its last grad is ready. Forward under no_grad frees
   everything after use. A forward re-run inside backward (activation checkpointing) keeps the
@@ -67,7 +68,8 @@ def _wrap_modules(model: torch.nn.Module, wrap) -> list[torch.nn.Module]:
 
 
 class ZeroEngine:
-    def __init__(self, model, *, stage, group, precision, reduce_dtype, bucket_mb, overlap, prefetch, wrap):
+    def __init__(self, model, *, stage, group, precision, reduce_dtype, bucket_mb, overlap, prefetch, wrap,
+                 reshard_after_forward=True):
         name = "zerofuse.zero.parallelize"
         if stage not in (1, 2, 3):
             raise ValueError(f"{name}: expected stage 1, 2 or 3, got {stage!r}")
@@ -91,6 +93,7 @@ class ZeroEngine:
         self.comm = Communicator(group)
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
         self.stage, self.precision, self.overlap, self.prefetch = stage, precision, overlap, prefetch
+        self.reshard_after_forward = reshard_after_forward
         self.dtype = PRECISIONS[precision]
         model.to(self.dtype)
         self.names = [n for n, _ in named]
@@ -303,7 +306,8 @@ class ZeroEngine:
         def hook(_mod, _args, out):
             if self._in_backward:  # a re-run forward (activation checkpointing): backward needs the params
                 return
-            u.free()
+            if self.reshard_after_forward or not torch.is_grad_enabled():
+                u.free()
             if torch.is_grad_enabled():
                 for t in _tensors(out):
                     if t.requires_grad:
@@ -363,16 +367,19 @@ def _tensors(out):
 
 def parallelize(model: torch.nn.Module, *, stage: int, group=None, precision: str = "fp32",
                 reduce_dtype: torch.dtype | None = None, bucket_mb: float = 25.0, overlap: bool = True,
-                prefetch: int = 1, wrap=None) -> torch.nn.Module:
+                prefetch: int = 1, wrap=None, reshard_after_forward: bool = True) -> torch.nn.Module:
     """Make ``model`` ZeRO data-parallel over ``group`` (None: the default group), in place, and
     return it. precision: the dtype params and grads are kept in (fp32 masters live in the
     optimizer); reduce_dtype: the dtype grads are reduced and accumulated in (default: the
     params'). stage 3: ``wrap`` picks the units (None: each child of the main ModuleList; a list
     of module classes; a list of submodules; a callable(module) -> bool) and ``prefetch`` how many
-    units are gathered ahead. ``model.no_sync()`` then skips communication in backward, for
+    units are gathered ahead, ``reshard_after_forward=False`` keeps each unit gathered from its
+    forward to the end of its backward (FSDP2's option: less communication, more memory).
+    ``model.no_sync()`` then skips communication in backward, for
     gradient accumulation. Build ``zerofuse.zero.Optimizer(model, ...)`` to train."""
     engine = ZeroEngine(model, stage=stage, group=group, precision=precision, reduce_dtype=reduce_dtype,
-                        bucket_mb=bucket_mb, overlap=overlap, prefetch=prefetch, wrap=wrap)
+                        bucket_mb=bucket_mb, overlap=overlap, prefetch=prefetch, wrap=wrap,
+                        reshard_after_forward=reshard_after_forward)
     model._zerofuse_zero = engine
     model.no_sync = engine.no_sync
     return model
