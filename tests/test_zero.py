@@ -494,3 +494,46 @@ def _diverging_rank(rank, ws):
     loss.backward()
     opt.step()  # rank 0 all-reduces a grad norm first, rank 1 goes straight to the next forward's gather
     model(b[:, :-1], b[:, 1:])
+
+
+def _cuda_rank(rank, ws, precision, steps):
+    out = {}
+    for stage in STAGES:
+        model = make_model().cuda()
+        zerofuse.zero.parallelize(model, stage=stage, precision=precision, bucket_mb=0.25)
+        opt = zerofuse.zero.Optimizer(model, "adamw", lr=LR, weight_decay=WD)
+        losses = []
+        for b in batches(steps):
+            b = b.cuda()
+            _, loss = model(b[:, :-1], b[:, 1:])
+            opt.scale_loss(loss).backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        out[stage] = dict(losses=losses, params={k: v.cpu() for k, v in full_state(model).items()})
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_cuda_world_of_one_matches_single_process(precision):
+    """On one GPU: CUDA tensors go through zerofuse's NCCL transport (world of one) and the Triton
+    optimizer kernels; every stage matches plain single-GPU training."""
+    steps = 5
+    model = make_model(precision).cuda()
+    opt = (torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD) if precision == "fp32"
+           else FusedAdamW(model.parameters(), lr=LR, weight_decay=WD, master_weights=True))
+    ref = []
+    for b in batches(steps):
+        b = b.cuda()
+        _, loss = model(b[:, :-1], b[:, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref.append(loss.item())
+    results = run_distributed(_cuda_rank, 1, precision, steps, timeout=300)[0]
+    t = dict(rtol=1e-5, atol=1e-5) if precision == "fp32" else tol(torch.bfloat16)
+    for stage in STAGES:
+        torch.testing.assert_close(torch.tensor(results[stage]["losses"]), torch.tensor(ref), **t)
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(results[stage]["params"][name], p.detach().float().cpu(), **t)
