@@ -187,14 +187,43 @@ def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
              mask=row_mask)
 
 
-def _config(d: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_D, num_warps) for head_dim d: one fixed config (the interpreter
-    runs no autotuning; GPU tuning is measured work still to do)."""
-    block_d = max(16, triton.next_power_of_2(d))
+# Interpreter: one fixed block shape (the interpreter runs no autotuning; tests monkeypatch it to
+# check the other shapes the GPU autotuner may pick).
+INTERPRETER_BLOCKS = (64, 64)
+# GPU: (BLOCK_M, BLOCK_N, num_warps, num_stages), autotuned per (Nq, Nk, D, causal) on the first
+# call of each shape; pruned by head_dim so a tile's q/k/v blocks fit in shared memory.
+GPU_CONFIGS = [(128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3), (64, 32, 4, 4), (32, 64, 4, 3),
+               (64, 128, 8, 2)]
+
+
+def _block_d(d: int) -> int:
+    return max(16, triton.next_power_of_2(d))
+
+
+def _prune(configs, named_args, **kwargs):
+    bd = kwargs.get("BLOCK_D", named_args.get("BLOCK_D", 64))
+    limit = 128 * 128 if bd <= 128 else 64 * 256  # elements of a (BLOCK, BLOCK_D) tile
+    keep = [c for c in configs if max(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) * bd <= limit]
+    return keep or configs[-1:]
+
+
+def _tuned(kernel, key):
+    configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=st) for m, n, w, st in GPU_CONFIGS]
+    return triton.autotune(configs=configs, key=key, prune_configs_by={"early_config_prune": _prune})(kernel)
+
+
+_attn_fwd_tuned = _tuned(_attn_fwd_kernel, ["Nq", "Nk", "D", "CAUSAL"])
+_attn_bwd_dkdv_tuned = _tuned(_attn_bwd_dkdv_kernel, ["Nq", "Nk", "D", "CAUSAL"])
+_attn_bwd_dq_tuned = _tuned(_attn_bwd_dq_kernel, ["Nq", "Nk", "D", "CAUSAL"])
+
+
+def _launch(kernel, tuned, grid, *args, **consts):
+    """The interpreter: the fixed INTERPRETER_BLOCKS; a GPU: the autotuned kernel."""
     if interpreted():
-        return 64, 64, block_d, 4
-    block = 64 if block_d <= 128 else 32
-    return block, block, block_d, 4 if block_d <= 64 else 8
+        bm, bn = INTERPRETER_BLOCKS
+        kernel[grid({"BLOCK_M": bm, "BLOCK_N": bn})](*args, BLOCK_M=bm, BLOCK_N=bn, UPCAST=True, num_warps=4, **consts)
+    else:
+        tuned[grid](*args, UPCAST=False, **consts)
 
 
 def _check(q, k, v):
@@ -219,12 +248,9 @@ def attention_fwd(q, k, v, causal: bool, scale: float):
     hkv, nk = k.shape[1], k.shape[2]
     out = torch.empty((b, hq, nq, d), device=q.device, dtype=q.dtype)
     lse = torch.empty((b, hq, nq), device=q.device, dtype=torch.float32)
-    bm, bn, bd, warps = _config(d)
-    _attn_fwd_kernel[(triton.cdiv(nq, bm), b * hq)](
-        q, k, v, out, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
-        hq, hq // hkv, nq, nk, d, scale * LOG2E,
-        CAUSAL=causal, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, UPCAST=interpreted(), num_warps=warps,
-    )
+    _launch(_attn_fwd_kernel, _attn_fwd_tuned, lambda meta: (triton.cdiv(nq, meta["BLOCK_M"]), b * hq),
+            q, k, v, out, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
+            hq, hq // hkv, nq, nk, d, scale * LOG2E, CAUSAL=causal, BLOCK_D=_block_d(d))
     return out, lse
 
 
@@ -233,23 +259,21 @@ def attention_bwd(dout, q, k, v, out, lse, causal: bool, scale: float):
     b, hq, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
-    bm, bn, bd, warps = _config(d)
+    bd = _block_d(d)
     delta = torch.empty_like(lse)
-    _attn_delta_kernel[(triton.cdiv(nq, bm), b * hq)](
-        out, dout, delta, *out.stride()[:3], *dout.stride()[:3], hq, nq, d, BLOCK_M=bm, BLOCK_D=bd,
+    _attn_delta_kernel[(triton.cdiv(nq, 64), b * hq)](
+        out, dout, delta, *out.stride()[:3], *dout.stride()[:3], hq, nq, d, BLOCK_M=64, BLOCK_D=bd,
     )
     dq = torch.empty((b, hq, nq, d), device=q.device, dtype=q.dtype)
     dk = torch.empty((b, hkv, nk, d), device=k.device, dtype=k.dtype)
     dv = torch.empty((b, hkv, nk, d), device=v.device, dtype=v.dtype)
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3])
-    _attn_bwd_dkdv_kernel[(triton.cdiv(nk, bn), b * hkv)](
-        q, k, v, dout, lse, delta, dk, dv, *strides, hq, hkv, hq // hkv, nq, nk, d, scale,
-        CAUSAL=causal, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, UPCAST=interpreted(), num_warps=warps,
-    )
-    _attn_bwd_dq_kernel[(triton.cdiv(nq, bm), b * hq)](
-        q, k, v, dout, lse, delta, dq, *strides, hq, hq // hkv, nq, nk, d, scale,
-        CAUSAL=causal, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, UPCAST=interpreted(), num_warps=warps,
-    )
+    _launch(_attn_bwd_dkdv_kernel, _attn_bwd_dkdv_tuned, lambda meta: (triton.cdiv(nk, meta["BLOCK_N"]), b * hkv),
+            q, k, v, dout, lse, delta, dk, dv, *strides, hq, hkv, hq // hkv, nq, nk, d, scale,
+            CAUSAL=causal, BLOCK_D=bd)
+    _launch(_attn_bwd_dq_kernel, _attn_bwd_dq_tuned, lambda meta: (triton.cdiv(nq, meta["BLOCK_M"]), b * hq),
+            q, k, v, dout, lse, delta, dq, *strides, hq, hq // hkv, nq, nk, d, scale,
+            CAUSAL=causal, BLOCK_D=bd)
     return dq, dk, dv
 
 

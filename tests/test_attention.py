@@ -59,6 +59,16 @@ def test_forward_and_backward_vs_float64(case, dtype):
         assert _max_err(got, want) <= 2 * _max_err(theirs, want) + floor
 
 
+@pytest.mark.skipif(not kernels.interpreted(), reason="block shapes are forced in the interpreter")
+@pytest.mark.parametrize("blocks", sorted({(m, n) for m, n, _, _ in K.GPU_CONFIGS}), ids=lambda b: f"{b[0]}x{b[1]}")
+def test_every_gpu_block_shape_is_correct(blocks, monkeypatch):
+    """The GPU autotuner may pick any of GPU_CONFIGS' block shapes: each one gives the fp32 result
+    (causal and not, odd lengths, Nq != Nk, grouped-query) in the interpreter."""
+    monkeypatch.setattr(K, "INTERPRETER_BLOCKS", blocks)
+    for case in (CASES[1], CASES[2], CASES[3]):
+        test_forward_and_backward_vs_float64(case, torch.float32)
+
+
 def test_non_contiguous_inputs():
     """(B, N, H, D) storage viewed as (B, H, N, D): strides are passed through, no copies."""
     g = torch.Generator().manual_seed(0)
