@@ -21,6 +21,7 @@ CASES = [  # (B, Hq, Hkv, Nq, Nk, D, causal)
     (2, 4, 1, 65, 130, 64, False),  # multi-query, Nq != Nk
     (1, 4, 2, 130, 65, 80, True),  # grouped-query, head_dim 80, Nq > Nk
     (1, 2, 1, 33, 33, 128, True),
+    (1, 2, 1, 70, 70, 256, True),  # the largest head_dim the face sends to the kernel
 ]
 
 
