@@ -63,7 +63,7 @@ def save(path: str, model: torch.nn.Module, optimizer=None, *, extra=None) -> No
     if eng.rank == 0:
         managed = {id(p) for p in eng.params}
         blob["rest"] = {n: t.detach().clone() for n, t in model.state_dict(keep_vars=True).items()
-                        if id(t) not in managed and not _is_managed_name(n, eng)}
+                        if id(t) not in managed}
         blob["extra"] = extra
     torch.save(blob, os.path.join(tmp, f"rank{eng.rank}.pt"))
     dist.barrier(group=group)
@@ -94,10 +94,6 @@ def save(path: str, model: torch.nn.Module, optimizer=None, *, extra=None) -> No
         os.rename(tmp, path)
         shutil.rmtree(old, ignore_errors=True)
     dist.barrier(group=group)
-
-
-def _is_managed_name(name: str, eng) -> bool:
-    return name in eng.names
 
 
 def _resolve(path: str) -> str:
@@ -183,6 +179,12 @@ def load(path: str, model: torch.nn.Module, optimizer=None):
             raise ValueError(f"{who}: the checkpoint holds no optimizer state (saved without an optimizer)")
         if optimizer.kind != opt_meta["kind"]:
             raise ValueError(f"{who}: the checkpoint's optimizer is {opt_meta['kind']!r}, this one is {optimizer.kind!r}")
+        by_name = {n: i for i, n in enumerate(eng.names)}
+        saved_groups = opt_meta["param_groups"]
+        if len(saved_groups) != len(optimizer.param_groups) or any(
+                sorted(by_name[n] for n in saved["params"]) != sorted(eng.param_index[id(p)] for p in g["params"])
+                for g, saved in zip(optimizer.param_groups, saved_groups)):
+            raise ValueError(f"{who}: the checkpoint's param groups hold different params than the optimizer's")
     for u in eng.units:
         states = optimizer.unit_states[u.index] if optimizer is not None else {}
         for s in u.segments:
@@ -195,14 +197,8 @@ def load(path: str, model: torch.nn.Module, optimizer=None):
                 if key != "master":
                     _fill(t[sl], name, s.param_offset, pieces, lambda _u, k=key: k)
     if optimizer is not None:
-        by_name = {n: i for i, n in enumerate(eng.names)}
-        saved_groups = opt_meta["param_groups"]
-        for g, saved, step in zip(optimizer.param_groups, saved_groups, opt_meta["steps"]):
+        for g, saved in zip(optimizer.param_groups, opt_meta["param_groups"]):
             g.update({k: (tuple(v) if isinstance(v, list) else v) for k, v in saved.items() if k != "params"})
-        if len(saved_groups) != len(optimizer.param_groups) or any(
-                sorted(by_name[n] for n in saved["params"]) != sorted(eng.param_index[id(p)] for p in g["params"])
-                for g, saved in zip(optimizer.param_groups, saved_groups)):
-            raise ValueError(f"{who}: the checkpoint's param groups hold different params than the optimizer's")
         for s, step in zip(optimizer._steps, opt_meta["steps"]):
             s.fill_(step)
         optimizer.scale.fill_(opt_meta["scale"])

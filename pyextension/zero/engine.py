@@ -29,7 +29,7 @@ import contextlib
 
 import torch
 
-from zerofuse.comm import Communicator
+from zerofuse.comm import BucketPlan, Communicator
 from zerofuse.zero.flat import FREE, FlatUnit
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -107,7 +107,7 @@ class ZeroEngine:
         if stage == 3:
             self._build_stage3(model, named, wrap, kw)
         else:
-            self._build_buckets(named, bucket_mb, kw)
+            self._build_buckets(bucket_mb, kw)
         self.unit_of: dict[int, tuple[FlatUnit, int]] = {}
         for u in self.units:
             for i, p in enumerate(u.params):
@@ -129,17 +129,12 @@ class ZeroEngine:
 
     # ------------------------------------------------------------------ layout
 
-    def _build_buckets(self, named, bucket_mb, kw):
-        limit = bucket_mb * (1 << 20)
-        cur, size = [], 0
-        for n, p in reversed(named):
-            cur.append((n, p))
-            size += p.numel() * self.dtype.itemsize
-            if size >= limit:
-                self.units.append(FlatUnit(len(self.units), f"bucket{len(self.units)}", cur, **kw))
-                cur, size = [], 0
-        if cur:
-            self.units.append(FlatUnit(len(self.units), f"bucket{len(self.units)}", cur, **kw))
+    def _build_buckets(self, bucket_mb, kw):
+        # the communicator's bucket plan: reverse registration order, about bucket_mb each
+        plan = BucketPlan(self.params, bucket_mb=bucket_mb, world_size=self.world_size, align=ALIGN)
+        for b in plan.buckets:
+            group = [(self.names[self.param_index[id(p)]], p) for p in b.params]
+            self.units.append(FlatUnit(len(self.units), f"bucket{len(self.units)}", group, **kw))
         self._wrap_mods = []
 
     def _build_stage3(self, model, named, wrap, kw):
@@ -347,11 +342,6 @@ class ZeroEngine:
         finally:
             for u in was_free:  # units a forward/backward in progress holds stay gathered
                 u.free()
-
-    def remove(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()
 
 
 def _tensors(out):

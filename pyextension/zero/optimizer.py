@@ -40,8 +40,8 @@ STATE_KEYS = {"adamw": ("exp_avg", "exp_avg_sq"), "adam": ("exp_avg", "exp_avg_s
 
 
 class _Piece:
-    """A run of one unit's shard owned by one param group: [start, start + length) of the shard,
-    with the (global param index) of each param piece in it when per-param math needs them."""
+    """[start, start + length) of one unit's shard, owned by one param group; ``param`` is the
+    global param index for a single param's piece (LAMB/LARS), None for a merged run (Adam)."""
 
     __slots__ = ("unit", "start", "length", "param")
 
@@ -94,6 +94,7 @@ class Optimizer(torch.optim.Optimizer):
         self._growth_tracker = torch.zeros(1, dtype=torch.int32, device=dev)
         self._scaler_cfg = (float(growth_factor), float(backoff_factor), int(growth_interval))
         self._found_inf: torch.Tensor | None = None
+        self.last_step_skipped: torch.Tensor | None = None  # found_inf of the last step (fp16 / clipping)
 
     @staticmethod
     def _groups(eng, param_groups):
@@ -132,17 +133,15 @@ class Optimizer(torch.optim.Optimizer):
         self._runs = [[] for _ in self.param_groups]  # merged runs (Adam/AdamW)
         self._pieces = [[] for _ in self.param_groups]  # one per param piece (LAMB/LARS)
         for u in eng.units:
-            last = None
             for s in u.segments:
                 p = u.params[s.param]
                 gi = self._group_of[id(p)]
-                gp = eng.param_index[id(p)]
-                self._pieces[gi].append(_Piece(u, s.shard_offset, s.length, gp))
-                if last is not None and last.unit is u and last.param == gi and last.start + last.length == s.shard_offset:
-                    last.length += s.length
+                self._pieces[gi].append(_Piece(u, s.shard_offset, s.length, eng.param_index[id(p)]))
+                runs = self._runs[gi]
+                if runs and runs[-1].unit is u and runs[-1].start + runs[-1].length == s.shard_offset:
+                    runs[-1].length += s.length
                 else:
-                    last = _Piece(u, s.shard_offset, s.length, gi)
-                    self._runs[gi].append(last)
+                    runs.append(_Piece(u, s.shard_offset, s.length, None))
 
     def _views(self, pieces, key):
         out = []
