@@ -52,7 +52,8 @@ def save(path: str, model: torch.nn.Module, optimizer=None, *, extra=None) -> No
     dist.barrier(group=group)
     units = []
     table = []
-    for u in eng.units:
+    replica = eng.stage == 0 and eng.rank != 0  # stage 0: rank 0's copy is the checkpoint
+    for u in ([] if replica else eng.units):
         entry = {"param": u.shard.clone()}
         if optimizer is not None:
             entry.update({k: t for k, t in optimizer.unit_states[u.index].items()})

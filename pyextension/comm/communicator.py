@@ -21,6 +21,7 @@ import contextlib
 import datetime
 import itertools
 import os
+import time
 from collections.abc import Sequence
 
 import torch
@@ -29,6 +30,36 @@ import torch.distributed as dist
 from zerofuse import _C
 
 _instances = itertools.count()
+
+
+_waited = [0.0]  # seconds this process has spent blocked in Work.wait(), every communicator
+
+
+def wait_seconds() -> float:
+    """Seconds this process has spent blocked in ``Work.wait()`` of any Communicator: on CPU the
+    communication that was not hidden behind compute (exposed communication). CUDA waits only
+    order streams, so on GPU this stays near 0 and exposed time must be measured with events."""
+    return _waited[0]
+
+
+class Work:
+    """Handle of one collective: ``wait()`` (CPU: blocks, bounded by the communicator's timeout;
+    CUDA: the current stream waits) and ``is_completed()``."""
+
+    __slots__ = ("_w",)
+
+    def __init__(self, work):
+        self._w = work
+
+    def wait(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._w.wait()
+        finally:
+            _waited[0] += time.perf_counter() - t0
+
+    def is_completed(self) -> bool:
+        return self._w.is_completed()
 
 
 class CollectiveMismatch(RuntimeError):
@@ -94,7 +125,7 @@ class Communicator:
         tensors = list(tensors)
         self._checked("reduce_scatter_coalesced", tensors=tensors, out_shard=out_shard, op=op, scale=scale,
                       reduce_dtype=reduce_dtype)
-        return self._c.reduce_scatter_coalesced(tensors, out_shard, op, scale, reduce_dtype)
+        return Work(self._c.reduce_scatter_coalesced(tensors, out_shard, op, scale, reduce_dtype))
 
     def all_gather_coalesced(self, shard: torch.Tensor, tensors: Sequence[torch.Tensor]):
         """Gather every rank's ``shard`` into the concatenation of ``tensors`` (the inverse of
@@ -102,14 +133,14 @@ class Communicator:
         contiguous tensor of exactly world_size * shard elements is gathered into directly)."""
         tensors = list(tensors)
         self._checked("all_gather_coalesced", shard=shard, tensors=tensors)
-        return self._c.all_gather_coalesced(shard, tensors)
+        return Work(self._c.all_gather_coalesced(shard, tensors))
 
     def all_reduce_coalesced(self, tensors: Sequence[torch.Tensor], op: str = "sum", scale: float | None = None,
                              reduce_dtype: torch.dtype | None = None):
         """Reduce every tensor over the ranks, in place (at ``wait()``), through one flat buffer."""
         tensors = list(tensors)
         self._checked("all_reduce_coalesced", tensors=tensors, op=op, scale=scale, reduce_dtype=reduce_dtype)
-        return self._c.all_reduce_coalesced(tensors, op, scale, reduce_dtype)
+        return Work(self._c.all_reduce_coalesced(tensors, op, scale, reduce_dtype))
 
     @contextlib.contextmanager
     def coalesce(self):

@@ -1,6 +1,6 @@
-"""``zerofuse.zero.parallelize``: make a module ZeRO data-parallel in place (stage 1, 2 or 3).
+"""``zerofuse.zero.parallelize``: make a module ZeRO data-parallel in place (stage 0, 1, 2 or 3).
 
-Stage 1/2: trainable params are grouped, in reverse registration order (the order their grads
+Stage 0/1/2: trainable params are grouped, in reverse registration order (the order their grads
 become ready), into units of about ``bucket_mb``; stage 3: one unit per wrap module (default: each
 child of the model's main ModuleList, e.g. the transformer blocks) plus a root unit for the rest
 (embeddings, final norm, head, and any param shared between units). See zerofuse/zero/flat.py for
@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.distributed as dist
 
 from zerofuse.comm import BucketPlan, Communicator
 from zerofuse.zero.flat import FREE, FlatUnit
@@ -69,10 +70,10 @@ def _wrap_modules(model: torch.nn.Module, wrap) -> list[torch.nn.Module]:
 
 class ZeroEngine:
     def __init__(self, model, *, stage, group, precision, reduce_dtype, bucket_mb, overlap, prefetch, wrap,
-                 reshard_after_forward=True):
+                 reshard_after_forward=True, tp_group=None):
         name = "zerofuse.zero.parallelize"
-        if stage not in (1, 2, 3):
-            raise ValueError(f"{name}: expected stage 1, 2 or 3, got {stage!r}")
+        if stage not in (0, 1, 2, 3):
+            raise ValueError(f"{name}: expected stage 0, 1, 2 or 3, got {stage!r}")
         if precision not in PRECISIONS:
             raise ValueError(f"{name}: expected precision 'fp32', 'bf16' or 'fp16', got {precision!r}")
         if reduce_dtype is not None and reduce_dtype not in REDUCE_DTYPES:
@@ -100,10 +101,19 @@ class ZeroEngine:
         self.params = [p for _, p in named]
         self.param_index = {id(p): i for i, p in enumerate(self.params)}
         self.reduce_dtype = reduce_dtype or self.dtype
+        # tensor parallelism: params marked by zerofuse.tp hold a slice of a larger tensor (their
+        # norms add up over the TP group); the others are replicated on every TP rank
+        if tp_group is None:
+            tp_group = getattr(model, "tp_group", None)
+        self.tp_comm = Communicator(tp_group) if tp_group is not None and dist.get_world_size(tp_group) > 1 else None
+        self.tp_rank = self.tp_comm.rank if self.tp_comm is not None else 0
+        self.tp_sharded = [getattr(p, "_zf_tp", None) is not None for p in self.params]
 
         self.units: list[FlatUnit] = []
         self.wrap_units: dict[int, FlatUnit] = {}  # id(module) -> unit
-        kw = dict(rank=self.rank, world_size=self.world_size, align=ALIGN, stage=stage, reduce_dtype=reduce_dtype)
+        # stage 0 replicates everything: units are laid out as for a single rank
+        shard_rank, shard_world = (0, 1) if stage == 0 else (self.rank, self.world_size)
+        kw = dict(rank=shard_rank, world_size=shard_world, align=ALIGN, stage=stage, reduce_dtype=reduce_dtype)
         if stage == 3:
             self._build_stage3(model, named, wrap, kw)
         else:
@@ -131,7 +141,7 @@ class ZeroEngine:
 
     def _build_buckets(self, bucket_mb, kw):
         # the communicator's bucket plan: reverse registration order, about bucket_mb each
-        plan = BucketPlan(self.params, bucket_mb=bucket_mb, world_size=self.world_size, align=ALIGN)
+        plan = BucketPlan(self.params, bucket_mb=bucket_mb, world_size=kw["world_size"], align=ALIGN)
         for b in plan.buckets:
             group = [(self.names[self.param_index[id(p)]], p) for p in b.params]
             self.units.append(FlatUnit(len(self.units), f"bucket{len(self.units)}", group, **kw))
@@ -224,6 +234,8 @@ class ZeroEngine:
     def start_param_sync(self) -> None:
         """All-gather every unit's updated shard (forward order first); waited per module by the
         forward pre-hooks, or by finish_param_sync."""
+        if self.stage == 0:  # every rank stepped the whole buffer
+            return
         for u in reversed(self.units):
             u.gather_work = self.comm.all_gather_coalesced(u.shard, [u.full])
         if not self.overlap:
@@ -357,9 +369,14 @@ def _tensors(out):
 
 def parallelize(model: torch.nn.Module, *, stage: int, group=None, precision: str = "fp32",
                 reduce_dtype: torch.dtype | None = None, bucket_mb: float = 25.0, overlap: bool = True,
-                prefetch: int = 1, wrap=None, reshard_after_forward: bool = True) -> torch.nn.Module:
+                prefetch: int = 1, wrap=None, reshard_after_forward: bool = True,
+                tp_group=None) -> torch.nn.Module:
     """Make ``model`` ZeRO data-parallel over ``group`` (None: the default group), in place, and
-    return it. precision: the dtype params and grads are kept in (fp32 masters live in the
+    return it. stage 0 is plain data parallelism (grads all-reduced in buckets during backward,
+    every rank keeps and steps everything); 1/2/3 shard optimizer states / + grads / + params.
+    tp_group (default: ``model.tp_group``, set by tensor-parallel zerofuse models): the
+    tensor-parallel group, so that grad norms (clipping, LAMB/LARS trust ratios, fp16 overflow)
+    cover the whole model. precision: the dtype params and grads are kept in (fp32 masters live in the
     optimizer); reduce_dtype: the dtype grads are reduced and accumulated in (default: the
     params'). stage 3: ``wrap`` picks the units (None: each child of the main ModuleList; a list
     of module classes; a list of submodules; a callable(module) -> bool) and ``prefetch`` how many
@@ -369,7 +386,7 @@ def parallelize(model: torch.nn.Module, *, stage: int, group=None, precision: st
     gradient accumulation. Build ``zerofuse.zero.Optimizer(model, ...)`` to train."""
     engine = ZeroEngine(model, stage=stage, group=group, precision=precision, reduce_dtype=reduce_dtype,
                         bucket_mb=bucket_mb, overlap=overlap, prefetch=prefetch, wrap=wrap,
-                        reshard_after_forward=reshard_after_forward)
+                        reshard_after_forward=reshard_after_forward, tp_group=tp_group)
     model._zerofuse_zero = engine
     model.no_sync = engine.no_sync
     return model

@@ -11,7 +11,8 @@ Gradients: the grad-ready hook copies (or, accumulating, adds) each param's .gra
 (the unit's full-size local buffer, in the reduce dtype) and drops the .grad; a reduce-scatter (op
 sum) of gflat, which the communicator reads in place, lands this rank's piece in ``gshard``. Stage 1 keeps gflat and gshard is a view of it (after a sync
 gflat is zero except the rank's own region); stage 2/3 keep only gshard and allocate gflat per
-backward. Sums, not means: the optimizer multiplies by 1 / world_size in its kernel, and repeated
+backward. Stage 0 (plain data parallel) lays a unit out for one rank (the shard is the whole buffer) and
+all-reduces gflat in place, which then becomes gshard. Sums, not means: the optimizer multiplies by 1 / world_size in its kernel, and repeated
 syncs before a step add up exactly (gradient accumulation with communication).
 
 ``segments`` say which params own which parts of the shard: (param index in the unit, offset in
@@ -136,11 +137,17 @@ class FlatUnit:
             if not done:
                 o = self.offsets[i]
                 self.gflat[o:o + self.params[i].numel()].zero_()
-        if self.stage == 1 or not self.gshard_fresh:
+        if self.stage == 0:
+            pass
+        elif self.stage == 1 or not self.gshard_fresh:
             self.rs_out = torch.empty(self.shard_numel, dtype=self.reduce_dtype, device=self.device)
         else:
             self.rs_out = self.gshard
-        self.rs_work = comm.reduce_scatter_coalesced([self.gflat], self.rs_out, op="sum")
+        if self.stage == 0:  # every rank keeps the whole sum: all-reduce in place
+            self.rs_out = self.gflat
+            self.rs_work = comm.all_reduce_coalesced([self.gflat], op="sum")
+        else:
+            self.rs_work = comm.reduce_scatter_coalesced([self.gflat], self.rs_out, op="sum")
         self.launched = True
         self.dirty = False
         if self.stage != 1:  # the communicator holds gflat until the reduce is done
@@ -157,6 +164,8 @@ class FlatUnit:
             # syncs): after the sync only the own region is non-zero and holds the total
             self.gflat.zero_()
             self.gshard.copy_(self.rs_out)
+        elif self.stage == 0 and self.gshard_fresh:
+            self.gshard = self.rs_out  # the reduced buffer becomes the grad: no copy
         elif self.rs_out is not self.gshard:
             self.gshard.add_(self.rs_out)
         self.rs_out = None

@@ -2,8 +2,8 @@
 
 Measured from the tensors themselves (storage actually allocated: a stage-3 unit that is not
 gathered counts 0), so a test can hold an implementation against the paper's accounting:
-params b_p Ψ (stage 1/2) or b_p Ψ / Nd (stage 3); grads b_g Ψ (stage 1) or b_g Ψ / Nd (stage 2/3);
-optimizer K Ψ / Nd, with b_p the param dtype's size, b_g the reduce dtype's, and K = 4 bytes per
+params b_p Ψ (stage 0/1/2) or b_p Ψ / Nd (stage 3); grads b_g Ψ (stage 0/1) or b_g Ψ / Nd (stage 2/3);
+optimizer K Ψ / Nd (K Ψ at stage 0), with b_p the param dtype's size, b_g the reduce dtype's, and K = 4 bytes per
 fp32 state (m, v; the momentum buffer for LARS) + 4 for the fp32 master when params are bf16/fp16.
 Ψ is the exact parameter count; the measured figures include each unit's padding.
 """
@@ -41,13 +41,13 @@ def memory_report(model: torch.nn.Module, optimizer=None) -> dict:
             opt += sum(_bytes(t) for t in st.values())
         k = 4 * len(optimizer.unit_states[0]) if optimizer.unit_states else 0
     psi = sum(p.numel() for p in eng.params)
-    nd = eng.world_size
+    nd = eng.world_size if eng.stage != 0 else 1  # stage 0 replicates everything
     bp, bg = eng.dtype.itemsize, eng.reduce_dtype.itemsize
     formula = {
         "params": bp * psi / (nd if eng.stage == 3 else 1),
-        "grads": bg * psi / (1 if eng.stage == 1 else nd),
+        "grads": bg * psi / (1 if eng.stage in (0, 1) else nd),
         "optimizer": k * psi / nd,
     }
     formula["total"] = sum(formula.values())
     return {"params": params, "grads": grads, "optimizer": opt, "total": params + grads + opt, "formula": formula,
-            "psi": psi, "world_size": nd, "stage": eng.stage, "K": k}
+            "psi": psi, "world_size": eng.world_size, "stage": eng.stage, "K": k}

@@ -161,15 +161,31 @@ class Optimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------ norms
 
     def _global_sumsq(self, local: torch.Tensor) -> torch.Tensor:
-        self.engine.comm.all_reduce_coalesced([local], op="sum").wait()
+        """Sum over the data-parallel ranks' shards (stage 0: each rank holds everything)."""
+        if self.engine.stage != 0:
+            self.engine.comm.all_reduce_coalesced([local], op="sum").wait()
         return local
 
     def _grad_norm(self) -> torch.Tensor:
-        """Global 2-norm of the averaged, unscaled gradient (1-element fp32 on the device)."""
+        """Global 2-norm of the averaged, unscaled gradient (1-element fp32 on the device); with
+        tensor parallelism over the whole model: TP-sharded params add up over the TP group,
+        replicated ones count once."""
         eng = self.engine
         eng.finish_grad_sync()
-        total, _ = l2norm([u.grad_shard() for u in eng.units])
-        sq = self._global_sumsq(total.reshape(1).to(torch.float32) ** 2)
+        if eng.tp_comm is None:
+            total, _ = l2norm([u.grad_shard() for u in eng.units])
+            sq = self._global_sumsq(total.reshape(1).to(torch.float32) ** 2)
+        else:
+            parts: tuple[list, list] = ([], [])  # (replicated, sharded) grad pieces
+            for u in eng.units:
+                g = u.grad_shard()
+                for s in u.segments:
+                    sharded = eng.tp_sharded[eng.param_index[id(u.params[s.param])]]
+                    parts[sharded].append(g.narrow(0, s.shard_offset, s.length))
+            sums = torch.stack([l2norm(ts)[0].to(torch.float32) ** 2 for ts in parts]).to(self.scale.device)
+            sums = self._global_sumsq(sums)
+            sq = (sums[1] + (sums[0] if eng.tp_rank == 0 else 0.0)).reshape(1)
+            eng.tp_comm.all_reduce_coalesced([sq], op="sum").wait()
         return sq.sqrt() / (eng.world_size * self.scale)
 
     @torch.no_grad()
@@ -193,6 +209,11 @@ class Optimizer(torch.optim.Optimizer):
         if len(pieces):
             full.index_add_(0, idx, sums)
         self._global_sumsq(full.reshape(-1))
+        if eng.tp_comm is not None:  # a TP-sharded param's norm adds up over its slices
+            mask = torch.tensor(eng.tp_sharded, device=full.device).unsqueeze(1)
+            part = full * mask
+            eng.tp_comm.all_reduce_coalesced([part], op="sum").wait()
+            full = torch.where(mask, part, full)
         return full[idx] if len(pieces) else sums
 
     # ------------------------------------------------------------------ step
