@@ -16,6 +16,8 @@ from zerofuse import nn  # noqa: E402
 from zerofuse import optim  # noqa: E402
 from zerofuse import comm  # noqa: E402
 from zerofuse import zero  # noqa: E402
+from zerofuse import tp  # noqa: E402
+from zerofuse import parallel  # noqa: E402
 from zerofuse import models  # noqa: E402
 from zerofuse import checkpoint  # noqa: E402
 from zerofuse.ops import flatten_into, packed_offsets, unflatten_from  # noqa: E402

@@ -343,7 +343,7 @@ std::shared_ptr<Work> Communicator::reduce_scatter_coalesced(at::TensorList tens
   const at::ScalarType dtype = reduce_dtype.value_or(out_shard.scalar_type());
   at::Tensor flat;
   if (is_whole_flat(tensors, shard * world_size_, dtype) && !out_shard.is_alias_of(tensors[0])) {
-    flat = tensors[0];  // already one flat buffer (e.g. ZeRO's): no copy; kept alive until done
+    flat = tensors[0].view({-1});  // already one flat buffer (e.g. ZeRO's): no copy; kept alive until done
   } else {
     flat = at::empty({shard * world_size_}, out_shard.options().dtype(dtype));
     if (shard * world_size_ > total) flat.narrow(0, total, shard * world_size_ - total).zero_();
@@ -389,7 +389,8 @@ std::shared_ptr<Work> Communicator::all_gather_coalesced(const at::Tensor& shard
                         static_cast<const char*>(shard.data_ptr()) ==
                             static_cast<const char*>(tensors[0].data_ptr()) + rank_ * n * shard.element_size();
   if (is_whole_flat(tensors, n * world_size_, shard.scalar_type()) && (in_place || !shard.is_alias_of(tensors[0]))) {
-    auto work = transport.all_gather(tensors[0], shard, what);
+    // any shape: the transports slice rank slots off dim 0 of a 1-D view
+    auto work = transport.all_gather(tensors[0].view({-1}), shard, what);
     work->keep_alive({tensors[0], shard});
     return work;
   }

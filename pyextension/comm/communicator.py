@@ -29,7 +29,9 @@ import torch.distributed as dist
 
 from zerofuse import _C
 
-_instances = itertools.count()
+# per group name: ranks of a group number their communicators alike whatever other groups they
+# belong to (the store keys of the NCCL id and the checker derive from it)
+_instances: dict[str, itertools.count] = {}
 
 
 _waited = [0.0]  # seconds this process has spent blocked in Work.wait(), every communicator
@@ -87,7 +89,7 @@ class Communicator:
                                "(call torch.distributed.init_process_group first)")
         self.group = group if group is not None else dist.distributed_c10d._get_default_group()
         name = dist.distributed_c10d._get_process_group_name(self.group)
-        self._uid = f"zerofuse/{name}/{next(_instances)}"
+        self._uid = f"zerofuse/{name}/{next(_instances.setdefault(name, itertools.count()))}"
         self.store = dist.distributed_c10d._get_default_store()
         if debug_delay_ms is None:
             debug_delay_ms = float(os.environ.get("ZEROFUSE_COMM_DELAY_MS", "0"))

@@ -8,15 +8,18 @@ same weights on every rank and machine, whatever the global RNG state.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as TF
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from zerofuse import nn as znn
+from zerofuse import tp
 
 
 @dataclasses.dataclass
@@ -76,23 +79,31 @@ def _norm(cfg: GPTConfig) -> torch.nn.Module:
 
 
 class MLP(torch.nn.Module):
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTConfig, tp_kw: dict | None = None):
         super().__init__()
-        self.fc = torch.nn.Linear(cfg.dim, cfg.hidden, bias=cfg.bias)
-        self.proj = torch.nn.Linear(cfg.hidden, cfg.dim, bias=cfg.bias)
+        if tp_kw is None:
+            self.fc = torch.nn.Linear(cfg.dim, cfg.hidden, bias=cfg.bias)
+            self.proj = torch.nn.Linear(cfg.hidden, cfg.dim, bias=cfg.bias)
+        else:  # column-parallel then row-parallel: one all-reduce forward, one backward
+            self.fc = tp.ColumnParallelLinear(cfg.dim, cfg.hidden, bias=cfg.bias, **tp_kw)
+            self.proj = tp.RowParallelLinear(cfg.hidden, cfg.dim, bias=cfg.bias, **tp_kw)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.proj(TF.gelu(self.fc(x), approximate="tanh"))
 
 
 class Block(torch.nn.Module):
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTConfig, tp_kw: dict | None = None):
         super().__init__()
         sdpa = TF.scaled_dot_product_attention if cfg.attention == "torch" else None
         self.norm1 = _norm(cfg)
-        self.attn = znn.Attention(cfg.dim, cfg.n_head, cfg.n_kv_head, bias=cfg.bias, causal=True, sdpa=sdpa)
+        if tp_kw is None:
+            self.attn = znn.Attention(cfg.dim, cfg.n_head, cfg.n_kv_head, bias=cfg.bias, causal=True, sdpa=sdpa)
+        else:
+            self.attn = tp.ParallelAttention(cfg.dim, cfg.n_head, cfg.n_kv_head, bias=cfg.bias, causal=True, sdpa=sdpa,
+                                             **tp_kw)
         self.norm2 = _norm(cfg)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, tp_kw)
 
     def forward(self, x: Tensor) -> Tensor:
         x = x + self.attn(self.norm1(x))
@@ -101,16 +112,46 @@ class Block(torch.nn.Module):
 
 class GPT(torch.nn.Module):
     """forward(idx (B, N) int64, targets (B, N) or None) -> (logits (B, N, vocab), loss or None);
-    the loss is the mean cross-entropy in fp32 whatever the model's dtype."""
+    the loss is the mean cross-entropy in fp32 whatever the model's dtype.
 
-    def __init__(self, cfg: GPTConfig, *, seed: int = 0, device=None):
+    Tensor parallelism (``tp_group``): attention heads (and kv heads) and the MLP are split over
+    the group (column- then row-parallel), the embedding and the output head over the vocabulary;
+    the logits returned are this rank's vocabulary shard (B, N, V_r) and the loss is the
+    vocabulary-parallel cross-entropy (the full logits are never gathered). Every param holds
+    exactly its slice of the unsharded model's param of the same name and seed.
+    ``sequence_parallel=True`` also shards the norms' activations (and the residual stream) along
+    the sequence between the TP layers; N must divide by the TP size."""
+
+    def __init__(self, cfg: GPTConfig, *, seed: int = 0, device=None, tp_group=None, sequence_parallel: bool = False):
         super().__init__()
         self.config = cfg
-        self.wte = torch.nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.tp_group = tp_group
+        self.tp_size = 1 if tp_group is None else dist.get_world_size(tp_group)
+        if sequence_parallel and tp_group is None:
+            raise ValueError("zerofuse.models.GPT: sequence_parallel=True needs a tp_group")
+        if tp_group is None:
+            tp_kw = None
+            self.wte = torch.nn.Embedding(cfg.vocab_size, cfg.dim)
+        else:
+            for key in ("n_head", "n_kv_head"):
+                if getattr(cfg, key) % self.tp_size:
+                    raise ValueError(f"zerofuse.models.GPT: expected {key} ({getattr(cfg, key)}) to divide by the "
+                                     f"tensor-parallel size {self.tp_size}")
+            tp_kw = dict(group=tp_group, sequence_parallel=sequence_parallel)
+            self.wte = tp.VocabParallelEmbedding(cfg.vocab_size, cfg.dim, **tp_kw)
         self.wpe = torch.nn.Embedding(cfg.seq_len, cfg.dim)
-        self.blocks = torch.nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.blocks = torch.nn.ModuleList(Block(cfg, tp_kw) for _ in range(cfg.n_layer))
         self.norm = _norm(cfg)
-        self.head = torch.nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if tp_group is None:
+            self.head = torch.nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        else:
+            self.head = tp.ColumnParallelLinear(cfg.dim, cfg.vocab_size, bias=False, **tp_kw)
+            self._tp_comm = tp.comm.comm_for(tp_group)
+            # replicated params applied to a sequence shard: grads summed over the TP group
+            replicated = [p for n, p in self.named_parameters() if tp.spec_of(p) is None and
+                          (n.startswith("wpe.") or ".norm" in n or n.startswith("norm."))]
+            tp.sync_replicated_grads(replicated, self._tp_comm, when=lambda: self.sequence_parallel)
+        self.sequence_parallel = sequence_parallel
         if cfg.tie_embeddings:
             self.head.weight = self.wte.weight
         # recompute each block's forward in backward instead of keeping its activations
@@ -130,7 +171,10 @@ class GPT(torch.nn.Module):
                 value = torch.zeros(p.shape)
             else:
                 std = resid_std if name.endswith("attn.proj.weight") or name.endswith("mlp.proj.weight") else 0.02
-                value = torch.randn(p.shape, generator=gen) * std
+                spec = tp.spec_of(p)  # TP: draw the full tensor, keep this rank's slice
+                value = torch.randn(spec.full_shape if spec else p.shape, generator=gen) * std
+                if spec is not None:
+                    value = spec.slice(value)
             p.copy_(value)
 
     def num_params(self) -> int:
@@ -142,6 +186,12 @@ class GPT(torch.nn.Module):
             raise ValueError(f"zerofuse.models.GPT: sequence length {n} exceeds the model's seq_len "
                              f"{self.config.seq_len}")
         pos = torch.arange(n, device=idx.device)
+        if self.sequence_parallel:  # the embedding reduce-scatters: this rank's positions only
+            if n % self.tp_size:
+                raise ValueError(f"zerofuse.models.GPT: sequence parallelism needs the sequence length ({n}) to "
+                                 f"divide by the tensor-parallel size {self.tp_size}")
+            r, m = self._tp_comm.rank, n // self.tp_size
+            pos = pos[r * m:(r + 1) * m]
         x = self.wte(idx) + self.wpe(pos)
         for block in self.blocks:
             if self.activation_checkpointing and torch.is_grad_enabled():
@@ -151,16 +201,43 @@ class GPT(torch.nn.Module):
         logits = self.head(self.norm(x))
         loss = None
         if targets is not None:
-            loss = TF.cross_entropy(logits.float().reshape(b * n, -1), targets.reshape(b * n))
+            if self.tp_group is None:
+                loss = TF.cross_entropy(logits.float().reshape(b * n, -1), targets.reshape(b * n))
+            else:
+                loss = tp.vocab_parallel_cross_entropy(logits, targets, self.tp_group, vocab_size=self.config.vocab_size)
         return logits, loss
+
+    def gather_logits(self, logits: Tensor) -> Tensor:
+        """The full-vocabulary logits from this rank's shard (tensor parallelism; collective over the
+        TP group); logits unchanged otherwise."""
+        if self.tp_group is None:
+            return logits
+        return tp.gather_last_dim(logits.contiguous(), self._tp_comm, self.head.out_per_rank)
+
+    @contextlib.contextmanager
+    def _sequence_parallel_off(self):
+        mods = [self] + tp.tp_modules(self)
+        saved = [m.sequence_parallel for m in mods]
+        for m in mods:
+            m.sequence_parallel = False
+        try:
+            yield
+        finally:
+            for m, s in zip(mods, saved):
+                m.sequence_parallel = s
 
     @torch.no_grad()
     def generate(self, idx: Tensor, max_new_tokens: int, *, temperature: float = 1.0, top_k: int | None = None,
                  generator: torch.Generator | None = None) -> Tensor:
-        """Sample max_new_tokens tokens after idx (B, N); returns (B, N + max_new_tokens)."""
+        """Sample max_new_tokens tokens after idx (B, N); returns (B, N + max_new_tokens). With tensor
+        parallelism every TP rank calls it with the same idx and generator state."""
+        with self._sequence_parallel_off():  # any length: the sequence is not sharded here
+            return self._generate(idx, max_new_tokens, temperature, top_k, generator)
+
+    def _generate(self, idx, max_new_tokens, temperature, top_k, generator):
         for _ in range(max_new_tokens):
             logits, _ = self(idx[:, -self.config.seq_len:])
-            logits = logits[:, -1, :].float() / max(temperature, 1e-6)
+            logits = self.gather_logits(logits[:, -1, :].contiguous()).float() / max(temperature, 1e-6)
             if top_k is not None:
                 kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
                 logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -33,9 +33,9 @@ class Attention(torch.nn.Module):
         self.proj = torch.nn.Linear(embed_dim, embed_dim, **kw)
 
     def forward(self, x: Tensor) -> Tensor:
-        b, n, _ = x.shape
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv(x)
+        b, n = qkv.shape[:2]  # not x's: a sequence-parallel projection gathers the sequence
         # views of the fused projection in (B, H, N, D) order (strided; the kernel takes strides)
         q = qkv[..., : hq * d].view(b, n, hq, d).transpose(1, 2)
         k = qkv[..., hq * d:(hq + hkv) * d].view(b, n, hkv, d).transpose(1, 2)

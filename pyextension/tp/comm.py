@@ -1,0 +1,257 @@
+"""The collectives of tensor and sequence parallelism, as autograd Functions over zerofuse's
+Communicator (one per TP group, cached).
+
+Megatron's conjugate pairs (Shoeybi et al. 2019, Korthikanti et al. 2022), each the other's
+backward:
+    copy_to_tp           forward identity           backward all-reduce
+    reduce_from_tp       forward all-reduce         backward identity
+    gather_from_seq      forward all-gather (seq)   backward reduce-scatter (seq)
+    reduce_scatter_to_seq forward reduce-scatter (seq) backward all-gather (seq)
+    gather_last_dim      forward all-gather (last dim) backward split (last dim)
+    split_last_dim       forward split (last dim)    backward all-gather (last dim)
+Activations are (batch, seq, hidden); the sequence dim is 1, so a sequence shard is strided in
+memory: sequence collectives copy through a rank-major buffer (rank, batch, seq/tp, hidden).
+
+Every collective adds the bytes of the full tensor it stands for (b·s·h·itemsize) to
+``comm_stats()``, so tests can hold the traffic of a step against the analytic count.
+"""
+from __future__ import annotations
+
+import collections
+
+import torch
+import torch.distributed as dist
+
+from zerofuse.comm import Communicator
+
+_comms: dict[str, Communicator] = {}
+_stats: collections.Counter = collections.Counter()
+
+
+def comm_for(group: dist.ProcessGroup) -> Communicator:
+    name = dist.distributed_c10d._get_process_group_name(group)
+    if name not in _comms:
+        _comms[name] = Communicator(group)
+    return _comms[name]
+
+
+def comm_stats() -> dict[str, int]:
+    """Bytes moved by TP collectives in this process since the last reset, per kind:
+    {'all_reduce', 'all_gather', 'reduce_scatter'} (the full tensor's bytes per call)."""
+    return dict(_stats)
+
+
+def reset_comm_stats() -> None:
+    _stats.clear()
+
+
+def _count(kind: str, t: torch.Tensor, factor: int = 1) -> None:
+    _stats[kind] += t.numel() * t.element_size() * factor
+
+
+# ---------------------------------------------------------------------------- raw collectives
+
+
+def all_reduce(x: torch.Tensor, comm: Communicator, op: str = "sum", wait: bool = True):
+    """In place on a contiguous x; returns the Work when wait=False."""
+    _count("all_reduce", x)
+    work = comm.all_reduce_coalesced([x], op=op)
+    if wait:
+        work.wait()
+        return x
+    return work
+
+
+def seq_all_gather_start(x: torch.Tensor, comm: Communicator):
+    """Start gathering the sequence shards x (b, s/tp, h) -> (buffer, work); finish with
+    seq_all_gather_finish."""
+    tp = comm.world_size
+    shard = x.contiguous()
+    buf = torch.empty((tp,) + tuple(shard.shape), dtype=shard.dtype, device=shard.device)
+    _count("all_gather", buf)
+    return buf, comm.all_gather_coalesced(shard.reshape(-1), [buf.view(-1)])
+
+
+def seq_all_gather_finish(buf: torch.Tensor, work) -> torch.Tensor:
+    work.wait()
+    tp, b, s, h = buf.shape[0], buf.shape[1], buf.shape[2], buf.shape[3:]
+    return buf.transpose(0, 1).reshape((b, tp * s) + tuple(h))
+
+
+def seq_all_gather(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
+    return seq_all_gather_finish(*seq_all_gather_start(x, comm))
+
+
+def _check_seq(x: torch.Tensor, tp: int, who: str) -> None:
+    if x.dim() < 2 or x.shape[1] % tp:
+        raise ValueError(f"zerofuse.tp.{who}: sequence parallelism needs the sequence length (dim 1) to divide by "
+                         f"the TP size {tp}, got shape {list(x.shape)}")
+
+
+def seq_reduce_scatter_start(x: torch.Tensor, comm: Communicator):
+    """Start reduce-scattering x (b, s, h) (sum) into this rank's sequence shard (b, s/tp, h) ->
+    (shard, work); the shard holds the result after work.wait()."""
+    tp = comm.world_size
+    _check_seq(x, tp, "reduce_scatter")
+    b, s = x.shape[0], x.shape[1]
+    rank_major = x.reshape((b, tp, s // tp) + tuple(x.shape[2:])).transpose(0, 1).contiguous()
+    out = torch.empty((b, s // tp) + tuple(x.shape[2:]), dtype=x.dtype, device=x.device)
+    _count("reduce_scatter", rank_major)
+    return out, comm.reduce_scatter_coalesced([rank_major.reshape(-1)], out.reshape(-1), op="sum")
+
+
+def seq_reduce_scatter(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
+    out, work = seq_reduce_scatter_start(x, comm)
+    work.wait()
+    return out
+
+
+def seq_shard(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
+    tp = comm.world_size
+    _check_seq(x, tp, "seq_shard")
+    n = x.shape[1] // tp
+    return x[:, comm.rank * n:(comm.rank + 1) * n].contiguous()
+
+
+# ---------------------------------------------------------------------------- autograd pairs
+
+
+class _CopyToTP(torch.autograd.Function):
+    """forward: identity; backward: all-reduce (sum) of the input gradient over the TP group."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return all_reduce(g.contiguous().clone(), ctx.comm), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """forward: all-reduce (sum) over the TP group; backward: identity."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        return all_reduce(x.contiguous().clone(), comm)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+class _GatherFromSeq(torch.autograd.Function):
+    """forward: all-gather of the sequence shards (b, s/tp, h) -> (b, s, h); backward:
+    reduce-scatter (sum) of the gradient back to this rank's shard."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return seq_all_gather(x, comm)
+
+    @staticmethod
+    def backward(ctx, g):
+        return seq_reduce_scatter(g, ctx.comm), None
+
+
+class _ReduceScatterToSeq(torch.autograd.Function):
+    """forward: reduce-scatter (sum) of (b, s, h) partial sums into this rank's shard (b, s/tp, h);
+    backward: all-gather of the gradient shards."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return seq_reduce_scatter(x, comm)
+
+    @staticmethod
+    def backward(ctx, g):
+        return seq_all_gather(g, ctx.comm), None
+
+
+class _ScatterToSeq(torch.autograd.Function):
+    """forward: keep this rank's sequence shard of a replicated (b, s, h); backward: all-gather."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return seq_shard(x, comm)
+
+    @staticmethod
+    def backward(ctx, g):
+        return seq_all_gather(g, ctx.comm), None
+
+
+class _GatherLastDim(torch.autograd.Function):
+    """forward: all-gather along the last dim (shards may differ in size by one: sizes given);
+    backward: this rank's slice of the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, comm, sizes):
+        ctx.comm, ctx.sizes = comm, sizes
+        tp, width = comm.world_size, max(sizes)
+        pad = torch.zeros(x.shape[:-1] + (width,), dtype=x.dtype, device=x.device)
+        pad[..., :x.shape[-1]] = x
+        buf = torch.empty((tp,) + tuple(pad.shape), dtype=x.dtype, device=x.device)
+        _count("all_gather", buf)
+        comm.all_gather_coalesced(pad.reshape(-1), [buf.view(-1)]).wait()
+        return torch.cat([buf[r, ..., :sizes[r]] for r in range(tp)], dim=-1)
+
+    @staticmethod
+    def backward(ctx, g):
+        r = ctx.comm.rank
+        start = sum(ctx.sizes[:r])
+        return g[..., start:start + ctx.sizes[r]].contiguous(), None, None
+
+
+class _SplitLastDim(torch.autograd.Function):
+    """forward: this rank's slice of the last dim (sizes given per rank); backward: all-gather."""
+
+    @staticmethod
+    def forward(ctx, x, comm, sizes):
+        ctx.comm, ctx.sizes = comm, sizes
+        start = sum(sizes[:comm.rank])
+        return x[..., start:start + sizes[comm.rank]].contiguous()
+
+    @staticmethod
+    def backward(ctx, g):
+        return _GatherLastDim.apply(g.contiguous(), ctx.comm, ctx.sizes), None, None
+
+
+def copy_to_tp(x, comm):
+    return _CopyToTP.apply(x, comm)
+
+
+def reduce_from_tp(x, comm):
+    return _ReduceFromTP.apply(x, comm)
+
+
+def gather_from_seq(x, comm):
+    return _GatherFromSeq.apply(x, comm)
+
+
+def reduce_scatter_to_seq(x, comm):
+    return _ReduceScatterToSeq.apply(x, comm)
+
+
+def scatter_to_seq(x, comm):
+    return _ScatterToSeq.apply(x, comm)
+
+
+def gather_last_dim(x, comm, sizes):
+    return _GatherLastDim.apply(x, comm, list(sizes))
+
+
+def split_last_dim(x, comm, sizes):
+    return _SplitLastDim.apply(x, comm, list(sizes))
+
+
+def sync_replicated_grads(params, comm: Communicator, when=lambda: True) -> list:
+    """Sequence parallelism: params replicated over the TP group but applied to a sequence shard
+    (norm weights, position embeddings, row-parallel biases) get partial grads on each rank; a hook
+    sums them over the group (while ``when()``) before they are accumulated into .grad (so before
+    any post-accumulate-grad hook, e.g. ZeRO's). Returns the hook handles."""
+    def hook(g):
+        return all_reduce(g.contiguous().clone(), comm) if when() else g
+
+    return [p.register_hook(hook) for p in params]

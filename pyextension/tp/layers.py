@@ -1,0 +1,335 @@
+"""Megatron-style tensor-parallel layers over zerofuse's Communicator.
+
+Construction from full weights: each layer draws the *full* weight exactly as the unsharded
+torch layer does (same init calls on the same RNG: ``torch.manual_seed(s); ColumnParallelLinear(...)``
+holds the slices of ``torch.manual_seed(s); torch.nn.Linear(...)``) and keeps its slice, so parity
+with the unsharded layer is exact and checkpoints consolidate. Sharded params carry a
+``TPSpec`` (``param._zf_tp``, zerofuse/tp/spec.py) saying how they slice the full tensor.
+
+Sequence parallelism (``sequence_parallel=True``): activations outside the column/row pair are
+sharded along the sequence (dim 1); a column-parallel layer all-gathers its input (and gathers it
+again in backward rather than keeping the full sequence), a row-parallel layer reduce-scatters its
+output. Replicated params applied to a sequence shard (a row-parallel bias) get their grads summed
+over the group by a hook.
+
+Overlap: in a column-parallel backward the input gradient's all-reduce (reduce-scatter with SP)
+is launched before the weight-gradient matmul and waited after it.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+
+from zerofuse import nn as znn
+from zerofuse.tp import comm as C
+from zerofuse.tp.spec import TPSpec, split_range
+
+
+def _group(group):
+    if not dist.is_initialized():
+        raise RuntimeError("zerofuse.tp: torch.distributed is not initialized (call init_process_group first)")
+    return group if group is not None else dist.distributed_c10d._get_default_group()
+
+
+def _mark(p: torch.nn.Parameter, spec: TPSpec) -> torch.nn.Parameter:
+    p._zf_tp = spec
+    return p
+
+
+class _TPModule(torch.nn.Module):
+    def _setup(self, group, sequence_parallel: bool):
+        self.group = _group(group)
+        self.comm = C.comm_for(self.group)
+        self.tp, self.tp_rank = self.comm.world_size, self.comm.rank
+        self.sequence_parallel = bool(sequence_parallel)
+
+
+# ---------------------------------------------------------------------------- linear layers
+
+
+class _ColumnLinear(torch.autograd.Function):
+    """y = gather_seq(x) @ W^T + b (SP) or x @ W^T + b; backward launches the input gradient's
+    all-reduce (reduce-scatter with SP) before computing the weight gradient."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, comm, sp):
+        total = C.seq_all_gather(x, comm) if sp else x
+        ctx.save_for_backward(x, weight)  # SP: the shard; the full sequence is gathered again in backward
+        ctx.comm, ctx.sp, ctx.has_bias = comm, sp, bias is not None
+        return F.linear(total, weight, bias)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, weight = ctx.saved_tensors
+        comm, sp = ctx.comm, ctx.sp
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        g = g.contiguous()
+        if sp:
+            buf, gather = C.seq_all_gather_start(x, comm)
+        grad_x = work = None
+        if need_x:
+            grad_x = g.matmul(weight)  # this rank's partial sum of the input gradient
+        if sp:
+            total = C.seq_all_gather_finish(buf, gather)
+            if need_x:
+                grad_x, work = C.seq_reduce_scatter_start(grad_x, comm)
+        else:
+            total = x
+            if need_x:
+                work = C.all_reduce(grad_x, comm, wait=False)
+        # overlaps the collective above
+        g2 = g.reshape(-1, g.shape[-1])
+        grad_w = g2.t().matmul(total.reshape(-1, total.shape[-1])) if need_w else None
+        grad_b = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        if work is not None:
+            work.wait()
+        return grad_x, grad_w, grad_b, None, None
+
+
+class _RowLinear(torch.autograd.Function):
+    """y = all_reduce(x @ W^T) or, SP, reduce_scatter_seq(x @ W^T); backward: the output
+    gradient (all-gathered with SP) times W and x."""
+
+    @staticmethod
+    def forward(ctx, x, weight, comm, sp):
+        partial = F.linear(x, weight)
+        ctx.save_for_backward(x, weight)
+        ctx.comm, ctx.sp = comm, sp
+        return C.seq_reduce_scatter(partial, comm) if sp else C.all_reduce(partial.contiguous(), comm)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, weight = ctx.saved_tensors
+        g = C.seq_all_gather(g, ctx.comm) if ctx.sp else g.contiguous()
+        grad_x = g.matmul(weight) if ctx.needs_input_grad[0] else None
+        grad_w = None
+        if ctx.needs_input_grad[1]:
+            grad_w = g.reshape(-1, g.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1]))
+        return grad_x, grad_w, None, None
+
+
+def _init_linear_full(out_features: int, in_features: int, bias: bool, device, dtype):
+    """torch.nn.Linear's initialisation of the full weight and bias, in the same RNG order."""
+    w = torch.empty(out_features, in_features, device=device, dtype=dtype)
+    torch.nn.init.kaiming_uniform_(w, a=math.sqrt(5))
+    b = None
+    if bias:
+        bound = 1 / math.sqrt(in_features) if in_features > 0 else 0
+        b = torch.empty(out_features, device=device, dtype=dtype).uniform_(-bound, bound)
+    return w, b
+
+
+class ColumnParallelLinear(_TPModule):
+    """y = x A^T + b with A split by rows (output features) over the TP group: each rank computes
+    its slice of y. gather_output=True all-gathers y (forward all-gather, backward split);
+    otherwise y stays split (feed it to a RowParallelLinear). The input is replicated (its
+    gradient is all-reduced in backward), or with sequence_parallel=True sequence-sharded
+    (all-gathered in forward, gradient reduce-scattered). partition_sizes: a fused projection's
+    parts (e.g. q, k, v) each split over the ranks, so every rank holds whole heads of each."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, gather_output: bool = False,
+                 group=None, sequence_parallel: bool = False, *, partition_sizes=None, device=None, dtype=None):
+        super().__init__()
+        self._setup(group, sequence_parallel)
+        parts = tuple(partition_sizes) if partition_sizes is not None else (out_features,)
+        if sum(parts) != out_features or any(n < 1 for n in parts):
+            raise ValueError(f"zerofuse.tp.ColumnParallelLinear: expected partition_sizes of positive sizes summing "
+                             f"to out_features ({out_features}), got {list(parts)}")
+        if gather_output and len(parts) > 1:
+            raise ValueError("zerofuse.tp.ColumnParallelLinear: gather_output=True needs a single partition")
+        self.in_features, self.out_features, self.gather_output = in_features, out_features, gather_output
+        self.partition_sizes = parts
+        wspec = TPSpec(0, parts, (out_features, in_features), self.tp, self.tp_rank)
+        self.out_per_rank = [wspec.local_size(r) for r in range(self.tp)]
+        if min(self.out_per_rank) < 1:
+            raise ValueError(f"zerofuse.tp.ColumnParallelLinear: out_features {out_features} (parts {list(parts)}) "
+                             f"leave a rank of the TP group of {self.tp} without rows")
+        w, b = _init_linear_full(out_features, in_features, bias, device, dtype)
+        self.weight = _mark(torch.nn.Parameter(wspec.slice(w)), wspec)
+        if bias:
+            bspec = TPSpec(0, parts, (out_features,), self.tp, self.tp_rank)
+            self.bias = _mark(torch.nn.Parameter(bspec.slice(b)), bspec)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = _ColumnLinear.apply(x, self.weight, self.bias, self.comm, self.sequence_parallel)
+        return C.gather_last_dim(y, self.comm, self.out_per_rank) if self.gather_output else y
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features} "
+                f"(this rank {self.weight.shape[0]}), tp={self.tp}, sequence_parallel={self.sequence_parallel}")
+
+
+class RowParallelLinear(_TPModule):
+    """y = x A^T + b with A split by columns (input features): each rank multiplies its slice of
+    x and the partial sums are all-reduced (reduce-scattered along the sequence with
+    sequence_parallel=True); the bias is replicated and added after the reduction.
+    input_is_parallel=False splits a replicated input first."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, input_is_parallel: bool = True,
+                 group=None, sequence_parallel: bool = False, *, device=None, dtype=None):
+        super().__init__()
+        self._setup(group, sequence_parallel)
+        self.in_features, self.out_features, self.input_is_parallel = in_features, out_features, input_is_parallel
+        wspec = TPSpec(1, (in_features,), (out_features, in_features), self.tp, self.tp_rank)
+        self.in_per_rank = [wspec.local_size(r) for r in range(self.tp)]
+        if min(self.in_per_rank) < 1:
+            raise ValueError(f"zerofuse.tp.RowParallelLinear: in_features {in_features} leave a rank of the TP group "
+                             f"of {self.tp} without columns")
+        w, b = _init_linear_full(out_features, in_features, bias, device, dtype)
+        self.weight = _mark(torch.nn.Parameter(wspec.slice(w)), wspec)
+        if bias:
+            self.bias = torch.nn.Parameter(b)
+            C.sync_replicated_grads([self.bias], self.comm, when=lambda: self.sequence_parallel)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.input_is_parallel:
+            x = C.split_last_dim(x, self.comm, self.in_per_rank)
+        y = _RowLinear.apply(x, self.weight, self.comm, self.sequence_parallel)
+        return y + self.bias if self.bias is not None else y
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features} (this rank {self.weight.shape[1]}), out_features={self.out_features}, "
+                f"tp={self.tp}, sequence_parallel={self.sequence_parallel}")
+
+
+# ---------------------------------------------------------------------------- vocabulary
+
+
+class VocabParallelEmbedding(_TPModule):
+    """torch.nn.Embedding with the table split by rows (vocabulary) over the TP group: each rank
+    looks up the ids in its range (zeros elsewhere) and the partial results are all-reduced
+    (reduce-scattered along the sequence with sequence_parallel=True)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, group=None, sequence_parallel: bool = False, *,
+                 device=None, dtype=None):
+        super().__init__()
+        self._setup(group, sequence_parallel)
+        if num_embeddings < self.tp:
+            raise ValueError(f"zerofuse.tp.VocabParallelEmbedding: expected num_embeddings >= the TP size {self.tp}, "
+                             f"got {num_embeddings}")
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.vocab_start, self.vocab_end = split_range(num_embeddings, self.tp, self.tp_rank)
+        spec = TPSpec(0, (num_embeddings,), (num_embeddings, embedding_dim), self.tp, self.tp_rank)
+        full = torch.empty(num_embeddings, embedding_dim, device=device, dtype=dtype)
+        torch.nn.init.normal_(full)
+        self.weight = _mark(torch.nn.Parameter(spec.slice(full)), spec)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        outside = (idx < self.vocab_start) | (idx >= self.vocab_end)
+        local = (idx - self.vocab_start).masked_fill(outside, 0)
+        out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return C.reduce_scatter_to_seq(out, self.comm) if self.sequence_parallel else C.reduce_from_tp(out, self.comm)
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_embeddings}, {self.embedding_dim}, this rank [{self.vocab_start}, {self.vocab_end}), "
+                f"tp={self.tp}")
+
+
+class _VocabParallelCE(torch.autograd.Function):
+    """Per-token cross-entropy from vocabulary-sharded logits: a max all-reduce, then one
+    all-reduce of (sum of exp, target logit); the full-vocabulary logits never exist anywhere."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, comm, vocab_start, ignore_index):
+        x = logits.float()
+        m = x.max(dim=-1).values
+        C.all_reduce(m, comm, op="max")
+        e = torch.exp(x - m.unsqueeze(-1))
+        n_local = x.shape[-1]
+        inside = (targets >= vocab_start) & (targets < vocab_start + n_local)
+        local_t = (targets - vocab_start).masked_fill(~inside, 0)
+        tl = x.gather(-1, local_t.unsqueeze(-1)).squeeze(-1) * inside
+        both = torch.stack([e.sum(-1), tl])
+        C.all_reduce(both, comm)
+        sumexp, target_logit = both[0], both[1]
+        loss = torch.log(sumexp) + m - target_logit
+        ignored = targets == ignore_index
+        loss = loss.masked_fill(ignored, 0.0)
+        e.div_(sumexp.unsqueeze(-1))  # softmax, kept for backward
+        ctx.save_for_backward(e, local_t, inside, ignored)
+        ctx.dtype = logits.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, g):
+        softmax, local_t, inside, ignored = ctx.saved_tensors
+        grad = softmax
+        grad.scatter_add_(-1, local_t.unsqueeze(-1), -inside.to(grad.dtype).unsqueeze(-1))
+        grad.mul_((g * ~ignored).unsqueeze(-1))
+        return grad.to(ctx.dtype), None, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits_shard: Tensor, targets: Tensor, group=None, *, vocab_size: int | None = None,
+                                 ignore_index: int = -100, reduction: str = "mean") -> Tensor:
+    """F.cross_entropy(full_logits, targets) from this rank's vocabulary shard (..., V_r) of the
+    logits, split over the TP group as ColumnParallelLinear / VocabParallelEmbedding split it
+    (vocab_size: the full vocabulary, default V_r × tp for an even split). reduction: 'mean'
+    (over targets != ignore_index), 'sum' or 'none'."""
+    comm = C.comm_for(_group(group))
+    tp = comm.world_size
+    n_local = logits_shard.shape[-1]
+    vocab_size = n_local * tp if vocab_size is None else vocab_size
+    start, end = split_range(vocab_size, tp, comm.rank)
+    if end - start != n_local:
+        raise ValueError(f"zerofuse.tp.vocab_parallel_cross_entropy: rank {comm.rank} of {tp} expected "
+                         f"{end - start} logits of a vocabulary of {vocab_size}, got {n_local}")
+    if targets.shape != logits_shard.shape[:-1]:
+        raise ValueError(f"zerofuse.tp.vocab_parallel_cross_entropy: expected targets of shape "
+                         f"{list(logits_shard.shape[:-1])}, got {list(targets.shape)}")
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"zerofuse.tp.vocab_parallel_cross_entropy: expected reduction 'mean', 'sum' or 'none', "
+                         f"got {reduction!r}")
+    loss = _VocabParallelCE.apply(logits_shard, targets, comm, start, ignore_index)
+    if reduction == "none":
+        return loss
+    if reduction == "sum":
+        return loss.sum()
+    return loss.sum() / (targets != ignore_index).sum().clamp(min=1)
+
+
+# ---------------------------------------------------------------------------- attention, MLP
+
+
+class ParallelAttention(znn.Attention):
+    """zerofuse.nn.Attention with heads split over the TP group: the fused QKV projection is
+    column-parallel (each rank holds num_heads / tp query heads and num_kv_heads / tp kv heads),
+    the output projection row-parallel. One all-reduce forward, one backward (or the RS/AG pairs
+    with sequence parallelism)."""
+
+    def __init__(self, embed_dim: int, num_heads: int, num_kv_heads: int | None = None, *, group=None,
+                 sequence_parallel: bool = False, bias: bool = False, causal: bool = True, sdpa=None,
+                 device=None, dtype=None):
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        tp = dist.get_world_size(_group(group))
+        for key, n in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
+            if n % tp:
+                raise ValueError(f"zerofuse.tp.ParallelAttention: expected {key} ({n}) to divide by the TP size {tp}")
+        if embed_dim % num_heads:
+            raise ValueError(f"zerofuse.tp.ParallelAttention: expected num_heads ({num_heads}) to divide embed_dim "
+                             f"({embed_dim})")
+        if num_heads % num_kv_heads:
+            raise ValueError(f"zerofuse.tp.ParallelAttention: expected num_kv_heads ({num_kv_heads}) to divide "
+                             f"num_heads ({num_heads})")
+        torch.nn.Module.__init__(self)  # not Attention's: it would draw the unsharded projections
+        self.embed_dim, self.head_dim, self.causal = embed_dim, embed_dim // num_heads, causal
+        self.sdpa = znn.functional.scaled_dot_product_attention if sdpa is None else sdpa
+        d = self.head_dim
+        kw = dict(bias=bias, group=group, sequence_parallel=sequence_parallel, device=device, dtype=dtype)
+        self.qkv = ColumnParallelLinear(embed_dim, (num_heads + 2 * num_kv_heads) * d,
+                                        partition_sizes=(num_heads * d, num_kv_heads * d, num_kv_heads * d), **kw)
+        self.proj = RowParallelLinear(num_heads * d, embed_dim, **kw)
+        self.num_heads, self.num_kv_heads = num_heads // tp, num_kv_heads // tp  # this rank's heads
+
+
+def tp_modules(module: torch.nn.Module):
+    """The TP layers inside ``module`` (to switch sequence parallelism off for generation)."""
+    return [m for m in module.modules() if isinstance(m, _TPModule)]
+
