@@ -50,6 +50,7 @@ OPT_DEFAULTS = {"adamw": dict(lr=3e-3, weight_decay=0.1), "lamb": dict(lr=1e-2, 
                 "lars": dict(lr=1.0, weight_decay=1e-4)}
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense bf16 tensor-core peaks
 VAL_FRACTION = 0.1
+T0 = time.time()  # when this process started (imported)
 
 
 class UsageError(Exception):
@@ -148,6 +149,8 @@ def validate(args) -> None:
         _check(args.nproc in (None, world), f"--nproc: the launcher started {world} ranks, got --nproc {args.nproc}")
     args.world = world
     _check(args.tp >= 1, f"--tp: expected >= 1, got {args.tp}")
+    _check(args.dp is not None or world % args.tp == 0,
+           f"--tp: expected a divisor of the number of ranks {world} (--nproc), got {args.tp}")
     args.dp = args.dp if args.dp is not None else max(1, world // args.tp)
     _check(args.dp >= 1, f"--dp: expected >= 1, got {args.dp}")
     _check(args.dp * args.tp == world, f"--nproc: expected dp × tp = {args.dp} × {args.tp} = {args.dp * args.tp} "
@@ -327,6 +330,7 @@ def launch(argv: list[str], nproc: int) -> int:
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     os.environ["ZEROFUSE_TRAIN_LAUNCHED"] = "1"  # the ranks die with us (PR_SET_PDEATHSIG)
+    os.environ["ZEROFUSE_TRAIN_T0"] = str(T0)  # the summary's wall time counts the launch
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, rdzv_backend="c10d",
                           rdzv_endpoint=f"127.0.0.1:{_free_port()}", run_id=f"zerofuse-{uuid.uuid4().hex[:8]}",
                           max_restarts=0, monitor_interval=0.1, local_addr="127.0.0.1")
@@ -369,7 +373,15 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     if env is None and args.nproc > 1:
         return launch(argv, args.nproc)
-    return Trainer(args, env).run()
+    code = Trainer(args, env).run()
+    if code and env is not None:
+        # Stopped by a signal: leave now. The launcher signals the ranks still running when one exits
+        # non-zero, and interpreter shutdown restores the default handlers, which would kill a rank
+        # that is still finishing instead of letting it exit with the same code.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 # ---------------------------------------------------------------------------------------------- ranks
@@ -457,7 +469,7 @@ class Trainer:
         from zerofuse.parallel import init_mesh
 
         args = self.args
-        self.t_start = time.perf_counter()
+        self.t_start = float(os.environ.get("ZEROFUSE_TRAIN_T0", time.time()))
         _die_with_parent()
         self.stop = _StopFlag()
         self.device = _init_distributed(args, self.env)
@@ -481,11 +493,12 @@ class Trainer:
         seq = self.cfg.seq_len
         self.train_data = Sampler(self.corpus.train, seq, args.batch, args.grad_accum, args.dp, self.mesh.dp_rank,
                                   args.seed)
-        self.val_data = Sampler(self.corpus.val, seq, args.batch, 1, args.dp, self.mesh.dp_rank, args.seed)
+        self.val_data = Sampler(self.corpus.val, seq, args.batch, 1, 1, 0, args.seed)
         self.out = Path(args.out)
         self.ckpt = self.out / "ckpt"
         self.step = self._resume() if args.resume else 0
         self.start_step = self.step
+        self.memory = None
         self.log = RankZeroLog(self) if self.rank == 0 else None
 
     def _param_groups(self):
@@ -537,7 +550,7 @@ class Trainer:
             total += loss.detach()
         lr = opt.param_groups[0]["lr"]
         opt.step()
-        if self.step == self.start_step:
+        if self.memory is None:
             self.memory = self._memory()
         opt.zero_grad()
         self.sched.step()
@@ -566,7 +579,7 @@ class Trainer:
         vec = torch.zeros(1 + len(STOP_SIGNALS), dtype=torch.float64, device=self.device)
         vec[0] = loss.double()
         if mine:
-            vec[1 + STOP_SIGNALS.index(mine) if mine in STOP_SIGNALS else 2] = 1
+            vec[1 + STOP_SIGNALS.index(mine)] = 1
         dist.all_reduce(vec)
         vec = vec.cpu()
         flags = [s for s, v in zip(STOP_SIGNALS, vec[1:].tolist()) if v > 0]
@@ -574,14 +587,21 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Mean validation loss over --eval-batches fixed batches, averaged over the DP ranks."""
+        """Mean loss over the validation set: --eval-batches fixed batches of --batch sequences (the
+        same whatever the layout), dealt round-robin to the DP ranks. Every rank runs the same
+        number of forwards (ZeRO-3's forward is collective); a rank's spare ones count zero."""
         import torch.distributed as dist
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
-        for i in range(self.args.eval_batches):
-            x, y = self.val_data.get(i, stream=1)
-            total += self._forward(x[0], y[0]).double()
-        dist.all_reduce(total, group=self.mesh.dp_group)
-        return float(total) / (self.args.eval_batches * self.args.dp)
+        args = self.args
+        dp, r = args.dp, self.mesh.dp_rank
+        acc = torch.zeros(2, dtype=torch.float64, device=self.device)  # (loss sum, batches)
+        for k in range(-(-args.eval_batches // dp)):
+            i = k * dp + r
+            x, y = self.val_data.get(min(i, args.eval_batches - 1), stream=1)
+            loss = self._forward(x[0], y[0]).double()
+            if i < args.eval_batches:
+                acc += torch.stack([loss, torch.ones_like(loss)])
+        dist.all_reduce(acc, group=self.mesh.dp_group)
+        return float(acc[0] / acc[1])
 
     def _memory(self) -> dict:
         from zerofuse.zero import memory_report
@@ -614,30 +634,27 @@ class Trainer:
         self._setup()
         args = self.args
         try:
-            val = self.evaluate()
+            val, val_step = self.evaluate(), self.step
             if self.log:
                 self.log.start(val)
             t_train = time.perf_counter()
             while self.step < args.steps and not self.stop.signum:
                 m = self.train_step()
-                if args.eval_every and self.step % args.eval_every == 0 and self.step < args.steps:
-                    m["val_loss"] = self.evaluate()
-                if self.step == args.steps:
-                    m["val_loss"] = self.evaluate()
+                if self.step == args.steps or (args.eval_every and self.step % args.eval_every == 0):
+                    m["val_loss"] = val = self.evaluate()
+                    val_step = self.step
                 if self.log:
                     self.log.step(m)
-                last_ckpt = args.ckpt_every and self.step % args.ckpt_every == 0
-                if last_ckpt or self.step == args.steps or self.stop.signum:
+                if (args.ckpt_every and self.step % args.ckpt_every == 0) or self.step == args.steps or self.stop.signum:
                     self.save()
-            if self.step == self.start_step:  # nothing to train (resumed at the end)
-                self.memory = self._memory()
             train_s = time.perf_counter() - t_train
-            final_val = self.evaluate() if self.step == self.start_step else None
+            if self.memory is None:  # resumed at the end: nothing trained
+                self.memory = self._memory()
             text = self.sample() if args.sample_tokens and not self.stop.signum else None
             memory = [None] * self.world
             dist.all_gather_object(memory, self.memory)
             if self.log:
-                self.log.finish(memory, text, train_s, final_val, self.stop.signum)
+                self.log.finish(memory, text, train_s, (val, val_step), self.stop.signum)
         finally:
             if self.log:
                 self.log.close()
@@ -711,7 +728,7 @@ class RankZeroLog:
         if "val_loss" in m:
             self.write(f"step {s}: val loss {m['val_loss']:.4f}")
 
-    def finish(self, memory: list[dict], text: str | None, train_s: float, final_val: float | None,
+    def finish(self, memory: list[dict], text: str | None, train_s: float, final_val: tuple[float, int],
                signum: int) -> None:
         self.bar.close()
         summary = self._summary(memory, train_s, final_val, signum)
@@ -733,7 +750,6 @@ class RankZeroLog:
         comm = _mean([m["comm_time"] for m in steady if m["comm_time"] is not None]) if t.device.type == "cpu" else None
         tokens = a.dp * a.batch * a.grad_accum * t.cfg.seq_len
         tok_s = tokens / step_time if step_time else None
-        vals = [m["val_loss"] for m in self.history if "val_loss" in m]
         return {
             "world_size": t.world, "dp": a.dp, "tp": a.tp, "sequence_parallel": a.sequence_parallel,
             "zero_stage": a.zero_stage, "precision": a.precision, "optimizer": a.optimizer, "device": t.device.type,
@@ -741,14 +757,14 @@ class RankZeroLog:
             "model": {"preset": a.model_name, "params": count_params(t.cfg), **dataclasses.asdict(t.cfg)},
             "steps": a.steps, "steps_done": t.step, "start_step": t.start_step, "tokens_per_step": tokens,
             "stopped_by": signal.Signals(signum).name if signum else None,
-            "wall_s": time.perf_counter() - t.t_start, "train_s": train_s,
+            "wall_s": time.time() - t.t_start, "train_s": train_s,
             "tokens_per_s": tok_s, "tokens_per_s_per_rank": tok_s / t.world if tok_s else None,
             "step_time_s": step_time, "comm_time_s": comm,
             "compute_time_s": step_time - comm if comm is not None and step_time else None,
             "mfu": _mfu(t, tok_s), "memory_per_rank": memory,
             "initial_val_loss": self.initial_val if t.start_step == 0 else None,
             "final_train_loss": runs[-1]["loss"] if runs else None,
-            "final_val_loss": final_val if final_val is not None else (vals[-1] if vals else None),
+            "final_val_loss": final_val[0], "final_val_step": final_val[1],
         }
 
     def close(self) -> None:
@@ -801,8 +817,9 @@ def _table(s: dict) -> str:
         rows.append((f"memory rank {r}", f"params {_fmt_bytes(m['params'])}, grads {_fmt_bytes(m['grads'])}, "
                                          f"optimizer {_fmt_bytes(m['optimizer'])}, max RSS "
                                          f"{_fmt_bytes(m['max_rss'])}{extra}"))
-    rows.append(("loss", f"train {num(s['final_train_loss'], '.4f')}, val {num(s['final_val_loss'], '.4f')}"
-                         + (f" (initial val {s['initial_val_loss']:.4f})" if s["initial_val_loss"] else "")))
+    rows.append(("loss", f"train {num(s['final_train_loss'], '.4f')}, val {s['final_val_loss']:.4f} at step "
+                         f"{s['final_val_step']}" + (f" (initial val {s['initial_val_loss']:.4f})"
+                                                     if s["initial_val_loss"] is not None else "")))
     width = max(len(k) for k, _ in rows)
     return "\n".join([f"{PROG} summary"] + [f"  {k:<{width}}  {v}" for k, v in rows])
 

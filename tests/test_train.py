@@ -1,0 +1,300 @@
+"""zerofuse-train: the training job end to end (subprocesses on the C++ CPU kernels, tiny dims) and
+its pieces in process (flag checks, data, sampler, schedule, launch environment)."""
+import inspect
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from zerofuse import train
+from zerofuse.models import GPT, GPTConfig
+
+HAS_TP = "tp_group" in inspect.signature(GPT).parameters
+TIMEOUT = 150
+TINY = ["--layers", "2", "--heads", "2", "--dim", "32", "--seq-len", "32", "--batch", "4", "--eval-batches", "3",
+        "--lr", "1e-2", "--warmup", "2", "--sample-tokens", "16", "--log-every", "1"]
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID",
+               "SLURM_NTASKS", "TORCHELASTIC_RUN_ID")
+
+
+def _env() -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS + ("TRITON_INTERPRET",)}
+    env["ZEROFUSE_TRITON_ON_CPU"] = "0"  # the session's interpreter mode would make every step slow
+    return env
+
+
+def _cmd(*args) -> list[str]:
+    return [sys.executable, "-m", "zerofuse.train", *TINY, *map(str, args)]
+
+
+def run(*args, timeout=TIMEOUT) -> subprocess.CompletedProcess:
+    return subprocess.run(_cmd(*args), env=_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def metrics(out) -> list[dict]:
+    return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+
+
+def ckpt_step(out) -> int:
+    blob = torch.load(Path(out) / "ckpt" / "rank0.pt", weights_only=False)
+    return blob["extra"]["step"]
+
+
+def _ok(p: subprocess.CompletedProcess, code: int = 0) -> None:
+    assert p.returncode == code, f"exit code {p.returncode}\n--- stdout\n{p.stdout}\n--- stderr\n{p.stderr}"
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """nproc 2, ZeRO-2, 6 steps with a checkpoint every 3: the reference run."""
+    out = tmp_path_factory.mktemp("straight")
+    p = run("--nproc", 2, "--zero-stage", 2, "--steps", 6, "--ckpt-every", 3, "--eval-every", 3, "--out", out)
+    return out, p
+
+
+@pytest.fixture(scope="module")
+def stopped(tmp_path_factory):
+    """The same run told to stop after step 3 (as on SIGTERM)."""
+    out = tmp_path_factory.mktemp("stopped")
+    p = run("--nproc", 2, "--zero-stage", 2, "--steps", 6, "--ckpt-every", 3, "--eval-every", 3, "--out", out,
+            "--stop-after", 3)
+    return out, p
+
+
+# ---------------------------------------------------------------------------------------------- end to end
+
+@pytest.mark.timeout(TIMEOUT)
+def test_end_to_end_zero2(straight):
+    out, p = straight
+    _ok(p)
+    rows = metrics(out)
+    assert [r["step"] for r in rows] == list(range(1, 7))
+    for r in rows:
+        assert {"step", "loss", "lr", "tokens_per_s", "step_time", "comm_time", "grad_norm"} <= set(r)
+        assert r["tokens_per_s"] > 0 and 0 <= r["comm_time"] <= r["step_time"] and r["grad_norm"] > 0
+    assert rows[-1]["loss"] < rows[0]["loss"] - 0.3
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["zero_stage"] == 2 and summary["steps_done"] == 6
+    assert summary["final_val_loss"] < summary["initial_val_loss"] - 0.3
+    assert summary["mfu"] is None and len(summary["memory_per_rank"]) == 2
+    assert all(m["optimizer"] > 0 and m["max_rss"] > 0 for m in summary["memory_per_rank"])
+    assert (out / "loss.png").stat().st_size > 0
+    assert (out / "ckpt" / "meta.json").is_file() and ckpt_step(out) == 6
+    assert "zerofuse-train summary" in p.stdout and "exposed comm" in p.stdout and "--- sample" in p.stdout
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_stop_and_resume_gives_identical_losses(straight, stopped, tmp_path):
+    ref, _ = straight
+    src, p = stopped
+    _ok(p, 128 + signal.SIGTERM)
+    assert ckpt_step(src) == 3 and [r["step"] for r in metrics(src)] == [1, 2, 3]
+    assert "stopped by SIGTERM after step 3" in p.stdout
+    out = tmp_path / "out"
+    shutil.copytree(src, out)
+    p = run("--nproc", 2, "--zero-stage", 2, "--steps", 6, "--ckpt-every", 3, "--eval-every", 3, "--out", out,
+            "--resume")
+    _ok(p)
+    assert "resumed at step 3" in p.stdout
+    got, want = metrics(out), metrics(ref)
+    assert [r["step"] for r in got] == list(range(1, 7))
+    for key in ("loss", "lr", "grad_norm", "val_loss"):  # bitwise: same layout, same data, same state
+        assert [r.get(key) for r in got] == [r.get(key) for r in want], key
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_resume_at_another_layout(stopped, tmp_path):
+    """A 2-rank ZeRO-2 checkpoint continues in one process with ZeRO-3 (resharded on load)."""
+    src, p = stopped
+    _ok(p, 128 + signal.SIGTERM)
+    shutil.copytree(src / "ckpt", tmp_path / "ckpt")
+    p = run("--nproc", 1, "--zero-stage", 3, "--steps", 5, "--eval-every", 3, "--out", tmp_path, "--resume")
+    _ok(p)
+    rows = metrics(tmp_path)
+    assert [r["step"] for r in rows] == [4, 5] and all(math.isfinite(r["loss"]) for r in rows)
+    # the validation set does not depend on the layout: the loaded model scores what it scored
+    start_val = float(p.stdout.split("resumed at step 3: val loss ")[1].split()[0])
+    assert start_val == pytest.approx(metrics(src)[2]["val_loss"], abs=1e-4)
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            kids.append(int(stat.parent.name))
+    return kids
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_sigterm_to_launcher_checkpoints_and_exits(tmp_path):
+    proc = subprocess.Popen(_cmd("--nproc", 2, "--steps", 100000, "--eval-every", 0, "--out", tmp_path),
+                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + TIMEOUT - 30
+        path = tmp_path / "metrics.jsonl"
+        while not (path.exists() and len(path.read_text().splitlines()) >= 2):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() else ""
+            time.sleep(0.1)
+        ranks = _children(proc.pid)
+        assert len(ranks) == 2
+        proc.send_signal(signal.SIGTERM)
+        output, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, output
+    steps = [r["step"] for r in metrics(tmp_path)]
+    assert ckpt_step(tmp_path) == steps[-1] and steps == list(range(1, len(steps) + 1))
+    time.sleep(0.2)
+    assert not [r for r in ranks if Path(f"/proc/{r}").exists() and "zerofuse.train" in
+                Path(f"/proc/{r}/cmdline").read_text(errors="replace")], "orphan ranks"
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_runs_under_torchrun(tmp_path):
+    """Started by torchrun the job takes its world from the environment (ZeRO-1 here)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
+           "zerofuse.train", *TINY, "--steps", "3", "--zero-stage", "1", "--out", str(tmp_path)]
+    p = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=TIMEOUT)
+    _ok(p)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["zero_stage"] == 1 and summary["steps_done"] == 3
+
+
+@pytest.mark.timeout(TIMEOUT)
+@pytest.mark.skipif(not HAS_TP, reason="zerofuse.models.GPT does not accept tp_group yet (tensor parallelism)")
+def test_dp2_tp2(tmp_path):
+    p = run("--nproc", 4, "--dp", 2, "--tp", 2, "--steps", 4, "--eval-every", 2, "--out", tmp_path)
+    _ok(p)
+    rows = metrics(tmp_path)
+    assert len(rows) == 4 and rows[-1]["loss"] < rows[0]["loss"]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert (summary["dp"], summary["tp"], summary["world_size"]) == (2, 2, 4)
+
+
+# ---------------------------------------------------------------------------------------------- flags
+
+def test_bad_flag_exits_2_before_starting(tmp_path):
+    p = run("--nproc", 2, "--tp", 3, "--out", tmp_path, timeout=60)
+    assert p.returncode == 2
+    assert p.stderr.strip().splitlines() == [p.stderr.strip()] and "--tp" in p.stderr
+    assert not any(tmp_path.iterdir())  # nothing started, nothing written
+
+
+BAD = [
+    (["--nproc", "2", "--dp", "3"], "--nproc: expected dp × tp = 3 × 1 = 3 ranks, got 2"),
+    (["--nproc", "4", "--tp", "3"], "--tp"),
+    (["--heads", "4", "--kv-heads", "3"], "--kv-heads: expected a divisor of the head count 4"),
+    (["--heads", "3"], "--heads: expected a divisor of the model width 160"),
+    (["--precision", "fp16", "--device", "cpu"], "--precision fp16: expected --device cuda"),
+    (["--sequence-parallel"], "--sequence-parallel: expected --tp > 1"),
+    (["--batch", "0"], "--batch: expected >= 1, got 0"),
+    (["--grad-accum", "0"], "--grad-accum: expected >= 1"),
+    (["--steps", "0"], "--steps: expected >= 1"),
+    (["--lr", "0"], "--lr: expected > 0"),
+    (["--min-lr", "1", "--lr", "0.1"], "--min-lr"),
+    (["--data", "/no/such/file.txt"], "--data: expected a readable text file"),
+    (["--seq-len", "0"], "--seq-len: expected >= 1"),
+]
+if HAS_TP:
+    BAD.append((["--nproc", "2", "--tp", "2", "--sequence-parallel", "--seq-len", "33", "--heads", "2", "--dim", "32"],
+                "--seq-len: expected a multiple of --tp (2)"))
+if not torch.cuda.is_available():
+    BAD.append((["--device", "cuda"], "--device cuda: expected a CUDA device"))
+
+
+@pytest.mark.parametrize("argv,message", BAD, ids=[" ".join(a) for a, _ in BAD])
+def test_bad_flags(argv, message, capsys, tmp_path):
+    assert train.main(argv + ["--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+
+
+def test_resume_without_checkpoint(capsys, tmp_path):
+    assert train.main(["--resume", "--out", str(tmp_path)]) == 2
+    assert f"--resume: expected a complete checkpoint at {tmp_path / 'ckpt'}" in capsys.readouterr().err
+
+
+def test_data_too_short(capsys, tmp_path):
+    f = tmp_path / "short.txt"
+    f.write_text("hello world\n" * 20)
+    assert train.main(["--data", str(f), "--seq-len", "64", "--out", str(tmp_path)]) == 2
+    assert "--data: expected at least 66 validation tokens" in capsys.readouterr().err
+
+
+def test_argparse_errors_are_one_line(capsys):
+    with pytest.raises(SystemExit) as e:
+        train.main(["--zero-stage", "5"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--zero-stage" in err and err.count("\n") == 1
+
+
+# ---------------------------------------------------------------------------------------------- pieces
+
+def test_corpus_char_and_byte_fallback(tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text("abcab\n" * 50, encoding="utf-8")
+    c = train.Corpus.load(text)
+    assert c.kind == "char" and c.chars == ["\n", "a", "b", "c"] and c.vocab_size == 4
+    assert len(c.train) == 270 and len(c.val) == 30
+    assert c.decode(c.encode("cab\n")) == "cab\n"
+    binary = tmp_path / "b.bin"
+    binary.write_bytes(bytes(range(256)) * 4)  # not UTF-8
+    b = train.Corpus.load(binary)
+    assert b.kind == "byte" and b.vocab_size == 256 and b.train[:256].tolist() == list(range(256))
+    assert train.Corpus.load(text, "byte").kind == "byte"
+
+
+def test_sampler_deterministic_distinct_and_layout_free():
+    tokens = torch.arange(10_000, dtype=torch.int32)
+    ranks = [train.Sampler(tokens, 8, 3, 2, 2, r, seed=1) for r in range(2)]
+    x0, y0 = ranks[0].get(5)
+    x1, _ = ranks[1].get(5)
+    assert x0.shape == (2, 3, 8) and torch.equal(y0[..., :-1], x0[..., 1:])
+    assert torch.equal(x0, ranks[0].get(5)[0])  # a function of (seed, step)
+    assert not torch.equal(x0, x1) and not torch.equal(x0, ranks[0].get(6)[0])
+    # one rank with the whole global batch sees what the two ranks see together
+    whole, _ = train.Sampler(tokens, 8, 6, 2, 1, 0, seed=1).get(5)
+    assert torch.equal(whole, torch.cat([x0, x1], dim=1))
+
+
+def test_lr_schedule():
+    args = type("A", (), dict(lr=1.0, min_lr=0.1, warmup=10, steps=110))()
+    f = train.lr_lambda(args)
+    assert f(0) == pytest.approx(0.1) and f(9) == pytest.approx(1.0) and f(10) == pytest.approx(1.0)
+    assert f(60) == pytest.approx(0.55) and f(110) == pytest.approx(0.1) and f(500) == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(bias=True, tie_embeddings=True), dict(n_kv_head=2, norm="rmsnorm")])
+def test_count_params_matches_model(kw):
+    cfg = GPTConfig(vocab_size=67, seq_len=16, n_layer=2, n_head=4, dim=32, **kw)
+    assert train.count_params(cfg) == GPT(cfg).num_params()
+
+
+def test_launch_environment(monkeypatch):
+    for k in LAUNCH_VARS:
+        monkeypatch.delenv(k, raising=False)
+    assert train._dist_env() is None
+    monkeypatch.setenv("SLURM_PROCID", "3")
+    monkeypatch.setenv("SLURM_NTASKS", "4")
+    monkeypatch.setenv("SLURM_NNODES", "2")
+    monkeypatch.setenv("SLURM_LOCALID", "1")
+    assert train._dist_env() == {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "gpu[03-05,09],cpu1")
+    assert train._slurm_master() == "gpu03"
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert train._dist_env()["WORLD_SIZE"] == "2"  # torchrun's variables win
