@@ -7,6 +7,8 @@ analytic count; checkpoints across TP sizes.
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -196,3 +198,72 @@ def test_gpt_training_matches_single_process(dp, tpn, sp, stage):
         for name, spec in r["specs"].items():
             if spec is None:
                 torch.testing.assert_close(r["params"][name], results[0]["params"][name], rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------------------- checkpoints
+
+
+def _train_steps(model, opt, batches, dp, dp_rank):
+    per = GB // dp
+    losses = []
+    for b in batches:
+        mine = b[dp_rank * per:(dp_rank + 1) * per]
+        _, loss = model(mine[:, :-1], mine[:, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _build(dp, tpn, stage, sp=False):
+    mesh = zerofuse.parallel.init_mesh(dp=dp, tp=tpn)
+    model = GPT(GPTConfig(**CFG), seed=0, tp_group=mesh.tp_group if tpn > 1 else None, sequence_parallel=sp)
+    zerofuse.zero.parallelize(model, stage=stage, group=mesh.dp_group, bucket_mb=0.05)
+    return mesh, model, zerofuse.zero.Optimizer(model, "adamw", lr=LR, weight_decay=0.01)
+
+
+def _ckpt_save_rank(rank, ws, path):
+    mesh, model, opt = _build(2, 2, 2, sp=True)
+    bs = _batches(6)
+    _train_steps(model, opt, bs[:3], mesh.dp, mesh.dp_rank)
+    zerofuse.checkpoint.save(path, model, opt, extra={"step": 3})
+    return _train_steps(model, opt, bs[3:], mesh.dp, mesh.dp_rank)
+
+
+def _ckpt_load_rank(rank, ws, path, dp, tpn, stage):
+    mesh, model, opt = _build(dp, tpn, stage)
+    extra = zerofuse.checkpoint.load(path, model, opt)
+    return extra, _train_steps(model, opt, _batches(6)[3:], mesh.dp, mesh.dp_rank)
+
+
+def test_checkpoint_across_tp_sizes(tmp_path):
+    """Saved at dp2 × tp2 (ZeRO-2, sequence parallel), resumed at tp2 × dp1 (ZeRO-1, the TP parts
+    read directly), at tp1 × dp2 (ZeRO-3, merged and resliced) and as a plain model from
+    consolidate(): every continuation has the losses of the run that never stopped."""
+    path = str(tmp_path / "ckpt")
+    cont = run_distributed(_ckpt_save_rank, 4, path, timeout=300)
+    assert sorted(os.listdir(path)) == ["meta.json", "tp0", "tp1"]
+    assert sorted(os.listdir(os.path.join(path, "tp1"))) == ["meta.json", "rank0.pt", "rank1.pt"]
+    # losses are per DP rank (the same on every rank of a TP group): dp rank 0 sees the first half
+    # of the batch at dp 2, one rank the whole batch (the mean of the halves) at dp 1
+    halves = torch.tensor(cont[0])
+    whole = (torch.tensor(cont[0]) + torch.tensor(cont[2])) / 2
+    for dp, tpn, stage in ((1, 2, 1), (2, 1, 3)):
+        res = run_distributed(_ckpt_load_rank, dp * tpn, path, dp, tpn, stage, timeout=300)
+        assert res[0][0] == {"step": 3}
+        torch.testing.assert_close(torch.tensor(res[0][1]), halves if dp == 2 else whole, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"dp {dp} tp {tpn}: {m}")
+    full = zerofuse.checkpoint.consolidate(path)
+    model = GPT(GPTConfig(**CFG), seed=1)
+    model.load_state_dict(full["model"])
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
+    opt.load_state_dict(full["optimizer"])
+    losses = []
+    for b in _batches(6)[3:]:
+        _, loss = model(b[:, :-1], b[:, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    torch.testing.assert_close(torch.tensor(losses), whole, rtol=1e-5, atol=1e-6)
