@@ -7,3 +7,35 @@ HAS_CUDA = torch.cuda.is_available()
 # Parametrise with DEVICES to run a test on CPU always and on CUDA when present (the gpu mark
 # makes it skip cleanly without one).
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+class SavedActivations:
+    """Bytes of the activations autograd saves for backward inside the given modules' forwards
+    (what stays alive between forward and backward), e.g. the norms'; the modules' own params,
+    which autograd saves too, are not activations and not counted."""
+
+    def __init__(self, modules):
+        self.bytes = 0
+        self._params = {p.data_ptr() for m in modules for p in m.parameters()}
+        self._handles = []
+        for m in modules:
+            self._handles.append(m.register_forward_pre_hook(self._enter))
+            self._handles.append(m.register_forward_hook(self._exit))
+        self._ctx = []
+
+    def _pack(self, t):
+        if t.data_ptr() not in self._params:
+            self.bytes += t.numel() * t.element_size()
+        return t
+
+    def _enter(self, _mod, _args):
+        ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        ctx.__enter__()
+        self._ctx.append(ctx)
+
+    def _exit(self, _mod, _args, _out):
+        self._ctx.pop().__exit__(None, None, None)
+
+    def remove(self):
+        for h in self._handles:
+            h.remove()

@@ -267,3 +267,91 @@ def test_checkpoint_across_tp_sizes(tmp_path):
         opt.zero_grad()
         losses.append(loss.item())
     torch.testing.assert_close(torch.tensor(losses), whole, rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------- traffic, attention, memory, errors
+
+
+def _step_traffic(model, idx):
+    tp.reset_comm_stats()
+    _, loss = model(idx[:, :-1], idx[:, 1:])
+    loss.backward()
+    return tp.comm_stats()
+
+
+def _misc_rank(rank, ws):
+    from common import SavedActivations
+
+    out = {}
+    # attention: heads split over the ranks == the unsharded module with the same seed
+    torch.manual_seed(5)
+    ref = zerofuse.nn.Attention(48, 4, 2, bias=True)
+    torch.manual_seed(5)
+    att = tp.ParallelAttention(48, 4, 2, bias=True)
+    x = _x((B, N, 48), seed=13).requires_grad_()
+    xr = x.detach().clone().requires_grad_()
+    y, yr = att(x), ref(xr)
+    y.square().sum().backward()
+    yr.square().sum().backward()
+    out["attn"] = [(y.detach(), yr.detach()), (x.grad, xr.grad),
+                   (att.qkv.weight.grad, att.qkv.weight._zf_tp.slice(ref.qkv.weight.grad)),
+                   (att.proj.weight.grad, att.proj.weight._zf_tp.slice(ref.proj.weight.grad)),
+                   (att.proj.bias.grad, ref.proj.bias.grad)]
+    # bytes moved by one forward + backward, and the norms' saved activations, with and without SP
+    idx = torch.randint(0, 65, (B, N + 1), generator=torch.Generator().manual_seed(3))
+    for sp in (False, True):
+        model = GPT(GPTConfig(**CFG), seed=0, tp_group=dist.group.WORLD, sequence_parallel=sp)
+        norms = [m for n, m in model.named_modules() if n.endswith("norm1") or n.endswith("norm2") or n == "norm"]
+        probe = SavedActivations(norms)
+        out[("traffic", sp)] = _step_traffic(model, idx)
+        out[("norm_bytes", sp)] = probe.bytes
+        probe.remove()
+    # errors
+    errors = {}
+    for key, fn in {
+        "heads": lambda: GPT(GPTConfig(**{**CFG, "n_head": 3, "n_kv_head": 3, "dim": 48}), tp_group=dist.group.WORLD),
+        "kv_heads": lambda: GPT(GPTConfig(**{**CFG, "n_head": 4, "n_kv_head": 1}), tp_group=dist.group.WORLD),
+        "sp_without_tp": lambda: GPT(GPTConfig(**CFG), sequence_parallel=True),
+        "sp_odd_seq": lambda: GPT(GPTConfig(**CFG), tp_group=dist.group.WORLD, sequence_parallel=True)(idx[:, :7]),
+        "partition": lambda: tp.ColumnParallelLinear(8, 10, partition_sizes=(4, 4)),
+        "ce_vocab": lambda: tp.vocab_parallel_cross_entropy(torch.zeros(2, 5), torch.zeros(2, dtype=torch.long),
+                                                            vocab_size=65),
+    }.items():
+        try:
+            fn()
+            errors[key] = None
+        except ValueError as e:
+            errors[key] = str(e)
+    out["errors"] = errors
+    return out
+
+
+def test_attention_traffic_activation_memory_and_errors():
+    ws = 2
+    res = run_distributed(_misc_rank, ws, timeout=180)
+    for rank, out in enumerate(res):
+        for got, want in out["attn"]:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=lambda m: f"rank {rank} attention: {m}")
+    # analytic traffic of one step (forward + backward) at tp=2, b·s·h·4 bytes per activation
+    L, h, bs = CFG["n_layer"], CFG["dim"], B * N
+    a, ce = bs * h * 4, 3 * bs * 4  # CE: a max and a (sum of exp, target logit) all-reduce, fp32
+    without = res[0][("traffic", False)]
+    # Megatron: 2 all-reduces per layer forward and 2 backward, + the embedding's forward one and
+    # the head's backward one
+    assert without == {"all_reduce": (4 * L + 2) * a + ce}, without
+    with_sp = res[0][("traffic", True)]
+    replicated = ((2 * L + 1) * h + CFG["seq_len"] * h) * 4  # norm weights and position table grads
+    # per layer: 2 RS forward (row outputs) + 2 backward (column input grads); AG: 2 forward (column
+    # inputs), 2 backward re-gathers, 2 backward row output grads; the embedding (RS / AG back) and
+    # the head (a column layer)
+    assert with_sp == {"reduce_scatter": (4 * L + 2) * a, "all_gather": (6 * L + 3) * a,
+                       "all_reduce": ce + replicated}, with_sp
+    # sequence parallelism keeps 1/tp of the norms' activations
+    assert res[0][("norm_bytes", True)] * ws <= res[0][("norm_bytes", False)], res[0]
+    errs = res[0]["errors"]
+    assert "n_head (3) to divide by the tensor-parallel size 2" in errs["heads"]
+    assert "n_kv_head (1) to divide by the tensor-parallel size 2" in errs["kv_heads"]
+    assert "sequence_parallel=True needs a tp_group" in errs["sp_without_tp"]
+    assert "sequence length (7) to divide by the tensor-parallel size 2" in errs["sp_odd_seq"]
+    assert "partition_sizes" in errs["partition"]
+    assert "expected 33 logits of a vocabulary of 65, got 5" in errs["ce_vocab"]
