@@ -456,7 +456,7 @@ def _errors_rank(rank, ws):
 
 def test_bad_input_errors():
     msgs = run_distributed(_errors_rank, 2, timeout=240)[0]
-    assert "expected stage 1, 2 or 3, got 4" in msgs["stage"]
+    assert "expected stage 0, 1, 2 or 3, got 4" in msgs["stage"]
     assert "precision" in msgs["precision"] and "'fp8'" in msgs["precision"]
     assert "no trainable parameters" in msgs["no_params"]
     assert "zerofuse.zero.parallelize" in msgs["plain"]
