@@ -24,15 +24,21 @@ import torch.distributed as dist
 
 from zerofuse.comm import Communicator
 
-_comms: dict[str, Communicator] = {}
+_comms: list[tuple[dist.ProcessGroup, Communicator]] = []
 _stats: collections.Counter = collections.Counter()
 
 
 def comm_for(group: dist.ProcessGroup) -> Communicator:
-    name = dist.distributed_c10d._get_process_group_name(group)
-    if name not in _comms:
-        _comms[name] = Communicator(group)
-    return _comms[name]
+    """The Communicator of ``group`` (one per live group: a group destroyed with its process group
+    is dropped, even if a later group reuses its name)."""
+    live = dist.distributed_c10d._world.pg_map
+    _comms[:] = [(g, c) for g, c in _comms if g in live]
+    for g, c in _comms:
+        if g is group:
+            return c
+    comm = Communicator(group)
+    _comms.append((group, comm))
+    return comm
 
 
 def comm_stats() -> dict[str, int]:
