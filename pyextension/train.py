@@ -37,8 +37,10 @@ import time
 import uuid
 from pathlib import Path
 
-import numpy as np
-import torch
+T0 = time.time()  # the job's start for the summary's wall time (before torch's import)
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
 
 PROG = "zerofuse-train"
 EXIT_USAGE = 2
@@ -51,7 +53,6 @@ OPT_DEFAULTS = {"adamw": dict(lr=6e-3, weight_decay=0.1), "lamb": dict(lr=1e-2, 
                 "lars": dict(lr=1.0, weight_decay=1e-4)}
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense bf16 tensor-core peaks
 VAL_FRACTION = 0.1
-T0 = time.time()  # when this process started (imported)
 
 
 class UsageError(Exception):
@@ -67,7 +68,6 @@ class _Parser(argparse.ArgumentParser):
 
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog=PROG, description="Train a GPT with zerofuse (ZeRO 0-3, tensor/sequence parallel).")
-    a = p.add_argument
     g = p.add_argument_group("parallelism")
     g.add_argument("--nproc", type=int, help="local ranks to launch (default: 2 on CPU, the GPU count on CUDA); "
                                              "under torchrun/SLURM the launcher's world size")
@@ -108,7 +108,7 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--eval-batches", type=int, default=10, help="batches per validation (default 10)")
     d.add_argument("--log-every", type=int, help="without a terminal: a progress line every N steps (default ~20 lines)")
     d.add_argument("--sample-tokens", type=int, default=200, help="tokens sampled at the end (0: none)")
-    a("--stop-after", type=int, help=argparse.SUPPRESS)  # tests: act as if SIGTERM arrived after step N
+    p.add_argument("--stop-after", type=int, help=argparse.SUPPRESS)  # tests: act as if SIGTERM arrived after step N
     return p
 
 
@@ -470,7 +470,7 @@ class Trainer:
         from zerofuse.parallel import init_mesh
 
         args = self.args
-        self.t_start = float(os.environ.get("ZEROFUSE_TRAIN_T0", time.time()))
+        self.t_start = float(os.environ.get("ZEROFUSE_TRAIN_T0", T0))
         _die_with_parent()
         self.stop = _StopFlag()
         self.device = _init_distributed(args, self.env)
@@ -741,7 +741,8 @@ class RankZeroLog:
         if text is not None:
             print(f"--- sample ({self.args.sample_tokens} tokens, temperature 0.8, top-k 40) ---\n{text}\n---",
                   flush=True)
-        _plot(self.history, self.out / "loss.png")
+        start = [{"step": 0, "val_loss": self.initial_val}] if self.t.start_step == 0 else []
+        _plot(start + self.history, self.out / "loss.png")
 
     def _summary(self, memory, train_s, final_val, signum) -> dict:
         t, a = self.t, self.args
@@ -842,7 +843,8 @@ def _plot(history: list[dict], path: Path) -> None:
         print(f"{PROG}: matplotlib is not installed, no {path.name}", file=sys.stderr)
         return
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot([m["step"] for m in history], [m["loss"] for m in history], label="train", linewidth=1)
+    train = [m for m in history if "loss" in m]
+    ax.plot([m["step"] for m in train], [m["loss"] for m in train], label="train", linewidth=1)
     val = [(m["step"], m["val_loss"]) for m in history if "val_loss" in m]
     if val:
         ax.plot(*zip(*val), "o-", label="val")
