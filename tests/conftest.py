@@ -37,3 +37,12 @@ def cpu_kernels(monkeypatch):
     from zerofuse import kernels
 
     monkeypatch.setattr(kernels, "TRITON_ON_CPU", False)
+
+
+@pytest.fixture
+def native_kernels(monkeypatch, cpu_kernels):
+    """Distributed training tests: this process and the spawned ranks (through the environment)
+    run the C++ CPU kernels, and no collective checker is on. The Triton kernels have their own
+    interpreter tests; training steps in the interpreter would take minutes."""
+    monkeypatch.setenv("ZEROFUSE_TRITON_ON_CPU", "0")
+    monkeypatch.delenv("ZEROFUSE_CHECK_COLLECTIVES", raising=False)

@@ -13,12 +13,10 @@ from zerofuse.models import GPT, GPTConfig
 from dist_utils import run_distributed
 from test_zero import GLOBAL_BATCH, LR, WD, batches, full_state, make_model
 
+pytestmark = pytest.mark.usefixtures("native_kernels")
+
 STEPS_BEFORE, STEPS_AFTER = 3, 2
 
-
-@pytest.fixture(autouse=True)
-def _native_kernels(monkeypatch, cpu_kernels):
-    monkeypatch.setenv("ZEROFUSE_TRITON_ON_CPU", "0")
 
 
 def _steps(rank, ws, model, opt, data):

@@ -20,6 +20,8 @@ from zerofuse.models import GPT, GPTConfig
 
 from dist_utils import run_distributed
 
+pytestmark = pytest.mark.usefixtures("native_kernels")
+
 B, N = 2, 12  # N divides by 2 and 4 (sequence parallelism)
 
 
@@ -355,3 +357,4 @@ def test_attention_traffic_activation_memory_and_errors():
     assert "sequence length (7) to divide by the tensor-parallel size 2" in errs["sp_odd_seq"]
     assert "partition_sizes" in errs["partition"]
     assert "expected 33 logits of a vocabulary of 65, got 5" in errs["ce_vocab"]
+

@@ -19,6 +19,8 @@ from zerofuse.optim import FusedAdamW, FusedLAMB, FusedLARS
 from dist_utils import run_distributed
 from tolerances import tol
 
+pytestmark = pytest.mark.usefixtures("native_kernels")
+
 CFG = dict(vocab_size=65, seq_len=32, n_layer=3, n_head=4, n_kv_head=2, dim=64)
 GLOBAL_BATCH, SEQ = 12, 16  # divisible by world sizes 2, 3 and 4
 STAGES = (0, 1, 2, 3)
@@ -466,13 +468,6 @@ def test_bad_input_errors():
     assert "stage=2" in msgs["layout"] and "stage=3" in msgs["layout"]
     assert "not a trainable parameter" in msgs["groups"]
 
-
-@pytest.fixture(autouse=True)
-def _native_kernels(monkeypatch, cpu_kernels):
-    """The ranks and the references run the C++ CPU kernels: the Triton kernels have their own
-    interpreter tests, and training steps in the interpreter would take minutes."""
-    monkeypatch.setenv("ZEROFUSE_TRITON_ON_CPU", "0")
-    monkeypatch.delenv("ZEROFUSE_CHECK_COLLECTIVES", raising=False)
 
 
 def test_checker_catches_diverging_ranks_in_zero():
