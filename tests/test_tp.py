@@ -281,6 +281,36 @@ def _step_traffic(model, idx):
     return tp.comm_stats()
 
 
+def _column_backward_order(sp):
+    """The order of events in one column-parallel backward: collective launches, matmuls, waits."""
+    from zerofuse.comm import communicator
+
+    events = []
+    col = tp.ColumnParallelLinear(24, 16, sequence_parallel=sp)
+    x = _x((B, N // 2 if sp else N, 24)).requires_grad_()
+    y = col(x)
+    launch = {name: getattr(tp.comm, name) for name in ("all_reduce", "seq_reduce_scatter_start", "seq_all_gather_start")}
+    wait, matmul = communicator.Work.wait, torch.Tensor.matmul
+
+    def logged(name, fn):
+        def run(*a, **k):
+            events.append(name)
+            return fn(*a, **k)
+        return run
+
+    try:
+        for name, fn in launch.items():
+            setattr(tp.comm, name, logged("launch", fn))
+        communicator.Work.wait = logged("wait", wait)
+        torch.Tensor.matmul = logged("matmul", matmul)
+        y.sum().backward()
+    finally:
+        for name, fn in launch.items():
+            setattr(tp.comm, name, fn)
+        communicator.Work.wait, torch.Tensor.matmul = wait, matmul
+    return events
+
+
 def _misc_rank(rank, ws):
     from common import SavedActivations
 
@@ -308,6 +338,7 @@ def _misc_rank(rank, ws):
         out[("traffic", sp)] = _step_traffic(model, idx)
         out[("norm_bytes", sp)] = probe.bytes
         probe.remove()
+    out["overlap"] = {sp: _column_backward_order(sp) for sp in (False, True)}
     # errors
     errors = {}
     for key, fn in {
@@ -350,6 +381,11 @@ def test_attention_traffic_activation_memory_and_errors():
                        "all_reduce": ce + replicated}, with_sp
     # sequence parallelism keeps 1/tp of the norms' activations
     assert res[0][("norm_bytes", True)] * ws <= res[0][("norm_bytes", False)], res[0]
+    # the input gradient's collective is in flight during the weight-gradient matmul: launched
+    # after the input-grad matmul, waited after the weight-grad one; with SP the input's re-gather
+    # is in flight during the input-grad matmul
+    assert res[0]["overlap"][False] == ["matmul", "launch", "matmul", "wait"], res[0]["overlap"]
+    assert res[0]["overlap"][True] == ["launch", "matmul", "wait", "launch", "matmul", "wait"], res[0]["overlap"]
     errs = res[0]["errors"]
     assert "n_head (3) to divide by the tensor-parallel size 2" in errs["heads"]
     assert "n_kv_head (1) to divide by the tensor-parallel size 2" in errs["kv_heads"]
