@@ -669,7 +669,6 @@ class RankZeroLog:
     """Progress bar / lines, metrics.jsonl, TensorBoard, summary.json, the summary table, loss.png."""
 
     def __init__(self, trainer: Trainer):
-        from tqdm import tqdm
         self.t, self.args = trainer, trainer.args
         self.out = Path(self.args.out)
         self.out.mkdir(parents=True, exist_ok=True)
@@ -677,7 +676,11 @@ class RankZeroLog:
         self._trim_metrics(trainer.step)
         self.metrics = open(self.metrics_path, "a")
         self.history = [json.loads(line) for line in self.metrics_path.read_text().splitlines() if line.strip()]
-        self.tty = sys.stderr.isatty()
+        try:
+            from tqdm import tqdm
+        except ImportError:  # a machine installed with --no-deps: progress lines only
+            tqdm = _Lines
+        self.tty = sys.stderr.isatty() and tqdm is not _Lines
         self.every = self.args.log_every or max(1, self.args.steps // 20)
         self.bar = tqdm(total=self.args.steps, initial=trainer.step, disable=not self.tty, dynamic_ncols=True,
                         desc="train", unit="step")
@@ -699,7 +702,7 @@ class RankZeroLog:
     def start(self, val: float) -> None:
         t, a = self.t, self.args
         self.initial_val = val
-        self.write(f"{PROG}: {t.world} ranks (dp {a.dp} × tp {a.tp}{', sequence parallel' if a.sequence_parallel else ''}), "
+        self.write(f"{PROG}: {_plural(t.world, 'rank')} (dp {a.dp} × tp {a.tp}{', sequence parallel' if a.sequence_parallel else ''}), "
                    f"ZeRO-{a.zero_stage}, {a.precision}, {a.optimizer}, {t.device.type}; model {a.model_name} "
                    f"{count_params(t.cfg) / 1e6:.2f}M params ({t.cfg.n_layer} layers, {t.cfg.n_head} heads, "
                    f"{t.cfg.n_kv_head} kv heads, dim {t.cfg.dim}, seq {t.cfg.seq_len}, vocab {t.cfg.vocab_size}, "
@@ -776,6 +779,29 @@ class RankZeroLog:
             self.tb.close()
 
 
+class _Lines:
+    """Stands in for tqdm when it is not installed."""
+
+    def __init__(self, **_):
+        pass
+
+    def write(self, line, file=None):
+        print(line, file=file or sys.stdout)
+
+    def update(self, n=1):
+        pass
+
+    def set_postfix_str(self, s, refresh=True):
+        pass
+
+    def close(self):
+        pass
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
 def _mean(xs):
     return sum(xs) / len(xs) if xs else None
 
@@ -800,7 +826,7 @@ def _table(s: dict) -> str:
 
     gpu_comm = "n/a on CUDA (Work.wait only orders streams; profile for exposed communication)"
     rows = [
-        ("layout", f"{s['world_size']} ranks = dp {s['dp']} × tp {s['tp']}, ZeRO-{s['zero_stage']}, {s['precision']}, "
+        ("layout", f"{_plural(s['world_size'], 'rank')} = dp {s['dp']} × tp {s['tp']}, ZeRO-{s['zero_stage']}, {s['precision']}, "
                    f"{s['optimizer']}, {s['device_name']}"),
         ("model", f"{s['model']['params'] / 1e6:.2f}M params"),
         ("steps", f"{s['steps_done'] - s['start_step']} this run (to step {s['steps_done']} of {s['steps']}), "
