@@ -106,7 +106,7 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
     d.add_argument("--eval-every", type=int, default=50, help="validate every N steps (0: only at start and end)")
     d.add_argument("--eval-batches", type=int, default=10, help="batches per validation (default 10)")
-    d.add_argument("--log-every", type=int, help="without a terminal: a progress line every N steps (default ~20 lines)")
+    d.add_argument("--log-every", type=int, help="without a terminal: a progress line every N steps (default: steps / 20)")
     d.add_argument("--sample-tokens", type=int, default=200, help="tokens sampled at the end (0: none)")
     p.add_argument("--stop-after", type=int, help=argparse.SUPPRESS)  # tests: act as if SIGTERM arrived after step N
     return p
@@ -702,7 +702,8 @@ class RankZeroLog:
     def start(self, val: float) -> None:
         t, a = self.t, self.args
         self.initial_val = val
-        self.write(f"{PROG}: {_plural(t.world, 'rank')} (dp {a.dp} × tp {a.tp}{', sequence parallel' if a.sequence_parallel else ''}), "
+        sp = ", sequence parallel" if a.sequence_parallel else ""
+        self.write(f"{PROG}: {_plural(t.world, 'rank')} (dp {a.dp} × tp {a.tp}{sp}), "
                    f"ZeRO-{a.zero_stage}, {a.precision}, {a.optimizer}, {t.device.type}; model {a.model_name} "
                    f"{count_params(t.cfg) / 1e6:.2f}M params ({t.cfg.n_layer} layers, {t.cfg.n_head} heads, "
                    f"{t.cfg.n_kv_head} kv heads, dim {t.cfg.dim}, seq {t.cfg.seq_len}, vocab {t.cfg.vocab_size}, "
@@ -826,8 +827,8 @@ def _table(s: dict) -> str:
 
     gpu_comm = "n/a on CUDA (Work.wait only orders streams; profile for exposed communication)"
     rows = [
-        ("layout", f"{_plural(s['world_size'], 'rank')} = dp {s['dp']} × tp {s['tp']}, ZeRO-{s['zero_stage']}, {s['precision']}, "
-                   f"{s['optimizer']}, {s['device_name']}"),
+        ("layout", f"{_plural(s['world_size'], 'rank')} = dp {s['dp']} × tp {s['tp']}, ZeRO-{s['zero_stage']}, "
+                   f"{s['precision']}, {s['optimizer']}, {s['device_name']}"),
         ("model", f"{s['model']['params'] / 1e6:.2f}M params"),
         ("steps", f"{s['steps_done'] - s['start_step']} this run (to step {s['steps_done']} of {s['steps']}), "
                   f"{s['tokens_per_step']:,} tokens/step"),
