@@ -478,10 +478,10 @@ class Trainer:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.mesh = init_mesh(dp=args.dp, tp=args.tp)
         self.corpus = Corpus.load(args.data, args.tokenizer)
-        vocab = self.corpus.vocab_size
-        vocab += -vocab % args.tp  # vocab-sharded head: pad to a multiple of tp (never sampled ids)
+        # no padding for tp: the vocab-parallel layers split an uneven vocabulary, so the model (and
+        # its checkpoints) are the same at every tp
         shape = {**args.model_shape}
-        self.cfg = config(args.model_name, **{**shape, "vocab_size": vocab})
+        self.cfg = config(args.model_name, **{**shape, "vocab_size": self.corpus.vocab_size})
         kw = {"tp_group": self.mesh.tp_group, "sequence_parallel": args.sequence_parallel} if args.tp > 1 else {}
         model = GPT(self.cfg, seed=args.seed, **kw).to(self.device)
         self.model = zero.parallelize(model, stage=args.zero_stage, group=self.mesh.dp_group,

@@ -43,7 +43,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float) ->
     g = _groups(q, k)
     kk, vv = (k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)) if g > 1 else (k, v)
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, kk, vv, 0.0, is_causal, scale=scale)
-    return out, lse.to(_lse_dtype(q))
+    # contiguous as the Triton path's and the fake's (torch's CPU kernel returns a (B, N, H, D)
+    # layout: torch.compile asserts the strides the fake promised)
+    return out.contiguous(), lse.to(_lse_dtype(q)).contiguous()
 
 
 @attention.register_fake
@@ -65,12 +67,12 @@ def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tenso
         b, hkv, nk, d = k.shape
         dk = dk.view(b, hkv, g, nk, d).sum(2)
         dv = dv.view(b, hkv, g, nk, d).sum(2)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    return tuple(g.to(t.dtype).contiguous() for g, t in ((dq, q), (dk, k), (dv, v)))
 
 
 @attention_backward.register_fake
 def _(dout, q, k, v, out, lse, is_causal, scale):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
 
 
 def _setup_context(ctx, inputs, output):
