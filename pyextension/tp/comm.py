@@ -126,134 +126,80 @@ def seq_shard(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
 # ---------------------------------------------------------------------------- autograd pairs
 
 
-class _CopyToTP(torch.autograd.Function):
-    """forward: identity; backward: all-reduce (sum) of the input gradient over the TP group."""
+def _identity(x, comm):
+    return x.view_as(x)
+
+
+def _summed(x, comm):
+    return all_reduce(x.contiguous().clone(), comm)
+
+
+def _gather_last(x, comm, sizes):
+    """All-gather along the last dim; shards may differ in size by one (sizes per rank)."""
+    tp, width = comm.world_size, max(sizes)
+    pad = torch.zeros(x.shape[:-1] + (width,), dtype=x.dtype, device=x.device)
+    pad[..., :x.shape[-1]] = x
+    buf = torch.empty((tp,) + tuple(pad.shape), dtype=x.dtype, device=x.device)
+    _count("all_gather", buf)
+    comm.all_gather_coalesced(pad.reshape(-1), [buf.view(-1)]).wait()
+    return torch.cat([buf[r, ..., :sizes[r]] for r in range(tp)], dim=-1)
+
+
+def _split_last(x, comm, sizes):
+    start = sum(sizes[:comm.rank])
+    return x[..., start:start + sizes[comm.rank]].contiguous()
+
+
+class _Conjugate(torch.autograd.Function):
+    """forward(x) = fwd(x, comm, *extra), backward(g) = bwd(g, comm, *extra): every TP collective
+    below is such a pair, each the other's transpose."""
 
     @staticmethod
-    def forward(ctx, x, comm):
-        ctx.comm = comm
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        return all_reduce(g.contiguous().clone(), ctx.comm), None
-
-
-class _ReduceFromTP(torch.autograd.Function):
-    """forward: all-reduce (sum) over the TP group; backward: identity."""
-
-    @staticmethod
-    def forward(ctx, x, comm):
-        return all_reduce(x.contiguous().clone(), comm)
-
-    @staticmethod
-    def backward(ctx, g):
-        return g, None
-
-
-class _GatherFromSeq(torch.autograd.Function):
-    """forward: all-gather of the sequence shards (b, s/tp, h) -> (b, s, h); backward:
-    reduce-scatter (sum) of the gradient back to this rank's shard."""
-
-    @staticmethod
-    def forward(ctx, x, comm):
-        ctx.comm = comm
-        return seq_all_gather(x, comm)
-
-    @staticmethod
-    def backward(ctx, g):
-        return seq_reduce_scatter(g, ctx.comm), None
-
-
-class _ReduceScatterToSeq(torch.autograd.Function):
-    """forward: reduce-scatter (sum) of (b, s, h) partial sums into this rank's shard (b, s/tp, h);
-    backward: all-gather of the gradient shards."""
-
-    @staticmethod
-    def forward(ctx, x, comm):
-        ctx.comm = comm
-        return seq_reduce_scatter(x, comm)
+    def forward(ctx, x, comm, fwd, bwd, *extra):
+        ctx.comm, ctx.bwd, ctx.extra = comm, bwd, extra
+        return fwd(x, comm, *extra)
 
     @staticmethod
     def backward(ctx, g):
-        return seq_all_gather(g, ctx.comm), None
-
-
-class _ScatterToSeq(torch.autograd.Function):
-    """forward: keep this rank's sequence shard of a replicated (b, s, h); backward: all-gather."""
-
-    @staticmethod
-    def forward(ctx, x, comm):
-        ctx.comm = comm
-        return seq_shard(x, comm)
-
-    @staticmethod
-    def backward(ctx, g):
-        return seq_all_gather(g, ctx.comm), None
-
-
-class _GatherLastDim(torch.autograd.Function):
-    """forward: all-gather along the last dim (shards may differ in size by one: sizes given);
-    backward: this rank's slice of the gradient."""
-
-    @staticmethod
-    def forward(ctx, x, comm, sizes):
-        ctx.comm, ctx.sizes = comm, sizes
-        tp, width = comm.world_size, max(sizes)
-        pad = torch.zeros(x.shape[:-1] + (width,), dtype=x.dtype, device=x.device)
-        pad[..., :x.shape[-1]] = x
-        buf = torch.empty((tp,) + tuple(pad.shape), dtype=x.dtype, device=x.device)
-        _count("all_gather", buf)
-        comm.all_gather_coalesced(pad.reshape(-1), [buf.view(-1)]).wait()
-        return torch.cat([buf[r, ..., :sizes[r]] for r in range(tp)], dim=-1)
-
-    @staticmethod
-    def backward(ctx, g):
-        r = ctx.comm.rank
-        start = sum(ctx.sizes[:r])
-        return g[..., start:start + ctx.sizes[r]].contiguous(), None, None
-
-
-class _SplitLastDim(torch.autograd.Function):
-    """forward: this rank's slice of the last dim (sizes given per rank); backward: all-gather."""
-
-    @staticmethod
-    def forward(ctx, x, comm, sizes):
-        ctx.comm, ctx.sizes = comm, sizes
-        start = sum(sizes[:comm.rank])
-        return x[..., start:start + sizes[comm.rank]].contiguous()
-
-    @staticmethod
-    def backward(ctx, g):
-        return _GatherLastDim.apply(g.contiguous(), ctx.comm, ctx.sizes), None, None
+        return (ctx.bwd(g.contiguous(), ctx.comm, *ctx.extra), None, None, None) + (None,) * len(ctx.extra)
 
 
 def copy_to_tp(x, comm):
-    return _CopyToTP.apply(x, comm)
+    """forward: identity; backward: all-reduce (sum) of the gradient over the TP group."""
+    return _Conjugate.apply(x, comm, _identity, _summed)
 
 
 def reduce_from_tp(x, comm):
-    return _ReduceFromTP.apply(x, comm)
+    """forward: all-reduce (sum) over the TP group; backward: identity."""
+    return _Conjugate.apply(x, comm, _summed, _identity)
 
 
 def gather_from_seq(x, comm):
-    return _GatherFromSeq.apply(x, comm)
+    """forward: all-gather of the sequence shards (b, s/tp, h) -> (b, s, h); backward:
+    reduce-scatter (sum) of the gradient back to this rank's shard."""
+    return _Conjugate.apply(x, comm, seq_all_gather, seq_reduce_scatter)
 
 
 def reduce_scatter_to_seq(x, comm):
-    return _ReduceScatterToSeq.apply(x, comm)
+    """forward: reduce-scatter (sum) of (b, s, h) partial sums into this rank's shard
+    (b, s/tp, h); backward: all-gather of the gradient shards."""
+    return _Conjugate.apply(x, comm, seq_reduce_scatter, seq_all_gather)
 
 
 def scatter_to_seq(x, comm):
-    return _ScatterToSeq.apply(x, comm)
+    """forward: this rank's sequence shard of a replicated (b, s, h); backward: all-gather."""
+    return _Conjugate.apply(x, comm, seq_shard, seq_all_gather)
 
 
 def gather_last_dim(x, comm, sizes):
-    return _GatherLastDim.apply(x, comm, list(sizes))
+    """forward: all-gather along the last dim (rank r holds sizes[r]); backward: this rank's
+    slice of the gradient."""
+    return _Conjugate.apply(x, comm, _gather_last, _split_last, list(sizes))
 
 
 def split_last_dim(x, comm, sizes):
-    return _SplitLastDim.apply(x, comm, list(sizes))
+    """forward: this rank's slice of the last dim (sizes[r] per rank); backward: all-gather."""
+    return _Conjugate.apply(x, comm, _split_last, _gather_last, list(sizes))
 
 
 def sync_replicated_grads(params, comm: Communicator, when=lambda: True) -> list:

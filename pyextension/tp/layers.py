@@ -35,9 +35,18 @@ def _group(group):
     return group if group is not None else dist.distributed_c10d._get_default_group()
 
 
-def _mark(p: torch.nn.Parameter, spec: TPSpec) -> torch.nn.Parameter:
+def _sharded(full: Tensor, spec: TPSpec) -> torch.nn.Parameter:
+    """This rank's slice of ``full`` as a Parameter that carries its spec."""
+    p = torch.nn.Parameter(spec.slice(full))
     p._zf_tp = spec
     return p
+
+
+def _sizes_per_rank(spec: TPSpec, who: str, what: str) -> list[int]:
+    sizes = [spec.local_size(r) for r in range(spec.tp)]
+    if min(sizes) < 1:
+        raise ValueError(f"zerofuse.tp.{who}: {what} leave a rank of the TP group of {spec.tp} with nothing")
+    return sizes
 
 
 class _TPModule(torch.nn.Module):
@@ -144,15 +153,12 @@ class ColumnParallelLinear(_TPModule):
         self.in_features, self.out_features, self.gather_output = in_features, out_features, gather_output
         self.partition_sizes = parts
         wspec = TPSpec(0, parts, (out_features, in_features), self.tp, self.tp_rank)
-        self.out_per_rank = [wspec.local_size(r) for r in range(self.tp)]
-        if min(self.out_per_rank) < 1:
-            raise ValueError(f"zerofuse.tp.ColumnParallelLinear: out_features {out_features} (parts {list(parts)}) "
-                             f"leave a rank of the TP group of {self.tp} without rows")
+        self.out_per_rank = _sizes_per_rank(wspec, "ColumnParallelLinear",
+                                            f"out_features {out_features} (parts {list(parts)})")
         w, b = _init_linear_full(out_features, in_features, bias, device, dtype)
-        self.weight = _mark(torch.nn.Parameter(wspec.slice(w)), wspec)
+        self.weight = _sharded(w, wspec)
         if bias:
-            bspec = TPSpec(0, parts, (out_features,), self.tp, self.tp_rank)
-            self.bias = _mark(torch.nn.Parameter(bspec.slice(b)), bspec)
+            self.bias = _sharded(b, TPSpec(0, parts, (out_features,), self.tp, self.tp_rank))
         else:
             self.register_parameter("bias", None)
 
@@ -177,12 +183,9 @@ class RowParallelLinear(_TPModule):
         self._setup(group, sequence_parallel)
         self.in_features, self.out_features, self.input_is_parallel = in_features, out_features, input_is_parallel
         wspec = TPSpec(1, (in_features,), (out_features, in_features), self.tp, self.tp_rank)
-        self.in_per_rank = [wspec.local_size(r) for r in range(self.tp)]
-        if min(self.in_per_rank) < 1:
-            raise ValueError(f"zerofuse.tp.RowParallelLinear: in_features {in_features} leave a rank of the TP group "
-                             f"of {self.tp} without columns")
+        self.in_per_rank = _sizes_per_rank(wspec, "RowParallelLinear", f"in_features {in_features}")
         w, b = _init_linear_full(out_features, in_features, bias, device, dtype)
-        self.weight = _mark(torch.nn.Parameter(wspec.slice(w)), wspec)
+        self.weight = _sharded(w, wspec)
         if bias:
             self.bias = torch.nn.Parameter(b)
             C.sync_replicated_grads([self.bias], self.comm, when=lambda: self.sequence_parallel)
@@ -220,7 +223,7 @@ class VocabParallelEmbedding(_TPModule):
         spec = TPSpec(0, (num_embeddings,), (num_embeddings, embedding_dim), self.tp, self.tp_rank)
         full = torch.empty(num_embeddings, embedding_dim, device=device, dtype=dtype)
         torch.nn.init.normal_(full)
-        self.weight = _mark(torch.nn.Parameter(spec.slice(full)), spec)
+        self.weight = _sharded(full, spec)
 
     def forward(self, idx: Tensor) -> Tensor:
         outside = (idx < self.vocab_start) | (idx >= self.vocab_end)
