@@ -376,8 +376,8 @@ def parallelize(model: torch.nn.Module, *, stage: int, group=None, precision: st
     every rank keeps and steps everything); 1/2/3 shard optimizer states / + grads / + params.
     tp_group (default: ``model.tp_group``, set by tensor-parallel zerofuse models): the
     tensor-parallel group, so that grad norms (clipping, LAMB/LARS trust ratios, fp16 overflow)
-    cover the whole model. precision: the dtype params and grads are kept in (fp32 masters live in the
-    optimizer); reduce_dtype: the dtype grads are reduced and accumulated in (default: the
+    cover the whole model. precision: the dtype params and grads are kept in (fp32 masters live
+    in the optimizer); reduce_dtype: the dtype grads are reduced and accumulated in (default: the
     params'). stage 3: ``wrap`` picks the units (None: each child of the main ModuleList; a list
     of module classes; a list of submodules; a callable(module) -> bool) and ``prefetch`` how many
     units are gathered ahead, ``reshard_after_forward=False`` keeps each unit gathered from its

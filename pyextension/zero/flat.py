@@ -9,11 +9,13 @@ view of it; stage 3 keeps its own ``shard`` and gives ``full``'s storage back be
 
 Gradients: the grad-ready hook copies (or, accumulating, adds) each param's .grad into ``gflat``
 (the unit's full-size local buffer, in the reduce dtype) and drops the .grad; a reduce-scatter (op
-sum) of gflat, which the communicator reads in place, lands this rank's piece in ``gshard``. Stage 1 keeps gflat and gshard is a view of it (after a sync
-gflat is zero except the rank's own region); stage 2/3 keep only gshard and allocate gflat per
-backward. Stage 0 (plain data parallel) lays a unit out for one rank (the shard is the whole buffer) and
-all-reduces gflat in place, which then becomes gshard. Sums, not means: the optimizer multiplies by 1 / world_size in its kernel, and repeated
-syncs before a step add up exactly (gradient accumulation with communication).
+sum) of gflat, which the communicator reads in place, lands this rank's piece in ``gshard``.
+Stage 1 keeps gflat and gshard is a view of it (after a sync gflat is zero except the rank's own
+region); stage 2/3 keep only gshard and allocate gflat per backward. Stage 0 (plain data
+parallel) lays a unit out for one rank (the shard is the whole buffer) and all-reduces gflat in
+place, which then becomes gshard. Sums, not means: the optimizer multiplies by 1 / world_size in
+its kernel, and repeated syncs before a step add up exactly (gradient accumulation with
+communication).
 
 ``segments`` say which params own which parts of the shard: (param index in the unit, offset in
 the shard, length, offset in the flattened param). Optimizers, norms and checkpoints use them.
@@ -137,16 +139,14 @@ class FlatUnit:
             if not done:
                 o = self.offsets[i]
                 self.gflat[o:o + self.params[i].numel()].zero_()
-        if self.stage == 0:
-            pass
-        elif self.stage == 1 or not self.gshard_fresh:
-            self.rs_out = torch.empty(self.shard_numel, dtype=self.reduce_dtype, device=self.device)
-        else:
-            self.rs_out = self.gshard
         if self.stage == 0:  # every rank keeps the whole sum: all-reduce in place
             self.rs_out = self.gflat
             self.rs_work = comm.all_reduce_coalesced([self.gflat], op="sum")
         else:
+            if self.stage == 1 or not self.gshard_fresh:
+                self.rs_out = torch.empty(self.shard_numel, dtype=self.reduce_dtype, device=self.device)
+            else:
+                self.rs_out = self.gshard
             self.rs_work = comm.reduce_scatter_coalesced([self.gflat], self.rs_out, op="sum")
         self.launched = True
         self.dirty = False

@@ -2,9 +2,10 @@
 
 Measured from the tensors themselves (storage actually allocated: a stage-3 unit that is not
 gathered counts 0), so a test can hold an implementation against the paper's accounting:
-params b_p Ψ (stage 0/1/2) or b_p Ψ / Nd (stage 3); grads b_g Ψ (stage 0/1) or b_g Ψ / Nd (stage 2/3);
-optimizer K Ψ / Nd (K Ψ at stage 0), with b_p the param dtype's size, b_g the reduce dtype's, and K = 4 bytes per
-fp32 state (m, v; the momentum buffer for LARS) + 4 for the fp32 master when params are bf16/fp16.
+params b_p Ψ (stage 0/1/2) or b_p Ψ / Nd (stage 3); grads b_g Ψ (stage 0/1) or b_g Ψ / Nd
+(stage 2/3); optimizer K Ψ / Nd (K Ψ at stage 0), with b_p the param dtype's size, b_g the reduce
+dtype's, and K = 4 bytes per fp32 state (m, v; the momentum buffer for LARS) + 4 for the fp32
+master when params are bf16/fp16.
 Ψ is the exact parameter count; the measured figures include each unit's padding.
 """
 from __future__ import annotations
