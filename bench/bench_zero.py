@@ -1,4 +1,4 @@
-"""Data-parallel training steps on gloo, 2 ranks: zerofuse ZeRO-1/2/3 vs torch DDP, FSDP2
+"""Data-parallel training steps on gloo, 2 ranks: zerofuse ZeRO-0/1/2/3 vs torch DDP, FSDP2
 (fully_shard, reshard_after_forward True and False) and DeepSpeed ZeRO-1/2/3 (when installed), on
 the same GPT (~10.7M params, zerofuse's attention and norms in every provider), batch, precision
 (fp32) and optimizer (AdamW; torch's fused CPU AdamW for the peers).
@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 WS = 2
 PROVIDERS = ["ddp", "fsdp2_reshard", "fsdp2_no_reshard", "deepspeed_z1", "deepspeed_z2", "deepspeed_z3",
-             "zerofuse_z1", "zerofuse_z2", "zerofuse_z3", "zerofuse_z3_no_reshard"]
+             "zerofuse_z0", "zerofuse_z1", "zerofuse_z2", "zerofuse_z3", "zerofuse_z3_no_reshard"]
 warnings.filterwarnings("ignore", message=".*is deprecated.*")
 
 
