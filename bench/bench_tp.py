@@ -105,7 +105,7 @@ class _Workload:
         else:
             mesh = zerofuse.parallel.init_mesh(dp=dp, tp=tpn)
             model = GPT(cfg, seed=0, tp_group=mesh.tp_group, sequence_parallel=provider.endswith("_sp"))
-            self.psi = GPT(cfg, seed=0).num_params()
+            self.psi = model.num_params()  # unsharded
             zerofuse.zero.parallelize(model, stage=2 if dp > 1 else 0, group=mesh.dp_group)
             self.opt = zerofuse.zero.Optimizer(model, "adamw", lr=1e-3, weight_decay=0.01)
             dp_rank = mesh.dp_rank

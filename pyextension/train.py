@@ -24,7 +24,6 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
-import inspect
 import json
 import math
 import os
@@ -181,7 +180,7 @@ def _validate_optimizer(args) -> None:
 
 
 def _validate_model(args) -> None:
-    from zerofuse.models import GPT, PRESETS
+    from zerofuse.models import PRESETS
     name, base = (args.model, {}) if args.model else DEFAULT_MODEL
     shape = {**PRESETS[name], **base}
     for flag, key in (("layers", "n_layer"), ("heads", "n_head"), ("kv_heads", "n_kv_head"), ("dim", "dim"),
@@ -198,8 +197,6 @@ def _validate_model(args) -> None:
     _check(heads % kv == 0, f"--kv-heads: expected a divisor of the head count {heads} (--heads), got {kv}")
     _check(heads % tp == 0, f"--tp: expected a divisor of the head count {heads} (--heads), got {tp}")
     _check(kv % tp == 0, f"--tp: expected a divisor of the key/value head count {kv} (--kv-heads), got {tp}")
-    _check(tp == 1 or "tp_group" in inspect.signature(GPT).parameters,
-           f"--tp: this zerofuse's GPT has no tensor parallelism yet, expected --tp 1, got {tp}")
     _check(not args.sequence_parallel or tp > 1, f"--sequence-parallel: expected --tp > 1, got --tp {tp}")
     _check(not args.sequence_parallel or shape["seq_len"] % tp == 0,
            f"--seq-len: expected a multiple of --tp ({tp}) with --sequence-parallel, got {shape['seq_len']}")
@@ -438,19 +435,6 @@ def lr_lambda(args):
     return f
 
 
-def count_params(cfg) -> int:
-    """Parameters of the full (unsharded) GPT of cfg."""
-    hd = cfg.dim // cfg.n_head
-    norm = cfg.dim * (2 if cfg.norm == "layernorm" and cfg.bias else 1)
-    attn = cfg.dim * (cfg.n_head + 2 * cfg.n_kv_head) * hd + cfg.dim * cfg.dim
-    mlp = 2 * cfg.dim * cfg.hidden
-    if cfg.bias:
-        attn += (cfg.n_head + 2 * cfg.n_kv_head) * hd + cfg.dim
-        mlp += cfg.hidden + cfg.dim
-    embed = cfg.vocab_size * cfg.dim * (1 if cfg.tie_embeddings else 2) + cfg.seq_len * cfg.dim
-    return embed + cfg.n_layer * (2 * norm + attn + mlp) + norm
-
-
 def _fmt_bytes(n: float | None) -> str:
     return "n/a" if n is None else f"{n / 2 ** 20:.1f} MiB"
 
@@ -484,6 +468,7 @@ class Trainer:
         self.cfg = config(args.model_name, **{**shape, "vocab_size": self.corpus.vocab_size})
         kw = {"tp_group": self.mesh.tp_group, "sequence_parallel": args.sequence_parallel} if args.tp > 1 else {}
         model = GPT(self.cfg, seed=args.seed, **kw).to(self.device)
+        self.n_params = model.num_params()  # unsharded
         self.model = zero.parallelize(model, stage=args.zero_stage, group=self.mesh.dp_group,
                                       precision=args.precision)
         if args.compile:
@@ -706,7 +691,7 @@ class RankZeroLog:
         sp = ", sequence parallel" if a.sequence_parallel else ""
         self.write(f"{PROG}: {_plural(t.world, 'rank')} (dp {a.dp} × tp {a.tp}{sp}), "
                    f"ZeRO-{a.zero_stage}, {a.precision}, {a.optimizer}, {t.device.type}; model {a.model_name} "
-                   f"{count_params(t.cfg) / 1e6:.2f}M params ({t.cfg.n_layer} layers, {t.cfg.n_head} heads, "
+                   f"{t.n_params / 1e6:.2f}M params ({t.cfg.n_layer} layers, {t.cfg.n_head} heads, "
                    f"{t.cfg.n_kv_head} kv heads, dim {t.cfg.dim}, seq {t.cfg.seq_len}, vocab {t.cfg.vocab_size}, "
                    f"{t.corpus.kind} tokens); {a.steps} steps of {a.dp * a.batch * a.grad_accum} sequences")
         where = f"resumed at step {t.step}" if t.step else "step 0"
@@ -761,7 +746,7 @@ class RankZeroLog:
             "world_size": t.world, "dp": a.dp, "tp": a.tp, "sequence_parallel": a.sequence_parallel,
             "zero_stage": a.zero_stage, "precision": a.precision, "optimizer": a.optimizer, "device": t.device.type,
             "device_name": torch.cuda.get_device_name(t.device) if t.device.type == "cuda" else "cpu",
-            "model": {"preset": a.model_name, "params": count_params(t.cfg), **dataclasses.asdict(t.cfg)},
+            "model": {"preset": a.model_name, "params": t.n_params, **dataclasses.asdict(t.cfg)},
             "steps": a.steps, "steps_done": t.step, "start_step": t.start_step, "tokens_per_step": tokens,
             "stopped_by": signal.Signals(signum).name if signum else None,
             "wall_s": time.time() - t.t_start, "train_s": train_s,
@@ -818,7 +803,7 @@ def _mfu(t: Trainer, tok_s: float | None) -> float | None:
     if peak is None:
         return None
     c = t.cfg
-    flops_per_token = 6 * count_params(c) + 12 * c.n_layer * c.dim * c.seq_len
+    flops_per_token = 6 * t.n_params + 12 * c.n_layer * c.dim * c.seq_len
     return flops_per_token * tok_s / (peak * t.world)
 
 

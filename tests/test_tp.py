@@ -34,10 +34,6 @@ def _seq_shard(t, rank, ws):
     return t[:, rank * n:(rank + 1) * n]
 
 
-def _spec_slice(p):
-    return tp.spec_of(p)
-
-
 # ---------------------------------------------------------------------------- layers
 
 
@@ -338,6 +334,7 @@ def _misc_rank(rank, ws):
         out[("traffic", sp)] = _step_traffic(model, idx)
         out[("norm_bytes", sp)] = probe.bytes
         probe.remove()
+        out["num_params"] = (model.num_params(), GPT(GPTConfig(**CFG)).num_params())
     out["overlap"] = {sp: _column_backward_order(sp) for sp in (False, True)}
     # errors
     errors = {}
@@ -386,6 +383,8 @@ def test_attention_traffic_activation_memory_and_errors():
     # is in flight during the input-grad matmul
     assert res[0]["overlap"][False] == ["matmul", "launch", "matmul", "wait"], res[0]["overlap"]
     assert res[0]["overlap"][True] == ["launch", "matmul", "wait", "launch", "matmul", "wait"], res[0]["overlap"]
+    mine, unsharded = res[0]["num_params"]
+    assert mine == unsharded  # num_params counts the unsharded model
     errs = res[0]["errors"]
     assert "n_head (3) to divide by the tensor-parallel size 2" in errs["heads"]
     assert "n_kv_head (1) to divide by the tensor-parallel size 2" in errs["kv_heads"]

@@ -148,8 +148,8 @@ class GPT(torch.nn.Module):
             self.head = tp.ColumnParallelLinear(cfg.dim, cfg.vocab_size, bias=False, **tp_kw)
             self._tp_comm = tp.comm.comm_for(tp_group)
             # replicated params applied to a sequence shard: grads summed over the TP group
-            replicated = [p for n, p in self.named_parameters() if tp.spec_of(p) is None and
-                          (n.startswith("wpe.") or ".norm" in n or n.startswith("norm."))]
+            norms = [self.norm] + [n for b in self.blocks for n in (b.norm1, b.norm2)]
+            replicated = [p for m in [self.wpe] + norms for p in m.parameters()]
             tp.sync_replicated_grads(replicated, self._tp_comm, when=lambda: self.sequence_parallel)
         self.sequence_parallel = sequence_parallel
         if cfg.tie_embeddings:
@@ -178,7 +178,9 @@ class GPT(torch.nn.Module):
             p.copy_(value)
 
     def num_params(self) -> int:
-        return sum(p.numel() for p in self.parameters())
+        """Parameters of the model (the unsharded count under tensor parallelism)."""
+        return sum(math.prod(spec.full_shape) if (spec := tp.spec_of(p)) is not None else p.numel()
+                   for p in self.parameters())
 
     def forward(self, idx: Tensor, targets: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
         b, n = idx.shape
