@@ -18,7 +18,6 @@ pytestmark = pytest.mark.usefixtures("native_kernels")
 STEPS_BEFORE, STEPS_AFTER = 3, 2
 
 
-
 def _steps(rank, ws, model, opt, data):
     per = GLOBAL_BATCH // ws
     losses = []

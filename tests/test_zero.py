@@ -469,7 +469,6 @@ def test_bad_input_errors():
     assert "not a trainable parameter" in msgs["groups"]
 
 
-
 def test_checker_catches_diverging_ranks_in_zero():
     """A rank skipping a step (different collective sequences) fails fast with the checker on."""
     os.environ["ZEROFUSE_CHECK_COLLECTIVES"] = "1"
