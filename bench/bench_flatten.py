@@ -6,7 +6,7 @@ hand-written bucketing does), ``foreach_copy`` (torch._foreach_copy_ into views 
 ``torch_loop`` (one copy_ per tensor, for copy-out), ``zerofuse``.
 Cases: many small tensors (a model's biases and norms), a few large ones (its matrices), mixed;
 same dtype (fp32 -> fp32 bucket) and cast (bf16 grads -> fp32 bucket). The floor is the bytes
-read plus written over the device's measured copy bandwidth (``roofline_ratio``).
+read plus written over the device's measured bandwidth (``roofline_ratio``, bench/conftest.py).
 """
 import pytest
 import torch

@@ -3,7 +3,7 @@ torch.compile and Liger-Kernel (when installed).
 
 GB/s counts the minimum bytes: each input read once, each output written once (forward: x, weight,
 bias in; y, mean/rstd out; backward: x, dy, weight, mean/rstd in; dx, dweight, dbias out), against
-the device's measured copy bandwidth (roofline_ratio). The zerofuse provider runs last so its
+the device's measured bandwidth (roofline_ratio, bench/conftest.py). The zerofuse provider runs last so its
 extra_info holds its speedup over each peer measured in the same run.
 """
 import os

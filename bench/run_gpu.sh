@@ -1,45 +1,114 @@
 #!/usr/bin/env bash
-# On the GPU machine: build zerofuse with CUDA, run the doctor, the GPU tests and the GPU benchmark
-# suites, and write everything to one folder (at most 8 files, so the device tool brings it back):
-#   env.txt build.log doctor.txt tests.txt bench.txt bench.json summary.md
-# Usage: bash bench/run_gpu.sh [OUT_DIR]   (default: $OUT, else bench/out)
-# A dry run of the script's flow on a CPU machine: ZEROFUSE_CUDA=0 BENCH_DEVICE=cpu ZEROFUSE_BENCH_SMOKE=1 bash bench/run_gpu.sh /tmp/x
+# On the GPU machine: build zerofuse with CUDA, run the doctor, the GPU tests, the GPU benchmark
+# suites and a GPT-2 124M training run, and write everything to one folder (at most 8 files, so the
+# device tool brings them all back):
+#   env.txt build.log doctor.txt tests.txt bench.txt bench.json summary.md train.txt
+#
+# Usage: bash bench/run_gpu.sh [OUT_DIR] [PHASES]
+#   OUT_DIR  default: $OUT, else bench/out
+#   PHASES   comma-separated, in this order: build,doctor,tests,bench,train (default: all). The
+#            device tool allows 10 minutes a call and keeps the machine (and the build) warm only
+#            30 s after one, so a lease is best spent as back-to-back calls, e.g.
+#              bash bench/run_gpu.sh $OUT build,doctor,tests
+#              bash bench/run_gpu.sh $OUT bench
+#              bash bench/run_gpu.sh $OUT train
+#            Without `build` the extension built by an earlier call is used; when there is none
+#            (the machine went back in between), it is built first anyway.
+# Environment:
+#   ZEROFUSE_GPU_DEADLINE_S  seconds the whole script may take (default 560); every phase runs
+#                            under `timeout` with what is left, so a slow phase is cut and the
+#                            files of the phases before it still come back
+#   BENCH_SUITES             bench files to run (default: every bench/bench_*.py)
+#   TRAIN_ARGS               extra zerofuse-train flags (default: 60 steps of gpt2-124m, bf16)
+#   PYTHON                   interpreter (default python3: the GPU image has no plain `python`)
+# A dry run of the flow on a CPU machine (smoke sizes, no CUDA build, a tiny model):
+#   PYTHON=python ZEROFUSE_CUDA=0 BENCH_DEVICE=cpu ZEROFUSE_BENCH_SMOKE=1 TRAIN_DEVICE=cpu \
+#     TRAIN_ARGS="--model tiny --steps 5 --nproc 1" bash bench/run_gpu.sh /tmp/x
 # Copy the folder to bench/results/<device>-<date>/ and commit it. Never write results by hand.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-${OUT:-bench/out}}
+phases=",${2:-build,doctor,tests,bench,train},"
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 ZEROFUSE_TRITON_ON_CPU=0
+py=${PYTHON:-python3}
+deadline=$(( $(date +%s) + ${ZEROFUSE_GPU_DEADLINE_S:-560} ))
 status=0
+
+want() { [[ "$phases" == *",$1,"* ]]; }
+# Seconds left before the deadline, less a margin for writing the summary.
+left() { echo $(( deadline - $(date +%s) - 15 )); }
+# run_phase NAME CMD...: the command under `timeout` with the time left; 124 means it was cut.
+run_phase() {
+  local name=$1 t
+  shift
+  t=$(left)
+  if [ "$t" -le 10 ]; then
+    echo "== $name: skipped, no time left before the deadline"
+    status=1
+    return 124
+  fi
+  echo "== $name (at most ${t}s)"
+  timeout --signal=INT --kill-after=10 "$t" "$@"
+  local rc=$?
+  [ "$rc" -eq 124 ] && echo "== $name: cut at the deadline"
+  return $rc
+}
 
 {
   date -u +"%Y-%m-%dT%H:%M:%SZ"
   git rev-parse HEAD 2>/dev/null || true
+  git status --short 2>/dev/null | head -20
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem --format=csv || true
-  python -c "import torch, triton, sys; print('python', sys.version.split()[0]); print('torch', torch.__version__, 'cuda', torch.version.cuda); print('triton', triton.__version__)"
+  "$py" -c "import torch, triton, sys; print('python', sys.version.split()[0]); print('torch', torch.__version__, 'cuda', torch.version.cuda); print('triton', triton.__version__)"
   nvcc --version | tail -1
-} > "$out/env.txt" 2>&1
+  echo "phases: $phases"
+} >> "$out/env.txt" 2>&1
 
-echo "== build (CUDA)"
-if ! MAX_JOBS=${MAX_JOBS:-16} ZEROFUSE_CUDA=${ZEROFUSE_CUDA:-1} python -m pip install --no-build-isolation --no-deps -v -e . > "$out/build.log" 2>&1; then
-  tail -50 "$out/build.log"
-  echo "build failed"
-  exit 1
+if ! want build && ! "$py" -c "import zerofuse._C" 2>/dev/null; then
+  echo "== no built extension here (a fresh machine?): building first"
+  phases="$phases,build,"
 fi
-grep -E "zerofuse: building|real|error" "$out/build.log" | head -5
 
-echo "== doctor"
-python -m zerofuse.doctor 2>&1 | tee "$out/doctor.txt" || status=1
+if want build; then
+  # pip -e rebuilds only what changed when the build tree from an earlier call is still there
+  if ! MAX_JOBS=${MAX_JOBS:-16} ZEROFUSE_CUDA=${ZEROFUSE_CUDA:-1} run_phase build \
+      "$py" -m pip install --no-build-isolation --no-deps -v -e . >> "$out/build.log" 2>&1; then
+    tail -50 "$out/build.log"
+    echo "build failed"
+    exit 1
+  fi
+  grep -E "zerofuse: building|error" "$out/build.log" | tail -5
+fi
 
-echo "== GPU tests"
-python -m pytest tests -m gpu -q -p no:cacheprovider 2>&1 | tee "$out/tests.txt"
-rc=${PIPESTATUS[0]}
-[ "$rc" -eq 0 ] || [ "$rc" -eq 5 ] || status=1  # 5: nothing selected (a CPU dry run)
+if want doctor; then
+  run_phase doctor "$py" -m zerofuse.doctor 2>&1 | tee -a "$out/doctor.txt"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
 
-echo "== GPU benchmarks"
-python -m pytest bench -q -p no:cacheprovider --bench-device "${BENCH_DEVICE:-cuda}" --benchmark-json "$out/bench.json" \
-  --benchmark-columns=median,iqr,rounds --benchmark-sort=name 2>&1 | tee "$out/bench.txt"
-[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-[ -f "$out/bench.json" ] && python bench/summarize.py "$out/bench.json" --title "zerofuse GPU benchmarks" > "$out/summary.md"
+if want tests; then
+  run_phase tests "$py" -m pytest tests -m gpu -q -p no:cacheprovider --timeout 300 -rs 2>&1 | tee -a "$out/tests.txt"
+  rc=${PIPESTATUS[0]}
+  [ "$rc" -eq 0 ] || [ "$rc" -eq 5 ] || status=1  # 5: nothing selected (a CPU dry run)
+fi
+
+if want bench; then
+  # shellcheck disable=SC2086
+  run_phase bench "$py" -m pytest ${BENCH_SUITES:-bench} -q -p no:cacheprovider --timeout 300 \
+    --bench-device "${BENCH_DEVICE:-cuda}" --benchmark-json "$out/bench.json" \
+    --benchmark-columns=median,iqr,rounds --benchmark-sort=name 2>&1 | tee -a "$out/bench.txt"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  [ -f "$out/bench.json" ] && "$py" bench/summarize.py "$out/bench.json" --title "zerofuse GPU benchmarks" > "$out/summary.md"
+fi
+
+if want train; then
+  tdir=$(mktemp -d)
+  # shellcheck disable=SC2086
+  run_phase train "$py" -m zerofuse.train --device "${TRAIN_DEVICE:-cuda}" --out "$tdir" --sample-tokens 0 \
+    ${TRAIN_ARGS:---model gpt2-124m --batch 16 --steps 60 --warmup 10 --eval-every 0 --eval-batches 2 --log-every 10} \
+    2>&1 | tee -a "$out/train.txt"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  { echo "== summary.json"; cat "$tdir/summary.json" 2>/dev/null || echo "(none)"; } >> "$out/train.txt"
+fi
 
 exit $status

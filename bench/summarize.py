@@ -41,7 +41,7 @@ def render(data: dict, title: str) -> str:
         )
     roof = next((b["extra_info"].get("roofline_GB/s") for b in data.get("benchmarks", []) if "roofline_GB/s" in b.get("extra_info", {})), None)
     if roof:
-        lines += ["", f"Roofline: measured device copy bandwidth {roof} GB/s (bytes read + written)."]
+        lines += ["", f"Roofline: measured device bandwidth {roof} GB/s (bytes read + written; the better of a copy and an in-place scale)."]
     return "\n".join(lines) + "\n"
 
 
