@@ -203,7 +203,9 @@ class _Group:
 
 
 @pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda ws: f"ws{ws}")
-def group(request, smoke):
+def group(request, smoke, device):
+    if device.type != "cpu":
+        pytest.skip("gloo collectives between CPU processes: run with --bench-device cpu (bench_comm_gpu.py times NCCL)")
     if dist.is_initialized():
         pytest.skip("a process group is already initialized in this process")
     g = _Group(request.param, smoke)

@@ -159,6 +159,34 @@ def test_parity_with_single_process(ws, precision):
         assert r0["events"] and all(when == "backward" for _, _, when in r0["events"]), r0["events"]
 
 
+def _stage0_buffer_rank(rank, ws):
+    model = make_model()
+    zerofuse.zero.parallelize(model, stage=0, bucket_mb=0.25)
+    eng = model._zerofuse_zero
+    opt = zerofuse.zero.Optimizer(model, "adamw", lr=LR, weight_decay=WD)
+    per = GLOBAL_BATCH // ws
+    out = {"ptrs": [], "grads": [], "formula": None}
+    for b in batches(3):
+        mine = b[rank * per:(rank + 1) * per]
+        _, loss = model(mine[:, :-1], mine[:, 1:])
+        loss.backward()
+        opt.step()
+        out["ptrs"].append([u.gshard.data_ptr() for u in eng.units])
+        mem = zerofuse.zero.memory_report(model, opt)
+        out["grads"].append(mem["grads"])
+        out["formula"] = mem["formula"]["grads"]
+        opt.zero_grad()
+    return out
+
+
+def test_stage0_keeps_one_grad_buffer():
+    """Stage 0 all-reduces in place; each backward writes into the buffer the last step's reduced
+    grads were in (they are dead after zero_grad), so a rank holds one grad buffer, as DDP does."""
+    r = run_distributed(_stage0_buffer_rank, 2, timeout=120)[0]
+    assert len(r["ptrs"][0]) > 1 and all(p == r["ptrs"][0] for p in r["ptrs"]), r["ptrs"]
+    assert all(abs(g - r["formula"]) <= 0.02 * r["formula"] for g in r["grads"]), (r["grads"], r["formula"])
+
+
 def _accum_rank(rank, ws, steps):
     out = {}
     for stage in STAGES:

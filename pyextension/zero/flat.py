@@ -120,8 +120,13 @@ class FlatUnit:
     def add_grad(self, i: int, grad: torch.Tensor) -> None:
         """Param i's grad arrived: copied into its region of gflat (added when the region already
         holds grads of this accumulation window)."""
-        if self.gflat is None:  # stage 2/3: per backward, not zero-filled (each region is written once)
-            self.gflat = torch.empty(self.padded, dtype=self.reduce_dtype, device=self.device)
+        if self.gflat is None:  # stage 0/2/3: per backward, not zero-filled (each region is written once)
+            if self.stage == 0 and self.gshard_fresh:
+                # stage 0 reduces in place, so gshard is last step's gflat, dead since zero_grad:
+                # reusing it keeps one grad buffer, as DDP does (a new one each backward held two)
+                self.gflat = self.gshard
+            else:
+                self.gflat = torch.empty(self.padded, dtype=self.reduce_dtype, device=self.device)
             self.gflat[self.numel:].zero_()
         o = self.offsets[i]
         view = self.gflat[o:o + self.params[i].numel()]
@@ -186,6 +191,9 @@ class FlatUnit:
     def grad_shard(self) -> torch.Tensor:
         """gshard ready for the optimizer (zeros when nothing was reduced since zero_grad)."""
         if self.gshard_fresh and self.stage != 1:
-            self.gshard.zero_()
+            if self.gshard is self.gflat:  # stage 0 between no_sync backwards: the buffer holds local grads
+                self.gshard = torch.zeros_like(self.gflat)
+            else:
+                self.gshard.zero_()
             self.gshard_fresh = False
         return self.gshard
