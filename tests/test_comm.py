@@ -259,6 +259,28 @@ def test_coalesce_block_and_group_errors(world_of_one):
         comm._c.group_end()
 
 
+def _reinit_rank(rank, ws):
+    from zerofuse.comm import Communicator
+
+    for _ in range(rank + 1):  # the ranks make different numbers of communicators
+        Communicator()
+    store = dist.distributed_c10d._get_default_store()
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", store=dist.PrefixStore("again", store), rank=rank, world_size=ws)
+    comm = Communicator()
+    t = torch.full((5,), float(rank + 1))
+    comm.all_reduce_coalesced([t], op="sum").wait()
+    return comm._uid, t.tolist()
+
+
+def test_communicator_numbering_restarts_with_a_new_group():
+    """After destroy_process_group + init (the group name is reused), communicators are numbered
+    from 0 again, so ranks that made different numbers before agree on the store keys after."""
+    results = run_distributed(_reinit_rank, 2, timeout=60)
+    assert results[0][0] == results[1][0], results
+    assert results[0][1] == [3.0] * 5
+
+
 def test_world_of_one_is_the_identity(world_of_one):
     from zerofuse.comm import Communicator
 

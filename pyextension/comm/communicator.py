@@ -22,6 +22,7 @@ import datetime
 import itertools
 import os
 import time
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -30,8 +31,17 @@ import torch.distributed as dist
 from zerofuse import _C
 
 # per group name: ranks of a group number their communicators alike whatever other groups they
-# belong to (the store keys of the NCCL id and the checker derive from it)
-_instances: dict[str, itertools.count] = {}
+# belong to (the store keys of the NCCL id and the checker derive from it). The count restarts
+# when the name belongs to a new group object (destroy_process_group + init reuses names), so
+# ranks that made different numbers of communicators before a re-init agree again after it.
+_instances: dict[str, tuple[weakref.ref, itertools.count]] = {}
+
+
+def _next_instance(name: str, group: dist.ProcessGroup) -> int:
+    entry = _instances.get(name)
+    if entry is None or entry[0]() is not group:
+        entry = _instances[name] = (weakref.ref(group), itertools.count())
+    return next(entry[1])
 
 
 _waited = [0.0]  # seconds this process has spent blocked in Work.wait(), every communicator
@@ -89,7 +99,7 @@ class Communicator:
                                "(call torch.distributed.init_process_group first)")
         self.group = group if group is not None else dist.distributed_c10d._get_default_group()
         name = dist.distributed_c10d._get_process_group_name(self.group)
-        self._uid = f"zerofuse/{name}/{next(_instances.setdefault(name, itertools.count()))}"
+        self._uid = f"zerofuse/{name}/{_next_instance(name, self.group)}"
         self.store = dist.distributed_c10d._get_default_store()
         if debug_delay_ms is None:
             debug_delay_ms = float(os.environ.get("ZEROFUSE_COMM_DELAY_MS", "0"))
