@@ -159,12 +159,16 @@ def test_parity_with_single_process(ws, precision):
         assert r0["events"] and all(when == "backward" for _, _, when in r0["events"]), r0["events"]
 
 
-def _stage0_buffer_rank(rank, ws):
+def _zero_adamw(ws, **parallelize_kw):
+    """(model, engine, AdamW, sequences per rank) for a fresh model parallelized with the kwargs."""
     model = make_model()
-    zerofuse.zero.parallelize(model, stage=0, bucket_mb=0.25)
-    eng = model._zerofuse_zero
+    zerofuse.zero.parallelize(model, **parallelize_kw)
     opt = zerofuse.zero.Optimizer(model, "adamw", lr=LR, weight_decay=WD)
-    per = GLOBAL_BATCH // ws
+    return model, model._zerofuse_zero, opt, GLOBAL_BATCH // ws
+
+
+def _stage0_buffer_rank(rank, ws):
+    model, eng, opt, per = _zero_adamw(ws, stage=0, bucket_mb=0.25)
     out = {"ptrs": [], "grads": [], "formula": None}
     for b in batches(3):
         mine = b[rank * per:(rank + 1) * per]
@@ -379,11 +383,7 @@ def test_tied_params_and_ranks_without_params():
 
 
 def _stage3_rank(rank, ws):
-    model = make_model()
-    zerofuse.zero.parallelize(model, stage=3, prefetch=2)
-    eng = model._zerofuse_zero
-    opt = zerofuse.zero.Optimizer(model, "adamw", lr=LR, weight_decay=WD)
-    per = GLOBAL_BATCH // ws
+    model, eng, opt, per = _zero_adamw(ws, stage=3, prefetch=2)
     out = {"units": [u.name for u in eng.units]}
     # blocks run under activation checkpointing: their forward (and its hooks) re-run inside backward
     model.activation_checkpointing = True
