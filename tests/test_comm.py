@@ -281,6 +281,25 @@ def test_communicator_numbering_restarts_with_a_new_group():
     assert results[0][1] == [3.0] * 5
 
 
+def test_communicator_keys_are_fresh_when_the_store_outlives_the_group():
+    """A new group object under a used name starts a new generation of store keys (counted in the
+    store per rank), so with a store that outlives the group (torchrun's) a rank cannot read the
+    NCCL id or checker entries of the old group; within one group the count goes on."""
+    from zerofuse.comm.communicator import _next_uid
+
+    class Group:  # stands for a ProcessGroup: only its identity matters
+        pass
+
+    store = dist.HashStore()
+    g = Group()
+    first = [_next_uid("test-fresh", g, store, rank=0) for _ in range(2)]
+    g = Group()
+    assert first == ["zerofuse/test-fresh/g1/0", "zerofuse/test-fresh/g1/1"]
+    assert [_next_uid("test-fresh", g, store, rank=0) for _ in range(2)] == \
+        ["zerofuse/test-fresh/g2/0", "zerofuse/test-fresh/g2/1"]
+    assert store.add("zerofuse/test-fresh/generation/rank0", 0) == 2
+
+
 def test_world_of_one_is_the_identity(world_of_one):
     from zerofuse.comm import Communicator
 

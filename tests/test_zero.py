@@ -416,6 +416,26 @@ def test_stage3_frees_params_and_supports_activation_checkpointing():
         torch.testing.assert_close(r["params"][name], want, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
 
 
+def _free_while_gathering_rank(rank, ws):
+    model, eng, _, _ = _zero_adamw(ws, stage=3)
+    u = eng.units[0]
+    u.start_gather(eng.comm)
+    u.free()  # as the engine may, e.g. at the end of a backward, with a prefetch still running
+    after_free = (u.state, u.gather_work is None, u.full.untyped_storage().nbytes())
+    u.wait_gather(eng.comm)
+    ref = dict(make_model().named_parameters())
+    want = torch.cat([ref[n].detach().reshape(-1) for n in u.names])
+    return after_free, torch.equal(u.full[:u.numel], want)
+
+
+def test_stage3_free_waits_for_a_running_gather():
+    """free() of a unit whose all-gather is in flight finishes the gather before dropping the
+    storage (the collective would otherwise write into memory handed back to the allocator)."""
+    for after_free, gathered_ok in run_distributed(_free_while_gathering_rank, 2, timeout=120):
+        assert after_free == ("free", True, 0)
+        assert gathered_ok
+
+
 def _no_reshard_rank(rank, ws):
     model = make_model()
     zerofuse.zero.parallelize(model, stage=3, reshard_after_forward=False)

@@ -253,7 +253,7 @@ std::unique_ptr<Transport> make_process_group_transport(c10::intrusive_ptr<c10d:
 #ifndef ZEROFUSE_WITH_NCCL
 std::unique_ptr<Transport> make_nccl_transport(const c10::intrusive_ptr<c10d::ProcessGroup>&,
                                                const c10::intrusive_ptr<c10d::Store>&, const std::string&,
-                                               std::chrono::milliseconds) {
+                                               std::chrono::milliseconds, c10::DeviceIndex) {
   TORCH_CHECK(false,
               "zerofuse.comm.Communicator: the NCCL transport needs CUDA: this build of zerofuse has no CUDA/NCCL "
               "(CPU torch or no nvcc at build time); use transport='process_group'");
@@ -278,7 +278,7 @@ Communicator::Communicator(c10::intrusive_ptr<c10d::ProcessGroup> pg, c10::intru
       make_process_group_transport(pg_, timeout_, std::chrono::milliseconds(static_cast<int64_t>(debug_delay_ms)));
   if (mode_ == "nccl") {
     TORCH_CHECK_VALUE(store_, "zerofuse.comm.Communicator: the NCCL transport needs a store to share its id");
-    nccl_transport_ = make_nccl_transport(pg_, store_, key_, timeout_);
+    nccl_transport_ = make_nccl_transport(pg_, store_, key_, timeout_, /*device=*/-1);  // the current device
   }
 }
 
@@ -292,7 +292,7 @@ Transport& Communicator::transport_for(const at::Device& device, const char* fn)
   if (device.is_cuda()) {
     // every rank issues its first CUDA collective in the same order: creation is collective too
     if (!nccl_transport_) {
-      nccl_transport_ = make_nccl_transport(pg_, store_, key_, timeout_);
+      nccl_transport_ = make_nccl_transport(pg_, store_, key_, timeout_, device.index());
       if (grouping_) nccl_transport_->group_start();
     }
     return *nccl_transport_;

@@ -91,9 +91,11 @@ std::unique_ptr<Transport> make_process_group_transport(c10::intrusive_ptr<c10d:
                                                         std::chrono::milliseconds timeout,
                                                         std::chrono::milliseconds delay);
 // CUDA builds: csrc/comm/nccl_transport.cu; CPU builds: an error naming what is missing.
+// device: the CUDA device the communicator lives on (-1: the current one); it takes tensors of
+// that device only.
 std::unique_ptr<Transport> make_nccl_transport(const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
                                                const c10::intrusive_ptr<c10d::Store>& store, const std::string& key,
-                                               std::chrono::milliseconds timeout);
+                                               std::chrono::milliseconds timeout, c10::DeviceIndex device);
 
 class Communicator {
  public:

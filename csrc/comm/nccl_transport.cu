@@ -11,17 +11,26 @@
 // without wait() stays in the in-flight list (keeping its buffers) until its done event fires
 // ([Note: Work lifetimes] in communicator.h).
 //
-// The communicator is created non-blocking (ncclConfig_t.blocking = 0) so that an init or a
-// collective that does not complete within the timeout is aborted (ncclCommAbort) and reported,
-// instead of hanging the process.
+// The communicator is created non-blocking (ncclConfig_t.blocking = 0) so that an init, or the
+// enqueueing of a collective, that does not finish within the timeout is aborted (ncclCommAbort)
+// and reported instead of hanging the process. Completion itself is not watched: a peer that never
+// joins shows as a hang at the caller's next host synchronisation.
+//
+// Every CUDA and NCCL call runs under a guard for the communicator's device, and the transport
+// takes tensors of that device only. Nothing throws between ncclGroupStart and ncclGroupEnd (an
+// open group would hold back every later NCCL call of the thread, torch's too); a group that
+// fails is dropped from the in-flight list, which would otherwise wait forever on its done event.
 #include "communicator.h"
 
 #include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime.h>
 #include <nccl.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <deque>
 #include <thread>
@@ -80,6 +89,14 @@ class NcclWork : public Work {
   void set_done(std::shared_ptr<DoneEvent> done) { done_ = std::move(done); }
   bool launched() const { return done_ != nullptr; }
   bool done() { return launched() && transport_done(); }
+  // For the destructor: true once the done event fired, can no longer be queried, or there is
+  // none (a group that never launched). Never throws.
+  bool finished_nothrow() {
+    if (!launched()) return true;
+    const cudaError_t r = cudaEventQuery(done_->event);
+    if (r != cudaSuccess) (void)cudaGetLastError();
+    return r != cudaErrorNotReady;
+  }
 
  protected:
   void wait_transport() override {
@@ -114,11 +131,12 @@ struct Pending {
 class NcclTransport : public Transport {
  public:
   NcclTransport(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, const c10::intrusive_ptr<c10d::Store>& store,
-                const std::string& key, std::chrono::milliseconds timeout)
+                const std::string& key, std::chrono::milliseconds timeout, c10::DeviceIndex device)
       : timeout_(timeout),
-        device_(c10::cuda::current_device()),
+        device_(device >= 0 ? device : c10::cuda::current_device()),
         rs_stream_(c10::cuda::getStreamFromPool(/*isHighPriority=*/true, device_)),
         ag_stream_(c10::cuda::getStreamFromPool(/*isHighPriority=*/true, device_)) {
+    c10::cuda::CUDAGuard guard(device_);  // NCCL binds the communicator to the current device
     const int rank = pg->getRank(), ws = pg->getSize();
     ncclUniqueId id;
     if (rank == 0) {
@@ -138,13 +156,36 @@ class NcclTransport : public Transport {
     settle("ncclCommInitRankConfig");
   }
 
+  // Work::wait() does not block the host, so collectives may still run here: they are waited for
+  // (up to the timeout) rather than cut short by an abort, whose done events would fire all the
+  // same and hand the caller's stream partial results. Then the communicator is finalized and
+  // destroyed; abort only when that times out or fails.
   ~NcclTransport() override {
-    inflight_.clear();
     if (comm_) {
-      // an in-flight collective would make ncclCommDestroy wait for it: Works that were never
-      // waited for are done by now only if the caller synchronised; abort is safe either way
-      ncclCommAbort(comm_);
+      c10::cuda::CUDAGuard guard(device_);
+      const auto deadline = std::chrono::steady_clock::now() + timeout_;
+      auto before_deadline = [&] {
+        if (std::chrono::steady_clock::now() > deadline) return false;
+        std::this_thread::sleep_for(std::chrono::microseconds(50));
+        return true;
+      };
+      bool clean = true;
+      for (auto& w : inflight_) {
+        while (clean && !w->finished_nothrow()) clean = before_deadline();
+      }
+      ncclResult_t state = clean ? ncclCommFinalize(comm_) : ncclInternalError;
+      while (clean && state == ncclInProgress) {
+        if (ncclCommGetAsyncError(comm_, &state) != ncclSuccess) state = ncclInternalError;
+        if (state == ncclInProgress) clean = before_deadline();
+      }
+      if (clean && state == ncclSuccess) {
+        ncclCommDestroy(comm_);
+      } else {
+        ncclCommAbort(comm_);
+      }
+      comm_ = nullptr;
     }
+    inflight_.clear();
   }
 
   std::string name() const override { return "nccl"; }
@@ -152,22 +193,23 @@ class NcclTransport : public Transport {
 
   std::shared_ptr<Work> reduce_scatter(const at::Tensor& out, const at::Tensor& in, Reduce op,
                                        const std::string& what) override {
-    return launch(rs_stream_, what, {in, out}, [this, in, out, op](cudaStream_t s) {
-      return ncclReduceScatter(in.data_ptr(), out.data_ptr(), out.numel(), nccl_type(out.scalar_type()), nccl_op(op),
-                               comm_, s);
+    const ncclDataType_t type = nccl_type(out.scalar_type());  // may throw: not inside the group
+    return launch(rs_stream_, what, {in, out}, [this, in, out, type, rop = nccl_op(op)](cudaStream_t s) {
+      return ncclReduceScatter(in.data_ptr(), out.data_ptr(), out.numel(), type, rop, comm_, s);
     });
   }
 
   std::shared_ptr<Work> all_gather(const at::Tensor& out, const at::Tensor& in, const std::string& what) override {
-    return launch(ag_stream_, what, {in, out}, [this, in, out](cudaStream_t s) {
-      return ncclAllGather(in.data_ptr(), out.data_ptr(), in.numel(), nccl_type(in.scalar_type()), comm_, s);
+    const ncclDataType_t type = nccl_type(in.scalar_type());
+    return launch(ag_stream_, what, {in, out}, [this, in, out, type](cudaStream_t s) {
+      return ncclAllGather(in.data_ptr(), out.data_ptr(), in.numel(), type, comm_, s);
     });
   }
 
   std::shared_ptr<Work> all_reduce(const at::Tensor& buf, Reduce op, const std::string& what) override {
-    return launch(rs_stream_, what, {buf}, [this, buf, op](cudaStream_t s) {
-      return ncclAllReduce(buf.data_ptr(), buf.data_ptr(), buf.numel(), nccl_type(buf.scalar_type()), nccl_op(op),
-                           comm_, s);
+    const ncclDataType_t type = nccl_type(buf.scalar_type());
+    return launch(rs_stream_, what, {buf}, [this, buf, type, rop = nccl_op(op)](cudaStream_t s) {
+      return ncclAllReduce(buf.data_ptr(), buf.data_ptr(), buf.numel(), type, rop, comm_, s);
     });
   }
 
@@ -204,6 +246,11 @@ class NcclTransport : public Transport {
   std::shared_ptr<Work> launch(const c10::cuda::CUDAStream& comm_stream, const std::string& what,
                                std::vector<at::Tensor> buffers, Collective collective) {
     TORCH_CHECK(comm_, "zerofuse.comm (NCCL): the communicator was aborted after an earlier error");
+    for (const auto& b : buffers) {
+      TORCH_CHECK_VALUE(b.is_cuda() && b.device().index() == device_, "zerofuse.comm (NCCL): ", what,
+                        ": expected tensors on cuda:", static_cast<int>(device_),
+                        " (the device the communicator was created on), got a tensor on ", b.device());
+    }
     auto work = std::make_shared<NcclWork>(what, timeout_, device_);
     work->keep_alive(std::move(buffers));
     // kept (with its buffers) until its done event fires, waited for or not ([Note: Work lifetimes])
@@ -217,21 +264,38 @@ class NcclTransport : public Transport {
   }
 
   void run_group(const c10::cuda::CUDAStream& comm_stream, const std::vector<Pending>& group) {
+    c10::cuda::CUDAGuard guard(device_);
     while (!inflight_.empty() && inflight_.front()->done()) inflight_.pop_front();
-    // [Note: stream ordering]
-    cudaEvent_t ready;
-    C10_CUDA_CHECK(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming));
-    C10_CUDA_CHECK(cudaEventRecord(ready, c10::cuda::getCurrentCUDAStream(device_).stream()));
-    C10_CUDA_CHECK(cudaStreamWaitEvent(comm_stream.stream(), ready, 0));
-    C10_CUDA_CHECK(cudaEventDestroy(ready));
-    check(ncclGroupStart(), "ncclGroupStart");
-    for (const auto& p : group) check(p.run(comm_stream.stream()), p.what.c_str());
-    check(ncclGroupEnd(), "ncclGroupEnd");
-    settle(group.size() == 1 ? group[0].what.c_str() : "a group of collectives");
-    auto done = std::make_shared<DoneEvent>();
-    C10_CUDA_CHECK(cudaEventCreateWithFlags(&done->event, cudaEventDisableTiming));
-    C10_CUDA_CHECK(cudaEventRecord(done->event, comm_stream.stream()));
-    for (const auto& p : group) p.work->set_done(done);
+    try {
+      // [Note: stream ordering]
+      cudaEvent_t ready;
+      C10_CUDA_CHECK(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming));
+      C10_CUDA_CHECK(cudaEventRecord(ready, c10::cuda::getCurrentCUDAStream(device_).stream()));
+      C10_CUDA_CHECK(cudaStreamWaitEvent(comm_stream.stream(), ready, 0));
+      C10_CUDA_CHECK(cudaEventDestroy(ready));
+      check(ncclGroupStart(), "ncclGroupStart");
+      ncclResult_t failed = ncclSuccess;  // the first error, raised once the group is closed
+      const char* failed_what = nullptr;
+      for (const auto& p : group) {
+        const ncclResult_t r = p.run(comm_stream.stream());
+        if (r != ncclSuccess && r != ncclInProgress && failed == ncclSuccess) {
+          failed = r;
+          failed_what = p.what.c_str();
+        }
+      }
+      const ncclResult_t end = ncclGroupEnd();
+      if (failed != ncclSuccess) check(failed, failed_what);
+      check(end, "ncclGroupEnd");
+      settle(group.size() == 1 ? group[0].what.c_str() : "a group of collectives");
+      auto done = std::make_shared<DoneEvent>();
+      C10_CUDA_CHECK(cudaEventCreateWithFlags(&done->event, cudaEventDisableTiming));
+      C10_CUDA_CHECK(cudaEventRecord(done->event, comm_stream.stream()));
+      for (const auto& p : group) p.work->set_done(done);
+    } catch (...) {
+      // never launched: out of the in-flight list, whose clean-up would stop at it for good
+      for (const auto& p : group) inflight_.erase(std::remove(inflight_.begin(), inflight_.end(), p.work), inflight_.end());
+      throw;
+    }
   }
 
  public:
@@ -259,8 +323,8 @@ class NcclTransport : public Transport {
 
 std::unique_ptr<Transport> make_nccl_transport(const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
                                                const c10::intrusive_ptr<c10d::Store>& store, const std::string& key,
-                                               std::chrono::milliseconds timeout) {
-  return std::make_unique<NcclTransport>(pg, store, key, timeout);
+                                               std::chrono::milliseconds timeout, c10::DeviceIndex device) {
+  return std::make_unique<NcclTransport>(pg, store, key, timeout, device);
 }
 
 }  // namespace zerofuse::comm

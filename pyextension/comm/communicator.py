@@ -33,15 +33,18 @@ from zerofuse import _C
 # per group name: ranks of a group number their communicators alike whatever other groups they
 # belong to (the store keys of the NCCL id and the checker derive from it). The count restarts
 # when the name belongs to a new group object (destroy_process_group + init reuses names), so
-# ranks that made different numbers of communicators before a re-init agree again after it.
-_instances: dict[str, tuple[weakref.ref, itertools.count]] = {}
+# ranks that made different numbers of communicators before a re-init agree again after it; the
+# new object also starts a new generation, counted per rank in the store, so that a store that
+# outlives the re-init (torchrun's) cannot hand out a key, such as an NCCL id, of the last one.
+_instances: dict[str, tuple[weakref.ref, str, itertools.count]] = {}
 
 
-def _next_instance(name: str, group: dist.ProcessGroup) -> int:
+def _next_uid(name: str, group: dist.ProcessGroup, store, rank: int) -> str:
     entry = _instances.get(name)
     if entry is None or entry[0]() is not group:
-        entry = _instances[name] = (weakref.ref(group), itertools.count())
-    return next(entry[1])
+        generation = store.add(f"zerofuse/{name}/generation/rank{rank}", 1)
+        entry = _instances[name] = (weakref.ref(group), f"g{generation}", itertools.count())
+    return f"zerofuse/{name}/{entry[1]}/{next(entry[2])}"
 
 
 _waited = [0.0]  # seconds this process has spent blocked in Work.wait(), every communicator
@@ -99,8 +102,8 @@ class Communicator:
                                "(call torch.distributed.init_process_group first)")
         self.group = group if group is not None else dist.distributed_c10d._get_default_group()
         name = dist.distributed_c10d._get_process_group_name(self.group)
-        self._uid = f"zerofuse/{name}/{_next_instance(name, self.group)}"
         self.store = dist.distributed_c10d._get_default_store()
+        self._uid = _next_uid(name, self.group, self.store, dist.get_rank(self.group))
         if debug_delay_ms is None:
             debug_delay_ms = float(os.environ.get("ZEROFUSE_COMM_DELAY_MS", "0"))
         self.timeout = float(timeout)

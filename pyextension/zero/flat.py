@@ -97,6 +97,9 @@ class FlatUnit:
     # ------------------------------------------------------------------ params (stage 3)
 
     def free(self) -> None:
+        if self.state == GATHERING:  # the all-gather still writes into full: finish it first
+            self.gather_work.wait()
+            self.gather_work = None
         self.full.untyped_storage().resize_(0)
         self.state = FREE
 
