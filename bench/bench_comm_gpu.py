@@ -91,6 +91,12 @@ def bench_nccl_bucket(measure, registry, benchmark, nccl_world, device, smoke, c
         def check():
             for t, r in zip(ts, ref):
                 torch.testing.assert_close(t, r)
+    # clear the destination first, so that the check sees what the collective wrote
+    if coll == "reduce_scatter":
+        shard.zero_()
+    else:
+        for t in ts:
+            t.zero_()
     op()
     torch.cuda.synchronize(device)
     check()  # a world of one gives back what it was given
