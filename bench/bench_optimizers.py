@@ -71,7 +71,7 @@ def bench_adamw_step(measure, device, smoke, size, provider):
 
 @pytest.mark.parametrize("peer", ["torch_fused", "deepspeed_cpu_adam"])
 @pytest.mark.parametrize("size", list(SIZES))
-def bench_adamw_interleaved(benchmark, device, smoke, size, peer):
+def bench_adamw_interleaved(benchmark, device, sync, smoke, size, peer):
     """zerofuse and one peer stepped alternately, each on its own copy of the params, so that the
     slow and fast phases of a noisy machine hit both alike (back-to-back runs of bench_adamw_step
     on the 2-core VM moved single ratios by +-20%). The timed unit is the pair of steps;
@@ -84,12 +84,10 @@ def bench_adamw_interleaved(benchmark, device, smoke, size, peer):
 
     def pair():
         for name, opt in opts.items():
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            sync()
             t0 = time.perf_counter()
             opt.step()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            sync()
             times[name].append(time.perf_counter() - t0)
 
     rounds = 1 if smoke else (10 if size == "100M" else 30)

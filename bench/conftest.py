@@ -39,6 +39,12 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+@pytest.fixture
+def sync(device):
+    """synchronize() bound to the benchmark device, for suites that time by hand."""
+    return lambda: synchronize(device)
+
+
 def _median_seconds(fn, device, rounds: int) -> float:
     times = []
     for _ in range(rounds):
