@@ -37,6 +37,9 @@ def _want_cuda() -> bool:
 
 
 def _extension():
+    note = buildenv.pick_host_compilers()
+    if note:
+        print(f"zerofuse: {note}", file=sys.stderr)
     debug = os.environ.get("ZEROFUSE_DEBUG") == "1"
     opt = ["-g", "-O0"] if debug else ["-O3"]
     # -fopenmp: at::parallel_for is OpenMP inline code; without the flag it silently runs on one

@@ -58,6 +58,8 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("sequence", &Communicator::sequence)
       .def("group_start", &Communicator::group_start)
       .def("group_end", &Communicator::group_end, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("staging_bytes", &Communicator::staging_bytes)
+      .def("free_staging", &Communicator::free_staging)
       .def("shard_numel", [](const Communicator& c, const Tensors& ts) { return c.shard_numel(ts); })
       .def(
           "reduce_scatter_coalesced",

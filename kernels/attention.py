@@ -35,6 +35,10 @@ LN2 = 0.6931471805599453
 def _dot(a, b, UPCAST: tl.constexpr):
     if UPCAST:
         return tl.dot(a.to(tl.float32), b.to(tl.float32))
+    elif a.dtype == tl.float32:
+        # fp32 inputs get fp32 products, as torch's fp32 attention (tl.dot's default, tf32, was off
+        # by ~2e-3 on an H100)
+        return tl.dot(a, b, input_precision="ieee")
     else:
         return tl.dot(a, b)
 
@@ -200,11 +204,18 @@ def _block_d(d: int) -> int:
     return max(16, triton.next_power_of_2(d))
 
 
+# Taken when no GPU_CONFIGS tile fits (fp32 with head_dim 256 asked for 448 KiB of shared memory
+# on an H100, which has 227 KiB).
+SMALL_CONFIG = (32, 32, 4, 1)
+
+
 def _prune(configs, named_args, **kwargs):
     bd = kwargs.get("BLOCK_D", named_args.get("BLOCK_D", 64))
-    limit = 128 * 128 if bd <= 128 else 64 * 256  # elements of a (BLOCK, BLOCK_D) tile
-    keep = [c for c in configs if max(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) * bd <= limit]
-    return keep or configs[-1:]
+    esize = named_args["Q"].element_size() if "Q" in named_args else 2
+    limit = (128 * 128 if bd <= 128 else 64 * 256) * 2  # bytes of a (BLOCK, BLOCK_D) tile
+    keep = [c for c in configs if max(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) * bd * esize <= limit]
+    m, n, w, st = SMALL_CONFIG
+    return keep or [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=st)]
 
 
 def _tuned(kernel, key):

@@ -314,7 +314,13 @@ def _steps(steps: Sequence[torch.Tensor], device: torch.device, found: torch.Ten
                                f"{tuple(s.shape)} on {s.device}")
     if advance and steps:
         distinct = list({s.data_ptr(): s for s in steps}.values())
-        torch._foreach_add_(distinct, 1.0 if found is None else (1.0 - found).reshape(()))
+        if found is None:
+            torch._foreach_add_(distinct, 1.0)
+        else:
+            # any nonzero flag skips; a list of device tensors, as the scalar-tensor overload reads
+            # its scalar on the host (a sync, caught by torch's sync debug mode on an H100)
+            inc = (found == 0).float().reshape(())
+            torch._foreach_add_(distinct, [inc] * len(distinct))
 
 
 def _moment_tables(params, grads, exp_avgs, exp_avg_sqs, masters, steps, consts, device):
@@ -342,6 +348,15 @@ def adam(params, grads, exp_avgs, exp_avg_sqs, masters, steps, *, lr, beta1, bet
                 DECOUPLED=decoupled, MAXIMIZE=maximize, LOG_N=tab.log_n, BLOCK=BLOCK,
                 EMULATE_RNE=interpreted(), num_warps=_NUM_WARPS,
             )
+
+
+def _rows(idx: list[int], device: torch.device):
+    """An index for rows idx of a device tensor without a host sync: a slice when they are
+    consecutive (one dtype group), else an index tensor copied from pinned memory."""
+    if idx == list(range(idx[0], idx[0] + len(idx))):
+        return slice(idx[0], idx[0] + len(idx))
+    t = torch.tensor(idx, dtype=torch.int64)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
 def _groups(params, grads) -> list[list[int]]:
@@ -376,10 +391,11 @@ def lamb_stage1(params, grads, exp_avgs, exp_avg_sqs, masters, steps, *, beta1, 
                 BIAS_CORRECTION=bias_correction, LOG_N=tab.log_n, BLOCK=BLOCK, num_warps=_NUM_WARPS,
             )
         sums = _segment_sums(tab, part, 2)
+        rows = _rows(idx, device)
         if found is None:
-            norms[idx] = sums
+            norms[rows] = sums
         else:  # a skipped step leaves norms as they were, like the CPU kernel
-            norms[idx] = torch.where(found != 0, norms[idx], sums)
+            norms[rows] = torch.where(found != 0, norms[rows], sums)
 
 
 def lamb_stage2(params, exp_avgs, exp_avg_sqs, masters, steps, norms, *, lr, beta1, beta2, eps, weight_decay,
@@ -391,7 +407,7 @@ def lamb_stage2(params, exp_avgs, exp_avg_sqs, masters, steps, norms, *, lr, bet
     found = _flag(found_inf, "found_inf", device)
     consts = [beta1, beta2, eps, weight_decay, lr, min_trust, max_trust]
     for idx, tab in _moment_tables(params, None, exp_avgs, exp_avg_sqs, masters, steps, consts, device):
-        sub = norms[idx].contiguous()
+        sub = norms[_rows(idx, device)].contiguous()
         if tab.blocks:
             _lamb_stage2_kernel[(tab.blocks,)](
                 tab.meta, tab.n, sub, found, P_TY=_TL[params[idx[0]].dtype], HAS_MASTER=bool(masters),
@@ -411,7 +427,7 @@ def lars(params, grads, momentum_buffers, masters, norms, *, lr, momentum, weigh
         tab = _Table([[params[i] for i in idx], [grads[i] for i in idx], [momentum_buffers[i] for i in idx],
                       [masters[i] for i in idx] if masters else None],
                      [lr, momentum, weight_decay, trust_coefficient, eps], device)
-        sub = torch.cat([norms[idx], norms[[n + i for i in idx]]])
+        sub = torch.cat([norms[_rows(idx, device)], norms[_rows([n + i for i in idx], device)]])
         if tab.blocks:
             _lars_kernel[(tab.blocks,)](
                 tab.meta, tab.n, sub, mult, found, P_TY=_TL[params[idx[0]].dtype], G_TY=_TL[grads[idx[0]].dtype],
@@ -423,16 +439,26 @@ def lars(params, grads, momentum_buffers, masters, norms, *, lr, momentum, weigh
 def l2norm(tensors, per_tensor: bool):
     """(norm of all, (n,) norms or (0,)), fp32 on the tensors' device."""
     device = tensors[0].device if tensors else torch.device("cpu")
-    sums = torch.zeros(len(tensors), device=device, dtype=torch.float32)
     by_dtype: dict[torch.dtype, list[int]] = {}
     for i, t in enumerate(tensors):
         by_dtype.setdefault(t.dtype, []).append(i)
+    parts = []
     for dtype, idx in by_dtype.items():
         tab = _Table([[tensors[i] for i in idx]], [], device)
         part = torch.empty(tab.blocks, device=device, dtype=torch.float32)
         if tab.blocks:
             _sum_squares_kernel[(tab.blocks,)](tab.meta, tab.n, part, X_TY=_TL[dtype], LOG_N=tab.log_n,
                                                BLOCK=BLOCK, num_warps=_NUM_WARPS)
-        sums[idx] = _segment_sums(tab, part, 1).view(-1)
+        parts.append(_segment_sums(tab, part, 1).view(-1))
+    # the sums in dtype-group order; no indexed writes (their index would be a synchronising copy)
+    sums = torch.cat(parts) if parts else torch.zeros(0, device=device)
     total = sums.sum().sqrt()
-    return total, sums.sqrt() if per_tensor else sums.new_empty(0)
+    if not per_tensor:
+        return total, sums.new_empty(0)
+    order = [i for idx in by_dtype.values() for i in idx]
+    if order != list(range(len(order))):  # dtypes interleave: each tensor's sum back at its index
+        inverse = [0] * len(order)
+        for pos, i in enumerate(order):
+            inverse[i] = pos
+        sums = sums[_rows(inverse, device)]
+    return total, sums.sqrt()

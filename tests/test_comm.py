@@ -102,6 +102,48 @@ def test_flat_buffers_without_copies(world_size):
     assert all(all(r) for r in run_distributed(_flat_buffers_rank, world_size))
 
 
+def _staging_rank(rank, ws):
+    """Flat copies go through kept CPU staging buffers: two collectives in flight at once (each
+    launch delayed) get separate buffers, repeated calls reuse them instead of growing, and a
+    single contiguous tensor is all-reduced in place without one."""
+    from zerofuse.comm import Communicator
+
+    comm = Communicator(timeout=60, debug_delay_ms=20)
+    a, b = _tensors(rank, 5, torch.float32, seed=1), _tensors(rank, 9, torch.float32, seed=2)
+    ref_a, ref_b = torch.cat(a), torch.cat(b)
+    dist.all_reduce(ref_a)
+    dist.all_reduce(ref_b)
+    single = torch.nn.Parameter(torch.full((4099,), float(rank + 1)))
+    held = []
+    for _ in range(3):
+        xa, xb = [t.clone() for t in a], [t.clone() for t in b]
+        wa = comm.all_reduce_coalesced(xa, op="sum")
+        wb = comm.all_reduce_coalesced(xb, op="avg")
+        out = torch.empty(comm.shard_numel(b))
+        wr = comm.reduce_scatter_coalesced(b, out, op="sum")
+        for w in (wb, wr, wa):  # out of order
+            w.wait()
+        torch.testing.assert_close(torch.cat(xa), ref_a, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(torch.cat(xb), ref_b / ws, rtol=1e-6, atol=1e-6)
+        padded, shard = _flat_padded(b, ws)
+        dist.all_reduce(padded)
+        torch.testing.assert_close(out, padded[rank * shard:(rank + 1) * shard], rtol=1e-6, atol=1e-6)
+        held.append(comm.buffer_bytes)
+        kept = [wa, wb, wr]  # waited Works kept alive must not pin their buffers  # noqa: F841
+    # in place: no staging, same storage, autograd leaves allowed (the data, not the graph, changes)
+    before, ptr = comm.buffer_bytes, single.data_ptr()
+    comm.all_reduce_coalesced([single], op="avg", scale=2.0).wait()
+    in_place_ok = single.data_ptr() == ptr and comm.buffer_bytes == before
+    torch.testing.assert_close(single.detach(), torch.full((4099,), 2.0 * (ws + 1) / 2))
+    comm.free_buffers()
+    return held[0] > 0 and held[0] == held[1] == held[2], in_place_ok, comm.buffer_bytes
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_staging_buffers_are_reused_and_never_shared_in_flight(world_size):
+    assert run_distributed(_staging_rank, world_size, timeout=120) == [(True, True, 0)] * world_size
+
+
 def _buckets_rank(rank, ws, delay_ms):
     """An 8-layer model: bucketed reduce-scatter launched from grad-ready hooks during backward
     equals one unbucketed reduce-scatter; the first bucket is launched before the first layers'

@@ -4,6 +4,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 import zerofuse
 
 
@@ -76,3 +78,44 @@ def test_without_the_flag_triton_stays_native():
     r = _run("import zerofuse; from zerofuse import kernels; print(kernels.interpreted(), kernels.triton_on_cpu())")
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["False", "False"]
+
+
+def _fake_gcc(path, libstdcxx_so):
+    """A gcc-like driver script whose -print-file-name=libstdc++.so answers like a toolchain with
+    (an absolute path) or without (the bare name) a shared libstdc++."""
+    answer = libstdcxx_so if libstdcxx_so else "libstdc++.so"
+    path.write_text(f"#!/bin/sh\necho {answer}\n")
+    path.chmod(0o755)
+    return str(path)
+
+
+def test_build_replaces_a_compiler_that_links_libstdcxx_statically(tmp_path, monkeypatch):
+    """The GPU image sets CXX to a gcc with only libstdc++.a, whose extensions segfault beside torch:
+    the build moves to a g++ with a shared libstdc++, and refuses with a clear message when none is found."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        from tools import buildenv
+    finally:
+        sys.path.pop(0)
+    so = tmp_path / "libstdc++.so"
+    so.write_text("")
+    (tmp_path / "bin").mkdir()
+    good_cxx = _fake_gcc(tmp_path / "bin" / "g++", str(so))
+    good_cc = _fake_gcc(tmp_path / "bin" / "gcc", str(so))
+    static = _fake_gcc(tmp_path / "static-g++", None)
+
+    monkeypatch.setenv("CXX", good_cxx)
+    assert buildenv.pick_host_compilers() is None  # a fine compiler is left alone
+
+    monkeypatch.setenv("CXX", static)
+    monkeypatch.setenv("CC", "static-gcc")
+    monkeypatch.setenv("PATH", str(tmp_path / "bin"))
+    note = buildenv.pick_host_compilers()
+    assert "links libstdc++ statically" in note
+    assert (os.environ["CXX"], os.environ["CC"]) == (good_cxx, good_cc)
+
+    monkeypatch.setenv("CXX", static)
+    monkeypatch.setenv("PATH", str(tmp_path / "nothing"))
+    monkeypatch.setattr(buildenv, "_shared_libstdcxx", lambda c: c == good_cxx)  # /usr/bin/g++ "static" too
+    with pytest.raises(SystemExit, match="links libstdc\\+\\+ statically"):
+        buildenv.pick_host_compilers()

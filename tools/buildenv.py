@@ -8,7 +8,9 @@ from __future__ import annotations
 import glob
 import importlib.util
 import os
+import shlex
 import shutil
+import subprocess
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CSRC = os.path.join(ROOT, "csrc")
@@ -94,3 +96,42 @@ NVCC_FLAGS = [
     "-U__CUDA_NO_HALF_CONVERSIONS__",
     "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
 ]
+
+
+def _shared_libstdcxx(compiler: str) -> bool:
+    """True when `compiler` links C++ shared objects against a shared libstdc++ (it finds a
+    libstdc++.so of its own); False for a toolchain that has only libstdc++.a."""
+    try:
+        out = subprocess.run([*shlex.split(compiler), "-print-file-name=libstdc++.so"], capture_output=True,
+                             text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return True  # cannot tell (not a gcc-like driver): leave the choice alone
+    return os.path.isabs(out) and os.path.exists(out)
+
+
+def pick_host_compilers() -> str | None:
+    """Makes CC/CXX name a toolchain that links libstdc++ dynamically; returns a note when it changed them.
+
+    A C++ extension that carries its own static copy of libstdc++ crashes beside torch's shared one:
+    its locale and stream state get mixed with the process's (measured on the GPU image, whose CC/CXX
+    point at /opt/gcc, a gcc 13 with only libstdc++.a: `std::ostringstream << long` in such a .so
+    segfaults once torch is imported; the same source linked by /usr/bin/g++ runs). torch's build
+    reads CXX for compiling and linking and CC for nvcc's -ccbin, so both are replaced by the first
+    gcc/g++ pair on PATH (or in /usr/bin) that has a shared libstdc++.
+    """
+    cxx = os.environ.get("CXX")
+    if not cxx or _shared_libstdcxx(cxx):
+        return None
+    bad = os.path.realpath(shlex.split(cxx)[0])
+    for cand_cxx, cand_cc in ((shutil.which("g++"), shutil.which("gcc")), ("/usr/bin/g++", "/usr/bin/gcc"),
+                              (shutil.which("c++"), shutil.which("cc"))):
+        if not cand_cxx or not cand_cc or not os.path.exists(cand_cxx) or os.path.realpath(cand_cxx) == bad:
+            continue
+        if _shared_libstdcxx(cand_cxx):
+            os.environ["CXX"], os.environ["CC"] = cand_cxx, cand_cc
+            return (f"CXX={cxx} links libstdc++ statically (no shared libstdc++ of its own), which crashes beside "
+                    f"torch: building with CXX={cand_cxx} CC={cand_cc} instead")
+    raise SystemExit(
+        f"zerofuse: CXX={cxx} links libstdc++ statically (it has no libstdc++.so), and an extension built so "
+        "crashes beside torch's shared libstdc++; no other g++ with a shared libstdc++ was found. Set CXX and "
+        "CC to such a compiler (e.g. the distribution's g++).")

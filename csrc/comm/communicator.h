@@ -22,6 +22,7 @@
 #include <functional>
 #include <future>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
@@ -48,6 +49,8 @@ class Work {
  protected:
   virtual void wait_transport() = 0;
   virtual bool transport_done() = 0;
+  // after wait(): drop the transport's handles (a c10d Work holds its tensors until destroyed)
+  virtual void release_transport() {}
   std::string what_;
   std::chrono::milliseconds timeout_;
 
@@ -130,7 +133,13 @@ class Communicator {
   void group_start();
   void group_end();
 
+  // CPU staging buffers (the flat copies of tensor lists) are kept and reused across calls; see
+  // Communicator::staging. Bytes held now, and dropping them (in-flight ones go when done).
+  int64_t staging_bytes();
+  void free_staging();
+
  private:
+  at::Tensor staging(int64_t numel, const at::TensorOptions& options);
   std::string label(const char* fn);
   int64_t ceil_shard(int64_t total) const { return (total + world_size_ - 1) / world_size_; }
   Transport& transport_for(const at::Device& device, const char* fn);
@@ -142,6 +151,8 @@ class Communicator {
   int64_t seq_ = 0;
   bool grouping_ = false;
   std::chrono::milliseconds timeout_;
+  std::vector<at::Tensor> staging_pool_;  // 1-D byte tensors; free when the pool holds the only reference
+  std::mutex staging_mu_;
 };
 
 }  // namespace zerofuse::comm

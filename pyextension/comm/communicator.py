@@ -152,10 +152,22 @@ class Communicator:
 
     def all_reduce_coalesced(self, tensors: Sequence[torch.Tensor], op: str = "sum", scale: float | None = None,
                              reduce_dtype: torch.dtype | None = None):
-        """Reduce every tensor over the ranks, in place (at ``wait()``), through one flat buffer."""
+        """Reduce every tensor over the ranks, in place (at ``wait()``), through one flat buffer.
+        A single contiguous tensor in the reduce dtype is reduced in place with no copy: its
+        contents are undefined until ``wait()``."""
         tensors = list(tensors)
         self._checked("all_reduce_coalesced", tensors=tensors, op=op, scale=scale, reduce_dtype=reduce_dtype)
         return Work(self._c.all_reduce_coalesced(tensors, op, scale, reduce_dtype))
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes of the CPU staging buffers kept for reuse (the flat copies of tensor lists; at
+        most 4 buffers, each as large as the largest collective that used it)."""
+        return self._c.staging_bytes
+
+    def free_buffers(self) -> None:
+        """Drop the kept CPU staging buffers (those in flight are freed when their collective is)."""
+        self._c.free_staging()
 
     @contextlib.contextmanager
     def coalesce(self):

@@ -96,7 +96,7 @@ class FusedOptimizerMixin:
                 norm = norm * mult
             # a non-finite norm means an inf/NaN gradient: the step is skipped
             bad = (~torch.isfinite(norm)).float()
-            found_inf = bad if found_inf is None else found_inf + bad
+            found_inf = bad if found_inf is None else torch.maximum(found_inf, bad)
             clip = max_grad_norm / torch.clamp(norm, min=max_grad_norm)
             mult = clip if mult is None else mult * clip
         return mult, found_inf, norm
