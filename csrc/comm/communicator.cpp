@@ -202,14 +202,26 @@ class ProcessGroupTransport : public Transport {
         p.set_value(launch());
         futs.push_back(p.get_future().share());
       } else {
+        // The chain (last_) carries only "launched": the c10d Work (and through it the buffers)
+        // is held by this call's PgWork alone, and the launch closure and the promise are dropped
+        // once it ran, so a waited collective pins no staging buffer through the chain.
         auto prev = last_;
         auto delay = delay_;
-        last_ = std::async(std::launch::async, [prev, delay, launch]() {
+        auto result = std::make_shared<std::promise<c10::intrusive_ptr<c10d::Work>>>();
+        auto fn = std::make_shared<Launch>(launch);
+        futs.push_back(result->get_future().share());
+        last_ = std::async(std::launch::async, [prev, delay, fn, result]() mutable {
                   if (prev.valid()) prev.wait();
                   std::this_thread::sleep_for(delay);
-                  return launch();
+                  Launch run;
+                  run.swap(*fn);
+                  try {
+                    result->set_value(run());
+                  } catch (...) {
+                    result->set_exception(std::current_exception());
+                  }
+                  result.reset();  // the promise shares the Work's state: only the PgWork keeps it
                 }).share();
-        futs.push_back(last_);
       }
     }
     return std::make_shared<PgWork>(what, timeout_, std::move(futs));
@@ -218,7 +230,7 @@ class ProcessGroupTransport : public Transport {
   c10::intrusive_ptr<c10d::ProcessGroup> pg_;
   std::chrono::milliseconds timeout_, delay_;
   bool gloo_;
-  PgWork::Future last_;
+  std::shared_future<void> last_;
 };
 
 }  // namespace
