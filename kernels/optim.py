@@ -51,8 +51,13 @@ def _locate(META, n, LOG_N: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _ptr(META, row, n, t, TY: tl.constexpr):
-    return tl.load(META + row * (n + 1) + t).to(tl.pointer_type(TY))
+def _ptr(META, row, n, t, TY: tl.constexpr, ALIGNED: tl.constexpr):
+    ptr = tl.load(META + row * (n + 1) + t).to(tl.pointer_type(TY))
+    if ALIGNED:
+        # Pointers read from the table carry no alignment the compiler can see (pointer arguments
+        # get it from launch-time specialisation): without the hint every access is a 4-byte load.
+        ptr = tl.multiple_of(ptr, 16)
+    return ptr
 
 
 @triton.jit
@@ -106,15 +111,16 @@ def _grad_mult(g, MULT, HAS_MULT: tl.constexpr):
 @triton.jit
 def _adam_kernel(META, n, MULT, FOUND, P_TY: tl.constexpr, G_TY: tl.constexpr, HAS_MASTER: tl.constexpr,
                  HAS_MULT: tl.constexpr, HAS_FOUND: tl.constexpr, DECOUPLED: tl.constexpr,
-                 MAXIMIZE: tl.constexpr, LOG_N: tl.constexpr, BLOCK: tl.constexpr, EMULATE_RNE: tl.constexpr):
+                 MAXIMIZE: tl.constexpr, LOG_N: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr,
+                 EMULATE_RNE: tl.constexpr):
     t, offs, mask = _locate(META, n, LOG_N, BLOCK)
     mask = _skip_mask(mask, FOUND, HAS_FOUND)
-    P = _ptr(META, 2, n, t, P_TY)
-    G = _ptr(META, 3, n, t, G_TY)
-    M = _ptr(META, 4, n, t, tl.float32)
-    V = _ptr(META, 5, n, t, tl.float32)
-    W = _ptr(META, 6, n, t, tl.float32)
-    step = tl.load(_ptr(META, 7, n, t, tl.float32)).to(tl.float64)
+    P = _ptr(META, 2, n, t, P_TY, ALIGNED)
+    G = _ptr(META, 3, n, t, G_TY, ALIGNED)
+    M = _ptr(META, 4, n, t, tl.float32, ALIGNED)
+    V = _ptr(META, 5, n, t, tl.float32, ALIGNED)
+    W = _ptr(META, 6, n, t, tl.float32, ALIGNED)
+    step = tl.load(_ptr(META, 7, n, t, tl.float32, False)).to(tl.float64)
     lr, beta1, beta2 = _const(META, 8, n, 0), _const(META, 8, n, 1), _const(META, 8, n, 2)
     eps, wd = _const(META, 8, n, 3).to(tl.float32), _const(META, 8, n, 4)
     # scalars derived in float64 and rounded once, like the Python floats torch.optim passes
@@ -148,7 +154,7 @@ def _lamb_consts(META, n, t, BIAS_CORRECTION: tl.constexpr):
     """(beta1, beta2, w1, w2, eps, wd, bc1, bc2) in fp32; meta rows as the LAMB kernels'."""
     beta1, beta2 = _const(META, 8, n, 0), _const(META, 8, n, 1)
     if BIAS_CORRECTION:
-        step = tl.load(_ptr(META, 7, n, t, tl.float32)).to(tl.float64)
+        step = tl.load(_ptr(META, 7, n, t, tl.float32, False)).to(tl.float64)
         bc1 = (1.0 - _pow(beta1, step)).to(tl.float32)
         bc2 = (1.0 - _pow(beta2, step)).to(tl.float32)
     else:
@@ -170,17 +176,17 @@ def _lamb_update(m, v, p, bc1, bc2, eps, wd):
 @triton.jit
 def _lamb_stage1_kernel(META, n, MULT, FOUND, PART, P_TY: tl.constexpr, G_TY: tl.constexpr,
                         HAS_MASTER: tl.constexpr, HAS_MULT: tl.constexpr, HAS_FOUND: tl.constexpr,
-                        BIAS_CORRECTION: tl.constexpr, LOG_N: tl.constexpr, BLOCK: tl.constexpr):
+                        BIAS_CORRECTION: tl.constexpr, LOG_N: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
     t, offs, mask = _locate(META, n, LOG_N, BLOCK)
     mask = _skip_mask(mask, FOUND, HAS_FOUND)
     beta1, beta2, w1, w2, eps, wd, bc1, bc2 = _lamb_consts(META, n, t, BIAS_CORRECTION)
-    M = _ptr(META, 4, n, t, tl.float32)
-    V = _ptr(META, 5, n, t, tl.float32)
-    g = _grad_mult(_load_f32(_ptr(META, 3, n, t, G_TY), offs, mask), MULT, HAS_MULT)
+    M = _ptr(META, 4, n, t, tl.float32, ALIGNED)
+    V = _ptr(META, 5, n, t, tl.float32, ALIGNED)
+    g = _grad_mult(_load_f32(_ptr(META, 3, n, t, G_TY, ALIGNED), offs, mask), MULT, HAS_MULT)
     if HAS_MASTER:
-        p = _load_f32(_ptr(META, 6, n, t, tl.float32), offs, mask)
+        p = _load_f32(_ptr(META, 6, n, t, tl.float32, ALIGNED), offs, mask)
     else:
-        p = _load_f32(_ptr(META, 2, n, t, P_TY), offs, mask)
+        p = _load_f32(_ptr(META, 2, n, t, P_TY, ALIGNED), offs, mask)
     m = _load_f32(M, offs, mask) * beta1 + w1 * g
     v = _load_f32(V, offs, mask) * beta2 + w2 * g * g
     tl.store(M + offs, m, mask=mask)
@@ -194,7 +200,7 @@ def _lamb_stage1_kernel(META, n, MULT, FOUND, PART, P_TY: tl.constexpr, G_TY: tl
 @triton.jit
 def _lamb_stage2_kernel(META, n, NORMS, FOUND, P_TY: tl.constexpr, HAS_MASTER: tl.constexpr,
                         HAS_FOUND: tl.constexpr, BIAS_CORRECTION: tl.constexpr, PAPER: tl.constexpr,
-                        LOG_N: tl.constexpr, BLOCK: tl.constexpr, EMULATE_RNE: tl.constexpr):
+                        LOG_N: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr, EMULATE_RNE: tl.constexpr):
     t, offs, mask = _locate(META, n, LOG_N, BLOCK)
     mask = _skip_mask(mask, FOUND, HAS_FOUND)
     beta1, beta2, w1, w2, eps, wd, bc1, bc2 = _lamb_consts(META, n, t, BIAS_CORRECTION)
@@ -206,11 +212,11 @@ def _lamb_stage2_kernel(META, n, NORMS, FOUND, P_TY: tl.constexpr, HAS_MASTER: t
     else:
         trust = tl.where((pn > 0) & (un > 0), pn / un, 1.0)
     ratio = (_const(META, 8, n, 4) * trust).to(tl.float32)
-    P = _ptr(META, 2, n, t, P_TY)
-    W = _ptr(META, 6, n, t, tl.float32)
+    P = _ptr(META, 2, n, t, P_TY, ALIGNED)
+    W = _ptr(META, 6, n, t, tl.float32, ALIGNED)
     p = _load_f32(W, offs, mask) if HAS_MASTER else _load_f32(P, offs, mask)
-    m = _load_f32(_ptr(META, 4, n, t, tl.float32), offs, mask)
-    v = _load_f32(_ptr(META, 5, n, t, tl.float32), offs, mask)
+    m = _load_f32(_ptr(META, 4, n, t, tl.float32, ALIGNED), offs, mask)
+    v = _load_f32(_ptr(META, 5, n, t, tl.float32, ALIGNED), offs, mask)
     p = p - ratio * _lamb_update(m, v, p, bc1, bc2, eps, wd)
     _store_param(P, W, offs, mask, p, HAS_MASTER, EMULATE_RNE)
 
@@ -219,8 +225,8 @@ def _lamb_stage2_kernel(META, n, NORMS, FOUND, P_TY: tl.constexpr, HAS_MASTER: t
 # 5 masters; constants: lr, momentum, weight_decay, trust_coefficient, eps
 @triton.jit
 def _lars_kernel(META, n, NORMS, MULT, FOUND, P_TY: tl.constexpr, G_TY: tl.constexpr, HAS_MASTER: tl.constexpr,
-                 HAS_MULT: tl.constexpr, HAS_FOUND: tl.constexpr, LOG_N: tl.constexpr, BLOCK: tl.constexpr,
-                 EMULATE_RNE: tl.constexpr):
+                 HAS_MULT: tl.constexpr, HAS_FOUND: tl.constexpr, LOG_N: tl.constexpr, ALIGNED: tl.constexpr,
+                 BLOCK: tl.constexpr, EMULATE_RNE: tl.constexpr):
     t, offs, mask = _locate(META, n, LOG_N, BLOCK)
     mask = _skip_mask(mask, FOUND, HAS_FOUND)
     lr, momentum, wd = _const(META, 6, n, 0), _const(META, 6, n, 1), _const(META, 6, n, 2)
@@ -231,10 +237,10 @@ def _lars_kernel(META, n, NORMS, MULT, FOUND, P_TY: tl.constexpr, G_TY: tl.const
         gn = gn * tl.abs(tl.load(MULT).to(tl.float64))
     local = tl.where((pn > 0) & (gn > 0), tc * pn / (gn + wd * pn + eps), 1.0)
     step = (lr * local).to(tl.float32)
-    P = _ptr(META, 2, n, t, P_TY)
-    W = _ptr(META, 5, n, t, tl.float32)
-    B = _ptr(META, 4, n, t, tl.float32)
-    g = _grad_mult(_load_f32(_ptr(META, 3, n, t, G_TY), offs, mask), MULT, HAS_MULT)
+    P = _ptr(META, 2, n, t, P_TY, ALIGNED)
+    W = _ptr(META, 5, n, t, tl.float32, ALIGNED)
+    B = _ptr(META, 4, n, t, tl.float32, ALIGNED)
+    g = _grad_mult(_load_f32(_ptr(META, 3, n, t, G_TY, ALIGNED), offs, mask), MULT, HAS_MULT)
     p = _load_f32(W, offs, mask) if HAS_MASTER else _load_f32(P, offs, mask)
     d = g + wd.to(tl.float32) * p
     b = _load_f32(B, offs, mask) * momentum.to(tl.float32) + step * d
@@ -244,9 +250,10 @@ def _lars_kernel(META, n, NORMS, MULT, FOUND, P_TY: tl.constexpr, G_TY: tl.const
 
 # meta rows: 0 block starts, 1 numels, 2 tensors
 @triton.jit
-def _sum_squares_kernel(META, n, PART, X_TY: tl.constexpr, LOG_N: tl.constexpr, BLOCK: tl.constexpr):
+def _sum_squares_kernel(META, n, PART, X_TY: tl.constexpr, LOG_N: tl.constexpr, ALIGNED: tl.constexpr,
+                        BLOCK: tl.constexpr):
     t, offs, mask = _locate(META, n, LOG_N, BLOCK)
-    x = _load_f32(_ptr(META, 2, n, t, X_TY), offs, mask)
+    x = _load_f32(_ptr(META, 2, n, t, X_TY, ALIGNED), offs, mask)
     tl.store(PART + tl.program_id(0), tl.sum(x * x, axis=0))
 
 
@@ -287,6 +294,9 @@ class _Table:
         for lst in lists:
             rows += ([t.data_ptr() for t in lst] if lst else [0] * n) + pad
         rows += [_f64_bits(c) for c in consts]
+        # every address 16-byte aligned (fresh allocations are; views into flat buffers may not be):
+        # the kernels may then use 16-byte vector accesses
+        self.aligned = all(t.data_ptr() % 16 == 0 for lst in lists if lst for t in lst)
         meta = torch.tensor(rows, dtype=torch.int64)
         if device.type == "cuda":
             meta = meta.pin_memory().to(device, non_blocking=True)
@@ -345,7 +355,7 @@ def adam(params, grads, exp_avgs, exp_avg_sqs, masters, steps, *, lr, beta1, bet
             _adam_kernel[(tab.blocks,)](
                 tab.meta, tab.n, mult, found, P_TY=_TL[params[idx[0]].dtype], G_TY=_TL[grads[idx[0]].dtype],
                 HAS_MASTER=bool(masters), HAS_MULT=mult is not None, HAS_FOUND=found is not None,
-                DECOUPLED=decoupled, MAXIMIZE=maximize, LOG_N=tab.log_n, BLOCK=BLOCK,
+                DECOUPLED=decoupled, MAXIMIZE=maximize, LOG_N=tab.log_n, ALIGNED=tab.aligned, BLOCK=BLOCK,
                 EMULATE_RNE=interpreted(), num_warps=_NUM_WARPS,
             )
 
@@ -388,7 +398,8 @@ def lamb_stage1(params, grads, exp_avgs, exp_avg_sqs, masters, steps, *, beta1, 
             _lamb_stage1_kernel[(tab.blocks,)](
                 tab.meta, tab.n, mult, found, part, P_TY=_TL[params[idx[0]].dtype], G_TY=_TL[grads[idx[0]].dtype],
                 HAS_MASTER=bool(masters), HAS_MULT=mult is not None, HAS_FOUND=found is not None,
-                BIAS_CORRECTION=bias_correction, LOG_N=tab.log_n, BLOCK=BLOCK, num_warps=_NUM_WARPS,
+                BIAS_CORRECTION=bias_correction, LOG_N=tab.log_n, ALIGNED=tab.aligned, BLOCK=BLOCK,
+                num_warps=_NUM_WARPS,
             )
         sums = _segment_sums(tab, part, 2)
         rows = _rows(idx, device)
@@ -412,7 +423,7 @@ def lamb_stage2(params, exp_avgs, exp_avg_sqs, masters, steps, norms, *, lr, bet
             _lamb_stage2_kernel[(tab.blocks,)](
                 tab.meta, tab.n, sub, found, P_TY=_TL[params[idx[0]].dtype], HAS_MASTER=bool(masters),
                 HAS_FOUND=found is not None, BIAS_CORRECTION=bias_correction, PAPER=trust_mode == 0,
-                LOG_N=tab.log_n, BLOCK=BLOCK, EMULATE_RNE=interpreted(), num_warps=_NUM_WARPS,
+                LOG_N=tab.log_n, ALIGNED=tab.aligned, BLOCK=BLOCK, EMULATE_RNE=interpreted(), num_warps=_NUM_WARPS,
             )
 
 
@@ -432,7 +443,7 @@ def lars(params, grads, momentum_buffers, masters, norms, *, lr, momentum, weigh
             _lars_kernel[(tab.blocks,)](
                 tab.meta, tab.n, sub, mult, found, P_TY=_TL[params[idx[0]].dtype], G_TY=_TL[grads[idx[0]].dtype],
                 HAS_MASTER=bool(masters), HAS_MULT=mult is not None, HAS_FOUND=found is not None,
-                LOG_N=tab.log_n, BLOCK=BLOCK, EMULATE_RNE=interpreted(), num_warps=_NUM_WARPS,
+                LOG_N=tab.log_n, ALIGNED=tab.aligned, BLOCK=BLOCK, EMULATE_RNE=interpreted(), num_warps=_NUM_WARPS,
             )
 
 
@@ -448,7 +459,7 @@ def l2norm(tensors, per_tensor: bool):
         part = torch.empty(tab.blocks, device=device, dtype=torch.float32)
         if tab.blocks:
             _sum_squares_kernel[(tab.blocks,)](tab.meta, tab.n, part, X_TY=_TL[dtype], LOG_N=tab.log_n,
-                                               BLOCK=BLOCK, num_warps=_NUM_WARPS)
+                                               ALIGNED=tab.aligned, BLOCK=BLOCK, num_warps=_NUM_WARPS)
         parts.append(_segment_sums(tab, part, 1).view(-1))
     # the sums in dtype-group order; no indexed writes (their index would be a synchronising copy)
     sums = torch.cat(parts) if parts else torch.zeros(0, device=device)

@@ -355,6 +355,19 @@ def test_l2norm_matches_float64_and_flags_non_finite(path):
 # ---------------------------------------------------------------------------------- flat buffers
 
 
+def test_kernel_tables_promise_16_byte_alignment_only_when_every_address_has_it():
+    """The Triton kernels read tensor addresses from a table and vectorise only when the table
+    says all are 16-byte aligned: a view at an odd element offset (a ZeRO segment) must turn it off."""
+    from zerofuse.kernels import optim as K
+
+    base = torch.zeros(2048)
+    cpu = torch.device("cpu")
+    assert base.data_ptr() % 16 == 0
+    assert K._Table([[base[:512], base[512:1024]], None], [], cpu).aligned
+    assert not K._Table([[base[:512], base[1:513]]], [], cpu).aligned
+    assert not K._Table([[base[:512]], [base[3:515]]], [], cpu).aligned
+
+
 def test_adamw_flat_equals_the_optimizer_on_separate_tensors(path):
     params = _params(device=path)
     flat = torch.cat([p.reshape(-1) for p in params])
