@@ -287,16 +287,18 @@ class _Table:
         self.n = n = len(first)
         blocks = [0]
         for t in first:
-            blocks.append(blocks[-1] + triton.cdiv(t.numel(), BLOCK))
+            blocks.append(blocks[-1] + -(-t.numel() // BLOCK))  # triton.cdiv is a JIT function: ~5 us a call
         self.blocks = blocks[-1]
         pad = [0]
         rows = blocks + [t.numel() for t in first] + pad
+        # aligned: every address is a multiple of 16 bytes (fresh allocations are; views into flat
+        # buffers may not be), so the kernels may use 16-byte vector accesses
+        self.aligned = True
         for lst in lists:
-            rows += ([t.data_ptr() for t in lst] if lst else [0] * n) + pad
+            ptrs = [t.data_ptr() for t in lst] if lst else [0] * n
+            self.aligned = self.aligned and not any(p & 15 for p in ptrs)
+            rows += ptrs + pad
         rows += [_f64_bits(c) for c in consts]
-        # every address 16-byte aligned (fresh allocations are; views into flat buffers may not be):
-        # the kernels may then use 16-byte vector accesses
-        self.aligned = all(t.data_ptr() % 16 == 0 for lst in lists if lst for t in lst)
         meta = torch.tensor(rows, dtype=torch.int64)
         if device.type == "cuda":
             meta = meta.pin_memory().to(device, non_blocking=True)
