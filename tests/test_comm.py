@@ -384,3 +384,30 @@ def test_nccl_world_of_one_matches_the_reference(world_of_one):
     for p, o in zip(parts, outs):
         torch.testing.assert_close(o, p)
     torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+def test_nccl_wait_on_another_stream_orders_both(world_of_one):
+    """wait() on a side stream orders that stream after the collective, and the launch stream too
+    (the flat buffer's block goes back to the allocator there): a result read on the side stream is
+    right even when the launch stream at once reuses memory for other data."""
+    import zerofuse
+    from zerofuse.comm import Communicator
+
+    if not zerofuse.build_info()["nccl"]:
+        pytest.skip("this build has no NCCL")
+    comm = Communicator(transport="nccl")
+    for _ in range(3):
+        ts = [torch.randn(n, device="cuda") for n in (7, 4097, 1023, 1 << 20)]
+        flat = torch.cat(ts)
+        out = torch.empty(comm.shard_numel(ts), device="cuda")
+        work = comm.reduce_scatter_coalesced(ts, out, op="sum")
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            work.wait()
+            got = out.clone()
+        del work
+        junk = torch.full((flat.numel() * 2,), float("nan"), device="cuda")  # on the launch stream
+        side.synchronize()
+        torch.testing.assert_close(got, flat)
+        del junk

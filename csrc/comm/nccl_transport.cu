@@ -7,7 +7,8 @@
 // there has finished; the collective then records a done event, and Work::wait() makes the
 // caller's current stream wait on it (no host block) before the copy-out is queued there.
 // Buffers are allocated on the caller's stream: the caching allocator reuses a freed block only
-// for that stream, which already waits on the done event once wait() was called; a Work dropped
+// for that stream, which waits on the done event once wait() was called (wait() on another stream
+// makes both streams wait); a Work dropped
 // without wait() stays in the in-flight list (keeping its buffers) until its done event fires
 // ([Note: Work lifetimes] in communicator.h).
 //
@@ -84,8 +85,10 @@ struct DoneEvent {
 
 class NcclWork : public Work {
  public:
-  NcclWork(std::string what, std::chrono::milliseconds timeout, c10::DeviceIndex device)
-      : Work(std::move(what), timeout), device_(device) {}
+  // launch_stream: the caller's current stream at launch, on which the buffers were allocated
+  NcclWork(std::string what, std::chrono::milliseconds timeout, c10::DeviceIndex device,
+           c10::cuda::CUDAStream launch_stream)
+      : Work(std::move(what), timeout), device_(device), launch_stream_(launch_stream) {}
   void set_done(std::shared_ptr<DoneEvent> done) { done_ = std::move(done); }
   bool launched() const { return done_ != nullptr; }
   bool done() { return launched() && transport_done(); }
@@ -103,6 +106,10 @@ class NcclWork : public Work {
     TORCH_CHECK(launched(), "wait() on a collective of a group that is still open: end the group first");
     const auto stream = c10::cuda::getCurrentCUDAStream(device_);
     C10_CUDA_CHECK(cudaStreamWaitEvent(stream.stream(), done_->event, 0));
+    // wait() drops the buffers, and the caching allocator hands their blocks out again on the
+    // stream they were allocated on: when that is not the waiting stream, it too is ordered after
+    // the collective, so no later allocation there can overwrite memory NCCL still uses.
+    if (launch_stream_ != stream) C10_CUDA_CHECK(cudaStreamWaitEvent(launch_stream_.stream(), done_->event, 0));
   }
   bool transport_done() override {
     if (!launched()) return false;
@@ -118,6 +125,7 @@ class NcclWork : public Work {
  private:
   std::shared_ptr<DoneEvent> done_;
   c10::DeviceIndex device_;
+  c10::cuda::CUDAStream launch_stream_;
 };
 
 using Collective = std::function<ncclResult_t(cudaStream_t)>;
@@ -251,7 +259,7 @@ class NcclTransport : public Transport {
                         ": expected tensors on cuda:", static_cast<int>(device_),
                         " (the device the communicator was created on), got a tensor on ", b.device());
     }
-    auto work = std::make_shared<NcclWork>(what, timeout_, device_);
+    auto work = std::make_shared<NcclWork>(what, timeout_, device_, c10::cuda::getCurrentCUDAStream(device_));
     work->keep_alive(std::move(buffers));
     // kept (with its buffers) until its done event fires, waited for or not ([Note: Work lifetimes])
     inflight_.push_back(work);
