@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # On the GPU machine: build zerofuse with CUDA, run the doctor, the GPU tests, the GPU benchmark
-# suites and a GPT-2 124M training run, and write everything to one folder (at most 8 files, so the
-# device tool brings them all back):
-#   env.txt build.log doctor.txt tests.txt bench.txt bench.json summary.md train.txt
+# suites, a host-overhead profile of small ops and a GPT-2 124M training run, and write everything
+# to one folder (at most 8 files, so the device tool brings them all back):
+#   env.txt (+ the doctor) build.log tests.txt bench.txt bench.json summary.md profile.txt train.txt
 #
 # Usage: bash bench/run_gpu.sh [OUT_DIR] [PHASES]
 #   OUT_DIR  default: $OUT, else bench/out
-#   PHASES   comma-separated, in this order: build,doctor,tests,bench,train (default: all). The
+#   PHASES   comma-separated, in this order: build,doctor,tests,bench,profile,train (default: all). The
 #            device tool allows 10 minutes a call and keeps the machine (and the build) warm only
 #            30 s after one, so a lease is best spent as back-to-back calls, e.g.
 #              bash bench/run_gpu.sh $OUT build,doctor,tests
@@ -28,7 +28,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-${OUT:-bench/out}}
-phases=",${2:-build,doctor,tests,bench,train},"
+phases=",${2:-build,doctor,tests,bench,profile,train},"
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 ZEROFUSE_TRITON_ON_CPU=0
 py=${PYTHON:-python3}
@@ -82,7 +82,7 @@ if want build; then
 fi
 
 if want doctor; then
-  run_phase doctor "$py" -m zerofuse.doctor 2>&1 | tee -a "$out/doctor.txt"
+  run_phase doctor "$py" -m zerofuse.doctor 2>&1 | tee -a "$out/env.txt"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 
@@ -102,6 +102,11 @@ if want bench; then
     --benchmark-columns=median,iqr,rounds --benchmark-sort=name 2>&1 | tee -a "$out/bench.txt"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
   [ -f "$out/bench.json" ] && "$py" bench/summarize.py "$out/bench.json" --title "zerofuse GPU benchmarks" > "$out/summary.md"
+fi
+
+if want profile; then
+  run_phase profile "$py" bench/profile_host.py --device "${BENCH_DEVICE:-cuda}" 2>&1 | tee -a "$out/profile.txt" | grep "^==="
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 
 if want train; then

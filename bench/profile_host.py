@@ -1,0 +1,101 @@
+"""Where the per-call time of small zerofuse ops goes (run by bench/run_gpu.sh's `profile` phase).
+
+On the H100 (bench/results/h100-2026-11-23) small problems lost to torch by per-call overhead: a
+4096x1024 LayerNorm forward took ~0.2 ms against torch's 0.03 ms, and a FusedAdamW step over 1M
+params (91 tensors) 1.2 ms against 0.28 ms, while their kernels need a few microseconds. For each
+case this prints the median wall time per call (zerofuse and torch), then torch.profiler's table
+of the zerofuse calls sorted by self CPU time (which Python/C++ pieces and launches cost), then
+cProfile's top Python functions.
+
+    python bench/profile_host.py [--device cuda|cpu] [--calls N]
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import os
+import pstats
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_us(fn, device, calls):
+    times = []
+    for _ in range(calls):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
+
+
+def _cases(device):
+    import torch.nn.functional as F
+
+    import bench_optimizers
+    import zerofuse.nn.functional as ZF
+    from zerofuse.optim import FusedAdamW
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    x = torch.randn(4096, 1024, device=device, dtype=dtype)
+    w, b = torch.ones(1024, device=device, dtype=dtype), torch.zeros(1024, device=device, dtype=dtype)
+    yield "layer_norm fwd 4096x1024", lambda: ZF.layer_norm(x, (1024,), w, b), lambda: F.layer_norm(x, (1024,), w, b)
+
+    q, k, v = (torch.randn(4, 8, 256, 64, device=device, dtype=dtype) for _ in range(3))
+    yield ("attention fwd B4 H8 N256 D64", lambda: ZF.scaled_dot_product_attention(q, k, v, is_causal=True),
+           lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
+
+    ours = bench_optimizers._params(device, 1_000_000)
+    theirs = bench_optimizers._params(device, 1_000_000)
+    opt = FusedAdamW(ours, lr=1e-3, weight_decay=0.01)
+    peer = torch.optim.AdamW(theirs, lr=1e-3, weight_decay=0.01,
+                             **({"fused": True} if device.type == "cuda" else {"foreach": True}))
+    yield f"AdamW step 1M params ({len(ours)} tensors)", opt.step, peer.step
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--calls", type=int, default=200)
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    for name, ours, theirs in _cases(device):
+        for _ in range(10):  # warm-up: compilation, autotuning, state allocation
+            ours()
+            theirs()
+        z, t = _median_us(ours, device, args.calls), _median_us(theirs, device, args.calls)
+        print(f"\n=== {name}: zerofuse {z:.1f} us, torch {t:.1f} us per call (median of {args.calls}, synchronised)")
+        with torch.profiler.profile(activities=activities) as prof:
+            for _ in range(20):
+                ours()
+            _sync(device)
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=60))
+        stats = io.StringIO()
+        pr = cProfile.Profile()
+        pr.enable()
+        for _ in range(args.calls):
+            ours()
+        _sync(device)
+        pr.disable()
+        pstats.Stats(pr, stream=stats).sort_stats("tottime").print_stats(15)
+        print("\n".join(stats.getvalue().splitlines()[:32]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
