@@ -17,6 +17,10 @@ def triton_on_cpu() -> bool:
     return TRITON_ON_CPU
 
 
+# Read once: triton reads TRITON_INTERPRET when a function is decorated, which is at import.
+_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
 def interpreted() -> bool:
     """Whether @triton.jit functions run in the interpreter in this process."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return _INTERPRETED

@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from zerofuse.kernels import interpreted
+from zerofuse.kernels.common import cdiv, next_power_of_2
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -201,7 +202,7 @@ GPU_CONFIGS = [(128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3
 
 
 def _block_d(d: int) -> int:
-    return max(16, triton.next_power_of_2(d))
+    return max(16, next_power_of_2(d))
 
 
 # Taken when no GPU_CONFIGS tile fits (fp32 with head_dim 256 asked for 448 KiB of shared memory
@@ -259,7 +260,7 @@ def attention_fwd(q, k, v, causal: bool, scale: float):
     hkv, nk = k.shape[1], k.shape[2]
     out = torch.empty((b, hq, nq, d), device=q.device, dtype=q.dtype)
     lse = torch.empty((b, hq, nq), device=q.device, dtype=torch.float32)
-    _launch(_attn_fwd_kernel, _attn_fwd_tuned, lambda meta: (triton.cdiv(nq, meta["BLOCK_M"]), b * hq),
+    _launch(_attn_fwd_kernel, _attn_fwd_tuned, lambda meta: (cdiv(nq, meta["BLOCK_M"]), b * hq),
             q, k, v, out, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
             hq, hq // hkv, nq, nk, d, scale * LOG2E, CAUSAL=causal, BLOCK_D=_block_d(d))
     return out, lse
@@ -272,17 +273,17 @@ def attention_bwd(dout, q, k, v, out, lse, causal: bool, scale: float):
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
     bd = _block_d(d)
     delta = torch.empty_like(lse)
-    _attn_delta_kernel[(triton.cdiv(nq, 64), b * hq)](
+    _attn_delta_kernel[(cdiv(nq, 64), b * hq)](
         out, dout, delta, *out.stride()[:3], *dout.stride()[:3], hq, nq, d, BLOCK_M=64, BLOCK_D=bd,
     )
     dq = torch.empty((b, hq, nq, d), device=q.device, dtype=q.dtype)
     dk = torch.empty((b, hkv, nk, d), device=k.device, dtype=k.dtype)
     dv = torch.empty((b, hkv, nk, d), device=v.device, dtype=v.dtype)
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3])
-    _launch(_attn_bwd_dkdv_kernel, _attn_bwd_dkdv_tuned, lambda meta: (triton.cdiv(nk, meta["BLOCK_N"]), b * hkv),
+    _launch(_attn_bwd_dkdv_kernel, _attn_bwd_dkdv_tuned, lambda meta: (cdiv(nk, meta["BLOCK_N"]), b * hkv),
             q, k, v, dout, lse, delta, dk, dv, *strides, hq, hkv, hq // hkv, nq, nk, d, scale,
             CAUSAL=causal, BLOCK_D=bd)
-    _launch(_attn_bwd_dq_kernel, _attn_bwd_dq_tuned, lambda meta: (triton.cdiv(nq, meta["BLOCK_M"]), b * hq),
+    _launch(_attn_bwd_dq_kernel, _attn_bwd_dq_tuned, lambda meta: (cdiv(nq, meta["BLOCK_M"]), b * hq),
             q, k, v, dout, lse, delta, dq, *strides, hq, hq // hkv, nq, nk, d, scale,
             CAUSAL=causal, BLOCK_D=bd)
     return dq, dk, dv

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from zerofuse.kernels import interpreted
-from zerofuse.kernels.common import _cast
+from zerofuse.kernels.common import _cast, cdiv, next_power_of_2
 
 MAX_HIDDEN = 65536
 
@@ -128,7 +128,7 @@ def _sum_partials_kernel(P, Out, n_parts, N, BLOCK_P: tl.constexpr, BLOCK_N: tl.
 
 def _config(n: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps) for hidden size n."""
-    block_n = triton.next_power_of_2(n)
+    block_n = next_power_of_2(n)
     # The interpreter pays per program, so it takes many rows at once; on a GPU small rows are
     # grouped to give each program ~4K elements.
     block_m = max(1, min(256 if interpreted() else 16, (65536 if interpreted() else 4096) // block_n))
@@ -138,7 +138,7 @@ def _config(n: int) -> tuple[int, int, int]:
 
 
 def _bwd_programs(m: int, block_m: int, device: torch.device) -> int:
-    blocks = triton.cdiv(m, block_m)
+    blocks = cdiv(m, block_m)
     if interpreted() or device.type != "cuda":
         return min(blocks, 4)
     return min(blocks, 4 * torch.cuda.get_device_properties(device).multi_processor_count)
@@ -153,7 +153,7 @@ def norm_fwd(x, weight, bias, residual, eps: float, is_rms: bool):
     h = torch.empty((m, n), device=x.device, dtype=h_dtype) if residual is not None else None
     mean = None if is_rms else torch.empty(m, device=x.device, dtype=torch.float32)
     rstd = torch.empty(m, device=x.device, dtype=torch.float32)
-    grid = (triton.cdiv(m, block_m),)
+    grid = (cdiv(m, block_m),)
     _norm_fwd_kernel[grid](
         x, residual, h, y, weight, bias, mean, rstd, m, n, eps,
         HAS_RES=residual is not None, HAS_W=weight is not None, HAS_B=bias is not None, IS_RMS=is_rms,
@@ -169,8 +169,8 @@ def norm_bwd(dy, dh, x, weight, bias, mean, rstd, is_rms: bool):
     m, n = x.shape
     block_m, block_n, num_warps = _config(n)
     progs = _bwd_programs(m, block_m, x.device)
-    rows_per_program = triton.cdiv(triton.cdiv(m, block_m), progs) * block_m
-    progs = triton.cdiv(m, rows_per_program)
+    rows_per_program = cdiv(cdiv(m, block_m), progs) * block_m
+    progs = cdiv(m, rows_per_program)
     dx = torch.empty_like(x)
     part = dict(device=x.device, dtype=torch.float32)
     dw_part = torch.empty((progs, n), **part) if weight is not None else None
@@ -192,9 +192,9 @@ def _sum_partials(part, dtype):
         return None
     n_parts, n = part.shape
     out = torch.empty(n, device=part.device, dtype=dtype)
-    block_n = min(triton.next_power_of_2(n), 65536 if interpreted() else 256)
-    block_p = min(triton.next_power_of_2(n_parts), 64)
-    _sum_partials_kernel[(triton.cdiv(n, block_n),)](
+    block_n = min(next_power_of_2(n), 65536 if interpreted() else 256)
+    block_p = min(next_power_of_2(n_parts), 64)
+    _sum_partials_kernel[(cdiv(n, block_n),)](
         part, out, n_parts, n, BLOCK_P=block_p, BLOCK_N=block_n, EMULATE_RNE=interpreted()
     )
     return out

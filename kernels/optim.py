@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from zerofuse.kernels import interpreted
-from zerofuse.kernels.common import _cast
+from zerofuse.kernels.common import _cast, cdiv
 
 BLOCK = 4096
 _NUM_WARPS = 8
@@ -287,7 +287,7 @@ class _Table:
         self.n = n = len(first)
         blocks = [0]
         for t in first:
-            blocks.append(blocks[-1] + -(-t.numel() // BLOCK))  # triton.cdiv is a JIT function: ~5 us a call
+            blocks.append(blocks[-1] + cdiv(t.numel(), BLOCK))
         self.blocks = blocks[-1]
         pad = [0]
         rows = blocks + [t.numel() for t in first] + pad
