@@ -16,6 +16,10 @@ def _all_reduce_rank(rank, world_size):
 
 
 def _raise_on_rank_1(rank, world_size):
+    # every rank connected first: a rank that raised right after its own init could close its
+    # sockets while a peer was still in gloo's connectFullMesh (seen once in CI), and that peer's
+    # stack would then end in init_process_group instead of here
+    dist.barrier()
     if rank == 1:
         raise ValueError("rank one is broken")
     dist.barrier()  # the other ranks wait here for rank 1, forever
