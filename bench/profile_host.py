@@ -16,29 +16,13 @@ import cProfile
 import io
 import os
 import pstats
-import statistics
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _median_us(fn, device, calls):
-    times = []
-    for _ in range(calls):
-        _sync(device)
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e6
+from conftest import _median_seconds, synchronize  # noqa: E402  (bench/conftest.py's timing)
 
 
 def _cases(device):
@@ -78,19 +62,19 @@ def main(argv=None) -> int:
         for _ in range(10):  # warm-up: compilation, autotuning, state allocation
             ours()
             theirs()
-        z, t = _median_us(ours, device, args.calls), _median_us(theirs, device, args.calls)
+        z, t = (_median_seconds(fn, device, args.calls) * 1e6 for fn in (ours, theirs))
         print(f"\n=== {name}: zerofuse {z:.1f} us, torch {t:.1f} us per call (median of {args.calls}, synchronised)")
         with torch.profiler.profile(activities=activities) as prof:
             for _ in range(20):
                 ours()
-            _sync(device)
+            synchronize(device)
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=60))
         stats = io.StringIO()
         pr = cProfile.Profile()
         pr.enable()
         for _ in range(args.calls):
             ours()
-        _sync(device)
+        synchronize(device)
         pr.disable()
         pstats.Stats(pr, stream=stats).sort_stats("tottime").print_stats(15)
         print("\n".join(stats.getvalue().splitlines()[:32]))
