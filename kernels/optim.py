@@ -274,6 +274,12 @@ def _segment_sum_kernel(META, n, PART, OUT, WIDTH: tl.constexpr, BLOCK_P: tl.con
 # ------------------------------------------------------------------------------------ launchers
 
 
+def _int64_on(values: list[int], device: torch.device) -> torch.Tensor:
+    """An int64 tensor of values on device; on CUDA copied from pinned memory without a host sync."""
+    t = torch.tensor(values, dtype=torch.int64)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
 def _f64_bits(x: float) -> int:
     return struct.unpack("<q", struct.pack("<d", float(x)))[0]
 
@@ -299,10 +305,7 @@ class _Table:
             self.aligned = self.aligned and not any(p & 15 for p in ptrs)
             rows += ptrs + pad
         rows += [_f64_bits(c) for c in consts]
-        meta = torch.tensor(rows, dtype=torch.int64)
-        if device.type == "cuda":
-            meta = meta.pin_memory().to(device, non_blocking=True)
-        self.meta = meta
+        self.meta = _int64_on(rows, device)
         self.log_n = max(1, (n - 1).bit_length())
 
 
@@ -367,8 +370,7 @@ def _rows(idx: list[int], device: torch.device):
     consecutive (one dtype group), else an index tensor copied from pinned memory."""
     if idx == list(range(idx[0], idx[0] + len(idx))):
         return slice(idx[0], idx[0] + len(idx))
-    t = torch.tensor(idx, dtype=torch.int64)
-    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+    return _int64_on(idx, device)
 
 
 def _groups(params, grads) -> list[list[int]]:
