@@ -30,9 +30,9 @@ def _adam_fake(params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr, beta1, 
 def _adam_triton(params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr, beta1, beta2, eps, weight_decay,
                  decoupled, maximize, grad_mult, found_inf):
     _check(params, grads, exp_avgs, exp_avg_sqs, masters, steps)
-    K.adam(params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-           weight_decay=weight_decay, decoupled=decoupled, maximize=maximize, grad_mult=grad_mult,
-           found_inf=found_inf)
+    K.adam(K.moment_launch(params, grads, exp_avgs, exp_avg_sqs, masters, steps), lr=lr, beta1=beta1, beta2=beta2,
+           eps=eps, weight_decay=weight_decay, decoupled=decoupled, maximize=maximize, has_master=bool(masters),
+           grad_mult=grad_mult, found_inf=found_inf)
 
 
 LIB.impl("adam_", _adam_triton, "CUDA")

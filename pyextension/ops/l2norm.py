@@ -26,7 +26,7 @@ def _l2norm_fake(tensors, per_tensor):
 
 def _l2norm_triton(tensors, per_tensor):
     check_param_lists("l2norm", tensors, {}, {})
-    return K.l2norm(tensors, per_tensor)
+    return K.l2norm(K.norm_launch(tensors), per_tensor)
 
 
 LIB.impl("l2norm", _l2norm_triton, "CUDA")

@@ -52,17 +52,18 @@ def _stage2_fake(params, exp_avgs, exp_avg_sqs, masters, steps, norms, lr, beta1
 def _stage1_triton(params, grads, exp_avgs, exp_avg_sqs, masters, steps, beta1, beta2, eps, weight_decay,
                    bias_correction, grad_mult, found_inf, norms):
     _check1(params, grads, exp_avgs, exp_avg_sqs, masters, steps, norms)
-    K.lamb_stage1(params, grads, exp_avgs, exp_avg_sqs, masters, steps, beta1=beta1, beta2=beta2, eps=eps,
-                  weight_decay=weight_decay, bias_correction=bias_correction, grad_mult=grad_mult,
-                  found_inf=found_inf, norms=norms)
+    K.lamb_stage1(K.moment_launch(params, grads, exp_avgs, exp_avg_sqs, masters, steps), norms, beta1=beta1,
+                  beta2=beta2, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction,
+                  has_master=bool(masters), grad_mult=grad_mult, found_inf=found_inf)
 
 
 def _stage2_triton(params, exp_avgs, exp_avg_sqs, masters, steps, norms, lr, beta1, beta2, eps, weight_decay,
                    bias_correction, trust_mode, min_trust, max_trust, found_inf):
     _check2(params, exp_avgs, exp_avg_sqs, masters, steps, norms, trust_mode)
-    K.lamb_stage2(params, exp_avgs, exp_avg_sqs, masters, steps, norms, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                  weight_decay=weight_decay, bias_correction=bias_correction, trust_mode=trust_mode,
-                  min_trust=min_trust, max_trust=max_trust, found_inf=found_inf)
+    K.lamb_stage2(K.moment_launch(params, None, exp_avgs, exp_avg_sqs, masters, steps), norms, lr=lr, beta1=beta1,
+                  beta2=beta2, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction,
+                  trust_mode=trust_mode, min_trust=min_trust, max_trust=max_trust, has_master=bool(masters),
+                  found_inf=found_inf)
 
 
 @torch.library.register_fake("zerofuse::lamb_")

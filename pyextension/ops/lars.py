@@ -31,8 +31,9 @@ def _lars_fake(params, grads, momentum_buffers, masters, norms, lr, momentum, we
 def _lars_triton(params, grads, momentum_buffers, masters, norms, lr, momentum, weight_decay, trust_coefficient, eps,
                  grad_mult, found_inf):
     _check(params, grads, momentum_buffers, masters, norms)
-    K.lars(params, grads, momentum_buffers, masters, norms, lr=lr, momentum=momentum, weight_decay=weight_decay,
-           trust_coefficient=trust_coefficient, eps=eps, grad_mult=grad_mult, found_inf=found_inf)
+    K.lars(K.lars_launch(params, grads, momentum_buffers, masters), norms, lr=lr, momentum=momentum,
+           weight_decay=weight_decay, trust_coefficient=trust_coefficient, eps=eps, has_master=bool(masters),
+           grad_mult=grad_mult, found_inf=found_inf)
 
 
 LIB.impl("lars_", _lars_triton, "CUDA")
