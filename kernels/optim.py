@@ -441,16 +441,18 @@ class Launch:
             table = _Table([pick(params), pick(grads)] + [pick(lst) for lst in others], self.device, idx)
             self.groups.append((table, _TL[params[idx[0]].dtype], _TL[grads[idx[0]].dtype] if grads else None))
         self.steps = _check_steps(steps, self.device) if steps is not None else []
-        self._consts_key = None
-        self._consts = None
+        self._consts: dict[tuple, torch.Tensor] = {}
         self._part: dict[tuple[int, int], torch.Tensor] = {}
 
     def consts(self, values: tuple) -> torch.Tensor:
-        """The float64 constants on the device (copied only when they change, e.g. a new lr)."""
-        if values != self._consts_key:
-            self._consts = _on(torch.tensor(values, dtype=torch.float64), self.device)
-            self._consts_key = values
-        return self._consts
+        """The float64 constants on the device, copied only when they change (a new lr); the LAMB
+        stages keep one tuple each."""
+        t = self._consts.get(values)
+        if t is None:
+            if len(self._consts) >= 4:
+                self._consts.clear()
+            t = self._consts[values] = _on(torch.tensor(values, dtype=torch.float64), self.device)
+        return t
 
     def part(self, g: int, width: int) -> torch.Tensor:
         """Per-block partial sums of group g (every entry written by the kernel before it is read;

@@ -70,6 +70,95 @@ def test_twenty_steps_match_torch_optim(path, ours, theirs, kw):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
+def test_kept_step_plans_follow_every_change_a_user_makes_between_steps(path):
+    """The optimizers keep their lists and launch tables between steps ([Note: step plans] in
+    optim/_base.py). Each change below must reach the next step, compared with torch.optim.AdamW
+    making the same changes: grads rewritten in place (the kept tables are used as they are),
+    a param moved by `p.data = ...`, a param without grad, a state tensor replaced, a new lr, a
+    state_dict round trip, a new param group, master weights switched on."""
+    shapes = [(37, 5), (4096,), (4099,), (1,)]
+    ours = [torch.nn.Parameter(p) for p in _params(device=path, shapes=shapes)]
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    opt = FusedAdamW(ours, lr=1e-2, weight_decay=0.1)
+    ref = torch.optim.AdamW(theirs, lr=1e-2, weight_decay=0.1, foreach=False)
+    extra = [torch.nn.Parameter(torch.randn(300, device=path))]
+    extra.append(torch.nn.Parameter(extra[0].detach().clone()))
+
+    def change(step, params, o):  # one change per step; even steps also bring new grad tensors
+        if step == 3:
+            o.state[params[0]]["exp_avg"] = o.state[params[0]]["exp_avg"].clone()
+        if step == 5:
+            params[1].data = params[1].data.clone()
+        if step == 7:
+            o.param_groups[0]["lr"] = 3e-3
+        if step == 9:
+            params[2].grad = None
+        if step == 10 and o is opt:
+            o.load_state_dict(copy.deepcopy(o.state_dict()))
+        if step == 11:
+            o.add_param_group({"params": [extra[0] if o is opt else extra[1]]})
+        if step == 13 and o is opt:
+            o.param_groups[0]["master_weights"] = True  # fp32 params: no master is made, nothing changes
+
+    for step in range(14):
+        grads = _grads(step, device=path, shapes=shapes)
+        for group_params, o in ((ours, opt), (theirs, ref)):
+            params = group_params + [q for g in o.param_groups[1:] for q in g["params"]]
+            old = [(p.grad, p.data) for p in params]
+            for p, g in zip(params, grads + [torch.full((300,), 0.01 * step, device=path)]):
+                if step % 2 and p.grad is not None:
+                    p.grad.copy_(g)  # same addresses as last step
+                else:
+                    p.grad = g.clone()
+            change(step, params, o)
+            # what a stale table would point at: kept alive (not reused) and poisoned
+            for (grad, data), p in zip(old, params):
+                for t, now in ((grad, p.grad), (data, p.data)):
+                    if t is not None and (now is None or t.data_ptr() != now.data_ptr()):
+                        t.fill_(float("nan"))
+            o.poisoned = old
+        opt.step()
+        ref.step()
+        for a, b in zip(ours + extra[:1], theirs + extra[1:]):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=lambda m: f"step {step}: {m}")
+            for key in ("exp_avg", "exp_avg_sq") if ref.state[b] else ():
+                torch.testing.assert_close(opt.state[a][key], ref.state[b][key], rtol=1e-6, atol=1e-6,
+                                           msg=lambda m: f"step {step}, {key}: {m}")
+    assert opt.state[ours[0]]["step"].item() == 14 and opt.state[ours[2]]["step"].item() == 13
+
+
+@pytest.mark.parametrize("opt_cls", [FusedAdamW, FusedLAMB, FusedLARS])
+def test_steps_with_unchanged_tensors_build_no_launch_tables(path, opt_cls, monkeypatch):
+    """After the first step, a step whose params and grads have the same addresses builds no
+    kernel table (the host work that cost ~1 ms per step on an H100), and one with a grad at a
+    new address rebuilds its tables once. Also: the params' version counters move at each step
+    (the dispatcher would bump them; the direct launch does it itself)."""
+    if path.type == "cpu" and not kernels.TRITON_ON_CPU:
+        pytest.skip("the C++ CPU kernels take no tables")
+    from zerofuse.kernels import optim as K
+
+    built = []
+    real = K._Table.__init__
+    monkeypatch.setattr(K._Table, "__init__", lambda self, *a, **k: (built.append(1), real(self, *a, **k))[1])
+    params = [torch.nn.Parameter(p) for p in _params(device=path)]
+    opt = opt_cls(params, lr=1e-2, **({"max_grad_norm": 1.0} if opt_cls is FusedAdamW else {}))
+    for p, g in zip(params, _grads(0, device=path)):
+        p.grad = g
+    opt.step()
+    first = len(built)
+    assert first > 0
+    versions = [p._version for p in params]
+    for step in range(1, 4):
+        for p, g in zip(params, _grads(step, device=path)):
+            p.grad.copy_(g)
+        opt.step()
+    assert len(built) == first
+    assert all(p._version > v for p, v in zip(params, versions))
+    params[1].grad = params[1].grad.clone()
+    opt.step()
+    assert 0 < len(built) - first <= first
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_master_weights_follow_an_fp32_run(path, dtype):
     """bf16/fp16 params with fp32 masters: the masters follow torch's fp32 AdamW fed the same

@@ -13,7 +13,7 @@ import torch
 from zerofuse import reference
 from zerofuse.kernels import optim as K
 from zerofuse.ops import register
-from zerofuse.ops._optim import LIB, call, check_param_lists, selftest_tensors
+from zerofuse.ops._optim import LIB, Prepared, call, check_param_lists, direct, mutated, selftest_tensors
 
 
 def _check(params, grads, exp_avgs, exp_avg_sqs, masters, steps):
@@ -27,11 +27,16 @@ def _adam_fake(params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr, beta1, 
     _check(params, grads, exp_avgs, exp_avg_sqs, masters, steps)
 
 
+def _launch(params, grads, exp_avgs, exp_avg_sqs, masters, steps):
+    """The op's checks, then the kernel tables."""
+    _check(params, grads, exp_avgs, exp_avg_sqs, masters, steps)
+    return K.moment_launch(params, grads, exp_avgs, exp_avg_sqs, masters, steps)
+
+
 def _adam_triton(params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr, beta1, beta2, eps, weight_decay,
                  decoupled, maximize, grad_mult, found_inf):
-    _check(params, grads, exp_avgs, exp_avg_sqs, masters, steps)
-    K.adam(K.moment_launch(params, grads, exp_avgs, exp_avg_sqs, masters, steps), lr=lr, beta1=beta1, beta2=beta2,
-           eps=eps, weight_decay=weight_decay, decoupled=decoupled, maximize=maximize, has_master=bool(masters),
+    K.adam(_launch(params, grads, exp_avgs, exp_avg_sqs, masters, steps), lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+           weight_decay=weight_decay, decoupled=decoupled, maximize=maximize, has_master=bool(masters),
            grad_mult=grad_mult, found_inf=found_inf)
 
 
@@ -55,6 +60,7 @@ def adam_(
     masters: Sequence[torch.Tensor] = (),
     grad_mult: torch.Tensor | None = None,
     found_inf: torch.Tensor | None = None,
+    prepared: Prepared | None = None,
 ) -> None:
     """One Adam/AdamW step (zerofuse.reference.adam_step) for every tensor of the lists, in place.
 
@@ -62,8 +68,17 @@ def adam_(
     CUDA), advanced by 1 here before use (each distinct tensor once; not on a skipped step). Optional fp32 master weights (params written from
     them), grads multiplied by grad_mult (a 1-element tensor: 1 / loss scale, times a clipping
     factor), and found_inf (1-element tensor): nonzero skips the step, read by the kernel (no host
-    sync on CUDA)."""
+    sync on CUDA). prepared: launch tables kept between calls by an optimizer (see
+    zerofuse.ops._optim.Prepared; its promise holds for the states, masters and steps)."""
     if not params:  # nothing to update (and no tensor to dispatch on)
+        return
+    if prepared is not None and direct(params):
+        args = (params, grads, exp_avgs, exp_avg_sqs, masters, steps)
+        K.adam(prepared.launch("adam", params, grads, lambda: _launch(*map(list, args))), lr=float(lr),
+               beta1=float(beta1), beta2=float(beta2), eps=float(eps), weight_decay=float(weight_decay),
+               decoupled=bool(decoupled), maximize=bool(maximize), has_master=bool(masters), grad_mult=grad_mult,
+               found_inf=found_inf)
+        mutated(params)
         return
     args = (list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), list(masters), list(steps), float(lr),
             float(beta1), float(beta2), float(eps), float(weight_decay), bool(decoupled), bool(maximize), grad_mult,

@@ -13,7 +13,7 @@ import torch
 from zerofuse import reference
 from zerofuse.kernels import optim as K
 from zerofuse.ops import register
-from zerofuse.ops._optim import LIB, check_param_lists, use_triton
+from zerofuse.ops._optim import LIB, Prepared, check_param_lists, direct, use_triton
 
 
 @torch.library.register_fake("zerofuse::l2norm")
@@ -25,19 +25,27 @@ def _l2norm_fake(tensors, per_tensor):
 
 
 def _l2norm_triton(tensors, per_tensor):
-    check_param_lists("l2norm", tensors, {}, {})
-    return K.l2norm(K.norm_launch(tensors), per_tensor)
+    return K.l2norm(_launch(tensors), per_tensor)
 
 
 LIB.impl("l2norm", _l2norm_triton, "CUDA")
 
 
-def l2norm(tensors: Sequence[torch.Tensor], per_tensor: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def _launch(tensors):
+    check_param_lists("l2norm", tensors, {}, {})
+    return K.norm_launch(tensors)
+
+
+def l2norm(tensors: Sequence[torch.Tensor], per_tensor: bool = False,
+           prepared: Prepared | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(norm of all tensors together, 0-dim fp32; (n,) fp32 norms of each, or (0,)), on the
-    tensors' device; contiguous fp32/bf16/fp16 tensors."""
+    tensors' device; contiguous fp32/bf16/fp16 tensors. prepared: launch tables kept between
+    calls (zerofuse.ops._optim.Prepared)."""
     tensors = list(tensors)
     if not tensors:  # no tensor to dispatch on
         return torch.zeros((), dtype=torch.float32), torch.empty(0, dtype=torch.float32)
+    if prepared is not None and direct(tensors):
+        return K.l2norm(prepared.launch("l2norm", tensors, None, lambda: _launch(tensors)), per_tensor)
     if use_triton(tensors) and not tensors[0].is_cuda:
         return _l2norm_triton(tensors, per_tensor)
     return torch.ops.zerofuse.l2norm(tensors, per_tensor)

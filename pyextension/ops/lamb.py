@@ -13,7 +13,7 @@ import torch
 from zerofuse import reference
 from zerofuse.kernels import optim as K
 from zerofuse.ops import register
-from zerofuse.ops._optim import LIB, call, check_param_lists, selftest_tensors
+from zerofuse.ops._optim import LIB, Prepared, call, check_param_lists, direct, mutated, selftest_tensors
 
 TRUST_MODES = {"paper": 0, "nvlamb": 1}
 
@@ -93,12 +93,32 @@ def _mode(op, mode):
     return TRUST_MODES[mode]
 
 
+def _launch(params, grads, exp_avgs, exp_avg_sqs, masters, steps):
+    """The checks of both stages, then the kernel tables (stage 2 ignores the grads' row)."""
+    norms = torch.empty((len(params), 2))
+    _check1(params, grads, exp_avgs, exp_avg_sqs, masters, steps, norms)
+    _check2(params, exp_avgs, exp_avg_sqs, masters, steps, norms, 0)
+    return K.moment_launch(params, grads, exp_avgs, exp_avg_sqs, masters, steps)
+
+
 def lamb_(params, grads, exp_avgs, exp_avg_sqs, steps, *, lr, beta1, beta2, eps, weight_decay, bias_correction=True,
-          mode="nvlamb", min_trust=0.0, max_trust=10.0, masters=(), grad_mult=None, found_inf=None) -> None:
+          mode="nvlamb", min_trust=0.0, max_trust=10.0, masters=(), grad_mult=None, found_inf=None,
+          prepared: Prepared | None = None) -> None:
     """One LAMB step (reference.lamb_step, without the clipping: fold it into grad_mult) of every
-    tensor; steps are advanced by 1 (not on a skipped step)."""
+    tensor; steps are advanced by 1 (not on a skipped step). prepared: as in adam_."""
     trust_mode = _mode("lamb_", mode)
     if not params:
+        return
+    if prepared is not None and direct(params):
+        args = (params, grads, exp_avgs, exp_avg_sqs, masters, steps)
+        launch = prepared.launch("lamb", params, grads, lambda: _launch(*map(list, args)))
+        norms = torch.empty((len(params), 2), device=params[0].device, dtype=torch.float32)
+        kw = dict(beta1=float(beta1), beta2=float(beta2), eps=float(eps), weight_decay=float(weight_decay),
+                  bias_correction=bool(bias_correction), has_master=bool(masters), found_inf=found_inf)
+        K.lamb_stage1(launch, norms, grad_mult=grad_mult, **kw)
+        K.lamb_stage2(launch, norms, lr=float(lr), trust_mode=trust_mode, min_trust=float(min_trust),
+                      max_trust=float(max_trust), **kw)
+        mutated(params)
         return
     args = (list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), list(masters), list(steps), float(lr),
             float(beta1), float(beta2), float(eps), float(weight_decay), bool(bias_correction), trust_mode,

@@ -10,7 +10,7 @@ import torch
 from zerofuse import reference
 from zerofuse.kernels import optim as K
 from zerofuse.ops import register
-from zerofuse.ops._optim import LIB, call, check_param_lists, selftest_tensors
+from zerofuse.ops._optim import LIB, Prepared, call, check_param_lists, direct, mutated, selftest_tensors
 from zerofuse.ops.l2norm import l2norm
 
 
@@ -30,8 +30,7 @@ def _lars_fake(params, grads, momentum_buffers, masters, norms, lr, momentum, we
 
 def _lars_triton(params, grads, momentum_buffers, masters, norms, lr, momentum, weight_decay, trust_coefficient, eps,
                  grad_mult, found_inf):
-    _check(params, grads, momentum_buffers, masters, norms)
-    K.lars(K.lars_launch(params, grads, momentum_buffers, masters), norms, lr=lr, momentum=momentum,
+    K.lars(_launch(params, grads, momentum_buffers, masters, norms), norms, lr=lr, momentum=momentum,
            weight_decay=weight_decay, trust_coefficient=trust_coefficient, eps=eps, has_master=bool(masters),
            grad_mult=grad_mult, found_inf=found_inf)
 
@@ -39,14 +38,27 @@ def _lars_triton(params, grads, momentum_buffers, masters, norms, lr, momentum, 
 LIB.impl("lars_", _lars_triton, "CUDA")
 
 
+def _launch(params, grads, momentum_buffers, masters, norms):
+    _check(params, grads, momentum_buffers, masters, norms)
+    return K.lars_launch(params, grads, momentum_buffers, masters)
+
+
 def lars_(params, grads, momentum_buffers, *, lr, momentum, weight_decay, trust_coefficient, eps=1e-8, masters=(),
-          grad_mult=None, found_inf=None) -> None:
+          grad_mult=None, found_inf=None, prepared: Prepared | None = None) -> None:
     """One LARS step for every tensor; norms of the params (their masters if given) and of the
-    grads are computed here in one pass."""
+    grads are computed here in one pass. prepared: as in adam_."""
     if not params:  # nothing to update (and no tensor to dispatch on)
         return
     params, grads, masters = list(params), list(grads), list(masters)
-    _, norms = l2norm((masters or params) + grads, per_tensor=True)
+    _, norms = l2norm((masters or params) + grads, per_tensor=True, prepared=prepared)
+    if prepared is not None and direct(params):
+        bufs = list(momentum_buffers)
+        launch = prepared.launch("lars", params, grads, lambda: _launch(params, grads, bufs, masters, norms))
+        K.lars(launch, norms, lr=float(lr), momentum=float(momentum), weight_decay=float(weight_decay),
+               trust_coefficient=float(trust_coefficient), eps=float(eps), has_master=bool(masters),
+               grad_mult=grad_mult, found_inf=found_inf)
+        mutated(params)
+        return
     args = (params, grads, list(momentum_buffers), masters, norms, float(lr), float(momentum), float(weight_decay),
             float(trust_coefficient), float(eps), grad_mult, found_inf)
     call("lars_", _lars_triton, args)

@@ -13,14 +13,54 @@ from __future__ import annotations
 
 import torch
 
+import operator
+
 from zerofuse.ops import l2norm
+from zerofuse.ops._optim import Prepared
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
+_CONTIGUOUS = torch.Tensor.is_contiguous
+
+# [Note: step plans] A step's host work over every param (finding grads and states, checking them,
+# building the kernels' tables) cost ~1 ms for 91 tensors on an H100's host, longer than the
+# kernels of a 10M-param step. So step() keeps, per param group, the params with a grad and their
+# states (lists per state key) and the ops' launch tables (zerofuse.ops._optim.Prepared), and only
+# re-reads what can change between steps: the grads (their addresses are compared by the ops, which
+# also compare the params' addresses: `p.data = ...`). The plan is rebuilt when the group, the
+# optimizer's state (load_state_dict), the params, which of them have a grad, master_weights, or
+# any state tensor (compared by identity, every step) changed.
+
+
+class _Part:
+    """Params of one group with (or without) fp32 masters, their state dicts, the state tensors
+    per key, and the ops' Prepared tables."""
+
+    __slots__ = ("idx", "params", "states", "lists", "prepared")
+
+    def __init__(self, idx, params, states, keys):
+        self.idx, self.params, self.states = idx, params, states
+        self.lists = {k: [s[k] for s in states] for k in keys}
+        self.prepared = Prepared()
+
+    def unchanged(self) -> bool:
+        states = self.states
+        return all(all(map(operator.is_, [s.get(k) for s in states], lst)) for k, lst in self.lists.items())
+
+
+class _GroupPlan:
+    __slots__ = ("group", "state", "has_grad", "ids", "master_weights", "devices", "parts")
+
+    def __init__(self, group, state, has_grad, ids, master_weights, devices):
+        self.group, self.state, self.has_grad, self.ids = group, state, has_grad, ids
+        self.master_weights, self.devices, self.parts = master_weights, devices, []
+
+
 class FusedOptimizerMixin:
     """Mixed into torch.optim.Optimizer subclasses; the subclass defines _STATE_KEYS (fp32 states,
-    shaped like the param) and _update(group, params, grads, states, masters, steps, mult, found)."""
+    shaped like the param) and _update(group, params, grads, states, masters, steps, mult, found,
+    prepared), prepared being the ops' launch tables kept for those lists (see [Note: step plans])."""
 
     _step_supports_amp_scaling = True
     _STATE_KEYS: tuple[str, ...] = ()
@@ -63,24 +103,45 @@ class FusedOptimizerMixin:
             state["master"] = p.detach().float()
         return state
 
-    def _collect(self, group) -> list[tuple[torch.Tensor, dict]]:
+    def _collect(self, group) -> list[tuple[int, torch.Tensor, dict]]:
         items = []
-        for p in group["params"]:
+        for i, p in enumerate(group["params"]):
             if p.grad is None:
                 continue
             if p.grad.is_sparse:
                 raise RuntimeError(f"{self._name()}: sparse gradients are not supported")
             if p.is_complex() or p.grad.is_complex():
                 raise RuntimeError(f"{self._name()}: complex parameters are not supported")
-            items.append((p, self._state(p, group.get("master_weights", False))))
+            items.append((i, p, self._state(p, group.get("master_weights", False))))
         return items
 
-    def _amp_inputs(self, items_all, grad_scale, found_inf, max_grad_norm):
+    def _plan(self, gi: int, group, grads: list) -> _GroupPlan:
+        """The group's plan, rebuilt when anything it holds may have changed; see [Note: step plans]."""
+        plans = self.__dict__.setdefault("_plans", [])
+        plan = plans[gi] if gi < len(plans) else None
+        has_grad = tuple(g is not None for g in grads)
+        if (plan is not None and plan.group is group and plan.state is self.state and plan.has_grad == has_grad
+                and plan.master_weights == group.get("master_weights", False)
+                and plan.ids == tuple(map(id, group["params"])) and all(part.unchanged() for part in plan.parts)):
+            return plan
+        items = self._collect(group)
+        plan = _GroupPlan(group, self.state, has_grad, tuple(map(id, group["params"])),
+                          group.get("master_weights", False), {p.device for _, p, _ in items})
+        for with_master in (False, True):
+            sel = [(i, s) for i, _, s in items if ("master" in s) == with_master]
+            if sel:
+                keys = self._STATE_KEYS + (("master",) if with_master else ()) + (("step",) if self._USES_STEP else ())
+                plan.parts.append(_Part([i for i, _ in sel], [group["params"][i] for i, _ in sel],
+                                        [s for _, s in sel], keys))
+        del plans[gi:]
+        plans.append(plan)
+        return plan
+
+    def _amp_inputs(self, device, grads, grad_scale, found_inf, max_grad_norm):
         """(grad multiplier or None, skip flag or None, global grad norm or None) as 1-element
         tensors on the params' device; see [Note: skipped steps]."""
-        if not items_all:
+        if not grads:
             return None, found_inf, None
-        device = items_all[0][0].device
         mult = None
         if grad_scale is not None:
             scale = torch.as_tensor(grad_scale, dtype=torch.float32, device=device).reshape(1)
@@ -89,8 +150,7 @@ class FusedOptimizerMixin:
             found_inf = torch.as_tensor(found_inf, device=device).float().reshape(1)
         norm = None
         if max_grad_norm:
-            grads = [p.grad if p.grad.is_contiguous() else p.grad.contiguous() for p, _ in items_all]
-            norm, _ = l2norm(grads)
+            norm, _ = l2norm(grads, prepared=self.__dict__.setdefault("_norm_prepared", Prepared()))
             norm = norm.reshape(1)
             if mult is not None:
                 norm = norm * mult
@@ -114,34 +174,27 @@ class FusedOptimizerMixin:
             grad_scale = getattr(self, "grad_scale", None)
         if found_inf is None:
             found_inf = getattr(self, "found_inf", None)
-        groups = [(g, self._collect(g)) for g in self.param_groups]
-        items_all = [it for _, items in groups for it in items]
-        devices = {p.device for p, _ in items_all}
+        work, all_grads, devices = [], [], set()
+        for gi, group in enumerate(self.param_groups):
+            grads = [p.grad for p in group["params"]]
+            plan = self._plan(gi, group, grads)
+            devices |= plan.devices
+            for part in plan.parts:
+                part_grads = [grads[i] for i in part.idx]
+                if not all(map(_CONTIGUOUS, part_grads)):  # the kernels read grads as flat arrays
+                    part_grads = [g if g.is_contiguous() else g.contiguous() for g in part_grads]
+                work.append((group, part, part_grads))
+                all_grads += part_grads
         if len(devices) > 1:
             raise RuntimeError(f"{self._name()}: expected every param with a grad on one device, got {sorted(map(str, devices))}")
-        mult, found, norm = self._amp_inputs(items_all, grad_scale, found_inf, self._max_grad_norm())
+        device = next(iter(devices), None)
+        mult, found, norm = self._amp_inputs(device, all_grads, grad_scale, found_inf, self._max_grad_norm())
         self.last_grad_norm = norm
-        on_cpu = not items_all or items_all[0][0].device.type == "cpu"
-        if on_cpu and found is not None and bool(found.ne(0).any()):
+        if (device is None or device.type == "cpu") and found is not None and bool(found.ne(0).any()):
             return loss  # [Note: skipped steps]
-        for group, items in groups:
-            if not items:
-                continue
-            # params with and without fp32 masters go to separate calls
-            for with_master in (False, True):
-                sel = [(p, s) for p, s in items if ("master" in s) == with_master]
-                if not sel:
-                    continue
-                self._update(
-                    group,
-                    [p for p, _ in sel],
-                    [p.grad if p.grad.is_contiguous() else p.grad.contiguous() for p, _ in sel],
-                    [[s[k] for _, s in sel] for k in self._STATE_KEYS],
-                    [s["master"] for _, s in sel] if with_master else [],
-                    [s["step"] for _, s in sel] if self._USES_STEP else [],
-                    mult,
-                    found,
-                )
+        for group, part, part_grads in work:
+            self._update(group, part.params, part_grads, [part.lists[k] for k in self._STATE_KEYS],
+                         part.lists.get("master", []), part.lists.get("step", []), mult, found, part.prepared)
         return loss
 
     def _max_grad_norm(self):

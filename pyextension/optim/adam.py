@@ -38,11 +38,11 @@ class _FusedAdamBase(FusedOptimizerMixin):
             for group in self.param_groups:
                 group.setdefault(key, value)
 
-    def _update(self, group, params, grads, states, masters, steps, mult, found):
+    def _update(self, group, params, grads, states, masters, steps, mult, found, prepared):
         beta1, beta2 = group["betas"]
         adam_(params, grads, states[0], states[1], steps, lr=float(group["lr"]), beta1=float(beta1),
               beta2=float(beta2), eps=group["eps"], weight_decay=group["weight_decay"], decoupled=self._decoupled,
-              maximize=group["maximize"], masters=masters, grad_mult=mult, found_inf=found)
+              maximize=group["maximize"], masters=masters, grad_mult=mult, found_inf=found, prepared=prepared)
 
 
 class FusedAdam(_FusedAdamBase, torch.optim.Adam):

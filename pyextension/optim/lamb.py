@@ -39,9 +39,9 @@ class FusedLAMB(FusedOptimizerMixin, torch.optim.Optimizer):
                         master_weights=master_weights)
         super().__init__(params, defaults)
 
-    def _update(self, group, params, grads, states, masters, steps, mult, found):
+    def _update(self, group, params, grads, states, masters, steps, mult, found, prepared):
         beta1, beta2 = group["betas"]
         lamb_(params, grads, states[0], states[1], steps, lr=float(group["lr"]), beta1=beta1, beta2=beta2,
               eps=group["eps"], weight_decay=group["weight_decay"], bias_correction=group["bias_correction"],
               mode=group["mode"], min_trust=group["min_trust"], max_trust=group["max_trust"], masters=masters,
-              grad_mult=mult, found_inf=found)
+              grad_mult=mult, found_inf=found, prepared=prepared)

@@ -29,7 +29,7 @@ class FusedLARS(FusedOptimizerMixin, torch.optim.Optimizer):
                         eps=eps, max_grad_norm=max_grad_norm, master_weights=master_weights)
         super().__init__(params, defaults)
 
-    def _update(self, group, params, grads, states, masters, steps, mult, found):
+    def _update(self, group, params, grads, states, masters, steps, mult, found, prepared):
         lars_(params, grads, states[0], lr=float(group["lr"]), momentum=group["momentum"],
               weight_decay=group["weight_decay"], trust_coefficient=group["trust_coefficient"], eps=group["eps"],
-              masters=masters, grad_mult=mult, found_inf=found)
+              masters=masters, grad_mult=mult, found_inf=found, prepared=prepared)
