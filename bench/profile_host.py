@@ -8,6 +8,13 @@ of the zerofuse calls sorted by self CPU time (which Python/C++ pieces and launc
 cProfile's top Python functions.
 
     python bench/profile_host.py [--device cuda|cpu] [--calls N]
+    python bench/profile_host.py --stub-kernels   # no GPU needed
+
+--stub-kernels measures, on any machine, the host side of the CUDA path of the optimizer steps:
+CPU tensors go through the Triton path (ZEROFUSE_TRITON_ON_CPU=1) with every optimizer kernel
+launch replaced by a no-op, and torch._foreach_add_ (one launch on CUDA, a per-tensor loop on CPU)
+too. What it leaves out: the launches themselves (Triton's launcher, ~10-30 us each on a GPU
+host) and CUDA's copies of the tables.
 """
 from __future__ import annotations
 
@@ -18,7 +25,10 @@ import os
 import pstats
 import sys
 
-import torch
+if "--stub-kernels" in sys.argv:  # before zerofuse is imported: its kernels must be interpreted ones
+    os.environ["ZEROFUSE_TRITON_ON_CPU"] = "1"
+
+import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -49,11 +59,44 @@ def _cases(device):
     yield f"AdamW step 1M params ({len(ours)} tensors)", opt.step, peer.step
 
 
+def _stubbed_optimizer_steps(calls: int) -> None:
+    from zerofuse import kernels
+
+    if not kernels.interpreted():
+        sys.exit("--stub-kernels: set ZEROFUSE_TRITON_ON_CPU=1 before zerofuse is imported (this script does)")
+    import bench_optimizers
+    from zerofuse.kernels import optim as K
+    from zerofuse.optim import FusedAdamW, FusedLAMB
+
+    class _NoLaunch:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: None
+
+    for name in dir(K):
+        if name.endswith("_kernel"):
+            setattr(K, name, _NoLaunch())
+    torch._foreach_add_ = lambda *args, **kwargs: None
+    cpu = torch.device("cpu")
+    params = bench_optimizers._params(cpu, 1_000_000)
+    for label, opt in (("FusedAdamW", FusedAdamW(params, lr=1e-3, weight_decay=0.01)),
+                       ("FusedAdamW max_grad_norm=1", FusedAdamW(params, lr=1e-3, weight_decay=0.01, max_grad_norm=1.0)),
+                       ("FusedLAMB", FusedLAMB(params, lr=1e-3, weight_decay=0.01))):
+        for _ in range(10):
+            opt.step()
+        print(f"{label} step, {len(params)} tensors, launches stubbed: "
+              f"{_median_seconds(opt.step, cpu, calls) * 1e6:.1f} us host time (median of {calls})")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--stub-kernels", action="store_true",
+                        help="host time of the optimizers' CUDA path on this machine, launches stubbed")
     args = parser.parse_args(argv)
+    if args.stub_kernels:
+        _stubbed_optimizer_steps(args.calls)
+        return 0
     device = torch.device(args.device)
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
