@@ -133,8 +133,10 @@ class FusedOptimizerMixin:
                 keys = self._STATE_KEYS + (("master",) if with_master else ()) + (("step",) if self._USES_STEP else ())
                 plan.parts.append(_Part([i for i, _ in sel], [group["params"][i] for i, _ in sel],
                                         [s for _, s in sel], keys))
-        del plans[gi:]
-        plans.append(plan)
+        if gi < len(plans):
+            plans[gi] = plan
+        else:
+            plans.append(plan)
         return plan
 
     def _amp_inputs(self, device, grads, grad_scale, found_inf, max_grad_norm):
