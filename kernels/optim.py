@@ -28,7 +28,6 @@ the optimizers (zerofuse.ops._optim.Prepared) while the tensors' addresses stay 
 """
 from __future__ import annotations
 
-import struct
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -368,10 +367,6 @@ def _int64_on(values: list[int], device: torch.device) -> torch.Tensor:
 
 def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
-
-
-def _f64_bits(x: float) -> int:
-    return struct.unpack("<q", struct.pack("<d", float(x)))[0]
 
 
 # the block -> tensor map of recent layouts (numels): 4 bytes per block, the same every step

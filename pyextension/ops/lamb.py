@@ -73,13 +73,28 @@ def _lamb_fake(params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr, beta1, 
     _check2(params, exp_avgs, exp_avg_sqs, masters, steps, torch.empty((len(params), 2)), trust_mode)
 
 
+def _launch(params, grads, exp_avgs, exp_avg_sqs, masters, steps):
+    """The checks of both stages, then the kernel tables (stage 2 ignores the grads' row)."""
+    norms = torch.empty((len(params), 2))
+    _check1(params, grads, exp_avgs, exp_avg_sqs, masters, steps, norms)
+    _check2(params, exp_avgs, exp_avg_sqs, masters, steps, norms, 0)
+    return K.moment_launch(params, grads, exp_avgs, exp_avg_sqs, masters, steps)
+
+
 def _lamb_triton(params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr, beta1, beta2, eps, weight_decay,
                  bias_correction, trust_mode, min_trust, max_trust, grad_mult, found_inf):
-    norms = torch.empty((len(params), 2), device=params[0].device, dtype=torch.float32)
-    _stage1_triton(params, grads, exp_avgs, exp_avg_sqs, masters, steps, beta1, beta2, eps, weight_decay,
-                   bias_correction, grad_mult, found_inf, norms)
-    _stage2_triton(params, exp_avgs, exp_avg_sqs, masters, steps, norms, lr, beta1, beta2, eps, weight_decay,
-                   bias_correction, trust_mode, min_trust, max_trust, found_inf)
+    _run(_launch(params, grads, exp_avgs, exp_avg_sqs, masters, steps), lr, beta1, beta2, eps, weight_decay,
+         bias_correction, trust_mode, min_trust, max_trust, bool(masters), grad_mult, found_inf)
+
+
+def _run(launch, lr, beta1, beta2, eps, weight_decay, bias_correction, trust_mode, min_trust, max_trust, has_master,
+         grad_mult, found_inf):
+    """Both stages over one launch (stage 2 ignores the grads' row)."""
+    norms = torch.empty((launch.n, 2), device=launch.device, dtype=torch.float32)
+    kw = dict(beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction,
+              has_master=has_master, found_inf=found_inf)
+    K.lamb_stage1(launch, norms, grad_mult=grad_mult, **kw)
+    K.lamb_stage2(launch, norms, lr=lr, trust_mode=trust_mode, min_trust=min_trust, max_trust=max_trust, **kw)
 
 
 LIB.impl("lamb_", _lamb_triton, "CUDA")
@@ -93,14 +108,6 @@ def _mode(op, mode):
     return TRUST_MODES[mode]
 
 
-def _launch(params, grads, exp_avgs, exp_avg_sqs, masters, steps):
-    """The checks of both stages, then the kernel tables (stage 2 ignores the grads' row)."""
-    norms = torch.empty((len(params), 2))
-    _check1(params, grads, exp_avgs, exp_avg_sqs, masters, steps, norms)
-    _check2(params, exp_avgs, exp_avg_sqs, masters, steps, norms, 0)
-    return K.moment_launch(params, grads, exp_avgs, exp_avg_sqs, masters, steps)
-
-
 def lamb_(params, grads, exp_avgs, exp_avg_sqs, steps, *, lr, beta1, beta2, eps, weight_decay, bias_correction=True,
           mode="nvlamb", min_trust=0.0, max_trust=10.0, masters=(), grad_mult=None, found_inf=None,
           prepared: Prepared | None = None) -> None:
@@ -111,13 +118,9 @@ def lamb_(params, grads, exp_avgs, exp_avg_sqs, steps, *, lr, beta1, beta2, eps,
         return
     if prepared is not None and direct(params):
         args = (params, grads, exp_avgs, exp_avg_sqs, masters, steps)
-        launch = prepared.launch("lamb", params, grads, lambda: _launch(*map(list, args)))
-        norms = torch.empty((len(params), 2), device=params[0].device, dtype=torch.float32)
-        kw = dict(beta1=float(beta1), beta2=float(beta2), eps=float(eps), weight_decay=float(weight_decay),
-                  bias_correction=bool(bias_correction), has_master=bool(masters), found_inf=found_inf)
-        K.lamb_stage1(launch, norms, grad_mult=grad_mult, **kw)
-        K.lamb_stage2(launch, norms, lr=float(lr), trust_mode=trust_mode, min_trust=float(min_trust),
-                      max_trust=float(max_trust), **kw)
+        _run(prepared.launch("lamb", params, grads, lambda: _launch(*map(list, args))), float(lr), float(beta1),
+             float(beta2), float(eps), float(weight_decay), bool(bias_correction), trust_mode, float(min_trust),
+             float(max_trust), bool(masters), grad_mult, found_inf)
         mutated(params)
         return
     args = (list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), list(masters), list(steps), float(lr),
