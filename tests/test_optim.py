@@ -75,7 +75,8 @@ def test_kept_step_plans_follow_every_change_a_user_makes_between_steps(path):
     optim/_base.py). Each change below must reach the next step, compared with torch.optim.AdamW
     making the same changes: grads rewritten in place (the kept tables are used as they are),
     a param moved by `p.data = ...`, a param without grad, a state tensor replaced, a new lr, a
-    state_dict round trip, a new param group, master weights switched on."""
+    state_dict round trip, a new param group, a param's state dict replaced by a torch-style one,
+    master weights switched on."""
     shapes = [(37, 5), (4096,), (4099,), (1,)]
     ours = [torch.nn.Parameter(p) for p in _params(device=path, shapes=shapes)]
     theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
@@ -97,6 +98,13 @@ def test_kept_step_plans_follow_every_change_a_user_makes_between_steps(path):
             o.load_state_dict(copy.deepcopy(o.state_dict()))
         if step == 11:
             o.add_param_group({"params": [extra[0] if o is opt else extra[1]]})
+        if step == 12:  # a param's state dict replaced, in torch.optim's layout (a float64 cpu step)
+            old_state = o.state[params[3]]
+            o.state[params[3]] = {k: torch.tensor(float(v), dtype=torch.float64) if k == "step" else v.clone()
+                                  for k, v in old_state.items()}
+            if o is opt:
+                for t in old_state.values():
+                    t.fill_(float("nan"))
         if step == 13 and o is opt:
             o.param_groups[0]["master_weights"] = True  # fp32 params: no master is made, nothing changes
 

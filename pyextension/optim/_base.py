@@ -30,7 +30,9 @@ _CONTIGUOUS = torch.Tensor.is_contiguous
 # re-reads what can change between steps: the grads (their addresses are compared by the ops, which
 # also compare the params' addresses: `p.data = ...`). The plan is rebuilt when the group, the
 # optimizer's state (load_state_dict), the params, which of them have a grad, master_weights, or
-# any state tensor (compared by identity, every step) changed.
+# any state tensor (compared by identity, every step) changed, or when `opt.state` gained, lost or
+# replaced a param's state dict (`opt.state[p] = {...}`: the dicts are compared by identity, in
+# order, every step). A rebuilt plan re-checks its params' states (dtype, device, layout).
 
 
 class _Part:
@@ -115,15 +117,26 @@ class FusedOptimizerMixin:
             items.append((i, p, self._state(p, group.get("master_weights", False))))
         return items
 
-    def _plan(self, gi: int, group, grads: list) -> _GroupPlan:
+    def _plans_for_state(self) -> list:
+        """The kept plans, dropped when a param's state dict was added, removed or replaced since
+        they were made (values of a dict keep their order when one is replaced: one C-level pass)."""
+        seen = self.__dict__.get("_state_seen")
+        values = self.state.values()
+        if seen is None or len(seen) != len(values) or not all(map(operator.is_, values, seen)):
+            self._plans, self._checked = [], set()
+        return self.__dict__.setdefault("_plans", [])
+
+    def _plan(self, plans: list, gi: int, group, grads: list) -> _GroupPlan:
         """The group's plan, rebuilt when anything it holds may have changed; see [Note: step plans]."""
-        plans = self.__dict__.setdefault("_plans", [])
         plan = plans[gi] if gi < len(plans) else None
         has_grad = tuple(g is not None for g in grads)
         if (plan is not None and plan.group is group and plan.state is self.state and plan.has_grad == has_grad
                 and plan.master_weights == group.get("master_weights", False)
                 and plan.ids == tuple(map(id, group["params"])) and all(part.unchanged() for part in plan.parts)):
             return plan
+        # a state tensor may have been replaced by one the kernels cannot take as it is (a
+        # torch.optim-style state: bf16 moments, a step on the cpu): check this group's states again
+        self.__dict__.setdefault("_checked", set()).difference_update(map(id, group["params"]))
         items = self._collect(group)
         plan = _GroupPlan(group, self.state, has_grad, tuple(map(id, group["params"])),
                           group.get("master_weights", False), {p.device for _, p, _ in items})
@@ -177,9 +190,10 @@ class FusedOptimizerMixin:
         if found_inf is None:
             found_inf = getattr(self, "found_inf", None)
         work, all_grads, devices = [], [], set()
+        plans = self._plans_for_state()
         for gi, group in enumerate(self.param_groups):
             grads = [p.grad for p in group["params"]]
-            plan = self._plan(gi, group, grads)
+            plan = self._plan(plans, gi, group, grads)
             devices |= plan.devices
             for part in plan.parts:
                 part_grads = [grads[i] for i in part.idx]
@@ -187,6 +201,7 @@ class FusedOptimizerMixin:
                     part_grads = [g if g.is_contiguous() else g.contiguous() for g in part_grads]
                 work.append((group, part, part_grads))
                 all_grads += part_grads
+        self._state_seen = tuple(self.state.values())  # after the plans made any new states
         if len(devices) > 1:
             raise RuntimeError(f"{self._name()}: expected every param with a grad on one device, got {sorted(map(str, devices))}")
         device = next(iter(devices), None)
