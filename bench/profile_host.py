@@ -72,9 +72,13 @@ def _stubbed_optimizer_steps(calls: int) -> None:
         def __getitem__(self, grid):
             return lambda *args, **kwargs: None
 
+    class _CleanClip:  # the clipping kernel's output zeroed: a found flag of 0, so the step is not skipped
+        def __getitem__(self, grid):
+            return lambda part, nblocks, out, *args, **kwargs: out.zero_()
+
     for name in dir(K):
         if name.endswith("_kernel"):
-            setattr(K, name, _NoLaunch())
+            setattr(K, name, _CleanClip() if name == "_clip_kernel" else _NoLaunch())
     torch._foreach_add_ = lambda *args, **kwargs: None
     cpu = torch.device("cpu")
     params = bench_optimizers._params(cpu, 1_000_000)

@@ -357,6 +357,32 @@ def _segment_sum_kernel(META, n, PART, OUT, FOUND, HAS_FOUND: tl.constexpr, WIDT
             tl.store(OUT + row * WIDTH + k, tl.sum(acc, axis=0))
 
 
+@triton.jit
+def _clip_kernel(PART, nblocks, OUT, SCALE, FOUND, max_norm, HAS_SCALE: tl.constexpr, HAS_FOUND: tl.constexpr,
+                 BLOCK_P: tl.constexpr):
+    """One program: OUT = (norm, found, mult) from the per-block sums of squares of the grads, in
+    a fixed order. norm = sqrt(sum) / scale; found = 1 when norm is not finite or FOUND != 0;
+    mult = (1 / scale) * max_norm / max(norm, max_norm): the grad multiplier of the update."""
+    acc = tl.zeros((BLOCK_P,), tl.float32)
+    for s in range(0, nblocks, BLOCK_P):
+        idx = s + tl.arange(0, BLOCK_P)
+        acc += tl.load(PART + idx, mask=idx < nblocks, other=0.0)
+    norm = tl.sqrt_rn(tl.sum(acc, axis=0))
+    inv = tl.full((), 1.0, tl.float32)
+    if HAS_SCALE:
+        inv = tl.div_rn(inv, tl.load(SCALE))
+        norm = norm * inv
+    bad = ~(norm < float("inf"))  # inf or NaN (a NaN compares false)
+    if HAS_FOUND:
+        bad = bad | (tl.load(FOUND) != 0)
+    clip = tl.div_rn(tl.full((), 1.0, tl.float32) * max_norm, tl.maximum(norm, max_norm))
+    if HAS_SCALE:
+        clip = inv * clip
+    tl.store(OUT, norm)
+    tl.store(OUT + 1, bad.to(tl.float32))
+    tl.store(OUT + 2, clip)
+
+
 # ------------------------------------------------------------------------------------ host side
 
 
@@ -438,6 +464,7 @@ class Launch:
         self.steps = _check_steps(steps, self.device) if steps is not None else []
         self._consts: dict[tuple, torch.Tensor] = {}
         self._part: dict[tuple[int, int], torch.Tensor] = {}
+        self._flat_part: tuple[torch.Tensor, list[torch.Tensor]] | None = None
 
     def consts(self, values: tuple) -> torch.Tensor:
         """The float64 constants on the device, copied only when they change (a new lr); the LAMB
@@ -457,6 +484,20 @@ class Launch:
             rows = max(1, self.groups[g][0].blocks)
             self._part[key] = torch.empty((rows, width), device=self.device, dtype=torch.float32)
         return self._part[key]
+
+
+    def flat_part(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """One buffer of per-block sums for every group (at least one entry), and each group's
+        view of it, in group order."""
+        if self._flat_part is None:
+            total = sum(table.blocks for table, _, _ in self.groups)
+            flat = torch.empty(max(1, total), device=self.device, dtype=torch.float32)
+            views, off = [], 0
+            for table, _, _ in self.groups:
+                views.append(flat[off:off + table.blocks])
+                off += table.blocks
+            self._flat_part = (flat, views)
+        return self._flat_part
 
 
 def _flag(t: torch.Tensor | None, name: str, device: torch.device) -> torch.Tensor | None:
@@ -594,3 +635,23 @@ def l2norm(launch: Launch, per_tensor: bool):
             _segment_sums(table, part, sums, None)
     total = sums.sum().sqrt()
     return total, sums.sqrt() if per_tensor else sums.new_empty(0)
+
+
+def clip_inputs(launch: Launch, max_norm: float, grad_scale: torch.Tensor | None,
+                found_inf: torch.Tensor | None) -> torch.Tensor:
+    """(3,) fp32 on the device: the global norm of the tensors of a norm_launch divided by
+    grad_scale, the skip flag (norm not finite, or found_inf != 0) and the grads' multiplier
+    (1 / grad_scale) * max_norm / max(norm, max_norm). One sum-of-squares launch per dtype group
+    and one single-program launch, no host sync."""
+    device = launch.device
+    scale, found = _flag(grad_scale, "grad_scale", device), _flag(found_inf, "found_inf", device)
+    flat, views = launch.flat_part()
+    for (table, x_ty, _), part in zip(launch.groups, views):
+        if table.blocks:
+            _sum_squares_kernel[(table.blocks,)](table.meta, table.own, table.n, part, X_TY=x_ty,
+                                                 ALIGNED=table.aligned, BLOCK=BLOCK, num_warps=_NUM_WARPS)
+    out = torch.empty(3, device=device, dtype=torch.float32)
+    nblocks = sum(table.blocks for table, _, _ in launch.groups)
+    _clip_kernel[(1,)](flat, nblocks, out, scale, found, float(max_norm), HAS_SCALE=scale is not None,
+                       HAS_FOUND=found is not None, BLOCK_P=1024, num_warps=4)
+    return out

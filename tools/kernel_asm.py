@@ -7,8 +7,8 @@ on a CPU machine by tests/test_optim.py, and shown to a developer by
 
     python tools/kernel_asm.py [--arch 90]
 
-which prints one JSON line per kernel variant: {"kernel", "aligned", "loads": {width: count},
-"stores": {...}}. Must run without TRITON_INTERPRET (the interpreter's functions do not compile).
+which prints one JSON line per kernel variant: {"kernel", "aligned" (null for the small kernels
+that take no alignment promise), "loads": {width: count}, "stores": {...}}. Must run without TRITON_INTERPRET (the interpreter's functions do not compile).
 """
 from __future__ import annotations
 
@@ -38,9 +38,12 @@ def _variants():
                                                      BIAS_CORRECTION=True, PAPER=False, EMULATE_RNE=False)
     yield "lars", K._lars_kernel, dict(HAS_MASTER=False, HAS_MULT=True, HAS_FOUND=True, EMULATE_RNE=False, **fp32)
     yield "sum_squares", K._sum_squares_kernel, dict(X_TY=tl.float32)
+    # small kernels without an alignment variant (aligned: null in the output): compiled, counted
+    yield "segment_sum", K._segment_sum_kernel, dict(HAS_FOUND=True, WIDTH=2, BLOCK_P=1024)
+    yield "clip", K._clip_kernel, dict(HAS_SCALE=True, HAS_FOUND=True, BLOCK_P=1024)
 
 
-_TYPES = {"META": "*i64", "OWN": "*i32", "CONSTS": "*fp64", "n": "i32"}
+_TYPES = {"META": "*i64", "OWN": "*i32", "CONSTS": "*fp64", "n": "i32", "nblocks": "i32", "max_norm": "fp32"}
 
 
 def compile_ptx(kernel, constexprs: dict, arch: int, num_warps: int) -> str:
@@ -68,8 +71,10 @@ def main(argv=None) -> int:
     from zerofuse.kernels import optim as K
 
     for name, kernel, constexprs in _variants():
-        for aligned in (True, False):
-            ptx = compile_ptx(kernel, dict(constexprs, ALIGNED=aligned, BLOCK=K.BLOCK), args.arch, K._NUM_WARPS)
+        aligned_variants = (True, False) if "ALIGNED" in inspect.signature(kernel.fn).parameters else (None,)
+        for aligned in aligned_variants:
+            more = dict(ALIGNED=aligned, BLOCK=K.BLOCK) if aligned is not None else {}
+            ptx = compile_ptx(kernel, dict(constexprs, **more), args.arch, K._NUM_WARPS)
             print(json.dumps({"kernel": name, "aligned": aligned, "loads": widths(ptx, "ld"),
                               "stores": widths(ptx, "st")}), flush=True)
     return 0

@@ -51,6 +51,36 @@ def l2norm(tensors: Sequence[torch.Tensor], per_tensor: bool = False,
     return torch.ops.zerofuse.l2norm(tensors, per_tensor)
 
 
+def clip_inputs(grads: Sequence[torch.Tensor], max_norm: float, grad_scale: torch.Tensor | None = None,
+                found_inf: torch.Tensor | None = None, prepared: Prepared | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What an optimizer step needs to clip the global grad norm to max_norm: (grad multiplier,
+    skip flag, norm), 1-element fp32 tensors on the grads' device, without a host sync.
+
+    norm: the 2-norm of all grads divided by grad_scale (the loss scale they carry); skip flag: 1
+    when norm is inf or NaN (an inf/NaN grad) or found_inf != 0; multiplier: (1 / grad_scale) *
+    max_norm / max(norm, max_norm), what the update multiplies the grads by. On the Triton path
+    with kept tables (prepared) and no tracing: one pass over the grads and one single-program
+    kernel; otherwise l2norm and about ten small torch ops."""
+    grads = list(grads)
+    if not max_norm > 0:
+        raise ValueError(f"zerofuse.ops.clip_inputs: expected max_norm > 0, got {max_norm}")
+    if grads and prepared is not None and direct(grads):
+        out = K.clip_inputs(prepared.launch("l2norm", grads, None, lambda: _launch(grads)), max_norm, grad_scale,
+                            found_inf)
+        return out[2:3], out[1:2], out[0:1]
+    norm, _ = l2norm(grads, prepared=prepared)
+    norm = norm.reshape(1)
+    mult = None
+    if grad_scale is not None:
+        mult = grad_scale.reshape(1).reciprocal()
+        norm = norm * mult
+    bad = (~torch.isfinite(norm)).float()  # a non-finite norm means an inf/NaN gradient
+    found = bad if found_inf is None else torch.maximum(found_inf.reshape(1).float(), bad)
+    clip = max_norm / torch.clamp(norm, min=max_norm)
+    return (clip if mult is None else mult * clip), found, norm
+
+
 def _selftest(device: torch.device) -> None:
     g = torch.Generator().manual_seed(0)
     ts = [torch.randn(s, generator=g).to(device) for s in [(37, 5), (1,), (0,), (4099,)]]

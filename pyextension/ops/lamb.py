@@ -18,21 +18,25 @@ from zerofuse.ops._optim import LIB, Prepared, call, check_param_lists, direct, 
 TRUST_MODES = {"paper": 0, "nvlamb": 1}
 
 
-def _check_norms(op, norms, n):
+def _check_norms(op, norms, n, device):
     if norms.dtype != torch.float32 or tuple(norms.shape) != (n, 2) or not norms.is_contiguous():
         raise RuntimeError(f"zerofuse::{op}: expected norms to be a contiguous float32 tensor of shape [{n}, 2], "
                            f"got {norms.dtype} {list(norms.shape)}")
+    if device is not None and norms.device != device:
+        raise RuntimeError(f"zerofuse::{op}: expected norms on the params' device ({device}), got {norms.device}")
 
 
 def _check1(params, grads, exp_avgs, exp_avg_sqs, masters, steps, norms):
     check_param_lists("lamb_stage1_", params, {"grads": grads}, {"exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs},
                       masters, steps)
-    _check_norms("lamb_stage1_", norms, len(params))
+    if norms is not None:  # None: checked at each call (a Prepared launch)
+        _check_norms("lamb_stage1_", norms, len(params), params[0].device if params else None)
 
 
 def _check2(params, exp_avgs, exp_avg_sqs, masters, steps, norms, trust_mode):
     check_param_lists("lamb_stage2_", params, {}, {"exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs}, masters, steps)
-    _check_norms("lamb_stage2_", norms, len(params))
+    if norms is not None:
+        _check_norms("lamb_stage2_", norms, len(params), params[0].device if params else None)
     if trust_mode not in (0, 1):
         raise ValueError(f"zerofuse::lamb_stage2_: expected trust_mode 0 (paper) or 1 (nvlamb), got {trust_mode}")
 
@@ -69,15 +73,14 @@ def _stage2_triton(params, exp_avgs, exp_avg_sqs, masters, steps, norms, lr, bet
 @torch.library.register_fake("zerofuse::lamb_")
 def _lamb_fake(params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr, beta1, beta2, eps, weight_decay,
                bias_correction, trust_mode, min_trust, max_trust, grad_mult, found_inf):
-    _check1(params, grads, exp_avgs, exp_avg_sqs, masters, steps, torch.empty((len(params), 2)))
-    _check2(params, exp_avgs, exp_avg_sqs, masters, steps, torch.empty((len(params), 2)), trust_mode)
+    _check1(params, grads, exp_avgs, exp_avg_sqs, masters, steps, None)
+    _check2(params, exp_avgs, exp_avg_sqs, masters, steps, None, trust_mode)
 
 
 def _launch(params, grads, exp_avgs, exp_avg_sqs, masters, steps):
     """The checks of both stages, then the kernel tables (stage 2 ignores the grads' row)."""
-    norms = torch.empty((len(params), 2))
-    _check1(params, grads, exp_avgs, exp_avg_sqs, masters, steps, norms)
-    _check2(params, exp_avgs, exp_avg_sqs, masters, steps, norms, 0)
+    _check1(params, grads, exp_avgs, exp_avg_sqs, masters, steps, None)
+    _check2(params, exp_avgs, exp_avg_sqs, masters, steps, None, 0)
     return K.moment_launch(params, grads, exp_avgs, exp_avg_sqs, masters, steps)
 
 
@@ -130,11 +133,20 @@ def lamb_(params, grads, exp_avgs, exp_avg_sqs, steps, *, lr, beta1, beta2, eps,
 
 
 def lamb_stage1_(params, grads, exp_avgs, exp_avg_sqs, steps, norms, *, beta1, beta2, eps, weight_decay,
-                 bias_correction=True, masters=(), grad_mult=None, found_inf=None) -> None:
+                 bias_correction=True, masters=(), grad_mult=None, found_inf=None,
+                 prepared: Prepared | None = None) -> None:
     """Advances steps, updates the moments of every tensor, and writes norms[i] = (sum p_i^2,
-    sum u_i^2) (fp32, (n, 2))."""
+    sum u_i^2) (fp32, (n, 2)). prepared: as in adam_ (norms is checked at every call)."""
     if not params:
         return
+    if prepared is not None and direct(params):
+        args = (params, grads, exp_avgs, exp_avg_sqs, masters, steps)
+        launch = prepared.launch("lamb", params, grads, lambda: _launch(*map(list, args)))
+        _check_norms("lamb_stage1_", norms, launch.n, launch.device)
+        K.lamb_stage1(launch, norms, beta1=float(beta1), beta2=float(beta2), eps=float(eps),
+                      weight_decay=float(weight_decay), bias_correction=bool(bias_correction),
+                      has_master=bool(masters), grad_mult=grad_mult, found_inf=found_inf)
+        return  # the params are not written
     args = (list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), list(masters), list(steps), float(beta1),
             float(beta2), float(eps), float(weight_decay), bool(bias_correction), grad_mult, found_inf, norms)
     call("lamb_stage1_", _stage1_triton, args)
@@ -142,10 +154,24 @@ def lamb_stage1_(params, grads, exp_avgs, exp_avg_sqs, steps, norms, *, beta1, b
 
 def lamb_stage2_(params, exp_avgs, exp_avg_sqs, steps, norms, *, lr, beta1, beta2, eps, weight_decay,
                  bias_correction=True, mode="nvlamb", min_trust=0.0, max_trust=10.0, masters=(),
-                 found_inf=None) -> None:
-    """p -= lr * trust(norms) * u for every tensor; mode "paper" or "nvlamb" (reference.lamb_step)."""
+                 found_inf=None, prepared: Prepared | None = None) -> None:
+    """p -= lr * trust(norms) * u for every tensor; mode "paper" or "nvlamb" (reference.lamb_step).
+    prepared: as in adam_ (norms is checked at every call)."""
     trust_mode = _mode("lamb_stage2_", mode)
     if not params:
+        return
+    if prepared is not None and direct(params):
+        def build():
+            lists = [list(t) for t in (params, exp_avgs, exp_avg_sqs, masters, steps)]
+            _check2(*lists, None, trust_mode)
+            return K.moment_launch(lists[0], None, *lists[1:])
+        launch = prepared.launch("lamb_stage2", params, None, build)
+        _check_norms("lamb_stage2_", norms, launch.n, launch.device)
+        K.lamb_stage2(launch, norms, lr=float(lr), beta1=float(beta1), beta2=float(beta2), eps=float(eps),
+                      weight_decay=float(weight_decay), bias_correction=bool(bias_correction), trust_mode=trust_mode,
+                      min_trust=float(min_trust), max_trust=float(max_trust), has_master=bool(masters),
+                      found_inf=found_inf)
+        mutated(params)
         return
     args = (list(params), list(exp_avgs), list(exp_avg_sqs), list(masters), list(steps), norms, float(lr),
             float(beta1), float(beta2), float(eps), float(weight_decay), bool(bias_correction), trust_mode,

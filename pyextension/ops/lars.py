@@ -16,10 +16,15 @@ from zerofuse.ops.l2norm import l2norm
 
 def _check(params, grads, momentum_buffers, masters, norms):
     check_param_lists("lars_", params, {"grads": grads}, {"momentum_buffers": momentum_buffers}, masters)
-    n = len(params)
+    _check_norms(norms, len(params), params[0].device if params else None)
+
+
+def _check_norms(norms, n, device):
     if norms.dtype != torch.float32 or tuple(norms.shape) != (2 * n,) or not norms.is_contiguous():
         raise RuntimeError(f"zerofuse::lars_: expected norms to be a contiguous float32 tensor of shape [{2 * n}], "
                            f"got {norms.dtype} {list(norms.shape)}")
+    if device is not None and norms.device != device:
+        raise RuntimeError(f"zerofuse::lars_: expected norms on the params' device ({device}), got {norms.device}")
 
 
 @torch.library.register_fake("zerofuse::lars_")
@@ -44,16 +49,20 @@ def _launch(params, grads, momentum_buffers, masters, norms):
 
 
 def lars_(params, grads, momentum_buffers, *, lr, momentum, weight_decay, trust_coefficient, eps=1e-8, masters=(),
-          grad_mult=None, found_inf=None, prepared: Prepared | None = None) -> None:
-    """One LARS step for every tensor; norms of the params (their masters if given) and of the
-    grads are computed here in one pass. prepared: as in adam_."""
+          grad_mult=None, found_inf=None, norms: torch.Tensor | None = None,
+          prepared: Prepared | None = None) -> None:
+    """One LARS step for every tensor. norms: (2n,) fp32, the norms of the params (their masters
+    if given) then of the grads, e.g. summed over the ranks that hold pieces of the same params
+    (ZeRO); None: computed here in one pass. prepared: as in adam_."""
     if not params:  # nothing to update (and no tensor to dispatch on)
         return
     params, grads, masters = list(params), list(grads), list(masters)
-    _, norms = l2norm((masters or params) + grads, per_tensor=True, prepared=prepared)
+    if norms is None:
+        _, norms = l2norm((masters or params) + grads, per_tensor=True, prepared=prepared)
     if prepared is not None and direct(params):
         bufs = list(momentum_buffers)
         launch = prepared.launch("lars", params, grads, lambda: _launch(params, grads, bufs, masters, norms))
+        _check_norms(norms, launch.n, launch.device)  # norms may be a new tensor at every call
         K.lars(launch, norms, lr=float(lr), momentum=float(momentum), weight_decay=float(weight_decay),
                trust_coefficient=float(trust_coefficient), eps=float(eps), has_master=bool(masters),
                grad_mult=grad_mult, found_inf=found_inf)

@@ -15,7 +15,7 @@ import torch
 
 import operator
 
-from zerofuse.ops import l2norm
+from zerofuse.ops.l2norm import clip_inputs
 from zerofuse.ops._optim import Prepared
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
@@ -48,7 +48,10 @@ class _Part:
 
     def unchanged(self) -> bool:
         states = self.states
-        return all(all(map(operator.is_, [s.get(k) for s in states], lst)) for k, lst in self.lists.items())
+        try:  # C-level maps: this runs every step over every param
+            return all(all(map(operator.is_, map(operator.itemgetter(k), states), lst)) for k, lst in self.lists.items())
+        except KeyError:  # a state key deleted
+            return False
 
 
 class _GroupPlan:
@@ -157,24 +160,15 @@ class FusedOptimizerMixin:
         tensors on the params' device; see [Note: skipped steps]."""
         if not grads:
             return None, found_inf, None
-        mult = None
+        scale = None
         if grad_scale is not None:
             scale = torch.as_tensor(grad_scale, dtype=torch.float32, device=device).reshape(1)
-            mult = scale.reciprocal()
         if found_inf is not None:
             found_inf = torch.as_tensor(found_inf, device=device).float().reshape(1)
-        norm = None
-        if max_grad_norm:
-            norm, _ = l2norm(grads, prepared=self.__dict__.setdefault("_norm_prepared", Prepared()))
-            norm = norm.reshape(1)
-            if mult is not None:
-                norm = norm * mult
-            # a non-finite norm means an inf/NaN gradient: the step is skipped
-            bad = (~torch.isfinite(norm)).float()
-            found_inf = bad if found_inf is None else torch.maximum(found_inf, bad)
-            clip = max_grad_norm / torch.clamp(norm, min=max_grad_norm)
-            mult = clip if mult is None else mult * clip
-        return mult, found_inf, norm
+        if max_grad_norm:  # clipping; a non-finite norm (an inf/NaN grad) skips the step
+            return clip_inputs(grads, max_grad_norm, scale, found_inf,
+                               prepared=self.__dict__.setdefault("_norm_prepared", Prepared()))
+        return (scale.reciprocal() if scale is not None else None), found_inf, None
 
     @torch.no_grad()
     def step(self, closure=None, *, grad_scale=None, found_inf=None):

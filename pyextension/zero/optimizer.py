@@ -19,9 +19,8 @@ import math
 
 import torch
 
-from zerofuse.ops import adam_, l2norm, lamb_stage1_, lamb_stage2_
-from zerofuse.ops._optim import call
-from zerofuse.ops.lars import _lars_triton
+from zerofuse.ops import adam_, l2norm, lamb_stage1_, lamb_stage2_, lars_
+from zerofuse.ops._optim import Prepared
 from zerofuse.ops.lamb import TRUST_MODES
 from zerofuse.zero.engine import engine_of
 
@@ -47,6 +46,18 @@ class _Piece:
 
     def __init__(self, unit, start, length, param):
         self.unit, self.start, self.length, self.param = unit, start, length, param
+
+
+class _Lists:
+    """What a group's step hands the ops, kept while the shards it views stay where they are: the
+    views of its pieces per key ('param', 'grad', the state keys, 'master'), the ops' launch
+    tables, and (LAMB/LARS) the piece -> param index on the device. Made at every step, these were
+    hundreds of views and a host-to-device copy of the index (a host sync on CUDA) per step."""
+
+    __slots__ = ("key", "views", "prepared", "index")
+
+    def __init__(self, key, views, index):
+        self.key, self.views, self.index, self.prepared = key, views, index, Prepared()
 
 
 class Optimizer(torch.optim.Optimizer):
@@ -143,20 +154,26 @@ class Optimizer(torch.optim.Optimizer):
                 else:
                     runs.append(_Piece(u, s.shard_offset, s.length, None))
 
-    def _views(self, pieces, key):
-        out = []
+    def _lists(self, gi: int, pieces) -> _Lists:
+        """The group's views (see _Lists), made again when a unit's shard or grad shard moved (a
+        grad shard may be a new buffer after a no_sync window) or the states were rebuilt."""
+        bases = {}
         for pc in pieces:
-            if key == "param":
-                t = pc.unit.shard
-            elif key == "grad":
-                t = pc.unit.grad_shard()
-            else:
-                t = self.unit_states[pc.unit.index][key]
-            out.append(t.narrow(0, pc.start, pc.length))
-        return out
-
-    def _masters(self, pieces):
-        return self._views(pieces, "master") if self.engine.dtype != torch.float32 else []
+            u = pc.unit
+            if u.index not in bases:
+                bases[u.index] = {"param": u.shard, "grad": u.grad_shard(), **self.unit_states[u.index]}
+        key = (tuple((i, tuple(t.data_ptr() for t in b.values())) for i, b in bases.items()), id(self.unit_states))
+        kept = self.__dict__.setdefault("_kept", {}).get(gi)
+        if kept is not None and kept.key == key:
+            return kept
+        keys = ("param", "grad") + STATE_KEYS[self.kind] + (("master",) if self.engine.dtype != torch.float32 else ())
+        views = {k: [bases[pc.unit.index][k].narrow(0, pc.start, pc.length) for pc in pieces] for k in keys}
+        views.setdefault("master", [])
+        index = None
+        if pieces and pieces[0].param is not None:
+            index = torch.tensor([pc.param for pc in pieces], dtype=torch.long).to(self.scale.device)
+        self._kept[gi] = kept = _Lists(key, views, index)
+        return kept
 
     # ------------------------------------------------------------------ norms
 
@@ -172,8 +189,9 @@ class Optimizer(torch.optim.Optimizer):
         replicated ones count once."""
         eng = self.engine
         eng.finish_grad_sync()
+        kept = self.__dict__.setdefault("_norm_prepared", (Prepared(), Prepared()))
         if eng.tp_comm is None:
-            total, _ = l2norm([u.grad_shard() for u in eng.units])
+            total, _ = l2norm([u.grad_shard() for u in eng.units], prepared=kept[0])
             sq = self._global_sumsq(total.reshape(1).to(torch.float32) ** 2)
         else:
             parts: tuple[list, list] = ([], [])  # (replicated, sharded) grad pieces
@@ -182,7 +200,8 @@ class Optimizer(torch.optim.Optimizer):
                 for s in u.segments:
                     sharded = eng.tp_sharded[eng.param_index[id(u.params[s.param])]]
                     parts[sharded].append(g.narrow(0, s.shard_offset, s.length))
-            sums = torch.stack([l2norm(ts)[0].to(torch.float32) ** 2 for ts in parts]).to(self.scale.device)
+            sums = torch.stack([l2norm(ts, prepared=pr)[0].to(torch.float32) ** 2
+                                for ts, pr in zip(parts, kept)]).to(self.scale.device)
             sums = self._global_sumsq(sums)
             sq = (sums[1] + (sums[0] if eng.tp_rank == 0 else 0.0)).reshape(1)
             eng.tp_comm.all_reduce_coalesced([sq], op="sum").wait()
@@ -200,21 +219,22 @@ class Optimizer(torch.optim.Optimizer):
         self.last_grad_norm = norm
         return norm
 
-    def _per_param_norms(self, sums: torch.Tensor, pieces) -> torch.Tensor:
+    def _per_param_norms(self, sums: torch.Tensor, idx: torch.Tensor | None) -> torch.Tensor:
         """sums (pieces, k) of this rank's squares -> (pieces, k) summed over every rank's pieces
-        of the same params."""
+        of the same params; idx: the pieces' param indices on the device (None: no piece)."""
         eng = self.engine
-        idx = torch.tensor([pc.param for pc in pieces], dtype=torch.long, device=sums.device)
         full = torch.zeros((len(eng.params), sums.shape[1]), dtype=torch.float32, device=sums.device)
-        if len(pieces):
+        if idx is not None:
             full.index_add_(0, idx, sums)
         self._global_sumsq(full.reshape(-1))
         if eng.tp_comm is not None:  # a TP-sharded param's norm adds up over its slices
-            mask = torch.tensor(eng.tp_sharded, device=full.device).unsqueeze(1)
+            mask = self.__dict__.get("_tp_mask")
+            if mask is None:  # made once: a host-to-device copy is a host sync on CUDA
+                mask = self._tp_mask = torch.tensor(eng.tp_sharded).to(full.device).unsqueeze(1)
             part = full * mask
             eng.tp_comm.all_reduce_coalesced([part], op="sum").wait()
             full = torch.where(mask, part, full)
-        return full[idx] if len(pieces) else sums
+        return full[idx] if idx is not None else sums
 
     # ------------------------------------------------------------------ step
 
@@ -262,11 +282,12 @@ class Optimizer(torch.optim.Optimizer):
             if not runs:  # this rank holds no piece of the group: count the step as the others do
                 step += 1.0 if found is None else 1.0 - found
                 return
+            lists = self._lists(gi, runs)
+            v = lists.views
             b1, b2 = group["betas"]
-            adam_(self._views(runs, "param"), self._views(runs, "grad"), self._views(runs, "exp_avg"),
-                  self._views(runs, "exp_avg_sq"), [step] * len(runs), lr=group["lr"], beta1=b1, beta2=b2,
-                  eps=group["eps"], weight_decay=group["weight_decay"], decoupled=self.kind == "adamw",
-                  maximize=False, masters=self._masters(runs), grad_mult=mult, found_inf=found)
+            adam_(v["param"], v["grad"], v["exp_avg"], v["exp_avg_sq"], [step] * len(runs), lr=group["lr"], beta1=b1,
+                  beta2=b2, eps=group["eps"], weight_decay=group["weight_decay"], decoupled=self.kind == "adamw",
+                  maximize=False, masters=v["master"], grad_mult=mult, found_inf=found, prepared=lists.prepared)
         elif self.kind == "lamb":
             self._lamb(gi, group, mult, found, step)
         else:
@@ -274,40 +295,41 @@ class Optimizer(torch.optim.Optimizer):
 
     def _lamb(self, gi, group, mult, found, step):
         pieces = self._pieces[gi]
-        dev = self.scale.device
+        lists = self._lists(gi, pieces)
+        v = lists.views
         b1, b2 = group["betas"]
         kw = dict(beta1=b1, beta2=b2, eps=group["eps"], weight_decay=group["weight_decay"],
-                  bias_correction=group["bias_correction"], masters=self._masters(pieces), found_inf=found)
-        norms = torch.zeros((len(pieces), 2), dtype=torch.float32, device=dev)
-        params, m, v = (self._views(pieces, k) for k in ("param", "exp_avg", "exp_avg_sq"))
+                  bias_correction=group["bias_correction"], masters=v["master"], found_inf=found,
+                  prepared=lists.prepared)
+        norms = torch.zeros((len(pieces), 2), dtype=torch.float32, device=self.scale.device)
         steps = [step] * len(pieces)
         if pieces:
-            lamb_stage1_(params, self._views(pieces, "grad"), m, v, steps, norms, grad_mult=mult, **kw)
-        norms = self._per_param_norms(norms, pieces)
+            lamb_stage1_(v["param"], v["grad"], v["exp_avg"], v["exp_avg_sq"], steps, norms, grad_mult=mult, **kw)
+        norms = self._per_param_norms(norms, lists.index)
         if pieces:
-            lamb_stage2_(params, m, v, steps, norms, lr=group["lr"], mode=group["mode"], min_trust=group["min_trust"],
-                         max_trust=group["max_trust"], **kw)
+            lamb_stage2_(v["param"], v["exp_avg"], v["exp_avg_sq"], steps, norms, lr=group["lr"], mode=group["mode"],
+                         min_trust=group["min_trust"], max_trust=group["max_trust"], **kw)
         else:
             step += 1.0 if found is None else 1.0 - found
 
     def _lars(self, gi, group, mult, found):
         pieces = self._pieces[gi]
-        params, grads = self._views(pieces, "param"), self._views(pieces, "grad")
-        masters = self._masters(pieces)
+        lists = self._lists(gi, pieces)
+        v = lists.views
+        params, grads, masters = v["param"], v["grad"], v["master"]
         n = len(pieces)
         if n:
-            _, each = l2norm((masters or params) + grads, per_tensor=True)
+            _, each = l2norm((masters or params) + grads, per_tensor=True, prepared=lists.prepared)
             sums = (each.float() ** 2).reshape(2, n).t().contiguous()
         else:
             sums = torch.zeros((0, 2), dtype=torch.float32, device=self.scale.device)
-        sums = self._per_param_norms(sums, pieces)
+        sums = self._per_param_norms(sums, lists.index)
         if not n:
             return
-        norms = sums.sqrt().t().contiguous().reshape(-1)
-        args = (params, grads, self._views(pieces, "momentum_buffer"), masters, norms, float(group["lr"]),
-                float(group["momentum"]), float(group["weight_decay"]), float(group["trust_coefficient"]),
-                float(group["eps"]), mult, found)
-        call("lars_", _lars_triton, args)
+        lars_(params, grads, v["momentum_buffer"], lr=group["lr"], momentum=group["momentum"],
+              weight_decay=group["weight_decay"], trust_coefficient=group["trust_coefficient"], eps=group["eps"],
+              masters=masters, grad_mult=mult, found_inf=found, norms=sums.sqrt().t().contiguous().reshape(-1),
+              prepared=lists.prepared)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.engine.zero_grad()
