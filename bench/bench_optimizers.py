@@ -9,8 +9,12 @@ exp_avg, exp_avg_sq), 32 with grad-norm clipping (zerofuse_clip: one more read o
 stage 2: read param, m, v, write param), against the device's measured bandwidth
 (roofline_ratio). From memory, a LAMB step therefore costs at least 44/32 = 1.375x a clipped AdamW
 step (time_vs_zerofuse_adamw_clipped, the like-for-like ratio) and 44/28 = 1.57x an unclipped one
-(time_vs_zerofuse_adamw). Below that, the CPU kernel keeps a block's stage-1 updates in a scratch
-buffer and stage 2 reads them back from the last-level cache (csrc/cpu/lamb.cpp).
+(time_vs_zerofuse_adamw). Below that only with cache reuse: the CPU kernel keeps a block's stage-1
+updates in a scratch buffer and stage 2 reads them back from the last-level cache
+(csrc/cpu/lamb.cpp); on GPUs the one-launch LAMB runs each tensor's stage 2 right after its stage 1,
+reading from L2 what fits ([Note: one-launch LAMB] in kernels/optim.py; provider
+zerofuse_two_launch is the two-launch form, measured in the same run). A roofline_ratio above 1
+for LAMB means reuse: the 44 bytes are counted as if all came from memory.
 """
 import statistics
 import time
@@ -118,17 +122,26 @@ class _EagerLAMB:
                             max_grad_norm=1.0)
 
 
-@pytest.mark.parametrize("provider", ["torch_eager", "zerofuse"])
+@pytest.mark.parametrize("provider", ["torch_eager", "zerofuse_two_launch", "zerofuse"])
 @pytest.mark.parametrize("size", list(SIZES))
-def bench_lamb_step(measure, registry, device, smoke, size, provider, benchmark):
+def bench_lamb_step(measure, registry, device, smoke, size, provider, benchmark, monkeypatch):
+    """zerofuse: the one-launch LAMB on GPUs ([Note: one-launch LAMB] in kernels/optim.py: stage 2
+    of a tensor right after its stage 1, reading from L2); zerofuse_two_launch: stage 1 over every
+    tensor, then stage 2 (what ZeRO runs, with an all-reduce between). On CPU both are the C++ kernel."""
     if size == "100M" and device.type == "cpu" and provider == "torch_eager" and not smoke:
         pytest.skip("eager LAMB at 100M parameters: seconds per step on a 2-core CPU")
+    if provider == "zerofuse_two_launch":
+        if device.type == "cpu":
+            pytest.skip("the C++ CPU kernel has one form")
+        from zerofuse.kernels import optim as K
+        monkeypatch.setattr(K, "LAMB_ONE_LAUNCH", False)
     params = _params(device, 20_000 if smoke else SIZES[size])
-    opt = FusedLAMB(params, lr=1e-3, weight_decay=0.01, max_grad_norm=1.0) if provider == "zerofuse" else _EagerLAMB(params)
+    opt = (_EagerLAMB(params) if provider == "torch_eager"
+           else FusedLAMB(params, lr=1e-3, weight_decay=0.01, max_grad_norm=1.0))
     opt.step()
     n = sum(p.numel() for p in params)
     measure(opt.step, case=f"lamb/{size}", provider=provider, bytes_moved=44 * n)
-    if provider != "zerofuse" or benchmark.stats is None:
+    if not provider.startswith("zerofuse") or benchmark.stats is None:
         return
     for peer, key in (("zerofuse", "time_vs_zerofuse_adamw"), ("zerofuse_clip", "time_vs_zerofuse_adamw_clipped")):
         adamw = registry.medians.get((f"adamw/{size}", peer))

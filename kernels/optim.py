@@ -10,7 +10,10 @@ second int32 tensor ("own") names the tensor of each block, so a program finds i
 load (a binary search over block starts cost a chain of dependent loads per program). The
 hyper-parameters come in a float64 tensor (Triton passes Python floats as fp32; bias corrections
 want float64). Per-tensor sums (LAMB, norms) are written per block and added per tensor by a
-second small kernel in a fixed order: deterministic, no atomics.
+second small kernel in a fixed order: deterministic. LAMB also has a one-launch form (lamb_fused,
+[Note: one-launch LAMB]) whose programs synchronise per tensor through atomic counters, with the
+same sums in the same order. Clipping inputs (norm, skip flag, grad multiplier) come from one
+sum-of-squares pass and one single-program kernel (clip_inputs).
 
 Vector access: a block that lies wholly inside its tensor runs unmasked, so with 16-byte aligned
 addresses (`_Table.aligned`, told to the compiler by tl.multiple_of) its loads and stores are
@@ -51,9 +54,12 @@ _STARTS, _NUMELS, _INDEX, PTR = 0, 1, 2, 3
 
 
 @triton.jit
-def _locate(META, OWN, n, BLOCK: tl.constexpr):
-    """(tensor index, first element offset of this block, numel of the tensor)."""
+def _locate(META, OWN, n, BLOCK: tl.constexpr, BACKWARDS: tl.constexpr = False):
+    """(tensor index, first element offset of this block, numel of the tensor); BACKWARDS: program
+    0 takes the last block (a pass after another over the same data starts with what is in L2)."""
     pid = tl.program_id(0)
+    if BACKWARDS:
+        pid = tl.num_programs(0) - 1 - pid
     t = tl.load(OWN + pid)
     start = (pid - tl.load(META + t)) * BLOCK
     return t, start, tl.load(META + (n + 1) + t)
@@ -245,6 +251,19 @@ def _lamb_stage1_kernel(META, OWN, CONSTS, n, MULT, FOUND, PART, P_TY: tl.conste
 
 
 @triton.jit
+def _trust_ratio(NORMS, row, CONSTS, PAPER: tl.constexpr):
+    """lr * trust ratio of the tensor at list position row, from its sums of squares (p, u)."""
+    pn = tl.sqrt(tl.load(NORMS + 2 * row).to(tl.float64))
+    un = tl.sqrt(tl.load(NORMS + 2 * row + 1).to(tl.float64))
+    if PAPER:
+        phi = tl.minimum(tl.maximum(pn, tl.load(CONSTS + 5)), tl.load(CONSTS + 6))
+        trust = tl.where(un > 0, phi / un, 1.0)
+    else:
+        trust = tl.where((pn > 0) & (un > 0), pn / un, 1.0)
+    return (tl.load(CONSTS + 4) * trust).to(tl.float32)
+
+
+@triton.jit
 def _lamb2_block(P, W, M, V, offs, mask, ratio, bc1, bc2, eps, wd, HAS_MASTER: tl.constexpr,
                  MASKED: tl.constexpr, EMULATE_RNE: tl.constexpr):
     p = _ld(W, offs, mask, MASKED) if HAS_MASTER else _ld(P, offs, mask, MASKED)
@@ -258,18 +277,10 @@ def _lamb2_block(P, W, M, V, offs, mask, ratio, bc1, bc2, eps, wd, HAS_MASTER: t
 def _lamb_stage2_kernel(META, OWN, CONSTS, n, NORMS, FOUND, P_TY: tl.constexpr, HAS_MASTER: tl.constexpr,
                         HAS_FOUND: tl.constexpr, BIAS_CORRECTION: tl.constexpr, PAPER: tl.constexpr,
                         ALIGNED: tl.constexpr, BLOCK: tl.constexpr, EMULATE_RNE: tl.constexpr):
-    t, start, numel = _locate(META, OWN, n, BLOCK)
+    t, start, numel = _locate(META, OWN, n, BLOCK, BACKWARDS=True)  # stage 1's last blocks are in L2
     if _go(FOUND, HAS_FOUND):
         beta1, beta2, w1, w2, eps, wd, bc1, bc2 = _lamb_consts(META, CONSTS, n, t, BIAS_CORRECTION)
-        row = tl.load(META + 2 * (n + 1) + t)
-        pn = tl.sqrt(tl.load(NORMS + 2 * row).to(tl.float64))
-        un = tl.sqrt(tl.load(NORMS + 2 * row + 1).to(tl.float64))
-        if PAPER:
-            phi = tl.minimum(tl.maximum(pn, tl.load(CONSTS + 5)), tl.load(CONSTS + 6))
-            trust = tl.where(un > 0, phi / un, 1.0)
-        else:
-            trust = tl.where((pn > 0) & (un > 0), pn / un, 1.0)
-        ratio = (tl.load(CONSTS + 4) * trust).to(tl.float32)
+        ratio = _trust_ratio(NORMS, tl.load(META + 2 * (n + 1) + t), CONSTS, PAPER)
         P = _ptr(META, 3, n, t, P_TY, ALIGNED)
         W = _ptr(META, 7, n, t, tl.float32, ALIGNED)
         M = _ptr(META, 5, n, t, tl.float32, ALIGNED)
@@ -279,6 +290,59 @@ def _lamb_stage2_kernel(META, OWN, CONSTS, n, NORMS, FOUND, P_TY: tl.constexpr, 
             _lamb2_block(P, W, M, V, offs, offs < numel, ratio, bc1, bc2, eps, wd, HAS_MASTER, False, EMULATE_RNE)
         else:
             _lamb2_block(P, W, M, V, offs, offs < numel, ratio, bc1, bc2, eps, wd, HAS_MASTER, True, EMULATE_RNE)
+
+
+@triton.jit
+def _lamb_fused_kernel(META, OWN, SCHED, CONSTS, n, MULT, FOUND, PART, NORMS, SYNC, P_TY: tl.constexpr,
+                       G_TY: tl.constexpr, HAS_MASTER: tl.constexpr, HAS_MULT: tl.constexpr, HAS_FOUND: tl.constexpr,
+                       BIAS_CORRECTION: tl.constexpr, PAPER: tl.constexpr, ALIGNED: tl.constexpr,
+                       BLOCK: tl.constexpr, BLOCK_P: tl.constexpr, EMULATE_RNE: tl.constexpr):
+    """Both LAMB stages in one launch, tensor by tensor, so stage 2 re-reads a tensor that stage 1
+    has just streamed through L2 (see [Note: one-launch LAMB])."""
+    if _go(FOUND, HAS_FOUND):
+        # tickets in start order: every block this one may wait for was started before it
+        ticket = tl.atomic_add(SYNC, 1)
+        code = tl.load(SCHED + ticket)
+        b = code >> 1
+        t = tl.load(OWN + b)
+        first = tl.load(META + t)
+        start = (b - first) * BLOCK
+        b0 = first.to(tl.int32)
+        numel = tl.load(META + (n + 1) + t)
+        beta1, beta2, w1, w2, eps, wd, bc1, bc2 = _lamb_consts(META, CONSTS, n, t, BIAS_CORRECTION)
+        M = _ptr(META, 5, n, t, tl.float32, ALIGNED)
+        V = _ptr(META, 6, n, t, tl.float32, ALIGNED)
+        W = _ptr(META, 7, n, t, tl.float32, ALIGNED)
+        P = _ptr(META, 3, n, t, P_TY, ALIGNED)
+        offs = start + tl.arange(0, BLOCK)
+        row = tl.load(META + 2 * (n + 1) + t)
+        if (code & 1) == 0:  # stage 1: moments, this block's sums of squares
+            G = _ptr(META, 4, n, t, G_TY, ALIGNED)
+            P1 = W if HAS_MASTER else P
+            if start + BLOCK <= numel:
+                pp, uu = _lamb1_block(P1, G, M, V, offs, offs < numel, MULT, beta1, beta2, w1, w2, eps, wd, bc1,
+                                      bc2, HAS_MULT, False)
+            else:
+                pp, uu = _lamb1_block(P1, G, M, V, offs, offs < numel, MULT, beta1, beta2, w1, w2, eps, wd, bc1,
+                                      bc2, HAS_MULT, True)
+            tl.store(PART + 2 * b, pp)
+            tl.store(PART + 2 * b + 1, uu)
+            # acq_rel: the sums (and moments) above are seen by whoever sees the count
+            done = tl.atomic_add(SYNC + 1 + t, 1)
+            b1 = tl.load(META + t + 1).to(tl.int32)
+            if done == b1 - b0 - 1:  # the tensor's last stage-1 block: its norms, in block order
+                for k in tl.static_range(2):
+                    tl.store(NORMS + row * 2 + k, _sum_blocks(PART, b0, b1, k, 2, BLOCK_P))
+                tl.atomic_xchg(SYNC + 1 + n + t, 1)
+        else:  # stage 2: wait for the tensor's norms, then the update
+            ready = tl.atomic_add(SYNC + 1 + n + t, 0)
+            while ready == 0:
+                ready = tl.atomic_add(SYNC + 1 + n + t, 0)
+            ratio = _trust_ratio(NORMS, row, CONSTS, PAPER)
+            if start + BLOCK <= numel:
+                _lamb2_block(P, W, M, V, offs, offs < numel, ratio, bc1, bc2, eps, wd, HAS_MASTER, False, EMULATE_RNE)
+            else:
+                _lamb2_block(P, W, M, V, offs, offs < numel, ratio, bc1, bc2, eps, wd, HAS_MASTER, True, EMULATE_RNE)
 
 
 # ------------------------------------------------------------------------------------ LARS
@@ -340,6 +404,17 @@ def _sum_squares_kernel(META, OWN, n, PART, X_TY: tl.constexpr, ALIGNED: tl.cons
 
 
 @triton.jit
+def _sum_blocks(PART, b0, b1, k, WIDTH: tl.constexpr, BLOCK_P: tl.constexpr):
+    """sum of PART[b, k] over the blocks b0 <= b < b1 of one tensor (PART is (blocks, WIDTH)), in a
+    fixed order."""
+    acc = tl.zeros((BLOCK_P,), tl.float32)
+    for s in range(b0, b1, BLOCK_P):
+        idx = s + tl.arange(0, BLOCK_P)
+        acc += tl.load(PART + idx * WIDTH + k, mask=idx < b1, other=0.0)
+    return tl.sum(acc, axis=0)
+
+
+@triton.jit
 def _segment_sum_kernel(META, n, PART, OUT, FOUND, HAS_FOUND: tl.constexpr, WIDTH: tl.constexpr,
                         BLOCK_P: tl.constexpr):
     """OUT[index[t], k] = sum of PART[b, k] over the blocks b of tensor t (PART is (blocks, WIDTH));
@@ -350,11 +425,7 @@ def _segment_sum_kernel(META, n, PART, OUT, FOUND, HAS_FOUND: tl.constexpr, WIDT
         b1 = tl.load(META + t + 1).to(tl.int32)
         row = tl.load(META + 2 * (n + 1) + t)
         for k in tl.static_range(WIDTH):
-            acc = tl.zeros((BLOCK_P,), tl.float32)
-            for s in range(b0, b1, BLOCK_P):
-                idx = s + tl.arange(0, BLOCK_P)
-                acc += tl.load(PART + idx * WIDTH + k, mask=idx < b1, other=0.0)
-            tl.store(OUT + row * WIDTH + k, tl.sum(acc, axis=0))
+            tl.store(OUT + row * WIDTH + k, _sum_blocks(PART, b0, b1, k, WIDTH, BLOCK_P))
 
 
 @triton.jit
@@ -414,6 +485,27 @@ def _owners(numels: tuple, blocks: list[int], device: torch.device) -> torch.Ten
     return own
 
 
+# the one-launch LAMB's block order of recent layouts: per tensor, its stage-1 blocks, then its
+# stage-2 blocks from last to first (the most recently streamed first: the likeliest in L2)
+_SCHEDULES: OrderedDict = OrderedDict()
+
+
+def _schedule(numels: tuple, blocks: list[int], device: torch.device) -> torch.Tensor:
+    key = (numels, device)
+    sched = _SCHEDULES.get(key)
+    if sched is None:
+        codes = []
+        for a, b in zip(blocks, blocks[1:]):
+            codes += range(2 * a, 2 * b, 2)
+            codes += range(2 * b - 1, 2 * a, -2)
+        sched = _SCHEDULES[key] = _on(torch.tensor(codes or [0], dtype=torch.int32), device)
+        if len(_SCHEDULES) > _OWNERS_KEPT:
+            _SCHEDULES.popitem(last=False)
+    else:
+        _SCHEDULES.move_to_end(key)
+    return sched
+
+
 class _Table:
     """The launch tables of one list of tensors: meta (rows above) and own (the tensor of each block)."""
 
@@ -437,6 +529,10 @@ class _Table:
             rows += ptrs + pad
         self.meta = _int64_on(rows, device)
         self.own = _owners(numels, blocks, device)
+        self._numels, self._blocks = numels, blocks
+
+    def schedule(self) -> torch.Tensor:
+        return _schedule(self._numels, self._blocks, self.meta.device)
 
 
 def _groups(params, grads) -> list[list[int]]:
@@ -465,6 +561,7 @@ class Launch:
         self._consts: dict[tuple, torch.Tensor] = {}
         self._part: dict[tuple[int, int], torch.Tensor] = {}
         self._flat_part: tuple[torch.Tensor, list[torch.Tensor]] | None = None
+        self._sync: dict[int, torch.Tensor] = {}
 
     def consts(self, values: tuple) -> torch.Tensor:
         """The float64 constants on the device, copied only when they change (a new lr); the LAMB
@@ -475,6 +572,13 @@ class Launch:
                 self._consts.clear()
             t = self._consts[values] = _on(torch.tensor(values, dtype=torch.float64), self.device)
         return t
+
+    def sync(self, g: int) -> torch.Tensor:
+        """The one-launch LAMB's counters of group g (ticket, per tensor: stage-1 blocks done, norms
+        ready), zeroed for a launch."""
+        if g not in self._sync:
+            self._sync[g] = torch.empty(1 + 2 * self.groups[g][0].n, device=self.device, dtype=torch.int32)
+        return self._sync[g].zero_()
 
     def part(self, g: int, width: int) -> torch.Tensor:
         """Per-block partial sums of group g (every entry written by the kernel before it is read;
@@ -593,6 +697,42 @@ def lamb_stage2(launch: Launch, norms: torch.Tensor, *, lr, beta1, beta2, eps, w
                 table.meta, table.own, consts, table.n, norms, found, P_TY=p_ty, HAS_MASTER=has_master,
                 HAS_FOUND=found is not None, BIAS_CORRECTION=bias_correction, PAPER=trust_mode == 0,
                 ALIGNED=table.aligned, BLOCK=BLOCK, EMULATE_RNE=interpreted(), num_warps=_NUM_WARPS,
+            )
+
+
+# [Note: one-launch LAMB] A LAMB step moves at least 44 bytes per fp32 param from memory in
+# two launches (a grad-norm pass 4, stage 1 reads p, g, m, v and writes m, v 24, stage 2 reads p,
+# m, v and writes p 16) against a clipped AdamW step's 32: 1.375x, over the 1.3x goal. Stage 2
+# needs the norms of the whole tensor, so it cannot run in the same block as stage 1, but it can
+# run right after the tensor's stage 1, while the tensor's p, m and v are still in L2 (50 MB on an
+# H100): then its reads come from L2 and the step moves ~32 bytes per param from memory when the
+# tensors fit. The launch runs 2 programs per block in the order of _schedule. Each program takes a
+# ticket (an atomic counter) and runs the schedule's entry of that number, so a program never waits
+# for one that has not started yet: no deadlock whatever the order the GPU starts programs in.
+# A stage-1 program adds 1 to its tensor's count; the last one sums the tensor's block sums in block
+# order (deterministic, the same sums as the two-launch path) and sets the tensor's ready flag; a
+# stage-2 program waits for it (acquire), then updates. The interpreter runs programs one by one in
+# ticket order, so there nothing ever waits.
+LAMB_ONE_LAUNCH = True  # False: the two-launch path (zerofuse's benchmark compares both)
+
+
+def lamb_fused(launch: Launch, *, lr, beta1, beta2, eps, weight_decay, bias_correction, trust_mode, min_trust,
+               max_trust, has_master, grad_mult, found_inf):
+    """Both LAMB stages (lamb_stage1 then lamb_stage2) in one launch per group; see [Note: one-launch LAMB]."""
+    if not launch.n:
+        return
+    device = launch.device
+    mult, found = _flag(grad_mult, "grad_mult", device), _flag(found_inf, "found_inf", device)
+    _advance(launch.steps, found)
+    consts = launch.consts((beta1, beta2, eps, weight_decay, lr, min_trust, max_trust))
+    norms = torch.empty((launch.n, 2), device=device, dtype=torch.float32)
+    for g, (table, p_ty, g_ty) in enumerate(launch.groups):
+        if table.blocks:
+            _lamb_fused_kernel[(2 * table.blocks,)](
+                table.meta, table.own, table.schedule(), consts, table.n, mult, found, launch.part(g, 2), norms,
+                launch.sync(g), P_TY=p_ty, G_TY=g_ty, HAS_MASTER=has_master, HAS_MULT=mult is not None,
+                HAS_FOUND=found is not None, BIAS_CORRECTION=bias_correction, PAPER=trust_mode == 0,
+                ALIGNED=table.aligned, BLOCK=BLOCK, BLOCK_P=1024, EMULATE_RNE=interpreted(), num_warps=_NUM_WARPS,
             )
 
 

@@ -408,6 +408,45 @@ def test_lamb_twenty_steps_match_the_reference(path, kw):
         torch.testing.assert_close(a.detach(), b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("mode", ["nvlamb", "paper"])
+def test_one_launch_lamb_equals_the_two_launch_path_bit_for_bit(path, mode, monkeypatch):
+    """[Note: one-launch LAMB]: the same sums in the same order, so the same bits as stage 1 then
+    stage 2, over empty, 1-element, one-block and many-block tensors, two dtype groups (one launch
+    each: bf16 params with masters, fp32 params), grads scaled, and a skipped step."""
+    if path.type == "cpu" and not kernels.TRITON_ON_CPU:
+        pytest.skip("the C++ CPU kernels keep stage 1's results in cache instead (csrc/cpu/lamb.cpp)")
+    from zerofuse.kernels import optim as K
+
+    shapes = [(0,), (1,), (4097,), (33, 65), (3 * 4096 + 5,), (4096,)]
+    runs = []
+    for one_launch in (True, False):
+        monkeypatch.setattr(K, "LAMB_ONE_LAUNCH", one_launch)
+        params = [torch.nn.Parameter(p.to(torch.bfloat16 if i % 2 else torch.float32))
+                  for i, p in enumerate(_params(device=path, shapes=shapes))]
+        opt = FusedLAMB(params, lr=1e-2, weight_decay=0.01, mode=mode, master_weights=True,
+                        **({"min_trust": 0.05, "max_trust": 2.0} if mode == "paper" else {}))
+        for step in range(3):
+            for p, g in zip(params, _grads(step, device=path, shapes=shapes)):
+                p.grad = (g * 64.0).to(p.dtype)
+            found = torch.tensor([1.0 if step == 1 else 0.0], device=path)
+            opt.step(grad_scale=torch.tensor(64.0, device=path), found_inf=found)
+        runs.append((params, opt))
+    (ours, opt), (theirs, ref) = runs
+    for a, b in zip(ours, theirs):
+        assert torch.equal(a, b)
+        for key in ("exp_avg", "exp_avg_sq", "step") + (("master",) if a.dtype == torch.bfloat16 else ()):
+            assert torch.equal(opt.state[a][key], ref.state[b][key]), key
+    assert opt.state[ours[2]]["step"].item() == 2
+
+
+def test_one_launch_lamb_schedule_runs_each_tensor_stage_1_then_stage_2_backwards():
+    from zerofuse.kernels import optim as K
+
+    # tensors of 2, 0, 1 and 3 blocks: codes 2 * block + stage
+    sched = K._schedule((5000, 0, 7, 9000), [0, 2, 2, 3, 6], torch.device("cpu")).tolist()
+    assert sched == [0, 2, 3, 1, 4, 5, 6, 8, 10, 11, 9, 7]
+
+
 def test_lamb_modes_differ_where_the_paper_clamps():
     """A tensor with |p| above max_trust: "paper" clamps phi(|p|), "nvlamb" does not."""
     p = torch.randn(1000) * 10  # |p| ~ 316
@@ -517,7 +556,8 @@ def test_kernel_tables_promise_16_byte_alignment_only_when_every_address_has_it(
 
 
 # fp32 arrays each kernel loads and stores per element on its unmasked (full-block) path
-_FP32_ARRAYS = {"adam": (4, 3), "lamb_stage1": (4, 2), "lamb_stage2": (3, 1), "lars": (3, 2), "sum_squares": (1, 0)}
+# (arrays read, arrays written) by a full block; the one-launch LAMB has both stages' code paths
+_FP32_ARRAYS = {"adam": (4, 3), "lamb_stage1": (4, 2), "lamb_stage2": (3, 1), "lamb_fused": (7, 3), "lars": (3, 2), "sum_squares": (1, 0)}
 
 
 def test_full_blocks_compile_to_16_byte_accesses_for_an_h100():

@@ -36,6 +36,9 @@ def _variants():
                                                      BIAS_CORRECTION=True, **fp32)
     yield "lamb_stage2", K._lamb_stage2_kernel, dict(P_TY=tl.float32, HAS_MASTER=False, HAS_FOUND=True,
                                                      BIAS_CORRECTION=True, PAPER=False, EMULATE_RNE=False)
+    yield "lamb_fused", K._lamb_fused_kernel, dict(HAS_MASTER=False, HAS_MULT=True, HAS_FOUND=True,
+                                                   BIAS_CORRECTION=True, PAPER=False, EMULATE_RNE=False,
+                                                   BLOCK_P=1024, **fp32)
     yield "lars", K._lars_kernel, dict(HAS_MASTER=False, HAS_MULT=True, HAS_FOUND=True, EMULATE_RNE=False, **fp32)
     yield "sum_squares", K._sum_squares_kernel, dict(X_TY=tl.float32)
     # small kernels without an alignment variant (aligned: null in the output): compiled, counted
@@ -43,7 +46,7 @@ def _variants():
     yield "clip", K._clip_kernel, dict(HAS_SCALE=True, HAS_FOUND=True, BLOCK_P=1024)
 
 
-_TYPES = {"META": "*i64", "OWN": "*i32", "CONSTS": "*fp64", "n": "i32", "nblocks": "i32", "max_norm": "fp32"}
+_TYPES = {"META": "*i64", "OWN": "*i32", "SCHED": "*i32", "SYNC": "*i32", "CONSTS": "*fp64", "n": "i32", "nblocks": "i32", "max_norm": "fp32"}
 
 
 def compile_ptx(kernel, constexprs: dict, arch: int, num_warps: int) -> str:

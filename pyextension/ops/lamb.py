@@ -92,7 +92,13 @@ def _lamb_triton(params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr, beta1
 
 def _run(launch, lr, beta1, beta2, eps, weight_decay, bias_correction, trust_mode, min_trust, max_trust, has_master,
          grad_mult, found_inf):
-    """Both stages over one launch (stage 2 ignores the grads' row)."""
+    """Both stages over one launch (stage 2 ignores the grads' row): one kernel launch per dtype
+    group ([Note: one-launch LAMB] in kernels/optim.py), or two with K.LAMB_ONE_LAUNCH off."""
+    if K.LAMB_ONE_LAUNCH:
+        K.lamb_fused(launch, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+                     bias_correction=bias_correction, trust_mode=trust_mode, min_trust=min_trust, max_trust=max_trust,
+                     has_master=has_master, grad_mult=grad_mult, found_inf=found_inf)
+        return
     norms = torch.empty((launch.n, 2), device=launch.device, dtype=torch.float32)
     kw = dict(beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction,
               has_master=has_master, found_inf=found_inf)
