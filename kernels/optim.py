@@ -431,7 +431,7 @@ def _segment_sum_kernel(META, n, PART, OUT, FOUND, HAS_FOUND: tl.constexpr, WIDT
 @triton.jit
 def _clip_kernel(PART, nblocks, OUT, SCALE, FOUND, max_norm, HAS_SCALE: tl.constexpr, HAS_FOUND: tl.constexpr,
                  BLOCK_P: tl.constexpr):
-    """One program: OUT = (norm, found, mult) from the per-block sums of squares of the grads, in
+    """One program: OUT = (norm, found, mult, 1 - found) from the per-block sums of squares of the grads, in
     a fixed order. norm = sqrt(sum) / scale; found = 1 when norm is not finite or FOUND != 0;
     mult = (1 / scale) * max_norm / max(norm, max_norm): the grad multiplier of the update."""
     acc = tl.zeros((BLOCK_P,), tl.float32)
@@ -452,6 +452,7 @@ def _clip_kernel(PART, nblocks, OUT, SCALE, FOUND, max_norm, HAS_SCALE: tl.const
     tl.store(OUT, norm)
     tl.store(OUT + 1, bad.to(tl.float32))
     tl.store(OUT + 2, clip)
+    tl.store(OUT + 3, 1.0 - bad.to(tl.float32))  # what the step counters advance by
 
 
 # ------------------------------------------------------------------------------------ host side
@@ -631,8 +632,10 @@ def _advance(steps: list[torch.Tensor], found: torch.Tensor | None) -> None:
         torch._foreach_add_(steps, 1.0)
     else:
         # a list of device tensors: the scalar-tensor overload reads its scalar on the host (a sync,
-        # caught by torch's sync debug mode on an H100)
-        inc = (found == 0).float().reshape(())
+        # caught by torch's sync debug mode on an H100); a flag from clip_inputs brings its increment
+        inc = getattr(found, "_zerofuse_increment", None)
+        if inc is None:
+            inc = (found == 0).float().reshape(())
         torch._foreach_add_(steps, [inc] * len(steps))
 
 
@@ -778,11 +781,12 @@ def l2norm(launch: Launch, per_tensor: bool):
 
 
 def clip_inputs(launch: Launch, max_norm: float, grad_scale: torch.Tensor | None,
-                found_inf: torch.Tensor | None) -> torch.Tensor:
-    """(3,) fp32 on the device: the global norm of the tensors of a norm_launch divided by
-    grad_scale, the skip flag (norm not finite, or found_inf != 0) and the grads' multiplier
-    (1 / grad_scale) * max_norm / max(norm, max_norm). One sum-of-squares launch per dtype group
-    and one single-program launch, no host sync."""
+                found_inf: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(grad multiplier, skip flag, norm), 1-element fp32 views on the device: the global norm of
+    the tensors of a norm_launch divided by grad_scale, the flag (norm not finite, or found_inf !=
+    0) and (1 / grad_scale) * max_norm / max(norm, max_norm). One sum-of-squares launch per dtype
+    group and one single-program launch, no host sync. The flag carries its step-counter increment
+    (1 - flag, written by the same kernel), so _advance needs no launch of its own to make it."""
     device = launch.device
     scale, found = _flag(grad_scale, "grad_scale", device), _flag(found_inf, "found_inf", device)
     flat, views = launch.flat_part()
@@ -790,8 +794,10 @@ def clip_inputs(launch: Launch, max_norm: float, grad_scale: torch.Tensor | None
         if table.blocks:
             _sum_squares_kernel[(table.blocks,)](table.meta, table.own, table.n, part, X_TY=x_ty,
                                                  ALIGNED=table.aligned, BLOCK=BLOCK, num_warps=_NUM_WARPS)
-    out = torch.empty(3, device=device, dtype=torch.float32)
+    out = torch.empty(4, device=device, dtype=torch.float32)
     nblocks = sum(table.blocks for table, _, _ in launch.groups)
     _clip_kernel[(1,)](flat, nblocks, out, scale, found, float(max_norm), HAS_SCALE=scale is not None,
                        HAS_FOUND=found is not None, BLOCK_P=1024, num_warps=4)
-    return out
+    flag = out[1:2]
+    flag._zerofuse_increment = out[3]
+    return out[2:3], flag, out[0:1]

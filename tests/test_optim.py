@@ -353,6 +353,27 @@ def test_clip_inputs_match_float64_with_scale_flag_and_mixed_dtypes(path, max_no
         clip_inputs(grads, 0)
 
 
+@pytest.mark.parametrize("opt_cls", [FusedAdamW, FusedLAMB])
+def test_an_inf_grad_under_clipping_skips_the_step_and_its_count(path, opt_cls):
+    """No found_inf given: the clipping norm turns non-finite, the kernels skip, and the step
+    counters stay (their increment comes from the clipping kernel on the Triton path)."""
+    params, opt = _run(opt_cls, _params(device=path), steps=2, lr=1e-2, max_grad_norm=1.0)
+    before = [p.detach().clone() for p in params]
+    for i, (p, g) in enumerate(zip(params, _grads(5, device=path))):
+        p.grad = g
+        if i == 3:
+            p.grad[0] = float("nan")
+    opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(params, before))
+    assert all(opt.state[p]["step"].item() == 2 for p in params)
+    assert not torch.isfinite(opt.last_grad_norm).item()
+    for p, g in zip(params, _grads(6, device=path)):
+        p.grad = g
+    opt.step()
+    assert all(opt.state[p]["step"].item() == 3 for p in params)
+    assert any(not torch.equal(p, b) for p, b in zip(params, before))
+
+
 def test_state_dict_moves_both_ways_with_torch():
     ours, ours_opt = _run(FusedAdamW, _params(), steps=5, lr=1e-2, weight_decay=0.1)
     theirs, theirs_opt = _run(torch.optim.AdamW, _params(), steps=5, lr=1e-2, weight_decay=0.1, foreach=False)

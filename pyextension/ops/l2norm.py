@@ -66,9 +66,8 @@ def clip_inputs(grads: Sequence[torch.Tensor], max_norm: float, grad_scale: torc
     if not max_norm > 0:
         raise ValueError(f"zerofuse.ops.clip_inputs: expected max_norm > 0, got {max_norm}")
     if grads and prepared is not None and direct(grads):
-        out = K.clip_inputs(prepared.launch("l2norm", grads, None, lambda: _launch(grads)), max_norm, grad_scale,
-                            found_inf)
-        return out[2:3], out[1:2], out[0:1]
+        return K.clip_inputs(prepared.launch("l2norm", grads, None, lambda: _launch(grads)), max_norm, grad_scale,
+                             found_inf)
     norm, _ = l2norm(grads, prepared=prepared)
     norm = norm.reshape(1)
     mult = None

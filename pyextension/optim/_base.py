@@ -4,8 +4,8 @@ states, fp32 master weights, per-param step counters, and the mixed-precision in
 CUDA step never waits on the host.
 
 [Note: skipped steps] A step with found_inf != 0 changes nothing: the kernels read the flag and
-write nothing, and the ops advance step counters by (1 - found_inf). On CPU the flag is read on
-the host and the step returns early. torch.amp.GradScaler works unchanged: like torch's fused
+write nothing, and the ops advance step counters by (1 - found_inf). With the C++ CPU kernels the flag
+is read on the host and the step returns early. torch.amp.GradScaler works unchanged: like torch's fused
 optimizers these set _step_supports_amp_scaling, and GradScaler hands over its scale and inf flag
 as the attributes grad_scale / found_inf before calling step().
 """
@@ -16,7 +16,7 @@ import torch
 import operator
 
 from zerofuse.ops.l2norm import clip_inputs
-from zerofuse.ops._optim import Prepared
+from zerofuse.ops._optim import Prepared, use_triton
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
@@ -201,7 +201,10 @@ class FusedOptimizerMixin:
         device = next(iter(devices), None)
         mult, found, norm = self._amp_inputs(device, all_grads, grad_scale, found_inf, self._max_grad_norm())
         self.last_grad_norm = norm
-        if (device is None or device.type == "cpu") and found is not None and bool(found.ne(0).any()):
+        # C++ CPU kernels: the flag is read here and the step returns early; the Triton path (on CPU
+        # in the interpreter too) leaves it to the kernels, as on a GPU
+        if (device is None or device.type == "cpu") and found is not None and not use_triton(all_grads) \
+                and bool(found.ne(0).any()):
             return loss  # [Note: skipped steps]
         for group, part, part_grads in work:
             self._update(group, part.params, part_grads, [part.lists[k] for k in self._STATE_KEYS],
