@@ -434,11 +434,7 @@ def _clip_kernel(PART, nblocks, OUT, SCALE, FOUND, max_norm, HAS_SCALE: tl.const
     """One program: OUT = (norm, found, mult, 1 - found) from the per-block sums of squares of the grads, in
     a fixed order. norm = sqrt(sum) / scale; found = 1 when norm is not finite or FOUND != 0;
     mult = (1 / scale) * max_norm / max(norm, max_norm): the grad multiplier of the update."""
-    acc = tl.zeros((BLOCK_P,), tl.float32)
-    for s in range(0, nblocks, BLOCK_P):
-        idx = s + tl.arange(0, BLOCK_P)
-        acc += tl.load(PART + idx, mask=idx < nblocks, other=0.0)
-    norm = tl.sqrt_rn(tl.sum(acc, axis=0))
+    norm = tl.sqrt_rn(_sum_blocks(PART, 0, nblocks, 0, 1, BLOCK_P))
     inv = tl.full((), 1.0, tl.float32)
     if HAS_SCALE:
         inv = tl.div_rn(inv, tl.load(SCALE))
@@ -467,44 +463,42 @@ def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
-# the block -> tensor map of recent layouts (numels): 4 bytes per block, the same every step
-_OWNERS: OrderedDict = OrderedDict()
-_OWNERS_KEPT = 64
+# tables that depend only on a layout (the tensors' sizes) and the device, kept for recent layouts
+_LAYOUTS_KEPT = 64
+_OWNERS: OrderedDict = OrderedDict()  # the block -> tensor map: 4 bytes per block
+_SCHEDULES: OrderedDict = OrderedDict()  # the one-launch LAMB's block order
+
+
+def _kept(cache: OrderedDict, key, make) -> torch.Tensor:
+    """cache[key], made by make() when missing; the least recently used of more than
+    _LAYOUTS_KEPT entries is dropped."""
+    t = cache.get(key)
+    if t is None:
+        t = cache[key] = make()
+        if len(cache) > _LAYOUTS_KEPT:
+            cache.popitem(last=False)
+    else:
+        cache.move_to_end(key)
+    return t
 
 
 def _owners(numels: tuple, blocks: list[int], device: torch.device) -> torch.Tensor:
-    key = (numels, device)
-    own = _OWNERS.get(key)
-    if own is None:
+    def make():
         counts = torch.tensor([b - a for a, b in zip(blocks, blocks[1:])], dtype=torch.int64)
-        own = _on(torch.repeat_interleave(torch.arange(len(numels), dtype=torch.int32), counts), device)
-        _OWNERS[key] = own
-        if len(_OWNERS) > _OWNERS_KEPT:
-            _OWNERS.popitem(last=False)
-    else:
-        _OWNERS.move_to_end(key)
-    return own
-
-
-# the one-launch LAMB's block order of recent layouts: per tensor, its stage-1 blocks, then its
-# stage-2 blocks from last to first (the most recently streamed first: the likeliest in L2)
-_SCHEDULES: OrderedDict = OrderedDict()
+        return _on(torch.repeat_interleave(torch.arange(len(numels), dtype=torch.int32), counts), device)
+    return _kept(_OWNERS, (numels, device), make)
 
 
 def _schedule(numels: tuple, blocks: list[int], device: torch.device) -> torch.Tensor:
-    key = (numels, device)
-    sched = _SCHEDULES.get(key)
-    if sched is None:
+    """Per tensor, its stage-1 blocks, then its stage-2 blocks from last to first (the most recently
+    streamed first: the likeliest in L2); codes 2 * block + stage."""
+    def make():
         codes = []
         for a, b in zip(blocks, blocks[1:]):
             codes += range(2 * a, 2 * b, 2)
             codes += range(2 * b - 1, 2 * a, -2)
-        sched = _SCHEDULES[key] = _on(torch.tensor(codes or [0], dtype=torch.int32), device)
-        if len(_SCHEDULES) > _OWNERS_KEPT:
-            _SCHEDULES.popitem(last=False)
-    else:
-        _SCHEDULES.move_to_end(key)
-    return sched
+        return _on(torch.tensor(codes or [0], dtype=torch.int32), device)
+    return _kept(_SCHEDULES, (numels, device), make)
 
 
 class _Table:
@@ -590,16 +584,16 @@ class Launch:
             self._part[key] = torch.empty((rows, width), device=self.device, dtype=torch.float32)
         return self._part[key]
 
-
     def flat_part(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """One buffer of per-block sums for every group (at least one entry), and each group's
-        view of it, in group order."""
+        """One buffer of per-block sums of squares for every group (at least one entry), and each
+        group's (blocks, 1) view of it, in group order: l2norm sums the views per tensor,
+        clip_inputs the whole buffer."""
         if self._flat_part is None:
             total = sum(table.blocks for table, _, _ in self.groups)
             flat = torch.empty(max(1, total), device=self.device, dtype=torch.float32)
             views, off = [], 0
             for table, _, _ in self.groups:
-                views.append(flat[off:off + table.blocks])
+                views.append(flat[off:off + table.blocks].view(-1, 1))
                 off += table.blocks
             self._flat_part = (flat, views)
         return self._flat_part
@@ -770,9 +764,8 @@ def l2norm(launch: Launch, per_tensor: bool):
     """(norm of all, (n,) norms or (0,)), fp32 on the tensors' device."""
     device = launch.device
     sums = torch.zeros(launch.n, device=device, dtype=torch.float32)
-    for g, (table, x_ty, _) in enumerate(launch.groups):
+    for (table, x_ty, _), part in zip(launch.groups, launch.flat_part()[1]):
         if table.blocks:
-            part = launch.part(g, 1)
             _sum_squares_kernel[(table.blocks,)](table.meta, table.own, table.n, part, X_TY=x_ty,
                                                  ALIGNED=table.aligned, BLOCK=BLOCK, num_warps=_NUM_WARPS)
             _segment_sums(table, part, sums, None)
