@@ -31,6 +31,7 @@ the optimizers (zerofuse.ops._optim.Prepared) while the tensors' addresses stay 
 """
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -697,6 +698,13 @@ def lamb_stage2(launch: Launch, norms: torch.Tensor, *, lr, beta1, beta2, eps, w
             )
 
 
+def _lamb_one_launch_from_env() -> bool:
+    value = os.environ.get("ZEROFUSE_LAMB_ONE_LAUNCH", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"ZEROFUSE_LAMB_ONE_LAUNCH must be '0' (two launches) or '1' (one launch), got {value!r}")
+    return value == "1"
+
+
 # [Note: one-launch LAMB] A LAMB step moves at least 44 bytes per fp32 param from memory in
 # two launches (a grad-norm pass 4, stage 1 reads p, g, m, v and writes m, v 24, stage 2 reads p,
 # m, v and writes p 16) against a clipped AdamW step's 32: 1.375x, over the 1.3x goal. Stage 2
@@ -710,7 +718,9 @@ def lamb_stage2(launch: Launch, norms: torch.Tensor, *, lr, beta1, beta2, eps, w
 # order (deterministic, the same sums as the two-launch path) and sets the tensor's ready flag; a
 # stage-2 program waits for it (acquire), then updates. The interpreter runs programs one by one in
 # ticket order, so there nothing ever waits.
-LAMB_ONE_LAUNCH = True  # False: the two-launch path (zerofuse's benchmark compares both)
+# ZEROFUSE_LAMB_ONE_LAUNCH=0 selects the two-launch path (the form measured on an H100 in session 6;
+# the one-launch form is not yet measured on a GPU). zerofuse's benchmark compares both.
+LAMB_ONE_LAUNCH = _lamb_one_launch_from_env()
 
 
 def lamb_fused(launch: Launch, *, lr, beta1, beta2, eps, weight_decay, bias_correction, trust_mode, min_trust,

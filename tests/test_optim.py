@@ -468,6 +468,20 @@ def test_one_launch_lamb_schedule_runs_each_tensor_stage_1_then_stage_2_backward
     assert sched == [0, 2, 3, 1, 4, 5, 6, 8, 10, 11, 9, 7]
 
 
+def test_lamb_launch_form_is_chosen_by_the_environment(monkeypatch):
+    """ZEROFUSE_LAMB_ONE_LAUNCH: unset or 1 = one launch, 0 = two (the GPU fallback); anything else
+    is refused with the variable's name and value."""
+    from zerofuse.kernels import optim as K
+
+    monkeypatch.delenv("ZEROFUSE_LAMB_ONE_LAUNCH", raising=False)
+    assert K._lamb_one_launch_from_env() is True
+    monkeypatch.setenv("ZEROFUSE_LAMB_ONE_LAUNCH", "0")
+    assert K._lamb_one_launch_from_env() is False
+    monkeypatch.setenv("ZEROFUSE_LAMB_ONE_LAUNCH", "yes")
+    with pytest.raises(ValueError, match=r"ZEROFUSE_LAMB_ONE_LAUNCH must be .*got 'yes'"):
+        K._lamb_one_launch_from_env()
+
+
 def test_lamb_modes_differ_where_the_paper_clamps():
     """A tensor with |p| above max_trust: "paper" clamps phi(|p|), "nvlamb" does not."""
     p = torch.randn(1000) * 10  # |p| ~ 316
