@@ -6,7 +6,10 @@
 //   AdamW: p *= 1 - lr * wd      Adam: g += wd * p
 //   m  = lerp(m, g, 1 - beta1)
 //   v  = v * beta2 + (1 - beta2) * g * g
-//   p -= (lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps)
+//   p -= (lr / bc1) * m / (sqrt(v) * (1 / sqrt(bc2)) + eps)
+// (torch divides by sqrt(bc2); the reciprocal, rounded once per tensor, leaves one division per
+// element: measured ~10% faster where the data sits in cache, and results stay within the tests'
+// 1e-6 of torch.optim, which this kernel never matched bit for bit because of FMA contraction)
 // with bc1 = 1 - beta1^step, bc2 = 1 - beta2^step from each param's own step count; then the param
 // is written (rounded once) from p. Chunks of one tensor at a time are spread over threads by size
 // (optim.h); the arithmetic loop is an omp-simd loop inside
@@ -24,7 +27,7 @@ namespace {
 // Scalars are derived in double and rounded once, as torch.optim passes Python floats to its ops:
 // float(1 - beta1) differs from 1 - float(beta1).
 struct AdamConsts {
-  float beta1, beta2, eps, wd, w1, w2, decay, step_size, bc2_sqrt, mult;
+  float beta1, beta2, eps, wd, w1, w2, decay, step_size, inv_bc2_sqrt, mult;
   bool decoupled, maximize;
 };
 
@@ -45,7 +48,7 @@ ZF_VECTOR_CLONES void adam_chunk(float* __restrict__ p, const float* __restrict_
     const float vi = v[i] * c.beta2 + w2 * gi * gi;
     m[i] = mi;
     v[i] = vi;
-    p[i] = pi - c.step_size * (mi / (std::sqrt(vi) / c.bc2_sqrt + c.eps));
+    p[i] = pi - c.step_size * (mi / (std::sqrt(vi) * c.inv_bc2_sqrt + c.eps));
   }
 }
 
@@ -65,7 +68,7 @@ AdamConsts consts_for(const AdamArgs& a, double step) {
                     static_cast<float>(1.0 - a.beta2),
                     static_cast<float>(1.0 - a.lr * a.weight_decay),
                     static_cast<float>(a.lr / bc1),
-                    static_cast<float>(std::sqrt(bc2)),
+                    static_cast<float>(1.0 / std::sqrt(bc2)),
                     a.mult,
                     a.decoupled,
                     a.maximize};

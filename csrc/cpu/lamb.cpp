@@ -3,7 +3,9 @@
 // norms over the whole tensor before any element moves:
 //   stage 1, per element, fp32:  g = grad * grad_mult
 //                                m = beta1 m + (1 - beta1) g;  v = beta2 v + (1 - beta2) g^2
-//                                u = (m / bc1) / (sqrt(v / bc2) + eps) + wd * p
+//                                u = (m * (1 / bc1)) / (sqrt(v * (1 / bc2)) + eps) + wd * p
+//            (the reciprocals rounded once per tensor: one division per element instead of three,
+//            which bound the step on CPUs whose data sits in cache)
 //            per tensor: norms[i] = (sum p^2, sum u^2)  (sums of squares, so that shards of one
 //            tensor on several ranks can be all-reduced between the stages)
 //   stage 2: trust from the norms (mode below), p -= lr * trust * u, u recomputed from m, v, p
@@ -26,8 +28,13 @@ namespace zerofuse {
 namespace {
 
 struct LambConsts {
-  float beta1, beta2, w1, w2, eps, wd, bc1, bc2, mult;
+  float beta1, beta2, w1, w2, eps, wd, inv_bc1, inv_bc2, mult;
 };
+
+// LAMB's update direction of one element (stage 1 keeps it, or stage 2 recomputes it: same bits).
+inline float lamb_update(float m, float v, float p, const LambConsts& c) {
+  return (m * c.inv_bc1) / (std::sqrt(v * c.inv_bc2) + c.eps) + c.wd * p;
+}
 
 LambConsts lamb_consts(double beta1, double beta2, double eps, double wd, bool bias_correction, double step,
                        double mult) {
@@ -35,7 +42,7 @@ LambConsts lamb_consts(double beta1, double beta2, double eps, double wd, bool b
   const double bc2 = bias_correction ? 1.0 - std::pow(beta2, step) : 1.0;
   return LambConsts{static_cast<float>(beta1), static_cast<float>(beta2), static_cast<float>(1.0 - beta1),
                     static_cast<float>(1.0 - beta2), static_cast<float>(eps), static_cast<float>(wd),
-                    static_cast<float>(bc1), static_cast<float>(bc2), static_cast<float>(mult)};
+                    static_cast<float>(1.0 / bc1), static_cast<float>(1.0 / bc2), static_cast<float>(mult)};
 }
 
 // Updates m and v, writes the update u; returns (sum p^2, sum u^2) of the chunk.
@@ -50,7 +57,7 @@ ZF_VECTOR_CLONES std::pair<float, float> lamb_moments(const float* __restrict__ 
     const float vi = v[i] * c.beta2 + c.w2 * gi * gi;
     m[i] = mi;
     v[i] = vi;
-    const float u = (mi / c.bc1) / (std::sqrt(vi / c.bc2) + c.eps) + c.wd * p[i];
+    const float u = lamb_update(mi, vi, p[i], c);
     u_out[i] = u;
     spp += p[i] * p[i];
     suu += u * u;
@@ -68,7 +75,7 @@ ZF_VECTOR_CLONES void lamb_apply(float* __restrict__ p, const float* __restrict_
                                  int64_t n, const LambConsts c, const float ratio) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
-    const float u = (m[i] / c.bc1) / (std::sqrt(v[i] / c.bc2) + c.eps) + c.wd * p[i];
+    const float u = lamb_update(m[i], v[i], p[i], c);
     p[i] = p[i] - ratio * u;
   }
 }
