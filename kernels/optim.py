@@ -556,7 +556,7 @@ class Launch:
         self.steps = _check_steps(steps, self.device) if steps is not None else []
         self._consts: dict[tuple, torch.Tensor] = {}
         self._part: dict[tuple[int, int], torch.Tensor] = {}
-        self._flat_part: tuple[torch.Tensor, list[torch.Tensor]] | None = None
+        self._block_sum_buf: tuple[torch.Tensor, list[torch.Tensor], int] | None = None
         self._sync: dict[int, torch.Tensor] = {}
 
     def consts(self, values: tuple) -> torch.Tensor:
@@ -585,19 +585,24 @@ class Launch:
             self._part[key] = torch.empty((rows, width), device=self.device, dtype=torch.float32)
         return self._part[key]
 
-    def flat_part(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """One buffer of per-block sums of squares for every group (at least one entry), and each
-        group's (blocks, 1) view of it, in group order: l2norm sums the views per tensor,
-        clip_inputs the whole buffer."""
-        if self._flat_part is None:
+    def block_sums(self) -> tuple[torch.Tensor, list[torch.Tensor], int]:
+        """Per-block sums of squares of every group's tensors, in one buffer (at least one entry,
+        kept between calls): (buffer, each group's (blocks, 1) view of it, number of blocks).
+        l2norm sums the views per tensor, clip_inputs the whole buffer."""
+        if self._block_sum_buf is None:
             total = sum(table.blocks for table, _, _ in self.groups)
             flat = torch.empty(max(1, total), device=self.device, dtype=torch.float32)
             views, off = [], 0
             for table, _, _ in self.groups:
                 views.append(flat[off:off + table.blocks].view(-1, 1))
                 off += table.blocks
-            self._flat_part = (flat, views)
-        return self._flat_part
+            self._block_sum_buf = (flat, views, total)
+        flat, views, total = self._block_sum_buf
+        for (table, x_ty, _), part in zip(self.groups, views):
+            if table.blocks:
+                _sum_squares_kernel[(table.blocks,)](table.meta, table.own, table.n, part, X_TY=x_ty,
+                                                     ALIGNED=table.aligned, BLOCK=BLOCK, num_warps=_NUM_WARPS)
+        return flat, views, total
 
 
 def _flag(t: torch.Tensor | None, name: str, device: torch.device) -> torch.Tensor | None:
@@ -774,10 +779,8 @@ def l2norm(launch: Launch, per_tensor: bool):
     """(norm of all, (n,) norms or (0,)), fp32 on the tensors' device."""
     device = launch.device
     sums = torch.zeros(launch.n, device=device, dtype=torch.float32)
-    for (table, x_ty, _), part in zip(launch.groups, launch.flat_part()[1]):
+    for (table, _, _), part in zip(launch.groups, launch.block_sums()[1]):
         if table.blocks:
-            _sum_squares_kernel[(table.blocks,)](table.meta, table.own, table.n, part, X_TY=x_ty,
-                                                 ALIGNED=table.aligned, BLOCK=BLOCK, num_warps=_NUM_WARPS)
             _segment_sums(table, part, sums, None)
     total = sums.sum().sqrt()
     return total, sums.sqrt() if per_tensor else sums.new_empty(0)
@@ -792,13 +795,8 @@ def clip_inputs(launch: Launch, max_norm: float, grad_scale: torch.Tensor | None
     (1 - flag, written by the same kernel), so _advance needs no launch of its own to make it."""
     device = launch.device
     scale, found = _flag(grad_scale, "grad_scale", device), _flag(found_inf, "found_inf", device)
-    flat, views = launch.flat_part()
-    for (table, x_ty, _), part in zip(launch.groups, views):
-        if table.blocks:
-            _sum_squares_kernel[(table.blocks,)](table.meta, table.own, table.n, part, X_TY=x_ty,
-                                                 ALIGNED=table.aligned, BLOCK=BLOCK, num_warps=_NUM_WARPS)
+    flat, _, nblocks = launch.block_sums()
     out = torch.empty(4, device=device, dtype=torch.float32)
-    nblocks = sum(table.blocks for table, _, _ in launch.groups)
     _clip_kernel[(1,)](flat, nblocks, out, scale, found, float(max_norm), HAS_SCALE=scale is not None,
                        HAS_FOUND=found is not None, BLOCK_P=1024, num_warps=4)
     flag = out[1:2]

@@ -74,6 +74,16 @@ def mutated(params: Sequence[torch.Tensor]) -> None:
     torch.autograd.graph.increment_version(params)
 
 
+def check_norms(op: str, norms: torch.Tensor, shape: tuple, device: torch.device | None) -> None:
+    """Given norms (LAMB's sums of squares, LARS's norms): a contiguous float32 tensor of this shape
+    on the params' device (None: no params to compare with)."""
+    if norms.dtype != torch.float32 or tuple(norms.shape) != shape or not norms.is_contiguous():
+        raise RuntimeError(f"zerofuse::{op}: expected norms to be a contiguous float32 tensor of shape {list(shape)}, "
+                           f"got {norms.dtype} {list(norms.shape)}")
+    if device is not None and norms.device != device:
+        raise RuntimeError(f"zerofuse::{op}: expected norms on the params' device ({device}), got {norms.device}")
+
+
 def selftest_tensors(device: torch.device):
     """(params, reference copies, two zero states, two zero reference states, zero step counters)
     of odd shapes (an empty tensor and a 1-element one included), for the op self-tests."""

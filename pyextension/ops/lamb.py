@@ -13,17 +13,14 @@ import torch
 from zerofuse import reference
 from zerofuse.kernels import optim as K
 from zerofuse.ops import register
-from zerofuse.ops._optim import LIB, Prepared, call, check_param_lists, direct, mutated, selftest_tensors
+from zerofuse.ops._optim import (LIB, Prepared, call, check_norms, check_param_lists, direct, mutated,
+                                 selftest_tensors)
 
 TRUST_MODES = {"paper": 0, "nvlamb": 1}
 
 
 def _check_norms(op, norms, n, device):
-    if norms.dtype != torch.float32 or tuple(norms.shape) != (n, 2) or not norms.is_contiguous():
-        raise RuntimeError(f"zerofuse::{op}: expected norms to be a contiguous float32 tensor of shape [{n}, 2], "
-                           f"got {norms.dtype} {list(norms.shape)}")
-    if device is not None and norms.device != device:
-        raise RuntimeError(f"zerofuse::{op}: expected norms on the params' device ({device}), got {norms.device}")
+    check_norms(op, norms, (n, 2), device)
 
 
 def _check1(params, grads, exp_avgs, exp_avg_sqs, masters, steps, norms):

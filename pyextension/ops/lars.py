@@ -10,7 +10,8 @@ import torch
 from zerofuse import reference
 from zerofuse.kernels import optim as K
 from zerofuse.ops import register
-from zerofuse.ops._optim import LIB, Prepared, call, check_param_lists, direct, mutated, selftest_tensors
+from zerofuse.ops._optim import (LIB, Prepared, call, check_norms, check_param_lists, direct, mutated,
+                                 selftest_tensors)
 from zerofuse.ops.l2norm import l2norm
 
 
@@ -20,11 +21,7 @@ def _check(params, grads, momentum_buffers, masters, norms):
 
 
 def _check_norms(norms, n, device):
-    if norms.dtype != torch.float32 or tuple(norms.shape) != (2 * n,) or not norms.is_contiguous():
-        raise RuntimeError(f"zerofuse::lars_: expected norms to be a contiguous float32 tensor of shape [{2 * n}], "
-                           f"got {norms.dtype} {list(norms.shape)}")
-    if device is not None and norms.device != device:
-        raise RuntimeError(f"zerofuse::lars_: expected norms on the params' device ({device}), got {norms.device}")
+    check_norms("lars_", norms, (2 * n,), device)
 
 
 @torch.library.register_fake("zerofuse::lars_")

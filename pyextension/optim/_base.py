@@ -11,9 +11,9 @@ as the attributes grad_scale / found_inf before calling step().
 """
 from __future__ import annotations
 
-import torch
-
 import operator
+
+import torch
 
 from zerofuse.ops.l2norm import clip_inputs
 from zerofuse.ops._optim import Prepared, use_triton
