@@ -467,10 +467,14 @@ class Trainer:
         shape = {**args.model_shape}
         self.cfg = config(args.model_name, **{**shape, "vocab_size": self.corpus.vocab_size})
         kw = {"tp_group": self.mesh.tp_group, "sequence_parallel": args.sequence_parallel} if args.tp > 1 else {}
-        model = GPT(self.cfg, seed=args.seed, **kw).to(self.device)
+        if args.zero_stage == 3:  # built on meta, materialized shard by shard: never whole on a rank
+            with torch.device("meta"):
+                model = GPT(self.cfg, seed=args.seed, **kw)
+        else:
+            model = GPT(self.cfg, seed=args.seed, **kw).to(self.device)
         self.n_params = model.num_params()  # unsharded
         self.model = zero.parallelize(model, stage=args.zero_stage, group=self.mesh.dp_group,
-                                      precision=args.precision)
+                                      precision=args.precision, device=self.device)
         if args.compile:
             for block in self.model.blocks:
                 block.forward = torch.compile(block.forward)

@@ -17,7 +17,7 @@ from zerofuse.models import GPT, GPTConfig
 from zerofuse.optim import FusedAdamW, FusedLAMB, FusedLARS
 
 from dist_utils import run_distributed
-from tolerances import tol
+from tolerances import assert_close_training, tol
 
 pytestmark = pytest.mark.usefixtures("native_kernels")
 
@@ -84,10 +84,23 @@ def reference_run(steps, precision="fp32", kind="adamw", param_groups=None, micr
     return losses, norms, {n: p.detach().float().clone() for n, p in model.named_parameters()}
 
 
+def reference_pair(steps, micro, **kw):
+    """reference_run of the whole batch, and the params of the same run with the batch split into
+    ``micro`` micro-batches (how the ranks split it): the reordering assert_close_params allows."""
+    ref = reference_run(steps, **kw)
+    alt = reference_run(steps, **{**kw, "micro": micro})[2]
+    return (*ref, alt)
+
+
+def assert_close_params(got: dict, ref: dict, alt: dict, what="") -> None:
+    for name, want in ref.items():
+        assert_close_training(got[name], want, alt[name], msg=f"{what} {name}")
+
+
 # ---------------------------------------------------------------------------- ranks
 
 
-def _train(rank, ws, model, opt, steps, *, micro=1, clip=True, no_sync=True):
+def _train(rank, ws, model, opt, steps, *, micro=1, clip=True, no_sync=True, set_to_none=True):
     per = GLOBAL_BATCH // ws
     losses, norms = [], []
     for i, b in enumerate(batches(steps)):
@@ -104,7 +117,7 @@ def _train(rank, ws, model, opt, steps, *, micro=1, clip=True, no_sync=True):
         if clip and clip_now(i):
             norms.append(opt.clip_grad_norm_(MAX_NORM).item())
         opt.step()
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=set_to_none)
     return losses, norms
 
 
@@ -122,7 +135,8 @@ def _parity_rank(rank, ws, precision, steps):
         model = make_model()
         zerofuse.zero.parallelize(model, stage=stage, precision=precision, bucket_mb=0.25)
         opt = zerofuse.zero.Optimizer(model, "adamw", lr=LR, weight_decay=WD)
-        losses, norms = _train(rank, ws, model, opt, steps)
+        # zero-filled (not freed) grad shards, so memory_report after the step shows them
+        losses, norms = _train(rank, ws, model, opt, steps, set_to_none=False)
         out[stage] = dict(losses=losses, norms=norms, params=full_state(model),
                           memory=zerofuse.zero.memory_report(model, opt),
                           events=list(model._zerofuse_zero.events))
@@ -132,7 +146,7 @@ def _parity_rank(rank, ws, precision, steps):
 @pytest.mark.parametrize("ws,precision", [(2, "fp32"), (3, "fp32"), (4, "fp32"), (2, "bf16"), (4, "bf16")])
 def test_parity_with_single_process(ws, precision):
     steps = 10
-    ref_losses, ref_norms, ref_params = reference_run(steps, precision)
+    ref_losses, ref_norms, ref_params, alt_params = reference_pair(steps, ws, precision=precision)
     results = run_distributed(_parity_rank, ws, precision, steps, timeout=240)
     dtype = torch.float32 if precision == "fp32" else torch.bfloat16
     t = dict(rtol=1e-5, atol=1e-6) if precision == "fp32" else tol(dtype)
@@ -142,10 +156,11 @@ def test_parity_with_single_process(ws, precision):
                                    msg=lambda m: f"stage {stage} losses: {m}")
         torch.testing.assert_close(torch.tensor(r0["norms"]), torch.tensor(ref_norms), **t,
                                    msg=lambda m: f"stage {stage} grad norms: {m}")
-        for name, want in ref_params.items():
-            got = r0["params"][name]
-            pt = dict(rtol=1e-4, atol=1e-5) if precision == "fp32" else tol(dtype)
-            torch.testing.assert_close(got, want, **pt, msg=lambda m: f"stage {stage} {name}: {m}")
+        if precision == "fp32":
+            assert_close_params(r0["params"], ref_params, alt_params, f"stage {stage}")
+        else:
+            for name, want in ref_params.items():
+                torch.testing.assert_close(r0["params"][name], want, **tol(dtype), msg=lambda m: f"stage {stage} {name}: {m}")
         for r in range(1, ws):  # every rank ends with the same params
             for name, want in r0["params"].items():
                 torch.testing.assert_close(results[r][stage]["params"][name], want, rtol=0, atol=0)
@@ -214,16 +229,14 @@ def _accum_rank(rank, ws, steps):
 
 def test_gradient_accumulation_matches_one_big_batch():
     steps, ws = 3, 2
-    ref_losses, _, ref_params = reference_run(steps, clip=False)
+    ref_losses, _, ref_params, alt_params = reference_pair(steps, ws * 3, clip=False)
     results = run_distributed(_accum_rank, ws, steps, timeout=240)
     for key, r in results[0].items():
         if key == "fp32_accum":
             assert r and all(d == torch.float32 for d in r)
             continue
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
-        for name, want in ref_params.items():
-            torch.testing.assert_close(r["params"][name], want, rtol=1e-4, atol=1e-5,
-                                       msg=lambda m: f"{key} {name}: {m}")
+        assert_close_params(r["params"], ref_params, alt_params, str(key))
 
 
 def _other_optimizers_rank(rank, ws, kind, stage, steps):
@@ -241,11 +254,10 @@ def _other_optimizers_rank(rank, ws, kind, stage, steps):
 def test_lamb_and_lars_on_shards(kind, stage, ws):
     """Per-param trust ratios need norms of params split across ranks: summed over the ranks."""
     steps = 5
-    ref_losses, _, ref_params = reference_run(steps, kind=kind)
+    ref_losses, _, ref_params, alt_params = reference_pair(steps, ws, kind=kind)
     losses, params = run_distributed(_other_optimizers_rank, ws, kind, stage, steps, timeout=240)[0]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
-    for name, want in ref_params.items():
-        torch.testing.assert_close(params[name], want, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+    assert_close_params(params, ref_params, alt_params)
 
 
 # (optimizer, stage, precision, hyper-parameters): clipping (AdamW, LAMB's default), master weights
@@ -334,21 +346,26 @@ def _groups_rank(rank, ws, steps):
 
 def test_param_groups_and_lr_scheduler():
     steps = 4
-    model = make_model()
-    opt = torch.optim.AdamW(_no_decay_groups(model), lr=LR, weight_decay=WD)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
-    lrs = []
-    for b in batches(steps):
-        _, loss = model(b[:, :-1], b[:, 1:])
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        sched.step()
-        lrs.append(opt.param_groups[0]["lr"])
+
+    def reference(micro):
+        model = make_model()
+        opt = torch.optim.AdamW(_no_decay_groups(model), lr=LR, weight_decay=WD)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+        lrs = []
+        for b in batches(steps):
+            for part in b.chunk(micro):
+                _, loss = model(part[:, :-1], part[:, 1:])
+                (loss / micro).backward()
+            opt.step()
+            opt.zero_grad()
+            sched.step()
+            lrs.append(opt.param_groups[0]["lr"])
+        return lrs, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    lrs, ref_params = reference(1)
     got_lrs, params = run_distributed(_groups_rank, 2, steps, timeout=240)[0]
     assert got_lrs == lrs
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(params[name], p.detach(), rtol=1e-4, atol=1e-5)
+    assert_close_params(params, ref_params, reference(2)[1])
 
 
 def _fp16_rank(rank, ws, stage):
@@ -471,18 +488,17 @@ def test_stage3_frees_params_and_supports_activation_checkpointing():
     assert all(s == "free" for states in r["gathered_after_backward"] for s in states)
     assert r["after_eval"] == ["free"] * 4
     assert r["param_bytes"] == r["shard_bytes"]  # between steps a rank holds only its shards
-    _, _, ref_params = reference_run(3, clip=False)
-    for name, want in ref_params.items():
-        torch.testing.assert_close(r["params"][name], want, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+    _, _, ref_params, alt_params = reference_pair(3, 2, clip=False)
+    assert_close_params(r["params"], ref_params, alt_params)
 
 
 def _free_while_gathering_rank(rank, ws):
     model, eng, _, _ = _zero_adamw(ws, stage=3)
     u = eng.units[0]
-    u.start_gather(eng.comm)
+    u.start_param_sync(eng.comm)
     u.free()  # as the engine may, e.g. at the end of a backward, with a prefetch still running
     after_free = (u.state, u.gather_work is None, u.full.untyped_storage().nbytes())
-    u.wait_gather(eng.comm)
+    u.finish_param_sync(eng.comm)
     ref = dict(make_model().named_parameters())
     want = torch.cat([ref[n].detach().reshape(-1) for n in u.names])
     return after_free, torch.equal(u.full[:u.numel], want)
@@ -517,9 +533,8 @@ def _no_reshard_rank(rank, ws):
 def test_stage3_without_resharding_after_forward():
     states, params = run_distributed(_no_reshard_rank, 2, timeout=240)[0]
     assert states[0] == ["gathered"] * 4 and states[1] == ["free"] * 4
-    _, _, ref_params = reference_run(2, clip=False)
-    for name, want in ref_params.items():
-        torch.testing.assert_close(params[name], want, rtol=1e-4, atol=1e-5)
+    _, _, ref_params, alt_params = reference_pair(2, 2, clip=False)
+    assert_close_params(params, ref_params, alt_params)
 
 
 def _overlap_off_rank(rank, ws):
@@ -533,9 +548,8 @@ def _overlap_off_rank(rank, ws):
 def test_overlap_off_launches_at_the_end_and_matches():
     events, params = run_distributed(_overlap_off_rank, 2, timeout=240)[0]
     assert events and all(when == "end" for _, _, when in events)
-    _, _, ref_params = reference_run(2, clip=False)
-    for name, want in ref_params.items():
-        torch.testing.assert_close(params[name], want, rtol=1e-4, atol=1e-5)
+    _, _, ref_params, alt_params = reference_pair(2, 2, clip=False)
+    assert_close_params(params, ref_params, alt_params)
 
 
 def _errors_rank(rank, ws):

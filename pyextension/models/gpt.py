@@ -3,14 +3,18 @@ grouped-query heads), fused LayerNorm/RMSNorm, and trained with zerofuse's fused
 
 Pre-norm blocks (x + attn(norm(x)), x + mlp(norm(x))), learned position embeddings, GELU MLP, an
 optional tied output head. Initialisation is GPT-2's (normal(0, 0.02); the residual projections
-scaled by 1/sqrt(2 * n_layer)) drawn from a generator seeded by ``seed``: the same seed gives the
-same weights on every rank and machine, whatever the global RNG state.
+scaled by 1/sqrt(2 * n_layer)), each param drawn from its own generator seeded by ``seed`` and the
+param's name: the same seed gives the same weights on every rank and machine, whatever the global
+RNG state and whatever order (or subset) the params are initialised in. So a GPT built under
+``torch.device("meta")`` and materialized unit by unit by ``zerofuse.zero.parallelize`` (which
+calls ``param_init_fn`` per module) gets exactly the weights of ``GPT(cfg, seed=seed)``.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import math
+import zlib
 
 import torch
 import torch.distributed as dist
@@ -156,21 +160,34 @@ class GPT(torch.nn.Module):
             self.head.weight = self.wte.weight
         # recompute each block's forward in backward instead of keeping its activations
         self.activation_checkpointing = False
-        self.reset_parameters(seed)
+        # names as named_parameters gives them (a shared param keeps its first name)
+        self._param_names = {id(p): n for n, p in self.named_parameters()}
+        self.seed = seed
+        if not any(p.is_meta for p in self.parameters()):  # a meta model is initialised where it is materialized
+            self.reset_parameters(seed)
         if device is not None:
             self.to(device)
 
     @torch.no_grad()
-    def reset_parameters(self, seed: int = 0) -> None:
-        gen = torch.Generator().manual_seed(seed)
+    def reset_parameters(self, seed: int | None = None) -> None:
+        if seed is not None:
+            self.seed = seed
+        for m in self.modules():
+            self.param_init_fn(m)
+
+    @torch.no_grad()
+    def param_init_fn(self, module: torch.nn.Module) -> None:
+        """Initialise ``module``'s own params (not its children's) as the GPT-2 scheme above."""
         resid_std = 0.02 / math.sqrt(2 * self.config.n_layer)
-        for name, p in self.named_parameters():  # shared params appear once
+        for p in module.parameters(recurse=False):
+            name = self._param_names[id(p)]
             if name.endswith("norm1.weight") or name.endswith("norm2.weight") or name == "norm.weight":
                 value = torch.ones(p.shape)
             elif name.endswith(".bias"):
                 value = torch.zeros(p.shape)
             else:
                 std = resid_std if name.endswith("attn.proj.weight") or name.endswith("mlp.proj.weight") else 0.02
+                gen = torch.Generator().manual_seed(((self.seed & 0xFFFFFFFF) << 32) | zlib.crc32(name.encode()))
                 spec = tp.spec_of(p)  # TP: draw the full tensor, keep this rank's slice
                 value = torch.randn(spec.full_shape if spec else p.shape, generator=gen) * std
                 if spec is not None:

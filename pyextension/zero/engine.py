@@ -3,13 +3,13 @@
 Stage 0/1/2: trainable params are grouped, in reverse registration order (the order their grads
 become ready), into units of about ``bucket_mb``; stage 3: one unit per wrap module (default: each
 child of the model's main ModuleList, e.g. the transformer blocks) plus a root unit for the rest
-(embeddings, final norm, head, and any param shared between units). See zerofuse/zero/flat.py for
-a unit's buffers.
+(embeddings, final norm, head, and any param shared between units). See zerofuse/zero/buckets.py
+for a bucket's buffers and [Note: bucket buffers] for their lifetimes.
 
 [Note: ZeRO hooks]
 - grads: a post-accumulate-grad hook on every param adds .grad into its unit's gflat and drops it;
   when a unit's last param is ready its reduce-scatter is launched (overlap=True) while backward
-  goes on. The first hook of a backward queues an end-of-backward callback that launches what is
+  goes on, after waiting for the oldest one when max_inflight are in flight. The first hook of a backward queues an end-of-backward callback that launches what is
   left (units with unused params), waits for every reduce-scatter and, stage 3, frees the root.
   Inside ``no_sync()`` grads accumulate in gflat and nothing is launched.
 - stage 1/2 params: the optimizer's step all-gathers updated shards; a forward pre-hook on each
@@ -30,8 +30,8 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from zerofuse.comm import BucketPlan, Communicator
-from zerofuse.zero.flat import FREE, FlatUnit
+from zerofuse.comm import Communicator
+from zerofuse.zero.buckets import FREE, Bucket, BucketGroup
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 REDUCE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -70,7 +70,7 @@ def _wrap_modules(model: torch.nn.Module, wrap) -> list[torch.nn.Module]:
 
 class ZeroEngine:
     def __init__(self, model, *, stage, group, precision, reduce_dtype, bucket_mb, overlap, prefetch, wrap,
-                 reshard_after_forward=True, tp_group=None):
+                 reshard_after_forward=True, tp_group=None, max_inflight=2, device=None, param_init_fn=None):
         name = "zerofuse.zero.parallelize"
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"{name}: expected stage 0, 1, 2 or 3, got {stage!r}")
@@ -83,6 +83,11 @@ class ZeroEngine:
             raise ValueError(f"{name}: expected bucket_mb > 0, got {bucket_mb}")
         if not isinstance(prefetch, int) or prefetch < 0:
             raise ValueError(f"{name}: expected prefetch to be an int >= 0, got {prefetch!r}")
+        if not isinstance(max_inflight, int) or isinstance(max_inflight, bool) or max_inflight < 1:
+            raise ValueError(f"{name}: expected max_inflight to be an int >= 1, got {max_inflight!r}")
+        if param_init_fn is not None and not callable(param_init_fn):
+            raise TypeError(f"{name}: expected param_init_fn to be None or a callable(module), got "
+                            f"{type(param_init_fn).__name__}")
         if getattr(model, "_zerofuse_zero", None) is not None:
             raise ValueError(f"{name}: the model is already parallelized")
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -91,16 +96,35 @@ class ZeroEngine:
         devices = {p.device for _, p in named}
         if len(devices) > 1:
             raise ValueError(f"{name}: expected every parameter on one device, got {sorted(map(str, devices))}")
+        meta = next(iter(devices)).type == "meta"
+        if device is not None:
+            device = torch.device(device)
+            if device.type == "cuda" and device.index is None:
+                device = torch.device("cuda", torch.cuda.current_device())
+            if not meta and device != next(iter(devices)):
+                raise ValueError(f"{name}: device={device} but the parameters are on {next(iter(devices))}; device= "
+                                 "is where a model built on the meta device is materialized")
+        elif meta:
+            device = (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+                      else torch.device("cpu"))
+        else:
+            device = next(iter(devices))
+        self.device = device
         self.comm = Communicator(group)
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
         self.stage, self.precision, self.overlap, self.prefetch = stage, precision, overlap, prefetch
         self.reshard_after_forward = reshard_after_forward
         self.dtype = PRECISIONS[precision]
-        model.to(self.dtype)
+        if meta:
+            _materialize_rest(model, device, self.dtype)
+        else:
+            model.to(self.dtype)
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
         self.param_index = {id(p): i for i, p in enumerate(self.params)}
-        self.reduce_dtype = reduce_dtype or self.dtype
+        # grads accumulate and reduce in fp32 unless a low-precision wire is asked for
+        self.reduce_dtype = reduce_dtype or (torch.float32 if self.dtype in (torch.bfloat16, torch.float16)
+                                             else self.dtype)
         # tensor parallelism: params marked by zerofuse.tp hold a slice of a larger tensor (their
         # norms add up over the TP group); the others are replicated on every TP rank
         if tp_group is None:
@@ -109,16 +133,20 @@ class ZeroEngine:
         self.tp_rank = self.tp_comm.rank if self.tp_comm is not None else 0
         self.tp_sharded = [getattr(p, "_zf_tp", None) is not None for p in self.params]
 
-        self.units: list[FlatUnit] = []
-        self.wrap_units: dict[int, FlatUnit] = {}  # id(module) -> unit
-        # stage 0 replicates everything: units are laid out as for a single rank
+        self.units: list[Bucket] = []
+        self.wrap_units: dict[int, Bucket] = {}  # id(module) -> unit
+        # stage 0 replicates everything: buckets are laid out as for a single rank
         shard_rank, shard_world = (0, 1) if stage == 0 else (self.rank, self.world_size)
-        kw = dict(rank=shard_rank, world_size=shard_world, align=ALIGN, stage=stage, reduce_dtype=reduce_dtype)
+        kw = dict(rank=shard_rank, world_size=shard_world, align=ALIGN, stage=stage, dtype=self.dtype,
+                  reduce_dtype=self.reduce_dtype, grad_div=1.0 / self.world_size, device=device)
+        self._init = _Initializer(model, param_init_fn) if meta else None
         if stage == 3:
             self._build_stage3(model, named, wrap, kw)
         else:
-            self._build_buckets(bucket_mb, kw)
-        self.unit_of: dict[int, tuple[FlatUnit, int]] = {}
+            self._build_buckets(named, bucket_mb, kw)
+        self._init = None
+        self.buckets = BucketGroup(self.units, self.comm, max_inflight)
+        self.unit_of: dict[int, tuple[Bucket, int]] = {}
         for u in self.units:
             for i, p in enumerate(u.params):
                 self.unit_of[id(p)] = (u, i)
@@ -128,8 +156,8 @@ class ZeroEngine:
         self._final_queued = False
         self._in_backward = False
         self._hooks = []
-        self._fwd_order: list[FlatUnit] = []
-        self._last_order: list[FlatUnit] = [self.wrap_units[id(m)] for m in self._wrap_mods] if stage == 3 else []
+        self._fwd_order: list[Bucket] = []
+        self._last_order: list[Bucket] = [self.wrap_units[id(m)] for m in self._wrap_mods] if stage == 3 else []
         for p in self.params:
             self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_ready))
         if stage == 3:
@@ -137,14 +165,26 @@ class ZeroEngine:
         else:
             self._install_param_wait_hooks(model)
 
+    def _bucket(self, name, group, kw) -> Bucket:
+        b = Bucket(len(self.units), name, group, **kw)
+        if b.meta:  # initialised while it is the only full bucket: the model never exists whole
+            b.materialize(self._init.run)
+        self.units.append(b)
+        return b
+
     # ------------------------------------------------------------------ layout
 
-    def _build_buckets(self, bucket_mb, kw):
-        # the communicator's bucket plan: reverse registration order, about bucket_mb each
-        plan = BucketPlan(self.params, bucket_mb=bucket_mb, world_size=kw["world_size"], align=ALIGN)
-        for b in plan.buckets:
-            group = [(self.names[self.param_index[id(p)]], p) for p in b.params]
-            self.units.append(FlatUnit(len(self.units), f"bucket{len(self.units)}", group, **kw))
+    def _build_buckets(self, named, bucket_mb, kw):
+        # reverse registration order (the order grads become ready in backward), about bucket_mb each
+        limit, size, cur = bucket_mb * (1 << 20), 0, []
+        for n, p in reversed(named):
+            cur.append((n, p))
+            size += p.numel() * self.dtype.itemsize
+            if size >= limit:
+                self._bucket(f"bucket{len(self.units)}", cur, kw)
+                cur, size = [], 0
+        if cur:
+            self._bucket(f"bucket{len(self.units)}", cur, kw)
         self._wrap_mods = []
 
     def _build_stage3(self, model, named, wrap, kw):
@@ -167,13 +207,9 @@ class ZeroEngine:
         self._wrap_mods = []
         for i, m in enumerate(mods):
             if groups[i]:
-                u = FlatUnit(len(self.units), mod_names.get(id(m), f"unit{i}"), groups[i], **kw)
-                self.units.append(u)
-                self.wrap_units[id(m)] = u
+                self.wrap_units[id(m)] = self._bucket(mod_names.get(id(m), f"unit{i}"), groups[i], kw)
                 self._wrap_mods.append(m)
-        self.root = FlatUnit(len(self.units), "<root>", groups[-1], **kw) if groups[-1] else None
-        if self.root is not None:
-            self.units.append(self.root)
+        self.root = self._bucket("<root>", groups[-1], kw) if groups[-1] else None
 
     # ------------------------------------------------------------------ grads
 
@@ -189,7 +225,7 @@ class ZeroEngine:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
         if unit.ready == len(unit.params):
             if self.sync_grads and self.overlap:
-                unit.launch_reduce(self.comm)
+                self.buckets.start_grad_sync(unit)
                 self.events.append(("reduce_scatter", unit.index, "backward"))
             if self.stage == 3 and unit is not self.root:
                 unit.free()
@@ -197,12 +233,9 @@ class ZeroEngine:
     def _end_of_backward(self) -> None:
         self._final_queued = False
         self._in_backward = False
-        if self.sync_grads:
-            for u in self.units:  # units with unused params, or all of them without overlap
-                if u.dirty and not u.launched:
-                    u.launch_reduce(self.comm)
-                    self.events.append(("reduce_scatter", u.index, "end"))
-        self.finish_grad_sync()
+        # units with unused params, or all of them without overlap, are launched here
+        for u in self.buckets.finish_grad_sync(launch_rest=self.sync_grads):
+            self.events.append(("reduce_scatter", u.index, "end"))
         for u in self.units:
             u.ready = 0
             u.launched = False
@@ -210,8 +243,7 @@ class ZeroEngine:
                 u.free()
 
     def finish_grad_sync(self) -> None:
-        for u in self.units:
-            u.finish_reduce()
+        self.buckets.finish_grad_sync()
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -223,9 +255,12 @@ class ZeroEngine:
         finally:
             self.sync_grads = prev
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Forget the grads: set_to_none=True frees the grad shards (nothing held between steps),
+        False fills them with zeros (as torch's zero_grad)."""
+        self.buckets.finish_grad_sync()
         for u in self.units:
-            u.zero_grad()
+            u.zero_grad(set_to_none)
         for p in self.params:
             p.grad = None
 
@@ -236,19 +271,12 @@ class ZeroEngine:
         forward pre-hooks, or by finish_param_sync."""
         if self.stage == 0:  # every rank stepped the whole buffer
             return
-        for u in reversed(self.units):
-            u.gather_work = self.comm.all_gather_coalesced(u.shard, [u.full])
+        self.buckets.start_param_sync()
         if not self.overlap:
             self.finish_param_sync()
 
     def finish_param_sync(self) -> None:
-        for u in reversed(self.units):
-            self._wait_params(u)
-
-    def _wait_params(self, u: FlatUnit) -> None:
-        if u.gather_work is not None:
-            u.gather_work.wait()
-            u.gather_work = None
+        self.buckets.finish_param_sync()
 
     def _install_param_wait_hooks(self, model) -> None:
         for m in model.modules():
@@ -262,7 +290,7 @@ class ZeroEngine:
     def _make_wait_hook(self, units):
         def hook(_mod, _args):
             for u in units:
-                self._wait_params(u)
+                u.finish_param_sync(self.comm)
 
         return hook
 
@@ -278,7 +306,7 @@ class ZeroEngine:
 
     def _root_pre_forward(self, _mod, _args) -> None:
         if self.root is not None:
-            self.root.wait_gather(self.comm)
+            self.root.finish_param_sync(self.comm)
         if not self._in_backward:
             self._fwd_order = []
             self._prefetch(self._last_order[: self.prefetch])
@@ -292,24 +320,24 @@ class ZeroEngine:
 
     def _prefetch(self, units) -> None:
         for u in units:
-            u.start_gather(self.comm)
+            u.start_param_sync(self.comm)
 
-    def _next(self, u: FlatUnit, order: list[FlatUnit]) -> list[FlatUnit]:
+    def _next(self, u: Bucket, order: list[Bucket]) -> list[Bucket]:
         for i, v in enumerate(order):
             if v is u:
                 return order[i + 1:i + 1 + self.prefetch]
         return []
 
-    def _make_pre_forward(self, u: FlatUnit):
+    def _make_pre_forward(self, u: Bucket):
         def hook(_mod, _args):
-            u.wait_gather(self.comm)
+            u.finish_param_sync(self.comm)
             if not self._in_backward:
                 self._fwd_order.append(u)
                 self._prefetch(self._next(u, self._last_order))
 
         return hook
 
-    def _make_post_forward(self, u: FlatUnit):
+    def _make_post_forward(self, u: Bucket):
         def hook(_mod, _args, out):
             if self._in_backward:  # a re-run forward (activation checkpointing): backward needs the params
                 return
@@ -322,14 +350,14 @@ class ZeroEngine:
 
         return hook
 
-    def _make_pre_backward(self, u: FlatUnit):
+    def _make_pre_backward(self, u: Bucket):
         def hook(_grad):
             self._in_backward = True
             if not self._final_queued:
                 self._final_queued = True
                 torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
             if u.ready < len(u.params):
-                u.wait_gather(self.comm)
+                u.finish_param_sync(self.comm)
                 self._prefetch(self._next(u, self._last_order[::-1]))
 
         return hook
@@ -346,14 +374,105 @@ class ZeroEngine:
             return
         was_free = [u for u in self.units if u.state == FREE]
         for u in was_free:
-            u.start_gather(self.comm)
+            u.start_param_sync(self.comm)
         for u in self.units:
-            u.wait_gather(self.comm)
+            u.finish_param_sync(self.comm)
         try:
             yield
         finally:
             for u in was_free:  # units a forward/backward in progress holds stay gathered
                 u.free()
+
+    @contextlib.contextmanager
+    def full_grads(self):
+        """Every param's full, reduced gradient as its ``.grad`` inside the block (gathered from the
+        ranks' shards on entry, dropped on exit); in-place changes to a ``.grad`` (a user's own
+        clipping) are written back into this rank's shard. Collective: every rank enters."""
+        self.buckets.finish_grad_sync()
+        held = []  # (bucket, full grad buffer, grads handed out with their versions)
+        for u in self.units:
+            if not u.has_grad():
+                continue
+            g = u.grad_shard()
+            if self.stage == 0:
+                buf = g
+            else:
+                buf = torch.empty(u.padded, dtype=u.reduce_dtype, device=u.device)
+                self.comm.all_gather_coalesced(g, [buf]).wait()
+            given = []
+            for p, o in zip(u.params, u.offsets):
+                view = buf[o:o + p.numel()].view(p.shape)
+                p.grad = view if view.dtype == p.dtype else view.to(p.dtype)
+                given.append((p.grad, p.grad._version))
+            held.append((u, buf, given))
+        try:
+            yield
+        finally:
+            for u, buf, given in held:
+                changed = False
+                for p, o, (grad, version) in zip(u.params, u.offsets, given):
+                    now = p.grad
+                    if now is not grad or now._version != version:
+                        changed = True
+                        if now is None:
+                            buf[o:o + p.numel()].zero_()
+                        elif now.data_ptr() != buf[o:].data_ptr():
+                            buf[o:o + p.numel()].copy_(now.reshape(-1))
+                if changed and self.stage != 0:
+                    u.gshard.copy_(buf[u.lo:u.hi])
+            for p in self.params:
+                p.grad = None
+
+
+class _Initializer:
+    """Values for the params of a model built on the meta device, one bucket at a time: each module
+    holding a param of the bucket runs ``param_init_fn(module)`` (the argument, else the model's own
+    ``param_init_fn`` method, else ``module.reset_parameters()``). A module's params that live in
+    another bucket are meta stand-ins meanwhile (their writes are dropped: they are initialised with
+    their own bucket)."""
+
+    def __init__(self, model, param_init_fn):
+        self.fn = param_init_fn or getattr(model, "param_init_fn", None)
+        self.names = {id(m): n for n, m in model.named_modules()}
+        self.holders: dict[int, list] = {}  # id(param) -> modules holding it directly, in module order
+        for m in model.modules():
+            for p in m.parameters(recurse=False):
+                self.holders.setdefault(id(p), []).append(m)
+
+    def run(self, params) -> None:
+        mine = {id(p) for p in params}
+        mods = list({id(m): m for p in params for m in self.holders[id(p)]}.values())
+        saved = []
+        for m in mods:
+            for q in m.parameters(recurse=False):
+                if id(q) not in mine and not q.is_meta:
+                    saved.append((q, q.data))
+                    q.data = torch.empty_like(q, device="meta")
+        try:
+            for m in mods:
+                if self.fn is not None:
+                    self.fn(m)
+                elif hasattr(m, "reset_parameters"):
+                    m.reset_parameters()
+                else:
+                    raise ValueError(f"zerofuse.zero.parallelize: module {self.names.get(id(m), '?')!r} "
+                                     f"({type(m).__name__}) holds parameters on the meta device and has no "
+                                     "reset_parameters(); pass param_init_fn=callable(module) to initialise them")
+        finally:
+            for q, d in saved:
+                q.data = d
+
+
+def _materialize_rest(model, device, dtype) -> None:
+    """A meta model's buffers and frozen params, allocated (uninitialised, as ``Module.to_empty``)
+    on ``device``; floating ones in the run's dtype. Trainable params are the buckets' business."""
+    for m in model.modules():
+        for key, b in m._buffers.items():
+            if b is not None and b.is_meta:
+                m._buffers[key] = torch.empty_like(b, device=device, dtype=dtype if b.is_floating_point() else b.dtype)
+        for p in m.parameters(recurse=False):
+            if p.is_meta and not p.requires_grad:
+                p.data = torch.empty_like(p, device=device, dtype=dtype if p.is_floating_point() else p.dtype)
 
 
 def _tensors(out):
@@ -370,15 +489,24 @@ def _tensors(out):
 def parallelize(model: torch.nn.Module, *, stage: int, group=None, precision: str = "fp32",
                 reduce_dtype: torch.dtype | None = None, bucket_mb: float = 25.0, overlap: bool = True,
                 prefetch: int = 1, wrap=None, reshard_after_forward: bool = True,
-                tp_group=None) -> torch.nn.Module:
+                tp_group=None, max_inflight: int = 2, device=None, param_init_fn=None) -> torch.nn.Module:
     """Make ``model`` ZeRO data-parallel over ``group`` (None: the default group), in place, and
     return it. stage 0 is plain data parallelism (grads all-reduced in buckets during backward,
     every rank keeps and steps everything); 1/2/3 shard optimizer states / + grads / + params.
     tp_group (default: ``model.tp_group``, set by tensor-parallel zerofuse models): the
     tensor-parallel group, so that grad norms (clipping, LAMB/LARS trust ratios, fp16 overflow)
     cover the whole model. precision: the dtype params and grads are kept in (fp32 masters live
-    in the optimizer); reduce_dtype: the dtype grads are reduced and accumulated in (default: the
-    params'). stage 3: ``wrap`` picks the units (None: each child of the main ModuleList; a list
+    in the optimizer); reduce_dtype: the dtype grads are accumulated and reduced in (default fp32;
+    bf16/fp16 put half the bytes on the wire and are summed in fp32 after an all-to-all, rounding
+    once); averages are pre-divided by the world size before the reduction. max_inflight: gradient
+    reductions in flight at once during backward (the next launch waits for the oldest), which
+    bounds backward's gradient memory to about grad shard + (max_inflight + 1) buckets/units.
+
+    A model built under ``torch.device("meta")`` is materialized bucket by bucket on ``device``
+    (default: the current CUDA device, else the CPU): each bucket (stage 3: each unit) is allocated
+    whole once, initialised by ``param_init_fn(module)`` (default: the model's ``param_init_fn``
+    method, else each module's ``reset_parameters()``) and, at stage 3, cut to this rank's shard,
+    so the full model never exists on one rank. stage 3: ``wrap`` picks the units (None: each child of the main ModuleList; a list
     of module classes; a list of submodules; a callable(module) -> bool) and ``prefetch`` how many
     units are gathered ahead, ``reshard_after_forward=False`` keeps each unit gathered from its
     forward to the end of its backward (FSDP2's option: less communication, more memory).
@@ -386,7 +514,8 @@ def parallelize(model: torch.nn.Module, *, stage: int, group=None, precision: st
     gradient accumulation. Build ``zerofuse.zero.Optimizer(model, ...)`` to train."""
     engine = ZeroEngine(model, stage=stage, group=group, precision=precision, reduce_dtype=reduce_dtype,
                         bucket_mb=bucket_mb, overlap=overlap, prefetch=prefetch, wrap=wrap,
-                        reshard_after_forward=reshard_after_forward, tp_group=tp_group)
+                        reshard_after_forward=reshard_after_forward, tp_group=tp_group,
+                        max_inflight=max_inflight, device=device, param_init_fn=param_init_fn)
     model._zerofuse_zero = engine
     model.no_sync = engine.no_sync
     return model
@@ -396,6 +525,14 @@ def full_params(model: torch.nn.Module):
     """Context manager: the model's params hold their full values inside (e.g. to export or
     evaluate outside the hooks); see ZeroEngine.full_params."""
     return engine_of(model, "zerofuse.zero.full_params").full_params()
+
+
+def full_grads(model: torch.nn.Module):
+    """Context manager: every param of a ZeRO model holds its full gradient as ``.grad`` inside
+    (for inspection, logging or a user's own clipping, written back on exit); outside it ``.grad``
+    is None by design: the grads live in zerofuse's shards (clip with
+    ``zerofuse.zero.Optimizer.clip_grad_norm_``; torch's clip_grad_norm_ sees no grads there)."""
+    return engine_of(model, "zerofuse.zero.full_grads").full_grads()
 
 
 def engine_of(model: torch.nn.Module, who: str) -> ZeroEngine:

@@ -7,8 +7,14 @@ params b_p Ψ (stage 0/1/2) or b_p Ψ / Nd (stage 3); grads b_g Ψ (stage 0/1) o
 dtype's, and K = 4 bytes per fp32 state (m, v; the momentum buffer for LARS) + 4 for the fp32
 master when params are bf16/fp16.
 Ψ is the exact parameter count; the measured figures include each unit's padding.
+
+``peak_memory(device)`` measures what a region needs at its peak (the figure ZeRO's promises are
+about), not what is left after it.
 """
 from __future__ import annotations
+
+import contextlib
+import warnings
 
 import torch
 
@@ -52,3 +58,44 @@ def memory_report(model: torch.nn.Module, optimizer=None) -> dict:
     formula["total"] = sum(formula.values())
     return {"params": params, "grads": grads, "optimizer": opt, "total": params + grads + opt, "formula": formula,
             "psi": psi, "world_size": eng.world_size, "stage": eng.stage, "K": k}
+
+
+class Peak:
+    """Filled when a ``peak_memory`` block exits: ``peak`` (bytes above the allocation at entry, at
+    the region's highest point) and ``end`` (bytes above it at exit)."""
+
+    peak: int = 0
+    end: int = 0
+
+
+@contextlib.contextmanager
+def peak_memory(device=None):
+    """Context manager yielding a :class:`Peak`: the most bytes allocated at once during the block,
+    above what was allocated at entry. CUDA: ``torch.cuda.max_memory_allocated`` (the peak counter
+    is reset at entry). CPU: the CPU allocator's events recorded by torch.profiler, summed in order
+    (allocations on threads other than the caller's, e.g. inside gloo, are not seen; frees of
+    blocks allocated before the block are not counted, so the figure errs high)."""
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    out = Peak()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        start = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        yield out
+        torch.cuda.synchronize(device)
+        out.peak = torch.cuda.max_memory_allocated(device) - start
+        out.end = torch.cuda.memory_allocated(device) - start
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            yield out
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
+    live = peak = 0
+    for _, n in events:
+        live += n
+        peak = max(peak, live)
+    out.peak, out.end = peak, live

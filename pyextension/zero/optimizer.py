@@ -4,9 +4,16 @@ Per unit the rank holds fp32 states for its shard (m and v for Adam/AdamW/LAMB, 
 buffer for LARS) and, when params are bf16/fp16, an fp32 master copy; fp32 params are stepped in
 place. A step is one fused launch per param group over every unit's shard (Adam/AdamW: adjacent
 pieces of the same group are merged into one flat view; LAMB/LARS: one view per param piece, with
-the per-param norms summed over the ranks between the passes). The multiplier 1 / world_size
-(grads are reduced as sums), the loss-scale unscale and the clip coefficient are one device
-tensor read by the kernel, so nothing waits on the host.
+the per-param norms summed over the ranks between the passes). Grads arrive averaged (the
+engine pre-divides); the loss-scale unscale and the clip coefficient are one device tensor read by
+the kernel, so nothing waits on the host.
+
+Torch's surfaces hold: ``state[p]`` is populated for every param with a piece on this rank
+(``step``, the moments and, for bf16/fp16 params, ``master``: 1-D views of this rank's piece of the
+flat states, so writing them writes the optimizer's state), ``zero_grad(set_to_none=...)`` frees or
+zero-fills the grad shards, and ``state_dict()`` has torch.optim's layout (``state[index]`` holding
+this rank's pieces, ``param_groups`` with param indices) plus a ``zerofuse`` entry with the layout
+it belongs to.
 
 fp16: ``scale_loss(loss)`` multiplies by the dynamic loss scale; every step computes the global
 grad norm (one all-reduce of a scalar): inf/NaN on any rank gives inf/NaN on every rank, so every
@@ -98,6 +105,7 @@ class Optimizer(torch.optim.Optimizer):
         self._build_states()
         dev = eng.params[0].device
         self._steps = [torch.zeros(1, dtype=torch.float32, device=dev) for _ in self.param_groups]
+        self._expose_states()
         self._clip_coef = None
         self.last_grad_norm: torch.Tensor | None = None
         self.fp16 = eng.dtype == torch.float16
@@ -154,6 +162,17 @@ class Optimizer(torch.optim.Optimizer):
                 else:
                     runs.append(_Piece(u, s.shard_offset, s.length, None))
 
+    def _expose_states(self) -> None:
+        """state[p]: views of this rank's piece of p in the flat states (see the module doc)."""
+        eng = self.engine
+        self.state.clear()
+        for u, st in zip(eng.units, self.unit_states):
+            for sg in u.segments:
+                p = u.params[sg.param]
+                entry = {"step": self._steps[self._group_of[id(p)]].view(())}
+                entry.update({k: t.narrow(0, sg.shard_offset, sg.length) for k, t in st.items()})
+                self.state[p] = entry
+
     def _lists(self, gi: int, pieces) -> _Lists:
         """The group's views (see _Lists), made again when a unit's shard or grad shard moved (a
         grad shard may be a new buffer after a no_sync window) or the states were rebuilt."""
@@ -205,7 +224,7 @@ class Optimizer(torch.optim.Optimizer):
             sums = self._global_sumsq(sums)
             sq = (sums[1] + (sums[0] if eng.tp_rank == 0 else 0.0)).reshape(1)
             eng.tp_comm.all_reduce_coalesced([sq], op="sum").wait()
-        return sq.sqrt() / (eng.world_size * self.scale)
+        return sq.sqrt() / self.scale
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
@@ -255,7 +274,7 @@ class Optimizer(torch.optim.Optimizer):
         eng = self.engine
         eng.finish_grad_sync()
         found = self._found_inf
-        mult = torch.full((1,), 1.0 / eng.world_size, dtype=torch.float32, device=self.scale.device) / self.scale
+        mult = self.scale.reciprocal()
         if self._clip_coef is None and (self.max_grad_norm is not None or self.fp16):
             norm = self._grad_norm()
             self.last_grad_norm = norm
@@ -332,7 +351,9 @@ class Optimizer(torch.optim.Optimizer):
               prepared=lists.prepared)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.engine.zero_grad()
+        """set_to_none=True (torch's default): the grad shards are freed until the next backward;
+        False: they are filled with zeros."""
+        self.engine.zero_grad(set_to_none)
 
     # ------------------------------------------------------------------ state dict (this rank's shard)
 
@@ -341,32 +362,43 @@ class Optimizer(torch.optim.Optimizer):
         return dict(world_size=eng.world_size, rank=eng.rank, stage=eng.stage, kind=self.kind,
                     units=[(u.names, u.padded) for u in eng.units])
 
+    def _indexed(self) -> list[torch.nn.Parameter]:
+        return [p for g in self.param_groups for p in g["params"]]
+
     def state_dict(self) -> dict:
-        """This rank's shard of the optimizer state (load it back at the same world size, stage and
-        model; zerofuse.checkpoint saves and reshards across world sizes and stages)."""
-        groups = [{k: v for k, v in g.items() if k != "params"} | {"params": [self.engine.param_index[id(p)]
-                                                                            for p in g["params"]]}
-                  for g in self.param_groups]
-        return {"layout": self._layout(), "param_groups": groups,
-                "units": [{k: t.clone() for k, t in st.items()} for st in self.unit_states],
-                "steps": [s.clone() for s in self._steps], "scale": self.scale.clone(),
-                "growth_tracker": self._growth_tracker.clone()}
+        """torch.optim's layout: ``state[i]`` (i counting params over the groups, as torch) holds
+        ``step`` and this rank's piece of each state of param i (1-D, where it has one), and
+        ``param_groups`` the options with param indices; ``zerofuse`` names the layout (world size,
+        rank, stage, optimizer, buckets) and holds the fp16 loss scale. Load it back at the same
+        layout; zerofuse.checkpoint saves and reshards across world sizes and stages."""
+        params = self._indexed()
+        state = {i: {k: t.clone() for k, t in self.state[p].items()} for i, p in enumerate(params) if p in self.state}
+        groups, i = [], 0
+        for g in self.param_groups:
+            groups.append({k: v for k, v in g.items() if k != "params"} | {"params": list(range(i, i + len(g["params"])))})
+            i += len(g["params"])
+        return {"state": state, "param_groups": groups,
+                "zerofuse": {"layout": self._layout(), "steps": [s.clone() for s in self._steps],
+                             "scale": self.scale.clone(), "growth_tracker": self._growth_tracker.clone()}}
 
     def load_state_dict(self, state_dict: dict) -> None:
         mine = self._layout()
-        theirs = state_dict.get("layout")
+        extra = state_dict.get("zerofuse") if isinstance(state_dict, dict) else None
+        theirs = extra.get("layout") if isinstance(extra, dict) else None
         if theirs != mine:
             raise ValueError(f"{NAME}.load_state_dict: the state is for a different layout (world size, rank, stage, "
                              f"optimizer or model): expected {_brief(mine)}, got {_brief(theirs)}; use "
                              "zerofuse.checkpoint to reshard")
+        params = self._indexed()
         with torch.no_grad():
-            for st, saved in zip(self.unit_states, state_dict["units"]):
-                for k, t in st.items():
-                    t.copy_(saved[k])
-            for s, saved in zip(self._steps, state_dict["steps"]):
+            for i, saved in state_dict["state"].items():
+                for k, t in self.state[params[int(i)]].items():
+                    if k != "step":
+                        t.copy_(saved[k])
+            for s, saved in zip(self._steps, extra["steps"]):
                 s.copy_(saved)
-            self.scale.copy_(state_dict["scale"])
-            self._growth_tracker.copy_(state_dict["growth_tracker"])
+            self.scale.copy_(extra["scale"])
+            self._growth_tracker.copy_(extra["growth_tracker"])
             for g, saved in zip(self.param_groups, state_dict["param_groups"]):
                 g.update({k: v for k, v in saved.items() if k != "params"})
             self.write_params()

@@ -1,0 +1,307 @@
+"""ZeRO's one bucket mechanism (Megatron-Core's names): a ``Bucket`` is a set of parameters laid out
+in one flat buffer and sharded over the ranks; a ``BucketGroup`` runs every bucket's gradient and
+parameter collectives. Stages 0-3 all run on it (stage 3 calls its buckets units: one per wrapped
+module).
+
+Layout: the params, flattened, one after another (``offsets``), padded with zeros to a multiple of
+``world_size * align`` elements (``padded``); rank r owns elements [r * shard_numel, (r + 1) *
+shard_numel). Every param's ``.data`` is a view into the bucket's full buffer ``full``, so modules
+and autograd see ordinary parameters. Stage 1/2 keep ``full`` resident and the rank's shard is a
+view of it; stage 3 keeps its own ``shard`` and gives ``full``'s storage back between uses
+(storage resized to 0: the views keep their shapes, nothing is reallocated by autograd).
+
+Gradients: the grad-ready hook copies (or, accumulating, adds) each param's .grad, times
+``grad_div`` (1 / the data-parallel world size: averages are pre-divided, so fp16 grads cannot
+overflow in the reduction where they did not before it), into ``gflat`` (the bucket's full-size
+local buffer, in the reduce dtype) and drops the .grad; a reduce-scatter (sum) of gflat, which the
+communicator reads in place, lands this rank's piece in ``gshard``. Stage 1 keeps gflat and gshard
+is a view of it (after a sync gflat is zero except the rank's own region); stage 2/3 keep only
+gshard and allocate gflat per backward. Stage 0 (plain data parallel) lays a bucket out for one
+rank (the shard is the whole buffer) and all-reduces gflat in place, which then becomes gshard.
+Low-precision reduce dtypes (bf16/fp16 on the wire, opt-in) are reduced by an all-to-all and a local
+fp32 sum, not by a ring that rounds at every hop.
+
+[Note: bucket buffers]
+- gflat of stage 0/2/3 lives from its bucket's first grad of a backward until its collective has
+  been waited: the Work holds it, nothing else does (launch drops the bucket's reference).
+- At most ``max_inflight`` gradient collectives are in flight: launching one more first waits for
+  the oldest (FSDP2's rule). So during backward at most max_inflight + 1 full-size gradient buffers
+  exist (the in-flight ones and the one filling), whatever the number of buckets.
+- Stage 2/3 reduce straight into gshard when it holds nothing yet; otherwise (accumulation over
+  several syncs) into a shard-sized temporary added at finish.
+- gshard (stage 1: gflat) is kept between steps, so the optimizer's kernel tables, keyed by
+  address, stay valid: ``zero_grad(set_to_none=True)`` marks the grads absent (``full_grads`` hands
+  out None; they are zeroed lazily when read), ``set_to_none=False`` fills them with zeros now.
+- CUDA: Work.wait() orders the current stream after the collective; a buffer dropped after the
+  wait is reused by the caching allocator on that stream only ([Note: NCCL buffer lifetimes] in
+  csrc/comm/nccl_transport.cu).
+
+``segments`` say which params own which parts of the shard: (param index in the bucket, offset in
+the shard, length, offset in the flattened param). Optimizers, norms and checkpoints use them.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import torch
+
+FREE, GATHERING, GATHERED = "free", "gathering", "gathered"
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    param: int  # index in the bucket
+    shard_offset: int
+    length: int
+    param_offset: int  # in the flattened param
+
+
+class Bucket:
+    def __init__(self, index: int, name: str, named_params: list[tuple[str, torch.nn.Parameter]], *, rank: int,
+                 world_size: int, align: int, stage: int, dtype: torch.dtype, reduce_dtype: torch.dtype,
+                 grad_div: float, device: torch.device):
+        self.index, self.name, self.stage = index, name, stage
+        self.names = [n for n, _ in named_params]
+        self.params = [p for _, p in named_params]
+        self.dtype, self.device, self.reduce_dtype, self.grad_div = dtype, device, reduce_dtype, grad_div
+        self.offsets, off = [], 0
+        for p in self.params:
+            self.offsets.append(off)
+            off += p.numel()
+        self.numel = off
+        unit = world_size * align
+        self.padded = max(unit, -(-off // unit) * unit)
+        self.shard_numel = self.padded // world_size
+        self.lo, self.hi = rank * self.shard_numel, (rank + 1) * self.shard_numel
+        self.segments = []
+        for i, p in enumerate(self.params):
+            a, b = max(self.offsets[i], self.lo), min(self.offsets[i] + p.numel(), self.hi)
+            if a < b:
+                self.segments.append(Segment(i, a - self.lo, b - a, a - self.offsets[i]))
+        # a model built on the meta device: the values come from materialize() (see engine)
+        self.meta = any(p.is_meta for p in self.params)
+        with torch.no_grad():
+            self.full = torch.empty(self.padded, dtype=dtype, device=device)
+            self.full[self.numel:].zero_()
+            for p, o in zip(self.params, self.offsets):
+                if not self.meta:
+                    self.full[o:o + p.numel()].copy_(p.detach().reshape(-1))
+                p.data = self.full[o:o + p.numel()].view(p.shape)
+        self._full_bytes = self.padded * self.full.element_size()
+        self.state = GATHERED
+        self.gather_work = None
+        self.shard = self.full[self.lo:self.hi].clone() if stage == 3 else self.full[self.lo:self.hi]
+        if stage == 3 and not self.meta:
+            self.free()
+        # gradients
+        self.gflat: torch.Tensor | None = None
+        self.written = [False] * len(self.params)  # param regions of gflat holding values
+        self.gshard_fresh = True  # gshard holds nothing of this accumulation window yet
+        self.grad_none = True  # no grad since zero_grad(set_to_none=True) (or ever)
+        if stage == 1:
+            self.gflat = torch.zeros(self.padded, dtype=reduce_dtype, device=device)
+            self.written = [True] * len(self.params)
+            self.gshard = self.gflat[self.lo:self.hi]
+        else:
+            self.gshard = torch.zeros(self.shard_numel, dtype=reduce_dtype, device=device)
+        self.ready = 0  # params whose grad arrived in this backward
+        self.dirty = False  # gflat holds local grads not reduced yet
+        self.launched = False
+        self.rs_work = None
+        self.rs_out: torch.Tensor | None = None
+
+    def materialize(self, init) -> None:
+        """Meta model: ``init(params)`` writes every param's value (in fp32 where the bucket's dtype
+        is lower, so the values equal an fp32 init cast down); then stage 3 keeps its shard and
+        frees the full buffer. Memory: the full buffer (+ an fp32 copy) of this bucket only."""
+        with torch.no_grad():
+            if self.dtype != torch.float32:
+                tmp = torch.empty(self.numel, dtype=torch.float32, device=self.device)
+                for p, o in zip(self.params, self.offsets):
+                    p.data = tmp[o:o + p.numel()].view(p.shape)
+                init(self.params)
+                self.full[:self.numel].copy_(tmp)
+                del tmp
+                for p, o in zip(self.params, self.offsets):
+                    p.data = self.full[o:o + p.numel()].view(p.shape)
+            else:
+                init(self.params)
+            self.meta = False
+            if self.stage == 3:
+                self.shard.copy_(self.full[self.lo:self.hi])
+                self.free()
+
+    # ------------------------------------------------------------------ params
+
+    def free(self) -> None:
+        """Stage 3: give the full buffer's storage back (the params keep their views)."""
+        if self.state == GATHERING:  # the all-gather still writes into full: finish it first
+            self.gather_work.wait()
+            self.gather_work = None
+        self.full.untyped_storage().resize_(0)
+        self.state = FREE
+
+    def start_param_sync(self, comm) -> None:
+        """All-gather every rank's shard into ``full`` (stage 3: only when freed)."""
+        if self.stage == 3:
+            if self.state != FREE:
+                return
+            self.full.untyped_storage().resize_(self._full_bytes)
+        self.gather_work = comm.all_gather_coalesced(self.shard, [self.full])
+        self.state = GATHERING
+
+    def finish_param_sync(self, comm=None) -> None:
+        """The params hold their full values once this returns (stage 3: gathered if free)."""
+        if self.state == FREE:
+            self.start_param_sync(comm)
+        if self.state == GATHERING:
+            self.gather_work.wait()
+            self.gather_work = None
+            self.state = GATHERED
+
+    # ------------------------------------------------------------------ grads
+
+    def add_grad(self, i: int, grad: torch.Tensor) -> None:
+        """Param i's grad arrived: copied, times grad_div, into its region of gflat (added when the
+        region already holds grads of this accumulation window)."""
+        if self.gflat is None:  # stage 0/2/3: per backward, not zero-filled (each region is written once)
+            if self.stage == 0 and self.gshard_fresh:
+                # stage 0 reduces in place, so gshard is last step's gflat, dead since zero_grad:
+                # reusing it keeps one grad buffer, as DDP does
+                self.gflat = self.gshard
+            else:
+                self.gflat = torch.empty(self.padded, dtype=self.reduce_dtype, device=self.device)
+            self.gflat[self.numel:].zero_()
+        o = self.offsets[i]
+        view = self.gflat[o:o + self.params[i].numel()]
+        g = grad.reshape(-1)
+        if self.written[i]:
+            view.add_(g, alpha=self.grad_div)
+        else:
+            view.copy_(g)
+            if self.grad_div != 1.0:
+                view.mul_(self.grad_div)
+            self.written[i] = True
+        self.dirty = True
+
+    def start_grad_sync(self, comm) -> None:
+        """Reduce-scatter (sum of pre-divided grads) gflat into this rank's shard; stage 0
+        all-reduces in place. The result lands at finish_grad_sync."""
+        for i, done in enumerate(self.written):  # params that got no grad
+            if not done:
+                o = self.offsets[i]
+                self.gflat[o:o + self.params[i].numel()].zero_()
+        low = self.reduce_dtype in LOW_PRECISION and comm.world_size > 1
+        if self.stage == 0:  # every rank keeps the whole sum
+            self.rs_out = self.gflat
+            self.rs_work = (comm.reduce_scatter_fp32_sum(self.gflat, all_gather=True) if low
+                            else comm.all_reduce_coalesced([self.gflat], op="sum"))
+        else:
+            if self.stage == 1 or not self.gshard_fresh:
+                self.rs_out = torch.empty(self.shard_numel, dtype=self.reduce_dtype, device=self.device)
+            else:
+                self.rs_out = self.gshard
+            self.rs_work = (comm.reduce_scatter_fp32_sum(self.gflat, self.rs_out) if low
+                            else comm.reduce_scatter_coalesced([self.gflat], self.rs_out, op="sum"))
+        self.launched = True
+        self.dirty = False
+        if self.stage != 1:  # [Note: bucket buffers]: the Work holds gflat until it is waited
+            self.gflat = None
+            self.written = [False] * len(self.params)
+
+    def finish_grad_sync(self) -> None:
+        if self.rs_work is None:
+            return
+        self.rs_work.wait()
+        self.rs_work = None
+        if self.stage == 1:
+            # gflat held the local sums (and, in the own region, the reduced sums of earlier
+            # syncs): after the sync only the own region is non-zero and holds the total
+            self.gflat.zero_()
+            self.gshard.copy_(self.rs_out)
+        elif self.stage == 0 and self.gshard_fresh:
+            self.gshard = self.rs_out  # the reduced buffer becomes the grad: no copy
+        elif self.rs_out is not self.gshard:
+            self.gshard.add_(self.rs_out)
+        self.rs_out = None
+        self.gshard_fresh = False
+        self.grad_none = False
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self.stage == 1:
+            if self.dirty:
+                self.gflat.zero_()
+            else:  # after a sync only the own region is non-zero
+                self.gshard.zero_()
+        else:
+            self.gflat = None
+            self.written = [False] * len(self.params)
+            self.gshard_fresh = True
+            if not set_to_none:
+                self.grad_shard()
+        self.dirty = False
+        self.grad_none = set_to_none
+
+    def has_grad(self) -> bool:
+        """Whether the bucket holds a grad (False after zero_grad(set_to_none=True) until a sync)."""
+        return not self.grad_none
+
+    def grad_shard(self) -> torch.Tensor:
+        """gshard ready for the optimizer (zeros when nothing was reduced since zero_grad)."""
+        if self.gshard_fresh and self.stage != 1:
+            if self.gshard is self.gflat:  # stage 0 between no_sync backwards: the buffer holds local grads
+                self.gshard = torch.zeros_like(self.gflat)
+            else:
+                self.gshard.zero_()
+            self.gshard_fresh = False
+        return self.gshard
+
+
+class BucketGroup:
+    """Every bucket's collectives: ``start_grad_sync(bucket)`` launches one bucket's reduction,
+    first waiting for the oldest in flight when ``max_inflight`` are ([Note: bucket buffers]);
+    ``finish_grad_sync()`` launches what is left and waits for all; ``start_param_sync()`` /
+    ``finish_param_sync()`` all-gather every bucket's shard into its params (stage 1/2, after a
+    step; stage 3 gathers unit by unit through the buckets)."""
+
+    def __init__(self, buckets: list[Bucket], comm, max_inflight: int):
+        self.buckets, self.comm, self.max_inflight = buckets, comm, max_inflight
+        self._inflight: collections.deque[Bucket] = collections.deque()
+
+    def __iter__(self):
+        return iter(self.buckets)
+
+    def __len__(self):
+        return len(self.buckets)
+
+    def __getitem__(self, i):
+        return self.buckets[i]
+
+    def start_grad_sync(self, bucket: Bucket) -> None:
+        while len(self._inflight) >= self.max_inflight:
+            self._inflight.popleft().finish_grad_sync()
+        bucket.start_grad_sync(self.comm)
+        self._inflight.append(bucket)
+
+    def finish_grad_sync(self, launch_rest: bool = False) -> list[Bucket]:
+        """Wait for every reduction in flight; with launch_rest, first launch buckets holding
+        unreduced grads (unused params, overlap off). Returns the buckets launched here."""
+        late = []
+        if launch_rest:
+            for b in self.buckets:
+                if b.dirty and not b.launched:
+                    self.start_grad_sync(b)
+                    late.append(b)
+        while self._inflight:
+            self._inflight.popleft().finish_grad_sync()
+        return late
+
+    def start_param_sync(self) -> None:
+        for b in reversed(self.buckets):  # the forward's first params first
+            b.start_param_sync(self.comm)
+
+    def finish_param_sync(self) -> None:
+        for b in reversed(self.buckets):
+            b.finish_param_sync(self.comm)
