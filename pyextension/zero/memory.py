@@ -60,31 +60,59 @@ def memory_report(model: torch.nn.Module, optimizer=None) -> dict:
             "psi": psi, "world_size": eng.world_size, "stage": eng.stage, "K": k}
 
 
-class Peak:
-    """Filled when a ``peak_memory`` block exits: ``peak`` (bytes above the allocation at entry, at
-    the region's highest point) and ``end`` (bytes above it at exit)."""
+_MARK_BYTES = 7_340_033  # sentinel allocations of this size (+ the mark's number) split the event stream
 
-    peak: int = 0
-    end: int = 0
+
+class Peak:
+    """Filled when a ``peak_memory`` block exits: ``peak`` (the most bytes allocated at once above
+    the allocation at entry), ``end`` (bytes above it at exit) and, per ``mark(label)`` made inside,
+    ``phases[label]`` = (bytes at the mark, the peak from the mark to the next one or the end), both
+    above the entry. A block that builds the model itself sees every byte: absolute figures."""
+
+    def __init__(self, device):
+        self.device, self.peak, self.end, self.phases = device, 0, 0, {}
+        self._labels: list[str] = []
+
+    def mark(self, label: str) -> None:
+        """Start a phase here (CPU: a sentinel allocation found in the event stream; CUDA: reads the
+        counters, synchronising)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            now = torch.cuda.memory_allocated(self.device) - self._start
+            if self._labels:
+                self._close_cuda()
+            self._labels.append(label)
+            self.phases[label] = (now, now)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return
+        self._labels.append(label)
+        torch.empty(_MARK_BYTES + len(self._labels), dtype=torch.uint8)
+
+    def _close_cuda(self) -> None:
+        at, _ = self.phases[self._labels[-1]]
+        self.phases[self._labels[-1]] = (at, torch.cuda.max_memory_allocated(self.device) - self._start)
 
 
 @contextlib.contextmanager
 def peak_memory(device=None):
     """Context manager yielding a :class:`Peak`: the most bytes allocated at once during the block,
-    above what was allocated at entry. CUDA: ``torch.cuda.max_memory_allocated`` (the peak counter
-    is reset at entry). CPU: the CPU allocator's events recorded by torch.profiler, summed in order
-    (allocations on threads other than the caller's, e.g. inside gloo, are not seen; frees of
-    blocks allocated before the block are not counted, so the figure errs high)."""
+    above what was allocated at entry, optionally per phase (``mark``). CUDA:
+    ``torch.cuda.max_memory_allocated`` (the peak counter is reset at entry). CPU: the CPU
+    allocator's events recorded by torch.profiler, summed in order (allocations on threads other
+    than the caller's, e.g. inside gloo, are not seen; frees of blocks allocated before the block
+    are not counted, so the figure errs high)."""
     device = torch.device(device) if device is not None else torch.device("cpu")
-    out = Peak()
+    out = Peak(device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-        start = torch.cuda.memory_allocated(device)
+        out._start = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
         yield out
         torch.cuda.synchronize(device)
-        out.peak = torch.cuda.max_memory_allocated(device) - start
-        out.end = torch.cuda.memory_allocated(device) - start
+        if out._labels:
+            out._close_cuda()
+        out.peak = max([torch.cuda.max_memory_allocated(device) - out._start] + [p for _, p in out.phases.values()])
+        out.end = torch.cuda.memory_allocated(device) - out._start
         return
     from torch.profiler import ProfilerActivity, profile
 
@@ -94,8 +122,19 @@ def peak_memory(device=None):
             yield out
     events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
                     if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
+    marks = {_MARK_BYTES + i + 1: label for i, label in enumerate(out._labels)}
     live = peak = 0
+    phase = None
     for _, n in events:
+        if n in marks:  # the sentinel itself is not counted
+            phase = marks.pop(n)
+            out.phases[phase] = (live, live)
+            continue
+        if -n - 1 - _MARK_BYTES in range(len(out._labels)):
+            continue
         live += n
         peak = max(peak, live)
+        if phase is not None:
+            at, hi = out.phases[phase]
+            out.phases[phase] = (at, max(hi, live))
     out.peak, out.end = peak, live
