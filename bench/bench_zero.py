@@ -9,6 +9,19 @@ rank 1 and runs the same steps in lockstep (a barrier before each, outside the t
 the helper's peak RSS growth (sampled every ms) from just before the model is built to the end
 (model states, activations, communication buffers, allocator slack: what a rank really needs),
 and for zerofuse the model-state bytes of zero.memory_report. Each rank gets cores // 2 intra-op threads (as torchrun would).
+
+Peak memory per rank, at the peak (what ZeRO's promises are about), not after it: after the timed
+steps both ranks build a fresh model inside zerofuse.zero.peak_memory and run two more steps with
+phase marks (forward, backward, optimizer step); the second step's figures are recorded:
+peak_backward_MB (the most bytes allocated at once during backward) and peak_step_MB (over the
+whole step), absolute since the block starts before the model exists. They come from torch's CPU
+allocator events on the calling thread (torch.profiler), so they cover params, grads, optimizer
+states, activations and the comm buffers torch allocates there, not memory that gloo or DeepSpeed's
+C++ ops allocate themselves. The profiler slows a step, hence this separate untimed pass.
+Gradient buckets: zerofuse stages 0-2 bucket_mb 25 (default) and 4 (*_b4), max_inflight 2; DDP
+bucket_cap_mb 25 (default; its first bucket 1 MiB); DeepSpeed reduce/allgather buckets of 25 MiB
+(set here: the 5e8-element default is one 1.9 GB fp32 buffer); FSDP2 and zerofuse stage 3 reduce
+one unit per transformer block plus a root unit.
 """
 from __future__ import annotations
 
@@ -26,7 +39,9 @@ import torch.distributed as dist
 
 WS = 2
 PROVIDERS = ["ddp", "fsdp2_reshard", "fsdp2_no_reshard", "deepspeed_z1", "deepspeed_z2", "deepspeed_z3",
-             "zerofuse_z0", "zerofuse_z1", "zerofuse_z2", "zerofuse_z3", "zerofuse_z3_no_reshard"]
+             "zerofuse_z0", "zerofuse_z1", "zerofuse_z2", "zerofuse_z2_b4", "zerofuse_z3", "zerofuse_z3_no_reshard"]
+DS_BUCKET_ELEMS = 25 * 2**20 // 4  # 25 MiB of fp32, DDP's and zerofuse's default bucket
+MiB = 2**20
 warnings.filterwarnings("ignore", message=".*is deprecated.*")
 
 
@@ -77,29 +92,62 @@ class _Workload:
 
             deepspeed.utils.logger.setLevel(logging.WARNING)
             cfg = {"train_micro_batch_size_per_gpu": shape["batch"], "gradient_accumulation_steps": 1,
-                   "zero_optimization": {"stage": int(provider[-1])}, "zero_allow_untested_optimizer": True,
+                   "zero_optimization": {"stage": int(provider[-1]), "reduce_bucket_size": DS_BUCKET_ELEMS,
+                                         "allgather_bucket_size": DS_BUCKET_ELEMS},
+                   "zero_allow_untested_optimizer": True,
                    "steps_per_print": 1 << 30}
             self.model, self.opt, _, _ = deepspeed.initialize(model=model, optimizer=_adamw(model.parameters()),
                                                               config=cfg)
         else:
             stage = int(provider.split("_z")[1][0])
-            zerofuse.zero.parallelize(model, stage=stage, reshard_after_forward=not provider.endswith("no_reshard"))
+            kw = {"bucket_mb": _bucket_mb(provider)} if stage < 3 else {}  # stage 3: one unit per block
+            zerofuse.zero.parallelize(model, stage=stage, reshard_after_forward=not provider.endswith("no_reshard"), **kw)
             self.model = model
             self.opt = zerofuse.zero.Optimizer(model, "adamw", lr=1e-3, weight_decay=0.01)
 
-    def step(self) -> None:
+    def step(self, mark=lambda label: None) -> None:
+        mark("forward")
         _, loss = self.model(self.x[:, :-1], self.x[:, 1:])
+        mark("backward")
         if self.provider.startswith("deepspeed"):
             self.model.backward(loss)
+            mark("step")
             self.model.step()
             return
         loss.backward()
+        mark("step")
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         if self.provider.startswith("zerofuse"):
             import zerofuse
 
             self.model_state_bytes = zerofuse.zero.memory_report(self.model, self.opt)["total"]
+
+
+def _bucket_mb(provider: str) -> float | None:
+    """The gradient bucket size in MiB as configured above; None where reductions go per unit."""
+    if provider in ("ddp", "deepspeed_z1", "deepspeed_z2") or provider.startswith("zerofuse_z") and "_z3" not in provider:
+        return 4.0 if provider.endswith("_b4") else 25.0
+    return None
+
+
+def _memory_pass(provider: str, rank: int, smoke: bool) -> dict:
+    """Absolute peaks (bytes) of the second of two steps on a model built inside the block (the
+    first step makes every buffer kept between steps: optimizer states, reused grad buffers)."""
+    import gc
+
+    import zerofuse
+
+    with zerofuse.zero.peak_memory() as mem:
+        work = _Workload(provider, rank, smoke)
+        for i in range(2):
+            dist.barrier()
+            work.step(lambda label, i=i: mem.mark(f"{label}{i}"))
+    phases = {k[:-1]: v for k, v in mem.phases.items() if k.endswith("1")}
+    del work
+    gc.collect()
+    return dict(at_step_start=phases["forward"][0], at_backward_start=phases["backward"][0],
+                peak_backward=phases["backward"][1], peak_step=max(hi for _, hi in phases.values()))
 
 
 def _threads() -> int:
@@ -151,7 +199,9 @@ def _helper(init_file: str, provider: str, steps: int, smoke: bool) -> None:
         for _ in range(steps):
             dist.barrier()
             work.step()
-        box = [(sampler.stop() - base, work.model_state_bytes)]
+        rss, state_bytes = sampler.stop() - base, work.model_state_bytes
+        del work
+        box = [(rss, state_bytes, _memory_pass(provider, 1, smoke))]
         dist.broadcast_object_list(box, src=1)
     finally:
         dist.destroy_process_group()
@@ -183,9 +233,12 @@ def bench_zero_step(benchmark, provider, smoke, device):
     try:
         work = _Workload(provider, 0, smoke)
         benchmark.pedantic(work.step, setup=dist.barrier, rounds=rounds, warmup_rounds=warmup)
+        psi, tokens = work.psi, work.x[:, :-1].numel()
+        del work  # the memory pass builds its own model (the timed one would only add RSS)
+        mem = {0: _memory_pass(provider, 0, smoke)}
         box = [None]
         dist.broadcast_object_list(box, src=1)
-        rss, state_bytes = box[0]
+        rss, state_bytes, mem[1] = box[0]
     finally:
         if provider.startswith("deepspeed"):
             import deepspeed.comm
@@ -203,15 +256,21 @@ def bench_zero_step(benchmark, provider, smoke, device):
         os.environ.update(saved_env)
         tmp.cleanup()
     info = benchmark.extra_info
-    info.update(case=f"gpt{work.psi / 1e6:.1f}M/ws{WS}/fp32", provider=provider, world_size=WS, params=work.psi,
-                device="cpu (gloo)", torch=torch.__version__, peak_rss_growth_MB_rank1=round(rss / 2**20, 1))
+    info.update(case=f"gpt{psi / 1e6:.1f}M/ws{WS}/fp32", provider=provider, world_size=WS, params=psi,
+                device="cpu (gloo)", torch=torch.__version__, peak_rss_growth_MB_rank1=round(rss / MiB, 1),
+                bucket_mb=_bucket_mb(provider), full_grad_MB=round(psi * 4 / MiB, 2))
+    if provider.startswith("zerofuse"):
+        info["max_inflight"] = 2  # parallelize's default
+    for rank, m in mem.items():
+        for key, val in m.items():
+            info[f"{key}_MB_rank{rank}"] = round(val / MiB, 2)
     if state_bytes is not None:
-        info["model_state_MB_rank1"] = round(state_bytes / 2**20, 2)
+        info["model_state_MB_rank1"] = round(state_bytes / MiB, 2)
     if benchmark.stats is None:
         return
     median = benchmark.stats.stats.median
     _MEDIANS[provider] = median
-    info["tokens_per_s"] = round(WS * work.x[:, :-1].numel() / median, 1)
+    info["tokens_per_s"] = round(WS * tokens / median, 1)
     if provider.startswith("zerofuse"):
         for peer in PROVIDERS:
             if not peer.startswith("zerofuse") and peer in _MEDIANS:

@@ -86,9 +86,14 @@ class Bucket:
             self.full = torch.empty(self.padded, dtype=dtype, device=device)
             self.full[self.numel:].zero_()
             for p, o in zip(self.params, self.offsets):
-                if not self.meta:
-                    self.full[o:o + p.numel()].copy_(p.detach().reshape(-1))
-                p.data = self.full[o:o + p.numel()].view(p.shape)
+                view = self.full[o:o + p.numel()].view(p.shape)
+                if p.is_meta:  # .data cannot move a tensor off meta: swap in an empty one first (the
+                    # param keeps its own version counter, not one shared with ``full``'s other views)
+                    empty = torch.empty(0, dtype=dtype, device=device)
+                    torch.utils.swap_tensors(p, torch.nn.Parameter(empty, requires_grad=p.requires_grad))
+                else:
+                    view.copy_(p.detach())
+                p.data = view
         self._full_bytes = self.padded * self.full.element_size()
         self.state = GATHERED
         self.gather_work = None
@@ -104,8 +109,8 @@ class Bucket:
             self.gflat = torch.zeros(self.padded, dtype=reduce_dtype, device=device)
             self.written = [True] * len(self.params)
             self.gshard = self.gflat[self.lo:self.hi]
-        else:
-            self.gshard = torch.zeros(self.shard_numel, dtype=reduce_dtype, device=device)
+        else:  # made by the first reduction (or read): parallelize allocates params only
+            self.gshard = None
         self.ready = 0  # params whose grad arrived in this backward
         self.dirty = False  # gflat holds local grads not reduced yet
         self.launched = False
@@ -167,7 +172,7 @@ class Bucket:
         """Param i's grad arrived: copied, times grad_div, into its region of gflat (added when the
         region already holds grads of this accumulation window)."""
         if self.gflat is None:  # stage 0/2/3: per backward, not zero-filled (each region is written once)
-            if self.stage == 0 and self.gshard_fresh:
+            if self.stage == 0 and self.gshard_fresh and self.gshard is not None:
                 # stage 0 reduces in place, so gshard is last step's gflat, dead since zero_grad:
                 # reusing it keeps one grad buffer, as DDP does
                 self.gflat = self.gshard
@@ -202,6 +207,8 @@ class Bucket:
             if self.stage == 1 or not self.gshard_fresh:
                 self.rs_out = torch.empty(self.shard_numel, dtype=self.reduce_dtype, device=self.device)
             else:
+                if self.gshard is None:
+                    self.gshard = torch.empty(self.shard_numel, dtype=self.reduce_dtype, device=self.device)
                 self.rs_out = self.gshard
             self.rs_work = (comm.reduce_scatter_fp32_sum(self.gflat, self.rs_out) if low
                             else comm.reduce_scatter_coalesced([self.gflat], self.rs_out, op="sum"))
@@ -221,7 +228,7 @@ class Bucket:
             # syncs): after the sync only the own region is non-zero and holds the total
             self.gflat.zero_()
             self.gshard.copy_(self.rs_out)
-        elif self.stage == 0 and self.gshard_fresh:
+        elif self.stage == 0 and (self.gshard_fresh or self.gshard is None):
             self.gshard = self.rs_out  # the reduced buffer becomes the grad: no copy
         elif self.rs_out is not self.gshard:
             self.gshard.add_(self.rs_out)
@@ -250,7 +257,10 @@ class Bucket:
 
     def grad_shard(self) -> torch.Tensor:
         """gshard ready for the optimizer (zeros when nothing was reduced since zero_grad)."""
-        if self.gshard_fresh and self.stage != 1:
+        if self.gshard is None:
+            self.gshard = torch.zeros(self.shard_numel, dtype=self.reduce_dtype, device=self.device)
+            self.gshard_fresh = False
+        elif self.gshard_fresh and self.stage != 1:
             if self.gshard is self.gflat:  # stage 0 between no_sync backwards: the buffer holds local grads
                 self.gshard = torch.zeros_like(self.gflat)
             else:

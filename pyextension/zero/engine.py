@@ -428,8 +428,8 @@ class _Initializer:
     """Values for the params of a model built on the meta device, one bucket at a time: each module
     holding a param of the bucket runs ``param_init_fn(module)`` (the argument, else the model's own
     ``param_init_fn`` method, else ``module.reset_parameters()``). A module's params that live in
-    another bucket are meta stand-ins meanwhile (their writes are dropped: they are initialised with
-    their own bucket)."""
+    another bucket are scratch stand-ins meanwhile (their writes are dropped: they are initialised
+    with their own bucket)."""
 
     def __init__(self, model, param_init_fn):
         self.fn = param_init_fn or getattr(model, "param_init_fn", None)
@@ -447,7 +447,7 @@ class _Initializer:
             for q in m.parameters(recurse=False):
                 if id(q) not in mine and not q.is_meta:
                     saved.append((q, q.data))
-                    q.data = torch.empty_like(q, device="meta")
+                    q.data = torch.empty_like(q)
         try:
             for m in mods:
                 if self.fn is not None:
@@ -472,7 +472,8 @@ def _materialize_rest(model, device, dtype) -> None:
                 m._buffers[key] = torch.empty_like(b, device=device, dtype=dtype if b.is_floating_point() else b.dtype)
         for p in m.parameters(recurse=False):
             if p.is_meta and not p.requires_grad:
-                p.data = torch.empty_like(p, device=device, dtype=dtype if p.is_floating_point() else p.dtype)
+                t = torch.empty_like(p, device=device, dtype=dtype if p.is_floating_point() else p.dtype)
+                torch.utils.swap_tensors(p, torch.nn.Parameter(t, requires_grad=False))
 
 
 def _tensors(out):

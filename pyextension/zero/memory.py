@@ -38,7 +38,7 @@ def memory_report(model: torch.nn.Module, optimizer=None) -> dict:
             params += _bytes(u.shard)
         if u.gflat is not None:
             grads += u.gflat.untyped_storage().nbytes()
-        if eng.stage != 1 and u.gshard is not u.gflat:  # stage 0 accumulates into last step's gshard
+        if eng.stage != 1 and u.gshard is not None and u.gshard is not u.gflat:  # stage 0 accumulates into last step's gshard
             grads += _bytes(u.gshard)
     grads += sum(_bytes(p.grad) for p in eng.params)
     opt = 0
