@@ -1,0 +1,132 @@
+"""Precision of gradient reduction with bf16 params: grads accumulate and reduce in fp32 by default
+(averages pre-divided); a bf16 wire (opt-in) is summed in fp32 after an all-to-all, rounding once.
+Measured against an fp64 average of the ranks' own gradients and against torch DDP with bf16
+params, at world size 4.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import zerofuse
+from zerofuse.models import GPT, GPTConfig
+
+from dist_utils import run_distributed
+
+pytestmark = pytest.mark.usefixtures("native_kernels")
+
+CFG = dict(vocab_size=65, seq_len=32, n_layer=2, n_head=4, dim=64)
+WS, BATCH, SEQ, STEPS, LR = 4, 16, 16, 20, 3e-3
+
+
+def _batches(steps):
+    g = torch.Generator().manual_seed(5)
+    return [torch.randint(0, 65, (BATCH, SEQ + 1), generator=g) for _ in range(steps)]
+
+
+def _reduction_rank(rank, ws):
+    """Per reduce dtype: max relative error of this rank's reduced grad shard against the fp64
+    average of every rank's local bf16 grads; and the same error for a bf16 all-reduce of
+    pre-divided grads (what DDP does with bf16 params)."""
+    per = BATCH // ws
+    x = _batches(1)[0][rank * per:(rank + 1) * per]
+    plain = GPT(GPTConfig(**CFG), seed=0).to(torch.bfloat16)
+    _, loss = plain(x[:, :-1], x[:, 1:])
+    loss.backward()
+    local = [p.grad.reshape(-1) for p in plain.parameters()]
+    flat = torch.cat(local)
+    every = [torch.empty_like(flat) for _ in range(ws)]
+    dist.all_gather(every, flat)
+    exact = torch.stack(every).double().mean(0)
+    names = [n for n, _ in plain.named_parameters()]
+    offsets = dict(zip(names, torch.tensor([0] + [g.numel() for g in local]).cumsum(0).tolist()))
+
+    def rel(got: torch.Tensor) -> float:
+        return float((got.double() - exact).abs().max() / exact.abs().max())
+
+    out = {}
+    ring = flat / ws
+    dist.all_reduce(ring)
+    out["ddp_bf16_ring"] = rel(ring)
+    for key, reduce_dtype in (("default", None), ("bf16_wire", torch.bfloat16)):
+        model = GPT(GPTConfig(**CFG), seed=0)
+        zerofuse.zero.parallelize(model, stage=2, precision="bf16", reduce_dtype=reduce_dtype, bucket_mb=0.05)
+        eng = model._zerofuse_zero
+        _, loss = model(x[:, :-1], x[:, 1:])
+        loss.backward()
+        eng.finish_grad_sync()
+        got, want = [], []
+        for u in eng.units:
+            g = u.grad_shard()
+            for s in u.segments:
+                o = offsets[u.names[s.param]] + s.param_offset
+                got.append(g[s.shard_offset:s.shard_offset + s.length])
+                want.append(exact[o:o + s.length])
+        got, want_t = torch.cat(got), torch.cat(want)
+        out[key] = float((got.double() - want_t).abs().max() / exact.abs().max())
+        out[key + "_dtype"] = str(eng.reduce_dtype)
+    return out
+
+
+def test_bf16_grads_reduce_in_fp32_by_default_and_a_bf16_wire_rounds_once():
+    for r in run_distributed(_reduction_rank, WS, timeout=180):
+        assert r["default_dtype"] == "torch.float32" and r["bf16_wire_dtype"] == "torch.bfloat16"
+        # fp32: ~1e-7 of the largest grad; a bf16 ring rounds every partial sum (~1e-3)
+        assert r["default"] < 1e-5, r
+        assert r["default"] * 100 < r["ddp_bf16_ring"], r
+        # the bf16 wire rounds the inputs and the fp32 sum once each: within two bf16 half-ulps
+        assert r["bf16_wire"] <= 2 * 2.0 ** -8, r
+
+
+def _training_rank(rank, ws):
+    per = BATCH // ws
+    out = {}
+    # torch DDP with bf16 params (its bf16 grads all-reduced in bf16), torch AdamW on them
+    model = GPT(GPTConfig(**CFG), seed=0).to(torch.bfloat16)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    out["ddp"] = _run(rank, per, ddp, opt, lambda: {n: p.detach().float() for n, p in model.named_parameters()})
+    model = GPT(GPTConfig(**CFG), seed=0)
+    zerofuse.zero.parallelize(model, stage=2, precision="bf16")
+    opt = zerofuse.zero.Optimizer(model, "adamw", lr=LR, weight_decay=0.0)
+
+    def params():
+        with zerofuse.zero.full_params(model):
+            return {n: p.detach().float().clone() for n, p in model.named_parameters()}
+
+    out["zerofuse"] = _run(rank, per, model, opt, params)
+    return out
+
+
+def _run(rank, per, model, opt, params):
+    losses = []
+    for b in _batches(STEPS):
+        x = b[rank * per:(rank + 1) * per]
+        _, loss = model(x[:, :-1], x[:, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        t = loss.detach().float().clone()
+        dist.all_reduce(t)
+        losses.append(t.item() / dist.get_world_size())
+    return losses, params()
+
+
+def test_bf16_training_at_ws4_is_closer_to_fp32_than_ddp_with_bf16_params():
+    model = GPT(GPTConfig(**CFG), seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    ref_losses = []
+    for b in _batches(STEPS):
+        _, loss = model(b[:, :-1], b[:, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref_losses.append(loss.item())
+    ref = {n: p.detach() for n, p in model.named_parameters()}
+    r = run_distributed(_training_rank, WS, timeout=240)[0]
+    err = {}
+    for key, (losses, params) in r.items():
+        err[key] = (max(abs(a - b) for a, b in zip(losses, ref_losses)),
+                    max(float((params[n] - w).abs().max()) for n, w in ref.items()))
+    assert err["zerofuse"][0] <= err["ddp"][0] and err["zerofuse"][1] <= err["ddp"][1], err

@@ -1,0 +1,144 @@
+"""Torch-shaped surfaces of a ZeRO model: full ``.grad`` tensors inside ``zerofuse.zero.full_grads``
+(None outside, by design), ``zero_grad(set_to_none=...)``, optimizer ``state`` populated per param
+with views into the shards, and ``state_dict()`` in torch.optim's layout.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import zerofuse
+from zerofuse.models import GPT, GPTConfig
+
+from dist_utils import run_distributed
+from tolerances import tol
+
+pytestmark = pytest.mark.usefixtures("native_kernels")
+
+CFG = dict(vocab_size=65, seq_len=32, n_layer=2, n_head=4, n_kv_head=2, dim=48)
+BATCH, SEQ = 6, 16
+
+
+def _batch(seed=1):
+    return torch.randint(0, 65, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(seed))
+
+
+def _mine(x, rank, ws):
+    per = BATCH // ws
+    return x[rank * per:(rank + 1) * per]
+
+
+def _grads_rank(rank, ws):
+    out = {}
+    for stage in (0, 1, 2, 3):
+        model = GPT(GPTConfig(**CFG), seed=0)
+        zerofuse.zero.parallelize(model, stage=stage, bucket_mb=0.02)
+        opt = zerofuse.zero.Optimizer(model, "adamw")
+        x = _mine(_batch(), rank, ws)
+        _, loss = model(x[:, :-1], x[:, 1:])
+        loss.backward()
+        r = out[stage] = {"outside": [p.grad for p in model.parameters()]}
+        with zerofuse.zero.full_grads(model):
+            r["grads"] = {n: p.grad.clone() for n, p in model.named_parameters()}
+            r["norm"] = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05).item()  # the user's own clipping
+        r["after_exit"] = [p.grad for p in model.parameters()]
+        with zerofuse.zero.full_grads(model):
+            r["clipped"] = {n: p.grad.clone() for n, p in model.named_parameters()}
+        for set_to_none in (False, True):
+            opt.zero_grad(set_to_none=set_to_none)
+            with zerofuse.zero.full_grads(model):
+                r[f"zeroed_{set_to_none}"] = [None if p.grad is None else float(p.grad.abs().max())
+                                              for p in model.parameters()]
+    return out
+
+
+def test_full_grads_give_the_averaged_gradient_and_keep_a_users_clipping():
+    ws = 2
+    model = GPT(GPTConfig(**CFG), seed=0)
+    x = _batch()
+    _, loss = model(x[:, :-1], x[:, 1:])
+    loss.backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    want_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05).item()
+    clipped = {n: p.grad for n, p in model.named_parameters()}
+    for rank_out in run_distributed(_grads_rank, ws, timeout=180):
+        for stage, r in rank_out.items():
+            assert all(g is None for g in r["outside"] + r["after_exit"]), stage
+            assert r["grads"].keys() == want.keys()
+            for name, w in want.items():
+                torch.testing.assert_close(r["grads"][name], w, **tol(torch.float32, "norm_param_grad"),
+                                           msg=lambda m: f"stage {stage} {name}: {m}")
+                torch.testing.assert_close(r["clipped"][name], clipped[name], **tol(torch.float32, "norm_param_grad"),
+                                           msg=lambda m: f"stage {stage} clipped {name}: {m}")
+            assert abs(r["norm"] - want_norm) <= 1e-5 * want_norm, (stage, r["norm"], want_norm)
+            assert r["zeroed_False"] and all(v == 0.0 for v in r["zeroed_False"]), stage
+            assert all(v is None for v in r["zeroed_True"]), stage
+
+
+def _state_rank(rank, ws, stage):
+    model = GPT(GPTConfig(**CFG), seed=0)
+    zerofuse.zero.parallelize(model, stage=stage, bucket_mb=0.02)
+    opt = zerofuse.zero.Optimizer(model, "adamw", param_groups=[
+        {"params": [p for p in model.parameters() if p.dim() >= 2]},
+        {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}])
+
+    def step(m, o, seed):
+        x = _mine(_batch(seed), rank, ws)
+        _, loss = m(x[:, :-1], x[:, 1:])
+        loss.backward()
+        o.step()
+        o.zero_grad()
+
+    for i in range(2):
+        step(model, opt, i)
+    names = {id(p): n for n, p in model.named_parameters()}
+    out = {"pieces": {names[id(p)]: (st["exp_avg"].numel(), sorted(st)) for p, st in opt.state.items()},
+           "step": {names[id(p)]: float(st["step"]) for p, st in opt.state.items()}}
+    sd = opt.state_dict()
+    out["sd_keys"] = sorted(sd)
+    out["groups"] = [g["params"] for g in sd["param_groups"]]
+    out["sd_state_keys"] = sorted(sd["state"])
+    # a fresh model + optimizer loading the state (and params) continues exactly as the original
+    other = GPT(GPTConfig(**CFG), seed=7)
+    zerofuse.zero.parallelize(other, stage=stage, bucket_mb=0.02)
+    other_opt = zerofuse.zero.Optimizer(other, "adamw", param_groups=[
+        {"params": [p for p in other.parameters() if p.dim() >= 2]},
+        {"params": [p for p in other.parameters() if p.dim() < 2], "weight_decay": 0.0}])
+    with zerofuse.zero.full_params(model), zerofuse.zero.full_params(other), torch.no_grad():
+        for p, q in zip(model.parameters(), other.parameters()):
+            q.copy_(p)
+    if stage == 3:  # full_params does not write back at stage 3: copy the shards
+        for u, v in zip(model._zerofuse_zero.units, other._zerofuse_zero.units):
+            v.shard.copy_(u.shard)
+    other_opt.load_state_dict(sd)
+    step(model, opt, 5)
+    step(other, other_opt, 5)
+    with zerofuse.zero.full_params(model), zerofuse.zero.full_params(other):
+        out["continued_equal"] = all(torch.equal(p, q) for p, q in zip(model.parameters(), other.parameters()))
+    # state tensors are views of the optimizer's own: writing one writes the step's input
+    p0 = next(iter(opt.state))
+    opt.state[p0]["exp_avg"].fill_(123.0)
+    out["view"] = any(bool((t == 123.0).any()) for st in opt.unit_states for t in st.values())
+    bad = dict(sd, zerofuse=dict(sd["zerofuse"], layout=dict(sd["zerofuse"]["layout"], stage=9)))
+    try:
+        other_opt.load_state_dict(bad)
+    except ValueError as e:
+        out["bad"] = str(e)
+    return out
+
+
+@pytest.mark.parametrize("stage,ws", [(1, 2), (2, 3), (3, 2)])
+def test_optimizer_state_is_per_param_views_and_state_dict_has_torchs_layout(stage, ws):
+    model = GPT(GPTConfig(**CFG), seed=0)
+    params = list(model.named_parameters())
+    results = run_distributed(_state_rank, ws, stage, timeout=180)
+    n = len(params)
+    for r in results:
+        assert r["sd_keys"] == ["param_groups", "state", "zerofuse"]
+        assert sorted(i for g in r["groups"] for i in g) == list(range(n))
+        assert all(k == ["exp_avg", "exp_avg_sq", "step"] for _, k in r["pieces"].values())
+        assert set(r["step"].values()) == {2.0}
+        assert r["continued_equal"] and r["view"]
+        assert "different layout" in r["bad"] and "stage=9" in r["bad"]
+    for name, p in params:  # every element of every param is held by exactly one rank
+        assert sum(r["pieces"].get(name, (0,))[0] for r in results) == p.numel(), name
