@@ -62,7 +62,7 @@ class _Workload:
 
     def __init__(self, spec: tuple, rank: int, ws: int, smoke: bool):
         import zerofuse  # noqa: F401
-        from zerofuse.comm import BucketGroup, BucketPlan, Communicator
+        from zerofuse.comm import Communicator
 
         suite, case, provider = spec[:3]
         g = torch.Generator().manual_seed(rank)
@@ -110,10 +110,22 @@ class _Workload:
                 flat = torch.cat([p.grad for p in params])
                 out = torch.empty(comm.shard_numel([flat]))
                 self.op = lambda: comm.reduce_scatter_coalesced([flat], out, op="sum").wait()
-            else:
-                mb = float(provider.removeprefix("bucket_").removesuffix("MB"))
-                group = BucketGroup(BucketPlan(params, bucket_mb=mb / (64 if smoke else 1), world_size=ws), comm, op="sum")
-                self.op = group.finish_grad_sync
+            else:  # ZeRO-2's buckets: grads in reverse order, about mb each, one reduce-scatter per bucket
+                mb = float(provider.removeprefix("bucket_").removesuffix("MB")) / (64 if smoke else 1)
+                buckets, cur = [], []
+                for p in reversed(params):
+                    cur.append(p.grad)
+                    if 4 * sum(t.numel() for t in cur) >= mb * (1 << 20):
+                        buckets.append(cur)
+                        cur = []
+                buckets += [cur] if cur else []
+                outs = [torch.empty(comm.shard_numel(b)) for b in buckets]
+
+                def bucketed():
+                    for w in [comm.reduce_scatter_coalesced(b, o, op="sum") for b, o in zip(buckets, outs)]:
+                        w.wait()
+
+                self.op = bucketed
         elif suite == "interleaved":
             # spec[1] = "<suite>/<case>", spec[2] = "name+name+...": the named workloads of that
             # suite, each timed on its own after a barrier, in turn within every round
@@ -135,20 +147,25 @@ class _Workload:
             width = 64 if smoke else 1024
             model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(12)])
             x = torch.randn(32 if smoke else 256, width, generator=g)
-            comm = Communicator(debug_delay_ms=LINK_MS if provider.startswith("link_") else 0)
-            params = list(model.parameters())
-            group = BucketGroup(BucketPlan(params, bucket_mb=8 / (64 if smoke else 1), world_size=ws), comm, op="avg")
-            if provider.endswith("overlap_on"):
-                group.register_grad_ready_hooks()
+            self.bytes = 4 * sum(p.numel() for p in model.parameters())
+            if provider != "no_comm":  # ZeRO-2: bucketed reduce-scatters launched in backward (or after it)
+                import zerofuse
+
+                if provider.startswith("link_"):
+                    os.environ["ZEROFUSE_COMM_DELAY_MS"] = str(LINK_MS)
+                try:
+                    zerofuse.zero.parallelize(model, stage=2, bucket_mb=8 / (64 if smoke else 1),
+                                              overlap=provider.endswith("overlap_on"))
+                finally:
+                    os.environ.pop("ZEROFUSE_COMM_DELAY_MS", None)
 
             def step():
                 model.zero_grad(set_to_none=False)
-                model(x).square().mean().backward()
                 if provider != "no_comm":
-                    group.finish_grad_sync()
+                    model._zerofuse_zero.zero_grad()
+                model(x).square().mean().backward()  # the engine waits for every reduction at its end
 
             self.op = step
-            self.bytes = 4 * sum(p.numel() for p in params)
 
     @staticmethod
     def _coalesced(launch):

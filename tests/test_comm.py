@@ -148,48 +148,52 @@ def test_staging_buffers_are_reused_and_never_shared_in_flight(world_size):
 
 
 def _buckets_rank(rank, ws, delay_ms):
-    """An 8-layer model: bucketed reduce-scatter launched from grad-ready hooks during backward
-    equals one unbucketed reduce-scatter; the first bucket is launched before the first layers'
-    backward has run (overlap)."""
-    import zerofuse  # noqa: F401
-    from zerofuse.comm import BucketGroup, BucketPlan, Communicator
+    """An 8-layer model under ZeRO-2 (zerofuse's one bucket mechanism, zerofuse/zero/buckets.py):
+    bucketed reduce-scatters launched from grad-ready hooks during backward give the average of
+    every rank's gradient; the first bucket is launched before the first layers' backward has run
+    (overlap); every bucket's shard is gathered back into the params."""
+    import os
+
+    import zerofuse
 
     torch.manual_seed(0)
     layers = [torch.nn.Linear(33, 33) for _ in range(8)]
     model = torch.nn.Sequential(*layers)
-    comm = Communicator(timeout=60, debug_delay_ms=delay_ms)
-    params = list(model.parameters())
-    plan = BucketPlan(params, bucket_mb=33 * 34 * 4 * 2 / (1 << 20), world_size=ws)  # ~2 layers a bucket
-    assert len(plan.buckets) >= 4 and all(b.padded_numel % (ws * 128) == 0 for b in plan.buckets)
-    group = BucketGroup(plan, comm, op="avg")
-    group.register_grad_ready_hooks()
-    order = []
-    for i, layer in enumerate(layers):
-        layer.register_full_backward_hook(lambda m, gi, go, i=i: order.append(("layer_backward", i, time.perf_counter())))
+    plain = [p.detach().clone() for p in model.parameters()]
+    os.environ["ZEROFUSE_COMM_DELAY_MS"] = str(delay_ms)
+    try:  # ~2 layers a bucket, at most 2 reductions in flight
+        zerofuse.zero.parallelize(model, stage=2, bucket_mb=33 * 34 * 4 * 2 / (1 << 20), max_inflight=2)
+    finally:
+        os.environ.pop("ZEROFUSE_COMM_DELAY_MS")
+    eng = model._zerofuse_zero
+    assert len(eng.units) >= 4 and all(u.padded % (ws * 128) == 0 for u in eng.units)
+    launched_before_layer0 = []
+    layers[0].register_full_backward_hook(lambda m, gi, go: launched_before_layer0.append(len(eng.events)))
     x = torch.randn(16, 33, generator=torch.Generator().manual_seed(rank))
     model(x).square().sum().backward()
-    group.finish_grad_sync()
-    launches = [e for e in group.events if e[0] == "launch"]
-    first_launch = min(t for _, _, t in launches)
-    layer0_backward = next(t for kind, i, t in order if i == 0)
-    assert first_launch < layer0_backward, "the first bucket waited for the whole backward"
-    # reference: one reduce-scatter of every grad, bucket by bucket layout
-    for b, shard in zip(plan.buckets, group.grad_shards):
-        flat = torch.zeros(b.padded_numel)
-        flat[: b.numel] = torch.cat([p.grad.reshape(-1) for p in b.params])
-        dist.all_reduce(flat)
-        torch.testing.assert_close(shard, (flat / ws)[rank * b.shard_numel:(rank + 1) * b.shard_numel],
-                                   rtol=1e-6, atol=1e-7)
-    # param sync: every rank's param shard gathered back gives the params
-    before = [p.detach().clone() for p in params]
-    shards = [group.param_shard(b) for b in plan.buckets]
+    assert launched_before_layer0[0] > 0, "the first bucket waited for the whole backward"
+    # reference: every rank's local grads, averaged
+    ref = torch.nn.Sequential(*[torch.nn.Linear(33, 33) for _ in range(8)])
     with torch.no_grad():
-        for p in params:
-            p.zero_()
-    group.start_param_sync(shards)
-    group.finish_param_sync()
-    assert all(torch.equal(p, q) for p, q in zip(params, before))
-    return len(plan.buckets)
+        for p, q in zip(ref.parameters(), plain):
+            p.copy_(q)
+    ref(x).square().sum().backward()
+    for p in ref.parameters():
+        dist.all_reduce(p.grad)
+        p.grad /= ws
+    with zerofuse.zero.full_grads(model):
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-6)
+    # param sync: the shards gathered back give the params
+    with torch.no_grad():
+        for u in eng.units:
+            keep = u.shard.clone()
+            u.full.zero_()
+            u.shard.copy_(keep)
+    eng.start_param_sync()
+    eng.finish_param_sync()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), plain))
+    return len(eng.units)
 
 
 @pytest.mark.parametrize("world_size,delay_ms", [(2, 0), (3, 0), (4, 0), (3, 30)])
@@ -272,7 +276,7 @@ def test_nccl_transport_needs_cuda(world_of_one):
 
 
 def test_bad_arguments_raise(world_of_one):
-    from zerofuse.comm import BucketPlan, Communicator
+    from zerofuse.comm import Communicator
 
     comm = Communicator()
     with pytest.raises(ValueError, match=r"expected out_shard to have 8 elements \(ceil\(total numel / world_size\)\), got 3"):
@@ -281,8 +285,6 @@ def test_bad_arguments_raise(world_of_one):
         comm.all_reduce_coalesced([torch.ones(8)], op="mean")
     with pytest.raises(ValueError, match=r"expected transport 'auto', 'process_group' or 'nccl', got 'mpi'"):
         Communicator(transport="mpi")
-    with pytest.raises(ValueError, match=r"BucketPlan: expected bucket_mb > 0, got 0"):
-        BucketPlan([torch.nn.Parameter(torch.ones(3))], bucket_mb=0)
 
 
 def test_coalesce_block_and_group_errors(world_of_one):
