@@ -62,7 +62,7 @@ def _big_rank(rank, ws, steps):
     full_bytes = sum(p.numel() for p in model.parameters()) * 4
     with zerofuse.zero.peak_memory() as mem:
         zerofuse.zero.parallelize(model, stage=3, precision="bf16")
-    opt = zerofuse.zero.Optimizer(model, "adamw", lr=3e-3)
+    opt = zerofuse.zero.Optimizer(model, "adamw", lr=1e-3)
     g = torch.Generator().manual_seed(rank)
     x = torch.randint(0, 65, (4, 33), generator=g)
     losses = []

@@ -187,7 +187,7 @@ class GPT(torch.nn.Module):
                 value = torch.zeros(p.shape)
             else:
                 std = resid_std if name.endswith("attn.proj.weight") or name.endswith("mlp.proj.weight") else 0.02
-                gen = torch.Generator().manual_seed(((self.seed & 0xFFFFFFFF) << 32) | zlib.crc32(name.encode()))
+                gen = torch.Generator().manual_seed(zlib.crc32(f"{self.seed}/{name}".encode()))  # CPU generators keep 32 bits
                 spec = tp.spec_of(p)  # TP: draw the full tensor, keep this rank's slice
                 value = torch.randn(spec.full_shape if spec else p.shape, generator=gen) * std
                 if spec is not None:

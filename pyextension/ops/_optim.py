@@ -68,6 +68,31 @@ class Prepared:
         return launch
 
 
+class StepPlans:
+    """The one cache of optimizer step plans ([Note: step plans] in zerofuse/optim/_base.py), used by
+    zerofuse.optim's fused optimizers and zerofuse.zero.Optimizer alike: per param group, what a step
+    hands the ops (lists of tensors, their Prepared launch tables), kept while the key it was built
+    under (identities and addresses of what it was built from) is unchanged and ``valid(plan)``
+    agrees. ``clear()`` is the one invalidation of everything (a param's state dict added, replaced
+    or loaded)."""
+
+    __slots__ = ("_plans",)
+
+    def __init__(self):
+        self._plans: dict = {}
+
+    def get(self, index, key, build, valid=None):
+        hit = self._plans.get(index)
+        if hit is not None and hit[0] == key and (valid is None or valid(hit[1])):
+            return hit[1]
+        plan = build()
+        self._plans[index] = (key, plan)
+        return plan
+
+    def clear(self) -> None:
+        self._plans.clear()
+
+
 def mutated(params: Sequence[torch.Tensor]) -> None:
     """What the dispatcher does for a mutated argument (a direct launch bypasses it): bump the
     version counters, so autograd still catches a param changed after being saved for backward."""

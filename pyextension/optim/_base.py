@@ -16,14 +16,15 @@ import operator
 import torch
 
 from zerofuse.ops.l2norm import clip_inputs
-from zerofuse.ops._optim import Prepared, use_triton
+from zerofuse.ops._optim import Prepared, StepPlans, use_triton
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
 _CONTIGUOUS = torch.Tensor.is_contiguous
 
-# [Note: step plans] A step's host work over every param (finding grads and states, checking them,
+# [Note: step plans] (one cache, zerofuse.ops._optim.StepPlans, serves these optimizers and
+# zerofuse.zero.Optimizer) A step's host work over every param (finding grads and states, checking them,
 # building the kernels' tables) cost ~1 ms for 91 tensors on an H100's host, longer than the
 # kernels of a 10M-param step. So step() keeps, per param group, the params with a grad and their
 # states (lists per state key) and the ops' launch tables (zerofuse.ops._optim.Prepared), and only
@@ -120,23 +121,27 @@ class FusedOptimizerMixin:
             items.append((i, p, self._state(p, group.get("master_weights", False))))
         return items
 
-    def _plans_for_state(self) -> list:
+    def _plans_for_state(self) -> StepPlans:
         """The kept plans, dropped when a param's state dict was added, removed or replaced since
         they were made (values of a dict keep their order when one is replaced: one C-level pass)."""
+        plans = self.__dict__.get("_plans")
+        if plans is None:
+            plans = self._plans = StepPlans()
         seen = self.__dict__.get("_state_seen")
         values = self.state.values()
         if seen is None or len(seen) != len(values) or not all(map(operator.is_, values, seen)):
-            self._plans, self._checked = [], set()
-        return self.__dict__.setdefault("_plans", [])
+            plans.clear()
+            self._checked = set()
+        return plans
 
-    def _plan(self, plans: list, gi: int, group, grads: list) -> _GroupPlan:
+    def _plan(self, plans: StepPlans, gi: int, group, grads: list) -> _GroupPlan:
         """The group's plan, rebuilt when anything it holds may have changed; see [Note: step plans]."""
-        plan = plans[gi] if gi < len(plans) else None
         has_grad = tuple(g is not None for g in grads)
-        if (plan is not None and plan.group is group and plan.state is self.state and plan.has_grad == has_grad
-                and plan.master_weights == group.get("master_weights", False)
-                and plan.ids == tuple(map(id, group["params"])) and all(part.unchanged() for part in plan.parts)):
-            return plan
+        key = (id(group), id(self.state), has_grad, group.get("master_weights", False), tuple(map(id, group["params"])))
+        return plans.get(gi, key, lambda: self._build_plan(group, has_grad),
+                         valid=lambda plan: all(part.unchanged() for part in plan.parts))
+
+    def _build_plan(self, group, has_grad) -> _GroupPlan:
         # a state tensor may have been replaced by one the kernels cannot take as it is (a
         # torch.optim-style state: bf16 moments, a step on the cpu): check this group's states again
         self.__dict__.setdefault("_checked", set()).difference_update(map(id, group["params"]))
@@ -149,10 +154,6 @@ class FusedOptimizerMixin:
                 keys = self._STATE_KEYS + (("master",) if with_master else ()) + (("step",) if self._USES_STEP else ())
                 plan.parts.append(_Part([i for i, _ in sel], [group["params"][i] for i, _ in sel],
                                         [s for _, s in sel], keys))
-        if gi < len(plans):
-            plans[gi] = plan
-        else:
-            plans.append(plan)
         return plan
 
     def _amp_inputs(self, device, grads, grad_scale, found_inf, max_grad_norm):

@@ -27,7 +27,7 @@ import math
 import torch
 
 from zerofuse.ops import adam_, l2norm, lamb_stage1_, lamb_stage2_, lars_
-from zerofuse.ops._optim import Prepared
+from zerofuse.ops._optim import Prepared, StepPlans
 from zerofuse.ops.lamb import TRUST_MODES
 from zerofuse.zero.engine import engine_of
 
@@ -56,15 +56,15 @@ class _Piece:
 
 
 class _Lists:
-    """What a group's step hands the ops, kept while the shards it views stay where they are: the
-    views of its pieces per key ('param', 'grad', the state keys, 'master'), the ops' launch
-    tables, and (LAMB/LARS) the piece -> param index on the device. Made at every step, these were
-    hundreds of views and a host-to-device copy of the index (a host sync on CUDA) per step."""
+    """A group's step plan (kept in the one StepPlans cache while the shards it views stay where
+    they are): the views of its pieces per key ('param', 'grad', the state keys, 'master'), the
+    ops' launch tables, and (LAMB/LARS) the piece -> param index on the device. Made at every step,
+    these were hundreds of views and a host-to-device copy of the index (a host sync on CUDA)."""
 
-    __slots__ = ("key", "views", "prepared", "index")
+    __slots__ = ("views", "prepared", "index")
 
-    def __init__(self, key, views, index):
-        self.key, self.views, self.index, self.prepared = key, views, index, Prepared()
+    def __init__(self, views, index):
+        self.views, self.index, self.prepared = views, index, Prepared()
 
 
 class Optimizer(torch.optim.Optimizer):
@@ -102,6 +102,7 @@ class Optimizer(torch.optim.Optimizer):
         for gi, g in enumerate(self.param_groups):
             for p in g["params"]:
                 self._group_of[id(p)] = gi
+        self._plans = StepPlans()
         self._build_states()
         dev = eng.params[0].device
         self._steps = [torch.zeros(1, dtype=torch.float32, device=dev) for _ in self.param_groups]
@@ -182,17 +183,17 @@ class Optimizer(torch.optim.Optimizer):
             if u.index not in bases:
                 bases[u.index] = {"param": u.shard, "grad": u.grad_shard(), **self.unit_states[u.index]}
         key = (tuple((i, tuple(t.data_ptr() for t in b.values())) for i, b in bases.items()), id(self.unit_states))
-        kept = self.__dict__.setdefault("_kept", {}).get(gi)
-        if kept is not None and kept.key == key:
-            return kept
-        keys = ("param", "grad") + STATE_KEYS[self.kind] + (("master",) if self.engine.dtype != torch.float32 else ())
-        views = {k: [bases[pc.unit.index][k].narrow(0, pc.start, pc.length) for pc in pieces] for k in keys}
-        views.setdefault("master", [])
-        index = None
-        if pieces and pieces[0].param is not None:
-            index = torch.tensor([pc.param for pc in pieces], dtype=torch.long).to(self.scale.device)
-        self._kept[gi] = kept = _Lists(key, views, index)
-        return kept
+
+        def build():
+            keys = ("param", "grad") + STATE_KEYS[self.kind] + (("master",) if self.engine.dtype != torch.float32 else ())
+            views = {k: [bases[pc.unit.index][k].narrow(0, pc.start, pc.length) for pc in pieces] for k in keys}
+            views.setdefault("master", [])
+            index = None
+            if pieces and pieces[0].param is not None:
+                index = torch.tensor([pc.param for pc in pieces], dtype=torch.long).to(self.scale.device)
+            return _Lists(views, index)
+
+        return self._plans.get(gi, key, build)
 
     # ------------------------------------------------------------------ norms
 
