@@ -61,7 +61,7 @@ class _Workload:
     """One timed collective (op) and the bytes it moves, built the same way on every rank."""
 
     def __init__(self, spec: tuple, rank: int, ws: int, smoke: bool):
-        import zerofuse  # noqa: F401
+        import zerofuse
         from zerofuse.comm import Communicator
 
         suite, case, provider = spec[:3]
@@ -149,8 +149,6 @@ class _Workload:
             x = torch.randn(32 if smoke else 256, width, generator=g)
             self.bytes = 4 * sum(p.numel() for p in model.parameters())
             if provider != "no_comm":  # ZeRO-2: bucketed reduce-scatters launched in backward (or after it)
-                import zerofuse
-
                 if provider.startswith("link_"):
                     os.environ["ZEROFUSE_COMM_DELAY_MS"] = str(LINK_MS)
                 try:

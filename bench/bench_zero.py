@@ -24,8 +24,8 @@ workers drop the last reference to a finished collective's buffers), which left 
 counted as live after its free, at random, on this bench.
 Gradient buckets: zerofuse stages 0-2 bucket_mb 25 (default) and 4 (*_b4), max_inflight 2; DDP
 bucket_cap_mb 25 (default; its first bucket 1 MiB); DeepSpeed reduce/allgather buckets of 25 MiB
-(set here: the 5e8-element default is one 1.9 GB fp32 buffer); FSDP2 and zerofuse stage 3 reduce
-one unit per transformer block plus a root unit.
+(set here: the 5e8-element default is a 1.9 GB fp32 buffer; overlap_comm its default, on at stage 3
+only); FSDP2 and zerofuse stage 3 reduce one unit per transformer block plus a root unit.
 """
 from __future__ import annotations
 
@@ -105,7 +105,8 @@ class _Workload:
         else:
             stage = int(provider.split("_z")[1][0])
             kw = {"bucket_mb": _bucket_mb(provider)} if stage < 3 else {}  # stage 3: one unit per block
-            zerofuse.zero.parallelize(model, stage=stage, reshard_after_forward=not provider.endswith("no_reshard"), **kw)
+            zerofuse.zero.parallelize(model, stage=stage, reshard_after_forward=not provider.endswith("no_reshard"),
+                                      **kw)
             self.model = model
             self.opt = zerofuse.zero.Optimizer(model, "adamw", lr=1e-3, weight_decay=0.01)
 
@@ -130,9 +131,9 @@ class _Workload:
 
 def _bucket_mb(provider: str) -> float | None:
     """The gradient bucket size in MiB as configured above; None where reductions go per unit."""
-    if provider in ("ddp", "deepspeed_z1", "deepspeed_z2") or provider.startswith("zerofuse_z") and "_z3" not in provider:
-        return 4.0 if provider.endswith("_b4") else 25.0
-    return None
+    if provider.startswith("fsdp2") or provider.startswith("zerofuse_z3"):
+        return None
+    return 4.0 if provider.endswith("_b4") else 25.0
 
 
 MEM_STEPS = 3

@@ -32,40 +32,13 @@ import torch.distributed as dist
 
 from zerofuse.comm import Communicator
 from zerofuse.zero.buckets import FREE, Bucket, BucketGroup
+from zerofuse.zero.grads import gathered_grads
+from zerofuse.zero.layout import bucket_groups, unit_groups
+from zerofuse.zero.materialize import Initializer, materialize_rest
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 REDUCE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 ALIGN = 128
-
-
-def _main_module_list(model: torch.nn.Module) -> list[torch.nn.Module]:
-    best = None
-    for mod in model.modules():
-        if isinstance(mod, torch.nn.ModuleList) and (best is None or len(mod) > len(best)):
-            best = mod
-    return list(best) if best is not None else []
-
-
-def _wrap_modules(model: torch.nn.Module, wrap) -> list[torch.nn.Module]:
-    if wrap is None:
-        mods = _main_module_list(model)
-    elif isinstance(wrap, (list, tuple)) and all(isinstance(w, type) for w in wrap):
-        mods = [m for m in model.modules() if isinstance(m, tuple(wrap)) and m is not model]
-    elif isinstance(wrap, (list, tuple)) and all(isinstance(w, torch.nn.Module) for w in wrap):
-        mods = list(wrap)
-    elif callable(wrap):
-        mods = [m for m in model.modules() if m is not model and wrap(m)]
-    else:
-        raise TypeError("zerofuse.zero.parallelize: expected wrap to be None, a list of module classes, a list of "
-                        f"submodules or a callable(module) -> bool, got {type(wrap).__name__}")
-    inside = set()  # drop modules nested in an earlier one: units do not nest
-    out = []
-    for m in mods:
-        if id(m) in inside:
-            continue
-        out.append(m)
-        inside.update(id(s) for s in m.modules())
-    return out
 
 
 class ZeroEngine:
@@ -116,7 +89,7 @@ class ZeroEngine:
         self.reshard_after_forward = reshard_after_forward
         self.dtype = PRECISIONS[precision]
         if meta:
-            _materialize_rest(model, device, self.dtype)
+            materialize_rest(model, device, self.dtype)
         else:
             model.to(self.dtype)
         self.names = [n for n, _ in named]
@@ -139,7 +112,7 @@ class ZeroEngine:
         shard_rank, shard_world = (0, 1) if stage == 0 else (self.rank, self.world_size)
         kw = dict(rank=shard_rank, world_size=shard_world, align=ALIGN, stage=stage, dtype=self.dtype,
                   reduce_dtype=self.reduce_dtype, grad_div=1.0 / self.world_size, device=device)
-        self._init = _Initializer(model, param_init_fn) if meta else None
+        self._init = Initializer(model, param_init_fn) if meta else None
         if stage == 3:
             self._build_stage3(model, named, wrap, kw)
         else:
@@ -175,41 +148,17 @@ class ZeroEngine:
     # ------------------------------------------------------------------ layout
 
     def _build_buckets(self, named, bucket_mb, kw):
-        # reverse registration order (the order grads become ready in backward), about bucket_mb each
-        limit, size, cur = bucket_mb * (1 << 20), 0, []
-        for n, p in reversed(named):
-            cur.append((n, p))
-            size += p.numel() * self.dtype.itemsize
-            if size >= limit:
-                self._bucket(f"bucket{len(self.units)}", cur, kw)
-                cur, size = [], 0
-        if cur:
-            self._bucket(f"bucket{len(self.units)}", cur, kw)
+        for group in bucket_groups(named, bucket_mb, self.dtype.itemsize):
+            self._bucket(f"bucket{len(self.units)}", group, kw)
         self._wrap_mods = []
 
     def _build_stage3(self, model, named, wrap, kw):
-        mods = _wrap_modules(model, wrap)
-        mod_names = {id(m): n for n, m in model.named_modules()}
-        owner: dict[int, set[int]] = {}  # id(param) -> the units (wrap index, -1 root) of modules holding it
-        unit_of_mod = {}
-        for i, m in enumerate(mods):
-            for s in m.modules():
-                unit_of_mod[id(s)] = i
-        for m in model.modules():
-            for p in m.parameters(recurse=False):
-                owner.setdefault(id(p), set()).add(unit_of_mod.get(id(m), -1))
-        groups: dict[int, list] = {i: [] for i in range(-1, len(mods))}
-        for n, p in named:
-            units = owner[id(p)]
-            # a param shared by modules of different units (tied weights) lives in the root, which
-            # stays gathered through forward and backward
-            groups[units.pop() if len(units) == 1 else -1].append((n, p))
+        units, root = unit_groups(model, named, wrap)
         self._wrap_mods = []
-        for i, m in enumerate(mods):
-            if groups[i]:
-                self.wrap_units[id(m)] = self._bucket(mod_names.get(id(m), f"unit{i}"), groups[i], kw)
-                self._wrap_mods.append(m)
-        self.root = self._bucket("<root>", groups[-1], kw) if groups[-1] else None
+        for m, name, group in units:
+            self.wrap_units[id(m)] = self._bucket(name, group, kw)
+            self._wrap_mods.append(m)
+        self.root = self._bucket("<root>", root, kw) if root else None
 
     # ------------------------------------------------------------------ grads
 
@@ -383,97 +332,9 @@ class ZeroEngine:
             for u in was_free:  # units a forward/backward in progress holds stay gathered
                 u.free()
 
-    @contextlib.contextmanager
     def full_grads(self):
-        """Every param's full, reduced gradient as its ``.grad`` inside the block (gathered from the
-        ranks' shards on entry, dropped on exit); in-place changes to a ``.grad`` (a user's own
-        clipping) are written back into this rank's shard. Collective: every rank enters."""
-        self.buckets.finish_grad_sync()
-        held = []  # (bucket, full grad buffer, grads handed out with their versions)
-        for u in self.units:
-            if not u.has_grad():
-                continue
-            g = u.grad_shard()
-            if self.stage == 0:
-                buf = g
-            else:
-                buf = torch.empty(u.padded, dtype=u.reduce_dtype, device=u.device)
-                self.comm.all_gather_coalesced(g, [buf]).wait()
-            given = []
-            for p, o in zip(u.params, u.offsets):
-                view = buf[o:o + p.numel()].view(p.shape)
-                p.grad = view if view.dtype == p.dtype else view.to(p.dtype)
-                given.append((p.grad, p.grad._version))
-            held.append((u, buf, given))
-        try:
-            yield
-        finally:
-            for u, buf, given in held:
-                changed = False
-                for p, o, (grad, version) in zip(u.params, u.offsets, given):
-                    now = p.grad
-                    if now is not grad or now._version != version:
-                        changed = True
-                        if now is None:
-                            buf[o:o + p.numel()].zero_()
-                        elif now.data_ptr() != buf[o:].data_ptr():
-                            buf[o:o + p.numel()].copy_(now.reshape(-1))
-                if changed and self.stage != 0:
-                    u.gshard.copy_(buf[u.lo:u.hi])
-            for p in self.params:
-                p.grad = None
-
-
-class _Initializer:
-    """Values for the params of a model built on the meta device, one bucket at a time: each module
-    holding a param of the bucket runs ``param_init_fn(module)`` (the argument, else the model's own
-    ``param_init_fn`` method, else ``module.reset_parameters()``). A module's params that live in
-    another bucket are scratch stand-ins meanwhile (their writes are dropped: they are initialised
-    with their own bucket)."""
-
-    def __init__(self, model, param_init_fn):
-        self.fn = param_init_fn or getattr(model, "param_init_fn", None)
-        self.names = {id(m): n for n, m in model.named_modules()}
-        self.holders: dict[int, list] = {}  # id(param) -> modules holding it directly, in module order
-        for m in model.modules():
-            for p in m.parameters(recurse=False):
-                self.holders.setdefault(id(p), []).append(m)
-
-    def run(self, params) -> None:
-        mine = {id(p) for p in params}
-        mods = list({id(m): m for p in params for m in self.holders[id(p)]}.values())
-        saved = []
-        for m in mods:
-            for q in m.parameters(recurse=False):
-                if id(q) not in mine and not q.is_meta:
-                    saved.append((q, q.data))
-                    q.data = torch.empty_like(q)
-        try:
-            for m in mods:
-                if self.fn is not None:
-                    self.fn(m)
-                elif hasattr(m, "reset_parameters"):
-                    m.reset_parameters()
-                else:
-                    raise ValueError(f"zerofuse.zero.parallelize: module {self.names.get(id(m), '?')!r} "
-                                     f"({type(m).__name__}) holds parameters on the meta device and has no "
-                                     "reset_parameters(); pass param_init_fn=callable(module) to initialise them")
-        finally:
-            for q, d in saved:
-                q.data = d
-
-
-def _materialize_rest(model, device, dtype) -> None:
-    """A meta model's buffers and frozen params, allocated (uninitialised, as ``Module.to_empty``)
-    on ``device``; floating ones in the run's dtype. Trainable params are the buckets' business."""
-    for m in model.modules():
-        for key, b in m._buffers.items():
-            if b is not None and b.is_meta:
-                m._buffers[key] = torch.empty_like(b, device=device, dtype=dtype if b.is_floating_point() else b.dtype)
-        for p in m.parameters(recurse=False):
-            if p.is_meta and not p.requires_grad:
-                t = torch.empty_like(p, device=device, dtype=dtype if p.is_floating_point() else p.dtype)
-                torch.utils.swap_tensors(p, torch.nn.Parameter(t, requires_grad=False))
+        """See zerofuse.zero.full_grads (zerofuse/zero/grads.py)."""
+        return gathered_grads(self)
 
 
 def _tensors(out):

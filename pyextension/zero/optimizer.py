@@ -22,7 +22,6 @@ the scale backs off; after ``growth_interval`` clean steps it grows.
 """
 from __future__ import annotations
 
-import math
 
 import torch
 

@@ -1,0 +1,72 @@
+"""Which params share a bucket: stage 0/1/2 group them, in reverse registration order (the order
+their grads become ready in backward), into buckets of about ``bucket_mb``; stage 3 makes one unit
+per wrapped module (default: each child of the model's main ModuleList) and a root unit for the
+rest, including any param shared by modules of different units (tied weights)."""
+from __future__ import annotations
+
+import torch
+
+
+def bucket_groups(named, bucket_mb: float, itemsize: int) -> list[list]:
+    limit, size, cur, out = bucket_mb * (1 << 20), 0, [], []
+    for n, p in reversed(named):
+        cur.append((n, p))
+        size += p.numel() * itemsize
+        if size >= limit:
+            out.append(cur)
+            cur, size = [], 0
+    if cur:
+        out.append(cur)
+    return out
+
+
+def unit_groups(model, named, wrap) -> tuple[list, list]:
+    """([(wrapped module, its name, its (name, param) list)], the root's (name, param) list)."""
+    mods = _wrap_modules(model, wrap)
+    mod_names = {id(m): n for n, m in model.named_modules()}
+    owner: dict[int, set[int]] = {}  # id(param) -> the units (wrap index, -1 root) of modules holding it
+    unit_of_mod = {}
+    for i, m in enumerate(mods):
+        for s in m.modules():
+            unit_of_mod[id(s)] = i
+    for m in model.modules():
+        for p in m.parameters(recurse=False):
+            owner.setdefault(id(p), set()).add(unit_of_mod.get(id(m), -1))
+    groups: dict[int, list] = {i: [] for i in range(-1, len(mods))}
+    for n, p in named:
+        units = owner[id(p)]
+        # a param shared by modules of different units lives in the root, which stays gathered
+        # through forward and backward
+        groups[units.pop() if len(units) == 1 else -1].append((n, p))
+    units = [(m, mod_names.get(id(m), f"unit{i}"), groups[i]) for i, m in enumerate(mods) if groups[i]]
+    return units, groups[-1]
+
+
+def _main_module_list(model: torch.nn.Module) -> list[torch.nn.Module]:
+    best = None
+    for mod in model.modules():
+        if isinstance(mod, torch.nn.ModuleList) and (best is None or len(mod) > len(best)):
+            best = mod
+    return list(best) if best is not None else []
+
+
+def _wrap_modules(model: torch.nn.Module, wrap) -> list[torch.nn.Module]:
+    if wrap is None:
+        mods = _main_module_list(model)
+    elif isinstance(wrap, (list, tuple)) and all(isinstance(w, type) for w in wrap):
+        mods = [m for m in model.modules() if isinstance(m, tuple(wrap)) and m is not model]
+    elif isinstance(wrap, (list, tuple)) and all(isinstance(w, torch.nn.Module) for w in wrap):
+        mods = list(wrap)
+    elif callable(wrap):
+        mods = [m for m in model.modules() if m is not model and wrap(m)]
+    else:
+        raise TypeError("zerofuse.zero.parallelize: expected wrap to be None, a list of module classes, a list of "
+                        f"submodules or a callable(module) -> bool, got {type(wrap).__name__}")
+    inside = set()  # drop modules nested in an earlier one: units do not nest
+    out = []
+    for m in mods:
+        if id(m) in inside:
+            continue
+        out.append(m)
+        inside.update(id(s) for s in m.modules())
+    return out

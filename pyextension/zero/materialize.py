@@ -1,0 +1,58 @@
+"""Materializing a model built on the meta device, one bucket at a time (see zerofuse.zero.parallelize):
+the values of a bucket's params come from ``param_init_fn(module)`` while that bucket is the only
+full one, so at stage 3 the model never exists whole on a rank."""
+from __future__ import annotations
+
+import torch
+
+
+class Initializer:
+    """Values for the params of a model built on the meta device, one bucket at a time: each module
+    holding a param of the bucket runs ``param_init_fn(module)`` (the argument, else the model's own
+    ``param_init_fn`` method, else ``module.reset_parameters()``). A module's params that live in
+    another bucket are scratch stand-ins meanwhile (their writes are dropped: they are initialised
+    with their own bucket)."""
+
+    def __init__(self, model, param_init_fn):
+        self.fn = param_init_fn or getattr(model, "param_init_fn", None)
+        self.names = {id(m): n for n, m in model.named_modules()}
+        self.holders: dict[int, list] = {}  # id(param) -> modules holding it directly, in module order
+        for m in model.modules():
+            for p in m.parameters(recurse=False):
+                self.holders.setdefault(id(p), []).append(m)
+
+    def run(self, params) -> None:
+        mine = {id(p) for p in params}
+        mods = list({id(m): m for p in params for m in self.holders[id(p)]}.values())
+        saved = []
+        for m in mods:
+            for q in m.parameters(recurse=False):
+                if id(q) not in mine and not q.is_meta:
+                    saved.append((q, q.data))
+                    q.data = torch.empty_like(q)
+        try:
+            for m in mods:
+                if self.fn is not None:
+                    self.fn(m)
+                elif hasattr(m, "reset_parameters"):
+                    m.reset_parameters()
+                else:
+                    raise ValueError(f"zerofuse.zero.parallelize: module {self.names.get(id(m), '?')!r} "
+                                     f"({type(m).__name__}) holds parameters on the meta device and has no "
+                                     "reset_parameters(); pass param_init_fn=callable(module) to initialise them")
+        finally:
+            for q, d in saved:
+                q.data = d
+
+
+def materialize_rest(model, device, dtype) -> None:
+    """A meta model's buffers and frozen params, allocated (uninitialised, as ``Module.to_empty``)
+    on ``device``; floating ones in the run's dtype. Trainable params are the buckets' business."""
+    for m in model.modules():
+        for key, b in m._buffers.items():
+            if b is not None and b.is_meta:
+                m._buffers[key] = torch.empty_like(b, device=device, dtype=dtype if b.is_floating_point() else b.dtype)
+        for p in m.parameters(recurse=False):
+            if p.is_meta and not p.requires_grad:
+                t = torch.empty_like(p, device=device, dtype=dtype if p.is_floating_point() else p.dtype)
+                torch.utils.swap_tensors(p, torch.nn.Parameter(t, requires_grad=False))
