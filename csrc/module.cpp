@@ -1,10 +1,11 @@
 // The zerofuse._C Python module. Importing it runs the TORCH_LIBRARY registrations; ops are
 // reached through torch.ops.zerofuse (no pybind bindings for ops). Bound here: build_info() (what
-// this build contains, for the doctor) and the Communicator (csrc/comm/), whose Python face is
-// zerofuse.comm.
+// this build contains, for the doctor), the Communicator (csrc/comm/), whose Python face is
+// zerofuse.comm, and the CPU memory counter (memory_counter.h) behind zerofuse.zero.peak_memory.
 #include <torch/extension.h>
 
 #include "comm/communicator.h"
+#include "memory_counter.h"
 #ifdef ZEROFUSE_WITH_NCCL
 #include "comm/nccl_info.h"
 #endif
@@ -38,6 +39,11 @@ py::dict build_info() {
 
 PYBIND11_MODULE(_C, m) {
   m.def("build_info", &build_info, "Backends compiled into this build of zerofuse._C.");
+  m.def("cpu_memory_counter_install", &zerofuse::cpu_memory_counter_install, py::arg("on"));
+  m.def("cpu_memory_counter_installed", &zerofuse::cpu_memory_counter_installed);
+  m.def("cpu_memory_counter_current", &zerofuse::cpu_memory_counter_current);
+  m.def("cpu_memory_counter_peak", &zerofuse::cpu_memory_counter_peak);
+  m.def("cpu_memory_counter_reset_peak", &zerofuse::cpu_memory_counter_reset_peak);
 
   py::class_<Work, std::shared_ptr<Work>>(m, "Work")
       .def("wait", &Work::wait, py::call_guard<py::gil_scoped_release>(),

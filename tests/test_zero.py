@@ -194,7 +194,7 @@ def _stage0_buffer_rank(rank, ws):
         mem = zerofuse.zero.memory_report(model, opt)
         out["grads"].append(mem["grads"])
         out["formula"] = mem["formula"]["grads"]
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=False)  # keeps (zeroes) the buffer; True frees it
     return out
 
 
@@ -292,7 +292,7 @@ def _triton_optimizer_rank(rank, ws, steps):
                 kernels.TRITON_ON_CPU = triton_step
                 before = len(built)
                 opt.step()
-                opt.zero_grad()
+                opt.zero_grad(set_to_none=False)  # grad shards kept: their addresses, and the tables, stay
                 tables.append(len(built) - before)
                 if masters is None:
                     masters = [st["master"].clone() for st in opt.unit_states if "master" in st]

@@ -46,6 +46,7 @@ def _grads_rank(rank, ws):
             r["clipped"] = {n: p.grad.clone() for n, p in model.named_parameters()}
         for set_to_none in (False, True):
             opt.zero_grad(set_to_none=set_to_none)
+            r[f"grad_bytes_{set_to_none}"] = zerofuse.zero.memory_report(model, opt)["grads"]
             with zerofuse.zero.full_grads(model):
                 r[f"zeroed_{set_to_none}"] = [None if p.grad is None else float(p.grad.abs().max())
                                               for p in model.parameters()]
@@ -73,6 +74,7 @@ def test_full_grads_give_the_averaged_gradient_and_keep_a_users_clipping():
             assert abs(r["norm"] - want_norm) <= 1e-5 * want_norm, (stage, r["norm"], want_norm)
             assert r["zeroed_False"] and all(v == 0.0 for v in r["zeroed_False"]), stage
             assert all(v is None for v in r["zeroed_True"]), stage
+            assert r["grad_bytes_False"] > 0 and r["grad_bytes_True"] == 0, stage  # set_to_none frees them
 
 
 def _state_rank(rank, ws, stage):

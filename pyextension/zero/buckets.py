@@ -29,9 +29,11 @@ fp32 sum, not by a ring that rounds at every hop.
   exist (the in-flight ones and the one filling), whatever the number of buckets.
 - Stage 2/3 reduce straight into gshard when it holds nothing yet; otherwise (accumulation over
   several syncs) into a shard-sized temporary added at finish.
-- gshard (stage 1: gflat) is kept between steps, so the optimizer's kernel tables, keyed by
-  address, stay valid: ``zero_grad(set_to_none=True)`` marks the grads absent (``full_grads`` hands
-  out None; they are zeroed lazily when read), ``set_to_none=False`` fills them with zeros now.
+- Grad buffers are made when first needed (parallelize allocates params only) and
+  ``zero_grad(set_to_none=True)`` (torch's default) frees gshard and stage 1's gflat: nothing of
+  the grads is held through the next forward, as FSDP2. ``set_to_none=False`` keeps them, zeroed,
+  so their addresses, and with them the optimizer's kept kernel tables, stay the same (on CUDA
+  the caching allocator usually hands the same blocks back anyway).
 - CUDA: Work.wait() orders the current stream after the collective; a buffer dropped after the
   wait is reused by the caching allocator on that stream only ([Note: NCCL buffer lifetimes] in
   csrc/comm/nccl_transport.cu).
@@ -105,12 +107,7 @@ class Bucket:
         self.written = [False] * len(self.params)  # param regions of gflat holding values
         self.gshard_fresh = True  # gshard holds nothing of this accumulation window yet
         self.grad_none = True  # no grad since zero_grad(set_to_none=True) (or ever)
-        if stage == 1:
-            self.gflat = torch.zeros(self.padded, dtype=reduce_dtype, device=device)
-            self.written = [True] * len(self.params)
-            self.gshard = self.gflat[self.lo:self.hi]
-        else:  # made by the first reduction (or read): parallelize allocates params only
-            self.gshard = None
+        self.gshard: torch.Tensor | None = None  # made by the first reduction (or read)
         self.ready = 0  # params whose grad arrived in this backward
         self.dirty = False  # gflat holds local grads not reduced yet
         self.launched = False
@@ -171,6 +168,8 @@ class Bucket:
     def add_grad(self, i: int, grad: torch.Tensor) -> None:
         """Param i's grad arrived: copied, times grad_div, into its region of gflat (added when the
         region already holds grads of this accumulation window)."""
+        if self.gflat is None and self.stage == 1:
+            self._stage1_buffers()
         if self.gflat is None:  # stage 0/2/3: per backward, not zero-filled (each region is written once)
             if self.stage == 0 and self.gshard_fresh and self.gshard is not None:
                 # stage 0 reduces in place, so gshard is last step's gflat, dead since zero_grad:
@@ -236,18 +235,27 @@ class Bucket:
         self.gshard_fresh = False
         self.grad_none = False
 
+    def _stage1_buffers(self) -> None:
+        """Stage 1 keeps the full gradient: zeros, of which gshard is this rank's region."""
+        self.gflat = torch.zeros(self.padded, dtype=self.reduce_dtype, device=self.device)
+        self.written = [True] * len(self.params)
+        self.gshard = self.gflat[self.lo:self.hi]
+
     def zero_grad(self, set_to_none: bool = True) -> None:
-        if self.stage == 1:
+        if set_to_none:  # [Note: bucket buffers]: nothing held until the next backward
+            self.gflat = self.gshard = None
+            self.written = [False] * len(self.params)
+            self.gshard_fresh = True
+        elif self.stage == 1:
             if self.dirty:
                 self.gflat.zero_()
-            else:  # after a sync only the own region is non-zero
+            elif self.gshard is not None:  # after a sync only the own region is non-zero
                 self.gshard.zero_()
         else:
             self.gflat = None
             self.written = [False] * len(self.params)
             self.gshard_fresh = True
-            if not set_to_none:
-                self.grad_shard()
+            self.grad_shard()
         self.dirty = False
         self.grad_none = set_to_none
 
@@ -258,7 +266,10 @@ class Bucket:
     def grad_shard(self) -> torch.Tensor:
         """gshard ready for the optimizer (zeros when nothing was reduced since zero_grad)."""
         if self.gshard is None:
-            self.gshard = torch.zeros(self.shard_numel, dtype=self.reduce_dtype, device=self.device)
+            if self.stage == 1:
+                self._stage1_buffers()
+            else:
+                self.gshard = torch.zeros(self.shard_numel, dtype=self.reduce_dtype, device=self.device)
             self.gshard_fresh = False
         elif self.gshard_fresh and self.stage != 1:
             if self.gshard is self.gflat:  # stage 0 between no_sync backwards: the buffer holds local grads

@@ -14,9 +14,10 @@ about), not what is left after it.
 from __future__ import annotations
 
 import contextlib
-import warnings
 
 import torch
+
+from zerofuse import _C
 
 from zerofuse.zero.engine import engine_of
 
@@ -60,9 +61,6 @@ def memory_report(model: torch.nn.Module, optimizer=None) -> dict:
             "psi": psi, "world_size": eng.world_size, "stage": eng.stage, "K": k}
 
 
-_MARK_BYTES = 7_340_033  # sentinel allocations of this size (+ the mark's number) split the event stream
-
-
 class Peak:
     """Filled when a ``peak_memory`` block exits: ``peak`` (the most bytes allocated at once above
     the allocation at entry), ``end`` (bytes above it at exit) and, per ``mark(label)`` made inside,
@@ -71,70 +69,71 @@ class Peak:
 
     def __init__(self, device):
         self.device, self.peak, self.end, self.phases = device, 0, 0, {}
-        self._labels: list[str] = []
+        self._label: str | None = None
+        self._start = 0
 
-    def mark(self, label: str) -> None:
-        """Start a phase here (CPU: a sentinel allocation found in the event stream; CUDA: reads the
-        counters, synchronising)."""
+    def _now(self) -> tuple[int, int]:
+        """(allocated, peak since the last reset), both above the entry."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-            now = torch.cuda.memory_allocated(self.device) - self._start
-            if self._labels:
-                self._close_cuda()
-            self._labels.append(label)
-            self.phases[label] = (now, now)
-            torch.cuda.reset_peak_memory_stats(self.device)
-            return
-        self._labels.append(label)
-        torch.empty(_MARK_BYTES + len(self._labels), dtype=torch.uint8)
+            return (torch.cuda.memory_allocated(self.device) - self._start,
+                    torch.cuda.max_memory_allocated(self.device) - self._start)
+        return _C.cpu_memory_counter_current() - self._start, _C.cpu_memory_counter_peak() - self._start
 
-    def _close_cuda(self) -> None:
-        at, _ = self.phases[self._labels[-1]]
-        self.phases[self._labels[-1]] = (at, torch.cuda.max_memory_allocated(self.device) - self._start)
+    def _reset(self) -> None:
+        # the counters' peak is one per device: blocks open around this one keep what they saw so far
+        for other in _OPEN:
+            if other is not self and other.device == self.device:
+                other._close()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            _C.cpu_memory_counter_reset_peak()
+
+    def _close(self) -> tuple[int, int]:
+        now, hi = self._now()
+        self.peak = max(self.peak, hi)
+        if self._label is not None:
+            at, seen = self.phases[self._label]
+            self.phases[self._label] = (at, max(seen, hi))
+        return now, hi
+
+    def mark(self, label: str) -> None:
+        """Start a phase here (CUDA: synchronises to read the counters)."""
+        now, _ = self._close()
+        self._reset()
+        self._label = label
+        self.phases[label] = (now, now)
+
+
+_OPEN: list[Peak] = []  # peak_memory blocks open now (they may nest)
 
 
 @contextlib.contextmanager
 def peak_memory(device=None):
     """Context manager yielding a :class:`Peak`: the most bytes allocated at once during the block,
     above what was allocated at entry, optionally per phase (``mark``). CUDA:
-    ``torch.cuda.max_memory_allocated`` (the peak counter is reset at entry). CPU: the CPU
-    allocator's events recorded by torch.profiler, summed in order (allocations on threads other
-    than the caller's, e.g. inside gloo, are not seen; frees of blocks allocated before the block
-    are not counted, so the figure errs high)."""
+    ``torch.cuda.max_memory_allocated`` (the peak counter is reset at entry). CPU: a counting
+    wrapper around torch's CPU allocator (zerofuse._C, csrc/memory_counter.h), installed for the
+    block: exact for every thread (gloo's included). Blocks allocated before the block and freed
+    inside it are not subtracted, so the figure errs high, never low."""
     device = torch.device(device) if device is not None else torch.device("cpu")
     out = Peak(device)
+    installed = False
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         out._start = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
+    else:
+        if not _C.cpu_memory_counter_installed():
+            _C.cpu_memory_counter_install(True)
+            installed = True
+        out._start = _C.cpu_memory_counter_current()
+    out._reset()
+    _OPEN.append(out)
+    try:
         yield out
-        torch.cuda.synchronize(device)
-        if out._labels:
-            out._close_cuda()
-        out.peak = max([torch.cuda.max_memory_allocated(device) - out._start] + [p for _, p in out.phases.values()])
-        out.end = torch.cuda.memory_allocated(device) - out._start
-        return
-    from torch.profiler import ProfilerActivity, profile
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            yield out
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                    if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
-    marks = {_MARK_BYTES + i + 1: label for i, label in enumerate(out._labels)}
-    live = peak = 0
-    phase = None
-    for _, n in events:
-        if n in marks:  # the sentinel itself is not counted
-            phase = marks.pop(n)
-            out.phases[phase] = (live, live)
-            continue
-        if -n - 1 - _MARK_BYTES in range(len(out._labels)):
-            continue
-        live += n
-        peak = max(peak, live)
-        if phase is not None:
-            at, hi = out.phases[phase]
-            out.phases[phase] = (at, max(hi, live))
-    out.peak, out.end = peak, live
+        out.end, _ = out._close()
+    finally:
+        _OPEN.remove(out)
+        if installed:
+            _C.cpu_memory_counter_install(False)
