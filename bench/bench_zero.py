@@ -17,11 +17,9 @@ after the first (which makes the buffers kept between steps): peak_backward_MB (
 allocated at once during backward) and peak_step_MB (over forward + backward + optimizer step),
 absolute since counting starts before the model exists: params, grads, optimizer states,
 activations and the comm buffers torch allocates, not memory gloo or DeepSpeed's C++ ops allocate
-themselves. They come from a counting wrapper around torch's CPU allocator that sees every
-thread; the *_profiler_MB figures from zerofuse.zero.peak_memory (the profiler's allocator events
-on the calling thread) are kept beside them: its events miss frees done on other threads (gloo's
-workers drop the last reference to a finished collective's buffers), which left 7-41 MiB per rank
-counted as live after its free, at random, on this bench.
+themselves. They come from zerofuse.zero.peak_memory, a counting wrapper around torch's CPU
+allocator that sees every thread (torch.profiler's allocator events, used before, are per thread
+and missed frees done on gloo's workers: 4-50 MiB per rank counted as live after its free).
 Gradient buckets: zerofuse stages 0-2 bucket_mb 25 (default) and 4 (*_b4), max_inflight 2; DDP
 bucket_cap_mb 25 (default; its first bucket 1 MiB); DeepSpeed reduce/allgather buckets of 25 MiB
 (set here: the 5e8-element default is a 1.9 GB fp32 buffer; overlap_comm its default, on at stage 3
@@ -137,98 +135,28 @@ def _bucket_mb(provider: str) -> float | None:
 
 
 MEM_STEPS = 3
-_COUNTER_SRC = r"""
-#include <torch/extension.h>
-#include <c10/core/CPUAllocator.h>
-#include <atomic>
-namespace {
-struct Counting;
-struct Ctx { c10::DataPtr inner; int64_t n; Counting* self; };
-struct Counting final : c10::Allocator {
-  c10::Allocator* base = nullptr;
-  std::atomic<int64_t> cur{0}, peak{0};
-  static void del(void* c) {
-    auto* ctx = static_cast<Ctx*>(c);
-    ctx->self->cur.fetch_sub(ctx->n);
-    delete ctx;  // frees the block through the wrapped allocator's deleter
-  }
-  c10::DataPtr allocate(size_t n) override {
-    c10::DataPtr inner = base->allocate(n);
-    void* data = inner.get();
-    c10::Device dev = inner.device();
-    auto* ctx = new Ctx{std::move(inner), static_cast<int64_t>(n), this};
-    int64_t now = cur.fetch_add(ctx->n) + ctx->n, p = peak.load();
-    while (now > p && !peak.compare_exchange_weak(p, now)) {}
-    return {data, ctx, &Counting::del, dev};
-  }
-  c10::DeleterFnPtr raw_deleter() const override { return nullptr; }
-  void copy_data(void* dst, const void* src, std::size_t n) const override { default_copy_data(dst, src, n); }
-} g;
-}
-void install(bool on) {  // blocks allocated meanwhile are counted until freed, on whatever thread
-  if (on && c10::GetCPUAllocator() != &g) {
-    g.base = c10::GetCPUAllocator();
-    c10::SetCPUAllocator(&g, 127);
-    TORCH_CHECK(c10::GetCPUAllocator() == &g, "the counting CPU allocator could not be installed");
-  } else if (!on && c10::GetCPUAllocator() == &g) {
-    c10::SetCPUAllocator(g.base, 127);
-  }
-}
-int64_t current() { return g.cur.load(); }
-int64_t peak() { return g.peak.load(); }
-void reset_peak() { g.peak.store(g.cur.load()); }
-"""
-
-
-def _counter():
-    """The counting allocator's module, compiled once per machine (torch's extension cache): exact
-    live bytes and the peak since reset_peak(), whichever thread allocates or frees."""
-    from torch.utils.cpp_extension import load_inline
-
-    return load_inline("zerofuse_bench_counting_alloc", cpp_sources=_COUNTER_SRC, extra_cflags=["-O2"],
-                       functions=["install", "current", "peak", "reset_peak"])
 
 
 def _memory_pass(provider: str, rank: int, smoke: bool) -> dict:
     """Absolute (at, peak) bytes per phase, the max over the steps after the first, on a model built
-    while counting; the counter is installed only for this pass (timed steps and other suites run
-    on torch's allocator)."""
+    inside zerofuse.zero.peak_memory (its CPU allocator counter is installed only for this pass)."""
     import gc
 
     import zerofuse
 
-    cnt = _counter()
-    exact: dict[str, list[int]] = {}
-
-    def mark(label):
-        if exact:  # close the phase before the sentinel that peak_memory allocates for its mark
-            exact[next(reversed(exact))][1] = cnt.peak() - base
-        mem.mark(label)
-        cnt.reset_peak()
-        exact[label] = [cnt.current() - base] * 2
-
-    cnt.install(True)
-    try:
-        with zerofuse.zero.peak_memory() as mem:
-            base = cnt.current()
-            cnt.reset_peak()
-            work = _Workload(provider, rank, smoke)
-            for i in range(MEM_STEPS):
-                dist.barrier()
-                work.step(lambda label, i=i: mark(f"{label}{i}"))
-            mark("end")
-        del work
-        gc.collect()
-    finally:
-        cnt.install(False)
-    out = {}
-    for suffix, phases in (("", exact), ("_profiler", mem.phases)):
-        steps = [{k: phases[f"{k}{i}"] for k in ("forward", "backward", "step")} for i in range(1, MEM_STEPS)]
-        out.update({f"at_step_start{suffix}": max(s["forward"][0] for s in steps),
-                    f"at_backward_start{suffix}": max(s["backward"][0] for s in steps),
-                    f"peak_backward{suffix}": max(s["backward"][1] for s in steps),
-                    f"peak_step{suffix}": max(hi for s in steps for _, hi in s.values())})
-    return out
+    with zerofuse.zero.peak_memory() as mem:  # counts every thread's allocations (csrc/memory_counter.cpp)
+        work = _Workload(provider, rank, smoke)
+        for i in range(MEM_STEPS):
+            dist.barrier()
+            work.step(lambda label, i=i: mem.mark(f"{label}{i}"))
+        mem.mark("end")
+    del work
+    gc.collect()
+    steps = [{k: mem.phases[f"{k}{i}"] for k in ("forward", "backward", "step")} for i in range(1, MEM_STEPS)]
+    return {"at_step_start": max(s["forward"][0] for s in steps),
+            "at_backward_start": max(s["backward"][0] for s in steps),
+            "peak_backward": max(s["backward"][1] for s in steps),
+            "peak_step": max(hi for s in steps for _, hi in s.values())}
 
 
 def _threads() -> int:
@@ -300,7 +228,6 @@ def bench_zero_step(benchmark, provider, smoke, device):
     if dist.is_initialized():
         pytest.skip("a process group is already initialized in this process")
     rounds, warmup = (1, 0) if benchmark.disabled or smoke else (8, 2)
-    _counter()  # compiled here once, before the helper would race to build it
     tmp = tempfile.TemporaryDirectory(prefix="zerofuse-bench-")
     init = os.path.join(tmp.name, "init")
     helper = mp.get_context("spawn").Process(target=_helper, args=(init, provider, rounds + warmup, smoke),
