@@ -74,7 +74,8 @@ def test_full_grads_give_the_averaged_gradient_and_keep_a_users_clipping():
             assert abs(r["norm"] - want_norm) <= 1e-5 * want_norm, (stage, r["norm"], want_norm)
             assert r["zeroed_False"] and all(v == 0.0 for v in r["zeroed_False"]), stage
             assert all(v is None for v in r["zeroed_True"]), stage
-            assert r["grad_bytes_False"] > 0 and r["grad_bytes_True"] == 0, stage  # set_to_none frees them
+            assert r["grad_bytes_False"] > 0, stage
+            assert (r["grad_bytes_True"] == 0) == (stage in (2, 3)), stage  # set_to_none frees stage 2/3's shards
 
 
 def _state_rank(rank, ws, stage):

@@ -29,9 +29,12 @@ fp32 sum, not by a ring that rounds at every hop.
   exist (the in-flight ones and the one filling), whatever the number of buckets.
 - Stage 2/3 reduce straight into gshard when it holds nothing yet; otherwise (accumulation over
   several syncs) into a shard-sized temporary added at finish.
-- Grad buffers are made when first needed (parallelize allocates params only) and
-  ``zero_grad(set_to_none=True)`` (torch's default) frees gshard and stage 1's gflat: nothing of
-  the grads is held through the next forward, as FSDP2. ``set_to_none=False`` keeps them, zeroed,
+- Grad buffers are made when first needed (parallelize allocates params only). At stage 2/3
+  ``zero_grad(set_to_none=True)`` (torch's default) frees gshard: nothing of the grads is held
+  through the next forward, as FSDP2. Stage 0/1 keep their full-size buffers and only mark the
+  grads absent, as DDP keeps its buckets (freed, they came back during backward while gloo's
+  finished work still held the old ones: +25 MiB per rank in bench_zero). ``set_to_none=False``
+  keeps every buffer, zeroed,
   so their addresses, and with them the optimizer's kept kernel tables, stay the same (on CUDA
   the caching allocator usually hands the same blocks back anyway).
 - CUDA: Work.wait() orders the current stream after the collective; a buffer dropped after the
@@ -242,12 +245,14 @@ class Bucket:
         self.gshard = self.gflat[self.lo:self.hi]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        if set_to_none:  # [Note: bucket buffers]: nothing held until the next backward
+        if set_to_none and self.stage in (2, 3):  # [Note: bucket buffers]: nothing held until the next backward
             self.gflat = self.gshard = None
             self.written = [False] * len(self.params)
             self.gshard_fresh = True
         elif self.stage == 1:
-            if self.dirty:
+            if self.gflat is None:
+                pass
+            elif self.dirty:
                 self.gflat.zero_()
             elif self.gshard is not None:  # after a sync only the own region is non-zero
                 self.gshard.zero_()
@@ -255,7 +260,8 @@ class Bucket:
             self.gflat = None
             self.written = [False] * len(self.params)
             self.gshard_fresh = True
-            self.grad_shard()
+            if not set_to_none:
+                self.grad_shard()
         self.dirty = False
         self.grad_none = set_to_none
 
