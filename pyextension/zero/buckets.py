@@ -38,8 +38,8 @@ fp32 sum, not by a ring that rounds at every hop.
   so their addresses, and with them the optimizer's kept kernel tables, stay the same (on CUDA
   the caching allocator usually hands the same blocks back anyway).
 - CUDA: Work.wait() orders the current stream after the collective; a buffer dropped after the
-  wait is reused by the caching allocator on that stream only ([Note: NCCL buffer lifetimes] in
-  csrc/comm/nccl_transport.cu).
+  wait is reused by the caching allocator on that stream only ([Note: stream ordering] in
+  csrc/comm/nccl_transport.cu and [Note: Work lifetimes] in csrc/comm/communicator.h).
 
 ``segments`` say which params own which parts of the shard: (param index in the bucket, offset in
 the shard, length, offset in the flattened param). Optimizers, norms and checkpoints use them.
