@@ -56,11 +56,13 @@ class _Part:
 
 
 class _GroupPlan:
-    __slots__ = ("group", "state", "has_grad", "ids", "master_weights", "devices", "parts")
+    """A group's parts; it holds the group and the state dict it was built for, so the ids in its
+    StepPlans key cannot be reused while it is kept."""
 
-    def __init__(self, group, state, has_grad, ids, master_weights, devices):
-        self.group, self.state, self.has_grad, self.ids = group, state, has_grad, ids
-        self.master_weights, self.devices, self.parts = master_weights, devices, []
+    __slots__ = ("group", "state", "devices", "parts")
+
+    def __init__(self, group, state, devices):
+        self.group, self.state, self.devices, self.parts = group, state, devices, []
 
 
 class FusedOptimizerMixin:
@@ -138,16 +140,15 @@ class FusedOptimizerMixin:
         """The group's plan, rebuilt when anything it holds may have changed; see [Note: step plans]."""
         has_grad = tuple(g is not None for g in grads)
         key = (id(group), id(self.state), has_grad, group.get("master_weights", False), tuple(map(id, group["params"])))
-        return plans.get(gi, key, lambda: self._build_plan(group, has_grad),
+        return plans.get(gi, key, lambda: self._build_plan(group),
                          valid=lambda plan: all(part.unchanged() for part in plan.parts))
 
-    def _build_plan(self, group, has_grad) -> _GroupPlan:
+    def _build_plan(self, group) -> _GroupPlan:
         # a state tensor may have been replaced by one the kernels cannot take as it is (a
         # torch.optim-style state: bf16 moments, a step on the cpu): check this group's states again
         self.__dict__.setdefault("_checked", set()).difference_update(map(id, group["params"]))
         items = self._collect(group)
-        plan = _GroupPlan(group, self.state, has_grad, tuple(map(id, group["params"])),
-                          group.get("master_weights", False), {p.device for _, p, _ in items})
+        plan = _GroupPlan(group, self.state, {p.device for _, p, _ in items})
         for with_master in (False, True):
             sel = [(i, s) for i, _, s in items if ("master" in s) == with_master]
             if sel:
