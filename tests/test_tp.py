@@ -242,7 +242,7 @@ def test_checkpoint_across_tp_sizes(tmp_path):
     path = str(tmp_path / "ckpt")
     cont = run_distributed(_ckpt_save_rank, 4, path, timeout=300)
     assert sorted(os.listdir(path)) == ["meta.json", "tp0", "tp1"]
-    assert sorted(os.listdir(os.path.join(path, "tp1"))) == ["meta.json", "rank0.pt", "rank1.pt"]
+    assert sorted(os.listdir(os.path.join(path, "tp1"))) == ["common.pt", "meta.json", "rank0.pt", "rank1.pt"]
     # losses are per DP rank (the same on every rank of a TP group): dp rank 0 sees the first half
     # of the batch at dp 2, one rank the whole batch (the mean of the halves) at dp 1
     halves = torch.tensor(cont[0])

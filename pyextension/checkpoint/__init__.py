@@ -1,0 +1,69 @@
+"""``zerofuse.checkpoint``: sharded ZeRO checkpoints that load at any world size, stage and TP size;
+torch.distributed.checkpoint (DCP) and safetensors interop.
+
+- ``save(path, model, optimizer=None, *, extra=None, format="zerofuse")``: collective. zerofuse's
+  format (native.py) or ``format="dcp"`` (dcp.py: torch's DCP layout, readable by DCP's own
+  ``load`` / ``dcp_to_torch_save``). ``extra`` holds tensors, numbers, strings, lists and dicts.
+- ``load(path, model, optimizer=None)``: into a ZeRO model (any layout; either format, a DCP
+  checkpoint written by plain torch too) or a plain model (and torch optimizer) via consolidate.
+  Returns ``extra``.
+- ``consolidate(path)``: one process, full tensors, torch.optim-format optimizer state.
+- ``export_hf(path, out_dir)``: safetensors + config.json.
+
+Safety: loading never runs code from a file (``weights_only=True``, JSON, a restricted unpickler for
+DCP's metadata); tensors are read memory-mapped on the CPU and copied to the model's device; each
+rank opens only the files holding its pieces. Durability: [Note: checkpoint commit protocol] in
+files.py: files and directories fsynced, no moment without a complete checkpoint. The files must be
+on a filesystem every rank sees.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from zerofuse.checkpoint import dcp as _dcp
+from zerofuse.checkpoint import files, native
+from zerofuse.checkpoint.hf import export_hf
+
+NAME = files.NAME
+FORMATS = ("zerofuse", "dcp")
+
+
+def save(path: str, model: torch.nn.Module, optimizer=None, *, extra=None, format: str = "zerofuse") -> None:
+    """Collective: every rank of the model's group calls it (with tensor parallelism: every rank of
+    the world, i.e. of the dp × tp mesh)."""
+    if format not in FORMATS:
+        raise ValueError(f"{NAME}.save: expected format to be one of {FORMATS}, got {format!r}")
+    (native.save if format == "zerofuse" else _dcp.save)(path, model, optimizer, extra=extra)
+
+
+def _is_dcp(path: str) -> bool:
+    path = os.path.abspath(path)
+    if _dcp.is_dcp(path):
+        return True
+    try:
+        return _dcp.is_dcp(files.resolve(path))
+    except FileNotFoundError:
+        return False
+
+
+def load(path: str, model: torch.nn.Module, optimizer=None):
+    """Returns the ``extra`` given to save (None for a DCP checkpoint written by plain torch)."""
+    if getattr(model, "_zerofuse_zero", None) is None:
+        full = consolidate(path)
+        model.load_state_dict(full["model"])
+        if optimizer is not None:
+            optimizer.load_state_dict(full["optimizer"])
+        return full["extra"]
+    return (_dcp.load if _is_dcp(path) else native.load)(path, model, optimizer)
+
+
+def consolidate(path: str) -> dict:
+    """{'model': a plain state_dict (full tensors; fp32 from the masters when the run kept them),
+    'optimizer': torch.optim-format state (params numbered in the saved order) or None,
+    'extra': what save() was given}. One process, no process group needed."""
+    return _dcp.consolidate(path) if _is_dcp(path) else native.consolidate(path)
+
+
+__all__ = ["save", "load", "consolidate", "export_hf", "FORMATS"]

@@ -1,0 +1,327 @@
+"""``torch.distributed.checkpoint`` (DCP) interop: save a ZeRO model and optimizer as DCP, load a DCP
+checkpoint (zerofuse's or one written by plain torch) into a ZeRO model.
+
+The state dict has torch's shape (``torch.distributed.checkpoint.state_dict.get_state_dict``):
+``{"model": {fqn: tensor}, "optim": {"state": {fqn: {"step", "exp_avg", ...}}, "param_groups":
+[{..., "params": [fqn, ...]}]}}``, so a plain torch model reads it with get_state_dict / dcp.load /
+set_state_dict and ``dcp_to_torch_save`` consolidates it. Each rank contributes its ZeRO shard of
+every param as the rectangles its flat range covers (a ShardedTensor's local shards, views of the
+shard: nothing is copied or gathered); a load fills the same views, from whatever chunks were
+saved. Params hold the fp32 master where the run keeps one.
+
+Reading never unpickles freely: DCP's ``.metadata`` goes through an unpickler that admits DCP's
+metadata classes only, and non-tensor values (param groups) load with ``weights_only=True``.
+"""
+from __future__ import annotations
+
+import io
+import math
+import os
+import pickle
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
+from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+from zerofuse.checkpoint import files
+from zerofuse.checkpoint.native import _saving_ranks, _table, check_optimizer
+from zerofuse.tp.spec import spec_of
+from zerofuse.zero.engine import engine_of
+
+NAME = files.NAME
+DCP_META = ".metadata"
+
+
+def is_dcp(directory: str) -> bool:
+    return os.path.isfile(os.path.join(directory, DCP_META))
+
+
+def boxes(shape: tuple[int, ...], a: int, b: int) -> list[tuple[tuple[int, ...], tuple[int, ...], int]]:
+    """Elements [a, b) of a row-major tensor of ``shape`` as rectangles (offsets, sizes, flat start):
+    at most 2 per dimension, each contiguous in memory."""
+    if a >= b:
+        return []
+    if len(shape) == 0:
+        return [((), (), 0)]
+    if len(shape) == 1:
+        return [((a,), (b - a,), a)]
+    inner = math.prod(shape[1:])
+    if inner == 0:
+        return []
+    out = []
+    row = a // inner
+    if a % inner:  # a partial first row
+        end = min(b, (row + 1) * inner)
+        out += [((row,) + o, (1,) + s, row * inner + f) for o, s, f in boxes(shape[1:], a - row * inner, end - row * inner)]
+        a, row = end, row + 1
+    if a >= b:
+        return out
+    last = b // inner
+    if last > row:  # whole rows
+        out.append(((row,) + (0,) * (len(shape) - 1), (last - row,) + tuple(shape[1:]), row * inner))
+    if b > last * inner:  # a partial last row
+        out += [((last,) + o, (1,) + s, last * inner + f) for o, s, f in boxes(shape[1:], 0, b - last * inner)]
+    return out
+
+
+def _sharded(eng, name: str, shape, dtype, mine: list[tuple[torch.Tensor, int]], everyone) -> ShardedTensor:
+    """A ShardedTensor of ``shape`` whose local shards view this rank's flat pieces ``mine``
+    ((1-D tensor, offset in the flattened param)); ``everyone``: every rank's (rank, offset, length)."""
+    group = eng.comm.group
+    device = mine[0][0].device if mine else torch.device("cpu")
+    shards_md, local = [], []
+    for r, off, length in everyone:
+        grank = dist.get_global_rank(group, r) if group is not None else r
+        for offsets, sizes, _ in boxes(tuple(shape), off, off + length):
+            shards_md.append(ShardMetadata(list(offsets), list(sizes), f"rank:{grank}/{device}"))
+    for t, off in mine:
+        for offsets, sizes, start in boxes(tuple(shape), off, off + t.numel()):
+            view = t[start - off:start - off + math.prod(sizes)].view(sizes)
+            local.append(Shard(view, ShardMetadata(list(offsets), list(sizes), f"rank:{dist.get_rank()}/{device}")))
+    md = ShardedTensorMetadata(shards_md, torch.Size(shape), TensorProperties(dtype=dtype, requires_grad=False))
+    return ShardedTensor._init_from_local_shards_and_global_metadata(local, md, process_group=group)
+
+
+def _state_dict(eng, model, optimizer, loading: bool = False) -> dict:
+    """The torch-shaped state dict whose tensors view this rank's shards (what save writes and load
+    fills). Saving, ``everyone`` lists every saving rank's pieces (stage 0: rank 0 only); loading,
+    each rank lists only its own (a load plans from the local shards) and every rank fills its
+    shards (stage 0: its whole replica); a param this rank holds nothing of is left out."""
+    if any(spec_of(p) is not None for p in eng.params):
+        raise NotImplementedError(f"{NAME}: format='dcp' does not take tensor-parallel models yet; save in zerofuse's "
+                                  "format (it reshards across TP sizes) and export from a consolidated copy")
+    ranks = _saving_ranks(eng)
+    everyone: dict[str, list] = {}
+    for r in ([eng.rank] if loading else range(ranks)):
+        for name, _unit, _so, length, po in _table(eng, 0 if loading and eng.stage == 0 else r):
+            everyone.setdefault(name, []).append((r, po, length))
+    mine: dict[str, dict[str, list]] = {}
+    if loading or eng.rank < ranks:
+        for u in eng.units:
+            states = optimizer.unit_states[u.index] if optimizer is not None else {}
+            for s in u.segments:
+                sl = slice(s.shard_offset, s.shard_offset + s.length)
+                got = mine.setdefault(u.names[s.param], {})
+                got.setdefault("value", []).append(((states["master"] if "master" in states else u.shard)[sl],
+                                                    s.param_offset))
+                for key, t in states.items():
+                    if key != "master":
+                        got.setdefault(key, []).append((t[sl], s.param_offset))
+    model_sd = {}
+    for name, p in zip(eng.names, eng.params):
+        if name not in everyone:
+            continue
+        dtype = torch.float32 if optimizer is not None and "master" in optimizer.unit_states[0] else p.dtype
+        model_sd[name] = _sharded(eng, name, p.shape, dtype, mine.get(name, {}).get("value", []), everyone[name])
+    managed = {id(p) for p in eng.params}
+    for n, t in model.state_dict(keep_vars=True).items():
+        if id(t) not in managed:
+            model_sd[n] = t.detach()
+    sd = {"model": model_sd}
+    if optimizer is not None:
+        state = {}
+        for gi, g in enumerate(optimizer.param_groups):
+            for p in g["params"]:
+                name = eng.names[eng.param_index[id(p)]]
+                if name not in everyone:
+                    continue
+                entry = {"step": optimizer._steps[gi].view(())} if optimizer.kind != "lars" else {}
+                for key in optimizer.unit_states[0]:
+                    if key != "master":
+                        entry[key] = _sharded(eng, name, p.shape, torch.float32, mine.get(name, {}).get(key, []),
+                                              everyone[name])
+                state[name] = entry
+        groups = [{k: v for k, v in g.items() if k != "params"}
+                  | {"params": [eng.names[eng.param_index[id(p)]] for p in g["params"]]} for g in optimizer.param_groups]
+        sd["optim"] = {"state": state, "param_groups": groups}
+    return sd
+
+
+def save(path: str, model, optimizer=None, *, extra=None) -> None:
+    """Collective, as zerofuse.checkpoint.save; the directory follows [Note: checkpoint commit
+    protocol] (a meta.json naming the format is written after DCP's files)."""
+    eng = engine_of(model, f"{NAME}.save")
+    files.check_plain(extra)
+    if eng.tp_comm is not None:
+        _state_dict(eng, model, optimizer)  # raises: not with TP
+    if eng.stage != 3:
+        eng.finish_param_sync()
+    path = os.path.abspath(path)
+    group = eng.comm.group
+    if eng.rank == 0:
+        files.begin(path)
+    dist.barrier(group=group)
+    tmp = path + ".tmp"
+    dcp.save(_state_dict(eng, model, optimizer), storage_writer=dcp.FileSystemWriter(tmp, sync_files=True),
+             process_group=group)
+    if eng.rank == 0:
+        files.write_tensors(os.path.join(tmp, "zerofuse_extra.pt"), {"extra": extra})
+        files.fsync_dir(tmp)
+        files.write_json(os.path.join(tmp, files.META), {"format": "dcp", "world_size": eng.world_size,
+                                                         "stage": eng.stage})
+        files.commit(path)
+    dist.barrier(group=group)
+
+
+# Everything DCP's .metadata pickles (torch 2.8-2.13): its metadata dataclasses and torch's own
+# value types. Anything else is refused.
+_ALLOWED = {
+    ("torch.distributed.checkpoint.metadata", n) for n in (
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.distributed.checkpoint.storage", "_StorageInfo"),
+    ("torch", "Size"), ("torch", "float32"), ("torch", "strided"), ("torch", "contiguous_format"),
+    ("torch._utils", "_rebuild_tensor_v2"), ("collections", "OrderedDict"), ("builtins", "set"),
+    ("pathlib", "PosixPath"), ("enum", "Enum"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module, name):
+        if (module, name) in _ALLOWED or (module == "torch" and isinstance(getattr(torch, name, None),
+                                                                           (torch.dtype, torch.layout,
+                                                                            torch.memory_format))):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not a DCP metadata type")
+
+
+class SafeReader(dcp.FileSystemReader):
+    """DCP's reader with a .metadata unpickler limited to DCP's own metadata types."""
+
+    def read_metadata(self, *args, **kwargs):
+        file = os.path.join(str(self.path), DCP_META)
+        try:
+            with open(file, "rb") as f:
+                md = _MetadataUnpickler(f).load()
+        except pickle.UnpicklingError as e:
+            raise ValueError(f"{NAME}: refused to load {file!r}: {e} (loading it could run code)") from None
+        if getattr(md, "storage_meta", None) is None:
+            from torch.distributed.checkpoint.metadata import StorageMeta
+            md.storage_meta = StorageMeta()
+        md.storage_meta.load_id = self.load_id
+        if md.planner_data is None:
+            md.planner_data = {k: (k,) for k in md.state_dict_metadata}  # as DCP's own reader fills it
+        return md
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """Non-tensor values (param groups, step counts saved as numbers) load with weights_only=True."""
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        try:
+            obj = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as e:
+            raise ValueError(f"{NAME}: refused to load {read_item.dest_index.fqn!r} of a DCP checkpoint: it is not "
+                             f"plain data (loading it could run code): {str(e).splitlines()[0]}") from None
+        fqn = read_item.dest_index.fqn
+        if self.flatten_state_dict:
+            from torch.distributed.checkpoint._nested_dict import set_element  # noqa: PLC0415
+            set_element(self.original_state_dict, self.mappings[fqn], obj)
+        else:
+            self.state_dict[fqn] = obj
+
+
+@torch.no_grad()
+def load(path: str, model, optimizer=None):
+    """Load a DCP checkpoint (``{"model": ..., "optim": ...}`` as torch's get_state_dict gives, or
+    just the model's tensors at the top level) into a ZeRO model and its zero.Optimizer."""
+    who = f"{NAME}.load"
+    eng = engine_of(model, who)
+    root = files.resolve(os.path.abspath(path)) if not is_dcp(path) else os.path.abspath(path)
+    reader = SafeReader(root)
+    md = reader.read_metadata()
+    nested = any(k.startswith("model.") for k in md.state_dict_metadata)
+    opt_meta = None
+    if optimizer is not None:
+        kinds = {k.split(".")[-1] for k in md.state_dict_metadata if k.startswith("optim.state.")}
+        have = set(optimizer.unit_states[0]) - {"master"} if optimizer.unit_states else set()
+        if not have <= kinds:
+            raise ValueError(f"{who}: the DCP checkpoint at {root!r} holds optimizer states {sorted(kinds)}, "
+                             f"the {optimizer.kind!r} optimizer needs {sorted(have)}")
+        opt_meta = {"kind": optimizer.kind, "param_groups": [{"params": [eng.names[eng.param_index[id(p)]]
+                                                                          for p in g["params"]]}
+                                                               for g in optimizer.param_groups]}
+    check_optimizer(optimizer, opt_meta, eng, who)
+    sd = _state_dict(eng, model, optimizer, loading=True)
+    if optimizer is not None:  # ask only for the group options the checkpoint has
+        for i, g in enumerate(sd["optim"]["param_groups"]):
+            for k in [k for k in g if f"optim.param_groups.{i}.{k}" not in md.state_dict_metadata]:
+                del g[k]
+    want = sd if nested else sd["model"]
+    saved = {k.split(".", 1)[1] if nested else k for k in md.state_dict_metadata if not nested or k.startswith("model.")}
+    missing = [n for n in eng.names if n not in saved]
+    wrong = [f"{n}: saved {list(md.state_dict_metadata[('model.' if nested else '') + n].size)}, model {list(p.shape)}"
+             for n, p in zip(eng.names, eng.params) if n in saved and
+             tuple(getattr(md.state_dict_metadata[('model.' if nested else '') + n], "size", ())) != tuple(p.shape)]
+    if wrong:
+        raise ValueError(f"{who}: the DCP checkpoint at {root!r} is for a different model; shape mismatch: {wrong}")
+    if missing:
+        raise ValueError(f"{who}: the DCP checkpoint at {root!r} is for a different model; missing: {missing}")
+    for n in list(want.get("model", want)):
+        if n not in saved:
+            del (want["model"] if nested else want)[n]  # buffers the checkpoint does not hold keep their values
+    if optimizer is not None and not nested:
+        raise ValueError(f"{who}: the DCP checkpoint at {root!r} holds no optimizer state ('optim')")
+    dcp.load(want, storage_reader=reader, planner=SafeLoadPlanner(), process_group=eng.comm.group)
+    if optimizer is not None:
+        for gi, (g, saved_g) in enumerate(zip(optimizer.param_groups, want["optim"]["param_groups"])):
+            g.update({k: v for k, v in saved_g.items() if k != "params"})
+            # every rank needs the step, also of groups whose params it holds no piece of
+            first = eng.names[eng.param_index[id(g["params"][0])]]
+            key = f"optim.state.{first}.step"
+            if key in md.state_dict_metadata and first not in want["optim"]["state"]:
+                one = {"optim": {"state": {first: {"step": torch.zeros((), dtype=torch.float32)}}}}
+                dcp.load(one, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
+                optimizer._steps[gi].fill_(float(one["optim"]["state"][first]["step"]))
+        optimizer.write_params()
+    elif eng.stage != 3:
+        eng.start_param_sync()
+        eng.finish_param_sync()
+    extra_file = os.path.join(root, "zerofuse_extra.pt")
+    return files.read_tensors(extra_file)["extra"] if os.path.isfile(extra_file) else None
+
+
+@torch.no_grad()
+def consolidate(path: str) -> dict:
+    """A DCP checkpoint as zerofuse.checkpoint.consolidate gives it: full tensors in one process."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata  # noqa: PLC0415
+    root = os.path.abspath(path) if is_dcp(path) else files.resolve(os.path.abspath(path))
+    reader = SafeReader(root)
+    md = reader.read_metadata()
+    nested = any(k.startswith("model.") for k in md.state_dict_metadata)
+    flat = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in md.state_dict_metadata.items()
+            if isinstance(m, TensorStorageMetadata) and (not nested or k.startswith(("model.", "optim.state.")))}
+    want: dict = {}
+    for k, t in flat.items():  # DCP keys are the nested dict's path joined by dots
+        want[k] = t
+    groups = {k: None for k in md.state_dict_metadata if k.startswith("optim.param_groups.")}
+    dcp.load({**want, **groups}, storage_reader=reader, planner=SafeLoadPlanner(flatten_state_dict=False),
+             no_dist=True)
+    model = {k.removeprefix("model.") if nested else k: t for k, t in want.items() if not nested or k.startswith("model.")}
+    optim = None
+    if nested and groups:
+        names = [n for n in model]
+        index = {n: i for i, n in enumerate(names)}
+        state: dict[int, dict] = {}
+        for k, t in want.items():
+            if k.startswith("optim.state."):
+                fqn, key = k.removeprefix("optim.state.").rsplit(".", 1)
+                state.setdefault(index[fqn], {})[key] = t
+        by_group: dict[int, dict] = {}
+        for k, v in groups.items():
+            i, opt_key = k.removeprefix("optim.param_groups.").split(".", 1)
+            by_group.setdefault(int(i), {})[opt_key] = v
+        pgs = []
+        for i in sorted(by_group):
+            g = dict(by_group[i])
+            g["params"] = [index[n] for n in g.get("params", [])]
+            pgs.append(g)
+        optim = {"state": state, "param_groups": pgs}
+    extra_file = os.path.join(root, "zerofuse_extra.pt")
+    extra = files.read_tensors(extra_file)["extra"] if os.path.isfile(extra_file) else None
+    return {"model": model, "optimizer": optim, "extra": extra}

@@ -1,0 +1,179 @@
+"""Files of a checkpoint: reading without running code, writing durably, and the commit protocol.
+
+[Note: checkpoint commit protocol] A checkpoint at ``path`` is complete when its ``meta.json``
+exists: meta.json is written last (after every rank's files, fsynced), and ``remove`` deletes it
+first. A save writes into ``<path>.tmp``, then the leader
+    1. removes ``<path>.old`` (only ever a copy older than ``path``, which is complete),
+    2. renames ``path`` -> ``<path>.old``           (now: .old and .tmp are complete),
+    3. renames ``<path>.tmp`` -> ``path``           (now: path and .old are complete),
+    4. removes ``<path>.old``,
+fsyncing the parent directory after each step. Before a save starts, ``recover`` repairs what a
+crash between 2 and 3 left (no ``path``): the complete ``.tmp`` (the newer) or else ``.old`` is
+renamed back to ``path``; so step 1 never deletes the only complete checkpoint. ``resolve`` reads
+``path``, else ``.tmp`` when complete, else ``.old``. Every step is a ``kill_point``: tests kill
+the saver at each one and check a complete checkpoint is always left (tests/test_checkpoint_safety.py).
+
+Reading: tensors come from ``torch.load(weights_only=True, mmap=True, map_location="cpu")``
+(plain tensors, numbers, strings, lists, tuples and dicts: no code runs, pages are read only
+where a rank copies from them), everything else from JSON. What save is given to store
+(``extra``) is checked to be of those types before anything is written.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+
+import torch
+
+NAME = "zerofuse.checkpoint"
+META = "meta.json"
+
+
+def kill_point(name: str) -> None:
+    """A step of the save protocol; tests replace this to stop the saver there."""
+
+
+# ---------------------------------------------------------------------------------------- reading
+
+def read_tensors(file: str):
+    """A rank file's contents; refuses anything but plain data (``weights_only=True``)."""
+    try:
+        return torch.load(file, map_location="cpu", mmap=True, weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise ValueError(f"{NAME}: refused to load {file!r}: it holds objects other than tensors, numbers, "
+                         f"strings, lists and dicts (a checkpoint zerofuse wrote never does; loading it could "
+                         f"run code). Details: {str(e).splitlines()[0]}") from None
+    except (RuntimeError, OSError, EOFError) as e:
+        raise ValueError(f"{NAME}: cannot read {file!r} as a checkpoint shard: {e}") from None
+
+
+def read_json(file: str) -> dict:
+    try:
+        with open(file) as f:
+            return json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{NAME}: {file!r} is not valid JSON: {e}") from None
+
+
+_PLAIN = (type(None), bool, int, float, str, torch.Tensor, torch.dtype, torch.device)
+
+
+def check_plain(obj, where: str = "extra") -> None:
+    """Raise if ``obj`` holds anything a weights_only load would refuse (so save fails, not load)."""
+    if isinstance(obj, _PLAIN):
+        return
+    if isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            check_plain(v, f"{where}[{i}]")
+        return
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            if not isinstance(k, (str, int, float, bool, type(None))):
+                raise TypeError(f"{NAME}.save: expected {where}'s keys to be strings or numbers, got "
+                                f"{type(k).__name__} {k!r}")
+            check_plain(v, f"{where}[{k!r}]")
+        return
+    raise TypeError(f"{NAME}.save: expected {where} to hold only tensors, numbers, strings, None, lists, tuples and "
+                    f"dicts (what loads without running code), got {type(obj).__module__}.{type(obj).__qualname__}")
+
+
+# ---------------------------------------------------------------------------------------- writing
+
+def fsync_dir(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_tensors(file: str, obj) -> None:
+    kill_point(f"before {os.path.basename(file)}")
+    with open(file, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    kill_point(f"after {os.path.basename(file)}")
+
+
+def write_json(file: str, obj) -> None:
+    kill_point(f"before {os.path.basename(file)}")
+    with open(file, "w") as f:
+        json.dump(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    kill_point(f"after {os.path.basename(file)}")
+
+
+def complete(directory: str) -> bool:
+    return os.path.isfile(os.path.join(directory, META))
+
+
+def remove(directory: str) -> None:
+    """Delete a checkpoint directory, marking it incomplete first (meta.json goes first)."""
+    if not os.path.lexists(directory):
+        return
+    meta = os.path.join(directory, META)
+    if os.path.isfile(meta):
+        os.unlink(meta)
+        fsync_dir(directory)
+    shutil.rmtree(directory)
+    fsync_dir(os.path.dirname(directory))
+
+
+def _role(p: str) -> str:
+    return "tmp" if p.endswith(".tmp") else "old" if p.endswith(".old") else "path"
+
+
+def _rename(src: str, dst: str) -> None:
+    os.rename(src, dst)
+    fsync_dir(os.path.dirname(dst))
+    kill_point(f"renamed {_role(src)} -> {_role(dst)}")
+
+
+def recover(path: str) -> None:
+    """Leader, before a save: put back the checkpoint a crash mid-commit left beside ``path``."""
+    if complete(path):
+        return
+    for side in (path + ".tmp", path + ".old"):
+        if complete(side):
+            if os.path.lexists(path):  # an incomplete leftover (nothing of ours renames one there)
+                remove(path)
+            _rename(side, path)
+            return
+
+
+def begin(path: str) -> str:
+    """Leader: a fresh, empty ``<path>.tmp`` (after recovering a crashed commit)."""
+    parent = os.path.dirname(path)
+    os.makedirs(parent, exist_ok=True)
+    recover(path)
+    tmp = path + ".tmp"
+    remove(tmp)
+    os.makedirs(tmp)
+    fsync_dir(parent)
+    kill_point("made tmp")
+    return tmp
+
+
+def commit(path: str) -> None:
+    """Leader, once ``<path>.tmp`` is complete (its meta.json written): swap it into place."""
+    tmp, old = path + ".tmp", path + ".old"
+    fsync_dir(tmp)
+    remove(old)
+    kill_point("removed old")
+    if os.path.lexists(path):
+        _rename(path, old)
+    _rename(tmp, path)
+    remove(old)
+    kill_point("removed old after commit")
+
+
+def resolve(path: str) -> str:
+    """The complete checkpoint at ``path``, or the one a crash mid-commit left beside it."""
+    for p in (path, path + ".tmp", path + ".old"):
+        if complete(p):
+            return p
+    raise FileNotFoundError(f"{NAME}: no complete checkpoint at {path!r} (no {META})")

@@ -1,0 +1,190 @@
+"""zerofuse.checkpoint safety: no code runs on load, no moment without a complete checkpoint (the saver
+killed at every step of the commit protocol), each rank opens only the files it needs, and loading at
+another TP size stays within one param of extra memory."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import zerofuse
+from zerofuse.checkpoint import files
+
+from dist_utils import run_distributed
+from test_checkpoint import _steps
+from test_zero import LR, batches, make_model
+
+pytestmark = pytest.mark.usefixtures("native_kernels")
+
+
+class _Payload:
+    """Unpickling this runs a shell command (what a tampered checkpoint file would do)."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def _save_small(rank, ws, path, stage=2, fmt="zerofuse"):
+    model = make_model(n_layer=2)
+    zerofuse.zero.parallelize(model, stage=stage, bucket_mb=0.05)
+    opt = zerofuse.zero.Optimizer(model, "adamw", lr=LR)
+    _steps(rank, ws, model, opt, batches(1))
+    zerofuse.checkpoint.save(path, model, opt, extra={"n": 1}, format=fmt)
+
+
+def _load_small(rank, ws, path):
+    model = make_model(n_layer=2)
+    zerofuse.zero.parallelize(model, stage=2, bucket_mb=0.05)
+    opt = zerofuse.zero.Optimizer(model, "adamw", lr=LR)
+    try:
+        zerofuse.checkpoint.load(path, model, opt)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("victim", ["rank1.pt", "common.pt", ".metadata"])
+def test_a_checkpoint_crafted_to_run_code_is_refused(tmp_path, victim):
+    path = str(tmp_path / "ckpt")
+    run_distributed(_save_small, 2, path, 2, "dcp" if victim == ".metadata" else "zerofuse", timeout=240)
+    marker = tmp_path / "pwned"
+    with open(os.path.join(path, victim), "wb") as f:
+        if victim == ".metadata":
+            import pickle
+            pickle.dump(_Payload(marker), f)
+        else:
+            torch.save({"units": _Payload(marker)}, f)
+    with pytest.raises(ValueError, match=r"refused to load .*(could run code|not a DCP metadata type)"):
+        zerofuse.checkpoint.consolidate(path)
+    msgs = run_distributed(_load_small, 2, path, timeout=240)
+    # the rank that read the bad file says why, the others that it failed (no rank goes on alone)
+    assert all(m is not None and ("refused to load" in m or "rank(s) [1] of the group could not read" in m)
+               for m in msgs), msgs
+    assert any("refused to load" in m for m in msgs)
+    assert not marker.exists()
+
+
+def test_extra_that_would_need_unpickling_is_refused_at_save(tmp_path):
+    with pytest.raises(TypeError, match=r"extra\['sched'\]\[0\] to hold only tensors.*got .*_Payload"):
+        files.check_plain({"step": 3, "sched": [_Payload("x")]})
+    files.check_plain({"step": 3, "rng": torch.zeros(3, dtype=torch.uint8), "betas": (0.9, 0.95), "x": None})
+
+
+# ---------------------------------------------------------------------------------------- kill points
+
+_CHILD = textwrap.dedent("""
+    import os, sys
+    import torch.distributed as dist
+    sys.path[:0] = [{tests!r}]
+    os.environ["ZEROFUSE_TRITON_ON_CPU"] = "0"
+    import zerofuse
+    from zerofuse.checkpoint import files
+    from test_checkpoint_safety import _trained
+    dist.init_process_group("gloo", init_method="file://" + {store!r}, rank=0, world_size=1)
+    model, opt = _trained(2)
+    def kill(name, at={point!r}):
+        if name == at:
+            os._exit(17)
+    files.kill_point = kill
+    zerofuse.checkpoint.save({path!r}, model, opt, extra={{"n": 2}})
+    os._exit(0)
+""")
+
+
+def _trained(n):
+    model = make_model(n_layer=2)
+    zerofuse.zero.parallelize(model, stage=2, bucket_mb=0.05)
+    opt = zerofuse.zero.Optimizer(model, "adamw", lr=LR)
+    for b in batches(n):
+        _steps(0, 1, model, opt, [b])
+    return model, opt
+
+
+def _model_of(path):
+    full = zerofuse.checkpoint.consolidate(path)
+    return full["extra"]["n"], full["model"]
+
+
+def _which(path, refs) -> int:
+    """Which of the reference states the checkpoint at path holds (asserts it is one of them)."""
+    n, model = _model_of(path)
+    assert n in refs, f"extra n={n}"
+    for k, t in refs[n].items():
+        assert torch.equal(model[k], t), f"{k} differs from state {n}"
+    return n
+
+
+class _Killed(BaseException):
+    pass
+
+
+def _kill_rank(rank, ws, root):
+    """ws 1: record the protocol's kill points, kill a real saver process at each, check a complete
+    checkpoint is left and the next save repairs and replaces it; then crash two saves in a row
+    (in-process, at every pair of points)."""
+    points = []
+    files.kill_point = points.append
+    model1, opt1 = _trained(1)
+    a_dir = os.path.join(root, "A")
+    zerofuse.checkpoint.save(a_dir, model1, opt1, extra={"n": 1})
+    model2, opt2 = _trained(2)
+    points.clear()
+    over = os.path.join(root, "over")
+    shutil.copytree(a_dir, over)
+    zerofuse.checkpoint.save(over, model2, opt2, extra={"n": 2})
+    files.kill_point = lambda name: None
+    refs = {1: _model_of(a_dir)[1], 2: _model_of(over)[1]}
+    assert refs[1].keys() == refs[2].keys() and any(not torch.equal(refs[1][k], refs[2][k]) for k in refs[1])
+    tests = os.path.dirname(os.path.abspath(__file__))
+    left = {}
+    for i, point in enumerate(points):
+        path = os.path.join(root, f"kill{i}")
+        shutil.copytree(a_dir, path)
+        code = _CHILD.format(tests=tests, store=os.path.join(root, f"store{i}"), point=point, path=path)
+        rc = subprocess.run([sys.executable, "-c", code], timeout=120, capture_output=True, text=True)
+        assert rc.returncode == 17, f"the saver did not reach {point!r}: rc {rc.returncode}\n{rc.stderr[-3000:]}"
+        left[point] = _which(path, refs)  # a complete checkpoint: the old or the new one
+        zerofuse.checkpoint.save(path, model2, opt2, extra={"n": 2})  # the next save repairs and replaces
+        assert _which(path, refs) == 2
+        assert sorted(os.listdir(root)).count(f"kill{i}.tmp") == 0 and not os.path.exists(path + ".old")
+    # two crashes in a row, then a save that completes
+    for p in points:
+        for q in points:
+            path = os.path.join(root, "twice")
+            for d in (path, path + ".tmp", path + ".old"):
+                shutil.rmtree(d, ignore_errors=True)
+            shutil.copytree(a_dir, path)
+            for at, (m, o, n) in ((p, (model2, opt2, 2)), (q, (model1, opt1, 1))):
+                def kill(name, at=at):
+                    if name == at:
+                        raise _Killed(name)
+                files.kill_point = kill
+                try:
+                    zerofuse.checkpoint.save(path, m, o, extra={"n": n})
+                except _Killed:
+                    pass
+                files.kill_point = lambda name: None
+                _which(path, refs)
+            zerofuse.checkpoint.save(path, model2, opt2, extra={"n": 2})
+            assert _which(path, refs) == 2
+    return points, left
+
+
+def test_no_moment_without_a_complete_checkpoint(tmp_path):
+    points, left = run_distributed(_kill_rank, 1, str(tmp_path), timeout=600)[0]
+    # before/after each file, each rename, the cleanup: the protocol's every step was a kill point
+    assert {"made tmp", "before rank0.pt", "after rank0.pt", "before common.pt", "after common.pt",
+            "before meta.json", "after meta.json", "removed old", "renamed path -> old",
+            "renamed tmp -> path", "removed old after commit"} <= set(points), points
+    print(f"\nkill points ({len(points)}): " + ", ".join(f"{p} -> state {left[p]}" for p in points))
+    # the old checkpoint is what loads until the new one has replaced it
+    assert left["after meta.json"] == 1 and left["renamed path -> old"] == 2 and left["removed old"] == 1
