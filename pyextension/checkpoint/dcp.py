@@ -86,18 +86,20 @@ def _sharded(eng, name: str, shape, dtype, mine: list[tuple[torch.Tensor, int]],
     return ShardedTensor._init_from_local_shards_and_global_metadata(local, md, process_group=group)
 
 
+_TORCH_OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam}
+
+
 def _state_dict(eng, model, optimizer, loading: bool = False) -> dict:
     """The torch-shaped state dict whose tensors view this rank's shards (what save writes and load
-    fills). Saving, ``everyone`` lists every saving rank's pieces (stage 0: rank 0 only); loading,
-    each rank lists only its own (a load plans from the local shards) and every rank fills its
-    shards (stage 0: its whole replica); a param this rank holds nothing of is left out."""
+    fills). ``everyone``: every rank's pieces, for the ShardedTensors' global metadata (stage 0 saves
+    rank 0's replica; loading at stage 0, each rank fills its own replica)."""
     if any(spec_of(p) is not None for p in eng.params):
         raise NotImplementedError(f"{NAME}: format='dcp' does not take tensor-parallel models yet; save in zerofuse's "
                                   "format (it reshards across TP sizes) and export from a consolidated copy")
     ranks = _saving_ranks(eng)
     everyone: dict[str, list] = {}
-    for r in ([eng.rank] if loading else range(ranks)):
-        for name, _unit, _so, length, po in _table(eng, 0 if loading and eng.stage == 0 else r):
+    for r in ([eng.rank] if loading and eng.stage == 0 else range(ranks)):
+        for name, _unit, _so, length, po in _table(eng, 0 if eng.stage == 0 else r):
             everyone.setdefault(name, []).append((r, po, length))
     mine: dict[str, dict[str, list]] = {}
     if loading or eng.rank < ranks:
@@ -113,8 +115,6 @@ def _state_dict(eng, model, optimizer, loading: bool = False) -> dict:
                         got.setdefault(key, []).append((t[sl], s.param_offset))
     model_sd = {}
     for name, p in zip(eng.names, eng.params):
-        if name not in everyone:
-            continue
         dtype = torch.float32 if optimizer is not None and "master" in optimizer.unit_states[0] else p.dtype
         model_sd[name] = _sharded(eng, name, p.shape, dtype, mine.get(name, {}).get("value", []), everyone[name])
     managed = {id(p) for p in eng.params}
@@ -127,15 +127,16 @@ def _state_dict(eng, model, optimizer, loading: bool = False) -> dict:
         for gi, g in enumerate(optimizer.param_groups):
             for p in g["params"]:
                 name = eng.names[eng.param_index[id(p)]]
-                if name not in everyone:
-                    continue
                 entry = {"step": optimizer._steps[gi].view(())} if optimizer.kind != "lars" else {}
                 for key in optimizer.unit_states[0]:
                     if key != "master":
                         entry[key] = _sharded(eng, name, p.shape, torch.float32, mine.get(name, {}).get(key, []),
                                               everyone[name])
                 state[name] = entry
-        groups = [{k: v for k, v in g.items() if k != "params"}
+        torch_opt = _TORCH_OPTIMIZERS.get(optimizer.kind)
+        # torch's own options first, so a torch optimizer's load finds every key it asks for
+        defaults = torch_opt([torch.zeros(1)]).defaults if torch_opt is not None and not loading else {}
+        groups = [defaults | {k: v for k, v in g.items() if k != "params"}
                   | {"params": [eng.names[eng.param_index[id(p)]] for p in g["params"]]} for g in optimizer.param_groups]
         sd["optim"] = {"state": state, "param_groups": groups}
     return sd
@@ -176,7 +177,7 @@ _ALLOWED = {
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("torch.distributed.checkpoint.storage", "_StorageInfo"),
     ("torch", "Size"), ("torch", "float32"), ("torch", "strided"), ("torch", "contiguous_format"),
-    ("torch._utils", "_rebuild_tensor_v2"), ("collections", "OrderedDict"), ("builtins", "set"),
+    ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"), ("builtins", "set"),
     ("pathlib", "PosixPath"), ("enum", "Enum"),
 }
 
@@ -248,10 +249,8 @@ def load(path: str, model, optimizer=None):
                                                                for g in optimizer.param_groups]}
     check_optimizer(optimizer, opt_meta, eng, who)
     sd = _state_dict(eng, model, optimizer, loading=True)
-    if optimizer is not None:  # ask only for the group options the checkpoint has
-        for i, g in enumerate(sd["optim"]["param_groups"]):
-            for k in [k for k in g if f"optim.param_groups.{i}.{k}" not in md.state_dict_metadata]:
-                del g[k]
+    if optimizer is not None:  # loaded on their own below, by their flat keys
+        del sd["optim"]["param_groups"]
     want = sd if nested else sd["model"]
     saved = {k.split(".", 1)[1] if nested else k for k in md.state_dict_metadata if not nested or k.startswith("model.")}
     missing = [n for n in eng.names if n not in saved]
@@ -269,21 +268,32 @@ def load(path: str, model, optimizer=None):
         raise ValueError(f"{who}: the DCP checkpoint at {root!r} holds no optimizer state ('optim')")
     dcp.load(want, storage_reader=reader, planner=SafeLoadPlanner(), process_group=eng.comm.group)
     if optimizer is not None:
-        for gi, (g, saved_g) in enumerate(zip(optimizer.param_groups, want["optim"]["param_groups"])):
-            g.update({k: v for k, v in saved_g.items() if k != "params"})
-            # every rank needs the step, also of groups whose params it holds no piece of
-            first = eng.names[eng.param_index[id(g["params"][0])]]
-            key = f"optim.state.{first}.step"
-            if key in md.state_dict_metadata and first not in want["optim"]["state"]:
-                one = {"optim": {"state": {first: {"step": torch.zeros((), dtype=torch.float32)}}}}
-                dcp.load(one, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
-                optimizer._steps[gi].fill_(float(one["optim"]["state"][first]["step"]))
+        saved_groups = _param_groups(reader, md)
+        if len(saved_groups) != len(optimizer.param_groups):
+            raise ValueError(f"{who}: the DCP checkpoint at {root!r} has {len(saved_groups)} param groups, the "
+                             f"optimizer {len(optimizer.param_groups)}")
+        for g, saved_g in zip(optimizer.param_groups, saved_groups):
+            g.update({k: v for k, v in saved_g.items() if k != "params" and k in g})
         optimizer.write_params()
     elif eng.stage != 3:
         eng.start_param_sync()
         eng.finish_param_sync()
     extra_file = os.path.join(root, "zerofuse_extra.pt")
     return files.read_tensors(extra_file)["extra"] if os.path.isfile(extra_file) else None
+
+
+def _param_groups(reader, md) -> list[dict]:
+    """The optimizer's param groups of a DCP checkpoint (plain values, read with weights_only)."""
+    keys = [k for k in md.state_dict_metadata if k.startswith("optim.param_groups")]
+    planner = SafeLoadPlanner(flatten_state_dict=False)
+    dcp.load({k: None for k in keys}, storage_reader=reader, planner=planner, no_dist=True)
+    if keys == ["optim.param_groups"]:  # the list saved as one value
+        return list(planner.state_dict["optim.param_groups"])
+    by_group: dict[int, dict] = {}
+    for k in keys:
+        i, opt_key = k.removeprefix("optim.param_groups.").split(".", 1)
+        by_group.setdefault(int(i), {})[opt_key] = planner.state_dict[k]
+    return [by_group[i] for i in sorted(by_group)]
 
 
 @torch.no_grad()
@@ -296,32 +306,19 @@ def consolidate(path: str) -> dict:
     nested = any(k.startswith("model.") for k in md.state_dict_metadata)
     flat = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in md.state_dict_metadata.items()
             if isinstance(m, TensorStorageMetadata) and (not nested or k.startswith(("model.", "optim.state.")))}
-    want: dict = {}
-    for k, t in flat.items():  # DCP keys are the nested dict's path joined by dots
-        want[k] = t
-    groups = {k: None for k in md.state_dict_metadata if k.startswith("optim.param_groups.")}
-    dcp.load({**want, **groups}, storage_reader=reader, planner=SafeLoadPlanner(flatten_state_dict=False),
-             no_dist=True)
+    want = dict(flat)  # DCP's keys: the nested dict's path joined by dots
+    dcp.load(want, storage_reader=reader, planner=SafeLoadPlanner(flatten_state_dict=False), no_dist=True)
     model = {k.removeprefix("model.") if nested else k: t for k, t in want.items() if not nested or k.startswith("model.")}
     optim = None
-    if nested and groups:
-        names = [n for n in model]
-        index = {n: i for i, n in enumerate(names)}
+    if nested and any(k.startswith("optim.param_groups") for k in md.state_dict_metadata):
+        index = {n: i for i, n in enumerate(model)}
         state: dict[int, dict] = {}
         for k, t in want.items():
             if k.startswith("optim.state."):
                 fqn, key = k.removeprefix("optim.state.").rsplit(".", 1)
                 state.setdefault(index[fqn], {})[key] = t
-        by_group: dict[int, dict] = {}
-        for k, v in groups.items():
-            i, opt_key = k.removeprefix("optim.param_groups.").split(".", 1)
-            by_group.setdefault(int(i), {})[opt_key] = v
-        pgs = []
-        for i in sorted(by_group):
-            g = dict(by_group[i])
-            g["params"] = [index[n] for n in g.get("params", [])]
-            pgs.append(g)
-        optim = {"state": state, "param_groups": pgs}
+        groups = [g | {"params": [index[n] for n in g.get("params", [])]} for g in _param_groups(reader, md)]
+        optim = {"state": state, "param_groups": groups}
     extra_file = os.path.join(root, "zerofuse_extra.pt")
     extra = files.read_tensors(extra_file)["extra"] if os.path.isfile(extra_file) else None
     return {"model": model, "optimizer": optim, "extra": extra}

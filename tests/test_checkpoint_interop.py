@@ -1,0 +1,161 @@
+"""zerofuse.checkpoint with the ecosystem's formats, checked with their own functions: DCP written by
+zerofuse read by torch (dcp_to_torch_save, get/set_state_dict), DCP written by plain torch loaded into
+a ZeRO model, safetensors export read by safetensors.torch.load_file; and which files a rank opens."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+import zerofuse
+from zerofuse.checkpoint import files
+
+from dist_utils import run_distributed
+from test_checkpoint import STEPS_AFTER, STEPS_BEFORE, _steps
+from test_zero import GLOBAL_BATCH, LR, WD, batches, make_model
+
+pytestmark = pytest.mark.usefixtures("native_kernels")
+STEPS = STEPS_BEFORE + STEPS_AFTER
+
+
+def _plain_steps(model, opt, data):
+    losses = []
+    for b in data:
+        _, loss = model(b[:, :-1], b[:, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _zero_dcp_save(rank, ws, path, native, stage):
+    model = make_model()
+    zerofuse.zero.parallelize(model, stage=stage, bucket_mb=0.25)
+    opt = zerofuse.zero.Optimizer(model, "adamw", lr=LR, weight_decay=WD)
+    data = batches(STEPS)
+    _steps(rank, ws, model, opt, data[:STEPS_BEFORE])
+    zerofuse.checkpoint.save(path, model, opt, extra={"step": STEPS_BEFORE}, format="dcp")
+    zerofuse.checkpoint.save(native, model, opt, extra={"step": STEPS_BEFORE})
+    return _steps(rank, ws, model, opt, data[STEPS_BEFORE:])
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zero_saves_dcp_that_torch_reads(tmp_path, stage):
+    path, native = str(tmp_path / "dcp"), str(tmp_path / "native")
+    cont = run_distributed(_zero_dcp_save, 2, path, native, stage, timeout=300)[0]
+    assert os.path.isfile(os.path.join(path, ".metadata"))
+    ref = zerofuse.checkpoint.consolidate(native)
+    # torch's own consolidation of the DCP directory
+    out = str(tmp_path / "full.pt")
+    dcp_to_torch_save(path, out)
+    full = torch.load(out, weights_only=False)
+    for n, t in ref["model"].items():
+        assert torch.equal(full["model"][n], t), n
+    names = list(dict(make_model().named_parameters()))
+    for i, n in enumerate(names):
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(full["optim"]["state"][n][k], ref["optimizer"]["state"][i][k]), (n, k)
+    # a plain model and torch.optim.AdamW resume from it through torch's DCP API
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    msd, osd = get_state_dict(model, opt)
+    dcp.load({"model": msd, "optim": osd}, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+    losses = _plain_steps(model, opt, batches(STEPS)[STEPS_BEFORE:])
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(cont), rtol=1e-5, atol=1e-6)
+    # and zerofuse's own consolidate reads the DCP directory as well
+    mine = zerofuse.checkpoint.consolidate(path)
+    assert mine["extra"] == {"step": STEPS_BEFORE}
+    for n, t in ref["model"].items():
+        assert torch.equal(mine["model"][n], t), n
+
+
+def _zero_dcp_load(rank, ws, path, stage):
+    model = make_model()
+    zerofuse.zero.parallelize(model, stage=stage, bucket_mb=0.1)
+    opt = zerofuse.zero.Optimizer(model, "adamw", lr=123.0, weight_decay=0.5)  # the load restores lr and wd
+    zerofuse.checkpoint.load(path, model, opt)
+    assert opt.param_groups[0]["lr"] == LR and opt.param_groups[0]["weight_decay"] == WD
+    return _steps(rank, ws, model, opt, batches(STEPS)[STEPS_BEFORE:])
+
+
+@pytest.mark.parametrize("ws,stage", [(2, 3), (3, 1)])
+def test_a_dcp_checkpoint_of_a_plain_torch_model_loads_into_zero(tmp_path, ws, stage):
+    path = str(tmp_path / "torch_dcp")
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    data = batches(STEPS)
+    _plain_steps(model, opt, data[:STEPS_BEFORE])
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+    cont = _plain_steps(model, opt, data[STEPS_BEFORE:])
+    resumed = run_distributed(_zero_dcp_load, ws, path, stage, timeout=300)[0]
+    torch.testing.assert_close(torch.tensor(resumed), torch.tensor(cont), rtol=1e-5, atol=1e-6)
+
+
+def test_export_hf_writes_safetensors_that_load_file_reads(tmp_path):
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    native = str(tmp_path / "native")
+    run_distributed(_zero_dcp_save, 2, str(tmp_path / "dcp"), native, 3, timeout=300)
+    ref = zerofuse.checkpoint.consolidate(native)
+    out = str(tmp_path / "hf")
+    written = zerofuse.checkpoint.export_hf(native, out, config={"model_type": "zerofuse-gpt", "n_layer": 2})
+    assert [os.path.basename(w) for w in written] == ["model.safetensors", "config.json"]
+    got = safetensors_torch.load_file(os.path.join(out, "model.safetensors"))
+    cfg = json.load(open(os.path.join(out, "config.json")))
+    for n, t in ref["model"].items():
+        name = cfg["zerofuse_tied"].get(n, n)
+        assert torch.equal(got[name], t), n
+    assert cfg["n_layer"] == 2 and cfg["tie_word_embeddings"] == bool(cfg["zerofuse_tied"])
+    # bf16 and several files: the index maps every tensor to its file
+    out2 = str(tmp_path / "hf2")
+    written = zerofuse.checkpoint.export_hf(native, out2, dtype=torch.bfloat16, max_shard_bytes=20_000)
+    index = json.load(open(os.path.join(out2, "model.safetensors.index.json")))
+    assert len(written) > 3
+    for n, f in index["weight_map"].items():
+        t = safetensors_torch.load_file(os.path.join(out2, f))[n]
+        assert t.dtype == torch.bfloat16 and torch.equal(t, ref["model"][n].to(torch.bfloat16))
+    with pytest.raises(TypeError, match="expected dtype to be a floating torch.dtype"):
+        zerofuse.checkpoint.export_hf(native, out2, dtype=torch.int8)
+
+
+# ---------------------------------------------------------------------------------------- files a rank opens
+
+def _opened_rank(rank, ws, path, stage):
+    opened = []
+    real = files.read_tensors
+
+    def spy(file):
+        opened.append(os.path.basename(file))
+        return real(file)
+
+    files.read_tensors = spy
+    model = make_model()
+    zerofuse.zero.parallelize(model, stage=stage, bucket_mb=0.25)
+    opt = zerofuse.zero.Optimizer(model, "adamw", lr=LR, weight_decay=WD)
+    zerofuse.checkpoint.load(path, model, opt)
+    return sorted(set(opened))
+
+
+def _save4(rank, ws, path):
+    model = make_model()
+    zerofuse.zero.parallelize(model, stage=2, bucket_mb=0.25)
+    opt = zerofuse.zero.Optimizer(model, "adamw", lr=LR, weight_decay=WD)
+    _steps(rank, ws, model, opt, batches(1))
+    zerofuse.checkpoint.save(path, model, opt)
+
+
+def test_each_rank_opens_only_the_files_holding_its_pieces(tmp_path):
+    path = str(tmp_path / "ckpt")
+    run_distributed(_save4, 4, path, timeout=300)
+    same = run_distributed(_opened_rank, 4, path, 2, timeout=300)
+    assert same == [["common.pt", f"rank{r}.pt"] for r in range(4)]
+    half = run_distributed(_opened_rank, 2, path, 2, timeout=300)
+    assert half[0][0] == "common.pt" and "rank3.pt" not in half[0] and "rank0.pt" not in half[1], half
+    assert GLOBAL_BATCH % 4 == 0
