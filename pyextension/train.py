@@ -77,6 +77,8 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--precision", choices=("fp32", "bf16", "fp16"), help="default: fp32 on CPU, bf16 on CUDA")
     g.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when available")
     g.add_argument("--compile", action="store_true", help="torch.compile each transformer block's forward")
+    g.add_argument("--timeout", type=float, default=600.0,
+                   help="seconds a collective may wait for the other ranks before every rank fails (default 600)")
     m = p.add_argument_group("model")
     m.add_argument("--model", choices=PRESET_NAMES,
                    help=f"preset (default: {DEFAULT_MODEL[0]} with {DEFAULT_MODEL[1]}); the flags below override it")
@@ -103,6 +105,8 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--out", default="out", help="output directory (default ./out)")
     d.add_argument("--ckpt-every", type=int, default=200, help="checkpoint every N steps (0: only at the end)")
     d.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
+    d.add_argument("--export", action="store_true",
+                   help="at the end, write the model as safetensors + config.json into --out/hf (needs safetensors)")
     d.add_argument("--eval-every", type=int, default=50, help="validate every N steps (0: only at start and end)")
     d.add_argument("--eval-batches", type=int, default=10, help="batches per validation (default 10)")
     d.add_argument("--log-every", type=int,
@@ -161,12 +165,32 @@ def validate(args) -> None:
     for flag in ("warmup", "ckpt_every", "eval_every", "sample_tokens", "clip"):
         _check(getattr(args, flag) >= 0, f"--{flag.replace('_', '-')}: expected >= 0, got {getattr(args, flag)}")
     _check(args.log_every is None or args.log_every >= 1, f"--log-every: expected >= 1, got {args.log_every}")
+    _check(args.timeout > 0 and math.isfinite(args.timeout), f"--timeout: expected seconds > 0, got {args.timeout}")
+    for flag in ("lr", "min_lr", "weight_decay", "clip"):  # inf passes the range checks; the run would be NaN
+        value = getattr(args, flag)
+        _check(value is None or math.isfinite(value), f"--{flag.replace('_', '-')}: expected a finite number, got {value}")
     _validate_optimizer(args)
     _validate_model(args)
     _validate_data(args)
+    _validate_out(Path(args.out))
     ckpt = Path(args.out) / "ckpt"
-    _check(not args.resume or any((Path(f"{ckpt}{s}") / "meta.json").is_file() for s in ("", ".old")),
+    if args.export:
+        import importlib.util
+        _check(importlib.util.find_spec("safetensors") is not None,
+               "--export: expected the safetensors package to be installed (pip install safetensors), found none")
+    _check(not args.resume or any((Path(f"{ckpt}{s}") / "meta.json").is_file() for s in ("", ".tmp", ".old")),
            f"--resume: expected a complete checkpoint at {ckpt}, found none")
+
+
+def _validate_out(out: Path) -> None:
+    """--out: a directory, or a path one can be made at (checked before any rank starts)."""
+    _check(not out.exists() or out.is_dir(), f"--out: expected a directory, got {str(out)!r} (a file)")
+    parent = out
+    while not parent.exists():
+        parent = parent.parent
+    _check(parent.is_dir(), f"--out: expected a directory, got {str(out)!r} (inside the file {str(parent)!r})")
+    _check(os.access(parent, os.W_OK), f"--out: expected a writable directory, got {str(out)!r} "
+                                       f"({str(parent)!r} is not writable)")
 
 
 def _validate_optimizer(args) -> None:
@@ -205,7 +229,8 @@ def _validate_model(args) -> None:
 
 def _validate_data(args) -> None:
     path = _data_path(args)
-    _check(path.is_file(), f"--data: expected a readable text file, got {str(path)!r} (no such file)")
+    _check(path.is_file(), f"--data: expected a readable text file, got {str(path)!r} "
+                           f"({'a directory' if path.is_dir() else 'no such file'})")
     _check(os.access(path, os.R_OK), f"--data: expected a readable text file, got {str(path)!r} (not readable)")
     args.data = str(path)
     need = args.model_shape["seq_len"] + 2
@@ -409,7 +434,7 @@ def _init_distributed(args, env: dict | None):
         device = torch.device("cpu")
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     backend = "nccl" if args.device == "cuda" else "gloo"
-    timeout = datetime.timedelta(minutes=10)
+    timeout = datetime.timedelta(seconds=args.timeout)  # init_mesh's groups and their Communicators inherit it
     if env is None:  # a world of one in this process: ZeRO still goes through a process group
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     else:
@@ -639,6 +664,10 @@ class Trainer:
                 if (args.ckpt_every and self.step % args.ckpt_every == 0) or self.step == args.steps or self.stopped:
                     self.save()
             train_s = time.perf_counter() - t_train
+            if args.export and not self.stopped and dist.get_rank() == 0:  # the final checkpoint is saved
+                from zerofuse.checkpoint import export_hf
+                export_hf(str(self.ckpt), str(Path(args.out) / "hf"),
+                          config={"model_type": "zerofuse-gpt", **dataclasses.asdict(self.cfg)})
             if self.memory is None:  # resumed at the end: nothing trained
                 self.memory = self._memory()
             text = self.sample() if args.sample_tokens and not self.stopped else None

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import zerofuse.checkpoint
 from zerofuse import train
 
 TIMEOUT = 150
@@ -41,8 +42,7 @@ def metrics(out) -> list[dict]:
 
 
 def ckpt_step(out) -> int:
-    blob = torch.load(Path(out) / "ckpt" / "rank0.pt", weights_only=False)
-    return blob["extra"]["step"]
+    return torch.load(Path(out) / "ckpt" / "common.pt", weights_only=True)["extra"]["step"]
 
 
 def _ok(p: subprocess.CompletedProcess, code: int = 0) -> None:
@@ -53,7 +53,8 @@ def _ok(p: subprocess.CompletedProcess, code: int = 0) -> None:
 def straight(tmp_path_factory):
     """nproc 2, ZeRO-2, 6 steps with a checkpoint every 3: the reference run."""
     out = tmp_path_factory.mktemp("straight")
-    p = run("--nproc", 2, "--zero-stage", 2, "--steps", 6, "--ckpt-every", 3, "--eval-every", 3, "--out", out)
+    p = run("--nproc", 2, "--zero-stage", 2, "--steps", 6, "--ckpt-every", 3, "--eval-every", 3, "--out", out,
+            "--export")
     return out, p
 
 
@@ -85,6 +86,14 @@ def test_end_to_end_zero2(straight):
     assert all(m["optimizer"] > 0 and m["max_rss"] > 0 for m in summary["memory_per_rank"])
     assert (out / "loss.png").stat().st_size > 0
     assert (out / "ckpt" / "meta.json").is_file() and ckpt_step(out) == 6
+    # --export: the final weights as safetensors, read by safetensors' own loader
+    from safetensors.torch import load_file
+    exported = load_file(out / "hf" / "model.safetensors")
+    cfg = json.loads((out / "hf" / "config.json").read_text())
+    final = zerofuse.checkpoint.consolidate(str(out / "ckpt"))["model"]
+    for n, t in final.items():
+        assert torch.equal(exported[cfg["zerofuse_tied"].get(n, n)], t), n
+    assert cfg["model_type"] == "zerofuse-gpt" and cfg["n_layer"] >= 1
     assert "zerofuse-train summary" in p.stdout and "exposed comm" in p.stdout and "--- sample" in p.stdout
 
 
