@@ -93,9 +93,6 @@ def _state_dict(eng, model, optimizer, loading: bool = False) -> dict:
     """The torch-shaped state dict whose tensors view this rank's shards (what save writes and load
     fills). ``everyone``: every rank's pieces, for the ShardedTensors' global metadata (stage 0 saves
     rank 0's replica; loading at stage 0, each rank fills its own replica)."""
-    if any(spec_of(p) is not None for p in eng.params):
-        raise NotImplementedError(f"{NAME}: format='dcp' does not take tensor-parallel models yet; save in zerofuse's "
-                                  "format (it reshards across TP sizes) and export from a consolidated copy")
     ranks = _saving_ranks(eng)
     everyone: dict[str, list] = {}
     for r in ([eng.rank] if loading and eng.stage == 0 else range(ranks)):
@@ -142,13 +139,18 @@ def _state_dict(eng, model, optimizer, loading: bool = False) -> dict:
     return sd
 
 
+def _refuse_tp(eng) -> None:
+    if any(spec_of(p) is not None for p in eng.params):
+        raise NotImplementedError(f"{NAME}: format='dcp' does not take tensor-parallel models yet; save in zerofuse's "
+                                  "format (it reshards across TP sizes) and export from a consolidated copy")
+
+
 def save(path: str, model, optimizer=None, *, extra=None) -> None:
     """Collective, as zerofuse.checkpoint.save; the directory follows [Note: checkpoint commit
     protocol] (a meta.json naming the format is written after DCP's files)."""
     eng = engine_of(model, f"{NAME}.save")
     files.check_plain(extra)
-    if eng.tp_comm is not None:
-        _state_dict(eng, model, optimizer)  # raises: not with TP
+    _refuse_tp(eng)
     if eng.stage != 3:
         eng.finish_param_sync()
     path = os.path.abspath(path)
@@ -233,6 +235,7 @@ def load(path: str, model, optimizer=None):
     just the model's tensors at the top level) into a ZeRO model and its zero.Optimizer."""
     who = f"{NAME}.load"
     eng = engine_of(model, who)
+    _refuse_tp(eng)
     root = files.resolve(os.path.abspath(path)) if not is_dcp(path) else os.path.abspath(path)
     reader = SafeReader(root)
     md = reader.read_metadata()

@@ -89,22 +89,21 @@ def fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
-def write_tensors(file: str, obj) -> None:
+def _write(file: str, mode: str, dump) -> None:
     kill_point(f"before {os.path.basename(file)}")
-    with open(file, "wb") as f:
-        torch.save(obj, f)
+    with open(file, mode) as f:
+        dump(f)
         f.flush()
         os.fsync(f.fileno())
     kill_point(f"after {os.path.basename(file)}")
+
+
+def write_tensors(file: str, obj) -> None:
+    _write(file, "wb", lambda f: torch.save(obj, f))
 
 
 def write_json(file: str, obj) -> None:
-    kill_point(f"before {os.path.basename(file)}")
-    with open(file, "w") as f:
-        json.dump(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    kill_point(f"after {os.path.basename(file)}")
+    _write(file, "w", lambda f: json.dump(obj, f))
 
 
 def complete(directory: str) -> bool:
