@@ -1,4 +1,4 @@
-// Communicator (communicator.h): the coalesced collectives and the ProcessGroup transport.
+// Communicator (communicator.h): the coalesced collectives, Work and the failed state.
 #include "communicator.h"
 
 #include "../checks.h"
@@ -8,7 +8,6 @@
 
 #include <algorithm>
 #include <sstream>
-#include <thread>
 
 namespace zerofuse::comm {
 
@@ -71,168 +70,6 @@ std::pair<Reduce, double> plan_reduce(Reduce op, const Transport& transport, std
   return {avg_here ? Reduce::kSum : op, scale.value_or(1.0) / (avg_here ? world_size : 1)};
 }
 
-c10d::ReduceOp to_c10d(Reduce op) {
-  switch (op) {
-    case Reduce::kMax:
-      return c10d::ReduceOp(c10d::ReduceOp::MAX);
-    case Reduce::kMin:
-      return c10d::ReduceOp(c10d::ReduceOp::MIN);
-    default:
-      return c10d::ReduceOp(c10d::ReduceOp::SUM);
-  }
-}
-
-// ------------------------------------------------------------------ ProcessGroup transport
-
-using Launch = std::function<c10::intrusive_ptr<c10d::Work>()>;
-
-class PgWork : public Work {
- public:
-  using Future = std::shared_future<c10::intrusive_ptr<c10d::Work>>;
-  PgWork(std::string what, std::chrono::milliseconds timeout, std::vector<Future> futs)
-      : Work(std::move(what), timeout), futs_(std::move(futs)) {}
-
- protected:
-  void wait_transport() override {
-    for (auto& f : futs_) {
-      if (f.wait_for(timeout_) != std::future_status::ready) {
-        TORCH_CHECK(false, "timed out after ", timeout_.count(), " ms before the collective was launched");
-      }
-      f.get()->wait(timeout_);
-    }
-  }
-  void release_transport() override { futs_.clear(); }
-  bool transport_done() override {
-    for (auto& f : futs_) {
-      if (f.wait_for(std::chrono::seconds(0)) != std::future_status::ready || !f.get()->isCompleted()) return false;
-    }
-    return true;
-  }
-
- private:
-  std::vector<Future> futs_;
-};
-
-// All-reduces above this size are split into pieces of kPieceBytes, launched back to back:
-// ProcessGroupGloo runs async collectives on several worker threads, so pieces pipeline (measured
-// on gloo, 2 ranks: a ~100 MB buffer reduced as one collective took ~1.9x as long as in 1 MB
-// buckets; see bench_collectives' bucket sweep).
-constexpr int64_t kPieceBytes = 4 << 20;
-
-class ProcessGroupTransport : public Transport {
- public:
-  ProcessGroupTransport(c10::intrusive_ptr<c10d::ProcessGroup> pg, std::chrono::milliseconds timeout,
-                        std::chrono::milliseconds delay)
-      : pg_(std::move(pg)), timeout_(timeout), delay_(delay), gloo_(pg_->getBackendName() == "gloo") {}
-
-  std::string name() const override { return "process_group(" + pg_->getBackendName() + ")"; }
-
-  // gloo's tensor reduce-scatter and all-gather stage the whole buffer through temporaries
-  // (measured, 2 ranks, 100 MB fp32: reduce_scatter_tensor 168 ms and +153 MB resident,
-  // all_gather_into_tensor 112 ms and +102 MB; an in-place all-reduce 65 ms and +5 MB, one
-  // in-place broadcast per rank's slot 33 ms and +1 MB): on gloo, reduce-scatter is an in-place
-  // all-reduce and all-gather a broadcast from each rank's slot of the output.
-  bool reduce_scatter_via_all_reduce() const override { return gloo_; }
-
-  std::shared_ptr<Work> reduce_scatter(const at::Tensor& out, const at::Tensor& in, Reduce op,
-                                       const std::string& what) override {
-    c10d::ReduceScatterOptions opts;
-    opts.reduceOp = to_c10d(op);
-    opts.timeout = timeout_;
-    auto pg = pg_;
-    return submit(what, {[pg, out, in, opts]() {
-                    at::Tensor o = out, i = in;  // c10d takes non-const references
-                    return pg->_reduce_scatter_base(o, i, opts);
-                  }});
-  }
-
-  std::shared_ptr<Work> all_gather(const at::Tensor& out, const at::Tensor& in, const std::string& what) override {
-    auto pg = pg_;
-    if (gloo_) {
-      const int64_t n = in.numel();
-      const int ws = pg->getSize(), rank = pg->getRank();
-      c10d::BroadcastOptions bopts;
-      bopts.timeout = timeout_;
-      std::vector<Launch> launches;
-      for (int r = 0; r < ws; ++r) {
-        at::Tensor slot = out.narrow(0, r * n, n);
-        bopts.rootRank = r;
-        launches.push_back([pg, slot, in, bopts, own = r == rank]() {
-          if (own && slot.data_ptr() != in.data_ptr()) slot.copy_(in);  // not already in place
-          std::vector<at::Tensor> ts{slot};
-          return pg->broadcast(ts, bopts);
-        });
-      }
-      return submit(what, launches);
-    }
-    c10d::AllgatherOptions opts;
-    opts.timeout = timeout_;
-    return submit(what, {[pg, out, in, opts]() {
-                    at::Tensor o = out, i = in;
-                    return pg->_allgather_base(o, i, opts);
-                  }});
-  }
-
-  std::shared_ptr<Work> all_reduce(const at::Tensor& buf, Reduce op, const std::string& what) override {
-    c10d::AllreduceOptions opts;
-    opts.reduceOp = to_c10d(op);
-    opts.timeout = timeout_;
-    auto pg = pg_;
-    const int64_t piece = std::max<int64_t>(1, kPieceBytes / buf.element_size());
-    std::vector<Launch> launches;
-    for (int64_t b = 0; b < buf.numel(); b += piece) {
-      at::Tensor part = buf.narrow(0, b, std::min(piece, buf.numel() - b));
-      launches.push_back([pg, part, opts]() {
-        std::vector<at::Tensor> ts{part};
-        return pg->allreduce(ts, opts);
-      });
-    }
-    return submit(what, launches);
-  }
-
- private:
-  // Without a delay the collectives are launched here. With one (tests), launches go through a
-  // chain of futures: each waits for the previous launch, sleeps, then launches, so the order of
-  // collectives on the group is the order of the calls (gloo matches collectives by order).
-  std::shared_ptr<Work> submit(const std::string& what, const std::vector<Launch>& launches) {
-    std::vector<PgWork::Future> futs;
-    for (const auto& launch : launches) {
-      if (delay_.count() == 0) {
-        std::promise<c10::intrusive_ptr<c10d::Work>> p;
-        p.set_value(launch());
-        futs.push_back(p.get_future().share());
-      } else {
-        // The chain (last_) carries only "launched": the c10d Work (and through it the buffers)
-        // is held by this call's PgWork alone, and the launch closure and the promise are dropped
-        // once it ran, so a waited collective pins no staging buffer through the chain.
-        auto prev = last_;
-        auto delay = delay_;
-        auto result = std::make_shared<std::promise<c10::intrusive_ptr<c10d::Work>>>();
-        auto fn = std::make_shared<Launch>(launch);
-        futs.push_back(result->get_future().share());
-        last_ = std::async(std::launch::async, [prev, delay, fn, result]() mutable {
-                  if (prev.valid()) prev.wait();
-                  std::this_thread::sleep_for(delay);
-                  Launch run;
-                  run.swap(*fn);
-                  try {
-                    result->set_value(run());
-                  } catch (...) {
-                    result->set_exception(std::current_exception());
-                  }
-                  result.reset();  // the promise shares the Work's state: only the PgWork keeps it
-                }).share();
-      }
-    }
-    return std::make_shared<PgWork>(what, timeout_, std::move(futs));
-  }
-
-  c10::intrusive_ptr<c10d::ProcessGroup> pg_;
-  std::chrono::milliseconds timeout_, delay_;
-  bool gloo_;
-  std::shared_future<void> last_;
-};
-
 }  // namespace
 
 Reduce parse_reduce(const std::string& op, const char* fn) {
@@ -243,12 +80,54 @@ Reduce parse_reduce(const std::string& op, const char* fn) {
   TORCH_CHECK_VALUE(false, "zerofuse::comm", fn, ": expected op 'sum', 'avg', 'max' or 'min', got '", op, "'");
 }
 
+std::string group_label(const c10d::ProcessGroup& pg) {
+  const std::string& desc = pg.getGroupDesc();
+  std::string out = "group " + pg.getGroupName();
+  if (!desc.empty() && desc != "undefined") out += " (" + desc + ")";
+  return out;
+}
+
+std::string seconds(std::chrono::milliseconds t) {
+  std::ostringstream s;
+  s << static_cast<double>(t.count()) / 1000.0 << " s";
+  return s.str();
+}
+
+std::string Failure::message() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return message_;
+}
+
+void Failure::check(const std::string& what) const {
+  if (!failed()) return;
+  C10_THROW_ERROR(DistBackendError, "zerofuse.comm: " + what +
+                                        " refused: the communicator failed earlier and is unusable: " + message());
+}
+
+void Failure::set(const std::string& message) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (failed_.load(std::memory_order_relaxed)) return;
+  message_ = message;
+  failed_.store(true, std::memory_order_release);
+}
+
+void Failure::raise(const std::string& message) {
+  set(message);
+  const std::string first = this->message();
+  C10_THROW_ERROR(DistBackendError, "zerofuse.comm: " + first + (first == message ? "" : "; then " + message));
+}
+
 void Work::wait() {
   if (finished_) return;
+  if (failure_) failure_->check(what_);
   try {
     wait_transport();
   } catch (const std::exception& e) {
-    TORCH_CHECK(false, "zerofuse.comm: ", what_, " failed: ", e.what());
+    const auto* c10_error = dynamic_cast<const c10::Error*>(&e);
+    const std::string cause = c10_error ? c10_error->what_without_backtrace() : e.what();
+    const std::string message = what_ + " failed (timeout " + seconds(timeout_) + "): " + cause;
+    if (failure_) failure_->raise(message);
+    C10_THROW_ERROR(DistBackendError, "zerofuse.comm: " + message);
   }
   finished_ = true;
   if (finish_) {
@@ -259,18 +138,13 @@ void Work::wait() {
   release_transport();
 }
 
-bool Work::is_completed() { return finished_ || transport_done(); }
-
-std::unique_ptr<Transport> make_process_group_transport(c10::intrusive_ptr<c10d::ProcessGroup> pg,
-                                                        std::chrono::milliseconds timeout,
-                                                        std::chrono::milliseconds delay) {
-  return std::make_unique<ProcessGroupTransport>(std::move(pg), timeout, delay);
-}
+// true once wait() would not block: done, or failed (then wait() raises)
+bool Work::is_completed() { return finished_ || (failure_ && failure_->failed()) || transport_done(); }
 
 #ifndef ZEROFUSE_WITH_NCCL
 std::unique_ptr<Transport> make_nccl_transport(const c10::intrusive_ptr<c10d::ProcessGroup>&,
                                                const c10::intrusive_ptr<c10d::Store>&, const std::string&,
-                                               std::chrono::milliseconds, c10::DeviceIndex) {
+                                               std::chrono::milliseconds, c10::DeviceIndex, std::shared_ptr<Failure>) {
   TORCH_CHECK(false,
               "zerofuse.comm.Communicator: the NCCL transport needs CUDA: this build of zerofuse has no CUDA/NCCL "
               "(CPU torch or no nvcc at build time); use transport='process_group'");
@@ -286,7 +160,8 @@ Communicator::Communicator(c10::intrusive_ptr<c10d::ProcessGroup> pg, c10::intru
       key_(key),
       rank_(pg_->getRank()),
       world_size_(pg_->getSize()),
-      timeout_(static_cast<int64_t>(timeout_s * 1000)) {
+      timeout_(std::max<int64_t>(1, static_cast<int64_t>(timeout_s * 1000))),
+      group_(group_label(*pg_)) {
   TORCH_CHECK_VALUE(timeout_s > 0, "zerofuse.comm.Communicator: expected timeout > 0 seconds, got ", timeout_s);
   TORCH_CHECK_VALUE(mode_ == "auto" || mode_ == "process_group" || mode_ == "nccl",
                     "zerofuse.comm.Communicator: expected transport 'auto', 'process_group' or 'nccl', got '", mode_,
@@ -295,7 +170,7 @@ Communicator::Communicator(c10::intrusive_ptr<c10d::ProcessGroup> pg, c10::intru
       make_process_group_transport(pg_, timeout_, std::chrono::milliseconds(static_cast<int64_t>(debug_delay_ms)));
   if (mode_ == "nccl") {
     TORCH_CHECK_VALUE(store_, "zerofuse.comm.Communicator: the NCCL transport needs a store to share its id");
-    nccl_transport_ = make_nccl_transport(pg_, store_, key_, timeout_, /*device=*/-1);  // the current device
+    nccl_transport_ = make_nccl_transport(pg_, store_, key_, timeout_, /*device=*/-1, failure_);  // the current device
   }
 }
 
@@ -358,7 +233,7 @@ Transport& Communicator::transport_for(const at::Device& device, const char* fn)
   if (device.is_cuda()) {
     // every rank issues its first CUDA collective in the same order: creation is collective too
     if (!nccl_transport_) {
-      nccl_transport_ = make_nccl_transport(pg_, store_, key_, timeout_, device.index());
+      nccl_transport_ = make_nccl_transport(pg_, store_, key_, timeout_, device.index(), failure_);
       if (grouping_) nccl_transport_->group_start();
     }
     return *nccl_transport_;
@@ -389,8 +264,13 @@ int64_t Communicator::shard_numel(at::TensorList tensors) const {
 
 std::string Communicator::label(const char* fn) {
   std::ostringstream s;
-  s << fn << " #" << seq_++ << " on rank " << rank_ << " of " << world_size_;
+  s << fn << " #" << seq_++ << " on rank " << rank_ << " of " << world_size_ << " in " << group_;
   return s.str();
+}
+
+std::shared_ptr<Work> Communicator::watched(std::shared_ptr<Work> work) {
+  work->set_failure(failure_);
+  return work;
 }
 
 std::shared_ptr<Work> Communicator::reduce_scatter_coalesced(at::TensorList tensors, const at::Tensor& out_shard,
@@ -405,6 +285,7 @@ std::shared_ptr<Work> Communicator::reduce_scatter_coalesced(at::TensorList tens
   check_flat(out_shard, shard, fn, "out_shard");
   const std::string what = label("reduce_scatter_coalesced");
   if (total == 0) return std::make_shared<DoneWork>(what, timeout_);
+  failure_->check(what);  // [Note: communicator failure]
   Transport& transport = transport_for(out_shard.device(), fn);
   const at::ScalarType dtype = reduce_dtype.value_or(out_shard.scalar_type());
   at::Tensor flat;
@@ -418,7 +299,7 @@ std::shared_ptr<Work> Communicator::reduce_scatter_coalesced(at::TensorList tens
   const auto plan = plan_reduce(red, transport, scale, world_size_);
   const double factor = plan.second;  // a plain variable: lambdas may not capture structured bindings in C++17
   if (transport.reduce_scatter_via_all_reduce()) {
-    auto work = transport.all_reduce(flat, plan.first, what);
+    auto work = watched(transport.all_reduce(flat, plan.first, what));
     const int64_t lo = rank_ * shard;
     work->set_finish([flat, out_shard, lo, shard, factor]() mutable {
       at::Tensor mine = flat.narrow(0, lo, shard);
@@ -430,7 +311,7 @@ std::shared_ptr<Work> Communicator::reduce_scatter_coalesced(at::TensorList tens
   }
   const bool direct = dtype == out_shard.scalar_type();
   at::Tensor out = direct ? out_shard : at::empty({shard}, flat.options());
-  auto work = transport.reduce_scatter(out, flat, plan.first, what);
+  auto work = watched(transport.reduce_scatter(out, flat, plan.first, what));
   work->set_finish([out, out_shard, direct, factor]() mutable {
     if (factor != 1.0) out.mul_(factor);
     if (!direct) out_shard.copy_(out);
@@ -448,6 +329,7 @@ std::shared_ptr<Work> Communicator::all_gather_coalesced(const at::Tensor& shard
   check_flat(shard, n, fn, "shard");
   const std::string what = label("all_gather_coalesced");
   if (total == 0) return std::make_shared<DoneWork>(what, timeout_);
+  failure_->check(what);  // [Note: communicator failure]
   Transport& transport = transport_for(shard.device(), fn);
   // The output is one flat buffer (a ZeRO unit's): gathered into directly, no copy-out. The shard
   // may be this rank's own slot of it (in place: gloo and NCCL both take that form).
@@ -456,12 +338,12 @@ std::shared_ptr<Work> Communicator::all_gather_coalesced(const at::Tensor& shard
                             static_cast<const char*>(tensors[0].data_ptr()) + rank_ * n * shard.element_size();
   if (is_whole_flat(tensors, n * world_size_, shard.scalar_type()) && (in_place || !shard.is_alias_of(tensors[0]))) {
     // any shape: the transports slice rank slots off dim 0 of a 1-D view
-    auto work = transport.all_gather(tensors[0].view({-1}), shard, what);
+    auto work = watched(transport.all_gather(tensors[0].view({-1}), shard, what));
     work->keep_alive({tensors[0], shard});
     return work;
   }
   at::Tensor flat = staging(n * world_size_, shard.options());
-  auto work = transport.all_gather(flat, shard, what);
+  auto work = watched(transport.all_gather(flat, shard, what));
   std::vector<at::Tensor> outs(tensors.begin(), tensors.end());
   work->set_finish([flat, outs, offsets]() { unflatten_from(flat, outs, offsets); });
   work->keep_alive({flat, shard});
@@ -478,6 +360,7 @@ std::shared_ptr<Work> Communicator::all_reduce_coalesced(at::TensorList tensors,
   const auto offsets = packed_offsets(tensors, &total);
   const std::string what = label("all_reduce_coalesced");
   if (total == 0) return std::make_shared<DoneWork>(what, timeout_);
+  failure_->check(what);  // [Note: communicator failure]
   Transport& transport = transport_for(tensors[0].device(), fn);
   at::ScalarType dtype = tensors[0].scalar_type();
   for (const auto& t : tensors) dtype = c10::promoteTypes(dtype, t.scalar_type());
@@ -495,7 +378,7 @@ std::shared_ptr<Work> Communicator::all_reduce_coalesced(at::TensorList tensors,
   }
   const auto plan = plan_reduce(red, transport, scale, world_size_);
   const double factor = plan.second;
-  auto work = transport.all_reduce(flat, plan.first, what);
+  auto work = watched(transport.all_reduce(flat, plan.first, what));
   std::vector<at::Tensor> outs;
   if (!in_place) outs.assign(tensors.begin(), tensors.end());
   work->set_finish([flat, outs, offsets, factor]() mutable {

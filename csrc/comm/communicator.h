@@ -11,13 +11,24 @@
 // transport keeps each in-flight Work in a list until its done event has fired, so buffers that
 // the comm stream uses are never freed early and record_stream is never needed, even when the
 // caller drops the Work without waiting.
+//
+// [Note: communicator failure] The first collective that fails (a wait that times out or reports
+// a peer's loss; on NCCL also a failed NCCL call, the watchdog's expiry or an asynchronous error:
+// [Note: NCCL watchdog] in nccl_transport.cu) marks its communicator failed with one message naming
+// that collective, its sequence number, the group and the timeout. From then on every launch and every
+// wait of that communicator raises at once (c10::DistBackendError, torch.distributed.DistBackendError
+// in Python) with that message: the ranks' sequences of collectives no longer match (gloo has closed
+// its pairs, the NCCL communicator is aborted), so going on could only hang or mix data up, and
+// results that an aborted collective left behind must never be handed out as if complete.
 #pragma once
 
 #include <ATen/ATen.h>
+#include <c10/util/Exception.h>
 #include <c10/util/intrusive_ptr.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include <atomic>
 #include <chrono>
 #include <functional>
 #include <future>
@@ -33,6 +44,30 @@ enum class Reduce { kSum, kAvg, kMax, kMin };
 
 Reduce parse_reduce(const std::string& op, const char* fn);
 
+// "group 0 (default_pg)": how messages name a process group (its name, and its description if any)
+std::string group_label(const c10d::ProcessGroup& pg);
+// "3 s", "2.5 s"
+std::string seconds(std::chrono::milliseconds t);
+
+// The failed state of one communicator, shared by its transports and Works ([Note: communicator
+// failure]). Thread-safe: the NCCL watchdog sets it from its own thread.
+class Failure {
+ public:
+  bool failed() const { return failed_.load(std::memory_order_acquire); }
+  std::string message() const;
+  // Raises if failed: `what` (a collective about to be launched or waited for) is refused.
+  void check(const std::string& what) const;
+  // Records `message` unless a failure is recorded already (later ones follow from the first).
+  void set(const std::string& message);
+  // set(), then raises the first failure (and this one, when it is another).
+  [[noreturn]] void raise(const std::string& message);
+
+ private:
+  mutable std::mutex mu_;
+  std::string message_;
+  std::atomic<bool> failed_{false};
+};
+
 // One collective in flight. wait(): CPU, blocks until done (at most the communicator's timeout);
 // CUDA, makes the current stream wait for it (no host block). Then runs the copy-out once.
 class Work {
@@ -45,6 +80,8 @@ class Work {
   // runs after the collective, in wait() (on the current stream for CUDA tensors)
   void set_finish(std::function<void()> fn) { finish_ = std::move(fn); }
   void keep_alive(std::vector<at::Tensor> ts) { keep_ = std::move(ts); }
+  // the communicator's failed state: wait() raises once it is set ([Note: communicator failure])
+  void set_failure(std::shared_ptr<Failure> f) { failure_ = std::move(f); }
 
  protected:
   virtual void wait_transport() = 0;
@@ -57,6 +94,7 @@ class Work {
  private:
   std::function<void()> finish_;
   std::vector<at::Tensor> keep_;
+  std::shared_ptr<Failure> failure_;
   bool finished_ = false;
 };
 
@@ -90,23 +128,26 @@ class Transport {
   virtual void group_end() {}
 };
 
+// csrc/comm/process_group_transport.cpp
 std::unique_ptr<Transport> make_process_group_transport(c10::intrusive_ptr<c10d::ProcessGroup> pg,
                                                         std::chrono::milliseconds timeout,
                                                         std::chrono::milliseconds delay);
 // CUDA builds: csrc/comm/nccl_transport.cu; CPU builds: an error naming what is missing.
 // device: the CUDA device the communicator lives on (-1: the current one); it takes tensors of
-// that device only.
+// that device only. failure: the communicator's, set by the transport's watchdog.
 std::unique_ptr<Transport> make_nccl_transport(const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
                                                const c10::intrusive_ptr<c10d::Store>& store, const std::string& key,
-                                               std::chrono::milliseconds timeout, c10::DeviceIndex device);
+                                               std::chrono::milliseconds timeout, c10::DeviceIndex device,
+                                               std::shared_ptr<Failure> failure);
 
 class Communicator {
  public:
   // transport: "auto" (CPU tensors through the ProcessGroup; CUDA tensors through NCCL in CUDA
   // builds, created at the first CUDA collective, else the ProcessGroup), "process_group" or
   // "nccl" (created now). store and key: where rank 0 publishes the NCCL id.
-  // timeout_s bounds every blocking wait; debug_delay_ms delays each collective's launch (tests
-  // use it to expose reads that do not wait).
+  // timeout_s bounds every blocking wait and, on NCCL, every collective's run on the device
+  // ([Note: NCCL watchdog]); debug_delay_ms delays each collective's launch (tests use it to expose
+  // reads that do not wait).
   Communicator(c10::intrusive_ptr<c10d::ProcessGroup> pg, c10::intrusive_ptr<c10d::Store> store,
                const std::string& transport, const std::string& key, double timeout_s, double debug_delay_ms);
 
@@ -143,6 +184,8 @@ class Communicator {
   std::string label(const char* fn);
   int64_t ceil_shard(int64_t total) const { return (total + world_size_ - 1) / world_size_; }
   Transport& transport_for(const at::Device& device, const char* fn);
+  // the transport's Work, tied to this communicator's failed state
+  std::shared_ptr<Work> watched(std::shared_ptr<Work> work);
   c10::intrusive_ptr<c10d::ProcessGroup> pg_;
   c10::intrusive_ptr<c10d::Store> store_;
   std::string mode_, key_;
@@ -151,6 +194,8 @@ class Communicator {
   int64_t seq_ = 0;
   bool grouping_ = false;
   std::chrono::milliseconds timeout_;
+  std::shared_ptr<Failure> failure_ = std::make_shared<Failure>();
+  std::string group_;  // group_label(*pg_)
   std::vector<at::Tensor> staging_pool_;  // 1-D byte tensors; free when the pool holds the only reference
   std::mutex staging_mu_;
 };

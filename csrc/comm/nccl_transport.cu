@@ -1,5 +1,6 @@
 // The NCCL transport of the Communicator (CUDA builds): zerofuse's own ncclComm_t, dedicated
-// high-priority streams, CUDA events for ordering, buffer lifetimes held by in-flight Works.
+// high-priority streams, CUDA events for ordering, buffer lifetimes held by in-flight Works, and a
+// watchdog thread that bounds every collective's run by the timeout.
 //
 // [Note: stream ordering] A collective is launched on a comm stream (one for reduce-scatter /
 // all-reduce, one for all-gather, so the two directions overlap each other and compute). The comm
@@ -12,16 +13,29 @@
 // without wait() stays in the in-flight list (keeping its buffers) until its done event fires
 // ([Note: Work lifetimes] in communicator.h).
 //
+// [Note: NCCL watchdog] Work::wait() does not block the host, so a collective that never completes
+// (a peer died or stopped) would show only as a hang at the next host synchronisation. Each launch
+// also records a `started` event on the comm stream once it is past the caller's work (time queued
+// behind compute does not count) and hands it, with the done event, to the transport's watchdog
+// thread (nccl_watchdog.h), which polls them and ncclCommGetAsyncError while anything is in flight.
+// A started collective not done within the timeout, or an asynchronous NCCL error, is recorded as
+// the communicator's failure ([Note: communicator failure] in communicator.h) and the communicator
+// is aborted: ncclCommAbort ends NCCL's waiting kernels, so the comm streams and the streams ordered
+// after them drain instead of hanging, on garbage (a wait() that returned before the failure cannot
+// be taken back), and the next launch or wait raises. comm_mu_ guards comm_: launches hold it from
+// ncclGroupStart to their done event and let go once they see a failure, so the watchdog's abort
+// waits at most one poll of settle_locked().
+//
 // The communicator is created non-blocking (ncclConfig_t.blocking = 0) so that an init, or the
 // enqueueing of a collective, that does not finish within the timeout is aborted (ncclCommAbort)
-// and reported instead of hanging the process. Completion itself is not watched: a peer that never
-// joins shows as a hang at the caller's next host synchronisation.
+// and reported instead of hanging the process.
 //
 // Every CUDA and NCCL call runs under a guard for the communicator's device, and the transport
 // takes tensors of that device only. Nothing throws between ncclGroupStart and ncclGroupEnd (an
 // open group would hold back every later NCCL call of the thread, torch's too); a group that
 // fails is dropped from the in-flight list, which would otherwise wait forever on its done event.
 #include "communicator.h"
+#include "nccl_watchdog.h"
 
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -34,6 +48,7 @@
 #include <chrono>
 #include <cstring>
 #include <deque>
+#include <mutex>
 #include <thread>
 
 namespace zerofuse::comm {
@@ -41,47 +56,26 @@ namespace {
 
 ncclDataType_t nccl_type(at::ScalarType t) {
   switch (t) {
-    case at::kFloat:
-      return ncclFloat32;
-    case at::kHalf:
-      return ncclFloat16;
-    case at::kBFloat16:
-      return ncclBfloat16;
-    case at::kDouble:
-      return ncclFloat64;
-    case at::kInt:
-      return ncclInt32;
-    case at::kLong:
-      return ncclInt64;
-    case at::kByte:
-      return ncclUint8;
-    case at::kChar:
-      return ncclInt8;
-    default:
-      TORCH_CHECK(false, "zerofuse.comm (NCCL): unsupported dtype ", t);
+    case at::kFloat: return ncclFloat32;
+    case at::kHalf: return ncclFloat16;
+    case at::kBFloat16: return ncclBfloat16;
+    case at::kDouble: return ncclFloat64;
+    case at::kInt: return ncclInt32;
+    case at::kLong: return ncclInt64;
+    case at::kByte: return ncclUint8;
+    case at::kChar: return ncclInt8;
+    default: TORCH_CHECK(false, "zerofuse.comm (NCCL): unsupported dtype ", t);
   }
 }
 
 ncclRedOp_t nccl_op(Reduce op) {
   switch (op) {
-    case Reduce::kAvg:
-      return ncclAvg;
-    case Reduce::kMax:
-      return ncclMax;
-    case Reduce::kMin:
-      return ncclMin;
-    default:
-      return ncclSum;
+    case Reduce::kAvg: return ncclAvg;
+    case Reduce::kMax: return ncclMax;
+    case Reduce::kMin: return ncclMin;
+    default: return ncclSum;
   }
 }
-
-// One done event, shared by the Works of collectives launched in one NCCL group.
-struct DoneEvent {
-  cudaEvent_t event = nullptr;
-  ~DoneEvent() {
-    if (event) cudaEventDestroy(event);
-  }
-};
 
 class NcclWork : public Work {
  public:
@@ -89,7 +83,8 @@ class NcclWork : public Work {
   NcclWork(std::string what, std::chrono::milliseconds timeout, c10::DeviceIndex device,
            c10::cuda::CUDAStream launch_stream)
       : Work(std::move(what), timeout), device_(device), launch_stream_(launch_stream) {}
-  void set_done(std::shared_ptr<DoneEvent> done) { done_ = std::move(done); }
+  // one done event, shared by the Works of collectives launched in one NCCL group
+  void set_done(std::shared_ptr<CudaEvent> done) { done_ = std::move(done); }
   bool launched() const { return done_ != nullptr; }
   bool done() { return launched() && transport_done(); }
   // For the destructor: true once the done event fired, can no longer be queried, or there is
@@ -123,7 +118,7 @@ class NcclWork : public Work {
   }
 
  private:
-  std::shared_ptr<DoneEvent> done_;
+  std::shared_ptr<CudaEvent> done_;
   c10::DeviceIndex device_;
   c10::cuda::CUDAStream launch_stream_;
 };
@@ -139,16 +134,21 @@ struct Pending {
 class NcclTransport : public Transport {
  public:
   NcclTransport(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, const c10::intrusive_ptr<c10d::Store>& store,
-                const std::string& key, std::chrono::milliseconds timeout, c10::DeviceIndex device)
+                const std::string& key, std::chrono::milliseconds timeout, c10::DeviceIndex device,
+                std::shared_ptr<Failure> failure)
       : timeout_(timeout),
         device_(device >= 0 ? device : c10::cuda::current_device()),
+        failure_(std::move(failure)),
         rs_stream_(c10::cuda::getStreamFromPool(/*isHighPriority=*/true, device_)),
         ag_stream_(c10::cuda::getStreamFromPool(/*isHighPriority=*/true, device_)) {
     c10::cuda::CUDAGuard guard(device_);  // NCCL binds the communicator to the current device
     const int rank = pg->getRank(), ws = pg->getSize();
+    const std::string what = "creating the NCCL communicator of rank " + std::to_string(rank) + " of " +
+                             std::to_string(ws) + " in " + group_label(*pg);
+    std::lock_guard<std::mutex> lock(comm_mu_);
     ncclUniqueId id;
     if (rank == 0) {
-      check(ncclGetUniqueId(&id), "ncclGetUniqueId");
+      check_locked(ncclGetUniqueId(&id), what, "ncclGetUniqueId");
       const auto* bytes = reinterpret_cast<const uint8_t*>(&id);
       store->set(key, std::vector<uint8_t>(bytes, bytes + sizeof(id)));
     } else {
@@ -160,36 +160,38 @@ class NcclTransport : public Transport {
     }
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
     config.blocking = 0;
-    check(ncclCommInitRankConfig(&comm_, ws, id, rank, &config), "ncclCommInitRankConfig");
-    settle("ncclCommInitRankConfig");
+    check_locked(ncclCommInitRankConfig(&comm_, ws, id, rank, &config), what, "ncclCommInitRankConfig");
+    settle_locked(what);
+    // [Note: NCCL watchdog]
+    watchdog_ = std::make_unique<NcclWatchdog>(
+        timeout_, device_, [this] { return async_error(); }, [this](const std::string& m) { fail(m); });
   }
 
   // Work::wait() does not block the host, so collectives may still run here: they are waited for
   // (up to the timeout) rather than cut short by an abort, whose done events would fire all the
   // same and hand the caller's stream partial results. Then the communicator is finalized and
-  // destroyed; abort only when that times out or fails.
+  // destroyed; abort only when that times out or fails. After an abort (here or earlier) the
+  // in-flight buffers are still held until NCCL's kernels have ended.
   ~NcclTransport() override {
+    watchdog_.reset();  // joins its thread: nothing else touches comm_ now
+    c10::cuda::CUDAGuard guard(device_);
+    std::lock_guard<std::mutex> lock(comm_mu_);
+    stall_.release();  // a stall not ended by an abort must not outlive the transport
+    bool clean = drain();
     if (comm_) {
-      c10::cuda::CUDAGuard guard(device_);
-      const auto deadline = std::chrono::steady_clock::now() + timeout_;
-      auto before_deadline = [&] {
-        if (std::chrono::steady_clock::now() > deadline) return false;
-        std::this_thread::sleep_for(std::chrono::microseconds(50));
-        return true;
-      };
-      bool clean = true;
-      for (auto& w : inflight_) {
-        while (clean && !w->finished_nothrow()) clean = before_deadline();
-      }
       ncclResult_t state = clean ? ncclCommFinalize(comm_) : ncclInternalError;
+      const auto deadline = std::chrono::steady_clock::now() + timeout_;
       while (clean && state == ncclInProgress) {
         if (ncclCommGetAsyncError(comm_, &state) != ncclSuccess) state = ncclInternalError;
-        if (state == ncclInProgress) clean = before_deadline();
+        if (state != ncclInProgress) break;
+        if (std::chrono::steady_clock::now() > deadline) clean = false;
+        std::this_thread::sleep_for(std::chrono::microseconds(50));
       }
       if (clean && state == ncclSuccess) {
         ncclCommDestroy(comm_);
       } else {
         ncclCommAbort(comm_);
+        drain();
       }
       comm_ = nullptr;
     }
@@ -221,39 +223,96 @@ class NcclTransport : public Transport {
     });
   }
 
+  void group_start() override { grouping_ = true; }
+  void group_end() override {
+    grouping_ = false;
+    if (pending_.empty()) return;
+    std::vector<Pending> group;
+    group.swap(pending_);
+    // one launch on one stream: the whole group is ordered after the caller's copy-ins
+    run_group(rs_stream_, group);
+  }
+
  private:
-  void check(ncclResult_t r, const char* what) {
-    if (r == ncclSuccess || r == ncclInProgress) return;
-    const std::string msg = ncclGetErrorString(r);
+  // Records the failure, ends a debug stall (as the abort ends NCCL's kernels) and aborts.
+  void abort_locked(const std::string& message) {
+    failure_->set(message);
+    stall_.release();
     if (comm_) {
       ncclCommAbort(comm_);
       comm_ = nullptr;
     }
-    TORCH_CHECK(false, "zerofuse.comm (NCCL): ", what, " failed: ", msg);
+  }
+
+  // The watchdog's expiry ([Note: NCCL watchdog]), from its thread.
+  void fail(const std::string& message) {
+    failure_->set(message);  // first: a launch holding comm_mu_ sees it and lets go
+    std::lock_guard<std::mutex> lock(comm_mu_);
+    abort_locked(message);
+  }
+
+  // From the watchdog's thread: never waits for a launch that holds comm_mu_ (it is polled again).
+  std::string async_error() {
+    std::unique_lock<std::mutex> lock(comm_mu_, std::try_to_lock);
+    if (!lock.owns_lock() || !comm_) return "";
+    ncclResult_t state = ncclSuccess;
+    const ncclResult_t r = ncclCommGetAsyncError(comm_, &state);
+    if (r != ncclSuccess) state = r;
+    if (state == ncclSuccess || state == ncclInProgress) return "";
+    return describe(state);
+  }
+
+  std::string describe(ncclResult_t r) const {
+    std::string out = ncclGetErrorString(r);
+    const char* last = comm_ ? ncclGetLastError(comm_) : nullptr;
+    if (last && *last) out += std::string(" (") + last + ")";
+    return out;
+  }
+
+  void check_locked(ncclResult_t r, const std::string& what, const char* call) {
+    if (r == ncclSuccess || r == ncclInProgress) return;
+    const std::string message = what + ": " + call + " failed: " + describe(r) + "; the NCCL communicator was aborted";
+    abort_locked(message);
+    failure_->raise(message);
   }
 
   // Waits (up to the timeout) until the non-blocking communicator has no operation in progress.
-  void settle(const char* what) {
+  void settle_locked(const std::string& what) {
     const auto deadline = std::chrono::steady_clock::now() + timeout_;
     ncclResult_t state = ncclInProgress;
     while (true) {
-      TORCH_CHECK(comm_, "zerofuse.comm (NCCL): the communicator was aborted after an earlier error");
-      check(ncclCommGetAsyncError(comm_, &state), what);
+      if (failure_->failed()) {  // the watchdog's: let it abort at once
+        abort_locked(failure_->message());
+        failure_->check(what);
+      }
+      check_locked(ncclCommGetAsyncError(comm_, &state), what, "ncclCommGetAsyncError");
       if (state != ncclInProgress) break;
       if (std::chrono::steady_clock::now() > deadline) {
-        ncclCommAbort(comm_);
-        comm_ = nullptr;
-        TORCH_CHECK(false, "zerofuse.comm (NCCL): ", what, " did not complete within ", timeout_.count(),
-                    " ms; the communicator was aborted");
+        const std::string message = what + ": NCCL was still enqueueing it after the timeout (" + seconds(timeout_) +
+                                    "); the NCCL communicator was aborted";
+        abort_locked(message);
+        failure_->raise(message);
       }
       std::this_thread::yield();
     }
-    check(state, what);
+    check_locked(state, what, "NCCL");
+  }
+
+  // Waits (up to the timeout) for every in-flight collective's done event; false if one is left.
+  bool drain() {
+    const auto deadline = std::chrono::steady_clock::now() + timeout_;
+    for (auto& w : inflight_) {
+      while (!w->finished_nothrow()) {
+        if (std::chrono::steady_clock::now() > deadline) return false;
+        std::this_thread::sleep_for(std::chrono::microseconds(50));
+      }
+    }
+    return true;
   }
 
   std::shared_ptr<Work> launch(const c10::cuda::CUDAStream& comm_stream, const std::string& what,
                                std::vector<at::Tensor> buffers, Collective collective) {
-    TORCH_CHECK(comm_, "zerofuse.comm (NCCL): the communicator was aborted after an earlier error");
+    failure_->check(what);
     for (const auto& b : buffers) {
       TORCH_CHECK_VALUE(b.is_cuda() && b.device().index() == device_, "zerofuse.comm (NCCL): ", what,
                         ": expected tensors on cuda:", static_cast<int>(device_),
@@ -274,14 +333,21 @@ class NcclTransport : public Transport {
   void run_group(const c10::cuda::CUDAStream& comm_stream, const std::vector<Pending>& group) {
     c10::cuda::CUDAGuard guard(device_);
     while (!inflight_.empty() && inflight_.front()->done()) inflight_.pop_front();
+    std::string what = group[0].what;
+    for (size_t i = 1; i < group.size(); ++i) what += (i + 1 == group.size() ? " and " : ", ") + group[i].what;
+    if (group.size() > 1) what = "the group of " + what;
+    std::lock_guard<std::mutex> lock(comm_mu_);
     try {
+      failure_->check(what);  // also covers comm_ == nullptr: only a failure clears it
       // [Note: stream ordering]
-      cudaEvent_t ready;
-      C10_CUDA_CHECK(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming));
-      C10_CUDA_CHECK(cudaEventRecord(ready, c10::cuda::getCurrentCUDAStream(device_).stream()));
-      C10_CUDA_CHECK(cudaStreamWaitEvent(comm_stream.stream(), ready, 0));
-      C10_CUDA_CHECK(cudaEventDestroy(ready));
-      check(ncclGroupStart(), "ncclGroupStart");
+      CudaEvent ready;
+      C10_CUDA_CHECK(cudaEventRecord(ready.event, c10::cuda::getCurrentCUDAStream(device_).stream()));
+      C10_CUDA_CHECK(cudaStreamWaitEvent(comm_stream.stream(), ready.event, 0));
+      // [Note: NCCL watchdog]
+      auto started = std::make_shared<CudaEvent>();
+      C10_CUDA_CHECK(cudaEventRecord(started->event, comm_stream.stream()));
+      if (stall_.next_launch()) stall_.hold(comm_stream.stream());
+      check_locked(ncclGroupStart(), what, "ncclGroupStart");
       ncclResult_t failed = ncclSuccess;  // the first error, raised once the group is closed
       const char* failed_what = nullptr;
       for (const auto& p : group) {
@@ -292,13 +358,13 @@ class NcclTransport : public Transport {
         }
       }
       const ncclResult_t end = ncclGroupEnd();
-      if (failed != ncclSuccess) check(failed, failed_what);
-      check(end, "ncclGroupEnd");
-      settle(group.size() == 1 ? group[0].what.c_str() : "a group of collectives");
-      auto done = std::make_shared<DoneEvent>();
-      C10_CUDA_CHECK(cudaEventCreateWithFlags(&done->event, cudaEventDisableTiming));
+      if (failed != ncclSuccess) check_locked(failed, failed_what, "its NCCL call");
+      check_locked(end, what, "ncclGroupEnd");
+      settle_locked(what);
+      auto done = std::make_shared<CudaEvent>();
       C10_CUDA_CHECK(cudaEventRecord(done->event, comm_stream.stream()));
       for (const auto& p : group) p.work->set_done(done);
+      watchdog_->watch(std::move(started), std::move(done), what);
     } catch (...) {
       // never launched: out of the in-flight list, whose clean-up would stop at it for good
       for (const auto& p : group) inflight_.erase(std::remove(inflight_.begin(), inflight_.end(), p.work), inflight_.end());
@@ -306,33 +372,26 @@ class NcclTransport : public Transport {
     }
   }
 
- public:
-  void group_start() override { grouping_ = true; }
-  void group_end() override {
-    grouping_ = false;
-    if (pending_.empty()) return;
-    std::vector<Pending> group;
-    group.swap(pending_);
-    // one launch on one stream: the whole group is ordered after the caller's copy-ins
-    run_group(rs_stream_, group);
-  }
-
- private:
   bool grouping_ = false;
   std::vector<Pending> pending_;
   std::chrono::milliseconds timeout_;
   c10::DeviceIndex device_;
+  std::shared_ptr<Failure> failure_;
   c10::cuda::CUDAStream rs_stream_, ag_stream_;
+  std::mutex comm_mu_;  // guards comm_ ([Note: NCCL watchdog])
   ncclComm_t comm_ = nullptr;
   std::deque<std::shared_ptr<NcclWork>> inflight_;
+  DebugStall stall_;
+  std::unique_ptr<NcclWatchdog> watchdog_;  // last: its thread uses the members above
 };
 
 }  // namespace
 
 std::unique_ptr<Transport> make_nccl_transport(const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
                                                const c10::intrusive_ptr<c10d::Store>& store, const std::string& key,
-                                               std::chrono::milliseconds timeout, c10::DeviceIndex device) {
-  return std::make_unique<NcclTransport>(pg, store, key, timeout, device);
+                                               std::chrono::milliseconds timeout, c10::DeviceIndex device,
+                                               std::shared_ptr<Failure> failure) {
+  return std::make_unique<NcclTransport>(pg, store, key, timeout, device, std::move(failure));
 }
 
 }  // namespace zerofuse::comm

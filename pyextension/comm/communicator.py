@@ -9,6 +9,14 @@ orders the current stream after the collective.
 Transports: ``"auto"`` (default: CPU tensors through the c10d ProcessGroup, e.g. gloo; CUDA
 tensors through zerofuse's own NCCL communicator in CUDA builds), ``"process_group"``, ``"nccl"``.
 
+Timeout (default: the group's own, as given to ``init_process_group`` / ``new_group``, else torch's
+default): bounds every blocking wait and, on NCCL, every collective's run on the device (a watchdog
+thread aborts the communicator when one does not complete in time). The first collective that
+fails or times out makes the communicator unusable: that call and every later launch or wait raise
+``torch.distributed.DistBackendError`` naming the failed collective, its sequence number, the group
+and the timeout, on every rank, instead of hanging (csrc/comm/communicator.h, [Note: communicator
+failure]).
+
 Debug checker: with ``ZEROFUSE_CHECK_COLLECTIVES=1`` every rank publishes each call's signature
 (op, shapes, dtypes, sequence number) in the group's store before the collective and compares it
 with every other rank's; a mismatch raises :class:`CollectiveMismatch` on every rank naming the
@@ -57,6 +65,23 @@ def wait_seconds() -> float:
     return _waited[0]
 
 
+def group_timeout(group: dist.ProcessGroup) -> float:
+    """Seconds: the timeout ``group`` was created with (``init_process_group`` / ``new_group``'s
+    ``timeout``, torch's default for its backend otherwise)."""
+    for device in ("cpu", "cuda"):
+        try:
+            return group._get_backend(torch.device(device)).options._timeout.total_seconds()
+        except (RuntimeError, AttributeError):  # no backend for that device, or one without options
+            continue
+    return dist.default_pg_timeout.total_seconds()
+
+
+def _group_label(group: dist.ProcessGroup) -> str:
+    """As the C++ side names a group in messages (csrc/comm/communicator.cpp, group_label)."""
+    desc = getattr(group, "group_desc", "")
+    return f"group {group.group_name}" + (f" ({desc})" if desc and desc != "undefined" else "")
+
+
 class Work:
     """Handle of one collective: ``wait()`` (CPU: blocks, bounded by the communicator's timeout;
     CUDA: the current stream waits) and ``is_completed()``."""
@@ -80,25 +105,31 @@ class Work:
 class _SummedWork:
     """Work of Communicator.reduce_scatter_fp32_sum: wait() finishes the all-to-all and sums."""
 
-    __slots__ = ("_comm", "_w", "_recv", "_flat", "_out", "_gather")
+    __slots__ = ("_comm", "_w", "_recv", "_flat", "_out", "_gather", "_what")
 
-    def __init__(self, comm, work, recv, flat, out, gather):
+    def __init__(self, comm, work, recv, flat, out, gather, what):
         self._comm, self._w, self._recv, self._flat, self._out, self._gather = comm, work, recv, flat, out, gather
+        self._what = what
 
     def wait(self) -> None:
         if self._w is None:
             return
         t0 = time.perf_counter()
+        comm = self._comm
+        timeout = datetime.timedelta(seconds=comm.timeout)
         try:
-            self._w.wait()
-            ws = self._comm.world_size
+            self._w.wait(timeout)
+            ws = comm.world_size
             total = torch.sum(self._recv.view(ws, -1), dim=0, dtype=torch.float32)
             self._recv = None
             if self._out is not None:
                 self._out.copy_(total)
             if self._gather:
                 mine = total.to(self._flat.dtype)
-                dist.all_gather_into_tensor(self._flat, mine, group=self._comm.group)
+                dist.all_gather_into_tensor(self._flat, mine, group=comm.group, async_op=True).wait(timeout)
+        except RuntimeError as e:  # c10d names neither the collective nor the group
+            raise dist.DistBackendError(f"zerofuse.comm: {self._what} failed (timeout {comm.timeout:g} s): "
+                                        f"{e}") from e
         finally:
             self._w = self._flat = self._out = None
             _waited[0] += time.perf_counter() - t0
@@ -126,7 +157,7 @@ class Communicator:
     """Coalesced collectives on ``group`` (None: the default group)."""
 
     def __init__(self, group: dist.ProcessGroup | None = None, *, transport: str = "auto",
-                 timeout: float = 300.0, debug_delay_ms: float | None = None):
+                 timeout: float | None = None, debug_delay_ms: float | None = None):
         if not dist.is_initialized():
             raise RuntimeError("zerofuse.comm.Communicator: torch.distributed is not initialized "
                                "(call torch.distributed.init_process_group first)")
@@ -136,7 +167,8 @@ class Communicator:
         self._uid = _next_uid(name, self.group, self.store, dist.get_rank(self.group))
         if debug_delay_ms is None:
             debug_delay_ms = float(os.environ.get("ZEROFUSE_COMM_DELAY_MS", "0"))
-        self.timeout = float(timeout)
+        self.timeout = group_timeout(self.group) if timeout is None else float(timeout)
+        self._fp32_sums = itertools.count()  # numbers reduce_scatter_fp32_sum calls (c10d: not in the C++ sequence)
         self._c = _C._Communicator(self.group, self.store, transport, f"{self._uid}/nccl_id", self.timeout,
                                    float(debug_delay_ms))
         self.check = os.environ.get("ZEROFUSE_CHECK_COLLECTIVES", "0") == "1"
@@ -205,9 +237,11 @@ class Communicator:
         if out_shard is not None and out_shard.numel() != shard:
             raise ValueError(f"zerofuse.comm.reduce_scatter_fp32_sum: expected out_shard of {shard} elements, got "
                              f"{out_shard.numel()}")
+        what = (f"reduce_scatter_fp32_sum #{next(self._fp32_sums)} on rank {self.rank} of {ws} in "
+                f"{_group_label(self.group)}")
         recv = torch.empty_like(flat)
         work = dist.all_to_all_single(recv, flat, group=self.group, async_op=True)
-        return _SummedWork(self, work, recv, flat if all_gather else None, out_shard, all_gather)
+        return _SummedWork(self, work, recv, flat if all_gather else None, out_shard, all_gather, what)
 
     @property
     def buffer_bytes(self) -> int:
