@@ -6,7 +6,9 @@
 #include <ATen/core/Tensor.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <numeric>
+#include <utility>
 #include <vector>
 
 namespace zerofuse {
@@ -16,8 +18,18 @@ inline bool is_copyable_dtype(at::ScalarType t) {
          !at::isFloat8Type(t) && t != at::kBool;
 }
 
-// Validates the flat buffer, list lengths, devices, dtypes and that each range
-// [offsets[i], offsets[i] + tensors[i].numel()) lies inside flat and no two ranges overlap.
+// The first and last byte that a non-empty tensor's elements span.
+inline std::pair<uintptr_t, uintptr_t> byte_span(const at::Tensor& t) {
+  const auto first = reinterpret_cast<uintptr_t>(t.data_ptr());
+  int64_t last = 0;
+  for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
+  return {first, first + static_cast<uintptr_t>((last + 1) * t.element_size()) - 1};
+}
+
+// Validates the flat buffer, list lengths, devices, dtypes, that each range
+// [offsets[i], offsets[i] + tensors[i].numel()) lies inside flat, that no two ranges overlap, and
+// that no tensor shares memory with flat except as the contiguous view of its own range (ZeRO's
+// params, which the kernels skip): any other overlap would read what this call writes.
 inline void check_flatten_args(at::TensorList tensors,       // n tensors, any shapes
                                const at::Tensor& flat,       // (N,) contiguous
                                at::IntArrayRef offsets,      // (n,) element offsets into flat
@@ -33,9 +45,10 @@ inline void check_flatten_args(at::TensorList tensors,       // n tensors, any s
     check_same_device(t, flat, op, indexed(list_name, i), "flat");
     ZF_CHECK(is_copyable_dtype(t.scalar_type()), op, "expected ", indexed(list_name, i),
              " to have a real, non-bool dtype, got ", t.scalar_type());
-    ZF_CHECK_VALUE(offsets[i] >= 0 && offsets[i] + t.numel() <= n_flat, op, "offsets[", i, "] = ", offsets[i],
-                   " with ", indexed(list_name, i), ".numel() = ", t.numel(),
-                   " runs outside flat of numel ", n_flat);
+    // n_flat - offsets[i] cannot overflow once offsets[i] >= 0; offsets[i] + numel could
+    ZF_CHECK_VALUE(offsets[i] >= 0 && t.numel() <= n_flat - offsets[i], op, "offsets[", i, "] = ", offsets[i],
+                   " with ", indexed(list_name, i), ".numel() = ", t.numel(), " runs outside flat of numel ",
+                   n_flat);
   }
   std::vector<size_t> order(tensors.size());
   std::iota(order.begin(), order.end(), size_t{0});
@@ -51,6 +64,21 @@ inline void check_flatten_args(at::TensorList tensors,       // n tensors, any s
     end = offsets[i] + tensors[i].numel();
     last = i;
     any = true;
+  }
+  if (flat.numel() == 0) return;
+  const auto [flat_first, flat_last] = byte_span(flat);
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const at::Tensor& t = tensors[i];
+    if (t.numel() == 0) continue;
+    const auto [first, last_byte] = byte_span(t);
+    if (last_byte < flat_first || first > flat_last) continue;
+    const auto own = reinterpret_cast<uintptr_t>(flat.data_ptr()) +
+                     static_cast<uintptr_t>(offsets[i]) * static_cast<uintptr_t>(flat.element_size());
+    ZF_CHECK_VALUE(t.is_contiguous() && t.scalar_type() == flat.scalar_type() && first == own, op, "expected ",
+                   indexed(list_name, i), " not to share memory with flat, except as the view of its own range "
+                   "flat[", offsets[i], ":", offsets[i] + t.numel(), "], got a ", t.scalar_type(), " tensor of shape ",
+                   t.sizes(), " with strides ", t.strides(), " at byte ",
+                   static_cast<int64_t>(first - reinterpret_cast<uintptr_t>(flat.data_ptr())), " of flat");
   }
 }
 

@@ -45,19 +45,33 @@ def _dot(a, b, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _query_block(Q, sqb, sqh, sqn, Hq, G, Nq, D, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def _rows(base, first, stride, offs_d, BLOCK: tl.constexpr):
+    """Pointers to the (BLOCK, BLOCK_D) tile of rows first .. first + BLOCK - 1, `stride` apart, of
+    the matrix at base. [Note: 64-bit offsets]: the block's start is 64-bit (it may lie 2^31 or
+    more elements in); offsets inside the tile stay 32-bit, as the launchers keep BLOCK * stride
+    below 2^31."""
+    return base + tl.cast(first, tl.int64) * stride + (tl.arange(0, BLOCK)[:, None] * stride + offs_d[None, :])
+
+
+@triton.jit
+def _heads(X, b, h, sb, sh):
+    """X's (b, h) matrix: batch and head offsets in 64 bits (program ids and strides are int32)."""
+    return X + b.to(tl.int64) * sb + h.to(tl.int64) * sh
+
+
+@triton.jit
+def _query_block(Q, sqb, sqh, sqn, G, Nq, D, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_D: tl.constexpr):
     """This program's (batch, query head, kv head, rows, key offsets, dim offsets, dim mask, row
-    mask) and its block of queries."""
+    mask) and its block of queries. Grid: (query blocks, query heads, batch)."""
     pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // Hq
-    h = bh % Hq
+    h = tl.program_id(1)
+    b = tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < D
     row_mask = (offs_m[:, None] < Nq) & d_mask[None, :]
-    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqn + offs_d[None, :], mask=row_mask, other=0.0)
+    q = tl.load(_rows(_heads(Q, b, h, sqb, sqh), pid_m * BLOCK_M, sqn, offs_d, BLOCK_M), mask=row_mask, other=0.0)
     return b, h, h // G, offs_m, tl.arange(0, BLOCK_N), offs_d, d_mask, row_mask, q
 
 
@@ -67,10 +81,10 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, sqb, sqh, sqn, skb, skh, skn, svb, svh, sv
                      CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                      UPCAST: tl.constexpr):
     pid_m = tl.program_id(0)
-    b, h, hk, offs_m, offs_n, offs_d, d_mask, row_mask, q = _query_block(Q, sqb, sqh, sqn, Hq, G, Nq, D, BLOCK_M,
+    b, h, hk, offs_m, offs_n, offs_d, d_mask, row_mask, q = _query_block(Q, sqb, sqh, sqn, G, Nq, D, BLOCK_M,
                                                                          BLOCK_N, BLOCK_D)
-    k_base = K + b * skb + hk * skh
-    v_base = V + b * svb + hk * svh
+    k_base = _heads(K, b, hk, skb, skh)
+    v_base = _heads(V, b, hk, svb, svh)
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
@@ -80,7 +94,7 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, sqb, sqh, sqn, skb, skh, skn, svb, svh, sv
     for start_n in range(0, hi, BLOCK_N):
         cols = start_n + offs_n
         kv_mask = (cols[:, None] < Nk) & d_mask[None, :]
-        k = tl.load(k_base + cols[:, None] * skn + offs_d[None, :], mask=kv_mask, other=0.0)
+        k = tl.load(_rows(k_base, start_n, skn, offs_d, BLOCK_N), mask=kv_mask, other=0.0)
         s = _dot(q, tl.trans(k), UPCAST) * qk_scale
         keep = cols[None, :] < Nk
         if CAUSAL:
@@ -90,21 +104,24 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, sqb, sqh, sqn, skb, skh, skn, svb, svh, sv
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_base + cols[:, None] * svn + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(_rows(v_base, start_n, svn, offs_d, BLOCK_N), mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST)
         m_i = m_new
     out = acc / l_i[:, None]
-    tl.store(O + b * sob + h * soh + offs_m[:, None] * son + offs_d[None, :], out.to(O.dtype.element_ty),
+    tl.store(_rows(_heads(O, b, h, sob, soh), pid_m * BLOCK_M, son, offs_d, BLOCK_M), out.to(O.dtype.element_ty),
              mask=row_mask)
-    tl.store(LSE + (b * Hq + h) * Nq + offs_m, (m_i + tl.log2(l_i)) * 0.6931471805599453, mask=offs_m < Nq)
+    tl.store(LSE + (b.to(tl.int64) * Hq + h) * Nq + offs_m, (m_i + tl.log2(l_i)) * 0.6931471805599453,
+             mask=offs_m < Nq)
 
 
 @triton.jit
 def _attn_delta_kernel(O, DO, DELTA, sob, soh, son, sdb, sdh, sdn, Hq, Nq, D,
                        BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
-    b, h, _, offs_m, _, offs_d, _, mask, o = _query_block(O, sob, soh, son, Hq, 1, Nq, D, BLOCK_M, BLOCK_M, BLOCK_D)
-    do = tl.load(DO + b * sdb + h * sdh + offs_m[:, None] * sdn + offs_d[None, :], mask=mask, other=0.0)
-    tl.store(DELTA + (b * Hq + h) * Nq + offs_m, tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1), mask=offs_m < Nq)
+    b, h, _, offs_m, _, offs_d, _, mask, o = _query_block(O, sob, soh, son, 1, Nq, D, BLOCK_M, BLOCK_M, BLOCK_D)
+    do = tl.load(_rows(_heads(DO, b, h, sdb, sdh), tl.program_id(0) * BLOCK_M, sdn, offs_d, BLOCK_M), mask=mask,
+                 other=0.0)
+    tl.store(DELTA + (b.to(tl.int64) * Hq + h) * Nq + offs_m, tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1),
+             mask=offs_m < Nq)
 
 
 @triton.jit
@@ -114,16 +131,15 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
                           CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_D: tl.constexpr, UPCAST: tl.constexpr):
     pid_n = tl.program_id(0)
-    bh = tl.program_id(1)  # over B * Hkv
-    b = bh // Hkv
-    hk = bh % Hkv
+    hk = tl.program_id(1)
+    b = tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < D
     kv_mask = (offs_n[:, None] < Nk) & d_mask[None, :]
-    k = tl.load(K + b * skb + hk * skh + offs_n[:, None] * skn + offs_d[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(V + b * svb + hk * svh + offs_n[:, None] * svn + offs_d[None, :], mask=kv_mask, other=0.0)
+    k = tl.load(_rows(_heads(K, b, hk, skb, skh), pid_n * BLOCK_N, skn, offs_d, BLOCK_N), mask=kv_mask, other=0.0)
+    v = tl.load(_rows(_heads(V, b, hk, svb, svh), pid_n * BLOCK_N, svn, offs_d, BLOCK_N), mask=kv_mask, other=0.0)
     dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
     lo = 0
@@ -131,15 +147,16 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
         lo = (pid_n * BLOCK_N // BLOCK_M) * BLOCK_M  # rows before the block's first key see none of it
     for g in range(0, G):
         h = hk * G + g
-        q_base = Q + b * sqb + h * sqh
-        do_base = DO + b * sdb + h * sdh
+        q_base = _heads(Q, b, h, sqb, sqh)
+        do_base = _heads(DO, b, h, sdb, sdh)
+        stat_base = (b.to(tl.int64) * Hq + h) * Nq
         for start_m in range(lo, Nq, BLOCK_M):
             rows = start_m + offs_m
             row_mask = (rows[:, None] < Nq) & d_mask[None, :]
-            q = tl.load(q_base + rows[:, None] * sqn + offs_d[None, :], mask=row_mask, other=0.0)
-            do = tl.load(do_base + rows[:, None] * sdn + offs_d[None, :], mask=row_mask, other=0.0)
-            lse = tl.load(LSE + (b * Hq + h) * Nq + rows, mask=rows < Nq, other=0.0)
-            delta = tl.load(DELTA + (b * Hq + h) * Nq + rows, mask=rows < Nq, other=0.0)
+            q = tl.load(_rows(q_base, start_m, sqn, offs_d, BLOCK_M), mask=row_mask, other=0.0)
+            do = tl.load(_rows(do_base, start_m, sdn, offs_d, BLOCK_M), mask=row_mask, other=0.0)
+            lse = tl.load(LSE + stat_base + rows, mask=rows < Nq, other=0.0)
+            delta = tl.load(DELTA + stat_base + rows, mask=rows < Nq, other=0.0)
             # scores transposed: (BLOCK_N keys, BLOCK_M rows)
             st = _dot(k, tl.trans(q), UPCAST) * scale
             keep = (offs_n[:, None] < Nk) & (rows[None, :] < Nq)
@@ -151,9 +168,11 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
             dst = pt * (dpt - delta[None, :])
             dk += _dot(dst.to(q.dtype), q, UPCAST)
     out_mask = (offs_n[:, None] < Nk) & d_mask[None, :]
-    out_off = bh * Nk * D + offs_n[:, None] * D + offs_d[None, :]
-    tl.store(DK + out_off, (dk * scale).to(DK.dtype.element_ty), mask=out_mask)
-    tl.store(DV + out_off, dv.to(DV.dtype.element_ty), mask=out_mask)
+    # dk and dv are contiguous (B, Hkv, Nk, D)
+    out_off = (b.to(tl.int64) * Hkv + hk) * Nk * D
+    tl.store(_rows(DK + out_off, pid_n * BLOCK_N, D, offs_d, BLOCK_N), (dk * scale).to(DK.dtype.element_ty),
+             mask=out_mask)
+    tl.store(_rows(DV + out_off, pid_n * BLOCK_N, D, offs_d, BLOCK_N), dv.to(DV.dtype.element_ty), mask=out_mask)
 
 
 @triton.jit
@@ -163,23 +182,23 @@ def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
                         CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_D: tl.constexpr, UPCAST: tl.constexpr):
     pid_m = tl.program_id(0)
-    b, h, hk, offs_m, offs_n, offs_d, d_mask, row_mask, q = _query_block(Q, sqb, sqh, sqn, Hq, G, Nq, D, BLOCK_M,
+    b, h, hk, offs_m, offs_n, offs_d, d_mask, row_mask, q = _query_block(Q, sqb, sqh, sqn, G, Nq, D, BLOCK_M,
                                                                          BLOCK_N, BLOCK_D)
-    bh = b * Hq + h
-    do = tl.load(DO + b * sdb + h * sdh + offs_m[:, None] * sdn + offs_d[None, :], mask=row_mask, other=0.0)
+    bh = b.to(tl.int64) * Hq + h
+    do = tl.load(_rows(_heads(DO, b, h, sdb, sdh), pid_m * BLOCK_M, sdn, offs_d, BLOCK_M), mask=row_mask, other=0.0)
     lse = tl.load(LSE + bh * Nq + offs_m, mask=offs_m < Nq, other=0.0)
     delta = tl.load(DELTA + bh * Nq + offs_m, mask=offs_m < Nq, other=0.0)
     dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     hi = Nk
     if CAUSAL:
         hi = tl.minimum(Nk, (pid_m + 1) * BLOCK_M)
-    k_base = K + b * skb + hk * skh
-    v_base = V + b * svb + hk * svh
+    k_base = _heads(K, b, hk, skb, skh)
+    v_base = _heads(V, b, hk, svb, svh)
     for start_n in range(0, hi, BLOCK_N):
         cols = start_n + offs_n
         kv_mask = (cols[:, None] < Nk) & d_mask[None, :]
-        k = tl.load(k_base + cols[:, None] * skn + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_base + cols[:, None] * svn + offs_d[None, :], mask=kv_mask, other=0.0)
+        k = tl.load(_rows(k_base, start_n, skn, offs_d, BLOCK_N), mask=kv_mask, other=0.0)
+        v = tl.load(_rows(v_base, start_n, svn, offs_d, BLOCK_N), mask=kv_mask, other=0.0)
         s = _dot(q, tl.trans(k), UPCAST) * scale
         keep = (cols[None, :] < Nk) & (offs_m[:, None] < Nq)
         if CAUSAL:
@@ -188,7 +207,7 @@ def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
         dp = _dot(do, tl.trans(v), UPCAST)
         ds = p * (dp - delta[:, None])
         dq += _dot(ds.to(k.dtype), k, UPCAST)
-    tl.store(DQ + bh * Nq * D + offs_m[:, None] * D + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty),
+    tl.store(_rows(DQ + bh * Nq * D, pid_m * BLOCK_M, D, offs_d, BLOCK_M), (dq * scale).to(DQ.dtype.element_ty),
              mask=row_mask)
 
 
@@ -253,14 +272,36 @@ def _check(q, k, v):
         raise ValueError("zerofuse attention: expected the last dimension of query, key and value to be contiguous")
 
 
+# [Note: 64-bit offsets] Tensors may hold 2^31 elements or more while Triton's program ids and int
+# strides are int32, and int32 products wrap. The kernels compute the batch and head offsets and
+# each block's first row offset in 64 bits (_heads, _rows), and offsets within a tile (at most
+# 128 rows times the row stride, plus the head dim) in 32 bits, which the launchers guarantee by
+# copying a tensor whose row stride is larger than this (only an exotic view has one).
+_MAX_ROW_STRIDE = (2**31 - 1 - 256) // 128
+# CUDA's limit on the grid's second and third dimensions (heads, batch)
+_MAX_GRID_YZ = 65535
+
+
+def _tileable(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous() if t.shape[-2] > 1 and t.stride(-2) > _MAX_ROW_STRIDE else t
+
+
+def _check_grid(b: int, hq: int) -> None:
+    if b > _MAX_GRID_YZ or hq > _MAX_GRID_YZ:
+        raise ValueError(f"zerofuse attention: expected at most {_MAX_GRID_YZ} batches and heads (the kernels' grid), "
+                         f"got B={b}, H={hq}")
+
+
 def attention_fwd(q, k, v, causal: bool, scale: float):
     """(out (B, Hq, Nq, D) like q, lse (B, Hq, Nq) fp32 natural log-sum-exp of the scaled scores)."""
     _check(q, k, v)
+    q, k, v = _tileable(q), _tileable(k), _tileable(v)
     b, hq, nq, d = q.shape
+    _check_grid(b, hq)
     hkv, nk = k.shape[1], k.shape[2]
     out = torch.empty((b, hq, nq, d), device=q.device, dtype=q.dtype)
     lse = torch.empty((b, hq, nq), device=q.device, dtype=torch.float32)
-    _launch(_attn_fwd_kernel, _attn_fwd_tuned, lambda meta: (cdiv(nq, meta["BLOCK_M"]), b * hq),
+    _launch(_attn_fwd_kernel, _attn_fwd_tuned, lambda meta: (cdiv(nq, meta["BLOCK_M"]), hq, b),
             q, k, v, out, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
             hq, hq // hkv, nq, nk, d, scale * LOG2E, CAUSAL=causal, BLOCK_D=_block_d(d))
     return out, lse
@@ -269,21 +310,24 @@ def attention_fwd(q, k, v, causal: bool, scale: float):
 def attention_bwd(dout, q, k, v, out, lse, causal: bool, scale: float):
     """(dq, dk, dv) in the inputs' dtypes."""
     b, hq, nq, d = q.shape
+    _check_grid(b, hq)
     hkv, nk = k.shape[1], k.shape[2]
-    dout = dout if dout.stride(-1) == 1 else dout.contiguous()
+    dout = _tileable(dout if dout.stride(-1) == 1 else dout.contiguous())
+    q, k, v, out = _tileable(q), _tileable(k), _tileable(v), _tileable(out)
     bd = _block_d(d)
-    delta = torch.empty_like(lse)
-    _attn_delta_kernel[(cdiv(nq, 64), b * hq)](
+    delta = torch.empty((b, hq, nq), device=q.device, dtype=torch.float32)
+    lse = lse.contiguous()
+    _attn_delta_kernel[(cdiv(nq, 64), hq, b)](
         out, dout, delta, *out.stride()[:3], *dout.stride()[:3], hq, nq, d, BLOCK_M=64, BLOCK_D=bd,
     )
     dq = torch.empty((b, hq, nq, d), device=q.device, dtype=q.dtype)
     dk = torch.empty((b, hkv, nk, d), device=k.device, dtype=k.dtype)
     dv = torch.empty((b, hkv, nk, d), device=v.device, dtype=v.dtype)
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3])
-    _launch(_attn_bwd_dkdv_kernel, _attn_bwd_dkdv_tuned, lambda meta: (cdiv(nk, meta["BLOCK_N"]), b * hkv),
+    _launch(_attn_bwd_dkdv_kernel, _attn_bwd_dkdv_tuned, lambda meta: (cdiv(nk, meta["BLOCK_N"]), hkv, b),
             q, k, v, dout, lse, delta, dk, dv, *strides, hq, hkv, hq // hkv, nq, nk, d, scale,
             CAUSAL=causal, BLOCK_D=bd)
-    _launch(_attn_bwd_dq_kernel, _attn_bwd_dq_tuned, lambda meta: (cdiv(nq, meta["BLOCK_M"]), b * hq),
+    _launch(_attn_bwd_dq_kernel, _attn_bwd_dq_tuned, lambda meta: (cdiv(nq, meta["BLOCK_M"]), hq, b),
             q, k, v, dout, lse, delta, dq, *strides, hq, hq // hkv, nq, nk, d, scale,
             CAUSAL=causal, BLOCK_D=bd)
     return dq, dk, dv

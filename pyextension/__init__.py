@@ -1,8 +1,9 @@
 """zerofuse: fused kernels, fused bucketed collectives and ZeRO/TP wrappers for PyTorch training.
 
 Import order matters: zerofuse.kernels decides interpreter mode (ZEROFUSE_TRITON_ON_CPU) before any
-Triton kernel is defined, then the C++ extension registers its ops, then the Python ops register
-their fake impls on top.
+Triton kernel is defined (and switches triton's own library functions if triton was imported
+first), then the C++ extension registers its ops, then the Python ops register their fake impls
+on top.
 """
 import torch  # noqa: F401  (libtorch must be loaded before zerofuse._C)
 

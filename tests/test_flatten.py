@@ -130,6 +130,11 @@ ERROR_CASES = [
     ([(4,), (4,)], 10, [0, 3], ValueError, r"ranges of tensors\[0\] \[0, 4\) and tensors\[1\] \[3, 7\) overlap"),
     ([(4,), (6,)], 10, [0, 5], ValueError, r"offsets\[1\] = 5 with tensors\[1\]\.numel\(\) = 6 runs outside flat of numel 10"),
     ([(4,)], 10, [-1], ValueError, r"offsets\[0\] = -1"),
+    # offsets[i] + numel wraps to a negative number in int64: it once passed the check and wrote
+    # far outside flat
+    ([(4,)], 10, [2**63 - 2], ValueError, r"offsets\[0\] = 9223372036854775806 with tensors\[0\]\.numel\(\) = 4 runs outside flat of numel 10"),
+    ([(2,), (4,)], 10, [0, 2**63 - 1], ValueError, r"offsets\[1\] = 9223372036854775807 with tensors\[1\]\.numel\(\) = 4 runs outside"),
+    ([(4,)], 10, [-(2**63)], ValueError, r"offsets\[0\] = -9223372036854775808 with"),
     ([(4,), (2,)], 10, [0], ValueError, r"expected len\(offsets\) == len\(tensors\) == 2, got len\(offsets\) == 1"),
 ]
 
@@ -147,6 +152,57 @@ def test_bad_layout_raises_before_writing(shapes, n, offsets, exc, msg, op):
             zerofuse.unflatten_from(flat, ts, offsets)
     assert (flat == SENTINEL).all()
     assert all(torch.equal(t, b) for t, b in zip(ts, before))
+
+
+def _aliasing_cases():
+    """(flat, tensors, offsets, message) where a tensor shares memory with flat other than as the
+    view of its own range: copying it would read what the same call writes."""
+    msg = r"expected tensors\[{}\] not to share memory with flat, except as the view of its own range flat\[{}\], got a {} of flat"
+    flat = torch.arange(12.0)
+    yield flat, [flat[2:6]], [0], msg.format(0, "0:4", r"Float tensor of shape \[4\] with strides \[1\] at byte 8")
+    flat = torch.arange(12.0)
+    yield (flat, [torch.ones(2), flat[0:6].view(2, 3).t()], [8, 0],
+           msg.format(1, "0:6", r"Float tensor of shape \[3, 2\] with strides \[1, 3\] at byte 0"))
+    flat = torch.arange(12.0)
+    yield flat, [flat[4:8].view(torch.int32)], [4], msg.format(0, "4:8", r"Int tensor of shape \[4\] with strides \[1\] at byte 16")
+    base = torch.arange(20.0)
+    yield base[4:12], [base[0:6]], [0], msg.format(0, "0:6", r"Float tensor of shape \[6\] with strides \[1\] at byte -16")
+
+
+@pytest.mark.parametrize("case", range(4))
+@pytest.mark.parametrize("op", ["flatten_into", "unflatten_from"])
+def test_tensors_sharing_memory_with_flat_are_refused_before_writing(case, op):
+    """Before this check, unflatten_from(flat, [flat[2:6]], [0]) memcpy'd flat[0:4] onto flat[2:6]:
+    overlapping buffers, an undefined result."""
+    flat, tensors, offsets, msg = list(_aliasing_cases())[case]
+    before = flat.clone()
+    with pytest.raises(ValueError, match=f"zerofuse::{op}: {msg}"):
+        if op == "flatten_into":
+            zerofuse.flatten_into(tensors, flat, offsets)
+        else:
+            zerofuse.unflatten_from(flat, tensors, offsets)
+    assert torch.equal(flat, before)
+
+
+def test_tensors_in_flats_storage_outside_flat_may_be_copied():
+    """Sharing a storage is not sharing memory: a buffer's other part is an ordinary source."""
+    base = torch.arange(30.0)
+    flat, src = base[0:10], base[20:24]
+    zerofuse.flatten_into([src], flat, [3])
+    assert torch.equal(flat[3:7], torch.arange(20.0, 24.0))
+    zerofuse.unflatten_from(flat, [src], [5])
+    assert torch.equal(base[20:24], torch.tensor([22.0, 23.0, 7.0, 8.0]))
+
+
+def test_fake_impl_refuses_tensors_sharing_memory_with_flat():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        for flat, tensors, offsets, msg in _aliasing_cases():  # built as fake tensors
+            with pytest.raises(ValueError, match=f"zerofuse::unflatten_from: {msg}"):
+                torch.ops.zerofuse.unflatten_from(flat, tensors, offsets)
+        flat = torch.empty(12)
+        torch.ops.zerofuse.flatten_into([flat[0:4], torch.empty(3)], flat, [0, 6])
 
 
 @pytest.mark.parametrize(

@@ -131,6 +131,14 @@ def test_rows_wider_than_the_kernel_fall_back_correctly(norm):
     _check(norm, (2, 65537), (65537,), torch.float32, "cpu")
 
 
+@pytest.mark.parametrize("hidden", [16384, 65536])
+@pytest.mark.parametrize("norm", ["layer", "rms"])
+def test_wide_fp32_rows_on_the_cpp_path(norm, hidden, cpu_kernels):
+    """Row statistics and the backward's row sums add `hidden` terms: in fp32 lanes they drifted
+    past the fp32 tolerance at 65537 on AVX2 (csrc/cpu/norms.cpp sums in double since)."""
+    _check(norm, (2, hidden), (hidden,), torch.float32, "cpu", residual=True)
+
+
 @pytest.mark.parametrize("norm", ["layer", "rms"])
 def test_multi_dim_normalized_shape_and_eps(norm, path):
     _check(norm, (4, 5, 6, 7), (6, 7), torch.float32, "cpu", eps=0.3, residual=True)

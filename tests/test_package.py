@@ -74,6 +74,58 @@ def test_triton_on_cpu_sets_interpreter_before_kernels_are_defined():
     assert r.stdout.split() == ["True", "True", "ran"]
 
 
+TRITON_FIRST_PROGRAM = """
+    import triton, triton.language as tl  # before zerofuse: tl.sum, tl.max, ... decorated for a GPU
+    import torch, zerofuse
+    import zerofuse.nn.functional as ZF
+    from zerofuse import kernels, reference
+
+    @triton.jit
+    def row_max(x_ptr, out_ptr, BLOCK: tl.constexpr):
+        x = tl.load(x_ptr + tl.arange(0, BLOCK))
+        tl.store(out_ptr, x.max(axis=0) + tl.cdiv(BLOCK, 2))  # a tensor method and a tl.standard function
+
+    print(kernels.interpreted(), kernels.triton_on_cpu())
+    x, w = torch.randn(3, 7, 123, dtype=torch.float64), torch.randn(123, dtype=torch.float64)
+    y = ZF.layer_norm(x.float(), (123,), w.float())
+    err = (y.double() - reference.layer_norm(x.float().double(), (123,), w.float().double())[0]).abs().max().item()
+    assert err < 1e-5, err
+    out = torch.zeros(1)
+    row_max[(1,)](torch.arange(64.0), out, BLOCK=64)
+    assert out.item() == 63 + 32, out
+    print("ran")
+"""
+
+
+def test_triton_imported_before_zerofuse_still_runs_kernels_in_the_interpreter():
+    """triton decorates its own library functions when imported: imported before zerofuse set
+    TRITON_INTERPRET, they were compiled-mode functions and the first norm kernel died with
+    "Cannot call @triton.jit'd outside of the scope of a kernel"."""
+    r = _run(TRITON_FIRST_PROGRAM, ZEROFUSE_TRITON_ON_CPU="1")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["True", "True", "ran"]
+
+
+def test_triton_imported_first_fails_at_import_with_what_to_set_when_it_cannot_be_switched():
+    """Should a triton release change the internals the switch uses, `import zerofuse` says what to
+    set instead of the first kernel failing."""
+    code = """
+        import triton.runtime.interpreter as interpreter
+
+        class Changed:
+            def __init__(self, *args, **kwargs):
+                raise TypeError("unexpected arguments")
+
+        interpreter.InterpretedFunction = Changed
+        import zerofuse
+    """
+    r = _run(code, ZEROFUSE_TRITON_ON_CPU="1")
+    assert r.returncode != 0
+    assert ("ImportError: ZEROFUSE_TRITON_ON_CPU=1: triton was imported before zerofuse without TRITON_INTERPRET=1, "
+            "and its library functions could not be switched to the interpreter (TypeError: unexpected arguments); "
+            "set TRITON_INTERPRET=1 in the environment as well, or import zerofuse before triton") in r.stderr
+
+
 def test_without_the_flag_triton_stays_native():
     r = _run("import zerofuse; from zerofuse import kernels; print(kernels.interpreted(), kernels.triton_on_cpu())")
     assert r.returncode == 0, r.stderr

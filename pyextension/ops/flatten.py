@@ -15,6 +15,31 @@ from zerofuse import reference
 from zerofuse.ops import register
 
 
+# c10's ScalarType names (what the C++ messages print) where they are not torch's name capitalised
+_C10_NAMES = {torch.float32: "Float", torch.float64: "Double", torch.float16: "Half", torch.bfloat16: "BFloat16",
+              torch.uint8: "Byte", torch.int8: "Char", torch.int16: "Short", torch.int32: "Int", torch.int64: "Long",
+              torch.complex32: "ComplexHalf", torch.complex64: "ComplexFloat", torch.complex128: "ComplexDouble",
+              torch.qint8: "QInt8", torch.quint8: "QUInt8", torch.qint32: "QInt32", torch.quint4x2: "QUInt4x2",
+              torch.quint2x4: "QUInt2x4"}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    name = str(dtype).removeprefix("torch.")
+    return _C10_NAMES.get(dtype, name[:1].upper() + name[1:])
+
+
+def _copyable(dtype: torch.dtype) -> bool:
+    """csrc/flatten.h's is_copyable_dtype: real and not bool, float8, quantized or bits."""
+    name = str(dtype).removeprefix("torch.")
+    return not (dtype.is_complex or dtype == torch.bool or name.startswith(("float8", "q", "bits")))
+
+
+def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """First and last byte of a non-empty tensor's elements, counted from its storage's start."""
+    first = t.storage_offset() * t.element_size()
+    return first, first + (sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1) * t.element_size() - 1
+
+
 def _check(tensors: Sequence[torch.Tensor], flat: torch.Tensor, offsets: Sequence[int], op: str) -> None:
     """The checks of csrc/flatten.h, for fake tensors (same messages, same exception types)."""
     pre = f"zerofuse::{op}: "
@@ -22,6 +47,8 @@ def _check(tensors: Sequence[torch.Tensor], flat: torch.Tensor, offsets: Sequenc
         raise RuntimeError(
             f"{pre}expected flat to be a 1-D contiguous tensor, got shape {list(flat.shape)} with strides {list(flat.stride())}"
         )
+    if not _copyable(flat.dtype):
+        raise RuntimeError(f"{pre}expected flat to have a real, non-bool dtype, got {_dtype_name(flat.dtype)}")
     if len(tensors) != len(offsets):
         raise ValueError(
             f"{pre}expected len(offsets) == len(tensors) == {len(tensors)}, got len(offsets) == {len(offsets)}"
@@ -30,6 +57,8 @@ def _check(tensors: Sequence[torch.Tensor], flat: torch.Tensor, offsets: Sequenc
     for i, (t, off) in enumerate(zip(tensors, offsets)):
         if t.device != flat.device:
             raise RuntimeError(f"{pre}expected tensors[{i}] on the device of flat ({flat.device}), got {t.device}")
+        if not _copyable(t.dtype):
+            raise RuntimeError(f"{pre}expected tensors[{i}] to have a real, non-bool dtype, got {_dtype_name(t.dtype)}")
         if off < 0 or off + t.numel() > n_flat:
             raise ValueError(
                 f"{pre}offsets[{i}] = {off} with tensors[{i}].numel() = {t.numel()} runs outside flat of numel {n_flat}"
@@ -38,6 +67,21 @@ def _check(tensors: Sequence[torch.Tensor], flat: torch.Tensor, offsets: Sequenc
     for (b0, e0, i0), (b1, e1, i1) in zip(ranges, ranges[1:]):
         if b1 < e0:
             raise ValueError(f"{pre}ranges of tensors[{i0}] [{b0}, {e0}) and tensors[{i1}] [{b1}, {e1}) overlap in flat")
+    if n_flat == 0:
+        return
+    flat_first, flat_last = _byte_span(flat)
+    for i, (t, off) in enumerate(zip(tensors, offsets)):
+        if t.numel() == 0 or not torch._C._is_alias_of(t, flat):
+            continue
+        first, last = _byte_span(t)
+        if last < flat_first or first > flat_last:
+            continue
+        if not (t.is_contiguous() and t.dtype == flat.dtype and first == flat_first + off * flat.element_size()):
+            raise ValueError(
+                f"{pre}expected tensors[{i}] not to share memory with flat, except as the view of its own range "
+                f"flat[{off}:{off + t.numel()}], got a {_dtype_name(t.dtype)} tensor of shape {list(t.shape)} with "
+                f"strides {list(t.stride())} at byte {first - flat_first} of flat"
+            )
 
 
 @torch.library.register_fake("zerofuse::flatten_into")
@@ -55,7 +99,8 @@ def flatten_into(tensors: Sequence[torch.Tensor], flat: torch.Tensor, offsets: S
 
     Values are cast to ``flat.dtype`` (e.g. bf16 gradients into an fp32 bucket). ``flat`` must be
     1-D and contiguous, every tensor on its device, and the ranges inside ``flat`` and disjoint;
-    the gaps between ranges (padding) are left untouched. One parallel pass on CPU, one kernel
+    the gaps between ranges (padding) are left untouched. A tensor may share memory with ``flat``
+    only as the contiguous view of its own range (then it is already in place). One parallel pass on CPU, one kernel
     launch on CUDA for contiguous fp32/fp16/bf16/fp64 tensors.
     """
     torch.ops.zerofuse.flatten_into(list(tensors), flat, [int(o) for o in offsets])
