@@ -86,15 +86,16 @@ def reference_run(steps, precision="fp32", kind="adamw", param_groups=None, micr
 
 def reference_pair(steps, micro, **kw):
     """reference_run of the whole batch, and the params of the same run with the batch split into
-    ``micro`` micro-batches (how the ranks split it): the reordering assert_close_params allows."""
+    ``micro`` micro-batches (how the ranks split it) and 2, 3 and 4 ways (how ranks of the other
+    world sizes split it): the reorderings assert_close_params allows."""
     ref = reference_run(steps, **kw)
-    alt = reference_run(steps, **{**kw, "micro": micro})[2]
-    return (*ref, alt)
+    alts = [reference_run(steps, **{**kw, "micro": m})[2] for m in sorted({micro, 2, 3, 4})]
+    return (*ref, alts)
 
 
-def assert_close_params(got: dict, ref: dict, alt: dict, what="") -> None:
+def assert_close_params(got: dict, ref: dict, alts: list[dict], what="") -> None:
     for name, want in ref.items():
-        assert_close_training(got[name], want, alt[name], msg=f"{what} {name}")
+        assert_close_training(got[name], want, [alt[name] for alt in alts], msg=f"{what} {name}")
 
 
 # ---------------------------------------------------------------------------- ranks
@@ -365,7 +366,7 @@ def test_param_groups_and_lr_scheduler():
     lrs, ref_params = reference(1)
     got_lrs, params = run_distributed(_groups_rank, 2, steps, timeout=240)[0]
     assert got_lrs == lrs
-    assert_close_params(params, ref_params, reference(2)[1])
+    assert_close_params(params, ref_params, [reference(m)[1] for m in (2, 3, 4)])
 
 
 def _fp16_rank(rank, ws, stage):

@@ -5,6 +5,8 @@ ops with longer reductions add an entry keyed by (op name, dtype) instead of loo
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 TOLERANCES: dict = {
@@ -37,21 +39,26 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, *, op: str | None
 TOLERANCES[("training_params", torch.float32)] = dict(atol=1e-5, rtol=1e-4)
 
 
-def assert_close_training(actual: torch.Tensor, expected: torch.Tensor, alternative: torch.Tensor, *,
-                          msg: str = "") -> None:
+def assert_close_training(actual: torch.Tensor, expected: torch.Tensor,
+                          alternative: torch.Tensor | Sequence[torch.Tensor], *, msg: str = "") -> None:
     """The training-parity rule: params after training agree with the reference's within the
     table's tolerance plus twice, elementwise, how far an equally valid computation of the same
     reference lands from it (``alternative``: e.g. the same batch as micro-batches, which is how the
     ranks split it). Adam divides by sqrt(v) + eps, so an element whose gradient is near zero moves
     by up to lr on a rounding difference in any correct implementation; the allowance is measured
-    on the reference itself, not chosen."""
+    on the reference itself, not chosen. Several alternatives (e.g. the batch split 2, 3 and 4 ways): the
+    allowance is the largest of their distances, elementwise: one split can land next to the
+    reference by chance at an element where another lands 10x further (measured: the same weight
+    of the same 3-step AdamW run moved 2.3e-6 from the reference split 6 ways, 2.3e-5 split 2 ways)."""
     kw = tol(actual.dtype, "training_params")
-    expected, alternative = expected.to(actual.dtype), alternative.to(actual.dtype)
-    bound = kw["atol"] + kw["rtol"] * expected.abs() + 2 * (alternative - expected).abs()
+    expected = expected.to(actual.dtype)
+    alternatives = [alternative] if isinstance(alternative, torch.Tensor) else list(alternative)
+    spread = torch.stack([(a.to(actual.dtype) - expected).abs() for a in alternatives]).amax(dim=0)
+    bound = kw["atol"] + kw["rtol"] * expected.abs() + 2 * spread
     err = (actual - expected).abs()
     bad = ~(err <= bound)
     if bool(bad.any()):
         i = int(torch.argmax(torch.where(bad, err - bound, torch.zeros_like(err)).reshape(-1)))
         raise AssertionError(f"{msg}: {int(bad.sum())} of {actual.numel()} elements beyond the training-parity bound; "
                              f"worst at flat index {i}: |actual - expected| = {err.reshape(-1)[i]:.3g}, bound "
-                             f"{bound.reshape(-1)[i]:.3g} (reference reordering {(alternative - expected).abs().reshape(-1)[i]:.3g})")
+                             f"{bound.reshape(-1)[i]:.3g} (reference reordering {spread.reshape(-1)[i]:.3g})")
