@@ -168,7 +168,8 @@ def validate(args) -> None:
     _check(args.timeout > 0 and math.isfinite(args.timeout), f"--timeout: expected seconds > 0, got {args.timeout}")
     for flag in ("lr", "min_lr", "weight_decay", "clip"):  # inf passes the range checks; the run would be NaN
         value = getattr(args, flag)
-        _check(value is None or math.isfinite(value), f"--{flag.replace('_', '-')}: expected a finite number, got {value}")
+        _check(value is None or math.isfinite(value),
+               f"--{flag.replace('_', '-')}: expected a finite number, got {value}")
     _validate_optimizer(args)
     _validate_model(args)
     _validate_data(args)

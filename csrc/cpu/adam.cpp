@@ -88,6 +88,8 @@ void adam_cpu(at::TensorList params,       // n tensors (any shape), fp32/bf16/f
   const char* op = "adam_";
   check_param_lists(op, params, {{grads, "grads"}}, {{exp_avgs, "exp_avgs"}, {exp_avg_sqs, "exp_avg_sqs"}},
                     masters, &steps);
+  check_no_overlap(op,
+                   {{params, "params"}, {exp_avgs, "exp_avgs"}, {exp_avg_sqs, "exp_avg_sqs"}, {masters, "masters"}});
   const double mult = scalar_arg(grad_mult, op, "grad_mult", 1.0);
   if (skip_step(found_inf, op)) return;
   const AdamArgs args{lr, beta1, beta2, eps, weight_decay, decoupled, maximize, static_cast<float>(mult)};

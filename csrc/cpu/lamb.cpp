@@ -182,6 +182,8 @@ void lamb_stage1_cpu(at::TensorList params,       // n tensors, fp32/bf16/fp16 (
   check_param_lists(op, params, {{grads, "grads"}}, {{exp_avgs, "exp_avgs"}, {exp_avg_sqs, "exp_avg_sqs"}},
                     masters, &steps);
   check_norms(norms, params.size(), op);
+  check_no_overlap(op,
+                   {{params, "params"}, {exp_avgs, "exp_avgs"}, {exp_avg_sqs, "exp_avg_sqs"}, {masters, "masters"}});
   const double mult = scalar_arg(grad_mult, op, "grad_mult", 1.0);
   if (skip_step(found_inf, op)) return;
   const auto consts =
@@ -205,6 +207,8 @@ void lamb_stage2_cpu(at::TensorList params,       // n tensors, fp32/bf16/fp16, 
   check_param_lists(op, params, {}, {{exp_avgs, "exp_avgs"}, {exp_avg_sqs, "exp_avg_sqs"}}, masters, &steps);
   check_norms(norms, params.size(), op);
   check_trust_mode(trust_mode, op);
+  check_no_overlap(op,
+                   {{params, "params"}, {exp_avgs, "exp_avgs"}, {exp_avg_sqs, "exp_avg_sqs"}, {masters, "masters"}});
   if (skip_step(found_inf, op)) return;
   const auto consts = consts_for_steps(read_steps(steps), beta1, beta2, eps, weight_decay, bias_correction, 1.0);
   stage2(params, exp_avgs, exp_avg_sqs, masters, consts.data(), norms.data_ptr<float>(),
@@ -251,6 +255,8 @@ void lamb_cpu(at::TensorList params, at::TensorList grads, at::TensorList exp_av
   check_param_lists(op, params, {{grads, "grads"}}, {{exp_avgs, "exp_avgs"}, {exp_avg_sqs, "exp_avg_sqs"}},
                     masters, &steps);
   check_trust_mode(trust_mode, op);
+  check_no_overlap(op,
+                   {{params, "params"}, {exp_avgs, "exp_avgs"}, {exp_avg_sqs, "exp_avg_sqs"}, {masters, "masters"}});
   const double mult = scalar_arg(grad_mult, op, "grad_mult", 1.0);
   if (skip_step(found_inf, op)) return;
   // one set for both stages: stage 2 (lamb_apply) does not use the grad multiplier

@@ -39,6 +39,7 @@ void lars_cpu(at::TensorList params,            // n tensors, fp32/bf16/fp16, up
               const c10::optional<at::Tensor>& found_inf) {  // (1,) nonzero: nothing changes
   const char* op = "lars_";
   check_param_lists(op, params, {{grads, "grads"}}, {{momentum_buffers, "momentum_buffers"}}, masters, nullptr);
+  check_no_overlap(op, {{params, "params"}, {momentum_buffers, "momentum_buffers"}, {masters, "masters"}});
   const int64_t n = static_cast<int64_t>(params.size());
   ZF_CHECK(norms.device().is_cpu() && norms.scalar_type() == at::kFloat && norms.is_contiguous() &&
                norms.dim() == 1 && norms.size(0) == 2 * n,

@@ -11,6 +11,7 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <initializer_list>
 #include <utility>
 #include <vector>
@@ -88,8 +89,16 @@ inline void check_param_lists(const char* op, at::TensorList params, std::initia
 }
 
 // Adds 1 to every distinct step tensor (a flat shard's segments may share one) and returns each
-// param's new count, without dispatcher calls (torch.optim keeps counts as float tensors).
+// param's new count, without dispatcher calls (torch.optim keeps counts as float tensors). Every
+// count is checked before any is advanced, so a bad one leaves all of them as they were.
 inline std::vector<double> advance_steps(at::TensorList steps, const char* op) {
+  auto read = [](const at::Tensor& s) {
+    return s.scalar_type() == at::kFloat ? static_cast<double>(*s.data_ptr<float>()) : *s.data_ptr<double>();
+  };
+  for (size_t i = 0; i < steps.size(); ++i) {
+    const double v = read(steps[i]);
+    ZF_CHECK_VALUE(v >= 0, op, "expected ", indexed("steps", i), " >= 0 before the step, got ", v);
+  }
   std::vector<const void*> done;
   std::vector<double> out(steps.size());
   for (size_t i = 0; i < steps.size(); ++i) {
@@ -103,10 +112,37 @@ inline std::vector<double> advance_steps(at::TensorList steps, const char* op) {
         *static_cast<double*>(ptr) += 1.0;
       }
     }
-    out[i] = s.scalar_type() == at::kFloat ? *static_cast<float*>(ptr) : *static_cast<double*>(ptr);
-    ZF_CHECK_VALUE(out[i] >= 1, op, "expected ", indexed("steps", i), " >= 0 before the step, got ", out[i] - 1);
+    out[i] = read(s);
   }
   return out;
+}
+
+// The tensors an op updates in place (params, states, masters) must not share memory: a tensor
+// listed twice, or a state that is a view of a param, would be updated twice, in an order that
+// depends on the thread schedule. (Step counts are exempt: segments of a flat shard share one.)
+inline void check_no_overlap(const char* op, std::initializer_list<NamedList> lists) {
+  struct Range {
+    uintptr_t begin, end;
+    const char* name;
+    size_t index;
+  };
+  std::vector<Range> ranges;
+  for (const auto& l : lists) {
+    for (size_t i = 0; i < l.list.size(); ++i) {
+      const at::Tensor& t = l.list[i];
+      if (t.numel() == 0) continue;
+      const auto b = reinterpret_cast<uintptr_t>(t.data_ptr());
+      ranges.push_back({b, b + static_cast<uintptr_t>(t.numel() * t.element_size()), l.name, i});
+    }
+  }
+  // stable: of two tensors at one address the message names the later-listed one as the repeat
+  std::stable_sort(ranges.begin(), ranges.end(), [](const Range& a, const Range& b) { return a.begin < b.begin; });
+  for (size_t k = 1; k < ranges.size(); ++k) {
+    const Range& a = ranges[k - 1];
+    const Range& b = ranges[k];
+    ZF_CHECK_VALUE(b.begin >= a.end, op, "expected ", indexed(b.name, b.index), " not to share memory with ",
+                   indexed(a.name, a.index), " (each tensor is updated in place once), got overlapping tensors");
+  }
 }
 
 // The step count of one param, as stored.

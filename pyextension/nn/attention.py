@@ -18,6 +18,9 @@ class Attention(torch.nn.Module):
                  causal: bool = True, sdpa=None, device=None, dtype=None):
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        for arg, value in (("embed_dim", embed_dim), ("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
+            if value < 1:
+                raise ValueError(f"zerofuse.nn.Attention: expected {arg} >= 1, got {value}")
         if embed_dim % num_heads:
             raise ValueError(f"zerofuse.nn.Attention: expected num_heads ({num_heads}) to divide embed_dim ({embed_dim})")
         if num_heads % num_kv_heads:
@@ -33,6 +36,10 @@ class Attention(torch.nn.Module):
         self.proj = torch.nn.Linear(embed_dim, embed_dim, **kw)
 
     def forward(self, x: Tensor) -> Tensor:
+        if x.dim() != 3 or x.shape[-1] != self.embed_dim:
+            where = f"{type(self).__module__.rsplit('.', 1)[0]}.{type(self).__name__}"
+            raise ValueError(f"{where}: expected x of shape (batch, seq, embed_dim={self.embed_dim}), got "
+                             f"{list(x.shape)}")
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv(x)
         b, n = qkv.shape[:2]  # not x's: a sequence-parallel projection gathers the sequence

@@ -56,6 +56,11 @@ def _check(fn, input, shape, weight, bias, residual) -> None:
             )
 
 
+def _check_eps(fn, eps) -> None:
+    if not eps >= 0:  # a negative eps makes rows of small variance NaN; NaN fails this too
+        raise ValueError(f"zerofuse.nn.functional.{fn}: expected eps >= 0, got {eps}")
+
+
 def _flat(t: Tensor | None, n: int) -> Tensor | None:
     return None if t is None else t.reshape(n)
 
@@ -63,7 +68,11 @@ def _flat(t: Tensor | None, n: int) -> Tensor | None:
 def _layer_norm(fn, input, residual, normalized_shape, weight, bias, eps):
     shape = _shape(normalized_shape)
     _check(fn, input, shape, weight, bias, residual)
+    _check_eps(fn, eps)
     n = math.prod(shape)
+    if n == 0:  # rows of no elements: nothing to normalise (and no row count to reshape to)
+        h = input if residual is None else input + residual
+        return torch.nn.functional.layer_norm(h, shape, weight, bias, eps), h
     x = input.reshape(*input.shape[: input.dim() - len(shape)], n)
     r = None if residual is None else residual.reshape(x.shape)
     if torch.compiler.is_compiling():
@@ -78,7 +87,11 @@ def _rms_norm(fn, input, residual, normalized_shape, weight, eps):
     _check(fn, input, shape, weight, None, residual)
     if eps is None:
         eps = torch.finfo(input.dtype).eps
+    _check_eps(fn, eps)
     n = math.prod(shape)
+    if n == 0:
+        h = input if residual is None else input + residual
+        return torch.nn.functional.rms_norm(h, shape, weight, eps), h
     x = input.reshape(*input.shape[: input.dim() - len(shape)], n)
     r = None if residual is None else residual.reshape(x.shape)
     if torch.compiler.is_compiling():
@@ -124,15 +137,34 @@ def _fallback_warning(reason: str) -> None:
                       "implementation instead (warned once)", stacklevel=3)
 
 
+def _check_attention(query, key, value, dropout_p) -> None:
+    """What torch's sdpa also refuses, named; the fused kernel would otherwise run a key on another
+    device (meta: uninitialised memory) or of another dtype."""
+    where = "zerofuse.nn.functional.scaled_dot_product_attention"
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, Tensor) or not t.is_floating_point():
+            got = t.dtype if isinstance(t, Tensor) else type(t).__name__
+            raise TypeError(f"{where}: expected {name} to be a floating-point tensor, got {got}")
+    for name, t in (("key", key), ("value", value)):
+        if t.device != query.device:
+            raise ValueError(f"{where}: expected {name} on the device of query ({query.device}), got {t.device}")
+        if t.dtype != query.dtype:
+            raise TypeError(f"{where}: expected {name} of the dtype of query ({query.dtype}), got {t.dtype}")
+    if not 0.0 <= dropout_p <= 1.0:
+        raise ValueError(f"{where}: expected dropout_p in [0, 1], got {dropout_p}")
+
+
 def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None,
                                  dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
                                  enable_gqa: bool = False) -> Tensor:
     """torch.nn.functional.scaled_dot_product_attention with zerofuse's fused kernel: (B, H, N, D)
     tensors, causal or not, grouped-query attention with enable_gqa=True. What the kernel does not
-    take (an attn_mask, dropout_p > 0, other ranks, head_dim > 256, float64 on CUDA) runs torch's
-    implementation after a one-time warning: never a silently different result."""
+    take (an attn_mask, dropout_p > 0, other ranks, head_dim > 256, float64 on CUDA, an empty query
+    or batch) runs torch's implementation after a one-time warning: never a silently different
+    result. Query, key and value must share a device and a dtype (as for torch's)."""
     from zerofuse.ops import attention as _attn
 
+    _check_attention(query, key, value, dropout_p)
     if query.dim() == 4 and key.dim() == 4 and query.shape[1] != key.shape[1] and not enable_gqa:
         raise ValueError(f"zerofuse.nn.functional.scaled_dot_product_attention: query has {query.shape[1]} heads, "
                          f"key {key.shape[1]}: pass enable_gqa=True for grouped-query attention")
@@ -143,6 +175,9 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
         reason = "dropout_p > 0 is not supported by the fused kernel"
     elif query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
         reason = f"expected 4-D (B, H, N, D) inputs, got {query.dim()}-D"
+    elif 0 in query.shape or 0 in key.shape[:2]:
+        # nothing to compute; torch's CPU flash kernel divides by zero on an empty query (SIGFPE)
+        reason = f"empty input (query {list(query.shape)}, key {list(key.shape)})"
     elif query.shape[-1] > _attn.MAX_HEAD_DIM:
         reason = f"head_dim {query.shape[-1]} > {_attn.MAX_HEAD_DIM}"
     elif query.is_cuda and query.dtype not in (torch.float32, torch.float16, torch.bfloat16):
@@ -155,5 +190,7 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
         return torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal,
                                                                 scale=scale, **kw)
     scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
+    # the kernel takes any strides but a unit one along head_dim (torch's sdpa takes any layout)
+    query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
     out, _ = torch.ops.zerofuse.attention(query, key, value, bool(is_causal), scale)
     return out

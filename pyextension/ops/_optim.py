@@ -150,6 +150,26 @@ def check_param_lists(op: str, params, like: dict, fp32: dict, masters=(), steps
                 _tensor_error(pre, f"{name}[{i}]", t, numel, i, dev, must_fp32)
 
 
+def check_no_overlap(op: str, lists: dict) -> None:
+    """csrc/cpu/optim.h's check_no_overlap: the tensors an op updates in place (params, states,
+    masters) must not share memory, or one would be updated twice in an order that depends on the
+    launch. Step counts are exempt (a flat shard's segments share one). Tensors without storage
+    (fake, meta: shape propagation) are skipped."""
+    ranges = []
+    for name, lst in lists.items():
+        for i, t in enumerate(lst):
+            if type(t) not in _PLAIN or t.device.type == "meta" or not t.numel():
+                continue
+            begin = t.data_ptr()
+            ranges.append((begin, begin + t.numel() * t.element_size(), name, i))
+    # stable: of two tensors at one address the message names the later-listed one as the repeat
+    ranges.sort(key=lambda r: r[0])
+    for (_, end, name0, i0), (begin, _, name1, i1) in zip(ranges, ranges[1:]):
+        if begin < end:
+            raise ValueError(f"zerofuse::{op}: expected {name1}[{i1}] not to share memory with {name0}[{i0}] (each "
+                             "tensor is updated in place once), got overlapping tensors")
+
+
 def _tensor_error(pre: str, name: str, t: torch.Tensor, numel: int, i: int, dev, must_fp32: bool):
     if must_fp32 and t.dtype != torch.float32:
         raise RuntimeError(f"{pre}expected {name} in float32, got {t.dtype}")

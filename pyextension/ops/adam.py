@@ -13,12 +13,14 @@ import torch
 from zerofuse import reference
 from zerofuse.kernels import optim as K
 from zerofuse.ops import register
-from zerofuse.ops._optim import LIB, Prepared, call, check_param_lists, direct, mutated, selftest_tensors
+from zerofuse.ops._optim import (LIB, Prepared, call, check_no_overlap, check_param_lists, direct, mutated,
+                                 selftest_tensors)
 
 
 def _check(params, grads, exp_avgs, exp_avg_sqs, masters, steps):
     check_param_lists("adam_", params, {"grads": grads}, {"exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs},
                       masters, steps)
+    check_no_overlap("adam_", {"params": params, "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs, "masters": masters})
 
 
 @torch.library.register_fake("zerofuse::adam_")

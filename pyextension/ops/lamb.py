@@ -13,8 +13,8 @@ import torch
 from zerofuse import reference
 from zerofuse.kernels import optim as K
 from zerofuse.ops import register
-from zerofuse.ops._optim import (LIB, Prepared, call, check_norms, check_param_lists, direct, mutated,
-                                 selftest_tensors)
+from zerofuse.ops._optim import (LIB, Prepared, call, check_no_overlap, check_norms, check_param_lists, direct,
+                                 mutated, selftest_tensors)
 
 TRUST_MODES = {"paper": 0, "nvlamb": 1}
 
@@ -26,12 +26,16 @@ def _check_norms(op, norms, n, device):
 def _check1(params, grads, exp_avgs, exp_avg_sqs, masters, steps, norms):
     check_param_lists("lamb_stage1_", params, {"grads": grads}, {"exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs},
                       masters, steps)
+    check_no_overlap("lamb_stage1_", {"params": params, "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs,
+                                      "masters": masters})
     if norms is not None:  # None: checked at each call (a Prepared launch)
         _check_norms("lamb_stage1_", norms, len(params), params[0].device if params else None)
 
 
 def _check2(params, exp_avgs, exp_avg_sqs, masters, steps, norms, trust_mode):
     check_param_lists("lamb_stage2_", params, {}, {"exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs}, masters, steps)
+    check_no_overlap("lamb_stage2_", {"params": params, "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs,
+                                      "masters": masters})
     if norms is not None:
         _check_norms("lamb_stage2_", norms, len(params), params[0].device if params else None)
     if trust_mode not in (0, 1):

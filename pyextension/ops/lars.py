@@ -10,13 +10,14 @@ import torch
 from zerofuse import reference
 from zerofuse.kernels import optim as K
 from zerofuse.ops import register
-from zerofuse.ops._optim import (LIB, Prepared, call, check_norms, check_param_lists, direct, mutated,
-                                 selftest_tensors)
+from zerofuse.ops._optim import (LIB, Prepared, call, check_no_overlap, check_norms, check_param_lists, direct,
+                                 mutated, selftest_tensors)
 from zerofuse.ops.l2norm import l2norm
 
 
 def _check(params, grads, momentum_buffers, masters, norms):
     check_param_lists("lars_", params, {"grads": grads}, {"momentum_buffers": momentum_buffers}, masters)
+    check_no_overlap("lars_", {"params": params, "momentum_buffers": momentum_buffers, "masters": masters})
     _check_norms(norms, len(params), params[0].device if params else None)
 
 

@@ -12,6 +12,7 @@ as the attributes grad_scale / found_inf before calling step().
 from __future__ import annotations
 
 import operator
+import warnings
 
 import torch
 
@@ -19,6 +20,7 @@ from zerofuse.ops.l2norm import clip_inputs
 from zerofuse.ops._optim import Prepared, StepPlans, use_triton
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 _CONTIGUOUS = torch.Tensor.is_contiguous
@@ -77,6 +79,19 @@ class FusedOptimizerMixin:
     def _name(self) -> str:
         return f"zerofuse.optim.{type(self).__name__}"
 
+    def add_param_group(self, param_group):
+        """torch's, refusing a param listed twice in the group (torch warns and updates it twice)."""
+        with warnings.catch_warnings():  # torch's warning about it: the error below says more
+            warnings.filterwarnings("ignore", message="optimizer contains a parameter group with duplicate")
+            super().add_param_group(param_group)
+        seen: dict[int, int] = {}
+        for i, p in enumerate(self.param_groups[-1]["params"]):
+            j = seen.setdefault(id(p), i)
+            if j != i:
+                self.param_groups.pop()
+                raise ValueError(f"{self._name()}: expected each param once in a param group, got params[{i}] of "
+                                 f"param_groups[{len(self.param_groups)}] the same tensor as params[{j}]")
+
     def load_state_dict(self, state_dict):
         """Also takes torch.optim's (and Apex's) state dicts: missing group options get defaults."""
         self._checked = set()
@@ -111,7 +126,7 @@ class FusedOptimizerMixin:
             state["master"] = p.detach().float()
         return state
 
-    def _collect(self, group) -> list[tuple[int, torch.Tensor, dict]]:
+    def _collect(self, gi: int, group) -> list[tuple[int, torch.Tensor, dict]]:
         items = []
         for i, p in enumerate(group["params"]):
             if p.grad is None:
@@ -120,6 +135,14 @@ class FusedOptimizerMixin:
                 raise RuntimeError(f"{self._name()}: sparse gradients are not supported")
             if p.is_complex() or p.grad.is_complex():
                 raise RuntimeError(f"{self._name()}: complex parameters are not supported")
+            # named here, as the user knows them (the ops name their own list positions)
+            where = f"param_groups[{gi}]['params'][{i}]"
+            if p.dtype not in _KERNEL_DTYPES:
+                raise RuntimeError(f"{self._name()}: expected {where} in float32, bfloat16 or float16, got {p.dtype} "
+                                   f"(torch.optim's optimizers take other dtypes)")
+            if not p.is_contiguous():
+                raise RuntimeError(f"{self._name()}: expected {where} to be contiguous (the fused kernels update "
+                                   f"params as flat arrays), got shape {list(p.shape)} with strides {list(p.stride())}")
             items.append((i, p, self._state(p, group.get("master_weights", False))))
         return items
 
@@ -140,14 +163,14 @@ class FusedOptimizerMixin:
         """The group's plan, rebuilt when anything it holds may have changed; see [Note: step plans]."""
         has_grad = tuple(g is not None for g in grads)
         key = (id(group), id(self.state), has_grad, group.get("master_weights", False), tuple(map(id, group["params"])))
-        return plans.get(gi, key, lambda: self._build_plan(group),
+        return plans.get(gi, key, lambda: self._build_plan(gi, group),
                          valid=lambda plan: all(part.unchanged() for part in plan.parts))
 
-    def _build_plan(self, group) -> _GroupPlan:
+    def _build_plan(self, gi: int, group) -> _GroupPlan:
         # a state tensor may have been replaced by one the kernels cannot take as it is (a
         # torch.optim-style state: bf16 moments, a step on the cpu): check this group's states again
         self.__dict__.setdefault("_checked", set()).difference_update(map(id, group["params"]))
-        items = self._collect(group)
+        items = self._collect(gi, group)
         plan = _GroupPlan(group, self.state, {p.device for _, p, _ in items})
         for with_master in (False, True):
             sel = [(i, s) for i, _, s in items if ("master" in s) == with_master]
@@ -164,8 +187,10 @@ class FusedOptimizerMixin:
             return None, found_inf, None
         scale = None
         if grad_scale is not None:
+            _check_amp_arg(self._name(), "grad_scale", grad_scale)
             scale = torch.as_tensor(grad_scale, dtype=torch.float32, device=device).reshape(1)
         if found_inf is not None:
+            _check_amp_arg(self._name(), "found_inf", found_inf)
             found_inf = torch.as_tensor(found_inf, device=device).float().reshape(1)
         if max_grad_norm:  # clipping; a non-finite norm (an inf/NaN grad) skips the step
             return clip_inputs(grads, max_grad_norm, scale, found_inf,
@@ -215,6 +240,32 @@ class FusedOptimizerMixin:
 
     def _max_grad_norm(self):
         return self.defaults.get("max_grad_norm")
+
+
+def _check_amp_arg(name: str, arg: str, value) -> None:
+    """grad_scale / found_inf: one number. A grad_scale held on the host (a Python number, a cpu
+    tensor) must also be finite and > 0 (1 / 0 would turn every param into inf/NaN); one on a GPU
+    is not read here, since that would wait for the device."""
+    if torch.is_tensor(value):
+        if value.numel() != 1:
+            raise ValueError(f"{name}.step: expected {arg} to hold one number, got a tensor of shape "
+                             f"{list(value.shape)}")
+        if arg == "grad_scale" and value.device.type == "cpu":
+            value = value.item()
+    elif not isinstance(value, (int, float)):
+        raise TypeError(f"{name}.step: expected {arg} to be a number or a 1-element tensor, got {type(value).__name__}")
+    if arg == "grad_scale" and not torch.is_tensor(value) and not (0 < value < float("inf")):
+        raise ValueError(f"{name}.step: expected grad_scale to be finite and > 0, got {value}")
+
+
+def check_betas(name: str, betas) -> None:
+    """A pair (beta1, beta2), each in [0, 1) (torch.optim indexes them unchecked: IndexError)."""
+    try:
+        ok = len(betas) == 2 and all(0 <= b < 1 for b in betas)
+    except TypeError:
+        ok = False
+    if not ok:
+        raise ValueError(f"zerofuse.optim.{name}: expected betas to be a pair (beta1, beta2) in [0, 1), got {betas!r}")
 
 
 def check_unsupported(name: str, **flags) -> None:

@@ -17,11 +17,12 @@ from __future__ import annotations
 import torch
 
 from zerofuse.ops import adam_
-from zerofuse.optim._base import FusedOptimizerMixin, check_unsupported
+from zerofuse.optim._base import FusedOptimizerMixin, check_betas, check_unsupported
 
 
-def _check(name, amsgrad, capturable, differentiable, fused):
+def _check(name, amsgrad, capturable, differentiable, fused, betas):
     check_unsupported(name, amsgrad=amsgrad, capturable=capturable, differentiable=differentiable)
+    check_betas(name, betas)
     if fused is False:
         raise ValueError(f"zerofuse.optim.{name}: fused=False asks for an unfused step; use torch.optim.{name[5:]}")
 
@@ -52,7 +53,7 @@ class FusedAdam(_FusedAdamBase, torch.optim.Adam):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0, amsgrad=False, *,
                  foreach=None, maximize=False, capturable=False, differentiable=False, fused=None,
                  decoupled_weight_decay=False, master_weights=False, max_grad_norm=None):
-        _check("FusedAdam", amsgrad, capturable, differentiable, fused)
+        _check("FusedAdam", amsgrad, capturable, differentiable, fused, betas)
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, maximize=maximize,
                          decoupled_weight_decay=decoupled_weight_decay)
         self._decoupled = decoupled_weight_decay
@@ -68,6 +69,6 @@ class FusedAdamW(_FusedAdamBase, torch.optim.AdamW):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
                  maximize=False, foreach=None, capturable=False, differentiable=False, fused=None,
                  master_weights=False, max_grad_norm=None):
-        _check("FusedAdamW", amsgrad, capturable, differentiable, fused)
+        _check("FusedAdamW", amsgrad, capturable, differentiable, fused, betas)
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, maximize=maximize)
         self._extra_defaults(master_weights, max_grad_norm)

@@ -33,13 +33,20 @@ def adamw_flat(param, grad, exp_avg, exp_avg_sq, step, *, lr, betas=(0.9, 0.999)
 
 
 def segment_views(flat: torch.Tensor, segments: Sequence[tuple[int, int]]) -> list[torch.Tensor]:
-    """Views flat[off : off + length] of each (off, length) segment, checked to lie inside flat."""
+    """Views flat[off : off + length] of each (off, length) segment, checked to lie inside flat
+    and not to overlap (an element in two segments would be stepped twice)."""
     out = []
     for i, (off, length) in enumerate(segments):
         if off < 0 or length < 0 or off + length > flat.numel():
             raise ValueError(f"zerofuse.optim.functional: segments[{i}] = ({off}, {length}) runs outside the "
                              f"flat buffer of {flat.numel()} elements")
         out.append(flat.narrow(0, off, length))
+    spans = sorted((off, off + length, i) for i, (off, length) in enumerate(segments) if length)
+    for (_, end, i), (off, _, j) in zip(spans, spans[1:]):
+        if off < end:
+            a, b = sorted((i, j))
+            raise ValueError(f"zerofuse.optim.functional: expected disjoint segments, got segments[{a}] = "
+                             f"{tuple(segments[a])} and segments[{b}] = {tuple(segments[b])} overlapping")
     return out
 
 

@@ -13,7 +13,7 @@ import torch
 
 from zerofuse.ops import lamb_
 from zerofuse.ops.lamb import TRUST_MODES
-from zerofuse.optim._base import FusedOptimizerMixin
+from zerofuse.optim._base import FusedOptimizerMixin, check_betas
 
 
 class FusedLAMB(FusedOptimizerMixin, torch.optim.Optimizer):
@@ -24,15 +24,15 @@ class FusedLAMB(FusedOptimizerMixin, torch.optim.Optimizer):
         name = "zerofuse.optim.FusedLAMB"
         if not lr >= 0:
             raise ValueError(f"{name}: expected lr >= 0, got {lr}")
-        if not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
-            raise ValueError(f"{name}: expected betas in [0, 1), got {betas}")
-        if not eps >= 0:
-            raise ValueError(f"{name}: expected eps >= 0, got {eps}")
+        check_betas("FusedLAMB", betas)
+        for arg, value in (("eps", eps), ("weight_decay", weight_decay)):
+            if not value >= 0:
+                raise ValueError(f"{name}: expected {arg} >= 0, got {value}")
         if mode not in TRUST_MODES:
             raise ValueError(f"{name}: expected mode 'paper' or 'nvlamb', got {mode!r}")
         if not 0 <= min_trust <= max_trust:
             raise ValueError(f"{name}: expected 0 <= min_trust <= max_trust, got {min_trust}, {max_trust}")
-        if max_grad_norm is not None and max_grad_norm < 0:
+        if max_grad_norm is not None and not max_grad_norm >= 0:
             raise ValueError(f"{name}: expected max_grad_norm >= 0 or None, got {max_grad_norm}")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, bias_correction=bias_correction,
                         max_grad_norm=max_grad_norm, mode=mode, min_trust=min_trust, max_trust=max_trust,

@@ -25,6 +25,8 @@ class FusedLARS(FusedOptimizerMixin, torch.optim.Optimizer):
                            ("trust_coefficient", trust_coefficient), ("eps", eps)):
             if not value >= 0:
                 raise ValueError(f"{name}: expected {arg} >= 0, got {value}")
+        if max_grad_norm is not None and not max_grad_norm >= 0:  # 0: no clipping
+            raise ValueError(f"{name}: expected max_grad_norm >= 0 or None, got {max_grad_norm}")
         defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, trust_coefficient=trust_coefficient,
                         eps=eps, max_grad_norm=max_grad_norm, master_weights=master_weights)
         super().__init__(params, defaults)

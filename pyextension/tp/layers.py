@@ -121,6 +121,30 @@ class _RowLinear(torch.autograd.Function):
         return grad_x, grad_w, None, None
 
 
+def _check_features(who: str, x: Tensor, n: int, what: str) -> None:
+    if x.dim() == 0 or x.shape[-1] != n:
+        raise ValueError(f"zerofuse.tp.{who}: expected an input whose last dimension is {n} ({what}), got shape "
+                         f"{list(x.shape)}")
+
+
+def _check_ids(who: str, name: str, ids: Tensor, n: int, allowed: int | None = None) -> None:
+    """ids in [0, n) (or == allowed): a rank looks up only its own range, so an id outside every
+    rank's range would silently read as zeros (an embedding) or as a logit of 0 (a target). On the
+    cpu the check raises; on a GPU it is a device-side assert, as torch's embedding (no host sync)."""
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise TypeError(f"zerofuse.tp.{who}: expected {name} to be an integer tensor, got {ids.dtype}")
+    bad = (ids < 0) | (ids >= n)
+    if allowed is not None:
+        bad &= ids != allowed
+    if ids.device.type == "cpu":
+        if bool(bad.any()):
+            first = int(ids[bad][0])
+            extra = f" or {allowed}" if allowed is not None else ""
+            raise IndexError(f"zerofuse.tp.{who}: expected {name} in [0, {n}){extra}, got {first}")
+    else:
+        torch._assert_async(~bad.any(), f"zerofuse.tp.{who}: {name} out of range [0, {n})")
+
+
 def _init_linear_full(out_features: int, in_features: int, bias: bool, device, dtype):
     """torch.nn.Linear's initialisation of the full weight and bias, in the same RNG order."""
     w = torch.empty(out_features, in_features, device=device, dtype=dtype)
@@ -163,6 +187,7 @@ class ColumnParallelLinear(_TPModule):
             self.register_parameter("bias", None)
 
     def forward(self, x: Tensor) -> Tensor:
+        _check_features("ColumnParallelLinear", x, self.in_features, "in_features")
         y = _ColumnLinear.apply(x, self.weight, self.bias, self.comm, self.sequence_parallel)
         return C.gather_last_dim(y, self.comm, self.out_per_rank) if self.gather_output else y
 
@@ -194,7 +219,11 @@ class RowParallelLinear(_TPModule):
 
     def forward(self, x: Tensor) -> Tensor:
         if not self.input_is_parallel:
+            _check_features("RowParallelLinear", x, self.in_features, "in_features")
             x = C.split_last_dim(x, self.comm, self.in_per_rank)
+        else:
+            _check_features("RowParallelLinear", x, self.weight.shape[1],
+                            f"this rank's slice of in_features {self.in_features} (input_is_parallel=True)")
         y = _RowLinear.apply(x, self.weight, self.comm, self.sequence_parallel)
         return y + self.bias if self.bias is not None else y
 
@@ -226,6 +255,7 @@ class VocabParallelEmbedding(_TPModule):
         self.weight = _sharded(full, spec)
 
     def forward(self, idx: Tensor) -> Tensor:
+        _check_ids("VocabParallelEmbedding", "idx", idx, self.num_embeddings)
         outside = (idx < self.vocab_start) | (idx >= self.vocab_end)
         local = (idx - self.vocab_start).masked_fill(outside, 0)
         out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
@@ -290,6 +320,7 @@ def vocab_parallel_cross_entropy(logits_shard: Tensor, targets: Tensor, group=No
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"zerofuse.tp.vocab_parallel_cross_entropy: expected reduction 'mean', 'sum' or 'none', "
                          f"got {reduction!r}")
+    _check_ids("vocab_parallel_cross_entropy", "targets", targets, vocab_size, ignore_index)
     loss = _VocabParallelCE.apply(logits_shard, targets, comm, start, ignore_index)
     if reduction == "none":
         return loss
@@ -311,6 +342,9 @@ class ParallelAttention(znn.Attention):
                  sequence_parallel: bool = False, bias: bool = False, causal: bool = True, sdpa=None,
                  device=None, dtype=None):
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        for arg, value in (("embed_dim", embed_dim), ("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
+            if value < 1:
+                raise ValueError(f"zerofuse.tp.ParallelAttention: expected {arg} >= 1, got {value}")
         tp = dist.get_world_size(_group(group))
         for key, n in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
             if n % tp:

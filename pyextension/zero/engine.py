@@ -33,7 +33,7 @@ import torch.distributed as dist
 from zerofuse.comm import Communicator
 from zerofuse.zero.buckets import FREE, Bucket, BucketGroup
 from zerofuse.zero.grads import gathered_grads
-from zerofuse.zero.layout import bucket_groups, unit_groups
+from zerofuse.zero.layout import bucket_groups, check_same_layout, unit_groups
 from zerofuse.zero.materialize import Initializer, materialize_rest
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -64,6 +64,7 @@ class ZeroEngine:
         if getattr(model, "_zerofuse_zero", None) is not None:
             raise ValueError(f"{name}: the model is already parallelized")
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        shapes = [(n, tuple(p.shape)) for n, p in named]  # before stage 3 / meta swap the params
         if not named:
             raise ValueError(f"{name}: the model has no trainable parameters")
         devices = {p.device for _, p in named}
@@ -71,7 +72,11 @@ class ZeroEngine:
             raise ValueError(f"{name}: expected every parameter on one device, got {sorted(map(str, devices))}")
         meta = next(iter(devices)).type == "meta"
         if device is not None:
-            device = torch.device(device)
+            try:
+                device = torch.device(device)
+            except (RuntimeError, TypeError):
+                raise ValueError(f"{name}: expected device to be a torch.device or a device string, got {device!r}") \
+                    from None
             if device.type == "cuda" and device.index is None:
                 device = torch.device("cuda", torch.cuda.current_device())
             if not meta and device != next(iter(devices)):
@@ -118,6 +123,7 @@ class ZeroEngine:
         else:
             self._build_buckets(named, bucket_mb, kw)
         self._init = None
+        check_same_layout(self.units, self.comm, (stage, precision, str(self.reduce_dtype), shapes), name)
         self.buckets = BucketGroup(self.units, self.comm, max_inflight)
         self.unit_of: dict[int, tuple[Bucket, int]] = {}
         for u in self.units:

@@ -4,7 +4,11 @@ per wrapped module (default: each child of the model's main ModuleList) and a ro
 rest, including any param shared by modules of different units (tied weights)."""
 from __future__ import annotations
 
+import datetime
+import hashlib
+
 import torch
+import torch.distributed as dist
 
 
 def bucket_groups(named, bucket_mb: float, itemsize: int) -> list[list]:
@@ -70,3 +74,27 @@ def _wrap_modules(model: torch.nn.Module, wrap) -> list[torch.nn.Module]:
         out.append(m)
         inside.update(id(s) for s in m.modules())
     return out
+
+
+def check_same_layout(units, comm, settings: tuple, who: str) -> None:
+    """Every rank of the group must lay out the same units (param names, padded sizes) with the
+    same settings (stage, precision, the params' shapes): ranks that wrapped different models (or
+    passed another bucket_mb, wrap, stage...) would otherwise reduce unrelated gradients without an
+    error whenever the padded sizes agree, or fail inside the collective library when they do not.
+    One all-gather of a digest, at setup."""
+    if comm.world_size == 1:
+        return
+    sig = repr(([(u.names, u.padded) for u in units], settings)).encode()
+    digest = int.from_bytes(hashlib.blake2b(sig, digest_size=7).digest(), "little")  # exact in int64
+    numel = sum(u.padded for u in units)
+    nccl = str(dist.get_backend(comm.group)) == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    mine = torch.tensor([digest, len(units), numel], dtype=torch.int64, device=device)
+    every = torch.empty(comm.world_size * 3, dtype=torch.int64, device=device)
+    work = dist.all_gather_into_tensor(every, mine, group=comm.group, async_op=True)
+    work.wait(timeout=datetime.timedelta(seconds=comm.timeout))
+    rows = every.view(-1, 3).tolist()
+    if any(row != rows[0] for row in rows):
+        seen = "; ".join(f"rank {r}: {n} units of {e} elements, digest {d:014x}" for r, (d, n, e) in enumerate(rows))
+        raise ValueError(f"{who}: expected the same model and settings on every rank of the group, got layouts that "
+                         f"differ ({seen})")

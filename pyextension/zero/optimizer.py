@@ -27,21 +27,8 @@ import torch
 
 from zerofuse.ops import adam_, l2norm, lamb_stage1_, lamb_stage2_, lars_
 from zerofuse.ops._optim import Prepared, StepPlans
-from zerofuse.ops.lamb import TRUST_MODES
 from zerofuse.zero.engine import engine_of
-
-NAME = "zerofuse.zero.Optimizer"
-
-DEFAULTS = {
-    "adamw": dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2),
-    "adam": dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0),
-    # Apex FusedLAMB's defaults (nvlamb: global grad-norm clipping at 1.0 first)
-    "lamb": dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01, bias_correction=True, mode="nvlamb",
-                 min_trust=0.0, max_trust=10.0),
-    "lars": dict(lr=0.1, momentum=0.9, weight_decay=0.0, trust_coefficient=1e-3, eps=1e-8),
-}
-STATE_KEYS = {"adamw": ("exp_avg", "exp_avg_sq"), "adam": ("exp_avg", "exp_avg_sq"),
-              "lamb": ("exp_avg", "exp_avg_sq"), "lars": ("momentum_buffer",)}
+from zerofuse.zero.options import DEFAULTS, NAME, STATE_KEYS, check_options, check_scaler
 
 
 class _Piece:
@@ -85,17 +72,16 @@ class Optimizer(torch.optim.Optimizer):
             raise TypeError(f"{NAME}: unknown hyperparameter(s) {sorted(unknown)} for {optimizer!r}; expected some of "
                             f"{sorted(DEFAULTS[optimizer])}")
         defaults = {**DEFAULTS[optimizer], **hyperparameters}
-        if optimizer == "lamb":
-            if max_grad_norm is None:
-                max_grad_norm = 1.0
-            if defaults["mode"] not in TRUST_MODES:
-                raise ValueError(f"{NAME}: expected mode 'nvlamb' or 'paper', got {defaults['mode']!r}")
-        if not defaults["lr"] >= 0:
-            raise ValueError(f"{NAME}: expected lr >= 0, got {defaults['lr']}")
+        if optimizer == "lamb" and max_grad_norm is None:
+            max_grad_norm = 1.0
+        check_options(defaults, "")
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"{NAME}: expected max_grad_norm > 0 or None, got {max_grad_norm}")
+        check_scaler(initial_scale, growth_factor, backoff_factor, growth_interval)
         self.engine, self.kind, self.max_grad_norm = eng, optimizer, max_grad_norm
         groups = self._groups(eng, param_groups)
+        for i, g in enumerate(groups):  # a group's own options (the defaults are checked above)
+            check_options({k: v for k, v in g.items() if k != "params"}, f"param_groups[{i}]")
         super().__init__(groups, defaults)
         self._group_of = {}
         for gi, g in enumerate(self.param_groups):
@@ -119,18 +105,23 @@ class Optimizer(torch.optim.Optimizer):
     def _groups(eng, param_groups):
         if param_groups is None:
             return [{"params": list(eng.params)}]
-        seen, out = set(), []
+        seen: dict[int, int] = {}  # id(param) -> its group
+        out = []
         for i, g in enumerate(param_groups):
             if not isinstance(g, dict) or "params" not in g:
-                raise TypeError(f"{NAME}: expected param_groups[{i}] to be a dict with 'params', got {g!r}")
+                got = f"a dict with keys {sorted(g)}" if isinstance(g, dict) else type(g).__name__
+                raise TypeError(f"{NAME}: expected param_groups[{i}] to be a dict with 'params', got {got}")
             ps = list(g["params"])
             for p in ps:
                 if id(p) not in eng.param_index:
                     raise ValueError(f"{NAME}: param_groups[{i}] holds a tensor of shape {list(p.shape)} that is not a "
                                      "trainable parameter of the model")
                 if id(p) in seen:
-                    raise ValueError(f"{NAME}: a parameter appears in more than one param group")
-                seen.add(id(p))
+                    name = eng.names[eng.param_index[id(p)]]
+                    where = "twice" if seen[id(p)] == i else f"and in param_groups[{seen[id(p)]}]"
+                    raise ValueError(f"{NAME}: expected each parameter in one param group once, got {name} in "
+                                     f"param_groups[{i}] {where}")
+                seen[id(p)] = i
             out.append({**g, "params": ps})
         rest = [p for p in eng.params if id(p) not in seen]
         if rest:
