@@ -2,8 +2,12 @@
 
     results = run_distributed(fn, world_size, *args, timeout=60)
 
-Each rank is a fresh ``spawn``ed process that joins a process group through a ``file://`` store and
-calls ``fn(rank, world_size, *args, **kwargs)`` (fn must be importable: a module-level function).
+Each rank is a fresh process that joins a process group through a ``file://`` store and calls
+``fn(rank, world_size, *args, **kwargs)`` (fn must be importable: a module-level function). Ranks
+are forked from a ``forkserver`` that has imported torch and zerofuse once (a spawned rank spent
+~4.7 s of CPU importing them, most of a small test's time on 2 cores); each rank takes the
+caller's environment at the call, so variables set by a test (ZEROFUSE_TRITON_ON_CPU,
+ZEROFUSE_CHECK_COLLECTIVES, ...) hold in the ranks as they would in a spawned process.
 The return values come back as a list indexed by rank. If any rank raises, dies, or the whole run
 exceeds ``timeout`` seconds, every rank still alive has its Python stack dumped (faulthandler on
 SIGUSR1), all ranks are killed, and :class:`DistributedFailure` is raised with every rank's
@@ -19,6 +23,7 @@ import os
 import pickle
 import queue
 import signal
+import sys
 import tempfile
 import time
 import traceback
@@ -56,8 +61,27 @@ def ranks_threads(world_size: int) -> int:
     return max(1, (os.cpu_count() or 1) // world_size)
 
 
-def _rank_main(rank, world_size, init_file, tb_dir, backend, timeout, fn, args, kwargs, results):
+def _context():
+    """The forkserver context, its server preloading torch and zerofuse (started at the first use)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "zerofuse"])
+    return ctx
+
+
+def _take_environment(env: dict) -> None:
+    """The caller's environment, in a rank forked from a server started under another one; zerofuse's
+    one import-time switch follows it (interpreter mode itself, TRITON_INTERPRET, is set by
+    conftest for the whole session, so the server has it)."""
+    os.environ.clear()
+    os.environ.update(env)
+    kernels = sys.modules.get("zerofuse.kernels")
+    if kernels is not None:
+        kernels.TRITON_ON_CPU = env.get("ZEROFUSE_TRITON_ON_CPU", "0") == "1"
+
+
+def _rank_main(rank, world_size, init_file, tb_dir, backend, timeout, fn, args, kwargs, results, env):
     _die_with_parent()
+    _take_environment(env)
     tb_file = open(os.path.join(tb_dir, f"rank{rank}.txt"), "w")
     faulthandler.register(signal.SIGUSR1, file=tb_file, all_threads=True)
     # as torchrun does for several ranks on one machine: share the cores out (OpenMP threads of
@@ -89,14 +113,15 @@ def run_distributed(
     backend: str = "gloo",
     **kwargs: Any,
 ) -> list[Any]:
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results = ctx.Queue()
+    env = dict(os.environ)
     with tempfile.TemporaryDirectory(prefix="zerofuse-dist-") as tmp:
         init_file = os.path.join(tmp, "init")
         procs = [
             ctx.Process(
                 target=_rank_main,
-                args=(rank, world_size, init_file, tmp, backend, timeout, fn, args, kwargs, results),
+                args=(rank, world_size, init_file, tmp, backend, timeout, fn, args, kwargs, results, env),
                 name=f"zerofuse-rank{rank}",
                 daemon=True,
             )
