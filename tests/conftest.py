@@ -46,3 +46,9 @@ def native_kernels(monkeypatch, cpu_kernels):
     interpreter tests; training steps in the interpreter would take minutes."""
     monkeypatch.setenv("ZEROFUSE_TRITON_ON_CPU", "0")
     monkeypatch.delenv("ZEROFUSE_CHECK_COLLECTIVES", raising=False)
+
+
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto`` (README's test command): a worker per core, at most 4. Distributed tests start up
+    to 4 rank processes each, so more workers would only oversubscribe the cores."""
+    return max(1, min(len(os.sched_getaffinity(0)), 4))
