@@ -294,9 +294,9 @@ def _fill_shards(eng, optimizer, opt_meta, full, src) -> None:
                 spec = spec_of(p)
                 t = full.get(name, key)
                 mine = (spec.slice(t) if spec is not None else t).reshape(-1)[s.param_offset:s.param_offset + s.length]
-                del t
                 for dst in dsts:
                     dst.copy_(mine)
+                del t, mine  # before the next one is assembled: one full tensor at a time
 
 
 def agree(group, error, who, device) -> None:
