@@ -5,6 +5,7 @@
 #include <torch/extension.h>
 
 #include "comm/communicator.h"
+#include "cpu/vector_isa.h"
 #include "memory_counter.h"
 #ifdef ZEROFUSE_WITH_NCCL
 #include "comm/nccl_info.h"
@@ -44,6 +45,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("cpu_memory_counter_current", &zerofuse::cpu_memory_counter_current);
   m.def("cpu_memory_counter_peak", &zerofuse::cpu_memory_counter_peak);
   m.def("cpu_memory_counter_reset_peak", &zerofuse::cpu_memory_counter_reset_peak);
+  // csrc/cpu/vector_isa.h: 2 AVX-512, 1 AVX2, 0 baseline (the CPU kernels' loops in use)
+  m.def("cpu_vector_isa", &zerofuse::vector_isa);
 
   py::class_<Work, std::shared_ptr<Work>>(m, "Work")
       .def("wait", &Work::wait, py::call_guard<py::gil_scoped_release>(),

@@ -171,3 +171,22 @@ def test_build_replaces_a_compiler_that_links_libstdcxx_statically(tmp_path, mon
     monkeypatch.setattr(buildenv, "_shared_libstdcxx", lambda c: c == good_cxx)  # /usr/bin/g++ "static" too
     with pytest.raises(SystemExit, match="links libstdc\\+\\+ statically"):
         buildenv.pick_host_compilers()
+
+
+def _vector_isa(capability: str | None) -> int:
+    env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
+    if capability is not None:
+        env["ATEN_CPU_CAPABILITY"] = capability
+    out = subprocess.run([sys.executable, "-c", "from zerofuse import _C; print(_C.cpu_vector_isa())"], env=env,
+                         capture_output=True, text=True, timeout=120, check=True)
+    return int(out.stdout.split()[-1])
+
+
+def test_cpu_loops_follow_torchs_cpu_capability():
+    """zerofuse's CPU loops (csrc/cpu/vector_isa.h) take the version torch's capability allows:
+    ATEN_CPU_CAPABILITY=default runs the baseline loops and avx2 the AVX2 ones (at most), as torch
+    does its own, so a suite run with it checks what a CPU without AVX-512 (or AVX2) runs. With
+    GCC's target_clones the variable changed nothing."""
+    machine = _vector_isa(None)
+    assert _vector_isa("default") == 0
+    assert _vector_isa("avx2") == min(1, machine)

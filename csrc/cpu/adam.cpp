@@ -15,6 +15,7 @@
 // (optim.h); the arithmetic loop is an omp-simd loop inside
 // target_clones (AVX-512 / AVX2 / baseline) so it vectorises at the machine's width.
 #include "optim.h"
+#include "vector_isa.h"
 
 #include <torch/library.h>
 
@@ -31,8 +32,8 @@ struct AdamConsts {
   bool decoupled, maximize;
 };
 
-ZF_VECTOR_CLONES void adam_chunk(float* __restrict__ p, const float* __restrict__ g, float* __restrict__ m,
-                                 float* __restrict__ v, int64_t n, const AdamConsts c) {
+ZF_MULTIVERSION(void, adam_chunk, (float* __restrict__ p, const float* __restrict__ g, float* __restrict__ m, float* __restrict__ v, int64_t n, const AdamConsts c),
+                (p, g, m, v, n, c)) {
   // c by value: through a reference its fields were reloaded in every iteration (2.6x slower)
   const float w1 = c.w1, w2 = c.w2, decay = c.decay;
   const float sign = c.maximize ? -c.mult : c.mult;

@@ -1,4 +1,5 @@
 #include "convert.h"
+#include "vector_isa.h"
 
 #include <c10/util/Exception.h>
 #include <c10/util/Half.h>
@@ -7,14 +8,16 @@
 
 namespace zerofuse {
 
-ZF_VECTOR_CLONES void bf16_to_f32(const uint16_t* src, float* dst, int64_t n) {
+ZF_MULTIVERSION(void, bf16_to_f32, (const uint16_t* src, float* dst, int64_t n),
+                (src, dst, n)) {
   for (int64_t i = 0; i < n; ++i) {
     const uint32_t u = static_cast<uint32_t>(src[i]) << 16;
     std::memcpy(dst + i, &u, 4);
   }
 }
 
-ZF_VECTOR_CLONES void f32_to_bf16(const float* src, uint16_t* dst, int64_t n) {
+ZF_MULTIVERSION(void, f32_to_bf16, (const float* src, uint16_t* dst, int64_t n),
+                (src, dst, n)) {
   for (int64_t i = 0; i < n; ++i) {
     uint32_t u;
     std::memcpy(&u, src + i, 4);

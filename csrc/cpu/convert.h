@@ -6,14 +6,6 @@
 
 #include <cstdint>
 
-// Compiles AVX-512 / AVX2 / baseline versions of a function, picked at load time, so a build
-// stays portable while the hot loops use the machine's vector width.
-#if defined(__x86_64__) && defined(__GNUC__)
-#define ZF_VECTOR_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define ZF_VECTOR_CLONES
-#endif
-
 namespace zerofuse {
 
 void bf16_to_f32(const uint16_t* src, float* dst, int64_t n);

@@ -4,6 +4,7 @@
 // per span in a fixed order, so the result does not depend on the thread count. An inf or NaN
 // anywhere makes the norm inf or NaN.
 #include "optim.h"
+#include "vector_isa.h"
 
 #include <torch/library.h>
 
@@ -13,7 +14,8 @@
 namespace zerofuse {
 namespace {
 
-ZF_VECTOR_CLONES float sum_squares(const float* __restrict__ x, int64_t n) {
+ZF_MULTIVERSION(float, sum_squares, (const float* __restrict__ x, int64_t n),
+                (x, n)) {
   float s = 0.f;
 #pragma omp simd reduction(+ : s)
   for (int64_t i = 0; i < n; ++i) s += x[i] * x[i];

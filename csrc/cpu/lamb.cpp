@@ -14,6 +14,7 @@
 // bc1 = 1 - beta1^step, bc2 = 1 - beta2^step (1 without bias correction). Partial sums are per
 // span, in a fixed order: results do not depend on the thread count.
 #include "optim.h"
+#include "vector_isa.h"
 
 #include <torch/library.h>
 
@@ -26,6 +27,8 @@
 
 namespace zerofuse {
 namespace {
+
+using FloatPair = std::pair<float, float>;  // one token for ZF_MULTIVERSION
 
 struct LambConsts {
   float beta1, beta2, w1, w2, eps, wd, inv_bc1, inv_bc2, mult;
@@ -46,9 +49,8 @@ LambConsts lamb_consts(double beta1, double beta2, double eps, double wd, bool b
 }
 
 // Updates m and v, writes the update u; returns (sum p^2, sum u^2) of the chunk.
-ZF_VECTOR_CLONES std::pair<float, float> lamb_moments(const float* __restrict__ p, const float* __restrict__ g,
-                                                      float* __restrict__ m, float* __restrict__ v,
-                                                      float* __restrict__ u_out, int64_t n, const LambConsts c) {
+ZF_MULTIVERSION(FloatPair, lamb_moments, (const float* __restrict__ p, const float* __restrict__ g, float* __restrict__ m, float* __restrict__ v, float* __restrict__ u_out, int64_t n, const LambConsts c),
+                (p, g, m, v, u_out, n, c)) {
   float spp = 0.f, suu = 0.f;
 #pragma omp simd reduction(+ : spp, suu)
   for (int64_t i = 0; i < n; ++i) {
@@ -66,13 +68,14 @@ ZF_VECTOR_CLONES std::pair<float, float> lamb_moments(const float* __restrict__ 
 }
 
 // p -= ratio * u with u kept by lamb_moments (the same values lamb_apply recomputes).
-ZF_VECTOR_CLONES void lamb_apply_u(float* __restrict__ p, const float* __restrict__ u, int64_t n, const float ratio) {
+ZF_MULTIVERSION(void, lamb_apply_u, (float* __restrict__ p, const float* __restrict__ u, int64_t n, const float ratio),
+                (p, u, n, ratio)) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) p[i] = p[i] - ratio * u[i];
 }
 
-ZF_VECTOR_CLONES void lamb_apply(float* __restrict__ p, const float* __restrict__ m, const float* __restrict__ v,
-                                 int64_t n, const LambConsts c, const float ratio) {
+ZF_MULTIVERSION(void, lamb_apply, (float* __restrict__ p, const float* __restrict__ m, const float* __restrict__ v, int64_t n, const LambConsts c, const float ratio),
+                (p, m, v, n, c, ratio)) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
     const float u = lamb_update(m[i], v[i], p[i], c);

@@ -5,6 +5,7 @@
 // per element in fp32 with g = grad * grad_mult. The per-tensor norms come in as an argument
 // (zerofuse::l2norm over params then grads, one launch), |g| multiplied by grad_mult here.
 #include "optim.h"
+#include "vector_isa.h"
 
 #include <torch/library.h>
 
@@ -18,8 +19,8 @@ struct LarsConsts {
   float momentum, wd, mult, step;  // step = lr * local_lr
 };
 
-ZF_VECTOR_CLONES void lars_chunk(float* __restrict__ p, const float* __restrict__ g, float* __restrict__ buf,
-                                 int64_t n, const LarsConsts c) {
+ZF_MULTIVERSION(void, lars_chunk, (float* __restrict__ p, const float* __restrict__ g, float* __restrict__ buf, int64_t n, const LarsConsts c),
+                (p, g, buf, n, c)) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
     const float d = g[i] * c.mult + c.wd * p[i];

@@ -9,6 +9,7 @@
 // order, so results do not depend on the thread count.
 #include "../checks.h"
 #include "convert.h"
+#include "vector_isa.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -30,7 +31,8 @@ constexpr int64_t kColumnTile = 1024;  // floats: a 4 KB tile of dw and of db
 // double: in float, each vector lane adds n / width terms in sequence and s2 - s1^2 / n cancels:
 // on AVX2 a 65537-wide row's rstd was off by 3e-6 (relative) and y by 2.4e-5 (1.4x the fp32
 // tolerance); with double sums the statistics are off by ~2e-8 and y by 1.1e-6.
-ZF_VECTOR_CLONES void row_moments(const float* __restrict__ x, int64_t n, float* mean, float* var) {
+ZF_MULTIVERSION(void, row_moments, (const float* __restrict__ x, int64_t n, float* mean, float* var),
+                (x, n, mean, var)) {
   const double k = x[0];
   double s1 = 0., s2 = 0.;
 #pragma omp simd reduction(+ : s1, s2)
@@ -44,7 +46,8 @@ ZF_VECTOR_CLONES void row_moments(const float* __restrict__ x, int64_t n, float*
   *var = static_cast<float>(std::max(0., (s2 - s1 * s1 * inv_n) * inv_n));
 }
 
-ZF_VECTOR_CLONES float row_sq_dev(const float* __restrict__ x, float mu, int64_t n) {
+ZF_MULTIVERSION(float, row_sq_dev, (const float* __restrict__ x, float mu, int64_t n),
+                (x, mu, n)) {
   // sum((x - mu)^2): the squared deviations (LayerNorm) or, with mu = 0, the squares (RMSNorm);
   // summed in double for the reason row_moments gives
   double s = 0.;
@@ -56,8 +59,8 @@ ZF_VECTOR_CLONES float row_sq_dev(const float* __restrict__ x, float mu, int64_t
   return static_cast<float>(s);
 }
 
-ZF_VECTOR_CLONES void row_normalize(const float* __restrict__ x, float* __restrict__ y, float mean, float rstd,
-                                    const float* __restrict__ w, const float* __restrict__ b, int64_t n) {
+ZF_MULTIVERSION(void, row_normalize, (const float* __restrict__ x, float* __restrict__ y, float mean, float rstd, const float* __restrict__ w, const float* __restrict__ b, int64_t n),
+                (x, y, mean, rstd, w, b, n)) {
   if (w && b) {
 #pragma omp simd
     for (int64_t i = 0; i < n; ++i) y[i] = (x[i] - mean) * rstd * w[i] + b[i];
@@ -92,8 +95,8 @@ __attribute__((always_inline)) inline void row_normalize_bf16_impl(const float* 
   }
 }
 
-ZF_VECTOR_CLONES void row_normalize_bf16(const float* x, uint16_t* y, float mean, float rstd, const float* w,
-                                         const float* b, int64_t n) {
+ZF_MULTIVERSION(void, row_normalize_bf16, (const float* x, uint16_t* y, float mean, float rstd, const float* w, const float* b, int64_t n),
+                (x, y, mean, rstd, w, b, n)) {
   if (w && b) row_normalize_bf16_impl<true, true>(x, y, mean, rstd, w, b, n);
   else if (w) row_normalize_bf16_impl<true, false>(x, y, mean, rstd, w, b, n);
   else if (b) row_normalize_bf16_impl<false, true>(x, y, mean, rstd, w, b, n);
@@ -126,16 +129,16 @@ __attribute__((always_inline)) inline void row_backward_impl(const float* __rest
 }
 
 // dx must not alias x or dy.
-ZF_VECTOR_CLONES void row_backward(const float* x, const float* dy, float* dx, const float* w, float mean, float rstd,
-                                   bool rms, int64_t n) {
+ZF_MULTIVERSION(void, row_backward, (const float* x, const float* dy, float* dx, const float* w, float mean, float rstd, bool rms, int64_t n),
+                (x, dy, dx, w, mean, rstd, rms, n)) {
   if (w) row_backward_impl<true>(x, dy, dx, w, mean, rstd, rms, n);
   else row_backward_impl<false>(x, dy, dx, w, mean, rstd, rms, n);
 }
 
 // dw[i] += dy[i] * (x[i] - mean) * rstd and db[i] += dy[i] over one column tile of one row
 // (either may be null).
-ZF_VECTOR_CLONES void accumulate_param_grads(const float* __restrict__ x, const float* __restrict__ dy, float mean,
-                                             float rstd, int64_t n, float* __restrict__ dw, float* __restrict__ db) {
+ZF_MULTIVERSION(void, accumulate_param_grads, (const float* __restrict__ x, const float* __restrict__ dy, float mean, float rstd, int64_t n, float* __restrict__ dw, float* __restrict__ db),
+                (x, dy, mean, rstd, n, dw, db)) {
   if (dw) {
 #pragma omp simd
     for (int64_t i = 0; i < n; ++i) dw[i] += dy[i] * ((x[i] - mean) * rstd);
