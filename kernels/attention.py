@@ -257,19 +257,32 @@ def _launch(kernel, tuned, grid, *args, **consts):
         tuned[grid](*args, UPCAST=False, **consts)
 
 
-def _check(q, k, v):
+def check_like_query(q, k, v, fn: str) -> None:
+    """Key and value on query's device and of its dtype (a kernel would read them as query's)."""
+    for name, t in (("key", k), ("value", v)):
+        if t.device != q.device:
+            raise ValueError(f"{fn}: expected {name} on the device of query ({q.device}), got {t.device}")
+        if t.dtype != q.dtype:
+            raise TypeError(f"{fn}: expected {name} of the dtype of query ({q.dtype}), got {t.dtype}")
+
+
+def _check(q, k, v, fn: str = "zerofuse::attention"):
+    """The shapes, devices and dtypes the kernels (and the ops' CPU path) rely on; any B, H, N may
+    be 0. A key or value on another device or of another dtype would be read as query's."""
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError(f"zerofuse attention: expected 4-D (B, H, N, D) query, key and value, got shapes "
+        raise ValueError(f"{fn}: expected 4-D (B, H, N, D) query, key and value, got shapes "
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     b, hq, _, d = q.shape
     if k.shape != v.shape or k.shape[0] != b or k.shape[3] != d:
-        raise ValueError(f"zerofuse attention: expected key and value of shape (B={b}, Hkv, Nk, D={d}), got "
+        raise ValueError(f"{fn}: expected key and value of shape (B={b}, Hkv, Nk, D={d}), got "
                          f"{tuple(k.shape)} and {tuple(v.shape)}")
-    if hq % k.shape[1]:
-        raise ValueError(f"zerofuse attention: expected the key/value heads ({k.shape[1]}) to divide the query "
-                         f"heads ({hq})")
+    hkv = k.shape[1]
+    if (hq % hkv) if hkv else hq:
+        raise ValueError(f"{fn}: expected the key/value heads ({hkv}) to divide the query heads ({hq})")
+    check_like_query(q, k, v, fn)
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
-        raise ValueError("zerofuse attention: expected the last dimension of query, key and value to be contiguous")
+        raise ValueError(f"{fn}: expected the last dimension of query, key and value to be contiguous, got "
+                         f"strides {q.stride()}, {k.stride()}, {v.stride()}")
 
 
 # [Note: 64-bit offsets] Tensors may hold 2^31 elements or more while Triton's program ids and int
@@ -294,7 +307,7 @@ def _check_grid(b: int, hq: int) -> None:
 
 def attention_fwd(q, k, v, causal: bool, scale: float):
     """(out (B, Hq, Nq, D) like q, lse (B, Hq, Nq) fp32 natural log-sum-exp of the scaled scores)."""
-    _check(q, k, v)
+    _check(q, k, v, "zerofuse.kernels.attention.attention_fwd")
     q, k, v = _tileable(q), _tileable(k), _tileable(v)
     b, hq, nq, d = q.shape
     _check_grid(b, hq)

@@ -26,7 +26,8 @@ from typing import Any
 
 import pytest
 
-MODULES = ("test_bad_input_ops", "test_bad_input_nn_optim", "test_bad_input_dist", "test_bad_input_train")
+MODULES = ("test_bad_input_ops", "test_bad_input_nn_optim", "test_bad_input_dist", "test_bad_input_comm",
+           "test_bad_input_train")
 TARGET = 150  # cases the sweep must hold (issue 22)
 
 

@@ -1,6 +1,7 @@
-"""Bad input to zerofuse's ops (issue 22): the C++ ops called directly (in a child process, so a
-missing check fails its row instead of crashing the session), the optimizer ops on both their
-paths (C++ kernels; Triton kernels, in the interpreter here), and the flat-shard functions.
+"""Bad input to zerofuse's ops (issue 22): the C++ ops called directly and the attention op on
+empty input (in a child process, so a missing check fails its row instead of crashing the
+session), the optimizer, attention and norm ops on both their paths (C++ / torch CPU kernels;
+Triton kernels, in the interpreter here) and their fake impls, and the flat-shard functions.
 Tables and runners: tests/bad_input.py."""
 from __future__ import annotations
 
@@ -59,6 +60,28 @@ def _sdpa_empty_matches_torch(shape_q, shape_k):
     with pytest.warns(UserWarning, match="empty input"):
         got = sdpa(q, k, k)
     assert got.shape == torch.nn.functional.scaled_dot_product_attention(q, k, k).shape
+
+
+def _attention_empty(shape_q, shape_k, causal=False):
+    """zerofuse::attention and its backward on an empty batch, head count, query or key length: zeros
+    (torch's sdpa gives zeros for a query with no key), lse -inf, zero gradients (no kernel runs)."""
+    leaves = [r(*s, requires_grad=True) for s in (shape_q, shape_k, shape_k)]
+    out, lse = ops.attention(*leaves, causal, 0.5)
+    assert out.shape == leaves[0].shape and lse.shape == leaves[0].shape[:3]
+    assert torch.equal(out, torch.zeros_like(out)) and bool((lse == -math.inf).all())
+    if leaves[0].shape[1] == leaves[1].shape[1] > 0:
+        torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(
+            *leaves, is_causal=causal, scale=0.5))
+    out.backward(torch.ones_like(out))
+    for t in leaves:
+        assert t.grad.shape == t.shape and not t.grad.any()
+
+
+def _in_fake_mode(call):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():  # fake tensors may be on cuda without a GPU
+        return call()
 
 
 # C++ ops called directly, run with ZEROFUSE_TRITON_ON_CPU=0 in a child process
@@ -134,6 +157,79 @@ NATIVE = [
     Behaviour("sdpa-native-empty-queries", lambda: _sdpa_empty_matches_torch((1, 2, 0, 8), (1, 2, 5, 8))),
     Behaviour("sdpa-native-empty-batch", lambda: _sdpa_empty_matches_torch((0, 2, 5, 8), (0, 2, 5, 8))),
     Behaviour("sdpa-native-head-dim-0", lambda: _sdpa_empty_matches_torch((1, 2, 5, 0), (1, 2, 5, 0))),
+    Behaviour("attention-native-empty-batch", lambda: _attention_empty((0, 2, 5, 8), (0, 2, 5, 8), True)),
+    Behaviour("attention-native-no-heads", lambda: _attention_empty((1, 0, 5, 8), (1, 0, 5, 8))),
+    Behaviour("attention-native-no-query-heads-gqa", lambda: _attention_empty((1, 0, 5, 8), (1, 2, 5, 8))),
+    Behaviour("attention-native-no-queries", lambda: _attention_empty((1, 4, 0, 8), (1, 2, 5, 8))),
+    Behaviour("attention-native-no-keys", lambda: _attention_empty((1, 2, 5, 8), (1, 2, 0, 8), True)),
+]
+
+# zerofuse::attention and the norm ops: checked in Python before any kernel (Triton on CUDA and
+# interpreted; C++ / torch CPU kernels), on both paths, and by their fake impls
+ATT = "zerofuse::attention"
+NORM_W = r"expected weight to be a floating-point tensor of 1000 elements \(the hidden size\) on cpu, got "
+TENSOR_OPS = [
+    Case("attention-key-on-meta", ops.attention, lambda: (r(1, 2, 5, 8), r(1, 2, 5, 8, device=META), r(1, 2, 5, 8),
+                                                          False, 0.5),
+         ValueError, ATT + r": expected key on the device of query \(cpu\), got meta"),
+    Case("attention-value-bf16", ops.attention, lambda: (r(1, 2, 5, 8), r(1, 2, 5, 8), r(1, 2, 5, 8, dtype=BF16),
+                                                         False, 0.5),
+         TypeError, ATT + r": expected value of the dtype of query \(torch.float32\), got torch.bfloat16"),
+    Case("attention-kv-heads-0", ops.attention, lambda: (r(1, 2, 5, 8), r(1, 0, 5, 8), r(1, 0, 5, 8), False, 0.5),
+         ValueError, ATT + r": expected the key/value heads \(0\) to divide the query heads \(2\)"),
+    Case("attention_backward-key-f64", ops.attention_backward,
+         lambda: (r(1, 2, 5, 8), r(1, 2, 5, 8), r(1, 2, 5, 8, dtype=F64), r(1, 2, 5, 8), r(1, 2, 5, 8), z(1, 2, 5),
+                  False, 0.5),
+         TypeError, ATT + r"_backward: expected key of the dtype of query \(torch.float32\), got torch.float64"),
+    Case("attention_backward-lse-rows", ops.attention_backward,
+         lambda: (*[r(1, 2, 5, 8)] * 5, z(1, 2, 4), False, 0.5), ValueError,
+         ATT + r"_backward: expected lse to be a floating-point tensor of shape \[1, 2, 5\] on cpu, got torch.float32 "
+               r"\[1, 2, 4\]"),
+    Case("attention-fake-value-on-cuda", _in_fake_mode, lambda: (lambda: ops.attention(
+        r(1, 2, 5, 8), r(1, 2, 5, 8), r(1, 2, 5, 8, device="cuda"), False, 0.5),), ValueError,
+         ATT + r": expected value on the device of query \(cpu\), got cuda"),
+    Case("layer_norm-weight-short", ops.layer_norm, lambda: (r(2, 1000), r(3), None, None, 1e-5), RuntimeError,
+         r"zerofuse::layer_norm: " + NORM_W + r"torch.float32 \[3\] on cpu"),
+    Case("layer_norm-bias-short", ops.layer_norm, lambda: (r(2, 1000), r(1000), r(999), None, 1e-5), RuntimeError,
+         r"zerofuse::layer_norm: expected bias to be .* of 1000 elements .*got torch.float32 \[999\] on cpu"),
+    Case("rms_norm-weight-int", ops.rms_norm, lambda: (r(2, 1000), torch.ones(1000, dtype=I64), None, 1e-5),
+         RuntimeError, r"zerofuse::rms_norm: " + NORM_W + r"torch.int64 \[1000\] on cpu"),
+    Case("rms_norm-weight-on-meta", ops.rms_norm, lambda: (r(2, 1000), r(1000, device=META), None, 1e-5),
+         RuntimeError, r"zerofuse::rms_norm: " + NORM_W + r"torch.float32 \[1000\] on meta"),
+    Case("layer_norm-residual-rows", ops.layer_norm, lambda: (r(4, 8), None, None, r(2, 8), 1e-5), RuntimeError,
+         r"zerofuse::layer_norm: expected residual to be a floating-point tensor of x's shape \[4, 8\] on cpu, got "
+         r"torch.float32 \[2, 8\]"),
+    Case("layer_norm_backward-rstd-rows", ops.layer_norm_backward,
+         lambda: (r(4, 8), None, r(4, 8), None, None, z(4), torch.ones(2)), RuntimeError,
+         r"zerofuse::layer_norm_backward: expected rstd to be a floating-point tensor of 4 elements \(one per row of "
+         r"x\) on cpu, got torch.float32 \[2\]"),
+    Case("rms_norm_backward-weight-short", ops.rms_norm_backward,
+         lambda: (r(2, 1000), None, r(2, 1000), r(7), torch.ones(2)), RuntimeError,
+         r"zerofuse::rms_norm_backward: " + NORM_W + r"torch.float32 \[7\]"),
+    Case("layer_norm-fake-weight-on-cuda", _in_fake_mode, lambda: (lambda: ops.layer_norm(
+        r(2, 8), r(8, device="cuda"), None, None, 1e-5),), RuntimeError,
+         r"zerofuse::layer_norm: expected weight .* of 8 elements \(the hidden size\) on cpu, got torch.float32 \[8\] "
+         r"on cuda"),
+    Case("layer_norm-meta-weight-short", ops.layer_norm, lambda: (r(2, 1000, device=META), r(3, device=META), None,
+                                                                  None, 1e-5),
+         RuntimeError, r"zerofuse::layer_norm: expected weight .* of 1000 elements .* on meta, got torch.float32 \[3\]"),
+    Case("rms_norm-fake-residual-rows", _in_fake_mode, lambda: (lambda: ops.rms_norm(r(4, 8), None, r(3, 8), 1e-5),),
+         RuntimeError, r"zerofuse::rms_norm: expected residual .* of x's shape \[4, 8\] on cpu, got torch.float32 "
+                       r"\[3, 8\]"),
+    Case("layer_norm_backward-meta-mean-rows", ops.layer_norm_backward,
+         lambda: (r(4, 8, device=META), None, r(4, 8, device=META), None, None, z(3, device=META), z(4, device=META)),
+         RuntimeError, r"layer_norm_backward: expected mean to be .* of 4 elements .* on meta, got torch.float32 \[3\]"),
+    Case("rms_norm_backward-fake-weight-on-cuda", _in_fake_mode, lambda: (lambda: ops.rms_norm_backward(
+        r(4, 8), None, r(4, 8), r(8, device="cuda"), r(4)),), RuntimeError,
+         r"zerofuse::rms_norm_backward: expected weight .* on cpu, got torch.float32 \[8\] on cuda"),
+    Case("norm_fwd_cpu-meta-weight-short", ops.norm_fwd_cpu, lambda: (r(2, 8, device=META), r(3, device=META), None,
+                                                                      None, 1e-5, False),
+         RuntimeError, r"zerofuse::norm_cpu: expected weight to be a float32, float16 or bfloat16 meta tensor of 8 "
+                       r"elements \(the hidden size\), got torch.float32 \[3\] on meta"),
+    Case("norm_bwd_cpu-fake-rstd-rows", _in_fake_mode, lambda: (lambda: ops.norm_bwd_cpu(
+        r(2, 8), None, r(2, 8), None, None, z(0), torch.ones(3), True),), RuntimeError,
+         r"zerofuse::norm_cpu: expected rstd to be a contiguous float32 cpu tensor of 2 elements \(one per row\), "
+         r"got torch.float32 \[3\]"),
 ]
 
 # zerofuse.ops' optimizer faces, on the C++ and the Triton path (their checks are separate code)
@@ -204,6 +300,7 @@ OPTIM_OPS = [
 ]
 PATHS = ("cpp", "triton")
 OPTIM_OP_PARAMS = [pytest.param(c, p, id=f"{c.id}-{p}") for c in OPTIM_OPS for p in PATHS]
+TENSOR_OP_PARAMS = [pytest.param(c, p, id=f"{c.id}-{p}") for c in TENSOR_OPS for p in PATHS]
 
 # path-independent checks of the flat-shard functions and helpers
 FLAT = [
@@ -264,7 +361,8 @@ BEHAVIOUR = [
     Behaviour("adam_-empty-tensor-beside-others", _empty_tensors_step),
 ]
 
-TABLES = {"C++ ops (isolated)": NATIVE, "optimizer ops x 2 paths": OPTIM_OP_PARAMS, "flat shards": FLAT,
+TABLES = {"C++ ops (isolated)": NATIVE, "optimizer ops x 2 paths": OPTIM_OP_PARAMS,
+          "attention and norm ops x 2 paths": TENSOR_OP_PARAMS, "flat shards": FLAT,
           "documented behaviour": BEHAVIOUR}
 
 
@@ -278,8 +376,8 @@ def test_native_op(row, native_results):
     assert_isolated(row, native_results[row.id])
 
 
-@pytest.mark.parametrize("case,path", OPTIM_OP_PARAMS)
-def test_optimizer_op(case, path, monkeypatch):
+@pytest.mark.parametrize("case,path", OPTIM_OP_PARAMS + TENSOR_OP_PARAMS)
+def test_tensor_op(case, path, monkeypatch):
     if path == "triton" and not kernels.interpreted():
         pytest.skip("Triton on CPU tensors needs the interpreter (ZEROFUSE_TRITON_ON_CPU=1 before import)")
     monkeypatch.setattr(kernels, "TRITON_ON_CPU", path == "triton")

@@ -50,10 +50,20 @@ class PgWork : public Work {
   std::vector<Future> futs_;
 };
 
-// All-reduces above this size are split into pieces of kPieceBytes, launched back to back:
+// All-reduces above this size are split into pieces of about kPieceBytes, launched back to back:
 // ProcessGroupGloo runs async collectives on several worker threads, so pieces pipeline (measured
 // on gloo, 2 ranks: a ~100 MB buffer reduced as one collective took ~1.9x as long as in 1 MB
 // buckets; see bench_collectives' bucket sweep).
+//
+// [Note: piece size] A piece is kPieceBytes / element size + 1 elements, not a round number. gloo
+// pairs collectives by order and aborts a rank that receives more than it posted, so ranks that
+// all-reduce different sizes (a bug: ZEROFUSE_CHECK_COLLECTIVES names it) normally abort at the
+// first piece that differs. But when one rank's pieces are a prefix of the other's (its size a
+// whole number of pieces, the other's larger), each of its pieces finds a partner of its size and
+// its call returns with a mix of the ranks' data. With round pieces (4 MiB) that took a rank whose
+// buffer was 4 MiB; with pieces of 2^20 + 1 floats it takes a multiple of 1048577 elements.
+// No split avoids it for every size (the smallest size split in two starts with a piece that is a
+// whole call on its own); only a size check before each call would, a collective of its own.
 constexpr int64_t kPieceBytes = 4 << 20;
 
 class ProcessGroupTransport : public Transport {
@@ -115,7 +125,7 @@ class ProcessGroupTransport : public Transport {
     opts.reduceOp = to_c10d(op);
     opts.timeout = timeout_;
     auto pg = pg_;
-    const int64_t piece = std::max<int64_t>(1, kPieceBytes / buf.element_size());
+    const int64_t piece = kPieceBytes / buf.element_size() + 1;  // [Note: piece size]
     std::vector<Launch> launches;
     for (int64_t b = 0; b < buf.numel(); b += piece) {
       at::Tensor part = buf.narrow(0, b, std::min(piece, buf.numel() - b));

@@ -22,6 +22,17 @@ Debug checker: with ``ZEROFUSE_CHECK_COLLECTIVES=1`` every rank publishes each c
 with every other rank's; a mismatch raises :class:`CollectiveMismatch` on every rank naming the
 ranks and their calls, and a rank that never arrives is named after ``timeout``, instead of a
 hang.
+
+Without the checker, ranks passing different sizes to one call are not detected: each rank knows
+only its own, and comparing them would be a collective of its own before every call (on gloo as
+long as a small all-reduce). On gloo such a call aborts the process of a rank that receives more
+than it posted (gloo's enforce, in its transport thread: std::terminate, no Python exception), and
+the ranks left raise ``DistBackendError``; the abort cannot tear a checkpoint (files.py writes
+each one aside and renames it into place), and no all-reduce or reduce-scatter returns on any rank
+with a mix of data, except for the rare sizes of [Note: piece size] (process_group_transport.cpp).
+``all_gather_coalesced`` is a broadcast per rank on gloo, which takes a message shorter than the
+receive: the rank with the largest shard can return with others' shorter shards in its slots. Run
+with ``ZEROFUSE_CHECK_COLLECTIVES=1`` to find such a mismatch (tests/test_bad_input_comm.py).
 """
 from __future__ import annotations
 

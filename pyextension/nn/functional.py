@@ -145,11 +145,9 @@ def _check_attention(query, key, value, dropout_p) -> None:
         if not isinstance(t, Tensor) or not t.is_floating_point():
             got = t.dtype if isinstance(t, Tensor) else type(t).__name__
             raise TypeError(f"{where}: expected {name} to be a floating-point tensor, got {got}")
-    for name, t in (("key", key), ("value", value)):
-        if t.device != query.device:
-            raise ValueError(f"{where}: expected {name} on the device of query ({query.device}), got {t.device}")
-        if t.dtype != query.dtype:
-            raise TypeError(f"{where}: expected {name} of the dtype of query ({query.dtype}), got {t.dtype}")
+    from zerofuse.kernels.attention import check_like_query
+
+    check_like_query(query, key, value, where)
     if not 0.0 <= dropout_p <= 1.0:
         raise ValueError(f"{where}: expected dropout_p in [0, 1], got {dropout_p}")
 

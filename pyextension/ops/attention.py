@@ -7,8 +7,14 @@ log-sum-exp per query row (fp32; fp64 for fp64 inputs). Not differentiable throu
 CUDA tensors (and CPU tensors under ZEROFUSE_TRITON_ON_CPU=1) run kernels/attention.py; other
 CPU tensors run torch's CPU flash-attention kernels (k/v heads repeated for GQA; their gradients
 summed back over the group).
+
+Empty input (B, H or Nq of 0, or no keys) runs no kernel, on any path (torch's CPU flash kernels
+divide by zero on it: SIGFPE): out is zeros, as torch's sdpa gives (a query that sees no key
+averages nothing), lse is -inf (the log of an empty sum), and every gradient is zero.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import Tensor
@@ -35,9 +41,28 @@ def _groups(q: Tensor, k: Tensor) -> int:
     return q.shape[1] // k.shape[1]
 
 
+def _empty(q: Tensor, k: Tensor) -> bool:
+    """No query row, or no key: nothing for a kernel to compute (head_dim 0 is computed: its scores
+    are 0, so lse = log(keys seen))."""
+    b, h, nq, _ = q.shape
+    return b * h * nq == 0 or k.shape[2] == 0
+
+
+def _check_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor) -> None:
+    fn = "zerofuse::attention_backward"
+    K._check(q, k, v, fn)
+    for name, t, shape in (("dout", dout, q.shape), ("out", out, q.shape), ("lse", lse, q.shape[:3])):
+        if t.shape != shape or t.device != q.device or not t.is_floating_point():
+            raise ValueError(f"{fn}: expected {name} to be a floating-point tensor of shape {list(shape)} on "
+                             f"{q.device}, got {t.dtype} {list(t.shape)} on {t.device}")
+
+
 @torch.library.custom_op("zerofuse::attention", mutates_args=())
 def attention(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float) -> tuple[Tensor, Tensor]:
     K._check(q, k, v)
+    if _empty(q, k):
+        return torch.zeros_like(q, memory_format=torch.contiguous_format), torch.full(
+            q.shape[:3], -math.inf, dtype=_lse_dtype(q), device=q.device)
     if use_triton(q):
         return K.attention_fwd(q, k, v, is_causal, scale)
     g = _groups(q, k)
@@ -57,6 +82,9 @@ def _(q, k, v, is_causal, scale):
 @torch.library.custom_op("zerofuse::attention_backward", mutates_args=())
 def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, is_causal: bool,
                        scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    _check_backward(dout, q, k, v, out, lse)
+    if _empty(q, k):
+        return tuple(torch.zeros_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
     if use_triton(q):
         return K.attention_bwd(dout, q, k, v, out, lse, is_causal, scale)
     g = _groups(q, k)
@@ -72,6 +100,7 @@ def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tenso
 
 @attention_backward.register_fake
 def _(dout, q, k, v, out, lse, is_causal, scale):
+    _check_backward(dout, q, k, v, out, lse)
     return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
 
 

@@ -13,6 +13,8 @@ kernels in the interpreter.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -51,6 +53,46 @@ def _empty(x: Tensor) -> Tensor:
     return x.new_empty(_EMPTY)
 
 
+# ---------------------------------------------------------------- checks
+# Run by the ops before any kernel, on every path, and by their fake impls: the Triton kernels read
+# weight/bias as N values and mean/rstd as one per row, unchecked (csrc/cpu/norms.cpp checks its
+# own inputs). EagerNorm skips them: the faces (nn/functional.py _check) checked the same first.
+
+
+def _check_like_x(fn: str, name: str, t: Tensor | None, x: Tensor) -> None:
+    if t is not None and (t.shape != x.shape or t.device != x.device or not t.is_floating_point()):
+        raise RuntimeError(f"{fn}: expected {name} to be a floating-point tensor of x's shape {list(x.shape)} on "
+                           f"{x.device}, got {t.dtype} {list(t.shape)} on {t.device}")
+
+
+def _check_fwd(fn: str, x: Tensor, weight: Tensor | None, bias: Tensor | None, residual: Tensor | None) -> None:
+    if x.dim() == 0 or not x.is_floating_point():
+        raise RuntimeError(f"{fn}: expected x to be a floating-point tensor (..., hidden), got {x.dtype} "
+                           f"{list(x.shape)}")
+    n = x.shape[-1]
+    for name, p in (("weight", weight), ("bias", bias)):
+        if p is not None and (p.numel() != n or p.device != x.device or not p.is_floating_point()):
+            raise RuntimeError(f"{fn}: expected {name} to be a floating-point tensor of {n} elements (the hidden "
+                               f"size) on {x.device}, got {p.dtype} {list(p.shape)} on {p.device}")
+    _check_like_x(fn, "residual", residual, x)
+
+
+def _check_bwd(fn: str, dy: Tensor, dh: Tensor | None, x: Tensor, weight: Tensor | None, bias: Tensor | None,
+               mean: Tensor | None, rstd: Tensor) -> None:
+    _check_fwd(fn, x, weight, bias, None)
+    _check_like_x(fn, "dy", dy, x)
+    _check_like_x(fn, "dh", dh, x)
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else math.prod(x.shape[:-1])
+    for name, t in (("mean", mean), ("rstd", rstd)):
+        if t is not None and (t.numel() != rows or t.device != x.device or not t.is_floating_point()):
+            raise RuntimeError(f"{fn}: expected {name} to be a floating-point tensor of {rows} elements (one per "
+                               f"row of x) on {x.device}, got {t.dtype} {list(t.shape)} on {t.device}")
+
+
+def _fn(is_rms: bool, backward: bool = False) -> str:
+    return ("zerofuse::rms_norm" if is_rms else "zerofuse::layer_norm") + ("_backward" if backward else "")
+
+
 # ---------------------------------------------------------------- forward ops
 
 
@@ -82,11 +124,13 @@ def _norm_fwd(x, weight, bias, residual, eps, is_rms):
 def layer_norm(
     x: Tensor, weight: Tensor | None, bias: Tensor | None, residual: Tensor | None, eps: float
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    _check_fwd(_fn(False), x, weight, bias, residual)
     return _norm_fwd(x, weight, bias, residual, eps, is_rms=False)
 
 
 @torch.library.custom_op("zerofuse::rms_norm", mutates_args=())
 def rms_norm(x: Tensor, weight: Tensor | None, residual: Tensor | None, eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    _check_fwd(_fn(True), x, weight, None, residual)
     y, h, _, rstd = _norm_fwd(x, weight, None, residual, eps, is_rms=True)
     return y, h, rstd
 
@@ -101,12 +145,14 @@ def _fake_fwd(x, residual):
 
 @layer_norm.register_fake
 def _(x, weight, bias, residual, eps):
+    _check_fwd(_fn(False), x, weight, bias, residual)
     y, h, stat = _fake_fwd(x, residual)
     return y, h, stat, torch.empty_like(stat)
 
 
 @rms_norm.register_fake
 def _(x, weight, residual, eps):
+    _check_fwd(_fn(True), x, weight, None, residual)
     return _fake_fwd(x, residual)
 
 
@@ -149,6 +195,7 @@ def layer_norm_backward(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dx, dweight, dbias) of layer_norm; x is the normalised input (h when the residual was fused),
     dh the gradient of the h output (added to dx). Absent weight/bias give empty gradients."""
+    _check_bwd(_fn(False, True), dy, dh, x, weight, bias, mean, rstd)
     return _norm_bwd(dy, dh, x, weight, bias, mean, rstd, is_rms=False)
 
 
@@ -157,6 +204,7 @@ def rms_norm_backward(
     dy: Tensor, dh: Tensor | None, x: Tensor, weight: Tensor | None, rstd: Tensor
 ) -> tuple[Tensor, Tensor]:
     """(dx, dweight) of rms_norm; see layer_norm_backward."""
+    _check_bwd(_fn(True, True), dy, dh, x, weight, None, None, rstd)
     dx, dw, _ = _norm_bwd(dy, dh, x, weight, None, None, rstd, is_rms=True)
     return dx, dw
 
@@ -167,11 +215,13 @@ def _param_grad_fake(x, p):
 
 @layer_norm_backward.register_fake
 def _(dy, dh, x, weight, bias, mean, rstd):
+    _check_bwd(_fn(False, True), dy, dh, x, weight, bias, mean, rstd)
     return torch.empty_like(x), _param_grad_fake(x, weight), _param_grad_fake(x, bias)
 
 
 @rms_norm_backward.register_fake
 def _(dy, dh, x, weight, rstd):
+    _check_bwd(_fn(True, True), dy, dh, x, weight, None, None, rstd)
     return torch.empty_like(x), _param_grad_fake(x, weight)
 
 
@@ -225,6 +275,7 @@ class EagerNorm(torch.autograd.Function):
     on small rows). The faces use it outside torch.compile; compiled graphs use the ops.
 
     apply(x, weight, bias, residual, eps, is_rms) -> (y, h) with h empty when residual is None.
+    It runs none of the ops' checks: its callers, the faces, checked the arguments first.
     """
 
     @staticmethod
@@ -267,14 +318,37 @@ def _selftest_case(device: torch.device, is_rms: bool):
         torch.testing.assert_close(a.grad.double().cpu(), r.grad, atol=1e-3, rtol=1e-3)
 
 
+def _check_cpu_op(x, weight, bias, rows_like_x: dict, stats: dict) -> None:
+    """csrc/cpu/norms.cpp's checks (check_2d, check_param, check_stat), for the fakes of its ops; the
+    device asked for is x's (the C++ kernels' is the cpu: only cpu tensors dispatch to them)."""
+    fn = "zerofuse::norm_cpu"
+    if x.dim() != 2:
+        raise RuntimeError(f"{fn}: expected x of 2 dims (rows, hidden), got shape {list(x.shape)}")
+    m, n = x.shape
+    for name, t in {"x": x, **rows_like_x}.items():
+        if t is not None and (t.shape != x.shape or not t.is_contiguous() or t.dtype not in _KERNEL_DTYPES):
+            raise RuntimeError(f"{fn}: expected {name} to be a contiguous ({m}, {n}) float32, float16 or bfloat16 "
+                               f"tensor, got {t.dtype} {list(t.shape)} with strides {list(t.stride())}")
+    for name, p in (("weight", weight), ("bias", bias)):
+        if p is not None and (p.numel() != n or p.device != x.device or p.dtype not in _KERNEL_DTYPES):
+            raise RuntimeError(f"{fn}: expected {name} to be a float32, float16 or bfloat16 {x.device} tensor of {n} "
+                               f"elements (the hidden size), got {p.dtype} {list(p.shape)} on {p.device}")
+    for name, t in stats.items():
+        if t.numel() != m or t.device != x.device or t.dtype != torch.float32 or not t.is_contiguous():
+            raise RuntimeError(f"{fn}: expected {name} to be a contiguous float32 {x.device} tensor of {m} elements "
+                               f"(one per row), got {t.dtype} {list(t.shape)} on {t.device}")
+
+
 @torch.library.register_fake("zerofuse::norm_fwd_cpu")
 def _(x, weight, bias, residual, eps, rms):
+    _check_cpu_op(x, weight, bias, {"residual": residual}, {})
     y, h, stat = _fake_fwd(x, residual)
     return y, h, (x.new_empty(_EMPTY, dtype=torch.float32) if rms else torch.empty_like(stat)), stat
 
 
 @torch.library.register_fake("zerofuse::norm_bwd_cpu")
 def _(dy, dh, x, weight, bias, mean, rstd, rms):
+    _check_cpu_op(x, weight, bias, {"dy": dy, "dh": dh}, {"rstd": rstd} if rms else {"rstd": rstd, "mean": mean})
     return torch.empty_like(x), _param_grad_fake(x, weight), _param_grad_fake(x, bias)
 
 
