@@ -169,13 +169,13 @@ def _tp_resize_load_rank(rank, ws, path):
 
 def test_loading_at_another_tp_size_holds_one_param_at_a_time(tmp_path):
     """Saved at tp 2, loaded at tp 1 x dp 2 (ZeRO-3): each param is assembled from its TP parts
-    alone, so the load's peak above its start (the shards exist already) is about two copies of
-    the largest param (its parts and the merged tensor; files are memory-mapped), not the model and
+    alone, one part at a time, so the load's peak above its start (the shards exist already) is
+    the largest param plus one of its two TP parts (files are memory-mapped), not the model and
     optimizer state in full, as it was when every rank consolidated the whole checkpoint."""
     path = str(tmp_path / "ckpt")
     run_distributed(_tp_save_rank, 2, path, timeout=240)
     for r in run_distributed(_tp_resize_load_rank, 2, path, timeout=240):
         print(f"\nTP-resize load peak {r['peak'] / 2**20:.2f} MiB; largest param {r['param_bytes'] / 2**20:.2f} MiB; "
               f"full state {r['state_bytes'] / 2**20:.1f} MiB")
-        assert r["peak"] <= 2.5 * r["param_bytes"] + (256 << 10), r
+        assert r["peak"] <= 1.5 * r["param_bytes"] + (64 << 10), r
         assert r["state_bytes"] > 10 * r["param_bytes"]  # the bound is far below a full consolidation

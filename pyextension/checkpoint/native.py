@@ -215,7 +215,10 @@ class Full:
         spec = self.specs.get(name)
         if spec is None:  # not TP-sharded: every TP part holds it whole
             return self.parts[0].full(name, key)
-        return spec.merge([part.full(name, key) for part in self.parts])
+        out = torch.empty(spec.full_shape, dtype=self.parts[0].dtype(name, key))
+        for r, part in enumerate(self.parts):  # one TP part alive at a time beside the full tensor
+            spec.place(out, part.full(name, key), r)
+        return out
 
 
 def check_model(saved: dict, names, shapes, who) -> None:

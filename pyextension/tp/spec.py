@@ -50,6 +50,16 @@ class TPSpec:
             off += n
         return torch.cat(out, dim=self.dim).contiguous()
 
+    def place(self, full: torch.Tensor, shard: torch.Tensor, rank: int) -> None:
+        """Copy rank's shard into its regions of ``full`` (merge, one shard at a time: a loader
+        holds the full tensor and one shard, not every shard)."""
+        off = local = 0
+        for n in self.parts:
+            a, b = split_range(n, self.tp, rank)
+            full.narrow(self.dim, off + a, b - a).copy_(shard.narrow(self.dim, local, b - a))
+            local += b - a
+            off += n
+
     def merge(self, shards: list[torch.Tensor]) -> torch.Tensor:
         """The full tensor from every rank's shard (in rank order)."""
         if len(shards) != self.tp:
