@@ -40,6 +40,18 @@ def cpu_kernels(monkeypatch):
 
 
 @pytest.fixture
+def world_of_one(tmp_path):
+    """A gloo process group of one rank in this process, destroyed after the test."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/init", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture
 def native_kernels(monkeypatch, cpu_kernels):
     """Distributed training tests: this process and the spawned ranks (through the environment)
     run the C++ CPU kernels, and no collective checker is on. The Triton kernels have their own

@@ -8,7 +8,6 @@ from __future__ import annotations
 import math
 import os
 import re
-import tempfile
 from unittest import mock
 
 import pytest
@@ -353,16 +352,6 @@ TABLES = {"before init_process_group": NO_DIST, "world of one": WORLD1, "two ran
           "documented behaviour": BEHAVIOUR}
 
 
-@pytest.fixture
-def world_of_one(cpu_kernels):
-    with tempfile.TemporaryDirectory() as tmp:
-        dist.init_process_group("gloo", init_method=f"file://{tmp}/init", rank=0, world_size=1)
-        try:
-            yield
-        finally:
-            dist.destroy_process_group()
-
-
 def _two_rank_rows(rank, world_size):
     out = {}
     for row in TWO_RANKS:  # every rank runs every row, in order: the rows' collectives pair up
@@ -388,7 +377,7 @@ def test_without_process_group(case):
 
 
 @pytest.mark.parametrize("case", params(WORLD1))
-def test_world_of_one(case, world_of_one):
+def test_world_of_one(case, cpu_kernels, world_of_one):
     case.check()
 
 
@@ -401,7 +390,7 @@ def test_two_ranks(case, two_ranks):
 
 
 @pytest.mark.parametrize("row", params(BEHAVIOUR))
-def test_behaviour(row, world_of_one):
+def test_behaviour(row, cpu_kernels, world_of_one):
     row.check()
 
 

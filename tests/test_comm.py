@@ -1,7 +1,6 @@
 """zerofuse.comm: coalesced collectives, buckets, overlap, the checker and failure handling, on real
 gloo ranks (world sizes 2, 3, 4), against torch.distributed's own all_reduce."""
 import os
-import tempfile
 import time
 
 import pytest
@@ -254,16 +253,6 @@ def test_a_dead_rank_makes_the_others_fail_clearly():
 
 
 # ------------------------------------------------------------------ single process
-
-
-@pytest.fixture
-def world_of_one():
-    with tempfile.TemporaryDirectory() as tmp:
-        dist.init_process_group("gloo", init_method=f"file://{tmp}/init", rank=0, world_size=1)
-        try:
-            yield
-        finally:
-            dist.destroy_process_group()
 
 
 def test_nccl_transport_needs_cuda(world_of_one):

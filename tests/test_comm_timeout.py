@@ -285,15 +285,6 @@ def test_training_job_rank_stopped(tmp_path):
 # ---------------------------------------------------------------------------- NCCL watchdog (GPU)
 
 
-@pytest.fixture
-def world_of_one(tmp_path):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/init", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.mark.gpu
 @pytest.mark.timeout(60)
 def test_nccl_watchdog_aborts_a_stuck_collective(world_of_one, monkeypatch):
