@@ -75,3 +75,59 @@ def test_backward_gradient_memory_is_bounded_by_the_inflight_window(stage):
             gathered = 2 * r["unit_bytes"] if stage == 3 else 0
             assert r["rise"] <= r["plain_rise"] - 0.25 * r["grad_bytes"] + gathered, r
     assert r["grad_bytes"] > bound
+
+
+def _absolute_peaks(build, x):
+    """(bytes at the step's start, peak during backward) of the third of three training steps,
+    counted from before the model is built (params, grads, optimizer states, activations, buffers)."""
+    with zerofuse.zero.peak_memory() as mem:
+        model, opt = build()
+        for i in range(3):
+            mem.mark(f"forward{i}")
+            _, loss = model(x[:, :-1], x[:, 1:])
+            mem.mark(f"backward{i}")
+            loss.backward()
+            mem.mark(f"step{i}")
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        mem.mark("end")
+    return mem.phases["forward2"][0], mem.phases["backward2"][1]
+
+
+def _against_fsdp2_rank(rank, ws, stage):
+    from torch.distributed.fsdp import fully_shard
+
+    cfg = dict(vocab_size=65, seq_len=64, n_layer=4, n_head=4, dim=256)
+    x = torch.randint(0, 65, (4, 65), generator=torch.Generator().manual_seed(rank))
+    reshard = stage == 3
+
+    def fsdp2():
+        model = GPT(GPTConfig(**cfg), seed=0)
+        for blk in model.blocks:
+            fully_shard(blk, reshard_after_forward=reshard)
+        fully_shard(model, reshard_after_forward=reshard)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+
+    def ours():
+        model = GPT(GPTConfig(**cfg), seed=0)
+        zerofuse.zero.parallelize(model, stage=stage)  # defaults: 25 MiB buckets at stage 2 (one here)
+        return model, zerofuse.zero.Optimizer(model, "adamw", lr=1e-3)
+
+    return dict(fsdp2=_absolute_peaks(fsdp2, x), zerofuse=_absolute_peaks(ours, x))
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_backward_peak_is_at_most_fsdp2s(stage):
+    """Peak bytes allocated during backward, per rank, at most FSDP2's on the same model, batch and
+    optimizer, measured in the same run (stage 3 against reshard_after_forward=True, stage 2 against
+    False, which keeps the params gathered as stage 2 does). Two mechanisms this needs: the grad
+    shards are freed by zero_grad (the optimizer's step plans once kept views of them, so the
+    step started with the whole grad shard alive), and a bucket's full-size grad buffer is made
+    when its last grad arrives, not its first (then it lived beside the activations its backward
+    frees)."""
+    r = run_distributed(_against_fsdp2_rank, 2, stage, timeout=240)
+    for rank, res in enumerate(r):
+        (f_start, f_peak), (z_start, z_peak) = res["fsdp2"], res["zerofuse"]
+        if stage == 3:  # the same at the step's start: shards of params and states (+ padding), no grads
+            assert z_start <= f_start + 64 * 1024, (rank, z_start / MiB, f_start / MiB)
+        assert z_peak <= f_peak, (rank, z_peak / MiB, f_peak / MiB)

@@ -89,6 +89,10 @@ class StepPlans:
         self._plans[index] = (key, plan)
         return plan
 
+    def values(self):
+        """The plans kept now (to drop what they hold of buffers that are being freed)."""
+        return [plan for _, plan in self._plans.values()]
+
     def clear(self) -> None:
         self._plans.clear()
 

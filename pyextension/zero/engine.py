@@ -172,12 +172,19 @@ class ZeroEngine:
         if p.grad is None:
             return
         unit, i = self.unit_of[id(p)]
-        unit.add_grad(i, p.grad)
-        p.grad = None
+        if unit.deferred[i]:  # a second grad in one backward (re-entrant checkpointing): autograd summed it into .grad
+            return
         unit.ready += 1
         if not self._final_queued:
             self._final_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        if unit.defer_grad(i):
+            return
+        if unit.gflat is None and self.sync_grads and self.overlap:
+            self.buckets.make_room()  # the buffer about to be made counts in the window ([Note: bucket buffers])
+        unit.add_deferred()
+        unit.add_grad(i, p.grad)
+        p.grad = None
         if unit.ready == len(unit.params):
             if self.sync_grads and self.overlap:
                 self.buckets.start_grad_sync(unit)
@@ -186,6 +193,8 @@ class ZeroEngine:
                 unit.free()
 
     def _end_of_backward(self) -> None:
+        for u in self.units:  # buckets with params that got no grad
+            u.add_deferred()
         self._final_queued = False
         self._in_backward = False
         # units with unused params, or all of them without overlap, are launched here

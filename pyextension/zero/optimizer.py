@@ -45,12 +45,19 @@ class _Lists:
     """A group's step plan (kept in the one StepPlans cache while the shards it views stay where
     they are): the views of its pieces per key ('param', 'grad', the state keys, 'master'), the
     ops' launch tables, and (LAMB/LARS) the piece -> param index on the device. Made at every step,
-    these were hundreds of views and a host-to-device copy of the index (a host sync on CUDA)."""
+    these were hundreds of views and a host-to-device copy of the index (a host sync on CUDA).
+    The 'grad' views are the plan's only references to the grad shards: ``release_grads`` drops
+    them when the shards are freed (zero_grad(set_to_none=True) at stage 2/3), or the cache would
+    keep every shard alive through the next forward and backward ([Note: bucket buffers])."""
 
-    __slots__ = ("views", "prepared", "index")
+    __slots__ = ("views", "prepared", "index", "grad_key")
 
     def __init__(self, views, index):
         self.views, self.index, self.prepared = views, index, Prepared()
+        self.grad_key = None  # the grad shards' addresses views["grad"] was made from
+
+    def release_grads(self) -> None:
+        self.views["grad"], self.grad_key = None, None
 
 
 class Optimizer(torch.optim.Optimizer):
@@ -167,15 +174,16 @@ class Optimizer(torch.optim.Optimizer):
     def _lists(self, gi: int, pieces) -> _Lists:
         """The group's views (see _Lists), made again when a unit's shard or grad shard moved (a
         grad shard may be a new buffer after a no_sync window) or the states were rebuilt."""
-        bases = {}
+        bases, grads = {}, {}
         for pc in pieces:
             u = pc.unit
             if u.index not in bases:
-                bases[u.index] = {"param": u.shard, "grad": u.grad_shard(), **self.unit_states[u.index]}
+                bases[u.index] = {"param": u.shard, **self.unit_states[u.index]}
+                grads[u.index] = u.grad_shard()
         key = (tuple((i, tuple(t.data_ptr() for t in b.values())) for i, b in bases.items()), id(self.unit_states))
 
         def build():
-            keys = ("param", "grad") + STATE_KEYS[self.kind] + (("master",) if self.engine.dtype != torch.float32 else ())
+            keys = ("param",) + STATE_KEYS[self.kind] + (("master",) if self.engine.dtype != torch.float32 else ())
             views = {k: [bases[pc.unit.index][k].narrow(0, pc.start, pc.length) for pc in pieces] for k in keys}
             views.setdefault("master", [])
             index = None
@@ -183,7 +191,12 @@ class Optimizer(torch.optim.Optimizer):
                 index = torch.tensor([pc.param for pc in pieces], dtype=torch.long).to(self.scale.device)
             return _Lists(views, index)
 
-        return self._plans.get(gi, key, build)
+        lists = self._plans.get(gi, key, build)
+        grad_key = tuple(g.data_ptr() for g in grads.values())
+        if lists.grad_key != grad_key:  # made again after the shards were freed or moved
+            lists.views["grad"] = [grads[pc.unit.index].narrow(0, pc.start, pc.length) for pc in pieces]
+            lists.grad_key = grad_key
+        return lists
 
     # ------------------------------------------------------------------ norms
 
@@ -345,6 +358,9 @@ class Optimizer(torch.optim.Optimizer):
         """set_to_none=True (torch's default): the grad shards are freed until the next backward;
         False: they are filled with zeros."""
         self.engine.zero_grad(set_to_none)
+        if set_to_none and self.engine.stage in (2, 3):  # the shards are freed: so are the plans' views of them
+            for plan in self._plans.values():
+                plan.release_grads()
 
     # ------------------------------------------------------------------ state dict (this rank's shard)
 
