@@ -124,13 +124,31 @@ def test_bf16_training_at_ws4_is_closer_to_fp32_than_ddp_with_bf16_params():
         opt.zero_grad()
         ref_losses.append(loss.item())
     ref = {n: p.detach() for n, p in model.named_parameters()}
+    ref_eval = _eval_losses(ref)
     r = run_distributed(_training_rank, WS, timeout=240)[0]
     err = {}
     for key, (losses, params) in r.items():
-        # loss: mean over the steps (one step's loss is dominated by the bf16 forward both share)
-        err[key] = (sum(abs(a - b) for a, b in zip(losses, ref_losses)) / len(losses),
-                    max(float((params[n] - w).abs().max()) for n, w in ref.items()))
-    # asserted on the params: the loss of a step is a bf16 forward both share, and its error moved
-    # either way between AVX-512 and AVX2 runs (mean 6.1e-4 vs DDP's 4.3-5.1e-4 on 2026-11-23), while
-    # the params (what the reduction and the update precision decide) were 3x closer on both
-    assert err["zerofuse"][1] <= err["ddp"][1], err
+        err[key] = dict(train_loss=sum(abs(a - b) for a, b in zip(losses, ref_losses)) / len(losses),
+                        param=max(float((params[n] - w).abs().max()) for n, w in ref.items()),
+                        eval_loss=float((_eval_losses(params) - ref_eval).abs().mean()))
+    # Loss: the trained params, each set evaluated in fp32 on held-out tokens, per-token losses
+    # against the fp32 run's. (The losses seen during training are bf16 forwards, which both runs
+    # share: their error is that forward's rounding, and which run came out closer moved between
+    # AVX-512 and AVX2 machines: mean 6.1e-4 vs DDP's 4.3-5.1e-4 on 2026-11-23; reported, not
+    # asserted.) Params: the largest deviation from the fp32 run.
+    assert err["zerofuse"]["eval_loss"] <= err["ddp"]["eval_loss"], err
+    assert err["zerofuse"]["param"] <= err["ddp"]["param"], err
+
+
+def _eval_losses(params: dict) -> torch.Tensor:
+    """Per-token fp32 losses of an fp32 GPT holding these params on held-out batches."""
+    model = GPT(GPTConfig(**CFG), seed=0)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(params[n])
+    g = torch.Generator().manual_seed(99)
+    x = torch.randint(0, 65, (4 * BATCH, SEQ + 1), generator=g)
+    with torch.no_grad():
+        logits, _ = model(x[:, :-1], x[:, 1:])
+    return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1),
+                                             reduction="none")

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from zerofuse.comm import Communicator
 from zerofuse.zero.buckets import FREE, Bucket, BucketGroup
-from zerofuse.zero.grads import gathered_grads
+from zerofuse.zero.grads import SHARDED, gathered_grads, install_clip_warning
 from zerofuse.zero.layout import bucket_groups, check_same_layout, unit_groups
 from zerofuse.zero.materialize import Initializer, materialize_rest
 
@@ -139,6 +139,8 @@ class ZeroEngine:
         self._last_order: list[Bucket] = [self.wrap_units[id(m)] for m in self._wrap_mods] if stage == 3 else []
         for p in self.params:
             self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_ready))
+            setattr(p, SHARDED, True)
+        install_clip_warning()
         if stage == 3:
             self._install_stage3_hooks(model)
         else:

@@ -1,0 +1,72 @@
+"""Global gradient norms of a ZeRO model's sharded grads, for ``zerofuse.zero.Optimizer``: the
+clip coefficient and the fp16 overflow check of a step, and LAMB/LARS's per-param norms (each
+rank's squares summed over the data-parallel ranks, and over the tensor-parallel group for params
+TP shards). A mixin: it reads the optimizer's engine, scale and kept launch tables."""
+from __future__ import annotations
+
+import torch
+
+from zerofuse.ops import l2norm
+from zerofuse.ops._optim import Prepared
+from zerofuse.zero.options import NAME
+
+
+class GradNorms:
+    def _global_sumsq(self, local: torch.Tensor) -> torch.Tensor:
+        """Sum over the data-parallel ranks' shards (stage 0: each rank holds everything)."""
+        if self.engine.stage != 0:
+            self.engine.comm.all_reduce_coalesced([local], op="sum").wait()
+        return local
+
+    def _grad_norm(self) -> torch.Tensor:
+        """Global 2-norm of the averaged, unscaled gradient (1-element fp32 on the device); with
+        tensor parallelism over the whole model: TP-sharded params add up over the TP group,
+        replicated ones count once."""
+        eng = self.engine
+        eng.finish_grad_sync()
+        kept = self.__dict__.setdefault("_norm_prepared", (Prepared(), Prepared()))
+        if eng.tp_comm is None:
+            total, _ = l2norm([u.grad_shard() for u in eng.units], prepared=kept[0])
+            sq = self._global_sumsq(total.reshape(1).to(torch.float32) ** 2)
+        else:
+            parts: tuple[list, list] = ([], [])  # (replicated, sharded) grad pieces
+            for u in eng.units:
+                g = u.grad_shard()
+                for s in u.segments:
+                    sharded = eng.tp_sharded[eng.param_index[id(u.params[s.param])]]
+                    parts[sharded].append(g.narrow(0, s.shard_offset, s.length))
+            sums = torch.stack([l2norm(ts, prepared=pr)[0].to(torch.float32) ** 2
+                                for ts, pr in zip(parts, kept)]).to(self.scale.device)
+            sums = self._global_sumsq(sums)
+            sq = (sums[1] + (sums[0] if eng.tp_rank == 0 else 0.0)).reshape(1)
+            eng.tp_comm.all_reduce_coalesced([sq], op="sum").wait()
+        return sq.sqrt() / self.scale
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip the gradient of the coming step to global norm max_norm (fused into the step) and
+        return the global norm before clipping, the same on every rank."""
+        if not max_norm > 0:
+            raise ValueError(f"{NAME}.clip_grad_norm_: expected max_norm > 0, got {max_norm}")
+        norm = self._grad_norm()
+        self._clip_coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        self._found_inf = (~torch.isfinite(norm)).float()
+        self.last_grad_norm = norm
+        return norm
+
+    def _per_param_norms(self, sums: torch.Tensor, idx: torch.Tensor | None) -> torch.Tensor:
+        """sums (pieces, k) of this rank's squares -> (pieces, k) summed over every rank's pieces
+        of the same params; idx: the pieces' param indices on the device (None: no piece)."""
+        eng = self.engine
+        full = torch.zeros((len(eng.params), sums.shape[1]), dtype=torch.float32, device=sums.device)
+        if idx is not None:
+            full.index_add_(0, idx, sums)
+        self._global_sumsq(full.reshape(-1))
+        if eng.tp_comm is not None:  # a TP-sharded param's norm adds up over its slices
+            mask = self.__dict__.get("_tp_mask")
+            if mask is None:  # made once: a host-to-device copy is a host sync on CUDA
+                mask = self._tp_mask = torch.tensor(eng.tp_sharded).to(full.device).unsqueeze(1)
+            part = full * mask
+            eng.tp_comm.all_reduce_coalesced([part], op="sum").wait()
+            full = torch.where(mask, part, full)
+        return full[idx] if idx is not None else sums
