@@ -1,5 +1,5 @@
 """What ZeRO promises about memory, measured at the peak during the operation (zerofuse.zero.
-peak_memory: the CPU allocator's events through torch.profiler), not after it: backward's
+peak_memory: a counting wrapper of torch's CPU allocator), not after it: backward's
 gradient memory is bounded by the in-flight window, and a model built on the meta device is
 materialized at stage 3 without ever existing whole on a rank.
 """

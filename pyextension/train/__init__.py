@@ -1,0 +1,63 @@
+"""``python -m zerofuse.train`` / ``zerofuse-train``: train a GPT on a text file with ZeRO (stage 0-3)
+and tensor parallelism, on CPUs (gloo) or GPUs (NCCL).
+
+Launch (one code path, three ways in):
+- ``--nproc N`` with no launcher around it: torch's elastic launcher (torchrun's API: ``elastic_launch``,
+  c10d rendezvous on localhost) starts N local ranks, each running this module unchanged; the
+  launcher forwards SIGINT/SIGTERM to them. ``--nproc 1``: runs in this process as a world of one.
+- ``torchrun ... -m zerofuse.train`` (RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR in the environment),
+- ``srun python -m zerofuse.train`` (SLURM_PROCID/SLURM_NTASKS/... mapped to torch's variables).
+Bad flags are rejected before any process starts (exit code 2, one line naming the flag).
+
+Determinism: a step's batches are a pure function of (seed, step) (the global batch is drawn from one
+generator, each DP rank takes its slice), the LR schedule is restored from the checkpoint, so
+``--resume`` continues with the losses an uninterrupted run would have had. A signal on any rank
+stops every rank at the next step boundary (the stop flags are all-reduced with the step's loss),
+which then saves a checkpoint and exits 128 + signal number.
+
+Outputs in --out: metrics.jsonl (one line per step), summary.json, loss.png, TensorBoard events
+(when tensorboard is installed), ckpt/ (the latest checkpoint, zerofuse.checkpoint format).
+"""
+from __future__ import annotations
+
+import time
+
+T0 = time.time()  # the job's start for the summary's wall time (before torch's import)
+
+import os  # noqa: E402
+import sys  # noqa: E402
+
+# what tests and callers use as zerofuse.train.<name>
+from .cli import (DEFAULT_MODEL, EXIT_USAGE, OPT_DEFAULTS, PRESET_NAMES, PROG, UsageError,  # noqa: E402
+                  _parser, validate)
+from .data import VAL_FRACTION, Corpus, Sampler  # noqa: E402
+from .launch import STOP_SIGNALS, _dist_env, _slurm_master, launch  # noqa: E402, F401
+from .loop import Trainer, lr_lambda  # noqa: E402
+from .report import PEAK_FLOPS, RankZeroLog  # noqa: E402
+
+__all__ = ["main", "validate", "launch", "Trainer", "RankZeroLog", "Corpus", "Sampler", "lr_lambda", "UsageError",
+           "T0", "PROG", "EXIT_USAGE", "STOP_SIGNALS", "PRESET_NAMES", "DEFAULT_MODEL", "OPT_DEFAULTS",
+           "PEAK_FLOPS", "VAL_FRACTION"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = _parser().parse_args(argv)
+    env = _dist_env()
+    try:
+        validate(args)
+    except UsageError as e:
+        if env is None or env["RANK"] == "0":
+            print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
+        return EXIT_USAGE
+    if env is None and args.nproc > 1:
+        return launch(argv, args.nproc)
+    code = Trainer(args, env).run()
+    if code and env is not None:
+        # Stopped by a signal: leave now. The launcher signals the ranks still running when one exits
+        # non-zero, and interpreter shutdown restores the default handlers, which would kill a rank
+        # that is still finishing instead of letting it exit with the same code.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code

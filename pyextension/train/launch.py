@@ -1,0 +1,126 @@
+"""Starting the ranks: the elastic launcher for --nproc N, torchrun's or SLURM's variables when a
+launcher started us, the process group of a rank, and the signals that stop the job cleanly."""
+from __future__ import annotations
+
+import datetime
+import os
+import re
+import signal
+import socket
+import sys
+import uuid
+
+import torch
+
+from .cli import EXIT_USAGE, PROG
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)  # the elastic agent's
+
+
+def _slurm_master() -> str:
+    nodes = os.environ.get("SLURM_STEP_NODELIST") or os.environ.get("SLURM_JOB_NODELIST") or "127.0.0.1"
+    first = re.match(r"([^,\[]+)(?:\[([^\],-]+))?", nodes)  # "gpu[03-05,09],cpu1" -> "gpu03"
+    return first.group(1) + (first.group(2) or "") if first else "127.0.0.1"
+
+
+def _dist_env() -> dict | None:
+    """torch's launch variables when a launcher started us (torchrun, or SLURM mapped onto them)."""
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return {k: env.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+    if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
+        world = int(env["SLURM_NTASKS"])
+        nodes = int(env.get("SLURM_NNODES", "1"))
+        return {"RANK": env["SLURM_PROCID"], "WORLD_SIZE": str(world), "LOCAL_RANK": env.get("SLURM_LOCALID", "0"),
+                "LOCAL_WORLD_SIZE": str(max(1, world // nodes))}
+    return None
+
+
+def _launcher_world() -> int | None:
+    env = _dist_env()
+    return None if env is None else int(env["WORLD_SIZE"])
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(argv: list[str], nproc: int) -> int:
+    """Start nproc local ranks with torch's elastic launcher, each running ``-m zerofuse.train`` with argv;
+    return the exit code of the job."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from . import T0  # measured when the package was imported
+
+    os.environ["ZEROFUSE_TRAIN_LAUNCHED"] = "1"  # the ranks die with us (PR_SET_PDEATHSIG)
+    os.environ["ZEROFUSE_TRAIN_T0"] = str(T0)  # the summary's wall time counts the launch
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, rdzv_backend="c10d",
+                          rdzv_endpoint=f"127.0.0.1:{_free_port()}", run_id=f"zerofuse-{uuid.uuid4().hex[:8]}",
+                          max_restarts=0, monitor_interval=0.1, local_addr="127.0.0.1")
+    try:
+        elastic_launch(config, sys.executable)("-m", "zerofuse.train", *argv)
+    except SignalException as e:  # the launcher got the signal and stopped the ranks with it
+        print(f"{PROG}: stopped by {e.sigval.name}", file=sys.stderr, flush=True)
+        return 128 + int(e.sigval)
+    except ChildFailedError as e:
+        codes = {f.exitcode for f in e.failures.values()}
+        stopped = {128 + int(s) for s in STOP_SIGNALS}
+        if codes <= stopped:  # every failing rank stopped cleanly on a signal
+            return max(codes)
+        for rank, f in sorted(e.failures.items()):
+            print(f"{PROG}: rank {rank} failed with exit code {f.exitcode}", file=sys.stderr, flush=True)
+        return EXIT_USAGE if codes == {EXIT_USAGE} else 1
+    return 0
+
+
+def _die_with_parent() -> None:
+    """Ranks started by launch(): SIGTERM (a clean stop) when the launcher dies, however it died."""
+    if os.environ.get("ZEROFUSE_TRAIN_LAUNCHED") != "1" or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+# ---------------------------------------------------------------------------------------------- ranks
+
+class _StopFlag:
+    """The signal a rank got (0: none). Signals only set it: the training loop agrees on stopping at
+    the next step boundary, so a checkpoint is always saved by every rank together."""
+
+    def __init__(self):
+        self.signum = 0
+        for s in STOP_SIGNALS:
+            signal.signal(s, self._handler)
+
+    def _handler(self, signum, _frame):
+        self.signum = self.signum or signum
+
+
+def _init_distributed(args, env: dict | None):
+    import torch.distributed as dist
+    local_rank = int(env["LOCAL_RANK"] or 0) if env else 0
+    local_world = int(env["LOCAL_WORLD_SIZE"] or args.world) if env else 1
+    if args.device == "cuda":
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    backend = "nccl" if args.device == "cuda" else "gloo"
+    timeout = datetime.timedelta(seconds=args.timeout)  # init_mesh's groups and their Communicators inherit it
+    if env is None:  # a world of one in this process: ZeRO still goes through a process group
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    else:
+        if "SLURM_PROCID" in os.environ and "MASTER_ADDR" not in os.environ:
+            os.environ["MASTER_ADDR"] = _slurm_master()
+            os.environ["MASTER_PORT"] = os.environ.get("MASTER_PORT", str(29500 + int(os.environ.get(
+                "SLURM_JOB_ID", "0")) % 1000))
+        dist.init_process_group(backend, init_method="env://", rank=int(env["RANK"]),
+                                world_size=int(env["WORLD_SIZE"]), timeout=timeout)
+    return device

@@ -1,0 +1,250 @@
+"""One rank of the training job: build the model, (resume,) train, evaluate, checkpoint, sample."""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import os
+import resource
+import signal
+import time
+from pathlib import Path
+
+import torch
+
+from .cli import PROG
+from .data import Corpus, Sampler
+from .launch import STOP_SIGNALS, _die_with_parent, _init_distributed, _StopFlag
+from .report import RankZeroLog
+
+
+def lr_lambda(args):
+    """Multiplier of --lr at a step: linear warmup, then cosine decay to --min-lr at --steps."""
+    floor = args.min_lr / args.lr
+
+    def f(step: int) -> float:
+        if step < args.warmup:
+            return (step + 1) / args.warmup
+        progress = min(1.0, (step - args.warmup) / max(1, args.steps - args.warmup))
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return f
+
+
+class Trainer:
+    """One rank of the job: build, (resume,) train, evaluate, checkpoint, report."""
+
+    def __init__(self, args, env: dict | None):
+        self.args, self.env = args, env
+
+    # ------------------------------------------------------------------ setup
+
+    def _setup(self) -> None:
+        import torch.distributed as dist
+        import zerofuse  # noqa: F401  (loads the extension before the model)
+        from zerofuse import zero
+        from zerofuse.models import GPT, config
+        from zerofuse.parallel import init_mesh
+        from . import T0  # measured when the package was imported
+
+        args = self.args
+        self.t_start = float(os.environ.get("ZEROFUSE_TRAIN_T0", T0))
+        _die_with_parent()
+        self.stop = _StopFlag()
+        self.device = _init_distributed(args, self.env)
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.mesh = init_mesh(dp=args.dp, tp=args.tp)
+        self.corpus = Corpus.load(args.data, args.tokenizer)
+        # no padding for tp: the vocab-parallel layers split an uneven vocabulary, so the model (and
+        # its checkpoints) are the same at every tp
+        shape = {**args.model_shape}
+        self.cfg = config(args.model_name, **{**shape, "vocab_size": self.corpus.vocab_size})
+        kw = {"tp_group": self.mesh.tp_group, "sequence_parallel": args.sequence_parallel} if args.tp > 1 else {}
+        if args.zero_stage == 3:  # built on meta, materialized shard by shard: never whole on a rank
+            with torch.device("meta"):
+                model = GPT(self.cfg, seed=args.seed, **kw)
+        else:
+            model = GPT(self.cfg, seed=args.seed, **kw).to(self.device)
+        self.n_params = model.num_params()  # unsharded
+        self.model = zero.parallelize(model, stage=args.zero_stage, group=self.mesh.dp_group,
+                                      precision=args.precision, device=self.device)
+        if args.compile:
+            for block in self.model.blocks:
+                block.forward = torch.compile(block.forward)
+        self.opt = zero.Optimizer(self.model, args.optimizer, param_groups=self._param_groups(),
+                                  max_grad_norm=args.clip or None, **self._hyper())
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(args))
+        seq = self.cfg.seq_len
+        self.train_data = Sampler(self.corpus.train, seq, args.batch, args.grad_accum, args.dp, self.mesh.dp_rank,
+                                  args.seed)
+        self.val_data = Sampler(self.corpus.val, seq, args.batch, 1, 1, 0, args.seed)
+        self.out = Path(args.out)
+        self.ckpt = self.out / "ckpt"
+        self.step = self._resume() if args.resume else 0
+        self.start_step = self.step
+        self.memory = None
+        self.stopped = 0  # the signal every rank agreed to stop on
+        self.log = RankZeroLog(self) if self.rank == 0 else None
+
+    def _param_groups(self):
+        decay = [p for p in self.model.parameters() if p.requires_grad and p.dim() >= 2]
+        other = [p for p in self.model.parameters() if p.requires_grad and p.dim() < 2]
+        groups = [{"params": decay}]
+        if other:
+            groups.append({"params": other, "weight_decay": 0.0})
+        return groups
+
+    def _hyper(self) -> dict:
+        args = self.args
+        kw = dict(lr=args.lr, weight_decay=args.weight_decay)
+        if args.optimizer in ("adamw", "lamb"):
+            kw["betas"] = (0.9, 0.95)
+        return kw
+
+    def _resume(self) -> int:
+        from zerofuse import checkpoint
+        extra = checkpoint.load(str(self.ckpt), self.model, self.opt)
+        if extra["tokenizer"] != self.corpus.identity():
+            raise ValueError(f"{PROG}: --resume: the checkpoint at {self.ckpt} was trained on a different vocabulary "
+                             f"({extra['tokenizer']['kind']} tokenizer) than --data {self.args.data}")
+        self.sched.load_state_dict(extra["scheduler"])
+        for g, lr in zip(self.opt.param_groups, self.sched.get_last_lr()):
+            g["lr"] = lr
+        return int(extra["step"])
+
+    # ------------------------------------------------------------------ steps
+
+    def _forward(self, x, y):
+        _, loss = self.model(x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True))
+        return loss
+
+    def train_step(self) -> dict:
+        """One optimizer step; returns this step's metrics, the same on every rank."""
+        from zerofuse import comm
+        args, opt = self.args, self.opt
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        t0, w0 = time.perf_counter(), comm.wait_seconds()
+        xs, ys = self.train_data.get(self.step)
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        for i in range(args.grad_accum):
+            sync = i == args.grad_accum - 1
+            with contextlib.nullcontext() if sync else self.model.no_sync():
+                loss = self._forward(xs[i], ys[i])
+                opt.scale_loss(loss / args.grad_accum).backward()
+            total += loss.detach()
+        lr = opt.param_groups[0]["lr"]
+        opt.step()
+        if self.memory is None:
+            self.memory = self._memory()
+        opt.zero_grad()
+        self.sched.step()
+        self.step += 1
+        stop_wanted = args.stop_after is not None and self.step >= args.stop_after
+        t1 = time.perf_counter()
+        loss, self.stopped = self._agree(total / args.grad_accum, signal.SIGTERM if stop_wanted else 0)
+        t2 = time.perf_counter()
+        step_time = t2 - t0
+        comm_time = comm.wait_seconds() - w0 + (t2 - t1) if self.device.type == "cpu" else None
+        norm = opt.last_grad_norm
+        tokens = args.dp * args.batch * args.grad_accum * self.cfg.seq_len
+        out = {"step": self.step, "loss": loss, "lr": lr, "tokens_per_s": tokens / step_time,
+               "step_time": step_time, "comm_time": comm_time,
+               "grad_norm": None if norm is None else float(norm.item())}
+        if opt.fp16 and opt.last_step_skipped is not None and bool(opt.last_step_skipped.item()):
+            out["skipped"] = True
+        return out
+
+    def _agree(self, loss: torch.Tensor, extra_signal: int) -> tuple[float, int]:
+        """All-reduce the step's loss (mean over the world = over DP: TP ranks agree) together with
+        every rank's stop flag; returns (mean loss, the signal to stop on or 0)."""
+        import torch.distributed as dist
+        mine = self.stop.signum or extra_signal
+        vec = torch.zeros(1 + len(STOP_SIGNALS), dtype=torch.float64, device=self.device)
+        vec[0] = loss.double()
+        if mine:
+            vec[1 + STOP_SIGNALS.index(mine)] = 1
+        dist.all_reduce(vec)
+        vec = vec.cpu()
+        flags = [s for s, v in zip(STOP_SIGNALS, vec[1:].tolist()) if v > 0]
+        return float(vec[0]) / self.world, int(flags[0]) if flags else 0
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean loss over the validation set: --eval-batches fixed batches of --batch sequences (the
+        same whatever the layout), dealt round-robin to the DP ranks. Every rank runs the same
+        number of forwards (ZeRO-3's forward is collective); a rank's spare ones count zero."""
+        import torch.distributed as dist
+        args = self.args
+        dp, r = args.dp, self.mesh.dp_rank
+        acc = torch.zeros(2, dtype=torch.float64, device=self.device)  # (loss sum, batches)
+        for k in range(-(-args.eval_batches // dp)):
+            i = k * dp + r
+            x, y = self.val_data.get(min(i, args.eval_batches - 1), stream=1)
+            loss = self._forward(x[0], y[0]).double()
+            if i < args.eval_batches:
+                acc += torch.stack([loss, torch.ones_like(loss)])
+        dist.all_reduce(acc, group=self.mesh.dp_group)
+        return float(acc[0] / acc[1])
+
+    def _memory(self) -> dict:
+        from zerofuse.zero import memory_report
+        rep = memory_report(self.model, self.opt)
+        mem = {k: rep[k] for k in ("params", "grads", "optimizer", "total")}
+        mem["max_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        if self.device.type == "cuda":
+            mem["cuda_max_allocated"] = torch.cuda.max_memory_allocated(self.device)
+        return mem
+
+    def save(self) -> None:
+        from zerofuse import checkpoint
+        extra = {"step": self.step, "scheduler": self.sched.state_dict(), "tokenizer": self.corpus.identity(),
+                 "config": dataclasses.asdict(self.cfg), "seed": self.args.seed}
+        checkpoint.save(str(self.ckpt), self.model, self.opt, extra=extra)
+
+    def sample(self) -> str:
+        """Every rank generates with the same generator (TP ranks and ZeRO-3 forward together)."""
+        args = self.args
+        prompt = self.corpus.encode("\n") or [0]
+        idx = torch.tensor([prompt], dtype=torch.long, device=self.device)
+        g = torch.Generator().manual_seed(args.seed)
+        out = self.model.generate(idx, args.sample_tokens, temperature=0.8, top_k=40, generator=g)
+        return self.corpus.decode(out[0, len(prompt):].tolist())
+
+    # ------------------------------------------------------------------ the job
+
+    def run(self) -> int:
+        import torch.distributed as dist
+        self._setup()
+        args = self.args
+        try:
+            val, val_step = self.evaluate(), self.step
+            if self.log:
+                self.log.start(val)
+            t_train = time.perf_counter()
+            while self.step < args.steps and not self.stopped:
+                m = self.train_step()
+                if self.step == args.steps or (args.eval_every and self.step % args.eval_every == 0):
+                    m["val_loss"] = val = self.evaluate()
+                    val_step = self.step
+                if self.log:
+                    self.log.step(m)
+                if (args.ckpt_every and self.step % args.ckpt_every == 0) or self.step == args.steps or self.stopped:
+                    self.save()
+            train_s = time.perf_counter() - t_train
+            if args.export and not self.stopped and dist.get_rank() == 0:  # the final checkpoint is saved
+                from zerofuse.checkpoint import export_hf
+                export_hf(str(self.ckpt), str(Path(args.out) / "hf"),
+                          config={"model_type": "zerofuse-gpt", **dataclasses.asdict(self.cfg)})
+            if self.memory is None:  # resumed at the end: nothing trained
+                self.memory = self._memory()
+            text = self.sample() if args.sample_tokens and not self.stopped else None
+            memory = [None] * self.world
+            dist.all_gather_object(memory, self.memory)
+            if self.log:
+                self.log.finish(memory, text, train_s, (val, val_step), self.stopped)
+        finally:
+            if self.log:
+                self.log.close()
+            dist.destroy_process_group()
+        return 128 + self.stopped if self.stopped else 0
