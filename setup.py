@@ -81,7 +81,7 @@ packages = ["zerofuse"] + ["zerofuse." + p for p in find_packages("pyextension")
 setup(
     packages=packages,
     package_dir={"zerofuse": "pyextension", "zerofuse.kernels": "kernels"},
-    package_data={"zerofuse": ["data/*.txt"]},
+    package_data={"zerofuse": ["data/*.txt", "data/*.bin"]},
     ext_modules=[_extension()],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
 )

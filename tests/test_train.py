@@ -253,12 +253,12 @@ def test_corpus_char_and_byte_fallback(tmp_path):
     text.write_text("abcab\n" * 50, encoding="utf-8")
     c = train.Corpus.load(text)
     assert c.kind == "char" and c.chars == ["\n", "a", "b", "c"] and c.vocab_size == 4
-    assert len(c.train) == 270 and len(c.val) == 30
+    assert len(c.train[0]) == 270 and len(c.val[0]) == 30
     assert c.decode(c.encode("cab\n")) == "cab\n"
-    binary = tmp_path / "b.bin"
+    binary = tmp_path / "b.dat"  # (a .bin file is GPT-2 token shards)
     binary.write_bytes(bytes(range(256)) * 4)  # not UTF-8
     b = train.Corpus.load(binary)
-    assert b.kind == "byte" and b.vocab_size == 256 and b.train[:256].tolist() == list(range(256))
+    assert b.kind == "byte" and b.vocab_size == 256 and b.train[0][:256].tolist() == list(range(256))
     assert train.Corpus.load(text, "byte").kind == "byte"
 
 

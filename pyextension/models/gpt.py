@@ -65,9 +65,15 @@ PRESETS = {
     # ~0.8M params: the CPU default of the training job and the tests (char-level vocab 65)
     "tiny": dict(n_layer=4, n_head=4, dim=128, seq_len=128),
     "small": dict(n_layer=6, n_head=6, dim=384, seq_len=256),
-    "gpt2-124m": dict(n_layer=12, n_head=12, dim=768, seq_len=1024, vocab_size=50304),
-    "gpt2-350m": dict(n_layer=24, n_head=16, dim=1024, seq_len=1024, vocab_size=50304),
 }
+# GPT-2 (Radford et al. 2019) as released: learned positions, LayerNorm and Linear with biases, GELU
+# (tanh), the output layer tied to the token embedding; the vocabulary 50257 padded to 50304
+_GPT2 = dict(seq_len=1024, vocab_size=50304, bias=True, tie_embeddings=True, norm="layernorm")
+PRESETS.update({
+    "gpt2-124m": dict(n_layer=12, n_head=12, dim=768, **_GPT2),
+    "gpt2-350m": dict(n_layer=24, n_head=16, dim=1024, **_GPT2),
+    "gpt2-774m": dict(n_layer=36, n_head=20, dim=1280, **_GPT2),
+})
 
 
 def config(name: str, **overrides) -> GPTConfig:

@@ -9,11 +9,12 @@ from pathlib import Path
 
 import torch
 
-from .data import Corpus, _data_path
+from . import tokens as tok
+from .data import GPT2_DEFAULT, Corpus, _data_path
 
 PROG = "zerofuse-train"
 EXIT_USAGE = 2
-PRESET_NAMES = ("tiny", "small", "gpt2-124m", "gpt2-350m")
+PRESET_NAMES = ("tiny", "small", "gpt2-124m", "gpt2-350m", "gpt2-774m")
 # Without --model: "tiny" widened to 1.26M params with a 64-token context: with --batch 32 it takes the
 # validation loss on Tiny Shakespeare from 4.2 to ~2.0 in the default 250 steps on two CPU cores.
 DEFAULT_MODEL = ("tiny", dict(dim=160, n_head=4, seq_len=64))
@@ -64,9 +65,14 @@ def _parser() -> argparse.ArgumentParser:
     o.add_argument("--clip", type=float, default=1.0, help="max global grad norm, 0 = no clipping (default 1.0)")
     o.add_argument("--seed", type=int, default=0)
     d = p.add_argument_group("data and outputs")
-    d.add_argument("--data", help="a text file (default: the Tiny Shakespeare copy shipped in the package)")
-    d.add_argument("--tokenizer", choices=("char", "byte"), default="char",
-                   help="char: vocab = the file's characters (falls back to byte when the file is not UTF-8)")
+    d.add_argument("--data", help="a text file, or GPT-2 token shards: a .bin file (llm.c or nanoGPT format) or a "
+                                  "glob of them (default: Tiny Shakespeare shipped in the package, as GPT-2 "
+                                  "tokens for the gpt2-* models)")
+    d.add_argument("--val-data", help="validation token shards (.bin or a glob; default: the last 10%% of --data)")
+    d.add_argument("--tokenizer", choices=("char", "byte", "gpt2"),
+                   help="char: vocab = the text's characters (byte when it is not UTF-8); byte; gpt2: GPT-2's "
+                        "BPE, the text tokenized once and cached next to it (default: gpt2 for the gpt2-* models "
+                        "and token shards, else char)")
     d.add_argument("--out", default="out", help="output directory (default ./out)")
     d.add_argument("--ckpt-every", type=int, default=200, help="checkpoint every N steps (0: only at the end)")
     d.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
@@ -183,17 +189,53 @@ def _validate_model(args) -> None:
 
 
 def _validate_data(args) -> None:
+    gpt2_model = args.model_name.startswith("gpt2-")
+    if args.data is None and gpt2_model and args.tokenizer in (None, "gpt2"):
+        args.data, args.val_data = (str(p) for p in GPT2_DEFAULT)
+    shards = args.data is not None and tok.is_shard_spec(args.data)
+    args.tokenizer = args.tokenizer or ("gpt2" if shards or gpt2_model else "char")
+    _check(not shards or args.tokenizer == "gpt2",
+           f"--tokenizer: --data {args.data!r} holds GPT-2 token ids, expected gpt2 (or no --tokenizer), "
+           f"got {args.tokenizer}")
+    _check(args.val_data is None or args.tokenizer == "gpt2",
+           f"--val-data: expected GPT-2 tokens (--tokenizer gpt2 or token shards), got --tokenizer {args.tokenizer}")
+    need = args.model_shape["seq_len"] + 2
+    if args.tokenizer == "gpt2":
+        return _validate_tokens(args, shards, need)
     path = _data_path(args)
     _check(path.is_file(), f"--data: expected a readable text file, got {str(path)!r} "
                            f"({'a directory' if path.is_dir() else 'no such file'})")
     _check(os.access(path, os.R_OK), f"--data: expected a readable text file, got {str(path)!r} (not readable)")
     args.data = str(path)
-    need = args.model_shape["seq_len"] + 2
     size = path.stat().st_size
     if size < 64 * 2 ** 20:  # small enough to tokenise here: check the exact split sizes
         corpus = Corpus.load(path, args.tokenizer)
-        ok, got = len(corpus.val) >= need, f"{len(corpus.val)} validation tokens"
+        ok, got = len(corpus.val[0]) >= need, f"{len(corpus.val[0])} validation tokens"
     else:
         ok, got = True, ""
     _check(ok, f"--data: expected at least {need} validation tokens (10% of the file) for --seq-len "
                f"{args.model_shape['seq_len']}, got {got}")
+
+
+def _validate_tokens(args, shards: bool, need: int) -> None:
+    """GPT-2 tokens: the shards exist and parse, their ids fit the vocabulary, train and validation
+    each hold a window of --seq-len + 1 tokens. A text is tokenized here, once, before any rank starts
+    (under torchrun every rank gets here: the cache's lock lets one of them tokenize)."""
+    if not shards:
+        path = _data_path(args)
+        _check(path.is_file() and os.access(path, os.R_OK),
+               f"--data: expected a readable text file or token shards (.bin), got {str(path)!r}")
+        _check(tok.gpt2_available(), f"--tokenizer gpt2: expected the GPT-2 BPE to be installed ({tok.GPT2_INSTALL})")
+        args.data = str(tok.tokenize_cached(path, fallback_dir=args.out))
+    try:
+        corpus = Corpus.load(args.data, "gpt2", args.val_data)
+        for part, flag in (("train", "--data"), ("val", "--val-data" if args.val_data else "--data")):
+            for arr in getattr(corpus, part):
+                tok.check_ids(arr, getattr(arr, "filename", None) or args.data, flag=flag)
+    except (ValueError, OSError) as e:
+        raise UsageError(str(e)) from None
+    seq = args.model_shape["seq_len"]
+    for part, flag in (("train", "--data"), ("val", "--val-data" if args.val_data else "--data")):
+        longest = max(len(a) for a in getattr(corpus, part))
+        _check(longest >= need, f"{flag}: expected a {part} shard of at least {need} tokens for --seq-len {seq}, "
+                                f"got at most {longest}")

@@ -1,5 +1,6 @@
-"""The training data: a text file as character (or byte) tokens, split train/val, and the sampler
-that makes a step's batches a pure function of (seed, step)."""
+"""The training data: a text file as character (or byte) tokens, or GPT-2 tokens (token shards, or a
+text tokenized with the GPT-2 BPE, zerofuse.train.tokens), split train/val, and the sampler that
+makes a step's batches a pure function of (seed, step)."""
 from __future__ import annotations
 
 import dataclasses
@@ -8,27 +9,41 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from . import tokens as tok
+
 VAL_FRACTION = 0.1
+_PACKAGE_DATA = Path(__file__).resolve().parent.parent / "data"
+TEXT_DEFAULT = _PACKAGE_DATA / "tinyshakespeare.txt"
+# the same text as GPT-2 tokens (its last 10% as the validation file): the default of the gpt2-* models
+GPT2_DEFAULT = (_PACKAGE_DATA / "tinyshakespeare-gpt2-train.bin", _PACKAGE_DATA / "tinyshakespeare-gpt2-val.bin")
 
 
 def _data_path(args) -> Path:
-    if args.data is not None:
-        return Path(args.data)
-    import zerofuse
-    return Path(zerofuse.__file__).parent / "data" / "tinyshakespeare.txt"
+    return Path(args.data) if args.data is not None else TEXT_DEFAULT
+
+
+def _split(arr: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    split = len(arr) - int(len(arr) * VAL_FRACTION)
+    return arr[:split], arr[split:]
 
 
 @dataclasses.dataclass
 class Corpus:
-    """Character-level tokens of a UTF-8 text (vocab = its sorted characters), or bytes (vocab 256)
-    for a file that is not UTF-8 or with --tokenizer byte. train/val: the first 90% and the rest."""
+    """Tokens for training and validation, each a list of 1-D arrays (one per shard).
+    kind "char": the sorted characters of a UTF-8 text are the vocabulary; "byte": its bytes (a
+    file that is not UTF-8 falls back to it); "gpt2": GPT-2 token ids (shards, or a text tokenized
+    into a cached shard). Without a separate validation set, validation is the last 10% of the
+    (last) training file."""
     kind: str
     chars: list[str] | None
-    train: torch.Tensor
-    val: torch.Tensor
+    train: list[np.ndarray]
+    val: list[np.ndarray]
 
     @classmethod
-    def load(cls, path, tokenizer: str = "char") -> "Corpus":
+    def load(cls, path, tokenizer: str = "char", val_path=None) -> "Corpus":
+        path = str(path)
+        if tokenizer == "gpt2" or tok.is_shard_spec(path):
+            return cls._load_tokens(path, val_path)
         raw = Path(path).read_bytes()
         chars = None
         if tokenizer == "char":
@@ -40,21 +55,56 @@ class Corpus:
                 tokenizer = "byte"
         if tokenizer == "byte":
             ids = np.frombuffer(raw, dtype=np.uint8)
-        tokens = torch.from_numpy(ids.astype(np.int32))
-        split = len(tokens) - int(len(tokens) * VAL_FRACTION)
-        return cls(tokenizer, chars, tokens[:split], tokens[split:])
+        train, val = _split(ids.astype(np.int32))
+        return cls(tokenizer, chars, [train], [val])
+
+    @classmethod
+    def _load_tokens(cls, spec: str, val_spec) -> "Corpus":
+        """GPT-2 tokens; a text file (not .bin) is tokenized into its cache first."""
+        def shards(s, flag):
+            if not tok.is_shard_spec(str(s)):
+                s = tok.tokenize_cached(s)
+            return [tok.read_shard(p, flag) for p in tok.expand(str(s), flag)]
+        train = shards(spec, "--data")
+        if val_spec is None:
+            last, val = _split(train[-1])
+            train, val = train[:-1] + [last], [val]
+        else:
+            val = shards(val_spec, "--val-data")
+        return cls("gpt2", None, train, val)
 
     @property
     def vocab_size(self) -> int:
+        if self.kind == "gpt2":
+            return tok.GPT2_VOCAB
         return 256 if self.chars is None else len(self.chars)
 
+    @property
+    def model_vocab(self) -> int:
+        """The model's vocabulary: GPT-2's padded to a multiple of 64 (50304); a character or byte
+        vocabulary as it is (the vocab-parallel layers split an uneven vocabulary)."""
+        return tok.padded_vocab(self.vocab_size) if self.kind == "gpt2" else self.vocab_size
+
+    def num_tokens(self, part: str = "train") -> int:
+        return sum(len(a) for a in getattr(self, part))
+
     def encode(self, text: str) -> list[int]:
+        if self.kind == "gpt2":
+            return tok.gpt2_tokenizer().encode(text).ids
         if self.chars is None:
             return list(text.encode("utf-8"))
         index = {c: i for i, c in enumerate(self.chars)}
         return [index[c] for c in text if c in index]
 
+    def prompt(self) -> list[int]:
+        """What generation starts from: a newline (GPT-2: <|endoftext|>, the start of a document)."""
+        return [tok.GPT2_EOT] if self.kind == "gpt2" else (self.encode("\n") or [0])
+
     def decode(self, ids) -> str:
+        if self.kind == "gpt2":
+            if not tok.gpt2_available():
+                return f"(GPT-2 token ids; {tok.GPT2_INSTALL} to see text) {list(ids)}"
+            return tok.gpt2_decode(ids)
         if self.chars is None:
             return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
         return "".join(self.chars[i] for i in ids if i < len(self.chars))
@@ -75,17 +125,31 @@ class Sampler:
     """Batches as a pure function of (seed, step): one generator seeded by (seed, step) draws the
     start offsets of the whole global batch (accum × dp × batch) and DP rank r takes slice r. So
     ranks get distinct data, --resume at step s continues exactly (the sampler state is the step),
-    and any layout with the same dp × batch sees the same data."""
+    and any layout with the same dp × batch sees the same data. Over several shards a start is drawn
+    over all windows of all shards (a window never spans two shards)."""
 
-    def __init__(self, tokens: torch.Tensor, seq_len: int, batch: int, accum: int, dp: int, dp_rank: int, seed: int):
-        self.tokens, self.seq_len, self.batch, self.accum = tokens, seq_len, batch, accum
+    def __init__(self, tokens, seq_len: int, batch: int, accum: int, dp: int, dp_rank: int, seed: int):
+        shards = [tokens] if not isinstance(tokens, (list, tuple)) else list(tokens)
+        self.shards = [s.numpy() if isinstance(s, torch.Tensor) else s for s in shards]
+        self.seq_len, self.batch, self.accum = seq_len, batch, accum
         self.dp, self.dp_rank, self.seed = dp, dp_rank, seed
-        self._window = torch.arange(seq_len + 1)
+        # windows of seq_len + 1 tokens per shard (a too-short shard has none)
+        self.ends = np.cumsum([max(0, len(s) - seq_len) for s in self.shards])
+        if not len(self.ends) or self.ends[-1] == 0:
+            raise ValueError(f"Sampler: expected a shard of more than seq_len ({seq_len}) tokens, "
+                             f"got shards of {[len(s) for s in self.shards]}")
+        self._window = np.arange(seq_len + 1)
 
     def get(self, step: int, stream: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, targets), each (accum, batch, seq_len) int64."""
         g = torch.Generator().manual_seed(_mix(self.seed, stream, step))
-        high = len(self.tokens) - self.seq_len - 1
-        starts = torch.randint(0, high + 1, (self.accum, self.dp, self.batch), generator=g)[:, self.dp_rank]
-        chunk = self.tokens[starts[..., None] + self._window].long()
+        starts = torch.randint(0, int(self.ends[-1]), (self.accum, self.dp, self.batch), generator=g)[:, self.dp_rank]
+        starts = starts.numpy()
+        shard = np.searchsorted(self.ends, starts, side="right")
+        local = starts - np.concatenate([[0], self.ends])[shard]
+        chunk = np.empty(starts.shape + (self.seq_len + 1,), dtype=np.int64)
+        for s in np.unique(shard):
+            at = shard == s
+            chunk[at] = self.shards[s][local[at][:, None] + self._window]
+        chunk = torch.from_numpy(chunk)
         return chunk[..., :-1], chunk[..., 1:]

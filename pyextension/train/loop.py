@@ -54,11 +54,10 @@ class Trainer:
         self.device = _init_distributed(args, self.env)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.mesh = init_mesh(dp=args.dp, tp=args.tp)
-        self.corpus = Corpus.load(args.data, args.tokenizer)
-        # no padding for tp: the vocab-parallel layers split an uneven vocabulary, so the model (and
-        # its checkpoints) are the same at every tp
-        shape = {**args.model_shape}
-        self.cfg = config(args.model_name, **{**shape, "vocab_size": self.corpus.vocab_size})
+        self.corpus = Corpus.load(args.data, args.tokenizer, args.val_data)
+        # a character vocabulary is not padded for tp (the vocab-parallel layers split an uneven one),
+        # so the model and its checkpoints are the same at every tp; GPT-2's is padded to 50304
+        self.cfg = config(args.model_name, **{**args.model_shape, "vocab_size": self.corpus.model_vocab})
         kw = {"tp_group": self.mesh.tp_group, "sequence_parallel": args.sequence_parallel} if args.tp > 1 else {}
         if args.zero_stage == 3:  # built on meta, materialized shard by shard: never whole on a rank
             with torch.device("meta"):
@@ -205,7 +204,7 @@ class Trainer:
     def sample(self) -> str:
         """Every rank generates with the same generator (TP ranks and ZeRO-3 forward together)."""
         args = self.args
-        prompt = self.corpus.encode("\n") or [0]
+        prompt = self.corpus.prompt()
         idx = torch.tensor([prompt], dtype=torch.long, device=self.device)
         g = torch.Generator().manual_seed(args.seed)
         out = self.model.generate(idx, args.sample_tokens, temperature=0.8, top_k=40, generator=g)

