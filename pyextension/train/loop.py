@@ -14,7 +14,8 @@ import torch
 
 from .cli import PROG
 from .data import Corpus, Sampler
-from .launch import STOP_SIGNALS, _die_with_parent, _init_distributed, _StopFlag
+from .launch import _die_with_parent, _init_distributed, _StopFlag
+from .metrics import StepMetrics, StopVote
 from .report import RankZeroLog
 
 
@@ -83,6 +84,10 @@ class Trainer:
         self.start_step = self.step
         self.memory = None
         self.stopped = 0  # the signal every rank agreed to stop on
+        self.log_every = args.log_every or max(1, args.steps // 20)
+        tokens = args.dp * args.batch * args.grad_accum * seq
+        self.metrics = StepMetrics(self.device, self.world, tokens)
+        self.vote = StopVote(self.world, self.device)
         self.log = RankZeroLog(self) if self.rank == 0 else None
 
     def _param_groups(self):
@@ -114,59 +119,45 @@ class Trainer:
     # ------------------------------------------------------------------ steps
 
     def _forward(self, x, y):
-        _, loss = self.model(x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True))
-        return loss
+        return self.model(x, y)[1]
 
-    def train_step(self) -> dict:
-        """One optimizer step; returns this step's metrics, the same on every rank."""
+    def _batch(self, step: int):
+        """This step's (inputs, targets) on the device: one pinned host-to-device copy on CUDA."""
+        xs, ys = self.train_data.get(step)
+        if self.device.type != "cuda":
+            return xs, ys
+        both = torch.stack([xs, ys]).pin_memory().to(self.device, non_blocking=True)
+        return both[0], both[1]
+
+    def train_step(self) -> None:
+        """One optimizer step, queued on the device without waiting for it: the loss, grad norm
+        and skipped flag stay device tensors until the next log point (StepMetrics), the stop
+        signal is agreed on a CPU group (StopVote)."""
         from zerofuse import comm
         args, opt = self.args, self.opt
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
+        cpu = self.device.type == "cpu"
         t0, w0 = time.perf_counter(), comm.wait_seconds()
-        xs, ys = self.train_data.get(self.step)
-        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        xs, ys = self._batch(self.step)
+        total = None
         for i in range(args.grad_accum):
             sync = i == args.grad_accum - 1
             with contextlib.nullcontext() if sync else self.model.no_sync():
                 loss = self._forward(xs[i], ys[i])
                 opt.scale_loss(loss / args.grad_accum).backward()
-            total += loss.detach()
+            total = loss.detach() if total is None else total + loss.detach()
         lr = opt.param_groups[0]["lr"]
         opt.step()
-        if self.memory is None:
+        if self.memory is None:  # sizes and allocator counters only: no sync
             self.memory = self._memory()
         opt.zero_grad()
         self.sched.step()
         self.step += 1
-        stop_wanted = args.stop_after is not None and self.step >= args.stop_after
-        t1 = time.perf_counter()
-        loss, self.stopped = self._agree(total / args.grad_accum, signal.SIGTERM if stop_wanted else 0)
-        t2 = time.perf_counter()
-        step_time = t2 - t0
-        comm_time = comm.wait_seconds() - w0 + (t2 - t1) if self.device.type == "cpu" else None
-        norm = opt.last_grad_norm
-        tokens = args.dp * args.batch * args.grad_accum * self.cfg.seq_len
-        out = {"step": self.step, "loss": loss, "lr": lr, "tokens_per_s": tokens / step_time,
-               "step_time": step_time, "comm_time": comm_time,
-               "grad_norm": None if norm is None else float(norm.item())}
-        if opt.fp16 and opt.last_step_skipped is not None and bool(opt.last_step_skipped.item()):
-            out["skipped"] = True
-        return out
-
-    def _agree(self, loss: torch.Tensor, extra_signal: int) -> tuple[float, int]:
-        """All-reduce the step's loss (mean over the world = over DP: TP ranks agree) together with
-        every rank's stop flag; returns (mean loss, the signal to stop on or 0)."""
-        import torch.distributed as dist
-        mine = self.stop.signum or extra_signal
-        vec = torch.zeros(1 + len(STOP_SIGNALS), dtype=torch.float64, device=self.device)
-        vec[0] = loss.double()
-        if mine:
-            vec[1 + STOP_SIGNALS.index(mine)] = 1
-        dist.all_reduce(vec)
-        vec = vec.cpu()
-        flags = [s for s, v in zip(STOP_SIGNALS, vec[1:].tolist()) if v > 0]
-        return float(vec[0]) / self.world, int(flags[0]) if flags else 0
+        host = {"step": self.step, "lr": lr, "comm_time": comm.wait_seconds() - w0 if cpu else None,
+                "step_time": time.perf_counter() - t0 if cpu else None}  # CUDA: timed between log points
+        self.metrics.record(host, total / args.grad_accum, opt.last_grad_norm,
+                            opt.last_step_skipped if opt.fp16 else None)
+        stop_after = args.stop_after is not None and self.step >= args.stop_after  # the same on every rank
+        self.stopped = self.vote.vote(self.stop.signum) or (signal.SIGTERM if stop_after else 0)
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -180,7 +171,7 @@ class Trainer:
         for k in range(-(-args.eval_batches // dp)):
             i = k * dp + r
             x, y = self.val_data.get(min(i, args.eval_batches - 1), stream=1)
-            loss = self._forward(x[0], y[0]).double()
+            loss = self._forward(x[0].to(self.device), y[0].to(self.device)).double()
             if i < args.eval_batches:
                 acc += torch.stack([loss, torch.ones_like(loss)])
         dist.all_reduce(acc, group=self.mesh.dp_group)
@@ -221,15 +212,24 @@ class Trainer:
             if self.log:
                 self.log.start(val)
             t_train = time.perf_counter()
+            self.metrics.restart_clock()
             while self.step < args.steps and not self.stopped:
-                m = self.train_step()
-                if self.step == args.steps or (args.eval_every and self.step % args.eval_every == 0):
-                    m["val_loss"] = val = self.evaluate()
+                self.train_step()
+                end = self.step == args.steps or self.stopped
+                evaluate = self.step == args.steps or (args.eval_every and self.step % args.eval_every == 0)
+                save = (args.ckpt_every and self.step % args.ckpt_every == 0) or end
+                if not (end or evaluate or save or self.step % self.log_every == 0):
+                    continue
+                records = self.metrics.flush()  # the log point: the device is read here only
+                if evaluate:
+                    records[-1]["val_loss"] = val = self.evaluate()
                     val_step = self.step
                 if self.log:
-                    self.log.step(m)
-                if (args.ckpt_every and self.step % args.ckpt_every == 0) or self.step == args.steps or self.stopped:
+                    for m in records:
+                        self.log.step(m)
+                if save:
                     self.save()
+                self.metrics.restart_clock()
             train_s = time.perf_counter() - t_train
             if args.export and not self.stopped and dist.get_rank() == 0:  # the final checkpoint is saved
                 from zerofuse.checkpoint import export_hf
@@ -243,6 +243,7 @@ class Trainer:
             if self.log:
                 self.log.finish(memory, text, train_s, (val, val_step), self.stopped)
         finally:
+            self.vote.close()
             if self.log:
                 self.log.close()
             dist.destroy_process_group()

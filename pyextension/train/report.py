@@ -35,7 +35,7 @@ class RankZeroLog:
         except ImportError:  # a machine installed with --no-deps: progress lines only
             tqdm = _Lines
         self.tty = sys.stderr.isatty() and tqdm is not _Lines
-        self.every = self.args.log_every or max(1, self.args.steps // 20)
+        self.every = trainer.log_every
         self.bar = tqdm(total=self.args.steps, initial=trainer.step, disable=not self.tty, dynamic_ncols=True,
                         desc="train", unit="step")
         self.tb = _tensorboard(self.out)

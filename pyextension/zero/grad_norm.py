@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from zerofuse.ops import l2norm
-from zerofuse.ops._optim import Prepared
+from zerofuse.ops._optim import Prepared, upload
 from zerofuse.zero.options import NAME
 
 
@@ -64,8 +64,8 @@ class GradNorms:
         self._global_sumsq(full.reshape(-1))
         if eng.tp_comm is not None:  # a TP-sharded param's norm adds up over its slices
             mask = self.__dict__.get("_tp_mask")
-            if mask is None:  # made once: a host-to-device copy is a host sync on CUDA
-                mask = self._tp_mask = torch.tensor(eng.tp_sharded).to(full.device).unsqueeze(1)
+            if mask is None:  # made once
+                mask = self._tp_mask = upload(torch.tensor(eng.tp_sharded), full.device).unsqueeze(1)
             part = full * mask
             eng.tp_comm.all_reduce_coalesced([part], op="sum").wait()
             full = torch.where(mask, part, full)

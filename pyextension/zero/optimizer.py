@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from zerofuse.ops import adam_, l2norm, lamb_stage1_, lamb_stage2_, lars_
-from zerofuse.ops._optim import Prepared, StepPlans
+from zerofuse.ops._optim import Prepared, StepPlans, upload
 from zerofuse.zero.engine import engine_of
 from zerofuse.zero.grad_norm import GradNorms
 from zerofuse.zero.options import DEFAULTS, NAME, STATE_KEYS, check_options, check_scaler
@@ -189,7 +189,7 @@ class Optimizer(GradNorms, torch.optim.Optimizer):
             views.setdefault("master", [])
             index = None
             if pieces and pieces[0].param is not None:
-                index = torch.tensor([pc.param for pc in pieces], dtype=torch.long).to(self.scale.device)
+                index = upload(torch.tensor([pc.param for pc in pieces], dtype=torch.long), self.scale.device)
             return _Lists(views, index)
 
         lists = self._plans.get(gi, key, build)

@@ -1,0 +1,105 @@
+"""A training step that never waits for the device: what the host learns from a step is read at
+log points only.
+
+StepMetrics keeps each step's loss, grad norm and skipped-step flag as device tensors (the ones the
+step made; nothing is copied) and turns them into per-step records at a log point with one
+all-reduce (the loss mean over the world) and one device-to-host copy. Step time is the wall time
+since the last log point (synchronised there) over the steps in between on a GPU, where the host
+runs ahead of the device; on the CPU each step is timed by itself.
+
+StopVote agrees on stopping without the device: every rank's signal flag goes into an all-reduce
+on a CPU (gloo) group, launched asynchronously at the end of a step and read at the end of the
+next one, by which time it is long done. Every rank reads the same result after the same step,
+so they all stop together, one step after the signal arrived; a world of one reads its own flag.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from .launch import STOP_SIGNALS
+
+_NONE = float("nan")
+
+
+class StepMetrics:
+    def __init__(self, device: torch.device, world: int, tokens_per_step: int):
+        self.device, self.world, self.tokens = device, world, tokens_per_step
+        self.pending: list[dict] = []  # host-side fields of the steps since the last log point
+        self.values: list[torch.Tensor] = []  # per step: (loss, grad norm, skipped) on the device
+        self.t_last = time.perf_counter()
+
+    def record(self, host: dict, loss: torch.Tensor, norm: torch.Tensor | None, skipped: torch.Tensor | None) -> None:
+        """One step: host fields (step, lr, comm_time, step_time on CPU) and device scalars; no sync."""
+        def scalar(t):
+            return torch.full((), _NONE, device=self.device) if t is None else t.detach().reshape(()).float()
+        self.values.append(torch.stack([loss.detach().reshape(()).float(), scalar(norm), scalar(skipped)]))
+        self.pending.append(host)
+
+    def flush(self) -> list[dict]:
+        """The records of the steps since the last log point (the same on every rank): the one
+        device sync of those steps."""
+        if not self.pending:
+            return []
+        vals = torch.stack(self.values)
+        if self.world > 1:  # the mean over the world = over DP (TP ranks agree)
+            loss = vals[:, 0].contiguous()
+            dist.all_reduce(loss)
+            vals[:, 0] = loss / self.world
+        host = vals.double().cpu().tolist()
+        now = time.perf_counter()
+        per_step = (now - self.t_last) / len(self.pending)
+        out = []
+        for rec, (loss, norm, skipped) in zip(self.pending, host):
+            m = dict(rec)
+            m["loss"] = loss
+            m["step_time"] = m.get("step_time") or per_step
+            m["tokens_per_s"] = self.tokens / m["step_time"]
+            m["grad_norm"] = None if norm != norm else norm
+            if skipped == skipped and skipped > 0:
+                m["skipped"] = True
+            out.append(m)
+        self.pending, self.values, self.t_last = [], [], now
+        return out
+
+    def restart_clock(self) -> None:
+        """Exclude what follows a log point (validation, a checkpoint) from the next steps' time."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.t_last = time.perf_counter()
+
+
+class StopVote:
+    def __init__(self, world: int, device: torch.device):
+        self.world = world
+        # a CPU group for the flags: reading them never waits for the device
+        self.group = None
+        if world > 1:
+            self.group = None if device.type == "cpu" else dist.new_group(backend="gloo")
+        self.flags = torch.zeros(len(STOP_SIGNALS), dtype=torch.int32)
+        self.work = None
+
+    def vote(self, signum: int) -> int:
+        """Called by every rank after every step with its own signal (0: none); returns the signal
+        every rank agrees to stop on (0: go on)."""
+        mine = torch.zeros(len(STOP_SIGNALS), dtype=torch.int32)
+        if signum:
+            mine[STOP_SIGNALS.index(signum)] = 1
+        if self.world == 1:
+            agreed = mine
+        else:
+            agreed = torch.zeros_like(mine)
+            if self.work is not None:  # last step's vote: done long ago
+                self.work.wait()
+                agreed = self.flags.clone()
+            self.flags = mine
+            self.work = dist.all_reduce(self.flags, group=self.group, async_op=True)
+        hits = [s for s, v in zip(STOP_SIGNALS, agreed.tolist()) if v > 0]
+        return int(hits[0]) if hits else 0
+
+    def close(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None

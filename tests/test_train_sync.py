@@ -1,0 +1,141 @@
+"""The training step never waits for the device between log points: no .item(), .cpu(), .tolist(),
+float(tensor) or synchronize in a step (counted by a TorchFunctionMode and a patched
+torch.cuda.synchronize around every train_step of a real in-process run), the metrics of every step
+still logged exactly (read at the log points), and a stop signal agreed one step later on every
+rank. On a GPU, tests/test_gpu_train.py runs the same steps under torch.cuda.set_sync_debug_mode."""
+import json
+import os
+import signal
+import sys
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+from zerofuse import train
+from zerofuse.train.loop import Trainer
+
+# reading a device tensor on the host: each is a device sync on CUDA
+SYNCS = {"item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__", "__index__", "__array__"}
+# host-side by design (CPU tensors on every device): the sampler, the batch's copy in, the stop vote
+HOST_SIDE = {("data.py", "get"), ("loop.py", "_batch"), ("metrics.py", "vote")}
+
+
+def _host_side() -> bool:
+    f = sys._getframe(2)
+    while f is not None:
+        if (os.path.basename(f.f_code.co_filename), f.f_code.co_name) in HOST_SIDE:
+            return True
+        f = f.f_back
+    return False
+
+
+class CountSyncs(TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", str(func))
+        to_cpu = name == "to" and any(str(a) == "cpu" for a in (*args[1:], kwargs.get("device")))
+        if (name in SYNCS or to_cpu) and not _host_side():
+            f = sys._getframe(1)
+            self.calls.append(f"{name} at {os.path.basename(f.f_code.co_filename)}:{f.f_lineno}")
+        return func(*args, **kwargs)
+
+
+def test_the_counter_sees_each_kind_of_sync(monkeypatch):
+    """The detector is real: each way of reading a tensor is counted (the old step had .item() on
+    the grad norm and .cpu() on the all-reduced loss)."""
+    t = torch.ones(3)
+    with CountSyncs() as c:
+        t.sum().item()
+        float(t.sum())
+        t.cpu()
+        t.tolist()
+        bool(t.sum() > 0)
+        t.to("cpu")
+    assert [x.split(" ")[0] for x in c.calls] == ["item", "__float__", "cpu", "tolist", "__bool__", "to"]
+
+
+def _args(tmp_path, *argv):
+    args = train._parser().parse_args(
+        ["--device", "cpu", "--nproc", "1", "--layers", "2", "--heads", "2", "--dim", "32", "--seq-len", "16",
+         "--batch", "2", "--steps", "6", "--log-every", "3", "--eval-every", "0", "--eval-batches", "1",
+         "--sample-tokens", "0", "--ckpt-every", "0", "--out", str(tmp_path), *argv])
+    train.validate(args)
+    return args
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("stage, extra", [(2, ()), (3, ("--grad-accum", "2")), (0, ("--optimizer", "lamb"))])
+def test_steps_between_log_points_never_read_the_device(tmp_path, monkeypatch, stage, extra):
+    counts, mode = [], CountSyncs()
+    synced = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: synced.append(1))
+    step = Trainer.train_step
+
+    def counted(self):
+        before = len(mode.calls)
+        with mode:
+            step(self)
+        counts.append(mode.calls[before:])
+
+    monkeypatch.setattr(Trainer, "train_step", counted)
+    args = _args(tmp_path, "--zero-stage", str(stage), *extra)
+    monkeypatch.delenv("RANK", raising=False)
+    assert Trainer(args, None).run() == 0
+    assert len(counts) == 6 and all(c == [] for c in counts), counts
+    assert synced == []
+    # every step's metrics were still logged, with the values read at the log points
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert all(isinstance(r["loss"], float) and r["loss"] > 0 and r["grad_norm"] > 0 for r in rows)
+    assert len({r["loss"] for r in rows}) == 6
+
+
+@pytest.mark.timeout(600)
+def test_a_signal_stops_after_the_next_step(tmp_path, monkeypatch):
+    """A signal (here: raised into the flag after step 2) is agreed at the end of the step it
+    arrived in (world of one) and the job checkpoints and exits 128 + signal."""
+    step = Trainer.train_step
+
+    def signalled(self):
+        if self.step == 2:
+            self.stop.signum = signal.SIGTERM
+        step(self)
+
+    monkeypatch.setattr(Trainer, "train_step", signalled)
+    args = _args(tmp_path, "--zero-stage", "2")
+    assert Trainer(args, None).run() == 128 + signal.SIGTERM
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert (tmp_path / "ckpt" / "meta.json").is_file()
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(600)
+def test_gpu_steps_pass_sync_debug_mode_error(tmp_path, monkeypatch):
+    """On CUDA, 20 steps (after the first, which builds the step plans) under
+    torch.cuda.set_sync_debug_mode("error"): any host sync in a step raises."""
+    step = Trainer.train_step
+
+    def strict(self):
+        if self.step == 0:
+            return step(self)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            step(self)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+
+    monkeypatch.setattr(Trainer, "train_step", strict)
+    args = train._parser().parse_args(
+        ["--device", "cuda", "--nproc", "1", "--model", "gpt2-124m", "--layers", "2", "--seq-len", "256",
+         "--batch", "4", "--steps", "21", "--log-every", "21", "--eval-every", "0", "--eval-batches", "1",
+         "--sample-tokens", "0", "--ckpt-every", "0", "--out", str(tmp_path)])
+    train.validate(args)
+    assert Trainer(args, None).run() == 0
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 21 and rows[-1]["loss"] < rows[0]["loss"]
