@@ -2,47 +2,17 @@
 float(tensor) or synchronize in a step (counted by a TorchFunctionMode and a patched
 torch.cuda.synchronize around every train_step of a real in-process run), the metrics of every step
 still logged exactly (read at the log points), and a stop signal agreed one step later on every
-rank. On a GPU, tests/test_gpu_train.py runs the same steps under torch.cuda.set_sync_debug_mode."""
+rank. On a GPU, the last test runs steps under torch.cuda.set_sync_debug_mode("error")."""
 import json
-import os
 import signal
-import sys
 
 import pytest
 import torch
-from torch.overrides import TorchFunctionMode
 
 from zerofuse import train
 from zerofuse.train.loop import Trainer
 
-# reading a device tensor on the host: each is a device sync on CUDA
-SYNCS = {"item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__", "__index__", "__array__"}
-# host-side by design (CPU tensors on every device): the sampler, the batch's copy in, the stop vote
-HOST_SIDE = {("data.py", "get"), ("loop.py", "_batch"), ("metrics.py", "vote")}
-
-
-def _host_side() -> bool:
-    f = sys._getframe(2)
-    while f is not None:
-        if (os.path.basename(f.f_code.co_filename), f.f_code.co_name) in HOST_SIDE:
-            return True
-        f = f.f_back
-    return False
-
-
-class CountSyncs(TorchFunctionMode):
-    def __init__(self):
-        super().__init__()
-        self.calls: list[str] = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        name = getattr(func, "__name__", str(func))
-        to_cpu = name == "to" and any(str(a) == "cpu" for a in (*args[1:], kwargs.get("device")))
-        if (name in SYNCS or to_cpu) and not _host_side():
-            f = sys._getframe(1)
-            self.calls.append(f"{name} at {os.path.basename(f.f_code.co_filename)}:{f.f_lineno}")
-        return func(*args, **kwargs)
+from sync_counter import CountSyncs
 
 
 def test_the_counter_sees_each_kind_of_sync(monkeypatch):

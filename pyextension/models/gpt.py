@@ -1,7 +1,8 @@
 """A GPT (decoder-only transformer) built from zerofuse's ops: fused attention (zerofuse.nn.Attention,
 grouped-query heads), fused LayerNorm/RMSNorm, and trained with zerofuse's fused optimizers.
 
-Pre-norm blocks (x + attn(norm(x)), x + mlp(norm(x))), learned position embeddings, GELU MLP, an
+Pre-norm blocks (x + attn(norm(x)), x + mlp(norm(x)); each residual add fused into the next
+norm, zerofuse's add_layer_norm / add_rms_norm), learned position embeddings, GELU MLP, an
 optional tied output head. Initialisation is GPT-2's (normal(0, 0.02); the residual projections
 scaled by 1/sqrt(2 * n_layer)), each param drawn from its own generator seeded by ``seed`` and the
 param's name: the same seed gives the same weights on every rank and machine, whatever the global
@@ -115,9 +116,17 @@ class Block(torch.nn.Module):
         self.norm2 = _norm(cfg)
         self.mlp = MLP(cfg, tp_kw)
 
-    def forward(self, x: Tensor) -> Tensor:
-        x = x + self.attn(self.norm1(x))
-        return x + self.mlp(self.norm2(x))
+    def forward(self, x: Tensor, delta: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """x + attn(norm1(x)), then + mlp(norm2(.)), with each residual add fused into the norm
+        that follows it (one kernel for add + norm): ``delta`` is the previous block's MLP output
+        not yet added to x (None for the first block); returns (x + delta + attn, mlp output), the
+        last add left to the next block's norm1 or the model's final norm."""
+        if delta is None:
+            h = self.norm1(x)
+        else:
+            h, x = self.norm1(delta, x)
+        h, x = self.norm2(self.attn(h), x)
+        return x, self.mlp(h)
 
 
 class GPT(torch.nn.Module):
@@ -217,13 +226,13 @@ class GPT(torch.nn.Module):
                                  f"divide by the tensor-parallel size {self.tp_size}")
             r, m = self._tp_comm.rank, n // self.tp_size
             pos = pos[r * m:(r + 1) * m]
-        x = self.wte(idx) + self.wpe(pos)
+        x, delta = self.wte(idx) + self.wpe(pos), None
         for block in self.blocks:
             if self.activation_checkpointing and torch.is_grad_enabled():
-                x = checkpoint(block, x, use_reentrant=False)
+                x, delta = checkpoint(block, x, delta, use_reentrant=False)
             else:
-                x = block(x)
-        logits = self.head(self.norm(x))
+                x, delta = block(x, delta)
+        logits = self.head(self.norm(x) if delta is None else self.norm(delta, x)[0])
         loss = None
         if targets is not None:
             if self.tp_group is None:

@@ -1,0 +1,158 @@
+"""Host cost of one training step, offline: what the GPU would wait for.
+
+Runs zerofuse-train's Trainer in this process (a world of one) with gpt2-124m's structure (12
+layers, 12 heads, tied embeddings, biases) at small dims so that compute is negligible, with the
+CUDA path's Python (Triton kernels; ZEROFUSE_TRITON_ON_CPU=1) and every Triton launch replaced by
+a counting no-op. Per step it reports:
+- host ms: the median wall time of a step (the aten ops still run, on tiny CPU tensors: an upper
+  bound of the host time, the Triton launchers' own cost excluded);
+- launches: Triton launches + aten ops that would launch a kernel on CUDA (TorchDispatchMode,
+  views and allocations not counted), and that total per transformer layer;
+- hooks: module/param hooks and autograd callbacks zerofuse registered, as they run;
+- syncs: host reads of tensors from Python (tests/sync_counter.py) outside the host-side data path.
+
+    python bench/profile_step.py [--stage 2] [--steps 12] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+os.environ["ZEROFUSE_TRITON_ON_CPU"] = "1"  # before zerofuse is imported: the CUDA path's Python
+
+import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+
+from sync_counter import CountSyncs  # noqa: E402
+
+# aten ops that launch nothing on CUDA (views, metadata, allocation)
+NO_LAUNCH = {"view", "_unsafe_view", "as_strided", "slice", "select", "t", "transpose", "expand", "unsqueeze",
+             "squeeze", "permute", "split", "split_with_sizes", "alias", "detach", "empty", "empty_strided",
+             "empty_like", "_reshape_alias", "unbind", "narrow", "reshape", "lift_fresh", "set_", "resize_",
+             "new_empty", "new_empty_strided", "chunk", "view_as", "unflatten", "flatten"}
+
+
+class CountLaunches(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.aten = 0
+        self.names: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if func.namespace == "aten" and name not in NO_LAUNCH:  # zerofuse's ops: their Triton launches count
+            self.aten += 1
+            self.names[name] = self.names.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+class _Stub:
+    """A Triton kernel (or autotuner) whose launches are counted and do nothing."""
+    count = 0
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            _Stub.count += 1
+        return launch
+
+    def run(self, *args, **kwargs):
+        _Stub.count += 1
+
+
+def _stub_kernels() -> None:
+    from zerofuse.kernels import attention, norms, optim
+    for mod in (attention, norms, optim):
+        for name in dir(mod):
+            if name.endswith("_kernel") or name.endswith("_tuned"):
+                setattr(mod, name, _Stub())
+
+
+def _count_hooks(trainer) -> dict:
+    """Wrap every hook zerofuse registered on the model's modules and params with a counter."""
+    counter = {"n": 0}
+
+    def wrap(fn):
+        def counted(*args, **kwargs):
+            counter["n"] += 1
+            return fn(*args, **kwargs)
+        return counted
+
+    for m in trainer.model.modules():
+        for hooks in (m._forward_pre_hooks, m._forward_hooks, m._backward_hooks, m._backward_pre_hooks):
+            for k in list(hooks):
+                hooks[k] = wrap(hooks[k])
+    for p in trainer.model.parameters():
+        hooks = getattr(p, "_post_accumulate_grad_hooks", None) or {}
+        for k in list(hooks):
+            hooks[k] = wrap(hooks[k])
+    eng = getattr(trainer.model, "_zerofuse_zero", None)
+    if eng is not None:
+        eng._end_of_backward = wrap(eng._end_of_backward)
+    return counter
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--stage", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--dim", type=int, default=96)
+    ap.add_argument("--seq-len", type=int, default=32)
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--json")
+    a = ap.parse_args(argv)
+    from zerofuse import train
+    from zerofuse.models import gpt
+    from zerofuse.train.loop import Trainer
+    # GPT-2's structure also where the preset lacked it (the comparison with 836555f's tree)
+    gpt.PRESETS["gpt2-124m"].update(bias=True, tie_embeddings=True)
+    _stub_kernels()
+    out = tempfile.mkdtemp()
+    args = train._parser().parse_args(
+        ["--device", "cpu", "--nproc", "1", "--model", "gpt2-124m", "--tokenizer", "char", "--dim", str(a.dim),
+         "--seq-len", str(a.seq_len), "--batch", str(a.batch), "--steps", str(a.steps + 3), "--zero-stage",
+         str(a.stage), "--eval-every", "0", "--sample-tokens", "0", "--ckpt-every", "0", "--out", out])
+    train.validate(args)
+    t = Trainer(args, None)
+    t._setup()
+    torch.set_num_threads(1)
+    hooks = _count_hooks(t)
+    for _ in range(3):  # warm-up: step plans, caches
+        t.train_step()
+    times, launches, aten, nhooks, syncs = [], [], [], [], []
+    for _ in range(a.steps):
+        t0 = time.perf_counter()
+        t.train_step()
+        times.append(time.perf_counter() - t0)
+    for _ in range(3):
+        s0, h0 = _Stub.count, hooks["n"]
+        with CountLaunches() as c, CountSyncs() as s:
+            t.train_step()
+        launches.append(_Stub.count - s0 + c.aten)
+        aten.append(c.aten)
+        nhooks.append(hooks["n"] - h0)
+        syncs.append(len(s.calls))
+    layers = t.cfg.n_layer
+    res = {"model": "gpt2-124m structure", "n_layer": layers, "dim": a.dim, "seq_len": a.seq_len, "batch": a.batch,
+           "zero_stage": a.stage, "host_ms_per_step": statistics.median(times) * 1e3,
+           "launches_per_step": launches[-1], "aten_launches_per_step": aten[-1],
+           "triton_launches_per_step": launches[-1] - aten[-1], "launches_per_layer": launches[-1] / layers,
+           "hooks_per_step": nhooks[-1], "syncs_per_step": syncs[-1], "sync_calls": s.calls[:10],
+           "top_aten": sorted(c.names.items(), key=lambda kv: -kv[1])[:12]}
+    print(json.dumps(res, indent=1))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=1)
+    import torch.distributed as dist
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
