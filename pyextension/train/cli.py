@@ -81,7 +81,8 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--eval-every", type=int, default=50, help="validate every N steps (0: only at start and end)")
     d.add_argument("--eval-batches", type=int, default=10, help="batches per validation (default 10)")
     d.add_argument("--log-every", type=int,
-                   help="without a terminal: a progress line every N steps (default: steps / 20)")
+                   help="read the steps' metrics from the device every N steps (the only host sync between "
+                        "them) and, without a terminal, print a progress line (default: steps / 20)")
     d.add_argument("--sample-tokens", type=int, default=200, help="tokens sampled at the end (0: none)")
     p.add_argument("--stop-after", type=int, help=argparse.SUPPRESS)  # tests: act as if SIGTERM arrived after step N
     return p
