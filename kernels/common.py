@@ -1,6 +1,15 @@
 """Triton helpers shared by the kernel modules."""
+import torch
 import triton
 import triton.language as tl
+
+
+def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device`` without a host sync: CUDA copies it from pinned memory
+    asynchronously (a pageable copy would wait for the stream); the CPU takes it as it is."""
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 # Launch-time arithmetic in plain Python: triton.cdiv and triton.next_power_of_2 are JIT functions,

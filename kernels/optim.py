@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from zerofuse.kernels import interpreted
-from zerofuse.kernels.common import _cast, cdiv
+from zerofuse.kernels.common import _cast, cdiv, upload
 
 BLOCK = 4096
 _NUM_WARPS = 8
@@ -457,11 +457,7 @@ def _clip_kernel(PART, nblocks, OUT, SCALE, FOUND, max_norm, HAS_SCALE: tl.const
 
 def _int64_on(values: list[int], device: torch.device) -> torch.Tensor:
     """An int64 tensor of values on device; on CUDA copied from pinned memory without a host sync."""
-    return _on(torch.tensor(values, dtype=torch.int64), device)
-
-
-def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+    return upload(torch.tensor(values, dtype=torch.int64), device)
 
 
 # tables that depend only on a layout (the tensors' sizes) and the device, kept for recent layouts
@@ -486,7 +482,7 @@ def _kept(cache: OrderedDict, key, make) -> torch.Tensor:
 def _owners(numels: tuple, blocks: list[int], device: torch.device) -> torch.Tensor:
     def make():
         counts = torch.tensor([b - a for a, b in zip(blocks, blocks[1:])], dtype=torch.int64)
-        return _on(torch.repeat_interleave(torch.arange(len(numels), dtype=torch.int32), counts), device)
+        return upload(torch.repeat_interleave(torch.arange(len(numels), dtype=torch.int32), counts), device)
     return _kept(_OWNERS, (numels, device), make)
 
 
@@ -498,7 +494,7 @@ def _schedule(numels: tuple, blocks: list[int], device: torch.device) -> torch.T
         for a, b in zip(blocks, blocks[1:]):
             codes += range(2 * a, 2 * b, 2)
             codes += range(2 * b - 1, 2 * a, -2)
-        return _on(torch.tensor(codes or [0], dtype=torch.int32), device)
+        return upload(torch.tensor(codes or [0], dtype=torch.int32), device)
     return _kept(_SCHEDULES, (numels, device), make)
 
 
@@ -554,19 +550,26 @@ class Launch:
             table = _Table([pick(params), pick(grads)] + [pick(lst) for lst in others], self.device, idx)
             self.groups.append((table, _TL[params[idx[0]].dtype], _TL[grads[idx[0]].dtype] if grads else None))
         self.steps = _check_steps(steps, self.device) if steps is not None else []
-        self._consts: dict[tuple, torch.Tensor] = {}
+        self._consts: dict[int, tuple[tuple, torch.Tensor]] = {}
         self._part: dict[tuple[int, int], torch.Tensor] = {}
         self._block_sum_buf: tuple[torch.Tensor, list[torch.Tensor], int] | None = None
         self._sync: dict[int, torch.Tensor] = {}
 
     def consts(self, values: tuple) -> torch.Tensor:
-        """The float64 constants on the device, copied only when they change (a new lr); the LAMB
-        stages keep one tuple each."""
-        t = self._consts.get(values)
-        if t is None:
-            if len(self._consts) >= 4:
-                self._consts.clear()
-            t = self._consts[values] = _on(torch.tensor(values, dtype=torch.float64), self.device)
+        """The float64 constants on the device: one persistent tensor per kind of launch (keyed by
+        the tuple's length: Adam/LARS 5, LAMB stage 1 4, LAMB 7), uploaded once; a value that changes
+        (the lr every step under a schedule) is written in place by a fill whose value travels as a
+        kernel argument: no host-to-device copy, no pinned allocation, ordered on the stream after
+        the launches that read the old value."""
+        old = self._consts.get(len(values))
+        if old is None:
+            t = upload(torch.tensor(values, dtype=torch.float64), self.device)
+        else:
+            prev, t = old
+            for i, (a, b) in enumerate(zip(prev, values)):
+                if a != b:
+                    t[i].fill_(b)
+        self._consts[len(values)] = (values, t)
         return t
 
     def sync(self, g: int) -> torch.Tensor:

@@ -848,3 +848,19 @@ def test_cuda_step_with_amp_inputs_never_syncs():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert opt.state[params[0]]["step"].item() == 2
+
+
+def test_launch_constants_are_written_in_place_when_the_lr_changes():
+    """A schedule changes the lr every step: the constants tensor the kernels read is one
+    persistent tensor per kind of launch, updated in place (a fill on the stream), never a new
+    upload through a new pinned allocation."""
+    from zerofuse.kernels import optim as KO
+
+    ps = [torch.zeros(10), torch.zeros(3)]
+    launch = KO.Launch(ps, [torch.zeros_like(p) for p in ps], [None, None, None, None])
+    first = launch.consts((1e-3, 0.9, 0.95, 1e-8, 0.1))
+    again = launch.consts((5e-4, 0.9, 0.95, 1e-8, 0.1))
+    assert again is first and again.tolist() == [5e-4, 0.9, 0.95, 1e-8, 0.1]
+    lamb = launch.consts((0.9, 0.95, 1e-8, 0.1))  # another kind of launch keeps its own tensor
+    assert lamb is not first and lamb.tolist() == [0.9, 0.95, 1e-8, 0.1]
+    assert launch.consts((1e-4, 0.9, 0.95, 1e-8, 0.1)) is first and first[0].item() == 1e-4

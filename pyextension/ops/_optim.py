@@ -44,14 +44,6 @@ def direct(tensors: Sequence[torch.Tensor]) -> bool:
 _DATA_PTR = torch.Tensor.data_ptr
 
 
-def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on ``device`` without a host sync: CUDA copies it from pinned memory
-    asynchronously (a pageable copy would wait for the stream); the CPU takes it as it is."""
-    if device.type != "cuda":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)
-
-
 class Prepared:
     """Launch tables (zerofuse.kernels.optim.Launch) that an optimizer keeps for one param group
     between steps, so a step does not rebuild and re-check them (on an H100 that host work was

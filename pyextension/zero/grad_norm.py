@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 
 from zerofuse.ops import l2norm
-from zerofuse.ops._optim import Prepared, upload
+from zerofuse.kernels.common import upload
+from zerofuse.ops._optim import Prepared
 from zerofuse.zero.options import NAME
 
 

@@ -26,7 +26,8 @@ from __future__ import annotations
 import torch
 
 from zerofuse.ops import adam_, l2norm, lamb_stage1_, lamb_stage2_, lars_
-from zerofuse.ops._optim import Prepared, StepPlans, upload
+from zerofuse.kernels.common import upload
+from zerofuse.ops._optim import Prepared, StepPlans
 from zerofuse.zero.engine import engine_of
 from zerofuse.zero.grad_norm import GradNorms
 from zerofuse.zero.options import DEFAULTS, NAME, STATE_KEYS, check_options, check_scaler
