@@ -232,7 +232,7 @@ class GPT(torch.nn.Module):
                 x, delta = checkpoint(block, x, delta, use_reentrant=False)
             else:
                 x, delta = block(x, delta)
-        logits = self.head(self.norm(x) if delta is None else self.norm(delta, x)[0])
+        logits = self.head(self.norm(delta, x)[0])  # n_layer >= 1: the last block's MLP output is pending
         loss = None
         if targets is not None:
             if self.tp_group is None:

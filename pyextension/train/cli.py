@@ -230,13 +230,15 @@ def _validate_tokens(args, shards: bool, need: int) -> None:
         args.data = str(tok.tokenize_cached(path, fallback_dir=args.out))
     try:
         corpus = Corpus.load(args.data, "gpt2", args.val_data)
-        for part, flag in (("train", "--data"), ("val", "--val-data" if args.val_data else "--data")):
-            for arr in getattr(corpus, part):
-                tok.check_ids(arr, getattr(arr, "filename", None) or args.data, flag=flag)
     except (ValueError, OSError) as e:
         raise UsageError(str(e)) from None
     seq = args.model_shape["seq_len"]
     for part, flag in (("train", "--data"), ("val", "--val-data" if args.val_data else "--data")):
+        for arr in getattr(corpus, part):
+            try:
+                tok.check_ids(arr, getattr(arr, "filename", None) or args.data, flag=flag)
+            except ValueError as e:
+                raise UsageError(str(e)) from None
         longest = max(len(a) for a in getattr(corpus, part))
         _check(longest >= need, f"{flag}: expected a {part} shard of at least {need} tokens for --seq-len {seq}, "
                                 f"got at most {longest}")

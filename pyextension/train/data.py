@@ -85,9 +85,6 @@ class Corpus:
         vocabulary as it is (the vocab-parallel layers split an uneven vocabulary)."""
         return tok.padded_vocab(self.vocab_size) if self.kind == "gpt2" else self.vocab_size
 
-    def num_tokens(self, part: str = "train") -> int:
-        return sum(len(a) for a in getattr(self, part))
-
     def encode(self, text: str) -> list[int]:
         if self.kind == "gpt2":
             return tok.gpt2_tokenizer().encode(text).ids
@@ -135,6 +132,7 @@ class Sampler:
         self.dp, self.dp_rank, self.seed = dp, dp_rank, seed
         # windows of seq_len + 1 tokens per shard (a too-short shard has none)
         self.ends = np.cumsum([max(0, len(s) - seq_len) for s in self.shards])
+        self.firsts = np.concatenate([[0], self.ends[:-1]])  # each shard's first window index
         if not len(self.ends) or self.ends[-1] == 0:
             raise ValueError(f"Sampler: expected a shard of more than seq_len ({seq_len}) tokens, "
                              f"got shards of {[len(s) for s in self.shards]}")
@@ -146,7 +144,7 @@ class Sampler:
         starts = torch.randint(0, int(self.ends[-1]), (self.accum, self.dp, self.batch), generator=g)[:, self.dp_rank]
         starts = starts.numpy()
         shard = np.searchsorted(self.ends, starts, side="right")
-        local = starts - np.concatenate([[0], self.ends])[shard]
+        local = starts - self.firsts[shard]
         chunk = np.empty(starts.shape + (self.seq_len + 1,), dtype=np.int64)
         for s in np.unique(shard):
             at = shard == s

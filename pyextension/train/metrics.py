@@ -30,11 +30,16 @@ class StepMetrics:
         self.pending: list[dict] = []  # host-side fields of the steps since the last log point
         self.values: list[torch.Tensor] = []  # per step: (loss, grad norm, skipped) on the device
         self.t_last = time.perf_counter()
+        self._nan = None  # the placeholder of an absent value (no clipping: no grad norm), made once
 
     def record(self, host: dict, loss: torch.Tensor, norm: torch.Tensor | None, skipped: torch.Tensor | None) -> None:
         """One step: host fields (step, lr, comm_time, step_time on CPU) and device scalars; no sync."""
         def scalar(t):
-            return torch.full((), _NONE, device=self.device) if t is None else t.detach().reshape(()).float()
+            if t is None:
+                if self._nan is None:
+                    self._nan = torch.full((), _NONE, device=self.device)
+                return self._nan
+            return t.detach().reshape(()).float()
         self.values.append(torch.stack([loss.detach().reshape(()).float(), scalar(norm), scalar(skipped)]))
         self.pending.append(host)
 
@@ -74,10 +79,8 @@ class StepMetrics:
 class StopVote:
     def __init__(self, world: int, device: torch.device):
         self.world = world
-        # a CPU group for the flags: reading them never waits for the device
-        self.group = None
-        if world > 1:
-            self.group = None if device.type == "cpu" else dist.new_group(backend="gloo")
+        # a CPU group for the flags (the default group on CPU): reading them never waits for the device
+        self.group = dist.new_group(backend="gloo") if world > 1 and device.type != "cpu" else None
         self.flags = torch.zeros(len(STOP_SIGNALS), dtype=torch.int32)
         self.work = None
 
