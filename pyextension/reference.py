@@ -134,3 +134,26 @@ def attention(q, k, v, is_causal=False, scale=None):
         s = s.masked_fill(~keep, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
     return torch.softmax(s, dim=-1) @ v, lse
+
+
+def linear_cross_entropy(hidden, weight, target, bias=None, ignore_index=-100, reduction="mean", label_smoothing=0.0,
+                         z_loss=0.0, softcap=None):
+    """F.cross_entropy(z, target, label_smoothing=label_smoothing) + z_loss * logsumexp(z)^2 per token,
+    with z = hidden @ weight.T + bias, softcapped as softcap * tanh(z / softcap) when given (Gemma-2),
+    in the inputs' dtype (pass float64 for a float64 reference). Tokens whose target is ignore_index
+    contribute 0; 'mean' divides by the number of the others (0 when there are none)."""
+    z = hidden @ weight.T
+    if bias is not None:
+        z = z + bias
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    lse = torch.logsumexp(z, dim=-1)
+    valid = target != ignore_index
+    z_t = z.gather(-1, target.masked_fill(~valid, 0).unsqueeze(-1)).squeeze(-1)
+    loss = (1 - label_smoothing) * (lse - z_t) + label_smoothing * (lse - z.mean(-1)) + z_loss * lse * lse
+    loss = torch.where(valid, loss, torch.zeros_like(loss))
+    if reduction == "none":
+        return loss
+    if reduction == "sum":
+        return loss.sum()
+    return loss.sum() / valid.sum().clamp(min=1)

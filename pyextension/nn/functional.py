@@ -4,6 +4,7 @@
     rms_norm(input, normalized_shape, weight=None, eps=None)
     add_layer_norm(input, residual, normalized_shape, weight=None, bias=None, eps=1e-05) -> (y, h)
     add_rms_norm(input, residual, normalized_shape, weight=None, eps=None) -> (y, h)
+    linear_cross_entropy(hidden, weight, target, bias=None, ignore_index=-100, reduction="mean", ...)  (nn/loss.py)
 
 with h = input + residual, y = norm(h): the pre-norm transformer step in one pass. Triton kernels
 on CUDA, C++ kernels on CPU (Triton in the interpreter under ZEROFUSE_TRITON_ON_CPU=1). Under
@@ -192,3 +193,6 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
     query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
     out, _ = torch.ops.zerofuse.attention(query, key, value, bool(is_causal), scale)
     return out
+
+
+from zerofuse.nn.loss import linear_cross_entropy  # noqa: E402,F401  (its own module: the fused head + loss)

@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
+from zerofuse.ops.ids import check_ids
 from zerofuse import nn as znn
 from zerofuse.tp import comm as C
 from zerofuse.tp.spec import TPSpec, split_range
@@ -125,24 +126,6 @@ def _check_features(who: str, x: Tensor, n: int, what: str) -> None:
     if x.dim() == 0 or x.shape[-1] != n:
         raise ValueError(f"zerofuse.tp.{who}: expected an input whose last dimension is {n} ({what}), got shape "
                          f"{list(x.shape)}")
-
-
-def _check_ids(who: str, name: str, ids: Tensor, n: int, allowed: int | None = None) -> None:
-    """ids in [0, n) (or == allowed): a rank looks up only its own range, so an id outside every
-    rank's range would silently read as zeros (an embedding) or as a logit of 0 (a target). On the
-    cpu the check raises; on a GPU it is a device-side assert, as torch's embedding (no host sync)."""
-    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
-        raise TypeError(f"zerofuse.tp.{who}: expected {name} to be an integer tensor, got {ids.dtype}")
-    bad = (ids < 0) | (ids >= n)
-    if allowed is not None:
-        bad &= ids != allowed
-    if ids.device.type == "cpu":
-        if bool(bad.any()):
-            first = int(ids[bad][0])
-            extra = f" or {allowed}" if allowed is not None else ""
-            raise IndexError(f"zerofuse.tp.{who}: expected {name} in [0, {n}){extra}, got {first}")
-    else:
-        torch._assert_async(~bad.any(), f"zerofuse.tp.{who}: {name} out of range [0, {n})")
 
 
 def _init_linear_full(out_features: int, in_features: int, bias: bool, device, dtype):
@@ -255,7 +238,7 @@ class VocabParallelEmbedding(_TPModule):
         self.weight = _sharded(full, spec)
 
     def forward(self, idx: Tensor) -> Tensor:
-        _check_ids("VocabParallelEmbedding", "idx", idx, self.num_embeddings)
+        check_ids("zerofuse.tp.VocabParallelEmbedding", "idx", idx, self.num_embeddings)
         outside = (idx < self.vocab_start) | (idx >= self.vocab_end)
         local = (idx - self.vocab_start).masked_fill(outside, 0)
         out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
@@ -320,7 +303,7 @@ def vocab_parallel_cross_entropy(logits_shard: Tensor, targets: Tensor, group=No
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"zerofuse.tp.vocab_parallel_cross_entropy: expected reduction 'mean', 'sum' or 'none', "
                          f"got {reduction!r}")
-    _check_ids("vocab_parallel_cross_entropy", "targets", targets, vocab_size, ignore_index)
+    check_ids("zerofuse.tp.vocab_parallel_cross_entropy", "targets", targets, vocab_size, ignore_index)
     loss = _VocabParallelCE.apply(logits_shard, targets, comm, start, ignore_index)
     if reduction == "none":
         return loss

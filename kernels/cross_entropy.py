@@ -1,0 +1,107 @@
+"""Cross-entropy over rows of logits in Triton: per-row statistics and the logits' gradient written in
+place, the row kernel of the chunked ``linear_cross_entropy`` (zerofuse/ops/linear_cross_entropy.py).
+
+Per row r of the logits chunk Z (rows, V) whose columns are the vocabulary ids
+[vocab_start, vocab_start + V) of a vocabulary of V_total (V_total > V under vocabulary parallelism),
+with c = softcap (Gemma-2; off when 0) and everything in fp32:
+    z'   = c * tanh(z / c)   (or z)
+    STATS:  lse = log(sum_j exp(z'_j)),  tz = z'_t (0 if t is outside the columns),  sz = sum_j z'_j
+    GRAD:   with the (global) lse, the label-smoothing eps, the z-loss coefficient and a row scale s:
+            dz_j = s * (exp(z'_j - lse) * (1 + 2 * z_loss * lse) - eps / V_total - (1 - eps) * [j == t])
+                     * (1 - (z'_j / c)^2)          (the softcap's derivative; 1 without one)
+The per-token loss (1 - eps) * (lse - tz) + eps * (lse - sz / V_total) + z_loss * lse^2 is formed from
+the statistics by the caller (tiny per-token arithmetic). This is the loss of
+F.cross_entropy(z', t, label_smoothing=eps) plus PaLM's z-loss; the gradient follows by
+differentiation (as in Liger-Kernel's and FlashAttention's Triton cross-entropies).
+
+One program per row loops over the vocabulary in blocks of BLOCK_V with an online max/sum of exp
+(Milakov & Gimelshein 2018): STATS reads the row once, GRAD reads and writes it once; with both, the
+gradient overwrites the logits, so the chunk's logits buffer becomes its gradient.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from zerofuse.kernels import interpreted
+from zerofuse.kernels.common import _cast, next_power_of_2
+
+
+@triton.jit
+def _capped(z, softcap, HAS_SOFTCAP: tl.constexpr):
+    if HAS_SOFTCAP:
+        # tanh(x) = 1 - 2 / (exp(2x) + 1): exact at both ends in fp32 (exp overflows to inf -> 1)
+        return softcap * (1.0 - 2.0 / (tl.exp(2.0 * z / softcap) + 1.0))
+    else:
+        return z
+
+
+@triton.jit
+def _ce_kernel(
+    Z, stride_z, Target, Scale, Lse, TZ, SZ,
+    V, V_total, vocab_start, smoothing, z_loss, softcap,
+    STATS: tl.constexpr, GRAD: tl.constexpr, HAS_SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr,
+    EMULATE_RNE: tl.constexpr,
+):
+    row = tl.program_id(0)
+    z_row = Z + row.to(tl.int64) * stride_z
+    t_local = tl.load(Target + row).to(tl.int64) - vocab_start
+    if STATS:
+        m = -float("inf")
+        s = 0.0
+        sz = 0.0
+        tz = 0.0
+        for start in range(0, V, BLOCK_V):
+            cols = start + tl.arange(0, BLOCK_V)
+            mask = cols < V
+            z = _capped(tl.load(z_row + cols, mask=mask, other=0.0).to(tl.float32), softcap, HAS_SOFTCAP)
+            z = tl.where(mask, z, -float("inf"))
+            m_new = tl.maximum(m, tl.max(z, axis=0))
+            s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
+            m = m_new
+            sz += tl.sum(tl.where(mask, z, 0.0), axis=0)
+            tz += tl.sum(tl.where(cols == t_local, z, 0.0), axis=0)
+        lse = m + tl.log(s)
+        tl.store(Lse + row, lse)
+        tl.store(TZ + row, tz)
+        tl.store(SZ + row, sz)
+    else:
+        lse = tl.load(Lse + row)
+    if GRAD:
+        scale = tl.load(Scale + row)
+        p_scale = 1.0 + 2.0 * z_loss * lse
+        uniform = smoothing / V_total
+        for start in range(0, V, BLOCK_V):
+            cols = start + tl.arange(0, BLOCK_V)
+            mask = cols < V
+            z = _capped(tl.load(z_row + cols, mask=mask, other=0.0).to(tl.float32), softcap, HAS_SOFTCAP)
+            g = tl.exp(z - lse) * p_scale - uniform
+            g = tl.where(cols == t_local, g - (1.0 - smoothing), g)
+            if HAS_SOFTCAP:
+                zc = z / softcap
+                g = g * (1.0 - zc * zc)
+            tl.store(z_row + cols, _cast(g * scale, Z.dtype.element_ty, EMULATE_RNE), mask=mask)
+
+
+def _block_v(v: int) -> int:
+    # the interpreter's cost is per program and per loop step: one block per row where it fits
+    return min(next_power_of_2(v), 65536 if interpreted() else 4096)
+
+
+def ce_rows(z: torch.Tensor, target: torch.Tensor, scale: torch.Tensor | None, lse: torch.Tensor,
+            tz: torch.Tensor | None, sz: torch.Tensor | None, *, vocab_start: int, vocab_total: int,
+            smoothing: float, z_loss: float, softcap: float, stats: bool, grad: bool) -> None:
+    """The kernel on z (rows, V) (unit stride along V), in place. stats: writes lse/tz/sz (fp32,
+    one per row); else lse is read. grad: overwrites z with its gradient times scale (fp32, one per
+    row)."""
+    rows, v = z.shape
+    if rows == 0:
+        return
+    block = _block_v(v)
+    _ce_kernel[(rows,)](
+        z, z.stride(0), target, scale if grad else lse, lse, tz if stats else lse, sz if stats else lse,
+        v, vocab_total, vocab_start, float(smoothing), float(z_loss), float(softcap or 1.0),
+        STATS=stats, GRAD=grad, HAS_SOFTCAP=bool(softcap), BLOCK_V=block, EMULATE_RNE=interpreted(),
+        num_warps=8 if block >= 2048 else 4,
+    )

@@ -1,0 +1,88 @@
+"""Fused output layer + cross-entropy: ``linear_cross_entropy`` and ``LinearCrossEntropyLoss``.
+
+    loss = linear_cross_entropy(hidden, lm_head.weight, target)
+
+equals ``F.cross_entropy((hidden @ weight.T + bias).float().flatten(0, -2), target.flatten())`` (plus
+label smoothing, PaLM's z-loss and Gemma-2's logit softcap when asked) without the (tokens, vocab)
+logits: zerofuse::linear_cross_entropy computes them a chunk of tokens at a time, the logsumexp in
+fp32, and (reduction 'mean' or 'sum') the gradients during the forward. For gradient accumulation
+with a token count known only for the whole batch (Hugging Face's ``num_items_in_batch``), take
+reduction='sum' and divide: ``linear_cross_entropy(..., reduction="sum") / num_items_in_batch``.
+
+Unlike F.cross_entropy, 'mean' over a batch whose targets are all ignore_index is 0, not NaN.
+Under tensor parallelism use zerofuse.tp.vocab_parallel_linear_cross_entropy (the weight sharded
+over the vocabulary). Under ZeRO-3 call it inside the forward of a module the weight belongs to (or
+of the model, whose root unit holds the head): the weight is gathered there. A weight whose storage
+is freed (a ZeRO-3 shard not gathered) is refused rather than read.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from zerofuse.ops import linear_cross_entropy as _ops
+
+_WHERE = "zerofuse.nn.functional.linear_cross_entropy"
+
+
+def _check(hidden, weight, target, bias, reduction, softcap, chunk_size) -> None:
+    for name, t in (("hidden", hidden), ("weight", weight), ("bias", bias)):
+        if t is None and name == "bias":
+            continue
+        if not isinstance(t, Tensor) or not t.is_floating_point():
+            got = t.dtype if isinstance(t, Tensor) else type(t).__name__
+            raise TypeError(f"{_WHERE}: expected {name} to be a floating-point tensor, got {got}")
+        if t.device.type != "meta" and t.numel() and t.untyped_storage().size() == 0:
+            raise RuntimeError(f"{_WHERE}: {name} of shape {list(t.shape)} has no storage (a ZeRO-3 shard freed "
+                               "outside its unit's forward?): call it inside the forward of the module that owns the "
+                               "param, or of the model")
+    if not isinstance(target, Tensor):
+        raise TypeError(f"{_WHERE}: expected target to be an integer tensor, got {type(target).__name__}")
+    if hidden.dim() < 1 or tuple(target.shape) != tuple(hidden.shape[:-1]):
+        raise ValueError(f"{_WHERE}: expected target of shape {list(hidden.shape[:-1])} (hidden's without the last "
+                         f"dim), got {list(target.shape)}")
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"{_WHERE}: expected reduction 'mean', 'sum' or 'none', got {reduction!r}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"{_WHERE}: expected softcap > 0 or None, got {softcap}")
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"{_WHERE}: expected chunk_size to be an int >= 1 or None, got {chunk_size!r}")
+
+
+def wants_grad(*tensors: Tensor | None) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None = None,
+                         ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
+                         z_loss: float = 0.0, softcap: float | None = None, *, chunk_size: int | None = None,
+                         recompute: bool = False) -> Tensor:
+    """Cross-entropy of ``hidden @ weight.T + bias`` (hidden (..., D), weight (V, D), target (...))
+    without materialising the logits; see the module doc. The loss is fp32 (fp64 for fp64 inputs);
+    reduction 'none' returns target's shape. chunk_size: tokens per chunk (default: about as many
+    logits per chunk as hidden has elements). recompute=True keeps no gradients from the forward
+    and recomputes each chunk's logits in backward (one more GEMM; always so for 'none')."""
+    _check(hidden, weight, target, bias, reduction, softcap, chunk_size)
+    grad = reduction != "none" and not recompute and wants_grad(hidden, weight, bias)
+    h = hidden.reshape(-1, hidden.shape[-1])
+    loss = _ops.linear_cross_entropy(h, weight, target.reshape(-1), bias, int(ignore_index), float(label_smoothing),
+                                     float(z_loss), float(softcap or 0.0), reduction, int(chunk_size or 0), grad)[0]
+    return loss.view(target.shape) if reduction == "none" else loss
+
+
+class LinearCrossEntropyLoss(torch.nn.Module):
+    """Module form: ``LinearCrossEntropyLoss(ignore_index=-100, reduction="mean", ...)(hidden,
+    weight, target, bias=None)`` (Liger-Kernel's LigerFusedLinearCrossEntropyLoss argument order
+    differs: it takes the weight first)."""
+
+    def __init__(self, ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
+                 z_loss: float = 0.0, softcap: float | None = None, chunk_size: int | None = None,
+                 recompute: bool = False):
+        super().__init__()
+        self.ignore_index, self.reduction, self.label_smoothing = ignore_index, reduction, label_smoothing
+        self.z_loss, self.softcap, self.chunk_size, self.recompute = z_loss, softcap, chunk_size, recompute
+
+    def forward(self, hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None = None) -> Tensor:
+        return linear_cross_entropy(hidden, weight, target, bias, self.ignore_index, self.reduction,
+                                    self.label_smoothing, self.z_loss, self.softcap, chunk_size=self.chunk_size,
+                                    recompute=self.recompute)
