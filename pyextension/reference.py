@@ -138,13 +138,19 @@ def attention(q, k, v, is_causal=False, scale=None):
 
 def linear_cross_entropy(hidden, weight, target, bias=None, ignore_index=-100, reduction="mean", label_smoothing=0.0,
                          z_loss=0.0, softcap=None):
-    """F.cross_entropy(z, target, label_smoothing=label_smoothing) + z_loss * logsumexp(z)^2 per token,
-    with z = hidden @ weight.T + bias, softcapped as softcap * tanh(z / softcap) when given (Gemma-2),
-    in the inputs' dtype (pass float64 for a float64 reference). Tokens whose target is ignore_index
-    contribute 0; 'mean' divides by the number of the others (0 when there are none)."""
+    """cross_entropy(hidden @ weight.T + bias, ...) below: the output layer and its loss, in the inputs'
+    dtype (pass float64 for a float64 reference)."""
     z = hidden @ weight.T
     if bias is not None:
         z = z + bias
+    return cross_entropy(z, target, ignore_index, reduction, label_smoothing, z_loss, softcap)
+
+
+def cross_entropy(z, target, ignore_index=-100, reduction="mean", label_smoothing=0.0, z_loss=0.0, softcap=None):
+    """F.cross_entropy(z, target, label_smoothing=label_smoothing) + z_loss * logsumexp(z)^2 per token
+    (PaLM's z-loss), with z softcapped as softcap * tanh(z / softcap) when given (Gemma-2). Tokens
+    whose target is ignore_index contribute 0; 'mean' divides by the number of the others (0 when
+    there are none)."""
     if softcap is not None:
         z = softcap * torch.tanh(z / softcap)
     lse = torch.logsumexp(z, dim=-1)

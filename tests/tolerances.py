@@ -62,3 +62,18 @@ def assert_close_training(actual: torch.Tensor, expected: torch.Tensor,
         raise AssertionError(f"{msg}: {int(bad.sum())} of {actual.numel()} elements beyond the training-parity bound; "
                              f"worst at flat index {i}: |actual - expected| = {err.reshape(-1)[i]:.3g}, bound "
                              f"{bound.reshape(-1)[i]:.3g} (reference reordering {spread.reshape(-1)[i]:.3g})")
+
+
+def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
+
+
+def assert_within_peer_rule(actual: torch.Tensor, expected64: torch.Tensor, peer: torch.Tensor, *, msg: str = "") -> None:
+    """The reference rule for results with long reductions (flash-attention's): the error of actual
+    against the float64 reference is at most twice the error of the peer's result in the same dtype
+    (torch's unfused computation) plus the table's atol for actual's dtype."""
+    floor = tol(actual.dtype)["atol"]
+    err, peer_err = max_err(actual, expected64), max_err(peer, expected64)
+    if not err <= 2 * peer_err + floor:
+        raise AssertionError(f"{msg}: max error {err:.3g} vs the float64 reference exceeds 2 x the peer's {peer_err:.3g}"
+                             f" + {floor:g}")

@@ -199,10 +199,10 @@ def reduce(loss: Tensor, valid: Tensor, reduction: str) -> Tensor:
     return total if reduction == "sum" else total / valid.sum().clamp(min=1)
 
 
-def row_scale(valid: Tensor, reduction: str, dloss: Tensor | None = None) -> Tensor:
+def row_scale(valid: Tensor, reduction: str, dtype: torch.dtype, dloss: Tensor | None = None) -> Tensor:
     """d(reduced loss)/d(loss_i), times the incoming gradient when given: the row scale of the
-    gradient kernel (0 on ignored tokens)."""
-    scale = valid.float() if dloss is None or dloss.dtype != torch.float64 else valid.double()
+    gradient kernel (0 on ignored tokens), float64 for float64 inputs (dtype), else fp32."""
+    scale = valid.to(torch.float64 if dtype == torch.float64 else torch.float32)
     if reduction == "mean":
         scale = scale / valid.sum().clamp(min=1)
     return scale if dloss is None else scale * dloss.to(scale.dtype)
@@ -226,7 +226,7 @@ def linear_cross_entropy(
     v = weight.shape[0]
     check_ids(_NAME, "target", target, v, ignore_index)
     valid = target != ignore_index
-    scale = row_scale(valid, reduction) if grad else None
+    scale = row_scale(valid, reduction, hidden.dtype) if grad else None
     chunk = chunk_size or default_chunk(hidden.shape[0], v, hidden.shape[1])
     lse, tz, sz, dh, dw, db = forward_chunks(
         hidden, weight, bias, target, scale, chunk=chunk, vocab_start=0, vocab_total=v, smoothing=label_smoothing,
@@ -262,7 +262,7 @@ def linear_cross_entropy_backward(
     check_args(_NAME + "_backward", hidden, weight, target, bias, label_smoothing, z_loss, softcap, reduction,
                chunk_size)
     v = weight.shape[0]
-    scale = row_scale(target != ignore_index, reduction, dloss)
+    scale = row_scale(target != ignore_index, reduction, hidden.dtype, dloss)
     chunk = chunk_size or default_chunk(hidden.shape[0], v, hidden.shape[1])
     return backward_chunks(scale, hidden, weight, bias, target, lse, chunk=chunk, vocab_start=0, vocab_total=v,
                            smoothing=label_smoothing, z_loss=z_loss, softcap=softcap)
