@@ -25,28 +25,29 @@ from zerofuse.ops import linear_cross_entropy as _ops
 _WHERE = "zerofuse.nn.functional.linear_cross_entropy"
 
 
-def _check(hidden, weight, target, bias, reduction, softcap, chunk_size) -> None:
+def check_face_args(hidden, weight, target, bias, reduction, softcap, chunk_size, where: str = _WHERE) -> None:
+    """The face's checks (also zerofuse.tp.vocab_parallel_linear_cross_entropy's), named for ``where``."""
     for name, t in (("hidden", hidden), ("weight", weight), ("bias", bias)):
         if t is None and name == "bias":
             continue
         if not isinstance(t, Tensor) or not t.is_floating_point():
             got = t.dtype if isinstance(t, Tensor) else type(t).__name__
-            raise TypeError(f"{_WHERE}: expected {name} to be a floating-point tensor, got {got}")
+            raise TypeError(f"{where}: expected {name} to be a floating-point tensor, got {got}")
         if t.device.type != "meta" and t.numel() and t.untyped_storage().size() == 0:
-            raise RuntimeError(f"{_WHERE}: {name} of shape {list(t.shape)} has no storage (a ZeRO-3 shard freed "
+            raise RuntimeError(f"{where}: {name} of shape {list(t.shape)} has no storage (a ZeRO-3 shard freed "
                                "outside its unit's forward?): call it inside the forward of the module that owns the "
                                "param, or of the model")
     if not isinstance(target, Tensor):
-        raise TypeError(f"{_WHERE}: expected target to be an integer tensor, got {type(target).__name__}")
+        raise TypeError(f"{where}: expected target to be an integer tensor, got {type(target).__name__}")
     if hidden.dim() < 1 or tuple(target.shape) != tuple(hidden.shape[:-1]):
-        raise ValueError(f"{_WHERE}: expected target of shape {list(hidden.shape[:-1])} (hidden's without the last "
+        raise ValueError(f"{where}: expected target of shape {list(hidden.shape[:-1])} (hidden's without the last "
                          f"dim), got {list(target.shape)}")
     if reduction not in ("mean", "sum", "none"):
-        raise ValueError(f"{_WHERE}: expected reduction 'mean', 'sum' or 'none', got {reduction!r}")
+        raise ValueError(f"{where}: expected reduction 'mean', 'sum' or 'none', got {reduction!r}")
     if softcap is not None and not softcap > 0:
-        raise ValueError(f"{_WHERE}: expected softcap > 0 or None, got {softcap}")
+        raise ValueError(f"{where}: expected softcap > 0 or None, got {softcap}")
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
-        raise ValueError(f"{_WHERE}: expected chunk_size to be an int >= 1 or None, got {chunk_size!r}")
+        raise ValueError(f"{where}: expected chunk_size to be an int >= 1 or None, got {chunk_size!r}")
 
 
 def wants_grad(*tensors: Tensor | None) -> bool:
@@ -62,7 +63,7 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: T
     reduction 'none' returns target's shape. chunk_size: tokens per chunk (default: about as many
     logits per chunk as hidden has elements). recompute=True keeps no gradients from the forward
     and recomputes each chunk's logits in backward (one more GEMM; always so for 'none')."""
-    _check(hidden, weight, target, bias, reduction, softcap, chunk_size)
+    check_face_args(hidden, weight, target, bias, reduction, softcap, chunk_size)
     grad = reduction != "none" and not recompute and wants_grad(hidden, weight, bias)
     h = hidden.reshape(-1, hidden.shape[-1])
     loss = _ops.linear_cross_entropy(h, weight, target.reshape(-1), bias, int(ignore_index), float(label_smoothing),

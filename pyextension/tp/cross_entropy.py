@@ -1,0 +1,113 @@
+"""Vocabulary-parallel fused output layer + cross-entropy: ``vocab_parallel_linear_cross_entropy``.
+
+Each rank of the TP group holds rows [vocab_start, vocab_end) of the output weight (as
+ColumnParallelLinear and VocabParallelEmbedding split it). The chunk loop of
+zerofuse/ops/linear_cross_entropy.py runs on this rank's shard; between each chunk's statistics and
+its gradient, two all-reduces (the max of the per-rank logsumexps; then the sums of exp(lse_r - max),
+the target logit and the logits' sum) make the statistics global, so neither the full-vocabulary
+logits nor any rank's whole shard of them ever exist. The input gradient each rank computes is its
+shard's share: the hidden states enter through copy_to_tp (sequence parallelism: gather_from_seq),
+whose backward sums the shares (all-reduce; reduce-scatter back to the sequence shard).
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from zerofuse.nn.loss import check_face_args, wants_grad
+from zerofuse.ops import linear_cross_entropy as ops
+from zerofuse.ops.ids import check_ids
+from zerofuse.tp import comm as C
+from zerofuse.tp.spec import split_range
+
+_WHERE = "zerofuse.tp.vocab_parallel_linear_cross_entropy"
+
+
+def _combiner(comm):
+    def combine(lse: Tensor, tz: Tensor, sz: Tensor) -> None:
+        top = C.all_reduce(lse.clone(), comm, op="max")
+        sums = torch.stack([torch.exp(lse - top), tz, sz])
+        C.all_reduce(sums, comm)
+        lse.copy_(top + torch.log(sums[0]))
+        tz.copy_(sums[1])
+        sz.copy_(sums[2])
+
+    return combine
+
+
+class _VocabParallelLCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, target, comm, vocab_start, vocab_total, opts, grad):
+        ignore_index, smoothing, z_loss, softcap, reduction, chunk = opts
+        valid = target != ignore_index
+        scale = ops.row_scale(valid, reduction, hidden.dtype) if grad else None
+        kw = dict(chunk=chunk, vocab_start=vocab_start, vocab_total=vocab_total, smoothing=smoothing, z_loss=z_loss,
+                  softcap=softcap)
+        lse, tz, sz, dh, dw, db = ops.forward_chunks(hidden, weight, bias, target, scale, grad=grad,
+                                                     combine=_combiner(comm), **kw)
+        loss = ops.reduce(ops.token_losses(lse, tz, sz, valid, smoothing=smoothing, z_loss=z_loss,
+                                           vocab_total=vocab_total), valid, reduction)
+        ctx.grad, ctx.kw, ctx.reduction, ctx.ignore_index = grad, kw, reduction, ignore_index
+        ctx.has_bias = bias is not None
+        if grad:
+            ctx.save_for_backward(dh, dw, db if db.numel() or bias is not None else None)
+        else:
+            ctx.save_for_backward(hidden, weight, bias, target, lse)
+        return loss
+
+    @staticmethod
+    def backward(ctx, dloss):
+        if ctx.grad:
+            dh, dw, db = ctx.saved_tensors
+            dh, dw = dh * dloss, dw * dloss
+            db = db * dloss if ctx.has_bias else None
+        else:
+            hidden, weight, bias, target, lse = ctx.saved_tensors
+            scale = ops.row_scale(target != ctx.ignore_index, ctx.reduction, hidden.dtype, dloss)
+            dh, dw, db = ops.backward_chunks(scale, hidden, weight, bias, target, lse, **ctx.kw)
+            db = db if ctx.has_bias else None
+        return dh, dw, db, None, None, None, None, None, None
+
+
+def vocab_parallel_linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, group=None, *,
+                                        bias: Tensor | None = None, vocab_size: int | None = None,
+                                        sequence_parallel: bool = False, ignore_index: int = -100,
+                                        reduction: str = "mean", label_smoothing: float = 0.0, z_loss: float = 0.0,
+                                        softcap: float | None = None, chunk_size: int | None = None,
+                                        recompute: bool = False) -> Tensor:
+    """zerofuse.nn.functional.linear_cross_entropy(hidden, full_weight, target, full_bias, ...) with the
+    weight (and bias) split over the TP group by vocabulary rows: ``weight`` is this rank's (V_r, D)
+    shard, ``vocab_size`` the full vocabulary (default V_r x tp for an even split). hidden is
+    replicated over the group (..., D), or with sequence_parallel=True this rank's sequence shard
+    (b, s/tp, D) with target the whole (b, s). Every rank gets the same loss."""
+    comm = C.comm_for(_group(group))
+    tp, n_local = comm.world_size, weight.shape[0] if isinstance(weight, Tensor) and weight.dim() == 2 else 0
+    vocab_size = n_local * tp if vocab_size is None else vocab_size
+    start, end = split_range(vocab_size, tp, comm.rank)
+    if end - start != n_local:
+        raise ValueError(f"{_WHERE}: rank {comm.rank} of {tp} expected a weight shard of {end - start} rows of a "
+                         f"vocabulary of {vocab_size}, got shape {list(weight.shape)}")
+    if sequence_parallel:
+        if not isinstance(hidden, Tensor) or hidden.dim() != 3 or not isinstance(target, Tensor) \
+                or tuple(target.shape) != (hidden.shape[0], hidden.shape[1] * tp):
+            raise ValueError(f"{_WHERE}: sequence parallelism takes hidden (b, s/tp, D) and target (b, s); got "
+                             f"{list(getattr(hidden, 'shape', []))} and {list(getattr(target, 'shape', []))} at tp={tp}")
+        h = C.gather_from_seq(hidden, comm)
+    else:
+        h = C.copy_to_tp(hidden, comm) if isinstance(hidden, Tensor) else hidden
+    check_face_args(h, weight, target, bias, reduction, softcap, chunk_size, _WHERE)
+    ops.check_args(_WHERE, h.reshape(-1, h.shape[-1]), weight, target.reshape(-1), bias, label_smoothing, z_loss,
+                   float(softcap or 0.0), reduction, 0)
+    check_ids(_WHERE, "target", target, vocab_size, ignore_index)
+    h2, t1 = h.reshape(-1, h.shape[-1]), target.reshape(-1)
+    chunk = chunk_size or ops.default_chunk(h2.shape[0], n_local, h2.shape[1])
+    opts = (int(ignore_index), float(label_smoothing), float(z_loss), float(softcap or 0.0), reduction, chunk)
+    grad = reduction != "none" and not recompute and wants_grad(h, weight, bias)
+    loss = _VocabParallelLCE.apply(h2, weight, bias, t1, comm, start, vocab_size, opts, grad)
+    return loss.view(target.shape) if reduction == "none" else loss
+
+
+def _group(group):
+    from zerofuse.tp.layers import _group as group_of
+
+    return group_of(group)
