@@ -364,7 +364,8 @@ def test_attention_traffic_activation_memory_and_errors():
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=lambda m: f"rank {rank} attention: {m}")
     # analytic traffic of one step (forward + backward) at tp=2, b·s·h·4 bytes per activation
     L, h, bs = CFG["n_layer"], CFG["dim"], B * N
-    a, ce = bs * h * 4, 3 * bs * 4  # CE: a max and a (sum of exp, target logit) all-reduce, fp32
+    # the fused head + CE: a max and a (sum of exp, target logit, sum of logits) all-reduce, fp32
+    a, ce = bs * h * 4, 4 * bs * 4
     without = res[0][("traffic", False)]
     # Megatron: 2 all-reduces per layer forward and 2 backward, + the embedding's forward one and
     # the head's backward one
@@ -373,8 +374,9 @@ def test_attention_traffic_activation_memory_and_errors():
     replicated = ((2 * L + 1) * h + CFG["seq_len"] * h) * 4  # norm weights and position table grads
     # per layer: 2 RS forward (row outputs) + 2 backward (column input grads); AG: 2 forward (column
     # inputs), 2 backward re-gathers, 2 backward row output grads; the embedding (RS / AG back) and
-    # the head (a column layer)
-    assert with_sp == {"reduce_scatter": (4 * L + 2) * a, "all_gather": (6 * L + 3) * a,
+    # the head (the fused head + CE gathers its input once: its gradients are made in the forward, so
+    # backward needs no re-gather)
+    assert with_sp == {"reduce_scatter": (4 * L + 2) * a, "all_gather": (6 * L + 2) * a,
                        "all_reduce": ce + replicated}, with_sp
     # sequence parallelism keeps 1/tp of the norms' activations
     assert res[0][("norm_bytes", True)] * ws <= res[0][("norm_bytes", False)], res[0]

@@ -40,6 +40,9 @@ class GPTConfig:
     bias: bool = False
     tie_embeddings: bool = False
     attention: str = "zerofuse"  # or "torch": torch.nn.functional.scaled_dot_product_attention
+    # the loss by zerofuse's fused output layer + cross-entropy (chunks of tokens: no (tokens, vocab)
+    # logits; forward(idx, targets) then returns (None, loss)); False: the head, then F.cross_entropy
+    fused_loss: bool = True
 
     def __post_init__(self):
         name = "zerofuse.models.GPTConfig"
@@ -131,7 +134,9 @@ class Block(torch.nn.Module):
 
 class GPT(torch.nn.Module):
     """forward(idx (B, N) int64, targets (B, N) or None) -> (logits (B, N, vocab), loss or None);
-    the loss is the mean cross-entropy in fp32 whatever the model's dtype.
+    the loss is the mean cross-entropy in fp32 whatever the model's dtype. With targets and
+    ``cfg.fused_loss`` (the default) the loss comes from zerofuse's fused output layer +
+    cross-entropy, which never forms the logits: (None, loss).
 
     Tensor parallelism (``tp_group``): attention heads (and kv heads) and the MLP are split over
     the group (column- then row-parallel), the embedding and the output head over the vocabulary;
@@ -162,9 +167,9 @@ class GPT(torch.nn.Module):
         self.blocks = torch.nn.ModuleList(Block(cfg, tp_kw) for _ in range(cfg.n_layer))
         self.norm = _norm(cfg)
         if tp_group is None:
-            self.head = torch.nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+            self.head = znn.LinearCrossEntropyHead(cfg.dim, cfg.vocab_size, bias=False)
         else:
-            self.head = tp.ColumnParallelLinear(cfg.dim, cfg.vocab_size, bias=False, **tp_kw)
+            self.head = tp.VocabParallelLinearCrossEntropyHead(cfg.dim, cfg.vocab_size, bias=False, **tp_kw)
             self._tp_comm = tp.comm.comm_for(tp_group)
             # replicated params applied to a sequence shard: grads summed over the TP group
             norms = [self.norm] + [n for b in self.blocks for n in (b.norm1, b.norm2)]
@@ -232,7 +237,10 @@ class GPT(torch.nn.Module):
                 x, delta = checkpoint(block, x, delta, use_reentrant=False)
             else:
                 x, delta = block(x, delta)
-        logits = self.head(self.norm(delta, x)[0])  # n_layer >= 1: the last block's MLP output is pending
+        h = self.norm(delta, x)[0]  # n_layer >= 1: the last block's MLP output is pending
+        if targets is not None and self.config.fused_loss:
+            return None, self.head(h, targets)  # in the head's forward: ZeRO's hooks for its weight run first
+        logits = self.head(h)
         loss = None
         if targets is not None:
             if self.tp_group is None:

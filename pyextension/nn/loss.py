@@ -87,3 +87,16 @@ class LinearCrossEntropyLoss(torch.nn.Module):
         return linear_cross_entropy(hidden, weight, target, bias, self.ignore_index, self.reduction,
                                     self.label_smoothing, self.z_loss, self.softcap, chunk_size=self.chunk_size,
                                     recompute=self.recompute)
+
+
+class LinearCrossEntropyHead(torch.nn.Linear):
+    """An output layer: torch.nn.Linear (same params and state_dict) whose forward also takes the
+    targets. ``head(hidden)`` -> logits; ``head(hidden, target, **loss_options)`` -> the fused loss
+    (linear_cross_entropy with this layer's weight and bias). The loss is computed in this module's
+    forward, so ZeRO's per-module hooks (stage 1/2: wait for the param all-gather; stage 3: gather the
+    unit) run before the weight is read, as for the unfused head."""
+
+    def forward(self, input: Tensor, target: Tensor | None = None, **loss_options) -> Tensor:
+        if target is None:
+            return super().forward(input)
+        return linear_cross_entropy(input, self.weight, target, self.bias, **loss_options)

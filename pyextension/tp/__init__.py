@@ -6,10 +6,10 @@ from zerofuse.tp.comm import (comm_stats, copy_to_tp, gather_from_seq, gather_la
                               sync_replicated_grads)
 from zerofuse.tp.layers import (ColumnParallelLinear, ParallelAttention, RowParallelLinear, VocabParallelEmbedding,
                                 tp_modules, vocab_parallel_cross_entropy)
-from zerofuse.tp.cross_entropy import vocab_parallel_linear_cross_entropy
+from zerofuse.tp.cross_entropy import VocabParallelLinearCrossEntropyHead, vocab_parallel_linear_cross_entropy
 from zerofuse.tp.spec import TPSpec, spec_of
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "ParallelAttention",
-           "vocab_parallel_cross_entropy", "vocab_parallel_linear_cross_entropy", "copy_to_tp", "reduce_from_tp", "gather_from_seq", "reduce_scatter_to_seq",
+           "vocab_parallel_cross_entropy", "vocab_parallel_linear_cross_entropy", "VocabParallelLinearCrossEntropyHead", "copy_to_tp", "reduce_from_tp", "gather_from_seq", "reduce_scatter_to_seq",
            "scatter_to_seq", "gather_last_dim", "split_last_dim", "sync_replicated_grads", "comm_stats",
            "reset_comm_stats", "tp_modules", "TPSpec", "spec_of"]

@@ -18,6 +18,7 @@ from zerofuse.nn.loss import check_face_args, wants_grad
 from zerofuse.ops import linear_cross_entropy as ops
 from zerofuse.ops.ids import check_ids
 from zerofuse.tp import comm as C
+from zerofuse.tp.layers import ColumnParallelLinear, _group
 from zerofuse.tp.spec import split_range
 
 _WHERE = "zerofuse.tp.vocab_parallel_linear_cross_entropy"
@@ -107,7 +108,14 @@ def vocab_parallel_linear_cross_entropy(hidden: Tensor, weight: Tensor, target: 
     return loss.view(target.shape) if reduction == "none" else loss
 
 
-def _group(group):
-    from zerofuse.tp.layers import _group as group_of
+class VocabParallelLinearCrossEntropyHead(ColumnParallelLinear):
+    """ColumnParallelLinear over the vocabulary (same params) whose forward also takes the targets:
+    ``head(hidden)`` -> this rank's logits shard; ``head(hidden, target, **loss_options)`` -> the
+    vocabulary-parallel fused loss, computed in this module's forward (ZeRO's hooks run first)."""
 
-    return group_of(group)
+    def forward(self, x: Tensor, target: Tensor | None = None, **loss_options) -> Tensor:
+        if target is None:
+            return super().forward(x)
+        return vocab_parallel_linear_cross_entropy(x, self.weight, target, self.group, bias=self.bias,
+                                                   vocab_size=self.out_features,
+                                                   sequence_parallel=self.sequence_parallel, **loss_options)
