@@ -20,13 +20,16 @@ CASES = {
     "bias-smooth-zloss": dict(bias=True, label_smoothing=0.1, z_loss=1e-3),
     "softcap-sum": dict(softcap=3.0, reduction="sum"),
     "none": dict(bias=True, reduction="none"),
+    # chunks chosen from the full vocabulary, the same on every rank (from a rank's shard, dim 256 at
+    # tp 2 would give 8-token chunks on the rank of 513 rows, 16 on the one of 512)
+    "default-chunks": dict(chunk_size=None, dim=256),
 }
 
 
-def _inputs(bias):
+def _inputs(bias, d=D):
     g = torch.Generator().manual_seed(0)
-    h = torch.randn(B, N, D, generator=g)
-    w = torch.randn(V, D, generator=g) * 0.3
+    h = torch.randn(B, N, d, generator=g)
+    w = torch.randn(V, d, generator=g) * 0.3
     b = torch.randn(V, generator=g) if bias else None
     target = torch.randint(0, V, (B, N), generator=g)
     target[0, :2] = -100
@@ -38,19 +41,20 @@ def _rank(rank, ws, sp, recompute):
     out = {}
     for name, case in CASES.items():
         case = dict(case)
-        h, w, b, target, dloss = _inputs(case.pop("bias", False))
+        h, w, b, target, dloss = _inputs(case.pop("bias", False), case.pop("dim", D))
         lo, hi = split_range(V, ws, rank)
         n = N // ws
         mine = (h[:, rank * n:(rank + 1) * n] if sp else h).clone().requires_grad_()
         w_r = w[lo:hi].clone().requires_grad_()
         b_r = b[lo:hi].clone().requires_grad_() if b is not None else None
+        kw = dict(chunk_size=5) | case
         loss = tp.vocab_parallel_linear_cross_entropy(mine, w_r, target, bias=b_r, vocab_size=V, sequence_parallel=sp,
-                                                      chunk_size=5, recompute=recompute, **case)
+                                                      recompute=recompute, **kw)
         g = dloss if case.get("reduction") == "none" else 1.0
         (loss * g).sum().backward()
         ref_h, ref_w = h.clone().requires_grad_(), w.clone().requires_grad_()
         ref_b = b.clone().requires_grad_() if b is not None else None
-        ref = linear_cross_entropy(ref_h, ref_w, target, ref_b, chunk_size=7, **case)
+        ref = linear_cross_entropy(ref_h, ref_w, target, ref_b, **(dict(chunk_size=7) | case))
         (ref * g).sum().backward()
         want_dh = ref_h.grad[:, rank * n:(rank + 1) * n] if sp else ref_h.grad
         out[name] = [(loss.detach(), ref.detach()), (mine.grad, want_dh), (w_r.grad, ref_w.grad[lo:hi])]
