@@ -277,3 +277,21 @@ def test_cuda_matches_reference(dtype):
     assert_within_peer_rule(ours[0].cpu(), ref[0], peer[0].cpu(), msg="loss")
     for got, want, theirs in zip(ours[1], ref[1], peer[1]):
         assert_within_peer_rule(got.cpu(), want, theirs.cpu())
+
+
+def test_a_second_backward_through_the_graph_is_refused_unless_recomputing(path):
+    """The gradients made in the forward are scaled in place by the one backward that uses them."""
+    leaves, target = _inputs(torch.float32, t=11, bias=True)
+    h, w, b = (x.requires_grad_() for x in leaves)
+    loss = linear_cross_entropy(h, w, target, b)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="used by an earlier backward through this graph; .* recompute=True"):
+        loss.backward()
+    first = [x.grad.clone() for x in (h, w, b)]
+    for x in (h, w, b):
+        x.grad = None
+    loss = linear_cross_entropy(h, w, target, b, recompute=True)
+    loss.backward(retain_graph=True)
+    loss.backward()
+    for x, g in zip((h, w, b), first):
+        assert_close(x.grad, 2 * g, atol=1e-6, rtol=1e-5)

@@ -51,7 +51,7 @@ class _VocabParallelLCE(torch.autograd.Function):
         ctx.grad, ctx.kw, ctx.reduction, ctx.ignore_index = grad, kw, reduction, ignore_index
         ctx.has_bias = bias is not None
         if grad:
-            ctx.save_for_backward(dh, dw, db if db.numel() or bias is not None else None)
+            ctx.save_for_backward(dh, dw, db if bias is not None else None)
         else:
             ctx.save_for_backward(hidden, weight, bias, target, lse)
         return loss
@@ -59,9 +59,8 @@ class _VocabParallelLCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dloss):
         if ctx.grad:
-            dh, dw, db = ctx.saved_tensors
-            dh, dw = dh * dloss, dw * dloss
-            db = db * dloss if ctx.has_bias else None
+            dh, dw, db = ops.scale_saved_grads(ctx, dloss)
+            db = db if ctx.has_bias else None
         else:
             hidden, weight, bias, target, lse = ctx.saved_tensors
             scale = ops.row_scale(target != ctx.ignore_index, ctx.reduction, hidden.dtype, dloss)
