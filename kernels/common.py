@@ -32,3 +32,20 @@ def _cast(x, dtype: tl.constexpr, EMULATE_RNE: tl.constexpr):
         return u.to(tl.float32, bitcast=True).to(dtype)
     else:
         return x.to(dtype)
+
+
+@triton.jit
+def _tanh_sech2(x):
+    """(tanh(x), 1 - tanh(x)^2) in fp32 from a = exp(-2|x|) <= 1: tanh = sign(x) (1 - a) / (1 + a),
+    sech^2 = 4a / (1 + a)^2. No overflow, and sech^2 keeps its relative accuracy where tanh is
+    near +-1 (1 - t*t would cancel). The same in the interpreter as compiled (tl has no tanh
+    outside libdevice)."""
+    a = tl.exp(-2.0 * tl.abs(x))
+    t = (1.0 - a) / (1.0 + a)
+    return tl.where(x < 0, -t, t), 4.0 * a / ((1.0 + a) * (1.0 + a))
+
+
+@triton.jit
+def _tanh(x):
+    t, _ = _tanh_sech2(x)
+    return t

@@ -8,7 +8,7 @@ with c = softcap (Gemma-2; off when 0) and everything in fp32:
     STATS:  lse = log(sum_j exp(z'_j)),  tz = z'_t (0 if t is outside the columns),  sz = sum_j z'_j
     GRAD:   with the (global) lse, the label-smoothing eps, the z-loss coefficient and a row scale s:
             dz_j = s * (exp(z'_j - lse) * (1 + 2 * z_loss * lse) - eps / V_total - (1 - eps) * [j == t])
-                     * (1 - (z'_j / c)^2)          (the softcap's derivative; 1 without one)
+                     * sech^2(z_j / c)             (the softcap's derivative; 1 without one)
 The per-token loss (1 - eps) * (lse - tz) + eps * (lse - sz / V_total) + z_loss * lse^2 is formed from
 the statistics by the caller (tiny per-token arithmetic). This is the loss of
 F.cross_entropy(z', t, label_smoothing=eps) plus PaLM's z-loss; the gradient follows by
@@ -25,14 +25,13 @@ import triton
 import triton.language as tl
 
 from zerofuse.kernels import interpreted
-from zerofuse.kernels.common import _cast, next_power_of_2
+from zerofuse.kernels.common import _cast, _tanh, _tanh_sech2, next_power_of_2
 
 
 @triton.jit
 def _capped(z, softcap, HAS_SOFTCAP: tl.constexpr):
     if HAS_SOFTCAP:
-        # tanh(x) = 1 - 2 / (exp(2x) + 1): exact at both ends in fp32 (exp overflows to inf -> 1)
-        return softcap * (1.0 - 2.0 / (tl.exp(2.0 * z / softcap) + 1.0))
+        return softcap * _tanh(z / softcap)
     else:
         return z
 
@@ -75,12 +74,14 @@ def _ce_kernel(
         for start in range(0, V, BLOCK_V):
             cols = start + tl.arange(0, BLOCK_V)
             mask = cols < V
-            z = _capped(tl.load(z_row + cols, mask=mask, other=0.0).to(tl.float32), softcap, HAS_SOFTCAP)
+            z = tl.load(z_row + cols, mask=mask, other=0.0).to(tl.float32)
+            if HAS_SOFTCAP:
+                t, cap_grad = _tanh_sech2(z / softcap)
+                z = softcap * t
             g = tl.exp(z - lse) * p_scale - uniform
             g = tl.where(cols == t_local, g - (1.0 - smoothing), g)
             if HAS_SOFTCAP:
-                zc = z / softcap
-                g = g * (1.0 - zc * zc)
+                g = g * cap_grad
             tl.store(z_row + cols, _cast(g * scale, Z.dtype.element_ty, EMULATE_RNE), mask=mask)
 
 

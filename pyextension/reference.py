@@ -163,3 +163,11 @@ def cross_entropy(z, target, ignore_index=-100, reduction="mean", label_smoothin
     if reduction == "sum":
         return loss.sum()
     return loss.sum() / valid.sum().clamp(min=1)
+
+
+def swiglu(gate, up, activation="silu"):
+    """act(gate) * up: SwiGLU with activation 'silu', GeGLU with 'gelu_tanh' (GELU's tanh
+    approximation), in the inputs' dtype."""
+    if activation == "silu":
+        return torch.nn.functional.silu(gate) * up
+    return torch.nn.functional.gelu(gate, approximate="tanh") * up

@@ -1,7 +1,8 @@
 """Drop-in modules and functions: same signatures and state_dict keys as the torch ones they replace."""
 from zerofuse.nn import functional
 from zerofuse.nn.attention import Attention
+from zerofuse.nn.mlp import GatedMLP
 from zerofuse.nn.loss import LinearCrossEntropyHead, LinearCrossEntropyLoss
 from zerofuse.nn.normalization import LayerNorm, RMSNorm, replace_norms
 
-__all__ = ["functional", "Attention", "LinearCrossEntropyLoss", "LinearCrossEntropyHead", "LayerNorm", "RMSNorm", "replace_norms"]
+__all__ = ["functional", "Attention", "GatedMLP", "LinearCrossEntropyLoss", "LinearCrossEntropyHead", "LayerNorm", "RMSNorm", "replace_norms"]

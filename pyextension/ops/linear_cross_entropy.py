@@ -104,7 +104,8 @@ def _rows_torch(z, target, scale, lse, tz, sz, *, vocab_start, vocab_total, smoo
         sz.copy_(zc.sum(1))
     if grad:
         row_lse = lse.to(acc).unsqueeze(1)
-        cap = (zc / softcap).square_().neg_().add_(1.0) if softcap else None  # the softcap's derivative
+        # the softcap's derivative, sech^2(z / c) (1 - (z'/c)^2 would cancel where z' nears +-c)
+        cap = torch.cosh(z.to(acc) / softcap).square_().reciprocal_() if softcap else None
         g = zc  # overwritten (z itself for fp32 without a softcap): zc is not needed after this
         g.sub_(row_lse).exp_().mul_(1.0 + 2.0 * z_loss * row_lse)
         if smoothing:

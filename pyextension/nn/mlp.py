@@ -1,0 +1,57 @@
+"""Gated MLPs: ``swiglu(gate, up)`` / ``geglu(gate, up)`` (act(gate) * up in one pass, the product not
+kept for backward) and ``GatedMLP``, the Llama MLP down_proj(act(gate_proj(x)) * up_proj(x)) with Hugging
+Face's parameter names. Triton kernels on CUDA, torch ops on the cpu (Triton in the interpreter under
+ZEROFUSE_TRITON_ON_CPU=1); under torch.compile they trace the zerofuse::swiglu op."""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from zerofuse.ops import swiglu as _ops
+
+
+def _check(fn: str, gate, up) -> None:
+    where = f"zerofuse.nn.functional.{fn}"
+    for name, t in (("gate", gate), ("up", up)):
+        if not isinstance(t, Tensor) or not t.is_floating_point():
+            got = t.dtype if isinstance(t, Tensor) else type(t).__name__
+            raise TypeError(f"{where}: expected {name} to be a floating-point tensor, got {got}")
+    if up.shape != gate.shape or up.dtype != gate.dtype or up.device != gate.device:
+        raise ValueError(f"{where}: expected up of gate's shape, dtype and device ({list(gate.shape)}, {gate.dtype}, "
+                         f"{gate.device}), got {list(up.shape)}, {up.dtype}, {up.device}")
+
+
+def _glu(fn: str, gate: Tensor, up: Tensor, activation: str) -> Tensor:
+    _check(fn, gate, up)
+    if torch.compiler.is_compiling():
+        return _ops.swiglu(gate, up, activation)
+    return _ops.EagerSwiGLU.apply(gate, up, activation)
+
+
+def swiglu(gate: Tensor, up: Tensor) -> Tensor:
+    """F.silu(gate) * up, fused (fp32 inside, one rounding)."""
+    return _glu("swiglu", gate, up, "silu")
+
+
+def geglu(gate: Tensor, up: Tensor) -> Tensor:
+    """F.gelu(gate, approximate="tanh") * up, fused (fp32 inside, one rounding)."""
+    return _glu("geglu", gate, up, "gelu_tanh")
+
+
+class GatedMLP(torch.nn.Module):
+    """down_proj(act(gate_proj(x)) * up_proj(x)), act = silu (SwiGLU, Llama/Mistral/Qwen) or
+    gelu_tanh (GeGLU, Gemma); parameter names as Hugging Face's LlamaMLP."""
+
+    def __init__(self, dim: int, hidden: int, activation: str = "silu", bias: bool = False, *, device=None,
+                 dtype=None):
+        super().__init__()
+        if activation not in ("silu", "gelu_tanh"):
+            raise ValueError(f"zerofuse.nn.GatedMLP: expected activation 'silu' or 'gelu_tanh', got {activation!r}")
+        kw = dict(bias=bias, device=device, dtype=dtype)
+        self.gate_proj = torch.nn.Linear(dim, hidden, **kw)
+        self.up_proj = torch.nn.Linear(dim, hidden, **kw)
+        self.down_proj = torch.nn.Linear(hidden, dim, **kw)
+        self.activation = activation
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(_glu("GatedMLP", self.gate_proj(x), self.up_proj(x), self.activation))

@@ -1,0 +1,150 @@
+"""``zerofuse::swiglu`` / ``swiglu_backward``: act(gate) * up (SwiGLU with 'silu', GeGLU with
+'gelu_tanh'), fp32 inside and one rounding; backward recomputes act(gate) from the saved inputs, so
+only gate and up are kept (not the product, not the activation).
+
+CUDA tensors run kernels/swiglu.py; CPU tensors the same formulas in torch ops (fp32; float64 for
+float64), or the Triton kernels in the interpreter under ZEROFUSE_TRITON_ON_CPU=1.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from zerofuse import kernels, reference
+from zerofuse.kernels import swiglu as K
+from zerofuse.ops import register
+
+_NAME = "zerofuse::swiglu"
+_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def check_args(fn: str, gate: Tensor, up: Tensor, activation: str, dy: Tensor | None = None) -> None:
+    if not gate.is_floating_point():
+        raise RuntimeError(f"{fn}: expected gate to be a floating-point tensor, got {gate.dtype}")
+    for name, t in (("up", up), ("dy", dy)):
+        if t is not None and (t.shape != gate.shape or t.dtype != gate.dtype or t.device != gate.device):
+            raise RuntimeError(f"{fn}: expected {name} of gate's shape, dtype and device ({list(gate.shape)}, "
+                               f"{gate.dtype}, {gate.device}), got {list(t.shape)}, {t.dtype}, {t.device}")
+    if activation not in K.ACTIVATIONS:
+        raise RuntimeError(f"{fn}: expected activation 'silu' or 'gelu_tanh', got {activation!r}")
+
+
+def _use_triton(x: Tensor) -> bool:
+    return x.dtype in _KERNEL_DTYPES and (x.is_cuda or (x.device.type == "cpu" and kernels.triton_on_cpu()))
+
+
+def _acc(x: Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _act_and_grad(g: Tensor, activation: str, need_grad: bool):
+    """kernels/swiglu.py's act(g) and act'(g) in torch ops, in g's dtype."""
+    if activation == "silu":
+        s = torch.sigmoid(g)
+        return g * s, (s * (1 + g * (1 - s)) if need_grad else None)
+    inner = K._K * (g + 0.044715 * g * g * g)
+    t = torch.tanh(inner)
+    act = 0.5 * g * (1 + t)
+    if not need_grad:
+        return act, None
+    sech2 = torch.cosh(inner).square().reciprocal()  # 1 - t*t would cancel where t is near +-1 (cosh^2 -> inf: 0)
+    return act, 0.5 * (1 + t) + 0.5 * g * sech2 * K._K * (1 + 3 * 0.044715 * g * g)
+
+
+def _fwd(gate, up, activation):
+    if _use_triton(gate):
+        return K.swiglu_fwd(gate.contiguous(), up.contiguous(), activation)
+    acc = _acc(gate)
+    act, _ = _act_and_grad(gate.to(acc), activation, False)
+    return (act * up.to(acc)).to(gate.dtype)
+
+
+def _bwd(dy, gate, up, activation):
+    if _use_triton(gate):
+        return K.swiglu_bwd(dy.contiguous(), gate.contiguous(), up.contiguous(), activation)
+    acc = _acc(gate)
+    dyf = dy.to(acc)
+    act, d = _act_and_grad(gate.to(acc), activation, True)
+    return (dyf * up.to(acc) * d).to(gate.dtype), (dyf * act).to(up.dtype)
+
+
+@torch.library.custom_op(_NAME, mutates_args=())
+def swiglu(gate: Tensor, up: Tensor, activation: str) -> Tensor:
+    """act(gate) * up, gate and up of one shape and dtype."""
+    check_args(_NAME, gate, up, activation)
+    return _fwd(gate, up, activation)
+
+
+@swiglu.register_fake
+def _(gate, up, activation):
+    check_args(_NAME, gate, up, activation)
+    return torch.empty_like(gate, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op(_NAME + "_backward", mutates_args=())
+def swiglu_backward(dy: Tensor, gate: Tensor, up: Tensor, activation: str) -> tuple[Tensor, Tensor]:
+    """(dgate, dup) of swiglu, act(gate) recomputed."""
+    check_args(_NAME + "_backward", gate, up, activation, dy)
+    return _bwd(dy, gate, up, activation)
+
+
+@swiglu_backward.register_fake
+def _(dy, gate, up, activation):
+    check_args(_NAME + "_backward", gate, up, activation, dy)
+    return (torch.empty_like(gate, memory_format=torch.contiguous_format),
+            torch.empty_like(up, memory_format=torch.contiguous_format))
+
+
+def _setup(ctx, inputs, output):
+    gate, up, activation = inputs
+    ctx.activation = activation
+    ctx.save_for_backward(gate, up)
+
+
+def _backward(ctx, dy):
+    gate, up = ctx.saved_tensors
+    dg, du = swiglu_backward(dy.contiguous(), gate, up, ctx.activation)
+    return dg, du, None
+
+
+swiglu.register_autograd(_backward, setup_context=_setup)
+
+
+class EagerSwiGLU(torch.autograd.Function):
+    """The op's forward/backward without custom_op's Python dispatch, for eager mode (as
+    ops.norms.EagerNorm); the face checked the arguments first."""
+
+    @staticmethod
+    def forward(ctx, gate, up, activation):
+        ctx.activation = activation
+        ctx.save_for_backward(gate, up)
+        return _fwd(gate, up, activation)
+
+    @staticmethod
+    def backward(ctx, dy):
+        gate, up = ctx.saved_tensors
+        dg, du = _bwd(dy, gate, up, ctx.activation)
+        return dg, du, None
+
+
+def _selftest(device: torch.device) -> None:
+    g = torch.Generator().manual_seed(0)
+    gate64, up64, dy = (torch.randn(3, 37, 123, generator=g, dtype=torch.float64) * 3 for _ in range(3))
+    for activation in K.ACTIVATIONS:
+        ours = [t.to(device=device, dtype=torch.float32).requires_grad_() for t in (gate64, up64)]
+        refs = [t.clone().requires_grad_() for t in (gate64, up64)]
+        y = swiglu(ours[0], ours[1], activation)
+        y_ref = reference.swiglu(refs[0], refs[1], activation)
+        torch.testing.assert_close(y.double().cpu(), y_ref, atol=1e-5, rtol=1e-5)
+        (y.double().cpu() * dy).sum().backward()
+        (y_ref * dy).sum().backward()
+        for a, r in zip(ours, refs):
+            torch.testing.assert_close(a.grad.double().cpu(), r.grad, atol=1e-4, rtol=1e-5)
+    assert math.isfinite(float(swiglu(torch.tensor([-1e4, 1e4], device=device), torch.ones(2, device=device),
+                                      "gelu_tanh").sum()))
+
+
+register(_NAME, "Triton", _selftest)
+register(_NAME + "_backward", "Triton", _selftest)
