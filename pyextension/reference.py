@@ -171,3 +171,21 @@ def swiglu(gate, up, activation="silu"):
     if activation == "silu":
         return torch.nn.functional.silu(gate) * up
     return torch.nn.functional.gelu(gate, approximate="tanh") * up
+
+
+def rotary_embedding(x, cos, sin, positions=None, interleaved=False):
+    """RoPE of x (B, H, N, D) with the tables cos/sin (L, R/2): row n of batch b at position
+    positions[b, n] (or n); pairs (x[i], x[i + R/2]) (half-split, GPT-NeoX/Llama) or (x[2i], x[2i+1])
+    (interleaved, GPT-J) rotated by the angle of i; dims from R = 2 * cos.shape[1] on unchanged.
+    In the dtype of x (the tables cast to it)."""
+    b, _, n, _ = x.shape
+    half = cos.shape[1]
+    pos = positions if positions is not None else torch.arange(n, device=x.device).expand(b, n)
+    c, s = cos.to(x.dtype)[pos].unsqueeze(1), sin.to(x.dtype)[pos].unsqueeze(1)  # (B, 1, N, R/2)
+    if interleaved:
+        x1, x2 = x[..., 0:2 * half:2], x[..., 1:2 * half:2]
+    else:
+        x1, x2 = x[..., :half], x[..., half:2 * half]
+    o1, o2 = x1 * c - x2 * s, x2 * c + x1 * s
+    rot = torch.stack([o1, o2], dim=-1).flatten(-2) if interleaved else torch.cat([o1, o2], dim=-1)
+    return torch.cat([rot, x[..., 2 * half:]], dim=-1)

@@ -6,6 +6,7 @@
     add_rms_norm(input, residual, normalized_shape, weight=None, eps=None) -> (y, h)
     linear_cross_entropy(hidden, weight, target, bias=None, ignore_index=-100, reduction="mean", ...)  (nn/loss.py)
     swiglu(gate, up), geglu(gate, up)  (nn/mlp.py)
+    rotary_embedding(q, k, cos, sin, positions=None, *, interleaved=False, inplace=False)  (nn/rotary.py)
 
 with h = input + residual, y = norm(h): the pre-norm transformer step in one pass. Triton kernels
 on CUDA, C++ kernels on CPU (Triton in the interpreter under ZEROFUSE_TRITON_ON_CPU=1). Under
@@ -198,3 +199,4 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
 
 from zerofuse.nn.loss import linear_cross_entropy  # noqa: E402,F401  (its own module: the fused head + loss)
 from zerofuse.nn.mlp import geglu, swiglu  # noqa: E402,F401  (gated MLPs)
+from zerofuse.nn.rotary import rotary_embedding  # noqa: E402,F401  (RoPE)

@@ -1,0 +1,69 @@
+"""Rotary position embeddings: ``rotary_embedding(q, k, cos, sin, positions=None)`` and the module
+``RotaryEmbedding`` that owns the tables. q and k are (batch, heads, seq, head_dim) (k may have fewer
+heads: grouped-query attention), the tables (positions, rotary_dim / 2); pairs are half-split
+(GPT-NeoX, Llama; default) or interleaved (GPT-J). Dims from rotary_dim on pass through (partial
+rotary). Triton on CUDA, torch ops on the cpu; the tables get no gradient."""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from zerofuse.nn.loss import wants_grad
+from zerofuse.ops import rotary as _ops
+
+_WHERE = "zerofuse.nn.functional.rotary_embedding"
+
+
+def rotary_embedding(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, positions: Tensor | None = None, *,
+                     interleaved: bool = False, inplace: bool = False) -> tuple[Tensor, Tensor]:
+    """(RoPE(q), RoPE(k)). positions: None (row n at position n), (seq,) or (batch, seq) integer
+    positions into the tables (offsets, packed sequences). inplace=True rotates q and k themselves
+    (and returns them): no autograd through it."""
+    for name, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
+        if not isinstance(t, Tensor) or not t.is_floating_point():
+            got = t.dtype if isinstance(t, Tensor) else type(t).__name__
+            raise TypeError(f"{_WHERE}: expected {name} to be a floating-point tensor, got {got}")
+    if cos.requires_grad or sin.requires_grad:
+        raise ValueError(f"{_WHERE}: the cos/sin tables get no gradient; pass them detached")
+    if positions is not None:
+        if not isinstance(positions, Tensor) or positions.dim() not in (1, 2):
+            raise ValueError(f"{_WHERE}: expected positions of shape (seq,) or (batch, seq), got "
+                             f"{getattr(positions, 'shape', type(positions).__name__)}")
+        if q.dim() == 4 and positions.dim() == 1 and positions.shape[0] == q.shape[2]:
+            positions = positions.expand(q.shape[0], q.shape[2])
+    if inplace:
+        if wants_grad(q, k):
+            raise ValueError(f"{_WHERE}: inplace=True has no autograd; use inplace=False where gradients flow")
+        torch.ops.zerofuse.rotary_embedding_(q, k, cos, sin, positions, bool(interleaved), False)
+        return q, k
+    return _ops.rotary_embedding(q, k, cos, sin, positions, bool(interleaved), False)
+
+
+def rope_tables(positions: int, rotary_dim: int, base: float = 10000.0, device=None) -> tuple[Tensor, Tensor]:
+    """cos/sin (positions, rotary_dim / 2) in fp32, angle p * base^(-2i / rotary_dim) (the original
+    RoPE frequencies, as Llama's and GPT-NeoX's), computed in float64 then rounded."""
+    if rotary_dim < 2 or rotary_dim % 2 or positions < 1:
+        raise ValueError(f"zerofuse.nn.rope_tables: expected an even rotary_dim >= 2 and positions >= 1, got "
+                         f"rotary_dim={rotary_dim}, positions={positions}")
+    inv = base ** (-torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
+    ang = torch.arange(positions, dtype=torch.float64)[:, None] * inv[None, :]
+    return ang.cos().float().to(device), ang.sin().float().to(device)
+
+
+class RotaryEmbedding(torch.nn.Module):
+    """Owns the tables (non-persistent buffers: not in the state_dict, as Hugging Face's);
+    forward(q, k, positions=None) -> (q, k) rotated."""
+
+    def __init__(self, head_dim: int, max_positions: int, base: float = 10000.0, rotary_dim: int | None = None,
+                 interleaved: bool = False, *, device=None):
+        super().__init__()
+        rotary_dim = head_dim if rotary_dim is None else rotary_dim
+        if rotary_dim > head_dim:
+            raise ValueError(f"zerofuse.nn.RotaryEmbedding: rotary_dim {rotary_dim} exceeds head_dim {head_dim}")
+        cos, sin = rope_tables(max_positions, rotary_dim, base, device)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+        self.interleaved = interleaved
+
+    def forward(self, q: Tensor, k: Tensor, positions: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        return rotary_embedding(q, k, self.cos, self.sin, positions, interleaved=self.interleaved)

@@ -1,0 +1,147 @@
+"""``zerofuse::rotary_embedding`` (out of place, differentiable) and ``zerofuse::rotary_embedding_`` (in
+place): RoPE of q and k (B, H, N, D) from cos/sin tables (L, R/2), optional positions (B, N),
+half-split or interleaved pairs (kernels/rotary.py has the formulas). The backward is the inverse
+rotation of the incoming gradients; the tables are constants (no gradient).
+
+CUDA tensors run kernels/rotary.py; CPU tensors the same formulas in torch ops (fp32; float64 for
+float64), or the Triton kernel in the interpreter under ZEROFUSE_TRITON_ON_CPU=1.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from zerofuse import kernels, reference
+from zerofuse.kernels import rotary as K
+from zerofuse.ops import register
+
+_NAME = "zerofuse::rotary_embedding"
+_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def check_args(fn: str, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, positions: Tensor | None) -> None:
+    for name, t in (("q", q), ("k", k)):
+        if t.dim() != 4 or not t.is_floating_point() or (t.numel() and t.stride(-1) != 1):
+            raise RuntimeError(f"{fn}: expected {name} to be a floating-point (batch, heads, seq, head_dim) tensor with "
+                               f"a unit stride along head_dim, got {t.dtype} {list(t.shape)} strides {list(t.stride())}")
+    b, _, n, d = q.shape
+    if k.shape[0] != b or k.shape[2] != n or k.shape[3] != d or k.device != q.device:
+        raise RuntimeError(f"{fn}: expected k of q's batch, seq and head_dim ({b}, *, {n}, {d}) on {q.device}, got "
+                           f"{list(k.shape)} on {k.device}")
+    if cos.dim() != 2 or cos.shape != sin.shape or not cos.is_floating_point() or cos.dtype != sin.dtype:
+        raise RuntimeError(f"{fn}: expected cos and sin to be floating-point tables (positions, rotary_dim / 2) of one "
+                           f"shape and dtype, got {cos.dtype} {list(cos.shape)} and {sin.dtype} {list(sin.shape)}")
+    if not 1 <= 2 * cos.shape[1] <= d or cos.device != q.device or sin.device != q.device:
+        raise RuntimeError(f"{fn}: expected tables of 1 to head_dim / 2 = {d // 2} columns on {q.device}, got "
+                           f"{list(cos.shape)} on {cos.device}")
+    if positions is not None and (tuple(positions.shape) != (b, n) or positions.is_floating_point()
+                                  or positions.device != q.device):
+        raise RuntimeError(f"{fn}: expected positions to be an integer tensor of shape ({b}, {n}) on {q.device}, got "
+                           f"{positions.dtype} {list(positions.shape)} on {positions.device}")
+    if positions is None and n > cos.shape[0]:
+        raise RuntimeError(f"{fn}: sequence length {n} exceeds the {cos.shape[0]} positions of the tables")
+
+
+def _rope_torch(x, out, cos, sin, positions, interleaved, inverse) -> None:
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    b, _, n, _ = x.shape
+    half = cos.shape[1]
+    pos = positions if positions is not None else torch.arange(n, device=x.device).expand(b, n)
+    c, s = cos.to(acc)[pos].unsqueeze(1), sin.to(acc)[pos].unsqueeze(1)
+    if inverse:
+        s = -s
+    sl1, sl2 = (slice(0, 2 * half, 2), slice(1, 2 * half, 2)) if interleaved else (slice(0, half), slice(half, 2 * half))
+    x1, x2 = x[..., sl1].to(acc), x[..., sl2].to(acc)
+    o1, o2 = x1 * c - x2 * s, x2 * c + x1 * s
+    out[..., sl1] = o1
+    out[..., sl2] = o2
+
+
+def _rope(x, out, cos, sin, positions, interleaved, inverse) -> None:
+    on_triton = x.dtype in _KERNEL_DTYPES and (x.is_cuda or (x.device.type == "cpu" and kernels.triton_on_cpu()))
+    if on_triton:
+        K.rope(x, out, cos.contiguous(), sin.contiguous(), positions, interleaved, inverse)
+    else:
+        _rope_torch(x, out, cos, sin, positions, interleaved, inverse)
+
+
+def _out_of_place(x, cos, sin, positions, interleaved, inverse) -> Tensor:
+    out = x.clone(memory_format=torch.contiguous_format) if 2 * cos.shape[1] < x.shape[-1] else \
+        torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    _rope(x, out, cos, sin, positions, interleaved, inverse)
+    return out
+
+
+def _check_values(fn, cos, positions) -> None:
+    if positions is not None:
+        from zerofuse.ops.ids import check_ids
+
+        check_ids(fn, "positions", positions, cos.shape[0])
+
+
+@torch.library.custom_op(_NAME, mutates_args=())
+def rotary_embedding(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, positions: Tensor | None, interleaved: bool,
+                     inverse: bool) -> tuple[Tensor, Tensor]:
+    """(RoPE(q), RoPE(k)) in new contiguous tensors; inverse=True rotates back (the backward)."""
+    check_args(_NAME, q, k, cos, sin, positions)
+    _check_values(_NAME, cos, positions)
+    return (_out_of_place(q, cos, sin, positions, interleaved, inverse),
+            _out_of_place(k, cos, sin, positions, interleaved, inverse))
+
+
+@rotary_embedding.register_fake
+def _(q, k, cos, sin, positions, interleaved, inverse):
+    check_args(_NAME, q, k, cos, sin, positions)
+    return (torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(k.shape, dtype=k.dtype, device=k.device))
+
+
+def _setup(ctx, inputs, output):
+    _, _, cos, sin, positions, interleaved, inverse = inputs
+    ctx.args = (interleaved, not inverse)
+    ctx.save_for_backward(cos, sin, positions)
+
+
+def _backward(ctx, dq, dk):
+    cos, sin, positions = ctx.saved_tensors
+    dq, dk = rotary_embedding(dq.contiguous(), dk.contiguous(), cos, sin, positions, *ctx.args)
+    return dq, dk, None, None, None, None, None
+
+
+rotary_embedding.register_autograd(_backward, setup_context=_setup)
+
+
+@torch.library.custom_op(_NAME + "_", mutates_args=("q", "k"))
+def rotary_embedding_(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, positions: Tensor | None, interleaved: bool,
+                      inverse: bool) -> None:
+    """RoPE of q and k in place (no autograd)."""
+    check_args(_NAME + "_", q, k, cos, sin, positions)
+    _check_values(_NAME + "_", cos, positions)
+    _rope(q, q, cos, sin, positions, interleaved, inverse)
+    _rope(k, k, cos, sin, positions, interleaved, inverse)
+
+
+@rotary_embedding_.register_fake
+def _(q, k, cos, sin, positions, interleaved, inverse):
+    check_args(_NAME + "_", q, k, cos, sin, positions)
+
+
+def _selftest(device: torch.device) -> None:
+    g = torch.Generator().manual_seed(0)
+    q64, k64 = torch.randn(2, 3, 37, 80, generator=g, dtype=torch.float64), torch.randn(2, 1, 37, 80, generator=g,
+                                                                                          dtype=torch.float64)
+    ang = torch.rand(50, 20, generator=g, dtype=torch.float64) * 6
+    cos, sin = ang.cos().float().to(device), ang.sin().float().to(device)
+    pos = torch.randint(0, 50, (2, 37), generator=g)
+    for interleaved in (False, True):
+        q, k = (t.float().to(device).requires_grad_() for t in (q64, k64))
+        oq, ok = rotary_embedding(q, k, cos, sin, pos.to(device), interleaved, False)
+        for out, x in ((oq, q64), (ok, k64)):
+            want = reference.rotary_embedding(x, cos.double().cpu(), sin.double().cpu(), pos, interleaved)
+            torch.testing.assert_close(out.double().cpu(), want, atol=1e-5, rtol=1e-5)
+        (oq.sum() + ok.square().sum()).backward()  # the inverse rotation of the gradients
+        back, _ = rotary_embedding(torch.ones_like(oq), 2 * ok.detach(), cos, sin, pos.to(device), interleaved, True)
+        torch.testing.assert_close(q.grad, back, atol=1e-6, rtol=1e-6)
+
+
+register(_NAME, "Triton", _selftest)
+register(_NAME + "_", "Triton", _selftest)

@@ -1,0 +1,150 @@
+"""zerofuse::rotary_embedding (RoPE) against the float64 reference within the peer rule, and against
+Hugging Face Llama's formula (rotate_half with duplicated-half cos/sin): every dtype, odd shapes (seq
+97, head_dim 80, grouped kv heads), both layouts, partial rotary, positions, in place, both paths."""
+import pytest
+import torch
+
+from tolerances import assert_close, assert_within_peer_rule
+from zerofuse import reference
+from zerofuse.nn import RotaryEmbedding, rope_tables
+from zerofuse.nn.functional import rotary_embedding
+
+
+@pytest.fixture(params=["triton", "torch"])
+def path(request):
+    if request.param == "torch":
+        request.getfixturevalue("cpu_kernels")
+    return request.param
+
+
+def _inputs(dtype, b=2, hq=3, hk=1, n=97, d=80, strided=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    if strided:  # (B, N, H, D) storage seen as (B, H, N, D), as a fused qkv projection yields
+        q = torch.randn(b, n, hq, d, generator=g, dtype=torch.float64).to(dtype).transpose(1, 2)
+        k = torch.randn(b, n, hk, d, generator=g, dtype=torch.float64).to(dtype).transpose(1, 2)
+    else:
+        q = torch.randn(b, hq, n, d, generator=g, dtype=torch.float64).to(dtype)
+        k = torch.randn(b, hk, n, d, generator=g, dtype=torch.float64).to(dtype)
+    return q, k
+
+
+def _run(fn, q, k, dq, dk):
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k)]
+    oq, ok = fn(*leaves)
+    (oq * dq + ok * dk).sum().backward()
+    return oq.detach(), ok.detach(), leaves[0].grad, leaves[1].grad
+
+
+@pytest.mark.parametrize("rotary_dim", [80, 32], ids=["full", "partial"])
+@pytest.mark.parametrize("interleaved", [False, True], ids=["half-split", "interleaved"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_matches_float64_reference_within_the_peer_rule(dtype, interleaved, rotary_dim, path):
+    q, k = _inputs(dtype, n=37, strided=rotary_dim == 32)
+    dq, dk = _inputs(dtype, n=37, seed=1)
+    cos, sin = rope_tables(128, rotary_dim, base=500.0)
+    pos = torch.randint(0, 128, (2, 37), generator=torch.Generator().manual_seed(2))
+    for positions in (None, pos):
+        ours = _run(lambda a, b: rotary_embedding(a, b, cos, sin, positions, interleaved=interleaved), q, k, dq, dk)
+
+        def ref_fn(a, b, cos=cos, sin=sin):
+            return (reference.rotary_embedding(a, cos, sin, positions, interleaved),
+                    reference.rotary_embedding(b, cos, sin, positions, interleaved))
+
+        ref = _run(lambda a, b: ref_fn(a, b, cos.double(), sin.double()), q.double(), k.double(), dq.double(),
+                   dk.double())
+        peer = _run(ref_fn, q, k, dq, dk)
+        for name, got, want, theirs in zip(("q", "k", "dq", "dk"), ours, ref, peer):
+            assert got.dtype == dtype and got.shape == want.shape, name
+            assert_within_peer_rule(got, want, theirs, msg=name)
+        if rotary_dim < 80:
+            assert torch.equal(ours[0][..., rotary_dim:], q[..., rotary_dim:])
+
+
+def _hf_llama(q, k, cos, sin, positions):
+    """Hugging Face Llama's apply_rotary_pos_emb: cos/sin of the full head_dim (halves duplicated),
+    gathered by position, x * cos + rotate_half(x) * sin."""
+    def rotate_half(x):
+        h = x.shape[-1] // 2
+        return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+    c = torch.cat([cos, cos], dim=-1)[positions].unsqueeze(1)
+    s = torch.cat([sin, sin], dim=-1)[positions].unsqueeze(1)
+    return q * c + rotate_half(q) * s, k * c + rotate_half(k) * s
+
+
+def test_equals_hugging_face_llama(path):
+    q, k = _inputs(torch.float32, hq=4, hk=2, n=33, d=64)
+    cos, sin = rope_tables(64, 64)
+    positions = torch.arange(5, 38).expand(2, 33)  # an offset: a continued sequence
+    ours = rotary_embedding(q, k, cos, sin, positions[0])
+    theirs = _hf_llama(q, k, cos, sin, positions)
+    for a, b in zip(ours, theirs):
+        assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_in_place_equals_out_of_place_and_refuses_autograd(path):
+    q, k = _inputs(torch.bfloat16, n=37, strided=True)
+    cos, sin = rope_tables(37, 80)
+    want = rotary_embedding(q, k, cos, sin, interleaved=True)
+    q2, k2 = q.clone(), k.clone()
+    got = rotary_embedding(q2, k2, cos, sin, interleaved=True, inplace=True)
+    assert got[0] is q2 and got[1] is k2
+    assert torch.equal(q2, want[0]) and torch.equal(k2, want[1])
+    with pytest.raises(ValueError, match="inplace=True has no autograd"):
+        rotary_embedding(q.requires_grad_(), k, cos, sin, inplace=True)
+
+
+def test_module_owns_non_persistent_tables():
+    rope = RotaryEmbedding(16, 40, base=100.0, rotary_dim=8)
+    assert rope.cos.shape == (40, 4) and list(rope.state_dict()) == []
+    q, k = _inputs(torch.float32, n=10, d=16)
+    assert_close(rope(q, k)[0], reference.rotary_embedding(q, rope.cos, rope.sin))
+
+
+@pytest.mark.parametrize("call,exc,msg", [
+    (lambda q, k, c, s: rotary_embedding(q, k[:, :, :5], c, s), RuntimeError, r"expected k of q's batch, seq"),
+    (lambda q, k, c, s: rotary_embedding(q, k, c[:, :3], s), RuntimeError, r"expected cos and sin to be"),
+    (lambda q, k, c, s: rotary_embedding(q, k, c[:50], s[:50]), RuntimeError, r"sequence length 97 exceeds the 50"),
+    (lambda q, k, c, s: rotary_embedding(q, k, c, s, torch.full((97,), 200)), IndexError,
+     r"expected positions in \[0, 128\), got 200"),
+    (lambda q, k, c, s: rotary_embedding(q[0], k[0], c, s), RuntimeError, r"expected q to be a floating-point \(batch"),
+    (lambda q, k, c, s: rotary_embedding(q, k, c.requires_grad_(), s), ValueError, r"tables get no gradient"),
+    (lambda q, k, c, s: rope_tables(10, 7), ValueError, r"expected an even rotary_dim"),
+], ids=["k-shape", "table-shapes", "too-long", "positions-range", "q-3d", "table-grad", "odd-dim"])
+def test_bad_input_errors_name_the_argument(call, exc, msg):
+    q, k = _inputs(torch.float32)
+    cos, sin = rope_tables(128, 80)
+    with pytest.raises(exc, match=msg):
+        call(q, k, cos, sin)
+
+
+def test_opcheck_and_compile():
+    q, k = (t.requires_grad_() for t in _inputs(torch.float32, n=9, d=16))
+    cos, sin = rope_tables(12, 16)
+    pos = torch.randint(0, 12, (2, 9))
+    torch.library.opcheck(torch.ops.zerofuse.rotary_embedding.default, (q, k, cos, sin, pos, False, False))
+    torch.library.opcheck(torch.ops.zerofuse.rotary_embedding.default, (q, k, cos, sin, None, True, True))
+    torch.library.opcheck(torch.ops.zerofuse.rotary_embedding_.default,
+                          (q.detach().clone(), k.detach().clone(), cos, sin, pos, False, False))
+
+    def f(a, b):
+        oq, ok = rotary_embedding(a * 2, b, cos, sin, pos)
+        return (oq.square().sum() + ok.sum())
+
+    ours = torch.autograd.grad(torch.compile(f, fullgraph=True)(q, k), (q, k))
+    eager = torch.autograd.grad(f(q, k), (q, k))
+    for a, b in zip(ours, eager):
+        assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_matches_reference(dtype):
+    q, k = _inputs(dtype, b=2, hq=32, hk=8, n=2048, d=128, strided=True)
+    cos, sin = rope_tables(4096, 128, base=500000.0)
+    for interleaved in (False, True):
+        ours = rotary_embedding(q.cuda(), k.cuda(), cos.cuda(), sin.cuda(), interleaved=interleaved)
+        for got, x in zip(ours, (q, k)):
+            want = reference.rotary_embedding(x.double(), cos.double(), sin.double(), None, interleaved)
+            peer = reference.rotary_embedding(x.cuda(), cos.cuda(), sin.cuda(), None, interleaved)
+            assert_within_peer_rule(got.cpu(), want, peer.cpu())
