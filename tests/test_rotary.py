@@ -94,11 +94,17 @@ def test_in_place_equals_out_of_place_and_refuses_autograd(path):
         rotary_embedding(q.requires_grad_(), k, cos, sin, inplace=True)
 
 
-def test_module_owns_non_persistent_tables():
+def test_module_makes_fp32_tables_per_device_outside_the_state_dict():
     rope = RotaryEmbedding(16, 40, base=100.0, rotary_dim=8)
-    assert rope.cos.shape == (40, 4) and list(rope.state_dict()) == []
+    assert list(rope.state_dict()) == [] and list(rope.buffers()) == []
     q, k = _inputs(torch.float32, n=10, d=16)
-    assert_close(rope(q, k)[0], reference.rotary_embedding(q, rope.cos, rope.sin))
+    out = rope(q, k)[0]
+    cos, sin = rope.tables("cpu")
+    assert cos.shape == (40, 4) and cos.dtype == torch.float32 and rope.tables("cpu")[0] is cos
+    assert_close(out, reference.rotary_embedding(q, cos, sin))
+    with torch.device("meta"):
+        meta = RotaryEmbedding(16, 40)
+    assert not meta.tables("cpu")[0].is_meta  # made where used, not where built
 
 
 @pytest.mark.parametrize("call,exc,msg", [

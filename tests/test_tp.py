@@ -121,6 +121,8 @@ def test_layers_match_unsharded(ws, sp):
 # ---------------------------------------------------------------------------- GPT training
 
 CFG = dict(vocab_size=65, seq_len=32, n_layer=2, n_head=4, n_kv_head=2, dim=48)
+# the Llama-style blocks: RMSNorm, rotary positions, SwiGLU (gate | up split over the ranks)
+LLAMA = dict(CFG, norm="rmsnorm", norm_eps=1e-5, pos="rope", mlp="swiglu", mlp_hidden=88)
 GB, SEQ, STEPS, LR, MAX_NORM = 4, 16, 10, 3e-3, 0.5
 
 
@@ -129,8 +131,8 @@ def _batches(steps=STEPS):
     return [torch.randint(0, 65, (GB, SEQ + 1), generator=g) for _ in range(steps)]
 
 
-def _reference(steps=STEPS):
-    model = GPT(GPTConfig(**CFG), seed=0)
+def _reference(steps=STEPS, cfg=CFG):
+    model = GPT(GPTConfig(**cfg), seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
     losses, norms = [], []
     for b in _batches(steps):
@@ -148,9 +150,9 @@ def _shards_of(model):
         return {n: p.detach().float().clone() for n, p in model.named_parameters()}
 
 
-def _gpt_rank(rank, ws, dp, tpn, sp, stage):
+def _gpt_rank(rank, ws, dp, tpn, sp, stage, cfg=CFG):
     mesh = zerofuse.parallel.init_mesh(dp=dp, tp=tpn)
-    model = GPT(GPTConfig(**CFG), seed=0, tp_group=mesh.tp_group, sequence_parallel=sp)
+    model = GPT(GPTConfig(**cfg), seed=0, tp_group=mesh.tp_group, sequence_parallel=sp)
     zerofuse.zero.parallelize(model, stage=stage, group=mesh.dp_group, bucket_mb=0.05)
     opt = zerofuse.zero.Optimizer(model, "adamw", lr=LR, weight_decay=0.01)
     per = GB // dp
@@ -179,10 +181,13 @@ def _merge(results, tpn):
     return out
 
 
-@pytest.mark.parametrize("dp,tpn,sp,stage", [(1, 2, False, 0), (1, 2, True, 1), (2, 2, False, 2), (2, 2, True, 3)])
-def test_gpt_training_matches_single_process(dp, tpn, sp, stage):
-    ref_losses, ref_norms, ref_params = _reference()
-    results = run_distributed(_gpt_rank, dp * tpn, dp, tpn, sp, stage, timeout=300)
+@pytest.mark.parametrize("dp,tpn,sp,stage,arch", [(1, 2, False, 0, "gpt"), (1, 2, True, 1, "gpt"), (2, 2, False, 2, "gpt"),
+                                                  (2, 2, True, 3, "gpt"), (1, 2, True, 2, "llama"),
+                                                  (2, 2, False, 3, "llama")])
+def test_gpt_training_matches_single_process(dp, tpn, sp, stage, arch):
+    cfg = LLAMA if arch == "llama" else CFG
+    ref_losses, ref_norms, ref_params = _reference(cfg=cfg)
+    results = run_distributed(_gpt_rank, dp * tpn, dp, tpn, sp, stage, cfg, timeout=300)
     for r in results:
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(torch.tensor(r["norms"]), torch.tensor(ref_norms), rtol=1e-5, atol=1e-6)

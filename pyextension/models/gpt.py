@@ -37,9 +37,14 @@ class GPTConfig:
     dim: int = 128
     mlp_ratio: float = 4.0
     norm: str = "layernorm"  # or "rmsnorm"
+    norm_eps: float | None = None  # None: the norm module's default (LayerNorm 1e-5, RMSNorm finfo eps)
     bias: bool = False
     tie_embeddings: bool = False
     attention: str = "zerofuse"  # or "torch": torch.nn.functional.scaled_dot_product_attention
+    pos: str = "learned"  # or "rope": rotary embeddings of q and k (half-split pairs, as Llama)
+    rope_base: float = 10000.0
+    mlp: str = "gelu"  # or "swiglu": proj(silu(gate) * up), gate and up one fc of 2 x hidden
+    mlp_hidden: int | None = None  # None: mlp_ratio * dim
     # the loss by zerofuse's fused output layer + cross-entropy (chunks of tokens: no (tokens, vocab)
     # logits; forward(idx, targets) then returns (None, loss)); False: the head, then F.cross_entropy
     fused_loss: bool = True
@@ -57,12 +62,17 @@ class GPTConfig:
             raise ValueError(f"{name}: expected n_kv_head ({self.n_kv_head}) to divide n_head ({self.n_head})")
         if self.norm not in ("layernorm", "rmsnorm"):
             raise ValueError(f"{name}: expected norm 'layernorm' or 'rmsnorm', got {self.norm!r}")
+        for key, allowed in (("pos", ("learned", "rope")), ("mlp", ("gelu", "swiglu"))):
+            if getattr(self, key) not in allowed:
+                raise ValueError(f"{name}: expected {key} one of {allowed}, got {getattr(self, key)!r}")
+        if self.pos == "rope" and (self.dim // self.n_head) % 2:
+            raise ValueError(f"{name}: rope needs an even head_dim, got {self.dim // self.n_head}")
         if self.attention not in ("zerofuse", "torch"):
             raise ValueError(f"{name}: expected attention 'zerofuse' or 'torch', got {self.attention!r}")
 
     @property
     def hidden(self) -> int:
-        return int(self.mlp_ratio * self.dim)
+        return self.mlp_hidden if self.mlp_hidden is not None else int(self.mlp_ratio * self.dim)
 
 
 PRESETS = {
@@ -80,6 +90,19 @@ PRESETS.update({
 })
 
 
+# Llama-style (Touvron et al. 2023; Llama 3): RMSNorm, rotary positions, SwiGLU, no biases,
+# grouped-query attention. llama-tiny runs on a CPU (char vocabulary); the llama3-* shapes are Llama
+# 3.2 1B and Llama 3 8B's (vocab 128256, rope base 500000; the context here 2048 / 8192 positions).
+_LLAMA = dict(norm="rmsnorm", norm_eps=1e-5, pos="rope", mlp="swiglu", bias=False)
+PRESETS.update({
+    "llama-tiny": dict(n_layer=4, n_head=4, n_kv_head=2, dim=128, mlp_hidden=352, seq_len=128, **_LLAMA),
+    "llama3-1b": dict(n_layer=16, n_head=32, n_kv_head=8, dim=2048, mlp_hidden=8192, seq_len=2048, vocab_size=128256,
+                      rope_base=500000.0, tie_embeddings=True, **_LLAMA),
+    "llama3-8b": dict(n_layer=32, n_head=32, n_kv_head=8, dim=4096, mlp_hidden=14336, seq_len=8192,
+                      vocab_size=128256, rope_base=500000.0, **_LLAMA),
+})
+
+
 def config(name: str, **overrides) -> GPTConfig:
     if name not in PRESETS:
         raise ValueError(f"zerofuse.models.config: unknown model {name!r}; expected one of {sorted(PRESETS)}")
@@ -88,34 +111,44 @@ def config(name: str, **overrides) -> GPTConfig:
 
 def _norm(cfg: GPTConfig) -> torch.nn.Module:
     if cfg.norm == "rmsnorm":
-        return znn.RMSNorm(cfg.dim)
-    return znn.LayerNorm(cfg.dim, bias=cfg.bias)
+        return znn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+    return znn.LayerNorm(cfg.dim, bias=cfg.bias, **({} if cfg.norm_eps is None else {"eps": cfg.norm_eps}))
 
 
 class MLP(torch.nn.Module):
+    """proj(gelu(fc(x))), or with cfg.mlp 'swiglu' proj(silu(gate) * up) where fc yields [gate | up]
+    (under TP each rank holds its slice of both halves: partition_sizes)."""
+
     def __init__(self, cfg: GPTConfig, tp_kw: dict | None = None):
         super().__init__()
+        self.gated = cfg.mlp == "swiglu"
+        h = cfg.hidden
+        fc_out = 2 * h if self.gated else h
         if tp_kw is None:
-            self.fc = torch.nn.Linear(cfg.dim, cfg.hidden, bias=cfg.bias)
-            self.proj = torch.nn.Linear(cfg.hidden, cfg.dim, bias=cfg.bias)
+            self.fc = torch.nn.Linear(cfg.dim, fc_out, bias=cfg.bias)
+            self.proj = torch.nn.Linear(h, cfg.dim, bias=cfg.bias)
         else:  # column-parallel then row-parallel: one all-reduce forward, one backward
-            self.fc = tp.ColumnParallelLinear(cfg.dim, cfg.hidden, bias=cfg.bias, **tp_kw)
-            self.proj = tp.RowParallelLinear(cfg.hidden, cfg.dim, bias=cfg.bias, **tp_kw)
+            parts = dict(partition_sizes=(h, h)) if self.gated else {}
+            self.fc = tp.ColumnParallelLinear(cfg.dim, fc_out, bias=cfg.bias, **parts, **tp_kw)
+            self.proj = tp.RowParallelLinear(h, cfg.dim, bias=cfg.bias, **tp_kw)
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.gated:
+            gate, up = self.fc(x).chunk(2, dim=-1)
+            return self.proj(znn.functional.swiglu(gate, up))
         return self.proj(TF.gelu(self.fc(x), approximate="tanh"))
 
 
 class Block(torch.nn.Module):
-    def __init__(self, cfg: GPTConfig, tp_kw: dict | None = None):
+    def __init__(self, cfg: GPTConfig, tp_kw: dict | None = None, rope=None):
         super().__init__()
         sdpa = TF.scaled_dot_product_attention if cfg.attention == "torch" else None
         self.norm1 = _norm(cfg)
+        kw = dict(bias=cfg.bias, causal=True, sdpa=sdpa, rope=rope)
         if tp_kw is None:
-            self.attn = znn.Attention(cfg.dim, cfg.n_head, cfg.n_kv_head, bias=cfg.bias, causal=True, sdpa=sdpa)
+            self.attn = znn.Attention(cfg.dim, cfg.n_head, cfg.n_kv_head, **kw)
         else:
-            self.attn = tp.ParallelAttention(cfg.dim, cfg.n_head, cfg.n_kv_head, bias=cfg.bias, causal=True, sdpa=sdpa,
-                                             **tp_kw)
+            self.attn = tp.ParallelAttention(cfg.dim, cfg.n_head, cfg.n_kv_head, **kw, **tp_kw)
         self.norm2 = _norm(cfg)
         self.mlp = MLP(cfg, tp_kw)
 
@@ -163,8 +196,13 @@ class GPT(torch.nn.Module):
                                      f"tensor-parallel size {self.tp_size}")
             tp_kw = dict(group=tp_group, sequence_parallel=sequence_parallel)
             self.wte = tp.VocabParallelEmbedding(cfg.vocab_size, cfg.dim, **tp_kw)
-        self.wpe = torch.nn.Embedding(cfg.seq_len, cfg.dim)
-        self.blocks = torch.nn.ModuleList(Block(cfg, tp_kw) for _ in range(cfg.n_layer))
+        # learned positions, or one rotary module shared by every layer's attention (no params, no
+        # buffers: its fp32 tables are made per device on first use)
+        self.wpe = torch.nn.Embedding(cfg.seq_len, cfg.dim) if cfg.pos == "learned" else None
+        rope = None
+        if cfg.pos == "rope":
+            rope = znn.RotaryEmbedding(cfg.dim // cfg.n_head, cfg.seq_len, base=cfg.rope_base)
+        self.blocks = torch.nn.ModuleList(Block(cfg, tp_kw, rope) for _ in range(cfg.n_layer))
         self.norm = _norm(cfg)
         if tp_group is None:
             self.head = znn.LinearCrossEntropyHead(cfg.dim, cfg.vocab_size, bias=False)
@@ -173,7 +211,7 @@ class GPT(torch.nn.Module):
             self._tp_comm = tp.comm.comm_for(tp_group)
             # replicated params applied to a sequence shard: grads summed over the TP group
             norms = [self.norm] + [n for b in self.blocks for n in (b.norm1, b.norm2)]
-            replicated = [p for m in [self.wpe] + norms for p in m.parameters()]
+            replicated = [p for m in [self.wpe] + norms if m is not None for p in m.parameters()]
             tp.sync_replicated_grads(replicated, self._tp_comm, when=lambda: self.sequence_parallel)
         self.sequence_parallel = sequence_parallel
         if cfg.tie_embeddings:
@@ -231,7 +269,8 @@ class GPT(torch.nn.Module):
                                  f"divide by the tensor-parallel size {self.tp_size}")
             r, m = self._tp_comm.rank, n // self.tp_size
             pos = pos[r * m:(r + 1) * m]
-        x, delta = self.wte(idx) + self.wpe(pos), None
+        x = self.wte(idx) if self.wpe is None else self.wte(idx) + self.wpe(pos)
+        delta = None
         for block in self.blocks:
             if self.activation_checkpointing and torch.is_grad_enabled():
                 x, delta = checkpoint(block, x, delta, use_reentrant=False)

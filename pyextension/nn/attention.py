@@ -12,10 +12,12 @@ class Attention(torch.nn.Module):
     """x (B, N, embed_dim) -> (B, N, embed_dim). num_kv_heads (default num_heads) must divide
     num_heads; qkv is one Linear of embed_dim -> (num_heads + 2 * num_kv_heads) * head_dim. sdpa:
     the attention function (default zerofuse.nn.functional.scaled_dot_product_attention; any
-    function with torch's signature, e.g. torch.nn.functional.scaled_dot_product_attention)."""
+    function with torch's signature, e.g. torch.nn.functional.scaled_dot_product_attention). rope:
+    a zerofuse.nn.RotaryEmbedding applied to q and k after the projection (None: no rotation; one
+    module may serve every layer)."""
 
     def __init__(self, embed_dim: int, num_heads: int, num_kv_heads: int | None = None, *, bias: bool = False,
-                 causal: bool = True, sdpa=None, device=None, dtype=None):
+                 causal: bool = True, sdpa=None, rope=None, device=None, dtype=None):
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         for arg, value in (("embed_dim", embed_dim), ("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
@@ -34,6 +36,7 @@ class Attention(torch.nn.Module):
         kw = dict(bias=bias, device=device, dtype=dtype)
         self.qkv = torch.nn.Linear(embed_dim, (num_heads + 2 * num_kv_heads) * self.head_dim, **kw)
         self.proj = torch.nn.Linear(embed_dim, embed_dim, **kw)
+        self.rope = rope
 
     def forward(self, x: Tensor) -> Tensor:
         if x.dim() != 3 or x.shape[-1] != self.embed_dim:
@@ -47,5 +50,7 @@ class Attention(torch.nn.Module):
         q = qkv[..., : hq * d].view(b, n, hq, d).transpose(1, 2)
         k = qkv[..., hq * d:(hq + hkv) * d].view(b, n, hkv, d).transpose(1, 2)
         v = qkv[..., (hq + hkv) * d:].view(b, n, hkv, d).transpose(1, 2)
+        if self.rope is not None:  # positions 0..n-1: the whole sequence is here (SP gathered it)
+            q, k = self.rope(q, k)
         out = self.sdpa(q, k, v, is_causal=self.causal, enable_gqa=hq != hkv)
         return self.proj(out.transpose(1, 2).reshape(b, n, hq * d))

@@ -51,19 +51,31 @@ def rope_tables(positions: int, rotary_dim: int, base: float = 10000.0, device=N
 
 
 class RotaryEmbedding(torch.nn.Module):
-    """Owns the tables (non-persistent buffers: not in the state_dict, as Hugging Face's);
-    forward(q, k, positions=None) -> (q, k) rotated."""
+    """forward(q, k, positions=None) -> (q, k) rotated. The fp32 tables are made on first use on each
+    device and cached on the module, not as buffers: nothing in the state_dict (as Hugging Face's
+    non-persistent ones), and a model built on the meta device, materialized by ZeRO in bf16, still
+    rotates with exact fp32 tables."""
 
     def __init__(self, head_dim: int, max_positions: int, base: float = 10000.0, rotary_dim: int | None = None,
-                 interleaved: bool = False, *, device=None):
+                 interleaved: bool = False):
         super().__init__()
         rotary_dim = head_dim if rotary_dim is None else rotary_dim
         if rotary_dim > head_dim:
             raise ValueError(f"zerofuse.nn.RotaryEmbedding: rotary_dim {rotary_dim} exceeds head_dim {head_dim}")
-        cos, sin = rope_tables(max_positions, rotary_dim, base, device)
-        self.register_buffer("cos", cos, persistent=False)
-        self.register_buffer("sin", sin, persistent=False)
-        self.interleaved = interleaved
+        rope_tables(1, rotary_dim, base)  # checks the arguments now
+        self.max_positions, self.rotary_dim, self.base, self.interleaved = max_positions, rotary_dim, base, interleaved
+        self._tables: dict[torch.device, tuple[Tensor, Tensor]] = {}
+
+    def tables(self, device) -> tuple[Tensor, Tensor]:
+        device = torch.device(device)
+        if device not in self._tables:
+            self._tables[device] = rope_tables(self.max_positions, self.rotary_dim, self.base, device)
+        return self._tables[device]
 
     def forward(self, q: Tensor, k: Tensor, positions: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        return rotary_embedding(q, k, self.cos, self.sin, positions, interleaved=self.interleaved)
+        cos, sin = self.tables(q.device)
+        return rotary_embedding(q, k, cos, sin, positions, interleaved=self.interleaved)
+
+    def extra_repr(self) -> str:
+        return (f"rotary_dim={self.rotary_dim}, max_positions={self.max_positions}, base={self.base}, "
+                f"interleaved={self.interleaved}")

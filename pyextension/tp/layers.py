@@ -322,7 +322,7 @@ class ParallelAttention(znn.Attention):
     with sequence parallelism)."""
 
     def __init__(self, embed_dim: int, num_heads: int, num_kv_heads: int | None = None, *, group=None,
-                 sequence_parallel: bool = False, bias: bool = False, causal: bool = True, sdpa=None,
+                 sequence_parallel: bool = False, bias: bool = False, causal: bool = True, sdpa=None, rope=None,
                  device=None, dtype=None):
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         for arg, value in (("embed_dim", embed_dim), ("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
@@ -346,6 +346,7 @@ class ParallelAttention(znn.Attention):
         self.qkv = ColumnParallelLinear(embed_dim, (num_heads + 2 * num_kv_heads) * d,
                                         partition_sizes=(num_heads * d, num_kv_heads * d, num_kv_heads * d), **kw)
         self.proj = RowParallelLinear(num_heads * d, embed_dim, **kw)
+        self.rope = rope
         self.num_heads, self.num_kv_heads = num_heads // tp, num_kv_heads // tp  # this rank's heads
 
 

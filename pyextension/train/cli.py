@@ -14,7 +14,7 @@ from .data import GPT2_DEFAULT, Corpus, _data_path
 
 PROG = "zerofuse-train"
 EXIT_USAGE = 2
-PRESET_NAMES = ("tiny", "small", "gpt2-124m", "gpt2-350m", "gpt2-774m")
+PRESET_NAMES = ("tiny", "small", "gpt2-124m", "gpt2-350m", "gpt2-774m", "llama-tiny", "llama3-1b", "llama3-8b")
 # Without --model: "tiny" widened to 1.26M params with a 64-token context: with --batch 32 it takes the
 # validation loss on Tiny Shakespeare from 4.2 to ~2.0 in the default 250 steps on two CPU cores.
 DEFAULT_MODEL = ("tiny", dict(dim=160, n_head=4, seq_len=64))
