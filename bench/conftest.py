@@ -79,6 +79,18 @@ def _versions(device: torch.device) -> dict:
     return out
 
 
+def setup_then_sync(setup, device):
+    """pytest-benchmark's pedantic setup: setup() (e.g. the forward whose backward is timed), then a
+    device synchronize, so the setup's queued kernels finish before the timer starts (without it,
+    each "bwd" time on a GPU included the forward: bench/results/h100-2026-11-23's bwd rows)."""
+    def run():
+        args = setup()
+        synchronize(device)
+        return args, {}
+
+    return run
+
+
 class _Registry:
     """Median seconds per (case, provider) measured this session, for same-run ratios."""
 
@@ -97,7 +109,7 @@ def measure(benchmark, device, smoke, copy_roofline, registry):
         """Times fn(); with ``setup``, fn(*setup()) where setup (untimed, before every round)
         makes fn's arguments (e.g. a fresh autograd graph for a backward)."""
         rounds = 1 if smoke else 20
-        pedantic_setup = (lambda: (setup(), {})) if setup else None
+        pedantic_setup = setup_then_sync(setup, device) if setup else None
         benchmark.pedantic(lambda *a: (fn(*a), synchronize(device)), setup=pedantic_setup, rounds=rounds,
                            warmup_rounds=1 if smoke else 3)
         info = benchmark.extra_info
