@@ -9,6 +9,10 @@ bench_linear_cross_entropy_memory records, untimed, the peak bytes allocated abo
 forward + backward (zerofuse.zero.peak_memory: an allocator counter on the cpu, max_memory_allocated on a GPU) and, for zerofuse, the
 ratio to torch eager's peak measured in the same run. The memory shape is the one of the issue
 (4096 tokens, dim 1024, vocab 128256 = Llama-3's) on both devices.
+
+bench_swiglu and bench_rotary_embedding time forward + backward of SwiGLU (vs F.silu(gate) * up,
+its torch.compile and Liger's LigerSiLUMulFunction on a GPU) and of RoPE on q and k (vs the
+reference's torch ops and their torch.compile); GB/s counts each input and output once.
 """
 import os
 
@@ -65,6 +69,12 @@ def pytest_generate_tests(metafunc):
         dev = metafunc.config.getoption("--bench-device") or ("cuda" if torch.cuda.is_available() else "cpu")
         shapes = SMOKE_SHAPES if smoke else (GPU_SHAPES if dev == "cuda" else CPU_SHAPES)
         metafunc.parametrize("shape", shapes, ids=["x".join(map(str, s)) for s in shapes])
+    for name, table in (("glu_shape", GLU_SHAPES), ("rope_shape", ROPE_SHAPES)):
+        if name in metafunc.fixturenames:
+            smoke = metafunc.config.getoption("--smoke") or os.environ.get("ZEROFUSE_BENCH_SMOKE") == "1"
+            dev = metafunc.config.getoption("--bench-device") or ("cuda" if torch.cuda.is_available() else "cpu")
+            shapes = table["smoke" if smoke else dev]
+            metafunc.parametrize(name, shapes, ids=["x".join(map(str, s)) for s in shapes])
 
 
 @pytest.mark.parametrize("provider", PROVIDERS)
@@ -109,3 +119,62 @@ def bench_linear_cross_entropy_memory(benchmark, device, smoke, provider):
         if not smoke:
             assert peak <= 0.25 * _peaks[(shape, "torch")], info
     benchmark.extra_info.update(info)
+
+
+# ---------------------------------------------------------------------------- SwiGLU and RoPE
+
+GLU_SHAPES = {"cuda": [(8192, 14336), (16384, 8192)], "cpu": [(2048, 2816)], "smoke": [(64, 96)]}
+ROPE_SHAPES = {"cuda": [(4, 32, 8, 4096, 128)], "cpu": [(2, 16, 4, 512, 128)], "smoke": [(1, 4, 2, 16, 32)]}
+
+
+def _torch_glu(gate, up):
+    return F.silu(gate) * up
+
+
+@pytest.mark.parametrize("provider", ["torch", "torch_compile", "liger", "zerofuse"])
+def bench_swiglu(measure, device, provider, glu_shape):
+    from zerofuse.nn.functional import swiglu
+    if provider == "liger":
+        if device.type != "cuda":
+            pytest.skip("Liger-Kernel's SwiGLU launches Triton kernels: GPU only")
+        fn = pytest.importorskip("liger_kernel.ops.swiglu").LigerSiLUMulFunction.apply
+    else:
+        fn = {"torch": _torch_glu, "torch_compile": torch.compile(_torch_glu), "zerofuse": swiglu}[provider]
+    rows, hidden = glu_shape
+    g = torch.Generator().manual_seed(0)
+    gate, up, dy = (torch.randn(rows, hidden, generator=g).to(device, _dtype(device)) for _ in range(3))
+    gate.requires_grad_(), up.requires_grad_()
+
+    def run():
+        return torch.autograd.grad(fn(gate, up), (gate, up), dy)
+
+    run()
+    # forward reads gate, up and writes y; backward reads dy, gate, up and writes dgate, dup
+    measure(run, case=f"swiglu/fwd+bwd/{_dtype(device)}/{rows}x{hidden}", provider=provider,
+            bytes_moved=8 * rows * hidden * gate.element_size())
+
+
+def _torch_rope(q, k, cos, sin):
+    from zerofuse import reference
+    return reference.rotary_embedding(q, cos, sin), reference.rotary_embedding(k, cos, sin)
+
+
+@pytest.mark.parametrize("provider", ["torch", "torch_compile", "zerofuse"])
+def bench_rotary_embedding(measure, device, provider, rope_shape):
+    from zerofuse.nn import rope_tables
+    from zerofuse.nn.functional import rotary_embedding
+    fn = {"torch": _torch_rope, "torch_compile": torch.compile(_torch_rope), "zerofuse": rotary_embedding}[provider]
+    b, hq, hkv, n, d = rope_shape
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(b, n, hq, d, generator=g).to(device, _dtype(device)).transpose(1, 2).requires_grad_()
+    k = torch.randn(b, n, hkv, d, generator=g).to(device, _dtype(device)).transpose(1, 2).requires_grad_()
+    cos, sin = rope_tables(n, d, device=device)
+
+    def run():
+        oq, ok = fn(q, k, cos, sin)
+        return torch.autograd.grad((oq, ok), (q, k), (torch.ones_like(oq), torch.ones_like(ok)))
+
+    run()
+    # forward reads q, k and writes their rotations; backward reads and writes as much
+    qk = (q.numel() + k.numel()) * q.element_size()
+    measure(run, case=f"rotary/fwd+bwd/{_dtype(device)}/{b}x{hq}x{hkv}x{n}x{d}", provider=provider, bytes_moved=4 * qk)
