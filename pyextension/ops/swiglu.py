@@ -2,8 +2,8 @@
 'gelu_tanh'), fp32 inside and one rounding; backward recomputes act(gate) from the saved inputs, so
 only gate and up are kept (not the product, not the activation).
 
-CUDA tensors run kernels/swiglu.py; CPU tensors the same formulas in torch ops (fp32; float64 for
-float64), or the Triton kernels in the interpreter under ZEROFUSE_TRITON_ON_CPU=1.
+CUDA tensors run kernels/swiglu.py; CPU tensors aten's silu/gelu and their backward kernels on fp32
+copies (float64 for float64), or the Triton kernels in the interpreter under ZEROFUSE_TRITON_ON_CPU=1.
 """
 from __future__ import annotations
 
@@ -39,35 +39,32 @@ def _acc(x: Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def _act_and_grad(g: Tensor, activation: str, need_grad: bool):
-    """kernels/swiglu.py's act(g) and act'(g) in torch ops, in g's dtype."""
+def _act(g: Tensor, activation: str) -> Tensor:
+    return torch.nn.functional.silu(g) if activation == "silu" else torch.nn.functional.gelu(g, approximate="tanh")
+
+
+def _act_backward(grad: Tensor, g: Tensor, activation: str) -> Tensor:
+    """grad * act'(g) by aten's fused backward kernels."""
     if activation == "silu":
-        s = torch.sigmoid(g)
-        return g * s, (s * (1 + g * (1 - s)) if need_grad else None)
-    inner = K._K * (g + 0.044715 * g * g * g)
-    t = torch.tanh(inner)
-    act = 0.5 * g * (1 + t)
-    if not need_grad:
-        return act, None
-    sech2 = torch.cosh(inner).square().reciprocal()  # 1 - t*t would cancel where t is near +-1 (cosh^2 -> inf: 0)
-    return act, 0.5 * (1 + t) + 0.5 * g * sech2 * K._K * (1 + 3 * 0.044715 * g * g)
+        return torch.ops.aten.silu_backward(grad, g)
+    return torch.ops.aten.gelu_backward(grad, g, approximate="tanh")
 
 
 def _fwd(gate, up, activation):
     if _use_triton(gate):
         return K.swiglu_fwd(gate.contiguous(), up.contiguous(), activation)
+    # aten's kernels on fp32 (float64) copies of low-precision inputs: fp32 inside, one rounding
     acc = _acc(gate)
-    act, _ = _act_and_grad(gate.to(acc), activation, False)
-    return (act * up.to(acc)).to(gate.dtype)
+    return _act(gate.to(acc), activation).mul_(up.to(acc)).to(gate.dtype)
 
 
 def _bwd(dy, gate, up, activation):
     if _use_triton(gate):
         return K.swiglu_bwd(dy.contiguous(), gate.contiguous(), up.contiguous(), activation)
     acc = _acc(gate)
-    dyf = dy.to(acc)
-    act, d = _act_and_grad(gate.to(acc), activation, True)
-    return (dyf * up.to(acc) * d).to(gate.dtype), (dyf * act).to(up.dtype)
+    dyf, g = dy.to(acc), gate.to(acc)
+    dg = _act_backward(dyf * up.to(acc), g, activation)
+    return dg.to(gate.dtype), _act(g, activation).mul_(dyf).to(up.dtype)
 
 
 @torch.library.custom_op(_NAME, mutates_args=())
