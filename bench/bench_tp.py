@@ -8,7 +8,8 @@ The DTensor model is the same GPT with the fused QKV projection split into q, k 
 (ColwiseParallel cuts a weight into contiguous row blocks, which would split a fused projection
 across q/k/v), heads made local after parallelize_module (torch's TP tutorial recipe), the
 embedding RowwiseParallel and the head ColwiseParallel gathering the logits (vocab 65: a negligible
-gather). Both use zerofuse's attention kernel and norms.
+gather) and F.cross_entropy on them; the zerofuse model computes its loss with the fused
+vocabulary-parallel head + cross-entropy (its default). Both use zerofuse's attention kernel and norms.
 
 The pytest process is rank 0 and times whole steps with pytest-benchmark; helper processes are the
 other ranks and run the same steps in lockstep (a barrier before each, outside the timing).
@@ -17,6 +18,7 @@ whole model, zerofuse with and without SP (tests/common.py SavedActivations).
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import multiprocessing as mp
 import os
@@ -97,7 +99,8 @@ class _Workload:
         cfg = GPTConfig(**shape["model"])
         self.provider = provider
         if provider.startswith("dtensor"):
-            model = GPT(cfg, seed=0)
+            # the DTensor plan parallelizes the head as a Linear that yields logits: the unfused loss
+            model = GPT(dataclasses.replace(cfg, fused_loss=False), seed=0)
             self.psi = model.num_params()
             mesh = _dtensor_model(model, dp, tpn, provider.endswith("fsdp2"))
             dp_rank = mesh.get_local_rank("dp")
