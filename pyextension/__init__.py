@@ -21,11 +21,13 @@ from zerofuse import tp  # noqa: E402
 from zerofuse import parallel  # noqa: E402
 from zerofuse import models  # noqa: E402
 from zerofuse import checkpoint  # noqa: E402
+from zerofuse import hf  # noqa: E402
+from zerofuse.hf import patch, shard  # noqa: E402
 from zerofuse.ops import flatten_into, packed_offsets, unflatten_from  # noqa: E402
 
 __version__ = "0.1.0"
 
-__all__ = ["ops", "nn", "optim", "comm", "zero", "models", "checkpoint", "flatten_into", "unflatten_from", "packed_offsets", "build_info", "__version__"]
+__all__ = ["ops", "nn", "optim", "comm", "zero", "models", "checkpoint", "hf", "patch", "shard", "flatten_into", "unflatten_from", "packed_offsets", "build_info", "__version__"]
 
 
 def build_info() -> dict:

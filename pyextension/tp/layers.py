@@ -27,7 +27,7 @@ from torch import Tensor
 from zerofuse.ops.ids import check_ids
 from zerofuse import nn as znn
 from zerofuse.tp import comm as C
-from zerofuse.tp.spec import TPSpec, split_range
+from zerofuse.tp.spec import TPSpec, spec_of, split_range
 
 
 def _group(group):
@@ -41,6 +41,15 @@ def _sharded(full: Tensor, spec: TPSpec) -> torch.nn.Parameter:
     p = torch.nn.Parameter(spec.slice(full))
     p._zf_tp = spec
     return p
+
+
+def _adopt(layer, weight: Tensor, bias: Tensor | None, *, sharded_bias: bool):
+    """Give a layer built on the meta device its slices of real full tensors (same specs)."""
+    layer.weight = _sharded(weight.detach(), spec_of(layer.weight))
+    if bias is not None:
+        layer.bias = (_sharded(bias.detach(), spec_of(layer.bias)) if sharded_bias
+                      else torch.nn.Parameter(bias.detach().clone()))
+    return layer
 
 
 def _sizes_per_rank(spec: TPSpec, who: str, what: str) -> list[int]:
@@ -169,6 +178,13 @@ class ColumnParallelLinear(_TPModule):
         else:
             self.register_parameter("bias", None)
 
+    @classmethod
+    def from_full(cls, weight: Tensor, bias: Tensor | None = None, **kwargs):
+        """The layer holding its slices of a given full weight (out, in) and bias, e.g. a loaded
+        model's torch.nn.Linear, instead of a fresh initialisation; kwargs as the constructor's."""
+        layer = cls(weight.shape[1], weight.shape[0], bias is not None, device="meta", dtype=weight.dtype, **kwargs)
+        return _adopt(layer, weight, bias, sharded_bias=True)
+
     def forward(self, x: Tensor) -> Tensor:
         _check_features("ColumnParallelLinear", x, self.in_features, "in_features")
         y = _ColumnLinear.apply(x, self.weight, self.bias, self.comm, self.sequence_parallel)
@@ -200,6 +216,15 @@ class RowParallelLinear(_TPModule):
         else:
             self.register_parameter("bias", None)
 
+    @classmethod
+    def from_full(cls, weight: Tensor, bias: Tensor | None = None, **kwargs):
+        """As ColumnParallelLinear.from_full: the slices of a given full weight; the bias replicated."""
+        layer = cls(weight.shape[1], weight.shape[0], bias is not None, device="meta", dtype=weight.dtype, **kwargs)
+        _adopt(layer, weight, bias, sharded_bias=False)
+        if bias is not None:
+            C.sync_replicated_grads([layer.bias], layer.comm, when=lambda: layer.sequence_parallel)
+        return layer
+
     def forward(self, x: Tensor) -> Tensor:
         if not self.input_is_parallel:
             _check_features("RowParallelLinear", x, self.in_features, "in_features")
@@ -224,9 +249,13 @@ class VocabParallelEmbedding(_TPModule):
     (reduce-scattered along the sequence with sequence_parallel=True)."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, group=None, sequence_parallel: bool = False, *,
-                 device=None, dtype=None):
+                 padding_idx: int | None = None, device=None, dtype=None):
         super().__init__()
         self._setup(group, sequence_parallel)
+        if padding_idx is not None and not 0 <= padding_idx < num_embeddings:
+            raise ValueError(f"zerofuse.tp.VocabParallelEmbedding: expected padding_idx in [0, {num_embeddings}) or "
+                             f"None, got {padding_idx}")
+        self.padding_idx = padding_idx  # as torch's: that row gets no gradient
         if num_embeddings < self.tp:
             raise ValueError(f"zerofuse.tp.VocabParallelEmbedding: expected num_embeddings >= the TP size {self.tp}, "
                              f"got {num_embeddings}")
@@ -237,11 +266,19 @@ class VocabParallelEmbedding(_TPModule):
         torch.nn.init.normal_(full)
         self.weight = _sharded(full, spec)
 
+    @classmethod
+    def from_full(cls, weight: Tensor, **kwargs):
+        """The embedding holding its rows of a given full table (e.g. a loaded torch.nn.Embedding's)."""
+        layer = cls(weight.shape[0], weight.shape[1], device="meta", dtype=weight.dtype, **kwargs)
+        return _adopt(layer, weight, None, sharded_bias=False)
+
     def forward(self, idx: Tensor) -> Tensor:
         check_ids("zerofuse.tp.VocabParallelEmbedding", "idx", idx, self.num_embeddings)
         outside = (idx < self.vocab_start) | (idx >= self.vocab_end)
         local = (idx - self.vocab_start).masked_fill(outside, 0)
-        out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        pad = self.padding_idx
+        pad = pad - self.vocab_start if pad is not None and self.vocab_start <= pad < self.vocab_end else None
+        out = F.embedding(local, self.weight, pad).masked_fill(outside.unsqueeze(-1), 0.0)
         return C.reduce_scatter_to_seq(out, self.comm) if self.sequence_parallel else C.reduce_from_tp(out, self.comm)
 
     def extra_repr(self) -> str:

@@ -1,0 +1,151 @@
+"""zerofuse's RoPE and attention inside a Hugging Face attention module, per instance.
+
+A patched attention module runs its architecture's own forward (so every model-specific step stays
+the model's: Qwen3's q/k norms, Gemma 2's softcap and sliding windows, KV caches) from a copy of
+that function whose module-level names ``apply_rotary_pos_emb`` and ``ALL_ATTENTION_FUNCTIONS`` are
+bound to zerofuse's; the class, its other instances and the modeling module are untouched.
+
+Attention: zerofuse's fused kernel runs where the model's mask function handed the layer no mask
+(a causal batch without padding: sdpa's mask function returns None then), queries and keys of one
+length, no dropout, softcap, sliding window shorter than the sequence or attention weights asked
+for; anything else runs the model's configured implementation (sdpa where that is zerofuse
+itself) — a different result is never returned silently. ``attn_implementation="zerofuse"`` (at
+load or in the config) selects the same function through transformers' AttentionInterface.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import types
+
+import torch
+
+from zerofuse.nn import functional as zF
+
+NAME = "zerofuse"
+_rebound: dict = {}
+_calls = {"fused": 0, "fallback": 0}
+
+
+def attention_calls() -> dict:
+    """How many attention calls ran the fused kernel and how many fell back (since import)."""
+    return dict(_calls)
+
+
+def _fallback_impl(module, default):
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # noqa: PLC0415
+
+    impl = getattr(getattr(module, "config", None), "_attn_implementation", None) or "sdpa"
+    if impl == NAME:
+        impl = "sdpa"
+    return default if impl == "eager" else ALL_ATTENTION_FUNCTIONS.get_interface(impl, default)
+
+
+def _runs_fused(module, query, key, attention_mask, dropout, kwargs) -> bool:
+    window = kwargs.get("sliding_window")
+    return (attention_mask is None and not dropout and kwargs.get("softcap") is None
+            and (window is None or window >= key.shape[2]) and not kwargs.get("output_attentions")
+            and kwargs.get("position_bias") is None and query.shape[2] == key.shape[2]
+            and query.shape[1] % key.shape[1] == 0)
+
+
+def attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
+                      is_causal=None, *, fallback=None, **kwargs):
+    """transformers' attention-function signature: (B, H, N, D) q, k, v -> ((B, N, H, D), None)."""
+    if not _runs_fused(module, query, key, attention_mask, dropout, kwargs):
+        _calls["fallback"] += 1
+        if fallback is None:
+            from transformers.integrations.sdpa_attention import sdpa_attention_forward as fallback  # noqa: PLC0415
+        return fallback(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                        is_causal=is_causal, **kwargs)
+    _calls["fused"] += 1
+    causal = (is_causal if is_causal is not None else getattr(module, "is_causal", True)) and query.shape[2] > 1
+    out = zF.scaled_dot_product_attention(query, key, value, is_causal=bool(causal), scale=scaling,
+                                          enable_gqa=key.shape[1] != query.shape[1])
+    return out.transpose(1, 2).contiguous(), None
+
+
+class _Interface:
+    """Stands for ALL_ATTENTION_FUNCTIONS in a patched forward: every lookup yields zerofuse's
+    attention, falling back to what the lookup would have returned."""
+
+    def __init__(self, module):
+        self._module = module
+
+    def get_interface(self, name, default):
+        return functools.partial(attention_forward, fallback=_fallback_impl(self._module, default))
+
+
+def make_rope(original):
+    """apply_rotary_pos_emb(q, k, cos, sin, ..., unsqueeze_dim=1) on zerofuse's kernel for
+    transformers' half-split tables cos/sin (B, N, head_dim) (cat(freqs, freqs), any rope scaling
+    already applied); other layouts run ``original``."""
+
+    def apply_rotary_pos_emb(q, k, cos, sin, *args, unsqueeze_dim=1, **kwargs):
+        d = q.shape[-1] if q.dim() == 4 else -1
+        if (args or kwargs or unsqueeze_dim != 1 or q.dim() != 4 or k.dim() != 4 or cos.dim() != 3
+                or cos.shape[-1] != d or d % 2 or cos.shape[1] != q.shape[2] or cos.shape[0] not in (1, q.shape[0])):
+            return original(q, k, cos, sin, *args, unsqueeze_dim=unsqueeze_dim, **kwargs)
+        b, n, half = cos.shape[0], cos.shape[1], d // 2
+        c, s = cos[..., :half].detach(), sin[..., :half].detach()
+        if b == 1:
+            return zF.rotary_embedding(q, k, c[0], s[0])
+        pos = torch.arange(b * n, device=q.device).view(b, n)
+        return zF.rotary_embedding(q, k, c.reshape(b * n, half), s.reshape(b * n, half), pos)
+
+    return apply_rotary_pos_emb
+
+
+def _rebind(fn, names: dict):
+    """A copy of the function ``fn`` whose module-level names in ``names`` resolve to the given values."""
+    g = dict(fn.__globals__)
+    g.update(names)
+    new = types.FunctionType(fn.__code__, g, fn.__name__, fn.__defaults__, fn.__closure__)
+    new.__kwdefaults__ = fn.__kwdefaults__
+    new.__qualname__, new.__doc__ = fn.__qualname__, fn.__doc__
+    return new
+
+
+def attention_names(module) -> set[str]:
+    """Which of zerofuse's replacements the module's forward can take: {'rope', 'attention'}."""
+    fn = inspect.unwrap(type(module).forward)
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return set()
+    have = set()
+    if "apply_rotary_pos_emb" in code.co_names and callable(fn.__globals__.get("apply_rotary_pos_emb")):
+        have.add("rope")
+    if "ALL_ATTENTION_FUNCTIONS" in code.co_names:
+        have.add("attention")
+    return have
+
+
+def patch_attention(module, rope: bool, attention: bool) -> set[str]:
+    """Bind the instance's forward to its class's forward with zerofuse's RoPE and/or attention;
+    returns what was applied."""
+    want = attention_names(module) & ({"rope"} if rope else set()) | (
+        attention_names(module) & ({"attention"} if attention else set()))
+    done = set(getattr(module, "_zerofuse_attention", ()))
+    want = want | done
+    if not want or want == done:
+        return set()
+    fn = inspect.unwrap(type(module).forward)
+    names = {}
+    if "rope" in want:
+        names["apply_rotary_pos_emb"] = make_rope(fn.__globals__["apply_rotary_pos_emb"])
+    if "attention" in want:
+        names["ALL_ATTENTION_FUNCTIONS"] = _Interface(module)
+    module.forward = types.MethodType(_rebind(fn, names), module)
+    module._zerofuse_attention = tuple(sorted(want))
+    return want - done
+
+
+@functools.cache
+def register() -> None:
+    """Make ``attn_implementation="zerofuse"`` known to transformers (adds the name; changes no model)."""
+    from transformers import AttentionInterface  # noqa: PLC0415
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask  # noqa: PLC0415
+
+    AttentionInterface.register(NAME, attention_forward)
+    AttentionMaskInterface.register(NAME, sdpa_mask)
+

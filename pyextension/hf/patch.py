@@ -1,0 +1,110 @@
+"""``zerofuse.patch(model, ...)``: zerofuse's kernels inside one loaded Hugging Face causal LM.
+
+Per instance: forwards are bound on the model's own modules (and lm_head swapped for a zerofuse
+head sharing its weight); the classes, the modeling modules and every other instance stay stock,
+parameters and state_dict keys are unchanged, and patching twice changes nothing more.
+"""
+from __future__ import annotations
+
+import types
+
+from zerofuse.hf import archs
+from zerofuse.hf.attention import patch_attention, register
+from zerofuse.hf.causal_lm import patch_lm
+from zerofuse.nn import functional as zF
+
+WHO = "zerofuse.patch"
+
+
+def _rms_forward(self, x):
+    return zF.rms_norm(x, self.weight.shape, self.weight, self._zerofuse_eps)
+
+
+def _rms_offset_forward(self, x):  # Gemma: (1 + weight) * x / rms(x), the weight term in fp32
+    return zF.rms_norm(x, self.weight.shape, 1.0 + self.weight.float(), self._zerofuse_eps)
+
+
+def _layer_forward(self, x):
+    return zF.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+
+
+_NORMS = {"rms": _rms_forward, "rms_offset": _rms_offset_forward, "layer": _layer_forward}
+
+
+def _glu_forward(self, x):
+    glu = zF.swiglu if self._zerofuse_glu == "silu" else zF.geglu
+    return self.down_proj(glu(self.gate_proj(x), self.up_proj(x)))
+
+
+def _patched(mod) -> bool:
+    return "forward" in vars(mod)
+
+
+def _patch_norms(model) -> int:
+    n = 0
+    for mod in model.modules():
+        if _patched(mod):
+            continue
+        kind = archs.norm_kind(mod)
+        if kind is None:
+            continue
+        mod._zerofuse_norm, mod._zerofuse_eps = kind, archs.norm_eps(mod)
+        mod.forward = types.MethodType(_NORMS[kind], mod)
+        n += 1
+    return n
+
+
+def _patch_mlps(model) -> int:
+    n = 0
+    for mod in model.modules():
+        if _patched(mod):
+            continue
+        act = archs.glu_activation(mod)
+        if act is None:
+            continue
+        mod._zerofuse_glu = act
+        mod.forward = types.MethodType(_glu_forward, mod)
+        n += 1
+    return n
+
+
+def _flag(name, value):
+    if not isinstance(value, bool):
+        raise TypeError(f"{WHO}: expected {name} to be True or False, got {value!r}")
+    return value
+
+
+def patch(model, rms_norm: bool = True, attention: bool = True, rope: bool = True, swiglu: bool = True,
+          linear_cross_entropy: bool = True):
+    """Run zerofuse's kernels in this ``transformers`` causal LM (Llama, Mistral, Qwen2, Qwen3,
+    Gemma, Gemma 2, GPT-2), in place; returns the model. Each flag turns one replacement on where
+    the architecture has it (``zerofuse.hf.patched(model)`` counts what was applied):
+    rms_norm: its RMSNorm (GPT-2: LayerNorm) modules; attention: zerofuse's fused causal attention
+    through the attention interface (unpadded causal batches; the rest runs the model's own);
+    rope: the rotary embedding; swiglu: the gated MLP's act(gate) * up (SwiGLU, Gemma's GeGLU);
+    linear_cross_entropy: the output layer + loss fused and chunked when labels are given.
+    An unknown architecture is refused with the list of what can be patched."""
+    flags = {k: _flag(k, v) for k, v in (("rms_norm", rms_norm), ("attention", attention), ("rope", rope),
+                                         ("swiglu", swiglu), ("linear_cross_entropy", linear_cross_entropy))}
+    _, arch = archs.arch_of(model, WHO)
+    archs.decoder_of(model, arch, WHO)
+    counts = dict(getattr(model, "_zerofuse_patched", None) or dict.fromkeys(archs.OPS, 0))
+    on = {k for k, v in flags.items() if v and k in arch.ops}
+    if "rms_norm" in on:
+        counts["rms_norm"] += _patch_norms(model)
+    if "swiglu" in on:
+        counts["swiglu"] += _patch_mlps(model)
+    if on & {"rope", "attention"}:
+        register()
+        for mod in model.modules():
+            for what in patch_attention(mod, "rope" in on, "attention" in on):
+                counts[what] += 1
+    if "linear_cross_entropy" in on and patch_lm(model, arch):
+        counts["linear_cross_entropy"] += 1
+    model._zerofuse_patched = counts
+    return model
+
+
+def patched(model) -> dict:
+    """{op: number of modules patched} for a model given to zerofuse.patch ({} otherwise)."""
+    return dict(getattr(model, "_zerofuse_patched", None) or {})

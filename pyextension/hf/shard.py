@@ -1,0 +1,97 @@
+"""``zerofuse.shard(model, dp=..., tp=..., zero_stage=...)``: tensor parallelism and ZeRO for a
+Hugging Face causal LM in one call.
+
+TP (Megatron's plan, from the architecture's table in zerofuse/hf/archs.py): q/k/v and gate/up
+projections column-parallel, o/down projections row-parallel (one all-reduce each forward and
+backward), the input embedding vocabulary-parallel and the output layer a vocabulary-parallel
+fused linear + cross-entropy head (logits gathered when asked for without labels). The attention
+modules keep their own forward: with q/k/v split by whole heads they see num_heads / tp heads.
+Norm weights stay replicated (their gradients agree over the TP group: no sequence parallelism
+here). ZeRO then shards over the data-parallel group (zerofuse.zero.parallelize; stage 3 wraps each
+decoder layer). Every rank calls it with the same model (same weights: load, or seed, alike).
+"""
+from __future__ import annotations
+
+import types
+
+import torch
+
+from zerofuse import zero
+from zerofuse.hf import archs
+from zerofuse.parallel import init_mesh
+from zerofuse.tp import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from zerofuse.tp.cross_entropy import VocabParallelLinearCrossEntropyHead
+
+WHO = "zerofuse.shard"
+
+
+def _scaled_embedding_forward(self, idx):  # Gemma's embedding: the lookup times embed_scale
+    out = VocabParallelEmbedding.forward(self, idx)
+    return out * self.embed_scale.to(out.dtype)
+
+
+def _embedding(emb, group):
+    if not isinstance(emb, torch.nn.Embedding) or emb.max_norm is not None or emb.sparse:
+        raise ValueError(f"{WHO}: expected the input embedding to be a plain torch.nn.Embedding, got {emb!r}")
+    new = VocabParallelEmbedding.from_full(emb.weight, group=group, padding_idx=emb.padding_idx)
+    if type(emb).forward is not torch.nn.Embedding.forward:
+        scale = getattr(emb, "embed_scale", None)
+        if scale is None:
+            raise ValueError(f"{WHO}: the input embedding {type(emb).__name__} has a forward zerofuse does not know")
+        new.register_buffer("embed_scale", torch.as_tensor(scale).detach().clone(), persistent=False)
+        new.forward = types.MethodType(_scaled_embedding_forward, new)
+    return new
+
+
+def _tensor_parallel(model, arch, decoder, mesh) -> None:
+    cfg, tp, group = model.config, mesh.tp, mesh.tp_group
+    for key in ("num_attention_heads", "num_key_value_heads"):
+        n = getattr(cfg, key, None)
+        if n is not None and n % tp:
+            raise ValueError(f"{WHO}: expected the TP size {tp} to divide config.{key} ({n})")
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            style = arch.tp.get(name)
+            if style is None:
+                continue
+            if type(child) is not torch.nn.Linear:
+                raise ValueError(f"{WHO}: expected {name} to be a torch.nn.Linear for the TP plan, got "
+                                 f"{type(child).__name__}")
+            cls = ColumnParallelLinear if style == "column" else RowParallelLinear
+            setattr(parent, name, cls.from_full(child.weight, child.bias, group=group))
+    emb = getattr(decoder, arch.embed)
+    head = model.lm_head
+    tied = head.weight is emb.weight
+    new_emb = _embedding(emb, group)
+    setattr(decoder, arch.embed, new_emb)
+    new_head = VocabParallelLinearCrossEntropyHead.from_full(new_emb.weight if tied else head.weight, head.bias,
+                                                             group=group, gather_output=True)
+    if tied:
+        new_head.weight = new_emb.weight
+    model.lm_head = new_head
+    # the decoder layers keep the global head counts in their config; their forward infers this
+    # rank's heads from the projections' widths (view(..., -1, head_dim))
+
+
+def shard(model, dp: int | None = None, tp: int = 1, zero_stage: int = 0, **zero_options):
+    """Shard ``model`` (a Hugging Face causal LM of a known architecture, zerofuse.patch'ed or not)
+    over dp × tp ranks of the default process group, in place; returns it. ``zero_options`` go to
+    zerofuse.zero.parallelize (precision, bucket_mb, overlap, prefetch, ...). Train it with
+    ``zerofuse.zero.Optimizer(model, ...)``; ``model.zerofuse_mesh`` holds the process groups."""
+    if not isinstance(zero_stage, int) or isinstance(zero_stage, bool) or zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"{WHO}: expected zero_stage in 0, 1, 2, 3, got {zero_stage!r}")
+    _, arch = archs.arch_of(model, WHO)
+    decoder = archs.decoder_of(model, arch, WHO)
+    if getattr(model, "_zerofuse_zero", None) is not None:
+        raise ValueError(f"{WHO}: this model is sharded already")
+    mesh = init_mesh(dp, tp)
+    if mesh.tp > 1:
+        if arch.tp is None:
+            have = ", ".join(k for k, a in archs.ARCHS.items() if a.tp)
+            raise ValueError(f"{WHO}: no tensor-parallel plan for model_type {model.config.model_type!r} "
+                             f"(tp > 1 supports {have}); use tp=1")
+        _tensor_parallel(model, arch, decoder, mesh)
+    zero.parallelize(model, stage=zero_stage, group=mesh.dp_group, tp_group=mesh.tp_group if mesh.tp > 1 else None,
+                     **zero_options)
+    model.zerofuse_mesh = mesh
+    return model
