@@ -64,8 +64,7 @@ def _tensor_parallel(model, arch, decoder, mesh) -> None:
     tied = head.weight is emb.weight
     new_emb = _embedding(emb, group)
     setattr(decoder, arch.embed, new_emb)
-    new_head = VocabParallelLinearCrossEntropyHead.from_full(new_emb.weight if tied else head.weight, head.bias,
-                                                             group=group, gather_output=True)
+    new_head = VocabParallelLinearCrossEntropyHead.from_full(head.weight, head.bias, group=group, gather_output=True)
     if tied:
         new_head.weight = new_emb.weight
     model.lm_head = new_head
