@@ -190,8 +190,9 @@ def test_padding_falls_back_and_matches_stock(cpu_kernels):
     torch.testing.assert_close(got, stock(ids, attention_mask=mask).logits, **tol(torch.float32))
 
 
-def test_generate_matches_stock(cpu_kernels):
-    stock = build("llama").eval()
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_generate_matches_stock(arch, cpu_kernels):
+    stock = build(arch).eval()
     patched = zerofuse.patch(copy.deepcopy(stock))
     prompt = batch(1, 7)
     kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
@@ -221,3 +222,21 @@ def test_attn_implementation_zerofuse_through_the_interface(cpu_kernels):
     assert zerofuse.hf.attention_calls()["fused"] == before + 3
     torch.testing.assert_close(got, sdpa(ids).logits, **tol(torch.float32))
 
+
+
+def test_patched_attention_keeps_the_deprecated_cache_name(cpu_kernels):
+    """The rebound forward keeps transformers' deprecate_kwarg wrapper: a caller passing
+    past_key_values= (the old name of cache=) still fills the cache."""
+    from transformers import DynamicCache
+
+    stock = build("llama")
+    patched = zerofuse.patch(copy.deepcopy(stock))
+    x = torch.randn(1, 5, 96)
+    pos = torch.arange(5)[None]
+    lens = []
+    for model in (stock, patched):
+        cache = DynamicCache(config=model.config)
+        emb = model.model.rotary_emb(x, pos)
+        model.model.layers[0].self_attn(x, position_embeddings=emb, attention_mask=None, past_key_values=cache)
+        lens.append(cache.get_seq_length())
+    assert lens == [5, 5]

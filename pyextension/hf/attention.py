@@ -96,14 +96,29 @@ def make_rope(original):
     return apply_rotary_pos_emb
 
 
-def _rebind(fn, names: dict):
-    """A copy of the function ``fn`` whose module-level names in ``names`` resolve to the given values."""
-    g = dict(fn.__globals__)
-    g.update(names)
-    new = types.FunctionType(fn.__code__, g, fn.__name__, fn.__defaults__, fn.__closure__)
+def _copy(fn, globals_, closure):
+    new = types.FunctionType(fn.__code__, globals_, fn.__name__, fn.__defaults__, closure)
     new.__kwdefaults__ = fn.__kwdefaults__
+    new.__dict__.update(fn.__dict__)
     new.__qualname__, new.__doc__ = fn.__qualname__, fn.__doc__
     return new
+
+
+def _rebind(fn, names: dict):
+    """A copy of the function ``fn`` whose module-level names in ``names`` resolve to the given
+    values. Decorators made with functools.wraps (transformers' deprecate_kwarg, which renames
+    past_key_values to cache) are kept: each wrapper is copied around the rebound inner function."""
+    inner = getattr(fn, "__wrapped__", None)
+    cells = fn.__closure__ or ()
+    if inner is not None and any(c.cell_contents is inner for c in cells):
+        new_inner = _rebind(inner, names)
+        closure = tuple(types.CellType(new_inner) if c.cell_contents is inner else c for c in cells)
+        new = _copy(fn, fn.__globals__, closure)
+        new.__wrapped__ = new_inner
+        return new
+    g = dict(fn.__globals__)
+    g.update(names)
+    return _copy(fn, g, fn.__closure__)
 
 
 def attention_names(module) -> set[str]:
@@ -123,19 +138,18 @@ def attention_names(module) -> set[str]:
 def patch_attention(module, rope: bool, attention: bool) -> set[str]:
     """Bind the instance's forward to its class's forward with zerofuse's RoPE and/or attention;
     returns what was applied."""
-    want = attention_names(module) & ({"rope"} if rope else set()) | (
-        attention_names(module) & ({"attention"} if attention else set()))
+    asked = ({"rope"} if rope else set()) | ({"attention"} if attention else set())
     done = set(getattr(module, "_zerofuse_attention", ()))
-    want = want | done
-    if not want or want == done:
+    want = (attention_names(module) & asked) | done
+    if want == done:
         return set()
-    fn = inspect.unwrap(type(module).forward)
+    inner = inspect.unwrap(type(module).forward)
     names = {}
     if "rope" in want:
-        names["apply_rotary_pos_emb"] = make_rope(fn.__globals__["apply_rotary_pos_emb"])
+        names["apply_rotary_pos_emb"] = make_rope(inner.__globals__["apply_rotary_pos_emb"])
     if "attention" in want:
         names["ALL_ATTENTION_FUNCTIONS"] = _Interface(module)
-    module.forward = types.MethodType(_rebind(fn, names), module)
+    module.forward = types.MethodType(_rebind(type(module).forward, names), module)
     module._zerofuse_attention = tuple(sorted(want))
     return want - done
 
