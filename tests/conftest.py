@@ -64,3 +64,12 @@ def pytest_xdist_auto_num_workers(config):
     """``-n auto`` (README's test command): a worker per core, at most 4. Distributed tests start up
     to 4 rank processes each, so more workers would only oversubscribe the cores."""
     return max(1, min(len(os.sched_getaffinity(0)), 4))
+
+
+@pytest.fixture(params=["triton", "torch"])
+def kernel_path(request):
+    """Both paths of an op on the cpu: its Triton kernel (in the interpreter without a GPU) and
+    its torch/C++ cpu path (the cpu_kernels fixture)."""
+    if request.param == "torch":
+        request.getfixturevalue("cpu_kernels")
+    return request.param

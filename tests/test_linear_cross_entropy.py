@@ -1,6 +1,6 @@
 """zerofuse::linear_cross_entropy (the output layer and the cross-entropy in chunks) against the float64
 reference and torch's unfused head + F.cross_entropy: every dtype, odd shapes (97 tokens, dim 80,
-vocab 1025), both paths (the Triton row kernel in the interpreter, the torch cpu path), gradients
+vocab 1025), both paths (the Triton row kernel in the interpreter, the torch cpu kernel_path), gradients
 made in forward and recomputed, each loss option; gradient accumulation; op checks; peak memory."""
 import pytest
 import torch
@@ -20,13 +20,6 @@ OPTIONS = {
     "smooth-zloss": dict(label_smoothing=0.1, z_loss=1e-3),
     "softcap-bias": dict(softcap=3.0, bias=True),
 }
-
-
-@pytest.fixture(params=["triton", "torch"])
-def path(request):
-    if request.param == "torch":
-        request.getfixturevalue("cpu_kernels")
-    return request.param
 
 
 def _inputs(dtype, t=T, d=D, v=V, bias=False, seed=0, ignored=(3, 50)):
@@ -79,22 +72,22 @@ def _check(dtype, opts, *, reduction="mean", recompute=False, chunk_size=None, t
 @pytest.mark.parametrize("recompute", [False, True], ids=["grad-in-forward", "recompute"])
 @pytest.mark.parametrize("opts", OPTIONS.values(), ids=OPTIONS.keys())
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_matches_float64_reference_within_the_peer_rule(dtype, opts, recompute, path):
+def test_matches_float64_reference_within_the_peer_rule(dtype, opts, recompute, kernel_path):
     _check(dtype, opts, recompute=recompute, chunk_size=16)
 
 
 @pytest.mark.parametrize("reduction", ["sum", "none"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_sum_and_none_reductions(dtype, reduction, path):
+def test_sum_and_none_reductions(dtype, reduction, kernel_path):
     _check(dtype, OPTIONS["smooth-zloss"], reduction=reduction, chunk_size=32)
 
 
 @pytest.mark.parametrize("chunk_size", [1, 7, None, 1000])
-def test_any_chunking_gives_the_same_result(chunk_size, path):
+def test_any_chunking_gives_the_same_result(chunk_size, kernel_path):
     _check(torch.float32, OPTIONS["softcap-bias"], chunk_size=chunk_size, t=23)
 
 
-def test_float64_is_computed_in_float64(path):
+def test_float64_is_computed_in_float64(kernel_path):
     leaves, target = _inputs(torch.float64, bias=True)
     kw = dict(label_smoothing=0.2, z_loss=1e-2, softcap=4.0)
     ours = _run(linear_cross_entropy, leaves, target, chunk_size=10, **kw)
@@ -104,7 +97,7 @@ def test_float64_is_computed_in_float64(path):
         assert_close(got, want, atol=1e-11, rtol=1e-10)
 
 
-def test_equals_torch_cross_entropy_of_the_unfused_head(path):
+def test_equals_torch_cross_entropy_of_the_unfused_head(kernel_path):
     leaves, target = _inputs(torch.float32, bias=True)
     h, w, b = leaves
     for kw in (dict(), dict(label_smoothing=0.3), dict(reduction="sum"), dict(reduction="none")):
@@ -120,7 +113,7 @@ def test_the_kernels_vocabulary_loop_over_several_blocks(monkeypatch):
     _check(torch.float32, OPTIONS["smooth-zloss"], chunk_size=16, t=19, recompute=True)
 
 
-def test_all_targets_ignored_gives_zero_loss_and_zero_gradients(path):
+def test_all_targets_ignored_gives_zero_loss_and_zero_gradients(kernel_path):
     leaves, target = _inputs(torch.float32, t=9)
     target[:] = -100
     loss, grads = _run(linear_cross_entropy, leaves, target)
@@ -128,7 +121,7 @@ def test_all_targets_ignored_gives_zero_loss_and_zero_gradients(path):
     assert all(torch.count_nonzero(g) == 0 for g in grads if g is not None)
 
 
-def test_ignore_index_other_than_default_and_int32_targets(path):
+def test_ignore_index_other_than_default_and_int32_targets(kernel_path):
     leaves, target = _inputs(torch.float32, t=31, ignored=())
     target[[2, 9]] = 7
     ours = _run(linear_cross_entropy, leaves, target.int(), ignore_index=7)
@@ -145,7 +138,7 @@ def test_batched_hidden_and_target_shapes():
     assert_close(none.reshape(-1), linear_cross_entropy(leaves[0], leaves[1], target, reduction="none"))
 
 
-def test_gradient_accumulation_with_num_items_in_batch_equals_one_big_batch(path):
+def test_gradient_accumulation_with_num_items_in_batch_equals_one_big_batch(kernel_path):
     """4 micro-batches of reduction='sum' divided by the whole batch's token count (Hugging Face's
     num_items_in_batch) accumulate the gradient of the whole batch's mean."""
     leaves, target = _inputs(torch.float32, t=64, bias=True, ignored=(1, 2, 3, 40))
@@ -279,7 +272,7 @@ def test_cuda_matches_reference(dtype):
         assert_within_peer_rule(got.cpu(), want, theirs.cpu())
 
 
-def test_a_second_backward_through_the_graph_is_refused_unless_recomputing(path):
+def test_a_second_backward_through_the_graph_is_refused_unless_recomputing(kernel_path):
     """The gradients made in the forward are scaled in place by the one backward that uses them."""
     leaves, target = _inputs(torch.float32, t=11, bias=True)
     h, w, b = (x.requires_grad_() for x in leaves)

@@ -10,13 +10,6 @@ from zerofuse.nn import RotaryEmbedding, rope_tables
 from zerofuse.nn.functional import rotary_embedding
 
 
-@pytest.fixture(params=["triton", "torch"])
-def path(request):
-    if request.param == "torch":
-        request.getfixturevalue("cpu_kernels")
-    return request.param
-
-
 def _inputs(dtype, b=2, hq=3, hk=1, n=97, d=80, strided=False, seed=0):
     g = torch.Generator().manual_seed(seed)
     if strided:  # (B, N, H, D) storage seen as (B, H, N, D), as a fused qkv projection yields
@@ -38,7 +31,7 @@ def _run(fn, q, k, dq, dk):
 @pytest.mark.parametrize("rotary_dim", [80, 32], ids=["full", "partial"])
 @pytest.mark.parametrize("interleaved", [False, True], ids=["half-split", "interleaved"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_matches_float64_reference_within_the_peer_rule(dtype, interleaved, rotary_dim, path):
+def test_matches_float64_reference_within_the_peer_rule(dtype, interleaved, rotary_dim, kernel_path):
     q, k = _inputs(dtype, n=37, strided=rotary_dim == 32)
     dq, dk = _inputs(dtype, n=37, seed=1)
     cos, sin = rope_tables(128, rotary_dim, base=500.0)
@@ -72,7 +65,7 @@ def _hf_llama(q, k, cos, sin, positions):
     return q * c + rotate_half(q) * s, k * c + rotate_half(k) * s
 
 
-def test_equals_hugging_face_llama(path):
+def test_equals_hugging_face_llama(kernel_path):
     q, k = _inputs(torch.float32, hq=4, hk=2, n=33, d=64)
     cos, sin = rope_tables(64, 64)
     positions = torch.arange(5, 38).expand(2, 33)  # an offset: a continued sequence
@@ -82,7 +75,7 @@ def test_equals_hugging_face_llama(path):
         assert_close(a, b, atol=1e-6, rtol=1e-5)
 
 
-def test_in_place_equals_out_of_place_and_refuses_autograd(path):
+def test_in_place_equals_out_of_place_and_refuses_autograd(kernel_path):
     q, k = _inputs(torch.bfloat16, n=37, strided=True)
     cos, sin = rope_tables(37, 80)
     want = rotary_embedding(q, k, cos, sin, interleaved=True)

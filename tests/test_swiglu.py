@@ -12,13 +12,6 @@ from zerofuse.nn.functional import geglu, swiglu
 FACES = {"silu": swiglu, "gelu_tanh": geglu}
 
 
-@pytest.fixture(params=["triton", "torch"])
-def path(request):
-    if request.param == "torch":
-        request.getfixturevalue("cpu_kernels")
-    return request.param
-
-
 def _grads(fn, gate, up, dy):
     leaves = [t.detach().clone().requires_grad_() for t in (gate, up)]
     y = fn(*leaves)
@@ -29,7 +22,7 @@ def _grads(fn, gate, up, dy):
 @pytest.mark.parametrize("shape", [(97, 123), (2, 5, 1025), (0, 7), (3,)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
-def test_matches_float64_reference_within_the_peer_rule(activation, dtype, shape, path):
+def test_matches_float64_reference_within_the_peer_rule(activation, dtype, shape, kernel_path):
     g = torch.Generator().manual_seed(0)
     gate, up, dy = ((torch.randn(shape, generator=g, dtype=torch.float64) * 3).to(dtype) for _ in range(3))
     ours = _grads(FACES[activation], gate, up, dy)
@@ -40,7 +33,7 @@ def test_matches_float64_reference_within_the_peer_rule(activation, dtype, shape
         assert_within_peer_rule(got, want, theirs, msg=name)
 
 
-def test_float64_and_extremes(path):
+def test_float64_and_extremes(kernel_path):
     gate = torch.tensor([-1e4, -30.0, -1e-3, 0.0, 1e-3, 30.0, 1e4], dtype=torch.float64)
     up = torch.linspace(-2, 2, 7, dtype=torch.float64)
     for activation in ("silu", "gelu_tanh"):
@@ -54,13 +47,13 @@ def test_float64_and_extremes(path):
             assert_close(got, want.float(), atol=1e-5, rtol=1e-5)
 
 
-def test_non_contiguous_inputs(path):
+def test_non_contiguous_inputs(kernel_path):
     x = torch.randn(6, 2 * 33)
     gate, up = x[:, :33], x[:, 33:]  # the halves of one projection
     assert_close(swiglu(gate, up), F.silu(gate) * up, atol=1e-6, rtol=1e-6)
 
 
-def test_gated_mlp_equals_the_llama_mlp(path):
+def test_gated_mlp_equals_the_llama_mlp(kernel_path):
     torch.manual_seed(0)
     mlp = GatedMLP(24, 61)
     x = torch.randn(3, 5, 24, requires_grad=True)

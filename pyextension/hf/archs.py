@@ -86,8 +86,8 @@ def norm_kind(mod) -> str | None:
         with torch.no_grad():
             saved = w.detach().clone()
             w.copy_(w64.to(w.dtype))
-            try:
-                y = mod(x.to(w.dtype)).double()
+            try:  # on the weight's device (a model already on a GPU is probed there)
+                y = mod(x.to(w.device, w.dtype)).double().cpu()
             finally:
                 w.copy_(saved)
     except Exception:  # noqa: BLE001 - a module that cannot run the probe is not a norm we know
