@@ -240,3 +240,12 @@ def test_patched_attention_keeps_the_deprecated_cache_name(cpu_kernels):
         model.model.layers[0].self_attn(x, position_embeddings=emb, attention_mask=None, past_key_values=cache)
         lens.append(cache.get_seq_length())
     assert lens == [5, 5]
+
+
+def test_patch_through_torch_compile_wrapper(cpu_kernels):
+    stock = build("qwen2")
+    compiled = torch.compile(copy.deepcopy(stock), backend="eager")
+    assert zerofuse.patch(compiled) is compiled
+    assert zerofuse.hf.patched(compiled)["swiglu"] == 3 and "forward" in vars(compiled._orig_mod)
+    ids = batch()
+    torch.testing.assert_close(compiled(ids, labels=ids).loss, stock(ids, labels=ids).loss, **tol(torch.float32))

@@ -94,7 +94,8 @@ def _refusals_rank(rank, ws):
                        ("heads", lambda: zerofuse.shard(build("llama", num_key_value_heads=1, num_attention_heads=3,
                                                               head_dim=32), tp=2)),
                        ("stage", lambda: zerofuse.shard(build("llama"), zero_stage=4)),
-                       ("arch", lambda: zerofuse.shard(torch.nn.Linear(2, 2)))):
+                       ("arch", lambda: zerofuse.shard(torch.nn.Linear(2, 2))),
+                       ("patch_after", lambda: zerofuse.patch(zerofuse.shard(build("llama"), zero_stage=3)))):
         try:
             call()
             out[name] = "no error"
@@ -109,3 +110,4 @@ def test_shard_refusals():
     assert "expected the TP size 2 to divide config.num_attention_heads (3)" in out["heads"]
     assert "expected zero_stage in 0, 1, 2, 3, got 4" in out["stage"]
     assert "known architecture" in out["arch"]
+    assert "call zerofuse.patch before zerofuse.shard" in out["patch_after"]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 import types
 
 import torch
@@ -33,12 +34,17 @@ def attention_calls() -> dict:
 
 
 def _fallback_impl(module, default):
+    """What the module's configured implementation would run (sdpa where that is zerofuse's)."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # noqa: PLC0415
 
     impl = getattr(getattr(module, "config", None), "_attn_implementation", None) or "sdpa"
     if impl == NAME:
         impl = "sdpa"
-    return default if impl == "eager" else ALL_ATTENTION_FUNCTIONS.get_interface(impl, default)
+    if impl == "eager" and default is not None:
+        return default
+    if impl == "eager":  # selected by name with no model default at hand: transformers' sdpa
+        impl = "sdpa"
+    return ALL_ATTENTION_FUNCTIONS.get_interface(impl, default)
 
 
 def _runs_fused(module, query, key, attention_mask, dropout, kwargs) -> bool:
@@ -50,14 +56,13 @@ def _runs_fused(module, query, key, attention_mask, dropout, kwargs) -> bool:
 
 
 def attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
-                      is_causal=None, *, fallback=None, **kwargs):
-    """transformers' attention-function signature: (B, H, N, D) q, k, v -> ((B, N, H, D), None)."""
+                      is_causal=None, *, default=None, **kwargs):
+    """transformers' attention-function signature: (B, H, N, D) q, k, v -> ((B, N, H, D), None).
+    default: the model's own eager function, for a fallback when that is its configured one."""
     if not _runs_fused(module, query, key, attention_mask, dropout, kwargs):
         _calls["fallback"] += 1
-        if fallback is None:
-            from transformers.integrations.sdpa_attention import sdpa_attention_forward as fallback  # noqa: PLC0415
-        return fallback(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                        is_causal=is_causal, **kwargs)
+        return _fallback_impl(module, default)(module, query, key, value, attention_mask, dropout=dropout,
+                                               scaling=scaling, is_causal=is_causal, **kwargs)
     _calls["fused"] += 1
     causal = (is_causal if is_causal is not None else getattr(module, "is_causal", True)) and query.shape[2] > 1
     out = zF.scaled_dot_product_attention(query, key, value, is_causal=bool(causal), scale=scaling,
@@ -67,13 +72,13 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
 
 class _Interface:
     """Stands for ALL_ATTENTION_FUNCTIONS in a patched forward: every lookup yields zerofuse's
-    attention, falling back to what the lookup would have returned."""
-
-    def __init__(self, module):
-        self._module = module
+    attention, which falls back to the model's configured one where the kernel does not apply."""
 
     def get_interface(self, name, default):
-        return functools.partial(attention_forward, fallback=_fallback_impl(self._module, default))
+        return functools.partial(attention_forward, default=default)
+
+
+_INTERFACE = _Interface()
 
 
 def make_rope(original):
@@ -104,21 +109,43 @@ def _copy(fn, globals_, closure):
     return new
 
 
-def _rebind(fn, names: dict):
+def _rebind(fn, names: dict, module_name: str):
     """A copy of the function ``fn`` whose module-level names in ``names`` resolve to the given
-    values. Decorators made with functools.wraps (transformers' deprecate_kwarg, which renames
+    values: its globals are those of a module ``module_name`` (registered in sys.modules, so
+    torch.compile's guards on globals resolve there) holding fn's globals plus ``names``.
+    Decorators made with functools.wraps (transformers' deprecate_kwarg, which renames
     past_key_values to cache) are kept: each wrapper is copied around the rebound inner function."""
     inner = getattr(fn, "__wrapped__", None)
     cells = fn.__closure__ or ()
     if inner is not None and any(c.cell_contents is inner for c in cells):
-        new_inner = _rebind(inner, names)
+        new_inner = _rebind(inner, names, module_name)
         closure = tuple(types.CellType(new_inner) if c.cell_contents is inner else c for c in cells)
         new = _copy(fn, fn.__globals__, closure)
         new.__wrapped__ = new_inner
         return new
-    g = dict(fn.__globals__)
-    g.update(names)
-    return _copy(fn, g, fn.__closure__)
+    mod = sys.modules.get(module_name)
+    if mod is None:
+        mod = types.ModuleType(module_name)
+        mod.__dict__.update(fn.__globals__)
+        mod.__dict__.update(names, __name__=module_name)
+        sys.modules[module_name] = mod
+    return _copy(fn, mod.__dict__, fn.__closure__)
+
+
+def _rebound_forward(cls, want: frozenset):
+    """cls.forward with zerofuse's names bound, one copy per (class, replacements) for every
+    instance (nothing per instance: patched models are not kept alive by a cache)."""
+    key = (cls, want)
+    if key not in _rebound:
+        inner = inspect.unwrap(cls.forward)
+        names = {}
+        if "rope" in want:
+            names["apply_rotary_pos_emb"] = make_rope(inner.__globals__["apply_rotary_pos_emb"])
+        if "attention" in want:
+            names["ALL_ATTENTION_FUNCTIONS"] = _INTERFACE
+        module_name = f"zerofuse.hf._bound.{cls.__module__}.{cls.__qualname__}.{'_'.join(sorted(want))}"
+        _rebound[key] = _rebind(cls.forward, names, module_name)
+    return _rebound[key]
 
 
 def attention_names(module) -> set[str]:
@@ -143,13 +170,7 @@ def patch_attention(module, rope: bool, attention: bool) -> set[str]:
     want = (attention_names(module) & asked) | done
     if want == done:
         return set()
-    inner = inspect.unwrap(type(module).forward)
-    names = {}
-    if "rope" in want:
-        names["apply_rotary_pos_emb"] = make_rope(inner.__globals__["apply_rotary_pos_emb"])
-    if "attention" in want:
-        names["ALL_ATTENTION_FUNCTIONS"] = _Interface(module)
-    module.forward = types.MethodType(_rebind(type(module).forward, names), module)
+    module.forward = types.MethodType(_rebound_forward(type(module), frozenset(want)), module)
     module._zerofuse_attention = tuple(sorted(want))
     return want - done
 

@@ -86,8 +86,12 @@ def patch(model, rms_norm: bool = True, attention: bool = True, rope: bool = Tru
     An unknown architecture is refused with the list of what can be patched."""
     flags = {k: _flag(k, v) for k, v in (("rms_norm", rms_norm), ("attention", attention), ("rope", rope),
                                          ("swiglu", swiglu), ("linear_cross_entropy", linear_cross_entropy))}
+    outer, model = model, getattr(model, "_orig_mod", model)  # torch.compile's wrapper: patch what it wraps
     _, arch = archs.arch_of(model, WHO)
     archs.decoder_of(model, arch, WHO)
+    if getattr(model, "_zerofuse_zero", None) is not None:
+        raise ValueError(f"{WHO}: this model is sharded already (its ZeRO shards cannot be probed or swapped): "
+                         "call zerofuse.patch before zerofuse.shard / zerofuse.zero.parallelize")
     counts = dict(getattr(model, "_zerofuse_patched", None) or dict.fromkeys(archs.OPS, 0))
     on = {k for k, v in flags.items() if v and k in arch.ops}
     if "rms_norm" in on:
@@ -102,9 +106,10 @@ def patch(model, rms_norm: bool = True, attention: bool = True, rope: bool = Tru
     if "linear_cross_entropy" in on and patch_lm(model, arch):
         counts["linear_cross_entropy"] += 1
     model._zerofuse_patched = counts
-    return model
+    return outer
 
 
 def patched(model) -> dict:
     """{op: number of modules patched} for a model given to zerofuse.patch ({} otherwise)."""
+    model = getattr(model, "_orig_mod", model)
     return dict(getattr(model, "_zerofuse_patched", None) or {})
