@@ -86,17 +86,30 @@ def make_rope(original):
     transformers' half-split tables cos/sin (B, N, head_dim) (cat(freqs, freqs), any rope scaling
     already applied); other layouts run ``original``."""
 
+    last: dict = {}  # the tables of the last cos/sin seen: every layer of a forward gets the same ones
+
+    def tables(cos, sin, half):
+        if not torch.compiler.is_compiling() and last.get("cos") is cos and last.get("sin") is sin \
+                and last["version"] == (cos._version, sin._version):
+            return last["tables"]
+        b, n = cos.shape[0], cos.shape[1]
+        c, s = cos[..., :half].detach(), sin[..., :half].detach()
+        if b == 1:
+            out = (c[0].contiguous(), s[0].contiguous(), None)
+        else:
+            out = (c.reshape(b * n, half).contiguous(), s.reshape(b * n, half).contiguous(),
+                   torch.arange(b * n, device=cos.device).view(b, n))
+        if not torch.compiler.is_compiling():  # holding cos/sin: their addresses are not reused meanwhile
+            last.update(cos=cos, sin=sin, version=(cos._version, sin._version), tables=out)
+        return out
+
     def apply_rotary_pos_emb(q, k, cos, sin, *args, unsqueeze_dim=1, **kwargs):
         d = q.shape[-1] if q.dim() == 4 else -1
         if (args or kwargs or unsqueeze_dim != 1 or q.dim() != 4 or k.dim() != 4 or cos.dim() != 3
                 or cos.shape[-1] != d or d % 2 or cos.shape[1] != q.shape[2] or cos.shape[0] not in (1, q.shape[0])):
             return original(q, k, cos, sin, *args, unsqueeze_dim=unsqueeze_dim, **kwargs)
-        b, n, half = cos.shape[0], cos.shape[1], d // 2
-        c, s = cos[..., :half].detach(), sin[..., :half].detach()
-        if b == 1:
-            return zF.rotary_embedding(q, k, c[0], s[0])
-        pos = torch.arange(b * n, device=q.device).view(b, n)
-        return zF.rotary_embedding(q, k, c.reshape(b * n, half), s.reshape(b * n, half), pos)
+        c, s, pos = tables(cos, sin, d // 2)
+        return zF.rotary_embedding(q, k, c, s, pos)
 
     return apply_rotary_pos_emb
 

@@ -8,7 +8,8 @@ forward: ZeRO's hooks gather the head's weight first (Liger-Kernel#1048 read it 
 model's own forward (logits for evaluation and generation). Loss semantics are transformers'
 ForCausalLMLoss: labels shifted left by one with ignore_index -100 appended, the mean over
 non-ignored targets, or with ``num_items_in_batch`` (gradient accumulation, as the Trainer passes
-it) the sum divided by it; Gemma 2's final-logit softcap is applied inside the fused loss.
+it) the sum divided by it; Gemma 2's final-logit softcap is applied inside the fused loss. A loss
+pass builds no KV cache unless ``use_cache=True`` is passed.
 """
 from __future__ import annotations
 
@@ -72,6 +73,9 @@ def lm_forward(self, input_ids=None, *args, labels=None, shift_labels=None, num_
         return original(input_ids, *args, logits_to_keep=logits_to_keep, **kw, **kwargs)
     arch = self._zerofuse_arch
     decoder = getattr(self, arch.decoder)
+    # a loss pass builds no KV cache unless asked (config.use_cache defaults to True: the stock
+    # forward concatenates every layer's K/V into a cache a training step never reads)
+    kwargs.setdefault("use_cache", False)
     out = decoder(input_ids=input_ids, return_dict=True, **kwargs)
     hidden = out[0]
     target = _shifted(labels, shift_labels).to(hidden.device)
