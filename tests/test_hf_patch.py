@@ -249,3 +249,13 @@ def test_patch_through_torch_compile_wrapper(cpu_kernels):
     assert zerofuse.hf.patched(compiled)["swiglu"] == 3 and "forward" in vars(compiled._orig_mod)
     ids = batch()
     torch.testing.assert_close(compiled(ids, labels=ids).loss, stock(ids, labels=ids).loss, **tol(torch.float32))
+
+
+def test_loss_pass_builds_no_kv_cache_unless_asked(cpu_kernels):
+    stock = build("llama")
+    patched = zerofuse.patch(copy.deepcopy(stock))
+    ids = batch()
+    assert stock.config.use_cache and stock(ids, labels=ids).past_key_values is not None  # stock's default
+    assert patched(ids, labels=ids).past_key_values is None
+    cache = patched(ids, labels=ids, use_cache=True).past_key_values
+    assert cache is not None and cache.get_seq_length() == ids.shape[1]
