@@ -47,7 +47,7 @@ def _fallback_impl(module, default):
     return ALL_ATTENTION_FUNCTIONS.get_interface(impl, default)
 
 
-def _runs_fused(module, query, key, attention_mask, dropout, kwargs) -> bool:
+def _runs_fused(query, key, attention_mask, dropout, kwargs) -> bool:
     window = kwargs.get("sliding_window")
     return (attention_mask is None and not dropout and kwargs.get("softcap") is None
             and (window is None or window >= key.shape[2]) and not kwargs.get("output_attentions")
@@ -59,7 +59,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
                       is_causal=None, *, default=None, **kwargs):
     """transformers' attention-function signature: (B, H, N, D) q, k, v -> ((B, N, H, D), None).
     default: the model's own eager function, for a fallback when that is its configured one."""
-    if not _runs_fused(module, query, key, attention_mask, dropout, kwargs):
+    if not _runs_fused(query, key, attention_mask, dropout, kwargs):
         _calls["fallback"] += 1
         return _fallback_impl(module, default)(module, query, key, value, attention_mask, dropout=dropout,
                                                scaling=scaling, is_causal=is_causal, **kwargs)

@@ -61,7 +61,6 @@ def _shifted(labels, shift_labels):
 def lm_forward(self, input_ids=None, *args, labels=None, shift_labels=None, num_items_in_batch=None,
                logits_to_keep=0, return_dict=None, **kwargs):
     """The patched forward; see the module doc."""
-    original = types.MethodType(type(self).forward, self)
     if (labels is None and shift_labels is None) or args:
         kw = {} if labels is None else {"labels": labels}
         if shift_labels is not None:
@@ -70,7 +69,7 @@ def lm_forward(self, input_ids=None, *args, labels=None, shift_labels=None, num_
             kw["num_items_in_batch"] = num_items_in_batch
         if return_dict is not None:
             kw["return_dict"] = return_dict
-        return original(input_ids, *args, logits_to_keep=logits_to_keep, **kw, **kwargs)
+        return type(self).forward(self, input_ids, *args, logits_to_keep=logits_to_keep, **kw, **kwargs)
     arch = self._zerofuse_arch
     decoder = getattr(self, arch.decoder)
     # a loss pass builds no KV cache unless asked (config.use_cache defaults to True: the stock
@@ -86,8 +85,7 @@ def lm_forward(self, input_ids=None, *args, labels=None, shift_labels=None, num_
         if torch.is_tensor(num_items_in_batch):
             num_items_in_batch = num_items_in_batch.to(loss.device)
         loss = loss / num_items_in_batch
-    cls = _output_class(self)
-    fields = {f.name for f in dataclasses.fields(cls)}
+    cls, fields = self._zerofuse_output
     rest = {k: v for k, v in out.items() if k in fields and k not in ("loss", "logits")}
     result = cls(loss=loss, logits=None, **rest)
     if return_dict is False or (return_dict is None and not getattr(self.config, "return_dict", True)):
@@ -100,6 +98,8 @@ def patch_lm(model, arch) -> bool:
         return False
     fused_head(model)
     model._zerofuse_arch = arch
+    cls = _output_class(model)  # once, not per forward
+    model._zerofuse_output = (cls, frozenset(f.name for f in dataclasses.fields(cls)))
     model.forward = types.MethodType(lm_forward, model)
     model._zerofuse_lce = True
     return True

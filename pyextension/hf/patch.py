@@ -40,31 +40,24 @@ def _patched(mod) -> bool:
     return "forward" in vars(mod)
 
 
-def _patch_norms(model) -> int:
-    n = 0
-    for mod in model.modules():
-        if _patched(mod):
-            continue
-        kind = archs.norm_kind(mod)
-        if kind is None:
-            continue
-        mod._zerofuse_norm, mod._zerofuse_eps = kind, archs.norm_eps(mod)
-        mod.forward = types.MethodType(_NORMS[kind], mod)
-        n += 1
-    return n
+def _attach_norm(mod, kind) -> None:
+    mod._zerofuse_norm, mod._zerofuse_eps = kind, archs.norm_eps(mod)
+    mod.forward = types.MethodType(_NORMS[kind], mod)
 
 
-def _patch_mlps(model) -> int:
+def _attach_glu(mod, act) -> None:
+    mod._zerofuse_glu = act
+    mod.forward = types.MethodType(_glu_forward, mod)
+
+
+def _patch_modules(model, detect, attach) -> int:
+    """attach(mod, detect(mod)) on every not yet patched module that detect recognises; the count."""
     n = 0
     for mod in model.modules():
-        if _patched(mod):
-            continue
-        act = archs.glu_activation(mod)
-        if act is None:
-            continue
-        mod._zerofuse_glu = act
-        mod.forward = types.MethodType(_glu_forward, mod)
-        n += 1
+        found = None if _patched(mod) else detect(mod)
+        if found is not None:
+            attach(mod, found)
+            n += 1
     return n
 
 
@@ -95,9 +88,9 @@ def patch(model, rms_norm: bool = True, attention: bool = True, rope: bool = Tru
     counts = dict(getattr(model, "_zerofuse_patched", None) or dict.fromkeys(archs.OPS, 0))
     on = {k for k, v in flags.items() if v and k in arch.ops}
     if "rms_norm" in on:
-        counts["rms_norm"] += _patch_norms(model)
+        counts["rms_norm"] += _patch_modules(model, archs.norm_kind, _attach_norm)
     if "swiglu" in on:
-        counts["swiglu"] += _patch_mlps(model)
+        counts["swiglu"] += _patch_modules(model, archs.glu_activation, _attach_glu)
     if on & {"rope", "attention"}:
         register()
         for mod in model.modules():
