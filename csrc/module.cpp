@@ -87,5 +87,14 @@ PYBIND11_MODULE(_C, m) {
           [](Communicator& c, const Tensors& ts, const std::string& op, std::optional<double> scale,
              std::optional<at::ScalarType> reduce_dtype) { return c.all_reduce_coalesced(ts, op, scale, reduce_dtype); },
           py::arg("tensors"), py::arg("op"), py::arg("scale"), py::arg("reduce_dtype"),
-          py::call_guard<py::gil_scoped_release>());
+          py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("p2p_sequence", &Communicator::p2p_sequence)
+      .def(
+          "batch_p2p",
+          [](Communicator& c, const std::vector<std::tuple<bool, at::Tensor, int, int>>& ops) {
+            std::vector<zerofuse::comm::P2POp> list;
+            for (const auto& [send, tensor, peer, tag] : ops) list.push_back({send, tensor, peer, tag});
+            return c.batch_p2p(list);
+          },
+          py::arg("ops"), py::call_guard<py::gil_scoped_release>());
 }

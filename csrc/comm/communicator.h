@@ -108,6 +108,16 @@ class DoneWork : public Work {
   bool transport_done() override { return true; }
 };
 
+// One point-to-point transfer of a batch (csrc/comm/p2p.cpp): send `tensor` to, or receive it
+// from, `peer` (a rank of the communicator's group). `tag` tells transfers between the same pair
+// apart on transports that match by tag (c10d/gloo); NCCL matches a pair's transfers by order.
+struct P2POp {
+  bool send;
+  at::Tensor tensor;  // contiguous; written at wait() for a receive
+  int peer;
+  int tag;
+};
+
 // How a collective reaches the other ranks. Buffers are flat, contiguous, on one device.
 class Transport {
  public:
@@ -117,6 +127,9 @@ class Transport {
                                                const std::string& what) = 0;
   virtual std::shared_ptr<Work> all_gather(const at::Tensor& out, const at::Tensor& in, const std::string& what) = 0;
   virtual std::shared_ptr<Work> all_reduce(const at::Tensor& buf, Reduce op, const std::string& what) = 0;
+  // every op of the batch posted together (NCCL: one ncclGroupStart/End of ncclSend/ncclRecv on
+  // the p2p stream; c10d: isend/irecv); the Work completes when all have
+  virtual std::shared_ptr<Work> p2p(const std::vector<P2POp>& ops, const std::string& what) = 0;
   // AVG is done by the transport (true) or by the communicator as SUM then a scale (false)
   virtual bool native_avg() const { return false; }
   // Reduce-scatter is faster and lighter as an in-place all-reduce of the flat buffer, then a
@@ -168,6 +181,11 @@ class Communicator {
                                              at::TensorList tensors);  // written at wait()
   std::shared_ptr<Work> all_reduce_coalesced(at::TensorList tensors, const std::string& op,
                                              std::optional<double> scale, std::optional<at::ScalarType> reduce_dtype);
+  // Point-to-point transfers posted together (csrc/comm/p2p.cpp). They take no collective
+  // sequence number (only the two ranks of a transfer take part), so they never shift the
+  // collective checker's numbering; messages number them per communicator as "batch_p2p #n".
+  std::shared_ptr<Work> batch_p2p(const std::vector<P2POp>& ops);
+  int64_t p2p_sequence() const { return p2p_seq_; }
   // Fuse the collectives issued in between into one launch where the transport can (NCCL: e.g.
   // every bucket's reduce-scatter in one ncclGroupStart/End). Their Works may be waited for
   // only after group_end().
@@ -192,6 +210,7 @@ class Communicator {
   std::unique_ptr<Transport> pg_transport_, nccl_transport_;
   int rank_, world_size_;
   int64_t seq_ = 0;
+  int64_t p2p_seq_ = 0;
   bool grouping_ = false;
   std::chrono::milliseconds timeout_;
   std::shared_ptr<Failure> failure_ = std::make_shared<Failure>();

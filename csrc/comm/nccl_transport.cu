@@ -140,7 +140,8 @@ class NcclTransport : public Transport {
         device_(device >= 0 ? device : c10::cuda::current_device()),
         failure_(std::move(failure)),
         rs_stream_(c10::cuda::getStreamFromPool(/*isHighPriority=*/true, device_)),
-        ag_stream_(c10::cuda::getStreamFromPool(/*isHighPriority=*/true, device_)) {
+        ag_stream_(c10::cuda::getStreamFromPool(/*isHighPriority=*/true, device_)),
+        p2p_stream_(c10::cuda::getStreamFromPool(/*isHighPriority=*/true, device_)) {
     c10::cuda::CUDAGuard guard(device_);  // NCCL binds the communicator to the current device
     const int rank = pg->getRank(), ws = pg->getSize();
     const std::string what = "creating the NCCL communicator of rank " + std::to_string(rank) + " of " +
@@ -220,6 +221,27 @@ class NcclTransport : public Transport {
     const ncclDataType_t type = nccl_type(buf.scalar_type());
     return launch(rs_stream_, what, {buf}, [this, buf, type, rop = nccl_op(op)](cudaStream_t s) {
       return ncclAllReduce(buf.data_ptr(), buf.data_ptr(), buf.numel(), type, rop, comm_, s);
+    });
+  }
+
+  // ncclSend/ncclRecv in one group on the p2p stream (NCCL matches a pair's transfers by order:
+  // the two ranks must post them alike; tags are not used)
+  std::shared_ptr<Work> p2p(const std::vector<P2POp>& ops, const std::string& what) override {
+    std::vector<at::Tensor> buffers;
+    std::vector<ncclDataType_t> types;
+    for (const auto& op : ops) {
+      buffers.push_back(op.tensor);
+      types.push_back(nccl_type(op.tensor.scalar_type()));
+    }
+    return launch(p2p_stream_, what, buffers, [this, ops, types](cudaStream_t s) {
+      ncclResult_t first = ncclSuccess;
+      for (size_t i = 0; i < ops.size(); ++i) {
+        const auto& op = ops[i];
+        const ncclResult_t r = op.send ? ncclSend(op.tensor.data_ptr(), op.tensor.numel(), types[i], op.peer, comm_, s)
+                                       : ncclRecv(op.tensor.data_ptr(), op.tensor.numel(), types[i], op.peer, comm_, s);
+        if (first == ncclSuccess && r != ncclSuccess && r != ncclInProgress) first = r;
+      }
+      return first;
     });
   }
 
@@ -377,7 +399,7 @@ class NcclTransport : public Transport {
   std::chrono::milliseconds timeout_;
   c10::DeviceIndex device_;
   std::shared_ptr<Failure> failure_;
-  c10::cuda::CUDAStream rs_stream_, ag_stream_;
+  c10::cuda::CUDAStream rs_stream_, ag_stream_, p2p_stream_;
   std::mutex comm_mu_;  // guards comm_ ([Note: NCCL watchdog])
   ncclComm_t comm_ = nullptr;
   std::deque<std::shared_ptr<NcclWork>> inflight_;

@@ -137,6 +137,20 @@ class ProcessGroupTransport : public Transport {
     return submit(what, launches);
   }
 
+  // c10d send/recv, each posted at once (gloo: matched by source and tag, so the order of a pair's
+  // transfers need not agree between the two ranks)
+  std::shared_ptr<Work> p2p(const std::vector<P2POp>& ops, const std::string& what) override {
+    auto pg = pg_;
+    std::vector<Launch> launches;
+    for (const auto& op : ops) {
+      launches.push_back([pg, op]() {
+        std::vector<at::Tensor> ts{op.tensor};
+        return op.send ? pg->send(ts, op.peer, op.tag) : pg->recv(ts, op.peer, op.tag);
+      });
+    }
+    return submit(what, launches);
+  }
+
  private:
   // Without a delay the collectives are launched here. With one (tests), launches go through a
   // chain of futures: each waits for the previous launch, sleeps, then launches, so the order of

@@ -1,5 +1,5 @@
 """Collectives of zerofuse: the C++ Communicator (csrc/comm/). Bucketed gradient / parameter sync
 on top of it is ZeRO's one bucket mechanism, zerofuse.zero.buckets. See DESIGN.md §3."""
-from zerofuse.comm.communicator import CollectiveMismatch, Communicator, Work, group_timeout, wait_seconds
+from zerofuse.comm.communicator import CollectiveMismatch, Communicator, P2POp, Work, group_timeout, wait_seconds
 
-__all__ = ["Communicator", "CollectiveMismatch", "Work", "group_timeout", "wait_seconds"]
+__all__ = ["Communicator", "CollectiveMismatch", "P2POp", "Work", "group_timeout", "wait_seconds"]

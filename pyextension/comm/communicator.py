@@ -43,6 +43,7 @@ import os
 import time
 import weakref
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -164,6 +165,17 @@ def _signature(name: str, **parts) -> str:
     return f"{name}({', '.join(items)})"
 
 
+class P2POp(NamedTuple):
+    """One transfer of :meth:`Communicator.batch_p2p`: ``op`` "send" or "recv", a contiguous
+    ``tensor`` (written at ``wait()`` for a receive), ``peer`` a rank of the communicator's group,
+    ``tag`` told apart by c10d transports (NCCL matches a pair's transfers by order)."""
+
+    op: str
+    tensor: torch.Tensor
+    peer: int
+    tag: int = 0
+
+
 class Communicator:
     """Coalesced collectives on ``group`` (None: the default group)."""
 
@@ -183,6 +195,7 @@ class Communicator:
         self._c = _C._Communicator(self.group, self.store, transport, f"{self._uid}/nccl_id", self.timeout,
                                    float(debug_delay_ms))
         self.check = os.environ.get("ZEROFUSE_CHECK_COLLECTIVES", "0") == "1"
+        self._p2p_counts: dict[tuple[int, int], int] = {}  # (src, dst) -> transfers checked (_checked_p2p)
 
     @property
     def rank(self) -> int:
@@ -253,6 +266,59 @@ class Communicator:
         recv = torch.empty_like(flat)
         work = dist.all_to_all_single(recv, flat, group=self.group, async_op=True)
         return _SummedWork(self, work, recv, flat if all_gather else None, out_shard, all_gather, what)
+
+    # ------------------------------------------------------------------ point-to-point
+
+    def send(self, tensor: torch.Tensor, peer: int, tag: int = 0) -> Work:
+        """Send ``tensor`` to rank ``peer`` of the group; wait() before changing it."""
+        return self.batch_p2p([P2POp("send", tensor, peer, tag)])
+
+    def recv(self, tensor: torch.Tensor, peer: int, tag: int = 0) -> Work:
+        """Receive into ``tensor`` from rank ``peer``; it holds the data once wait() returns."""
+        return self.batch_p2p([P2POp("recv", tensor, peer, tag)])
+
+    def batch_p2p(self, ops: Sequence[P2POp]) -> Work:
+        """Post every send and receive of ``ops`` together and return one Work (NCCL: one
+        ncclGroupStart/End on the p2p stream; c10d: isend/irecv). Shapes and dtypes are not sent:
+        both ranks must post the same shape and dtype for a transfer (a pipeline agrees them once
+        per schedule); ZEROFUSE_CHECK_COLLECTIVES=1 compares them through the store and raises
+        CollectiveMismatch on both ranks of a pair that differ."""
+        ops = list(ops)
+        for i, o in enumerate(ops):
+            if not isinstance(o, P2POp) or o.op not in ("send", "recv") or not isinstance(o.tensor, torch.Tensor):
+                raise ValueError(f"zerofuse.comm.batch_p2p: expected ops[{i}] to be a P2POp('send'|'recv', tensor, "
+                                 f"peer, tag), got {o!r}")
+        if self.check:
+            self._checked_p2p(ops)
+        return Work(self._c.batch_p2p([(o.op == "send", o.tensor, int(o.peer), int(o.tag)) for o in ops]))
+
+    def _checked_p2p(self, ops: list[P2POp]) -> None:
+        """Publish each transfer's signature under its pair's own count, then compare with the
+        peer's: every key is set before any wait, so a batch that sends and receives cannot wait
+        on itself."""
+        counts = self._p2p_counts
+        mine = []
+        for o in ops:
+            src, dst = (self.rank, o.peer) if o.op == "send" else (o.peer, self.rank)
+            n = counts[(src, dst)] = counts.get((src, dst), -1) + 1
+            key = f"{self._uid}/p2p/{src}-{dst}/{n}/"
+            sig = f"{tuple(o.tensor.shape)}:{str(o.tensor.dtype).removeprefix('torch.')} tag {o.tag}"
+            self.store.set(key + o.op, sig)
+            mine.append((o, key, sig, n))
+        for o, key, sig, n in mine:
+            other = "recv" if o.op == "send" else "send"
+            try:
+                self.store.wait([key + other], datetime.timedelta(seconds=self.timeout))
+            except Exception as e:  # noqa: BLE001 - backend-specific timeout types
+                raise CollectiveMismatch(
+                    f"zerofuse.comm: rank {o.peer} did not post the {other} matching rank {self.rank}'s {o.op} "
+                    f"#{n} ({sig}) within {self.timeout:.0f} s") from e
+            theirs = self.store.get(key + other).decode()
+            if theirs != sig:
+                src, dst = key.split("/p2p/")[1].split("/")[0].split("-")
+                raise CollectiveMismatch(
+                    f"zerofuse.comm: transfer #{n} from rank {src} to rank {dst} differs: rank {self.rank} posted "
+                    f"{o.op} {sig}, rank {o.peer} posted {other} {theirs}")
 
     @property
     def buffer_bytes(self) -> int:

@@ -258,7 +258,17 @@ class GPT(torch.nn.Module):
                    for p in self.parameters())
 
     def forward(self, idx: Tensor, targets: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
-        b, n = idx.shape
+        x, delta = self.embed(idx), None
+        for block in self.blocks:
+            x, delta = self.run_block(block, x, delta)
+        return self.final(x, delta, targets)
+
+    # The three parts of forward, also run one by one by the stages of zerofuse.pipeline.
+
+    def embed(self, idx: Tensor) -> Tensor:
+        """Token (+ learned position) embeddings of idx (B, N): x (B, N, dim) (sequence
+        parallelism: this rank's positions)."""
+        n = idx.shape[1]
         if n > self.config.seq_len:
             raise ValueError(f"zerofuse.models.GPT: sequence length {n} exceeds the model's seq_len "
                              f"{self.config.seq_len}")
@@ -269,19 +279,23 @@ class GPT(torch.nn.Module):
                                  f"divide by the tensor-parallel size {self.tp_size}")
             r, m = self._tp_comm.rank, n // self.tp_size
             pos = pos[r * m:(r + 1) * m]
-        x = self.wte(idx) if self.wpe is None else self.wte(idx) + self.wpe(pos)
-        delta = None
-        for block in self.blocks:
-            if self.activation_checkpointing and torch.is_grad_enabled():
-                x, delta = checkpoint(block, x, delta, use_reentrant=False)
-            else:
-                x, delta = block(x, delta)
-        h = self.norm(delta, x)[0]  # n_layer >= 1: the last block's MLP output is pending
+        return self.wte(idx) if self.wpe is None else self.wte(idx) + self.wpe(pos)
+
+    def run_block(self, block: torch.nn.Module, x: Tensor, delta: Tensor | None) -> tuple[Tensor, Tensor]:
+        """One block (recomputed in backward under activation checkpointing): (x, pending delta)."""
+        if self.activation_checkpointing and torch.is_grad_enabled():
+            return checkpoint(block, x, delta, use_reentrant=False)
+        return block(x, delta)
+
+    def final(self, x: Tensor, delta: Tensor | None, targets: Tensor | None) -> tuple[Tensor | None, Tensor | None]:
+        """The final norm of x + delta, then the head: (logits, loss) as forward returns them."""
+        h = self.norm(delta, x)[0] if delta is not None else self.norm(x)
         if targets is not None and self.config.fused_loss:
             return None, self.head(h, targets)  # in the head's forward: ZeRO's hooks for its weight run first
         logits = self.head(h)
         loss = None
         if targets is not None:
+            b, n = targets.shape
             if self.tp_group is None:
                 loss = TF.cross_entropy(logits.float().reshape(b * n, -1), targets.reshape(b * n))
             else:

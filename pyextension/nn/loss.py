@@ -96,6 +96,10 @@ class LinearCrossEntropyHead(torch.nn.Linear):
     forward, so ZeRO's per-module hooks (stage 1/2: wait for the param all-gather; stage 3: gather the
     unit) run before the weight is read, as for the unfused head."""
 
+    # the loss's grads are made in its forward (unless recompute=True): its graph backwards once
+    # (zerofuse.pipeline's zero-bubble split takes this layer's weight grads with the input grads)
+    backward_once = True
+
     def forward(self, input: Tensor, target: Tensor | None = None, **loss_options) -> Tensor:
         if target is None:
             return super().forward(input)

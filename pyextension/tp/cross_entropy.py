@@ -113,6 +113,8 @@ class VocabParallelLinearCrossEntropyHead(ColumnParallelLinear):
     ``head(hidden)`` -> this rank's logits shard; ``head(hidden, target, **loss_options)`` -> the
     vocabulary-parallel fused loss, computed in this module's forward (ZeRO's hooks run first)."""
 
+    backward_once = True  # as zerofuse.nn.LinearCrossEntropyHead's
+
     def forward(self, x: Tensor, target: Tensor | None = None, **loss_options) -> Tensor:
         if target is None:
             return super().forward(x)

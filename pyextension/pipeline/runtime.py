@@ -1,0 +1,348 @@
+"""The pipeline runtime: executes one rank's action list (zerofuse.pipeline.schedules) on its stages.
+
+    pipe = Pipeline(stages, schedule="1f1b", microbatches=8, group=pp_group)
+    loss = pipe.step(idx, targets)   # forward + backward of every micro-batch; then optimizer.step()
+
+Every rank of the pipeline group calls ``step`` with a batch of the same shape (only the first
+stage reads ``idx``, only the last ``targets``); the batch is cut into ``microbatches`` along dim 0
+and the loss returned (on every rank) is the mean of the micro-batches' losses, the backward
+scaled by 1/m, so the grads equal single-process training on the whole batch.
+
+[Note: pipeline transfers] The shapes and dtypes of what crosses a stage boundary are agreed once
+per micro-batch shape: the first forward of a boundary also sends a small int64 header (count,
+dtypes, shapes); later transfers are the tensors alone. Consecutive SEND/RECV actions are posted
+as one ``batch_p2p`` of sends and one of receives; only receives are waited for before the compute
+that needs them, sends are waited for at the end of the step (gloo matches them by tag, the
+schedule's per-pair order serves NCCL). A stage's output is sent as a detached alias and then
+deallocated at once (Megatron's deallocate_output_tensor): its autograd graph is kept and its
+backward runs through the engine directly (no shape check against the freed tensor). Outputs that
+autograd saved for backward are kept whole (seen through saved_tensors_hooks).
+
+[Note: zero-bubble split] For "zb" a backward is split into I (input grads) and W (weight grads).
+During forward every module with params of its own records its output and gets its inputs
+through a cut (an identity in forward). I computes the grads of the stage inputs and of those
+outputs (torch.autograd.grad, graph kept); W runs one backward from those outputs with their grads
+into the params while the cuts pass nothing further, so each param gets exactly its own
+contribution, through the engine: AccumulateGrad and ZeRO's hooks fire as in a plain backward.
+
+ZeRO: a stage made data-parallel by zerofuse.zero.parallelize accumulates its grads over the
+micro-batches under no_sync() and reduces them during its last backward (the action before the
+schedule's REDUCE_GRAD), overlapping the rest of the pipeline's backward.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+import torch.distributed as dist
+
+from zerofuse.comm import Communicator, P2POp
+from zerofuse.pipeline.schedules import build_schedule, stage_to_rank
+
+NAME = "zerofuse.pipeline.Pipeline"
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32]
+_HEADER = 64  # int64 slots of a boundary header
+
+
+class _Cut(torch.autograd.Function):
+    """Identity; in a W pass ([Note: zero-bubble split]) its backward passes nothing."""
+
+    weight_pass = False
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return None if _Cut.weight_pass else g
+
+
+def _run_backward(tensors, grads, inputs=(), *, keep_graph=False, accumulate=True):
+    """Backward through the engine without torch.autograd's shape check of the outputs (they may
+    have been deallocated after sending; their graph recorded the real shapes). accumulate=False
+    returns the grads of ``inputs`` (as torch.autograd.grad) instead of accumulating into .grad."""
+    return torch.autograd.Variable._execution_engine.run_backward(
+        tuple(tensors), tuple(grads), keep_graph, False, tuple(inputs), True, accumulate)
+
+
+class Pipeline:
+    def __init__(self, stages, *, schedule: str = "1f1b", microbatches: int, group=None, comm: Communicator | None = None):
+        stages = list(stages)
+        if not stages:
+            raise ValueError(f"{NAME}: expected at least one stage, got none")
+        self.group = group
+        self.comm = comm or Communicator(group)
+        p, r = self.comm.world_size, self.comm.rank
+        v = len(stages)
+        num = stages[0].num_stages
+        if num != p * v:
+            raise ValueError(f"{NAME}: expected {p} (pipeline size) x {v} (stages on this rank) = {p * v} stages in the "
+                             f"model, got a split into {num}")
+        want = [r + k * p for k in range(v)]
+        if [s.index for s in stages] != want:
+            raise ValueError(f"{NAME}: rank {r} of {p} must hold stages {want} (stage s on rank s % p), got "
+                             f"{[s.index for s in stages]}")
+        self.stages = {s.index: s for s in stages}
+        self.p, self.v, self.m, self.num_stages, self.rank = p, v, microbatches, num, r
+        self.schedule = schedule
+        self.actions = build_schedule(schedule, p, microbatches, v)[r]
+        last = {}
+        for i, a in enumerate(self.actions):
+            if a.kind in ("B", "W"):
+                last[a.stage] = i
+        self._last_backward = last
+        self._specs: dict = {}  # (stage, micro-batch shape) -> [(shape, dtype)] of its output
+        self._split = schedule == "zb"
+        self._hooks = []
+        self._once: dict[int, list] = {}  # stage -> params whose grads come in I ([Note: zero-bubble split])
+        if self._split:
+            for s in stages:
+                for mod in s.modules():
+                    own = [p for p in mod.parameters(recurse=False) if p.requires_grad]
+                    if not own:
+                        continue
+                    if getattr(mod, "backward_once", False):  # a fused loss: grads made in forward
+                        self._once.setdefault(s.index, []).extend(own)
+                        continue
+                    self._hooks.append(mod.register_forward_pre_hook(self._cut_inputs))
+                    self._hooks.append(mod.register_forward_hook(self._record_output))
+        self._recording: list | None = None
+        # per step, measured: seconds of compute (F/B/I/W) and of the whole step, live activations
+        self.compute_seconds = 0.0
+        self.step_seconds = 0.0
+        self.peak_live: dict[int, int] = {}
+
+    # ------------------------------------------------------------------ zero-bubble hooks
+
+    def _cut_inputs(self, _mod, args):
+        if self._recording is None:
+            return None
+        return tuple(_Cut.apply(a) if isinstance(a, torch.Tensor) and a.requires_grad else a for a in args)
+
+    def _record_output(self, _mod, _args, out):
+        if self._recording is not None:
+            self._recording.extend(t for t in _flat(out) if t.requires_grad)
+
+    # ------------------------------------------------------------------ the step
+
+    def step(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        t_step = time.perf_counter()
+        m = self.m
+        if idx.shape[0] % m:
+            raise ValueError(f"{NAME}.step: expected the batch size ({idx.shape[0]}) to divide by the number of "
+                             f"micro-batches ({m})")
+        mbs = idx.chunk(m)
+        tgts = targets.chunk(m) if targets is not None else [None] * m
+        self._mb_shape = tuple(mbs[0].shape)
+        self._device = idx.device
+        self._inputs, self._outputs, self._grads_in, self._ys, self._losses = {}, {}, {}, {}, {}
+        self._recv, self._sends = {}, []
+        live = {s: 0 for s in self.stages}
+        self.peak_live = dict(live)
+        compute = 0.0
+        pending_comm = []
+        for i, a in enumerate(self.actions):
+            if a.kind.startswith(("SEND", "RECV")):
+                pending_comm.append(a)
+                continue
+            if pending_comm:
+                self._communicate(pending_comm)
+                pending_comm = []
+            t0 = time.perf_counter()
+            if a.kind == "F":
+                self._forward(a, mbs, tgts)
+                live[a.stage] += 1
+                self.peak_live[a.stage] = max(self.peak_live[a.stage], live[a.stage])
+            elif a.kind in ("B", "I", "W"):
+                with self._sync_ctx(a.stage, i):
+                    getattr(self, "_backward_" + a.kind)(a)
+                if a.kind != "W":
+                    live[a.stage] -= 1
+            compute += time.perf_counter() - t0
+        if pending_comm:
+            self._communicate(pending_comm)
+        for w in self._sends:
+            w.wait()
+        self._sends = []
+        loss = self._mean_loss()
+        self.compute_seconds, self.step_seconds = compute, time.perf_counter() - t_step
+        return loss
+
+    def _sync_ctx(self, stage: int, i: int):
+        eng = getattr(self.stages[stage], "_zerofuse_zero", None)
+        if eng is None or self._last_backward[stage] == i:
+            return contextlib.nullcontext()
+        return eng.no_sync()
+
+    def _forward(self, a, mbs, tgts):
+        stage = self.stages[a.stage]
+        if stage.is_first:
+            inputs = (mbs[a.mb],)
+        else:
+            inputs = self._recv.pop(("F", a.stage, a.mb))
+            inputs = tuple(t.requires_grad_() if t.is_floating_point() else t for t in inputs)
+        self._inputs[(a.stage, a.mb)] = inputs
+        if self._split:
+            self._recording = []
+        saved: set[int] = set()
+
+        def pack(t):
+            saved.add(t.untyped_storage().data_ptr())
+            return t
+
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                out = stage(*inputs, targets=tgts[a.mb] if stage.is_last else None)
+        finally:
+            if self._split:
+                self._ys[(a.stage, a.mb)] = self._recording
+                self._recording = None
+        if stage.is_last:
+            self._losses[a.mb] = out.detach()
+            self._outputs[(a.stage, a.mb)] = ((out / self.m,), saved)
+        else:
+            self._outputs[(a.stage, a.mb)] = (tuple(out), saved)
+            if a.stage + 1 in self.stages:  # the next stage on this rank (p == 1): passed locally
+                self._recv[("F", a.stage + 1, a.mb)] = tuple(t.detach() for t in out)
+
+    def _output_grads(self, a):
+        outs, _ = self._outputs.pop((a.stage, a.mb))
+        if self.stages[a.stage].is_last:
+            return outs, (torch.ones_like(outs[0]),)
+        grads = self._recv.pop(("B", a.stage, a.mb))
+        pairs = [(o, g) for o, g in zip(outs, grads) if o.requires_grad]
+        return tuple(o for o, _ in pairs), tuple(g for _, g in pairs)
+
+    def _finish_input_grads(self, a, grads):
+        inputs = self._inputs.pop((a.stage, a.mb))
+        if self.stages[a.stage].is_first:
+            return
+        g = tuple(x if x is not None else torch.zeros_like(t) for x, t in zip(grads, inputs) if t.is_floating_point())
+        if a.stage - 1 in self.stages:
+            self._recv[("B", a.stage - 1, a.mb)] = g
+        else:
+            self._grads_in[(a.stage, a.mb)] = g
+
+    def _backward_B(self, a):
+        outs, grads = self._output_grads(a)
+        inputs = self._inputs[(a.stage, a.mb)]
+        _run_backward(outs, grads)
+        self._finish_input_grads(a, [t.grad if t.is_floating_point() else None for t in inputs])
+
+    def _backward_I(self, a):
+        outs, grads = self._output_grads(a)
+        inputs = self._inputs[(a.stage, a.mb)]
+        float_in = [t for t in inputs if t.is_floating_point() and t.requires_grad]
+        ys = self._ys.get((a.stage, a.mb), [])
+        for t in float_in + ys:
+            t.grad = None
+        # into .grad (non-leaf inputs too): the params of modules that cannot backward twice get
+        # theirs here, through AccumulateGrad and its hooks
+        _run_backward(outs, grads, float_in + ys + self._once.get(a.stage, []), keep_graph=True)
+        self._ys[(a.stage, a.mb)] = [(y, y.grad) for y in ys if y.grad is not None]
+        for y in ys:
+            y.grad = None
+        self._finish_input_grads(a, [t.grad if t.is_floating_point() and t.requires_grad else None for t in inputs])
+
+    def _backward_W(self, a):
+        pairs = self._ys.pop((a.stage, a.mb))
+        params = [p for p in self.stages[a.stage].parameters() if p.requires_grad]
+        if not pairs:
+            return
+        _Cut.weight_pass = True
+        try:
+            _run_backward([y for y, _ in pairs], [g for _, g in pairs], params)
+        finally:
+            _Cut.weight_pass = False
+
+    # ------------------------------------------------------------------ transfers
+
+    def _tag(self, kind: str, stage: int, mb: int, header: bool = False) -> int:
+        return ((stage * 2 + (kind == "B")) * 2 + header) * self.m + mb
+
+    def _spec(self, stage: int):
+        return self._specs.get((stage, self._mb_shape))
+
+    def _communicate(self, actions) -> None:
+        sends, recvs, after = [], [], []
+        for a in actions:
+            peer = a.peer if a.peer >= 0 else stage_to_rank(a.stage + (1 if a.kind.endswith("F") else -1), self.p)
+            if a.kind == "SEND_F":
+                outs, saved = self._outputs[(a.stage, a.mb)]
+                if self._spec(a.stage) is None:
+                    self._specs[(a.stage, self._mb_shape)] = [(tuple(t.shape), t.dtype) for t in outs]
+                    sends.append(P2POp("send", _header(outs).to(self._device), peer, self._tag("F", a.stage, a.mb, True)))
+                for t in outs:
+                    sends.append(P2POp("send", t.detach(), peer, self._tag("F", a.stage, a.mb)))
+                for t in outs:  # [Note: pipeline transfers] deallocate what autograd does not need
+                    if t.untyped_storage().data_ptr() not in saved and t._base is None:
+                        t.data = torch.empty(0, dtype=t.dtype, device=t.device)
+            elif a.kind == "SEND_B":
+                for g in self._grads_in.pop((a.stage, a.mb)):
+                    sends.append(P2POp("send", g.contiguous(), peer, self._tag("B", a.stage, a.mb)))
+            elif a.kind == "RECV_F":
+                spec = self._spec(a.stage - 1)
+                if spec is None:  # the first transfer of this boundary: its header first
+                    head = torch.empty(_HEADER, dtype=torch.int64, device=self._device)
+                    self.comm.batch_p2p([P2POp("recv", head, peer, self._tag("F", a.stage - 1, a.mb, True))]).wait()
+                    spec = self._specs[(a.stage - 1, self._mb_shape)] = _parse_header(head)
+                bufs = tuple(torch.empty(s, dtype=d, device=self._device) for s, d in spec)
+                recvs += [P2POp("recv", b, peer, self._tag("F", a.stage - 1, a.mb)) for b in bufs]
+                after.append((("F", a.stage, a.mb), bufs))
+            elif a.kind == "RECV_B":
+                outs, _ = self._outputs[(a.stage, a.mb)]
+                spec = self._spec(a.stage)
+                bufs = tuple(torch.empty(s, dtype=d, device=self._device) for (s, d), o in zip(spec, outs)
+                             if o.requires_grad)
+                recvs += [P2POp("recv", b, peer, self._tag("B", a.stage + 1, a.mb)) for b in bufs]
+                after.append((("B", a.stage, a.mb), bufs))
+        if sends:
+            self._sends.append(self.comm.batch_p2p(sends))
+        if recvs:
+            self.comm.batch_p2p(recvs).wait()
+        for key, bufs in after:
+            self._recv[key] = bufs
+
+    def _mean_loss(self) -> torch.Tensor:
+        last = self.num_stages - 1
+        loss = torch.zeros((), dtype=torch.float32, device=self._device)
+        if last in self.stages:
+            loss = torch.stack([self._losses[i].float() for i in range(self.m)]).mean()
+        if self.p > 1:
+            dist.broadcast(loss, dist.get_global_rank(self.comm.group, stage_to_rank(last, self.p)), group=self.comm.group)
+        return loss
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+
+def _flat(out):
+    if isinstance(out, torch.Tensor):
+        yield out
+    elif isinstance(out, (tuple, list)):
+        for o in out:
+            yield from _flat(o)
+
+
+def _header(outs) -> torch.Tensor:
+    vals = [len(outs)]
+    for t in outs:
+        vals += [_DTYPES.index(t.dtype), t.dim(), *t.shape]
+    if len(vals) > _HEADER:
+        raise ValueError(f"{NAME}: a stage output of {len(outs)} tensors with shapes {[tuple(t.shape) for t in outs]} "
+                         f"does not fit a {_HEADER}-slot header")
+    return torch.tensor(vals + [0] * (_HEADER - len(vals)), dtype=torch.int64)
+
+
+def _parse_header(head: torch.Tensor):
+    vals = head.tolist()
+    n, i, spec = vals[0], 1, []
+    for _ in range(n):
+        dtype, ndim = _DTYPES[vals[i]], vals[i + 1]
+        spec.append((tuple(vals[i + 2:i + 2 + ndim]), dtype))
+        i += 2 + ndim
+    return spec

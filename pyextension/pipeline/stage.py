@@ -1,0 +1,289 @@
+"""Splitting a model into pipeline stages.
+
+A :class:`Stage` is an ``nn.Module`` that holds one contiguous slice of a model's modules,
+registered under the names they have in the whole model (``blocks.4.attn.qkv.weight`` stays
+``blocks.4.attn.qkv.weight``), so state_dicts, checkpoints and ZeRO see the unsplit model's names.
+``forward(*inputs, targets=None)`` takes what the previous stage sent (the first stage: the token
+ids) and returns a tuple of tensors for the next stage, or, on the last stage, the loss.
+
+- :func:`split_gpt`: a ``zerofuse.models.GPT`` by layer counts (balanced by parameters, or an
+  explicit layout such as ``"E,4,4,4,L"``); its stages run the model's own ``embed``, blocks and
+  ``final``.
+- :func:`split_modules`: any model given as an ordered list of ``(name, module)`` (or an
+  ``nn.Sequential``), each module called on the previous one's output, and a ``loss_fn(output,
+  targets)`` on the last stage.
+
+Only the stage's own modules are materialized: a model built under ``torch.device("meta")`` gets
+just this stage's params allocated and initialised (the model's ``param_init_fn`` per module);
+the params of stages this rank does not hold are moved to the meta device, so no rank keeps the
+whole model.
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+
+import torch
+
+NAME = "zerofuse.pipeline"
+_STAGE = re.compile(r"^(E)?(\d+)?(L)?$")
+
+
+class Stage(torch.nn.Module):
+    """One pipeline stage (see the module docstring). ``index`` / ``num_stages``: its place in the
+    pipeline; ``parts``: its (name, module) in order."""
+
+    def __init__(self, parts: Sequence[tuple[str, torch.nn.Module]], run: Callable, index: int, num_stages: int):
+        super().__init__()
+        for name, module in parts:
+            *path, leaf = name.split(".")
+            node = self
+            for p in path:
+                if not hasattr(node, p):
+                    node.add_module(p, torch.nn.Module())
+                node = getattr(node, p)
+            node.add_module(leaf, module)
+        self.parts = [name for name, _ in parts]
+        self._run = run
+        self.index, self.num_stages = index, num_stages
+
+    @property
+    def is_first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.num_stages - 1
+
+    def forward(self, *inputs: torch.Tensor, targets: torch.Tensor | None = None):
+        return self._run(*inputs, targets=targets)
+
+    def extra_repr(self) -> str:
+        return f"stage {self.index} of {self.num_stages}: {', '.join(self.parts)}"
+
+
+def parse_layout(layout: str | Sequence, n_layer: int) -> list[tuple[bool, int, bool]]:
+    """"E,4,4,4,L" or ["E4", 4, "4L"] -> per stage (has embedding, block count, has loss head).
+    Without E / L the first stage takes the embedding and the last the head."""
+    items = layout.split(",") if isinstance(layout, str) else list(layout)
+    out = []
+    for i, item in enumerate(items):
+        m = _STAGE.match(str(item).strip())
+        if not m or not any(m.groups()):
+            raise ValueError(f"{NAME}: expected each stage of layout to be a block count with an optional leading E "
+                             f"(embedding) and trailing L (final norm, head, loss), e.g. 'E,4,4,4,L' or 'E2,4,2L'; got "
+                             f"{item!r} at position {i} of {layout!r}")
+        out.append((bool(m.group(1)), int(m.group(2) or 0), bool(m.group(3))))
+    if not any(e for e, _, _ in out):
+        out[0] = (True, *out[0][1:])
+    if not any(ell for _, _, ell in out):
+        out[-1] = (*out[-1][:2], True)
+    for i, (e, n, ell) in enumerate(out):
+        if e and i != 0:
+            raise ValueError(f"{NAME}: the embedding (E) must be on the first stage; layout {layout!r} puts it on stage {i}")
+        if ell and i != len(out) - 1:
+            raise ValueError(f"{NAME}: the loss head (L) must be on the last stage; layout {layout!r} puts it on stage {i}")
+    total = sum(n for _, n, _ in out)
+    if total != n_layer:
+        raise ValueError(f"{NAME}: layout {layout!r} places {total} blocks; expected the model's n_layer ({n_layer})")
+    return out
+
+
+def balanced_layout(n_layer: int, num_stages: int, block_params: int, first_params: int,
+                    last_params: int) -> list[tuple[bool, int, bool]]:
+    """Contiguous block counts per stage minimising the largest stage's parameter count (the
+    embedding counted on the first stage, the final norm + head on the last); ties go to the
+    layout with the fewest blocks on the last stage (its loss costs compute too)."""
+    if num_stages > n_layer + 2:
+        raise ValueError(f"{NAME}: cannot split a model of {n_layer} blocks into {num_stages} stages (at most "
+                         f"n_layer + 2, with the embedding and the head alone)")
+    best = None
+    # stage s holds counts[s] blocks; search the counts by dynamic programming over prefixes
+    inf = float("inf")
+    cost = [[inf] * (n_layer + 1) for _ in range(num_stages + 1)]
+    choice = [[0] * (n_layer + 1) for _ in range(num_stages + 1)]
+    cost[0][0] = 0
+    for s in range(1, num_stages + 1):
+        extra = (first_params if s == 1 else 0) + (last_params if s == num_stages else 0)
+        for j in range(n_layer + 1):
+            for k in range(0, j + 1):  # k blocks on stage s
+                if k == 0 and extra == 0:
+                    continue  # a stage with nothing to run
+                c = max(cost[s - 1][j - k], k * block_params + extra)
+                if c < cost[s][j] or (c == cost[s][j] and s == num_stages and k < choice[s][j]):
+                    cost[s][j], choice[s][j] = c, k
+    if cost[num_stages][n_layer] == inf:
+        raise ValueError(f"{NAME}: cannot split {n_layer} blocks into {num_stages} non-empty stages")
+    counts, j = [], n_layer
+    for s in range(num_stages, 0, -1):
+        counts.append(choice[s][j])
+        j -= choice[s][j]
+    counts.reverse()
+    best = [(s == 0, n, s == num_stages - 1) for s, n in enumerate(counts)]
+    return best
+
+
+def _materialize(model, modules: list[torch.nn.Module], device, init: Callable | None) -> None:
+    """Allocate and initialise the meta params and buffers of ``modules`` on ``device`` (swapped in
+    place: the Parameter objects, and whatever refers to them, stay the same); real ones are moved
+    to ``device`` if given."""
+    device = torch.device("cpu") if device is None else torch.device(device)
+    for module in modules:
+        if not any(t.is_meta for t in list(module.parameters()) + list(module.buffers())):
+            module.to(device)
+            continue
+        for sub in module.modules():
+            for p in sub.parameters(recurse=False):
+                if p.is_meta:
+                    torch.utils.swap_tensors(p, torch.nn.Parameter(torch.empty_like(p, device=device),
+                                                                   requires_grad=p.requires_grad))
+            for key, b in sub._buffers.items():
+                if b is not None and b.is_meta:
+                    sub._buffers[key] = torch.empty_like(b, device=device)
+        with torch.no_grad():
+            for sub in module.modules():
+                if next(sub.parameters(recurse=False), None) is None:
+                    continue
+                if init is not None:
+                    init(sub)
+                elif hasattr(sub, "reset_parameters"):
+                    sub.reset_parameters()
+                else:
+                    raise ValueError(f"{NAME}: module {type(sub).__name__} holds parameters on the meta device and "
+                                     "has no reset_parameters() to initialise them")
+
+
+def _release(modules: list[torch.nn.Module], keep: set[int]) -> None:
+    """Move the params of modules this rank does not hold to meta (frees them; shared ones kept)."""
+    for module in modules:
+        for p in module.parameters():
+            if id(p) not in keep and not p.is_meta:
+                torch.utils.swap_tensors(p, torch.nn.Parameter(torch.empty_like(p, device="meta"),
+                                                               requires_grad=p.requires_grad))
+
+
+def split_gpt(model, num_stages: int, stage_ids: Sequence[int], *, layout=None, device=None) -> list[Stage]:
+    """The stages ``stage_ids`` (of ``num_stages``) of a ``zerofuse.models.GPT``. layout: None
+    (balanced by parameters), a string like "E,4,4,4,L" or a list of per-stage items."""
+    cfg = model.config
+    if not isinstance(num_stages, int) or num_stages < 1:
+        raise ValueError(f"{NAME}: expected the number of stages to be an int >= 1, got {num_stages!r}")
+    if layout is None:
+        per_block = sum(p.numel() for p in model.blocks[0].parameters())
+        first = sum(p.numel() for m in (model.wte, model.wpe) if m is not None for p in m.parameters())
+        last = sum(p.numel() for m in (model.norm, model.head) for p in m.parameters(recurse=True)
+                   if not (cfg.tie_embeddings and p is model.wte.weight))
+        plan = balanced_layout(cfg.n_layer, num_stages, per_block, first, last)
+    else:
+        plan = parse_layout(layout, cfg.n_layer)
+        if len(plan) != num_stages:
+            raise ValueError(f"{NAME}: layout {layout!r} has {len(plan)} stages; expected {num_stages} "
+                             f"(pipeline size x virtual stages)")
+    starts = [sum(n for _, n, _ in plan[:s]) for s in range(num_stages)]
+    stages, kept = [], set()
+    for s in stage_ids:
+        emb, n, head = plan[s]
+        parts = []
+        if emb:
+            parts += [("wte", model.wte)] + ([("wpe", model.wpe)] if model.wpe is not None else [])
+        blocks = list(range(starts[s], starts[s] + n))
+        parts += [(f"blocks.{i}", model.blocks[i]) for i in blocks]
+        if head:
+            parts += [("norm", model.norm), ("head", model.head)]
+        _materialize(model, [m for _, m in parts], device, getattr(model, "param_init_fn", None))
+        kept.update(id(p) for _, m in parts for p in m.parameters())
+        stages.append(Stage(parts, _gpt_runner(model, emb, [model.blocks[i] for i in blocks], head), s, num_stages))
+    _release([model], kept)
+    return stages
+
+
+def _gpt_runner(model, emb: bool, blocks: list, head: bool) -> Callable:
+    def run(*inputs, targets=None):
+        if emb:
+            x, delta = model.embed(inputs[0]), None
+        else:
+            x, delta = inputs if len(inputs) == 2 else (inputs[0], None)
+        for block in blocks:
+            x, delta = model.run_block(block, x, delta)
+        if head:
+            logits, loss = model.final(x, delta, targets)
+            return loss if targets is not None else logits
+        return (x,) if delta is None else (x, delta)
+
+    return run
+
+
+def split_modules(modules, num_stages: int, stage_ids: Sequence[int], *, loss_fn: Callable | None = None,
+                  layout: Sequence[int] | None = None, device=None) -> list[Stage]:
+    """Stages of a model given as an ordered list of (name, module) or an ``nn.Sequential``:
+    each module takes the previous one's output (a tensor or a tuple of tensors); the last stage
+    applies ``loss_fn(output, targets)`` when targets are given. layout: modules per stage
+    (default: balanced by parameters, at least one module per stage)."""
+    if isinstance(modules, torch.nn.Sequential):
+        modules = list(modules.named_children())
+    modules = list(modules)
+    if not modules or not all(isinstance(m, tuple) and len(m) == 2 and isinstance(m[1], torch.nn.Module)
+                              for m in modules):
+        raise ValueError(f"{NAME}: expected modules to be an nn.Sequential or a non-empty list of (name, module), got "
+                         f"{type(modules).__name__}")
+    if layout is None:
+        sizes = [sum(p.numel() for p in m.parameters()) or 1 for _, m in modules]
+        counts = _balance_counts(sizes, num_stages)
+    else:
+        counts = [int(c) for c in layout]
+        if len(counts) != num_stages or sum(counts) != len(modules) or min(counts) < 1:
+            raise ValueError(f"{NAME}: expected layout to give {num_stages} stages of >= 1 module summing to "
+                             f"{len(modules)}, got {list(layout)}")
+    starts = [sum(counts[:s]) for s in range(num_stages)]
+    stages, kept = [], set()
+    for s in stage_ids:
+        parts = modules[starts[s]:starts[s] + counts[s]]
+        _materialize(None, [m for _, m in parts], device, None)
+        kept.update(id(p) for _, m in parts for p in m.parameters())
+        stages.append(Stage(parts, _chain_runner([m for _, m in parts], loss_fn if s == num_stages - 1 else None),
+                            s, num_stages))
+    _release([m for _, m in modules], kept)
+    return stages
+
+
+def _balance_counts(sizes: list[int], num_stages: int) -> list[int]:
+    n = len(sizes)
+    if num_stages > n:
+        raise ValueError(f"{NAME}: cannot split {n} modules into {num_stages} stages")
+    # binary search on the largest stage size, greedy fill
+    lo, hi = max(sizes), sum(sizes)
+
+    def fits(cap):
+        counts, acc = [0], 0
+        for i, x in enumerate(sizes):
+            left_modules, left_stages = n - i, num_stages - len(counts) + 1
+            if counts[-1] and (acc + x > cap or left_modules < left_stages):
+                counts.append(0)
+                acc = 0
+            counts[-1] += 1
+            acc += x
+        return counts if len(counts) <= num_stages else None
+
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    counts = fits(lo)
+    while len(counts) < num_stages:  # split the largest count to reach num_stages
+        i = max(range(len(counts)), key=lambda k: counts[k])
+        counts[i:i + 1] = [counts[i] - counts[i] // 2, counts[i] // 2]
+    return counts
+
+
+def _chain_runner(modules: list, loss_fn: Callable | None) -> Callable:
+    def run(*inputs, targets=None):
+        out = inputs if len(inputs) > 1 else inputs[0]
+        for m in modules:
+            out = m(*out) if isinstance(out, tuple) else m(out)
+        if loss_fn is not None and targets is not None:
+            return loss_fn(out, targets)
+        return out if isinstance(out, tuple) else (out,)
+
+    return run

@@ -1,0 +1,143 @@
+"""zerofuse.pipeline on real gloo ranks: every schedule at pp 2 and 4 (interleaved also with 2
+virtual stages per rank) trains a GPT for 10 steps with the losses and final params of
+single-process training on the same global batch; stage splitting; bad input."""
+import pytest
+import torch
+
+from dist_utils import run_distributed
+
+pytestmark = pytest.mark.usefixtures("native_kernels")  # the C++ CPU kernels, in this process and the ranks
+STEPS = 10
+BATCH, SEQ, MICRO = 8, 16, 4
+
+
+def _cfg(n_layer=4):
+    from zerofuse.models import GPTConfig
+
+    return GPTConfig(vocab_size=61, seq_len=SEQ, n_layer=n_layer, n_head=2, dim=32, mlp_ratio=2.0)
+
+
+def _batches(steps=STEPS, batch=BATCH):
+    g = torch.Generator().manual_seed(7)
+    return [(torch.randint(0, 61, (batch, SEQ), generator=g), torch.randint(0, 61, (batch, SEQ), generator=g))
+            for _ in range(steps)]
+
+
+def _reference(n_layer, steps=STEPS, batch=BATCH, split=1):
+    """Single-process training on the whole batch (split > 1: the same batch as that many
+    accumulated micro-batches, the equally valid reordering assert_close_training allows for):
+    losses and final params by name."""
+    import zerofuse  # noqa: F401
+    from zerofuse.models import GPT
+
+    torch.manual_seed(0)
+    model = GPT(_cfg(n_layer), seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6)
+    losses = []
+    for idx, tgt in _batches(steps, batch):
+        total = 0.0
+        for i, t in zip(idx.chunk(split), tgt.chunk(split)):
+            _, loss = model(i, t)
+            (loss / split).backward()
+            total += loss.item() / split
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(total)
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def assert_matches_reference(out, n_layer, micro):
+    """Each rank's losses (rtol 1e-5) and params (the training-parity rule) against single-process
+    training; every param of the model on exactly one rank."""
+    from tolerances import assert_close_training
+
+    ref_losses, ref_params = _reference(n_layer)
+    _, alt_params = _reference(n_layer, split=micro)
+    for rank, (losses, named, *_rest) in enumerate(out):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+        for name, p in named.items():
+            assert_close_training(p, ref_params[name], alt_params[name], msg=f"rank {rank} {name}")
+    names = [n for _, named, *_rest in out for n in named]
+    assert sorted(names) == sorted(ref_params)
+
+
+def _pp_rank(rank, ws, schedule, v, n_layer, microbatches, layout=None):
+    import zerofuse  # noqa: F401
+    from zerofuse.models import GPT
+    from zerofuse.pipeline import Pipeline, split_gpt
+
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = GPT(_cfg(n_layer), seed=0)
+    stages = split_gpt(model, ws * v, [rank + k * ws for k in range(v)], layout=layout, device="cpu")
+    pipe = Pipeline(stages, schedule=schedule, microbatches=microbatches)
+    params = [p for s in stages for p in s.parameters()]
+    opt = torch.optim.AdamW(params, lr=1e-2, eps=1e-6)
+    losses, peaks = [], []
+    for idx, tgt in _batches():
+        losses.append(pipe.step(idx, tgt).item())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        peaks.append(dict(pipe.peak_live))
+    named = {n: p.detach().clone() for s in stages for n, p in s.named_parameters()}
+    return losses, named, peaks[-1]
+
+
+CASES = [("gpipe", 2, 1), ("1f1b", 2, 1), ("zb", 2, 1), ("interleaved", 2, 2),
+         ("gpipe", 4, 1), ("1f1b", 4, 1), ("zb", 4, 1), ("interleaved", 4, 2)]
+
+
+@pytest.mark.parametrize("schedule,pp,v", CASES)
+def test_schedule_matches_single_process(schedule, pp, v):
+    from zerofuse.pipeline import build_schedule, simulate
+
+    n_layer = 8 if pp * v > 4 else 4
+    micro = MICRO if pp * v <= 4 or schedule == "interleaved" else 8
+    micro = max(micro, pp) if schedule != "interleaved" else pp * (micro // pp)
+    out = run_distributed(_pp_rank, pp, schedule, v, n_layer, micro, timeout=300)
+    assert_matches_reference(out, n_layer, micro)
+    sim = simulate(build_schedule(schedule, pp, micro, v), pp)
+    for rank, (_, _, peak) in enumerate(out):  # live micro-batch activations per stage, as simulated
+        assert peak == {s: sim.peak_live[s] for s in peak}, (rank, peak, sim.peak_live)
+
+
+def test_split_keeps_names_and_materializes_only_its_stage():
+    import zerofuse  # noqa: F401
+    from zerofuse.models import GPT
+    from zerofuse.pipeline import split_gpt
+
+    full = GPT(_cfg(8), seed=0)
+    with torch.device("meta"):
+        model = GPT(_cfg(8), seed=0)
+    (stage,) = split_gpt(model, 4, [1], layout="E2,2,2,2L")
+    assert stage.parts == ["blocks.2", "blocks.3"]
+    ref = dict(full.named_parameters())
+    for n, p in stage.named_parameters():
+        assert not p.is_meta and torch.equal(p, ref[n]), n
+    assert all(p.is_meta for p in model.blocks[0].parameters())  # other stages' params hold no memory
+    (first,) = split_gpt(GPT(_cfg(8), seed=0), 4, [0], layout="E,3,3,2L")
+    assert first.parts == ["wte", "wpe"]
+
+
+def test_balanced_layout_by_parameters():
+    from zerofuse.pipeline.stage import balanced_layout
+
+    # embedding as large as 3 blocks: the first stage takes fewer blocks
+    assert balanced_layout(8, 3, 10, 30, 5) == [(True, 1, False), (False, 4, False), (False, 3, True)]
+    assert [n for _, n, _ in balanced_layout(12, 4, 10, 0, 0)] == [3, 3, 3, 3]
+
+
+@pytest.mark.parametrize("layout,message", [
+    ("E,4,4", "places 8 blocks; expected the model's n_layer (4)"),
+    ("E,x,L", "expected each stage of layout"),
+    ("2,E2", "the embedding (E) must be on the first stage"),
+    ("2L,2", "the loss head (L) must be on the last stage"),
+])
+def test_bad_layouts_are_refused(layout, message):
+    from zerofuse.models import GPT
+    from zerofuse.pipeline import split_gpt
+
+    with torch.device("meta"):
+        model = GPT(_cfg(4), seed=0)
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        split_gpt(model, len(layout.split(",")), [0], layout=layout)
