@@ -1,10 +1,13 @@
-"""``zerofuse.parallel.init_mesh``: the data-parallel and tensor-parallel process groups of a 2-D
-(dp × tp) layout of the ranks.
+"""``zerofuse.parallel.init_mesh``: the data-, tensor- and pipeline-parallel process groups of a
+3-D (pp × dp × tp) layout of the ranks.
 
-Layout (Megatron's): tensor-parallel ranks are adjacent, ``rank = dp_rank * tp + tp_rank``, so a TP
-group sits inside one node (NVLink) when tp divides the GPUs per node; rank r's DP group is every
-rank with its tp_rank. Every group is created on every rank in the same order (what
-``torch.distributed.new_group`` requires).
+Layout (Megatron's order: tp innermost, then dp, pp outermost):
+``rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank``. Tensor-parallel ranks are adjacent, so a
+TP group (the most traffic) sits inside one node when tp divides the GPUs per node; the ranks of
+one pipeline stage (dp × tp) are contiguous, and a PP group (every rank with the same dp_rank and
+tp_rank, one per stage) spans the nodes: stages exchange only activations, the least traffic.
+Every group is created on every rank in the same order (what ``torch.distributed.new_group``
+requires). ``mesh.device_mesh()`` gives the same groups as a torch DeviceMesh ("pp", "dp", "tp").
 """
 from __future__ import annotations
 
@@ -28,42 +31,62 @@ class Mesh:
     tp_group: dist.ProcessGroup
     dp_ranks: tuple[int, ...]  # global ranks of this rank's DP group
     tp_ranks: tuple[int, ...]  # global ranks of this rank's TP group
+    pp: int = 1
+    pp_rank: int = 0
+    pp_group: dist.ProcessGroup | None = None
+    pp_ranks: tuple[int, ...] = ()  # global ranks of this rank's PP group, stage order
+
+    def device_mesh(self, device_type: str = "cpu"):
+        """A torch DeviceMesh over the same groups, dims ("pp", "dp", "tp") (for DTensor /
+        torch.distributed interop); built on first call, collective like init_mesh."""
+        import torch
+        from torch.distributed.device_mesh import DeviceMesh
+
+        if getattr(self, "_device_mesh", None) is None:
+            layout = torch.arange(self.pp * self.dp * self.tp).reshape(self.pp, self.dp, self.tp)
+            mesh = DeviceMesh.from_group([self.pp_group, self.dp_group, self.tp_group], device_type, mesh=layout,
+                                         mesh_dim_names=("pp", "dp", "tp"))
+            object.__setattr__(self, "_device_mesh", mesh)
+        return self._device_mesh
 
 
 def _is_int(n) -> bool:
     return isinstance(n, int) and not isinstance(n, bool)  # True would pass as a size of 1
 
 
-def init_mesh(dp: int | None = None, tp: int = 1, *, backend: str | None = None) -> Mesh:
-    """Split the default group into dp × tp (dp=None: world_size // tp). Collective: every rank
-    calls it with the same arguments."""
+def init_mesh(dp: int | None = None, tp: int = 1, pp: int = 1, *, backend: str | None = None) -> Mesh:
+    """Split the default group into pp × dp × tp (dp=None: world_size // (tp * pp)). Collective:
+    every rank calls it with the same arguments."""
     if not dist.is_initialized():
         raise RuntimeError(f"{NAME}: torch.distributed is not initialized (call init_process_group first)")
     world, rank = dist.get_world_size(), dist.get_rank()
-    if not _is_int(tp) or tp < 1:
-        raise ValueError(f"{NAME}: expected tp to be an int >= 1, got {tp!r}")
+    for key, n in (("tp", tp), ("pp", pp)):
+        if not _is_int(n) or n < 1:
+            raise ValueError(f"{NAME}: expected {key} to be an int >= 1, got {n!r}")
     if dp is None:
-        if world % tp:
-            raise ValueError(f"{NAME}: expected tp ({tp}) to divide the world size ({world})")
-        dp = world // tp
+        if world % (tp * pp):
+            raise ValueError(f"{NAME}: expected tp × pp ({tp} × {pp}) to divide the world size ({world})")
+        dp = world // (tp * pp)
     if not _is_int(dp) or dp < 1:
         raise ValueError(f"{NAME}: expected dp to be an int >= 1, got {dp!r}")
-    if dp * tp != world:
-        raise ValueError(f"{NAME}: expected dp × tp == world size, got dp={dp} × tp={tp} = {dp * tp} for "
-                         f"world size {world}")
-    mine_dp = mine_tp = None
+    if pp * dp * tp != world:
+        raise ValueError(f"{NAME}: expected pp × dp × tp == world size, got pp={pp} × dp={dp} × tp={tp} = "
+                         f"{pp * dp * tp} for world size {world}")
     # new_group's default is torch's, not the one init_process_group was given: pass that on, so it
     # bounds the collectives of the subgroups (and of the Communicators built on them) too
     timeout = datetime.timedelta(seconds=group_timeout(dist.group.WORLD))
-    for t in range(tp):  # DP groups: ranks with the same tp_rank
-        ranks = [d * tp + t for d in range(dp)]
-        g = dist.new_group(ranks, backend=backend, timeout=timeout)
-        if rank in ranks:
-            mine_dp = (g, tuple(ranks))
-    for d in range(dp):  # TP groups: adjacent ranks
-        ranks = [d * tp + t for t in range(tp)]
-        g = dist.new_group(ranks, backend=backend, timeout=timeout)
-        if rank in ranks:
-            mine_tp = (g, tuple(ranks))
-    return Mesh(dp=dp, tp=tp, dp_rank=rank // tp, tp_rank=rank % tp, dp_group=mine_dp[0], tp_group=mine_tp[0],
-                dp_ranks=mine_dp[1], tp_ranks=mine_tp[1])
+    at = lambda s, d, t: s * dp * tp + d * tp + t  # noqa: E731 - the layout, in one place
+    mine = {}
+    families = {
+        "dp": [[at(s, d, t) for d in range(dp)] for s in range(pp) for t in range(tp)],
+        "tp": [[at(s, d, t) for t in range(tp)] for s in range(pp) for d in range(dp)],
+        "pp": [[at(s, d, t) for s in range(pp)] for d in range(dp) for t in range(tp)],
+    }
+    for key, groups in families.items():
+        for ranks in groups:
+            g = dist.new_group(ranks, backend=backend, timeout=timeout)
+            if rank in ranks:
+                mine[key] = (g, tuple(ranks))
+    return Mesh(dp=dp, tp=tp, dp_rank=(rank // tp) % dp, tp_rank=rank % tp, dp_group=mine["dp"][0],
+                tp_group=mine["tp"][0], dp_ranks=mine["dp"][1], tp_ranks=mine["tp"][1], pp=pp,
+                pp_rank=rank // (dp * tp), pp_group=mine["pp"][0], pp_ranks=mine["pp"][1])

@@ -36,13 +36,13 @@ class Stage(torch.nn.Module):
     def __init__(self, parts: Sequence[tuple[str, torch.nn.Module]], run: Callable, index: int, num_stages: int):
         super().__init__()
         for name, module in parts:
-            *path, leaf = name.split(".")
+            path = name.split(".")
             node = self
-            for p in path:
-                if not hasattr(node, p):
-                    node.add_module(p, torch.nn.Module())
-                node = getattr(node, p)
-            node.add_module(leaf, module)
+            for p, nxt in zip(path[:-1], path[1:]):
+                if p not in node._modules:  # blocks.4 -> a ModuleDict "blocks" holding "4" (ZeRO-3 wraps its children)
+                    node.add_module(p, torch.nn.ModuleDict() if nxt.isdigit() else torch.nn.Module())
+                node = node._modules[p]
+            node.add_module(path[-1], module)
         self.parts = [name for name, _ in parts]
         self._run = run
         self.index, self.num_stages = index, num_stages
@@ -135,8 +135,7 @@ def _materialize(model, modules: list[torch.nn.Module], device, init: Callable |
         for sub in module.modules():
             for p in sub.parameters(recurse=False):
                 if p.is_meta:
-                    torch.utils.swap_tensors(p, torch.nn.Parameter(torch.empty_like(p, device=device),
-                                                                   requires_grad=p.requires_grad))
+                    _swap(p, torch.empty_like(p, device=device))
             for key, b in sub._buffers.items():
                 if b is not None and b.is_meta:
                     sub._buffers[key] = torch.empty_like(b, device=device)
@@ -153,13 +152,31 @@ def _materialize(model, modules: list[torch.nn.Module], device, init: Callable |
                                      "has no reset_parameters() to initialise them")
 
 
+def _swap(p: torch.nn.Parameter, data: torch.Tensor) -> None:
+    """p takes data's storage in place; the Parameter object and its attributes (e.g. its
+    tensor-parallel spec) stay."""
+    new = torch.nn.Parameter(data, requires_grad=p.requires_grad)
+    new.__dict__.update(p.__dict__)  # swap_tensors swaps the __dict__s too
+    hooks = list((p._backward_hooks or {}).values())  # e.g. sequence parallelism's grad all-reduce
+    post = list((getattr(p, "_post_accumulate_grad_hooks", None) or {}).values())
+    torch.utils.swap_tensors(p, new)
+    # the C++ side of the hooks stays with the old storage: register them again (their old
+    # handles no longer remove them)
+    p._backward_hooks = None
+    for h in hooks:
+        p.register_hook(h)
+    if post:
+        p._post_accumulate_grad_hooks = None
+        for h in post:
+            p.register_post_accumulate_grad_hook(h)
+
+
 def _release(modules: list[torch.nn.Module], keep: set[int]) -> None:
     """Move the params of modules this rank does not hold to meta (frees them; shared ones kept)."""
     for module in modules:
         for p in module.parameters():
             if id(p) not in keep and not p.is_meta:
-                torch.utils.swap_tensors(p, torch.nn.Parameter(torch.empty_like(p, device="meta"),
-                                                               requires_grad=p.requires_grad))
+                _swap(p, torch.empty_like(p, device="meta"))
 
 
 def split_gpt(model, num_stages: int, stage_ids: Sequence[int], *, layout=None, device=None) -> list[Stage]:

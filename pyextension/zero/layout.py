@@ -47,11 +47,13 @@ def unit_groups(model, named, wrap) -> tuple[list, list]:
 
 
 def _main_module_list(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The children of the model's largest ModuleList (or ModuleDict: a pipeline stage holds its
+    blocks under their indices in the whole model, zerofuse.pipeline.Stage)."""
     best = None
     for mod in model.modules():
-        if isinstance(mod, torch.nn.ModuleList) and (best is None or len(mod) > len(best)):
+        if isinstance(mod, (torch.nn.ModuleList, torch.nn.ModuleDict)) and (best is None or len(mod) > len(best)):
             best = mod
-    return list(best) if best is not None else []
+    return list(best.children()) if best is not None else []
 
 
 def _wrap_modules(model: torch.nn.Module, wrap) -> list[torch.nn.Module]:

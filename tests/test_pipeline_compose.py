@@ -1,0 +1,88 @@
+"""zerofuse.pipeline composed with the other parallelisms on real gloo ranks (world size 4): pp 2 ×
+dp 2 with ZeRO-1, 2 and 3, and pp 2 × tp 2 with sequence parallelism, each matching single-process
+training of the same global batch; init_mesh's 3-D layout."""
+import pytest
+import torch
+
+from dist_utils import run_distributed
+from test_pipeline import BATCH, _batches, _cfg, assert_matches_reference
+
+pytestmark = pytest.mark.usefixtures("native_kernels")
+
+
+def _mesh_rank(rank, ws):
+    from zerofuse.parallel import init_mesh
+
+    mesh = init_mesh(dp=2, tp=2, pp=2)
+    dm = mesh.device_mesh()
+    return (mesh.pp_rank, mesh.dp_rank, mesh.tp_rank, mesh.pp_ranks, mesh.dp_ranks, mesh.tp_ranks,
+            dm.mesh_dim_names, dm["pp"].size())
+
+
+def test_init_mesh_3d_layout_is_megatrons():
+    """tp innermost, then dp, pp outermost: rank = pp_rank * 4 + dp_rank * 2 + tp_rank."""
+    out = run_distributed(_mesh_rank, 8, timeout=120)
+    for rank, (pr, dr, tr, pp_ranks, dp_ranks, tp_ranks, names, pp_size) in enumerate(out):
+        assert rank == pr * 4 + dr * 2 + tr
+        assert pp_ranks == (dr * 2 + tr, 4 + dr * 2 + tr)
+        assert dp_ranks == (pr * 4 + tr, pr * 4 + 2 + tr)
+        assert tp_ranks == (pr * 4 + dr * 2, pr * 4 + dr * 2 + 1)
+        assert names == ("pp", "dp", "tp") and pp_size == 2
+
+
+def _compose_rank(rank, ws, dp, tp, zero_stage, schedule, micro):
+    import zerofuse  # noqa: F401
+    from zerofuse import zero
+    from zerofuse.models import GPT
+    from zerofuse.parallel import init_mesh
+    from zerofuse.pipeline import Pipeline, split_gpt
+
+    mesh = init_mesh(dp=dp, tp=tp, pp=2)
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = GPT(_cfg(4), seed=0, tp_group=mesh.tp_group if tp > 1 else None, sequence_parallel=tp > 1)
+    stages = split_gpt(model, 2, [mesh.pp_rank], device="cpu")
+    hp = dict(lr=1e-2, eps=1e-6, weight_decay=0.01)
+    if zero_stage is None:
+        opt = torch.optim.AdamW([p for s in stages for p in s.parameters()], **hp)
+    else:
+        for s in stages:
+            zero.parallelize(s, stage=zero_stage, group=mesh.dp_group)
+        opt = zero.Optimizer(stages[0], "adamw", **hp)
+    pipe = Pipeline(stages, schedule=schedule, microbatches=micro, group=mesh.pp_group)
+    losses = []
+    for idx, tgt in _batches():
+        rows = slice(mesh.dp_rank * (BATCH // dp), (mesh.dp_rank + 1) * (BATCH // dp))
+        loss = pipe.step(idx[rows], tgt[rows])
+        if dp > 1:  # the global batch's loss, as the single process sees it
+            torch.distributed.all_reduce(loss, group=mesh.dp_group)
+            loss /= dp
+        losses.append(loss.item())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    if zero_stage is not None:
+        with zero.full_params(stages[0]):
+            named = {n: p.detach().clone() for n, p in stages[0].named_parameters()}
+    else:
+        named = {n: p.detach().clone() for s in stages for n, p in s.named_parameters()}
+    if tp > 1:  # the full params from the TP slices (TPSpec.merge of every TP rank's slice)
+        from zerofuse.tp import spec_of
+
+        params = dict(stages[0].named_parameters())
+        for n in list(named):
+            if (spec := spec_of(params[n])) is not None:
+                shards = [None] * tp
+                torch.distributed.all_gather_object(shards, named[n], group=mesh.tp_group)
+                named[n] = spec.merge(shards)
+    return losses, (named if mesh.dp_rank == 0 and mesh.tp_rank == 0 else {})
+
+
+@pytest.mark.parametrize("zero_stage,schedule", [(1, "1f1b"), (2, "1f1b"), (3, "1f1b"), (2, "zb"), (1, "gpipe")])
+def test_pp2_dp2_zero_matches_single_process(zero_stage, schedule):
+    out = run_distributed(_compose_rank, 4, 2, 1, zero_stage, schedule, 2, timeout=300)
+    assert_matches_reference(out, 4, 4)
+
+
+def test_pp2_tp2_sequence_parallel_matches_single_process():
+    out = run_distributed(_compose_rank, 4, 1, 2, None, "1f1b", 4, timeout=300)
+    assert_matches_reference(out, 4, 4)
