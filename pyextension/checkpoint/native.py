@@ -10,7 +10,10 @@ Layout of a checkpoint directory (format 2):
 Tensors, numbers, strings, lists and dicts only (read with weights_only=True).
 
 With tensor parallelism each TP rank's ZeRO group writes the layout above into ``tp{t}/`` and the
-top-level meta.json holds the TP size and every sharded param's TPSpec.
+top-level meta.json holds the TP size and every sharded param's TPSpec. With pipeline parallelism
+each stage writes its own params' layout (the above, with its TP parts) into ``pp{s}/`` and the
+top-level meta.json holds the number of stages; any pipeline layout loads it (a stage reads the
+params it holds from whichever saved stage has them), and ``consolidate`` merges the stages.
 
 Loading reads, for each piece of this rank's new shards, the overlapping pieces of the saved rank
 files that hold them (found from meta.json; the other files are never opened), memory-mapped, on
@@ -26,12 +29,11 @@ import torch
 import torch.distributed as dist
 
 from zerofuse.checkpoint import files
-from zerofuse.tp.spec import TPSpec, spec_of
+from zerofuse.checkpoint.sources import FORMAT, VALUE, Full
+from zerofuse.tp.spec import spec_of
 from zerofuse.zero.engine import engine_of
 
 NAME = files.NAME
-FORMAT = 2
-VALUE = "value"  # the param's value: the fp32 master where saved, else the param shard
 
 
 def _saving_ranks(eng) -> int:
@@ -58,18 +60,36 @@ def save(path: str, model: torch.nn.Module, optimizer=None, *, extra=None) -> No
     if eng.stage != 3:
         eng.finish_param_sync()
     path = os.path.abspath(path)
-    tp = eng.tp_comm is not None
-    # who coordinates: the ZeRO group's rank 0, or with TP the world's (one ZeRO group per TP rank)
-    group = None if tp else eng.comm.group
-    leader = dist.get_rank() == 0 if tp else eng.rank == 0
+    tp, pp = eng.tp_comm is not None, eng.pp_comm is not None
+    # who coordinates: the ZeRO group's rank 0, or with TP / PP the world's (one ZeRO group per
+    # TP rank and pipeline stage), with barriers over every rank
+    group = None if tp or pp else eng.comm.group
+    leader = dist.get_rank() == 0 if group is None else eng.rank == 0
     tmp = path + ".tmp"
     if leader:
         files.begin(path)
     dist.barrier(group=group)
-    sub = os.path.join(tmp, f"tp{eng.tp_rank}") if tp else tmp
+    stage_dir = os.path.join(tmp, f"pp{eng.pp_rank}") if pp else tmp  # each pipeline stage's own layout
+    if pp and eng.rank == 0 and eng.tp_rank == 0:
+        os.makedirs(stage_dir)
+        files.fsync_dir(tmp)
+    dist.barrier(group=group)
+    _save_stage(stage_dir, eng, model, optimizer, extra, group)
+    if leader:
+        if pp:
+            files.fsync_dir(tmp)
+            files.write_json(os.path.join(tmp, files.META), {"format": FORMAT, "pp": eng.pp_size})
+        files.commit(path)
+    dist.barrier(group=group)
+
+
+def _save_stage(directory: str, eng, model, optimizer, extra, group) -> None:
+    """The ZeRO (and TP) layout of ``model``'s params into ``directory``, its meta.json last."""
+    tp = eng.tp_comm is not None
+    sub = os.path.join(directory, f"tp{eng.tp_rank}") if tp else directory
     if tp and eng.rank == 0:
         os.makedirs(sub)
-        files.fsync_dir(tmp)
+        files.fsync_dir(directory)
     dist.barrier(group=group)
     if eng.rank < _saving_ranks(eng):
         _write_shards(sub, eng, model, optimizer, extra)
@@ -80,16 +100,14 @@ def save(path: str, model: torch.nn.Module, optimizer=None, *, extra=None) -> No
         files.fsync_dir(sub)
     if tp:
         dist.barrier(group=group)
-    if leader:
+    if eng.rank == 0 and eng.tp_rank == 0:
         if tp:
             specs = {n: spec.to_json() for n, p in zip(eng.names, eng.params) if (spec := spec_of(p)) is not None}
             top = {"format": FORMAT, "tp": eng.tp_comm.world_size, "specs": specs}
         else:
             top = _meta(eng, model, optimizer)
-        files.fsync_dir(tmp)
-        files.write_json(os.path.join(tmp, files.META), top)
-        files.commit(path)
-    dist.barrier(group=group)
+        files.fsync_dir(directory)
+        files.write_json(os.path.join(directory, files.META), top)
 
 
 def _write_shards(directory: str, eng, model, optimizer, extra) -> None:
@@ -126,105 +144,10 @@ def _meta(eng, model, optimizer) -> dict:
     }
 
 
-class Source:
-    """One saved ZeRO layout (a checkpoint without TP, or one TP part): which rank file holds
-    which piece of which param; rank files are opened (memory-mapped) only when a piece is read."""
-
-    def __init__(self, directory: str):
-        self.dir = directory
-        self.meta = files.read_json(os.path.join(directory, files.META))
-        if self.meta.get("format") != FORMAT:
-            raise ValueError(f"{NAME}: checkpoint format {self.meta.get('format')!r} at {directory!r}; this zerofuse "
-                             f"reads format {FORMAT}")
-        self.shapes = {n: tuple(s) for n, s in zip(self.meta["names"], self.meta["shapes"])}
-        self.pieces: dict[str, list] = {}
-        for r, table in enumerate(self.meta["tables"]):
-            for name, unit, so, length, po in table:
-                self.pieces.setdefault(name, []).append((r, unit, so, length, po))
-        self._blobs: dict[int, dict] = {}
-        self._common = None
-
-    def blob(self, r: int) -> dict:
-        if r not in self._blobs:
-            self._blobs[r] = files.read_tensors(os.path.join(self.dir, f"rank{r}.pt"))
-        return self._blobs[r]
-
-    def _saved(self, r: int, unit: int, key: str) -> torch.Tensor:
-        entry = self.blob(r)["units"][unit]
-        if key == VALUE:
-            key = "master" if "master" in entry else "param"
-        if key not in entry:
-            raise ValueError(f"{NAME}: {self.dir!r} rank{r}.pt holds no {key!r} for unit {unit}")
-        return entry[key]
-
-    def fill(self, dst: torch.Tensor, name: str, param_off: int, key: str) -> None:
-        """dst (1-D) <- elements [param_off, param_off + dst.numel()) of the flattened saved ``key``
-        of param ``name``."""
-        lo, hi = param_off, param_off + dst.numel()
-        covered = 0
-        for r, unit, so, length, po in self.pieces.get(name, ()):
-            a, b = max(lo, po), min(hi, po + length)
-            if a < b:
-                dst[a - lo:b - lo].copy_(self._saved(r, unit, key)[so + a - po:so + b - po])
-                covered += b - a
-        if covered != hi - lo:
-            raise ValueError(f"{NAME}: the checkpoint's shards cover {covered} of {hi - lo} elements of {name!r}")
-
-    def dtype(self, name: str, key: str) -> torch.dtype:
-        r, unit = self.pieces[name][0][:2]
-        return self._saved(r, unit, key).dtype
-
-    def full(self, name: str, key: str) -> torch.Tensor:
-        shape = self.shapes[name]
-        t = torch.empty(shape, dtype=self.dtype(name, key))
-        self.fill(t.view(-1), name, 0, key)
-        return t
-
-    def common(self) -> dict:
-        """{'rest': buffers and frozen params, 'extra': what save was given}"""
-        if self._common is None:
-            self._common = files.read_tensors(os.path.join(self.dir, "common.pt"))
-        return self._common
-
-
-def layout(path: str) -> tuple[str, dict, list[Source] | None]:
-    """(the resolved directory, its top meta, the TP parts' Sources or None without TP)."""
-    root = files.resolve(os.path.abspath(path))
-    top = files.read_json(os.path.join(root, files.META))
-    if top.get("format") != FORMAT:
-        raise ValueError(f"{NAME}: checkpoint format {top.get('format')!r} at {root!r}; this zerofuse reads "
-                         f"format {FORMAT}")
-    if "tp" not in top:
-        return root, top, None
-    return root, top, [Source(os.path.join(root, f"tp{t}")) for t in range(top["tp"])]
-
-
-class Full:
-    """Full (un-TP-sharded) tensors of a checkpoint, one param at a time."""
-
-    def __init__(self, path: str):
-        self.root, top, parts = layout(path)
-        self.parts = parts if parts is not None else [Source(self.root)]
-        self.tp = len(self.parts)
-        self.specs = {n: TPSpec.from_json(d, self.tp, 0) for n, d in top.get("specs", {}).items()}
-        self.meta = self.parts[0].meta
-        self.shapes = {n: tuple(self.specs[n].full_shape) if n in self.specs else s
-                       for n, s in self.parts[0].shapes.items()}
-
-    def get(self, name: str, key: str) -> torch.Tensor:
-        spec = self.specs.get(name)
-        if spec is None:  # not TP-sharded: every TP part holds it whole
-            return self.parts[0].full(name, key)
-        out = torch.empty(spec.full_shape, dtype=self.parts[0].dtype(name, key))
-        for r, part in enumerate(self.parts):  # one TP part alive at a time beside the full tensor
-            spec.place(out, part.full(name, key), r)
-        return out
-
-
-def check_model(saved: dict, names, shapes, who) -> None:
+def check_model(saved: dict, names, shapes, who, subset: bool = False) -> None:
     mine = dict(zip(names, (tuple(s) for s in shapes)))
     missing = [n for n in mine if n not in saved]
-    unexpected = [n for n in saved if n not in mine]
+    unexpected = [] if subset else [n for n in saved if n not in mine]
     wrong = [f"{n}: saved {list(saved[n])}, model {list(mine[n])}" for n in mine if n in saved and saved[n] != mine[n]]
     if missing or unexpected or wrong:
         parts = []
@@ -247,7 +170,8 @@ def check_optimizer(optimizer, opt_meta, eng, who) -> None:
     by_name = {n: i for i, n in enumerate(eng.names)}
     saved_groups = opt_meta["param_groups"]
     if len(saved_groups) != len(optimizer.param_groups) or any(
-            sorted(by_name.get(n, -1) for n in saved["params"]) != sorted(eng.param_index[id(p)] for p in g["params"])
+            sorted(by_name[n] for n in saved["params"] if n in by_name) != sorted(eng.param_index[id(p)]
+                                                                                   for p in g["params"])
             for g, saved in zip(optimizer.param_groups, saved_groups)):
         raise ValueError(f"{who}: the checkpoint's param groups hold different params than the optimizer's")
 
@@ -259,16 +183,17 @@ def load(path: str, model: torch.nn.Module, optimizer=None):
     eng = engine_of(model, who)
     full = Full(path)
     model_tp = eng.tp_comm.world_size if eng.tp_comm is not None else 1
-    same_tp = full.tp == model_tp
+    same_tp = full.tp == model_tp and full.parts is not None  # the fast path: this rank's own TP part
     src = full.parts[eng.tp_rank] if same_tp else None
     shapes = [p.shape if same_tp or (spec := spec_of(p)) is None else spec.full_shape for p in eng.params]
-    check_model(src.shapes if same_tp else full.shapes, eng.names, shapes, who)
+    # a pipeline stage holds some of the saved params (the other stages load the rest)
+    check_model(src.shapes if same_tp else full.shapes, eng.names, shapes, who, subset=eng.pp_comm is not None)
     opt_meta = full.meta["optimizer"]
     check_optimizer(optimizer, opt_meta, eng, who)
-    group = None if eng.tp_comm is not None else eng.comm.group
+    group = None if eng.tp_comm is not None or eng.pp_comm is not None else eng.comm.group
     try:
         _fill_shards(eng, optimizer, opt_meta, full, src)
-        first = full.parts[0].common()
+        first = full.common()
     except (ValueError, OSError) as e:
         agree(group, e, who, eng.units[0].device)
         raise
@@ -350,7 +275,7 @@ def consolidate(path: str) -> dict:
             if opt_meta["kind"] in ("adam", "adamw", "lamb"):
                 st["step"] = torch.tensor(opt_meta["steps"][gi])
             opt_state[i] = st
-    first = full.parts[0].common()
+    first = full.common()
     model.update(first.get("rest", {}))
     for alias, name in meta.get("aliases", {}).items():
         model[alias] = model[name]

@@ -19,11 +19,12 @@ backward runs through the engine directly (no shape check against the freed tens
 autograd saved for backward are kept whole (seen through saved_tensors_hooks).
 
 [Note: zero-bubble split] For "zb" a backward is split into I (input grads) and W (weight grads).
-During forward every module with params of its own records its output and gets its inputs
-through a cut (an identity in forward). I computes the grads of the stage inputs and of those
-outputs (torch.autograd.grad, graph kept); W runs one backward from those outputs with their grads
-into the params while the cuts pass nothing further, so each param gets exactly its own
-contribution, through the engine: AccumulateGrad and ZeRO's hooks fire as in a plain backward.
+During forward every module with params of its own records its outputs. I computes the grads of
+the stage inputs and of those outputs (graph kept); W asks autograd, module by module, for the
+grads of that module's own params from its outputs' saved grads: the engine runs only the edges
+that lead to those params (the weight GEMMs, no input grad again). The grads are added to .grad
+and handed to a ZeRO stage as one backward's (ZeroEngine.grads_ready). A fused loss head, whose
+grads are made in its forward and backward once, gets its weight grads in I.
 
 ZeRO: a stage made data-parallel by zerofuse.zero.parallelize accumulates its grads over the
 micro-batches under no_sync() and reduces them during its last backward (the action before the
@@ -45,18 +46,13 @@ _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.in
 _HEADER = 64  # int64 slots of a boundary header
 
 
-class _Cut(torch.autograd.Function):
-    """Identity; in a W pass ([Note: zero-bubble split]) its backward passes nothing."""
+_current: list = [None]
 
-    weight_pass = False
 
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        return None if _Cut.weight_pass else g
+def current_action():
+    """The schedule action (zerofuse.pipeline.Action: kind F/B/I/W, stage, micro-batch) this
+    process is running now, None outside a pipeline step's compute; for instrumentation."""
+    return _current[0]
 
 
 def _run_backward(tensors, grads, inputs=(), *, keep_graph=False, accumulate=True):
@@ -68,7 +64,12 @@ def _run_backward(tensors, grads, inputs=(), *, keep_graph=False, accumulate=Tru
 
 
 class Pipeline:
-    def __init__(self, stages, *, schedule: str = "1f1b", microbatches: int, group=None, comm: Communicator | None = None):
+    def __init__(self, stages, *, schedule: str = "1f1b", microbatches: int, group=None, comm: Communicator | None = None,
+                 zero_module=None):
+        """stages: this rank's stages (ids rank, rank + p, ...); group: the pipeline group (None:
+        the default group); zero_module: the module zerofuse.zero.parallelize made data-parallel
+        when it is not each stage itself (e.g. ``merge_stages`` of a rank's virtual stages): its
+        grads reduce during the rank's last backward of the step."""
         stages = list(stages)
         if not stages:
             raise ValueError(f"{NAME}: expected at least one stage, got none")
@@ -93,6 +94,11 @@ class Pipeline:
             if a.kind in ("B", "W"):
                 last[a.stage] = i
         self._last_backward = last
+        self._engine = getattr(zero_module, "_zerofuse_zero", None) if zero_module is not None else None
+        if zero_module is not None and self._engine is None:
+            raise ValueError(f"{NAME}: expected zero_module to be made data-parallel by zerofuse.zero.parallelize, got "
+                             f"a plain {type(zero_module).__name__}")
+        self._last_any = max(last.values(), default=-1)
         self._specs: dict = {}  # (stage, micro-batch shape) -> [(shape, dtype)] of its output
         self._split = schedule == "zb"
         self._hooks = []
@@ -106,24 +112,21 @@ class Pipeline:
                     if getattr(mod, "backward_once", False):  # a fused loss: grads made in forward
                         self._once.setdefault(s.index, []).extend(own)
                         continue
-                    self._hooks.append(mod.register_forward_pre_hook(self._cut_inputs))
                     self._hooks.append(mod.register_forward_hook(self._record_output))
         self._recording: list | None = None
         # per step, measured: seconds of compute (F/B/I/W) and of the whole step, live activations
         self.compute_seconds = 0.0
         self.step_seconds = 0.0
+        self.timeline: list[tuple[str, float, float]] = []
         self.peak_live: dict[int, int] = {}
 
     # ------------------------------------------------------------------ zero-bubble hooks
 
-    def _cut_inputs(self, _mod, args):
-        if self._recording is None:
-            return None
-        return tuple(_Cut.apply(a) if isinstance(a, torch.Tensor) and a.requires_grad else a for a in args)
-
-    def _record_output(self, _mod, _args, out):
+    def _record_output(self, mod, _args, out):
         if self._recording is not None:
-            self._recording.extend(t for t in _flat(out) if t.requires_grad)
+            outs = [t for t in _flat(out) if t.requires_grad]
+            if outs:
+                self._recording.append(([p for p in mod.parameters(recurse=False) if p.requires_grad], outs))
 
     # ------------------------------------------------------------------ the step
 
@@ -139,6 +142,7 @@ class Pipeline:
         self._device = idx.device
         self._inputs, self._outputs, self._grads_in, self._ys, self._losses = {}, {}, {}, {}, {}
         self._recv, self._sends = {}, []
+        self.timeline = []  # (action, start, end) in seconds from the step's start: this rank's compute
         live = {s: 0 for s in self.stages}
         self.peak_live = dict(live)
         compute = 0.0
@@ -151,6 +155,7 @@ class Pipeline:
                 self._communicate(pending_comm)
                 pending_comm = []
             t0 = time.perf_counter()
+            _current[0] = a
             if a.kind == "F":
                 self._forward(a, mbs, tgts)
                 live[a.stage] += 1
@@ -160,21 +165,51 @@ class Pipeline:
                     getattr(self, "_backward_" + a.kind)(a)
                 if a.kind != "W":
                     live[a.stage] -= 1
-            compute += time.perf_counter() - t0
+            _current[0] = None
+            t1 = time.perf_counter()
+            compute += t1 - t0
+            self.timeline.append((str(a), t0 - t_step, t1 - t_step))
         if pending_comm:
             self._communicate(pending_comm)
         for w in self._sends:
             w.wait()
         self._sends = []
-        loss = self._mean_loss()
+        # the schedule's time: the loss's broadcast below is reporting, not part of it
         self.compute_seconds, self.step_seconds = compute, time.perf_counter() - t_step
-        return loss
+        return self._mean_loss()
 
     def _sync_ctx(self, stage: int, i: int):
-        eng = getattr(self.stages[stage], "_zerofuse_zero", None)
-        if eng is None or self._last_backward[stage] == i:
+        if self._engine is not None:
+            eng, last = self._engine, self._last_any
+        else:
+            eng, last = getattr(self.stages[stage], "_zerofuse_zero", None), self._last_backward[stage]
+        if eng is None or last == i:
             return contextlib.nullcontext()
         return eng.no_sync()
+
+    @torch.no_grad()
+    def forward_only(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The loss of one batch through every stage (evaluation: no micro-batches, no backward),
+        on every rank."""
+        from zerofuse.pipeline.schedules import Action
+
+        self._mb_shape, self._device = tuple(idx.shape), idx.device
+        self._inputs, self._outputs, self._losses, self._recv, self._sends = {}, {}, {}, {}, []
+        m, self.m = self.m, 1
+        try:
+            for s in sorted(self.stages):
+                if s > 0 and s - 1 not in self.stages:
+                    self._communicate([Action("RECV_F", s, 0, stage_to_rank(s - 1, self.p))])
+                self._forward(Action("F", s, 0), [idx], [targets])
+                if s < self.num_stages - 1 and s + 1 not in self.stages:
+                    self._communicate([Action("SEND_F", s, 0, stage_to_rank(s + 1, self.p))])
+            for w in self._sends:
+                w.wait()
+            self._sends = []
+            return self._mean_loss()
+        finally:
+            self.m = m
+            self._inputs, self._outputs = {}, {}
 
     def _forward(self, a, mbs, tgts):
         stage = self.stages[a.stage]
@@ -184,7 +219,8 @@ class Pipeline:
             inputs = self._recv.pop(("F", a.stage, a.mb))
             inputs = tuple(t.requires_grad_() if t.is_floating_point() else t for t in inputs)
         self._inputs[(a.stage, a.mb)] = inputs
-        if self._split:
+        record = self._split and torch.is_grad_enabled()
+        if record:
             self._recording = []
         saved: set[int] = set()
 
@@ -196,7 +232,7 @@ class Pipeline:
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 out = stage(*inputs, targets=tgts[a.mb] if stage.is_last else None)
         finally:
-            if self._split:
+            if record:
                 self._ys[(a.stage, a.mb)] = self._recording
                 self._recording = None
         if stage.is_last:
@@ -235,27 +271,38 @@ class Pipeline:
         outs, grads = self._output_grads(a)
         inputs = self._inputs[(a.stage, a.mb)]
         float_in = [t for t in inputs if t.is_floating_point() and t.requires_grad]
-        ys = self._ys.get((a.stage, a.mb), [])
-        for t in float_in + ys:
-            t.grad = None
-        # into .grad (non-leaf inputs too): the params of modules that cannot backward twice get
-        # theirs here, through AccumulateGrad and its hooks
-        _run_backward(outs, grads, float_in + ys + self._once.get(a.stage, []), keep_graph=True)
-        self._ys[(a.stage, a.mb)] = [(y, y.grad) for y in ys if y.grad is not None]
-        for y in ys:
-            y.grad = None
-        self._finish_input_grads(a, [t.grad if t.is_floating_point() and t.requires_grad else None for t in inputs])
+        rec = self._ys.get((a.stage, a.mb), [])
+        ys = [y for _, mod_outs in rec for y in mod_outs]
+        once = self._once.get(a.stage, [])
+        got = _run_backward(outs, grads, float_in + ys + once, keep_graph=True, accumulate=False)
+        dx, dys, donce = got[:len(float_in)], got[len(float_in):len(float_in) + len(ys)], got[len(float_in) + len(ys):]
+        it = iter(dys)
+        self._ys[(a.stage, a.mb)] = [(params, [(y, g) for y, g in zip(mod_outs, it) if g is not None])
+                                     for params, mod_outs in rec]
+        self._accumulate(a.stage, once, donce)  # a fused loss head's weight grads: made in its forward
+        it = iter(dx)
+        self._finish_input_grads(a, [next(it) if t.is_floating_point() and t.requires_grad else None for t in inputs])
+
+    def _accumulate(self, stage: int, params, grads) -> None:
+        """Grads computed outside a backward into .grad, handed to a ZeRO stage as one backward's."""
+        done = []
+        for p, g in zip(params, grads):
+            if g is not None:
+                p.grad = g if p.grad is None else p.grad + g
+                done.append(p)
+        eng = self._engine or getattr(self.stages[stage], "_zerofuse_zero", None)
+        if eng is not None and done:
+            eng.grads_ready(done)
 
     def _backward_W(self, a):
-        pairs = self._ys.pop((a.stage, a.mb))
-        params = [p for p in self.stages[a.stage].parameters() if p.requires_grad]
-        if not pairs:
-            return
-        _Cut.weight_pass = True
-        try:
-            _run_backward([y for y, _ in pairs], [g for _, g in pairs], params)
-        finally:
-            _Cut.weight_pass = False
+        """Each module's weight grads from its outputs' grads saved by I, asking autograd for its
+        own params only (so it computes no input grad again)."""
+        params, grads = [], []
+        for mod_params, pairs in self._ys.pop((a.stage, a.mb)):
+            if pairs:
+                params += mod_params
+                grads += _run_backward([y for y, _ in pairs], [g for _, g in pairs], mod_params, accumulate=False)
+        self._accumulate(a.stage, params, grads)
 
     # ------------------------------------------------------------------ transfers
 

@@ -62,6 +62,22 @@ class Stage(torch.nn.Module):
         return f"stage {self.index} of {self.num_stages}: {', '.join(self.parts)}"
 
 
+def merge_stages(stages: Sequence[Stage]) -> Stage:
+    """One module holding every part of ``stages`` (a rank's virtual stages) under the whole
+    model's names: what ZeRO shards and checkpoints see for that rank (pass it to Pipeline as
+    zero_module). It is not run itself."""
+    parts = [(n, m) for s in stages for n, m in zip(s.parts, _part_modules(s))]
+
+    def run(*_a, **_k):
+        raise RuntimeError(f"{NAME}: a merged stage holds params; run its stages through zerofuse.pipeline.Pipeline")
+
+    return Stage(parts, run, -1, stages[0].num_stages)
+
+
+def _part_modules(stage: Stage) -> list[torch.nn.Module]:
+    return [stage.get_submodule(n) for n in stage.parts]
+
+
 def parse_layout(layout: str | Sequence, n_layer: int) -> list[tuple[bool, int, bool]]:
     """"E,4,4,4,L" or ["E4", 4, "4L"] -> per stage (has embedding, block count, has loss head).
     Without E / L the first stage takes the embedding and the last the head."""
@@ -128,6 +144,8 @@ def _materialize(model, modules: list[torch.nn.Module], device, init: Callable |
     place: the Parameter objects, and whatever refers to them, stay the same); real ones are moved
     to ``device`` if given."""
     device = torch.device("cpu") if device is None else torch.device(device)
+    if device.type == "meta":  # left for zerofuse.zero.parallelize to materialize shard by shard
+        return
     for module in modules:
         if not any(t.is_meta for t in list(module.parameters()) + list(module.buffers())):
             module.to(device)
@@ -185,6 +203,10 @@ def split_gpt(model, num_stages: int, stage_ids: Sequence[int], *, layout=None, 
     cfg = model.config
     if not isinstance(num_stages, int) or num_stages < 1:
         raise ValueError(f"{NAME}: expected the number of stages to be an int >= 1, got {num_stages!r}")
+    if cfg.tie_embeddings and num_stages > 1:
+        raise ValueError(f"{NAME}: a GPT with tied embeddings (tie_embeddings=True, e.g. the gpt2-* presets) cannot "
+                         f"be split into {num_stages} stages yet: the embedding and the output layer would live on "
+                         "different ranks; untie them (GPTConfig(tie_embeddings=False)) to pipeline it")
     if layout is None:
         per_block = sum(p.numel() for p in model.blocks[0].parameters())
         first = sum(p.numel() for m in (model.wte, model.wpe) if m is not None for p in m.parameters())

@@ -32,7 +32,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog=PROG, description="Train a GPT with zerofuse (ZeRO 0-3, tensor/sequence parallel).")
+    p = _Parser(prog=PROG, description="Train a GPT with zerofuse (ZeRO 0-3, tensor/sequence and pipeline parallel).")
     g = p.add_argument_group("parallelism")
     g.add_argument("--nproc", type=int, help="local ranks to launch (default: 2 on CPU, the GPU count on CUDA); "
                                              "under torchrun/SLURM the launcher's world size")
@@ -40,6 +40,14 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
     g.add_argument("--sequence-parallel", action="store_true", help="shard activations along the sequence (tp > 1)")
     g.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=2, help="ZeRO stage (default 2)")
+    g.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (default 1)")
+    g.add_argument("--pp-schedule", choices=("gpipe", "1f1b", "interleaved", "zb"), default="1f1b",
+                   help="pipeline schedule (default 1f1b; zb: zero-bubble ZB-H1)")
+    g.add_argument("--microbatches", type=int,
+                   help="micro-batches per step with --pp > 1 (default 2 x pp); global batch = dp x M x --batch")
+    g.add_argument("--virtual-stages", type=int, default=1,
+                   help="stages per pipeline rank for --pp-schedule interleaved (default 1)")
+    g.add_argument("--pp-layout", help="blocks per stage, e.g. 'E,4,4,4,L' (default: balanced by parameters)")
     g.add_argument("--precision", choices=("fp32", "bf16", "fp16"), help="default: fp32 on CPU, bf16 on CUDA")
     g.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when available")
     g.add_argument("--compile", action="store_true", help="torch.compile each transformer block's forward")
@@ -115,12 +123,15 @@ def validate(args) -> None:
         _check(args.nproc in (None, world), f"--nproc: the launcher started {world} ranks, got --nproc {args.nproc}")
     args.world = world
     _check(args.tp >= 1, f"--tp: expected >= 1, got {args.tp}")
-    _check(args.dp is not None or world % args.tp == 0,
-           f"--tp: expected a divisor of the number of ranks {world} (--nproc), got {args.tp}")
-    args.dp = args.dp if args.dp is not None else max(1, world // args.tp)
+    _check(args.pp >= 1, f"--pp: expected >= 1, got {args.pp}")
+    _check(args.dp is not None or world % (args.tp * args.pp) == 0,
+           f"--tp/--pp: expected tp × pp ({args.tp} × {args.pp}) to divide the number of ranks {world} (--nproc)")
+    args.dp = args.dp if args.dp is not None else max(1, world // (args.tp * args.pp))
     _check(args.dp >= 1, f"--dp: expected >= 1, got {args.dp}")
-    _check(args.dp * args.tp == world, f"--nproc: expected dp × tp = {args.dp} × {args.tp} = {args.dp * args.tp} "
-                                       f"ranks, got {world}")
+    _check(args.pp * args.dp * args.tp == world,
+           f"--nproc: expected pp × dp × tp = {args.pp} × {args.dp} × {args.tp} = {args.pp * args.dp * args.tp} "
+           f"ranks, got {world}")
+    _validate_pipeline(args)
     for flag in ("batch", "grad_accum", "steps", "eval_batches"):
         _check(getattr(args, flag) >= 1, f"--{flag.replace('_', '-')}: expected >= 1, got {getattr(args, flag)}")
     for flag in ("warmup", "ckpt_every", "eval_every", "sample_tokens", "clip"):
@@ -142,6 +153,32 @@ def validate(args) -> None:
                "--export: expected the safetensors package to be installed (pip install safetensors), found none")
     _check(not args.resume or any((Path(f"{ckpt}{s}") / "meta.json").is_file() for s in ("", ".tmp", ".old")),
            f"--resume: expected a complete checkpoint at {ckpt}, found none")
+
+
+def _validate_pipeline(args) -> None:
+    """--pp and its flags: the micro-batches replace --grad-accum; the schedule's own rules."""
+    from zerofuse.pipeline.schedules import build_schedule
+    v = args.virtual_stages
+    _check(v >= 1, f"--virtual-stages: expected >= 1, got {v}")
+    _check(v == 1 or args.pp_schedule == "interleaved",
+           f"--virtual-stages: expected 1 with --pp-schedule {args.pp_schedule} (only interleaved runs several), got {v}")
+    if args.pp == 1:
+        _check(args.microbatches is None and v == 1 and args.pp_layout is None,
+               "--microbatches/--virtual-stages/--pp-layout: expected --pp > 1, got --pp 1 (use --grad-accum)")
+        return
+    _check(args.grad_accum == 1, f"--grad-accum: expected 1 with --pp {args.pp} (--microbatches takes its place), "
+                                 f"got {args.grad_accum}")
+    _check(args.precision != "fp16", "--precision fp16: expected bf16 or fp32 with --pp > 1 (the pipeline's "
+                                     "backward applies no loss scale)")
+    args.microbatches = args.microbatches if args.microbatches is not None else 2 * args.pp
+    _check(args.microbatches >= 1, f"--microbatches: expected >= 1, got {args.microbatches}")
+    _check(v == 1 or args.zero_stage != 3, f"--virtual-stages {v}: expected --zero-stage 0, 1 or 2 (ZeRO-3 shards "
+                                           "each stage on its own: one stage per rank)")
+    try:
+        build_schedule(args.pp_schedule, args.pp, args.microbatches, v)
+    except ValueError as e:
+        raise UsageError(f"--microbatches: {e}") from None
+    args.grad_accum = args.microbatches  # the data: M micro-batches of --batch sequences per DP rank and step
 
 
 def _validate_out(out: Path) -> None:
@@ -186,6 +223,21 @@ def _validate_model(args) -> None:
     _check(not args.sequence_parallel or tp > 1, f"--sequence-parallel: expected --tp > 1, got --tp {tp}")
     _check(not args.sequence_parallel or shape["seq_len"] % tp == 0,
            f"--seq-len: expected a multiple of --tp ({tp}) with --sequence-parallel, got {shape['seq_len']}")
+    if args.pp > 1:
+        stages, layers = args.pp * args.virtual_stages, shape["n_layer"]
+        _check(not shape.get("tie_embeddings"), f"--pp: the {name} model ties its embedding and output layer, which "
+                                               f"cannot be split over pipeline stages yet; got --pp {args.pp}")
+        if args.pp_layout is None:
+            _check(stages <= layers + 2, f"--pp: expected at most {layers + 2} stages for {layers} layers (--layers), "
+                                         f"got pp × virtual stages = {stages}")
+        else:
+            from zerofuse.pipeline.stage import parse_layout
+            try:
+                plan = parse_layout(args.pp_layout, layers)
+            except ValueError as e:
+                raise UsageError(f"--pp-layout: {e}") from None
+            _check(len(plan) == stages, f"--pp-layout: expected {stages} stages (pp × virtual stages), got "
+                                        f"{len(plan)} in {args.pp_layout!r}")
     args.model_name, args.model_shape = name, shape
 
 

@@ -54,22 +54,29 @@ class Trainer:
         self.stop = _StopFlag()
         self.device = _init_distributed(args, self.env)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.mesh = init_mesh(dp=args.dp, tp=args.tp)
+        self.mesh = init_mesh(dp=args.dp, tp=args.tp, pp=args.pp)
         self.corpus = Corpus.load(args.data, args.tokenizer, args.val_data)
         # a character vocabulary is not padded for tp (the vocab-parallel layers split an uneven one),
         # so the model and its checkpoints are the same at every tp; GPT-2's is padded to 50304
         self.cfg = config(args.model_name, **{**args.model_shape, "vocab_size": self.corpus.model_vocab})
         kw = {"tp_group": self.mesh.tp_group, "sequence_parallel": args.sequence_parallel} if args.tp > 1 else {}
-        if args.zero_stage == 3:  # built on meta, materialized shard by shard: never whole on a rank
+        self.pp = None
+        if args.zero_stage == 3 or args.pp > 1:  # built on meta: never whole on a rank
             with torch.device("meta"):
                 model = GPT(self.cfg, seed=args.seed, **kw)
         else:
             model = GPT(self.cfg, seed=args.seed, **kw).to(self.device)
         self.n_params = model.num_params()  # unsharded
-        self.model = zero.parallelize(model, stage=args.zero_stage, group=self.mesh.dp_group,
-                                      precision=args.precision, device=self.device)
+        if args.pp > 1:  # this rank's stages only, ZeRO over the stage's DP group (train/pipeline.py)
+            from .pipeline import PipelineJob
+            self.pp = PipelineJob(self, model)
+            self.model = self.pp.module
+        else:
+            self.model = zero.parallelize(model, stage=args.zero_stage, group=self.mesh.dp_group,
+                                          precision=args.precision, device=self.device)
         if args.compile:
-            for block in self.model.blocks:
+            blocks = self.model.blocks
+            for block in (blocks.values() if isinstance(blocks, torch.nn.ModuleDict) else blocks):
                 block.forward = torch.compile(block.forward)
         self.opt = zero.Optimizer(self.model, args.optimizer, param_groups=self._param_groups(),
                                   max_grad_norm=args.clip or None, **self._hyper())
@@ -119,6 +126,8 @@ class Trainer:
     # ------------------------------------------------------------------ steps
 
     def _forward(self, x, y):
+        if self.pp is not None:
+            return self.pp.eval_loss(x, y)
         return self.model(x, y)[1]
 
     def _batch(self, step: int):
@@ -138,13 +147,16 @@ class Trainer:
         cpu = self.device.type == "cpu"
         t0, w0 = time.perf_counter(), comm.wait_seconds()
         xs, ys = self._batch(self.step)
-        total = None
-        for i in range(args.grad_accum):
-            sync = i == args.grad_accum - 1
-            with contextlib.nullcontext() if sync else self.model.no_sync():
-                loss = self._forward(xs[i], ys[i])
-                opt.scale_loss(loss / args.grad_accum).backward()
-            total = loss.detach() if total is None else total + loss.detach()
+        if self.pp is not None:  # the schedule runs the micro-batches' forwards and backwards
+            total = self.pp.step(xs, ys, opt) * args.grad_accum
+        else:
+            total = None
+            for i in range(args.grad_accum):
+                sync = i == args.grad_accum - 1
+                with contextlib.nullcontext() if sync else self.model.no_sync():
+                    loss = self._forward(xs[i], ys[i])
+                    opt.scale_loss(loss / args.grad_accum).backward()
+                total = loss.detach() if total is None else total + loss.detach()
         lr = opt.param_groups[0]["lr"]
         opt.step()
         if self.memory is None:  # sizes and allocator counters only: no sync
@@ -237,9 +249,11 @@ class Trainer:
                           config={"model_type": "zerofuse-gpt", **dataclasses.asdict(self.cfg)})
             if self.memory is None:  # resumed at the end: nothing trained
                 self.memory = self._memory()
-            text = self.sample() if args.sample_tokens and not self.stopped else None
+            # sampling runs the whole model on every rank: not with the model split into stages
+            text = self.sample() if args.sample_tokens and not self.stopped and self.pp is None else None
             memory = [None] * self.world
             dist.all_gather_object(memory, self.memory)
+            self.pipeline_report = self.pp.report(self.world) if self.pp is not None else None
             if self.log:
                 self.log.finish(memory, text, train_s, (val, val_step), self.stopped)
         finally:

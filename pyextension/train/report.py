@@ -57,7 +57,8 @@ class RankZeroLog:
         t, a = self.t, self.args
         self.initial_val = val
         sp = ", sequence parallel" if a.sequence_parallel else ""
-        self.write(f"{PROG}: {_plural(t.world, 'rank')} (dp {a.dp} × tp {a.tp}{sp}), "
+        pp = f"pp {a.pp} ({a.pp_schedule}, {a.microbatches} micro-batches) × " if a.pp > 1 else ""
+        self.write(f"{PROG}: {_plural(t.world, 'rank')} ({pp}dp {a.dp} × tp {a.tp}{sp}), "
                    f"ZeRO-{a.zero_stage}, {a.precision}, {a.optimizer}, {t.device.type}; model {a.model_name} "
                    f"{t.n_params / 1e6:.2f}M params ({t.cfg.n_layer} layers, {t.cfg.n_head} heads, "
                    f"{t.cfg.n_kv_head} kv heads, dim {t.cfg.dim}, seq {t.cfg.seq_len}, vocab {t.cfg.vocab_size}, "
@@ -111,7 +112,7 @@ class RankZeroLog:
         tokens = a.dp * a.batch * a.grad_accum * t.cfg.seq_len
         tok_s = tokens / step_time if step_time else None
         return {
-            "world_size": t.world, "dp": a.dp, "tp": a.tp, "sequence_parallel": a.sequence_parallel,
+            "world_size": t.world, "pp": a.pp, "dp": a.dp, "tp": a.tp, "sequence_parallel": a.sequence_parallel,
             "zero_stage": a.zero_stage, "precision": a.precision, "optimizer": a.optimizer, "device": t.device.type,
             "device_name": torch.cuda.get_device_name(t.device) if t.device.type == "cuda" else "cpu",
             "model": {"preset": a.model_name, "params": t.n_params, **dataclasses.asdict(t.cfg)},
@@ -125,6 +126,7 @@ class RankZeroLog:
             "initial_val_loss": self.initial_val if t.start_step == 0 else None,
             "final_train_loss": runs[-1]["loss"] if runs else None,
             "final_val_loss": final_val[0], "final_val_step": final_val[1],
+            "pipeline": getattr(t, "pipeline_report", None),
         }
 
     def close(self) -> None:
@@ -185,7 +187,8 @@ def _table(s: dict) -> str:
 
     gpu_comm = "n/a on CUDA (Work.wait only orders streams; profile for exposed communication)"
     rows = [
-        ("layout", f"{_plural(s['world_size'], 'rank')} = dp {s['dp']} × tp {s['tp']}, ZeRO-{s['zero_stage']}, "
+        ("layout", f"{_plural(s['world_size'], 'rank')} = {'pp %d × ' % s['pipeline']['pp'] if s['pipeline'] else ''}"
+                   f"dp {s['dp']} × tp {s['tp']}, ZeRO-{s['zero_stage']}, "
                    f"{s['precision']}, {s['optimizer']}, {s['device_name']}"),
         ("model", f"{s['model']['params'] / 1e6:.2f}M params"),
         ("steps", f"{s['steps_done'] - s['start_step']} this run (to step {s['steps_done']} of {s['steps']}), "
@@ -204,6 +207,11 @@ def _table(s: dict) -> str:
         rows.append((f"memory rank {r}", f"params {_fmt_bytes(m['params'])}, grads {_fmt_bytes(m['grads'])}, "
                                          f"optimizer {_fmt_bytes(m['optimizer'])}, max RSS "
                                          f"{_fmt_bytes(m['max_rss'])}{extra}"))
+    if (pl := s["pipeline"]) is not None:
+        measured = ", ".join(num(x, ".3f") for x in pl["bubble_measured_per_rank"])
+        rows.append(("pipeline", f"{pl['schedule']}, {pl['microbatches']} micro-batches"
+                                 f"{', %d virtual stages' % pl['virtual_stages'] if pl['virtual_stages'] > 1 else ''}; "
+                                 f"bubble (idle fraction) per rank {measured}, formula {pl['bubble_formula']:.3f}"))
     rows.append(("loss", f"train {num(s['final_train_loss'], '.4f')}, val {s['final_val_loss']:.4f} at step "
                          f"{s['final_val_step']}" + (f" (initial val {s['initial_val_loss']:.4f})"
                                                      if s["initial_val_loss"] is not None else "")))

@@ -43,7 +43,8 @@ ALIGN = 128
 
 class ZeroEngine:
     def __init__(self, model, *, stage, group, precision, reduce_dtype, bucket_mb, overlap, prefetch, wrap,
-                 reshard_after_forward=True, tp_group=None, max_inflight=2, device=None, param_init_fn=None):
+                 reshard_after_forward=True, tp_group=None, max_inflight=2, device=None, param_init_fn=None,
+                 pp_group=None):
         name = "zerofuse.zero.parallelize"
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"{name}: expected stage 0, 1, 2 or 3, got {stage!r}")
@@ -110,6 +111,11 @@ class ZeroEngine:
         self.tp_comm = Communicator(tp_group) if tp_group is not None and dist.get_world_size(tp_group) > 1 else None
         self.tp_rank = self.tp_comm.rank if self.tp_comm is not None else 0
         self.tp_sharded = [getattr(p, "_zf_tp", None) is not None for p in self.params]
+        # pipeline parallelism: this model is one stage; the others hold the rest of the params
+        # (grad norms add up over the PP group, checkpoints are written per stage)
+        self.pp_comm = Communicator(pp_group) if pp_group is not None and dist.get_world_size(pp_group) > 1 else None
+        self.pp_rank = self.pp_comm.rank if self.pp_comm is not None else 0
+        self.pp_size = self.pp_comm.world_size if self.pp_comm is not None else 1
 
         self.units: list[Bucket] = []
         self.wrap_units: dict[int, Bucket] = {}  # id(module) -> unit
@@ -207,6 +213,19 @@ class ZeroEngine:
             u.launched = False
             if self.stage == 3:
                 u.free()
+
+    def grads_ready(self, params) -> None:
+        """Grads set on ``params``' .grad outside autograd's engine (zerofuse.pipeline's weight-grad
+        pass) taken as one backward's: into the units, reduced as after a backward (inside
+        no_sync: accumulated)."""
+        if not self._final_queued:
+            self._final_queued = True  # ended below, not by an autograd callback
+            for p in params:
+                self._grad_ready(p)
+            self._end_of_backward()
+            return
+        for p in params:  # inside a backward already: its callback ends it
+            self._grad_ready(p)
 
     def finish_grad_sync(self) -> None:
         self.buckets.finish_grad_sync()
@@ -368,13 +387,15 @@ def _tensors(out):
 def parallelize(model: torch.nn.Module, *, stage: int, group=None, precision: str = "fp32",
                 reduce_dtype: torch.dtype | None = None, bucket_mb: float = 25.0, overlap: bool = True,
                 prefetch: int = 1, wrap=None, reshard_after_forward: bool = True,
-                tp_group=None, max_inflight: int = 2, device=None, param_init_fn=None) -> torch.nn.Module:
+                tp_group=None, max_inflight: int = 2, device=None, param_init_fn=None,
+                pp_group=None) -> torch.nn.Module:
     """Make ``model`` ZeRO data-parallel over ``group`` (None: the default group), in place, and
     return it. stage 0 is plain data parallelism (grads all-reduced in buckets during backward,
     every rank keeps and steps everything); 1/2/3 shard optimizer states / + grads / + params.
     tp_group (default: ``model.tp_group``, set by tensor-parallel zerofuse models): the
     tensor-parallel group, so that grad norms (clipping, LAMB/LARS trust ratios, fp16 overflow)
-    cover the whole model. precision: the dtype params and grads are kept in (fp32 masters live
+    cover the whole model; pp_group: the pipeline-parallel group when ``model`` is one pipeline
+    stage (zerofuse.pipeline), for the same reason and for per-stage checkpoints. precision: the dtype params and grads are kept in (fp32 masters live
     in the optimizer); reduce_dtype: the dtype grads are accumulated and reduced in (default fp32;
     bf16/fp16 put half the bytes on the wire and are summed in fp32 after an all-to-all, rounding
     once); averages are pre-divided by the world size before the reduction. max_inflight: gradient
@@ -394,7 +415,7 @@ def parallelize(model: torch.nn.Module, *, stage: int, group=None, precision: st
     engine = ZeroEngine(model, stage=stage, group=group, precision=precision, reduce_dtype=reduce_dtype,
                         bucket_mb=bucket_mb, overlap=overlap, prefetch=prefetch, wrap=wrap,
                         reshard_after_forward=reshard_after_forward, tp_group=tp_group,
-                        max_inflight=max_inflight, device=device, param_init_fn=param_init_fn)
+                        max_inflight=max_inflight, device=device, param_init_fn=param_init_fn, pp_group=pp_group)
     model._zerofuse_zero = engine
     model.no_sync = engine.no_sync
     return model

@@ -41,6 +41,9 @@ class GradNorms:
             sums = self._global_sumsq(sums)
             sq = (sums[1] + (sums[0] if eng.tp_rank == 0 else 0.0)).reshape(1)
             eng.tp_comm.all_reduce_coalesced([sq], op="sum").wait()
+        if eng.pp_comm is not None:  # pipeline stages hold disjoint params
+            sq = sq.reshape(1).clone()
+            eng.pp_comm.all_reduce_coalesced([sq], op="sum").wait()
         return sq.sqrt() / self.scale
 
     @torch.no_grad()

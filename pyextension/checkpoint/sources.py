@@ -1,0 +1,163 @@
+"""The read side of zerofuse's checkpoint format (native.py): a saved ZeRO layout (Source), a
+checkpoint's full tensors one param at a time across TP parts (Full) and across pipeline stages
+(each stage saved its own params into ``pp{s}/``, with its own ZeRO/TP layout inside)."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from zerofuse.checkpoint import files
+from zerofuse.tp.spec import TPSpec
+
+NAME = files.NAME
+FORMAT = 2
+VALUE = "value"  # the param's value: the fp32 master where saved, else the param shard
+
+
+class Source:
+    """One saved ZeRO layout (a checkpoint without TP, or one TP part): which rank file holds
+    which piece of which param; rank files are opened (memory-mapped) only when a piece is read."""
+
+    def __init__(self, directory: str):
+        self.dir = directory
+        self.meta = files.read_json(os.path.join(directory, files.META))
+        if self.meta.get("format") != FORMAT:
+            raise ValueError(f"{NAME}: checkpoint format {self.meta.get('format')!r} at {directory!r}; this zerofuse "
+                             f"reads format {FORMAT}")
+        self.shapes = {n: tuple(s) for n, s in zip(self.meta["names"], self.meta["shapes"])}
+        self.pieces: dict[str, list] = {}
+        for r, table in enumerate(self.meta["tables"]):
+            for name, unit, so, length, po in table:
+                self.pieces.setdefault(name, []).append((r, unit, so, length, po))
+        self._blobs: dict[int, dict] = {}
+        self._common = None
+
+    def blob(self, r: int) -> dict:
+        if r not in self._blobs:
+            self._blobs[r] = files.read_tensors(os.path.join(self.dir, f"rank{r}.pt"))
+        return self._blobs[r]
+
+    def _saved(self, r: int, unit: int, key: str) -> torch.Tensor:
+        entry = self.blob(r)["units"][unit]
+        if key == VALUE:
+            key = "master" if "master" in entry else "param"
+        if key not in entry:
+            raise ValueError(f"{NAME}: {self.dir!r} rank{r}.pt holds no {key!r} for unit {unit}")
+        return entry[key]
+
+    def fill(self, dst: torch.Tensor, name: str, param_off: int, key: str) -> None:
+        """dst (1-D) <- elements [param_off, param_off + dst.numel()) of the flattened saved ``key``
+        of param ``name``."""
+        lo, hi = param_off, param_off + dst.numel()
+        covered = 0
+        for r, unit, so, length, po in self.pieces.get(name, ()):
+            a, b = max(lo, po), min(hi, po + length)
+            if a < b:
+                dst[a - lo:b - lo].copy_(self._saved(r, unit, key)[so + a - po:so + b - po])
+                covered += b - a
+        if covered != hi - lo:
+            raise ValueError(f"{NAME}: the checkpoint's shards cover {covered} of {hi - lo} elements of {name!r}")
+
+    def dtype(self, name: str, key: str) -> torch.dtype:
+        r, unit = self.pieces[name][0][:2]
+        return self._saved(r, unit, key).dtype
+
+    def full(self, name: str, key: str) -> torch.Tensor:
+        shape = self.shapes[name]
+        t = torch.empty(shape, dtype=self.dtype(name, key))
+        self.fill(t.view(-1), name, 0, key)
+        return t
+
+    def common(self) -> dict:
+        """{'rest': buffers and frozen params, 'extra': what save was given}"""
+        if self._common is None:
+            self._common = files.read_tensors(os.path.join(self.dir, "common.pt"))
+        return self._common
+
+
+def layout(path: str) -> tuple[str, dict, list[Source] | None]:
+    """(the resolved directory, its top meta, the TP parts' Sources or None without TP)."""
+    root = files.resolve(os.path.abspath(path))
+    top = files.read_json(os.path.join(root, files.META))
+    if top.get("format") != FORMAT:
+        raise ValueError(f"{NAME}: checkpoint format {top.get('format')!r} at {root!r}; this zerofuse reads "
+                         f"format {FORMAT}")
+    if "tp" not in top:
+        return root, top, None
+    return root, top, [Source(os.path.join(root, f"tp{t}")) for t in range(top["tp"])]
+
+
+class _StageFull:
+    """Full (un-TP-sharded) tensors of one saved layout (a whole checkpoint, or a pipeline stage's)."""
+
+    def __init__(self, path: str):
+        self.root, top, parts = layout(path)
+        self.parts = parts if parts is not None else [Source(self.root)]
+        self.tp = len(self.parts)
+        self.specs = {n: TPSpec.from_json(d, self.tp, 0) for n, d in top.get("specs", {}).items()}
+        self.meta = self.parts[0].meta
+        self.shapes = {n: tuple(self.specs[n].full_shape) if n in self.specs else s
+                       for n, s in self.parts[0].shapes.items()}
+
+    def get(self, name: str, key: str) -> torch.Tensor:
+        spec = self.specs.get(name)
+        if spec is None:  # not TP-sharded: every TP part holds it whole
+            return self.parts[0].full(name, key)
+        out = torch.empty(spec.full_shape, dtype=self.parts[0].dtype(name, key))
+        for r, part in enumerate(self.parts):  # one TP part alive at a time beside the full tensor
+            spec.place(out, part.full(name, key), r)
+        return out
+
+
+class Full:
+    """Full (un-TP-sharded) tensors of a checkpoint, one param at a time, whatever the pipeline
+    layout it was saved at: ``stages`` one _StageFull per saved pipeline stage; ``parts`` (the TP
+    parts' Sources) only for a checkpoint saved without pipeline stages."""
+
+    def __init__(self, path: str):
+        root = files.resolve(os.path.abspath(path))
+        top = files.read_json(os.path.join(root, files.META))
+        if top.get("format") != FORMAT:
+            raise ValueError(f"{NAME}: checkpoint format {top.get('format')!r} at {root!r}; this zerofuse reads "
+                             f"format {FORMAT}")
+        self.pp = top.get("pp", 1)
+        self.stages = [_StageFull(os.path.join(root, f"pp{k}")) for k in range(self.pp)] if "pp" in top \
+            else [_StageFull(root)]
+        first = self.stages[0]
+        self.parts = first.parts if self.pp == 1 else None
+        self.tp = first.tp
+        self.specs = {n: sp for st in self.stages for n, sp in st.specs.items()}
+        self.shapes = {n: sh for st in self.stages for n, sh in st.shapes.items()}
+        self._where = {n: st for st in self.stages for n in st.shapes}
+        self.meta = _merged_meta([st.meta for st in self.stages])
+
+    def get(self, name: str, key: str) -> torch.Tensor:
+        return self._where[name].get(name, key)
+
+    def common(self) -> dict:
+        """The first stage's extra, and every stage's buffers and frozen params."""
+        out = dict(self.stages[0].parts[0].common())
+        if self.pp > 1:
+            out["rest"] = {n: t for st in self.stages for n, t in st.parts[0].common().get("rest", {}).items()}
+        return out
+
+
+def _merged_meta(metas: list[dict]) -> dict:
+    """One meta over the pipeline stages' metas: their names in stage order, the optimizer's param
+    groups with every stage's params (the groups' options and step counts are the same on all)."""
+    if len(metas) == 1:
+        return metas[0]
+    out = dict(metas[0])
+    out["names"] = [n for m in metas for n in m["names"]]
+    out["shapes"] = [s for m in metas for s in m["shapes"]]
+    out["aliases"] = {a: n for m in metas for a, n in m.get("aliases", {}).items()}
+    opts = [m["optimizer"] for m in metas]
+    if opts[0] is not None:
+        groups = [dict(g) for g in opts[0]["param_groups"]]
+        for opt in opts[1:]:
+            for g, other in zip(groups, opt["param_groups"]):
+                g["params"] = g["params"] + other["params"]
+        out["optimizer"] = {**opts[0], "param_groups": groups}
+    return out
+

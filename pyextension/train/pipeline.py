@@ -1,0 +1,56 @@
+"""The training job's pipeline parallelism (--pp > 1): this rank's stages of the GPT, ZeRO over
+the stage's data-parallel group, the schedule's runtime, and the bubble the ranks measured."""
+from __future__ import annotations
+
+import torch
+
+
+class PipelineJob:
+    """Built by the Trainer when --pp > 1: ``module`` is what ZeRO, the optimizer and the
+    checkpoints see (this rank's params under the whole model's names); ``pipe`` runs the steps."""
+
+    def __init__(self, trainer, model):
+        from zerofuse import zero
+        from zerofuse.pipeline import Pipeline, merge_stages, split_gpt
+
+        args, mesh = trainer.args, trainer.mesh
+        p, v = args.pp, args.virtual_stages
+        ids = [mesh.pp_rank + k * p for k in range(v)]
+        device = None if args.zero_stage == 3 else trainer.device  # ZeRO-3 materializes its shards itself
+        self.stages = split_gpt(model, p * v, ids, layout=args.pp_layout, device=device or "meta")
+        self.module = self.stages[0] if v == 1 else merge_stages(self.stages)
+        zero.parallelize(self.module, stage=args.zero_stage, group=mesh.dp_group, precision=args.precision,
+                         device=trainer.device, pp_group=mesh.pp_group,
+                         param_init_fn=model.param_init_fn)
+        self.pipe = Pipeline(self.stages, schedule=args.pp_schedule, microbatches=args.microbatches,
+                             group=mesh.pp_group, zero_module=None if v == 1 else self.module)
+        self.idle: list[float] = []  # per step: 1 - compute / step time on this rank
+        self.scale = 1.0
+
+    def step(self, xs: torch.Tensor, ys: torch.Tensor, opt) -> torch.Tensor:
+        """Forward + backward of the M micro-batches xs (M, batch, seq); returns the mean loss."""
+        loss = self.pipe.step(xs.reshape(-1, xs.shape[-1]), ys.reshape(-1, ys.shape[-1]))
+        self.idle.append(1.0 - self.pipe.compute_seconds / max(self.pipe.step_seconds, 1e-9))
+        return loss
+
+    def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.pipe.forward_only(x, y)
+
+    def report(self, world: int) -> dict:
+        """Gathered on every rank (collective): each rank's measured idle fraction (mean over the
+        steps after the first) beside the schedule's formula."""
+        import torch.distributed as dist
+        from zerofuse.pipeline import bubble_fraction, build_schedule, simulate
+
+        args = self.pipe
+        steady = self.idle[1:] or self.idle
+        mine = sum(steady) / len(steady) if steady else None
+        every = [None] * world
+        dist.all_gather_object(every, mine)
+        try:
+            formula = bubble_fraction(args.schedule, args.p, args.m, args.v)
+        except ValueError:  # zero-bubble: no closed form, the simulator's (F = I = W = 1)
+            sim = simulate(build_schedule(args.schedule, args.p, args.m, args.v), args.p, costs=dict(F=1, I=1, W=1))
+            formula = max(sim.idle_fraction)
+        return {"pp": args.p, "schedule": args.schedule, "microbatches": args.m, "virtual_stages": args.v,
+                "bubble_formula": formula, "bubble_measured_per_rank": every}

@@ -1,0 +1,96 @@
+"""zerofuse-train --pp: the training job pipeline-parallel end to end (subprocesses, C++ CPU
+kernels, tiny dims): the same losses as the unsplit job with as many accumulated micro-batches,
+the summary's measured bubble beside the formula, checkpoints saved at pp 2 resumed at pp 1 and
+pp 4 with the losses of the run that never stopped, consolidated into the unsplit model, bad flags."""
+import math
+import shutil
+import signal
+
+import pytest
+import torch
+
+import zerofuse.checkpoint
+from test_train import _ok, metrics, run
+
+PP = ["--layers", "4", "--steps", "6", "--ckpt-every", "3", "--eval-every", "3", "--sample-tokens", "0"]
+
+
+@pytest.fixture(scope="module")
+def unsplit(tmp_path_factory):
+    """One process, 4 accumulated micro-batches: what the pipeline runs must equal."""
+    out = tmp_path_factory.mktemp("unsplit")
+    _ok(run("--nproc", 1, "--grad-accum", 4, *PP, "--out", out))
+    return metrics(out)
+
+
+@pytest.fixture(scope="module")
+def stopped(tmp_path_factory):
+    out = tmp_path_factory.mktemp("pp2-stopped")
+    _ok(run("--nproc", 2, "--pp", 2, "--microbatches", 4, *PP, "--stop-after", 3, "--out", out),
+        128 + signal.SIGTERM)
+    return out
+
+
+def _losses(rows):
+    return {r["step"]: r["loss"] for r in rows}
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb"])
+def test_pp2_job_matches_the_unsplit_job(unsplit, schedule, tmp_path):
+    p = run("--nproc", 2, "--pp", 2, "--pp-schedule", schedule, "--microbatches", 4, *PP, "--out", tmp_path)
+    _ok(p)
+    got, want = _losses(metrics(tmp_path)), _losses(unsplit)
+    assert got.keys() == want.keys()
+    for step in want:
+        assert got[step] == pytest.approx(want[step], rel=1e-5), step
+    summary = __import__("json").loads((tmp_path / "summary.json").read_text())
+    pl = summary["pipeline"]
+    assert pl["pp"] == 2 and pl["schedule"] == schedule and pl["microbatches"] == 4
+    assert len(pl["bubble_measured_per_rank"]) == 2 and all(0 <= b < 1 for b in pl["bubble_measured_per_rank"])
+    assert pl["bubble_formula"] == pytest.approx(0.2 if schedule == "1f1b" else 1 / 13)
+    assert "bubble (idle fraction) per rank" in p.stdout
+    # each rank holds its stage only: half the params of the unsplit model (within one block's share)
+    mem = summary["memory_per_rank"]
+    assert mem[0]["params"] < 0.75 * sum(m["params"] for m in mem)
+
+
+@pytest.mark.parametrize("layout", [["--nproc", 1, "--grad-accum", 4], ["--nproc", 4, "--pp", 4, "--microbatches", 4]])
+def test_pp2_checkpoint_resumes_at_another_pipeline_layout(unsplit, stopped, layout, tmp_path):
+    shutil.copytree(stopped / "ckpt", tmp_path / "ckpt")
+    p = run(*layout, *PP, "--out", tmp_path, "--resume")
+    _ok(p)
+    got, want = _losses(metrics(tmp_path)), _losses(unsplit)
+    assert sorted(got) == [4, 5, 6]
+    for step in got:
+        assert got[step] == pytest.approx(want[step], rel=1e-5), step
+
+
+def test_pp2_checkpoint_consolidates_into_the_unsplit_model(stopped):
+    from zerofuse.models import GPT, config
+
+    state = zerofuse.checkpoint.consolidate(str(stopped / "ckpt"))
+    model = GPT(config("tiny", **{k: v for k, v in state["extra"]["config"].items()}))
+    assert sorted(state["model"]) == sorted(model.state_dict())
+    model.load_state_dict(state["model"])
+    assert all(math.isfinite(float(v.abs().sum())) for v in state["model"].values())
+    assert state["extra"]["step"] == 3 and state["optimizer"] is not None
+    assert len(state["optimizer"]["state"]) == len(list(model.parameters()))
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--nproc", 2, "--pp", 2, "--grad-accum", 2], "--grad-accum: expected 1 with --pp 2"),
+    (["--nproc", 4, "--pp", 3], "--tp/--pp: expected tp × pp (1 × 3) to divide the number of ranks 4"),
+    (["--nproc", 2, "--pp", 2, "--pp-schedule", "interleaved", "--virtual-stages", 2, "--microbatches", 3],
+     "--microbatches: "),
+    (["--nproc", 2, "--pp", 2, "--virtual-stages", 2], "--virtual-stages: expected 1 with --pp-schedule 1f1b"),
+    (["--nproc", 2, "--pp", 2, "--layers", 4, "--pp-layout", "E,4,L"], "--pp-layout: expected 2 stages"),
+    (["--nproc", 2, "--pp", 2, "--layers", 4, "--pp-layout", "E3,2L"], "--pp-layout: "),
+    (["--nproc", 2, "--pp", 2, "--model", "gpt2-124m"], "ties its embedding and output layer"),
+    (["--nproc", 2, "--microbatches", 4], "--microbatches/--virtual-stages/--pp-layout: expected --pp > 1"),
+    (["--nproc", 8, "--pp", 8, "--layers", 4], "--pp: expected at most 6 stages for 4 layers"),
+])
+def test_bad_pipeline_flags_exit_2(argv, message, tmp_path):
+    p = run(*argv, "--steps", 1, "--out", tmp_path, timeout=60)
+    assert p.returncode == 2, (p.stdout, p.stderr)
+    assert message in p.stderr, p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1
