@@ -61,7 +61,7 @@ def assert_matches_reference(out, n_layer, micro):
     assert sorted(names) == sorted(ref_params)
 
 
-def _pp_rank(rank, ws, schedule, v, n_layer, microbatches, layout=None):
+def _pp_rank(rank, ws, schedule, v, n_layer, microbatches, layout=None, recompute=False):
     import zerofuse  # noqa: F401
     from zerofuse.models import GPT
     from zerofuse.pipeline import Pipeline, split_gpt
@@ -69,6 +69,7 @@ def _pp_rank(rank, ws, schedule, v, n_layer, microbatches, layout=None):
     torch.manual_seed(0)
     with torch.device("meta"):
         model = GPT(_cfg(n_layer), seed=0)
+    model.activation_checkpointing = recompute  # the stages run the model's blocks: recomputed in backward
     stages = split_gpt(model, ws * v, [rank + k * ws for k in range(v)], layout=layout, device="cpu")
     pipe = Pipeline(stages, schedule=schedule, microbatches=microbatches)
     params = [p for s in stages for p in s.parameters()]
@@ -99,6 +100,12 @@ def test_schedule_matches_single_process(schedule, pp, v):
     sim = simulate(build_schedule(schedule, pp, micro, v), pp)
     for rank, (_, _, peak) in enumerate(out):  # live micro-batch activations per stage, as simulated
         assert peak == {s: sim.peak_live[s] for s in peak}, (rank, peak, sim.peak_live)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb"])
+def test_activation_checkpointing_inside_stages(schedule):
+    out = run_distributed(_pp_rank, 2, schedule, 1, 4, MICRO, None, True, timeout=300)
+    assert_matches_reference(out, 4, MICRO)
 
 
 def test_split_keeps_names_and_materializes_only_its_stage():

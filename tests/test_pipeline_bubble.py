@@ -114,16 +114,20 @@ def test_split_modules_balances_and_checks_its_layout():
 
 def _bad_pipeline_rank(rank, ws):
     import zerofuse  # noqa: F401
+    from zerofuse import zero
     from zerofuse.pipeline import Pipeline, split_modules
 
     layers = [(f"l{i}", torch.nn.Linear(2, 2)) for i in range(4)]
+    alone = [torch.distributed.new_group([r]) for r in range(ws)][rank]  # ZeRO over this rank alone
     errors = []
     for fn in (lambda: Pipeline(split_modules(layers, 4, [rank, rank + 2]), schedule="interleaved", microbatches=1),
                lambda: Pipeline(split_modules(layers, 4, [rank, rank + 2]), schedule="interleaved", microbatches=3),
                lambda: Pipeline(split_modules(layers, 4, [rank]), schedule="1f1b", microbatches=2),
                lambda: Pipeline(split_modules(layers, 2, [1 - rank]), schedule="1f1b", microbatches=2),
                lambda: Pipeline(split_modules(layers, 2, [rank]), schedule="1f1b", microbatches=2).step(
-                   torch.ones(3, 2), torch.ones(3, 2))):
+                   torch.ones(3, 2), torch.ones(3, 2)),
+               lambda: Pipeline([zero.parallelize(split_modules(layers, 2, [rank])[0], stage=3, group=alone)], schedule="zb",
+                                microbatches=2)):
         try:
             fn()
         except ValueError as e:
@@ -140,3 +144,4 @@ def test_bad_input_is_refused_clearly():
     assert "expected 2 (pipeline size) x 1 (stages on this rank) = 2 stages in the model, got a split into 4" in errors[2]
     assert "rank 0 of 2 must hold stages [0] (stage s on rank s % p), got [1]" in errors[3]
     assert "expected the batch size (3) to divide by the number of micro-batches (2)" in errors[4]
+    assert "schedule 'zb' needs the stage's weights whole until its W pass" in errors[5] and "got ZeRO-3" in errors[5]

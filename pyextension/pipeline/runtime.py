@@ -99,6 +99,10 @@ class Pipeline:
             raise ValueError(f"{NAME}: expected zero_module to be made data-parallel by zerofuse.zero.parallelize, got "
                              f"a plain {type(zero_module).__name__}")
         self._last_any = max(last.values(), default=-1)
+        engines = [self._engine] if self._engine is not None else [getattr(s, "_zerofuse_zero", None) for s in stages]
+        if schedule == "zb" and any(e is not None and e.stage == 3 for e in engines):
+            raise ValueError(f"{NAME}: schedule 'zb' needs the stage's weights whole until its W pass; expected ZeRO "
+                             "stage 0, 1 or 2 with it, got ZeRO-3 (use '1f1b' or 'interleaved')")
         self._specs: dict = {}  # (stage, micro-batch shape) -> [(shape, dtype)] of its output
         self._split = schedule == "zb"
         self._hooks = []

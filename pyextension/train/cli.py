@@ -124,13 +124,15 @@ def validate(args) -> None:
     args.world = world
     _check(args.tp >= 1, f"--tp: expected >= 1, got {args.tp}")
     _check(args.pp >= 1, f"--pp: expected >= 1, got {args.pp}")
-    _check(args.dp is not None or world % (args.tp * args.pp) == 0,
-           f"--tp/--pp: expected tp × pp ({args.tp} × {args.pp}) to divide the number of ranks {world} (--nproc)")
-    args.dp = args.dp if args.dp is not None else max(1, world // (args.tp * args.pp))
+    pp = args.pp
+    _check(args.dp is not None or world % (args.tp * pp) == 0,
+           f"--tp: expected a divisor of the number of ranks {world} (--nproc), got {args.tp}" if pp == 1 else
+           f"--tp/--pp: expected tp × pp ({args.tp} × {pp}) to divide the number of ranks {world} (--nproc)")
+    args.dp = args.dp if args.dp is not None else max(1, world // (args.tp * pp))
     _check(args.dp >= 1, f"--dp: expected >= 1, got {args.dp}")
-    _check(args.pp * args.dp * args.tp == world,
-           f"--nproc: expected pp × dp × tp = {args.pp} × {args.dp} × {args.tp} = {args.pp * args.dp * args.tp} "
-           f"ranks, got {world}")
+    _check(pp * args.dp * args.tp == world,
+           f"--nproc: expected {'' if pp == 1 else 'pp × '}dp × tp = {'' if pp == 1 else f'{pp} × '}{args.dp} × "
+           f"{args.tp} = {pp * args.dp * args.tp} ranks, got {world}")
     _validate_pipeline(args)
     for flag in ("batch", "grad_accum", "steps", "eval_batches"):
         _check(getattr(args, flag) >= 1, f"--{flag.replace('_', '-')}: expected >= 1, got {getattr(args, flag)}")
@@ -174,6 +176,8 @@ def _validate_pipeline(args) -> None:
     _check(args.microbatches >= 1, f"--microbatches: expected >= 1, got {args.microbatches}")
     _check(v == 1 or args.zero_stage != 3, f"--virtual-stages {v}: expected --zero-stage 0, 1 or 2 (ZeRO-3 shards "
                                            "each stage on its own: one stage per rank)")
+    _check(args.pp_schedule != "zb" or args.zero_stage != 3,
+           "--pp-schedule zb: expected --zero-stage 0, 1 or 2 (its weight-grad pass needs the weights whole), got 3")
     try:
         build_schedule(args.pp_schedule, args.pp, args.microbatches, v)
     except ValueError as e:
