@@ -281,7 +281,7 @@ def _triton_optimizer_rank(rank, ws, steps):
     for kind, stage, precision, hp in TRITON_CASES:
         runs = []
         for triton_step in (True, False):
-            model = make_model()
+            model = make_model(n_layer=1)  # the interpreter's cost is per program: a small model
             zerofuse.zero.parallelize(model, stage=stage, precision=precision, bucket_mb=0.25)
             opt = zerofuse.zero.Optimizer(model, kind, **hp)
             tables, masters = [], None
@@ -305,20 +305,20 @@ def _triton_optimizer_rank(rank, ws, steps):
 
 def test_zero_optimizer_on_the_triton_kernels_matches_cpp_and_keeps_its_tables(monkeypatch):
     """zerofuse.zero.Optimizer's Triton path (what runs on GPUs), in the interpreter on gloo ranks:
-    the same params as the C++ kernels after 3 steps, and kernel tables built at the first step
+    the same params as the C++ kernels after 2 steps, and kernel tables built at the first step
     only (the views, tables and piece index are kept while the shards stay). bf16: each rank's fp32
     masters after the first step. (After that the runs part: the kernels differ in the last bits
     of fp32, which flip a few bf16 params, and Adam's normalised update magnifies the changed
     grads of elements with tiny grads: masters 1.6e-5 apart after 2 steps.)"""
     monkeypatch.setenv("ZEROFUSE_TRITON_ON_CPU", "1")  # the ranks define their kernels for the interpreter
-    results = run_distributed(_triton_optimizer_rank, 2, 3, timeout=300)
+    results = run_distributed(_triton_optimizer_rank, 2, 2, timeout=300)
     for rank_result in results:
         for case, ((got, tables), (want, cpp_tables)) in rank_result.items():
             pairs = got.items() if isinstance(got, dict) else enumerate(got)
             for name, g in pairs:
                 torch.testing.assert_close(g, want[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{case} {name}: {m}")
-            assert tables[0] > 0 and tables[1:] == [0, 0], (case, tables)
-            assert cpp_tables == [0, 0, 0], (case, cpp_tables)
+            assert tables[0] > 0 and tables[1:] == [0], (case, tables)
+            assert cpp_tables == [0, 0], (case, cpp_tables)
 
 
 def _no_decay_groups(model):
