@@ -39,11 +39,10 @@ import torch
 import torch.distributed as dist
 
 from zerofuse.comm import Communicator, P2POp
+from zerofuse.pipeline.header import HEADER_SLOTS, header, parse_header
 from zerofuse.pipeline.schedules import build_schedule, stage_to_rank
 
 NAME = "zerofuse.pipeline.Pipeline"
-_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32]
-_HEADER = 64  # int64 slots of a boundary header
 
 
 _current: list = [None]
@@ -64,6 +63,12 @@ def _run_backward(tensors, grads, inputs=(), *, keep_graph=False, accumulate=Tru
 
 
 class Pipeline:
+    """One rank's part of a pipeline: its stages, the schedule's action list for this rank, and
+    the transfers to its neighbours (see the module docstring). ``step`` trains one batch,
+    ``forward_only`` evaluates one; after a step, ``compute_seconds`` / ``step_seconds`` give this
+    rank's busy and wall time, ``timeline`` its compute actions, ``peak_live`` the most
+    micro-batches each stage held."""
+
     def __init__(self, stages, *, schedule: str = "1f1b", microbatches: int, group=None, comm: Communicator | None = None,
                  zero_module=None):
         """stages: this rank's stages (ids rank, rank + p, ...); group: the pipeline group (None:
@@ -134,14 +139,17 @@ class Pipeline:
 
     # ------------------------------------------------------------------ the step
 
-    def step(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def step(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         t_step = time.perf_counter()
         m = self.m
+        if targets is None or targets.shape[0] != idx.shape[0]:
+            raise ValueError(f"{NAME}.step: expected targets with the batch's {idx.shape[0]} rows (the last stage "
+                             f"computes the loss, every rank passes them), got "
+                             f"{None if targets is None else list(targets.shape)}")
         if idx.shape[0] % m:
             raise ValueError(f"{NAME}.step: expected the batch size ({idx.shape[0]}) to divide by the number of "
                              f"micro-batches ({m})")
-        mbs = idx.chunk(m)
-        tgts = targets.chunk(m) if targets is not None else [None] * m
+        mbs, tgts = idx.chunk(m), targets.chunk(m)
         self._mb_shape = tuple(mbs[0].shape)
         self._device = idx.device
         self._inputs, self._outputs, self._grads_in, self._ys, self._losses = {}, {}, {}, {}, {}
@@ -310,8 +318,9 @@ class Pipeline:
 
     # ------------------------------------------------------------------ transfers
 
-    def _tag(self, kind: str, stage: int, mb: int, header: bool = False) -> int:
-        return ((stage * 2 + (kind == "B")) * 2 + header) * self.m + mb
+    def _tag(self, kind: str, stage: int, mb: int, is_header: bool = False) -> int:
+        """gloo's tag of a transfer: unique per (direction, stage, micro-batch, header or data) in a step."""
+        return ((stage * 2 + (kind == "B")) * 2 + is_header) * self.m + mb
 
     def _spec(self, stage: int):
         return self._specs.get((stage, self._mb_shape))
@@ -324,7 +333,8 @@ class Pipeline:
                 outs, saved = self._outputs[(a.stage, a.mb)]
                 if self._spec(a.stage) is None:
                     self._specs[(a.stage, self._mb_shape)] = [(tuple(t.shape), t.dtype) for t in outs]
-                    sends.append(P2POp("send", _header(outs).to(self._device), peer, self._tag("F", a.stage, a.mb, True)))
+                    head = header(outs).to(self._device)
+                    sends.append(P2POp("send", head, peer, self._tag("F", a.stage, a.mb, True)))
                 for t in outs:
                     sends.append(P2POp("send", t.detach(), peer, self._tag("F", a.stage, a.mb)))
                 for t in outs:  # [Note: pipeline transfers] deallocate what autograd does not need
@@ -336,9 +346,9 @@ class Pipeline:
             elif a.kind == "RECV_F":
                 spec = self._spec(a.stage - 1)
                 if spec is None:  # the first transfer of this boundary: its header first
-                    head = torch.empty(_HEADER, dtype=torch.int64, device=self._device)
+                    head = torch.empty(HEADER_SLOTS, dtype=torch.int64, device=self._device)
                     self.comm.batch_p2p([P2POp("recv", head, peer, self._tag("F", a.stage - 1, a.mb, True))]).wait()
-                    spec = self._specs[(a.stage - 1, self._mb_shape)] = _parse_header(head)
+                    spec = self._specs[(a.stage - 1, self._mb_shape)] = parse_header(head)
                 bufs = tuple(torch.empty(s, dtype=d, device=self._device) for s, d in spec)
                 recvs += [P2POp("recv", b, peer, self._tag("F", a.stage - 1, a.mb)) for b in bufs]
                 after.append((("F", a.stage, a.mb), bufs))
@@ -377,23 +387,3 @@ def _flat(out):
     elif isinstance(out, (tuple, list)):
         for o in out:
             yield from _flat(o)
-
-
-def _header(outs) -> torch.Tensor:
-    vals = [len(outs)]
-    for t in outs:
-        vals += [_DTYPES.index(t.dtype), t.dim(), *t.shape]
-    if len(vals) > _HEADER:
-        raise ValueError(f"{NAME}: a stage output of {len(outs)} tensors with shapes {[tuple(t.shape) for t in outs]} "
-                         f"does not fit a {_HEADER}-slot header")
-    return torch.tensor(vals + [0] * (_HEADER - len(vals)), dtype=torch.int64)
-
-
-def _parse_header(head: torch.Tensor):
-    vals = head.tolist()
-    n, i, spec = vals[0], 1, []
-    for _ in range(n):
-        dtype, ndim = _DTYPES[vals[i]], vals[i + 1]
-        spec.append((tuple(vals[i + 2:i + 2 + ndim]), dtype))
-        i += 2 + ndim
-    return spec
