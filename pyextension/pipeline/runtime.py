@@ -70,11 +70,16 @@ class Pipeline:
     micro-batches each stage held."""
 
     def __init__(self, stages, *, schedule: str = "1f1b", microbatches: int, group=None, comm: Communicator | None = None,
-                 zero_module=None):
+                 zero_module=None, zero3_reshard: str = "microbatch"):
         """stages: this rank's stages (ids rank, rank + p, ...); group: the pipeline group (None:
         the default group); zero_module: the module zerofuse.zero.parallelize made data-parallel
         when it is not each stage itself (e.g. ``merge_stages`` of a rank's virtual stages): its
-        grads reduce during the rank's last backward of the step."""
+        grads reduce during the rank's last backward of the step. zero3_reshard, for ZeRO-3
+        stages: "microbatch" (default: each unit gathered for each micro-batch's forward and again
+        for its backward and freed after, as without a pipeline: the least memory, 2 all-gathers
+        per unit and micro-batch) or "step" (a unit gathered at its first use stays gathered until
+        the stage's last backward of the step: 1 all-gather per unit and step, the stage's params
+        whole for the step, as torchtitan does under PP)."""
         stages = list(stages)
         if not stages:
             raise ValueError(f"{NAME}: expected at least one stage, got none")
@@ -108,6 +113,9 @@ class Pipeline:
         if schedule == "zb" and any(e is not None and e.stage == 3 for e in engines):
             raise ValueError(f"{NAME}: schedule 'zb' needs the stage's weights whole until its W pass; expected ZeRO "
                              "stage 0, 1 or 2 with it, got ZeRO-3 (use '1f1b' or 'interleaved')")
+        if zero3_reshard not in ("microbatch", "step"):
+            raise ValueError(f"{NAME}: expected zero3_reshard 'microbatch' or 'step', got {zero3_reshard!r}")
+        self._hold = [e for e in engines if e is not None and e.stage == 3] if zero3_reshard == "step" else []
         self._specs: dict = {}  # (stage, micro-batch shape) -> [(shape, dtype)] of its output
         self._split = schedule == "zb"
         self._hooks = []
@@ -155,6 +163,8 @@ class Pipeline:
         self._inputs, self._outputs, self._grads_in, self._ys, self._losses = {}, {}, {}, {}, {}
         self._recv, self._sends = {}, []
         self.timeline = []  # (action, start, end) in seconds from the step's start: this rank's compute
+        for eng in self._hold:
+            eng.hold_params = True
         live = {s: 0 for s in self.stages}
         self.peak_live = dict(live)
         compute = 0.0
@@ -196,6 +206,8 @@ class Pipeline:
         else:
             eng, last = getattr(self.stages[stage], "_zerofuse_zero", None), self._last_backward[stage]
         if eng is None or last == i:
+            if eng is not None:
+                eng.hold_params = False  # zero3_reshard="step": the last backward frees the units
             return contextlib.nullcontext()
         return eng.no_sync()
 

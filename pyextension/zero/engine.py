@@ -116,6 +116,9 @@ class ZeroEngine:
         self.pp_comm = Communicator(pp_group) if pp_group is not None and dist.get_world_size(pp_group) > 1 else None
         self.pp_rank = self.pp_comm.rank if self.pp_comm is not None else 0
         self.pp_size = self.pp_comm.world_size if self.pp_comm is not None else 1
+        # stage 3: while True, gathered units stay gathered (a pipeline keeps a stage's units across
+        # its micro-batches: one all-gather per unit and step instead of two per micro-batch)
+        self.hold_params = False
 
         self.units: list[Bucket] = []
         self.wrap_units: dict[int, Bucket] = {}  # id(module) -> unit
@@ -197,7 +200,7 @@ class ZeroEngine:
             if self.sync_grads and self.overlap:
                 self.buckets.start_grad_sync(unit)
                 self.events.append(("reduce_scatter", unit.index, "backward"))
-            if self.stage == 3 and unit is not self.root:
+            if self.stage == 3 and unit is not self.root and not self.hold_params:
                 unit.free()
 
     def _end_of_backward(self) -> None:
@@ -211,7 +214,7 @@ class ZeroEngine:
         for u in self.units:
             u.ready = 0
             u.launched = False
-            if self.stage == 3:
+            if self.stage == 3 and not self.hold_params:
                 u.free()
 
     def grads_ready(self, params) -> None:
@@ -326,7 +329,7 @@ class ZeroEngine:
         def hook(_mod, _args, out):
             if self._in_backward:  # a re-run forward (activation checkpointing): backward needs the params
                 return
-            if self.reshard_after_forward or not torch.is_grad_enabled():
+            if (self.reshard_after_forward and not self.hold_params) or not torch.is_grad_enabled():
                 u.free()
             if torch.is_grad_enabled():
                 for t in _tensors(out):
