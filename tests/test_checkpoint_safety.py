@@ -4,10 +4,8 @@ another TP size stays within one param of extra memory."""
 from __future__ import annotations
 
 import os
+import multiprocessing as mp
 import shutil
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
@@ -16,6 +14,7 @@ import torch.distributed as dist
 import zerofuse
 from zerofuse.checkpoint import files
 
+import dist_utils
 from dist_utils import run_distributed
 from test_checkpoint import _steps
 from test_zero import LR, batches, make_model
@@ -81,23 +80,23 @@ def test_extra_that_would_need_unpickling_is_refused_at_save(tmp_path):
 
 # ---------------------------------------------------------------------------------------- kill points
 
-_CHILD = textwrap.dedent("""
-    import os, sys
-    import torch.distributed as dist
-    sys.path[:0] = [{tests!r}]
-    os.environ["ZEROFUSE_TRITON_ON_CPU"] = "0"
-    import zerofuse
+def _kill_child(store, point, path):
+    """A saver process killed (os._exit) at ``point`` of the commit protocol; forked from a server
+    that imported torch and zerofuse once (tests/dist_utils.py), so each kill costs no import."""
+    from zerofuse import kernels
     from zerofuse.checkpoint import files
-    from test_checkpoint_safety import _trained
-    dist.init_process_group("gloo", init_method="file://" + {store!r}, rank=0, world_size=1)
+
+    kernels.TRITON_ON_CPU = False  # the server was started in the session's interpreter mode
+    dist.init_process_group("gloo", init_method="file://" + store, rank=0, world_size=1)
     model, opt = _trained(2)
-    def kill(name, at={point!r}):
-        if name == at:
+
+    def kill(name):
+        if name == point:
             os._exit(17)
+
     files.kill_point = kill
-    zerofuse.checkpoint.save({path!r}, model, opt, extra={{"n": 2}})
+    zerofuse.checkpoint.save(path, model, opt, extra={"n": 2})
     os._exit(0)
-""")
 
 
 def _trained(n):
@@ -144,14 +143,18 @@ def _kill_rank(rank, ws, root):
     files.kill_point = lambda name: None
     refs = {1: _model_of(a_dir)[1], 2: _model_of(over)[1]}
     assert refs[1].keys() == refs[2].keys() and any(not torch.equal(refs[1][k], refs[2][k]) for k in refs[1])
-    tests = os.path.dirname(os.path.abspath(__file__))
+    ctx = dist_utils._context()
+    # a rank is a daemonic process, which multiprocessing forbids children; these are joined below
+    # (and the forkserver exits with this rank)
+    mp.current_process()._config["daemon"] = False
     left = {}
     for i, point in enumerate(points):
         path = os.path.join(root, f"kill{i}")
         shutil.copytree(a_dir, path)
-        code = _CHILD.format(tests=tests, store=os.path.join(root, f"store{i}"), point=point, path=path)
-        rc = subprocess.run([sys.executable, "-c", code], timeout=120, capture_output=True, text=True)
-        assert rc.returncode == 17, f"the saver did not reach {point!r}: rc {rc.returncode}\n{rc.stderr[-3000:]}"
+        child = ctx.Process(target=_kill_child, args=(os.path.join(root, f"store{i}"), point, path))
+        child.start()
+        child.join(120)
+        assert child.exitcode == 17, f"the saver did not reach {point!r}: exit code {child.exitcode}"
         left[point] = _which(path, refs)  # a complete checkpoint: the old or the new one
         zerofuse.checkpoint.save(path, model2, opt2, extra={"n": 2})  # the next save repairs and replaces
         assert _which(path, refs) == 2
