@@ -35,9 +35,12 @@ def _losses(rows):
     return {r["step"]: r["loss"] for r in rows}
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zb"])
-def test_pp2_job_matches_the_unsplit_job(unsplit, schedule, tmp_path):
-    p = run("--nproc", 2, "--pp", 2, "--pp-schedule", schedule, "--microbatches", 4, *PP, "--out", tmp_path)
+@pytest.mark.parametrize("schedule,extra", [("1f1b", ()), ("zb", ()), ("1f1b", ("--zero-stage", 3)),
+                                            ("interleaved", ("--virtual-stages", 2, "--zero-stage", 1))])
+def test_pp2_job_matches_the_unsplit_job(unsplit, schedule, extra, tmp_path):
+    """ZeRO-2 (the default), ZeRO-3 (stages built on meta, materialized shard by shard) and two
+    virtual stages per rank under one ZeRO-1 engine (merge_stages)."""
+    p = run("--nproc", 2, "--pp", 2, "--pp-schedule", schedule, "--microbatches", 4, *extra, *PP, "--out", tmp_path)
     _ok(p)
     got, want = _losses(metrics(tmp_path)), _losses(unsplit)
     assert got.keys() == want.keys()
@@ -47,7 +50,7 @@ def test_pp2_job_matches_the_unsplit_job(unsplit, schedule, tmp_path):
     pl = summary["pipeline"]
     assert pl["pp"] == 2 and pl["schedule"] == schedule and pl["microbatches"] == 4
     assert len(pl["bubble_measured_per_rank"]) == 2 and all(0 <= b < 1 for b in pl["bubble_measured_per_rank"])
-    assert pl["bubble_formula"] == pytest.approx(0.2 if schedule == "1f1b" else 1 / 13)
+    assert pl["bubble_formula"] == pytest.approx({"1f1b": 0.2, "zb": 1 / 13, "interleaved": 1 / 9}[schedule])
     assert "bubble (idle fraction) per rank" in p.stdout
     # each rank holds its stage only: half the params of the unsplit model (within one block's share)
     mem = summary["memory_per_rank"]

@@ -148,7 +148,7 @@ class Trainer:
         t0, w0 = time.perf_counter(), comm.wait_seconds()
         xs, ys = self._batch(self.step)
         if self.pp is not None:  # the schedule runs the micro-batches' forwards and backwards
-            total = self.pp.step(xs, ys, opt) * args.grad_accum
+            total = self.pp.step(xs, ys) * args.grad_accum
         else:
             total = None
             for i in range(args.grad_accum):

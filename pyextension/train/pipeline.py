@@ -25,9 +25,8 @@ class PipelineJob:
         self.pipe = Pipeline(self.stages, schedule=args.pp_schedule, microbatches=args.microbatches,
                              group=mesh.pp_group, zero_module=None if v == 1 else self.module)
         self.idle: list[float] = []  # per step: 1 - compute / step time on this rank
-        self.scale = 1.0
 
-    def step(self, xs: torch.Tensor, ys: torch.Tensor, opt) -> torch.Tensor:
+    def step(self, xs: torch.Tensor, ys: torch.Tensor) -> torch.Tensor:
         """Forward + backward of the M micro-batches xs (M, batch, seq); returns the mean loss."""
         loss = self.pipe.step(xs.reshape(-1, xs.shape[-1]), ys.reshape(-1, ys.shape[-1]))
         self.idle.append(1.0 - self.pipe.compute_seconds / max(self.pipe.step_seconds, 1e-9))
