@@ -252,8 +252,10 @@ class Pipeline:
             saved.add(t.untyped_storage().data_ptr())
             return t
 
+        # only an output that is sent away is deallocated, so only then are saved tensors looked at
+        sent = not stage.is_last and a.stage + 1 not in self.stages and torch.is_grad_enabled()
         try:
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if sent else contextlib.nullcontext():
                 out = stage(*inputs, targets=tgts[a.mb] if stage.is_last else None)
         finally:
             if record:
