@@ -304,8 +304,8 @@ class Communicator:
             key = f"{self._uid}/p2p/{src}-{dst}/{n}/"
             sig = f"{tuple(o.tensor.shape)}:{str(o.tensor.dtype).removeprefix('torch.')} tag {o.tag}"
             self.store.set(key + o.op, sig)
-            mine.append((o, key, sig, n))
-        for o, key, sig, n in mine:
+            mine.append((o, key, sig, n, src, dst))
+        for o, key, sig, n, src, dst in mine:
             other = "recv" if o.op == "send" else "send"
             try:
                 self.store.wait([key + other], datetime.timedelta(seconds=self.timeout))
@@ -315,7 +315,6 @@ class Communicator:
                     f"#{n} ({sig}) within {self.timeout:.0f} s") from e
             theirs = self.store.get(key + other).decode()
             if theirs != sig:
-                src, dst = key.split("/p2p/")[1].split("/")[0].split("-")
                 raise CollectiveMismatch(
                     f"zerofuse.comm: transfer #{n} from rank {src} to rank {dst} differs: rank {self.rank} posted "
                     f"{o.op} {sig}, rank {o.peer} posted {other} {theirs}")

@@ -41,6 +41,7 @@ import torch.distributed as dist
 from zerofuse.comm import Communicator, P2POp
 from zerofuse.pipeline.header import HEADER_SLOTS, header, parse_header
 from zerofuse.pipeline.schedules import build_schedule, stage_to_rank
+from zerofuse.zero.engine import _tensors
 
 NAME = "zerofuse.pipeline.Pipeline"
 
@@ -141,7 +142,7 @@ class Pipeline:
 
     def _record_output(self, mod, _args, out):
         if self._recording is not None:
-            outs = [t for t in _flat(out) if t.requires_grad]
+            outs = [t for t in _tensors(out) if t.requires_grad]
             if outs:
                 self._recording.append(([p for p in mod.parameters(recurse=False) if p.requires_grad], outs))
 
@@ -393,11 +394,3 @@ class Pipeline:
         for h in self._hooks:
             h.remove()
         self._hooks = []
-
-
-def _flat(out):
-    if isinstance(out, torch.Tensor):
-        yield out
-    elif isinstance(out, (tuple, list)):
-        for o in out:
-            yield from _flat(o)

@@ -113,7 +113,6 @@ def balanced_layout(n_layer: int, num_stages: int, block_params: int, first_para
     if num_stages > n_layer + 2:
         raise ValueError(f"{NAME}: cannot split a model of {n_layer} blocks into {num_stages} stages (at most "
                          f"n_layer + 2, with the embedding and the head alone)")
-    best = None
     # stage s holds counts[s] blocks; search the counts by dynamic programming over prefixes
     inf = float("inf")
     cost = [[inf] * (n_layer + 1) for _ in range(num_stages + 1)]
@@ -135,11 +134,10 @@ def balanced_layout(n_layer: int, num_stages: int, block_params: int, first_para
         counts.append(choice[s][j])
         j -= choice[s][j]
     counts.reverse()
-    best = [(s == 0, n, s == num_stages - 1) for s, n in enumerate(counts)]
-    return best
+    return [(s == 0, n, s == num_stages - 1) for s, n in enumerate(counts)]
 
 
-def _materialize(model, modules: list[torch.nn.Module], device, init: Callable | None) -> None:
+def _materialize(modules: list[torch.nn.Module], device, init: Callable | None) -> None:
     """Allocate and initialise the meta params and buffers of ``modules`` on ``device`` (swapped in
     place: the Parameter objects, and whatever refers to them, stay the same); real ones are moved
     to ``device`` if given."""
@@ -229,7 +227,7 @@ def split_gpt(model, num_stages: int, stage_ids: Sequence[int], *, layout=None, 
         parts += [(f"blocks.{i}", model.blocks[i]) for i in blocks]
         if head:
             parts += [("norm", model.norm), ("head", model.head)]
-        _materialize(model, [m for _, m in parts], device, getattr(model, "param_init_fn", None))
+        _materialize([m for _, m in parts], device, getattr(model, "param_init_fn", None))
         kept.update(id(p) for _, m in parts for p in m.parameters())
         stages.append(Stage(parts, _gpt_runner(model, emb, [model.blocks[i] for i in blocks], head), s, num_stages))
     _release([model], kept)
@@ -277,7 +275,7 @@ def split_modules(modules, num_stages: int, stage_ids: Sequence[int], *, loss_fn
     stages, kept = [], set()
     for s in stage_ids:
         parts = modules[starts[s]:starts[s] + counts[s]]
-        _materialize(None, [m for _, m in parts], device, None)
+        _materialize([m for _, m in parts], device, None)
         kept.update(id(p) for _, m in parts for p in m.parameters())
         stages.append(Stage(parts, _chain_runner([m for _, m in parts], loss_fn if s == num_stages - 1 else None),
                             s, num_stages))

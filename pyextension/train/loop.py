@@ -148,7 +148,7 @@ class Trainer:
         t0, w0 = time.perf_counter(), comm.wait_seconds()
         xs, ys = self._batch(self.step)
         if self.pp is not None:  # the schedule runs the micro-batches' forwards and backwards
-            total = self.pp.step(xs, ys) * args.grad_accum
+            mean_loss = self.pp.step(xs, ys)
         else:
             total = None
             for i in range(args.grad_accum):
@@ -157,6 +157,7 @@ class Trainer:
                     loss = self._forward(xs[i], ys[i])
                     opt.scale_loss(loss / args.grad_accum).backward()
                 total = loss.detach() if total is None else total + loss.detach()
+            mean_loss = total / args.grad_accum
         lr = opt.param_groups[0]["lr"]
         opt.step()
         if self.memory is None:  # sizes and allocator counters only: no sync
@@ -166,7 +167,7 @@ class Trainer:
         self.step += 1
         host = {"step": self.step, "lr": lr, "comm_time": comm.wait_seconds() - w0 if cpu else None,
                 "step_time": time.perf_counter() - t0 if cpu else None}  # CUDA: timed between log points
-        self.metrics.record(host, total / args.grad_accum, opt.last_grad_norm,
+        self.metrics.record(host, mean_loss, opt.last_grad_norm,
                             opt.last_step_skipped if opt.fp16 else None)
         stop_after = args.stop_after is not None and self.step >= args.stop_after  # the same on every rank
         self.stopped = self.vote.vote(self.stop.signum) or (signal.SIGTERM if stop_after else 0)

@@ -16,8 +16,8 @@ class PipelineJob:
         args, mesh = trainer.args, trainer.mesh
         p, v = args.pp, args.virtual_stages
         ids = [mesh.pp_rank + k * p for k in range(v)]
-        device = None if args.zero_stage == 3 else trainer.device  # ZeRO-3 materializes its shards itself
-        self.stages = split_gpt(model, p * v, ids, layout=args.pp_layout, device=device or "meta")
+        device = "meta" if args.zero_stage == 3 else trainer.device  # ZeRO-3 materializes its shards itself
+        self.stages = split_gpt(model, p * v, ids, layout=args.pp_layout, device=device)
         self.module = self.stages[0] if v == 1 else merge_stages(self.stages)
         zero.parallelize(self.module, stage=args.zero_stage, group=mesh.dp_group, precision=args.precision,
                          device=trainer.device, pp_group=mesh.pp_group,
@@ -41,15 +41,15 @@ class PipelineJob:
         import torch.distributed as dist
         from zerofuse.pipeline import bubble_fraction, build_schedule, simulate
 
-        args = self.pipe
+        pipe = self.pipe
         steady = self.idle[1:] or self.idle
         mine = sum(steady) / len(steady) if steady else None
         every = [None] * world
         dist.all_gather_object(every, mine)
         try:
-            formula = bubble_fraction(args.schedule, args.p, args.m, args.v)
+            formula = bubble_fraction(pipe.schedule, pipe.p, pipe.m, pipe.v)
         except ValueError:  # zero-bubble: no closed form, the simulator's (F = I = W = 1)
-            sim = simulate(build_schedule(args.schedule, args.p, args.m, args.v), args.p, costs=dict(F=1, I=1, W=1))
+            sim = simulate(build_schedule(pipe.schedule, pipe.p, pipe.m, pipe.v), pipe.p, costs=dict(F=1, I=1, W=1))
             formula = max(sim.idle_fraction)
-        return {"pp": args.p, "schedule": args.schedule, "microbatches": args.m, "virtual_stages": args.v,
+        return {"pp": pipe.p, "schedule": pipe.schedule, "microbatches": pipe.m, "virtual_stages": pipe.v,
                 "bubble_formula": formula, "bubble_measured_per_rank": every}
