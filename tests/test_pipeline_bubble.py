@@ -81,6 +81,40 @@ def test_measured_idle_fraction_is_the_simulators(schedule, p, v):
         assert loss == pytest.approx(1.0)
 
 
+def _order_rank(rank, ws, m):
+    import zerofuse  # noqa: F401
+    from zerofuse.pipeline import Pipeline, split_modules
+
+    layers = [(f"layers.{i}", SleepLayer(unit=0)) for i in range(ws)]
+    stages = split_modules(layers, ws, [rank], loss_fn=lambda y, t: (y - t).pow(2).mean())
+    pipe = Pipeline(stages, schedule="1f1b", microbatches=m)
+    log, post, backward = [], pipe.comm.batch_p2p, pipe._backward_B
+
+    def logged_post(ops):
+        log.extend(("recv", o.tag) for o in ops if o.op == "recv")
+        return post(ops)
+
+    def logged_backward(a):
+        log.append(("B", a.mb))
+        return backward(a)
+
+    pipe.comm.batch_p2p, pipe._backward_B = logged_post, logged_backward
+    x = torch.ones(m * 2, 8)
+    for _ in range(2):  # the first step agrees the boundary's shapes (a header), the second is steady
+        log.clear()
+        pipe.step(x, torch.zeros_like(x))
+    return log
+
+
+def test_receives_are_posted_before_the_compute_that_precedes_them():
+    """On gloo a transfer moves once its receive is posted: the last stage posts the receive of
+    micro-batch j + 1's activations before it runs micro-batch j's backward, not after."""
+    m = 4
+    log = run_distributed(_order_rank, 2, m, timeout=60)[1]
+    for j in range(m - 1):
+        assert log.index(("recv", j + 1)) < log.index(("B", j)), log
+
+
 def test_zero_bubble_idles_less_than_half_of_1f1b():
     p, m = 2, 4
     zb = run_distributed(_sleep_rank, p, "zb", 1, m, timeout=120)

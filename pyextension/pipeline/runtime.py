@@ -8,15 +8,7 @@ stage reads ``idx``, only the last ``targets``); the batch is cut into ``microba
 and the loss returned (on every rank) is the mean of the micro-batches' losses, the backward
 scaled by 1/m, so the grads equal single-process training on the whole batch.
 
-[Note: pipeline transfers] The shapes and dtypes of what crosses a stage boundary are agreed once
-per micro-batch shape: the first forward of a boundary also sends a small int64 header (count,
-dtypes, shapes); later transfers are the tensors alone. Consecutive SEND/RECV actions are posted
-as one ``batch_p2p`` of sends and one of receives; only receives are waited for before the compute
-that needs them, sends are waited for at the end of the step (gloo matches them by tag, the
-schedule's per-pair order serves NCCL). A stage's output is sent as a detached alias and then
-deallocated at once (Megatron's deallocate_output_tensor): its autograd graph is kept and its
-backward runs through the engine directly (no shape check against the freed tensor). Outputs that
-autograd saved for backward are kept whole (seen through saved_tensors_hooks).
+Transfers between stages: zerofuse.pipeline.transfers ([Note: pipeline transfers]).
 
 [Note: zero-bubble split] For "zb" a backward is split into I (input grads) and W (weight grads).
 During forward every module with params of its own records its outputs. I computes the grads of
@@ -38,9 +30,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from zerofuse.comm import Communicator, P2POp
-from zerofuse.pipeline.header import HEADER_SLOTS, header, parse_header
+from zerofuse.comm import Communicator
 from zerofuse.pipeline.schedules import build_schedule, stage_to_rank
+from zerofuse.pipeline.transfers import Transfers
 from zerofuse.zero.engine import _tensors
 
 NAME = "zerofuse.pipeline.Pipeline"
@@ -63,7 +55,7 @@ def _run_backward(tensors, grads, inputs=(), *, keep_graph=False, accumulate=Tru
         tuple(tensors), tuple(grads), keep_graph, False, tuple(inputs), True, accumulate)
 
 
-class Pipeline:
+class Pipeline(Transfers):
     """One rank's part of a pipeline: its stages, the schedule's action list for this rank, and
     the transfers to its neighbours (see the module docstring). ``step`` trains one batch,
     ``forward_only`` evaluates one; after a step, ``compute_seconds`` / ``step_seconds`` give this
@@ -110,6 +102,14 @@ class Pipeline:
             raise ValueError(f"{NAME}: expected zero_module to be made data-parallel by zerofuse.zero.parallelize, got "
                              f"a plain {type(zero_module).__name__}")
         self._last_any = max(last.values(), default=-1)
+        # compute action index -> the receives due right after it ([Note: pipeline transfers])
+        self._ahead: dict[int, list] = {}
+        compute_i = None
+        for i, a in enumerate(self.actions):
+            if a.kind.startswith("RECV") and compute_i is not None:
+                self._ahead.setdefault(compute_i, []).append(a)
+            elif not a.kind.startswith(("SEND", "RECV")):
+                compute_i = i
         engines = [self._engine] if self._engine is not None else [getattr(s, "_zerofuse_zero", None) for s in stages]
         if schedule == "zb" and any(e is not None and e.stage == 3 for e in engines):
             raise ValueError(f"{NAME}: schedule 'zb' needs the stage's weights whole until its W pass; expected ZeRO "
@@ -162,7 +162,8 @@ class Pipeline:
         self._mb_shape = tuple(mbs[0].shape)
         self._device = idx.device
         self._inputs, self._outputs, self._grads_in, self._ys, self._losses = {}, {}, {}, {}, {}
-        self._recv, self._sends = {}, []
+        self._recv, self._sends, self._posted = {}, [], {}
+        early = idx.device.type == "cpu"  # gloo: receives may be posted ahead ([Note: pipeline transfers])
         self.timeline = []  # (action, start, end) in seconds from the step's start: this rank's compute
         for eng in self._hold:
             eng.hold_params = True
@@ -177,6 +178,8 @@ class Pipeline:
             if pending_comm:
                 self._communicate(pending_comm)
                 pending_comm = []
+            if early and i in self._ahead:
+                self._post_early(self._ahead[i])
             t0 = time.perf_counter()
             _current[0] = a
             if a.kind == "F":
@@ -219,7 +222,7 @@ class Pipeline:
         from zerofuse.pipeline.schedules import Action
 
         self._mb_shape, self._device = tuple(idx.shape), idx.device
-        self._inputs, self._outputs, self._losses, self._recv, self._sends = {}, {}, {}, {}, []
+        self._inputs, self._outputs, self._losses, self._recv, self._sends, self._posted = {}, {}, {}, {}, [], {}
         m, self.m = self.m, 1
         try:
             for s in sorted(self.stages):
@@ -330,56 +333,6 @@ class Pipeline:
                 params += mod_params
                 grads += _run_backward([y for y, _ in pairs], [g for _, g in pairs], mod_params, accumulate=False)
         self._accumulate(a.stage, params, grads)
-
-    # ------------------------------------------------------------------ transfers
-
-    def _tag(self, kind: str, stage: int, mb: int, is_header: bool = False) -> int:
-        """gloo's tag of a transfer: unique per (direction, stage, micro-batch, header or data) in a step."""
-        return ((stage * 2 + (kind == "B")) * 2 + is_header) * self.m + mb
-
-    def _spec(self, stage: int):
-        return self._specs.get((stage, self._mb_shape))
-
-    def _communicate(self, actions) -> None:
-        sends, recvs, after = [], [], []
-        for a in actions:
-            peer = a.peer if a.peer >= 0 else stage_to_rank(a.stage + (1 if a.kind.endswith("F") else -1), self.p)
-            if a.kind == "SEND_F":
-                outs, saved = self._outputs[(a.stage, a.mb)]
-                if self._spec(a.stage) is None:
-                    self._specs[(a.stage, self._mb_shape)] = [(tuple(t.shape), t.dtype) for t in outs]
-                    head = header(outs).to(self._device)
-                    sends.append(P2POp("send", head, peer, self._tag("F", a.stage, a.mb, True)))
-                for t in outs:
-                    sends.append(P2POp("send", t.detach(), peer, self._tag("F", a.stage, a.mb)))
-                for t in outs:  # [Note: pipeline transfers] deallocate what autograd does not need
-                    if t.untyped_storage().data_ptr() not in saved and t._base is None:
-                        t.data = torch.empty(0, dtype=t.dtype, device=t.device)
-            elif a.kind == "SEND_B":
-                for g in self._grads_in.pop((a.stage, a.mb)):
-                    sends.append(P2POp("send", g.contiguous(), peer, self._tag("B", a.stage, a.mb)))
-            elif a.kind == "RECV_F":
-                spec = self._spec(a.stage - 1)
-                if spec is None:  # the first transfer of this boundary: its header first
-                    head = torch.empty(HEADER_SLOTS, dtype=torch.int64, device=self._device)
-                    self.comm.batch_p2p([P2POp("recv", head, peer, self._tag("F", a.stage - 1, a.mb, True))]).wait()
-                    spec = self._specs[(a.stage - 1, self._mb_shape)] = parse_header(head)
-                bufs = tuple(torch.empty(s, dtype=d, device=self._device) for s, d in spec)
-                recvs += [P2POp("recv", b, peer, self._tag("F", a.stage - 1, a.mb)) for b in bufs]
-                after.append((("F", a.stage, a.mb), bufs))
-            elif a.kind == "RECV_B":
-                outs, _ = self._outputs[(a.stage, a.mb)]
-                spec = self._spec(a.stage)
-                bufs = tuple(torch.empty(s, dtype=d, device=self._device) for (s, d), o in zip(spec, outs)
-                             if o.requires_grad)
-                recvs += [P2POp("recv", b, peer, self._tag("B", a.stage + 1, a.mb)) for b in bufs]
-                after.append((("B", a.stage, a.mb), bufs))
-        if sends:
-            self._sends.append(self.comm.batch_p2p(sends))
-        if recvs:
-            self.comm.batch_p2p(recvs).wait()
-        for key, bufs in after:
-            self._recv[key] = bufs
 
     def _mean_loss(self) -> torch.Tensor:
         last = self.num_stages - 1

@@ -1,0 +1,111 @@
+"""The transfers between pipeline stages: the send/receive half of zerofuse.pipeline.Pipeline.
+
+[Note: pipeline transfers] The shapes and dtypes of what crosses a stage boundary are agreed once
+per micro-batch shape: the first forward of a boundary also sends a small int64 header (count,
+dtypes, shapes); later transfers are the tensors alone. Consecutive SEND/RECV actions are posted
+as one ``batch_p2p`` of sends and one of receives; only receives are waited for before the compute
+that needs them, sends are waited for at the end of the step (gloo matches them by tag, the
+schedule's per-pair order serves NCCL). On CPU (gloo: a transfer moves once its receive is posted,
+and transfers pair by tag, not by order) the receives due after a compute action are posted before
+it runs, so their data arrives during that compute (measured at pp 2 on 2 cores: posted only when
+due, a receive of data sent long before still waited 1.5-3 ms); the posts themselves run on the
+transport's poster thread ([Note: gloo p2p poster], process_group_transport.cpp). A stage's output
+is sent as a detached alias and then deallocated at once (Megatron's deallocate_output_tensor): its
+autograd graph is kept and its backward runs through the engine directly (no shape check against
+the freed tensor). Outputs that autograd saved for backward are kept whole (seen through
+saved_tensors_hooks).
+"""
+from __future__ import annotations
+
+import torch
+
+from zerofuse.comm import P2POp
+from zerofuse.pipeline.header import HEADER_SLOTS, header, parse_header
+from zerofuse.pipeline.schedules import stage_to_rank
+
+
+class Transfers:
+    """Pipeline's SEND/RECV actions. Uses the Pipeline's comm, p, m, _specs, _mb_shape, _device and
+    the step's _outputs, _grads_in, _recv (what arrived, by key), _sends (Works waited at the step's
+    end) and _posted (receives posted ahead, by key)."""
+
+    def _tag(self, kind: str, stage: int, mb: int, is_header: bool = False) -> int:
+        """gloo's tag of a transfer: unique per (direction, stage, micro-batch, header or data) in a step."""
+        return ((stage * 2 + (kind == "B")) * 2 + is_header) * self.m + mb
+
+    def _spec(self, stage: int):
+        return self._specs.get((stage, self._mb_shape))
+
+    def _recv_ops(self, a, peer: int):
+        """(key of what arrives, its buffers, their receive ops) for a RECV action, or None while the
+        boundary's shapes are not agreed yet (its header comes first)."""
+        if a.kind == "RECV_F":
+            spec = self._spec(a.stage - 1)
+            if spec is None:
+                return None
+            bufs = tuple(torch.empty(s, dtype=d, device=self._device) for s, d in spec)
+            tag = self._tag("F", a.stage - 1, a.mb)
+        else:
+            spec, entry = self._spec(a.stage), self._outputs.get((a.stage, a.mb))
+            if spec is None or entry is None:
+                return None
+            bufs = tuple(torch.empty(s, dtype=d, device=self._device) for (s, d), o in zip(spec, entry[0])
+                         if o.requires_grad)
+            tag = self._tag("B", a.stage + 1, a.mb)
+        return (a.kind[-1], a.stage, a.mb), bufs, [P2POp("recv", b, peer, tag) for b in bufs]
+
+    def _peer(self, a) -> int:
+        return a.peer if a.peer >= 0 else stage_to_rank(a.stage + (1 if a.kind.endswith("F") else -1), self.p)
+
+    def _post_early(self, actions) -> None:
+        ops, got = [], []
+        for a in actions:
+            r = self._recv_ops(a, self._peer(a))
+            if r is not None:
+                ops += r[2]
+                got.append(r)
+        if ops:
+            work = self.comm.batch_p2p(ops)
+            for key, bufs, _ in got:
+                self._posted[key] = (work, bufs)
+
+    def _communicate(self, actions) -> None:
+        sends, recvs, after, posted = [], [], [], []
+        for a in actions:
+            peer = self._peer(a)
+            if a.kind == "SEND_F":
+                outs, saved = self._outputs[(a.stage, a.mb)]
+                if self._spec(a.stage) is None:
+                    self._specs[(a.stage, self._mb_shape)] = [(tuple(t.shape), t.dtype) for t in outs]
+                    head = header(outs).to(self._device)
+                    sends.append(P2POp("send", head, peer, self._tag("F", a.stage, a.mb, True)))
+                for t in outs:
+                    sends.append(P2POp("send", t.detach(), peer, self._tag("F", a.stage, a.mb)))
+                for t in outs:  # [Note: pipeline transfers] deallocate what autograd does not need
+                    if t.untyped_storage().data_ptr() not in saved and t._base is None:
+                        t.data = torch.empty(0, dtype=t.dtype, device=t.device)
+            elif a.kind == "SEND_B":
+                for g in self._grads_in.pop((a.stage, a.mb)):
+                    sends.append(P2POp("send", g.contiguous(), peer, self._tag("B", a.stage, a.mb)))
+            elif (a.kind[-1], a.stage, a.mb) in self._posted:
+                work, bufs = self._posted.pop((a.kind[-1], a.stage, a.mb))
+                posted.append(work)
+                after.append(((a.kind[-1], a.stage, a.mb), bufs))
+            else:
+                r = self._recv_ops(a, peer)
+                if r is None:  # the first transfer of this boundary: its header first
+                    head = torch.empty(HEADER_SLOTS, dtype=torch.int64, device=self._device)
+                    self.comm.batch_p2p([P2POp("recv", head, peer, self._tag("F", a.stage - 1, a.mb, True))]).wait()
+                    self._specs[(a.stage - 1, self._mb_shape)] = parse_header(head)
+                    r = self._recv_ops(a, peer)
+                key, bufs, ops = r
+                recvs += ops
+                after.append((key, bufs))
+        if sends:
+            self._sends.append(self.comm.batch_p2p(sends))
+        if recvs:
+            self.comm.batch_p2p(recvs).wait()
+        for work in posted:
+            work.wait()
+        for key, bufs in after:
+            self._recv[key] = bufs
