@@ -102,6 +102,51 @@ def test_schedule_matches_single_process(schedule, pp, v):
         assert peak == {s: sim.peak_live[s] for s in peak}, (rank, peak, sim.peak_live)
 
 
+def _dealloc_rank(rank, ws, steps):
+    import zerofuse  # noqa: F401
+    from zerofuse.models import GPT
+    from zerofuse.pipeline import Pipeline, split_gpt
+
+    with torch.device("meta"):
+        model = GPT(_cfg(), seed=0)
+    (stage,) = split_gpt(model, ws, [rank], device="cpu")
+    pipe = Pipeline([stage], schedule="1f1b", microbatches=MICRO)
+    hooks, freed, saved_freed = [0], [], []
+    real_hooks, communicate = torch.autograd.graph.saved_tensors_hooks, pipe._communicate
+
+    def counted_hooks(*args):
+        hooks[0] += 1
+        return real_hooks(*args)
+
+    def checked_communicate(actions):
+        communicate(actions)
+        for a in actions:
+            if a.kind == "SEND_F":
+                outs, keep = pipe._outputs[(a.stage, a.mb)]
+                freed.append(sum(t.numel() == 0 for t in outs))
+                saved_freed.append(sum(t.numel() == 0 for t, k in zip(outs, keep) if k))
+
+    torch.autograd.graph.saved_tensors_hooks, pipe._communicate = counted_hooks, checked_communicate
+    try:
+        for idx, tgt in _batches(steps):
+            pipe.step(idx, tgt)
+    finally:
+        torch.autograd.graph.saved_tensors_hooks = real_hooks
+    return hooks[0], freed, saved_freed
+
+
+def test_sent_outputs_are_freed_and_saved_ones_looked_up_once():
+    """The first stage frees each sent output autograd did not save (Megatron's
+    deallocate_output_tensor) and keeps those it saved; which ones autograd saves is seen through
+    saved_tensors_hooks in the stage's first forward only, not in every micro-batch's."""
+    steps = 3
+    (hooks0, freed, saved_freed), (hooks1, freed1, _) = run_distributed(_dealloc_rank, 2, steps, timeout=120)
+    assert hooks0 == 1 and hooks1 == 0, (hooks0, hooks1)
+    assert len(freed) == steps * MICRO and min(freed) >= 1, freed  # the block output delta at least
+    assert max(saved_freed) == 0, saved_freed
+    assert freed1 == []  # the last stage sends no activations
+
+
 @pytest.mark.parametrize("schedule", ["1f1b", "zb"])
 def test_activation_checkpointing_inside_stages(schedule):
     out = run_distributed(_pp_rank, 2, schedule, 1, 4, MICRO, None, True, timeout=300)

@@ -13,7 +13,7 @@ transport's poster thread ([Note: gloo p2p poster], process_group_transport.cpp)
 is sent as a detached alias and then deallocated at once (Megatron's deallocate_output_tensor): its
 autograd graph is kept and its backward runs through the engine directly (no shape check against
 the freed tensor). Outputs that autograd saved for backward are kept whole (seen through
-saved_tensors_hooks).
+saved_tensors_hooks in a stage's first forward of a micro-batch shape).
 """
 from __future__ import annotations
 
@@ -81,8 +81,8 @@ class Transfers:
                     sends.append(P2POp("send", head, peer, self._tag("F", a.stage, a.mb, True)))
                 for t in outs:
                     sends.append(P2POp("send", t.detach(), peer, self._tag("F", a.stage, a.mb)))
-                for t in outs:  # [Note: pipeline transfers] deallocate what autograd does not need
-                    if t.untyped_storage().data_ptr() not in saved and t._base is None:
+                for t, keep in zip(outs, saved):  # [Note: pipeline transfers] free what autograd does not need
+                    if not keep and t._base is None:
                         t.data = torch.empty(0, dtype=t.dtype, device=t.device)
             elif a.kind == "SEND_B":
                 for g in self._grads_in.pop((a.stage, a.mb)):
