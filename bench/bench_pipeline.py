@@ -63,7 +63,7 @@ TORCH = {"gpipe": {"torch": ("ScheduleGPipe", 1)}, "1f1b": {"torch": ("Schedule1
          "zb": {"torch": ("ScheduleInterleavedZeroBubble", 1), "torch_v2": ("ScheduleInterleavedZeroBubble", 2)}}
 ZEROFUSE_V = {"gpipe": 1, "1f1b": 1, "interleaved": 2, "zb": 1}
 CASES = [(pp, sched, prov) for pp in PPS for sched in TORCH for prov in [*TORCH[sched], "zerofuse"]]
-WARMUP, STEPS = 2, 20
+WARMUP, STEPS = 2, 40
 warnings.filterwarnings("ignore", message=".*is deprecated.*")
 
 

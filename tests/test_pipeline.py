@@ -11,10 +11,10 @@ STEPS = 10
 BATCH, SEQ, MICRO = 8, 16, 4
 
 
-def _cfg(n_layer=4):
+def _cfg(n_layer=4, tied=False):
     from zerofuse.models import GPTConfig
 
-    return GPTConfig(vocab_size=61, seq_len=SEQ, n_layer=n_layer, n_head=2, dim=32, mlp_ratio=2.0)
+    return GPTConfig(vocab_size=61, seq_len=SEQ, n_layer=n_layer, n_head=2, dim=32, mlp_ratio=2.0, tie_embeddings=tied)
 
 
 def _batches(steps=STEPS, batch=BATCH):
@@ -23,7 +23,7 @@ def _batches(steps=STEPS, batch=BATCH):
             for _ in range(steps)]
 
 
-def _reference(n_layer, steps=STEPS, batch=BATCH, split=1):
+def _reference(n_layer, steps=STEPS, batch=BATCH, split=1, tied=False):
     """Single-process training on the whole batch (split > 1: the same batch as that many
     accumulated micro-batches, the equally valid reordering assert_close_training allows for):
     losses and final params by name."""
@@ -31,7 +31,7 @@ def _reference(n_layer, steps=STEPS, batch=BATCH, split=1):
     from zerofuse.models import GPT
 
     torch.manual_seed(0)
-    model = GPT(_cfg(n_layer), seed=0)
+    model = GPT(_cfg(n_layer, tied), seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6)
     losses = []
     for idx, tgt in _batches(steps, batch):
@@ -46,29 +46,32 @@ def _reference(n_layer, steps=STEPS, batch=BATCH, split=1):
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def assert_matches_reference(out, n_layer, micro):
+def assert_matches_reference(out, n_layer, micro, tied=False):
     """Each rank's losses (rtol 1e-5) and params (the training-parity rule) against single-process
     training; every param of the model on exactly one rank."""
     from tolerances import assert_close_training
 
-    ref_losses, ref_params = _reference(n_layer)
-    _, alt_params = _reference(n_layer, split=micro)
+    ref_losses, ref_params = _reference(n_layer, tied=tied)
+    # tied: the weight's grad is also summed in another order (its two uses' grads on two ranks),
+    # so the reordering allowance takes the batch split several ways (tolerances.assert_close_training)
+    splits = sorted({micro, 2, BATCH}) if tied else [micro]
+    alts = [_reference(n_layer, split=k, tied=tied)[1] for k in splits]
     for rank, (losses, named, *_rest) in enumerate(out):
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
         for name, p in named.items():
-            assert_close_training(p, ref_params[name], alt_params[name], msg=f"rank {rank} {name}")
+            assert_close_training(p, ref_params[name], [a[name] for a in alts], msg=f"rank {rank} {name}")
     names = [n for _, named, *_rest in out for n in named]
     assert sorted(names) == sorted(ref_params)
 
 
-def _pp_rank(rank, ws, schedule, v, n_layer, microbatches, layout=None, recompute=False):
+def _pp_rank(rank, ws, schedule, v, n_layer, microbatches, layout=None, recompute=False, tied=False):
     import zerofuse  # noqa: F401
     from zerofuse.models import GPT
     from zerofuse.pipeline import Pipeline, split_gpt
 
     torch.manual_seed(0)
     with torch.device("meta"):
-        model = GPT(_cfg(n_layer), seed=0)
+        model = GPT(_cfg(n_layer, tied), seed=0)
     model.activation_checkpointing = recompute  # the stages run the model's blocks: recomputed in backward
     stages = split_gpt(model, ws * v, [rank + k * ws for k in range(v)], layout=layout, device="cpu")
     pipe = Pipeline(stages, schedule=schedule, microbatches=microbatches)
@@ -100,6 +103,16 @@ def test_schedule_matches_single_process(schedule, pp, v):
     sim = simulate(build_schedule(schedule, pp, micro, v), pp)
     for rank, (_, _, peak) in enumerate(out):  # live micro-batch activations per stage, as simulated
         assert peak == {s: sim.peak_live[s] for s in peak}, (rank, peak, sim.peak_live)
+
+
+@pytest.mark.parametrize("schedule,pp,v", [("1f1b", 2, 1), ("zb", 2, 1), ("interleaved", 2, 2), ("1f1b", 4, 1),
+                                          ("interleaved", 4, 2)])
+def test_tied_embeddings_across_stages_match_single_process(schedule, pp, v):
+    """GPT-2's tied embedding and output layer on the first and last stage's ranks: the last stage
+    reads a mirror of the weight, the first trains it on both uses' grads, as one process does."""
+    n_layer = 8 if pp * v > 4 else 4
+    out = run_distributed(_pp_rank, pp, schedule, v, n_layer, MICRO, None, False, True, timeout=300)
+    assert_matches_reference(out, n_layer, MICRO, tied=True)
 
 
 def _dealloc_rank(rank, ws, steps):

@@ -80,6 +80,34 @@ def test_pp2_checkpoint_consolidates_into_the_unsplit_model(stopped):
     assert len(state["optimizer"]["state"]) == len(list(model.parameters()))
 
 
+TIED = ["--model", "gpt2-124m", "--layers", "2", "--dim", "64", "--heads", "2", "--seq-len", "32", "--batch", "2",
+        "--steps", "4", "--ckpt-every", "2", "--eval-every", "2", "--sample-tokens", "0"]
+
+
+def test_tied_gpt2_job_at_pp2_matches_resumes_and_consolidates(tmp_path):
+    """GPT-2's tied embedding and output layer over two pipeline ranks (a mirror on the last
+    stage): the losses of the unsplit job; its checkpoint resumes at pp 1 with them and
+    consolidates into the unsplit model, head.weight tied to wte.weight."""
+    from zerofuse.models import GPT, config
+
+    _ok(run("--nproc", 1, "--grad-accum", 2, *TIED, "--out", tmp_path / "unsplit"))
+    _ok(run("--nproc", 2, "--pp", 2, "--microbatches", 2, *TIED, "--out", tmp_path / "pp2"))
+    _ok(run("--nproc", 2, "--pp", 2, "--microbatches", 2, *TIED, "--stop-after", 2, "--out", tmp_path / "resumed"),
+        128 + signal.SIGTERM)
+    state = zerofuse.checkpoint.consolidate(str(tmp_path / "resumed" / "ckpt"))
+    _ok(run("--nproc", 1, "--grad-accum", 2, *TIED, "--out", tmp_path / "resumed", "--resume"))
+    want = _losses(metrics(tmp_path / "unsplit"))
+    for name in ("pp2", "resumed"):
+        got = _losses(metrics(tmp_path / name))
+        assert sorted(got) == [1, 2, 3, 4], (name, got)
+        for step in want:
+            assert got[step] == pytest.approx(want[step], rel=1e-5), (name, step)
+    model = GPT(config("gpt2-124m", **state["extra"]["config"]))
+    assert sorted(state["model"]) == sorted(model.state_dict())
+    model.load_state_dict(state["model"])
+    assert model.head.weight is model.wte.weight and torch.equal(model.head.weight, state["model"]["wte.weight"])
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--nproc", 2, "--pp", 2, "--grad-accum", 2], "--grad-accum: expected 1 with --pp 2"),
     (["--nproc", 4, "--pp", 3], "--tp/--pp: expected tp × pp (1 × 3) to divide the number of ranks 4"),
@@ -91,7 +119,7 @@ def test_pp2_checkpoint_consolidates_into_the_unsplit_model(stopped):
      "--microbatches: expected >= 1, got 0"),
     (["--nproc", 2, "--pp", 2, "--layers", 4, "--pp-layout", "E,4,L"], "--pp-layout: expected 2 stages"),
     (["--nproc", 2, "--pp", 2, "--layers", 4, "--pp-layout", "E3,2L"], "--pp-layout: "),
-    (["--nproc", 2, "--pp", 2, "--model", "gpt2-124m"], "ties its embedding and output layer"),
+    (["--nproc", 2, "--pp", 2, "--model", "gpt2-124m", "--zero-stage", 3], "--zero-stage: the gpt2-124m model ties"),
     (["--nproc", 2, "--microbatches", 4], "--microbatches/--virtual-stages/--pp-layout: expected --pp > 1"),
     (["--nproc", 8, "--pp", 8, "--layers", 4], "--pp: expected at most 6 stages for 4 layers"),
 ])

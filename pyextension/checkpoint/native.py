@@ -131,7 +131,8 @@ def _meta(eng, model, optimizer) -> dict:
         "tables": [_table(eng, r) for r in range(_saving_ranks(eng))],
         # state_dict names of params shared under another name (tied weights)
         "aliases": {n: eng.names[eng.param_index[id(t)]] for n, t in model.state_dict(keep_vars=True).items()
-                    if id(t) in eng.param_index and n not in eng.names},
+                    if id(t) in eng.param_index and n not in eng.names}
+        | {a: n for a, n in getattr(model, "state_dict_aliases", {}).items() if n in eng.names},  # e.g. a pipeline stage's
         "optimizer": None if optimizer is None else {
             "kind": optimizer.kind,
             "state_keys": sorted(k for k in optimizer.unit_states[0] if k != "master") if optimizer.unit_states else [],

@@ -117,6 +117,13 @@ class Pipeline(Transfers):
         if zero3_reshard not in ("microbatch", "step"):
             raise ValueError(f"{NAME}: expected zero3_reshard 'microbatch' or 'step', got {zero3_reshard!r}")
         self._hold = [e for e in engines if e is not None and e.stage == 3] if zero3_reshard == "step" else []
+        # tied embeddings over two ranks ([Note: tied embeddings across stages], transfers.py)
+        tied = {s.tied[0]: s.tied[1] for s in stages if getattr(s, "tied", None) is not None}
+        self._tied_source, self._tied_mirror = tied.get("source"), tied.get("mirror")
+        if tied and any(e is not None and e.stage == 3 for e in engines):
+            raise ValueError(f"{NAME}: tied embeddings split over two pipeline ranks need the first stage's weight "
+                             "whole to send it; expected ZeRO stage 0, 1 or 2, got ZeRO-3 (or untie them: "
+                             "GPTConfig(tie_embeddings=False))")
         self._specs: dict = {}  # (stage, micro-batch shape) -> [(shape, dtype)] of its output
         self._saved_outputs: dict = {}  # (stage, micro-batch shape, training) -> per output: saved by autograd
         self._split = schedule == "zb"
@@ -132,6 +139,8 @@ class Pipeline(Transfers):
                         self._once.setdefault(s.index, []).extend(own)
                         continue
                     self._hooks.append(mod.register_forward_hook(self._record_output))
+            if self._tied_mirror is not None:  # the fused head's mirror weight: its grads come in I
+                self._once.setdefault(num - 1, []).append(self._tied_mirror)
         self._recording: list | None = None
         # per step, measured: seconds of compute (F/B/I/W) and of the whole step, live activations
         self.compute_seconds = 0.0
@@ -188,6 +197,8 @@ class Pipeline(Transfers):
                 live[a.stage] += 1
                 self.peak_live[a.stage] = max(self.peak_live[a.stage], live[a.stage])
             elif a.kind in ("B", "I", "W"):
+                if self._tied_source is not None and a.stage == 0 and i == self._last_backward[0]:
+                    self._add_tied_grad()
                 with self._sync_ctx(a.stage, i):
                     getattr(self, "_backward_" + a.kind)(a)
                 if a.kind != "W":
@@ -198,9 +209,13 @@ class Pipeline(Transfers):
             self.timeline.append((str(a), t0 - t_step, t1 - t_step))
         if pending_comm:
             self._communicate(pending_comm)
+        if self._tied_mirror is not None:
+            self._send_tied_grad()
         for w in self._sends:
             w.wait()
         self._sends = []
+        if self._tied_mirror is not None:
+            self._tied_mirror.grad = None  # sent: the first stage's weight holds the sum
         # the schedule's time: the loss's broadcast below is reporting, not part of it
         self.compute_seconds, self.step_seconds = compute, time.perf_counter() - t_step
         return self._mean_loss()
@@ -327,7 +342,8 @@ class Pipeline(Transfers):
         for p, g in zip(params, grads):
             if g is not None:
                 p.grad = g if p.grad is None else p.grad + g
-                done.append(p)
+                if p is not self._tied_mirror:  # the mirror is no param of any optimizer or ZeRO stage
+                    done.append(p)
         eng = self._engine or getattr(self.stages[stage], "_zerofuse_zero", None)
         if eng is not None and done:
             eng.grads_ready(done)

@@ -13,6 +13,14 @@ ids) and returns a tuple of tensors for the next stage, or, on the last stage, t
   ``nn.Sequential``), each module called on the previous one's output, and a ``loss_fn(output,
   targets)`` on the last stage.
 
+Tied embeddings (``GPTConfig(tie_embeddings=True)``, the gpt2-* presets): when the last stage is
+on another rank than the first, its output layer reads a *mirror* of ``wte.weight``: a
+non-persistent buffer (not a parameter: no optimizer, ZeRO or checkpoint sees it) that
+``zerofuse.pipeline.Pipeline`` fills from the first stage's weight every step and whose grad it
+adds into the first stage's before that stage's last backward, so the one real weight is trained
+on the sum of both uses, as in the unsplit model (Megatron's embedding group does the same with an
+all-reduce). ``Stage.tied`` names the pair on both sides.
+
 Only the stage's own modules are materialized: a model built under ``torch.device("meta")`` gets
 just this stage's params allocated and initialised (the model's ``param_init_fn`` per module);
 the params of stages this rank does not hold are moved to the meta device, so no rank keeps the
@@ -46,6 +54,12 @@ class Stage(torch.nn.Module):
         self.parts = [name for name, _ in parts]
         self._run = run
         self.index, self.num_stages = index, num_stages
+        # tied embeddings split over two ranks (see the module docstring): the first stage's real
+        # weight ("source") or the last stage's mirror of it ("mirror"), else None
+        self.tied: tuple[str, torch.Tensor] | None = None
+        # state_dict names of the unsplit model that a param here also goes by (its tied uses held
+        # elsewhere): checkpoints record them, so the consolidated state_dict is the unsplit model's
+        self.state_dict_aliases: dict[str, str] = {}
 
     @property
     def is_first(self) -> bool:
@@ -71,7 +85,10 @@ def merge_stages(stages: Sequence[Stage]) -> Stage:
     def run(*_a, **_k):
         raise RuntimeError(f"{NAME}: a merged stage holds params; run its stages through zerofuse.pipeline.Pipeline")
 
-    return Stage(parts, run, -1, stages[0].num_stages)
+    merged = Stage(parts, run, -1, stages[0].num_stages)
+    for s in stages:
+        merged.state_dict_aliases.update(s.state_dict_aliases)
+    return merged
 
 
 def _part_modules(stage: Stage) -> list[torch.nn.Module]:
@@ -201,15 +218,12 @@ def split_gpt(model, num_stages: int, stage_ids: Sequence[int], *, layout=None, 
     cfg = model.config
     if not isinstance(num_stages, int) or num_stages < 1:
         raise ValueError(f"{NAME}: expected the number of stages to be an int >= 1, got {num_stages!r}")
-    if cfg.tie_embeddings and num_stages > 1:
-        raise ValueError(f"{NAME}: a GPT with tied embeddings (tie_embeddings=True, e.g. the gpt2-* presets) cannot "
-                         f"be split into {num_stages} stages yet: the embedding and the output layer would live on "
-                         "different ranks; untie them (GPTConfig(tie_embeddings=False)) to pipeline it")
     if layout is None:
         per_block = sum(p.numel() for p in model.blocks[0].parameters())
         first = sum(p.numel() for m in (model.wte, model.wpe) if m is not None for p in m.parameters())
+        # a tied output layer still costs the last stage its weight's memory (the mirror) and GEMMs
         last = sum(p.numel() for m in (model.norm, model.head) for p in m.parameters(recurse=True)
-                   if not (cfg.tie_embeddings and p is model.wte.weight))
+                   if not (cfg.tie_embeddings and p is model.wte.weight and num_stages == 1))
         plan = balanced_layout(cfg.n_layer, num_stages, per_block, first, last)
     else:
         plan = parse_layout(layout, cfg.n_layer)
@@ -230,8 +244,27 @@ def split_gpt(model, num_stages: int, stage_ids: Sequence[int], *, layout=None, 
         _materialize([m for _, m in parts], device, getattr(model, "param_init_fn", None))
         kept.update(id(p) for _, m in parts for p in m.parameters())
         stages.append(Stage(parts, _gpt_runner(model, emb, [model.blocks[i] for i in blocks], head), s, num_stages))
+    ends = {plan_s for plan_s in (0, num_stages - 1) if plan_s in stage_ids}
+    if cfg.tie_embeddings and num_stages > 1 and len(ends) == 1:  # the two uses on two ranks
+        (end,) = ends
+        stage = stages[list(stage_ids).index(end)]
+        if end == 0:
+            stage.tied = ("source", model.wte.weight)
+            stage.state_dict_aliases["head.weight"] = "wte.weight"
+        else:
+            stage.tied = ("mirror", _mirror(model.head, "weight"))
+            kept.discard(id(model.wte.weight))
     _release([model], kept)
     return stages
+
+
+def _mirror(module: torch.nn.Module, name: str) -> torch.Tensor:
+    """module.<name>, a parameter, becomes a non-persistent buffer over the same values (a leaf
+    that takes grads; not in parameters() or the state_dict)."""
+    param = module._parameters.pop(name)
+    mirror = param.detach().requires_grad_(param.requires_grad)
+    module.register_buffer(name, mirror, persistent=False)
+    return mirror
 
 
 def _gpt_runner(model, emb: bool, blocks: list, head: bool) -> Callable:

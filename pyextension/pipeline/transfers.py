@@ -14,6 +14,19 @@ is sent as a detached alias and then deallocated at once (Megatron's deallocate_
 autograd graph is kept and its backward runs through the engine directly (no shape check against
 the freed tensor). Outputs that autograd saved for backward are kept whole (seen through
 saved_tensors_hooks in a stage's first forward of a micro-batch shape).
+
+[Note: tied embeddings across stages] When the first stage (the token embedding) and the last (the
+output layer tied to it) are on different ranks, the last holds a mirror of the weight
+(zerofuse.pipeline.stage). Each step the first stage sends its weight with its first forward's
+activations (SEND_F of micro-batch 0: after that forward, so a ZeRO-1/2 all-gather of the updated
+weight has been waited for), received into the mirror with RECV_F of micro-batch 0 of the last
+stage, before the mirror is read. At the end of its step the last stage's rank sends the mirror's
+grad (summed over its micro-batches, before any data-parallel reduction); the first stage adds it
+into its weight's .grad just before its last backward of the step, so ZeRO (which reduces during
+that backward) and the grad norm see the weight's whole grad once. Both transfers come after every
+other transfer of their pair on the sending side and are received after every other one on the
+receiving side, so NCCL's per-pair order agrees too. Cost: the weight's bytes twice per step
+between the two ranks, as Megatron's embedding all-reduce.
 """
 from __future__ import annotations
 
@@ -52,7 +65,31 @@ class Transfers:
             bufs = tuple(torch.empty(s, dtype=d, device=self._device) for (s, d), o in zip(spec, entry[0])
                          if o.requires_grad)
             tag = self._tag("B", a.stage + 1, a.mb)
-        return (a.kind[-1], a.stage, a.mb), bufs, [P2POp("recv", b, peer, tag) for b in bufs]
+        ops = [P2POp("recv", b, peer, tag) for b in bufs]
+        if a.kind == "RECV_F" and self._tied_mirror is not None and a.stage == self.num_stages - 1 and a.mb == 0:
+            ops.append(self._tied_weight_op())  # [Note: tied embeddings across stages]
+        return (a.kind[-1], a.stage, a.mb), bufs, ops
+
+    def _tied_tag(self, what: str) -> int:
+        """Tags after every schedule transfer's ([Note: tied embeddings across stages])."""
+        return 4 * self.num_stages * self.m + (what == "grad")
+
+    def _tied_weight_op(self) -> P2POp:
+        """The mirror's receive of the first stage's weight (last stage's rank)."""
+        return P2POp("recv", self._tied_mirror.detach(), stage_to_rank(0, self.p), self._tied_tag("weight"))
+
+    def _send_tied_grad(self) -> None:
+        g = self._tied_mirror.grad
+        g = torch.zeros_like(self._tied_mirror) if g is None else g.contiguous()
+        self._sends.append(self.comm.batch_p2p([P2POp("send", g, stage_to_rank(0, self.p), self._tied_tag("grad"))]))
+
+    def _add_tied_grad(self) -> None:
+        """The mirror's grad into the first stage's weight, before its last backward of the step."""
+        w = self._tied_source
+        g = torch.empty_like(w, memory_format=torch.contiguous_format)
+        last = stage_to_rank(self.num_stages - 1, self.p)
+        self.comm.batch_p2p([P2POp("recv", g, last, self._tied_tag("grad"))]).wait()
+        w.grad = g if w.grad is None else w.grad.add_(g)
 
     def _peer(self, a) -> int:
         return a.peer if a.peer >= 0 else stage_to_rank(a.stage + (1 if a.kind.endswith("F") else -1), self.p)
@@ -81,6 +118,9 @@ class Transfers:
                     sends.append(P2POp("send", head, peer, self._tag("F", a.stage, a.mb, True)))
                 for t in outs:
                     sends.append(P2POp("send", t.detach(), peer, self._tag("F", a.stage, a.mb)))
+                if self._tied_source is not None and a.stage == 0 and a.mb == 0:
+                    last = stage_to_rank(self.num_stages - 1, self.p)
+                    sends.append(P2POp("send", self._tied_source.detach(), last, self._tied_tag("weight")))
                 for t, keep in zip(outs, saved):  # [Note: pipeline transfers] free what autograd does not need
                     if not keep and t._base is None:
                         t.data = torch.empty(0, dtype=t.dtype, device=t.device)

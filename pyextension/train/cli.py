@@ -229,8 +229,9 @@ def _validate_model(args) -> None:
            f"--seq-len: expected a multiple of --tp ({tp}) with --sequence-parallel, got {shape['seq_len']}")
     if args.pp > 1:
         stages, layers = args.pp * args.virtual_stages, shape["n_layer"]
-        _check(not shape.get("tie_embeddings"), f"--pp: the {name} model ties its embedding and output layer, which "
-                                               f"cannot be split over pipeline stages yet; got --pp {args.pp}")
+        _check(not shape.get("tie_embeddings") or args.zero_stage != 3,
+               f"--zero-stage: the {name} model ties its embedding and output layer, whose weight the first "
+               f"pipeline stage sends to the last each step whole: expected 0, 1 or 2 with --pp {args.pp}, got 3")
         if args.pp_layout is None:
             _check(stages <= layers + 2, f"--pp: expected at most {layers + 2} stages for {layers} layers (--layers), "
                                          f"got pp × virtual stages = {stages}")
