@@ -189,3 +189,44 @@ def rotary_embedding(x, cos, sin, positions=None, interleaved=False):
     o1, o2 = x1 * c - x2 * s, x2 * c + x1 * s
     rot = torch.stack([o1, o2], dim=-1).flatten(-2) if interleaved else torch.cat([o1, o2], dim=-1)
     return torch.cat([rot, x[..., 2 * half:]], dim=-1)
+
+
+def moe_route(logits, top_k, score="softmax", normalize=True, bias=None):
+    """Top-k routing of logits [T, E] in float64 (fp32 or better): (weights [T, k], experts [T, k]).
+    The choice uses score + bias (aux-loss-free balancing: bias steers, never weighs)."""
+    z = logits.double()
+    scores = torch.softmax(z, dim=-1) if score == "softmax" else torch.sigmoid(z)
+    choice = scores if bias is None else scores + bias.double()
+    experts = torch.topk(choice, top_k, dim=-1, sorted=True).indices
+    weights = scores.gather(1, experts)
+    if normalize and top_k > 1:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return weights, experts
+
+
+def moe_permute(x, experts, num_experts):
+    """Rows of x [T, d] repeated per choice and grouped by expert, stable in (token, slot) order;
+    choices with expert -1 (dropped) at the end as zero rows: (out [T*k, d], counts [E])."""
+    t, k = experts.shape
+    rows = [[] for _ in range(num_experts)]
+    for i in range(t):
+        for s in range(k):
+            e = int(experts[i, s])
+            if e >= 0:
+                rows[e].append(x[i])
+    kept = [r for e in rows for r in e]
+    out = torch.zeros(t * k, x.shape[1], dtype=x.dtype)
+    if kept:
+        out[:len(kept)] = torch.stack(kept)
+    return out, torch.tensor([len(r) for r in rows])
+
+
+def moe_unpermute(y, experts, weights, num_experts):
+    """The inverse of moe_permute(., experts) combined with weights [T, k]: out[t] = sum over kept
+    choices s of weights[t, s] * (the row choice (t, s) went to), in the weights' dtype."""
+    t, k = experts.shape
+    order = sorted(((int(experts[i, s]), i, s) for i in range(t) for s in range(k) if experts[i, s] >= 0))
+    out = torch.zeros(t, y.shape[1], dtype=weights.dtype)
+    for r, (_, i, s) in enumerate(order):
+        out[i] = out[i] + weights[i, s] * y[r].to(weights.dtype)
+    return out

@@ -45,6 +45,7 @@ from zerofuse.ops import attention  # noqa: E402,F401
 from zerofuse.ops import linear_cross_entropy  # noqa: E402,F401
 from zerofuse.ops import swiglu  # noqa: E402,F401
 from zerofuse.ops import rotary  # noqa: E402,F401
+from zerofuse.ops import moe  # noqa: E402,F401
 from zerofuse.ops.adam import adam_  # noqa: E402
 from zerofuse.ops.l2norm import l2norm  # noqa: E402
 from zerofuse.ops.lamb import lamb_, lamb_stage1_, lamb_stage2_  # noqa: E402

@@ -1,0 +1,87 @@
+"""A Mixture-of-Experts MLP: route, permute, grouped expert MLPs, unpermute with the router's
+weights (+ an optional shared expert). Expert parallelism (experts over an ep group, all-to-all
+dispatch) builds on the same permute/unpermute ops.
+
+    moe = MoE(dim, hidden, num_experts=8, top_k=2, activation="swiglu", aux_loss_coef=1e-2)
+    y = moe(x)                       # x [..., dim]; moe.aux_loss: the router's aux + z losses of this call
+
+Expert weights are stacked: w1 [E, dim, hidden] (swiglu: [E, dim, 2 * hidden], gate then up), w2
+[E, hidden, dim]. The grouped GEMM is ``torch._grouped_mm`` over the permuted rows (expert e's
+rows are one contiguous group of counts[e]; no host sync) where the installed torch has it and
+the rows' strides are 16-byte multiples, else a loop over the experts (one host sync for the
+counts).
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from zerofuse.moe.router import Router
+from zerofuse.nn.mlp import geglu, swiglu
+from zerofuse.ops.moe import moe_permute, moe_unpermute
+
+NAME = "zerofuse.moe.MoE"
+_ACTIVATIONS = ("gelu", "swiglu", "geglu")
+
+
+def _aligned(*tensors: Tensor) -> bool:
+    return all(t.stride(-2) * t.element_size() % 16 == 0 and t.stride(-1) == 1 for t in tensors)
+
+
+def grouped_mm(x: Tensor, w: Tensor, counts: Tensor) -> Tensor:
+    """x [R, a] whose first counts[0] rows go to w[0], the next counts[1] to w[1], ... (rows past
+    sum(counts) are zeros in the output); w [E, a, b] -> [R, b]."""
+    if hasattr(torch, "_grouped_mm") and x.dtype in (torch.float32, torch.bfloat16) and _aligned(x, w):
+        offs = counts.cumsum(0).to(torch.int32)
+        out = torch._grouped_mm(x, w, offs=offs)
+        rows = torch.arange(x.shape[0], device=x.device)
+        return torch.where((rows < offs[-1]).unsqueeze(1), out, 0)  # rows past the groups are undefined there
+    out, start = x.new_zeros(x.shape[0], w.shape[2]), 0
+    for e, n in enumerate(counts.tolist()):
+        if n:
+            out[start:start + n] = x[start:start + n] @ w[e]
+        start += n
+    return out
+
+
+class MoE(torch.nn.Module):
+    def __init__(self, dim: int, hidden: int, num_experts: int, top_k: int, *, activation: str = "gelu",
+                 shared_expert: bool = False, **router_options):
+        super().__init__()
+        if activation not in _ACTIVATIONS:
+            raise ValueError(f"{NAME}: expected activation one of {_ACTIVATIONS}, got {activation!r}")
+        if dim < 1 or hidden < 1:
+            raise ValueError(f"{NAME}: expected dim and hidden >= 1, got {dim}, {hidden}")
+        self.router = Router(dim, num_experts, top_k, **router_options)
+        self.activation, self.hidden = activation, hidden
+        gated = activation != "gelu"
+        self.w1 = torch.nn.Parameter(torch.empty(num_experts, dim, hidden * (2 if gated else 1)))
+        self.w2 = torch.nn.Parameter(torch.empty(num_experts, hidden, dim))
+        torch.nn.init.normal_(self.w1, std=0.02)
+        torch.nn.init.normal_(self.w2, std=0.02)
+        self.shared = None
+        if shared_expert:
+            from zerofuse.nn import GatedMLP
+
+            self.shared = GatedMLP(dim, hidden, activation="gelu_tanh" if activation == "geglu" else "silu")
+        self.aux_loss: Tensor | None = None
+
+    def expert_mlp(self, rows: Tensor, counts: Tensor) -> Tensor:
+        h = grouped_mm(rows, self.w1.to(rows.dtype), counts)
+        if self.activation == "gelu":
+            h = torch.nn.functional.gelu(h, approximate="tanh")
+        else:
+            gate, up = h[:, :self.hidden], h[:, self.hidden:]
+            h = (swiglu if self.activation == "swiglu" else geglu)(gate, up)
+        return grouped_mm(h.contiguous(), self.w2.to(rows.dtype), counts)
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        r = self.router(flat)
+        self.aux_loss = r.aux_loss + r.z_loss
+        rows, pos, src, counts = moe_permute(flat, r.experts, self.router.num_experts)
+        y = moe_unpermute(self.expert_mlp(rows, counts), pos, src, r.weights).to(x.dtype)
+        if self.shared is not None:
+            y = y + self.shared(flat)
+        return y.reshape(shape)

@@ -1,0 +1,112 @@
+"""The MoE router: which k experts each token goes to, with what weight, and the balancing terms.
+
+Scores in fp32 (Megatron-Core's fp32 router): softmax or sigmoid of x @ W^T. The top k by score
+(+ a per-expert bias for aux-loss-free balancing, DeepSeek-V3: the bias steers the choice, never
+the weight), weights normalised over the k when asked. Balancing:
+
+- aux loss (Switch / GShard): coef * E * sum_e f_e * P_e, f_e the fraction of the T * k choices that
+  went to e, P_e the mean score of e (the scores normalised per token for sigmoid);
+- z-loss (ST-MoE): coef * mean_t logsumexp(logits_t)^2;
+- aux-loss-free bias: ``update_bias()`` (call it before optimizer.step()) moves each expert's bias
+  by rate * sign(mean load - its load), the loads summed over ``group`` first;
+- capacity: capacity_factor > 0 keeps at most ceil(cf * T * k / E) choices per expert, the first
+  in token order, and drops the rest (expert -1: zerofuse.ops.moe skips them); 0: dropless.
+
+Per-step statistics stay on the device (``last_load``: choices per expert, ``last_dropped``).
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+NAME = "zerofuse.moe.Router"
+
+
+class Routing(NamedTuple):
+    weights: Tensor  # [T, k] fp32
+    experts: Tensor  # [T, k] int64, -1 where dropped
+    aux_loss: Tensor  # scalar fp32, the coefficients applied (0 when off)
+    z_loss: Tensor
+
+
+class Router(torch.nn.Module):
+    def __init__(self, dim: int, num_experts: int, top_k: int, *, score: str = "softmax", normalize: bool = True,
+                 aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0, bias_update_rate: float = 0.0,
+                 capacity_factor: float = 0.0, group=None):
+        super().__init__()
+        if num_experts < 1:
+            raise ValueError(f"{NAME}: expected num_experts >= 1, got {num_experts}")
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"{NAME}: expected 1 <= top_k <= num_experts ({num_experts}), got {top_k}")
+        if score not in ("softmax", "sigmoid"):
+            raise ValueError(f"{NAME}: expected score 'softmax' or 'sigmoid', got {score!r}")
+        for name, v in (("aux_loss_coef", aux_loss_coef), ("z_loss_coef", z_loss_coef),
+                        ("bias_update_rate", bias_update_rate), ("capacity_factor", capacity_factor)):
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+                raise ValueError(f"{NAME}: expected {name} >= 0, got {v!r}")
+        self.num_experts, self.top_k, self.score, self.normalize = num_experts, top_k, score, normalize
+        self.aux_loss_coef, self.z_loss_coef = float(aux_loss_coef), float(z_loss_coef)
+        self.bias_update_rate, self.capacity_factor, self.group = float(bias_update_rate), float(capacity_factor), group
+        self.weight = torch.nn.Parameter(torch.empty(num_experts, dim))
+        torch.nn.init.normal_(self.weight, std=0.02)
+        self.register_buffer("expert_bias", torch.zeros(num_experts), persistent=bias_update_rate > 0)
+        self.last_load: Tensor | None = None  # choices per expert in the last forward (before dropping)
+        self.last_dropped: Tensor | None = None
+        self._load_sum: Tensor | None = None  # since the last update_bias()
+
+    def forward(self, x: Tensor) -> Routing:
+        """x [T, dim] -> Routing."""
+        if x.dim() != 2 or x.shape[1] != self.weight.shape[1]:
+            raise ValueError(f"{NAME}: expected x [tokens, {self.weight.shape[1]}], got {list(x.shape)}")
+        logits = x.float() @ self.weight.float().t()
+        scores = torch.softmax(logits, -1) if self.score == "softmax" else torch.sigmoid(logits)
+        choice = scores + self.expert_bias if self.bias_update_rate > 0 else scores
+        experts = torch.topk(choice.detach(), self.top_k, dim=-1, sorted=True).indices
+        weights = scores.gather(1, experts)
+        if self.normalize and self.top_k > 1:
+            weights = weights / weights.sum(-1, keepdim=True)
+        e = self.num_experts
+        load = torch.bincount(experts.reshape(-1), minlength=e)
+        zero = logits.new_zeros(())
+        aux = zero
+        if self.aux_loss_coef > 0:
+            p = scores if self.score == "softmax" else scores / scores.sum(-1, keepdim=True)
+            frac = load.float() / max(experts.numel(), 1)
+            aux = self.aux_loss_coef * e * (frac * p.mean(0)).sum()
+        z = self.z_loss_coef * torch.logsumexp(logits, -1).pow(2).mean() if self.z_loss_coef > 0 else zero
+        dropped = torch.zeros((), dtype=torch.int64, device=x.device)
+        if self.capacity_factor > 0:
+            experts, dropped = self._drop(experts)
+        self.last_load, self.last_dropped = load, dropped
+        if self.training and self.bias_update_rate > 0:
+            self._load_sum = load if self._load_sum is None else self._load_sum + load
+        return Routing(weights, experts, aux, z)
+
+    def capacity(self, tokens: int) -> int:
+        return math.ceil(self.capacity_factor * tokens * self.top_k / self.num_experts)
+
+    def _drop(self, experts: Tensor) -> tuple[Tensor, Tensor]:
+        """Choices past an expert's capacity in (token, slot) order become -1."""
+        t, k = experts.shape
+        flat = experts.reshape(-1)
+        onehot = torch.nn.functional.one_hot(flat, self.num_experts)
+        rank = (onehot.cumsum(0) * onehot).sum(1) - 1  # this choice's place among its expert's
+        keep = rank < self.capacity(t)
+        return torch.where(keep, flat, -1).view(t, k), (~keep).sum()
+
+    @torch.no_grad()
+    def update_bias(self) -> None:
+        """Aux-loss-free balancing: each expert's bias moves by rate * sign(mean load - its load),
+        the loads of the forwards since the last call summed over ``group``; call it once per step
+        before the optimizer step."""
+        if self.bias_update_rate <= 0 or self._load_sum is None:
+            return
+        load = self._load_sum.float()
+        if self.group is not None and dist.get_world_size(self.group) > 1:
+            dist.all_reduce(load, group=self.group)
+        self.expert_bias.add_(self.bias_update_rate * torch.sign(load.mean() - load))
+        self._load_sum = None
