@@ -96,5 +96,7 @@ PYBIND11_MODULE(_C, m) {
             for (const auto& [send, tensor, peer, tag] : ops) list.push_back({send, tensor, peer, tag});
             return c.batch_p2p(list);
           },
-          py::arg("ops"), py::call_guard<py::gil_scoped_release>());
+          py::arg("ops"), py::call_guard<py::gil_scoped_release>())
+      .def("all_to_all", &Communicator::all_to_all, py::arg("out"), py::arg("input"), py::arg("out_splits"),
+           py::arg("in_splits"), py::call_guard<py::gil_scoped_release>());
 }

@@ -130,6 +130,11 @@ class Transport {
   // every op of the batch posted together (NCCL: one ncclGroupStart/End of ncclSend/ncclRecv on
   // the p2p stream; c10d: isend/irecv); the Work completes when all have
   virtual std::shared_ptr<Work> p2p(const std::vector<P2POp>& ops, const std::string& what) = 0;
+  // rows of `in` to every rank, in_splits[r] rows to rank r in rank order; `out` gets out_splits[r]
+  // rows from rank r (in, out: contiguous, [rows, ...] of one row size)
+  virtual std::shared_ptr<Work> all_to_all(const at::Tensor& out, const at::Tensor& in,
+                                           const std::vector<int64_t>& out_splits,
+                                           const std::vector<int64_t>& in_splits, const std::string& what) = 0;
   // AVG is done by the transport (true) or by the communicator as SUM then a scale (false)
   virtual bool native_avg() const { return false; }
   // Reduce-scatter is faster and lighter as an in-place all-reduce of the flat buffer, then a
@@ -186,6 +191,12 @@ class Communicator {
   // collective checker's numbering; messages number them per communicator as "batch_p2p #n".
   std::shared_ptr<Work> batch_p2p(const std::vector<P2POp>& ops);
   int64_t p2p_sequence() const { return p2p_seq_; }
+  // All-to-all with per-rank row counts (csrc/comm/all_to_all.cpp): a collective (every rank of
+  // the group calls it, in the same order as the others), e.g. MoE's token dispatch and combine.
+  std::shared_ptr<Work> all_to_all(const at::Tensor& out,  // [sum(out_splits), ...] contiguous, written at wait()
+                                   const at::Tensor& in,  // [sum(in_splits), ...] contiguous, out's row size
+                                   const std::vector<int64_t>& out_splits,  // (world_size,) rows from each rank
+                                   const std::vector<int64_t>& in_splits);  // (world_size,) rows to each rank
   // Fuse the collectives issued in between into one launch where the transport can (NCCL: e.g.
   // every bucket's reduce-scatter in one ncclGroupStart/End). Their Works may be waited for
   // only after group_end().

@@ -224,6 +224,32 @@ class NcclTransport : public Transport {
     });
   }
 
+  // every pair's ncclSend/ncclRecv in one group, on the collective stream (it is a collective:
+  // all ranks issue it in the same order as their other collectives)
+  std::shared_ptr<Work> all_to_all(const at::Tensor& out, const at::Tensor& in, const std::vector<int64_t>& out_splits,
+                                   const std::vector<int64_t>& in_splits, const std::string& what) override {
+    const ncclDataType_t type = nccl_type(in.scalar_type());
+    const int64_t rows = std::max<int64_t>(in.dim() ? in.size(0) : 0, out.dim() ? out.size(0) : 0);
+    const int64_t row = rows ? std::max(in.numel(), out.numel()) / rows : 1;
+    const int64_t bytes = row * static_cast<int64_t>(in.element_size());
+    return launch(rs_stream_, what, {in, out}, [this, in, out, out_splits, in_splits, type, row, bytes](cudaStream_t s) {
+      ncclResult_t first = ncclSuccess;
+      int64_t at_in = 0, at_out = 0;
+      for (size_t peer = 0; peer < in_splits.size(); ++peer) {
+        char* src = static_cast<char*>(in.data_ptr()) + at_in * bytes;
+        char* dst = static_cast<char*>(out.data_ptr()) + at_out * bytes;
+        const ncclResult_t a = ncclSend(src, in_splits[peer] * row, type, static_cast<int>(peer), comm_, s);
+        const ncclResult_t b = ncclRecv(dst, out_splits[peer] * row, type, static_cast<int>(peer), comm_, s);
+        for (ncclResult_t r : {a, b}) {
+          if (first == ncclSuccess && r != ncclSuccess && r != ncclInProgress) first = r;
+        }
+        at_in += in_splits[peer];
+        at_out += out_splits[peer];
+      }
+      return first;
+    });
+  }
+
   // ncclSend/ncclRecv in one group on the p2p stream (NCCL matches a pair's transfers by order:
   // the two ranks must post them alike; tags are not used)
   std::shared_ptr<Work> p2p(const std::vector<P2POp>& ops, const std::string& what) override {

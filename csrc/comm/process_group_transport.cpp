@@ -198,6 +198,18 @@ class ProcessGroupTransport : public Transport {
     return submit(what, launches);
   }
 
+  std::shared_ptr<Work> all_to_all(const at::Tensor& out, const at::Tensor& in, const std::vector<int64_t>& out_splits,
+                                   const std::vector<int64_t>& in_splits, const std::string& what) override {
+    c10d::AllToAllOptions opts;
+    opts.timeout = timeout_;
+    auto pg = pg_;
+    return submit(what, {[pg, out, in, out_splits, in_splits, opts]() {
+                    at::Tensor o = out, i = in;
+                    std::vector<int64_t> os = out_splits, is = in_splits;
+                    return pg->alltoall_base(o, i, os, is, opts);
+                  }});
+  }
+
   // c10d send/recv (gloo: matched by source and tag, so the order of a pair's transfers need not
   // agree between the two ranks), posted by the poster thread on gloo ([Note: gloo p2p poster]),
   // at once otherwise

@@ -292,6 +292,37 @@ class Communicator:
             self._checked_p2p(ops)
         return Work(self._c.batch_p2p([(o.op == "send", o.tensor, int(o.peer), int(o.tag)) for o in ops]))
 
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, output_splits: Sequence[int],
+                   input_splits: Sequence[int]) -> Work:
+        """Rows of ``input`` to every rank (``input_splits[r]`` rows to rank r, in rank order) and
+        ``output_splits[r]`` rows from each rank r into ``output`` (written at ``wait()``); both
+        contiguous, of one row shape and dtype. A collective: every rank calls it in the same order.
+        ZEROFUSE_CHECK_COLLECTIVES=1 also checks that each rank receives what the others send."""
+        in_s, out_s = [int(n) for n in input_splits], [int(n) for n in output_splits]
+        if self.check:
+            self._checked("all_to_all", dtype=str(input.dtype), row_shape=tuple(input.shape[1:]))
+            self._check_splits(in_s, out_s)
+        return Work(self._c.all_to_all(output, input, out_s, in_s))
+
+    def _check_splits(self, in_s: list[int], out_s: list[int]) -> None:
+        """Rank r's out_splits[s] must be rank s's in_splits[r], for every pair: every rank checks
+        the whole matrix, so all of them raise on a mismatch (none is left waiting in the call)."""
+        seq = self._c.sequence
+        prefix = f"{self._uid}/a2a/{seq}/"
+        self.store.set(prefix + str(self.rank), ",".join(map(str, in_s)) + ";" + ",".join(map(str, out_s)))
+        keys = [prefix + str(r) for r in range(self.world_size)]
+        self.store.wait(keys, datetime.timedelta(seconds=self.timeout))
+        ins, outs = zip(*([[int(n) for n in part.split(",")] for part in self.store.get(k).decode().split(";")]
+                          for k in keys))
+        bad = [(s, r) for r in range(self.world_size) for s in range(self.world_size)
+               if len(ins[s]) != self.world_size or len(outs[r]) != self.world_size or ins[s][r] != outs[r][s]]
+        if bad:
+            s, r = bad[0]
+            raise CollectiveMismatch(
+                f"zerofuse.comm: all_to_all #{seq} differs across ranks: rank {s} sends "
+                f"{ins[s][r] if len(ins[s]) > r else None} rows to rank {r}, which expects "
+                f"{outs[r][s] if len(outs[r]) > s else None} (rank pairs (sender, receiver) that differ: {bad})")
+
     def _checked_p2p(self, ops: list[P2POp]) -> None:
         """Publish each transfer's signature under its pair's own count, then compare with the
         peer's: every key is set before any wait, so a batch that sends and receives cannot wait

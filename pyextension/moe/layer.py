@@ -1,6 +1,8 @@
 """A Mixture-of-Experts MLP: route, permute, grouped expert MLPs, unpermute with the router's
-weights (+ an optional shared expert). Expert parallelism (experts over an ep group, all-to-all
-dispatch) builds on the same permute/unpermute ops.
+weights (+ an optional shared expert). With ``ep_group`` (expert parallelism) this rank holds
+num_experts / ep of the experts (rank r: experts r * E/ep ...) and the rows travel to and from
+their experts' ranks by all-to-all (zerofuse.moe.dispatch); the router and a shared expert are
+replicated.
 
     moe = MoE(dim, hidden, num_experts=8, top_k=2, activation="swiglu", aux_loss_coef=1e-2)
     y = moe(x)                       # x [..., dim]; moe.aux_loss: the router's aux + z losses of this call
@@ -14,8 +16,11 @@ counts).
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
+from zerofuse.comm import Communicator
+from zerofuse.moe.dispatch import Dispatch
 from zerofuse.moe.router import Router
 from zerofuse.nn.mlp import geglu, swiglu
 from zerofuse.ops.moe import moe_permute, moe_unpermute
@@ -31,6 +36,8 @@ def _aligned(*tensors: Tensor) -> bool:
 def grouped_mm(x: Tensor, w: Tensor, counts: Tensor) -> Tensor:
     """x [R, a] whose first counts[0] rows go to w[0], the next counts[1] to w[1], ... (rows past
     sum(counts) are zeros in the output); w [E, a, b] -> [R, b]."""
+    if x.shape[0] == 0:  # no rows (an expert-parallel rank that received none): w still in the graph
+        return x @ w[0]
     if hasattr(torch, "_grouped_mm") and x.dtype in (torch.float32, torch.bfloat16) and _aligned(x, w):
         offs = counts.cumsum(0).to(torch.int32)
         out = torch._grouped_mm(x, w, offs=offs)
@@ -46,7 +53,7 @@ def grouped_mm(x: Tensor, w: Tensor, counts: Tensor) -> Tensor:
 
 class MoE(torch.nn.Module):
     def __init__(self, dim: int, hidden: int, num_experts: int, top_k: int, *, activation: str = "gelu",
-                 shared_expert: bool = False, **router_options):
+                 shared_expert: bool = False, ep_group=None, **router_options):
         super().__init__()
         if activation not in _ACTIVATIONS:
             raise ValueError(f"{NAME}: expected activation one of {_ACTIVATIONS}, got {activation!r}")
@@ -54,9 +61,17 @@ class MoE(torch.nn.Module):
             raise ValueError(f"{NAME}: expected dim and hidden >= 1, got {dim}, {hidden}")
         self.router = Router(dim, num_experts, top_k, **router_options)
         self.activation, self.hidden = activation, hidden
+        self.ep_comm = None
+        local = num_experts
+        if ep_group is not None and dist.get_world_size(ep_group) > 1:
+            ep = dist.get_world_size(ep_group)
+            if num_experts % ep:
+                raise ValueError(f"{NAME}: expected num_experts ({num_experts}) to divide by the expert-parallel "
+                                 f"size {ep}")
+            self.ep_comm, local = Communicator(ep_group), num_experts // ep
         gated = activation != "gelu"
-        self.w1 = torch.nn.Parameter(torch.empty(num_experts, dim, hidden * (2 if gated else 1)))
-        self.w2 = torch.nn.Parameter(torch.empty(num_experts, hidden, dim))
+        self.w1 = torch.nn.Parameter(torch.empty(local, dim, hidden * (2 if gated else 1)))
+        self.w2 = torch.nn.Parameter(torch.empty(local, hidden, dim))
         torch.nn.init.normal_(self.w1, std=0.02)
         torch.nn.init.normal_(self.w2, std=0.02)
         self.shared = None
@@ -81,7 +96,12 @@ class MoE(torch.nn.Module):
         r = self.router(flat)
         self.aux_loss = r.aux_loss + r.z_loss
         rows, pos, src, counts = moe_permute(flat, r.experts, self.router.num_experts)
-        y = moe_unpermute(self.expert_mlp(rows, counts), pos, src, r.weights).to(x.dtype)
+        if self.ep_comm is None:
+            out = self.expert_mlp(rows, counts)
+        else:
+            d = Dispatch(self.ep_comm, counts)
+            out = d.receive(self.expert_mlp(d.send(rows), d.local_counts), rows.shape[0])
+        y = moe_unpermute(out, pos, src, r.weights).to(x.dtype)
         if self.shared is not None:
             y = y + self.shared(flat)
         return y.reshape(shape)
