@@ -16,10 +16,12 @@ from dist_utils import run_distributed
 
 pytestmark = pytest.mark.usefixtures("native_kernels")
 
-# The unfused loss (head, then F.cross_entropy): the eval-loss order below is within the noise of
-# equally valid loss computations. Measured 2026-11-25 (AVX2): with the fused loss, eval-loss error
-# zerofuse 0.01363 vs DDP 0.01290; unfused 0.01305 vs 0.01346; the param error is 0.0119 vs 0.0394
-# either way. The bf16 forward/backward that both runs share dominates the eval loss.
+# The unfused loss (head, then F.cross_entropy). Which run's eval loss lands closer to the fp32 run's
+# is within the noise of the bf16 forward/backward both runs share, and moves between CPUs: measured
+# 2026-11-25, eval-loss error zerofuse 0.01305 vs DDP 0.01346 on an AVX2 AMD EPYC, 0.01436 vs 0.01367
+# on an AVX-512 Intel Xeon (oneDNN's bf16 GEMMs differ); with the fused loss 0.01363 vs 0.01290 (AVX2).
+# The param error, which the fp32 masters and fp32 reduction decide, is 0.0117-0.0119 vs 0.0394 on
+# both: that is asserted; the losses are reported.
 CFG = dict(vocab_size=65, seq_len=32, n_layer=2, n_head=4, dim=64, fused_loss=False)
 WS, BATCH, SEQ, STEPS, LR = 4, 16, 16, 20, 3e-3
 
@@ -135,12 +137,11 @@ def test_bf16_training_at_ws4_is_closer_to_fp32_than_ddp_with_bf16_params():
         err[key] = dict(train_loss=sum(abs(a - b) for a, b in zip(losses, ref_losses)) / len(losses),
                         param=max(float((params[n] - w).abs().max()) for n, w in ref.items()),
                         eval_loss=float((_eval_losses(params) - ref_eval).abs().mean()))
-    # Loss: the trained params, each set evaluated in fp32 on held-out tokens, per-token losses
-    # against the fp32 run's. (The losses seen during training are bf16 forwards, which both runs
-    # share: their error is that forward's rounding, and which run came out closer moved between
-    # AVX-512 and AVX2 machines: mean 6.1e-4 vs DDP's 4.3-5.1e-4 on 2026-11-23; reported, not
-    # asserted.) Params: the largest deviation from the fp32 run.
-    assert err["zerofuse"]["eval_loss"] <= err["ddp"]["eval_loss"], err
+    # Params: the largest deviation from the fp32 run (asserted: the masters' and the fp32
+    # reduction's doing). Losses (reported in the message, not asserted; see the note at the top):
+    # the trained params evaluated in fp32 on held-out tokens, per-token losses against the fp32
+    # run's, and the bf16 training losses, whose error is the forward's rounding both runs share
+    # (mean 6.1e-4 vs DDP's 4.3-5.1e-4 on 2026-11-23).
     assert err["zerofuse"]["param"] <= err["ddp"]["param"], err
 
 
