@@ -3,10 +3,20 @@ set before zerofuse is imported so TRITON_INTERPRET is in place before any kerne
 tensors go through the real Triton kernels. Tests of the native CPU path use the ``cpu_kernels`` fixture.
 Tests marked ``gpu`` (or parametrised with common.DEVICES' ``cuda``) skip without CUDA.
 """
+import getpass
 import os
+import tempfile
 
-import pytest
-import torch
+# torch.compile's on-disk kernel cache is keyed without ATEN_CPU_CAPABILITY: on an AVX-512 machine a
+# run under ATEN_CPU_CAPABILITY=avx2 (CI's AVX2 step) loaded the kernels the main run had compiled
+# for AVX-512 and computed garbage (measured 2026-11-25 on an Intel Xeon: the compile tests of norms
+# and flatten failed with nan / 1e34; a fresh cache directory gave the right results). One cache
+# per capability, unless the user chose one.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(
+    tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}_{os.environ.get('ATEN_CPU_CAPABILITY', 'default')}"))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     # Only without a GPU: interpreter mode is process-wide, and on a GPU machine the CUDA tests
