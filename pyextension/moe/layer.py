@@ -33,14 +33,17 @@ def _aligned(*tensors: Tensor) -> bool:
     return all(t.stride(-2) * t.element_size() % 16 == 0 and t.stride(-1) == 1 for t in tensors)
 
 
-def grouped_mm(x: Tensor, w: Tensor, counts: Tensor) -> Tensor:
+def grouped_mm(x: Tensor, w: Tensor, counts: Tensor, *, full: bool = False) -> Tensor:
     """x [R, a] whose first counts[0] rows go to w[0], the next counts[1] to w[1], ... (rows past
-    sum(counts) are zeros in the output); w [E, a, b] -> [R, b]."""
+    sum(counts) are zeros in the output); w [E, a, b] -> [R, b]. full=True: the caller knows
+    sum(counts) == R (dropless routing), so no rows are masked."""
     if x.shape[0] == 0:  # no rows (an expert-parallel rank that received none): w still in the graph
         return x @ w[0]
     if hasattr(torch, "_grouped_mm") and x.dtype in (torch.float32, torch.bfloat16) and _aligned(x, w):
         offs = counts.cumsum(0).to(torch.int32)
         out = torch._grouped_mm(x, w, offs=offs)
+        if full:
+            return out
         rows = torch.arange(x.shape[0], device=x.device)
         return torch.where((rows < offs[-1]).unsqueeze(1), out, 0)  # rows past the groups are undefined there
     out, start = x.new_zeros(x.shape[0], w.shape[2]), 0
@@ -81,14 +84,15 @@ class MoE(torch.nn.Module):
             self.shared = GatedMLP(dim, hidden, activation="gelu_tanh" if activation == "geglu" else "silu")
         self.aux_loss: Tensor | None = None
 
-    def expert_mlp(self, rows: Tensor, counts: Tensor) -> Tensor:
-        h = grouped_mm(rows, self.w1.to(rows.dtype), counts)
+    def expert_mlp(self, rows: Tensor, counts: Tensor, full: bool = False) -> Tensor:
+        """full: every row of ``rows`` is routed (dropless, or the rows an expert-parallel rank got)."""
+        h = grouped_mm(rows, self.w1.to(rows.dtype), counts, full=full)
         if self.activation == "gelu":
             h = torch.nn.functional.gelu(h, approximate="tanh")
         else:
-            gate, up = h[:, :self.hidden], h[:, self.hidden:]
+            gate, up = h.split(self.hidden, dim=1)  # backward: one cat (slices would zero-fill twice)
             h = (swiglu if self.activation == "swiglu" else geglu)(gate, up)
-        return grouped_mm(h.contiguous(), self.w2.to(rows.dtype), counts)
+        return grouped_mm(h.contiguous(), self.w2.to(rows.dtype), counts, full=full)
 
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
@@ -97,10 +101,10 @@ class MoE(torch.nn.Module):
         self.aux_loss = r.aux_loss + r.z_loss
         rows, pos, src, counts = moe_permute(flat, r.experts, self.router.num_experts)
         if self.ep_comm is None:
-            out = self.expert_mlp(rows, counts)
+            out = self.expert_mlp(rows, counts, full=self.router.capacity_factor == 0)
         else:
             d = Dispatch(self.ep_comm, counts)
-            out = d.receive(self.expert_mlp(d.send(rows), d.local_counts), rows.shape[0])
+            out = d.receive(self.expert_mlp(d.send(rows), d.local_counts, full=True), rows.shape[0])
         y = moe_unpermute(out, pos, src, r.weights).to(x.dtype)
         if self.shared is not None:
             y = y + self.shared(flat)
