@@ -188,3 +188,42 @@ def test_tied_embeddings_across_stages_refuse_zero3():
     for msg in run_distributed(_tied_zero3_rank, 4, timeout=120):
         assert "tied embeddings split over two pipeline ranks need the first stage's weight whole" in msg, msg
         assert "got ZeRO-3" in msg, msg
+
+
+def _slow_meta_rank(rank, ws, path):
+    import os
+    import time
+
+    import zerofuse  # noqa: F401
+    from zerofuse import checkpoint, zero
+    from zerofuse.checkpoint import files
+    from zerofuse.models import GPT
+    from zerofuse.pipeline import split_gpt
+
+    with torch.device("meta"):
+        model = GPT(_cfg(4), seed=0)
+    (stage,) = split_gpt(model, 2, [rank], device="cpu")
+    alone = [torch.distributed.new_group([r]) for r in range(ws)][rank]
+    zero.parallelize(stage, stage=1, group=alone, pp_group=torch.distributed.group.WORLD)
+    if rank == 1:  # the last stage's leader writes its meta.json late
+        real = files.write_json
+
+        def slow(p, obj):
+            time.sleep(1.0)
+            real(p, obj)
+
+        files.write_json = slow
+    checkpoint.save(path, stage)
+    torch.distributed.barrier()
+    return sorted(os.listdir(os.path.join(path, "pp1")))
+
+
+def test_pipeline_checkpoint_commits_after_every_stage_wrote_its_meta(tmp_path):
+    """The commit (rank 0) waits for every stage's meta.json: without the barrier rank 0 renamed
+    ckpt.tmp while the last stage still wrote into it (seen once in CI: FileNotFoundError)."""
+    import zerofuse.checkpoint
+
+    out = run_distributed(_slow_meta_rank, 2, str(tmp_path / "ckpt"), timeout=120)
+    assert all("meta.json" in listing for listing in out), out
+    state = zerofuse.checkpoint.consolidate(str(tmp_path / "ckpt"))
+    assert "head.weight" in state["model"] and "wte.weight" in state["model"]

@@ -75,6 +75,8 @@ def save(path: str, model: torch.nn.Module, optimizer=None, *, extra=None) -> No
         files.fsync_dir(tmp)
     dist.barrier(group=group)
     _save_stage(stage_dir, eng, model, optimizer, extra, group)
+    if pp:  # every stage's leader writes its meta.json last in _save_stage: all of them before the commit
+        dist.barrier(group=group)
     if leader:
         if pp:
             files.fsync_dir(tmp)
