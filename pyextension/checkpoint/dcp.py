@@ -143,6 +143,9 @@ def _refuse_tp(eng) -> None:
     if any(spec_of(p) is not None for p in eng.params):
         raise NotImplementedError(f"{NAME}: format='dcp' does not take tensor-parallel models yet; save in zerofuse's "
                                   "format (it reshards across TP sizes) and export from a consolidated copy")
+    if eng.edp_comm is not None:
+        raise NotImplementedError(f"{NAME}: format='dcp' does not take expert-parallel models yet; save in zerofuse's "
+                                  "format (it reshards across ep sizes) and export from a consolidated copy")
 
 
 def save(path: str, model, optimizer=None, *, extra=None) -> None:

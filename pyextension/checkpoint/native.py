@@ -30,26 +30,45 @@ import torch.distributed as dist
 
 from zerofuse.checkpoint import files
 from zerofuse.checkpoint.sources import FORMAT, VALUE, Full
+from zerofuse.moe import expert_spec
 from zerofuse.tp.spec import spec_of
 from zerofuse.zero.engine import engine_of
 
 NAME = files.NAME
 
 
+def _ep(eng) -> int:
+    """The expert-parallel size (1: no expert-parallel params)."""
+    return eng.world_size // eng.edp_comm.world_size if eng.edp_comm is not None else 1
+
+
 def _saving_ranks(eng) -> int:
-    return 1 if eng.stage == 0 else eng.world_size  # stage 0: rank 0's copy is the checkpoint
+    # stage 0: rank 0's copy is the checkpoint (with expert parallelism, ranks 0..ep-1 hold every expert once)
+    return _ep(eng) if eng.stage == 0 else eng.world_size
 
 
 def _table(eng, rank: int) -> list[list]:
-    """The pieces rank ``rank``'s shards hold (the bucket layout is the same on every rank)."""
-    rows = []
+    """The pieces rank ``rank``'s shards hold (the bucket layout is the same on every rank). Expert
+    params (their own units, sharded over the expert-DP group) are recorded as pieces of the whole
+    [E, ...] tensor: rank r holds experts (r % ep) * E/ep.. ([Note: expert-parallel mesh] in
+    zerofuse/parallel.py), so any ep reads them back."""
+    rows, ep = [], _ep(eng)
     for u in eng.units:
-        lo = rank * u.shard_numel
+        expert = u.comm is not None
+        if not expert and eng.stage == 0 and rank > 0:
+            continue
+        lo = (rank // ep if expert else rank) * u.shard_numel if eng.stage else 0
         for i, (p, o) in enumerate(zip(u.params, u.offsets)):
             a, b = max(o, lo), min(o + p.numel(), lo + u.shard_numel)
+            base = (rank % ep) * p.numel() if expert else 0
             if a < b:
-                rows.append([u.names[i], u.index, a - lo, b - a, a - o])
+                rows.append([u.names[i], u.index, a - lo, b - a, a - o + base])
     return rows
+
+
+def _saved_shape(p) -> list[int]:
+    spec = expert_spec(p)
+    return list(spec.full_shape if spec is not None else p.shape)
 
 
 def save(path: str, model: torch.nn.Module, optimizer=None, *, extra=None) -> None:
@@ -129,7 +148,7 @@ def _write_shards(directory: str, eng, model, optimizer, extra) -> None:
 def _meta(eng, model, optimizer) -> dict:
     return {
         "format": FORMAT, "world_size": eng.world_size, "stage": eng.stage, "precision": eng.precision,
-        "names": eng.names, "shapes": [list(p.shape) for p in eng.params],
+        "names": eng.names, "shapes": [_saved_shape(p) for p in eng.params],
         "tables": [_table(eng, r) for r in range(_saving_ranks(eng))],
         # state_dict names of params shared under another name (tied weights)
         "aliases": {n: eng.names[eng.param_index[id(t)]] for n, t in model.state_dict(keep_vars=True).items()
@@ -188,7 +207,7 @@ def load(path: str, model: torch.nn.Module, optimizer=None):
     model_tp = eng.tp_comm.world_size if eng.tp_comm is not None else 1
     same_tp = full.tp == model_tp and full.parts is not None  # the fast path: this rank's own TP part
     src = full.parts[eng.tp_rank] if same_tp else None
-    shapes = [p.shape if same_tp or (spec := spec_of(p)) is None else spec.full_shape for p in eng.params]
+    shapes = [_saved_shape(p) if same_tp or (spec := spec_of(p)) is None else spec.full_shape for p in eng.params]
     # a pipeline stage holds some of the saved params (the other stages load the rest)
     check_model(src.shapes if same_tp else full.shapes, eng.names, shapes, who, subset=eng.pp_comm is not None)
     opt_meta = full.meta["optimizer"]
@@ -214,12 +233,14 @@ def _fill_shards(eng, optimizer, opt_meta, full, src) -> None:
         for s in u.segments:
             name, p = u.names[s.param], u.params[s.param]
             sl = slice(s.shard_offset, s.shard_offset + s.length)
+            ex = expert_spec(p)  # this rank's experts: a range of the saved [E, ...] tensor
+            param_offset = s.param_offset + (ex.rank * p.numel() if ex is not None else 0)
             for key in keys:
                 dsts = [u.shard[sl]] + ([states["master"][sl]] if "master" in states else []) if key == VALUE \
                     else [states[key][sl]]
                 if src is not None:
                     for dst in dsts:
-                        src.fill(dst, name, s.param_offset, key)
+                        src.fill(dst, name, param_offset, key)
                     continue
                 # another TP layout: this param's full tensor, sliced to this rank's TP part
                 spec = spec_of(p)

@@ -25,6 +25,8 @@ from torch.utils.checkpoint import checkpoint
 
 from zerofuse import nn as znn
 from zerofuse import tp
+from zerofuse.models import moe as zmoe
+from zerofuse.moe import expert_spec
 
 
 @dataclasses.dataclass
@@ -48,6 +50,17 @@ class GPTConfig:
     # the loss by zerofuse's fused output layer + cross-entropy (chunks of tokens: no (tokens, vocab)
     # logits; forward(idx, targets) then returns (None, loss)); False: the head, then F.cross_entropy
     fused_loss: bool = True
+    # Mixture of Experts (zerofuse/models/moe.py): 0 experts = dense
+    moe_experts: int = 0
+    moe_top_k: int = 2
+    moe_every: int = 1
+    moe_capacity: float = 0.0  # capacity factor; 0: dropless
+    moe_router: str = "softmax"  # or "sigmoid"
+    moe_aux_loss: float = 1e-2
+    moe_z_loss: float = 1e-3
+    moe_bias_rate: float = 0.0  # aux-loss-free balancing's bias step; 0: off
+    moe_shared_expert: bool = False
+    moe_hidden: int | None = None  # None: the dense MLP's hidden size
 
     def __post_init__(self):
         name = "zerofuse.models.GPTConfig"
@@ -69,6 +82,7 @@ class GPTConfig:
             raise ValueError(f"{name}: rope needs an even head_dim, got {self.dim // self.n_head}")
         if self.attention not in ("zerofuse", "torch"):
             raise ValueError(f"{name}: expected attention 'zerofuse' or 'torch', got {self.attention!r}")
+        zmoe.check_config(self)
 
     @property
     def hidden(self) -> int:
@@ -100,6 +114,14 @@ PRESETS.update({
                       rope_base=500000.0, tie_embeddings=True, **_LLAMA),
     "llama3-8b": dict(n_layer=32, n_head=32, n_kv_head=8, dim=4096, mlp_hidden=14336, seq_len=8192,
                       vocab_size=128256, rope_base=500000.0, **_LLAMA),
+})
+# Mixture of Experts: moe-tiny (CPU) is llama-tiny with 8 SwiGLU experts, top-2, in every other
+# block; moe-1b-8x (GPU) llama3-1b's shape with 8 experts of a quarter the dense hidden size in
+# every block (a Mixtral-like layout at ~2.6B total / ~1.3B active parameters)
+_MOE = dict(moe_experts=8, moe_top_k=2, moe_aux_loss=1e-2, moe_z_loss=1e-3)
+PRESETS.update({
+    "moe-tiny": dict(PRESETS["llama-tiny"], moe_every=2, mlp_hidden=256, **_MOE),
+    "moe-1b-8x": dict(PRESETS["llama3-1b"], moe_every=1, moe_hidden=2048, **_MOE),
 })
 
 
@@ -140,7 +162,7 @@ class MLP(torch.nn.Module):
 
 
 class Block(torch.nn.Module):
-    def __init__(self, cfg: GPTConfig, tp_kw: dict | None = None, rope=None):
+    def __init__(self, cfg: GPTConfig, tp_kw: dict | None = None, rope=None, moe=None):
         super().__init__()
         sdpa = TF.scaled_dot_product_attention if cfg.attention == "torch" else None
         self.norm1 = _norm(cfg)
@@ -150,7 +172,7 @@ class Block(torch.nn.Module):
         else:
             self.attn = tp.ParallelAttention(cfg.dim, cfg.n_head, cfg.n_kv_head, **kw, **tp_kw)
         self.norm2 = _norm(cfg)
-        self.mlp = MLP(cfg, tp_kw)
+        self.mlp = moe if moe is not None else MLP(cfg, tp_kw)  # moe: a zerofuse.moe.MoE
 
     def forward(self, x: Tensor, delta: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """x + attn(norm1(x)), then + mlp(norm2(.)), with each residual add fused into the norm
@@ -177,10 +199,22 @@ class GPT(torch.nn.Module):
     vocabulary-parallel cross-entropy (the full logits are never gathered). Every param holds
     exactly its slice of the unsharded model's param of the same name and seed.
     ``sequence_parallel=True`` also shards the norms' activations (and the residual stream) along
-    the sequence between the TP layers; N must divide by the TP size."""
+    the sequence between the TP layers; N must divide by the TP size.
 
-    def __init__(self, cfg: GPTConfig, *, seed: int = 0, device=None, tp_group=None, sequence_parallel: bool = False):
+    Mixture of Experts (``cfg.moe_experts``, zerofuse/models/moe.py): with ``ep_group`` each MoE
+    layer holds its share of the experts (their slices of the unsharded model's, as TP's), tokens
+    travel by all-to-all; ``edp_group`` (the ranks holding the same experts) is what ZeRO reduces
+    expert grads over; ``dp_group`` sums the routers' loads for aux-loss-free balancing. With
+    targets, the loss returned under autograd includes the routers' aux and z losses
+    (``self.router_losses``: [aux, z] of that forward); under no_grad it is the cross-entropy."""
+
+    def __init__(self, cfg: GPTConfig, *, seed: int = 0, device=None, tp_group=None, sequence_parallel: bool = False,
+                 ep_group=None, edp_group=None, dp_group=None):
         super().__init__()
+        if cfg.moe_experts and tp_group is not None:
+            raise ValueError("zerofuse.models.GPT: Mixture-of-Experts layers (moe_experts > 0) are not supported "
+                             "with tensor parallelism yet; expected tp_group=None")
+        self.edp_group = edp_group
         self.config = cfg
         self.tp_group = tp_group
         self.tp_size = 1 if tp_group is None else dist.get_world_size(tp_group)
@@ -202,7 +236,11 @@ class GPT(torch.nn.Module):
         rope = None
         if cfg.pos == "rope":
             rope = znn.RotaryEmbedding(cfg.dim // cfg.n_head, cfg.seq_len, base=cfg.rope_base)
-        self.blocks = torch.nn.ModuleList(Block(cfg, tp_kw, rope) for _ in range(cfg.n_layer))
+        self.blocks = torch.nn.ModuleList(
+            Block(cfg, tp_kw, rope, zmoe.build(cfg, ep_group, dp_group) if zmoe.is_moe_block(cfg, i) else None)
+            for i in range(cfg.n_layer))
+        self.moe_layers = zmoe.layers(self.blocks)
+        self.router_losses: Tensor | None = None
         self.norm = _norm(cfg)
         if tp_group is None:
             self.head = znn.LinearCrossEntropyHead(cfg.dim, cfg.vocab_size, bias=False)
@@ -244,18 +282,25 @@ class GPT(torch.nn.Module):
             elif name.endswith(".bias"):
                 value = torch.zeros(p.shape)
             else:
-                std = resid_std if name.endswith("attn.proj.weight") or name.endswith("mlp.proj.weight") else 0.02
+                resid = ("attn.proj.weight", "mlp.proj.weight", "mlp.w2", "mlp.shared.down_proj.weight")
+                std = resid_std if name.endswith(resid) else 0.02
                 gen = torch.Generator().manual_seed(zlib.crc32(f"{self.seed}/{name}".encode()))  # CPU generators keep 32 bits
-                spec = tp.spec_of(p)  # TP: draw the full tensor, keep this rank's slice
+                spec = tp.spec_of(p) or expert_spec(p)  # TP / EP: draw the full tensor, keep this rank's slice
                 value = torch.randn(spec.full_shape if spec else p.shape, generator=gen) * std
                 if spec is not None:
                     value = spec.slice(value)
             p.copy_(value)
 
-    def num_params(self) -> int:
-        """Parameters of the model (the unsharded count under tensor parallelism)."""
-        return sum(math.prod(spec.full_shape) if (spec := tp.spec_of(p)) is not None else p.numel()
-                   for p in self.parameters())
+    def num_params(self, active: bool = False) -> int:
+        """Parameters of the model (the unsharded count under tensor / expert parallelism);
+        active=True: those one token uses (top_k of the E experts of each MoE layer)."""
+        def count(p):
+            spec = tp.spec_of(p) or expert_spec(p)
+            n = math.prod(spec.full_shape) if spec is not None else p.numel()
+            if active and p.dim() == 3 and any(p is m.w1 or p is m.w2 for m in self.moe_layers):
+                n = n * self.config.moe_top_k // self.config.moe_experts
+            return n
+        return sum(count(p) for p in self.parameters())
 
     def forward(self, idx: Tensor, targets: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
         x, delta = self.embed(idx), None
@@ -290,6 +335,15 @@ class GPT(torch.nn.Module):
     def final(self, x: Tensor, delta: Tensor | None, targets: Tensor | None) -> tuple[Tensor | None, Tensor | None]:
         """The final norm of x + delta, then the head: (logits, loss) as forward returns them."""
         h = self.norm(delta, x)[0] if delta is not None else self.norm(x)
+        logits, loss = self._head(h, targets)
+        if self.moe_layers and loss is not None:
+            losses = zmoe.router_losses(self.moe_layers)
+            self.router_losses = losses.detach()
+            if torch.is_grad_enabled():
+                loss = loss + losses.sum()
+        return logits, loss
+
+    def _head(self, h: Tensor, targets: Tensor | None) -> tuple[Tensor | None, Tensor | None]:
         if targets is not None and self.config.fused_loss:
             return None, self.head(h, targets)  # in the head's forward: ZeRO's hooks for its weight run first
         logits = self.head(h)

@@ -15,10 +15,27 @@ A rank may send or receive no rows at all (splits of 0): every rank still takes 
 """
 from __future__ import annotations
 
+import time
+
 import torch
 from torch import Tensor
 
 from zerofuse.comm import Communicator
+
+
+_exposed = [0.0]  # host seconds spent waiting for the all-to-alls (forward and backward)
+
+
+def exposed_seconds() -> float:
+    """Host seconds this process has waited for MoE all-to-alls (counts, tokens, combine, and their
+    backward): on the CPU, where each wait blocks the host, the all-to-all time not overlapped."""
+    return _exposed[0]
+
+
+def _wait(work) -> None:
+    t0 = time.perf_counter()
+    work.wait()
+    _exposed[0] += time.perf_counter() - t0
 
 
 class _AllToAll(torch.autograd.Function):
@@ -26,14 +43,14 @@ class _AllToAll(torch.autograd.Function):
     def forward(ctx, x: Tensor, comm: Communicator, out_splits: list[int], in_splits: list[int]) -> Tensor:
         ctx.comm, ctx.splits = comm, (out_splits, in_splits)
         out = x.new_empty((sum(out_splits), *x.shape[1:]))
-        comm.all_to_all(out, x.contiguous(), out_splits, in_splits).wait()
+        _wait(comm.all_to_all(out, x.contiguous(), out_splits, in_splits))
         return out
 
     @staticmethod
     def backward(ctx, g: Tensor):
         out_splits, in_splits = ctx.splits
         dx = g.new_empty((sum(in_splits), *g.shape[1:]))
-        ctx.comm.all_to_all(dx, g.contiguous(), in_splits, out_splits).wait()
+        _wait(ctx.comm.all_to_all(dx, g.contiguous(), in_splits, out_splits))
         return dx, None, None, None
 
 
@@ -51,7 +68,7 @@ class Dispatch:
         self.comm = comm
         send = counts.view(ep, -1)  # [destination rank, local expert]
         recv = torch.empty_like(send)
-        comm.all_to_all(recv, send.contiguous(), [1] * ep, [1] * ep).wait()  # [source rank, local expert]
+        _wait(comm.all_to_all(recv, send.contiguous(), [1] * ep, [1] * ep))  # [source rank, local expert]
         splits = torch.stack([send.sum(1), recv.sum(1)]).tolist()  # the one host sync
         self.in_splits, self.out_splits = splits[0], splits[1]
         self.local_counts = recv.sum(0)  # rows per local expert, all sources

@@ -8,7 +8,10 @@ replicated.
     y = moe(x)                       # x [..., dim]; moe.aux_loss: the router's aux + z losses of this call
 
 Expert weights are stacked: w1 [E, dim, hidden] (swiglu: [E, dim, 2 * hidden], gate then up), w2
-[E, hidden, dim]. The grouped GEMM is ``torch._grouped_mm`` over the permuted rows (expert e's
+[E, hidden, dim]. Under expert parallelism each holds this rank's E/ep experts and carries
+``param._zf_ep`` (a zerofuse.tp TPSpec: rows r * E/ep.. of the [E, ...] tensor), by which ZeRO
+reduces and shards them over the expert-data-parallel group and checkpoints save them as the
+whole [E, ...] tensor (loadable at any ep). The grouped GEMM is ``torch._grouped_mm`` over the permuted rows (expert e's
 rows are one contiguous group of counts[e]; no host sync) where the installed torch has it and
 the rows' strides are 16-byte multiples, else a loop over the experts (one host sync for the
 counts).
@@ -24,9 +27,15 @@ from zerofuse.moe.dispatch import Dispatch
 from zerofuse.moe.router import Router
 from zerofuse.nn.mlp import geglu, swiglu
 from zerofuse.ops.moe import moe_permute, moe_unpermute
+from zerofuse.tp.spec import TPSpec
 
 NAME = "zerofuse.moe.MoE"
 _ACTIVATIONS = ("gelu", "swiglu", "geglu")
+
+
+def expert_spec(p: Tensor) -> TPSpec | None:
+    """How an expert-parallel param slices the whole [E, ...] tensor (None: not expert-parallel)."""
+    return getattr(p, "_zf_ep", None)
 
 
 def _aligned(*tensors: Tensor) -> bool:
@@ -77,12 +86,17 @@ class MoE(torch.nn.Module):
         self.w2 = torch.nn.Parameter(torch.empty(local, hidden, dim))
         torch.nn.init.normal_(self.w1, std=0.02)
         torch.nn.init.normal_(self.w2, std=0.02)
+        if self.ep_comm is not None:
+            for p in (self.w1, self.w2):
+                p._zf_ep = TPSpec(0, (num_experts,), (num_experts, *p.shape[1:]), self.ep_comm.world_size,
+                                  self.ep_comm.rank)
         self.shared = None
         if shared_expert:
             from zerofuse.nn import GatedMLP
 
             self.shared = GatedMLP(dim, hidden, activation="gelu_tanh" if activation == "geglu" else "silu")
-        self.aux_loss: Tensor | None = None
+        self.aux_loss: Tensor | None = None  # the router's aux + z losses of the last call
+        self.router_losses: tuple[Tensor, Tensor] | None = None  # (aux, z) of the last call
 
     def expert_mlp(self, rows: Tensor, counts: Tensor, full: bool = False) -> Tensor:
         """full: every row of ``rows`` is routed (dropless, or the rows an expert-parallel rank got)."""
@@ -99,6 +113,7 @@ class MoE(torch.nn.Module):
         flat = x.reshape(-1, shape[-1])
         r = self.router(flat)
         self.aux_loss = r.aux_loss + r.z_loss
+        self.router_losses = (r.aux_loss, r.z_loss)
         rows, pos, src, counts = moe_permute(flat, r.experts, self.router.num_experts)
         if self.ep_comm is None:
             out = self.expert_mlp(rows, counts, full=self.router.capacity_factor == 0)

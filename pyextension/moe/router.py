@@ -82,7 +82,7 @@ class Router(torch.nn.Module):
         if self.capacity_factor > 0:
             experts, dropped = self._drop(experts)
         self.last_load, self.last_dropped = load, dropped
-        if self.training and self.bias_update_rate > 0:
+        if self.training and self.bias_update_rate > 0 and torch.is_grad_enabled():  # not evaluation's loads
             self._load_sum = load if self._load_sum is None else self._load_sum + load
         return Routing(weights, experts, aux, z)
 

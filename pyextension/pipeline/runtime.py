@@ -33,7 +33,7 @@ import torch.distributed as dist
 from zerofuse.comm import Communicator
 from zerofuse.pipeline.schedules import build_schedule, stage_to_rank
 from zerofuse.pipeline.transfers import Transfers
-from zerofuse.zero.engine import _tensors
+from zerofuse.zero.stage3 import _tensors
 
 NAME = "zerofuse.pipeline.Pipeline"
 

@@ -14,7 +14,8 @@ from .data import GPT2_DEFAULT, Corpus, _data_path
 
 PROG = "zerofuse-train"
 EXIT_USAGE = 2
-PRESET_NAMES = ("tiny", "small", "gpt2-124m", "gpt2-350m", "gpt2-774m", "llama-tiny", "llama3-1b", "llama3-8b")
+PRESET_NAMES = ("tiny", "small", "gpt2-124m", "gpt2-350m", "gpt2-774m", "llama-tiny", "llama3-1b", "llama3-8b",
+                "moe-tiny", "moe-1b-8x")
 # Without --model: "tiny" widened to 1.26M params with a 64-token context: with --batch 32 it takes the
 # validation loss on Tiny Shakespeare from 4.2 to ~2.0 in the default 250 steps on two CPU cores.
 DEFAULT_MODEL = ("tiny", dict(dim=160, n_head=4, seq_len=64))
@@ -61,6 +62,19 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--kv-heads", type=int, help="key/value heads (grouped-query attention; default: --heads)")
     m.add_argument("--dim", type=int, help="model width")
     m.add_argument("--seq-len", type=int, help="context length (default: the preset's)")
+    e = p.add_argument_group("mixture of experts")
+    e.add_argument("--experts", type=int, help="experts per MoE layer (0: dense; default: the preset's)")
+    e.add_argument("--top-k", type=int, help="experts per token (default: the preset's, else 2)")
+    e.add_argument("--ep", type=int, default=1, help="expert-parallel size: experts split over --ep of the dp ranks "
+                                                    "(default 1)")
+    e.add_argument("--moe-every", type=int, help="an MoE layer in every N-th block (default: the preset's, else 1)")
+    e.add_argument("--capacity", type=float, help="capacity factor: choices past an expert's capacity are dropped "
+                                                  "(0: dropless, the default)")
+    e.add_argument("--router", choices=("softmax", "sigmoid"), help="router scores (default softmax)")
+    e.add_argument("--aux-loss", type=float, help="load-balancing aux loss coefficient (default 1e-2)")
+    e.add_argument("--z-loss", type=float, help="router z-loss coefficient (default 1e-3)")
+    e.add_argument("--bias-rate", type=float,
+                   help="aux-loss-free balancing: per-expert bias step per optimizer step (0: off, the default)")
     o = p.add_argument_group("optimisation")
     o.add_argument("--optimizer", choices=tuple(OPT_DEFAULTS), default="adamw")
     o.add_argument("--batch", type=int, default=32, help="sequences per DP rank per micro-batch (default 32)")
@@ -146,6 +160,7 @@ def validate(args) -> None:
                f"--{flag.replace('_', '-')}: expected a finite number, got {value}")
     _validate_optimizer(args)
     _validate_model(args)
+    _validate_moe(args)
     _validate_data(args)
     _validate_out(Path(args.out))
     ckpt = Path(args.out) / "ckpt"
@@ -244,6 +259,43 @@ def _validate_model(args) -> None:
             _check(len(plan) == stages, f"--pp-layout: expected {stages} stages (pp × virtual stages), got "
                                         f"{len(plan)} in {args.pp_layout!r}")
     args.model_name, args.model_shape = name, shape
+
+
+_MOE_FLAGS = (("experts", "moe_experts"), ("top_k", "moe_top_k"), ("moe_every", "moe_every"),
+              ("capacity", "moe_capacity"), ("router", "moe_router"), ("aux_loss", "moe_aux_loss"),
+              ("z_loss", "moe_z_loss"), ("bias_rate", "moe_bias_rate"))
+
+
+def _validate_moe(args) -> None:
+    """The mixture-of-experts flags into the model shape; --ep's layout rules."""
+    shape = args.model_shape
+    for flag, key in _MOE_FLAGS:
+        if getattr(args, flag) is not None:
+            shape[key] = getattr(args, flag)
+    experts, ep = shape.get("moe_experts", 0), args.ep
+    _check(experts >= 0, f"--experts: expected >= 0, got {experts}")
+    if experts == 0:
+        _check(ep == 1 and all(getattr(args, f) is None for f, _ in _MOE_FLAGS[1:]),
+               "--ep/--top-k/--moe-every/--capacity/--router/--aux-loss/--z-loss/--bias-rate: expected --experts > 0 "
+               "(or an MoE --model such as moe-tiny)")
+        return
+    k = shape.get("moe_top_k", 2)
+    _check(1 <= k <= experts, f"--top-k: expected between 1 and --experts ({experts}), got {k}")
+    every = shape.get("moe_every", 1)
+    _check(1 <= every <= shape["n_layer"], f"--moe-every: expected between 1 and the layer count {shape['n_layer']}, "
+                                           f"got {every}")
+    for flag in ("capacity", "aux_loss", "z_loss", "bias_rate"):
+        v = shape.get(f"moe_{flag}", 0.0)
+        _check(v >= 0 and math.isfinite(v), f"--{flag.replace('_', '-')}: expected a finite number >= 0, got {v}")
+    _check(ep >= 1, f"--ep: expected >= 1, got {ep}")
+    _check(args.dp % ep == 0, f"--ep: expected a divisor of the data-parallel size {args.dp} (--dp), got {ep}")
+    _check(experts % ep == 0, f"--ep: expected a divisor of the expert count {experts} (--experts), got {ep}")
+    _check(args.tp == 1 and args.pp == 1, f"--tp/--pp: MoE models run data- and expert-parallel: expected --tp 1 "
+                                          f"--pp 1, got --tp {args.tp} --pp {args.pp}")
+    _check(ep == 1 or args.zero_stage != 3, "--zero-stage: expected 0, 1 or 2 with --ep > 1 (ZeRO-3 over expert "
+                                            "params is not supported yet), got 3")
+    _check(ep == 1 or args.optimizer == "adamw", f"--optimizer: expected adamw with --ep > 1 (a trust ratio over a "
+                                                 f"rank's experts differs from one process's), got {args.optimizer}")
 
 
 def _validate_data(args) -> None:

@@ -54,12 +54,14 @@ class Trainer:
         self.stop = _StopFlag()
         self.device = _init_distributed(args, self.env)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.mesh = init_mesh(dp=args.dp, tp=args.tp, pp=args.pp)
+        self.mesh = init_mesh(dp=args.dp, tp=args.tp, pp=args.pp, ep=args.ep)
         self.corpus = Corpus.load(args.data, args.tokenizer, args.val_data)
         # a character vocabulary is not padded for tp (the vocab-parallel layers split an uneven one),
         # so the model and its checkpoints are the same at every tp; GPT-2's is padded to 50304
         self.cfg = config(args.model_name, **{**args.model_shape, "vocab_size": self.corpus.model_vocab})
         kw = {"tp_group": self.mesh.tp_group, "sequence_parallel": args.sequence_parallel} if args.tp > 1 else {}
+        if self.cfg.moe_experts:
+            kw.update(ep_group=self.mesh.ep_group, edp_group=self.mesh.edp_group, dp_group=self.mesh.dp_group)
         self.pp = None
         if args.zero_stage == 3 or args.pp > 1:  # built on meta: never whole on a rank
             with torch.device("meta"):
@@ -67,6 +69,7 @@ class Trainer:
         else:
             model = GPT(self.cfg, seed=args.seed, **kw).to(self.device)
         self.n_params = model.num_params()  # unsharded
+        self.n_active_params = model.num_params(active=True)
         if args.pp > 1:  # this rank's stages only, ZeRO over the stage's DP group (train/pipeline.py)
             from .pipeline import PipelineJob
             self.pp = PipelineJob(self, model)
@@ -95,6 +98,10 @@ class Trainer:
         tokens = args.dp * args.batch * args.grad_accum * seq
         self.metrics = StepMetrics(self.device, self.world, tokens)
         self.vote = StopVote(self.world, self.device)
+        self.moe = None
+        if self.cfg.moe_experts:
+            from zerofuse.models.moe import Stats
+            self.moe = Stats(self.model.moe_layers)
         self.log = RankZeroLog(self) if self.rank == 0 else None
 
     def _param_groups(self):
@@ -156,8 +163,16 @@ class Trainer:
                 with contextlib.nullcontext() if sync else self.model.no_sync():
                     loss = self._forward(xs[i], ys[i])
                     opt.scale_loss(loss / args.grad_accum).backward()
-                total = loss.detach() if total is None else total + loss.detach()
+                ce = loss.detach()
+                if self.moe is not None:  # the routers' aux and z losses: reported apart
+                    self.moe.record(self.model.router_losses)
+                    ce = ce - self.model.router_losses.sum()
+                total = ce if total is None else total + ce
             mean_loss = total / args.grad_accum
+        if self.moe is not None:
+            self.moe.end_step()
+            for m in self.model.moe_layers:  # aux-loss-free balancing: before the step (collective over DP)
+                m.router.update_bias()
         lr = opt.param_groups[0]["lr"]
         opt.step()
         if self.memory is None:  # sizes and allocator counters only: no sync
@@ -171,6 +186,18 @@ class Trainer:
                             opt.last_step_skipped if opt.fp16 else None)
         stop_after = args.stop_after is not None and self.step >= args.stop_after  # the same on every rank
         self.stopped = self.vote.vote(self.stop.signum) or (signal.SIGTERM if stop_after else 0)
+
+    def moe_figures(self) -> dict:
+        """The routers' figures since the last log point (zerofuse.models.moe.Stats) and the host
+        time spent waiting for the all-to-alls (CPU: exposed; on CUDA a wait orders streams only)."""
+        from zerofuse.moe.dispatch import exposed_seconds
+        steps = self.moe.steps
+        out = self.moe.read(self.mesh.dp_group)
+        a2a = exposed_seconds()
+        out["a2a_exposed_s_per_step"] = ((a2a - getattr(self, "_a2a_last", 0.0)) / max(steps, 1)
+                                         if self.device.type == "cpu" and self.args.ep > 1 else None)
+        self._a2a_last = a2a
+        return out
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -188,6 +215,9 @@ class Trainer:
             if i < args.eval_batches:
                 acc += torch.stack([loss, torch.ones_like(loss)])
         dist.all_reduce(acc, group=self.mesh.dp_group)
+        if self.moe is not None:  # evaluation's all-to-alls are not the steps'
+            from zerofuse.moe.dispatch import exposed_seconds
+            self._a2a_last = exposed_seconds()
         return float(acc[0] / acc[1])
 
     def _memory(self) -> dict:
@@ -234,6 +264,8 @@ class Trainer:
                 if not (end or evaluate or save or self.step % self.log_every == 0):
                     continue
                 records = self.metrics.flush()  # the log point: the device is read here only
+                if self.moe is not None:  # collective over the DP group, like the flush
+                    records[-1]["moe"] = self.moe_figures()
                 if evaluate:
                     records[-1]["val_loss"] = val = self.evaluate()
                     val_step = self.step

@@ -115,7 +115,8 @@ class RankZeroLog:
             "world_size": t.world, "pp": a.pp, "dp": a.dp, "tp": a.tp, "sequence_parallel": a.sequence_parallel,
             "zero_stage": a.zero_stage, "precision": a.precision, "optimizer": a.optimizer, "device": t.device.type,
             "device_name": torch.cuda.get_device_name(t.device) if t.device.type == "cuda" else "cpu",
-            "model": {"preset": a.model_name, "params": t.n_params, **dataclasses.asdict(t.cfg)},
+            "model": {"preset": a.model_name, "params": t.n_params, "active_params": t.n_active_params,
+                      **dataclasses.asdict(t.cfg)},
             "steps": a.steps, "steps_done": t.step, "start_step": t.start_step, "tokens_per_step": tokens,
             "stopped_by": signal.Signals(signum).name if signum else None,
             "wall_s": time.time() - t.t_start, "train_s": train_s,
@@ -127,6 +128,7 @@ class RankZeroLog:
             "final_train_loss": runs[-1]["loss"] if runs else None,
             "final_val_loss": final_val[0], "final_val_step": final_val[1],
             "pipeline": getattr(t, "pipeline_report", None),
+            "moe": _moe_summary(t, runs),
         }
 
     def close(self) -> None:
@@ -177,7 +179,7 @@ def _mfu(t: Trainer, tok_s: float | None) -> float | None:
     if peak is None:
         return None
     c = t.cfg
-    flops_per_token = 6 * t.n_params + 12 * c.n_layer * c.dim * c.seq_len
+    flops_per_token = 6 * t.n_active_params + 12 * c.n_layer * c.dim * c.seq_len  # MoE: the params a token uses
     return flops_per_token * tok_s / (peak * t.world)
 
 
@@ -212,11 +214,33 @@ def _table(s: dict) -> str:
         rows.append(("pipeline", f"{pl['schedule']}, {pl['microbatches']} micro-batches"
                                  f"{', %d virtual stages' % pl['virtual_stages'] if pl['virtual_stages'] > 1 else ''}; "
                                  f"bubble (idle fraction) per rank {measured}, formula {pl['bubble_formula']:.3f}"))
+    if (mo := s["moe"]) is not None:
+        a2a = mo["a2a_exposed_ms_per_step"]
+        rows.append(("experts", f"{mo['experts']} per MoE layer, top-{mo['top_k']}, ep {mo['ep']}; max/mean load per "
+                                f"layer (last {_plural(mo['window_steps'], 'step')}) "
+                                f"{', '.join(format(x, '.2f') for x in mo['max_over_mean_load'])}; dropped "
+                                f"{mo['dropped']:,} choices; aux {mo['aux_loss']:.4f}, z {mo['z_loss']:.4f}; "
+                                f"all-to-all exposed {num(a2a, '.1f')} ms/step"))
     rows.append(("loss", f"train {num(s['final_train_loss'], '.4f')}, val {s['final_val_loss']:.4f} at step "
                          f"{s['final_val_step']}" + (f" (initial val {s['initial_val_loss']:.4f})"
                                                      if s["initial_val_loss"] is not None else "")))
     width = max(len(k) for k, _ in rows)
     return "\n".join([f"{PROG} summary"] + [f"  {k:<{width}}  {v}" for k, v in rows])
+
+
+def _moe_summary(t: Trainer, runs: list[dict]) -> dict | None:
+    """The routers' figures: load balance, aux and z losses of the last log window, dropped choices
+    over the run, the all-to-all time exposed per step (mean over the windows after the first)."""
+    figs = [m["moe"] for m in runs if m.get("moe")]
+    if not figs:
+        return None
+    last = figs[-1]
+    a2a = [f["a2a_exposed_s_per_step"] for f in figs[1:] or figs if f["a2a_exposed_s_per_step"] is not None]
+    c = t.cfg
+    return {"experts": c.moe_experts, "top_k": c.moe_top_k, "ep": t.args.ep, "layers": len(last["max_over_mean_load"]),
+            "max_over_mean_load": last["max_over_mean_load"], "window_steps": last["steps"],
+            "dropped": sum(f["dropped"] for f in figs), "aux_loss": last["aux_loss"], "z_loss": last["z_loss"],
+            "a2a_exposed_ms_per_step": 1e3 * _mean(a2a) if a2a else None}
 
 
 def _tensorboard(out: Path):

@@ -76,8 +76,11 @@ class Segment:
 class Bucket:
     def __init__(self, index: int, name: str, named_params: list[tuple[str, torch.nn.Parameter]], *, rank: int,
                  world_size: int, align: int, stage: int, dtype: torch.dtype, reduce_dtype: torch.dtype,
-                 grad_div: float, device: torch.device):
+                 grad_div: float, device: torch.device, comm=None):
         self.index, self.name, self.stage = index, name, stage
+        # the group this bucket reduces and gathers over when it is not the engine's (rank and
+        # world_size are then this group's): expert params over the expert-data-parallel group
+        self.comm = comm
         self.names = [n for n, _ in named_params]
         self.params = [p for _, p in named_params]
         self.dtype, self.device, self.reduce_dtype, self.grad_div = dtype, device, reduce_dtype, grad_div
@@ -166,13 +169,14 @@ class Bucket:
             if self.state != FREE:
                 return
             self.full.untyped_storage().resize_(self._full_bytes)
+        comm = self.comm or comm
         self.gather_work = comm.all_gather_coalesced(self.shard, [self.full])
         self.state = GATHERING
 
     def finish_param_sync(self, comm=None) -> None:
         """The params hold their full values once this returns (stage 3: gathered if free)."""
         if self.state == FREE:
-            self.start_param_sync(comm)
+            self.start_param_sync(self.comm or comm)
         if self.state == GATHERING:
             self.gather_work.wait()
             self.gather_work = None
@@ -226,6 +230,7 @@ class Bucket:
     def start_grad_sync(self, comm) -> None:
         """Reduce-scatter (sum of pre-divided grads) gflat into this rank's shard; stage 0
         all-reduces in place. The result lands at finish_grad_sync."""
+        comm = self.comm or comm
         for i, done in enumerate(self.written):  # params that got no grad
             if not done:
                 o = self.offsets[i]

@@ -35,16 +35,17 @@ from zerofuse.zero.buckets import FREE, Bucket, BucketGroup
 from zerofuse.zero.grads import SHARDED, gathered_grads, install_clip_warning
 from zerofuse.zero.layout import bucket_groups, check_same_layout, unit_groups
 from zerofuse.zero.materialize import Initializer, materialize_rest
+from zerofuse.zero.stage3 import Stage3Hooks
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 REDUCE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 ALIGN = 128
 
 
-class ZeroEngine:
+class ZeroEngine(Stage3Hooks):
     def __init__(self, model, *, stage, group, precision, reduce_dtype, bucket_mb, overlap, prefetch, wrap,
                  reshard_after_forward=True, tp_group=None, max_inflight=2, device=None, param_init_fn=None,
-                 pp_group=None):
+                 pp_group=None, expert_group=None):
         name = "zerofuse.zero.parallelize"
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"{name}: expected stage 0, 1, 2 or 3, got {stage!r}")
@@ -120,6 +121,8 @@ class ZeroEngine:
         # its micro-batches: one all-gather per unit and step instead of two per micro-batch)
         self.hold_params = False
 
+        self._init_experts(model, expert_group, stage, name)
+
         self.units: list[Bucket] = []
         self.wrap_units: dict[int, Bucket] = {}  # id(module) -> unit
         # stage 0 replicates everything: buckets are laid out as for a single rank
@@ -155,6 +158,32 @@ class ZeroEngine:
         else:
             self._install_param_wait_hooks(model)
 
+    def _init_experts(self, model, expert_group, stage, name) -> None:
+        """Expert parallelism: params an MoE layer split over an ep group (``param._zf_ep``, the
+        experts this rank holds) reduce over ``expert_group`` (default ``model.edp_group``: the
+        ranks holding the same experts) in buckets of their own, sharded there; their grads are
+        divided by the whole DP size all the same (each already sums the tokens of its ep group)."""
+        self.expert = [getattr(p, "_zf_ep", None) is not None for p in self.params]
+        self.edp_comm = None
+        if not any(self.expert):
+            return
+        ep = getattr(self.params[self.expert.index(True)], "_zf_ep").tp
+        if expert_group is None:
+            expert_group = getattr(model, "edp_group", None)
+        if expert_group is None:
+            raise ValueError(f"{name}: the model holds expert-parallel params (experts split over {ep} ranks): "
+                             "expected expert_group, the group of ranks holding the same experts (init_mesh's "
+                             "edp_group)")
+        self.edp_comm = Communicator(expert_group)
+        if self.edp_comm.world_size * ep != self.world_size:
+            raise ValueError(f"{name}: expected the expert-data-parallel group ({self.edp_comm.world_size} ranks) "
+                             f"times the expert-parallel size ({ep}) to be the data-parallel size {self.world_size}")
+        for what, bad in (("stage 3", stage == 3), ("tensor parallelism", self.tp_comm is not None),
+                          ("pipeline parallelism", self.pp_comm is not None)):
+            if bad:
+                raise ValueError(f"{name}: expert-parallel params (ep {ep}) are not supported with {what} yet; "
+                                 "expected stage 0, 1 or 2 without tp/pp")
+
     def _bucket(self, name, group, kw) -> Bucket:
         b = Bucket(len(self.units), name, group, **kw)
         if b.meta:  # initialised while it is the only full bucket: the model never exists whole
@@ -165,8 +194,14 @@ class ZeroEngine:
     # ------------------------------------------------------------------ layout
 
     def _build_buckets(self, named, bucket_mb, kw):
-        for group in bucket_groups(named, bucket_mb, self.dtype.itemsize):
+        dense = [x for x, e in zip(named, self.expert) if not e]
+        for group in bucket_groups(dense, bucket_mb, self.dtype.itemsize):
             self._bucket(f"bucket{len(self.units)}", group, kw)
+        if self.edp_comm is not None:  # expert params: their own buckets, over the expert-DP group
+            c = self.edp_comm
+            ekw = kw | dict(comm=c, **(dict(rank=c.rank, world_size=c.world_size) if self.stage else {}))
+            for group in bucket_groups([x for x, e in zip(named, self.expert) if e], bucket_mb, self.dtype.itemsize):
+                self._bucket(f"expert_bucket{len(self.units)}", group, ekw)
         self._wrap_mods = []
 
     def _build_stage3(self, model, named, wrap, kw):
@@ -282,74 +317,6 @@ class ZeroEngine:
 
         return hook
 
-    # ------------------------------------------------------------------ params, stage 3
-
-    def _install_stage3_hooks(self, model) -> None:
-        self._hooks.append(model.register_forward_pre_hook(self._root_pre_forward))
-        self._hooks.append(model.register_forward_hook(self._root_post_forward))
-        for m in self._wrap_mods:
-            u = self.wrap_units[id(m)]
-            self._hooks.append(m.register_forward_pre_hook(self._make_pre_forward(u)))
-            self._hooks.append(m.register_forward_hook(self._make_post_forward(u)))
-
-    def _root_pre_forward(self, _mod, _args) -> None:
-        if self.root is not None:
-            self.root.finish_param_sync(self.comm)
-        if not self._in_backward:
-            self._fwd_order = []
-            self._prefetch(self._last_order[: self.prefetch])
-
-    def _root_post_forward(self, _mod, _args, _out) -> None:
-        if self._fwd_order:
-            self._last_order = self._fwd_order
-        if not torch.is_grad_enabled() and not self._in_backward:
-            for u in self.units:
-                u.free()
-
-    def _prefetch(self, units) -> None:
-        for u in units:
-            u.start_param_sync(self.comm)
-
-    def _next(self, u: Bucket, order: list[Bucket]) -> list[Bucket]:
-        for i, v in enumerate(order):
-            if v is u:
-                return order[i + 1:i + 1 + self.prefetch]
-        return []
-
-    def _make_pre_forward(self, u: Bucket):
-        def hook(_mod, _args):
-            u.finish_param_sync(self.comm)
-            if not self._in_backward:
-                self._fwd_order.append(u)
-                self._prefetch(self._next(u, self._last_order))
-
-        return hook
-
-    def _make_post_forward(self, u: Bucket):
-        def hook(_mod, _args, out):
-            if self._in_backward:  # a re-run forward (activation checkpointing): backward needs the params
-                return
-            if (self.reshard_after_forward and not self.hold_params) or not torch.is_grad_enabled():
-                u.free()
-            if torch.is_grad_enabled():
-                for t in _tensors(out):
-                    if t.requires_grad:
-                        t.register_hook(self._make_pre_backward(u))
-
-        return hook
-
-    def _make_pre_backward(self, u: Bucket):
-        def hook(_grad):
-            self._in_backward = True
-            if not self._final_queued:
-                self._final_queued = True
-                torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-            if u.ready < len(u.params):
-                u.finish_param_sync(self.comm)
-                self._prefetch(self._next(u, self._last_order[::-1]))
-
-        return hook
-
     # ------------------------------------------------------------------ state
 
     @contextlib.contextmanager
@@ -376,29 +343,20 @@ class ZeroEngine:
         return gathered_grads(self)
 
 
-def _tensors(out):
-    if isinstance(out, torch.Tensor):
-        yield out
-    elif isinstance(out, (list, tuple)):
-        for o in out:
-            yield from _tensors(o)
-    elif isinstance(out, dict):
-        for o in out.values():
-            yield from _tensors(o)
-
-
 def parallelize(model: torch.nn.Module, *, stage: int, group=None, precision: str = "fp32",
                 reduce_dtype: torch.dtype | None = None, bucket_mb: float = 25.0, overlap: bool = True,
                 prefetch: int = 1, wrap=None, reshard_after_forward: bool = True,
                 tp_group=None, max_inflight: int = 2, device=None, param_init_fn=None,
-                pp_group=None) -> torch.nn.Module:
+                pp_group=None, expert_group=None) -> torch.nn.Module:
     """Make ``model`` ZeRO data-parallel over ``group`` (None: the default group), in place, and
     return it. stage 0 is plain data parallelism (grads all-reduced in buckets during backward,
     every rank keeps and steps everything); 1/2/3 shard optimizer states / + grads / + params.
     tp_group (default: ``model.tp_group``, set by tensor-parallel zerofuse models): the
     tensor-parallel group, so that grad norms (clipping, LAMB/LARS trust ratios, fp16 overflow)
     cover the whole model; pp_group: the pipeline-parallel group when ``model`` is one pipeline
-    stage (zerofuse.pipeline), for the same reason and for per-stage checkpoints. precision: the dtype params and grads are kept in (fp32 masters live
+    stage (zerofuse.pipeline), for the same reason and for per-stage checkpoints; expert_group
+    (default ``model.edp_group``): with expert-parallel MoE layers, the ranks holding the same
+    experts, over which expert params reduce and shard (ZeroEngine._init_experts). precision: the dtype params and grads are kept in (fp32 masters live
     in the optimizer); reduce_dtype: the dtype grads are accumulated and reduced in (default fp32;
     bf16/fp16 put half the bytes on the wire and are summed in fp32 after an all-to-all, rounding
     once); averages are pre-divided by the world size before the reduction. max_inflight: gradient
@@ -418,7 +376,8 @@ def parallelize(model: torch.nn.Module, *, stage: int, group=None, precision: st
     engine = ZeroEngine(model, stage=stage, group=group, precision=precision, reduce_dtype=reduce_dtype,
                         bucket_mb=bucket_mb, overlap=overlap, prefetch=prefetch, wrap=wrap,
                         reshard_after_forward=reshard_after_forward, tp_group=tp_group,
-                        max_inflight=max_inflight, device=device, param_init_fn=param_init_fn, pp_group=pp_group)
+                        max_inflight=max_inflight, device=device, param_init_fn=param_init_fn, pp_group=pp_group,
+                        expert_group=expert_group)
     model._zerofuse_zero = engine
     model.no_sync = engine.no_sync
     return model

@@ -26,7 +26,15 @@ class GradNorms:
         eng = self.engine
         eng.finish_grad_sync()
         kept = self.__dict__.setdefault("_norm_prepared", (Prepared(), Prepared()))
-        if eng.tp_comm is None:
+        if eng.tp_comm is None and eng.stage == 0 and eng.edp_comm is not None:
+            # stage 0 with expert parallelism: the dense grads are whole on every rank, each expert
+            # grad on its edp group's ranks: those count once per edp group
+            parts = [[u.grad_shard() for u in eng.units if u.comm is c] for c in (None, eng.edp_comm)]
+            sums = torch.stack([l2norm(ts, prepared=pr)[0].to(torch.float32) ** 2 for ts, pr in zip(parts, kept)])
+            expert = sums[1:] / eng.edp_comm.world_size
+            eng.comm.all_reduce_coalesced([expert], op="sum").wait()
+            sq = sums[:1] + expert
+        elif eng.tp_comm is None:
             total, _ = l2norm([u.grad_shard() for u in eng.units], prepared=kept[0])
             sq = self._global_sumsq(total.reshape(1).to(torch.float32) ** 2)
         else:

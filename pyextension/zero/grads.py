@@ -56,7 +56,7 @@ def gathered_grads(eng):
             buf = g
         else:
             buf = torch.empty(u.padded, dtype=u.reduce_dtype, device=u.device)
-            eng.comm.all_gather_coalesced(g, [buf]).wait()
+            (u.comm or eng.comm).all_gather_coalesced(g, [buf]).wait()
         given = []
         for p, o in zip(u.params, u.offsets):
             view = buf[o:o + p.numel()].view(p.shape)

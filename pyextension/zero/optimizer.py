@@ -81,6 +81,10 @@ class Optimizer(GradNorms, torch.optim.Optimizer):
             raise TypeError(f"{NAME}: unknown hyperparameter(s) {sorted(unknown)} for {optimizer!r}; expected some of "
                             f"{sorted(DEFAULTS[optimizer])}")
         defaults = {**DEFAULTS[optimizer], **hyperparameters}
+        if optimizer in ("lamb", "lars") and eng.edp_comm is not None:  # a trust ratio per stacked-experts param
+            raise ValueError(f"{NAME}: expected optimizer 'adamw' or 'adam' with expert-parallel params (a "
+                             f"{optimizer} trust ratio over this rank's experts would differ from one process's "
+                             f"over all of them), got {optimizer!r}")
         if optimizer == "lamb" and max_grad_norm is None:
             max_grad_norm = 1.0
         check_options(defaults, "")

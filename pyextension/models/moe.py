@@ -1,0 +1,112 @@
+"""Mixture-of-Experts blocks of zerofuse.models.GPT: which blocks' MLPs are MoE layers
+(``GPTConfig.moe_*``), the layers built over the expert-parallel groups, and the router losses and
+per-step expert loads the training job reports.
+
+``moe_experts=E`` (0: a dense model) replaces the MLP of every ``moe_every``-th block (blocks
+moe_every - 1, 2 * moe_every - 1, ...: GShard / Switch's every other layer at 2) by a
+zerofuse.moe.MoE of E experts, ``moe_top_k`` per token, experts of the model's MLP kind (SwiGLU
+for mlp="swiglu", else GELU) with ``moe_hidden`` units (default: the dense MLP's). The router:
+``moe_router`` scores ("softmax" or "sigmoid"), ``moe_capacity`` (a capacity factor: choices past
+an expert's capacity are dropped; 0: dropless), ``moe_aux_loss`` / ``moe_z_loss`` coefficients and
+``moe_bias_rate`` (aux-loss-free balancing: the job updates the bias before each optimizer step).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from zerofuse.moe import MoE
+
+NAME = "zerofuse.models.GPTConfig"
+ROUTERS = ("softmax", "sigmoid")
+
+
+def check_config(cfg) -> None:
+    """The moe_* fields of a GPTConfig (errors name the field, the expectation and the value)."""
+    e = cfg.moe_experts
+    if not isinstance(e, int) or e < 0:
+        raise ValueError(f"{NAME}: expected moe_experts an int >= 0 (0: dense), got {e!r}")
+    if e == 0:
+        return
+    if not 1 <= cfg.moe_top_k <= e:
+        raise ValueError(f"{NAME}: expected 1 <= moe_top_k <= moe_experts ({e}), got {cfg.moe_top_k}")
+    if not 1 <= cfg.moe_every <= cfg.n_layer:
+        raise ValueError(f"{NAME}: expected 1 <= moe_every <= n_layer ({cfg.n_layer}), got {cfg.moe_every}")
+    if cfg.moe_router not in ROUTERS:
+        raise ValueError(f"{NAME}: expected moe_router one of {ROUTERS}, got {cfg.moe_router!r}")
+    for key in ("moe_capacity", "moe_aux_loss", "moe_z_loss", "moe_bias_rate"):
+        v = getattr(cfg, key)
+        if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+            raise ValueError(f"{NAME}: expected {key} >= 0, got {v!r}")
+    if cfg.moe_hidden is not None and cfg.moe_hidden < 1:
+        raise ValueError(f"{NAME}: expected moe_hidden >= 1 or None, got {cfg.moe_hidden}")
+
+
+def is_moe_block(cfg, i: int) -> bool:
+    return cfg.moe_experts > 0 and (i + 1) % cfg.moe_every == 0
+
+
+def build(cfg, ep_group=None, dp_group=None) -> MoE:
+    """One block's MoE layer: experts split over ep_group (None: all here), the routers' loads for
+    aux-loss-free balancing summed over dp_group (the ranks whose tokens the model trains on)."""
+    return MoE(cfg.dim, cfg.moe_hidden or cfg.hidden, cfg.moe_experts, cfg.moe_top_k,
+               activation="swiglu" if cfg.mlp == "swiglu" else "gelu", shared_expert=cfg.moe_shared_expert,
+               ep_group=ep_group, score=cfg.moe_router, aux_loss_coef=cfg.moe_aux_loss, z_loss_coef=cfg.moe_z_loss,
+               bias_update_rate=cfg.moe_bias_rate, capacity_factor=cfg.moe_capacity, group=dp_group)
+
+
+def layers(model: torch.nn.Module) -> list[MoE]:
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def router_losses(moes: list[MoE]) -> torch.Tensor:
+    """[aux, z]: the last forward's router losses summed over the layers (with their graph)."""
+    return torch.stack([torch.stack(m.router_losses) for m in moes]).sum(0)
+
+
+class Stats:
+    """The routers' per-step figures, kept on the device and read at the job's log points: expert
+    loads (choices per expert, before dropping) summed over the steps, dropped choices, aux and z
+    losses; ``read()`` gives max/mean load per layer (1.0: perfectly balanced), summed over the
+    data-parallel group."""
+
+    def __init__(self, moes: list[MoE]):
+        self.moes = moes
+        self.load = None  # [layers, E] int64
+        self.dropped = None
+        self.losses = None  # [aux, z] summed over the steps' forwards
+        self.steps = 0
+
+    def record(self, losses: torch.Tensor | None = None) -> None:
+        """After a step's forward(s): the routers' last loads (every micro-batch's, when the job
+        calls it per micro-batch) and the losses (detached)."""
+        load = torch.stack([m.router.last_load for m in self.moes])
+        dropped = torch.stack([m.router.last_dropped for m in self.moes]).sum()
+        self.load = load if self.load is None else self.load + load
+        self.dropped = dropped if self.dropped is None else self.dropped + dropped
+        if losses is not None:
+            self.losses = losses.detach() if self.losses is None else self.losses + losses.detach()
+
+    def end_step(self) -> None:
+        self.steps += 1
+
+    def read(self, group=None) -> dict | None:
+        """Collective over ``group`` (None: the default group): the figures since the last read."""
+        import torch.distributed as dist
+        if self.load is None:
+            return None
+        flat = torch.cat([self.load.double().reshape(-1), self.dropped.double().reshape(1),
+                          (self.losses if self.losses is not None else self.load.new_zeros(2)).double()])
+        if dist.is_initialized() and dist.get_world_size(group) > 1:
+            dist.all_reduce(flat, group=group)
+            flat[-2:] /= dist.get_world_size(group)  # losses: the mean over the ranks
+        n, e = self.load.shape
+        load = flat[:n * e].view(n, e)
+        vals = flat.cpu().tolist()
+        out = {"max_over_mean_load": (load.max(1).values / load.mean(1).clamp_min(1e-12)).cpu().tolist(),
+               "dropped": int(vals[n * e]), "aux_loss": vals[-2] / max(self.steps, 1),
+               "z_loss": vals[-1] / max(self.steps, 1), "steps": self.steps}
+        self.load = self.dropped = self.losses = None
+        self.steps = 0
+        return out

@@ -1,0 +1,88 @@
+"""ZeRO-3's parameter hooks (a mixin of ZeroEngine, zerofuse/zero/engine.py; [Note: ZeRO hooks]
+there): the root unit gathered around the model's forward, each wrap unit gathered by its forward
+pre-hook with the next ``prefetch`` units of the recorded order, freed after its forward, gathered
+again before its backward by hooks on its outputs' grads."""
+from __future__ import annotations
+
+import torch
+
+from zerofuse.zero.buckets import Bucket
+
+
+class Stage3Hooks:
+    def _install_stage3_hooks(self, model) -> None:
+        self._hooks.append(model.register_forward_pre_hook(self._root_pre_forward))
+        self._hooks.append(model.register_forward_hook(self._root_post_forward))
+        for m in self._wrap_mods:
+            u = self.wrap_units[id(m)]
+            self._hooks.append(m.register_forward_pre_hook(self._make_pre_forward(u)))
+            self._hooks.append(m.register_forward_hook(self._make_post_forward(u)))
+
+    def _root_pre_forward(self, _mod, _args) -> None:
+        if self.root is not None:
+            self.root.finish_param_sync(self.comm)
+        if not self._in_backward:
+            self._fwd_order = []
+            self._prefetch(self._last_order[: self.prefetch])
+
+    def _root_post_forward(self, _mod, _args, _out) -> None:
+        if self._fwd_order:
+            self._last_order = self._fwd_order
+        if not torch.is_grad_enabled() and not self._in_backward:
+            for u in self.units:
+                u.free()
+
+    def _prefetch(self, units) -> None:
+        for u in units:
+            u.start_param_sync(self.comm)
+
+    def _next(self, u: Bucket, order: list[Bucket]) -> list[Bucket]:
+        for i, v in enumerate(order):
+            if v is u:
+                return order[i + 1:i + 1 + self.prefetch]
+        return []
+
+    def _make_pre_forward(self, u: Bucket):
+        def hook(_mod, _args):
+            u.finish_param_sync(self.comm)
+            if not self._in_backward:
+                self._fwd_order.append(u)
+                self._prefetch(self._next(u, self._last_order))
+
+        return hook
+
+    def _make_post_forward(self, u: Bucket):
+        def hook(_mod, _args, out):
+            if self._in_backward:  # a re-run forward (activation checkpointing): backward needs the params
+                return
+            if (self.reshard_after_forward and not self.hold_params) or not torch.is_grad_enabled():
+                u.free()
+            if torch.is_grad_enabled():
+                for t in _tensors(out):
+                    if t.requires_grad:
+                        t.register_hook(self._make_pre_backward(u))
+
+        return hook
+
+    def _make_pre_backward(self, u: Bucket):
+        def hook(_grad):
+            self._in_backward = True
+            if not self._final_queued:
+                self._final_queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            if u.ready < len(u.params):
+                u.finish_param_sync(self.comm)
+                self._prefetch(self._next(u, self._last_order[::-1]))
+
+        return hook
+
+
+def _tensors(out):
+    if isinstance(out, torch.Tensor):
+        yield out
+    elif isinstance(out, (list, tuple)):
+        for o in out:
+            yield from _tensors(o)
+    elif isinstance(out, dict):
+        for o in out.values():
+            yield from _tensors(o)
