@@ -120,6 +120,23 @@ TRAIN = [
          r"^--out: expected a directory, got '.*\.txt/sub' \(inside the file '.*\.txt'\)"),
     Case("flag-resume-without-checkpoint", _flags, lambda: ("--resume", "--out", "fresh"), U,
          r"^--resume: expected a complete checkpoint at fresh/ckpt, found none"),
+    # mixture of experts
+    Case("flag-ep-not-dividing-experts", _flags, lambda: ("--nproc", "3", "--experts", "4", "--ep", "3"), U,
+         r"^--ep: expected a divisor of the expert count 4 \(--experts\), got 3"),
+    Case("flag-ep-not-dividing-dp", _flags, lambda: ("--nproc", "2", "--experts", "4", "--ep", "4"), U,
+         r"^--ep: expected a divisor of the data-parallel size 2 \(--dp\), got 4"),
+    Case("flag-top-k-above-experts", _flags, lambda: ("--experts", "4", "--top-k", "5"), U,
+         r"^--top-k: expected between 1 and --experts \(4\), got 5"),
+    Case("flag-capacity-negative", _flags, lambda: ("--model", "moe-tiny", "--capacity", "-1"), U,
+         r"^--capacity: expected a finite number >= 0, got -1.0"),
+    Case("flag-ep-without-experts", _flags, lambda: ("--ep", "2"), U,
+         r"^--ep/--top-k/.*: expected --experts > 0 \(or an MoE --model such as moe-tiny\)"),
+    Case("flag-experts-with-tp", _flags, lambda: ("--nproc", "2", "--tp", "2", "--experts", "4"), U,
+         r"^--tp/--pp: MoE models run data- and expert-parallel: expected --tp 1 --pp 1, got --tp 2 --pp 1"),
+    Case("flag-ep-with-zero3", _flags, lambda: ("--model", "moe-tiny", "--ep", "2", "--zero-stage", "3"), U,
+         r"^--zero-stage: expected 0, 1 or 2 with --ep > 1"),
+    Case("flag-ep-with-lamb", _flags, lambda: ("--model", "moe-tiny", "--ep", "2", "--optimizer", "lamb"), U,
+         r"^--optimizer: expected adamw with --ep > 1 .*got lamb"),
 ]
 if not torch.cuda.is_available():
     TRAIN.append(Case("flag-device-cuda", _flags, lambda: ("--device", "cuda"), U,

@@ -103,7 +103,9 @@ def _parity_rank(rank, ws, ep, stages):
         losses, norms = _train(rank, ws, model, opt)
         out[stage] = dict(losses=losses, norms=norms, params=_full_params(model, mesh),
                           expert_shard=[u.shard_numel for u in expert_units],
-                          expert_world=[u.comm.world_size for u in expert_units])
+                          expert_world=[u.comm.world_size for u in expert_units],
+                          memory=zerofuse.zero.memory_report(model, opt),
+                          padding=sum(u.padded - u.numel for u in model._zerofuse_zero.units))
     model, opt = _build(mesh, stages[-1])  # the same run again: the same bits
     _train(rank, ws, model, opt)
     out["again"] = _full_params(model, mesh)
@@ -128,6 +130,10 @@ def test_expert_parallel_training_matches_one_process(ws, ep, stages):
                 torch.testing.assert_close(results[r][stage]["params"][name], want, rtol=0, atol=0)
         # expert params in their own buckets, over the dp / ep ranks holding the same experts
         assert r0["expert_world"] and set(r0["expert_world"]) == {ws // ep}, r0["expert_world"]
+        mem = r0["memory"]  # the bytes held against ZeRO's formulas, expert units over ws / ep ranks
+        for key, per_elem in (("params", 4), ("optimizer", 8)):  # + the buckets' alignment padding
+            want = mem["formula"][key]
+            assert abs(mem[key] - want) <= 0.01 * want + per_elem * r0["padding"], (stage, key, mem)
     for r in range(ws):
         for name, want in results[r][stages[-1]]["params"].items():
             assert torch.equal(results[r]["again"][name], want), (r, name)

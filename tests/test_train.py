@@ -189,6 +189,30 @@ def test_dp2_tp2(tmp_path):
     assert (summary["dp"], summary["tp"], summary["world_size"]) == (2, 2, 4)
 
 
+@pytest.mark.timeout(TIMEOUT)
+def test_moe_expert_parallel_job(tmp_path):
+    """moe-tiny's layout (8 SwiGLU experts, top-2, every other block) at ep 2 with ZeRO-2 and
+    aux-loss-free balancing: trains, reports the routers' figures, checkpoints the experts whole and
+    resumes at ep 1."""
+    moe = ["--experts", 4, "--top-k", 2, "--moe-every", 2, "--bias-rate", 1e-3, "--capacity", 1.5]
+    p = run("--nproc", 2, "--ep", 2, *moe, "--steps", 4, "--eval-every", 2, "--out", tmp_path)
+    _ok(p)
+    rows = metrics(tmp_path)
+    assert len(rows) == 4 and rows[-1]["loss"] < rows[0]["loss"]
+    for m in rows:  # the routers' figures, read at each log point
+        f = m["moe"]
+        assert len(f["max_over_mean_load"]) == 1 and all(1.0 <= x <= 4.0 for x in f["max_over_mean_load"])
+        assert f["dropped"] >= 0 and f["aux_loss"] > 0 and f["z_loss"] > 0 and f["a2a_exposed_s_per_step"] > 0
+    s = json.loads((tmp_path / "summary.json").read_text())
+    assert s["moe"]["ep"] == 2 and s["moe"]["experts"] == 4 and s["model"]["active_params"] < s["model"]["params"]
+    assert "experts" in p.stdout and "all-to-all exposed" in p.stdout
+    full = zerofuse.checkpoint.consolidate(str(tmp_path / "ckpt"))["model"]
+    assert full["blocks.1.mlp.w1"].shape[0] == 4 and "blocks.1.mlp.router.expert_bias" in full
+    p = run("--nproc", 2, "--ep", 1, *moe, "--steps", 6, "--eval-every", 2, "--out", tmp_path, "--resume")
+    _ok(p)
+    assert [m["step"] for m in metrics(tmp_path)] == list(range(1, 7))
+
+
 # ---------------------------------------------------------------------------------------------- flags
 
 def test_bad_flag_exits_2_before_starting(tmp_path):

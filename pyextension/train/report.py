@@ -190,9 +190,11 @@ def _table(s: dict) -> str:
     gpu_comm = "n/a on CUDA (Work.wait only orders streams; profile for exposed communication)"
     rows = [
         ("layout", f"{_plural(s['world_size'], 'rank')} = {'pp %d × ' % s['pipeline']['pp'] if s['pipeline'] else ''}"
-                   f"dp {s['dp']} × tp {s['tp']}, ZeRO-{s['zero_stage']}, "
+                   f"dp {s['dp']} × tp {s['tp']}{' (ep %d)' % s['moe']['ep'] if s['moe'] else ''}, "
+                   f"ZeRO-{s['zero_stage']}, "
                    f"{s['precision']}, {s['optimizer']}, {s['device_name']}"),
-        ("model", f"{s['model']['params'] / 1e6:.2f}M params"),
+        ("model", f"{s['model']['params'] / 1e6:.2f}M params"
+                  + (f" ({s['model']['active_params'] / 1e6:.2f}M active per token)" if s["moe"] else "")),
         ("steps", f"{s['steps_done'] - s['start_step']} this run (to step {s['steps_done']} of {s['steps']}), "
                   f"{s['tokens_per_step']:,} tokens/step"),
         ("wall time", f"{s['wall_s']:.1f} s (training loop {s['train_s']:.1f} s)"),

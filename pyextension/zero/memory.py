@@ -49,13 +49,14 @@ def memory_report(model: torch.nn.Module, optimizer=None) -> dict:
             opt += sum(_bytes(t) for t in st.values())
         k = 4 * len(optimizer.unit_states[0]) if optimizer.unit_states else 0
     psi = sum(p.numel() for p in eng.params)
-    nd = eng.world_size if eng.stage != 0 else 1  # stage 0 replicates everything
     bp, bg = eng.dtype.itemsize, eng.reduce_dtype.itemsize
-    formula = {
-        "params": bp * psi / (nd if eng.stage == 3 else 1),
-        "grads": bg * psi / (1 if eng.stage in (0, 1) else nd),
-        "optimizer": k * psi / nd,
-    }
+    formula = dict.fromkeys(("params", "grads", "optimizer"), 0.0)
+    for u in eng.units:  # expert units shard over the expert-DP group; stage 0 replicates everything
+        n = sum(p.numel() for p in u.params)
+        nd = (u.comm or eng.comm).world_size if eng.stage != 0 else 1
+        formula["params"] += bp * n / (nd if eng.stage == 3 else 1)
+        formula["grads"] += bg * n / (1 if eng.stage in (0, 1) else nd)
+        formula["optimizer"] += k * n / nd
     formula["total"] = sum(formula.values())
     return {"params": params, "grads": grads, "optimizer": opt, "total": params + grads + opt, "formula": formula,
             "psi": psi, "world_size": eng.world_size, "stage": eng.stage, "K": k}
