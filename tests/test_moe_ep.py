@@ -48,12 +48,15 @@ def _ep_rank(rank, ws, e, k, activation, per_rank, skew):
         m.w1.copy_(full.w1[rank * local:(rank + 1) * local])
         m.w2.copy_(full.w2[rank * local:(rank + 1) * local])
     xs, dys = _tokens(ws, per_rank, skew)
+    from zerofuse.moe.dispatch import sent_bytes
+
     x = xs[rank].clone().requires_grad_()
+    before = sent_bytes()
     y = m(x)
     (y * dys[rank]).sum().backward()
     router_grad = m.router.weight.grad.clone()
     torch.distributed.all_reduce(router_grad)
-    return y.detach(), x.grad, m.w1.grad, m.w2.grad, router_grad
+    return y.detach(), x.grad, m.w1.grad, m.w2.grad, router_grad, sent_bytes() - before
 
 
 @pytest.mark.parametrize("ws,e,k,activation,per_rank,skew", [
@@ -73,7 +76,9 @@ def test_expert_parallel_layer_matches_one_process(ws, e, k, activation, per_ran
     (y * torch.cat(dys)).sum().backward()
     local = e // ws
     starts = [sum(per_rank[:r]) for r in range(ws)]
-    for rank, (y_r, dx_r, dw1, dw2, router_grad) in enumerate(out):
+    # the rows on the wire: dispatch, combine and their backward, each every (token, choice) once
+    assert sum(r[-1] for r in out) == 4 * sum(per_rank) * k * D * 4
+    for rank, (y_r, dx_r, dw1, dw2, router_grad, _) in enumerate(out):
         rows = slice(starts[rank], starts[rank] + per_rank[rank])
         assert_close(y_r, y.detach()[rows], atol=1e-6, rtol=1e-5)
         assert_close(dx_r, x.grad[rows], atol=1e-6, rtol=1e-5)
@@ -82,7 +87,7 @@ def test_expert_parallel_layer_matches_one_process(ws, e, k, activation, per_ran
         assert_close(dw2, full.w2.grad[experts], atol=1e-5, rtol=1e-5)
         assert_close(router_grad, full.router.weight.grad, atol=1e-5, rtol=1e-5)
     if skew:
-        assert all(not dw1.any() for _, _, dw1, _, _ in out[1:])  # their experts got no rows
+        assert all(not dw1.any() for _, _, dw1, _, _, _ in out[1:])  # their experts got no rows
 
 
 def _a2a_rank(rank, ws, check):

@@ -205,7 +205,9 @@ def test_moe_expert_parallel_job(tmp_path):
         assert f["dropped"] >= 0 and f["aux_loss"] > 0 and f["z_loss"] > 0 and f["a2a_exposed_s_per_step"] > 0
     s = json.loads((tmp_path / "summary.json").read_text())
     assert s["moe"]["ep"] == 2 and s["moe"]["experts"] == 4 and s["model"]["active_params"] < s["model"]["params"]
-    assert "experts" in p.stdout and "all-to-all exposed" in p.stdout
+    # with a capacity some choices may be dropped: the rows on the wire at most the dropless count
+    assert 0 < s["moe"]["a2a_bytes_per_step"] <= s["moe"]["a2a_bytes_per_step_analytic"]
+    assert "experts" in p.stdout and "MiB/step (dropless count" in p.stdout
     full = zerofuse.checkpoint.consolidate(str(tmp_path / "ckpt"))["model"]
     assert full["blocks.1.mlp.w1"].shape[0] == 4 and "blocks.1.mlp.router.expert_bias" in full
     p = run("--nproc", 2, "--ep", 1, *moe, "--steps", 6, "--eval-every", 2, "--out", tmp_path, "--resume")

@@ -91,12 +91,14 @@ class Stats:
     def end_step(self) -> None:
         self.steps += 1
 
-    def read(self, group=None) -> dict | None:
-        """Collective over ``group`` (None: the default group): the figures since the last read."""
+    def read(self, group=None, sent_bytes: float = 0.0) -> dict | None:
+        """Collective over ``group`` (None: the default group): the figures since the last read;
+        ``sent_bytes``: this rank's all-to-all bytes since then (summed over the group, per step)."""
         import torch.distributed as dist
         if self.load is None:
             return None
         flat = torch.cat([self.load.double().reshape(-1), self.dropped.double().reshape(1),
+                          torch.tensor([float(sent_bytes)], dtype=torch.float64, device=self.load.device),
                           (self.losses if self.losses is not None else self.load.new_zeros(2)).double()])
         if dist.is_initialized() and dist.get_world_size(group) > 1:
             dist.all_reduce(flat, group=group)
@@ -105,7 +107,8 @@ class Stats:
         load = flat[:n * e].view(n, e)
         vals = flat.cpu().tolist()
         out = {"max_over_mean_load": (load.max(1).values / load.mean(1).clamp_min(1e-12)).cpu().tolist(),
-               "dropped": int(vals[n * e]), "aux_loss": vals[-2] / max(self.steps, 1),
+               "dropped": int(vals[n * e]), "a2a_bytes_per_step": vals[n * e + 1] / max(self.steps, 1),
+               "aux_loss": vals[-2] / max(self.steps, 1),
                "z_loss": vals[-1] / max(self.steps, 1), "steps": self.steps}
         self.load = self.dropped = self.losses = None
         self.steps = 0

@@ -23,7 +23,7 @@ from torch import Tensor
 from zerofuse.comm import Communicator
 
 
-_exposed = [0.0]  # host seconds spent waiting for the all-to-alls (forward and backward)
+_exposed = [0.0, 0]  # host seconds waiting for the all-to-alls, bytes of rows sent (forward and backward)
 
 
 def exposed_seconds() -> float:
@@ -32,10 +32,22 @@ def exposed_seconds() -> float:
     return _exposed[0]
 
 
+def sent_bytes() -> int:
+    """Bytes of token rows this process has sent by MoE all-to-alls (to itself included; the
+    counts' few integers not): dispatch, combine and their backward, 4 x T x k x dim x itemsize
+    per dropless layer and step summed over the ep group."""
+    return _exposed[1]
+
+
 def _wait(work) -> None:
     t0 = time.perf_counter()
     work.wait()
     _exposed[0] += time.perf_counter() - t0
+
+
+def _send(comm, out, x, out_splits, in_splits) -> None:
+    _exposed[1] += x.numel() * x.element_size()
+    _wait(comm.all_to_all(out, x, out_splits, in_splits))
 
 
 class _AllToAll(torch.autograd.Function):
@@ -43,14 +55,14 @@ class _AllToAll(torch.autograd.Function):
     def forward(ctx, x: Tensor, comm: Communicator, out_splits: list[int], in_splits: list[int]) -> Tensor:
         ctx.comm, ctx.splits = comm, (out_splits, in_splits)
         out = x.new_empty((sum(out_splits), *x.shape[1:]))
-        _wait(comm.all_to_all(out, x.contiguous(), out_splits, in_splits))
+        _send(comm, out, x.contiguous(), out_splits, in_splits)
         return out
 
     @staticmethod
     def backward(ctx, g: Tensor):
         out_splits, in_splits = ctx.splits
         dx = g.new_empty((sum(in_splits), *g.shape[1:]))
-        _wait(ctx.comm.all_to_all(dx, g.contiguous(), in_splits, out_splits))
+        _send(ctx.comm, dx, g.contiguous(), in_splits, out_splits)
         return dx, None, None, None
 
 

@@ -190,9 +190,11 @@ class Trainer:
     def moe_figures(self) -> dict:
         """The routers' figures since the last log point (zerofuse.models.moe.Stats) and the host
         time spent waiting for the all-to-alls (CPU: exposed; on CUDA a wait orders streams only)."""
-        from zerofuse.moe.dispatch import exposed_seconds
+        from zerofuse.moe.dispatch import exposed_seconds, sent_bytes
         steps = self.moe.steps
-        out = self.moe.read(self.mesh.dp_group)
+        sent = sent_bytes()
+        out = self.moe.read(self.mesh.dp_group, sent - getattr(self, "_a2a_bytes_last", 0))
+        self._a2a_bytes_last = sent
         a2a = exposed_seconds()
         out["a2a_exposed_s_per_step"] = ((a2a - getattr(self, "_a2a_last", 0.0)) / max(steps, 1)
                                          if self.device.type == "cpu" and self.args.ep > 1 else None)
@@ -216,8 +218,8 @@ class Trainer:
                 acc += torch.stack([loss, torch.ones_like(loss)])
         dist.all_reduce(acc, group=self.mesh.dp_group)
         if self.moe is not None:  # evaluation's all-to-alls are not the steps'
-            from zerofuse.moe.dispatch import exposed_seconds
-            self._a2a_last = exposed_seconds()
+            from zerofuse.moe.dispatch import exposed_seconds, sent_bytes
+            self._a2a_last, self._a2a_bytes_last = exposed_seconds(), sent_bytes()
         return float(acc[0] / acc[1])
 
     def _memory(self) -> dict:

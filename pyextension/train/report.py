@@ -16,6 +16,7 @@ from .cli import PROG
 if TYPE_CHECKING:
     from .loop import Trainer
 
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense bf16 tensor-core peaks
 
 
@@ -222,7 +223,8 @@ def _table(s: dict) -> str:
                                 f"layer (last {_plural(mo['window_steps'], 'step')}) "
                                 f"{', '.join(format(x, '.2f') for x in mo['max_over_mean_load'])}; dropped "
                                 f"{mo['dropped']:,} choices; aux {mo['aux_loss']:.4f}, z {mo['z_loss']:.4f}; "
-                                f"all-to-all exposed {num(a2a, '.1f')} ms/step"))
+                                f"all-to-all {mo['a2a_bytes_per_step'] / 2 ** 20:.2f} MiB/step (dropless count "
+                                f"{mo['a2a_bytes_per_step_analytic'] / 2 ** 20:.2f}), exposed {num(a2a, '.1f')} ms/step"))
     rows.append(("loss", f"train {num(s['final_train_loss'], '.4f')}, val {s['final_val_loss']:.4f} at step "
                          f"{s['final_val_step']}" + (f" (initial val {s['initial_val_loss']:.4f})"
                                                      if s["initial_val_loss"] is not None else "")))
@@ -242,6 +244,11 @@ def _moe_summary(t: Trainer, runs: list[dict]) -> dict | None:
     return {"experts": c.moe_experts, "top_k": c.moe_top_k, "ep": t.args.ep, "layers": len(last["max_over_mean_load"]),
             "max_over_mean_load": last["max_over_mean_load"], "window_steps": last["steps"],
             "dropped": sum(f["dropped"] for f in figs), "aux_loss": last["aux_loss"], "z_loss": last["z_loss"],
+            "a2a_bytes_per_step": last["a2a_bytes_per_step"] if t.args.ep > 1 else 0,
+            # dispatch, combine and their backward: every (token, choice) row once each, dropless
+            "a2a_bytes_per_step_analytic": (4 * t.args.dp * t.args.batch * t.args.grad_accum * c.seq_len * c.moe_top_k
+                                            * c.dim * torch.finfo(_DTYPES[t.args.precision]).bits // 8
+                                            * len(last["max_over_mean_load"]) if t.args.ep > 1 else 0),
             "a2a_exposed_ms_per_step": 1e3 * _mean(a2a) if a2a else None}
 
 
