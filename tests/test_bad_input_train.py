@@ -133,8 +133,6 @@ TRAIN = [
          r"^--ep/--top-k/.*: expected --experts > 0 \(or an MoE --model such as moe-tiny\)"),
     Case("flag-experts-with-tp", _flags, lambda: ("--nproc", "2", "--tp", "2", "--experts", "4"), U,
          r"^--tp/--pp: MoE models run data- and expert-parallel: expected --tp 1 --pp 1, got --tp 2 --pp 1"),
-    Case("flag-ep-with-zero3", _flags, lambda: ("--model", "moe-tiny", "--ep", "2", "--zero-stage", "3"), U,
-         r"^--zero-stage: expected 0, 1 or 2 with --ep > 1"),
     Case("flag-ep-with-lamb", _flags, lambda: ("--model", "moe-tiny", "--ep", "2", "--optimizer", "lamb"), U,
          r"^--optimizer: expected adamw with --ep > 1 .*got lamb"),
 ]

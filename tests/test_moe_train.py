@@ -1,6 +1,7 @@
 """MoE GPT training with expert parallelism on real gloo ranks against one process training the
-same global batch: ep 2 and 4 (and ep 2 inside dp 4), ZeRO-0/1/2 sharding dense params over the DP
-group and expert params over the expert-data-parallel group, z-loss and aux-loss-free balancing on;
+same global batch: ep 2 and 4 (and ep 2 inside dp 4), ZeRO-0/1/2/3 sharding dense params over the
+DP group and expert params over the expert-data-parallel group (stage 3: each block's experts in a
+companion unit gathered with it), z-loss and aux-loss-free balancing on;
 10 AdamW steps with clipping, losses and grad norms at rtol 1e-5, params by the training-parity
 rule; the same run twice gives the same bits; checkpoints saved at one ep load at another."""
 from __future__ import annotations
@@ -112,7 +113,7 @@ def _parity_rank(rank, ws, ep, stages):
     return out
 
 
-@pytest.mark.parametrize("ws,ep,stages", [(2, 2, (1, 2)), (4, 4, (1, 2)), (4, 2, (0, 2))])
+@pytest.mark.parametrize("ws,ep,stages", [(2, 2, (1, 2, 3)), (4, 4, (1, 2)), (4, 2, (0, 2, 3))])
 def test_expert_parallel_training_matches_one_process(ws, ep, stages):
     ref_losses, ref_norms, ref_params = reference_run()
     alt_params = reference_run(micro=ws)[2]

@@ -292,8 +292,6 @@ def _validate_moe(args) -> None:
     _check(experts % ep == 0, f"--ep: expected a divisor of the expert count {experts} (--experts), got {ep}")
     _check(args.tp == 1 and args.pp == 1, f"--tp/--pp: MoE models run data- and expert-parallel: expected --tp 1 "
                                           f"--pp 1, got --tp {args.tp} --pp {args.pp}")
-    _check(ep == 1 or args.zero_stage != 3, "--zero-stage: expected 0, 1 or 2 with --ep > 1 (ZeRO-3 over expert "
-                                            "params is not supported yet), got 3")
     _check(ep == 1 or args.optimizer == "adamw", f"--optimizer: expected adamw with --ep > 1 (a trust ratio over a "
                                                  f"rank's experts differs from one process's), got {args.optimizer}")
 

@@ -81,6 +81,7 @@ class Bucket:
         # the group this bucket reduces and gathers over when it is not the engine's (rank and
         # world_size are then this group's): expert params over the expert-data-parallel group
         self.comm = comm
+        self.companion: Bucket | None = None  # stage 3: the expert params of the same wrapped module
         self.names = [n for n, _ in named_params]
         self.params = [p for _, p in named_params]
         self.dtype, self.device, self.reduce_dtype, self.grad_div = dtype, device, reduce_dtype, grad_div

@@ -178,11 +178,11 @@ class ZeroEngine(Stage3Hooks):
         if self.edp_comm.world_size * ep != self.world_size:
             raise ValueError(f"{name}: expected the expert-data-parallel group ({self.edp_comm.world_size} ranks) "
                              f"times the expert-parallel size ({ep}) to be the data-parallel size {self.world_size}")
-        for what, bad in (("stage 3", stage == 3), ("tensor parallelism", self.tp_comm is not None),
+        for what, bad in (("tensor parallelism", self.tp_comm is not None),
                           ("pipeline parallelism", self.pp_comm is not None)):
             if bad:
                 raise ValueError(f"{name}: expert-parallel params (ep {ep}) are not supported with {what} yet; "
-                                 "expected stage 0, 1 or 2 without tp/pp")
+                                 "expected them without tp/pp")
 
     def _bucket(self, name, group, kw) -> Bucket:
         b = Bucket(len(self.units), name, group, **kw)
@@ -208,9 +208,24 @@ class ZeroEngine(Stage3Hooks):
         units, root = unit_groups(model, named, wrap)
         self._wrap_mods = []
         for m, name, group in units:
-            self.wrap_units[id(m)] = self._bucket(name, group, kw)
+            self.wrap_units[id(m)] = self._stage3_unit(name, group, kw)
             self._wrap_mods.append(m)
-        self.root = self._bucket("<root>", root, kw) if root else None
+        self.root = self._stage3_unit("<root>", root, kw) if root else None
+
+    def _stage3_unit(self, name, group, kw) -> Bucket:
+        """A stage-3 unit; its expert-parallel params (if any) in a companion unit over the
+        expert-DP group, gathered and freed with it (zerofuse/zero/stage3.py)."""
+        expert = {id(p) for p, e in zip(self.params, self.expert) if e}
+        dense = [x for x in group if id(x[1]) not in expert]
+        experts = [x for x in group if id(x[1]) in expert]
+        c = self.edp_comm
+        ekw = kw | dict(comm=c, rank=c.rank, world_size=c.world_size) if experts else None
+        if not dense:
+            return self._bucket(name, experts, ekw)
+        u = self._bucket(name, dense, kw)
+        if experts:
+            u.companion = self._bucket(f"{name}/experts", experts, ekw)
+        return u
 
     # ------------------------------------------------------------------ grads
 

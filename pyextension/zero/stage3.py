@@ -9,6 +9,12 @@ import torch
 from zerofuse.zero.buckets import Bucket
 
 
+def _pair(u: Bucket):
+    """A unit and its expert companion (a wrapped module's expert-parallel params, in a unit over
+    the expert-DP group: ZeroEngine._stage3_unit), gathered and freed together."""
+    return (u,) if u.companion is None else (u, u.companion)
+
+
 class Stage3Hooks:
     def _install_stage3_hooks(self, model) -> None:
         self._hooks.append(model.register_forward_pre_hook(self._root_pre_forward))
@@ -20,7 +26,8 @@ class Stage3Hooks:
 
     def _root_pre_forward(self, _mod, _args) -> None:
         if self.root is not None:
-            self.root.finish_param_sync(self.comm)
+            for x in _pair(self.root):
+                x.finish_param_sync(self.comm)
         if not self._in_backward:
             self._fwd_order = []
             self._prefetch(self._last_order[: self.prefetch])
@@ -34,7 +41,8 @@ class Stage3Hooks:
 
     def _prefetch(self, units) -> None:
         for u in units:
-            u.start_param_sync(self.comm)
+            for x in _pair(u):
+                x.start_param_sync(self.comm)
 
     def _next(self, u: Bucket, order: list[Bucket]) -> list[Bucket]:
         for i, v in enumerate(order):
@@ -44,7 +52,8 @@ class Stage3Hooks:
 
     def _make_pre_forward(self, u: Bucket):
         def hook(_mod, _args):
-            u.finish_param_sync(self.comm)
+            for x in _pair(u):
+                x.finish_param_sync(self.comm)
             if not self._in_backward:
                 self._fwd_order.append(u)
                 self._prefetch(self._next(u, self._last_order))
@@ -56,7 +65,8 @@ class Stage3Hooks:
             if self._in_backward:  # a re-run forward (activation checkpointing): backward needs the params
                 return
             if (self.reshard_after_forward and not self.hold_params) or not torch.is_grad_enabled():
-                u.free()
+                for x in _pair(u):
+                    x.free()
             if torch.is_grad_enabled():
                 for t in _tensors(out):
                     if t.requires_grad:
@@ -70,8 +80,10 @@ class Stage3Hooks:
             if not self._final_queued:
                 self._final_queued = True
                 torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-            if u.ready < len(u.params):
-                u.finish_param_sync(self.comm)
+            waiting = [x for x in _pair(u) if x.ready < len(x.params)]
+            for x in waiting:
+                x.finish_param_sync(self.comm)
+            if waiting:
                 self._prefetch(self._next(u, self._last_order[::-1]))
 
         return hook
