@@ -120,6 +120,8 @@ TRAIN = [
          r"^--out: expected a directory, got '.*\.txt/sub' \(inside the file '.*\.txt'\)"),
     Case("flag-resume-without-checkpoint", _flags, lambda: ("--resume", "--out", "fresh"), U,
          r"^--resume: expected a complete checkpoint at fresh/ckpt, found none"),
+    Case("flag-offload-with-lamb", _flags, lambda: ("--offload", "optimizer", "--optimizer", "lamb"), U,
+         r"^--offload optimizer: expected --optimizer adamw and --pp 1, got --optimizer lamb --pp 1"),
     # mixture of experts
     Case("flag-ep-not-dividing-experts", _flags, lambda: ("--nproc", "3", "--experts", "4", "--ep", "3"), U,
          r"^--ep: expected a divisor of the expert count 4 \(--experts\), got 3"),

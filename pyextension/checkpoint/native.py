@@ -269,6 +269,8 @@ def _finish_load(eng, model, optimizer, opt_meta, rest) -> None:
             g.update({k: (tuple(v) if isinstance(v, list) else v) for k, v in saved.items() if k != "params"})
         for s, step in zip(optimizer._steps, opt_meta["steps"]):
             s.fill_(step)
+        if optimizer.host is not None:  # offload keeps host copies of the counters
+            optimizer.host.load_steps()
         optimizer.scale.fill_(opt_meta["scale"])
         optimizer._growth_tracker.fill_(opt_meta["growth_tracker"])
     if rest:

@@ -76,7 +76,8 @@ class Trainer:
             self.model = self.pp.module
         else:
             self.model = zero.parallelize(model, stage=args.zero_stage, group=self.mesh.dp_group,
-                                          precision=args.precision, device=self.device)
+                                          precision=args.precision, device=self.device,
+                                          offload=None if args.offload == "none" else args.offload)
         if args.compile:
             blocks = self.model.blocks
             for block in (blocks.values() if isinstance(blocks, torch.nn.ModuleDict) else blocks):
@@ -225,7 +226,7 @@ class Trainer:
     def _memory(self) -> dict:
         from zerofuse.zero import memory_report
         rep = memory_report(self.model, self.opt)
-        mem = {k: rep[k] for k in ("params", "grads", "optimizer", "total")}
+        mem = {k: rep[k] for k in ("params", "grads", "optimizer", "total", "optimizer_host") if k in rep}
         mem["max_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         if self.device.type == "cuda":
             mem["cuda_max_allocated"] = torch.cuda.max_memory_allocated(self.device)

@@ -114,7 +114,7 @@ class RankZeroLog:
         tok_s = tokens / step_time if step_time else None
         return {
             "world_size": t.world, "pp": a.pp, "dp": a.dp, "tp": a.tp, "sequence_parallel": a.sequence_parallel,
-            "zero_stage": a.zero_stage, "precision": a.precision, "optimizer": a.optimizer, "device": t.device.type,
+            "zero_stage": a.zero_stage, "offload": a.offload, "precision": a.precision, "optimizer": a.optimizer, "device": t.device.type,
             "device_name": torch.cuda.get_device_name(t.device) if t.device.type == "cuda" else "cpu",
             "model": {"preset": a.model_name, "params": t.n_params, "active_params": t.n_active_params,
                       **dataclasses.asdict(t.cfg)},
@@ -192,7 +192,7 @@ def _table(s: dict) -> str:
     rows = [
         ("layout", f"{_plural(s['world_size'], 'rank')} = {'pp %d × ' % s['pipeline']['pp'] if s['pipeline'] else ''}"
                    f"dp {s['dp']} × tp {s['tp']}{' (ep %d)' % s['moe']['ep'] if s['moe'] else ''}, "
-                   f"ZeRO-{s['zero_stage']}, "
+                   f"ZeRO-{s['zero_stage']}{' (offload ' + s['offload'] + ')' if s['offload'] != 'none' else ''}, "
                    f"{s['precision']}, {s['optimizer']}, {s['device_name']}"),
         ("model", f"{s['model']['params'] / 1e6:.2f}M params"
                   + (f" ({s['model']['active_params'] / 1e6:.2f}M active per token)" if s["moe"] else "")),
@@ -209,6 +209,8 @@ def _table(s: dict) -> str:
     ]
     for r, m in enumerate(s["memory_per_rank"]):
         extra = f", CUDA max allocated {_fmt_bytes(m['cuda_max_allocated'])}" if "cuda_max_allocated" in m else ""
+        if "optimizer_host" in m:
+            extra += f", optimizer offloaded to host {_fmt_bytes(m['optimizer_host'])}"
         rows.append((f"memory rank {r}", f"params {_fmt_bytes(m['params'])}, grads {_fmt_bytes(m['grads'])}, "
                                          f"optimizer {_fmt_bytes(m['optimizer'])}, max RSS "
                                          f"{_fmt_bytes(m['max_rss'])}{extra}"))

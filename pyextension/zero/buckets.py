@@ -333,6 +333,7 @@ class BucketGroup:
     def __init__(self, buckets: list[Bucket], comm, max_inflight: int):
         self.buckets, self.comm, self.max_inflight = buckets, comm, max_inflight
         self._inflight: collections.deque[Bucket] = collections.deque()
+        self.on_reduced = None  # callable(bucket) once a bucket's reduction completed (offload: [Note: offloaded steps])
 
     def __iter__(self):
         return iter(self.buckets)
@@ -346,7 +347,12 @@ class BucketGroup:
     def make_room(self) -> None:
         """Waits for the oldest reductions until fewer than max_inflight are in flight."""
         while len(self._inflight) >= self.max_inflight:
-            self._inflight.popleft().finish_grad_sync()
+            self._finish(self._inflight.popleft())
+
+    def _finish(self, b: Bucket) -> None:
+        b.finish_grad_sync()
+        if self.on_reduced is not None:
+            self.on_reduced(b)
 
     def start_grad_sync(self, bucket: Bucket) -> None:
         self.make_room()
@@ -363,7 +369,7 @@ class BucketGroup:
                     self.start_grad_sync(b)
                     late.append(b)
         while self._inflight:
-            self._inflight.popleft().finish_grad_sync()
+            self._finish(self._inflight.popleft())
         return late
 
     def start_param_sync(self) -> None:

@@ -29,8 +29,9 @@ def _bytes(t: torch.Tensor | None) -> int:
 
 
 def memory_report(model: torch.nn.Module, optimizer=None) -> dict:
-    """{'params', 'grads', 'optimizer', 'total'}: bytes held by this rank now; 'formula': the
-    same keys from ZeRO's formulas; 'psi', 'world_size', 'stage', 'K'."""
+    """{'params', 'grads', 'optimizer', 'total'}: bytes held by this rank now on the params' device
+    (with offload='optimizer' also 'optimizer_host': the host's; 'optimizer' is then 0); 'formula':
+    the same keys from ZeRO's formulas; 'psi', 'world_size', 'stage', 'K'."""
     eng = engine_of(model, "zerofuse.zero.memory_report")
     params = grads = 0
     for u in eng.units:
@@ -57,9 +58,13 @@ def memory_report(model: torch.nn.Module, optimizer=None) -> dict:
         formula["params"] += bp * n / (nd if eng.stage == 3 else 1)
         formula["grads"] += bg * n / (1 if eng.stage in (0, 1) else nd)
         formula["optimizer"] += k * n / nd
-    formula["total"] = sum(formula.values())
-    return {"params": params, "grads": grads, "optimizer": opt, "total": params + grads + opt, "formula": formula,
-            "psi": psi, "world_size": eng.world_size, "stage": eng.stage, "K": k}
+    host = {}
+    if optimizer is not None and optimizer.host is not None:  # offload: the states are host memory
+        host = {"optimizer_host": opt}
+        formula["optimizer_host"], formula["optimizer"], opt = formula["optimizer"], 0.0, 0
+    formula["total"] = formula["params"] + formula["grads"] + formula["optimizer"]
+    return {"params": params, "grads": grads, "optimizer": opt, "total": params + grads + opt, **host,
+            "formula": formula, "psi": psi, "world_size": eng.world_size, "stage": eng.stage, "K": k}
 
 
 class Peak:

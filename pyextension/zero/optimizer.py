@@ -85,6 +85,10 @@ class Optimizer(GradNorms, torch.optim.Optimizer):
             raise ValueError(f"{NAME}: expected optimizer 'adamw' or 'adam' with expert-parallel params (a "
                              f"{optimizer} trust ratio over this rank's experts would differ from one process's "
                              f"over all of them), got {optimizer!r}")
+        if eng.offload is not None and optimizer not in ("adam", "adamw"):
+            raise ValueError(f"{NAME}: expected optimizer 'adamw' or 'adam' with offload={eng.offload!r} (the host "
+                             f"steps run unit by unit; {optimizer}'s trust ratios need every unit's norms), got "
+                             f"{optimizer!r}")
         if optimizer == "lamb" and max_grad_norm is None:
             max_grad_norm = 1.0
         check_options(defaults, "")
@@ -113,6 +117,11 @@ class Optimizer(GradNorms, torch.optim.Optimizer):
         self._scaler_cfg = (float(growth_factor), float(backoff_factor), int(growth_interval))
         self._found_inf: torch.Tensor | None = None
         self.last_step_skipped: torch.Tensor | None = None  # found_inf of the last step (fp16 / clipping)
+        self.host = None
+        if eng.offload is not None:
+            from zerofuse.zero.offload import HostSteps
+            self.host = HostSteps(self)
+            eng.buckets.on_reduced = self.host.grad_ready
 
     @staticmethod
     def _groups(eng, param_groups):
@@ -147,11 +156,16 @@ class Optimizer(GradNorms, torch.optim.Optimizer):
     def _build_states(self) -> None:
         eng = self.engine
         low = eng.dtype != torch.float32
+        host = eng.offload is not None  # in host memory (pinned for a GPU's copies), with fp32 masters
+        kw = dict(device="cpu", pin_memory=eng.device.type == "cuda") if host else {}
         self.unit_states = []
         for u in eng.units:
-            st = {k: torch.zeros(u.shard_numel, dtype=torch.float32, device=u.device) for k in STATE_KEYS[self.kind]}
-            if low:
-                st["master"] = u.shard.float()
+            st = {k: torch.zeros(u.shard_numel, dtype=torch.float32, **(kw or dict(device=u.device)))
+                  for k in STATE_KEYS[self.kind]}
+            if low or host:
+                st["master"] = torch.empty(u.shard_numel, dtype=torch.float32, **kw) if host else u.shard.float()
+                if host:
+                    st["master"].copy_(u.shard)
             self.unit_states.append(st)
         self._runs = [[] for _ in self.param_groups]  # merged runs (Adam/AdamW)
         self._pieces = [[] for _ in self.param_groups]  # one per param piece (LAMB/LARS)
@@ -232,8 +246,11 @@ class Optimizer(GradNorms, torch.optim.Optimizer):
                 self._clip_coef = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
         if self._clip_coef is not None:
             mult = mult * self._clip_coef
-        for gi, group in enumerate(self.param_groups):
-            self._step_group(gi, group, mult, found)
+        if self.host is not None:
+            self.host.step(mult, found)
+        else:
+            for gi, group in enumerate(self.param_groups):
+                self._step_group(gi, group, mult, found)
         if self.fp16:
             torch._amp_update_scale_(self.scale, self._growth_tracker, found, *self._scaler_cfg)
         self.last_step_skipped = found
@@ -349,6 +366,8 @@ class Optimizer(GradNorms, torch.optim.Optimizer):
                         t.copy_(saved[k])
             for s, saved in zip(self._steps, extra["steps"]):
                 s.copy_(saved)
+            if self.host is not None:
+                self.host.load_steps()
             self.scale.copy_(extra["scale"])
             self._growth_tracker.copy_(extra["growth_tracker"])
             for g, saved in zip(self.param_groups, state_dict["param_groups"]):
@@ -359,8 +378,8 @@ class Optimizer(GradNorms, torch.optim.Optimizer):
     def write_params(self) -> None:
         """Params from the fp32 masters (after a load), then gathered (stage 1/2)."""
         eng = self.engine
-        if eng.dtype != torch.float32:
-            for u, st in zip(eng.units, self.unit_states):
+        for u, st in zip(eng.units, self.unit_states):
+            if "master" in st:
                 u.shard.copy_(st["master"])
         if eng.stage != 3:
             eng.start_param_sync()

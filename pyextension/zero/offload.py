@@ -1,0 +1,158 @@
+"""ZeRO-Offload's optimizer side (``zerofuse.zero.parallelize(..., offload="optimizer")``): the fp32
+master weights, exp_avg and exp_avg_sq of this rank's shards live in host memory (pinned when the
+params are on a GPU) and the C++ CPU Adam/AdamW kernel steps them there, unit by unit.
+
+[Note: offloaded steps]
+- A unit's grad shard goes to the host as soon as its reduction completes (BucketGroup.on_reduced,
+  during backward): on CUDA a copy on a side stream into a pinned fp32 buffer, after an event on
+  the stream that reduced it; on a CPU the grad shard already is host memory and is read in place.
+- Without clipping and fp16 loss scaling nothing global stands between a unit's grad and its
+  step, so the host step of that unit starts then, on the offload thread, while backward goes on
+  (the overlap ZeRO-Offload lacks). With clipping or fp16 the global grad norm (computed on the
+  device from the shards, as without offload) must come first: every unit is stepped at
+  ``step()``, one after another on the offload thread, each unit's updated params copied back to
+  the device (side stream) while the next is stepped. A skipped step (fp16 overflow) steps nothing.
+- The step reads lr and the other options of its param groups when it starts: during backward in
+  the overlapped case, so a change made between backward and step() applies from the next step.
+- One reduction per unit and step: a second backward outside ``no_sync()`` before ``step()`` would
+  add grads to a unit already stepped, and is refused.
+- Step counters advance once per step (each unit's kernel call advances a copy).
+"""
+from __future__ import annotations
+
+import concurrent.futures
+
+import torch
+
+from zerofuse.ops import adam_
+from zerofuse.zero.options import NAME
+
+OFFLOAD_MODES = (None, "optimizer")
+
+
+class HostSteps:
+    def __init__(self, opt):
+        self.opt, self.eng = opt, opt.engine
+        self.cuda = self.eng.device.type == "cuda"
+        self.stream = torch.cuda.Stream(self.eng.device) if self.cuda else None
+        self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="zerofuse-offload")
+        # per unit: [(group index, [(start, length), ...])] of its Adam runs
+        self.by_unit: list[list] = [[] for _ in self.eng.units]
+        for gi, runs in enumerate(opt._runs):
+            for r in runs:
+                entry = self.by_unit[r.unit.index]
+                if not entry or entry[-1][0] != gi:
+                    entry.append((gi, []))
+                entry[-1][1].append((r.start, r.length))
+        self.host_steps = [torch.zeros(1, dtype=torch.float32) for _ in opt.param_groups]
+        self.grads: list[torch.Tensor | None] = [None] * len(self.eng.units)  # pinned fp32 (CUDA)
+        self.events: list = [None] * len(self.eng.units)
+        self.futures: dict[int, concurrent.futures.Future] = {}
+        self.reduced = [False] * len(self.eng.units)
+        self.log: list[tuple[int, str]] = []  # (unit, "backward" | "step"): when each host step was launched
+        self.last_log: list[tuple[int, str]] = []  # the last step's
+
+    @property
+    def overlapped(self) -> bool:
+        """Whether a unit is stepped as soon as its grads arrive (nothing global to wait for)."""
+        return self.opt.max_grad_norm is None and not self.opt.fp16
+
+    # ------------------------------------------------------------------ during backward
+
+    def grad_ready(self, u) -> None:
+        """BucketGroup.on_reduced: unit u's grad shard is final for this step."""
+        if self.reduced[u.index]:
+            raise RuntimeError(f"{NAME}: with offload='optimizer' each unit's grads are reduced once per step; a "
+                               f"second backward reduced {u.name!r} again before step() (accumulate inside "
+                               "model.no_sync(), or call step() between)")
+        self.reduced[u.index] = True
+        self._to_host(u)
+        if self.overlapped:
+            self._submit(u, None, "backward")
+
+    def _to_host(self, u) -> None:
+        g = u.grad_shard()
+        if not self.cuda:
+            self.grads[u.index] = g if g.dtype == torch.float32 else g.float()
+            return
+        if self.grads[u.index] is None:
+            self.grads[u.index] = torch.empty(u.shard_numel, dtype=torch.float32, pin_memory=True)
+        ready = torch.cuda.current_stream(self.eng.device).record_event()
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(ready)
+            self.grads[u.index].copy_(g, non_blocking=True)
+            g.record_stream(self.stream)  # the shard may be freed (zero_grad) while the copy runs
+            self.events[u.index] = self.stream.record_event()
+
+    def _submit(self, u, mult: torch.Tensor | None, when: str = "step") -> None:
+        opt = self.opt
+        self.log.append((u.index, when))
+        args = [(opt.param_groups[gi], self.host_steps[gi].clone(), runs) for gi, runs in self.by_unit[u.index]]
+        self.futures[u.index] = self.pool.submit(self._step_unit, u, args, mult)
+
+    def _step_unit(self, u, args, mult) -> None:
+        """On the offload thread: unit u's host Adam step (master, m, v in place)."""
+        if self.events[u.index] is not None:
+            self.events[u.index].synchronize()
+        st, g = self.opt.unit_states[u.index], self.grads[u.index]
+        decoupled = self.opt.kind == "adamw"
+        for group, step, runs in args:
+            views = {k: [t.narrow(0, a, n) for a, n in runs] for k, t in (("p", st["master"]), ("g", g),
+                                                                         ("m", st["exp_avg"]),
+                                                                         ("v", st["exp_avg_sq"]))}
+            b1, b2 = group["betas"]
+            adam_(views["p"], views["g"], views["m"], views["v"], [step] * len(runs), lr=group["lr"], beta1=b1,
+                  beta2=b2, eps=group["eps"], weight_decay=group["weight_decay"], decoupled=decoupled,
+                  grad_mult=mult)
+
+    # ------------------------------------------------------------------ step()
+
+    def step(self, mult: torch.Tensor, found: torch.Tensor | None) -> None:
+        """After the grads are reduced (and the norm known): every unit stepped on the host and
+        its params written back (zerofuse.zero.Optimizer.step calls it)."""
+        eng = self.eng
+        skip = found is not None and bool(found.item())
+        if not self.overlapped:
+            host_mult = mult.to("cpu", torch.float32).reshape(1)
+            for u in eng.units:
+                if not self.reduced[u.index]:
+                    self._to_host(u)
+                if not skip:
+                    self._submit(u, host_mult)
+        else:
+            for u in eng.units:  # units that got no grad this step still take their (decay-only) step
+                if u.index not in self.futures:
+                    self._to_host(u)
+                    self._submit(u, None)
+        try:
+            for u in eng.units:
+                fut = self.futures.get(u.index)
+                if fut is None:
+                    continue
+                fut.result()
+                self._write_back(u)
+        finally:
+            for f in self.futures.values():  # an error in one unit: the others finish before we raise
+                f.cancel() or f.exception()
+            self.futures.clear()
+            self.last_log, self.log = self.log, []
+            self.reduced = [False] * len(eng.units)
+            self.events = [None] * len(eng.units)
+        if not skip:
+            for gi, s in enumerate(self.host_steps):
+                s += 1.0
+                self.opt._steps[gi].fill_(float(s))
+
+    def _write_back(self, u) -> None:
+        master = self.opt.unit_states[u.index]["master"]
+        if not self.cuda:
+            u.shard.copy_(master)
+            return
+        with torch.cuda.stream(self.stream):
+            u.shard.copy_(master, non_blocking=True)
+        torch.cuda.current_stream(self.eng.device).wait_stream(self.stream)
+
+    def load_steps(self) -> None:
+        """After the device step counters were set (a checkpoint load)."""
+        for s, d in zip(self.host_steps, self.opt._steps):
+            s.fill_(float(d.item()))

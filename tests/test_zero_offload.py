@@ -1,0 +1,177 @@
+"""ZeRO-Offload's optimizer side on real gloo ranks: parallelize(offload="optimizer") keeps the fp32
+masters and Adam states in host memory, stepped by the C++ CPU kernel unit by unit (during backward
+without clipping, after the global norm with it). Stages 1/2/3 at world sizes 2 and 4, fp32 and
+bf16: the same bits as the same run without offload, and one process's training by the parity
+rule; fp16 overflow skips on every rank; checkpoints move between offload and not; misuse is
+refused."""
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+import zerofuse
+from zerofuse.models import GPT, GPTConfig
+
+from dist_utils import run_distributed
+from tolerances import assert_close_training
+
+pytestmark = pytest.mark.usefixtures("native_kernels")
+
+CFG = dict(vocab_size=65, seq_len=16, n_layer=2, n_head=4, dim=32)
+GLOBAL_BATCH, SEQ, STEPS = 8, 16, 6
+LR, WD, MAX_NORM = 3e-3, 0.01, 0.5
+
+
+def batches(steps, seed=11):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 65, (GLOBAL_BATCH, SEQ + 1), generator=g) for _ in range(steps)]
+
+
+def _run(rank, ws, stage, precision, offload, clip, steps=STEPS, model=None, opt=None, micro=1):
+    if model is None:
+        model = GPT(GPTConfig(**CFG), seed=0)
+        zerofuse.zero.parallelize(model, stage=stage, precision=precision, bucket_mb=0.01, offload=offload)
+        opt = zerofuse.zero.Optimizer(model, "adamw", lr=LR, weight_decay=WD, max_grad_norm=MAX_NORM if clip else None)
+    per = GLOBAL_BATCH // ws
+    losses = []
+    for b in batches(steps):
+        mine = b[rank * per:(rank + 1) * per]
+        parts = mine.chunk(micro)
+        for j, part in enumerate(parts):  # micro-batches: grads accumulate inside no_sync
+            with model.no_sync() if j < len(parts) - 1 else torch.enable_grad():
+                loss = model(part[:, :-1], part[:, 1:])[1]
+                (loss / micro).backward()
+        losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    with zerofuse.zero.full_params(model):
+        params = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+    return model, opt, losses, params
+
+
+def _parity_rank(rank, ws, stage, precision, clip):
+    _, opt, losses, params = _run(rank, ws, stage, precision, "optimizer", clip, micro=2)
+    log, units = list(opt.host.last_log), len(opt.unit_states)
+    masters = all("master" in st for st in opt.unit_states)  # kept on the host even for fp32 params
+    _, _, base_losses, base_params = _run(rank, ws, stage, precision, None, clip, micro=2)
+    return losses, params, base_losses, base_params, log, units, masters
+
+
+@pytest.mark.parametrize("ws,stage,precision,clip", [(2, 1, "fp32", True), (2, 2, "fp32", False),
+                                                     (4, 3, "fp32", True), (2, 2, "bf16", True),
+                                                     (4, 3, "bf16", False)])
+def test_offload_equals_the_same_run_without_it(ws, stage, precision, clip):
+    out = run_distributed(_parity_rank, ws, stage, precision, clip, timeout=240)
+    for rank, (losses, params, base_losses, base_params, log, units, masters) in enumerate(out):
+        # every unit stepped on the host each step: during backward, as its grads arrived, unless
+        # clipping had to wait for the global norm
+        assert masters and sorted(u for u, _ in log) == list(range(units)), log
+        assert {w for _, w in log} == ({"step"} if clip else {"backward"}), log
+        assert losses == base_losses, rank  # the same kernel on the same values: the same bits
+        for name, want in base_params.items():
+            assert torch.equal(params[name], want), (rank, name)
+
+
+def test_offload_matches_one_process_training():
+    """fp32, ZeRO-2 at world size 4 with clipping every step, against torch.optim.AdamW."""
+    def reference(micro):
+        model = GPT(GPTConfig(**CFG), seed=0)
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+        for b in batches(STEPS):
+            for part in b.chunk(micro):
+                (model(part[:, :-1], part[:, 1:])[1] / micro).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+            opt.step()
+            opt.zero_grad()
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    ref, alt = reference(1), reference(4)
+    params = run_distributed(_parity_rank, 4, 2, "fp32", True, timeout=240)[0][1]
+    for name, want in ref.items():
+        assert_close_training(params[name], want, alt[name], msg=name)
+
+
+def _fp16_rank(rank, ws):
+    model = GPT(GPTConfig(**CFG), seed=0)
+    zerofuse.zero.parallelize(model, stage=2, precision="fp16", offload="optimizer")
+    opt = zerofuse.zero.Optimizer(model, "adamw", lr=LR, initial_scale=1024.0)
+    per = GLOBAL_BATCH // ws
+    record = []
+    for i, b in enumerate(batches(3)):
+        mine = b[rank * per:(rank + 1) * per]
+        loss = model(mine[:, :-1], mine[:, 1:])[1]
+        if i == 1 and rank == ws - 1:
+            loss = loss * float("inf")  # one rank overflows
+        with zerofuse.zero.full_params(model):
+            before = [p.detach().clone() for p in model.parameters()]
+        opt.scale_loss(loss).backward()
+        opt.step()
+        opt.zero_grad()
+        with zerofuse.zero.full_params(model):
+            changed = any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+        record.append((changed, bool(opt.last_step_skipped.item()), opt.loss_scale, float(opt._steps[0].item())))
+    return record
+
+
+def test_fp16_overflow_skips_the_offloaded_step_on_every_rank():
+    records = run_distributed(_fp16_rank, 2, timeout=240)
+    assert records[0] == records[1]
+    (c0, s0, sc0, st0), (c1, s1, sc1, st1), (c2, s2, sc2, st2) = records[0]
+    assert c0 and not s0 and sc0 == 1024.0 and st0 == 1.0
+    assert not c1 and s1 and sc1 == 512.0 and st1 == 1.0  # skipped: nothing changed, the scale backed off
+    assert c2 and not s2 and st2 == 2.0
+
+
+def _ckpt_rank(rank, ws, path, save_offload, load_offload):
+    from zerofuse import checkpoint
+
+    model, opt, _, _ = _run(rank, ws, 2, "fp32", save_offload, True, steps=2)
+    checkpoint.save(path, model, opt)
+    model2 = GPT(GPTConfig(**CFG), seed=1)  # other weights: all come from the checkpoint
+    zerofuse.zero.parallelize(model2, stage=2, bucket_mb=0.01, offload=load_offload)
+    opt2 = zerofuse.zero.Optimizer(model2, "adamw", lr=LR, weight_decay=WD, max_grad_norm=MAX_NORM)
+    checkpoint.load(path, model2, opt2)
+    # both go on for two steps: the same losses and params (masters, states and step counts restored)
+    _, _, l1, p1 = _run(rank, ws, 2, "fp32", None, True, steps=2, model=model, opt=opt)
+    _, _, l2, p2 = _run(rank, ws, 2, "fp32", None, True, steps=2, model=model2, opt=opt2)
+    return l1, l2, all(torch.equal(p1[n], p2[n]) for n in p1)
+
+
+@pytest.mark.parametrize("save_offload,load_offload", [("optimizer", None), (None, "optimizer")])
+def test_checkpoints_move_between_offload_and_not(tmp_path, save_offload, load_offload):
+    for l1, l2, same in run_distributed(_ckpt_rank, 2, str(tmp_path / "ckpt"), save_offload, load_offload,
+                                        timeout=240):
+        assert l1 == l2 and same
+
+
+def _misuse_rank(rank, ws):
+    errors = []
+
+    def expect(fn):
+        try:
+            fn()
+        except (ValueError, RuntimeError) as e:
+            errors.append(str(e))
+        else:
+            errors.append(None)
+
+    model = GPT(GPTConfig(**CFG), seed=0)
+    expect(lambda: zerofuse.zero.parallelize(model, stage=2, offload="params"))
+    zerofuse.zero.parallelize(model, stage=2, offload="optimizer")
+    expect(lambda: zerofuse.zero.Optimizer(model, "lamb"))
+    opt = zerofuse.zero.Optimizer(model, "adamw")
+    x = torch.randint(0, 65, (2, 9))
+    model(x[:, :-1], x[:, 1:])[1].backward()
+    expect(lambda: opt.clip_grad_norm_(1.0))
+    expect(lambda: model(x[:, :-1], x[:, 1:])[1].backward())
+    return errors
+
+
+def test_misuse_is_refused():
+    errors = run_distributed(_misuse_rank, 2, timeout=120)[0]
+    for got, want in zip(errors, [r"expected offload None or 'optimizer', got 'params'",
+                                  r"expected optimizer 'adamw' or 'adam' with offload='optimizer'.*got 'lamb'",
+                                  r"pass max_grad_norm to the Optimizer instead", r"reduced .* again before step"]):
+        assert got is not None and re.search(want, got), (got, want)
