@@ -10,8 +10,11 @@ params are on a GPU) and the C++ CPU Adam/AdamW kernel steps them there, unit by
   step, so the host step of that unit starts then, on the offload thread, while backward goes on
   (the overlap ZeRO-Offload lacks). With clipping or fp16 the global grad norm (computed on the
   device from the shards, as without offload) must come first: every unit is stepped at
-  ``step()``, one after another on the offload thread, each unit's updated params copied back to
-  the device (side stream) while the next is stepped. A skipped step (fp16 overflow) steps nothing.
+  ``step()``: on a GPU one after another on the offload thread, each unit's updated params copied
+  back to the device (side stream) while the next is stepped; on a CPU all in one kernel call (the
+  write-back is a plain copy there, and each call costs ~0.1 ms of its own: 3% of a 300M-param
+  step in 25 MiB units, bench/results/cpu-2026-11-26/offload.md). A skipped step (fp16
+  overflow) steps nothing.
 - The step reads lr and the other options of its param groups when it starts: during backward in
   the overlapped case, so a change made between backward and step() applies from the next step.
 - One reduction per unit and step: a second backward outside ``no_sync()`` before ``step()`` would
@@ -47,7 +50,7 @@ class HostSteps:
         self.host_steps = [torch.zeros(1, dtype=torch.float32) for _ in opt.param_groups]
         self.grads: list[torch.Tensor | None] = [None] * len(self.eng.units)  # pinned fp32 (CUDA)
         self.events: list = [None] * len(self.eng.units)
-        self.futures: dict[int, concurrent.futures.Future] = {}
+        self.futures: dict[int, tuple] = {}  # unit -> (future, the units its call steps)
         self.reduced = [False] * len(self.eng.units)
         self.log: list[tuple[int, str]] = []  # (unit, "backward" | "step"): when each host step was launched
         self.last_log: list[tuple[int, str]] = []  # the last step's
@@ -84,26 +87,33 @@ class HostSteps:
             g.record_stream(self.stream)  # the shard may be freed (zero_grad) while the copy runs
             self.events[u.index] = self.stream.record_event()
 
-    def _submit(self, u, mult: torch.Tensor | None, when: str = "step") -> None:
+    def _submit(self, u, mult: torch.Tensor | None, when: str = "step", units=None) -> None:
+        """Unit u's host step (or, with ``units``, theirs in one kernel call per group) queued on
+        the offload thread; its future is u's."""
+        units = units or [u]
+        self.log.extend((v.index, when) for v in units)
+        groups = {}
+        for v in units:
+            for gi, runs in self.by_unit[v.index]:
+                groups.setdefault(gi, []).extend((v.index, a, n) for a, n in runs)
         opt = self.opt
-        self.log.append((u.index, when))
-        args = [(opt.param_groups[gi], self.host_steps[gi].clone(), runs) for gi, runs in self.by_unit[u.index]]
-        self.futures[u.index] = self.pool.submit(self._step_unit, u, args, mult)
+        args = [(opt.param_groups[gi], self.host_steps[gi].clone(), runs) for gi, runs in groups.items()]
+        self.futures[u.index] = (self.pool.submit(self._step_units, units, args, mult), units)
 
-    def _step_unit(self, u, args, mult) -> None:
-        """On the offload thread: unit u's host Adam step (master, m, v in place)."""
-        if self.events[u.index] is not None:
-            self.events[u.index].synchronize()
-        st, g = self.opt.unit_states[u.index], self.grads[u.index]
+    def _step_units(self, units, args, mult) -> None:
+        """On the offload thread: the units' host Adam step (master, m, v in place)."""
+        for v in units:
+            if self.events[v.index] is not None:
+                self.events[v.index].synchronize()
+        states, grads = self.opt.unit_states, self.grads
         decoupled = self.opt.kind == "adamw"
         for group, step, runs in args:
-            views = {k: [t.narrow(0, a, n) for a, n in runs] for k, t in (("p", st["master"]), ("g", g),
-                                                                         ("m", st["exp_avg"]),
-                                                                         ("v", st["exp_avg_sq"]))}
+            def views(key):
+                return [(grads[i] if key is None else states[i][key]).narrow(0, a, n) for i, a, n in runs]
             b1, b2 = group["betas"]
-            adam_(views["p"], views["g"], views["m"], views["v"], [step] * len(runs), lr=group["lr"], beta1=b1,
-                  beta2=b2, eps=group["eps"], weight_decay=group["weight_decay"], decoupled=decoupled,
-                  grad_mult=mult)
+            adam_(views("master"), views(None), views("exp_avg"), views("exp_avg_sq"), [step] * len(runs),
+                  lr=group["lr"], beta1=b1, beta2=b2, eps=group["eps"], weight_decay=group["weight_decay"],
+                  decoupled=decoupled, grad_mult=mult)
 
     # ------------------------------------------------------------------ step()
 
@@ -117,8 +127,10 @@ class HostSteps:
             for u in eng.units:
                 if not self.reduced[u.index]:
                     self._to_host(u)
-                if not skip:
+                if not skip and self.cuda:
                     self._submit(u, host_mult)
+            if not skip and not self.cuda and eng.units:
+                self._submit(eng.units[0], host_mult, units=list(eng.units))
         else:
             for u in eng.units:  # units that got no grad this step still take their (decay-only) step
                 if u.index not in self.futures:
@@ -126,13 +138,14 @@ class HostSteps:
                     self._submit(u, None)
         try:
             for u in eng.units:
-                fut = self.futures.get(u.index)
+                fut, stepped = self.futures.get(u.index, (None, ()))
                 if fut is None:
                     continue
                 fut.result()
-                self._write_back(u)
+                for v in stepped:
+                    self._write_back(v)
         finally:
-            for f in self.futures.values():  # an error in one unit: the others finish before we raise
+            for f, _ in self.futures.values():  # an error in one unit: the others finish before we raise
                 f.cancel() or f.exception()
             self.futures.clear()
             self.last_log, self.log = self.log, []
