@@ -210,7 +210,8 @@ def test_moe_expert_parallel_job(tmp_path):
     assert "experts" in p.stdout and "MiB/step (dropless count" in p.stdout
     full = zerofuse.checkpoint.consolidate(str(tmp_path / "ckpt"))["model"]
     assert full["blocks.1.mlp.w1"].shape[0] == 4 and "blocks.1.mlp.router.expert_bias" in full
-    p = run("--nproc", 2, "--ep", 1, *moe, "--steps", 6, "--eval-every", 2, "--out", tmp_path, "--resume")
+    p = run("--nproc", 2, "--ep", 1, *moe, "--steps", 6, "--eval-every", 2, "--out", tmp_path, "--resume",
+            "--activation-checkpointing", "selective")
     _ok(p)
     assert [m["step"] for m in metrics(tmp_path)] == list(range(1, 7))
 

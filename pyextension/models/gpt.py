@@ -21,11 +21,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as TF
 from torch import Tensor
-from torch.utils.checkpoint import checkpoint
 
 from zerofuse import nn as znn
 from zerofuse import tp
 from zerofuse.models import moe as zmoe
+from zerofuse.models import recompute
 from zerofuse.moe import expert_spec
 
 
@@ -254,7 +254,7 @@ class GPT(torch.nn.Module):
         self.sequence_parallel = sequence_parallel
         if cfg.tie_embeddings:
             self.head.weight = self.wte.weight
-        # recompute each block's forward in backward instead of keeping its activations
+        # "none" / "full" / "selective" (or False / True): zerofuse/models/recompute.py
         self.activation_checkpointing = False
         # names as named_parameters gives them (a shared param keeps its first name)
         self._param_names = {id(p): n for n, p in self.named_parameters()}
@@ -328,9 +328,7 @@ class GPT(torch.nn.Module):
 
     def run_block(self, block: torch.nn.Module, x: Tensor, delta: Tensor | None) -> tuple[Tensor, Tensor]:
         """One block (recomputed in backward under activation checkpointing): (x, pending delta)."""
-        if self.activation_checkpointing and torch.is_grad_enabled():
-            return checkpoint(block, x, delta, use_reentrant=False)
-        return block(x, delta)
+        return recompute.run(block, recompute.mode_of(self.activation_checkpointing), x, delta)
 
     def final(self, x: Tensor, delta: Tensor | None, targets: Tensor | None) -> tuple[Tensor | None, Tensor | None]:
         """The final norm of x + delta, then the head: (logits, loss) as forward returns them."""

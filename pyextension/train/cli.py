@@ -55,6 +55,9 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--precision", choices=("fp32", "bf16", "fp16"), help="default: fp32 on CPU, bf16 on CUDA")
     g.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when available")
     g.add_argument("--compile", action="store_true", help="torch.compile each transformer block's forward")
+    g.add_argument("--activation-checkpointing", choices=("none", "full", "selective"), default="none",
+                   help="recompute in backward: full: each block from its input; selective: all but the matmul "
+                        "outputs (default none)")
     g.add_argument("--timeout", type=float, default=600.0,
                    help="seconds a collective may wait for the other ranks before every rank fails (default 600)")
     m = p.add_argument_group("model")

@@ -68,6 +68,7 @@ class Trainer:
                 model = GPT(self.cfg, seed=args.seed, **kw)
         else:
             model = GPT(self.cfg, seed=args.seed, **kw).to(self.device)
+        model.activation_checkpointing = args.activation_checkpointing
         self.n_params = model.num_params()  # unsharded
         self.n_active_params = model.num_params(active=True)
         if args.pp > 1:  # this rank's stages only, ZeRO over the stage's DP group (train/pipeline.py)
