@@ -56,7 +56,10 @@ class Router(torch.nn.Module):
         self.register_buffer("expert_bias", torch.zeros(num_experts), persistent=bias_update_rate > 0)
         self.last_load: Tensor | None = None  # choices per expert in the last forward (before dropping)
         self.last_dropped: Tensor | None = None
-        self._load_sum: Tensor | None = None  # since the last update_bias()
+        # the loads of the forwards since the last update_bias(): a list, so that a forward adds no
+        # op that depends on it (a recomputed forward, activation checkpointing, must dispatch the
+        # ops of the first; it appends the same load again: every load twice, the same bias step)
+        self._loads: list[Tensor] = []
 
     def forward(self, x: Tensor) -> Routing:
         """x [T, dim] -> Routing."""
@@ -83,7 +86,7 @@ class Router(torch.nn.Module):
             experts, dropped = self._drop(experts)
         self.last_load, self.last_dropped = load, dropped
         if self.training and self.bias_update_rate > 0 and torch.is_grad_enabled():  # not evaluation's loads
-            self._load_sum = load if self._load_sum is None else self._load_sum + load
+            self._loads.append(load)
         return Routing(weights, experts, aux, z)
 
     def capacity(self, tokens: int) -> int:
@@ -103,10 +106,10 @@ class Router(torch.nn.Module):
         """Aux-loss-free balancing: each expert's bias moves by rate * sign(mean load - its load),
         the loads of the forwards since the last call summed over ``group``; call it once per step
         before the optimizer step."""
-        if self.bias_update_rate <= 0 or self._load_sum is None:
+        if self.bias_update_rate <= 0 or not self._loads:
             return
-        load = self._load_sum.float()
+        load = torch.stack(self._loads).sum(0).float()
         if self.group is not None and dist.get_world_size(self.group) > 1:
             dist.all_reduce(load, group=self.group)
         self.expert_bias.add_(self.bias_update_rate * torch.sign(load.mean() - load))
-        self._load_sum = None
+        self._loads = []
