@@ -34,6 +34,7 @@ from zerofuse.comm import Communicator
 from zerofuse.zero.buckets import FREE, Bucket, BucketGroup
 from zerofuse.zero.grads import SHARDED, gathered_grads, install_clip_warning
 from zerofuse.zero.layout import bucket_groups, check_same_layout, unit_groups
+from zerofuse.zero.experts import ExpertLayout
 from zerofuse.zero.materialize import Initializer, materialize_rest
 from zerofuse.zero.offload import OFFLOAD_MODES
 from zerofuse.zero.stage3 import Stage3Hooks
@@ -43,7 +44,7 @@ REDUCE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 ALIGN = 128
 
 
-class ZeroEngine(Stage3Hooks):
+class ZeroEngine(ExpertLayout, Stage3Hooks):
     def __init__(self, model, *, stage, group, precision, reduce_dtype, bucket_mb, overlap, prefetch, wrap,
                  reshard_after_forward=True, tp_group=None, max_inflight=2, device=None, param_init_fn=None,
                  pp_group=None, expert_group=None, offload=None):
@@ -162,32 +163,6 @@ class ZeroEngine(Stage3Hooks):
         else:
             self._install_param_wait_hooks(model)
 
-    def _init_experts(self, model, expert_group, stage, name) -> None:
-        """Expert parallelism: params an MoE layer split over an ep group (``param._zf_ep``, the
-        experts this rank holds) reduce over ``expert_group`` (default ``model.edp_group``: the
-        ranks holding the same experts) in buckets of their own, sharded there; their grads are
-        divided by the whole DP size all the same (each already sums the tokens of its ep group)."""
-        self.expert = [getattr(p, "_zf_ep", None) is not None for p in self.params]
-        self.edp_comm = None
-        if not any(self.expert):
-            return
-        ep = getattr(self.params[self.expert.index(True)], "_zf_ep").tp
-        if expert_group is None:
-            expert_group = getattr(model, "edp_group", None)
-        if expert_group is None:
-            raise ValueError(f"{name}: the model holds expert-parallel params (experts split over {ep} ranks): "
-                             "expected expert_group, the group of ranks holding the same experts (init_mesh's "
-                             "edp_group)")
-        self.edp_comm = Communicator(expert_group)
-        if self.edp_comm.world_size * ep != self.world_size:
-            raise ValueError(f"{name}: expected the expert-data-parallel group ({self.edp_comm.world_size} ranks) "
-                             f"times the expert-parallel size ({ep}) to be the data-parallel size {self.world_size}")
-        for what, bad in (("tensor parallelism", self.tp_comm is not None),
-                          ("pipeline parallelism", self.pp_comm is not None)):
-            if bad:
-                raise ValueError(f"{name}: expert-parallel params (ep {ep}) are not supported with {what} yet; "
-                                 "expected them without tp/pp")
-
     def _bucket(self, name, group, kw) -> Bucket:
         b = Bucket(len(self.units), name, group, **kw)
         if b.meta:  # initialised while it is the only full bucket: the model never exists whole
@@ -201,11 +176,7 @@ class ZeroEngine(Stage3Hooks):
         dense = [x for x, e in zip(named, self.expert) if not e]
         for group in bucket_groups(dense, bucket_mb, self.dtype.itemsize):
             self._bucket(f"bucket{len(self.units)}", group, kw)
-        if self.edp_comm is not None:  # expert params: their own buckets, over the expert-DP group
-            c = self.edp_comm
-            ekw = kw | dict(comm=c, **(dict(rank=c.rank, world_size=c.world_size) if self.stage else {}))
-            for group in bucket_groups([x for x, e in zip(named, self.expert) if e], bucket_mb, self.dtype.itemsize):
-                self._bucket(f"expert_bucket{len(self.units)}", group, ekw)
+        self._build_expert_buckets(named, bucket_mb, kw)
         self._wrap_mods = []
 
     def _build_stage3(self, model, named, wrap, kw):
@@ -215,21 +186,6 @@ class ZeroEngine(Stage3Hooks):
             self.wrap_units[id(m)] = self._stage3_unit(name, group, kw)
             self._wrap_mods.append(m)
         self.root = self._stage3_unit("<root>", root, kw) if root else None
-
-    def _stage3_unit(self, name, group, kw) -> Bucket:
-        """A stage-3 unit; its expert-parallel params (if any) in a companion unit over the
-        expert-DP group, gathered and freed with it (zerofuse/zero/stage3.py)."""
-        expert = {id(p) for p, e in zip(self.params, self.expert) if e}
-        dense = [x for x in group if id(x[1]) not in expert]
-        experts = [x for x in group if id(x[1]) in expert]
-        c = self.edp_comm
-        ekw = kw | dict(comm=c, rank=c.rank, world_size=c.world_size) if experts else None
-        if not dense:
-            return self._bucket(name, experts, ekw)
-        u = self._bucket(name, dense, kw)
-        if experts:
-            u.companion = self._bucket(f"{name}/experts", experts, ekw)
-        return u
 
     # ------------------------------------------------------------------ grads
 

@@ -1,0 +1,60 @@
+"""Expert-parallel params in ZeRO (a mixin of ZeroEngine, zerofuse/zero/engine.py): params an MoE
+layer split over an ep group (``param._zf_ep``: the experts this rank holds) reduce and shard over
+the expert-data-parallel group (the ranks holding the same experts) in buckets of their own;
+stage 3 keeps a wrapped module's experts in a companion unit gathered and freed with it
+(zerofuse/zero/stage3.py). Their grads are divided by the whole DP size all the same: each
+already sums the tokens of its ep group."""
+from __future__ import annotations
+
+from zerofuse.comm import Communicator
+from zerofuse.zero.buckets import Bucket
+from zerofuse.zero.layout import bucket_groups
+
+
+class ExpertLayout:
+    def _init_experts(self, model, expert_group, stage, name) -> None:
+        """expert_group default: ``model.edp_group``; refused where not supported."""
+        self.expert = [getattr(p, "_zf_ep", None) is not None for p in self.params]
+        self.edp_comm = None
+        if not any(self.expert):
+            return
+        ep = getattr(self.params[self.expert.index(True)], "_zf_ep").tp
+        if expert_group is None:
+            expert_group = getattr(model, "edp_group", None)
+        if expert_group is None:
+            raise ValueError(f"{name}: the model holds expert-parallel params (experts split over {ep} ranks): "
+                             "expected expert_group, the group of ranks holding the same experts (init_mesh's "
+                             "edp_group)")
+        self.edp_comm = Communicator(expert_group)
+        if self.edp_comm.world_size * ep != self.world_size:
+            raise ValueError(f"{name}: expected the expert-data-parallel group ({self.edp_comm.world_size} ranks) "
+                             f"times the expert-parallel size ({ep}) to be the data-parallel size {self.world_size}")
+        for what, bad in (("tensor parallelism", self.tp_comm is not None),
+                          ("pipeline parallelism", self.pp_comm is not None)):
+            if bad:
+                raise ValueError(f"{name}: expert-parallel params (ep {ep}) are not supported with {what} yet; "
+                                 "expected them without tp/pp")
+
+    def _build_expert_buckets(self, named, bucket_mb, kw) -> None:
+        """Stages 0-2: the expert params' buckets, over the expert-DP group."""
+        if self.edp_comm is None:
+            return
+        c = self.edp_comm
+        ekw = kw | dict(comm=c, **(dict(rank=c.rank, world_size=c.world_size) if self.stage else {}))
+        for group in bucket_groups([x for x, e in zip(named, self.expert) if e], bucket_mb, self.dtype.itemsize):
+            self._bucket(f"expert_bucket{len(self.units)}", group, ekw)
+
+    def _stage3_unit(self, name, group, kw) -> Bucket:
+        """A stage-3 unit; its expert-parallel params (if any) in a companion unit over the
+        expert-DP group, gathered and freed with it (zerofuse/zero/stage3.py)."""
+        expert = {id(p) for p, e in zip(self.params, self.expert) if e}
+        dense = [x for x in group if id(x[1]) not in expert]
+        experts = [x for x in group if id(x[1]) in expert]
+        c = self.edp_comm
+        ekw = kw | dict(comm=c, rank=c.rank, world_size=c.world_size) if experts else None
+        if not dense:
+            return self._bucket(name, experts, ekw)
+        u = self._bucket(name, dense, kw)
+        if experts:
+            u.companion = self._bucket(f"{name}/experts", experts, ekw)
+        return u
