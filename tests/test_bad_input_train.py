@@ -122,6 +122,9 @@ TRAIN = [
          r"^--resume: expected a complete checkpoint at fresh/ckpt, found none"),
     Case("flag-offload-with-lamb", _flags, lambda: ("--offload", "optimizer", "--optimizer", "lamb"), U,
          r"^--offload optimizer: expected --optimizer adamw and --pp 1, got --optimizer lamb --pp 1"),
+    Case("flag-param-offload-without-zero3", _flags, lambda: ("--offload", "optimizer+params"), U,
+         r"^--offload optimizer\+params: expected --zero-stage 3 \(the param shards go to host memory\), got "
+         r"--zero-stage 2"),
     # mixture of experts
     Case("flag-ep-not-dividing-experts", _flags, lambda: ("--nproc", "3", "--experts", "4", "--ep", "3"), U,
          r"^--ep: expected a divisor of the expert count 4 \(--experts\), got 3"),

@@ -51,20 +51,30 @@ def _run(rank, ws, stage, precision, offload, clip, steps=STEPS, model=None, opt
     return model, opt, losses, params
 
 
-def _parity_rank(rank, ws, stage, precision, clip):
-    _, opt, losses, params = _run(rank, ws, stage, precision, "optimizer", clip, micro=2)
+def _parity_rank(rank, ws, stage, precision, clip, mode="optimizer"):
+    model, opt, losses, params = _run(rank, ws, stage, precision, mode, clip, micro=2)
+    mem = zerofuse.zero.memory_report(model, opt)
+    shard_bytes = sum(u.shard.numel() * u.shard.element_size() for u in model._zerofuse_zero.units)
     log, units = list(opt.host.last_log), len(opt.unit_states)
     masters = all("master" in st for st in opt.unit_states)  # kept on the host even for fp32 params
     _, _, base_losses, base_params = _run(rank, ws, stage, precision, None, clip, micro=2)
-    return losses, params, base_losses, base_params, log, units, masters
+    host_shards = all(u.host_shard for u in model._zerofuse_zero.units)
+    return losses, params, base_losses, base_params, log, units, masters, (mem, shard_bytes, host_shards)
 
 
-@pytest.mark.parametrize("ws,stage,precision,clip", [(2, 1, "fp32", True), (2, 2, "fp32", False),
-                                                     (4, 3, "fp32", True), (2, 2, "bf16", True),
-                                                     (4, 3, "bf16", False)])
-def test_offload_equals_the_same_run_without_it(ws, stage, precision, clip):
-    out = run_distributed(_parity_rank, ws, stage, precision, clip, timeout=240)
-    for rank, (losses, params, base_losses, base_params, log, units, masters) in enumerate(out):
+@pytest.mark.parametrize("ws,stage,precision,clip,mode", [
+    (2, 1, "fp32", True, "optimizer"), (2, 2, "fp32", False, "optimizer"), (4, 3, "fp32", True, "optimizer"),
+    (2, 2, "bf16", True, "optimizer"), (4, 3, "bf16", False, "optimizer"),
+    (2, 3, "fp32", True, "optimizer+params"), (4, 3, "bf16", False, "optimizer+params")])
+def test_offload_equals_the_same_run_without_it(ws, stage, precision, clip, mode):
+    out = run_distributed(_parity_rank, ws, stage, precision, clip, mode, timeout=240)
+    for rank, (losses, params, base_losses, base_params, log, units, masters, memory) in enumerate(out):
+        mem, shard_bytes, host_shards = memory
+        assert mem["optimizer"] == 0 and mem["optimizer_host"] > 0, mem
+        if mode == "optimizer+params":  # the param shards in host memory, nothing of them on the device
+            assert host_shards and mem["params_host"] == shard_bytes and mem["params"] == 0, (mem, shard_bytes)
+        else:
+            assert not host_shards and "params_host" not in mem
         # every unit stepped on the host each step: during backward, as its grads arrived, unless
         # clipping had to wait for the global norm
         assert masters and sorted(u for u, _ in log) == list(range(units)), log
@@ -159,6 +169,7 @@ def _misuse_rank(rank, ws):
 
     model = GPT(GPTConfig(**CFG), seed=0)
     expect(lambda: zerofuse.zero.parallelize(model, stage=2, offload="params"))
+    expect(lambda: zerofuse.zero.parallelize(model, stage=2, offload="optimizer+params"))
     zerofuse.zero.parallelize(model, stage=2, offload="optimizer")
     expect(lambda: zerofuse.zero.Optimizer(model, "lamb"))
     opt = zerofuse.zero.Optimizer(model, "adamw")
@@ -171,7 +182,9 @@ def _misuse_rank(rank, ws):
 
 def test_misuse_is_refused():
     errors = run_distributed(_misuse_rank, 2, timeout=120)[0]
-    for got, want in zip(errors, [r"expected offload None or 'optimizer', got 'params'",
+    for got, want in zip(errors, [r"expected offload None, 'optimizer' or 'optimizer\+params', got 'params'",
+                                  r"offload='optimizer\+params' keeps the param shards in host memory: expected stage "
+                                  r"3, got 2",
                                   r"expected optimizer 'adamw' or 'adam' with offload='optimizer'.*got 'lamb'",
                                   r"pass max_grad_norm to the Optimizer instead", r"reduced .* again before step"]):
         assert got is not None and re.search(want, got), (got, want)

@@ -41,9 +41,10 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
     g.add_argument("--sequence-parallel", action="store_true", help="shard activations along the sequence (tp > 1)")
     g.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=2, help="ZeRO stage (default 2)")
-    g.add_argument("--offload", choices=("none", "optimizer"), default="none",
+    g.add_argument("--offload", choices=("none", "optimizer", "optimizer+params"), default="none",
                    help="optimizer: fp32 masters and Adam states in host memory, stepped there by the C++ CPU "
-                        "kernel as each bucket's grads arrive (ZeRO-Offload; adamw, --pp 1)")
+                        "kernel as each bucket's grads arrive (ZeRO-Offload; adamw, --pp 1); optimizer+params: "
+                        "also the param shards (--zero-stage 3), copied up for each gather")
     g.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (default 1)")
     g.add_argument("--pp-schedule", choices=("gpipe", "1f1b", "interleaved", "zb"), default="1f1b",
                    help="pipeline schedule (default 1f1b; zb: zero-bubble ZB-H1)")
@@ -168,6 +169,9 @@ def validate(args) -> None:
     _check(args.offload == "none" or (args.optimizer == "adamw" and args.pp == 1),
            f"--offload {args.offload}: expected --optimizer adamw and --pp 1, got --optimizer {args.optimizer} "
            f"--pp {args.pp}")
+    _check(args.offload != "optimizer+params" or args.zero_stage == 3,
+           f"--offload optimizer+params: expected --zero-stage 3 (the param shards go to host memory), got "
+           f"--zero-stage {args.zero_stage}")
     _validate_model(args)
     _validate_moe(args)
     _validate_data(args)

@@ -227,7 +227,7 @@ class Trainer:
     def _memory(self) -> dict:
         from zerofuse.zero import memory_report
         rep = memory_report(self.model, self.opt)
-        mem = {k: rep[k] for k in ("params", "grads", "optimizer", "total", "optimizer_host") if k in rep}
+        mem = {k: rep[k] for k in ("params", "grads", "optimizer", "total", "optimizer_host", "params_host") if k in rep}
         mem["max_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         if self.device.type == "cuda":
             mem["cuda_max_allocated"] = torch.cuda.max_memory_allocated(self.device)

@@ -209,8 +209,9 @@ def _table(s: dict) -> str:
     ]
     for r, m in enumerate(s["memory_per_rank"]):
         extra = f", CUDA max allocated {_fmt_bytes(m['cuda_max_allocated'])}" if "cuda_max_allocated" in m else ""
-        if "optimizer_host" in m:
-            extra += f", optimizer offloaded to host {_fmt_bytes(m['optimizer_host'])}"
+        for key, what in (("optimizer_host", "optimizer"), ("params_host", "param shards")):
+            if key in m:
+                extra += f", {what} offloaded to host {_fmt_bytes(m[key])}"
         rows.append((f"memory rank {r}", f"params {_fmt_bytes(m['params'])}, grads {_fmt_bytes(m['grads'])}, "
                                          f"optimizer {_fmt_bytes(m['optimizer'])}, max RSS "
                                          f"{_fmt_bytes(m['max_rss'])}{extra}"))

@@ -117,6 +117,8 @@ class Bucket:
         self.state = GATHERED
         self.gather_work = None
         self.shard = self.full[self.lo:self.hi].clone() if stage == 3 else self.full[self.lo:self.hi]
+        self.host_shard = False  # stage 3, offload="optimizer+params": shard in host memory (offload_shard)
+        self._staged: torch.Tensor | None = None  # its device copy while a gather reads it
         if stage == 3 and not self.meta:
             self.free()
         # gradients
@@ -156,11 +158,20 @@ class Bucket:
 
     # ------------------------------------------------------------------ params
 
+    def offload_shard(self) -> None:
+        """Stage 3 parameter offload: this rank's shard moves to host memory (pinned for a GPU);
+        each gather copies it up first (start_param_sync)."""
+        pin = self.device.type == "cuda"
+        host = torch.empty(self.shard.shape, dtype=self.shard.dtype, device="cpu", pin_memory=pin)
+        host.copy_(self.shard)
+        self.shard, self.host_shard = host, True
+
     def free(self) -> None:
         """Stage 3: give the full buffer's storage back (the params keep their views)."""
         if self.state == GATHERING:  # the all-gather still writes into full: finish it first
             self.gather_work.wait()
             self.gather_work = None
+            self._staged = None
         self.full.untyped_storage().resize_(0)
         self.state = FREE
 
@@ -171,7 +182,10 @@ class Bucket:
                 return
             self.full.untyped_storage().resize_(self._full_bytes)
         comm = self.comm or comm
-        self.gather_work = comm.all_gather_coalesced(self.shard, [self.full])
+        src = self.shard
+        if self.host_shard:  # up to the device first (a copy on the current stream, which the gather follows)
+            src = self._staged = self.shard.to(self.device, non_blocking=True, copy=True)
+        self.gather_work = comm.all_gather_coalesced(src, [self.full])
         self.state = GATHERING
 
     def finish_param_sync(self, comm=None) -> None:
@@ -181,6 +195,7 @@ class Bucket:
         if self.state == GATHERING:
             self.gather_work.wait()
             self.gather_work = None
+            self._staged = None
             self.state = GATHERED
 
     # ------------------------------------------------------------------ grads

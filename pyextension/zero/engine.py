@@ -50,7 +50,10 @@ class ZeroEngine(ExpertLayout, Stage3Hooks):
                  pp_group=None, expert_group=None, offload=None):
         name = "zerofuse.zero.parallelize"
         if offload not in OFFLOAD_MODES:
-            raise ValueError(f"{name}: expected offload None or 'optimizer', got {offload!r}")
+            raise ValueError(f"{name}: expected offload None, 'optimizer' or 'optimizer+params', got {offload!r}")
+        if offload == "optimizer+params" and stage != 3:
+            raise ValueError(f"{name}: offload='optimizer+params' keeps the param shards in host memory: expected "
+                             f"stage 3, got {stage}")
         self.offload = offload
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"{name}: expected stage 0, 1, 2 or 3, got {stage!r}")
@@ -140,6 +143,9 @@ class ZeroEngine(ExpertLayout, Stage3Hooks):
         else:
             self._build_buckets(named, bucket_mb, kw)
         self._init = None
+        if offload == "optimizer+params":
+            for u in self.units:
+                u.offload_shard()
         check_same_layout(self.units, self.comm, (stage, precision, str(self.reduce_dtype), shapes), name)
         self.buckets = BucketGroup(self.units, self.comm, max_inflight)
         self.unit_of: dict[int, tuple[Bucket, int]] = {}

@@ -30,13 +30,16 @@ def _bytes(t: torch.Tensor | None) -> int:
 
 def memory_report(model: torch.nn.Module, optimizer=None) -> dict:
     """{'params', 'grads', 'optimizer', 'total'}: bytes held by this rank now on the params' device
-    (with offload='optimizer' also 'optimizer_host': the host's; 'optimizer' is then 0); 'formula':
+    (with offload also 'optimizer_host' and, 'optimizer+params', 'params_host': the host's bytes of
+    the optimizer states and the param shards, not counted in 'optimizer' / 'params'); 'formula':
     the same keys from ZeRO's formulas; 'psi', 'world_size', 'stage', 'K'."""
     eng = engine_of(model, "zerofuse.zero.memory_report")
-    params = grads = 0
+    params = grads = params_host = 0
     for u in eng.units:
         params += u.full.untyped_storage().nbytes()
-        if eng.stage == 3:
+        if eng.stage == 3 and u.host_shard:  # parameter offload
+            params_host += _bytes(u.shard)
+        elif eng.stage == 3:
             params += _bytes(u.shard)
         if u.gflat is not None:
             grads += u.gflat.untyped_storage().nbytes()
@@ -59,8 +62,11 @@ def memory_report(model: torch.nn.Module, optimizer=None) -> dict:
         formula["grads"] += bg * n / (1 if eng.stage in (0, 1) else nd)
         formula["optimizer"] += k * n / nd
     host = {}
+    if params_host:
+        host["params_host"] = params_host
+        formula["params_host"], formula["params"] = formula["params"], 0.0
     if optimizer is not None and optimizer.host is not None:  # offload: the states are host memory
-        host = {"optimizer_host": opt}
+        host["optimizer_host"] = opt
         formula["optimizer_host"], formula["optimizer"], opt = formula["optimizer"], 0.0, 0
     formula["total"] = formula["params"] + formula["grads"] + formula["optimizer"]
     return {"params": params, "grads": grads, "optimizer": opt, "total": params + grads + opt, **host,

@@ -30,7 +30,7 @@ import torch
 from zerofuse.ops import adam_
 from zerofuse.zero.options import NAME
 
-OFFLOAD_MODES = (None, "optimizer")
+OFFLOAD_MODES = (None, "optimizer", "optimizer+params")
 
 
 class HostSteps:
@@ -158,7 +158,7 @@ class HostSteps:
 
     def _write_back(self, u) -> None:
         master = self.opt.unit_states[u.index]["master"]
-        if not self.cuda:
+        if not self.cuda or u.host_shard:  # stage-3 parameter offload: the shard is host memory too
             u.shard.copy_(master)
             return
         with torch.cuda.stream(self.stream):
