@@ -1,6 +1,8 @@
-"""ZeRO-Offload's optimizer side (``zerofuse.zero.parallelize(..., offload="optimizer")``): the fp32
-master weights, exp_avg and exp_avg_sq of this rank's shards live in host memory (pinned when the
-params are on a GPU) and the C++ CPU Adam/AdamW kernel steps them there, unit by unit.
+"""ZeRO-Offload (``zerofuse.zero.parallelize(..., offload="optimizer")``): the fp32 master weights,
+exp_avg and exp_avg_sq of this rank's shards live in host memory (pinned when the params are on a
+GPU) and the C++ CPU Adam/AdamW kernel steps them there, unit by unit. ``"optimizer+params"``
+(stage 3) also keeps the param shards in host memory (Bucket.offload_shard: each gather copies
+the shard up first; the host step writes it in place).
 
 [Note: offloaded steps]
 - A unit's grad shard goes to the host as soon as its reduction completes (BucketGroup.on_reduced,
