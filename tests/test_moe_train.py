@@ -68,10 +68,11 @@ def _full_params(model, mesh) -> dict:
     return out
 
 
-def _build(mesh, stage):
+def _build(mesh, stage, offload=None):  # offload: the host steps wait for step(): _train clips on odd steps
     model = GPT(GPTConfig(**CFG), seed=0, ep_group=mesh.ep_group, edp_group=mesh.edp_group, dp_group=mesh.dp_group)
-    zerofuse.zero.parallelize(model, stage=stage, group=mesh.dp_group, bucket_mb=0.01)
-    return model, zerofuse.zero.Optimizer(model, "adamw", lr=LR, weight_decay=WD)
+    zerofuse.zero.parallelize(model, stage=stage, group=mesh.dp_group, bucket_mb=0.01, offload=offload)
+    return model, zerofuse.zero.Optimizer(model, "adamw", lr=LR, weight_decay=WD,
+                                          **(dict(offload_overlap=False) if offload else {}))
 
 
 def _train(rank, ws, model, opt, steps=STEPS):
@@ -110,6 +111,9 @@ def _parity_rank(rank, ws, ep, stages):
     model, opt = _build(mesh, stages[-1])  # the same run again: the same bits
     _train(rank, ws, model, opt)
     out["again"] = _full_params(model, mesh)
+    model, opt = _build(mesh, stages[-1], offload="optimizer")  # and with ZeRO-Offload
+    _train(rank, ws, model, opt)
+    out["offload"] = _full_params(model, mesh)
     return out
 
 
@@ -138,6 +142,7 @@ def test_expert_parallel_training_matches_one_process(ws, ep, stages):
     for r in range(ws):
         for name, want in results[r][stages[-1]]["params"].items():
             assert torch.equal(results[r]["again"][name], want), (r, name)
+            assert torch.equal(results[r]["offload"][name], want), (r, name)
 
 
 def _ckpt_rank(rank, ws, ep, path, save):

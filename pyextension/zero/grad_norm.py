@@ -63,7 +63,7 @@ class GradNorms:
         if self.host is not None and self.host.overlapped:
             raise RuntimeError(f"{NAME}.clip_grad_norm_: with offload='optimizer' and no max_grad_norm the host steps "
                                "start during backward, before this call could clip them: pass max_grad_norm to the "
-                               "Optimizer instead")
+                               "Optimizer instead (or offload_overlap=False)")
         norm = self._grad_norm()
         self._clip_coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         self._found_inf = (~torch.isfinite(norm)).float()

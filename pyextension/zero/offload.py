@@ -60,7 +60,7 @@ class HostSteps:
     @property
     def overlapped(self) -> bool:
         """Whether a unit is stepped as soon as its grads arrive (nothing global to wait for)."""
-        return self.opt.max_grad_norm is None and not self.opt.fp16
+        return self.opt.offload_overlap is not False and self.opt.max_grad_norm is None and not self.opt.fp16
 
     # ------------------------------------------------------------------ during backward
 

@@ -64,15 +64,19 @@ class _Lists:
 
 class Optimizer(GradNorms, torch.optim.Optimizer):
     """Optimizer(model, optimizer="adamw"|"adam"|"lamb"|"lars", *, param_groups=None,
-    max_grad_norm=None, initial_scale=2**16, growth_interval=1000, **hyperparameters).
+    max_grad_norm=None, initial_scale=2**16, growth_interval=1000, offload_overlap=True,
+    **hyperparameters).
 
     param_groups: None (one group) or torch-style dicts {"params": [model params], **overrides},
     e.g. no weight decay for norms and biases. max_grad_norm: clip every step (LAMB defaults to
-    1.0, as Apex); or call clip_grad_norm_ before step. lr schedulers work unchanged."""
+    1.0, as Apex); or call clip_grad_norm_ before step. lr schedulers work unchanged.
+    offload_overlap (a model parallelized with offload): True steps each unit on the host during
+    backward when nothing global stands in the way (no max_grad_norm, no fp16); False always waits
+    for step() (e.g. to call clip_grad_norm_ on some steps) ([Note: offloaded steps])."""
 
     def __init__(self, model: torch.nn.Module, optimizer: str = "adamw", *, param_groups=None, max_grad_norm=None,
                  initial_scale: float = 2.0 ** 16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
-                 growth_interval: int = 1000, **hyperparameters):
+                 growth_interval: int = 1000, offload_overlap: bool = True, **hyperparameters):
         eng = engine_of(model, NAME)
         if optimizer not in DEFAULTS:
             raise ValueError(f"{NAME}: expected optimizer 'adamw', 'adam', 'lamb' or 'lars', got {optimizer!r}")
@@ -118,6 +122,9 @@ class Optimizer(GradNorms, torch.optim.Optimizer):
         self._found_inf: torch.Tensor | None = None
         self.last_step_skipped: torch.Tensor | None = None  # found_inf of the last step (fp16 / clipping)
         self.host = None
+        if not isinstance(offload_overlap, bool):
+            raise TypeError(f"{NAME}: expected offload_overlap to be a bool, got {offload_overlap!r}")
+        self.offload_overlap = offload_overlap
         if eng.offload is not None:
             from zerofuse.zero.offload import HostSteps
             self.host = HostSteps(self)
