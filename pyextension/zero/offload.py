@@ -10,7 +10,8 @@ the shard up first; the host step writes it in place).
   the stream that reduced it; on a CPU the grad shard already is host memory and is read in place.
 - Without clipping and fp16 loss scaling nothing global stands between a unit's grad and its
   step, so the host step of that unit starts then, on the offload thread, while backward goes on
-  (the overlap ZeRO-Offload lacks). With clipping or fp16 the global grad norm (computed on the
+  (the overlap ZeRO-Offload lacks; ``Optimizer(offload_overlap=False)`` turns it off, e.g. to call
+  clip_grad_norm_ on some steps). With clipping or fp16 the global grad norm (computed on the
   device from the shards, as without offload) must come first: every unit is stepped at
   ``step()``: on a GPU one after another on the offload thread, each unit's updated params copied
   back to the device (side stream) while the next is stepped; on a CPU all in one kernel call (the
@@ -60,7 +61,7 @@ class HostSteps:
     @property
     def overlapped(self) -> bool:
         """Whether a unit is stepped as soon as its grads arrive (nothing global to wait for)."""
-        return self.opt.offload_overlap is not False and self.opt.max_grad_norm is None and not self.opt.fp16
+        return self.opt.offload_overlap and self.opt.max_grad_norm is None and not self.opt.fp16
 
     # ------------------------------------------------------------------ during backward
 
