@@ -188,3 +188,36 @@ def test_misuse_is_refused():
                                   r"expected optimizer 'adamw' or 'adam' with offload='optimizer'.*got 'lamb'",
                                   r"pass max_grad_norm to the Optimizer instead", r"reduced .* again before step"]):
         assert got is not None and re.search(want, got), (got, want)
+
+
+def _cuda_rank(rank, ws, stage, mode, clip):
+    out = {}
+    for offload in (None, mode):
+        model = GPT(GPTConfig(**CFG), seed=0).cuda()
+        zerofuse.zero.parallelize(model, stage=stage, precision="bf16", offload=offload)
+        opt = zerofuse.zero.Optimizer(model, "adamw", lr=LR, weight_decay=WD, max_grad_norm=MAX_NORM if clip else None)
+        losses = []
+        for b in batches(STEPS):
+            b = b.cuda()
+            loss = model(b[:, :-1], b[:, 1:])[1]
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        pinned = all(t.is_pinned() for st in opt.unit_states for t in st.values()) if offload else None
+        shards = {u.shard.device.type for u in model._zerofuse_zero.units}
+        out[offload] = dict(losses=losses, pinned=pinned, shards=shards)
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("stage,mode,clip", [(2, "optimizer", False), (2, "optimizer", True),
+                                             (3, "optimizer+params", True)])
+def test_cuda_offload_matches_the_device_step(stage, mode, clip):
+    """One GPU (world of one, NCCL transport): the host step (C++ kernel, pinned states, side-stream
+    copies) against the device step (Triton kernel), bf16 params with fp32 masters."""
+    out = run_distributed(_cuda_rank, 1, stage, mode, clip, timeout=300)[0]
+    torch.testing.assert_close(torch.tensor(out[mode]["losses"]), torch.tensor(out[None]["losses"]),
+                               rtol=2e-2, atol=2e-2)
+    assert out[mode]["pinned"]
+    assert out[mode]["shards"] == ({"cpu"} if mode == "optimizer+params" else {"cuda"})
