@@ -125,6 +125,10 @@ TRAIN = [
     Case("flag-param-offload-without-zero3", _flags, lambda: ("--offload", "optimizer+params"), U,
          r"^--offload optimizer\+params: expected --zero-stage 3 \(the param shards go to host memory\), got "
          r"--zero-stage 2"),
+    Case("flag-offload-ratio-out-of-range", _flags, lambda: ("--offload", "optimizer", "--offload-ratio", "2"), U,
+         r"^--offload-ratio: expected a number in \[0, 1\], got 2.0"),
+    Case("flag-offload-ratio-without-offload", _flags, lambda: ("--offload-ratio", "0.5"), U,
+         r"^--offload-ratio: expected --offload optimizer with a ratio below 1, got --offload none"),
     # mixture of experts
     Case("flag-ep-not-dividing-experts", _flags, lambda: ("--nproc", "3", "--experts", "4", "--ep", "3"), U,
          r"^--ep: expected a divisor of the expert count 4 \(--experts\), got 3"),

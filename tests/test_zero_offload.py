@@ -29,10 +29,11 @@ def batches(steps, seed=11):
     return [torch.randint(0, 65, (GLOBAL_BATCH, SEQ + 1), generator=g) for _ in range(steps)]
 
 
-def _run(rank, ws, stage, precision, offload, clip, steps=STEPS, model=None, opt=None, micro=1):
+def _run(rank, ws, stage, precision, offload, clip, steps=STEPS, model=None, opt=None, micro=1, ratio=1.0):
     if model is None:
         model = GPT(GPTConfig(**CFG), seed=0)
-        zerofuse.zero.parallelize(model, stage=stage, precision=precision, bucket_mb=0.01, offload=offload)
+        zerofuse.zero.parallelize(model, stage=stage, precision=precision, bucket_mb=0.01, offload=offload,
+                                  **(dict(offload_ratio=ratio) if offload else {}))
         opt = zerofuse.zero.Optimizer(model, "adamw", lr=LR, weight_decay=WD, max_grad_norm=MAX_NORM if clip else None)
     per = GLOBAL_BATCH // ws
     losses = []
@@ -51,33 +52,44 @@ def _run(rank, ws, stage, precision, offload, clip, steps=STEPS, model=None, opt
     return model, opt, losses, params
 
 
-def _parity_rank(rank, ws, stage, precision, clip, mode="optimizer"):
-    model, opt, losses, params = _run(rank, ws, stage, precision, mode, clip, micro=2)
+def _parity_rank(rank, ws, stage, precision, clip, mode="optimizer", ratio=1.0):
+    model, opt, losses, params = _run(rank, ws, stage, precision, mode, clip, micro=2, ratio=ratio)
     mem = zerofuse.zero.memory_report(model, opt)
     shard_bytes = sum(u.shard.numel() * u.shard.element_size() for u in model._zerofuse_zero.units)
-    log, units = list(opt.host.last_log), len(opt.unit_states)
-    masters = all("master" in st for st in opt.unit_states)  # kept on the host even for fp32 params
+    log, units = list(opt.host.last_log), sorted(model._zerofuse_zero.host_units)
+    # kept on the host even for fp32 params
+    masters = all("master" in opt.unit_states[i] for i in model._zerofuse_zero.host_units)
     _, _, base_losses, base_params = _run(rank, ws, stage, precision, None, clip, micro=2)
     host_shards = all(u.host_shard for u in model._zerofuse_zero.units)
-    return losses, params, base_losses, base_params, log, units, masters, (mem, shard_bytes, host_shards)
+    n_units = len(opt.unit_states)
+    return losses, params, base_losses, base_params, log, (units, n_units), masters, (mem, shard_bytes, host_shards)
 
 
-@pytest.mark.parametrize("ws,stage,precision,clip,mode", [
-    (2, 1, "fp32", True, "optimizer"), (2, 2, "fp32", False, "optimizer"), (4, 3, "fp32", True, "optimizer"),
-    (2, 2, "bf16", True, "optimizer"), (4, 3, "bf16", False, "optimizer"),
-    (2, 3, "fp32", True, "optimizer+params"), (4, 3, "bf16", False, "optimizer+params")])
-def test_offload_equals_the_same_run_without_it(ws, stage, precision, clip, mode):
-    out = run_distributed(_parity_rank, ws, stage, precision, clip, mode, timeout=240)
+@pytest.mark.parametrize("ws,stage,precision,clip,mode,ratio", [
+    (2, 1, "fp32", True, "optimizer", 1.0), (2, 2, "fp32", False, "optimizer", 1.0),
+    (4, 3, "fp32", True, "optimizer", 1.0), (2, 2, "bf16", True, "optimizer", 1.0),
+    (4, 3, "bf16", False, "optimizer", 1.0), (2, 3, "fp32", True, "optimizer+params", 1.0),
+    (4, 3, "bf16", False, "optimizer+params", 1.0),
+    (2, 2, "fp32", False, "optimizer", 0.5), (4, 1, "bf16", True, "optimizer", 0.3)])  # twin flow
+def test_offload_equals_the_same_run_without_it(ws, stage, precision, clip, mode, ratio):
+    out = run_distributed(_parity_rank, ws, stage, precision, clip, mode, ratio, timeout=240)
     for rank, (losses, params, base_losses, base_params, log, units, masters, memory) in enumerate(out):
         mem, shard_bytes, host_shards = memory
-        assert mem["optimizer"] == 0 and mem["optimizer_host"] > 0, mem
+        units, n_units = units
+        if ratio == 1.0:
+            assert mem["optimizer"] == 0 and mem["optimizer_host"] > 0 and len(units) == n_units, mem
+        else:  # the first-ready units (ratio of the shard) on the host, the others' states on the device
+            assert 0 < len(units) < n_units and units == list(range(len(units))), units
+            assert mem["optimizer"] > 0 and mem["optimizer_host"] > 0, mem
+            for key in ("optimizer", "optimizer_host"):
+                assert abs(mem[key] - mem["formula"][key]) <= 0.1 * mem["formula"][key], (key, mem)
         if mode == "optimizer+params":  # the param shards in host memory, nothing of them on the device
             assert host_shards and mem["params_host"] == shard_bytes and mem["params"] == 0, (mem, shard_bytes)
         else:
             assert not host_shards and "params_host" not in mem
         # every unit stepped on the host each step: during backward, as its grads arrived, unless
         # clipping had to wait for the global norm
-        assert masters and sorted(u for u, _ in log) == list(range(units)), log
+        assert masters and sorted(u for u, _ in log) == units, log
         assert {w for _, w in log} == ({"step"} if clip else {"backward"}), log
         assert losses == base_losses, rank  # the same kernel on the same values: the same bits
         for name, want in base_params.items():
@@ -170,6 +182,8 @@ def _misuse_rank(rank, ws):
     model = GPT(GPTConfig(**CFG), seed=0)
     expect(lambda: zerofuse.zero.parallelize(model, stage=2, offload="params"))
     expect(lambda: zerofuse.zero.parallelize(model, stage=2, offload="optimizer+params"))
+    expect(lambda: zerofuse.zero.parallelize(model, stage=2, offload="optimizer", offload_ratio=1.5))
+    expect(lambda: zerofuse.zero.parallelize(model, stage=3, offload="optimizer+params", offload_ratio=0.5))
     zerofuse.zero.parallelize(model, stage=2, offload="optimizer")
     expect(lambda: zerofuse.zero.Optimizer(model, "lamb"))
     opt = zerofuse.zero.Optimizer(model, "adamw")
@@ -185,6 +199,9 @@ def test_misuse_is_refused():
     for got, want in zip(errors, [r"expected offload None, 'optimizer' or 'optimizer\+params', got 'params'",
                                   r"offload='optimizer\+params' keeps the param shards in host memory: expected stage "
                                   r"3, got 2",
+                                  r"expected offload_ratio in \[0, 1\], got 1.5",
+                                  r"offload_ratio < 1 splits the optimizer step between host and device: expected "
+                                  r"offload='optimizer', got 'optimizer\+params'",
                                   r"expected optimizer 'adamw' or 'adam' with offload='optimizer'.*got 'lamb'",
                                   r"pass max_grad_norm to the Optimizer instead", r"reduced .* again before step"]):
         assert got is not None and re.search(want, got), (got, want)

@@ -45,6 +45,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="optimizer: fp32 masters and Adam states in host memory, stepped there by the C++ CPU "
                         "kernel as each bucket's grads arrive (ZeRO-Offload; adamw, --pp 1); optimizer+params: "
                         "also the param shards (--zero-stage 3), copied up for each gather")
+    g.add_argument("--offload-ratio", type=float, default=1.0,
+                   help="with --offload optimizer: the fraction of the shard stepped on the host, the rest on the "
+                        "device (twin flow; default 1)")
     g.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (default 1)")
     g.add_argument("--pp-schedule", choices=("gpipe", "1f1b", "interleaved", "zb"), default="1f1b",
                    help="pipeline schedule (default 1f1b; zb: zero-bubble ZB-H1)")
@@ -169,6 +172,9 @@ def validate(args) -> None:
     _check(args.offload == "none" or (args.optimizer == "adamw" and args.pp == 1),
            f"--offload {args.offload}: expected --optimizer adamw and --pp 1, got --optimizer {args.optimizer} "
            f"--pp {args.pp}")
+    _check(0.0 <= args.offload_ratio <= 1.0, f"--offload-ratio: expected a number in [0, 1], got {args.offload_ratio}")
+    _check(args.offload_ratio == 1.0 or args.offload == "optimizer",
+           f"--offload-ratio: expected --offload optimizer with a ratio below 1, got --offload {args.offload}")
     _check(args.offload != "optimizer+params" or args.zero_stage == 3,
            f"--offload optimizer+params: expected --zero-stage 3 (the param shards go to host memory), got "
            f"--zero-stage {args.zero_stage}")

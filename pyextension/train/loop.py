@@ -78,7 +78,8 @@ class Trainer:
         else:
             self.model = zero.parallelize(model, stage=args.zero_stage, group=self.mesh.dp_group,
                                           precision=args.precision, device=self.device,
-                                          offload=None if args.offload == "none" else args.offload)
+                                          offload=None if args.offload == "none" else args.offload,
+                                          **({"offload_ratio": args.offload_ratio} if args.offload != "none" else {}))
         if args.compile:
             blocks = self.model.blocks
             for block in (blocks.values() if isinstance(blocks, torch.nn.ModuleDict) else blocks):

@@ -36,7 +36,7 @@ from zerofuse.zero.grads import SHARDED, gathered_grads, install_clip_warning
 from zerofuse.zero.layout import bucket_groups, check_same_layout, unit_groups
 from zerofuse.zero.experts import ExpertLayout
 from zerofuse.zero.materialize import Initializer, materialize_rest
-from zerofuse.zero.offload import OFFLOAD_MODES
+from zerofuse.zero.offload import OFFLOAD_MODES, host_units
 from zerofuse.zero.stage3 import Stage3Hooks
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -47,14 +47,19 @@ ALIGN = 128
 class ZeroEngine(ExpertLayout, Stage3Hooks):
     def __init__(self, model, *, stage, group, precision, reduce_dtype, bucket_mb, overlap, prefetch, wrap,
                  reshard_after_forward=True, tp_group=None, max_inflight=2, device=None, param_init_fn=None,
-                 pp_group=None, expert_group=None, offload=None):
+                 pp_group=None, expert_group=None, offload=None, offload_ratio=1.0):
         name = "zerofuse.zero.parallelize"
         if offload not in OFFLOAD_MODES:
             raise ValueError(f"{name}: expected offload None, 'optimizer' or 'optimizer+params', got {offload!r}")
         if offload == "optimizer+params" and stage != 3:
             raise ValueError(f"{name}: offload='optimizer+params' keeps the param shards in host memory: expected "
                              f"stage 3, got {stage}")
-        self.offload = offload
+        if not (isinstance(offload_ratio, (int, float)) and 0.0 <= offload_ratio <= 1.0):
+            raise ValueError(f"{name}: expected offload_ratio in [0, 1], got {offload_ratio!r}")
+        if offload_ratio < 1.0 and offload != "optimizer":
+            raise ValueError(f"{name}: offload_ratio < 1 splits the optimizer step between host and device: expected "
+                             f"offload='optimizer', got {offload!r}")
+        self.offload, self.offload_ratio = offload, float(offload_ratio)
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"{name}: expected stage 0, 1, 2 or 3, got {stage!r}")
         if precision not in PRECISIONS:
@@ -146,6 +151,7 @@ class ZeroEngine(ExpertLayout, Stage3Hooks):
         if offload == "optimizer+params":
             for u in self.units:
                 u.offload_shard()
+        self.host_units = host_units(self.units, self.offload_ratio) if offload else set()
         check_same_layout(self.units, self.comm, (stage, precision, str(self.reduce_dtype), shapes), name)
         self.buckets = BucketGroup(self.units, self.comm, max_inflight)
         self.unit_of: dict[int, tuple[Bucket, int]] = {}
@@ -328,7 +334,7 @@ def parallelize(model: torch.nn.Module, *, stage: int, group=None, precision: st
                 reduce_dtype: torch.dtype | None = None, bucket_mb: float = 25.0, overlap: bool = True,
                 prefetch: int = 1, wrap=None, reshard_after_forward: bool = True,
                 tp_group=None, max_inflight: int = 2, device=None, param_init_fn=None,
-                pp_group=None, expert_group=None, offload=None) -> torch.nn.Module:
+                pp_group=None, expert_group=None, offload=None, offload_ratio: float = 1.0) -> torch.nn.Module:
     """Make ``model`` ZeRO data-parallel over ``group`` (None: the default group), in place, and
     return it. stage 0 is plain data parallelism (grads all-reduced in buckets during backward,
     every rank keeps and steps everything); 1/2/3 shard optimizer states / + grads / + params.
@@ -339,7 +345,9 @@ def parallelize(model: torch.nn.Module, *, stage: int, group=None, precision: st
     (default ``model.edp_group``): with expert-parallel MoE layers, the ranks holding the same
     experts, over which expert params reduce and shard (ZeroEngine._init_experts); offload="optimizer":
     the optimizer's fp32 masters and states of this rank's shards in host memory, stepped there by
-    the C++ CPU kernel as each unit's grads arrive ([Note: offloaded steps] in zero/offload.py). precision: the dtype params and grads are kept in (fp32 masters live
+    the C++ CPU kernel as each unit's grads arrive ([Note: offloaded steps] in zero/offload.py);
+    offload_ratio < 1 (twin flow): only the units first ready in backward, that fraction of the
+    shard, are stepped on the host, the rest on the device. precision: the dtype params and grads are kept in (fp32 masters live
     in the optimizer); reduce_dtype: the dtype grads are accumulated and reduced in (default fp32;
     bf16/fp16 put half the bytes on the wire and are summed in fp32 after an all-to-all, rounding
     once); averages are pre-divided by the world size before the reduction. max_inflight: gradient
@@ -360,7 +368,7 @@ def parallelize(model: torch.nn.Module, *, stage: int, group=None, precision: st
                         bucket_mb=bucket_mb, overlap=overlap, prefetch=prefetch, wrap=wrap,
                         reshard_after_forward=reshard_after_forward, tp_group=tp_group,
                         max_inflight=max_inflight, device=device, param_init_fn=param_init_fn, pp_group=pp_group,
-                        expert_group=expert_group, offload=offload)
+                        expert_group=expert_group, offload=offload, offload_ratio=offload_ratio)
     model._zerofuse_zero = engine
     model.no_sync = engine.no_sync
     return model

@@ -46,28 +46,33 @@ def memory_report(model: torch.nn.Module, optimizer=None) -> dict:
         if eng.stage != 1 and u.gshard is not None and u.gshard is not u.gflat:  # stage 0 accumulates into last step's gshard
             grads += _bytes(u.gshard)
     grads += sum(_bytes(p.grad) for p in eng.params)
-    opt = 0
+    opt = opt_host = 0
     k = 0
+    on_host = eng.host_units if optimizer is not None and optimizer.host is not None else set()
     if optimizer is not None:
-        for st in optimizer.unit_states:
-            opt += sum(_bytes(t) for t in st.values())
+        for u, st in zip(eng.units, optimizer.unit_states):
+            b = sum(_bytes(t) for t in st.values())
+            opt_host += b if u.index in on_host else 0
+            opt += 0 if u.index in on_host else b
         k = 4 * len(optimizer.unit_states[0]) if optimizer.unit_states else 0
     psi = sum(p.numel() for p in eng.params)
     bp, bg = eng.dtype.itemsize, eng.reduce_dtype.itemsize
-    formula = dict.fromkeys(("params", "grads", "optimizer"), 0.0)
+    formula = dict.fromkeys(("params", "grads", "optimizer", "optimizer_host"), 0.0)
     for u in eng.units:  # expert units shard over the expert-DP group; stage 0 replicates everything
         n = sum(p.numel() for p in u.params)
         nd = (u.comm or eng.comm).world_size if eng.stage != 0 else 1
         formula["params"] += bp * n / (nd if eng.stage == 3 else 1)
         formula["grads"] += bg * n / (1 if eng.stage in (0, 1) else nd)
-        formula["optimizer"] += k * n / nd
+        ku = 4 * len(optimizer.unit_states[u.index]) if optimizer is not None else 0
+        formula["optimizer_host" if u.index in on_host else "optimizer"] += ku * n / nd
     host = {}
     if params_host:
         host["params_host"] = params_host
         formula["params_host"], formula["params"] = formula["params"], 0.0
-    if optimizer is not None and optimizer.host is not None:  # offload: the states are host memory
-        host["optimizer_host"] = opt
-        formula["optimizer_host"], formula["optimizer"], opt = formula["optimizer"], 0.0, 0
+    if optimizer is not None and optimizer.host is not None:  # offload: those states are host memory
+        host["optimizer_host"] = opt_host
+    else:
+        del formula["optimizer_host"]
     formula["total"] = formula["params"] + formula["grads"] + formula["optimizer"]
     return {"params": params, "grads": grads, "optimizer": opt, "total": params + grads + opt, **host,
             "formula": formula, "psi": psi, "world_size": eng.world_size, "stage": eng.stage, "K": k}

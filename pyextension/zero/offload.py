@@ -36,6 +36,19 @@ from zerofuse.zero.options import NAME
 OFFLOAD_MODES = (None, "optimizer", "optimizer+params")
 
 
+def host_units(units, ratio: float) -> set[int]:
+    """Twin flow (parallelize's offload_ratio): the units stepped on the host, the first ready in
+    backward (the units' order) until they hold ``ratio`` of the shard's elements; the rest step
+    on the device with its own kernel, while the host steps the others."""
+    total, out, acc = sum(u.shard_numel for u in units), set(), 0
+    for u in units:
+        if acc >= ratio * total:
+            break
+        out.add(u.index)
+        acc += u.shard_numel
+    return out
+
+
 class HostSteps:
     def __init__(self, opt):
         self.opt, self.eng = opt, opt.engine
@@ -43,9 +56,12 @@ class HostSteps:
         self.stream = torch.cuda.Stream(self.eng.device) if self.cuda else None
         self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="zerofuse-offload")
         # per unit: [(group index, [(start, length), ...])] of its Adam runs
+        self.units = [u for u in self.eng.units if u.index in self.eng.host_units]
         self.by_unit: list[list] = [[] for _ in self.eng.units]
         for gi, runs in enumerate(opt._runs):
             for r in runs:
+                if r.unit.index not in self.eng.host_units:
+                    continue
                 entry = self.by_unit[r.unit.index]
                 if not entry or entry[-1][0] != gi:
                     entry.append((gi, []))
@@ -67,6 +83,8 @@ class HostSteps:
 
     def grad_ready(self, u) -> None:
         """BucketGroup.on_reduced: unit u's grad shard is final for this step."""
+        if u.index not in self.eng.host_units:  # twin flow: stepped on the device at step()
+            return
         if self.reduced[u.index]:
             raise RuntimeError(f"{NAME}: with offload='optimizer' each unit's grads are reduced once per step; a "
                                f"second backward reduced {u.name!r} again before step() (accumulate inside "
@@ -127,20 +145,20 @@ class HostSteps:
         skip = found is not None and bool(found.item())
         if not self.overlapped:
             host_mult = mult.to("cpu", torch.float32).reshape(1)
-            for u in eng.units:
+            for u in self.units:
                 if not self.reduced[u.index]:
                     self._to_host(u)
                 if not skip and self.cuda:
                     self._submit(u, host_mult)
-            if not skip and not self.cuda and eng.units:
-                self._submit(eng.units[0], host_mult, units=list(eng.units))
+            if not skip and not self.cuda and self.units:
+                self._submit(self.units[0], host_mult, units=self.units)
         else:
-            for u in eng.units:  # units that got no grad this step still take their (decay-only) step
+            for u in self.units:  # units that got no grad this step still take their (decay-only) step
                 if u.index not in self.futures:
                     self._to_host(u)
                     self._submit(u, None)
         try:
-            for u in eng.units:
+            for u in self.units:
                 fut, stepped = self.futures.get(u.index, (None, ()))
                 if fut is None:
                     continue
@@ -154,10 +172,9 @@ class HostSteps:
             self.last_log, self.log = self.log, []
             self.reduced = [False] * len(eng.units)
             self.events = [None] * len(eng.units)
-        if not skip:
-            for gi, s in enumerate(self.host_steps):
+        if not skip:  # (the device's counters advance in the device step, which runs for every group)
+            for s in self.host_steps:
                 s += 1.0
-                self.opt._steps[gi].fill_(float(s))
 
     def _write_back(self, u) -> None:
         master = self.opt.unit_states[u.index]["master"]

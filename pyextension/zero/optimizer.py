@@ -163,10 +163,10 @@ class Optimizer(GradNorms, torch.optim.Optimizer):
     def _build_states(self) -> None:
         eng = self.engine
         low = eng.dtype != torch.float32
-        host = eng.offload is not None  # in host memory (pinned for a GPU's copies), with fp32 masters
-        kw = dict(device="cpu", pin_memory=eng.device.type == "cuda") if host else {}
         self.unit_states = []
         for u in eng.units:
+            host = u.index in eng.host_units  # in host memory (pinned for a GPU's copies), with fp32 masters
+            kw = dict(device="cpu", pin_memory=eng.device.type == "cuda") if host else {}
             st = {k: torch.zeros(u.shard_numel, dtype=torch.float32, **(kw or dict(device=u.device)))
                   for k in STATE_KEYS[self.kind]}
             if low or host:
@@ -186,6 +186,8 @@ class Optimizer(GradNorms, torch.optim.Optimizer):
                     runs[-1].length += s.length
                 else:
                     runs.append(_Piece(u, s.shard_offset, s.length, None))
+        # the runs the device steps (with offload, the host's units are HostSteps' business)
+        self._device_runs = [[r for r in runs if r.unit.index not in eng.host_units] for runs in self._runs]
 
     def _expose_states(self) -> None:
         """state[p]: views of this rank's piece of p in the flat states (see the module doc)."""
@@ -253,11 +255,10 @@ class Optimizer(GradNorms, torch.optim.Optimizer):
                 self._clip_coef = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
         if self._clip_coef is not None:
             mult = mult * self._clip_coef
+        for gi, group in enumerate(self.param_groups):  # (advances the step counters, offload or not)
+            self._step_group(gi, group, mult, found)
         if self.host is not None:
             self.host.step(mult, found)
-        else:
-            for gi, group in enumerate(self.param_groups):
-                self._step_group(gi, group, mult, found)
         if self.fp16:
             torch._amp_update_scale_(self.scale, self._growth_tracker, found, *self._scaler_cfg)
         self.last_step_skipped = found
@@ -270,8 +271,8 @@ class Optimizer(GradNorms, torch.optim.Optimizer):
     def _step_group(self, gi, group, mult, found):
         step = self._steps[gi]
         if self.kind in ("adam", "adamw"):
-            runs = self._runs[gi]
-            if not runs:  # this rank holds no piece of the group: count the step as the others do
+            runs = self._device_runs[gi]
+            if not runs:  # no piece of the group here (or all on the host): count the step as the others do
                 step += 1.0 if found is None else 1.0 - found
                 return
             lists = self._lists(gi, runs)
