@@ -167,7 +167,8 @@ def test_aux_free_bias_balances_a_skewed_router():
 
 @pytest.mark.parametrize("kwargs", [dict(num_experts=1, top_k=1), dict(num_experts=4, top_k=5),
                                     dict(num_experts=4, top_k=2, capacity_factor=-1.0),
-                                    dict(num_experts=4, top_k=2, score="relu")])
+                                    dict(num_experts=4, top_k=2, score="relu"),
+                                    dict(num_experts=4, top_k=2, aux_loss_scope="batch")])
 def test_router_bad_options_are_refused(kwargs):
     if kwargs == dict(num_experts=1, top_k=1):
         Router(8, **kwargs)  # one expert is allowed

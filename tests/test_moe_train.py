@@ -32,10 +32,10 @@ def batches(steps, seed=7):
     return [torch.randint(0, 65, (GLOBAL_BATCH, SEQ + 1), generator=g) for _ in range(steps)]
 
 
-def reference_run(micro=1):
+def reference_run(micro=1, over=None):
     """One process: losses (CE + z over the global batch), grad norms (before clipping, every odd
     step), params."""
-    model = GPT(GPTConfig(**CFG), seed=0)
+    model = GPT(GPTConfig(**{**CFG, **(over or {})}), seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
     losses, norms = [], []
     for i, b in enumerate(batches(STEPS)):
@@ -68,8 +68,8 @@ def _full_params(model, mesh) -> dict:
     return out
 
 
-def _build(mesh, stage, offload=None):  # offload: the host steps wait for step(): _train clips on odd steps
-    model = GPT(GPTConfig(**CFG), seed=0, ep_group=mesh.ep_group, edp_group=mesh.edp_group, dp_group=mesh.dp_group)
+def _build(mesh, stage, offload=None, over=None):  # offload: the host steps wait for step(): _train clips on odd steps
+    model = GPT(GPTConfig(**{**CFG, **(over or {})}), seed=0, ep_group=mesh.ep_group, edp_group=mesh.edp_group, dp_group=mesh.dp_group)
     zerofuse.zero.parallelize(model, stage=stage, group=mesh.dp_group, bucket_mb=0.01, offload=offload)
     return model, zerofuse.zero.Optimizer(model, "adamw", lr=LR, weight_decay=WD,
                                           **(dict(offload_overlap=False) if offload else {}))
@@ -94,13 +94,13 @@ def _train(rank, ws, model, opt, steps=STEPS):
     return losses, norms
 
 
-def _parity_rank(rank, ws, ep, stages):
+def _parity_rank(rank, ws, ep, stages, over=None):
     from zerofuse.parallel import init_mesh
 
     mesh = init_mesh(dp=ws, ep=ep)
     out = {}
     for stage in stages:
-        model, opt = _build(mesh, stage)
+        model, opt = _build(mesh, stage, over=over)
         expert_units = [u for u in model._zerofuse_zero.units if u.comm is not None]
         losses, norms = _train(rank, ws, model, opt)
         out[stage] = dict(losses=losses, norms=norms, params=_full_params(model, mesh),
@@ -108,20 +108,26 @@ def _parity_rank(rank, ws, ep, stages):
                           expert_world=[u.comm.world_size for u in expert_units],
                           memory=zerofuse.zero.memory_report(model, opt),
                           padding=sum(u.padded - u.numel for u in model._zerofuse_zero.units))
-    model, opt = _build(mesh, stages[-1])  # the same run again: the same bits
+    model, opt = _build(mesh, stages[-1], over=over)  # the same run again: the same bits
     _train(rank, ws, model, opt)
     out["again"] = _full_params(model, mesh)
-    model, opt = _build(mesh, stages[-1], offload="optimizer")  # and with ZeRO-Offload
+    model, opt = _build(mesh, stages[-1], offload="optimizer", over=over)  # and with ZeRO-Offload
     _train(rank, ws, model, opt)
     out["offload"] = _full_params(model, mesh)
     return out
 
 
-@pytest.mark.parametrize("ws,ep,stages", [(2, 2, (1, 2, 3)), (4, 4, (1, 2)), (4, 2, (0, 2, 3))])
-def test_expert_parallel_training_matches_one_process(ws, ep, stages):
-    ref_losses, ref_norms, ref_params = reference_run()
-    alt_params = reference_run(micro=ws)[2]
-    results = run_distributed(_parity_rank, ws, ep, stages, timeout=300)
+# the aux loss on with its load fractions over the DP group's batch (moe_aux_scope="global"): the
+# ranks' mean aux loss is one process's over the whole batch
+GLOBAL_AUX = dict(moe_aux_loss=1e-2, moe_aux_scope="global")
+
+
+@pytest.mark.parametrize("ws,ep,stages,over", [(2, 2, (1, 2, 3), None), (4, 4, (1, 2), None), (4, 2, (0, 2, 3), None),
+                                               (4, 2, (2,), GLOBAL_AUX)])
+def test_expert_parallel_training_matches_one_process(ws, ep, stages, over):
+    ref_losses, ref_norms, ref_params = reference_run(over=over)
+    alt_params = reference_run(micro=ws, over=over)[2]
+    results = run_distributed(_parity_rank, ws, ep, stages, over, timeout=300)
     for stage in stages:
         r0 = results[0][stage]
         torch.testing.assert_close(torch.tensor(r0["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6,

@@ -57,6 +57,7 @@ class GPTConfig:
     moe_capacity: float = 0.0  # capacity factor; 0: dropless
     moe_router: str = "softmax"  # or "sigmoid"
     moe_aux_loss: float = 1e-2
+    moe_aux_scope: str = "local"  # or "global": the load fractions over the DP group's batch
     moe_z_loss: float = 1e-3
     moe_bias_rate: float = 0.0  # aux-loss-free balancing's bias step; 0: off
     moe_shared_expert: bool = False

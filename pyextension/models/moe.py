@@ -7,7 +7,9 @@ moe_every - 1, 2 * moe_every - 1, ...: GShard / Switch's every other layer at 2)
 zerofuse.moe.MoE of E experts, ``moe_top_k`` per token, experts of the model's MLP kind (SwiGLU
 for mlp="swiglu", else GELU) with ``moe_hidden`` units (default: the dense MLP's). The router:
 ``moe_router`` scores ("softmax" or "sigmoid"), ``moe_capacity`` (a capacity factor: choices past
-an expert's capacity are dropped; 0: dropless), ``moe_aux_loss`` / ``moe_z_loss`` coefficients and
+an expert's capacity are dropped; 0: dropless), ``moe_aux_loss`` / ``moe_z_loss`` coefficients (the
+aux loss's load fractions over each rank's tokens, or with ``moe_aux_scope="global"`` over the DP
+group's batch) and
 ``moe_bias_rate`` (aux-loss-free balancing: the job updates the bias before each optimizer step).
 """
 from __future__ import annotations
@@ -33,6 +35,8 @@ def check_config(cfg) -> None:
         raise ValueError(f"{NAME}: expected 1 <= moe_top_k <= moe_experts ({e}), got {cfg.moe_top_k}")
     if not 1 <= cfg.moe_every <= cfg.n_layer:
         raise ValueError(f"{NAME}: expected 1 <= moe_every <= n_layer ({cfg.n_layer}), got {cfg.moe_every}")
+    if cfg.moe_aux_scope not in ("local", "global"):
+        raise ValueError(f"{NAME}: expected moe_aux_scope 'local' or 'global', got {cfg.moe_aux_scope!r}")
     if cfg.moe_router not in ROUTERS:
         raise ValueError(f"{NAME}: expected moe_router one of {ROUTERS}, got {cfg.moe_router!r}")
     for key in ("moe_capacity", "moe_aux_loss", "moe_z_loss", "moe_bias_rate"):
@@ -53,7 +57,8 @@ def build(cfg, ep_group=None, dp_group=None) -> MoE:
     return MoE(cfg.dim, cfg.moe_hidden or cfg.hidden, cfg.moe_experts, cfg.moe_top_k,
                activation="swiglu" if cfg.mlp == "swiglu" else "gelu", shared_expert=cfg.moe_shared_expert,
                ep_group=ep_group, score=cfg.moe_router, aux_loss_coef=cfg.moe_aux_loss, z_loss_coef=cfg.moe_z_loss,
-               bias_update_rate=cfg.moe_bias_rate, capacity_factor=cfg.moe_capacity, group=dp_group)
+               bias_update_rate=cfg.moe_bias_rate, capacity_factor=cfg.moe_capacity, group=dp_group,
+               aux_loss_scope=cfg.moe_aux_scope)
 
 
 def layers(model: torch.nn.Module) -> list[MoE]:

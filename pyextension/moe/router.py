@@ -36,7 +36,7 @@ class Routing(NamedTuple):
 class Router(torch.nn.Module):
     def __init__(self, dim: int, num_experts: int, top_k: int, *, score: str = "softmax", normalize: bool = True,
                  aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0, bias_update_rate: float = 0.0,
-                 capacity_factor: float = 0.0, group=None):
+                 capacity_factor: float = 0.0, group=None, aux_loss_scope: str = "local"):
         super().__init__()
         if num_experts < 1:
             raise ValueError(f"{NAME}: expected num_experts >= 1, got {num_experts}")
@@ -44,6 +44,9 @@ class Router(torch.nn.Module):
             raise ValueError(f"{NAME}: expected 1 <= top_k <= num_experts ({num_experts}), got {top_k}")
         if score not in ("softmax", "sigmoid"):
             raise ValueError(f"{NAME}: expected score 'softmax' or 'sigmoid', got {score!r}")
+        if aux_loss_scope not in ("local", "global"):
+            raise ValueError(f"{NAME}: expected aux_loss_scope 'local' or 'global', got {aux_loss_scope!r}")
+        self.aux_loss_scope = aux_loss_scope
         for name, v in (("aux_loss_coef", aux_loss_coef), ("z_loss_coef", z_loss_coef),
                         ("bias_update_rate", bias_update_rate), ("capacity_factor", capacity_factor)):
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
@@ -78,7 +81,7 @@ class Router(torch.nn.Module):
         aux = zero
         if self.aux_loss_coef > 0:
             p = scores if self.score == "softmax" else scores / scores.sum(-1, keepdim=True)
-            frac = load.float() / max(experts.numel(), 1)
+            frac = self._load_fraction(load, experts.numel())
             aux = self.aux_loss_coef * e * (frac * p.mean(0)).sum()
         z = self.z_loss_coef * torch.logsumexp(logits, -1).pow(2).mean() if self.z_loss_coef > 0 else zero
         dropped = torch.zeros((), dtype=torch.int64, device=x.device)
@@ -88,6 +91,16 @@ class Router(torch.nn.Module):
         if self.training and self.bias_update_rate > 0 and torch.is_grad_enabled():  # not evaluation's loads
             self._loads.append(load)
         return Routing(weights, experts, aux, z)
+
+    def _load_fraction(self, load: Tensor, choices: int) -> Tensor:
+        """f_e: this forward's fraction of the choices per expert; aux_loss_scope 'global': over the
+        whole batch of ``group`` (Megatron's global-batch balancing: an all-reduce of E + 1 counts
+        per layer call), so the mean of the ranks' aux losses is one process's over the batch."""
+        if self.aux_loss_scope == "local" or self.group is None or dist.get_world_size(self.group) == 1:
+            return load.float() / max(choices, 1)
+        counts = torch.cat([load, load.new_full((1,), choices)]).float()
+        dist.all_reduce(counts, group=self.group)
+        return counts[:-1] / counts[-1].clamp_min(1)
 
     def capacity(self, tokens: int) -> int:
         return math.ceil(self.capacity_factor * tokens * self.top_k / self.num_experts)

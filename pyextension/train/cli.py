@@ -82,6 +82,8 @@ def _parser() -> argparse.ArgumentParser:
                                                   "(0: dropless, the default)")
     e.add_argument("--router", choices=("softmax", "sigmoid"), help="router scores (default softmax)")
     e.add_argument("--aux-loss", type=float, help="load-balancing aux loss coefficient (default 1e-2)")
+    e.add_argument("--aux-scope", choices=("local", "global"),
+                   help="aux loss load fractions over each rank's tokens or the DP group's batch (default local)")
     e.add_argument("--z-loss", type=float, help="router z-loss coefficient (default 1e-3)")
     e.add_argument("--bias-rate", type=float,
                    help="aux-loss-free balancing: per-expert bias step per optimizer step (0: off, the default)")
@@ -282,7 +284,7 @@ def _validate_model(args) -> None:
 
 _MOE_FLAGS = (("experts", "moe_experts"), ("top_k", "moe_top_k"), ("moe_every", "moe_every"),
               ("capacity", "moe_capacity"), ("router", "moe_router"), ("aux_loss", "moe_aux_loss"),
-              ("z_loss", "moe_z_loss"), ("bias_rate", "moe_bias_rate"))
+              ("z_loss", "moe_z_loss"), ("bias_rate", "moe_bias_rate"), ("aux_scope", "moe_aux_scope"))
 
 
 def _validate_moe(args) -> None:
@@ -295,7 +297,8 @@ def _validate_moe(args) -> None:
     _check(experts >= 0, f"--experts: expected >= 0, got {experts}")
     if experts == 0:
         _check(ep == 1 and all(getattr(args, f) is None for f, _ in _MOE_FLAGS[1:]),
-               "--ep/--top-k/--moe-every/--capacity/--router/--aux-loss/--z-loss/--bias-rate: expected --experts > 0 "
+               "--ep/--top-k/--moe-every/--capacity/--router/--aux-loss/--z-loss/--bias-rate/--aux-scope: expected "
+           "--experts > 0 "
                "(or an MoE --model such as moe-tiny)")
         return
     k = shape.get("moe_top_k", 2)
