@@ -69,7 +69,7 @@ def _parity_rank(rank, ws, stage, precision, clip, mode="optimizer", ratio=1.0):
     (2, 1, "fp32", True, "optimizer", 1.0), (2, 2, "fp32", False, "optimizer", 1.0),
     (4, 3, "fp32", True, "optimizer", 1.0), (2, 2, "bf16", True, "optimizer", 1.0),
     (4, 3, "bf16", False, "optimizer", 1.0), (2, 3, "fp32", True, "optimizer+params", 1.0),
-    (4, 3, "bf16", False, "optimizer+params", 1.0),
+    (4, 3, "bf16", False, "optimizer+params", 1.0), (2, 0, "fp32", False, "optimizer", 1.0),
     (2, 2, "fp32", False, "optimizer", 0.5), (4, 1, "bf16", True, "optimizer", 0.3)])  # twin flow
 def test_offload_equals_the_same_run_without_it(ws, stage, precision, clip, mode, ratio):
     out = run_distributed(_parity_rank, ws, stage, precision, clip, mode, ratio, timeout=240)
@@ -190,20 +190,25 @@ def _misuse_rank(rank, ws):
     x = torch.randint(0, 65, (2, 9))
     model(x[:, :-1], x[:, 1:])[1].backward()
     expect(lambda: opt.clip_grad_norm_(1.0))
+    expect(lambda: opt.zero_grad())
     expect(lambda: model(x[:, :-1], x[:, 1:])[1].backward())
     return errors
 
 
 def test_misuse_is_refused():
     errors = run_distributed(_misuse_rank, 2, timeout=120)[0]
-    for got, want in zip(errors, [r"expected offload None, 'optimizer' or 'optimizer\+params', got 'params'",
-                                  r"offload='optimizer\+params' keeps the param shards in host memory: expected stage "
-                                  r"3, got 2",
-                                  r"expected offload_ratio in \[0, 1\], got 1.5",
-                                  r"offload_ratio < 1 splits the optimizer step between host and device: expected "
-                                  r"offload='optimizer', got 'optimizer\+params'",
-                                  r"expected optimizer 'adamw' or 'adam' with offload='optimizer'.*got 'lamb'",
-                                  r"pass max_grad_norm to the Optimizer instead", r"reduced .* again before step"]):
+    wants = [r"expected offload None, 'optimizer' or 'optimizer\+params', got 'params'",
+             r"offload='optimizer\+params' keeps the param shards in host memory: expected stage "
+             r"3, got 2",
+             r"expected offload_ratio in \[0, 1\], got 1.5",
+             r"offload_ratio < 1 splits the optimizer step between host and device: expected "
+             r"offload='optimizer', got 'optimizer\+params'",
+             r"expected optimizer 'adamw' or 'adam' with offload='optimizer'.*got 'lamb'",
+             r"pass max_grad_norm to the Optimizer instead",
+             r"zero_grad: with offload the last backward already started its host steps",
+             r"reduced .* again before step"]
+    assert len(errors) == len(wants), errors
+    for got, want in zip(errors, wants):
         assert got is not None and re.search(want, got), (got, want)
 
 

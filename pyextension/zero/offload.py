@@ -21,7 +21,9 @@ the shard up first; the host step writes it in place).
 - The step reads lr and the other options of its param groups when it starts: during backward in
   the overlapped case, so a change made between backward and step() applies from the next step.
 - One reduction per unit and step: a second backward outside ``no_sync()`` before ``step()`` would
-  add grads to a unit already stepped, and is refused.
+  add grads to a unit already stepped, and is refused; so is ``zero_grad()`` between such a
+  backward and ``step()`` (the backward has committed the step: discarding it needs
+  offload_overlap=False).
 - Step counters advance once per step (each unit's kernel call advances a copy).
 """
 from __future__ import annotations

@@ -327,6 +327,10 @@ class Optimizer(GradNorms, torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """set_to_none=True (torch's default): the grad shards are freed until the next backward;
         False: they are filled with zeros."""
+        if self.host is not None and self.host.futures:
+            raise RuntimeError(f"{NAME}.zero_grad: with offload the last backward already started its host steps "
+                               "(offload_overlap): call step() before zero_grad(), or build the Optimizer with "
+                               "offload_overlap=False to decide after backward")
         self.engine.zero_grad(set_to_none)
         if set_to_none and self.engine.stage in (2, 3):  # the shards are freed: so are the plans' views of them
             for plan in self._plans.values():
