@@ -86,28 +86,3 @@ def test_rank_that_dies_is_reported():
         run_distributed(_exit_on_rank_0, 2, timeout=60)
     assert "exited with code 3" in str(info.value)
     _assert_dead(info.value.pids)
-
-
-def _early_and_late(rank, world_size):
-    """Rank 0 is done at once; the last rank, a moment later, finds rank 0's process still there."""
-    import os
-    import time
-
-    store = dist.distributed_c10d._get_default_store()
-    if rank == 0:
-        store.set("pid0", str(os.getpid()))
-        return None
-    time.sleep(0.5)
-    pid = int(store.get("pid0"))
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return False
-    return state not in ("Z", "X")  # an exited rank lingers as a zombie until the harness joins it
-
-
-def test_ranks_leave_together():
-    """A rank done early keeps its process group open until every rank is done (a fast rank that
-    exited closed the sockets of a peer still connecting: gloo 'Connection closed by peer')."""
-    assert run_distributed(_early_and_late, 2, timeout=30)[1] is True
