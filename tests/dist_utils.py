@@ -95,6 +95,10 @@ def _rank_main(rank, world_size, init_file, tb_dir, backend, timeout, fn, args, 
             world_size=world_size,
             timeout=datetime.timedelta(seconds=timeout),
         )
+        # every rank has finished connecting before any runs fn: a rank whose fn was done at once
+        # exited and closed the sockets of a peer still inside gloo's connectFullMesh, failing its
+        # init_process_group with "Connection closed by peer" (CI 2026-11-26, test_comm_p2p)
+        dist.barrier()
         out = fn(rank, world_size, *args, **kwargs)
         # by value: a tensor sent through the queue as a shared-memory handle dies with this process
         results.put((rank, True, pickle.dumps(out)))
