@@ -102,6 +102,7 @@ class Trainer:
         self.metrics = StepMetrics(self.device, self.world, tokens)
         self.vote = StopVote(self.world, self.device)
         self.moe = None
+        self._a2a_last, self._a2a_bytes_last = 0.0, 0  # the all-to-all counters at the last log point
         if self.cfg.moe_experts:
             from zerofuse.models.moe import Stats
             self.moe = Stats(self.model.moe_layers)
@@ -196,10 +197,10 @@ class Trainer:
         from zerofuse.moe.dispatch import exposed_seconds, sent_bytes
         steps = self.moe.steps
         sent = sent_bytes()
-        out = self.moe.read(self.mesh.dp_group, sent - getattr(self, "_a2a_bytes_last", 0))
+        out = self.moe.read(self.mesh.dp_group, sent - self._a2a_bytes_last)
         self._a2a_bytes_last = sent
         a2a = exposed_seconds()
-        out["a2a_exposed_s_per_step"] = ((a2a - getattr(self, "_a2a_last", 0.0)) / max(steps, 1)
+        out["a2a_exposed_s_per_step"] = ((a2a - self._a2a_last) / max(steps, 1)
                                          if self.device.type == "cpu" and self.args.ep > 1 else None)
         self._a2a_last = a2a
         return out

@@ -16,7 +16,6 @@ from .cli import PROG
 if TYPE_CHECKING:
     from .loop import Trainer
 
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense bf16 tensor-core peaks
 
 
@@ -238,6 +237,7 @@ def _table(s: dict) -> str:
 def _moe_summary(t: Trainer, runs: list[dict]) -> dict | None:
     """The routers' figures: load balance, aux and z losses of the last log window, dropped choices
     over the run, the all-to-all time exposed per step (mean over the windows after the first)."""
+    from zerofuse.zero.engine import PRECISIONS
     figs = [m["moe"] for m in runs if m.get("moe")]
     if not figs:
         return None
@@ -250,7 +250,7 @@ def _moe_summary(t: Trainer, runs: list[dict]) -> dict | None:
             "a2a_bytes_per_step": last["a2a_bytes_per_step"] if t.args.ep > 1 else 0,
             # dispatch, combine and their backward: every (token, choice) row once each, dropless
             "a2a_bytes_per_step_analytic": (4 * t.args.dp * t.args.batch * t.args.grad_accum * c.seq_len * c.moe_top_k
-                                            * c.dim * torch.finfo(_DTYPES[t.args.precision]).bits // 8
+                                            * c.dim * PRECISIONS[t.args.precision].itemsize
                                             * len(last["max_over_mean_load"]) if t.args.ep > 1 else 0),
             "a2a_exposed_ms_per_step": 1e3 * _mean(a2a) if a2a else None}
 

@@ -47,9 +47,9 @@ class ExpertLayout:
     def _stage3_unit(self, name, group, kw) -> Bucket:
         """A stage-3 unit; its expert-parallel params (if any) in a companion unit over the
         expert-DP group, gathered and freed with it (zerofuse/zero/stage3.py)."""
-        expert = {id(p) for p, e in zip(self.params, self.expert) if e}
-        dense = [x for x in group if id(x[1]) not in expert]
-        experts = [x for x in group if id(x[1]) in expert]
+        is_expert = [self.expert[self.param_index[id(p)]] for _, p in group]
+        dense = [x for x, e in zip(group, is_expert) if not e]
+        experts = [x for x, e in zip(group, is_expert) if e]
         c = self.edp_comm
         ekw = kw | dict(comm=c, rank=c.rank, world_size=c.world_size) if experts else None
         if not dense:
