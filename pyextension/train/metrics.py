@@ -31,6 +31,7 @@ class StepMetrics:
         self.values: list[torch.Tensor] = []  # per step: (loss, grad norm, skipped) on the device
         self.t_last = time.perf_counter()
         self._nan = None  # the placeholder of an absent value (no clipping: no grad norm), made once
+        self.windows = 0  # log points so far
 
     def record(self, host: dict, loss: torch.Tensor, norm: torch.Tensor | None, skipped: torch.Tensor | None) -> None:
         """One step: host fields (step, lr, comm_time, step_time on CPU) and device scalars; no sync."""
@@ -56,11 +57,13 @@ class StepMetrics:
         host = vals.double().cpu().tolist()
         now = time.perf_counter()
         per_step = (now - self.t_last) / len(self.pending)
+        self.windows += 1
         out = []
         for rec, (loss, norm, skipped) in zip(self.pending, host):
             m = dict(rec)
             m["loss"] = loss
-            m["step_time"] = m.get("step_time") or per_step
+            if not m.get("step_time"):  # CUDA: the window's wall time shared by its steps
+                m["step_time"], m["log_window"] = per_step, self.windows
             m["tokens_per_s"] = self.tokens / m["step_time"]
             m["grad_norm"] = None if norm != norm else norm
             if skipped == skipped and skipped > 0:

@@ -106,9 +106,8 @@ class RankZeroLog:
     def _summary(self, memory, train_s, final_val, signum) -> dict:
         t, a = self.t, self.args
         runs = [m for m in self.history if m["step"] > t.start_step]
-        steady = runs[1:] or runs  # the first step pays for warm-up
-        step_time = _mean([m["step_time"] for m in steady])
-        comm = _mean([m["comm_time"] for m in steady if m["comm_time"] is not None]) if t.device.type == "cpu" else None
+        step_time = steady_step_time(runs)
+        comm = _mean([m["comm_time"] for m in runs[1:] or runs if m["comm_time"] is not None]) if t.device.type == "cpu" else None
         tokens = a.dp * a.batch * a.grad_accum * t.cfg.seq_len
         tok_s = tokens / step_time if step_time else None
         return {
@@ -167,6 +166,18 @@ def _mean(xs):
 
 def _fmt_bytes(n: float | None) -> str:
     return "n/a" if n is None else f"{n / 2 ** 20:.1f} MiB"
+
+
+def steady_step_time(runs: list[dict]) -> float | None:
+    """Mean step time without the warm-up (compilation, autotuning, caches): without the first step
+    where each step was timed (CPU), without the first log window where a window's wall time was
+    shared by its steps (CUDA: records with a log_window), unless nothing else was run."""
+    first = runs[0].get("log_window") if runs else None
+    if first is None:
+        steady = runs[1:] or runs
+    else:
+        steady = [m for m in runs if m.get("log_window") != first] or runs
+    return _mean([m["step_time"] for m in steady])
 
 
 def _mfu(t: Trainer, tok_s: float | None) -> float | None:
