@@ -15,7 +15,7 @@ reduce-scatter and all-gather.
 
 The *_interleaved benchmarks run zerofuse and its peers in turn within every round (each after a
 barrier) and report medians of per-round ratios: on this 2-core VM, back-to-back providers moved
-single ratios by 20-40% (session 4's 0.83x of torch's cat + reduce_scatter_tensor for 256 small
+single ratios by 20-40% (the 2026-11-21 CPU run's 0.83x of torch's cat + reduce_scatter_tensor for 256 small
 tensors was 1.3x when the two were interleaved).
 """
 from __future__ import annotations

@@ -707,7 +707,7 @@ def lamb_stage2(launch: Launch, norms: torch.Tensor, *, lr, beta1, beta2, eps, w
 
 
 def _lamb_one_launch_from_env() -> bool:
-    value = os.environ.get("ZEROFUSE_LAMB_ONE_LAUNCH", "1")
+    value = os.environ.get("ZEROFUSE_LAMB_ONE_LAUNCH", "0")
     if value not in ("0", "1"):
         raise ValueError(f"ZEROFUSE_LAMB_ONE_LAUNCH must be '0' (two launches) or '1' (one launch), got {value!r}")
     return value == "1"
@@ -726,8 +726,11 @@ def _lamb_one_launch_from_env() -> bool:
 # order (deterministic, the same sums as the two-launch path) and sets the tensor's ready flag; a
 # stage-2 program waits for it (acquire), then updates. The interpreter runs programs one by one in
 # ticket order, so there nothing ever waits.
-# ZEROFUSE_LAMB_ONE_LAUNCH=0 selects the two-launch path (the form measured on an H100 in session 6;
-# the one-launch form is not yet measured on a GPU). zerofuse's benchmark compares both.
+# Measured on an H200 (bench/results/h200-2026-11-26): the one-launch form took 0.345 / 0.729 /
+# 3.132 ms at 1M / 10M / 100M params against the two-launch form's 0.320 / 0.463 / 1.749 ms (the
+# tickets and the stage-2 programs spinning on their tensor's flag cost more than the L2 reuse
+# saves), so the two-launch form is the default and ZEROFUSE_LAMB_ONE_LAUNCH=1 selects this one.
+# zerofuse's benchmark compares both.
 LAMB_ONE_LAUNCH = _lamb_one_launch_from_env()
 
 

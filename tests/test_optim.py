@@ -469,11 +469,13 @@ def test_one_launch_lamb_schedule_runs_each_tensor_stage_1_then_stage_2_backward
 
 
 def test_lamb_launch_form_is_chosen_by_the_environment(monkeypatch):
-    """ZEROFUSE_LAMB_ONE_LAUNCH: unset or 1 = one launch, 0 = two (the GPU fallback); anything else
-    is refused with the variable's name and value."""
+    """ZEROFUSE_LAMB_ONE_LAUNCH: unset or 0 = two launches (faster on an H200: 2026-11-26), 1 = one
+    launch; anything else is refused with the variable's name and value."""
     from zerofuse.kernels import optim as K
 
     monkeypatch.delenv("ZEROFUSE_LAMB_ONE_LAUNCH", raising=False)
+    assert K._lamb_one_launch_from_env() is False
+    monkeypatch.setenv("ZEROFUSE_LAMB_ONE_LAUNCH", "1")
     assert K._lamb_one_launch_from_env() is True
     monkeypatch.setenv("ZEROFUSE_LAMB_ONE_LAUNCH", "0")
     assert K._lamb_one_launch_from_env() is False

@@ -93,8 +93,8 @@ def _lamb_triton(params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr, beta1
 
 def _run(launch, lr, beta1, beta2, eps, weight_decay, bias_correction, trust_mode, min_trust, max_trust, has_master,
          grad_mult, found_inf):
-    """Both stages over one launch (stage 2 ignores the grads' row): one kernel launch per dtype
-    group ([Note: one-launch LAMB] in kernels/optim.py), or two with K.LAMB_ONE_LAUNCH off."""
+    """Both stages over one launch (stage 2 ignores the grads' row): two kernel launches per dtype
+    group, or one with K.LAMB_ONE_LAUNCH on ([Note: one-launch LAMB] in kernels/optim.py)."""
     if K.LAMB_ONE_LAUNCH:
         K.lamb_fused(launch, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
                      bias_correction=bias_correction, trust_mode=trust_mode, min_trust=min_trust, max_trust=max_trust,
