@@ -30,11 +30,18 @@ NAME = files.NAME
 FORMATS = ("zerofuse", "dcp")
 
 
+def _apply_pending(optimizer) -> None:
+    """A zero.Optimizer's delayed update applied first ([Note: delayed parameter update])."""
+    if hasattr(optimizer, "apply_pending"):
+        optimizer.apply_pending()
+
+
 def save(path: str, model: torch.nn.Module, optimizer=None, *, extra=None, format: str = "zerofuse") -> None:
     """Collective: every rank of the model's group calls it (with tensor parallelism: every rank of
     the world, i.e. of the dp × tp mesh)."""
     if format not in FORMATS:
         raise ValueError(f"{NAME}.save: expected format to be one of {FORMATS}, got {format!r}")
+    _apply_pending(optimizer)
     (native.save if format == "zerofuse" else _dcp.save)(path, model, optimizer, extra=extra)
 
 
@@ -56,6 +63,7 @@ def load(path: str, model: torch.nn.Module, optimizer=None):
         if optimizer is not None:
             optimizer.load_state_dict(full["optimizer"])
         return full["extra"]
+    _apply_pending(optimizer)  # a delayed host step must not write the states while they load
     return (_dcp.load if _is_dcp(path) else native.load)(path, model, optimizer)
 
 

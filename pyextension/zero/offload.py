@@ -25,6 +25,19 @@ the shard up first; the host step writes it in place).
   backward and ``step()`` (the backward has committed the step: discarding it needs
   offload_overlap=False).
 - Step counters advance once per step (each unit's kernel call advances a copy).
+
+[Note: delayed parameter update]
+``Optimizer(delayed_update=True)`` is ZeRO-Offload's DPU (Ren et al. 2021, section 5.2): step()
+starts the host step of this step's grads on the offload thread and returns without waiting; the
+next step() waits for it and writes its params back (then starts its own), so the host step of
+step t runs during the forward and backward of step t+1 instead of between them. Numerics: the
+masters follow Adam exactly, but each gradient is taken one update late: with w_t the masters
+after t steps, w_{t+1} = w_t - lr * adam(g(w_{t-1})) (w_{-1} = w_0), where undelayed ZeRO-Offload
+has g(w_t). The paper starts DPU after a few dozen undelayed steps, when the gradients change
+slowly; ``delayed_update_warmup`` steps run undelayed first. A pending update is applied (waited
+for and written to the params) by ``Optimizer.apply_pending()``, by ``state_dict()`` and
+``load_state_dict()``: a checkpoint holds applied params, and a run resumed from it equals the run
+that saved it from there on. Not with offload_ratio < 1 (the device's part would not be delayed).
 """
 from __future__ import annotations
 
@@ -51,6 +64,20 @@ def host_units(units, ratio: float) -> set[int]:
     return out
 
 
+def check_delayed(eng, delayed_update, warmup) -> None:
+    """Optimizer's delayed_update / delayed_update_warmup ([Note: delayed parameter update])."""
+    if not isinstance(delayed_update, bool):
+        raise TypeError(f"{NAME}: expected delayed_update to be a bool, got {delayed_update!r}")
+    if not (isinstance(warmup, int) and not isinstance(warmup, bool) and warmup >= 0):
+        raise ValueError(f"{NAME}: expected delayed_update_warmup to be an int >= 0, got {warmup!r}")
+    if delayed_update and eng.offload is None:
+        raise ValueError(f"{NAME}: delayed_update=True delays the host step of an offloaded optimizer: expected a "
+                         "model parallelized with offload='optimizer' or 'optimizer+params', got offload=None")
+    if delayed_update and eng.offload_ratio < 1.0:
+        raise ValueError(f"{NAME}: delayed_update=True with offload_ratio={eng.offload_ratio} would delay only the "
+                         "host's part of the step: expected offload_ratio=1")
+
+
 class HostSteps:
     def __init__(self, opt):
         self.opt, self.eng = opt, opt.engine
@@ -75,11 +102,19 @@ class HostSteps:
         self.reduced = [False] * len(self.eng.units)
         self.log: list[tuple[int, str]] = []  # (unit, "backward" | "step"): when each host step was launched
         self.last_log: list[tuple[int, str]] = []  # the last step's
+        self.pending: dict[int, tuple] = {}  # delayed update: the last step's futures, not yet written back
+        self.steps_done = 0  # step() calls (delayed_update_warmup)
+
+    @property
+    def delayed(self) -> bool:
+        """Whether this step's host steps are left running past step() ([Note: delayed parameter update])."""
+        return self.opt.delayed_update and self.steps_done >= self.opt.delayed_update_warmup
 
     @property
     def overlapped(self) -> bool:
         """Whether a unit is stepped as soon as its grads arrive (nothing global to wait for)."""
-        return self.opt.offload_overlap and self.opt.max_grad_norm is None and not self.opt.fp16
+        return (self.opt.offload_overlap and self.opt.max_grad_norm is None and not self.opt.fp16
+                and not self.delayed)
 
     # ------------------------------------------------------------------ during backward
 
@@ -92,14 +127,17 @@ class HostSteps:
                                f"second backward reduced {u.name!r} again before step() (accumulate inside "
                                "model.no_sync(), or call step() between)")
         self.reduced[u.index] = True
+        if self.delayed:  # the last step's host step may still read the host grads: copied at step()
+            return
         self._to_host(u)
         if self.overlapped:
             self._submit(u, None, "backward")
 
     def _to_host(self, u) -> None:
         g = u.grad_shard()
-        if not self.cuda:
-            self.grads[u.index] = g if g.dtype == torch.float32 else g.float()
+        if not self.cuda:  # read in place, unless the host step outlives step() (the next backward writes g)
+            self.grads[u.index] = g.clone() if self.delayed and g.dtype == torch.float32 else (
+                g if g.dtype == torch.float32 else g.float())
             return
         if self.grads[u.index] is None:
             self.grads[u.index] = torch.empty(u.shard_numel, dtype=torch.float32, pin_memory=True)
@@ -145,6 +183,10 @@ class HostSteps:
         its params written back (zerofuse.zero.Optimizer.step calls it)."""
         eng = self.eng
         skip = found is not None and bool(found.item())
+        self.apply_pending()
+        if self.delayed:
+            self._start_delayed(mult, skip)
+            return
         if not self.overlapped:
             host_mult = mult.to("cpu", torch.float32).reshape(1)
             for u in self.units:
@@ -177,6 +219,44 @@ class HostSteps:
         if not skip:  # (the device's counters advance in the device step, which runs for every group)
             for s in self.host_steps:
                 s += 1.0
+        self.steps_done += 1  # (after the path was chosen: `overlapped` reads it)
+
+    def _start_delayed(self, mult, skip: bool) -> None:
+        """Every unit's host step queued; its params are written back by the next step()."""
+        host_mult = mult.to("cpu", torch.float32).reshape(1) if self.opt.max_grad_norm or self.opt.fp16 else None
+        for u in self.units:
+            self._to_host(u)
+        if not skip and self.units:
+            if self.cuda:
+                for u in self.units:
+                    self._submit(u, host_mult)
+            else:
+                self._submit(self.units[0], host_mult, units=self.units)
+            for s in self.host_steps:
+                s += 1.0
+        if self.cuda:  # the next backward may write the grad buffers the side stream is copying
+            torch.cuda.current_stream(self.eng.device).wait_stream(self.stream)
+        self.pending, self.futures = self.futures, {}
+        self.last_log, self.log = self.log, []
+        self.reduced = [False] * len(self.eng.units)
+        self.steps_done += 1
+
+    def apply_pending(self) -> bool:
+        """A delayed update's host steps waited for and their params written back (stage 1/2: the
+        caller gathers them). Whether there was one."""
+        if not self.pending:
+            return False
+        pending, self.pending = self.pending, {}
+        try:
+            for fut, stepped in pending.values():
+                fut.result()
+                for v in stepped:
+                    self._write_back(v)
+        finally:
+            for f, _ in pending.values():
+                f.cancel() or f.exception()
+            self.events = [None] * len(self.eng.units)
+        return True
 
     def _write_back(self, u) -> None:
         master = self.opt.unit_states[u.index]["master"]

@@ -65,18 +65,21 @@ class _Lists:
 class Optimizer(GradNorms, torch.optim.Optimizer):
     """Optimizer(model, optimizer="adamw"|"adam"|"lamb"|"lars", *, param_groups=None,
     max_grad_norm=None, initial_scale=2**16, growth_interval=1000, offload_overlap=True,
-    **hyperparameters).
+    delayed_update=False, delayed_update_warmup=0, **hyperparameters).
 
     param_groups: None (one group) or torch-style dicts {"params": [model params], **overrides},
     e.g. no weight decay for norms and biases. max_grad_norm: clip every step (LAMB defaults to
     1.0, as Apex); or call clip_grad_norm_ before step. lr schedulers work unchanged.
     offload_overlap (a model parallelized with offload): True steps each unit on the host during
     backward when nothing global stands in the way (no max_grad_norm, no fp16); False always waits
-    for step() (e.g. to call clip_grad_norm_ on some steps) ([Note: offloaded steps])."""
+    for step() (e.g. to call clip_grad_norm_ on some steps) ([Note: offloaded steps]).
+    delayed_update (offload): ZeRO-Offload's one-step-delayed update after delayed_update_warmup
+    undelayed steps ([Note: delayed parameter update])."""
 
     def __init__(self, model: torch.nn.Module, optimizer: str = "adamw", *, param_groups=None, max_grad_norm=None,
                  initial_scale: float = 2.0 ** 16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
-                 growth_interval: int = 1000, offload_overlap: bool = True, **hyperparameters):
+                 growth_interval: int = 1000, offload_overlap: bool = True, delayed_update: bool = False,
+                 delayed_update_warmup: int = 0, **hyperparameters):
         eng = engine_of(model, NAME)
         if optimizer not in DEFAULTS:
             raise ValueError(f"{NAME}: expected optimizer 'adamw', 'adam', 'lamb' or 'lars', got {optimizer!r}")
@@ -125,8 +128,10 @@ class Optimizer(GradNorms, torch.optim.Optimizer):
         if not isinstance(offload_overlap, bool):
             raise TypeError(f"{NAME}: expected offload_overlap to be a bool, got {offload_overlap!r}")
         self.offload_overlap = offload_overlap
+        from zerofuse.zero.offload import HostSteps, check_delayed
+        check_delayed(eng, delayed_update, delayed_update_warmup)
+        self.delayed_update, self.delayed_update_warmup = delayed_update, delayed_update_warmup
         if eng.offload is not None:
-            from zerofuse.zero.offload import HostSteps
             self.host = HostSteps(self)
             eng.buckets.on_reduced = self.host.grad_ready
 
@@ -324,6 +329,14 @@ class Optimizer(GradNorms, torch.optim.Optimizer):
               masters=masters, grad_mult=mult, found_inf=found, norms=sums.sqrt().t().contiguous().reshape(-1),
               prepared=lists.prepared)
 
+    @torch.no_grad()
+    def apply_pending(self) -> None:
+        """delayed_update: the last step's host update waited for and written to the params (a
+        no-op without one); the next step's gradients are then taken at the updated params."""
+        if self.host is not None and self.host.apply_pending() and self.engine.stage != 3:
+            self.engine.start_param_sync()
+            self.engine.finish_param_sync()
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """set_to_none=True (torch's default): the grad shards are freed until the next backward;
         False: they are filled with zeros."""
@@ -352,6 +365,7 @@ class Optimizer(GradNorms, torch.optim.Optimizer):
         ``param_groups`` the options with param indices; ``zerofuse`` names the layout (world size,
         rank, stage, optimizer, buckets) and holds the fp16 loss scale. Load it back at the same
         layout; zerofuse.checkpoint saves and reshards across world sizes and stages."""
+        self.apply_pending()
         params = self._indexed()
         state = {i: {k: t.clone() for k, t in self.state[p].items()} for i, p in enumerate(params) if p in self.state}
         groups, i = [], 0
@@ -370,6 +384,7 @@ class Optimizer(GradNorms, torch.optim.Optimizer):
             raise ValueError(f"{NAME}.load_state_dict: the state is for a different layout (world size, rank, stage, "
                              f"optimizer or model): expected {_brief(mine)}, got {_brief(theirs)}; use "
                              "zerofuse.checkpoint to reshard")
+        self.apply_pending()
         params = self._indexed()
         with torch.no_grad():
             for i, saved in state_dict["state"].items():

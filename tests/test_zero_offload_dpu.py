@@ -1,0 +1,164 @@
+"""ZeRO-Offload's delayed parameter update (Optimizer(delayed_update=True), [Note: delayed parameter
+update] in zero/offload.py) on real gloo ranks: the host step of step t is applied at step t+1, so
+each gradient is taken one update late. Stages 1/2/3 at world sizes 2 and 4 against one process
+that applies the same schedule to torch.optim.AdamW (losses at every step and params by the
+parity rule), with a warm-up of undelayed steps and with clipping; a checkpoint taken mid-run
+resumes to the same bits; misuse is refused."""
+from __future__ import annotations
+
+import copy
+import re
+
+import pytest
+import torch
+
+import zerofuse
+from zerofuse.models import GPT, GPTConfig
+
+from dist_utils import run_distributed
+from test_zero_offload import CFG, GLOBAL_BATCH, LR, MAX_NORM, STEPS, WD, batches
+from tolerances import assert_close_training, tol
+
+pytestmark = pytest.mark.usefixtures("native_kernels")
+
+
+def reference(micro: int, warmup: int, clip: bool, delayed: bool = True):
+    """One process: torch AdamW steps the masters; the model's params are the masters as of the
+    last step (undelayed) or of the step before it (delayed, once past the warm-up)."""
+    model = GPT(GPTConfig(**CFG), seed=0)
+    master = copy.deepcopy(model)
+    opt = torch.optim.AdamW(master.parameters(), lr=LR, weight_decay=WD)
+    losses = []
+    for t, b in enumerate(batches(STEPS)):
+        total = 0.0
+        for part in b.chunk(micro):
+            loss = model(part[:, :-1], part[:, 1:])[1] / micro
+            loss.backward()
+            total += loss.item()
+        losses.append(total)
+        for p, q in zip(model.parameters(), master.parameters()):
+            q.grad, p.grad = p.grad, None
+        if clip:
+            torch.nn.utils.clip_grad_norm_(master.parameters(), MAX_NORM)
+        late = delayed and t >= warmup
+        with torch.no_grad():
+            if late:  # the last step's update reaches the params now, this one's at the next step
+                for p, q in zip(model.parameters(), master.parameters()):
+                    p.copy_(q)
+            opt.step()
+            opt.zero_grad()
+            if not late:
+                for p, q in zip(model.parameters(), master.parameters()):
+                    p.copy_(q)
+    with torch.no_grad():  # apply_pending at the end
+        for p, q in zip(model.parameters(), master.parameters()):
+            p.copy_(q)
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _train(rank, ws, model, opt, steps, first=0):
+    per = GLOBAL_BATCH // ws
+    losses = []
+    for b in batches(first + steps)[first:]:
+        mine = b[rank * per:(rank + 1) * per]
+        loss = model(mine[:, :-1], mine[:, 1:])[1]
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return losses
+
+
+def _build(stage, mode, warmup, clip, seed=0):
+    model = GPT(GPTConfig(**CFG), seed=seed)
+    zerofuse.zero.parallelize(model, stage=stage, bucket_mb=0.01, offload=mode)
+    opt = zerofuse.zero.Optimizer(model, "adamw", lr=LR, weight_decay=WD, max_grad_norm=MAX_NORM if clip else None,
+                                  delayed_update=True, delayed_update_warmup=warmup)
+    return model, opt
+
+
+def _dpu_rank(rank, ws, stage, mode, warmup, clip):
+    import torch.distributed as dist
+
+    model, opt = _build(stage, mode, warmup, clip)
+    losses = _train(rank, ws, model, opt, STEPS)
+    pending = bool(opt.host.pending)
+    opt.apply_pending()
+    loss = torch.stack(losses)
+    dist.all_reduce(loss)
+    with zerofuse.zero.full_params(model):
+        params = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+    return (loss / ws).tolist(), params, pending, list(opt.host.last_log)
+
+
+@pytest.mark.parametrize("ws,stage,mode,warmup,clip", [
+    (2, 1, "optimizer", 0, False), (2, 2, "optimizer", 2, True), (4, 2, "optimizer", 0, False),
+    (2, 3, "optimizer", 0, True), (4, 3, "optimizer+params", 2, False),
+])
+def test_delayed_update_equals_one_process_with_the_same_delay(ws, stage, mode, warmup, clip):
+    ref_losses, ref = reference(1, warmup, clip)
+    alt_losses, alt = reference(ws, warmup, clip)
+    undelayed_losses, _ = reference(1, warmup, clip, delayed=False)
+    losses, params, pending, log = run_distributed(_dpu_rank, ws, stage, mode, warmup, clip, timeout=300)[0]
+    assert pending and log and all(when == "step" for _, when in log)  # started at step(), left running
+    bound = tol(torch.float32, "training_params")
+    for t, (got, want, other) in enumerate(zip(losses, ref_losses, alt_losses)):
+        assert abs(got - want) <= bound["atol"] + bound["rtol"] * abs(want) + 2 * abs(other - want), (t, got, want)
+    # the delay is real: the first delayed step's loss is the previous params' (the undelayed run moved on)
+    first = warmup + 1
+    assert abs(losses[first] - undelayed_losses[first]) > 100 * abs(ref_losses[first] - alt_losses[first]) + 1e-6
+    for name, want in ref.items():
+        assert_close_training(params[name], want, alt[name], msg=name)
+
+
+def _resume_rank(rank, ws, path):
+    from zerofuse import checkpoint
+
+    model, opt = _build(2, "optimizer", 0, True)
+    _train(rank, ws, model, opt, 3)
+    checkpoint.save(path, model, opt)  # applies the pending update first
+    after_save = bool(opt.host.pending)
+    l1 = _train(rank, ws, model, opt, 3, first=3)
+    model2, opt2 = _build(2, "optimizer", 0, True, seed=1)
+    checkpoint.load(path, model2, opt2)
+    l2 = _train(rank, ws, model2, opt2, 3, first=3)
+    opt.apply_pending()
+    opt2.apply_pending()
+    with zerofuse.zero.full_params(model), zerofuse.zero.full_params(model2):
+        same = all(torch.equal(p, q) for p, q in zip(model.parameters(), model2.parameters()))
+    return after_save, [x.item() for x in l1], [x.item() for x in l2], same
+
+
+def test_a_checkpoint_mid_run_resumes_to_the_same_bits(tmp_path):
+    for after_save, l1, l2, same in run_distributed(_resume_rank, 2, str(tmp_path / "ckpt"), timeout=240):
+        assert not after_save and l1 == l2 and same
+
+
+def _misuse_rank(rank, ws):
+    errors = []
+    for offload, kw in ((None, dict(delayed_update=True)), ("optimizer", dict(delayed_update=1)),
+                        ("optimizer", dict(delayed_update=True, delayed_update_warmup=-1))):
+        model = GPT(GPTConfig(**CFG), seed=0)
+        zerofuse.zero.parallelize(model, stage=2, offload=offload)
+        try:
+            zerofuse.zero.Optimizer(model, "adamw", **kw)
+        except (TypeError, ValueError) as e:
+            errors.append(str(e))
+    model = GPT(GPTConfig(**CFG), seed=0)
+    zerofuse.zero.parallelize(model, stage=2, offload="optimizer", offload_ratio=0.5)
+    try:
+        zerofuse.zero.Optimizer(model, "adamw", delayed_update=True)
+    except ValueError as e:
+        errors.append(str(e))
+    return errors
+
+
+def test_misuse_is_refused():
+    errors = run_distributed(_misuse_rank, 2, timeout=120)[0]
+    wants = [r"delayed_update=True delays the host step of an offloaded optimizer.*got offload=None",
+             r"expected delayed_update to be a bool, got 1",
+             r"expected delayed_update_warmup to be an int >= 0, got -1",
+             r"delayed_update=True with offload_ratio=0.5 would delay only the host's part"]
+    assert len(errors) == len(wants), errors
+    for got, want in zip(errors, wants):
+        assert re.search(want, got), (got, want)
