@@ -36,7 +36,7 @@ from zerofuse.zero.grads import SHARDED, gathered_grads, install_clip_warning
 from zerofuse.zero.layout import bucket_groups, check_same_layout, unit_groups
 from zerofuse.zero.experts import ExpertLayout
 from zerofuse.zero.materialize import Initializer, materialize_rest
-from zerofuse.zero.offload import OFFLOAD_MODES, host_units
+from zerofuse.zero.offload import OFFLOAD_MODES, auto_ratio, host_units
 from zerofuse.zero.stage3 import Stage3Hooks
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -54,12 +54,13 @@ class ZeroEngine(ExpertLayout, Stage3Hooks):
         if offload == "optimizer+params" and stage != 3:
             raise ValueError(f"{name}: offload='optimizer+params' keeps the param shards in host memory: expected "
                              f"stage 3, got {stage}")
-        if not (isinstance(offload_ratio, (int, float)) and 0.0 <= offload_ratio <= 1.0):
-            raise ValueError(f"{name}: expected offload_ratio in [0, 1], got {offload_ratio!r}")
-        if offload_ratio < 1.0 and offload != "optimizer":
+        auto = offload_ratio == "auto"
+        if not (auto or isinstance(offload_ratio, (int, float)) and 0.0 <= offload_ratio <= 1.0):
+            raise ValueError(f"{name}: expected offload_ratio in [0, 1] or 'auto', got {offload_ratio!r}")
+        if (auto or offload_ratio < 1.0) and offload != "optimizer":
             raise ValueError(f"{name}: offload_ratio < 1 splits the optimizer step between host and device: expected "
                              f"offload='optimizer', got {offload!r}")
-        self.offload, self.offload_ratio = offload, float(offload_ratio)
+        self.offload, self.offload_ratio = offload, 0.5 if auto else float(offload_ratio)
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"{name}: expected stage 0, 1, 2 or 3, got {stage!r}")
         if precision not in PRECISIONS:
@@ -151,6 +152,8 @@ class ZeroEngine(ExpertLayout, Stage3Hooks):
         if offload == "optimizer+params":
             for u in self.units:
                 u.offload_shard()
+        if auto:
+            self.offload_ratio = auto_ratio(self.device, self.comm.group)
         self.host_units = host_units(self.units, self.offload_ratio) if offload else set()
         check_same_layout(self.units, self.comm, (stage, precision, str(self.reduce_dtype), shapes), name)
         self.buckets = BucketGroup(self.units, self.comm, max_inflight)
@@ -334,7 +337,7 @@ def parallelize(model: torch.nn.Module, *, stage: int, group=None, precision: st
                 reduce_dtype: torch.dtype | None = None, bucket_mb: float = 25.0, overlap: bool = True,
                 prefetch: int = 1, wrap=None, reshard_after_forward: bool = True,
                 tp_group=None, max_inflight: int = 2, device=None, param_init_fn=None,
-                pp_group=None, expert_group=None, offload=None, offload_ratio: float = 1.0) -> torch.nn.Module:
+                pp_group=None, expert_group=None, offload=None, offload_ratio: float | str = 1.0) -> torch.nn.Module:
     """Make ``model`` ZeRO data-parallel over ``group`` (None: the default group), in place, and
     return it. stage 0 is plain data parallelism (grads all-reduced in buckets during backward,
     every rank keeps and steps everything); 1/2/3 shard optimizer states / + grads / + params.
@@ -347,7 +350,8 @@ def parallelize(model: torch.nn.Module, *, stage: int, group=None, precision: st
     the optimizer's fp32 masters and states of this rank's shards in host memory, stepped there by
     the C++ CPU kernel as each unit's grads arrive ([Note: offloaded steps] in zero/offload.py);
     offload_ratio < 1 (twin flow): only the units first ready in backward, that fraction of the
-    shard, are stepped on the host, the rest on the device. precision: the dtype params and grads are kept in (fp32 masters live
+    shard, are stepped on the host, the rest on the device ("auto": the fraction whose host and
+    device steps take equal time, measured once, zero/offload.py auto_ratio). precision: the dtype params and grads are kept in (fp32 masters live
     in the optimizer); reduce_dtype: the dtype grads are accumulated and reduced in (default fp32;
     bf16/fp16 put half the bytes on the wire and are summed in fp32 after an all-to-all, rounding
     once); averages are pre-divided by the world size before the reduction. max_inflight: gradient
