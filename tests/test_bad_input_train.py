@@ -126,7 +126,15 @@ TRAIN = [
          r"^--offload optimizer\+params: expected --zero-stage 3 \(the param shards go to host memory\), got "
          r"--zero-stage 2"),
     Case("flag-offload-ratio-out-of-range", _flags, lambda: ("--offload", "optimizer", "--offload-ratio", "2"), U,
-         r"^--offload-ratio: expected a number in \[0, 1\], got 2.0"),
+         r"^--offload-ratio: expected a number in \[0, 1\] or auto, got 2.0"),
+    Case("flag-offload-ratio-not-a-number", _flags, lambda: ("--offload", "optimizer", "--offload-ratio", "half"), ParserExit,
+         r"^exit 2: zerofuse-train: error: argument --offload-ratio: invalid ratio value: 'half'$"),
+    Case("flag-delayed-update-without-offload", _flags, lambda: ("--offload-delayed-update", "0"), U,
+         r"^--offload-delayed-update: expected a warm-up >= 0 with --offload and --offload-ratio 1, got 0 with "
+         r"--offload none"),
+    Case("flag-delayed-update-with-twin-flow", _flags,
+         lambda: ("--offload", "optimizer", "--offload-ratio", "0.5", "--offload-delayed-update", "2"), U,
+         r"^--offload-delayed-update: expected .* got 2 with --offload optimizer --offload-ratio 0.5"),
     Case("flag-offload-ratio-without-offload", _flags, lambda: ("--offload-ratio", "0.5"), U,
          r"^--offload-ratio: expected --offload optimizer with a ratio below 1, got --offload none"),
     # mixture of experts

@@ -162,3 +162,23 @@ def test_misuse_is_refused():
     assert len(errors) == len(wants), errors
     for got, want in zip(errors, wants):
         assert re.search(want, got), (got, want)
+
+
+@pytest.mark.timeout(300)
+def test_the_job_offloads_with_a_measured_ratio_and_a_delayed_update(tmp_path):
+    """zerofuse-train --offload optimizer: with --offload-ratio auto the same losses as without
+    offload (the same kernel on a CPU); with --offload-delayed-update 1 the first two steps' losses
+    too (step 1 undelayed), the third differs (taken at the params of step 1), and the run ends
+    with its update applied (a finite final validation loss)."""
+    from test_train import _ok, metrics, run
+
+    flags = ["--nproc", 2, "--zero-stage", 2, "--steps", 4, "--eval-every", 0, "--sample-tokens", 0]
+    _ok(run(*flags, "--out", tmp_path / "base"))
+    _ok(run(*flags, "--offload", "optimizer", "--offload-ratio", "auto", "--out", tmp_path / "auto"))
+    _ok(run(*flags, "--offload", "optimizer", "--offload-delayed-update", 1, "--out", tmp_path / "dpu"))
+    base, auto, dpu = ([m["loss"] for m in metrics(tmp_path / d)] for d in ("base", "auto", "dpu"))
+    assert auto == base and len(base) == 4
+    assert dpu[:2] == base[:2] and dpu[2] != base[2]
+    import json
+    summary = json.loads((tmp_path / "dpu" / "summary.json").read_text())
+    assert summary["offload"] == "optimizer" and summary["final_val_loss"] < summary["initial_val_loss"]

@@ -255,8 +255,10 @@ class GPT(torch.nn.Module):
         self.sequence_parallel = sequence_parallel
         if cfg.tie_embeddings:
             self.head.weight = self.wte.weight
-        # "none" / "full" / "selective" (or False / True): zerofuse/models/recompute.py
+        # "none" / "full" / "selective" (or False / True); offload: what it keeps waits in host memory
+        # (refused with "none" when the model runs): zerofuse/models/recompute.py
         self.activation_checkpointing = False
+        self.activation_offload = False
         # names as named_parameters gives them (a shared param keeps its first name)
         self._param_names = {id(p): n for n, p in self.named_parameters()}
         self.seed = seed
@@ -329,7 +331,8 @@ class GPT(torch.nn.Module):
 
     def run_block(self, block: torch.nn.Module, x: Tensor, delta: Tensor | None) -> tuple[Tensor, Tensor]:
         """One block (recomputed in backward under activation checkpointing): (x, pending delta)."""
-        return recompute.run(block, recompute.mode_of(self.activation_checkpointing), x, delta)
+        return recompute.run(block, recompute.mode_of(self.activation_checkpointing), x, delta,
+                             offload=self.activation_offload)
 
     def final(self, x: Tensor, delta: Tensor | None, targets: Tensor | None) -> tuple[Tensor | None, Tensor | None]:
         """The final norm of x + delta, then the head: (logits, loss) as forward returns them."""

@@ -11,15 +11,29 @@
 Recomputation runs the same ops on the same inputs, so grads are bitwise those of "none" on
 deterministic kernels. Under expert parallelism the recomputed forward runs its all-to-alls again,
 on every rank in the same order.
+
+``model.activation_offload = True`` (with "full" or "selective"; refused with "none" when the model
+runs, as offloading every activation is not its intent) also moves what checkpointing keeps to host
+memory until backward: the block inputs (through torch.autograd.graph.saved_tensors_hooks around
+the checkpoint, as torch's ``save_on_cpu``) and, under "selective", the kept matmul outputs (through
+the selective-checkpoint cache). On CUDA each tensor is copied to pinned memory on a side stream
+after an event of the current one (forward is not blocked; the device memory is released once the
+copy is done) and copied back on the backward stream after the copy's event. On CPU the host copy is
+still made (the same path, testable). Tensors under MIN_NUMEL elements, non-float ones and params
+(leaves requiring grad, or views of them) stay as they are. The copy holds the value at save time:
+a later in-place change of a kept matmul output is not detected as the device-resident cache does.
 """
 from __future__ import annotations
 
+import collections
 import functools
 
 import torch
+from torch.utils._pytree import tree_map
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 MODES = ("none", "full", "selective")
+MIN_NUMEL = 1024  # smaller saved tensors are not offloaded: the copy would cost more than it frees
 _aten = torch.ops.aten
 SAVED = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default}
 if hasattr(_aten, "_grouped_mm"):
@@ -42,11 +56,95 @@ def _policy(ctx, op, *args, **kwargs):
     return CheckpointPolicy.MUST_SAVE if op in SAVED else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def run(block, mode: str, *args):
-    """block(*args) under the mode (no checkpointing without grad)."""
+class _OnHost:
+    """A saved tensor's host copy: its device, the CPU tensor, the copy's event (CUDA; else None)."""
+    __slots__ = ("device", "host", "event")
+
+    def __init__(self, device, host, event):
+        self.device, self.host, self.event = device, host, event
+
+
+_side_streams: dict = {}
+
+
+def offloadable(t: torch.Tensor) -> bool:
+    """Whether activation offload copies t to the host (params and small or non-float tensors: no)."""
+    base = t if t._base is None else t._base
+    return (t.layout == torch.strided and t.is_floating_point() and t.numel() >= MIN_NUMEL
+            and not isinstance(base, torch.nn.Parameter) and not (base.is_leaf and base.requires_grad))
+
+
+def _to_host(t: torch.Tensor):
+    """Pack: a host copy of t (pinned, on a side stream, on CUDA), or t itself if not offloadable."""
+    if not offloadable(t):
+        return t
+    src, cuda = t.detach(), t.device.type == "cuda"
+    host = torch.empty_like(src, device="cpu", pin_memory=cuda)  # t's strides when dense
+    if not cuda:
+        host.copy_(src)
+        return _OnHost(t.device, host, None)
+    side = _side_streams.get(t.device)
+    if side is None:
+        side = _side_streams[t.device] = torch.cuda.Stream(t.device)
+    side.wait_event(torch.cuda.current_stream(t.device).record_event())
+    with torch.cuda.stream(side):
+        host.copy_(src, non_blocking=True)
+    src.record_stream(side)  # t's memory is not reused before the copy has read it
+    return _OnHost(t.device, host, side.record_event())
+
+
+def _from_host(packed):
+    """Unpack: the tensor back on its device (after the host copy's event on CUDA)."""
+    if not isinstance(packed, _OnHost):
+        return packed
+    if packed.event is None:
+        return packed.host
+    torch.cuda.current_stream(packed.device).wait_event(packed.event)
+    return packed.host.to(packed.device, non_blocking=True)
+
+
+def _pack_kept(entry):
+    if isinstance(getattr(entry, "val", None), torch.Tensor):  # torch's _VersionWrapper of a kept output
+        entry.val = _to_host(entry.val)
+    return entry
+
+
+def _unpack_kept(entry):
+    if isinstance(getattr(entry, "val", None), _OnHost):
+        entry.val = _from_host(entry.val)
+        entry.version = entry.val._version  # the device copy is new: its own version counter
+    return entry
+
+
+class _HostCache(dict):
+    """One op's slots of torch's selective-checkpoint cache, the kept outputs on the host."""
+
+    def __setitem__(self, idx, entry):
+        super().__setitem__(idx, tree_map(_pack_kept, entry))
+
+    def get(self, idx, default=None):
+        return tree_map(_unpack_kept, super().get(idx, default))
+
+
+def _selective_contexts(offload: bool):
+    fwd, rec = create_selective_checkpoint_contexts(_policy)
+    if offload:  # both modes share the cache (op -> {call index: entry}): give them one that offloads
+        fwd.storage = rec.storage = collections.defaultdict(_HostCache)
+    return fwd, rec
+
+
+def run(block, mode: str, *args, offload: bool = False):
+    """block(*args) under the mode (no checkpointing without grad); offload: see the module's doc."""
+    if offload not in (True, False):
+        raise ValueError(f"zerofuse.models.GPT: expected activation_offload True or False, got {offload!r}")
+    if offload and mode == "none":
+        raise ValueError("zerofuse.models.GPT: expected activation_offload with activation_checkpointing 'full' or "
+                         "'selective' (it offloads what checkpointing keeps), got activation_offload=True with "
+                         "activation_checkpointing 'none'")
     if mode == "none" or not torch.is_grad_enabled():
         return block(*args)
-    if mode == "full":
-        return checkpoint(block, *args, use_reentrant=False)
-    return checkpoint(block, *args, use_reentrant=False,
-                      context_fn=functools.partial(create_selective_checkpoint_contexts, _policy))
+    context_fn = {} if mode == "full" else dict(context_fn=functools.partial(_selective_contexts, offload))
+    if not offload:
+        return checkpoint(block, *args, use_reentrant=False, **context_fn)
+    with torch.autograd.graph.saved_tensors_hooks(_to_host, _from_host):  # the inputs checkpoint saves
+        return checkpoint(block, *args, use_reentrant=False, **context_fn)

@@ -32,6 +32,13 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{PROG}: error: {message}\n")
 
 
+def _ratio(value: str) -> float | str:
+    return value if value == "auto" else float(value)
+
+
+_ratio.__name__ = "ratio"  # argparse's message: "invalid ratio value: ..."
+
+
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog=PROG, description="Train a GPT with zerofuse (ZeRO 0-3, tensor/sequence and pipeline parallel).")
     g = p.add_argument_group("parallelism")
@@ -45,9 +52,12 @@ def _parser() -> argparse.ArgumentParser:
                    help="optimizer: fp32 masters and Adam states in host memory, stepped there by the C++ CPU "
                         "kernel as each bucket's grads arrive (ZeRO-Offload; adamw, --pp 1); optimizer+params: "
                         "also the param shards (--zero-stage 3), copied up for each gather")
-    g.add_argument("--offload-ratio", type=float, default=1.0,
+    g.add_argument("--offload-ratio", type=_ratio, default=1.0,
                    help="with --offload optimizer: the fraction of the shard stepped on the host, the rest on the "
-                        "device (twin flow; default 1)")
+                        "device (twin flow; default 1); auto: measured so that both take equal time")
+    g.add_argument("--offload-delayed-update", type=int, metavar="WARMUP",
+                   help="with --offload: apply each host step one step late, overlapping the next forward and "
+                        "backward (ZeRO-Offload's DPU), after WARMUP undelayed steps")
     g.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (default 1)")
     g.add_argument("--pp-schedule", choices=("gpipe", "1f1b", "interleaved", "zb"), default="1f1b",
                    help="pipeline schedule (default 1f1b; zb: zero-bubble ZB-H1)")
@@ -62,6 +72,8 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--activation-checkpointing", choices=("none", "full", "selective"), default="none",
                    help="recompute in backward: full: each block from its input; selective: all but the matmul "
                         "outputs (default none)")
+    g.add_argument("--activation-offload", action="store_true",
+                   help="hold what activation checkpointing keeps in pinned host memory until backward")
     g.add_argument("--timeout", type=float, default=600.0,
                    help="seconds a collective may wait for the other ranks before every rank fails (default 600)")
     m = p.add_argument_group("model")
@@ -174,12 +186,19 @@ def validate(args) -> None:
     _check(args.offload == "none" or (args.optimizer == "adamw" and args.pp == 1),
            f"--offload {args.offload}: expected --optimizer adamw and --pp 1, got --optimizer {args.optimizer} "
            f"--pp {args.pp}")
-    _check(0.0 <= args.offload_ratio <= 1.0, f"--offload-ratio: expected a number in [0, 1], got {args.offload_ratio}")
+    _check(args.offload_ratio == "auto" or 0.0 <= args.offload_ratio <= 1.0,
+           f"--offload-ratio: expected a number in [0, 1] or auto, got {args.offload_ratio}")
+    dpu = args.offload_delayed_update
+    _check(dpu is None or (args.offload != "none" and args.offload_ratio == 1.0 and dpu >= 0),
+           f"--offload-delayed-update: expected a warm-up >= 0 with --offload and --offload-ratio 1, got {dpu} with "
+           f"--offload {args.offload} --offload-ratio {args.offload_ratio}")
     _check(args.offload_ratio == 1.0 or args.offload == "optimizer",
            f"--offload-ratio: expected --offload optimizer with a ratio below 1, got --offload {args.offload}")
     _check(args.offload != "optimizer+params" or args.zero_stage == 3,
            f"--offload optimizer+params: expected --zero-stage 3 (the param shards go to host memory), got "
            f"--zero-stage {args.zero_stage}")
+    _check(not args.activation_offload or args.activation_checkpointing != "none",
+           "--activation-offload: expected --activation-checkpointing full or selective, got none")
     _validate_model(args)
     _validate_moe(args)
     _validate_data(args)

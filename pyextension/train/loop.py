@@ -69,6 +69,7 @@ class Trainer:
         else:
             model = GPT(self.cfg, seed=args.seed, **kw).to(self.device)
         model.activation_checkpointing = args.activation_checkpointing
+        model.activation_offload = args.activation_offload
         self.n_params = model.num_params()  # unsharded
         self.n_active_params = model.num_params(active=True)
         if args.pp > 1:  # this rank's stages only, ZeRO over the stage's DP group (train/pipeline.py)
@@ -85,7 +86,9 @@ class Trainer:
             for block in (blocks.values() if isinstance(blocks, torch.nn.ModuleDict) else blocks):
                 block.forward = torch.compile(block.forward)
         self.opt = zero.Optimizer(self.model, args.optimizer, param_groups=self._param_groups(),
-                                  max_grad_norm=args.clip or None, **self._hyper())
+                                  max_grad_norm=args.clip or None, **self._hyper(),
+                                  **({} if args.offload_delayed_update is None else dict(
+                                      delayed_update=True, delayed_update_warmup=args.offload_delayed_update)))
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(args))
         seq = self.cfg.seq_len
         self.train_data = Sampler(self.corpus.train, seq, args.batch, args.grad_accum, args.dp, self.mesh.dp_rank,
@@ -269,6 +272,8 @@ class Trainer:
                 save = (args.ckpt_every and self.step % args.ckpt_every == 0) or end
                 if not (end or evaluate or save or self.step % self.log_every == 0):
                     continue
+                if end:  # a delayed host step (--offload-delayed-update) reaches the params
+                    self.opt.apply_pending()
                 records = self.metrics.flush()  # the log point: the device is read here only
                 if self.moe is not None:  # collective over the DP group, like the flush
                     records[-1]["moe"] = self.moe_figures()
