@@ -6,19 +6,19 @@
 #
 # Usage: bash bench/run_gpu.sh [OUT_DIR] [PHASES]
 #   OUT_DIR  default: $OUT, else bench/out
-#   PHASES   comma-separated, in this order: build,doctor,tests,bench,profile,train (default: all). The
-#            device tool allows 10 minutes a call and keeps the machine (and the build) warm only
-#            30 s after one, so a lease is best spent as back-to-back calls, e.g.
-#              bash bench/run_gpu.sh $OUT build,doctor,tests
-#              bash bench/run_gpu.sh $OUT bench
-#              bash bench/run_gpu.sh $OUT train
+#   PHASES   comma-separated, run in this order: build,doctor,train,profile,tests,bench (default:
+#            all). A session's device time is 15 minutes, a call at most 10, and the machine stays
+#            warm only 30 s after one: one call of the default phases fits (2026-11-26 on an H200:
+#            build+doctor ~2 min, train 60 steps ~1 min, profile ~1.5 min, tests ~3.5 min; the
+#            benchmarks, most valuable first, take what is left and are cut at the deadline).
 #            Without `build` the extension built by an earlier call is used; when there is none
 #            (the machine went back in between), it is built first anyway.
 # Environment:
 #   ZEROFUSE_GPU_DEADLINE_S  seconds the whole script may take (default 560); every phase runs
 #                            under `timeout` with what is left, so a slow phase is cut and the
 #                            files of the phases before it still come back
-#   BENCH_SUITES             bench files to run (default: every bench/bench_*.py)
+#   BENCH_SUITES             bench files to run (default: every bench/bench_*.py, the least
+#                            measured first: attention, norms, llama ops, moe, offload, optimizers)
 #   TRAIN_ARGS               extra zerofuse-train flags (default: 60 steps of gpt2-124m, bf16)
 #   PYTHON                   interpreter (default python3: the GPU image has no plain `python`)
 # A dry run of the flow on a CPU machine (smoke sizes, no CUDA build, a tiny model):
@@ -28,7 +28,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-${OUT:-bench/out}}
-phases=",${2:-build,doctor,tests,bench,profile,train},"
+phases=",${2:-build,doctor,train,profile,tests,bench},"
+default_suites="bench/bench_attention.py bench/bench_norms.py bench/bench_llama_ops.py bench/bench_moe.py
+  bench/bench_offload.py bench/bench_optimizers.py bench/bench_flatten.py bench/bench_comm_gpu.py bench/bench_hf.py"
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 ZEROFUSE_TRITON_ON_CPU=0
 py=${PYTHON:-python3}
@@ -86,6 +88,25 @@ if want doctor; then
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 
+if want train; then
+  tdir=$(mktemp -d)
+  # shellcheck disable=SC2086
+  run_phase train "$py" -m zerofuse.train --device "${TRAIN_DEVICE:-cuda}" --out "$tdir" --sample-tokens 0 \
+    ${TRAIN_ARGS:---model gpt2-124m --batch 16 --steps 60 --warmup 10 --eval-every 0 --eval-batches 2 --log-every 10} \
+    2>&1 | tee -a "$out/train.txt"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  { echo "== summary.json"; cat "$tdir/summary.json" 2>/dev/null || echo "(none)"; } >> "$out/train.txt"
+fi
+
+if want profile; then
+  run_phase profile "$py" bench/profile_host.py --device "${BENCH_DEVICE:-cuda}" 2>&1 | tee -a "$out/profile.txt" | grep "^==="
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  if [ "${BENCH_DEVICE:-cuda}" = cuda ]; then  # the training step under torch.profiler (headline figures last)
+    run_phase profile_step "$py" bench/profile_gpu_step.py ${PROFILE_STEP_ARGS:-} 2>&1 | tee -a "$out/profile.txt" | tail -12
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  fi
+fi
+
 if want tests; then
   # under xdist a test that crashes its process (a segfault in native code) fails alone
   xdist=$("$py" -c "import xdist" 2>/dev/null && echo "-n ${TEST_WORKERS:-6}")
@@ -96,27 +117,21 @@ if want tests; then
 fi
 
 if want bench; then
-  # shellcheck disable=SC2086
-  run_phase bench "$py" -m pytest ${BENCH_SUITES:-bench} -q -p no:cacheprovider --timeout 300 \
-    --bench-device "${BENCH_DEVICE:-cuda}" --benchmark-json "$out/bench.json" \
-    --benchmark-columns=median,iqr,rounds --benchmark-sort=name 2>&1 | tee -a "$out/bench.txt"
-  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-  [ -f "$out/bench.json" ] && "$py" bench/summarize.py "$out/bench.json" --title "zerofuse GPU benchmarks" > "$out/summary.md"
-fi
-
-if want profile; then
-  run_phase profile "$py" bench/profile_host.py --device "${BENCH_DEVICE:-cuda}" 2>&1 | tee -a "$out/profile.txt" | grep "^==="
-  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-fi
-
-if want train; then
-  tdir=$(mktemp -d)
-  # shellcheck disable=SC2086
-  run_phase train "$py" -m zerofuse.train --device "${TRAIN_DEVICE:-cuda}" --out "$tdir" --sample-tokens 0 \
-    ${TRAIN_ARGS:---model gpt2-124m --batch 16 --steps 60 --warmup 10 --eval-every 0 --eval-batches 2 --log-every 10} \
-    2>&1 | tee -a "$out/train.txt"
-  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-  { echo "== summary.json"; cat "$tdir/summary.json" 2>/dev/null || echo "(none)"; } >> "$out/train.txt"
+  # one suite at a time, the finished ones merged into bench.json as they end: a suite cut at the
+  # deadline loses only its own results
+  jdir=$(mktemp -d)
+  for suite in ${BENCH_SUITES:-$default_suites}; do
+    name=$(basename "$suite" .py)
+    # shellcheck disable=SC2086
+    run_phase "bench $name" "$py" -m pytest "$suite" -q -p no:cacheprovider --timeout 300 \
+      --bench-device "${BENCH_DEVICE:-cuda}" --benchmark-json "$jdir/$name.json" \
+      --benchmark-columns=median,iqr,rounds --benchmark-sort=name 2>&1 | tee -a "$out/bench.txt"
+    rc=${PIPESTATUS[0]}
+    [ "$rc" -eq 0 ] || [ "$rc" -eq 5 ] || status=1
+    "$py" bench/summarize.py "$out/bench.json" --merge "$jdir"/*.json 2>/dev/null && \
+      "$py" bench/summarize.py "$out/bench.json" --title "zerofuse GPU benchmarks" > "$out/summary.md"
+    [ "$rc" -eq 124 ] && break
+  done
 fi
 
 exit $status

@@ -1,6 +1,7 @@
 """Turn a pytest-benchmark JSON file into a markdown table.
 
     python bench/summarize.py bench.json [--title "..."] > summary.md
+    python bench/summarize.py --merge out.json a.json b.json ...   # one file of several suites' results
 
 One row per benchmark: median time, GB/s or TFLOP/s, ratio to the measured roofline, and the
 zerofuse provider's speedups over the peers measured in the same run (all from extra_info).
@@ -45,11 +46,36 @@ def render(data: dict, title: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def merge(out: str, parts: list[str]) -> None:
+    """The benchmarks of several pytest-benchmark JSON files in one (the first readable file's
+    machine and commit info); files that are missing or unreadable (a suite cut before it wrote
+    its file) are left out."""
+    merged = None
+    for path in parts:
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if merged is None:
+            merged = data
+        else:
+            merged["benchmarks"] += data.get("benchmarks", [])
+    if merged is None:
+        raise SystemExit("summarize --merge: no readable results")
+    with open(out, "w") as f:
+        json.dump(merged, f)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("json")
     p.add_argument("--title", default="zerofuse benchmarks")
+    p.add_argument("--merge", nargs="+", metavar="PART", help="write the benchmarks of the PART files to JSON")
     args = p.parse_args()
+    if args.merge:
+        merge(args.json, args.merge)
+        return
     with open(args.json) as f:
         print(render(json.load(f), args.title), end="")
 
