@@ -91,6 +91,28 @@ def setup_then_sync(setup, device):
     return run
 
 
+def device_ms(fn, setup, device: torch.device, rounds: int, flush_bytes: int = 256 << 20) -> float:
+    """CUDA: the median device time of fn(*setup()) in ms, by CUDA events, the L2 flushed (a write of
+    flush_bytes, more than an H100's 50 MB or an H200's 60 MB of L2) before each round and the
+    stream held by a sleep kernel while the host queues the flush, the start event, fn's launches
+    and the end event, so host time between launches is not counted (the wall time the benchmark
+    records counts it: the difference is the host's share per call). setup runs untimed."""
+    flush = torch.empty(flush_bytes, dtype=torch.int8, device=device)
+    times = []
+    for _ in range(rounds):
+        args = setup()[0] if setup else ()
+        synchronize(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(2_000_000)  # ~1 ms at 2 GHz: longer than queueing what follows
+        flush.zero_()
+        start.record()
+        fn(*args)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
 class _Registry:
     """Median seconds per (case, provider) measured this session, for same-run ratios."""
 
@@ -124,6 +146,9 @@ def measure(benchmark, device, smoke, copy_roofline, registry):
                            "roofline_ratio": round(gbps / copy_roofline, 3)})
         if flops is not None:
             info["TFLOP/s"] = round(flops / median / 1e12, 3)
+        if device.type == "cuda" and not smoke:  # device time apart from the wall time per call
+            dev = device_ms(fn, pedantic_setup, device, rounds)
+            info.update(device_ms=round(dev, 4), host_share_ms=round(median * 1e3 - dev, 4))
         if provider == "zerofuse":
             for (c, peer), m in registry.medians.items():
                 if c == case and peer != provider:

@@ -32,7 +32,7 @@ def render(data: dict, title: str) -> str:
         e = b.get("extra_info", {})
         speedups = ", ".join(f"{k[len('speedup_vs_'):]} {v:.2f}x" for k, v in e.items() if k.startswith("speedup_vs_"))
         notes = ("busbw_GB/s", "busbw_vs_single", "comm_ms_overlap_off", "exposed_comm_ms_overlap_on", "exposed_ratio",
-                 "peak_rss_growth_MB_rank1", "model_state_MB_rank1", "peak_ratio")
+                 "peak_rss_growth_MB_rank1", "model_state_MB_rank1", "peak_ratio", "device_ms", "host_share_ms")
         ratios = ", ".join(f"{k} {v:.2f}" for k, v in e.items()
                            if (k.startswith("time_vs_") or k in notes) and isinstance(v, (int, float)))
         speedups = "; ".join(x for x in (speedups, ratios) if x)

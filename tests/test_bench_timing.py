@@ -21,3 +21,37 @@ def test_setup_is_synchronized_before_the_timed_call(monkeypatch):
     args, kwargs = run()
     assert order == ["setup", ("sync", "cuda")]
     assert args == ("y",) and kwargs == {}
+
+
+def test_device_time_flushes_the_l2_and_times_only_the_call(monkeypatch):
+    """device_ms (CUDA only, so here with CUDA's event and sleep calls recorded): per round the
+    setup, a sync, the sleep that holds the stream, the L2 flush, then the events around the call
+    alone; the median of the event times."""
+    conf = _bench_conftest()
+    order, times = [], iter([3.0, 1.0, 2.0])
+
+    class Event:
+        def __init__(self, enable_timing):
+            assert enable_timing
+
+        def record(self):
+            order.append("record")
+
+        def synchronize(self):
+            order.append("wait")
+
+        def elapsed_time(self, end):
+            return next(times)
+
+    class Flush:
+        def zero_(self):
+            order.append("flush")
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: order.append("sleep"))
+    monkeypatch.setattr(conf, "synchronize", lambda device: order.append("sync"))
+    monkeypatch.setattr(conf.torch, "empty", lambda *a, **k: Flush())
+    setup = conf.setup_then_sync(lambda: order.append("setup") or ("x",), torch.device("cuda"))
+    ms = conf.device_ms(lambda x: order.append(f"call {x}"), setup, torch.device("cuda"), rounds=3)
+    one = ["setup", "sync", "sync", "sleep", "flush", "record", "call x", "record", "wait"]
+    assert order == one * 3 and ms == 2.0
