@@ -147,7 +147,7 @@ def measure(benchmark, device, smoke, copy_roofline, registry):
         if flops is not None:
             info["TFLOP/s"] = round(flops / median / 1e12, 3)
         if device.type == "cuda" and not smoke:  # device time apart from the wall time per call
-            dev = device_ms(fn, pedantic_setup, device, rounds)
+            dev = device_ms(fn, pedantic_setup, device, max(3, rounds // 2))
             info.update(device_ms=round(dev, 4), host_share_ms=round(median * 1e3 - dev, 4))
         if provider == "zerofuse":
             for (c, peer), m in registry.medians.items():
