@@ -15,7 +15,7 @@ from zerofuse import kernels, reference
 from zerofuse.optim import FusedAdam, FusedAdamW, FusedLAMB, FusedLARS, functional
 
 from dist_utils import run_distributed
-from tolerances import assert_close
+from tolerances import assert_within_peer_rule
 
 SHAPES = [(33, 65), (65,), (7, 65), (7,), (1,), (0, 3), (4097,)]
 
@@ -39,6 +39,17 @@ def _grads(step, dtype=torch.float32, device="cpu", shapes=SHAPES):
     return [torch.randn(s, generator=g).to(device=device, dtype=dtype) for s in shapes]
 
 
+# [Note: Adam vs torch.optim] Params after several Adam steps are compared by tests/tolerances.py's
+# peer rule, never by a fixed 1e-6 against torch.optim's fp32 result: the reference is the same
+# torch.optim run in float64, the peer is its fp32 run (torch's unfused computation), and ours may be
+# off the float64 params by twice the peer's error plus the fp32 atol (1e-5). Two fp32 runs round
+# p - lr * m / (sqrt(v) + eps) differently at every step (FMA or separate mul/add, by ISA: 1.4e-6
+# apart after 20 steps with our AVX-512 loop, where the relative difference is large only for params
+# near zero), and torch's fp32 result is itself not stable: its first CPU sqrt over a tensor split
+# between threads (> 2048 elements) returned one thread's half up to 3e-4 off, relative, in 5-20% of
+# fresh processes (torch 2.13 with MKL, 2 threads, measured 2026-11-26); param 0 then lands 3e-6 from
+# both the float64 run and ours, as in the CI failure (2.9e-6, 203 of 2145). A 0.1% lr error for
+# ours alone still fails every test that uses the rule (1.2e-5 to 1.6e-4 against bounds of 1.0-1.3e-5).
 def _run(opt_cls, params, steps=20, scheduler=False, **kw):
     params = [torch.nn.Parameter(p.clone()) for p in params]
     opt = opt_cls([{"params": params[:3]}, {"params": params[3:], "lr": kw.get("lr", 1e-3) * 3}], **kw)
@@ -66,12 +77,11 @@ def _run(opt_cls, params, steps=20, scheduler=False, **kw):
 )
 def test_twenty_steps_match_torch_optim(path, ours, theirs, kw):
     got, _ = _run(ours, _params(device=path), scheduler=True, **kw)
-    want, _ = _run(theirs, _params(device=path), scheduler=True, foreach=False, **kw)
-    # the table's fp32 rule (tests/tolerances.py): two implementations of the same update round
-    # each step's p - lr * update differently (FMA or not, per CPU: 2.9e-6 after 20 steps on a CI
-    # machine where this one printed less); a wrong lr, beta or decay is off by 1e-4 or more
-    for a, b in zip(got, want):
-        assert_close(a, b)
+    peer, _ = _run(theirs, _params(device=path), scheduler=True, foreach=False, **kw)
+    want, _ = _run(theirs, _params(torch.float64, device=path), scheduler=True, foreach=False, **kw)
+    # the peer rule, not a fixed 1e-6 against the fp32 run ([Note: Adam vs torch.optim]; CI failed at 2.9e-6)
+    for i, (a, b, r) in enumerate(zip(got, peer, want)):
+        assert_within_peer_rule(a.detach(), r.detach(), b.detach(), msg=f"param {i}")
 
 
 def test_kept_step_plans_follow_every_change_a_user_makes_between_steps(path):
@@ -80,14 +90,17 @@ def test_kept_step_plans_follow_every_change_a_user_makes_between_steps(path):
     making the same changes: grads rewritten in place (the kept tables are used as they are),
     a param moved by `p.data = ...`, a param without grad, a state tensor replaced, a new lr, a
     state_dict round trip, a new param group, a param's state dict replaced by a torch-style one,
-    master weights switched on."""
+    master weights switched on. Params by the peer rule ([Note: Adam vs torch.optim]): a float64
+    torch.optim.AdamW makes the same changes."""
     shapes = [(37, 5), (4096,), (4099,), (1,)]
     ours = [torch.nn.Parameter(p) for p in _params(device=path, shapes=shapes)]
     theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    theirs64 = [torch.nn.Parameter(p.detach().double()) for p in ours]
     opt = FusedAdamW(ours, lr=1e-2, weight_decay=0.1)
     ref = torch.optim.AdamW(theirs, lr=1e-2, weight_decay=0.1, foreach=False)
+    ref64 = torch.optim.AdamW(theirs64, lr=1e-2, weight_decay=0.1, foreach=False)
     extra = [torch.nn.Parameter(torch.randn(300, device=path))]
-    extra.append(torch.nn.Parameter(extra[0].detach().clone()))
+    extra += [torch.nn.Parameter(extra[0].detach().clone()), torch.nn.Parameter(extra[0].detach().double())]
 
     def change(step, params, o):  # one change per step; even steps also bring new grad tensors
         if step == 3:
@@ -101,7 +114,7 @@ def test_kept_step_plans_follow_every_change_a_user_makes_between_steps(path):
         if step == 10 and o is opt:
             o.load_state_dict(copy.deepcopy(o.state_dict()))
         if step == 11:
-            o.add_param_group({"params": [extra[0] if o is opt else extra[1]]})
+            o.add_param_group({"params": [extra[0] if o is opt else extra[1] if o is ref else extra[2]]})
         if step == 12:  # a param's state dict replaced, in torch.optim's layout (a float64 cpu step)
             old_state = o.state[params[3]]
             o.state[params[3]] = {k: torch.tensor(float(v), dtype=torch.float64) if k == "step" else v.clone()
@@ -114,14 +127,14 @@ def test_kept_step_plans_follow_every_change_a_user_makes_between_steps(path):
 
     for step in range(14):
         grads = _grads(step, device=path, shapes=shapes)
-        for group_params, o in ((ours, opt), (theirs, ref)):
+        for group_params, o in ((ours, opt), (theirs, ref), (theirs64, ref64)):
             params = group_params + [q for g in o.param_groups[1:] for q in g["params"]]
             old = [(p.grad, p.data) for p in params]
             for p, g in zip(params, grads + [torch.full((300,), 0.01 * step, device=path)]):
                 if step % 2 and p.grad is not None:
                     p.grad.copy_(g)  # same addresses as last step
                 else:
-                    p.grad = g.clone()
+                    p.grad = g.to(p.dtype, copy=True)
             change(step, params, o)
             # what a stale table would point at: kept alive (not reused) and poisoned
             for (grad, data), p in zip(old, params):
@@ -131,8 +144,10 @@ def test_kept_step_plans_follow_every_change_a_user_makes_between_steps(path):
             o.poisoned = old
         opt.step()
         ref.step()
-        for a, b in zip(ours + extra[:1], theirs + extra[1:]):
-            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=lambda m: f"step {step}: {m}")
+        ref64.step()
+        for i, (a, b, r) in enumerate(zip(ours + extra[:1], theirs + extra[1:2], theirs64 + extra[2:])):
+            assert_within_peer_rule(a.detach(), r.detach(), b.detach(), msg=f"step {step}, param {i}")
+            # the moments are never divided: with or without FMA they stay within an ulp or two of torch's
             for key in ("exp_avg", "exp_avg_sq") if ref.state[b] else ():
                 torch.testing.assert_close(opt.state[a][key], ref.state[b][key], rtol=1e-6, atol=1e-6,
                                            msg=lambda m: f"step {step}, {key}: {m}")
@@ -174,19 +189,21 @@ def test_steps_with_unchanged_tensors_build_no_launch_tables(path, opt_cls, monk
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_master_weights_follow_an_fp32_run(path, dtype):
     """bf16/fp16 params with fp32 masters: the masters follow torch's fp32 AdamW fed the same
-    gradients, and each param is its master rounded once."""
+    gradients (by the peer rule: [Note: Adam vs torch.optim]), and each param is its master rounded once."""
     params = [torch.nn.Parameter(p) for p in _params(dtype, device=path)]
     ref = [torch.nn.Parameter(p.detach().float()) for p in params]
+    ref64 = [torch.nn.Parameter(p.detach().double()) for p in params]
     opt = FusedAdamW(params, lr=1e-2, weight_decay=0.1, master_weights=True)
-    ref_opt = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.1, foreach=False)
+    ref_opts = [torch.optim.AdamW(r, lr=1e-2, weight_decay=0.1, foreach=False) for r in (ref, ref64)]
     for step in range(20):
-        for p, r, g in zip(params, ref, _grads(step, dtype, path)):
-            p.grad, r.grad = g.clone(), g.float()
+        for p, r, r64, g in zip(params, ref, ref64, _grads(step, dtype, path)):
+            p.grad, r.grad, r64.grad = g.clone(), g.float(), g.double()
         opt.step()
-        ref_opt.step()
-    for p, r in zip(params, ref):
+        for o in ref_opts:
+            o.step()
+    for i, (p, r, r64) in enumerate(zip(params, ref, ref64)):
         master = opt.state[p]["master"]
-        torch.testing.assert_close(master, r.detach(), rtol=1e-6, atol=1e-6)
+        assert_within_peer_rule(master, r64.detach(), r.detach(), msg=f"master {i}")
         assert torch.equal(p.detach(), master.to(dtype))
 
 
@@ -211,21 +228,24 @@ def test_mixed_dtypes_in_one_group_and_params_without_grad(path):
                   torch.nn.Parameter(torch.randn(10, device=path)),
                   torch.nn.Parameter(torch.randn(20, device=path).half()))
     c_before = c.detach().clone()
-    ref = [torch.nn.Parameter(t.detach().float()) for t in (a, b, d)]
+    # clone: a.float() is a itself, and both optimizers would step the one tensor
+    ref = [torch.nn.Parameter(t.detach().float().clone()) for t in (a, b, d)]
+    ref64 = [torch.nn.Parameter(t.detach().double()) for t in (a, b, d)]  # the peer rule's reference
     opt = FusedAdamW([a, b, c, d], lr=1e-2, master_weights=True)
-    ref_opt = torch.optim.AdamW(ref, lr=1e-2, foreach=False)
+    ref_opts = [torch.optim.AdamW(r, lr=1e-2, foreach=False) for r in (ref, ref64)]
     for step in range(3):
         grads = [torch.randn(50, device=path), torch.randn(30, device=path).bfloat16(), torch.randn(20, device=path)]
         a.grad, b.grad, d.grad = grads[0], grads[1], grads[2].half()
-        for r, g in zip(ref, (grads[0], grads[1], grads[2].half())):
-            r.grad = g.float()
+        for r, r64, g in zip(ref, ref64, (grads[0], grads[1], grads[2].half())):
+            r.grad, r64.grad = g.float(), g.double()
         opt.step()
-        ref_opt.step()
+        for o in ref_opts:
+            o.step()
     assert torch.equal(c.detach(), c_before) and c not in opt.state
     assert "master" in opt.state[b] and "master" in opt.state[d] and "master" not in opt.state[a]
     assert opt.state[a]["step"].item() == opt.state[b]["step"].item() == 3
-    for t, r in zip((a, b, d), ref):
-        torch.testing.assert_close(opt.state[t].get("master", t).detach(), r.detach(), rtol=1e-6, atol=1e-6)
+    for name, t, r, r64 in zip("abd", (a, b, d), ref, ref64):  # [Note: Adam vs torch.optim]
+        assert_within_peer_rule(opt.state[t].get("master", t).detach(), r64.detach(), r.detach(), msg=name)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
@@ -397,9 +417,12 @@ def test_state_dict_moves_both_ways_with_torch():
                 p.grad = g.clone()
         for o in (ours_opt, theirs_opt, t2_opt, o2_opt):
             o.step()
-    for a, b, c, d in zip(ours, theirs, t2, o2):
-        torch.testing.assert_close(c, a, rtol=1e-6, atol=1e-6)
-        torch.testing.assert_close(d, b, rtol=1e-6, atol=1e-6)
+    # all four ran the same 10 AdamW steps: each within the peer rule of torch's float64 run, torch's
+    # fp32 run the peer ([Note: Adam vs torch.optim]); a step count or moment lost in a swap is off by ~lr
+    want, _ = _run(torch.optim.AdamW, _params(torch.float64), steps=10, lr=1e-2, weight_decay=0.1, foreach=False)
+    for i, (a, b, c, d, r) in enumerate(zip(ours, theirs, t2, o2, want)):
+        for name, x in (("ours", a), ("torch from ours", c), ("ours from torch", d)):
+            assert_within_peer_rule(x.detach(), r.detach(), b.detach(), msg=f"{name}, param {i}")
 
 
 # ---------------------------------------------------------------------------------- LAMB / LARS
