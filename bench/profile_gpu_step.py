@@ -19,10 +19,11 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
+
+import inprocess
 
 
 def _union(intervals: list[tuple[float, float]]) -> float:
@@ -71,17 +72,10 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of the script (no GPU figures)")
     ap.add_argument("extra", nargs="*", help="more zerofuse-train flags (after --)")
     a = ap.parse_args(argv)
-    from zerofuse import train
-    from zerofuse.train.loop import Trainer
-    out = tempfile.mkdtemp()
     n = a.warmup + a.steps + a.profile_steps + 2
-    args = train._parser().parse_args(
-        ["--device", a.device, "--nproc", "1", "--model", a.model, "--batch", str(a.batch), "--steps", str(n),
-         "--zero-stage", str(a.zero_stage), "--eval-every", "0", "--sample-tokens", "0", "--ckpt-every", "0",
-         "--out", out, *a.extra])
-    train.validate(args)
-    t = Trainer(args, None)
-    t._setup()
+    t = inprocess.trainer(["--device", a.device, "--model", a.model, "--batch", str(a.batch), "--steps", str(n),
+                           "--zero-stage", str(a.zero_stage), *a.extra])
+    args, out = t.args, t.args.out
     sync = torch.cuda.synchronize if a.device == "cuda" else (lambda: None)
     tokens = args.batch * args.grad_accum * t.cfg.seq_len
     for _ in range(a.warmup):
@@ -117,12 +111,7 @@ def main(argv=None) -> int:
     for name, ms in res["top_kernels_ms_per_step"]:
         print(f"  {ms:8.3f} ms/step  {name}")
     print(json.dumps({k: v for k, v in res.items() if k != "top_kernels_ms_per_step"}, indent=1))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(res, f, indent=1)
-    import torch.distributed as dist
-    dist.destroy_process_group()
-    return 0
+    return inprocess.finish(res, a.json)
 
 
 if __name__ == "__main__":

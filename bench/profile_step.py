@@ -20,7 +20,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 os.environ["ZEROFUSE_TRITON_ON_CPU"] = "1"  # before zerofuse is imported: the CUDA path's Python
@@ -31,6 +30,8 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
 from sync_counter import CountSyncs  # noqa: E402
+
+import inprocess  # noqa: E402
 
 # aten ops that launch nothing on CUDA (views, metadata, allocation)
 NO_LAUNCH = {"view", "_unsafe_view", "as_strided", "slice", "select", "t", "transpose", "expand", "unsqueeze",
@@ -108,20 +109,13 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--json")
     a = ap.parse_args(argv)
-    from zerofuse import train
     from zerofuse.models import gpt
-    from zerofuse.train.loop import Trainer
     # GPT-2's structure also where the preset lacked it (the comparison with 836555f's tree)
     gpt.PRESETS["gpt2-124m"].update(bias=True, tie_embeddings=True)
     _stub_kernels()
-    out = tempfile.mkdtemp()
-    args = train._parser().parse_args(
-        ["--device", "cpu", "--nproc", "1", "--model", "gpt2-124m", "--tokenizer", "char", "--dim", str(a.dim),
-         "--seq-len", str(a.seq_len), "--batch", str(a.batch), "--steps", str(a.steps + 3), "--zero-stage",
-         str(a.stage), "--eval-every", "0", "--sample-tokens", "0", "--ckpt-every", "0", "--out", out])
-    train.validate(args)
-    t = Trainer(args, None)
-    t._setup()
+    t = inprocess.trainer(["--device", "cpu", "--model", "gpt2-124m", "--tokenizer", "char", "--dim", str(a.dim),
+                           "--seq-len", str(a.seq_len), "--batch", str(a.batch), "--steps", str(a.steps + 3),
+                           "--zero-stage", str(a.stage)])
     torch.set_num_threads(1)
     hooks = _count_hooks(t)
     for _ in range(3):  # warm-up: step plans, caches
@@ -147,12 +141,7 @@ def main(argv=None) -> int:
            "hooks_per_step": nhooks[-1], "syncs_per_step": syncs[-1], "sync_calls": s.calls[:10],
            "top_aten": sorted(c.names.items(), key=lambda kv: -kv[1])[:12]}
     print(json.dumps(res, indent=1))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(res, f, indent=1)
-    import torch.distributed as dist
-    dist.destroy_process_group()
-    return 0
+    return inprocess.finish(res, a.json)
 
 
 if __name__ == "__main__":

@@ -196,7 +196,7 @@ def _sum_partials(part, dtype):
     # 768-wide LayerNorm's 528 x 768 partials were summed by 3 programs in ~42 µs a call on an H200
     # (bench/results/h200-2026-11-26: 2.1 ms of a gpt2-124m step); 32 columns give 24 programs of
     # 128 x 32 tiles (128-byte rows, coalesced). The interpreter pays per program: wide blocks.
-    block_n = min(next_power_of_2(n), 65536) if interpreted() else min(next_power_of_2(n), 32)
+    block_n = min(next_power_of_2(n), 65536 if interpreted() else 32)
     block_p = min(next_power_of_2(n_parts), 64 if interpreted() else 128)
     _sum_partials_kernel[(cdiv(n, block_n),)](
         part, out, n_parts, n, BLOCK_P=block_p, BLOCK_N=block_n, EMULATE_RNE=interpreted()

@@ -87,8 +87,8 @@ class Trainer:
                 block.forward = torch.compile(block.forward)
         self.opt = zero.Optimizer(self.model, args.optimizer, param_groups=self._param_groups(),
                                   max_grad_norm=args.clip or None, **self._hyper(),
-                                  **({} if args.offload_delayed_update is None else dict(
-                                      delayed_update=True, delayed_update_warmup=args.offload_delayed_update)))
+                                  delayed_update=args.offload_delayed_update is not None,
+                                  delayed_update_warmup=args.offload_delayed_update or 0)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(args))
         seq = self.cfg.seq_len
         self.train_data = Sampler(self.corpus.train, seq, args.batch, args.grad_accum, args.dp, self.mesh.dp_rank,

@@ -60,7 +60,7 @@ class ZeroEngine(ExpertLayout, Stage3Hooks):
         if (auto or offload_ratio < 1.0) and offload != "optimizer":
             raise ValueError(f"{name}: offload_ratio < 1 splits the optimizer step between host and device: expected "
                              f"offload='optimizer', got {offload!r}")
-        self.offload, self.offload_ratio = offload, 0.5 if auto else float(offload_ratio)
+        self.offload = offload
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"{name}: expected stage 0, 1, 2 or 3, got {stage!r}")
         if precision not in PRECISIONS:
@@ -152,8 +152,7 @@ class ZeroEngine(ExpertLayout, Stage3Hooks):
         if offload == "optimizer+params":
             for u in self.units:
                 u.offload_shard()
-        if auto:
-            self.offload_ratio = auto_ratio(self.device, self.comm.group)
+        self.offload_ratio = auto_ratio(self.device, self.comm.group) if auto else float(offload_ratio)
         self.host_units = host_units(self.units, self.offload_ratio) if offload else set()
         check_same_layout(self.units, self.comm, (stage, precision, str(self.reduce_dtype), shapes), name)
         self.buckets = BucketGroup(self.units, self.comm, max_inflight)

@@ -170,8 +170,7 @@ class HostSteps:
     def _to_host(self, u) -> None:
         g = u.grad_shard()
         if not self.cuda:  # read in place, unless the host step outlives step() (the next backward writes g)
-            self.grads[u.index] = g.clone() if self.delayed and g.dtype == torch.float32 else (
-                g if g.dtype == torch.float32 else g.float())
+            self.grads[u.index] = g.float() if g.dtype != torch.float32 else g.clone() if self.delayed else g
             return
         if self.grads[u.index] is None:
             self.grads[u.index] = torch.empty(u.shard_numel, dtype=torch.float32, pin_memory=True)
@@ -222,50 +221,58 @@ class HostSteps:
             self._start_delayed(mult, skip)
             return
         if not self.overlapped:
-            host_mult = mult.to("cpu", torch.float32).reshape(1)
             for u in self.units:
                 if not self.reduced[u.index]:
                     self._to_host(u)
-                if not skip and self.cuda:
-                    self._submit(u, host_mult)
-            if not skip and not self.cuda and self.units:
-                self._submit(self.units[0], host_mult, units=self.units)
+            if not skip:
+                self._queue_all(mult.to("cpu", torch.float32).reshape(1))
         else:
             for u in self.units:  # units that got no grad this step still take their (decay-only) step
                 if u.index not in self.futures:
                     self._to_host(u)
                     self._submit(u, None)
+        futures, self.futures = self.futures, {}
         try:
-            for u in self.units:
-                fut, stepped = self.futures.get(u.index, (None, ()))
-                if fut is None:
-                    continue
-                fut.result()
-                for v in stepped:
-                    self._write_back(v)
+            self._finish(futures)
         finally:
-            for f, _ in self.futures.values():  # an error in one unit: the others finish before we raise
-                f.cancel() or f.exception()
-            self.futures.clear()
             self.last_log, self.log = self.log, []
             self.reduced = [False] * len(eng.units)
-            self.events = [None] * len(eng.units)
         if not skip:  # (the device's counters advance in the device step, which runs for every group)
             for s in self.host_steps:
                 s += 1.0
         self.steps_done += 1  # (after the path was chosen: `overlapped` reads it)
 
+    def _queue_all(self, host_mult) -> None:
+        """Every host unit's step queued: on a GPU one by one (each written back as it ends), on a
+        CPU in one kernel call."""
+        if self.cuda:
+            for u in self.units:
+                self._submit(u, host_mult)
+        elif self.units:
+            self._submit(self.units[0], host_mult, units=self.units)
+
+    def _finish(self, futures: dict) -> None:
+        """The queued host steps waited for in the units' order and their params written back; an
+        error in one: the others finish before it is raised."""
+        try:
+            for u in self.units:
+                if u.index in futures:
+                    fut, stepped = futures[u.index]
+                    fut.result()
+                    for v in stepped:
+                        self._write_back(v)
+        finally:
+            for f, _ in futures.values():
+                f.cancel() or f.exception()
+            self.events = [None] * len(self.eng.units)
+
     def _start_delayed(self, mult, skip: bool) -> None:
         """Every unit's host step queued; its params are written back by the next step()."""
-        host_mult = mult.to("cpu", torch.float32).reshape(1) if self.opt.max_grad_norm or self.opt.fp16 else None
         for u in self.units:
             self._to_host(u)
-        if not skip and self.units:
-            if self.cuda:
-                for u in self.units:
-                    self._submit(u, host_mult)
-            else:
-                self._submit(self.units[0], host_mult, units=self.units)
+        if not skip:
+            self._queue_all(mult.to("cpu", torch.float32).reshape(1) if self.opt.max_grad_norm or self.opt.fp16
+                            else None)
             for s in self.host_steps:
                 s += 1.0
         if self.cuda:  # the next backward may write the grad buffers the side stream is copying
@@ -278,19 +285,9 @@ class HostSteps:
     def apply_pending(self) -> bool:
         """A delayed update's host steps waited for and their params written back (stage 1/2: the
         caller gathers them). Whether there was one."""
-        if not self.pending:
-            return False
         pending, self.pending = self.pending, {}
-        try:
-            for fut, stepped in pending.values():
-                fut.result()
-                for v in stepped:
-                    self._write_back(v)
-        finally:
-            for f, _ in pending.values():
-                f.cancel() or f.exception()
-            self.events = [None] * len(self.eng.units)
-        return True
+        self._finish(pending)
+        return bool(pending)
 
     def _write_back(self, u) -> None:
         master = self.opt.unit_states[u.index]["master"]
