@@ -49,6 +49,8 @@ import torch
 import torch.distributed as dist
 
 from zerofuse import _C
+from zerofuse.comm import local
+from zerofuse.comm.checker import CollectiveChecker, CollectiveMismatch  # noqa: F401  (re-exported)
 
 # per group name: ranks of a group number their communicators alike whatever other groups they
 # belong to (the store keys of the NCCL id and the checker derive from it). The count restarts
@@ -150,21 +152,6 @@ class _SummedWork:
         return self._w is None or self._w.is_completed()
 
 
-class CollectiveMismatch(RuntimeError):
-    """Ranks issued different collectives at the same point of their sequence."""
-
-
-def _signature(name: str, **parts) -> str:
-    items = []
-    for key, value in parts.items():
-        if isinstance(value, torch.Tensor):
-            value = f"{tuple(value.shape)}:{str(value.dtype).removeprefix('torch.')}"
-        elif isinstance(value, (list, tuple)) and value and isinstance(value[0], torch.Tensor):
-            value = "[" + ", ".join(f"{tuple(t.shape)}:{str(t.dtype).removeprefix('torch.')}" for t in value) + "]"
-        items.append(f"{key}={value}")
-    return f"{name}({', '.join(items)})"
-
-
 class P2POp(NamedTuple):
     """One transfer of :meth:`Communicator.batch_p2p`: ``op`` "send" or "recv", a contiguous
     ``tensor`` (written at ``wait()`` for a receive), ``peer`` a rank of the communicator's group,
@@ -176,7 +163,7 @@ class P2POp(NamedTuple):
     tag: int = 0
 
 
-class Communicator:
+class Communicator(CollectiveChecker):
     """Coalesced collectives on ``group`` (None: the default group)."""
 
     def __init__(self, group: dist.ProcessGroup | None = None, *, transport: str = "auto",
@@ -196,6 +183,7 @@ class Communicator:
                                    float(debug_delay_ms))
         self.check = os.environ.get("ZEROFUSE_CHECK_COLLECTIVES", "0") == "1"
         self._p2p_counts: dict[tuple[int, int], int] = {}  # (src, dst) -> transfers checked (_checked_p2p)
+        self._one = self._c.world_size == 1  # collectives done in place on the current stream (comm/local.py)
 
     @property
     def rank(self) -> int:
@@ -224,6 +212,8 @@ class Communicator:
         buffer instead of a copy: leave it alone until ``wait()``, and treat its contents as
         scratch after (on gloo it is all-reduced in place)."""
         tensors = list(tensors)
+        if self._one:
+            return local.reduce_scatter_coalesced(tensors, out_shard, op, scale, reduce_dtype)
         self._checked("reduce_scatter_coalesced", tensors=tensors, out_shard=out_shard, op=op, scale=scale,
                       reduce_dtype=reduce_dtype)
         return Work(self._c.reduce_scatter_coalesced(tensors, out_shard, op, scale, reduce_dtype))
@@ -233,6 +223,8 @@ class Communicator:
         reduce_scatter_coalesced's layout); the tensors are written at ``wait()`` (a single
         contiguous tensor of exactly world_size * shard elements is gathered into directly)."""
         tensors = list(tensors)
+        if self._one:
+            return local.all_gather_coalesced(shard, tensors)
         self._checked("all_gather_coalesced", shard=shard, tensors=tensors)
         return Work(self._c.all_gather_coalesced(shard, tensors))
 
@@ -242,6 +234,8 @@ class Communicator:
         A single contiguous tensor in the reduce dtype is reduced in place with no copy: its
         contents are undefined until ``wait()``."""
         tensors = list(tensors)
+        if self._one:
+            return local.all_reduce_coalesced(tensors, op, scale, reduce_dtype)
         self._checked("all_reduce_coalesced", tensors=tensors, op=op, scale=scale, reduce_dtype=reduce_dtype)
         return Work(self._c.all_reduce_coalesced(tensors, op, scale, reduce_dtype))
 
@@ -261,6 +255,10 @@ class Communicator:
         if out_shard is not None and out_shard.numel() != shard:
             raise ValueError(f"zerofuse.comm.reduce_scatter_fp32_sum: expected out_shard of {shard} elements, got "
                              f"{out_shard.numel()}")
+        if self._one:  # the sum over one rank in fp32 is the input; the gather writes it back unchanged
+            if out_shard is not None:
+                out_shard.copy_(flat.float())
+            return local.DONE
         what = (f"reduce_scatter_fp32_sum #{next(self._fp32_sums)} on rank {self.rank} of {ws} in "
                 f"{_group_label(self.group)}")
         recv = torch.empty_like(flat)
@@ -299,56 +297,12 @@ class Communicator:
         contiguous, of one row shape and dtype. A collective: every rank calls it in the same order.
         ZEROFUSE_CHECK_COLLECTIVES=1 also checks that each rank receives what the others send."""
         in_s, out_s = [int(n) for n in input_splits], [int(n) for n in output_splits]
+        if self._one:
+            return local.all_to_all(output, input, out_s, in_s)
         if self.check:
             self._checked("all_to_all", dtype=str(input.dtype), row_shape=tuple(input.shape[1:]))
             self._check_splits(in_s, out_s)
         return Work(self._c.all_to_all(output, input, out_s, in_s))
-
-    def _check_splits(self, in_s: list[int], out_s: list[int]) -> None:
-        """Rank r's out_splits[s] must be rank s's in_splits[r], for every pair: every rank checks
-        the whole matrix, so all of them raise on a mismatch (none is left waiting in the call)."""
-        seq = self._c.sequence
-        prefix = f"{self._uid}/a2a/{seq}/"
-        self.store.set(prefix + str(self.rank), ",".join(map(str, in_s)) + ";" + ",".join(map(str, out_s)))
-        keys = [prefix + str(r) for r in range(self.world_size)]
-        self.store.wait(keys, datetime.timedelta(seconds=self.timeout))
-        ins, outs = zip(*([[int(n) for n in part.split(",")] for part in self.store.get(k).decode().split(";")]
-                          for k in keys))
-        bad = [(s, r) for r in range(self.world_size) for s in range(self.world_size)
-               if len(ins[s]) != self.world_size or len(outs[r]) != self.world_size or ins[s][r] != outs[r][s]]
-        if bad:
-            s, r = bad[0]
-            raise CollectiveMismatch(
-                f"zerofuse.comm: all_to_all #{seq} differs across ranks: rank {s} sends "
-                f"{ins[s][r] if len(ins[s]) > r else None} rows to rank {r}, which expects "
-                f"{outs[r][s] if len(outs[r]) > s else None} (rank pairs (sender, receiver) that differ: {bad})")
-
-    def _checked_p2p(self, ops: list[P2POp]) -> None:
-        """Publish each transfer's signature under its pair's own count, then compare with the
-        peer's: every key is set before any wait, so a batch that sends and receives cannot wait
-        on itself."""
-        counts = self._p2p_counts
-        mine = []
-        for o in ops:
-            src, dst = (self.rank, o.peer) if o.op == "send" else (o.peer, self.rank)
-            n = counts[(src, dst)] = counts.get((src, dst), -1) + 1
-            key = f"{self._uid}/p2p/{src}-{dst}/{n}/"
-            sig = f"{tuple(o.tensor.shape)}:{str(o.tensor.dtype).removeprefix('torch.')} tag {o.tag}"
-            self.store.set(key + o.op, sig)
-            mine.append((o, key, sig, n, src, dst))
-        for o, key, sig, n, src, dst in mine:
-            other = "recv" if o.op == "send" else "send"
-            try:
-                self.store.wait([key + other], datetime.timedelta(seconds=self.timeout))
-            except Exception as e:  # noqa: BLE001 - backend-specific timeout types
-                raise CollectiveMismatch(
-                    f"zerofuse.comm: rank {o.peer} did not post the {other} matching rank {self.rank}'s {o.op} "
-                    f"#{n} ({sig}) within {self.timeout:.0f} s") from e
-            theirs = self.store.get(key + other).decode()
-            if theirs != sig:
-                raise CollectiveMismatch(
-                    f"zerofuse.comm: transfer #{n} from rank {src} to rank {dst} differs: rank {self.rank} posted "
-                    f"{o.op} {sig}, rank {o.peer} posted {other} {theirs}")
 
     @property
     def buffer_bytes(self) -> int:
@@ -371,28 +325,3 @@ class Communicator:
             yield self
         finally:
             self._c.group_end()
-
-    # ------------------------------------------------------------------ checker
-
-    def _checked(self, name: str, **parts) -> None:
-        if not self.check:
-            return
-        seq = self._c.sequence  # the number the C++ call is about to take
-        mine = _signature(name, **parts)
-        prefix = f"{self._uid}/check/{seq}/"
-        self.store.set(prefix + str(self.rank), mine)
-        keys = [prefix + str(r) for r in range(self.world_size)]
-        try:
-            self.store.wait(keys, datetime.timedelta(seconds=self.timeout))
-        except Exception as e:  # noqa: BLE001 - the store reports a timeout in backend-specific types
-            missing = [r for r, k in enumerate(keys) if not self.store.check([k])]
-            raise CollectiveMismatch(
-                f"zerofuse.comm: rank(s) {missing} did not reach collective #{seq} within {self.timeout:.0f} s; "
-                f"rank {self.rank} issued {mine}") from e
-        calls = {r: self.store.get(k).decode() for r, k in enumerate(keys)}
-        if len(set(calls.values())) > 1:
-            by_call: dict[str, list[int]] = {}
-            for r, c in calls.items():
-                by_call.setdefault(c, []).append(r)
-            detail = "; ".join(f"rank(s) {ranks}: {c}" for c, ranks in by_call.items())
-            raise CollectiveMismatch(f"zerofuse.comm: collective #{seq} differs across ranks: {detail}")

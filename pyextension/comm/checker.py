@@ -1,0 +1,96 @@
+"""The debug checker of ``zerofuse.comm.Communicator`` (``ZEROFUSE_CHECK_COLLECTIVES=1``): every rank
+publishes each call's signature in the group's store before the collective and compares it with
+every other rank's, so that a mismatch raises :class:`CollectiveMismatch` on every rank instead of
+a hang or a mix of data. A mixin of Communicator (it reads the communicator's store, uid, rank,
+world size, timeout and C++ sequence number)."""
+from __future__ import annotations
+
+import datetime
+
+import torch
+
+
+class CollectiveMismatch(RuntimeError):
+    """Ranks issued different collectives at the same point of their sequence."""
+
+
+def _signature(name: str, **parts) -> str:
+    items = []
+    for key, value in parts.items():
+        if isinstance(value, torch.Tensor):
+            value = f"{tuple(value.shape)}:{str(value.dtype).removeprefix('torch.')}"
+        elif isinstance(value, (list, tuple)) and value and isinstance(value[0], torch.Tensor):
+            value = "[" + ", ".join(f"{tuple(t.shape)}:{str(t.dtype).removeprefix('torch.')}" for t in value) + "]"
+        items.append(f"{key}={value}")
+    return f"{name}({', '.join(items)})"
+
+
+class CollectiveChecker:
+    def _check_splits(self, in_s: list[int], out_s: list[int]) -> None:
+        """Rank r's out_splits[s] must be rank s's in_splits[r], for every pair: every rank checks
+        the whole matrix, so all of them raise on a mismatch (none is left waiting in the call)."""
+        seq = self._c.sequence
+        prefix = f"{self._uid}/a2a/{seq}/"
+        self.store.set(prefix + str(self.rank), ",".join(map(str, in_s)) + ";" + ",".join(map(str, out_s)))
+        keys = [prefix + str(r) for r in range(self.world_size)]
+        self.store.wait(keys, datetime.timedelta(seconds=self.timeout))
+        ins, outs = zip(*([[int(n) for n in part.split(",")] for part in self.store.get(k).decode().split(";")]
+                          for k in keys))
+        bad = [(s, r) for r in range(self.world_size) for s in range(self.world_size)
+               if len(ins[s]) != self.world_size or len(outs[r]) != self.world_size or ins[s][r] != outs[r][s]]
+        if bad:
+            s, r = bad[0]
+            raise CollectiveMismatch(
+                f"zerofuse.comm: all_to_all #{seq} differs across ranks: rank {s} sends "
+                f"{ins[s][r] if len(ins[s]) > r else None} rows to rank {r}, which expects "
+                f"{outs[r][s] if len(outs[r]) > s else None} (rank pairs (sender, receiver) that differ: {bad})")
+
+    def _checked_p2p(self, ops: list[P2POp]) -> None:
+        """Publish each transfer's signature under its pair's own count, then compare with the
+        peer's: every key is set before any wait, so a batch that sends and receives cannot wait
+        on itself."""
+        counts = self._p2p_counts
+        mine = []
+        for o in ops:
+            src, dst = (self.rank, o.peer) if o.op == "send" else (o.peer, self.rank)
+            n = counts[(src, dst)] = counts.get((src, dst), -1) + 1
+            key = f"{self._uid}/p2p/{src}-{dst}/{n}/"
+            sig = f"{tuple(o.tensor.shape)}:{str(o.tensor.dtype).removeprefix('torch.')} tag {o.tag}"
+            self.store.set(key + o.op, sig)
+            mine.append((o, key, sig, n, src, dst))
+        for o, key, sig, n, src, dst in mine:
+            other = "recv" if o.op == "send" else "send"
+            try:
+                self.store.wait([key + other], datetime.timedelta(seconds=self.timeout))
+            except Exception as e:  # noqa: BLE001 - backend-specific timeout types
+                raise CollectiveMismatch(
+                    f"zerofuse.comm: rank {o.peer} did not post the {other} matching rank {self.rank}'s {o.op} "
+                    f"#{n} ({sig}) within {self.timeout:.0f} s") from e
+            theirs = self.store.get(key + other).decode()
+            if theirs != sig:
+                raise CollectiveMismatch(
+                    f"zerofuse.comm: transfer #{n} from rank {src} to rank {dst} differs: rank {self.rank} posted "
+                    f"{o.op} {sig}, rank {o.peer} posted {other} {theirs}")
+
+    def _checked(self, name: str, **parts) -> None:
+        if not self.check:
+            return
+        seq = self._c.sequence  # the number the C++ call is about to take
+        mine = _signature(name, **parts)
+        prefix = f"{self._uid}/check/{seq}/"
+        self.store.set(prefix + str(self.rank), mine)
+        keys = [prefix + str(r) for r in range(self.world_size)]
+        try:
+            self.store.wait(keys, datetime.timedelta(seconds=self.timeout))
+        except Exception as e:  # noqa: BLE001 - the store reports a timeout in backend-specific types
+            missing = [r for r, k in enumerate(keys) if not self.store.check([k])]
+            raise CollectiveMismatch(
+                f"zerofuse.comm: rank(s) {missing} did not reach collective #{seq} within {self.timeout:.0f} s; "
+                f"rank {self.rank} issued {mine}") from e
+        calls = {r: self.store.get(k).decode() for r, k in enumerate(keys)}
+        if len(set(calls.values())) > 1:
+            by_call: dict[str, list[int]] = {}
+            for r, c in calls.items():
+                by_call.setdefault(c, []).append(r)
+            detail = "; ".join(f"rank(s) {ranks}: {c}" for c, ranks in by_call.items())
+            raise CollectiveMismatch(f"zerofuse.comm: collective #{seq} differs across ranks: {detail}")

@@ -1,0 +1,147 @@
+"""A Communicator's collectives over a group of one rank: done at once, in place where they can be,
+with ordinary tensor ops on the current stream (no transport, no communication stream, no event).
+
+Over one rank a reduction is its input times the call's scale (avg divides by 1), a gather or an
+all-to-all is a copy, so nothing needs the transport. Done here, a world of one runs no NCCL call,
+creates no CUDA event and waits for nothing, so its steps can be captured in a CUDA graph
+(zerofuse.train's --cuda-graphs) and cost no launches beyond the copies. The results equal the
+C++ transports' at world size 1 bit for bit (the same casts, in the same order: the input in the
+reduce dtype, times the factor in that dtype, then into the output's dtype; tests/test_comm_local.py)
+and the argument checks raise the same messages.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+_OPS = ("sum", "avg", "max", "min")
+
+
+class DoneWork:
+    """The Work of a collective that completed when it was called."""
+
+    __slots__ = ()
+
+    def wait(self, timeout=None) -> None:
+        return None
+
+    def is_completed(self) -> bool:
+        return True
+
+
+DONE = DoneWork()
+
+
+def _check_op(op: str, fn: str) -> None:
+    if op not in _OPS:
+        raise ValueError(f"zerofuse::comm{fn}: expected op 'sum', 'avg', 'max' or 'min', got '{op}'")
+
+
+def _check_one_device(tensors: Sequence[torch.Tensor], fn: str, other: torch.Tensor | None, other_name: str) -> None:
+    want = other.device if other is not None else (tensors[0].device if tensors else None)
+    for i, t in enumerate(tensors):
+        if t.device != want:
+            like = f" like {other_name}" if other is not None else " like tensors[0]"
+            raise RuntimeError(f"zerofuse::comm{fn}: expected tensors[{i}] on {want}{like}, got {t.device}")
+
+
+def _check_flat(t: torch.Tensor, numel: int, fn: str, name: str) -> None:
+    if t.dim() != 1 or not t.is_contiguous():
+        raise RuntimeError(f"zerofuse::comm{fn}: expected {name} to be a 1-D contiguous tensor, got shape "
+                           f"{list(t.shape)} with strides {list(t.stride())}")
+    if t.numel() != numel:
+        raise ValueError(f"zerofuse::comm{fn}: expected {name} to have {numel} elements (ceil(total numel / "
+                         f"world_size)), got {t.numel()}")
+
+
+def _flat(tensors: Sequence[torch.Tensor], total: int, dtype: torch.dtype, like: torch.Tensor) -> torch.Tensor:
+    """The tensors in one buffer of dtype: the tensor itself when it already is one (no copy)."""
+    if len(tensors) == 1 and tensors[0].is_contiguous() and tensors[0].dtype == dtype:
+        return tensors[0].detach().view(-1)
+    flat = torch.empty(total, dtype=dtype, device=like.device)
+    torch.ops.zerofuse.flatten_into(list(tensors), flat, _offsets(tensors))
+    return flat
+
+
+def _offsets(tensors: Sequence[torch.Tensor]) -> list[int]:
+    out, off = [], 0
+    for t in tensors:
+        out.append(off)
+        off += t.numel()
+    return out
+
+
+def _factor(scale: float | None) -> float:
+    return 1.0 if scale is None else float(scale)  # avg over one rank: / 1
+
+
+def reduce_scatter_coalesced(tensors: Sequence[torch.Tensor], out_shard: torch.Tensor, op: str, scale: float | None,
+                             reduce_dtype: torch.dtype | None) -> DoneWork:
+    fn = ".reduce_scatter_coalesced"
+    _check_op(op, fn)
+    _check_one_device(tensors, fn, out_shard, "out_shard")
+    total = sum(t.numel() for t in tensors)
+    _check_flat(out_shard, total, fn, "out_shard")
+    if total == 0:
+        return DONE
+    dtype = reduce_dtype or out_shard.dtype
+    factor = _factor(scale)
+    with torch.no_grad():
+        flat = _flat(tensors, total, dtype, out_shard)
+        if flat.data_ptr() == out_shard.data_ptr() and flat.dtype == out_shard.dtype:  # in place
+            if factor != 1.0:
+                out_shard.mul_(factor)
+            return DONE
+        if factor != 1.0:
+            flat = flat * factor
+        out_shard.copy_(flat)
+    return DONE
+
+
+def all_gather_coalesced(shard: torch.Tensor, tensors: Sequence[torch.Tensor]) -> DoneWork:
+    fn = ".all_gather_coalesced"
+    _check_one_device(tensors, fn, shard, "shard")
+    total = sum(t.numel() for t in tensors)
+    _check_flat(shard, total, fn, "shard")
+    if total == 0:
+        return DONE
+    with torch.no_grad():
+        if len(tensors) == 1 and tensors[0].is_contiguous() and tensors[0].data_ptr() == shard.data_ptr():
+            return DONE  # the shard is the whole buffer (ZeRO stage 1/2 over one rank)
+        torch.ops.zerofuse.unflatten_from(shard, list(tensors), _offsets(tensors))
+    return DONE
+
+
+def all_reduce_coalesced(tensors: Sequence[torch.Tensor], op: str, scale: float | None,
+                         reduce_dtype: torch.dtype | None) -> DoneWork:
+    fn = ".all_reduce_coalesced"
+    _check_op(op, fn)
+    _check_one_device(tensors, fn, None, "")
+    total = sum(t.numel() for t in tensors)
+    factor = _factor(scale)
+    dtype = tensors[0].dtype if tensors else None
+    for t in tensors[1:]:
+        dtype = torch.promote_types(dtype, t.dtype)
+    dtype = reduce_dtype or dtype
+    if total == 0 or (factor == 1.0 and all(t.dtype == dtype for t in tensors)):
+        return DONE  # nothing changes (C++ casts to the reduce dtype and back: exact when it is theirs)
+    with torch.no_grad():
+        flat = _flat(tensors, total, dtype, tensors[0])
+        if factor != 1.0:
+            flat.mul_(factor)
+        if not (len(tensors) == 1 and flat.data_ptr() == tensors[0].data_ptr() and flat.dtype == tensors[0].dtype):
+            torch.ops.zerofuse.unflatten_from(flat, list(tensors), _offsets(tensors))
+    return DONE
+
+
+def all_to_all(output: torch.Tensor, input: torch.Tensor, output_splits: Sequence[int],
+               input_splits: Sequence[int]) -> DoneWork:
+    if list(output_splits) != list(input_splits) or output.shape != input.shape:
+        raise ValueError(f"zerofuse::comm.all_to_all: over one rank the input goes to the output whole: expected "
+                         f"equal splits and shapes, got input_splits {list(input_splits)} of {list(input.shape)}, "
+                         f"output_splits {list(output_splits)} of {list(output.shape)}")
+    with torch.no_grad():
+        if output.data_ptr() != input.data_ptr():
+            output.copy_(input)
+    return DONE
