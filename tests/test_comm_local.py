@@ -160,11 +160,19 @@ def _zero_steps(rank, world_size, stage):
     for c in comms:
         c._c = _Refuse(c._c)
     opt = zero.Optimizer(zm, "adamw", lr=1e-2, weight_decay=0.1, max_grad_norm=1.0)
+    reduced = {}  # unit -> the address of the gflat it reduced last
+    for u in eng.units:
+        def start(comm, u=u, real=u.start_grad_sync):
+            reduced[u.index] = u.gflat.data_ptr()
+            real(comm)
+        u.start_grad_sync = start
     ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
     g = torch.Generator().manual_seed(1)
     for _ in range(4):
         x, y = torch.randn(8, 13, generator=g), torch.randn(8, 5, generator=g)
         torch.nn.functional.mse_loss(zm(x), y).backward()
+        if stage in (0, 2):  # the reduced gflat became the grad itself: no copy into another buffer
+            assert {u.index: u.gshard.data_ptr() for u in eng.units} == reduced, stage
         opt.step()
         opt.zero_grad()
         torch.nn.functional.mse_loss(ref(x), y).backward()

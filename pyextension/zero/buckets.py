@@ -17,7 +17,8 @@ local buffer, in the reduce dtype) and drops the .grad; a reduce-scatter (sum) o
 communicator reads in place, lands this rank's piece in ``gshard``. Stage 1 keeps gflat and gshard
 is a view of it (after a sync gflat is zero except the rank's own region); stage 2/3 keep only
 gshard and allocate gflat per backward. Stage 0 (plain data parallel) lays a bucket out for one
-rank (the shard is the whole buffer) and all-reduces gflat in place, which then becomes gshard.
+rank (the shard is the whole buffer) and all-reduces gflat in place, which then becomes gshard; so
+does stage 2 over one rank (``inplace``: no copy into a separate gshard).
 Low-precision reduce dtypes (bf16/fp16 on the wire, opt-in) are reduced by an all-to-all and a local
 fp32 sum, not by a ring that rounds at every hop.
 
@@ -117,6 +118,9 @@ class Bucket:
         self.state = GATHERED
         self.gather_work = None
         self.shard = self.full[self.lo:self.hi].clone() if stage == 3 else self.full[self.lo:self.hi]
+        # gflat reduced in place and kept as the grad: stage 0, and stage 2 over one rank (its shard
+        # is the whole buffer: a reduce-scatter into a separate gshard would be a copy)
+        self.inplace = stage == 0 or (stage == 2 and world_size == 1)
         self.host_shard = False  # stage 3, offload="optimizer+params": shard in host memory (offload_shard)
         self._staged: torch.Tensor | None = None  # its device copy while a gather reads it
         if stage == 3 and not self.meta:
@@ -224,7 +228,7 @@ class Bucket:
         if self.gflat is None and self.stage == 1:
             self._stage1_buffers()
         if self.gflat is None:  # stage 0/2/3: per backward, not zero-filled (each region is written once)
-            if self.stage == 0 and self.gshard_fresh and self.gshard is not None:
+            if self.inplace and self.gshard_fresh and self.gshard is not None:
                 # stage 0 reduces in place, so gshard is last step's gflat, dead since zero_grad:
                 # reusing it keeps one grad buffer, as DDP does
                 self.gflat = self.gshard
@@ -252,7 +256,7 @@ class Bucket:
                 o = self.offsets[i]
                 self.gflat[o:o + self.params[i].numel()].zero_()
         low = self.reduce_dtype in LOW_PRECISION and comm.world_size > 1
-        if self.stage == 0:  # every rank keeps the whole sum
+        if self.inplace:  # every rank keeps the whole sum
             self.rs_out = self.gflat
             self.rs_work = (comm.reduce_scatter_fp32_sum(self.gflat, all_gather=True) if low
                             else comm.all_reduce_coalesced([self.gflat], op="sum"))
@@ -281,7 +285,7 @@ class Bucket:
             # syncs): after the sync only the own region is non-zero and holds the total
             self.gflat.zero_()
             self.gshard.copy_(self.rs_out)
-        elif self.stage == 0 and (self.gshard_fresh or self.gshard is None):
+        elif self.inplace and (self.gshard_fresh or self.gshard is None):
             self.gshard = self.rs_out  # the reduced buffer becomes the grad: no copy
         elif self.rs_out is not self.gshard:
             self.gshard.add_(self.rs_out)
