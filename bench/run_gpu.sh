@@ -20,6 +20,7 @@
 #   BENCH_SUITES             bench files to run (default: every bench/bench_*.py, the least
 #                            measured first: attention, norms, llama ops, moe, offload, optimizers)
 #   TRAIN_ARGS               extra zerofuse-train flags (default: 60 steps of gpt2-124m, bf16)
+#   TRAIN_MODES              the step's modes to train (default: "--cuda-graphs --no-cuda-graphs")
 #   PYTHON                   interpreter (default python3: the GPU image has no plain `python`)
 # A dry run of the flow on a CPU machine (smoke sizes, no CUDA build, a tiny model):
 #   PYTHON=python ZEROFUSE_CUDA=0 BENCH_DEVICE=cpu ZEROFUSE_BENCH_SMOKE=1 TRAIN_DEVICE=cpu \
@@ -89,21 +90,28 @@ if want doctor; then
 fi
 
 if want train; then
-  tdir=$(mktemp -d)
-  # shellcheck disable=SC2086
-  run_phase train "$py" -m zerofuse.train --device "${TRAIN_DEVICE:-cuda}" --out "$tdir" --sample-tokens 0 \
-    ${TRAIN_ARGS:---model gpt2-124m --batch 16 --steps 60 --warmup 10 --eval-every 0 --eval-batches 2 --log-every 10} \
-    2>&1 | tee -a "$out/train.txt"
-  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-  { echo "== summary.json"; cat "$tdir/summary.json" 2>/dev/null || echo "(none)"; } >> "$out/train.txt"
+  # the step eager and as a CUDA graph (--cuda-graphs is the default where the step can be captured)
+  for mode in ${TRAIN_MODES:---cuda-graphs --no-cuda-graphs}; do
+    tdir=$(mktemp -d)
+    echo "== train $mode" >> "$out/train.txt"
+    # shellcheck disable=SC2086
+    run_phase "train $mode" "$py" -m zerofuse.train --device "${TRAIN_DEVICE:-cuda}" --out "$tdir" --sample-tokens 0 \
+      ${TRAIN_ARGS:---model gpt2-124m --batch 16 --steps 60 --warmup 10 --eval-every 0 --eval-batches 2 --log-every 10} \
+      $mode 2>&1 | tee -a "$out/train.txt"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+    { echo "== summary.json ($mode)"; cat "$tdir/summary.json" 2>/dev/null || echo "(none)"; } >> "$out/train.txt"
+  done
 fi
 
 if want profile; then
   run_phase profile "$py" bench/profile_host.py --device "${BENCH_DEVICE:-cuda}" 2>&1 | tee -a "$out/profile.txt" | grep "^==="
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
   if [ "${BENCH_DEVICE:-cuda}" = cuda ]; then  # the training step under torch.profiler (headline figures last)
-    run_phase profile_step "$py" bench/profile_gpu_step.py ${PROFILE_STEP_ARGS:-} 2>&1 | tee -a "$out/profile.txt" | tail -12
-    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+    for mode in --cuda-graphs --no-cuda-graphs; do
+      echo "== profile_step $mode" >> "$out/profile.txt"
+      run_phase profile_step "$py" bench/profile_gpu_step.py ${PROFILE_STEP_ARGS:-} -- $mode 2>&1 | tee -a "$out/profile.txt" | tail -12
+      [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+    done
   fi
 fi
 

@@ -9,7 +9,13 @@ def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     asynchronously (a pageable copy would wait for the stream); the CPU takes it as it is."""
     if device.type != "cuda":
         return host
-    return host.pin_memory().to(device, non_blocking=True)
+    pinned = host.pin_memory()
+    out = pinned.to(device, non_blocking=True)
+    # The pinned source lives as long as the device copy: a CUDA graph that captured this copy (a
+    # launch table rebuilt during the capture of a step: zerofuse.train's --cuda-graphs) repeats it
+    # at every replay, from this memory, which must then still hold the same bytes.
+    out._zerofuse_source = pinned
+    return out
 
 
 # Launch-time arithmetic in plain Python: triton.cdiv and triton.next_power_of_2 are JIT functions,

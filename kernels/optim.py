@@ -560,16 +560,22 @@ class Launch:
         the tuple's length: Adam/LARS 5, LAMB stage 1 4, LAMB 7), uploaded once; a value that changes
         (the lr every step under a schedule) is written in place by a fill whose value travels as a
         kernel argument: no host-to-device copy, no pinned allocation, ordered on the stream after
-        the launches that read the old value."""
+        the launches that read the old value. A value given as a 1-element device tensor (an lr kept
+        on the device: zerofuse.zero.Optimizer.sync_lr) is copied in at every call, on the device,
+        so that a captured CUDA graph of the step reads its value at each replay."""
         old = self._consts.get(len(values))
         if old is None:
-            t = upload(torch.tensor(values, dtype=torch.float64), self.device)
+            t = upload(torch.tensor([0.0 if torch.is_tensor(v) else v for v in values], dtype=torch.float64),
+                       self.device)
+            prev = tuple(None if torch.is_tensor(v) else v for v in values)
         else:
             prev, t = old
-            for i, (a, b) in enumerate(zip(prev, values)):
-                if a != b:
-                    t[i].fill_(b)
-        self._consts[len(values)] = (values, t)
+        for i, (a, b) in enumerate(zip(prev, values)):
+            if torch.is_tensor(b):
+                t[i:i + 1].copy_(b.reshape(1))
+            elif a is None or a != b:
+                t[i].fill_(b)
+        self._consts[len(values)] = (tuple(None if torch.is_tensor(v) else v for v in values), t)
         return t
 
     def sync(self, g: int) -> torch.Tensor:

@@ -44,6 +44,12 @@ def direct(tensors: Sequence[torch.Tensor]) -> bool:
 _DATA_PTR = torch.Tensor.data_ptr
 
 
+def lr_arg(lr):
+    """The lr a direct launch takes: a device tensor as it is (read by the kernels' constants
+    every step, so a CUDA graph of the step follows a schedule: Launch.consts), else a float."""
+    return lr if isinstance(lr, torch.Tensor) else float(lr)
+
+
 class Prepared:
     """Launch tables (zerofuse.kernels.optim.Launch) that an optimizer keeps for one param group
     between steps, so a step does not rebuild and re-check them (on an H100 that host work was

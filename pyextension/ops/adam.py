@@ -13,7 +13,7 @@ import torch
 from zerofuse import reference
 from zerofuse.kernels import optim as K
 from zerofuse.ops import register
-from zerofuse.ops._optim import (LIB, Prepared, call, check_no_overlap, check_param_lists, direct, mutated,
+from zerofuse.ops._optim import (LIB, Prepared, call, lr_arg, check_no_overlap, check_param_lists, direct, mutated,
                                  selftest_tensors)
 
 
@@ -76,7 +76,7 @@ def adam_(
         return
     if prepared is not None and direct(params):
         args = (params, grads, exp_avgs, exp_avg_sqs, masters, steps)
-        K.adam(prepared.launch("adam", params, grads, lambda: _launch(*map(list, args))), lr=float(lr),
+        K.adam(prepared.launch("adam", params, grads, lambda: _launch(*map(list, args))), lr=lr_arg(lr),
                beta1=float(beta1), beta2=float(beta2), eps=float(eps), weight_decay=float(weight_decay),
                decoupled=bool(decoupled), maximize=bool(maximize), has_master=bool(masters), grad_mult=grad_mult,
                found_inf=found_inf)

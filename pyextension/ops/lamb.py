@@ -13,7 +13,7 @@ import torch
 from zerofuse import reference
 from zerofuse.kernels import optim as K
 from zerofuse.ops import register
-from zerofuse.ops._optim import (LIB, Prepared, call, check_no_overlap, check_norms, check_param_lists, direct,
+from zerofuse.ops._optim import (LIB, Prepared, call, lr_arg, check_no_overlap, check_norms, check_param_lists, direct,
                                  mutated, selftest_tensors)
 
 TRUST_MODES = {"paper": 0, "nvlamb": 1}
@@ -128,7 +128,7 @@ def lamb_(params, grads, exp_avgs, exp_avg_sqs, steps, *, lr, beta1, beta2, eps,
         return
     if prepared is not None and direct(params):
         args = (params, grads, exp_avgs, exp_avg_sqs, masters, steps)
-        _run(prepared.launch("lamb", params, grads, lambda: _launch(*map(list, args))), float(lr), float(beta1),
+        _run(prepared.launch("lamb", params, grads, lambda: _launch(*map(list, args))), lr_arg(lr), float(beta1),
              float(beta2), float(eps), float(weight_decay), bool(bias_correction), trust_mode, float(min_trust),
              float(max_trust), bool(masters), grad_mult, found_inf)
         mutated(params)
@@ -174,7 +174,7 @@ def lamb_stage2_(params, exp_avgs, exp_avg_sqs, steps, norms, *, lr, beta1, beta
             return K.moment_launch(lists[0], None, *lists[1:])
         launch = prepared.launch("lamb_stage2", params, None, build)
         _check_norms("lamb_stage2_", norms, launch.n, launch.device)
-        K.lamb_stage2(launch, norms, lr=float(lr), beta1=float(beta1), beta2=float(beta2), eps=float(eps),
+        K.lamb_stage2(launch, norms, lr=lr_arg(lr), beta1=float(beta1), beta2=float(beta2), eps=float(eps),
                       weight_decay=float(weight_decay), bias_correction=bool(bias_correction), trust_mode=trust_mode,
                       min_trust=float(min_trust), max_trust=float(max_trust), has_master=bool(masters),
                       found_inf=found_inf)

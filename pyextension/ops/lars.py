@@ -10,7 +10,7 @@ import torch
 from zerofuse import reference
 from zerofuse.kernels import optim as K
 from zerofuse.ops import register
-from zerofuse.ops._optim import (LIB, Prepared, call, check_no_overlap, check_norms, check_param_lists, direct,
+from zerofuse.ops._optim import (LIB, Prepared, call, lr_arg, check_no_overlap, check_norms, check_param_lists, direct,
                                  mutated, selftest_tensors)
 from zerofuse.ops.l2norm import l2norm
 
@@ -61,7 +61,7 @@ def lars_(params, grads, momentum_buffers, *, lr, momentum, weight_decay, trust_
         bufs = list(momentum_buffers)
         launch = prepared.launch("lars", params, grads, lambda: _launch(params, grads, bufs, masters, norms))
         _check_norms(norms, launch.n, launch.device)  # norms may be a new tensor at every call
-        K.lars(launch, norms, lr=float(lr), momentum=float(momentum), weight_decay=float(weight_decay),
+        K.lars(launch, norms, lr=lr_arg(lr), momentum=float(momentum), weight_decay=float(weight_decay),
                trust_coefficient=float(trust_coefficient), eps=float(eps), has_master=bool(masters),
                grad_mult=grad_mult, found_inf=found_inf)
         mutated(params)

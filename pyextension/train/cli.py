@@ -69,6 +69,10 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--precision", choices=("fp32", "bf16", "fp16"), help="default: fp32 on CPU, bf16 on CUDA")
     g.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when available")
     g.add_argument("--compile", action="store_true", help="torch.compile each transformer block's forward")
+    g.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction,
+                   help="capture the whole step in a CUDA graph and replay it (default: on where it can be: CUDA, "
+                        "one rank, ZeRO 0-2, no offload, MoE, fp16 or activation checkpointing; else the reason is "
+                        "logged and the step runs eagerly)")
     g.add_argument("--activation-checkpointing", choices=("none", "full", "selective"), default="none",
                    help="recompute in backward: full: each block from its input; selective: all but the matmul "
                         "outputs (default none)")

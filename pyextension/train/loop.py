@@ -90,6 +90,9 @@ class Trainer:
                                   delayed_update=args.offload_delayed_update is not None,
                                   delayed_update_warmup=args.offload_delayed_update or 0)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(args))
+        from .graphs import StepGraph, reason_not
+        self.graphs_off = "--no-cuda-graphs" if args.cuda_graphs is False else reason_not(self)
+        self.graphs = StepGraph(self) if self.graphs_off is None else None
         seq = self.cfg.seq_len
         self.train_data = Sampler(self.corpus.train, seq, args.batch, args.grad_accum, args.dp, self.mesh.dp_rank,
                                   args.seed)
@@ -145,22 +148,18 @@ class Trainer:
         return self.model(x, y)[1]
 
     def _batch(self, step: int):
-        """This step's (inputs, targets) on the device: one pinned host-to-device copy on CUDA."""
+        """This step's (inputs, targets) stacked, (2, grad_accum, batch, seq): on the CPU as they
+        are; for CUDA in pinned memory, for one host-to-device copy that does not wait."""
         xs, ys = self.train_data.get(step)
-        if self.device.type != "cuda":
-            return xs, ys
-        both = torch.stack([xs, ys]).pin_memory().to(self.device, non_blocking=True)
-        return both[0], both[1]
+        both = torch.stack([xs, ys])
+        return both if self.device.type != "cuda" else both.pin_memory()
 
-    def train_step(self) -> None:
-        """One optimizer step, queued on the device without waiting for it: the loss, grad norm
-        and skipped flag stay device tensors until the next log point (StepMetrics), the stop
-        signal is agreed on a CPU group (StopVote)."""
-        from zerofuse import comm
+    def step_body(self, xs, ys, on_stepped=None):
+        """The device work of one optimizer step: forwards and backwards, the optimizer step,
+        zero_grad; returns the mean loss (a device scalar). Captured whole by --cuda-graphs
+        (train/graphs.py), so it reads nothing from the host but its arguments and the
+        optimizer's lr (Optimizer.sync_lr). on_stepped() runs between the step and zero_grad."""
         args, opt = self.args, self.opt
-        cpu = self.device.type == "cpu"
-        t0, w0 = time.perf_counter(), comm.wait_seconds()
-        xs, ys = self._batch(self.step)
         if self.pp is not None:  # the schedule runs the micro-batches' forwards and backwards
             mean_loss = self.pp.step(xs, ys)
         else:
@@ -180,17 +179,39 @@ class Trainer:
             self.moe.end_step()
             for m in self.model.moe_layers:  # aux-loss-free balancing: before the step (collective over DP)
                 m.router.update_bias()
-        lr = opt.param_groups[0]["lr"]
         opt.step()
+        if on_stepped is not None:
+            on_stepped()
+        opt.zero_grad()
+        return mean_loss
+
+    def _measure_memory(self) -> None:
         if self.memory is None:  # sizes and allocator counters only: no sync
             self.memory = self._memory()
-        opt.zero_grad()
+
+    def train_step(self) -> None:
+        """One optimizer step, queued on the device without waiting for it: the loss, grad norm
+        and skipped flag stay device tensors until the next log point (StepMetrics), the stop
+        signal is agreed on a CPU group (StopVote). With --cuda-graphs a replay of the captured
+        step (train/graphs.py)."""
+        from zerofuse import comm
+        args, opt = self.args, self.opt
+        cpu = self.device.type == "cpu"
+        t0, w0 = time.perf_counter(), comm.wait_seconds()
+        both = self._batch(self.step)
+        lr = opt.param_groups[0]["lr"]
+        if self.graphs is not None:
+            mean_loss, norm, skipped = self.graphs.step(both)
+        else:
+            if not cpu:
+                both = both.to(self.device, non_blocking=True)
+            mean_loss = self.step_body(both[0], both[1], self._measure_memory)
+            norm, skipped = opt.last_grad_norm, opt.last_step_skipped if opt.fp16 else None
         self.sched.step()
         self.step += 1
         host = {"step": self.step, "lr": lr, "comm_time": comm.wait_seconds() - w0 if cpu else None,
                 "step_time": time.perf_counter() - t0 if cpu else None}  # CUDA: timed between log points
-        self.metrics.record(host, mean_loss, opt.last_grad_norm,
-                            opt.last_step_skipped if opt.fp16 else None)
+        self.metrics.record(host, mean_loss, norm, skipped)
         stop_after = args.stop_after is not None and self.step >= args.stop_after  # the same on every rank
         self.stopped = self.vote.vote(self.stop.signum) or (signal.SIGTERM if stop_after else 0)
 

@@ -63,6 +63,8 @@ class RankZeroLog:
                    f"{t.n_params / 1e6:.2f}M params ({t.cfg.n_layer} layers, {t.cfg.n_head} heads, "
                    f"{t.cfg.n_kv_head} kv heads, dim {t.cfg.dim}, seq {t.cfg.seq_len}, vocab {t.cfg.vocab_size}, "
                    f"{t.corpus.kind} tokens); {a.steps} steps of {a.dp * a.batch * a.grad_accum} sequences")
+        if t.device.type == "cuda" or a.cuda_graphs:
+            self.write(f"cuda graphs: {graphs_state(t)}")
         where = f"resumed at step {t.step}" if t.step else "step 0"
         self.write(f"{where}: val loss {val:.4f}")
         if self.tb:
@@ -126,7 +128,7 @@ class RankZeroLog:
             "initial_val_loss": self.initial_val if t.start_step == 0 else None,
             "final_train_loss": runs[-1]["loss"] if runs else None,
             "final_val_loss": final_val[0], "final_val_step": final_val[1],
-            "pipeline": getattr(t, "pipeline_report", None),
+            "pipeline": getattr(t, "pipeline_report", None), "cuda_graphs": graphs_state(t),
             "moe": _moe_summary(t, runs),
         }
 
@@ -154,6 +156,11 @@ class _Lines:
 
     def close(self):
         pass
+
+
+def graphs_state(t: Trainer) -> str:
+    """--cuda-graphs as it stands: on (and when it was captured), or off and why."""
+    return t.graphs.describe() if t.graphs is not None else f"off: {t.graphs_off}"
 
 
 def _plural(n: int, word: str) -> str:
@@ -217,6 +224,8 @@ def _table(s: dict) -> str:
                                       f"{gpu_comm}"),
         ("MFU", "n/a (cpu)" if s["device"] == "cpu" else num(s["mfu"] and 100 * s["mfu"], ".1f") + " % of bf16 peak"),
     ]
+    if s["device"] == "cuda":
+        rows.append(("cuda graphs", s["cuda_graphs"]))
     for r, m in enumerate(s["memory_per_rank"]):
         extra = f", CUDA max allocated {_fmt_bytes(m['cuda_max_allocated'])}" if "cuda_max_allocated" in m else ""
         for key, what in (("optimizer_host", "optimizer"), ("params_host", "param shards")):

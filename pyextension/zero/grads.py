@@ -80,3 +80,17 @@ def gathered_grads(eng):
                 u.gshard.copy_(buf[u.lo:u.hi])
         for p in eng.params:
             p.grad = None
+
+
+def abandon_backward(eng) -> None:
+    """Forget a backward that began but did not finish (a failed CUDA graph capture runs none of its
+    kernels, and autograd drops the end-of-backward callback it queued): the units' counters, the
+    reductions in flight (over one rank they completed when launched) and every grad, so that the
+    next backward starts as after zero_grad."""
+    eng._final_queued = eng._in_backward = False
+    eng.buckets._inflight.clear()
+    for u in eng.units:
+        u.ready, u.launched, u.rs_work, u.rs_out = 0, False, None, None
+        u.zero_grad(True)
+    for p in eng.params:
+        p.grad = None

@@ -126,6 +126,7 @@ class Optimizer(GradNorms, OptimizerState, torch.optim.Optimizer):
         self._found_inf: torch.Tensor | None = None
         self.last_step_skipped: torch.Tensor | None = None  # found_inf of the last step (fp16 / clipping)
         self.host = None
+        self._device_lr: list[torch.Tensor] | None = None  # sync_lr's, per group
         if not isinstance(offload_overlap, bool):
             raise TypeError(f"{NAME}: expected offload_overlap to be a bool, got {offload_overlap!r}")
         self.offload_overlap = offload_overlap
@@ -239,6 +240,37 @@ class Optimizer(GradNorms, OptimizerState, torch.optim.Optimizer):
         """loss times the dynamic loss scale (fp16; 1 otherwise): call backward on this."""
         return loss * self.scale.to(loss.dtype) if self.fp16 else loss
 
+    def sync_lr(self, on: bool = True) -> None:
+        """Keep each group's lr in a float64 device tensor, written here (a fill, no copy from the
+        host) when group["lr"] changed; from the first call on, step() hands the kernels those
+        tensors, which they read on the device. A CUDA graph of the step then follows the lr
+        schedule: call this before the capture and before every replay (zerofuse.train's
+        --cuda-graphs). The values are the floats' exactly. on=False: back to the floats."""
+        if not on:
+            self._device_lr = None
+            return
+        if self._device_lr is None or len(self._device_lr) != len(self.param_groups):
+            dev = self.scale.device
+            self._device_lr = [torch.full((1,), float("nan"), dtype=torch.float64, device=dev)
+                               for _ in self.param_groups]
+            self._lr_synced = [None] * len(self.param_groups)
+        for gi, group in enumerate(self.param_groups):
+            if self._lr_synced[gi] != group["lr"]:
+                self._device_lr[gi].fill_(float(group["lr"]))
+                self._lr_synced[gi] = group["lr"]
+
+    def abandon_step(self) -> None:
+        """Forget a step begun and not finished (a failed CUDA graph capture, which ran nothing):
+        the backward's bookkeeping, the grads, the clipping state (zero/grads.py abandon_backward)."""
+        from zerofuse.zero.grads import abandon_backward
+        abandon_backward(self.engine)
+        self._clip_coef = self._found_inf = None
+        for plan in self._plans.values():
+            plan.release_grads()
+
+    def _lr(self, gi: int, group):
+        return self._device_lr[gi] if self._device_lr is not None else group["lr"]
+
     @property
     def loss_scale(self) -> float:
         return float(self.scale.item())
@@ -284,9 +316,10 @@ class Optimizer(GradNorms, OptimizerState, torch.optim.Optimizer):
             lists = self._lists(gi, runs)
             v = lists.views
             b1, b2 = group["betas"]
-            adam_(v["param"], v["grad"], v["exp_avg"], v["exp_avg_sq"], [step] * len(runs), lr=group["lr"], beta1=b1,
-                  beta2=b2, eps=group["eps"], weight_decay=group["weight_decay"], decoupled=self.kind == "adamw",
-                  maximize=False, masters=v["master"], grad_mult=mult, found_inf=found, prepared=lists.prepared)
+            adam_(v["param"], v["grad"], v["exp_avg"], v["exp_avg_sq"], [step] * len(runs), lr=self._lr(gi, group),
+                  beta1=b1, beta2=b2, eps=group["eps"], weight_decay=group["weight_decay"],
+                  decoupled=self.kind == "adamw", maximize=False, masters=v["master"], grad_mult=mult, found_inf=found,
+                  prepared=lists.prepared)
         elif self.kind == "lamb":
             self._lamb(gi, group, mult, found, step)
         else:
@@ -306,8 +339,8 @@ class Optimizer(GradNorms, OptimizerState, torch.optim.Optimizer):
             lamb_stage1_(v["param"], v["grad"], v["exp_avg"], v["exp_avg_sq"], steps, norms, grad_mult=mult, **kw)
         norms = self._per_param_norms(norms, lists.index)
         if pieces:
-            lamb_stage2_(v["param"], v["exp_avg"], v["exp_avg_sq"], steps, norms, lr=group["lr"], mode=group["mode"],
-                         min_trust=group["min_trust"], max_trust=group["max_trust"], **kw)
+            lamb_stage2_(v["param"], v["exp_avg"], v["exp_avg_sq"], steps, norms, lr=self._lr(gi, group),
+                         mode=group["mode"], min_trust=group["min_trust"], max_trust=group["max_trust"], **kw)
         else:
             step += 1.0 if found is None else 1.0 - found
 
@@ -325,7 +358,7 @@ class Optimizer(GradNorms, OptimizerState, torch.optim.Optimizer):
         sums = self._per_param_norms(sums, lists.index)
         if not n:
             return
-        lars_(params, grads, v["momentum_buffer"], lr=group["lr"], momentum=group["momentum"],
+        lars_(params, grads, v["momentum_buffer"], lr=self._lr(gi, group), momentum=group["momentum"],
               weight_decay=group["weight_decay"], trust_coefficient=group["trust_coefficient"], eps=group["eps"],
               masters=masters, grad_mult=mult, found_inf=found, norms=sums.sqrt().t().contiguous().reshape(-1),
               prepared=lists.prepared)

@@ -1,0 +1,152 @@
+"""--cuda-graphs: the whole training step (forwards, backwards, clipping, the optimizer step and
+zero_grad: Trainer.step_body) captured once in a CUDA graph and replayed at every step after, so the
+host launches one graph where the eager step launches ~700 kernels and runs ~200 Python hooks
+(bench/profile_step.py counts them) and the GPU no longer waits for the host between kernels.
+
+[Note: graphed step] What the capture relies on, and who provides it:
+- Static shapes: every batch has the Sampler's shape. A replay reads its batch from one device
+  buffer into which the host copies the next batch (pinned memory, no wait) before the replay.
+- No host read inside the step (tests/test_train_sync.py) and no host decision on a device value.
+- Everything the step reads that existed before the capture stays at its address: params (ZeRO's
+  flat buffers), optimizer states and step counters, the optimizer's launch tables and constants
+  (kept between steps: StepPlans / Prepared), the batch buffer.
+- What the host changes per step reaches the step through device tensors written before each
+  replay: the batch, and the lr (Optimizer.sync_lr: the kernels copy it into their constants on
+  the device at each step). The LR schedule itself runs on the host as before.
+- What the step makes (activations, grads, the loss, the grad norm, the skipped flag) lives in the
+  graph's private memory pool at fixed addresses; each replay overwrites the loss / norm / flag
+  tensors the capture returned, and StepMetrics copies them (torch.stack) right after the replay.
+- The Python state a step changes (ZeRO's bucket flags, the optimizer's) is the same after a step
+  as before it (the step ends with zero_grad), so the state the capture leaves is the one every
+  replay assumes; nothing in Python runs during a replay.
+- A world of one: its collectives run in place on the current stream (zerofuse/comm/local.py), so
+  no NCCL call, communication stream or event is captured.
+Before the capture, WARMUP eager steps run on a side stream (torch's advice for whole-network
+capture): Triton compiles and autotunes, the optimizer builds its states and tables, ZeRO its
+buffers. Nothing executes while capturing, so the captured step is replayed at once as that step.
+A capture that fails is logged in one line and the job goes on eagerly.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+WARMUP = 3
+
+
+def reason_not(trainer) -> str | None:
+    """Why this job's step cannot be captured (None: it can)."""
+    a = trainer.args
+    for cond, why in (
+        (trainer.device.type != "cuda", f"the device is {trainer.device.type}, not CUDA"),
+        (trainer.world > 1, f"{trainer.world} ranks: only a world of one is captured (its collectives run in "
+                            "place; NCCL's are not captured)"),
+        (a.zero_stage == 3, "ZeRO-3 frees and regathers its parameter buffers around each unit"),
+        (a.offload != "none", "offload steps the optimizer on the host"),
+        (bool(trainer.cfg.moe_experts), "MoE layers read their per-expert token counts on the host"),
+        (a.activation_checkpointing != "none" or a.activation_offload,
+         "activation checkpointing and offload are not captured (they stash RNG states and host copies)"),
+        (a.precision == "fp16", "fp16 loss scaling is not captured"),
+    ):
+        if cond:
+            return why
+    return None
+
+
+class StepGraph:
+    """Runs Trainer.step_body: eagerly on a side stream for the first WARMUP steps, then as one
+    captured graph. ``step(batch)`` returns the (mean loss, grad norm, skipped flag) tensors."""
+
+    def __init__(self, trainer, graph_factory=None):
+        self.t = trainer
+        self.side = torch.cuda.Stream(trainer.device) if trainer.device.type == "cuda" else None
+        self.new_graph = graph_factory or torch.cuda.CUDAGraph
+        self.graph = None
+        self.batch: torch.Tensor | None = None  # the device buffer the replays read
+        self.outputs = None
+        self.warm = 0
+        self.captured_at: int | None = None  # the step (0-based) captured
+        self.failed: str | None = None
+
+    def _outputs(self, loss):
+        opt = self.t.opt
+        return loss, opt.last_grad_norm, opt.last_step_skipped if opt.fp16 else None
+
+    def step(self, batch: torch.Tensor):
+        t = self.t
+        if self.graph is None and (self.warm < WARMUP or self.failed):
+            self.warm += 1
+            with self._on_side():
+                both = batch.to(t.device, non_blocking=True) if t.device.type == "cuda" else batch
+                return self._outputs(t.step_body(both[0], both[1], t._measure_memory))
+        if self.graph is None:
+            self._capture(batch)
+            if self.graph is None:  # failed: this step eagerly
+                return self.step(batch)
+        self.batch.copy_(batch, non_blocking=True)
+        t.opt.sync_lr()
+        self.graph.replay()
+        return self.outputs
+
+    def _on_side(self):
+        """A context running its block on the side stream, ordered after and before the current."""
+        return _SideStream(self.side) if self.side is not None else contextlib.nullcontext()
+
+    def _capture(self, batch: torch.Tensor) -> None:
+        t = self.t
+        if t.device.type == "cuda":
+            torch.cuda.synchronize(t.device)
+        self.batch = batch.to(t.device, copy=True)
+        t.opt.sync_lr()
+        graph = self.new_graph()
+        try:
+            with _capturing(graph):
+                self.outputs = self._outputs(t.step_body(self.batch[0], self.batch[1]))
+        except Exception as e:  # noqa: BLE001 - whatever the capture refused, the job goes on eagerly
+            self._give_up(e)
+            return
+        self.graph, self.captured_at = graph, t.step
+
+    def _give_up(self, e: Exception) -> None:
+        t = self.t
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        self.failed = f"capture failed at step {t.step + 1} ({type(e).__name__}: {first})"
+        if t.device.type == "cuda":
+            torch.cuda.synchronize(t.device)
+        t.opt.abandon_step()  # nothing ran while capturing: forget the half-built step's Python state
+        t.opt.sync_lr(False)  # eager steps take the lr from the param groups again
+        self.batch = self.outputs = None
+        if t.log:
+            t.log.write(f"cuda graphs: {self.failed}; training eagerly")
+
+    def describe(self) -> str:
+        if self.failed:
+            return f"off: {self.failed}"
+        if self.captured_at is None:
+            return f"on (not captured yet: {WARMUP} eager warm-up steps first)"
+        return f"on (captured at step {self.captured_at + 1} after {WARMUP} eager steps)"
+
+
+class _SideStream:
+    def __init__(self, side):
+        self.side = side
+
+    def __enter__(self):
+        self.cur = torch.cuda.current_stream(self.side.device)
+        self.side.wait_stream(self.cur)
+        self.ctx = torch.cuda.stream(self.side)
+        self.ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.ctx.__exit__(*exc)
+        self.cur.wait_stream(self.side)
+        return False
+
+
+def _capturing(graph):
+    """torch.cuda.graph(graph) for a CUDA graph; a stand-in graph (tests on CPU) brings its own."""
+    if isinstance(graph, torch.cuda.CUDAGraph):
+        return torch.cuda.graph(graph)
+    return graph.capture()
