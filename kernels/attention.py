@@ -127,7 +127,7 @@ def _attn_delta_kernel(O, DO, DELTA, sob, soh, son, sdb, sdh, sdn, Hq, Nq, D,
 @triton.jit
 def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
                           sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sdb, sdh, sdn,
-                          Hq, Hkv, G, Nq, Nk, D, scale,
+                          sdkb, sdkh, sdkn, sdvb, sdvh, sdvn, Hq, Hkv, G, Nq, Nk, D, scale,
                           CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_D: tl.constexpr, UPCAST: tl.constexpr):
     pid_n = tl.program_id(0)
@@ -168,17 +168,17 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
             dst = pt * (dpt - delta[None, :])
             dk += _dot(dst.to(q.dtype), q, UPCAST)
     out_mask = (offs_n[:, None] < Nk) & d_mask[None, :]
-    # dk and dv are contiguous (B, Hkv, Nk, D)
-    out_off = (b.to(tl.int64) * Hkv + hk) * Nk * D
-    tl.store(_rows(DK + out_off, pid_n * BLOCK_N, D, offs_d, BLOCK_N), (dk * scale).to(DK.dtype.element_ty),
+    # dk and dv at their own strides (contiguous, or views of a packed qkv gradient)
+    tl.store(_rows(_heads(DK, b, hk, sdkb, sdkh), pid_n * BLOCK_N, sdkn, offs_d, BLOCK_N),
+             (dk * scale).to(DK.dtype.element_ty), mask=out_mask)
+    tl.store(_rows(_heads(DV, b, hk, sdvb, sdvh), pid_n * BLOCK_N, sdvn, offs_d, BLOCK_N), dv.to(DV.dtype.element_ty),
              mask=out_mask)
-    tl.store(_rows(DV + out_off, pid_n * BLOCK_N, D, offs_d, BLOCK_N), dv.to(DV.dtype.element_ty), mask=out_mask)
 
 
 @triton.jit
 def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
                         sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sdb, sdh, sdn,
-                        Hq, G, Nq, Nk, D, scale,
+                        sdqb, sdqh, sdqn, Hq, G, Nq, Nk, D, scale,
                         CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_D: tl.constexpr, UPCAST: tl.constexpr):
     pid_m = tl.program_id(0)
@@ -207,8 +207,8 @@ def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
         dp = _dot(do, tl.trans(v), UPCAST)
         ds = p * (dp - delta[:, None])
         dq += _dot(ds.to(k.dtype), k, UPCAST)
-    tl.store(_rows(DQ + bh * Nq * D, pid_m * BLOCK_M, D, offs_d, BLOCK_M), (dq * scale).to(DQ.dtype.element_ty),
-             mask=row_mask)
+    tl.store(_rows(_heads(DQ, b, h, sdqb, sdqh), pid_m * BLOCK_M, sdqn, offs_d, BLOCK_M),
+             (dq * scale).to(DQ.dtype.element_ty), mask=row_mask)
 
 
 # Interpreter: one fixed block shape (the interpreter runs no autotuning; tests monkeypatch it to
@@ -305,23 +305,45 @@ def _check_grid(b: int, hq: int) -> None:
                          f"got B={b}, H={hq}")
 
 
-def attention_fwd(q, k, v, causal: bool, scale: float):
-    """(out (B, Hq, Nq, D) like q, lse (B, Hq, Nq) fp32 natural log-sum-exp of the scaled scores)."""
+def _writable(t: torch.Tensor | None, shape, like: torch.Tensor) -> torch.Tensor | None:
+    """An output the caller gave (a strided view, e.g. of a packed qkv gradient) if the kernels can
+    write it in place: its shape, like's dtype and device, unit stride along head_dim and a row
+    stride within [Note: 64-bit offsets]; None otherwise (the launcher allocates and copies)."""
+    if t is None:
+        return None
+    if tuple(t.shape) != tuple(shape) or t.dtype != like.dtype or t.device != like.device:
+        raise ValueError(f"zerofuse attention: expected an output of shape {list(shape)}, {like.dtype} on "
+                         f"{like.device}, got {list(t.shape)}, {t.dtype} on {t.device}")
+    ok = t.stride(-1) == 1 and (t.shape[-2] <= 1 or t.stride(-2) <= _MAX_ROW_STRIDE)
+    return t if ok else None
+
+
+def attention_fwd(q, k, v, causal: bool, scale: float, out=None):
+    """(out (B, Hq, Nq, D) like q, lse (B, Hq, Nq) fp32 natural log-sum-exp of the scaled scores).
+    out: where to write it (any strides with a unit one along D, e.g. a (B, Nq, Hq, D) buffer seen
+    as (B, Hq, Nq, D)); default a new contiguous tensor."""
     _check(q, k, v, "zerofuse.kernels.attention.attention_fwd")
     q, k, v = _tileable(q), _tileable(k), _tileable(v)
     b, hq, nq, d = q.shape
     _check_grid(b, hq)
     hkv, nk = k.shape[1], k.shape[2]
-    out = torch.empty((b, hq, nq, d), device=q.device, dtype=q.dtype)
+    given = out
+    out = _writable(out, q.shape, q)
+    if out is None:
+        out = torch.empty((b, hq, nq, d), device=q.device, dtype=q.dtype)
     lse = torch.empty((b, hq, nq), device=q.device, dtype=torch.float32)
     _launch(_attn_fwd_kernel, _attn_fwd_tuned, lambda meta: (cdiv(nq, meta["BLOCK_M"]), hq, b),
             q, k, v, out, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
             hq, hq // hkv, nq, nk, d, scale * LOG2E, CAUSAL=causal, BLOCK_D=_block_d(d))
+    if given is not None and given is not out:
+        given.copy_(out)
+        out = given
     return out, lse
 
 
-def attention_bwd(dout, q, k, v, out, lse, causal: bool, scale: float):
-    """(dq, dk, dv) in the inputs' dtypes."""
+def attention_bwd(dout, q, k, v, out, lse, causal: bool, scale: float, dq=None, dk=None, dv=None):
+    """(dq, dk, dv) in the inputs' dtypes; written into dq/dk/dv when given (any strides with a unit
+    one along D: e.g. views of one packed qkv gradient), else into new contiguous tensors."""
     b, hq, nq, d = q.shape
     _check_grid(b, hq)
     hkv, nk = k.shape[1], k.shape[2]
@@ -333,17 +355,23 @@ def attention_bwd(dout, q, k, v, out, lse, causal: bool, scale: float):
     _attn_delta_kernel[(cdiv(nq, 64), hq, b)](
         out, dout, delta, *out.stride()[:3], *dout.stride()[:3], hq, nq, d, BLOCK_M=64, BLOCK_D=bd,
     )
-    dq = torch.empty((b, hq, nq, d), device=q.device, dtype=q.dtype)
-    dk = torch.empty((b, hkv, nk, d), device=k.device, dtype=k.dtype)
-    dv = torch.empty((b, hkv, nk, d), device=v.device, dtype=v.dtype)
+    given = (dq, dk, dv)
+    outs = [_writable(t, like.shape, like) for t, like in zip(given, (q, k, v))]
+    dq, dk, dv = (t if t is not None else torch.empty(like.shape, device=like.device, dtype=like.dtype)
+                  for t, like in zip(outs, (q, k, v)))
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3])
     _launch(_attn_bwd_dkdv_kernel, _attn_bwd_dkdv_tuned, lambda meta: (cdiv(nk, meta["BLOCK_N"]), hkv, b),
-            q, k, v, dout, lse, delta, dk, dv, *strides, hq, hkv, hq // hkv, nq, nk, d, scale,
-            CAUSAL=causal, BLOCK_D=bd)
+            q, k, v, dout, lse, delta, dk, dv, *strides, *dk.stride()[:3], *dv.stride()[:3], hq, hkv, hq // hkv,
+            nq, nk, d, scale, CAUSAL=causal, BLOCK_D=bd)
     _launch(_attn_bwd_dq_kernel, _attn_bwd_dq_tuned, lambda meta: (cdiv(nq, meta["BLOCK_M"]), hq, b),
-            q, k, v, dout, lse, delta, dq, *strides, hq, hq // hkv, nq, nk, d, scale,
+            q, k, v, dout, lse, delta, dq, *strides, *dq.stride()[:3], hq, hq // hkv, nq, nk, d, scale,
             CAUSAL=causal, BLOCK_D=bd)
-    return dq, dk, dv
+    res = [dq, dk, dv]
+    for i, (g, o) in enumerate(zip(given, outs)):
+        if g is not None and o is None:  # given but not writable in place: copied in
+            g.copy_(res[i])
+            res[i] = g
+    return tuple(res)
 
 
 def default_scale(d: int) -> float:

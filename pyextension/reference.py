@@ -136,6 +136,17 @@ def attention(q, k, v, is_causal=False, scale=None):
     return torch.softmax(s, dim=-1) @ v, lse
 
 
+def attention_qkv(qkv, num_heads, num_kv_heads, is_causal=False, scale=None):
+    """attention() above from a fused projection qkv (B, N, (Hq + 2 Hkv) * D), [q | k | v] heads along
+    the last dim: (out (B, N, Hq * D), lse (B, Hq, N))."""
+    b, n, c = qkv.shape
+    d = c // (num_heads + 2 * num_kv_heads)
+    q, k, v = qkv.split([num_heads * d, num_kv_heads * d, num_kv_heads * d], dim=-1)
+    q, k, v = (t.reshape(b, n, -1, d).transpose(1, 2) for t in (q, k, v))
+    out, lse = attention(q, k, v, is_causal=is_causal, scale=scale)
+    return out.transpose(1, 2).reshape(b, n, num_heads * d), lse
+
+
 def linear_cross_entropy(hidden, weight, target, bias=None, ignore_index=-100, reduction="mean", label_smoothing=0.0,
                          z_loss=0.0, softcap=None):
     """cross_entropy(hidden @ weight.T + bias, ...) below: the output layer and its loss, in the inputs'

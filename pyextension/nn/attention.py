@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from zerofuse.nn.functional import scaled_dot_product_attention
+from zerofuse.nn.functional import qkv_attention, scaled_dot_product_attention
 
 
 class Attention(torch.nn.Module):
@@ -46,6 +46,9 @@ class Attention(torch.nn.Module):
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv(x)
         b, n = qkv.shape[:2]  # not x's: a sequence-parallel projection gathers the sequence
+        if self.rope is None and self.sdpa is scaled_dot_product_attention:
+            # straight from the projection: no copy of the heads, the output or the gradients
+            return self.proj(qkv_attention(qkv, hq, hkv, is_causal=self.causal))
         # views of the fused projection in (B, H, N, D) order (strided; the kernel takes strides)
         q = qkv[..., : hq * d].view(b, n, hq, d).transpose(1, 2)
         k = qkv[..., hq * d:(hq + hkv) * d].view(b, n, hkv, d).transpose(1, 2)

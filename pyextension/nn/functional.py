@@ -7,6 +7,7 @@
     linear_cross_entropy(hidden, weight, target, bias=None, ignore_index=-100, reduction="mean", ...)  (nn/loss.py)
     swiglu(gate, up), geglu(gate, up)  (nn/mlp.py)
     rotary_embedding(q, k, cos, sin, positions=None, *, interleaved=False, inplace=False)  (nn/rotary.py)
+    scaled_dot_product_attention(query, key, value, ...) and qkv_attention(qkv, num_heads, num_kv_heads, ...)
 
 with h = input + residual, y = norm(h): the pre-norm transformer step in one pass. Triton kernels
 on CUDA, C++ kernels on CPU (Triton in the interpreter under ZEROFUSE_TRITON_ON_CPU=1). Under
@@ -195,6 +196,31 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
     query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
     out, _ = torch.ops.zerofuse.attention(query, key, value, bool(is_causal), scale)
     return out
+
+
+def qkv_attention(qkv: Tensor, num_heads: int, num_kv_heads: int | None = None, is_causal: bool = False,
+                  scale: float | None = None) -> Tensor:
+    """Attention straight from a fused QKV projection: qkv (B, N, (Hq + 2 * Hkv) * D), the q heads then
+    the k heads then the v heads along the last dim (zerofuse.nn.Attention's layout) -> (B, N, Hq * D),
+    ready for the output projection. The same result as splitting qkv into (B, H, N, D) heads for
+    scaled_dot_product_attention and transposing its output back, without the copies that costs
+    (zerofuse::attention_qkv: the kernels read the heads in place, write the output in this layout
+    and the gradient of qkv as one packed tensor). What the fused kernel does not take (head_dim >
+    256, float64 on CUDA) runs scaled_dot_product_attention on the split heads."""
+    from zerofuse.ops import attention as _attn
+    from zerofuse.ops import attention_qkv as _qkv
+
+    num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+    d = _qkv.check(qkv, num_heads, num_kv_heads, "zerofuse.nn.functional.qkv_attention")
+    scale = d ** -0.5 if scale is None else float(scale)
+    if d > _attn.MAX_HEAD_DIM or (qkv.is_cuda and qkv.dtype not in (torch.float32, torch.float16, torch.bfloat16)):
+        q, k, v = _qkv.heads(qkv, num_heads, num_kv_heads, d)
+        out = scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale,
+                                           enable_gqa=num_heads != num_kv_heads)
+        return out.transpose(1, 2).reshape(qkv.shape[0], qkv.shape[1], num_heads * d)
+    if torch.compiler.is_compiling():
+        return torch.ops.zerofuse.attention_qkv(qkv, num_heads, num_kv_heads, bool(is_causal), scale)[0]
+    return _qkv.EagerQKVAttention.apply(qkv, num_heads, num_kv_heads, bool(is_causal), scale)
 
 
 from zerofuse.nn.loss import linear_cross_entropy  # noqa: E402,F401  (its own module: the fused head + loss)

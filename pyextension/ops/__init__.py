@@ -42,6 +42,7 @@ def registered_in_torch() -> list[str]:
 from zerofuse.ops.flatten import flatten_into, packed_offsets, unflatten_from  # noqa: E402
 from zerofuse.ops import norms  # noqa: E402,F401
 from zerofuse.ops import attention  # noqa: E402,F401
+from zerofuse.ops import attention_qkv  # noqa: E402,F401
 from zerofuse.ops import linear_cross_entropy  # noqa: E402,F401
 from zerofuse.ops import swiglu  # noqa: E402,F401
 from zerofuse.ops import rotary  # noqa: E402,F401

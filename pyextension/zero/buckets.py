@@ -1,5 +1,5 @@
 """ZeRO's one bucket mechanism (Megatron-Core's names): a ``Bucket`` is a set of parameters laid out
-in one flat buffer and sharded over the ranks; a ``BucketGroup`` runs every bucket's gradient and
+in one flat buffer and sharded over the ranks; a ``BucketGroup`` (zero/bucket_group.py) runs every bucket's gradient and
 parameter collectives. Stages 0-3 all run on it (stage 3 calls its buckets units: one per wrapped
 module).
 
@@ -57,7 +57,6 @@ the shard, length, offset in the flattened param). Optimizers, norms and checkpo
 """
 from __future__ import annotations
 
-import collections
 import dataclasses
 
 import torch
@@ -213,18 +212,30 @@ class Bucket:
         return False
 
     def add_deferred(self) -> None:
-        """Moves the deferred grads into gflat (made here) and drops them from .grad."""
-        for i, d in enumerate(self.deferred):
-            if d:
-                p = self.params[i]
-                self.deferred[i] = False
-                if p.grad is not None:
-                    self.add_grad(i, p.grad)
-                    p.grad = None
+        """Moves the deferred grads into gflat (made here) and drops them from .grad: those whose
+        region holds nothing yet in one multi-tensor copy (zerofuse::flatten_into: one launch for
+        the bucket, not one per param) and one multi-tensor scaling, the others one by one."""
+        idx = [i for i, d in enumerate(self.deferred) if d and self.params[i].grad is not None]
+        self.deferred = [False] * len(self.params)
+        fresh = [i for i in idx if not self.written[i]]
+        if len(fresh) > 1:
+            self._make_gflat()
+            grads = [self.params[i].grad for i in fresh]
+            torch.ops.zerofuse.flatten_into(grads, self.gflat, [self.offsets[i] for i in fresh])
+            if self.grad_div != 1.0:  # the same rounding as add_grad's copy_ then mul_
+                torch._foreach_mul_([self.gflat[self.offsets[i]:self.offsets[i] + g.numel()]
+                                     for i, g in zip(fresh, grads)], self.grad_div)
+            for i in fresh:
+                self.written[i] = True
+                self.params[i].grad = None
+            self.dirty = True
+        for i in idx:
+            p = self.params[i]
+            if p.grad is not None:
+                self.add_grad(i, p.grad)
+                p.grad = None
 
-    def add_grad(self, i: int, grad: torch.Tensor) -> None:
-        """Param i's grad arrived: copied, times grad_div, into its region of gflat (added when the
-        region already holds grads of this accumulation window)."""
+    def _make_gflat(self) -> None:
         if self.gflat is None and self.stage == 1:
             self._stage1_buffers()
         if self.gflat is None:  # stage 0/2/3: per backward, not zero-filled (each region is written once)
@@ -235,6 +246,11 @@ class Bucket:
             else:
                 self.gflat = torch.empty(self.padded, dtype=self.reduce_dtype, device=self.device)
             self.gflat[self.numel:].zero_()
+
+    def add_grad(self, i: int, grad: torch.Tensor) -> None:
+        """Param i's grad arrived: copied, times grad_div, into its region of gflat (added when the
+        region already holds grads of this accumulation window)."""
+        self._make_gflat()
         o = self.offsets[i]
         view = self.gflat[o:o + self.params[i].numel()]
         g = grad.reshape(-1)
@@ -340,61 +356,3 @@ class Bucket:
                 self.gshard.zero_()
             self.gshard_fresh = False
         return self.gshard
-
-
-class BucketGroup:
-    """Every bucket's collectives: ``start_grad_sync(bucket)`` launches one bucket's reduction,
-    first waiting for the oldest in flight when ``max_inflight`` are ([Note: bucket buffers]);
-    ``finish_grad_sync()`` launches what is left and waits for all; ``start_param_sync()`` /
-    ``finish_param_sync()`` all-gather every bucket's shard into its params (stage 1/2, after a
-    step; stage 3 gathers unit by unit through the buckets)."""
-
-    def __init__(self, buckets: list[Bucket], comm, max_inflight: int):
-        self.buckets, self.comm, self.max_inflight = buckets, comm, max_inflight
-        self._inflight: collections.deque[Bucket] = collections.deque()
-        self.on_reduced = None  # callable(bucket) once a bucket's reduction completed (offload: [Note: offloaded steps])
-
-    def __iter__(self):
-        return iter(self.buckets)
-
-    def __len__(self):
-        return len(self.buckets)
-
-    def __getitem__(self, i):
-        return self.buckets[i]
-
-    def make_room(self) -> None:
-        """Waits for the oldest reductions until fewer than max_inflight are in flight."""
-        while len(self._inflight) >= self.max_inflight:
-            self._finish(self._inflight.popleft())
-
-    def _finish(self, b: Bucket) -> None:
-        b.finish_grad_sync()
-        if self.on_reduced is not None:
-            self.on_reduced(b)
-
-    def start_grad_sync(self, bucket: Bucket) -> None:
-        self.make_room()
-        bucket.start_grad_sync(self.comm)
-        self._inflight.append(bucket)
-
-    def finish_grad_sync(self, launch_rest: bool = False) -> list[Bucket]:
-        """Wait for every reduction in flight; with launch_rest, first launch buckets holding
-        unreduced grads (unused params, overlap off). Returns the buckets launched here."""
-        late = []
-        if launch_rest:
-            for b in self.buckets:
-                if b.dirty and not b.launched:
-                    self.start_grad_sync(b)
-                    late.append(b)
-        while self._inflight:
-            self._finish(self._inflight.popleft())
-        return late
-
-    def start_param_sync(self) -> None:
-        for b in reversed(self.buckets):  # the forward's first params first
-            b.start_param_sync(self.comm)
-
-    def finish_param_sync(self) -> None:
-        for b in reversed(self.buckets):
-            b.finish_param_sync(self.comm)

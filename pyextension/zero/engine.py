@@ -31,7 +31,8 @@ import torch
 import torch.distributed as dist
 
 from zerofuse.comm import Communicator
-from zerofuse.zero.buckets import FREE, Bucket, BucketGroup
+from zerofuse.zero.bucket_group import BucketGroup
+from zerofuse.zero.buckets import FREE, Bucket
 from zerofuse.zero.grads import SHARDED, gathered_grads, install_clip_warning
 from zerofuse.zero.layout import bucket_groups, check_same_layout, unit_groups
 from zerofuse.zero.experts import ExpertLayout
@@ -217,9 +218,8 @@ class ZeroEngine(ExpertLayout, Stage3Hooks):
             return
         if unit.gflat is None and self.sync_grads and self.overlap:
             self.buckets.make_room()  # the buffer about to be made counts in the window ([Note: bucket buffers])
+        unit.deferred[i] = True  # with the deferred ones: one multi-tensor copy into gflat
         unit.add_deferred()
-        unit.add_grad(i, p.grad)
-        p.grad = None
         if unit.ready == len(unit.params):
             if self.sync_grads and self.overlap:
                 self.buckets.start_grad_sync(unit)
