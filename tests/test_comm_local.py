@@ -168,11 +168,15 @@ def _zero_steps(rank, world_size, stage):
         u.start_grad_sync = start
     ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
     g = torch.Generator().manual_seed(1)
+    first = None
     for _ in range(4):
         x, y = torch.randn(8, 13, generator=g), torch.randn(8, 5, generator=g)
         torch.nn.functional.mse_loss(zm(x), y).backward()
         if stage in (0, 2):  # the reduced gflat became the grad itself: no copy into another buffer
             assert {u.index: u.gshard.data_ptr() for u in eng.units} == reduced, stage
+            # ... and the same buffer every step (kept between steps: the optimizer's tables stay valid)
+            first = first or dict(reduced)
+            assert reduced == first, stage
         opt.step()
         opt.zero_grad()
         torch.nn.functional.mse_loss(ref(x), y).backward()

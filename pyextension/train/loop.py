@@ -81,10 +81,16 @@ class Trainer:
                                           precision=args.precision, device=self.device,
                                           offload=None if args.offload == "none" else args.offload,
                                           **({"offload_ratio": args.offload_ratio} if args.offload != "none" else {}))
-        if args.compile:
-            blocks = self.model.blocks
-            for block in (blocks.values() if isinstance(blocks, torch.nn.ModuleDict) else blocks):
-                block.forward = torch.compile(block.forward)
+        self.compiled = None
+        if args.compile:  # the whole model where ZeRO has no forward hooks (a world of one), else each block
+            if self.world == 1 and args.zero_stage != 3:
+                self.model.compile()
+                self.compiled = "the whole model"
+            else:
+                blocks = self.model.blocks
+                for block in (blocks.values() if isinstance(blocks, torch.nn.ModuleDict) else blocks):
+                    block.forward = torch.compile(block.forward)
+                self.compiled = "each transformer block"
         self.opt = zero.Optimizer(self.model, args.optimizer, param_groups=self._param_groups(),
                                   max_grad_norm=args.clip or None, **self._hyper(),
                                   delayed_update=args.offload_delayed_update is not None,

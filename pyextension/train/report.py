@@ -65,6 +65,8 @@ class RankZeroLog:
                    f"{t.corpus.kind} tokens); {a.steps} steps of {a.dp * a.batch * a.grad_accum} sequences")
         if t.device.type == "cuda" or a.cuda_graphs:
             self.write(f"cuda graphs: {graphs_state(t)}")
+        if t.compiled:
+            self.write(f"torch.compile: {t.compiled} (compiled at its first call: the first log window)")
         where = f"resumed at step {t.step}" if t.step else "step 0"
         self.write(f"{where}: val loss {val:.4f}")
         if self.tb:
@@ -128,7 +130,7 @@ class RankZeroLog:
             "initial_val_loss": self.initial_val if t.start_step == 0 else None,
             "final_train_loss": runs[-1]["loss"] if runs else None,
             "final_val_loss": final_val[0], "final_val_step": final_val[1],
-            "pipeline": getattr(t, "pipeline_report", None), "cuda_graphs": graphs_state(t),
+            "pipeline": getattr(t, "pipeline_report", None), "cuda_graphs": graphs_state(t), "compiled": t.compiled,
             "moe": _moe_summary(t, runs),
         }
 

@@ -18,7 +18,9 @@ communicator reads in place, lands this rank's piece in ``gshard``. Stage 1 keep
 is a view of it (after a sync gflat is zero except the rank's own region); stage 2/3 keep only
 gshard and allocate gflat per backward. Stage 0 (plain data parallel) lays a bucket out for one
 rank (the shard is the whole buffer) and all-reduces gflat in place, which then becomes gshard; so
-does stage 2 over one rank (``inplace``: no copy into a separate gshard).
+does stage 2 over one rank (``inplace``: no copy into a separate gshard), which then also keeps
+its buffer between steps as stage 0 does: the grads sit at the same address every step, so the
+optimizer's kernel tables are never rebuilt, not even while a CUDA graph of the step is captured.
 Low-precision reduce dtypes (bf16/fp16 on the wire, opt-in) are reduced by an all-to-all and a local
 fp32 sum, not by a ring that rounds at every hop.
 
@@ -316,7 +318,7 @@ class Bucket:
         self.gshard = self.gflat[self.lo:self.hi]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        if set_to_none and self.stage in (2, 3):  # [Note: bucket buffers]: nothing held until the next backward
+        if set_to_none and self.stage in (2, 3) and not self.inplace:  # [Note: bucket buffers]: nothing held
             self.gflat = self.gshard = None
             self.written = [False] * len(self.params)
             self.gshard_fresh = True

@@ -175,8 +175,8 @@ class ZeroEngine(ExpertLayout, Stage3Hooks):
         install_clip_warning()
         if stage == 3:
             self._install_stage3_hooks(model)
-        else:
-            self._install_param_wait_hooks(model)
+        elif self.comm.world_size > 1 or any(u.comm is not None and u.comm.world_size > 1 for u in self.units):
+            self._install_param_wait_hooks(model)  # (over one rank every gather is a no-op: no hooks)
 
     def _bucket(self, name, group, kw) -> Bucket:
         b = Bucket(len(self.units), name, group, **kw)
