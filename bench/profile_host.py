@@ -10,7 +10,8 @@ cProfile's top Python functions.
     python bench/profile_host.py [--device cuda|cpu] [--calls N]
     python bench/profile_host.py --stub-kernels   # no GPU needed
 
---stub-kernels measures, on any machine, the host side of the CUDA path of the optimizer steps:
+--stub-kernels measures, on any machine, the host side of the CUDA path of the norm faces (a
+tiny LayerNorm/RMSNorm against torch's on the CPU) and of the optimizer steps:
 CPU tensors go through the Triton path (ZEROFUSE_TRITON_ON_CPU=1) with every optimizer kernel
 launch replaced by a no-op, and torch._foreach_add_ (one launch on CUDA, a per-tensor loop on CPU)
 too. What it leaves out: the launches themselves (Triton's launcher, ~10-30 us each on a GPU
@@ -91,6 +92,33 @@ def _stubbed_optimizer_steps(calls: int) -> None:
               f"{_median_seconds(opt.step, cpu, calls) * 1e6:.1f} us host time (median of {calls})")
 
 
+def _stubbed_norms(calls: int) -> None:
+    """Host time per call of the norm faces' CUDA path (Triton in the interpreter, the kernel launch
+    a no-op) on a tiny shape, next to torch's CPU LayerNorm/RMSNorm of that shape (which includes
+    its small compute), with and without autograd."""
+    import torch.nn.functional as F
+
+    import zerofuse.nn.functional as ZF
+    from zerofuse.kernels import norms as K
+
+    class _NoLaunch:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: None
+
+    K._norm_fwd_kernel = _NoLaunch()
+    cpu = torch.device("cpu")
+    for grad in (False, True):
+        x, w, b = (torch.randn(*s).requires_grad_(grad) for s in ((4, 64), (64,), (64,)))
+        for name, ours, theirs in (("layer_norm", lambda: ZF.layer_norm(x, (64,), w, b), lambda: F.layer_norm(x, (64,), w, b)),
+                                   ("rms_norm", lambda: ZF.rms_norm(x, (64,), w, 1e-5), lambda: F.rms_norm(x, (64,), w, 1e-5))):
+            for _ in range(200):
+                ours()
+                theirs()
+            z, t = (_median_seconds(fn, cpu, calls) * 1e6 for fn in (ours, theirs))
+            print(f"{name} fwd 4x64{' with grad' if grad else ''}, launch stubbed: zerofuse {z:.1f} us, "
+                  f"torch cpu {t:.1f} us per call ({z / t:.2f}x; median of {calls})")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -99,6 +127,8 @@ def main(argv=None) -> int:
                         help="host time of the optimizers' CUDA path on this machine, launches stubbed")
     args = parser.parse_args(argv)
     if args.stub_kernels:
+        torch.set_num_threads(1)
+        _stubbed_norms(max(args.calls, 2000))
         _stubbed_optimizer_steps(args.calls)
         return 0
     device = torch.device(args.device)

@@ -18,6 +18,8 @@ N, up to 65536): every byte is read once and written once.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -126,6 +128,7 @@ def _sum_partials_kernel(P, Out, n_parts, N, BLOCK_P: tl.constexpr, BLOCK_N: tl.
     tl.store(Out + cols, _cast(acc, Out.dtype.element_ty, EMULATE_RNE), mask=col_mask)
 
 
+@functools.lru_cache(maxsize=None)
 def _config(n: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps) for hidden size n."""
     block_n = next_power_of_2(n)
@@ -145,12 +148,17 @@ def _bwd_programs(m: int, block_m: int, device: torch.device) -> int:
 
 
 def norm_fwd(x, weight, bias, residual, eps: float, is_rms: bool):
-    """x, residual: (M, N) contiguous. Returns (y, h or None, mean (M,) fp32 or None, rstd (M,) fp32)."""
-    m, n = x.shape
+    """x, residual: contiguous, rows of N = x.shape[-1] elements (M = numel / N rows, any leading
+    shape). Returns (y and h shaped like x (h None without a residual), mean (M,) fp32 or None,
+    rstd (M,) fp32)."""
+    n = x.shape[-1]
+    m = x.numel() // n
     block_m, block_n, num_warps = _config(n)
-    h_dtype = torch.result_type(x, residual) if residual is not None else x.dtype
-    y = torch.empty((m, n), device=x.device, dtype=h_dtype)
-    h = torch.empty((m, n), device=x.device, dtype=h_dtype) if residual is not None else None
+    if residual is None:
+        y, h = torch.empty_like(x), None
+    else:
+        h_dtype = torch.result_type(x, residual)
+        y, h = torch.empty_like(x, dtype=h_dtype), torch.empty_like(x, dtype=h_dtype)
     mean = None if is_rms else torch.empty(m, device=x.device, dtype=torch.float32)
     rstd = torch.empty(m, device=x.device, dtype=torch.float32)
     grid = (cdiv(m, block_m),)
@@ -163,10 +171,12 @@ def norm_fwd(x, weight, bias, residual, eps: float, is_rms: bool):
 
 
 def norm_bwd(dy, dh, x, weight, bias, mean, rstd, is_rms: bool):
-    """dy, dh, x: (M, N) contiguous (x is the normalised input, h when the residual was fused);
+    """dy, dh, x: contiguous, rows of N (x is the normalised input, h when the residual was fused);
     bias only tells whether (and in which dtype) db is wanted.
-    Returns (dx in x.dtype, dw in weight.dtype or None, db in bias.dtype or None)."""
-    m, n = x.shape
+    Returns (dx in x.dtype, shaped like x; dw in weight.dtype or None, db in bias.dtype or None).
+    Any leading shape, as norm_fwd."""
+    n = x.shape[-1]
+    m = x.numel() // n
     block_m, block_n, num_warps = _config(n)
     progs = _bwd_programs(m, block_m, x.device)
     rows_per_program = cdiv(cdiv(m, block_m), progs) * block_m

@@ -391,3 +391,25 @@ def test_custom_op_autograd_matches_the_eager_path(norm, path):
     assert torch.equal(y, eager[0]) and torch.equal(h, eager[1])
     for k in keys:
         assert torch.equal(leaves[k].grad, eager[2][k]), k
+
+
+@pytest.mark.parametrize("norm", ["layer", "rms"])
+def test_eager_path_without_autograd_gives_the_ops_values(norm, path):
+    """With nothing requiring grad the faces run the kernels without autograd's bookkeeping (and with
+    grad, through zerofuse.ops.eager_apply: test_custom_op_autograd_matches_the_eager_path): the
+    custom ops' values, no graph."""
+    import zerofuse.nn.functional as ZF
+    from zerofuse.ops import norms as ops
+
+    t = _make((3, 29, 70), (70,), torch.float32, "cpu", residual=True)
+    with torch.no_grad():
+        if norm == "layer":
+            y, h = ZF.add_layer_norm(t["x"], t["residual"], (70,), t["weight"], t["bias"])
+            want = ops.layer_norm(t["x"], t["weight"], t["bias"], t["residual"], 1e-5)
+        else:
+            y, h = ZF.add_rms_norm(t["x"], t["residual"], (70,), t["weight"], 1e-5)
+            want = ops.rms_norm(t["x"], t["weight"], t["residual"], 1e-5)
+    assert torch.equal(y, want[0]) and torch.equal(h, want[1]) and y.grad_fn is None
+    x = t["x"].clone().requires_grad_()  # one input requiring grad is enough for the autograd path
+    y = ZF.layer_norm(x, (70,), t["weight"], t["bias"]) if norm == "layer" else ZF.rms_norm(x, (70,), t["weight"])
+    assert y.grad_fn is not None

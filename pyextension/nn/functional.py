@@ -66,7 +66,7 @@ def _check_eps(fn, eps) -> None:
 
 
 def _flat(t: Tensor | None, n: int) -> Tensor | None:
-    return None if t is None else t.reshape(n)
+    return t if t is None or t.dim() == 1 else t.reshape(n)
 
 
 def _layer_norm(fn, input, residual, normalized_shape, weight, bias, eps):
@@ -77,13 +77,33 @@ def _layer_norm(fn, input, residual, normalized_shape, weight, bias, eps):
     if n == 0:  # rows of no elements: nothing to normalise (and no row count to reshape to)
         h = input if residual is None else input + residual
         return torch.nn.functional.layer_norm(h, shape, weight, bias, eps), h
-    x = input.reshape(*input.shape[: input.dim() - len(shape)], n)
-    r = None if residual is None else residual.reshape(x.shape)
+    x, r = _rows(input, residual, shape, n)
+    w, b = _flat(weight, n), _flat(bias, n)
     if torch.compiler.is_compiling():
-        y, h, _, _ = _ops.layer_norm(x, _flat(weight, n), _flat(bias, n), r, eps)
-    else:
-        y, h = _ops.EagerNorm.apply(x, _flat(weight, n), _flat(bias, n), r, eps, False)
-    return y.view(input.shape), (input if residual is None else h.view(input.shape))
+        y, h, _, _ = _ops.layer_norm(x, w, b, r, eps)
+    elif _needs_grad(x, w, b, r):
+        y, h = _ops.eager_norm(x, w, b, r, eps, False)
+    else:  # nothing to differentiate: the kernels without autograd's bookkeeping
+        y, h, _, _ = _ops._norm_fwd(x, w, b, r, eps, False)
+    return _as(y, input), (input if residual is None else _as(h, input))
+
+
+def _needs_grad(x, w, b, r) -> bool:
+    return torch.is_grad_enabled() and (x.requires_grad or (w is not None and w.requires_grad)
+                                        or (b is not None and b.requires_grad) or (r is not None and r.requires_grad))
+
+
+def _rows(input, residual, shape, n):
+    """input (and residual) with the normalised dims as one last dim of n (themselves when there is
+    one normalised dim: no reshape)."""
+    if len(shape) == 1:
+        return input, residual
+    x = input.reshape(*input.shape[: input.dim() - len(shape)], n)
+    return x, (None if residual is None else residual.reshape(x.shape))
+
+
+def _as(t: Tensor, like: Tensor) -> Tensor:
+    return t if t.shape == like.shape else t.view(like.shape)
 
 
 def _rms_norm(fn, input, residual, normalized_shape, weight, eps):
@@ -96,13 +116,15 @@ def _rms_norm(fn, input, residual, normalized_shape, weight, eps):
     if n == 0:
         h = input if residual is None else input + residual
         return torch.nn.functional.rms_norm(h, shape, weight, eps), h
-    x = input.reshape(*input.shape[: input.dim() - len(shape)], n)
-    r = None if residual is None else residual.reshape(x.shape)
+    x, r = _rows(input, residual, shape, n)
+    w = _flat(weight, n)
     if torch.compiler.is_compiling():
-        y, h, _ = _ops.rms_norm(x, _flat(weight, n), r, eps)
+        y, h, _ = _ops.rms_norm(x, w, r, eps)
+    elif _needs_grad(x, w, None, r):
+        y, h = _ops.eager_norm(x, w, None, r, eps, True)
     else:
-        y, h = _ops.EagerNorm.apply(x, _flat(weight, n), None, r, eps, True)
-    return y.view(input.shape), (input if residual is None else h.view(input.shape))
+        y, h, _, _ = _ops._norm_fwd(x, w, None, r, eps, True)
+    return _as(y, input), (input if residual is None else _as(h, input))
 
 
 def layer_norm(input: Tensor, normalized_shape: _ShapeLike, weight: Tensor | None = None,
@@ -220,7 +242,7 @@ def qkv_attention(qkv: Tensor, num_heads: int, num_kv_heads: int | None = None, 
         return out.transpose(1, 2).reshape(qkv.shape[0], qkv.shape[1], num_heads * d)
     if torch.compiler.is_compiling():
         return torch.ops.zerofuse.attention_qkv(qkv, num_heads, num_kv_heads, bool(is_causal), scale)[0]
-    return _qkv.EagerQKVAttention.apply(qkv, num_heads, num_kv_heads, bool(is_causal), scale)
+    return _qkv.eager_qkv_attention(qkv, num_heads, num_kv_heads, bool(is_causal), scale)
 
 
 from zerofuse.nn.loss import linear_cross_entropy  # noqa: E402,F401  (its own module: the fused head + loss)

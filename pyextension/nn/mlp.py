@@ -25,7 +25,7 @@ def _glu(fn: str, gate: Tensor, up: Tensor, activation: str) -> Tensor:
     _check(fn, gate, up)
     if torch.compiler.is_compiling():
         return _ops.swiglu(gate, up, activation)
-    return _ops.EagerSwiGLU.apply(gate, up, activation)
+    return _ops.eager_swiglu(gate, up, activation)
 
 
 def swiglu(gate: Tensor, up: Tensor) -> Tensor:

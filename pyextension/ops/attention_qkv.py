@@ -25,7 +25,7 @@ from torch import Tensor
 
 from zerofuse import reference
 from zerofuse.kernels import attention as K
-from zerofuse.ops import register
+from zerofuse.ops import eager_apply, register
 from zerofuse.ops.attention import _empty, _lse_dtype, use_triton
 
 _FN = "zerofuse::attention_qkv"
@@ -152,6 +152,9 @@ class EagerQKVAttention(torch.autograd.Function):
     def backward(ctx, dout):
         qkv, out, lse = ctx.saved_tensors
         return _bwd(dout, qkv, out, lse, *ctx.args), None, None, None, None
+
+
+eager_qkv_attention = eager_apply(EagerQKVAttention)
 
 
 def _selftest(device: torch.device) -> None:

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from zerofuse import kernels, reference
 from zerofuse.kernels import norms as K
-from zerofuse.ops import register
+from zerofuse.ops import eager_apply, register
 
 _EMPTY = (0,)
 
@@ -96,18 +96,19 @@ def _fn(is_rms: bool, backward: bool = False) -> str:
 # ---------------------------------------------------------------- forward ops
 
 
+def _contiguous(t: Tensor | None) -> Tensor | None:
+    return t if t is None or t.is_contiguous() else t.contiguous()
+
+
 def _norm_fwd(x, weight, bias, residual, eps, is_rms):
+    """(y, h or None without a residual, mean or None, rstd): y and h shaped like x."""
     n = x.shape[-1]
-    w = None if weight is None else weight.contiguous()
-    b = None if bias is None else bias.contiguous()
-    if _use_triton(x):
-        y, h, mean, rstd = K.norm_fwd(_2d(x, n), w, b, _2d(residual, n), eps, is_rms)
-        y = y.view(x.shape)
-        h = h.view(x.shape) if h is not None else _empty(x)
-        return y, h, mean, rstd
+    w, b = _contiguous(weight), _contiguous(bias)
+    if _use_triton(x):  # any leading shape: the kernel takes rows of n (no reshape, no view)
+        return K.norm_fwd(_contiguous(x), w, b, _contiguous(residual), eps, is_rms)
     if _cpu_kernel(x, residual, w, b):
         y, h, mean, rstd = torch.ops.zerofuse.norm_fwd_cpu(_2d(x, n), w, b, _2d(residual, n), eps, is_rms)
-        return y.view(x.shape), (h.view(x.shape) if residual is not None else h), (None if is_rms else mean), rstd
+        return y.view(x.shape), (h.view(x.shape) if residual is not None else None), (None if is_rms else mean), rstd
     # float64, and rows wider than the Triton kernel on CUDA: torch's native kernels
     h = x + residual if residual is not None else x
     h2 = h.reshape(-1, n)
@@ -117,7 +118,7 @@ def _norm_fwd(x, weight, bias, residual, eps, is_rms):
     else:
         y, mean, rstd = torch.ops.aten.native_layer_norm(h2, [n], w, b, eps)
         mean = mean.view(-1)
-    return y.view(h.shape), (h if residual is not None else _empty(x)), mean, rstd.view(-1)
+    return y.view(h.shape), (h if residual is not None else None), mean, rstd.view(-1)
 
 
 @torch.library.custom_op("zerofuse::layer_norm", mutates_args=())
@@ -125,14 +126,15 @@ def layer_norm(
     x: Tensor, weight: Tensor | None, bias: Tensor | None, residual: Tensor | None, eps: float
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     _check_fwd(_fn(False), x, weight, bias, residual)
-    return _norm_fwd(x, weight, bias, residual, eps, is_rms=False)
+    y, h, mean, rstd = _norm_fwd(x, weight, bias, residual, eps, is_rms=False)
+    return y, (h if h is not None else _empty(x)), mean, rstd  # (a custom op returns tensors)
 
 
 @torch.library.custom_op("zerofuse::rms_norm", mutates_args=())
 def rms_norm(x: Tensor, weight: Tensor | None, residual: Tensor | None, eps: float) -> tuple[Tensor, Tensor, Tensor]:
     _check_fwd(_fn(True), x, weight, None, residual)
     y, h, _, rstd = _norm_fwd(x, weight, None, residual, eps, is_rms=True)
-    return y, h, rstd
+    return y, (h if h is not None else _empty(x)), rstd
 
 
 def _fake_fwd(x, residual):
@@ -163,8 +165,7 @@ def _norm_bwd(dy, dh, x, weight, bias, mean, rstd, is_rms):
     n = x.shape[-1]
     w = None if weight is None else weight.contiguous()
     if _use_triton(x):
-        dx, dw, db = K.norm_bwd(_2d(dy, n), _2d(dh, n), _2d(x, n), w, bias, mean, rstd, is_rms)
-        dx = dx.view(x.shape)
+        dx, dw, db = K.norm_bwd(_contiguous(dy), _contiguous(dh), _contiguous(x), w, bias, mean, rstd, is_rms)
     elif _cpu_kernel(x, dy, dh, w, bias):
         empty = rstd.new_empty(_EMPTY)
         dx, dw, db = torch.ops.zerofuse.norm_bwd_cpu(
@@ -274,7 +275,7 @@ class EagerNorm(torch.autograd.Function):
     dispatch (measured on CPU: ~25 us per forward, ~70 us with autograd, vs ~6 us for the kernel
     on small rows). The faces use it outside torch.compile; compiled graphs use the ops.
 
-    apply(x, weight, bias, residual, eps, is_rms) -> (y, h) with h empty when residual is None.
+    apply(x, weight, bias, residual, eps, is_rms) -> (y, h) with h None when residual is None.
     It runs none of the ops' checks: its callers, the faces, checked the arguments first.
     """
 
@@ -291,6 +292,9 @@ class EagerNorm(torch.autograd.Function):
         dx, dw, db = _norm_bwd(dy, dh if ctx.has_residual else None, xin, weight, bias, mean, rstd, ctx.is_rms)
         dx, dres = _input_grads(ctx, dx)
         return dx, (dw if weight is not None else None), (db if bias is not None else None), dres, None, None
+
+
+eager_norm = eager_apply(EagerNorm)
 
 
 # ---------------------------------------------------------------- self-tests (doctor)

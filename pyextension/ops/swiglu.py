@@ -14,7 +14,7 @@ from torch import Tensor
 
 from zerofuse import kernels, reference
 from zerofuse.kernels import swiglu as K
-from zerofuse.ops import register
+from zerofuse.ops import eager_apply, register
 
 _NAME = "zerofuse::swiglu"
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -124,6 +124,9 @@ class EagerSwiGLU(torch.autograd.Function):
         gate, up = ctx.saved_tensors
         dg, du = _bwd(dy, gate, up, ctx.activation)
         return dg, du, None
+
+
+eager_swiglu = eager_apply(EagerSwiGLU)
 
 
 def _selftest(device: torch.device) -> None:
