@@ -25,7 +25,6 @@ import time
 os.environ["ZEROFUSE_TRITON_ON_CPU"] = "1"  # before zerofuse is imported: the CUDA path's Python
 
 import torch  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
@@ -33,30 +32,7 @@ from sync_counter import CountSyncs  # noqa: E402
 
 import inprocess  # noqa: E402
 
-# aten ops that launch nothing on CUDA (views, metadata, allocation)
-NO_LAUNCH = {"view", "_unsafe_view", "as_strided", "slice", "select", "t", "transpose", "expand", "unsqueeze",
-             "squeeze", "permute", "split", "split_with_sizes", "alias", "detach", "empty", "empty_strided",
-             "empty_like", "_reshape_alias", "unbind", "narrow", "reshape", "lift_fresh", "set_", "resize_",
-             "new_empty", "new_empty_strided", "chunk", "view_as", "unflatten", "flatten"}
-
-
-CPP_LAUNCHES = {"flatten_into", "unflatten_from"}  # zerofuse:: C++ ops: one kernel per call on CUDA
-
-
-class CountLaunches(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.aten = 0
-        self.names: dict[str, int] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        # zerofuse's Triton ops count by their launches (stubbed); its C++ multi-tensor copies
-        # launch one CUDA kernel each
-        if (func.namespace == "aten" and name not in NO_LAUNCH) or name in CPP_LAUNCHES:
-            self.aten += 1
-            self.names[name] = self.names.get(name, 0) + 1
-        return func(*args, **(kwargs or {}))
+from zerofuse.train.launches import CountLaunches, count_hooks  # noqa: E402  (the job's counters)
 
 
 class _Stub:
@@ -81,30 +57,6 @@ def _stub_kernels() -> None:
                 setattr(mod, name, _Stub())
 
 
-def _count_hooks(trainer) -> dict:
-    """Wrap every hook zerofuse registered on the model's modules and params with a counter."""
-    counter = {"n": 0}
-
-    def wrap(fn):
-        def counted(*args, **kwargs):
-            counter["n"] += 1
-            return fn(*args, **kwargs)
-        return counted
-
-    for m in trainer.model.modules():
-        for hooks in (m._forward_pre_hooks, m._forward_hooks, m._backward_hooks, m._backward_pre_hooks):
-            for k in list(hooks):
-                hooks[k] = wrap(hooks[k])
-    for p in trainer.model.parameters():
-        hooks = getattr(p, "_post_accumulate_grad_hooks", None) or {}
-        for k in list(hooks):
-            hooks[k] = wrap(hooks[k])
-    eng = getattr(trainer.model, "_zerofuse_zero", None)
-    if eng is not None:
-        eng._end_of_backward = wrap(eng._end_of_backward)
-    return counter
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--stage", type=int, default=2)
@@ -122,7 +74,6 @@ def main(argv=None) -> int:
                            "--seq-len", str(a.seq_len), "--batch", str(a.batch), "--steps", str(a.steps + 3),
                            "--zero-stage", str(a.stage)])
     torch.set_num_threads(1)
-    hooks = _count_hooks(t)
     for _ in range(3):  # warm-up: step plans, caches
         t.train_step()
     times, launches, aten, nhooks, syncs = [], [], [], [], []
@@ -131,12 +82,12 @@ def main(argv=None) -> int:
         t.train_step()
         times.append(time.perf_counter() - t0)
     for _ in range(3):
-        s0, h0 = _Stub.count, hooks["n"]
-        with CountLaunches() as c, CountSyncs() as s:
+        s0, hooks = _Stub.count, {}
+        with CountLaunches() as c, CountSyncs() as s, count_hooks(t.model, hooks):
             t.train_step()
-        launches.append(_Stub.count - s0 + c.aten)
-        aten.append(c.aten)
-        nhooks.append(hooks["n"] - h0)
+        launches.append(_Stub.count - s0 + c.count)
+        aten.append(c.count)
+        nhooks.append(hooks.get("hooks", 0))
         syncs.append(len(s.calls))
     layers = t.cfg.n_layer
     res = {"model": "gpt2-124m structure", "n_layer": layers, "dim": a.dim, "seq_len": a.seq_len, "batch": a.batch,

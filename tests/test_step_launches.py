@@ -68,3 +68,35 @@ def test_bucket_grads_arrive_in_one_copy(stage, world_of_one):
     with zero.full_grads(zm):
         for p, r in zip(zm.parameters(), ref.parameters()):
             assert torch.equal(p.grad, r.grad)
+
+
+@pytest.mark.timeout(300)
+def test_the_job_counts_its_step_and_restores_its_hooks(tmp_path, capsys):
+    """zerofuse-train counts the second step's launches and hooks (train/launches.py) and reports
+    them; the counters leave every hook as it was."""
+    from zerofuse import train
+    from zerofuse.train.loop import Trainer
+
+    args = train._parser().parse_args(
+        ["--device", "cpu", "--nproc", "1", "--layers", "3", "--heads", "2", "--dim", "32", "--seq-len", "16",
+         "--batch", "2", "--steps", "3", "--eval-every", "0", "--eval-batches", "1", "--sample-tokens", "0",
+         "--ckpt-every", "0", "--out", str(tmp_path)])
+    train.validate(args)
+    t = Trainer(args, None)
+    before = {}
+    real_setup = t._setup
+
+    def setup():
+        real_setup()
+        before.update({id(p): dict(p._post_accumulate_grad_hooks) for p in t.model.parameters()})
+
+    t._setup = setup
+    assert t.run() == 0
+    lc = json.loads((tmp_path / "summary.json").read_text())["launches"]
+    n_params = len(before)
+    assert lc["hooks"] == n_params + 1  # a grad hook per param and ZeRO's end of backward (no forward hooks)
+    assert lc["triton"] > 0 and lc["launches"] == lc["triton"] + lc["aten"]
+    assert lc["per_layer"] == pytest.approx(lc["launches"] / 3)
+    assert f"{lc['launches']} kernel launches per step" in capsys.readouterr().out
+    assert {id(p): dict(p._post_accumulate_grad_hooks) for p in t.model.parameters()} == before
+    assert "_end_of_backward" not in vars(t.model._zerofuse_zero)

@@ -108,6 +108,7 @@ class Trainer:
         self.step = self._resume() if args.resume else 0
         self.start_step = self.step
         self.memory = None
+        self.launches = None  # counted at the second step (train/launches.py)
         self.stopped = 0  # the signal every rank agreed to stop on
         self.log_every = args.log_every or max(1, args.steps // 20)
         tokens = args.dp * args.batch * args.grad_accum * seq
@@ -293,7 +294,11 @@ class Trainer:
             t_train = time.perf_counter()
             self.metrics.restart_clock()
             while self.step < args.steps and not self.stopped:
-                self.train_step()
+                if self.launches is None and self.step == self.start_step + 1:  # (the first builds the plans)
+                    from .launches import count_step
+                    self.launches = count_step(self.train_step, self.model, self.cfg.n_layer)
+                else:
+                    self.train_step()
                 end = self.step == args.steps or self.stopped
                 evaluate = self.step == args.steps or (args.eval_every and self.step % args.eval_every == 0)
                 save = (args.ckpt_every and self.step % args.ckpt_every == 0) or end

@@ -131,6 +131,7 @@ class RankZeroLog:
             "final_train_loss": runs[-1]["loss"] if runs else None,
             "final_val_loss": final_val[0], "final_val_step": final_val[1],
             "pipeline": getattr(t, "pipeline_report", None), "cuda_graphs": graphs_state(t), "compiled": t.compiled,
+            "launches": t.launches, "kernels": _kernel_path(t),
             "moe": _moe_summary(t, runs),
         }
 
@@ -158,6 +159,13 @@ class _Lines:
 
     def close(self):
         pass
+
+
+def _kernel_path(t: Trainer) -> str:
+    """Which kernels the step ran: cuda, triton-interpreter (CPU tensors through the Triton kernels:
+    the CUDA path's launches) or cpu."""
+    from zerofuse import kernels
+    return "cuda" if t.device.type == "cuda" else ("triton-interpreter" if kernels.triton_on_cpu() else "cpu")
 
 
 def graphs_state(t: Trainer) -> str:
@@ -226,6 +234,10 @@ def _table(s: dict) -> str:
                                       f"{gpu_comm}"),
         ("MFU", "n/a (cpu)" if s["device"] == "cpu" else num(s["mfu"] and 100 * s["mfu"], ".1f") + " % of bf16 peak"),
     ]
+    if (lc := s["launches"]) is not None:
+        what = "kernel launches" if s["kernels"] != "cpu" else "kernel calls (the CPU kernels)"
+        rows.append(("launches", f"{lc['launches']} {what} per step ({lc['per_layer']:.1f} per layer: {lc['triton']} "
+                                 f"Triton, {lc['aten']} aten/C++), {lc['hooks']} Python hooks (step 2)"))
     if s["device"] == "cuda":
         rows.append(("cuda graphs", s["cuda_graphs"]))
     for r, m in enumerate(s["memory_per_rank"]):
