@@ -8,9 +8,11 @@
 #   OUT_DIR  default: $OUT, else bench/out
 #   PHASES   comma-separated, run in this order: build,doctor,train,profile,tests,bench (default:
 #            all). A session's device time is 15 minutes, a call at most 10, and the machine stays
-#            warm only 30 s after one: one call of the default phases fits (2026-11-26 on an H200:
-#            build+doctor ~2 min, train 60 steps ~1 min, profile ~1.5 min, tests ~3.5 min; the
-#            benchmarks, most valuable first, take what is left and are cut at the deadline).
+#            warm only 30 s after one. Measured 2026-11-26 on an H200: build+doctor ~2 min, a 60-step
+#            train ~1 min, profile ~1.5 min, tests ~3.5 min; since then train runs the step graphed and
+#            eager plus the torch-native peer eager and compiled (~3-4 min, estimated) and profile
+#            profiles both modes, so the default phases fill a call and the benchmarks (most valuable
+#            first) take what is left before the deadline; a second call with PHASES=bench runs them.
 #            Without `build` the extension built by an earlier call is used; when there is none
 #            (the machine went back in between), it is built first anyway.
 # Environment:
@@ -21,10 +23,12 @@
 #                            measured first: attention, norms, llama ops, moe, offload, optimizers)
 #   TRAIN_ARGS               extra zerofuse-train flags (default: 60 steps of gpt2-124m, bf16)
 #   TRAIN_MODES              the step's modes to train (default: "--cuda-graphs --no-cuda-graphs")
+#   PEER_ARGS                flags for bench/peer_step.py, the torch-native peer (default: GPT-2 small, batch 16)
 #   PYTHON                   interpreter (default python3: the GPU image has no plain `python`)
 # A dry run of the flow on a CPU machine (smoke sizes, no CUDA build, a tiny model):
 #   PYTHON=python ZEROFUSE_CUDA=0 BENCH_DEVICE=cpu ZEROFUSE_BENCH_SMOKE=1 TRAIN_DEVICE=cpu \
-#     TRAIN_ARGS="--model tiny --steps 5 --nproc 1" bash bench/run_gpu.sh /tmp/x
+#     TRAIN_ARGS="--model tiny --steps 5 --nproc 1" PEER_ARGS="--dim 64 --layers 2 --heads 2 --seq 32 \
+#     --vocab 128 --batch 2 --steps 3 --warmup 1" bash bench/run_gpu.sh /tmp/x
 # Copy the folder to bench/results/<device>-<date>/ and commit it. Never write results by hand.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -100,6 +104,14 @@ if want train; then
       $mode 2>&1 | tee -a "$out/train.txt"
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
     { echo "== summary.json ($mode)"; cat "$tdir/summary.json" 2>/dev/null || echo "(none)"; } >> "$out/train.txt"
+  done
+  # the torch-native peer of the same step (nn modules, SDPA, fused AdamW), eager and compiled
+  for peer in "" --compile; do
+    echo "== peer_step $peer" >> "$out/train.txt"
+    # shellcheck disable=SC2086
+    run_phase "peer $peer" "$py" bench/peer_step.py --device "${TRAIN_DEVICE:-cuda}" $peer ${PEER_ARGS:-} \
+      2>&1 | tee -a "$out/train.txt" | tail -1
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
   done
 fi
 
