@@ -60,11 +60,20 @@ def _heads(X, b, h, sb, sh):
 
 
 @triton.jit
+def _query_pid(REVERSE: tl.constexpr):
+    """This program's query block: under a causal mask the last blocks (the most keys to visit) run
+    first, so the longest programs do not start in the last wave."""
+    if REVERSE:
+        return tl.num_programs(0) - 1 - tl.program_id(0)
+    return tl.program_id(0)
+
+
+@triton.jit
 def _query_block(Q, sqb, sqh, sqn, G, Nq, D, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_D: tl.constexpr):
+                 BLOCK_D: tl.constexpr, REVERSE: tl.constexpr = False):
     """This program's (batch, query head, kv head, rows, key offsets, dim offsets, dim mask, row
     mask) and its block of queries. Grid: (query blocks, query heads, batch)."""
-    pid_m = tl.program_id(0)
+    pid_m = _query_pid(REVERSE)
     h = tl.program_id(1)
     b = tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -76,13 +85,50 @@ def _query_block(Q, sqb, sqh, sqn, G, Nq, D, BLOCK_M: tl.constexpr, BLOCK_N: tl.
 
 
 @triton.jit
+def _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, skn, svn, start, end, offs_m, offs_n, offs_d, d_mask, Nk,
+                qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr):
+    """The online softmax over the key blocks [start, end): masked (the key tail, the causal
+    diagonal) only when MASKED."""
+    for start_n in range(start, end, BLOCK_N):
+        cols = start_n + offs_n
+        if MASKED:
+            kv_mask = (cols[:, None] < Nk) & d_mask[None, :]
+        else:
+            kv_mask = d_mask[None, :]
+        k = tl.load(_rows(k_base, start_n, skn, offs_d, BLOCK_N), mask=kv_mask, other=0.0)
+        s = _dot(q, tl.trans(k), UPCAST) * qk_scale
+        if MASKED:
+            keep = cols[None, :] < Nk
+            if CAUSAL:
+                keep = keep & (cols[None, :] <= offs_m[:, None])
+            s = tl.where(keep, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(_rows(v_base, start_n, svn, offs_d, BLOCK_N), mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _unmasked_end(pid_m, Nk, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Where the key blocks that need no mask end: blocks wholly inside [0, Nk) and (causal) wholly
+    at or before the block's first row. The rest, up to the diagonal or Nk, take the masked loop."""
+    if CAUSAL:
+        return (tl.minimum(pid_m * BLOCK_M + 1, Nk) // BLOCK_N) * BLOCK_N
+    return (Nk // BLOCK_N) * BLOCK_N
+
+
+@triton.jit
 def _attn_fwd_kernel(Q, K, V, O, LSE, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son,
                      Hq, G, Nq, Nk, D, qk_scale,
                      CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                      UPCAST: tl.constexpr):
-    pid_m = tl.program_id(0)
+    pid_m = _query_pid(CAUSAL)
     b, h, hk, offs_m, offs_n, offs_d, d_mask, row_mask, q = _query_block(Q, sqb, sqh, sqn, G, Nq, D, BLOCK_M,
-                                                                         BLOCK_N, BLOCK_D)
+                                                                         BLOCK_N, BLOCK_D, CAUSAL)
     k_base = _heads(K, b, hk, skb, skh)
     v_base = _heads(V, b, hk, svb, svh)
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
@@ -91,22 +137,11 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, sqb, sqh, sqn, skb, skh, skn, svb, svh, sv
     hi = Nk
     if CAUSAL:
         hi = tl.minimum(Nk, (pid_m + 1) * BLOCK_M)
-    for start_n in range(0, hi, BLOCK_N):
-        cols = start_n + offs_n
-        kv_mask = (cols[:, None] < Nk) & d_mask[None, :]
-        k = tl.load(_rows(k_base, start_n, skn, offs_d, BLOCK_N), mask=kv_mask, other=0.0)
-        s = _dot(q, tl.trans(k), UPCAST) * qk_scale
-        keep = cols[None, :] < Nk
-        if CAUSAL:
-            keep = keep & (cols[None, :] <= offs_m[:, None])
-        s = tl.where(keep, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(_rows(v_base, start_n, svn, offs_d, BLOCK_N), mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST)
-        m_i = m_new
+    full = _unmasked_end(pid_m, Nk, CAUSAL, BLOCK_M, BLOCK_N)
+    acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, skn, svn, 0, full, offs_m, offs_n, offs_d,
+                                d_mask, Nk, qk_scale, False, CAUSAL, BLOCK_N, UPCAST)
+    acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, skn, svn, full, hi, offs_m, offs_n, offs_d,
+                                d_mask, Nk, qk_scale, True, CAUSAL, BLOCK_N, UPCAST)
     out = acc / l_i[:, None]
     tl.store(_rows(_heads(O, b, h, sob, soh), pid_m * BLOCK_M, son, offs_d, BLOCK_M), out.to(O.dtype.element_ty),
              mask=row_mask)
@@ -176,17 +211,44 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
 
 
 @triton.jit
+def _dq_blocks(dq, q, do, lse, delta, k_base, v_base, skn, svn, start, end, offs_m, offs_n, offs_d, d_mask, Nq, Nk,
+               scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr):
+    """dq over the key blocks [start, end): masked (the key tail, the causal diagonal) only when MASKED."""
+    for start_n in range(start, end, BLOCK_N):
+        cols = start_n + offs_n
+        if MASKED:
+            kv_mask = (cols[:, None] < Nk) & d_mask[None, :]
+        else:
+            kv_mask = d_mask[None, :]
+        k = tl.load(_rows(k_base, start_n, skn, offs_d, BLOCK_N), mask=kv_mask, other=0.0)
+        v = tl.load(_rows(v_base, start_n, svn, offs_d, BLOCK_N), mask=kv_mask, other=0.0)
+        s = _dot(q, tl.trans(k), UPCAST) * scale
+        p = tl.exp(s - lse[:, None])
+        if MASKED:
+            keep = (cols[None, :] < Nk) & (offs_m[:, None] < Nq)
+            if CAUSAL:
+                keep = keep & (cols[None, :] <= offs_m[:, None])
+            p = tl.where(keep, p, 0.0)
+        dp = _dot(do, tl.trans(v), UPCAST)
+        ds = p * (dp - delta[:, None])
+        dq += _dot(ds.to(k.dtype), k, UPCAST)
+    return dq
+
+
+@triton.jit
 def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
                         sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sdb, sdh, sdn,
                         sdqb, sdqh, sdqn, Hq, G, Nq, Nk, D, scale,
                         CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_D: tl.constexpr, UPCAST: tl.constexpr):
-    pid_m = tl.program_id(0)
+    pid_m = _query_pid(CAUSAL)
     b, h, hk, offs_m, offs_n, offs_d, d_mask, row_mask, q = _query_block(Q, sqb, sqh, sqn, G, Nq, D, BLOCK_M,
-                                                                         BLOCK_N, BLOCK_D)
+                                                                         BLOCK_N, BLOCK_D, CAUSAL)
     bh = b.to(tl.int64) * Hq + h
     do = tl.load(_rows(_heads(DO, b, h, sdb, sdh), pid_m * BLOCK_M, sdn, offs_d, BLOCK_M), mask=row_mask, other=0.0)
-    lse = tl.load(LSE + bh * Nq + offs_m, mask=offs_m < Nq, other=0.0)
+    # rows past Nq: lse 0 and delta 0 would make exp(s) overflow into inf * 0 = NaN in an unmasked
+    # block: their lse is +inf instead (p = 0), and their dq is not stored
+    lse = tl.load(LSE + bh * Nq + offs_m, mask=offs_m < Nq, other=float("inf"))
     delta = tl.load(DELTA + bh * Nq + offs_m, mask=offs_m < Nq, other=0.0)
     dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     hi = Nk
@@ -194,19 +256,11 @@ def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
         hi = tl.minimum(Nk, (pid_m + 1) * BLOCK_M)
     k_base = _heads(K, b, hk, skb, skh)
     v_base = _heads(V, b, hk, svb, svh)
-    for start_n in range(0, hi, BLOCK_N):
-        cols = start_n + offs_n
-        kv_mask = (cols[:, None] < Nk) & d_mask[None, :]
-        k = tl.load(_rows(k_base, start_n, skn, offs_d, BLOCK_N), mask=kv_mask, other=0.0)
-        v = tl.load(_rows(v_base, start_n, svn, offs_d, BLOCK_N), mask=kv_mask, other=0.0)
-        s = _dot(q, tl.trans(k), UPCAST) * scale
-        keep = (cols[None, :] < Nk) & (offs_m[:, None] < Nq)
-        if CAUSAL:
-            keep = keep & (cols[None, :] <= offs_m[:, None])
-        p = tl.where(keep, tl.exp(s - lse[:, None]), 0.0)
-        dp = _dot(do, tl.trans(v), UPCAST)
-        ds = p * (dp - delta[:, None])
-        dq += _dot(ds.to(k.dtype), k, UPCAST)
+    full = _unmasked_end(pid_m, Nk, CAUSAL, BLOCK_M, BLOCK_N)
+    dq = _dq_blocks(dq, q, do, lse, delta, k_base, v_base, skn, svn, 0, full, offs_m, offs_n, offs_d, d_mask, Nq,
+                    Nk, scale, False, CAUSAL, BLOCK_N, UPCAST)
+    dq = _dq_blocks(dq, q, do, lse, delta, k_base, v_base, skn, svn, full, hi, offs_m, offs_n, offs_d, d_mask, Nq,
+                    Nk, scale, True, CAUSAL, BLOCK_N, UPCAST)
     tl.store(_rows(_heads(DQ, b, h, sdqb, sdqh), pid_m * BLOCK_M, sdqn, offs_d, BLOCK_M),
              (dq * scale).to(DQ.dtype.element_ty), mask=row_mask)
 
