@@ -60,30 +60,6 @@ def _heads(X, b, h, sb, sh):
 
 
 @triton.jit
-def _mask2(rows_ok, d_mask, EVEN_D: tl.constexpr):
-    """A (rows, head_dim) tile's mask. EVEN_D (head_dim equals BLOCK_D: 16, 32, 64, 128, 256) leaves
-    the head_dim part out: a mask that varies along the contiguous dim keeps Triton from vectorising
-    (2-byte scalar loads without it, tools/kernel_asm.py --attention)."""
-    if EVEN_D:
-        m = rows_ok[:, None]
-    else:
-        m = rows_ok[:, None] & d_mask[None, :]
-    return m
-
-
-@triton.jit
-def _load(ptrs, rows_ok, d_mask, MASK_ROWS: tl.constexpr, EVEN_D: tl.constexpr):
-    """A tile, masked by rows only where MASK_ROWS, by head_dim only where not EVEN_D."""
-    if MASK_ROWS:
-        x = tl.load(ptrs, mask=_mask2(rows_ok, d_mask, EVEN_D), other=0.0)
-    elif EVEN_D:
-        x = tl.load(ptrs)
-    else:
-        x = tl.load(ptrs, mask=d_mask[None, :], other=0.0)
-    return x
-
-
-@triton.jit
 def _query_pid(REVERSE: tl.constexpr):
     """This program's query block: under a causal mask the last blocks (the most keys to visit) run
     first, so the longest programs do not start in the last wave."""
@@ -94,7 +70,7 @@ def _query_pid(REVERSE: tl.constexpr):
 
 @triton.jit
 def _query_block(Q, sqb, sqh, sqn, G, Nq, D, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_D: tl.constexpr, REVERSE: tl.constexpr = False, EVEN_D: tl.constexpr = False):
+                 BLOCK_D: tl.constexpr, REVERSE: tl.constexpr = False):
     """This program's (batch, query head, kv head, rows, key offsets, dim offsets, dim mask, row
     mask) and its block of queries. Grid: (query blocks, query heads, batch)."""
     pid_m = _query_pid(REVERSE)
@@ -103,20 +79,23 @@ def _query_block(Q, sqb, sqh, sqn, G, Nq, D, BLOCK_M: tl.constexpr, BLOCK_N: tl.
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < D
-    row_mask = _mask2(offs_m < Nq, d_mask, EVEN_D)
+    row_mask = (offs_m[:, None] < Nq) & d_mask[None, :]
     q = tl.load(_rows(_heads(Q, b, h, sqb, sqh), pid_m * BLOCK_M, sqn, offs_d, BLOCK_M), mask=row_mask, other=0.0)
     return b, h, h // G, offs_m, tl.arange(0, BLOCK_N), offs_d, d_mask, row_mask, q
 
 
 @triton.jit
 def _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, skn, svn, start, end, offs_m, offs_n, offs_d, d_mask, Nk,
-                qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
-                EVEN_D: tl.constexpr):
+                qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr):
     """The online softmax over the key blocks [start, end): masked (the key tail, the causal
     diagonal) only when MASKED."""
     for start_n in range(start, end, BLOCK_N):
         cols = start_n + offs_n
-        k = _load(_rows(k_base, start_n, skn, offs_d, BLOCK_N), cols < Nk, d_mask, MASKED, EVEN_D)
+        if MASKED:
+            kv_mask = (cols[:, None] < Nk) & d_mask[None, :]
+        else:
+            kv_mask = d_mask[None, :]
+        k = tl.load(_rows(k_base, start_n, skn, offs_d, BLOCK_N), mask=kv_mask, other=0.0)
         s = _dot(q, tl.trans(k), UPCAST) * qk_scale
         if MASKED:
             keep = cols[None, :] < Nk
@@ -127,7 +106,7 @@ def _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, skn, svn, start, end, offs_m, 
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = _load(_rows(v_base, start_n, svn, offs_d, BLOCK_N), cols < Nk, d_mask, MASKED, EVEN_D)
+        v = tl.load(_rows(v_base, start_n, svn, offs_d, BLOCK_N), mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST)
         m_i = m_new
     return acc, l_i, m_i
@@ -146,10 +125,10 @@ def _unmasked_end(pid_m, Nk, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_
 def _attn_fwd_kernel(Q, K, V, O, LSE, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son,
                      Hq, G, Nq, Nk, D, qk_scale,
                      CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                     UPCAST: tl.constexpr, EVEN_D: tl.constexpr):
+                     UPCAST: tl.constexpr):
     pid_m = _query_pid(CAUSAL)
     b, h, hk, offs_m, offs_n, offs_d, d_mask, row_mask, q = _query_block(Q, sqb, sqh, sqn, G, Nq, D, BLOCK_M,
-                                                                         BLOCK_N, BLOCK_D, CAUSAL, EVEN_D)
+                                                                         BLOCK_N, BLOCK_D, CAUSAL)
     k_base = _heads(K, b, hk, skb, skh)
     v_base = _heads(V, b, hk, svb, svh)
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
@@ -160,9 +139,9 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, sqb, sqh, sqn, skb, skh, skn, svb, svh, sv
         hi = tl.minimum(Nk, (pid_m + 1) * BLOCK_M)
     full = _unmasked_end(pid_m, Nk, CAUSAL, BLOCK_M, BLOCK_N)
     acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, skn, svn, 0, full, offs_m, offs_n, offs_d,
-                                d_mask, Nk, qk_scale, False, CAUSAL, BLOCK_N, UPCAST, EVEN_D)
+                                d_mask, Nk, qk_scale, False, CAUSAL, BLOCK_N, UPCAST)
     acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, skn, svn, full, hi, offs_m, offs_n, offs_d,
-                                d_mask, Nk, qk_scale, True, CAUSAL, BLOCK_N, UPCAST, EVEN_D)
+                                d_mask, Nk, qk_scale, True, CAUSAL, BLOCK_N, UPCAST)
     out = acc / l_i[:, None]
     tl.store(_rows(_heads(O, b, h, sob, soh), pid_m * BLOCK_M, son, offs_d, BLOCK_M), out.to(O.dtype.element_ty),
              mask=row_mask)
@@ -172,9 +151,8 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, sqb, sqh, sqn, skb, skh, skn, svb, svh, sv
 
 @triton.jit
 def _attn_delta_kernel(O, DO, DELTA, sob, soh, son, sdb, sdh, sdn, Hq, Nq, D,
-                       BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr):
-    b, h, _, offs_m, _, offs_d, _, mask, o = _query_block(O, sob, soh, son, 1, Nq, D, BLOCK_M, BLOCK_M, BLOCK_D,
-                                                          False, EVEN_D)
+                       BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    b, h, _, offs_m, _, offs_d, _, mask, o = _query_block(O, sob, soh, son, 1, Nq, D, BLOCK_M, BLOCK_M, BLOCK_D)
     do = tl.load(_rows(_heads(DO, b, h, sdb, sdh), tl.program_id(0) * BLOCK_M, sdn, offs_d, BLOCK_M), mask=mask,
                  other=0.0)
     tl.store(DELTA + (b.to(tl.int64) * Hq + h) * Nq + offs_m, tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1),
@@ -186,7 +164,7 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
                           sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sdb, sdh, sdn,
                           sdkb, sdkh, sdkn, sdvb, sdvh, sdvn, Hq, Hkv, G, Nq, Nk, D, scale,
                           CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_D: tl.constexpr, UPCAST: tl.constexpr, EVEN_D: tl.constexpr):
+                          BLOCK_D: tl.constexpr, UPCAST: tl.constexpr):
     pid_n = tl.program_id(0)
     hk = tl.program_id(1)
     b = tl.program_id(2)
@@ -194,7 +172,7 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < D
-    kv_mask = _mask2(offs_n < Nk, d_mask, EVEN_D)
+    kv_mask = (offs_n[:, None] < Nk) & d_mask[None, :]
     k = tl.load(_rows(_heads(K, b, hk, skb, skh), pid_n * BLOCK_N, skn, offs_d, BLOCK_N), mask=kv_mask, other=0.0)
     v = tl.load(_rows(_heads(V, b, hk, svb, svh), pid_n * BLOCK_N, svn, offs_d, BLOCK_N), mask=kv_mask, other=0.0)
     dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
@@ -209,7 +187,7 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
         stat_base = (b.to(tl.int64) * Hq + h) * Nq
         for start_m in range(lo, Nq, BLOCK_M):
             rows = start_m + offs_m
-            row_mask = _mask2(rows < Nq, d_mask, EVEN_D)
+            row_mask = (rows[:, None] < Nq) & d_mask[None, :]
             q = tl.load(_rows(q_base, start_m, sqn, offs_d, BLOCK_M), mask=row_mask, other=0.0)
             do = tl.load(_rows(do_base, start_m, sdn, offs_d, BLOCK_M), mask=row_mask, other=0.0)
             lse = tl.load(LSE + stat_base + rows, mask=rows < Nq, other=0.0)
@@ -224,7 +202,7 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
             dpt = _dot(v, tl.trans(do), UPCAST)
             dst = pt * (dpt - delta[None, :])
             dk += _dot(dst.to(q.dtype), q, UPCAST)
-    out_mask = kv_mask
+    out_mask = (offs_n[:, None] < Nk) & d_mask[None, :]
     # dk and dv at their own strides (contiguous, or views of a packed qkv gradient)
     tl.store(_rows(_heads(DK, b, hk, sdkb, sdkh), pid_n * BLOCK_N, sdkn, offs_d, BLOCK_N),
              (dk * scale).to(DK.dtype.element_ty), mask=out_mask)
@@ -234,13 +212,16 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
 
 @triton.jit
 def _dq_blocks(dq, q, do, lse, delta, k_base, v_base, skn, svn, start, end, offs_m, offs_n, offs_d, d_mask, Nq, Nk,
-               scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
-               EVEN_D: tl.constexpr):
+               scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr):
     """dq over the key blocks [start, end): masked (the key tail, the causal diagonal) only when MASKED."""
     for start_n in range(start, end, BLOCK_N):
         cols = start_n + offs_n
-        k = _load(_rows(k_base, start_n, skn, offs_d, BLOCK_N), cols < Nk, d_mask, MASKED, EVEN_D)
-        v = _load(_rows(v_base, start_n, svn, offs_d, BLOCK_N), cols < Nk, d_mask, MASKED, EVEN_D)
+        if MASKED:
+            kv_mask = (cols[:, None] < Nk) & d_mask[None, :]
+        else:
+            kv_mask = d_mask[None, :]
+        k = tl.load(_rows(k_base, start_n, skn, offs_d, BLOCK_N), mask=kv_mask, other=0.0)
+        v = tl.load(_rows(v_base, start_n, svn, offs_d, BLOCK_N), mask=kv_mask, other=0.0)
         s = _dot(q, tl.trans(k), UPCAST) * scale
         p = tl.exp(s - lse[:, None])
         if MASKED:
@@ -259,10 +240,10 @@ def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
                         sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sdb, sdh, sdn,
                         sdqb, sdqh, sdqn, Hq, G, Nq, Nk, D, scale,
                         CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_D: tl.constexpr, UPCAST: tl.constexpr, EVEN_D: tl.constexpr):
+                        BLOCK_D: tl.constexpr, UPCAST: tl.constexpr):
     pid_m = _query_pid(CAUSAL)
     b, h, hk, offs_m, offs_n, offs_d, d_mask, row_mask, q = _query_block(Q, sqb, sqh, sqn, G, Nq, D, BLOCK_M,
-                                                                         BLOCK_N, BLOCK_D, CAUSAL, EVEN_D)
+                                                                         BLOCK_N, BLOCK_D, CAUSAL)
     bh = b.to(tl.int64) * Hq + h
     do = tl.load(_rows(_heads(DO, b, h, sdb, sdh), pid_m * BLOCK_M, sdn, offs_d, BLOCK_M), mask=row_mask, other=0.0)
     # rows past Nq: lse 0 and delta 0 would make exp(s) overflow into inf * 0 = NaN in an unmasked
@@ -277,9 +258,9 @@ def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
     v_base = _heads(V, b, hk, svb, svh)
     full = _unmasked_end(pid_m, Nk, CAUSAL, BLOCK_M, BLOCK_N)
     dq = _dq_blocks(dq, q, do, lse, delta, k_base, v_base, skn, svn, 0, full, offs_m, offs_n, offs_d, d_mask, Nq,
-                    Nk, scale, False, CAUSAL, BLOCK_N, UPCAST, EVEN_D)
+                    Nk, scale, False, CAUSAL, BLOCK_N, UPCAST)
     dq = _dq_blocks(dq, q, do, lse, delta, k_base, v_base, skn, svn, full, hi, offs_m, offs_n, offs_d, d_mask, Nq,
-                    Nk, scale, True, CAUSAL, BLOCK_N, UPCAST, EVEN_D)
+                    Nk, scale, True, CAUSAL, BLOCK_N, UPCAST)
     tl.store(_rows(_heads(DQ, b, h, sdqb, sdqh), pid_m * BLOCK_M, sdqn, offs_d, BLOCK_M),
              (dq * scale).to(DQ.dtype.element_ty), mask=row_mask)
 
@@ -407,7 +388,7 @@ def attention_fwd(q, k, v, causal: bool, scale: float, out=None):
     lse = torch.empty((b, hq, nq), device=q.device, dtype=torch.float32)
     _launch(_attn_fwd_kernel, _attn_fwd_tuned, lambda meta: (cdiv(nq, meta["BLOCK_M"]), hq, b),
             q, k, v, out, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
-            hq, hq // hkv, nq, nk, d, scale * LOG2E, CAUSAL=causal, BLOCK_D=_block_d(d), EVEN_D=d == _block_d(d))
+            hq, hq // hkv, nq, nk, d, scale * LOG2E, CAUSAL=causal, BLOCK_D=_block_d(d))
     if given is not None and given is not out:
         given.copy_(out)
         out = given
@@ -426,7 +407,7 @@ def attention_bwd(dout, q, k, v, out, lse, causal: bool, scale: float, dq=None, 
     delta = torch.empty((b, hq, nq), device=q.device, dtype=torch.float32)
     lse = lse.contiguous()
     _attn_delta_kernel[(cdiv(nq, 64), hq, b)](
-        out, dout, delta, *out.stride()[:3], *dout.stride()[:3], hq, nq, d, BLOCK_M=64, BLOCK_D=bd, EVEN_D=d == bd,
+        out, dout, delta, *out.stride()[:3], *dout.stride()[:3], hq, nq, d, BLOCK_M=64, BLOCK_D=bd,
     )
     given = (dq, dk, dv)
     outs = [_writable(t, like.shape, like) for t, like in zip(given, (q, k, v))]
@@ -435,10 +416,10 @@ def attention_bwd(dout, q, k, v, out, lse, causal: bool, scale: float, dq=None, 
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3])
     _launch(_attn_bwd_dkdv_kernel, _attn_bwd_dkdv_tuned, lambda meta: (cdiv(nk, meta["BLOCK_N"]), hkv, b),
             q, k, v, dout, lse, delta, dk, dv, *strides, *dk.stride()[:3], *dv.stride()[:3], hq, hkv, hq // hkv,
-            nq, nk, d, scale, CAUSAL=causal, BLOCK_D=bd, EVEN_D=d == bd)
+            nq, nk, d, scale, CAUSAL=causal, BLOCK_D=bd)
     _launch(_attn_bwd_dq_kernel, _attn_bwd_dq_tuned, lambda meta: (cdiv(nq, meta["BLOCK_M"]), hq, b),
             q, k, v, dout, lse, delta, dq, *strides, *dq.stride()[:3], hq, hq // hkv, nq, nk, d, scale,
-            CAUSAL=causal, BLOCK_D=bd, EVEN_D=d == bd)
+            CAUSAL=causal, BLOCK_D=bd)
     res = [dq, dk, dv]
     for i, (g, o) in enumerate(zip(given, outs)):
         if g is not None and o is None:  # given but not writable in place: copied in

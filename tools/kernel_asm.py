@@ -60,56 +60,17 @@ def compile_ptx(kernel, constexprs: dict, arch: int, num_warps: int) -> str:
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps}).asm["ptx"]
 
 
-def async_copies(ptx: str) -> dict[str, int]:
-    """{"16B": count, ...}: cp.async global-to-shared copies by size (Triton's pipelined tile loads)."""
-    sizes = re.findall(r"cp\.async\.\w+\.shared\.global \[[^\]]*\], \[[^\]]*\], (0x[0-9a-fA-F]+|\d+)", ptx)
-    return dict(Counter(f"{int(n, 0)}B" for n in sizes))
-
-
 def widths(ptx: str, op: str) -> dict[str, int]:
     """{"v4.b32": count, "b32": count, ...} of the ld.global / st.global instructions."""
     return dict(Counter(m.group(1) for m in re.finditer(rf"{op}\.global\.((?:v\d\.)?b\d+)", ptx)))
 
 
-def attention(arch: int) -> None:
-    """The attention kernels (forward, dq, dk/dv), causal and not, bf16, head_dim 64 (EVEN_D) and a
-    head_dim below its block (not EVEN_D), compiled with a GPU tile config (128 x 64, 8 warps, 3
-    stages): one JSON line each with the PTX's global load / async-copy / store widths (a compile
-    error raises)."""
-    from zerofuse.kernels import attention as A
-
-    for kernel in (A._attn_fwd_kernel, A._attn_bwd_dq_kernel, A._attn_bwd_dkdv_kernel):
-        for causal, even in ((True, True), (False, True), (True, False)):
-            cx = dict(CAUSAL=causal, BLOCK_M=128, BLOCK_N=64, BLOCK_D=64, UPCAST=False, EVEN_D=even)
-            sig = {}
-            for name in inspect.signature(kernel.fn).parameters:
-                ints = name.startswith("s") and name != "scale" or name in ("Hq", "Hkv", "G", "Nq", "Nk", "D")
-                sig[name] = ("constexpr" if name in cx else "i32" if ints else "fp32" if name in ("scale", "qk_scale")
-                             else "*fp32" if name in ("LSE", "DELTA") else "*bf16")
-            import triton
-            from triton.backends.compiler import GPUTarget
-            from triton.compiler import ASTSource
-            # as a launch specializes them: pointers 16-byte aligned, strides multiples of 16 (any
-            # head_dim of 16k with contiguous heads)
-            attrs = {(i,): [["tt.divisibility", 16]] for i, (name, ty) in enumerate(sig.items())
-                     if ty.startswith("*") or (ty == "i32" and name.startswith("s"))}
-            ptx = triton.compile(ASTSource(kernel, sig, constexprs=cx, attrs=attrs), target=GPUTarget("cuda", arch, 32),
-                                 options={"num_warps": 8, "num_stages": 3}).asm["ptx"]
-            print(json.dumps({"kernel": kernel.fn.__name__, "causal": causal, "even_d": even,
-                              "loads": widths(ptx, "ld"), "async_copies": async_copies(ptx),
-                              "stores": widths(ptx, "st")}), flush=True)
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, default=90, help="compute capability as one number (90: H100)")
-    parser.add_argument("--attention", action="store_true", help="the attention kernels instead")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         sys.exit("tools/kernel_asm.py: unset TRITON_INTERPRET (interpreted kernels cannot be compiled)")
-    if args.attention:
-        attention(args.arch)
-        return 0
     from zerofuse.kernels import optim as K
 
     for name, kernel, constexprs in _variants():
