@@ -6,6 +6,7 @@ Triton emits them depends on what its analysis can prove about pointers and mask
 on a CPU machine by tests/test_optim.py, and shown to a developer by
 
     python tools/kernel_asm.py [--arch 90]
+    python tools/kernel_asm.py --attention   # the attention kernels (tile access widths)
 
 which prints one JSON line per kernel variant: {"kernel", "aligned" (null for the small kernels
 that take no alignment promise), "loads": {width: count}, "stores": {...}}. Must run without TRITON_INTERPRET (the interpreter's functions do not compile).
@@ -60,6 +61,43 @@ def compile_ptx(kernel, constexprs: dict, arch: int, num_warps: int) -> str:
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps}).asm["ptx"]
 
 
+def async_copies(ptx: str) -> dict[str, int]:
+    """{"16B": count, ...}: cp.async global-to-shared copies by size (Triton's pipelined tile loads)."""
+    sizes = re.findall(r"cp\.async\.\w+\.shared\.global \[[^\]]*\], \[[^\]]*\], (0x[0-9a-fA-F]+|\d+)", ptx)
+    return dict(Counter(f"{int(n, 0)}B" for n in sizes))
+
+
+def attention(arch: int) -> None:
+    """The attention kernels (forward, dq, dk/dv), causal and not, bf16, compiled with a GPU tile
+    config (128 x 64, 8 warps, 3 stages) and specialised as a launch specialises them (pointers
+    16-byte aligned; an int argument divisible by 16 marked so: the strides, and head_dim D when it
+    is, as 64 and 80 are and 72 is not): one JSON line per (kernel, causal, head_dim) with the PTX's
+    global load / async-copy / store widths (a compile error raises)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from zerofuse.kernels import attention as A
+
+    for kernel in (A._attn_fwd_kernel, A._attn_bwd_dq_kernel, A._attn_bwd_dkdv_kernel):
+        for causal, d in ((True, 64), (False, 64), (True, 80), (True, 72)):
+            cx = dict(CAUSAL=causal, BLOCK_M=128, BLOCK_N=64, BLOCK_D=A._block_d(d), UPCAST=False)
+            sig = {}
+            for name in inspect.signature(kernel.fn).parameters:
+                ints = name.startswith("s") and name != "scale" or name in ("Hq", "Hkv", "G", "Nq", "Nk", "D")
+                sig[name] = ("constexpr" if name in cx else "i32" if ints else "fp32" if name in ("scale", "qk_scale")
+                             else "*fp32" if name in ("LSE", "DELTA") else "*bf16")
+            divisible = {n for n, ty in sig.items() if ty.startswith("*") or (ty == "i32" and n.startswith("s"))}
+            if d % 16 == 0:
+                divisible.add("D")
+            attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig) if n in divisible}
+            ptx = triton.compile(ASTSource(kernel, sig, constexprs=cx, attrs=attrs), target=GPUTarget("cuda", arch, 32),
+                                 options={"num_warps": 8, "num_stages": 3}).asm["ptx"]
+            print(json.dumps({"kernel": kernel.fn.__name__, "causal": causal, "head_dim": d,
+                              "loads": widths(ptx, "ld"), "async_copies": async_copies(ptx),
+                              "stores": widths(ptx, "st")}), flush=True)
+
+
 def widths(ptx: str, op: str) -> dict[str, int]:
     """{"v4.b32": count, "b32": count, ...} of the ld.global / st.global instructions."""
     return dict(Counter(m.group(1) for m in re.finditer(rf"{op}\.global\.((?:v\d\.)?b\d+)", ptx)))
@@ -68,9 +106,13 @@ def widths(ptx: str, op: str) -> dict[str, int]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, default=90, help="compute capability as one number (90: H100)")
+    parser.add_argument("--attention", action="store_true", help="the attention kernels instead")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         sys.exit("tools/kernel_asm.py: unset TRITON_INTERPRET (interpreted kernels cannot be compiled)")
+    if args.attention:
+        attention(args.arch)
+        return 0
     from zerofuse.kernels import optim as K
 
     for name, kernel, constexprs in _variants():
