@@ -78,8 +78,9 @@ def attention(arch: int) -> None:
     from triton.compiler import ASTSource
 
     from zerofuse.kernels import attention as A
+    from zerofuse.kernels import attention_bwd as AB
 
-    for kernel in (A._attn_fwd_kernel, A._attn_bwd_dq_kernel, A._attn_bwd_dkdv_kernel):
+    for kernel in (A._attn_fwd_kernel, AB._attn_bwd_dq_kernel, AB._attn_bwd_dkdv_kernel):
         for causal, d in ((True, 64), (False, 64), (True, 80), (True, 72)):
             cx = dict(CAUSAL=causal, BLOCK_M=128, BLOCK_N=64, BLOCK_D=A._block_d(d), UPCAST=False)
             sig = {}

@@ -1,0 +1,156 @@
+"""The backward of kernels/attention.py's flash attention: dk/dv per key block (every query head of
+its group) and dq per query block, from the forward's LSE and delta = rowsum(o * do) (the delta
+kernel lives with the forward's helpers). dq/dk/dv are written at their own strides: contiguous,
+or views of one packed qkv gradient (zerofuse::attention_qkv)."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from zerofuse.kernels.attention import (_attn_delta_kernel, _check_grid, _dot, _heads, _launch, _query_block,
+                                        _query_pid, _rows, _tileable, _tuned, _unmasked_end, _writable, _block_d)
+from zerofuse.kernels.common import cdiv
+
+
+@triton.jit
+def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
+                          sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sdb, sdh, sdn,
+                          sdkb, sdkh, sdkn, sdvb, sdvh, sdvn, Hq, Hkv, G, Nq, Nk, D, scale,
+                          CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_D: tl.constexpr, UPCAST: tl.constexpr):
+    pid_n = tl.program_id(0)
+    hk = tl.program_id(1)
+    b = tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < D
+    kv_mask = (offs_n[:, None] < Nk) & d_mask[None, :]
+    k = tl.load(_rows(_heads(K, b, hk, skb, skh), pid_n * BLOCK_N, skn, offs_d, BLOCK_N), mask=kv_mask, other=0.0)
+    v = tl.load(_rows(_heads(V, b, hk, svb, svh), pid_n * BLOCK_N, svn, offs_d, BLOCK_N), mask=kv_mask, other=0.0)
+    dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
+    dv = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
+    lo = 0
+    if CAUSAL:
+        lo = (pid_n * BLOCK_N // BLOCK_M) * BLOCK_M  # rows before the block's first key see none of it
+    for g in range(0, G):
+        h = hk * G + g
+        q_base = _heads(Q, b, h, sqb, sqh)
+        do_base = _heads(DO, b, h, sdb, sdh)
+        stat_base = (b.to(tl.int64) * Hq + h) * Nq
+        for start_m in range(lo, Nq, BLOCK_M):
+            rows = start_m + offs_m
+            row_mask = (rows[:, None] < Nq) & d_mask[None, :]
+            q = tl.load(_rows(q_base, start_m, sqn, offs_d, BLOCK_M), mask=row_mask, other=0.0)
+            do = tl.load(_rows(do_base, start_m, sdn, offs_d, BLOCK_M), mask=row_mask, other=0.0)
+            lse = tl.load(LSE + stat_base + rows, mask=rows < Nq, other=0.0)
+            delta = tl.load(DELTA + stat_base + rows, mask=rows < Nq, other=0.0)
+            # scores transposed: (BLOCK_N keys, BLOCK_M rows)
+            st = _dot(k, tl.trans(q), UPCAST) * scale
+            keep = (offs_n[:, None] < Nk) & (rows[None, :] < Nq)
+            if CAUSAL:
+                keep = keep & (offs_n[:, None] <= rows[None, :])
+            pt = tl.where(keep, tl.exp(st - lse[None, :]), 0.0)
+            dv += _dot(pt.to(do.dtype), do, UPCAST)
+            dpt = _dot(v, tl.trans(do), UPCAST)
+            dst = pt * (dpt - delta[None, :])
+            dk += _dot(dst.to(q.dtype), q, UPCAST)
+    out_mask = (offs_n[:, None] < Nk) & d_mask[None, :]
+    # dk and dv at their own strides (contiguous, or views of a packed qkv gradient)
+    tl.store(_rows(_heads(DK, b, hk, sdkb, sdkh), pid_n * BLOCK_N, sdkn, offs_d, BLOCK_N),
+             (dk * scale).to(DK.dtype.element_ty), mask=out_mask)
+    tl.store(_rows(_heads(DV, b, hk, sdvb, sdvh), pid_n * BLOCK_N, sdvn, offs_d, BLOCK_N), dv.to(DV.dtype.element_ty),
+             mask=out_mask)
+
+
+@triton.jit
+def _dq_blocks(dq, q, do, lse, delta, k_base, v_base, skn, svn, start, end, offs_m, offs_n, offs_d, d_mask, Nq, Nk,
+               scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr):
+    """dq over the key blocks [start, end): masked (the key tail, the causal diagonal) only when MASKED."""
+    for start_n in range(start, end, BLOCK_N):
+        cols = start_n + offs_n
+        if MASKED:
+            kv_mask = (cols[:, None] < Nk) & d_mask[None, :]
+        else:
+            kv_mask = d_mask[None, :]
+        k = tl.load(_rows(k_base, start_n, skn, offs_d, BLOCK_N), mask=kv_mask, other=0.0)
+        v = tl.load(_rows(v_base, start_n, svn, offs_d, BLOCK_N), mask=kv_mask, other=0.0)
+        s = _dot(q, tl.trans(k), UPCAST) * scale
+        p = tl.exp(s - lse[:, None])
+        if MASKED:
+            keep = (cols[None, :] < Nk) & (offs_m[:, None] < Nq)
+            if CAUSAL:
+                keep = keep & (cols[None, :] <= offs_m[:, None])
+            p = tl.where(keep, p, 0.0)
+        dp = _dot(do, tl.trans(v), UPCAST)
+        ds = p * (dp - delta[:, None])
+        dq += _dot(ds.to(k.dtype), k, UPCAST)
+    return dq
+
+
+@triton.jit
+def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
+                        sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sdb, sdh, sdn,
+                        sdqb, sdqh, sdqn, Hq, G, Nq, Nk, D, scale,
+                        CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_D: tl.constexpr, UPCAST: tl.constexpr):
+    pid_m = _query_pid(CAUSAL)
+    b, h, hk, offs_m, offs_n, offs_d, d_mask, row_mask, q = _query_block(Q, sqb, sqh, sqn, G, Nq, D, BLOCK_M,
+                                                                         BLOCK_N, BLOCK_D, CAUSAL)
+    bh = b.to(tl.int64) * Hq + h
+    do = tl.load(_rows(_heads(DO, b, h, sdb, sdh), pid_m * BLOCK_M, sdn, offs_d, BLOCK_M), mask=row_mask, other=0.0)
+    # rows past Nq: lse 0 and delta 0 would make exp(s) overflow into inf * 0 = NaN in an unmasked
+    # block: their lse is +inf instead (p = 0), and their dq is not stored
+    lse = tl.load(LSE + bh * Nq + offs_m, mask=offs_m < Nq, other=float("inf"))
+    delta = tl.load(DELTA + bh * Nq + offs_m, mask=offs_m < Nq, other=0.0)
+    dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    hi = Nk
+    if CAUSAL:
+        hi = tl.minimum(Nk, (pid_m + 1) * BLOCK_M)
+    k_base = _heads(K, b, hk, skb, skh)
+    v_base = _heads(V, b, hk, svb, svh)
+    full = _unmasked_end(pid_m, Nk, CAUSAL, BLOCK_M, BLOCK_N)
+    dq = _dq_blocks(dq, q, do, lse, delta, k_base, v_base, skn, svn, 0, full, offs_m, offs_n, offs_d, d_mask, Nq,
+                    Nk, scale, False, CAUSAL, BLOCK_N, UPCAST)
+    dq = _dq_blocks(dq, q, do, lse, delta, k_base, v_base, skn, svn, full, hi, offs_m, offs_n, offs_d, d_mask, Nq,
+                    Nk, scale, True, CAUSAL, BLOCK_N, UPCAST)
+    tl.store(_rows(_heads(DQ, b, h, sdqb, sdqh), pid_m * BLOCK_M, sdqn, offs_d, BLOCK_M),
+             (dq * scale).to(DQ.dtype.element_ty), mask=row_mask)
+
+
+_attn_bwd_dkdv_tuned = _tuned(_attn_bwd_dkdv_kernel, ["Nq", "Nk", "D", "CAUSAL"])
+_attn_bwd_dq_tuned = _tuned(_attn_bwd_dq_kernel, ["Nq", "Nk", "D", "CAUSAL"])
+
+
+def attention_bwd(dout, q, k, v, out, lse, causal: bool, scale: float, dq=None, dk=None, dv=None):
+    """(dq, dk, dv) in the inputs' dtypes; written into dq/dk/dv when given (any strides with a unit
+    one along D: e.g. views of one packed qkv gradient), else into new contiguous tensors."""
+    b, hq, nq, d = q.shape
+    _check_grid(b, hq)
+    hkv, nk = k.shape[1], k.shape[2]
+    dout = _tileable(dout if dout.stride(-1) == 1 else dout.contiguous())
+    q, k, v, out = _tileable(q), _tileable(k), _tileable(v), _tileable(out)
+    bd = _block_d(d)
+    delta = torch.empty((b, hq, nq), device=q.device, dtype=torch.float32)
+    lse = lse.contiguous()
+    _attn_delta_kernel[(cdiv(nq, 64), hq, b)](
+        out, dout, delta, *out.stride()[:3], *dout.stride()[:3], hq, nq, d, BLOCK_M=64, BLOCK_D=bd,
+    )
+    given = (dq, dk, dv)
+    outs = [_writable(t, like.shape, like) for t, like in zip(given, (q, k, v))]
+    dq, dk, dv = (t if t is not None else torch.empty(like.shape, device=like.device, dtype=like.dtype)
+                  for t, like in zip(outs, (q, k, v)))
+    strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3])
+    _launch(_attn_bwd_dkdv_kernel, _attn_bwd_dkdv_tuned, lambda meta: (cdiv(nk, meta["BLOCK_N"]), hkv, b),
+            q, k, v, dout, lse, delta, dk, dv, *strides, *dk.stride()[:3], *dv.stride()[:3], hq, hkv, hq // hkv,
+            nq, nk, d, scale, CAUSAL=causal, BLOCK_D=bd)
+    _launch(_attn_bwd_dq_kernel, _attn_bwd_dq_tuned, lambda meta: (cdiv(nq, meta["BLOCK_M"]), hq, b),
+            q, k, v, dout, lse, delta, dq, *strides, *dq.stride()[:3], hq, hq // hkv, nq, nk, d, scale,
+            CAUSAL=causal, BLOCK_D=bd)
+    res = [dq, dk, dv]
+    for i, (g, o) in enumerate(zip(given, outs)):
+        if g is not None and o is None:  # given but not writable in place: copied in
+            g.copy_(res[i])
+            res[i] = g
+    return tuple(res)
