@@ -164,3 +164,39 @@ def test_gpu_graphed_steps_equal_eager_steps(tmp_path):
     assert gs["cuda_graphs"].startswith("on (captured"), gs["cuda_graphs"]
     assert [(r["loss"], r["grad_norm"]) for r in ea] == [(r["loss"], r["grad_norm"]) for r in ga]
     assert es["final_val_loss"] == gs["final_val_loss"]
+
+
+def test_a_capture_failing_mid_backward_leaves_no_half_step(tmp_path, monkeypatch):
+    """The capture raises from inside backward (after ZeRO counted some grads and queued its end of
+    backward): abandon_step resets that, and the job goes on eagerly with the eager job's losses."""
+    state = {"capturing": False}
+
+    class MidBackward(_StandInGraph):
+        @contextlib.contextmanager
+        def capture(self):
+            state["capturing"] = True
+            try:
+                with super().capture():
+                    yield
+            finally:
+                state["capturing"] = False
+
+    class Failing(graphs.StepGraph):
+        def __init__(self, trainer):
+            super().__init__(trainer, graph_factory=lambda: MidBackward(trainer))
+            params = list(trainer.model.parameters())
+
+            def hook(p):
+                if state["capturing"]:
+                    raise RuntimeError("operation not permitted when stream is capturing")
+            params[len(params) // 2].register_post_accumulate_grad_hook(hook)
+
+    eager = tmp_path / "eager"
+    assert Trainer(_args(eager), None).run() == 0
+    monkeypatch.setattr(graphs, "reason_not", lambda trainer: None)
+    monkeypatch.setattr(graphs, "StepGraph", Failing)
+    failed = tmp_path / "failed"
+    t = Trainer(_args(failed), None)
+    assert t.run() == 0
+    assert t.graphs.failed.startswith("capture failed at step 4 (RuntimeError: operation not permitted")
+    assert [(r["loss"], r["grad_norm"]) for r in _rows(eager)] == [(r["loss"], r["grad_norm"]) for r in _rows(failed)]
