@@ -85,17 +85,23 @@ def _query_block(Q, sqb, sqh, sqn, G, Nq, D, BLOCK_M: tl.constexpr, BLOCK_N: tl.
 
 
 @triton.jit
+def _key_tile(base, start_n, stride, offs_n, offs_d, d_mask, Nk, MASKED: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The (BLOCK_N, BLOCK_D) k or v tile of keys start_n ..: masked at the key tail only when MASKED."""
+    if MASKED:
+        mask = ((start_n + offs_n)[:, None] < Nk) & d_mask[None, :]
+    else:
+        mask = d_mask[None, :]
+    return tl.load(_rows(base, start_n, stride, offs_d, BLOCK_N), mask=mask, other=0.0)
+
+
+@triton.jit
 def _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, skn, svn, start, end, offs_m, offs_n, offs_d, d_mask, Nk,
                 qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr):
     """The online softmax over the key blocks [start, end): masked (the key tail, the causal
     diagonal) only when MASKED."""
     for start_n in range(start, end, BLOCK_N):
         cols = start_n + offs_n
-        if MASKED:
-            kv_mask = (cols[:, None] < Nk) & d_mask[None, :]
-        else:
-            kv_mask = d_mask[None, :]
-        k = tl.load(_rows(k_base, start_n, skn, offs_d, BLOCK_N), mask=kv_mask, other=0.0)
+        k = _key_tile(k_base, start_n, skn, offs_n, offs_d, d_mask, Nk, MASKED, BLOCK_N)
         s = _dot(q, tl.trans(k), UPCAST) * qk_scale
         if MASKED:
             keep = cols[None, :] < Nk
@@ -106,7 +112,7 @@ def _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, skn, svn, start, end, offs_m, 
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(_rows(v_base, start_n, svn, offs_d, BLOCK_N), mask=kv_mask, other=0.0)
+        v = _key_tile(v_base, start_n, svn, offs_n, offs_d, d_mask, Nk, MASKED, BLOCK_N)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST)
         m_i = m_new
     return acc, l_i, m_i

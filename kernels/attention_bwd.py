@@ -8,8 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
-from zerofuse.kernels.attention import (_attn_delta_kernel, _check_grid, _dot, _heads, _launch, _query_block,
-                                        _query_pid, _rows, _tileable, _tuned, _unmasked_end, _writable, _block_d)
+from zerofuse.kernels.attention import (_attn_delta_kernel, _block_d, _check_grid, _dot, _heads, _key_tile, _launch,
+                                        _query_block, _query_pid, _rows, _tileable, _tuned, _unmasked_end, _writable)
 from zerofuse.kernels.common import cdiv
 
 
@@ -70,12 +70,8 @@ def _dq_blocks(dq, q, do, lse, delta, k_base, v_base, skn, svn, start, end, offs
     """dq over the key blocks [start, end): masked (the key tail, the causal diagonal) only when MASKED."""
     for start_n in range(start, end, BLOCK_N):
         cols = start_n + offs_n
-        if MASKED:
-            kv_mask = (cols[:, None] < Nk) & d_mask[None, :]
-        else:
-            kv_mask = d_mask[None, :]
-        k = tl.load(_rows(k_base, start_n, skn, offs_d, BLOCK_N), mask=kv_mask, other=0.0)
-        v = tl.load(_rows(v_base, start_n, svn, offs_d, BLOCK_N), mask=kv_mask, other=0.0)
+        k = _key_tile(k_base, start_n, skn, offs_n, offs_d, d_mask, Nk, MASKED, BLOCK_N)
+        v = _key_tile(v_base, start_n, svn, offs_n, offs_d, d_mask, Nk, MASKED, BLOCK_N)
         s = _dot(q, tl.trans(k), UPCAST) * scale
         p = tl.exp(s - lse[:, None])
         if MASKED:

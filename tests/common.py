@@ -9,6 +9,20 @@ HAS_CUDA = torch.cuda.is_available()
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
+def tiny_job_args(tmp_path, *argv):
+    """zerofuse-train's checked flags for a tiny in-process job on the CPU (one rank, 2 layers of dim
+    32, no evaluation, samples or checkpoints, outputs in tmp_path); argv adds flags or overrides
+    these (the last one given wins)."""
+    from zerofuse import train
+
+    args = train._parser().parse_args(
+        ["--device", "cpu", "--nproc", "1", "--layers", "2", "--heads", "2", "--dim", "32", "--seq-len", "16",
+         "--batch", "2", "--eval-every", "0", "--eval-batches", "1", "--sample-tokens", "0", "--ckpt-every", "0",
+         "--out", str(tmp_path), *argv])
+    train.validate(args)
+    return args
+
+
 class SavedActivations:
     """Bytes of the activations autograd saves for backward inside the given modules' forwards
     (what stays alive between forward and backward), e.g. the norms'; the modules' own params,

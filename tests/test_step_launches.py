@@ -74,15 +74,11 @@ def test_bucket_grads_arrive_in_one_copy(stage, world_of_one):
 def test_the_job_counts_its_step_and_restores_its_hooks(tmp_path, capsys):
     """zerofuse-train counts the second step's launches and hooks (train/launches.py) and reports
     them; the counters leave every hook as it was."""
-    from zerofuse import train
     from zerofuse.train.loop import Trainer
 
-    args = train._parser().parse_args(
-        ["--device", "cpu", "--nproc", "1", "--layers", "3", "--heads", "2", "--dim", "32", "--seq-len", "16",
-         "--batch", "2", "--steps", "3", "--eval-every", "0", "--eval-batches", "1", "--sample-tokens", "0",
-         "--ckpt-every", "0", "--out", str(tmp_path)])
-    train.validate(args)
-    t = Trainer(args, None)
+    from common import tiny_job_args
+
+    t = Trainer(tiny_job_args(tmp_path, "--layers", "3", "--steps", "3"), None)
     before = {}
     real_setup = t._setup
 

@@ -9,17 +9,13 @@ import json
 import pytest
 import torch
 
-from zerofuse import train
 from zerofuse.train.loop import Trainer
+
+from common import tiny_job_args
 
 
 def _args(tmp_path, *argv):
-    args = train._parser().parse_args(
-        ["--device", "cpu", "--nproc", "1", "--layers", "2", "--heads", "2", "--dim", "32", "--seq-len", "16",
-         "--batch", "2", "--steps", "4", "--log-every", "1", "--eval-every", "0", "--eval-batches", "1",
-         "--sample-tokens", "0", "--ckpt-every", "0", "--out", str(tmp_path), *argv])
-    train.validate(args)
-    return args
+    return tiny_job_args(tmp_path, "--steps", "4", "--log-every", "1", *argv)
 
 
 @pytest.mark.timeout(600)

@@ -18,14 +18,11 @@ from zerofuse import train
 from zerofuse.train import graphs
 from zerofuse.train.loop import Trainer
 
+from common import tiny_job_args
 
-def _args(tmp_path, *argv, device="cpu"):
-    args = train._parser().parse_args(
-        ["--device", device, "--nproc", "1", "--layers", "2", "--heads", "2", "--dim", "32", "--seq-len", "16",
-         "--batch", "2", "--steps", "8", "--warmup", "4", "--log-every", "4", "--eval-every", "0",
-         "--eval-batches", "1", "--sample-tokens", "0", "--ckpt-every", "0", "--out", str(tmp_path), *argv])
-    train.validate(args)
-    return args
+
+def _args(tmp_path, *argv):
+    return tiny_job_args(tmp_path, "--steps", "8", "--warmup", "4", "--log-every", "4", *argv)
 
 
 def _rows(path):

@@ -14,6 +14,8 @@ from zerofuse.train.loop import Trainer
 
 from sync_counter import CountSyncs
 
+from common import tiny_job_args
+
 
 def test_the_counter_sees_each_kind_of_sync(monkeypatch):
     """The detector is real: each way of reading a tensor is counted (the old step had .item() on
@@ -30,12 +32,7 @@ def test_the_counter_sees_each_kind_of_sync(monkeypatch):
 
 
 def _args(tmp_path, *argv):
-    args = train._parser().parse_args(
-        ["--device", "cpu", "--nproc", "1", "--layers", "2", "--heads", "2", "--dim", "32", "--seq-len", "16",
-         "--batch", "2", "--steps", "6", "--log-every", "3", "--eval-every", "0", "--eval-batches", "1",
-         "--sample-tokens", "0", "--ckpt-every", "0", "--out", str(tmp_path), *argv])
-    train.validate(args)
-    return args
+    return tiny_job_args(tmp_path, "--steps", "6", "--log-every", "3", *argv)
 
 
 @pytest.mark.timeout(600)

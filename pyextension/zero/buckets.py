@@ -134,6 +134,7 @@ class Bucket:
         self.gshard: torch.Tensor | None = None  # made by the first reduction (or read)
         self.ready = 0  # params whose grad arrived in this backward
         self.deferred = [False] * len(self.params)  # grads left in .grad until gflat exists
+        self._deferred: list[int] = []  # their indices, in arrival order (no scan per arriving grad)
         self.pending: list[int] = []
         self.dirty = False  # gflat holds local grads not reduced yet
         self.launched = False
@@ -210,15 +211,22 @@ class Bucket:
         (autograd's tensor) until the last one arrives ([Note: bucket buffers]). True if deferred."""
         if self.stage in (2, 3) and self.gflat is None and self.ready < len(self.params):
             self.deferred[i] = True
+            self._deferred.append(i)
             return True
         return False
 
-    def add_deferred(self) -> None:
-        """Moves the deferred grads into gflat (made here) and drops them from .grad: those whose
-        region holds nothing yet in one multi-tensor copy (zerofuse::flatten_into: one launch for
-        the bucket, not one per param) and one multi-tensor scaling, the others one by one."""
-        idx = [i for i, d in enumerate(self.deferred) if d and self.params[i].grad is not None]
-        self.deferred = [False] * len(self.params)
+    def add_deferred(self, also: int | None = None) -> None:
+        """Moves the deferred grads, and param ``also``'s (the one arriving), into gflat (made here)
+        and drops them from .grad: those whose region holds nothing yet in one multi-tensor copy
+        (zerofuse::flatten_into: one launch for the bucket, not one per param) and one multi-tensor
+        scaling, the others one by one."""
+        idx = self._deferred + ([also] if also is not None else [])
+        if not idx:
+            return
+        for i in self._deferred:
+            self.deferred[i] = False
+        self._deferred = []
+        idx = [i for i in idx if self.params[i].grad is not None]
         fresh = [i for i in idx if not self.written[i]]
         if len(fresh) > 1:
             self._make_gflat()
@@ -338,6 +346,7 @@ class Bucket:
         self.dirty = False
         self.grad_none = set_to_none
         self.deferred = [False] * len(self.params)  # their .grad is dropped by the engine
+        self._deferred = []
 
     def has_grad(self) -> bool:
         """Whether the bucket holds a grad (False after zero_grad(set_to_none=True) until a sync)."""

@@ -218,8 +218,7 @@ class ZeroEngine(ExpertLayout, Stage3Hooks):
             return
         if unit.gflat is None and self.sync_grads and self.overlap:
             self.buckets.make_room()  # the buffer about to be made counts in the window ([Note: bucket buffers])
-        unit.deferred[i] = True  # with the deferred ones: one multi-tensor copy into gflat
-        unit.add_deferred()
+        unit.add_deferred(also=i)  # with the deferred ones: one multi-tensor copy into gflat
         if unit.ready == len(unit.params):
             if self.sync_grads and self.overlap:
                 self.buckets.start_grad_sync(unit)
