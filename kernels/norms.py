@@ -10,8 +10,9 @@ wdy = w * dy (the standard derivation, as in Apex / Triton's layer-norm tutorial
     RMS: dh = rstd * (wdy - xhat * mean(xhat * wdy))
 plus the incoming gradient of the h output when the residual add was fused (that sum is the
 gradient of both x and residual). dw = sum over rows of dy * xhat, db = sum of dy: each program
-accumulates its rows' partial sums in fp32 and a second small kernel adds the partials in a fixed
-order, so gradients are deterministic (no atomics).
+accumulates its rows' partial sums in fp32 and the partials are added in a fixed order, so gradients
+are deterministic (kernels/colsum.py): by the last program of the same launch while the partials
+are few (the whole backward is one launch), else by a second small kernel.
 
 Each program handles BLOCK_M rows of the whole hidden size at once (BLOCK_N = next power of two of
 N, up to 65536): every byte is read once and written once.
@@ -25,6 +26,8 @@ import triton
 import triton.language as tl
 
 from zerofuse.kernels import interpreted
+from zerofuse.kernels import colsum
+from zerofuse.kernels.colsum import _arrive, _sum_all_cols
 from zerofuse.kernels.common import _cast, cdiv, next_power_of_2
 
 MAX_HIDDEN = 65536
@@ -66,10 +69,11 @@ def _norm_fwd_kernel(
 
 @triton.jit
 def _norm_bwd_kernel(
-    DY, DH, X, W, Mean, Rstd, DX, DW_part, DB_part,
-    M, N, rows_per_program,
+    DY, DH, X, W, Mean, Rstd, DX, DW_part, DB_part, DW, DB, Counter,
+    M, N, rows_per_program, n_parts,
     HAS_DH: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, IS_RMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EMULATE_RNE: tl.constexpr,
+    ONE_LAUNCH: tl.constexpr, SUM_P: tl.constexpr, SUM_N: tl.constexpr,
 ):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
@@ -113,19 +117,12 @@ def _norm_bwd_kernel(
         tl.store(DW_part + pid * N + cols, dw_acc, mask=col_mask)
     if HAS_B:
         tl.store(DB_part + pid * N + cols, db_acc, mask=col_mask)
-
-
-@triton.jit
-def _sum_partials_kernel(P, Out, n_parts, N, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, EMULATE_RNE: tl.constexpr):
-    # Out[c] = sum_p P[p, c], in a fixed order; column blocks in parallel.
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = cols < N
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for p0 in range(0, n_parts, BLOCK_P):
-        parts = p0 + tl.arange(0, BLOCK_P)
-        mask = (parts < n_parts)[:, None] & col_mask[None, :]
-        acc += tl.sum(tl.load(P + parts[:, None] * N + cols[None, :], mask=mask, other=0.0), axis=0)
-    tl.store(Out + cols, _cast(acc, Out.dtype.element_ty, EMULATE_RNE), mask=col_mask)
+    if ONE_LAUNCH and (HAS_W or HAS_B):
+        if _arrive(Counter, n_parts):
+            if HAS_W:
+                _sum_all_cols(DW_part, DW, n_parts, N, SUM_P, SUM_N, EMULATE_RNE)
+            if HAS_B:
+                _sum_all_cols(DB_part, DB, n_parts, N, SUM_P, SUM_N, EMULATE_RNE)
 
 
 @functools.lru_cache(maxsize=None)
@@ -140,11 +137,16 @@ def _config(n: int) -> tuple[int, int, int]:
     return block_m, block_n, num_warps
 
 
-def _bwd_programs(m: int, block_m: int, device: torch.device) -> int:
+def _bwd_programs(m: int, n: int, block_m: int, device: torch.device) -> int:
     blocks = cdiv(m, block_m)
     if interpreted() or device.type != "cuda":
         return min(blocks, 4)
-    return min(blocks, 4 * torch.cuda.get_device_properties(device).multi_processor_count)
+    return min(blocks, colsum.max_parts(n, 4 * _sm_count(device)))
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def norm_fwd(x, weight, bias, residual, eps: float, is_rms: bool):
@@ -178,37 +180,29 @@ def norm_bwd(dy, dh, x, weight, bias, mean, rstd, is_rms: bool):
     n = x.shape[-1]
     m = x.numel() // n
     block_m, block_n, num_warps = _config(n)
-    progs = _bwd_programs(m, block_m, x.device)
+    progs = _bwd_programs(m, n, block_m, x.device)
     rows_per_program = cdiv(cdiv(m, block_m), progs) * block_m
     progs = cdiv(m, rows_per_program)
     dx = torch.empty_like(x)
-    part = dict(device=x.device, dtype=torch.float32)
-    dw_part = torch.empty((progs, n), **part) if weight is not None else None
-    db_part = torch.empty((progs, n), **part) if bias is not None else None
+    dw_part = colsum.partials(progs, n, x.device, weight is not None)
+    db_part = colsum.partials(progs, n, x.device, bias is not None)
+    one = colsum.one_launch(progs, n) and (weight is not None or bias is not None)
+    dw = db = counter = None
+    if one:
+        dw = torch.empty(n, device=x.device, dtype=weight.dtype) if weight is not None else None
+        db = torch.empty(n, device=x.device, dtype=bias.dtype) if bias is not None else None
+        counter = colsum.arrival_counter(x.device)
+    sum_p, sum_n = colsum.blocks(progs, n)
     _norm_bwd_kernel[(progs,)](
-        dy, dh, x, weight, mean, rstd, dx, dw_part, db_part, m, n, rows_per_program,
+        dy, dh, x, weight, mean, rstd, dx, dw_part, db_part, dw, db, counter, m, n, rows_per_program, progs,
         HAS_DH=dh is not None, HAS_W=weight is not None, HAS_B=bias is not None, IS_RMS=is_rms,
-        BLOCK_M=block_m, BLOCK_N=block_n, EMULATE_RNE=interpreted(), num_warps=num_warps,
+        BLOCK_M=block_m, BLOCK_N=block_n, EMULATE_RNE=interpreted(), ONE_LAUNCH=one, SUM_P=sum_p, SUM_N=sum_n,
+        num_warps=num_warps,
     )
+    if one:
+        return dx, dw, db
     return (
         dx,
-        _sum_partials(dw_part, weight.dtype if weight is not None else None),
-        _sum_partials(db_part, bias.dtype if bias is not None else None),
+        colsum.sum_partials(dw_part, weight.dtype if weight is not None else None),
+        colsum.sum_partials(db_part, bias.dtype if bias is not None else None),
     )
-
-
-def _sum_partials(part, dtype):
-    if part is None:
-        return None
-    n_parts, n = part.shape
-    out = torch.empty(n, device=part.device, dtype=dtype)
-    # On a GPU: narrow column blocks, so that many programs share the reads. With 256 columns a
-    # 768-wide LayerNorm's 528 x 768 partials were summed by 3 programs in ~42 µs a call on an H200
-    # (bench/results/h200-2026-11-26: 2.1 ms of a gpt2-124m step); 32 columns give 24 programs of
-    # 128 x 32 tiles (128-byte rows, coalesced). The interpreter pays per program: wide blocks.
-    block_n = min(next_power_of_2(n), 65536 if interpreted() else 32)
-    block_p = min(next_power_of_2(n_parts), 64 if interpreted() else 128)
-    _sum_partials_kernel[(cdiv(n, block_n),)](
-        part, out, n_parts, n, BLOCK_P=block_p, BLOCK_N=block_n, EMULATE_RNE=interpreted()
-    )
-    return out

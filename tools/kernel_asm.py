@@ -7,6 +7,7 @@ on a CPU machine by tests/test_optim.py, and shown to a developer by
 
     python tools/kernel_asm.py [--arch 90]
     python tools/kernel_asm.py --attention   # the attention kernels (tile access widths)
+    python tools/kernel_asm.py --norms       # the norms' one-launch backward (atomics, spills)
 
 which prints one JSON line per kernel variant: {"kernel", "aligned" (null for the small kernels
 that take no alignment promise), "loads": {width: count}, "stores": {...}}. Must run without TRITON_INTERPRET (the interpreter's functions do not compile).
@@ -99,6 +100,60 @@ def attention(arch: int) -> None:
                               "stores": widths(ptx, "st")}), flush=True)
 
 
+def ptxas_info(ptx: str, arch: int) -> dict[str, int]:
+    """{"registers", "spill_stores", "spill_loads"} from ptxas -v on the PTX (triton's ptxas)."""
+    import subprocess
+    import tempfile
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    suffix = "a" if arch >= 90 else ""
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        out = subprocess.run([get_ptxas(arch).path, f"-arch=sm_{arch}{suffix}", "-v", src, "-o", os.path.join(d, "k.cubin")],
+                             check=True, capture_output=True, text=True)
+    text = out.stdout + out.stderr
+    return {"registers": int(re.search(r"Used (\d+) registers", text).group(1)),
+            "spill_stores": int(re.search(r"(\d+) bytes spill stores", text).group(1)),
+            "spill_loads": int(re.search(r"(\d+) bytes spill loads", text).group(1))}
+
+
+def norms(arch: int) -> None:
+    """The norms' backward, bf16 (LayerNorm with dh, weight and bias; RMSNorm with weight), at
+    widths 768 and 4096 with the launcher's tile config, in one launch (its last program sums
+    the weight/bias partials: kernels/colsum.py) and two: one JSON line each with the PTX's
+    atomics, fences, L2 (.cg) loads of the partials, global access widths and ptxas's registers and
+    spills."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from zerofuse.kernels import colsum
+    from zerofuse.kernels import norms as KN
+
+    for n in (768, 4096):
+        block_m, block_n, num_warps = KN._config(n)
+        sum_p, sum_n = colsum.blocks(colsum.max_parts(n, 4 * 132), n)  # an H100's 132 SMs
+        for is_rms, one in ((False, True), (True, True), (False, False)):
+            cx = dict(HAS_DH=not is_rms, HAS_W=True, HAS_B=not is_rms, IS_RMS=is_rms, BLOCK_M=block_m, BLOCK_N=block_n,
+                      EMULATE_RNE=False, ONE_LAUNCH=one, SUM_P=sum_p, SUM_N=sum_n)
+            sig = {}
+            for name in inspect.signature(KN._norm_bwd_kernel.fn).parameters:
+                sig[name] = ("constexpr" if name in cx else "i32" if name in ("M", "N", "rows_per_program", "n_parts")
+                             else "*i32" if name == "Counter" else "*fp32" if name in ("Mean", "Rstd", "DW_part", "DB_part")
+                             else "*bf16")
+            attrs = {(i,): [["tt.divisibility", 16]] for i, k in enumerate(sig) if sig[k].startswith("*") or k == "N"}
+            ptx = triton.compile(ASTSource(KN._norm_bwd_kernel, sig, constexprs=cx, attrs=attrs),
+                                 target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps}).asm["ptx"]
+            print(json.dumps({"kernel": "norm_bwd", "rms": is_rms, "n": n, "one_launch": one,
+                              "atomics": dict(Counter(re.findall(r"atom\.[\w.]+", ptx))),
+                              "l2_loads": dict(Counter(re.findall(r"ld\.global\.cg\.([\w.]+)", ptx))),
+                              "loads": widths(ptx, "ld"), "stores": widths(ptx, "st"), **ptxas_info(ptx, arch)}),
+                  flush=True)
+
+
 def widths(ptx: str, op: str) -> dict[str, int]:
     """{"v4.b32": count, "b32": count, ...} of the ld.global / st.global instructions."""
     return dict(Counter(m.group(1) for m in re.finditer(rf"{op}\.global\.((?:v\d\.)?b\d+)", ptx)))
@@ -108,11 +163,15 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, default=90, help="compute capability as one number (90: H100)")
     parser.add_argument("--attention", action="store_true", help="the attention kernels instead")
+    parser.add_argument("--norms", action="store_true", help="the norms' backward instead")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         sys.exit("tools/kernel_asm.py: unset TRITON_INTERPRET (interpreted kernels cannot be compiled)")
     if args.attention:
         attention(args.arch)
+        return 0
+    if args.norms:
+        norms(args.arch)
         return 0
     from zerofuse.kernels import optim as K
 

@@ -1,0 +1,103 @@
+"""kernels/colsum.py: column sums of per-program partials formed by the last program of the same
+launch (the norms' backward in one launch) equal the two-launch sums bit for bit, leave the arrival
+counter at zero, and the one-launch path launches nothing else. Interpreter (CPU) tests; the GPU
+run of the same kernels is covered by test_norms' CUDA cases."""
+import pytest
+import torch
+
+from zerofuse import kernels
+from zerofuse.kernels import colsum
+from zerofuse.kernels import norms as KN
+
+interp = pytest.mark.skipif(not kernels.triton_on_cpu(), reason="interpreter tests (ZEROFUSE_TRITON_ON_CPU=1)")
+
+
+def _case(rows, n, dtype, is_rms, has_w=True, has_b=True, has_dh=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, n, generator=g).to(dtype)
+    w = torch.randn(n, generator=g).to(dtype) if has_w else None
+    b = torch.randn(n, generator=g).to(dtype) if (has_b and not is_rms) else None
+    _, _, mean, rstd = KN.norm_fwd(x, w, b, None, 1e-5, is_rms)
+    dy = torch.randn(rows, n, generator=g).to(dtype)
+    dh = torch.randn(rows, n, generator=g).to(dtype) if has_dh else None
+    return dy, dh, x, w, b, mean, rstd, is_rms
+
+
+def _two_launch(monkeypatch, args):
+    with monkeypatch.context() as m:
+        m.setattr(colsum, "ONE_LAUNCH_FLOATS", 0)
+        return KN.norm_bwd(*args)
+
+
+@interp
+@pytest.mark.parametrize("rows,n", [(1, 7), (5, 33), (97, 123), (300, 768)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("is_rms,has_b,has_dh", [(False, True, False), (False, False, True), (True, False, False)])
+def test_one_launch_equals_two_launches_bitwise(monkeypatch, rows, n, dtype, is_rms, has_b, has_dh):
+    args = _case(rows, n, dtype, is_rms, has_b=has_b, has_dh=has_dh)
+    counter = colsum.arrival_counter(torch.device("cpu"))
+    calls = []
+    real = colsum.sum_partials
+    monkeypatch.setattr(colsum, "sum_partials", lambda *a: calls.append(a) or real(*a))
+    one = KN.norm_bwd(*args)
+    assert calls == [], "the one-launch backward launched a second kernel"
+    assert int(counter) == 0, "the last program must put the arrival counter back to zero"
+    two = _two_launch(monkeypatch, args)
+    assert len(calls) == 2  # the two-launch path really ran (dw and db, each None-aware)
+    for name, a, b in zip(("dx", "dw", "db"), one, two):
+        assert (a is None) == (b is None), name
+        if a is not None:
+            assert a.dtype == b.dtype and torch.equal(a, b), name
+
+
+@interp
+def test_counter_not_at_zero_breaks_the_sum(monkeypatch):
+    """The last-arrival test is what forms dw: with a stale count no program draws the last ticket
+    and dw is never written (so the reset after each launch matters; the test can fail)."""
+    args = _case(40, 16, torch.float32, False)
+    good = KN.norm_bwd(*args)
+    counter = colsum.arrival_counter(torch.device("cpu"))
+    counter.fill_(1)
+    real_empty = torch.empty
+    try:  # outputs start as NaN, so one never written shows
+        monkeypatch.setattr(torch, "empty", lambda *a, **k: real_empty(*a, **k).fill_(float("nan")))
+        bad = KN.norm_bwd(*args)
+    finally:
+        counter.zero_()
+    assert torch.equal(good[0], bad[0])
+    assert torch.isnan(bad[1]).all() and not torch.isnan(good[1]).any()
+
+
+def test_part_counts_and_limits():
+    assert colsum.one_launch(4, colsum.ONE_LAUNCH_FLOATS // 4)
+    assert not colsum.one_launch(4, colsum.ONE_LAUNCH_FLOATS // 4 + 1)
+    # a 768-wide norm on a 132-SM GPU: at most 4 x 132 programs, cut to what one program can sum
+    assert colsum.max_parts(768, 528) == colsum.ONE_LAUNCH_FLOATS // 768
+    assert colsum.one_launch(colsum.max_parts(768, 528), 768)
+    # wide rows keep a quarter of the cap for the two-launch sum
+    assert colsum.max_parts(16384, 528) == 132 and not colsum.one_launch(132, 16384)
+
+
+def test_one_launch_backward_compiles_for_an_h100_without_spills():
+    """tools/kernel_asm.py --norms compiles the norms' backward for sm_90 on this CPU machine: the
+    one-launch kernels draw their ticket by one acq_rel atomic at GPU scope and read the partials
+    through L2 (.cg); the two-launch kernel has no atomic; none spills registers."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["ZEROFUSE_TRITON_ON_CPU"] = "0"
+    tool = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "kernel_asm.py")
+    out = subprocess.run([sys.executable, tool, "--norms"], env=env, check=True, capture_output=True, text=True,
+                         timeout=600).stdout
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert len(rows) == 6
+    for r in rows:
+        assert r["spill_stores"] == 0 and r["spill_loads"] == 0, r
+        if r["one_launch"]:
+            assert r["atomics"] == {"atom.global.gpu.acq_rel.add.u32": 1}, r
+            assert r["l2_loads"].get("v4.b32", 0) > 0, r
+        else:
+            assert r["atomics"] == {} and r["l2_loads"] == {}, r
