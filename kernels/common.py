@@ -1,4 +1,6 @@
 """Triton helpers shared by the kernel modules."""
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -26,6 +28,12 @@ def cdiv(a: int, b: int) -> int:
 
 def next_power_of_2(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 1 else 1
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (launchers size their grids by it)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @triton.jit

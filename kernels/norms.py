@@ -28,7 +28,7 @@ import triton.language as tl
 from zerofuse.kernels import interpreted
 from zerofuse.kernels import colsum
 from zerofuse.kernels.colsum import _arrive, _sum_all_cols
-from zerofuse.kernels.common import _cast, cdiv, next_power_of_2
+from zerofuse.kernels.common import _cast, cdiv, next_power_of_2, sm_count
 
 MAX_HIDDEN = 65536
 
@@ -141,12 +141,8 @@ def _bwd_programs(m: int, n: int, block_m: int, device: torch.device) -> int:
     blocks = cdiv(m, block_m)
     if interpreted() or device.type != "cuda":
         return min(blocks, 4)
-    return min(blocks, colsum.max_parts(n, 4 * _sm_count(device)))
+    return min(blocks, colsum.max_parts(n, 4 * sm_count(device)))
 
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def norm_fwd(x, weight, bias, residual, eps: float, is_rms: bool):

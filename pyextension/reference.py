@@ -184,6 +184,12 @@ def swiglu(gate, up, activation="silu"):
     return torch.nn.functional.gelu(gate, approximate="tanh") * up
 
 
+def bias_gelu(x, bias):
+    """gelu(x + bias) with GELU's tanh approximation (GPT-2's MLP activation after its matmul), in
+    the inputs' dtype."""
+    return torch.nn.functional.gelu(x + bias, approximate="tanh")
+
+
 def rotary_embedding(x, cos, sin, positions=None, interleaved=False):
     """RoPE of x (B, H, N, D) with the tables cos/sin (L, R/2): row n of batch b at position
     positions[b, n] (or n); pairs (x[i], x[i + R/2]) (half-split, GPT-NeoX/Llama) or (x[2i], x[2i+1])

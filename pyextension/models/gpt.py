@@ -147,8 +147,8 @@ class MLP(torch.nn.Module):
         self.gated = cfg.mlp == "swiglu"
         h = cfg.hidden
         fc_out = 2 * h if self.gated else h
-        if tp_kw is None:
-            self.fc = torch.nn.Linear(cfg.dim, fc_out, bias=cfg.bias)
+        if tp_kw is None:  # GELU: the fc's bias add and GELU in one kernel (zerofuse.nn.LinearGELU)
+            self.fc = (torch.nn.Linear if self.gated else znn.LinearGELU)(cfg.dim, fc_out, bias=cfg.bias)
             self.proj = torch.nn.Linear(h, cfg.dim, bias=cfg.bias)
         else:  # column-parallel then row-parallel: one all-reduce forward, one backward
             parts = dict(partition_sizes=(h, h)) if self.gated else {}
@@ -159,6 +159,8 @@ class MLP(torch.nn.Module):
         if self.gated:
             gate, up = self.fc(x).chunk(2, dim=-1)
             return self.proj(znn.functional.swiglu(gate, up))
+        if isinstance(self.fc, znn.LinearGELU):
+            return self.proj(self.fc(x))
         return self.proj(TF.gelu(self.fc(x), approximate="tanh"))
 
 

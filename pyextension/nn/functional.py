@@ -5,7 +5,7 @@
     add_layer_norm(input, residual, normalized_shape, weight=None, bias=None, eps=1e-05) -> (y, h)
     add_rms_norm(input, residual, normalized_shape, weight=None, eps=None) -> (y, h)
     linear_cross_entropy(hidden, weight, target, bias=None, ignore_index=-100, reduction="mean", ...)  (nn/loss.py)
-    swiglu(gate, up), geglu(gate, up)  (nn/mlp.py)
+    swiglu(gate, up), geglu(gate, up), bias_gelu(input, bias)  (nn/mlp.py)
     rotary_embedding(q, k, cos, sin, positions=None, *, interleaved=False, inplace=False)  (nn/rotary.py)
     scaled_dot_product_attention(query, key, value, ...) and qkv_attention(qkv, num_heads, num_kv_heads, ...)
 
@@ -246,5 +246,5 @@ def qkv_attention(qkv: Tensor, num_heads: int, num_kv_heads: int | None = None, 
 
 
 from zerofuse.nn.loss import linear_cross_entropy  # noqa: E402,F401  (its own module: the fused head + loss)
-from zerofuse.nn.mlp import geglu, swiglu  # noqa: E402,F401  (gated MLPs)
+from zerofuse.nn.mlp import bias_gelu, geglu, swiglu  # noqa: E402,F401  (MLP activations)
 from zerofuse.nn.rotary import rotary_embedding  # noqa: E402,F401  (RoPE)

@@ -1,12 +1,16 @@
-"""Gated MLPs: ``swiglu(gate, up)`` / ``geglu(gate, up)`` (act(gate) * up in one pass, the product not
-kept for backward) and ``GatedMLP``, the Llama MLP down_proj(act(gate_proj(x)) * up_proj(x)) with Hugging
-Face's parameter names. Triton kernels on CUDA, torch ops on the cpu (Triton in the interpreter under
-ZEROFUSE_TRITON_ON_CPU=1); under torch.compile they trace the zerofuse::swiglu op."""
+"""MLP activations. Gated MLPs: ``swiglu(gate, up)`` / ``geglu(gate, up)`` (act(gate) * up in one pass,
+the product not kept for backward) and ``GatedMLP``, the Llama MLP down_proj(act(gate_proj(x)) *
+up_proj(x)) with Hugging Face's parameter names. GPT-2's: ``bias_gelu(input, bias)`` (gelu_tanh(input
++ bias) in one pass, the bias gradient summed by its backward kernel) and ``LinearGELU``, an
+nn.Linear whose forward is gelu_tanh(linear(x)) as matmul + that. Triton kernels on CUDA, torch ops
+on the cpu (Triton in the interpreter under ZEROFUSE_TRITON_ON_CPU=1); under torch.compile they
+trace the zerofuse::swiglu / zerofuse::bias_gelu ops."""
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
+from zerofuse.ops import bias_gelu as _bias_gelu_ops
 from zerofuse.ops import swiglu as _ops
 
 
@@ -36,6 +40,37 @@ def swiglu(gate: Tensor, up: Tensor) -> Tensor:
 def geglu(gate: Tensor, up: Tensor) -> Tensor:
     """F.gelu(gate, approximate="tanh") * up, fused (fp32 inside, one rounding)."""
     return _glu("geglu", gate, up, "gelu_tanh")
+
+
+def bias_gelu(input: Tensor, bias: Tensor) -> Tensor:
+    """F.gelu(input + bias, approximate="tanh"), fused (fp32 inside, one rounding); bias of shape
+    (input.shape[-1],) and input's dtype and device."""
+    where = "zerofuse.nn.functional.bias_gelu"
+    for name, t in (("input", input), ("bias", bias)):
+        if not isinstance(t, Tensor) or not t.is_floating_point():
+            got = t.dtype if isinstance(t, Tensor) else type(t).__name__
+            raise TypeError(f"{where}: expected {name} to be a floating-point tensor, got {got}")
+    if input.dim() == 0 or bias.shape != (input.shape[-1],) or bias.dtype != input.dtype or bias.device != input.device:
+        raise ValueError(f"{where}: expected bias of shape [input.shape[-1]] and input's dtype and device (input "
+                         f"{list(input.shape)}, {input.dtype}, {input.device}), got {list(bias.shape)}, {bias.dtype}, "
+                         f"{bias.device}")
+    if torch.compiler.is_compiling():
+        return _bias_gelu_ops.bias_gelu(input, bias)
+    return _bias_gelu_ops.eager_bias_gelu(input, bias)
+
+
+class LinearGELU(torch.nn.Linear):
+    """gelu_tanh(nn.Linear(x)) (GPT-2's MLP up-projection and activation): the matmul without its
+    bias, then bias + GELU in one kernel, whose backward also sums the bias gradient (one launch
+    fewer a backward than addmm + gelu). An nn.Linear (same params, state_dict keys, init); without
+    a bias, linear then GELU. Under autocast the matmul runs in the autocast dtype and the bias is
+    cast to it, as F.linear does."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.bias is None:
+            return torch.nn.functional.gelu(torch.nn.functional.linear(x, self.weight), approximate="tanh")
+        h = torch.nn.functional.linear(x, self.weight)
+        return bias_gelu(h, self.bias.to(h.dtype))
 
 
 class GatedMLP(torch.nn.Module):

@@ -60,6 +60,7 @@ from zerofuse.ops import attention  # noqa: E402,F401
 from zerofuse.ops import attention_qkv  # noqa: E402,F401
 from zerofuse.ops import linear_cross_entropy  # noqa: E402,F401
 from zerofuse.ops import swiglu  # noqa: E402,F401
+from zerofuse.ops import bias_gelu  # noqa: E402,F401
 from zerofuse.ops import rotary  # noqa: E402,F401
 from zerofuse.ops import moe  # noqa: E402,F401
 from zerofuse.ops.adam import adam_  # noqa: E402

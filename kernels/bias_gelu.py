@@ -1,0 +1,112 @@
+"""Bias + GELU (tanh), the first half of GPT-2's MLP after its matmul, forward and backward in Triton.
+
+    forward:   y  = gelu(x + b)                 x (M, N) the matmul's output, b (N,); fp32 inside
+    backward:  dh = dy * gelu'(x + b)           (the gradient of x, and of the pre-activation)
+               db = sum over rows of dh         fp32 partials per program, summed in a fixed order
+
+gelu(h) = 0.5 h (1 + tanh(k (h + 0.044715 h^3))), its derivative as kernels/swiglu.py's. Only x and b
+are kept for backward (not x + b, not y). The backward is one launch: its programs each own a group
+of rows of a column block and the last to arrive sums the bias partials (kernels/colsum.py); wide
+rows with many partials take colsum's second launch instead. Against addmm + gelu + (backward)
+gelu_backward + sum: the same launches forward (mm + this), one fewer backward, and the bias sum
+read from the dh being written instead of read back.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from zerofuse.kernels import colsum, interpreted
+from zerofuse.kernels.colsum import _arrive, _sum_all_cols
+from zerofuse.kernels.common import _cast, cdiv, next_power_of_2, sm_count
+from zerofuse.kernels.swiglu import _act_and_grad
+
+
+@triton.jit
+def _bias_gelu_fwd_kernel(X, B, Y, n, N, BLOCK: tl.constexpr, EMULATE_RNE: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    h = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32) + tl.load(B + offs % N, mask=mask, other=0.0).to(tl.float32)
+    y, _ = _act_and_grad(h, True, False)
+    tl.store(Y + offs, _cast(y, Y.dtype.element_ty, EMULATE_RNE), mask=mask)
+
+
+@triton.jit
+def _bias_gelu_bwd_kernel(
+    DY, X, B, DX, DB_part, DB, Counter, M, N, rows_per_program, n_parts,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EMULATE_RNE: tl.constexpr,
+    ONE_LAUNCH: tl.constexpr, SUM_P: tl.constexpr, SUM_N: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    b = tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)
+    db_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    first = pid_m * rows_per_program
+    for start in range(first, first + rows_per_program, BLOCK_M):
+        rows = start + tl.arange(0, BLOCK_M)
+        mask = (rows < M)[:, None] & col_mask[None, :]
+        offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+        h = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32) + b[None, :]
+        _, d = _act_and_grad(h, True, True)
+        dh = tl.where(mask, tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32) * d, 0.0)
+        tl.store(DX + offs, _cast(dh, DX.dtype.element_ty, EMULATE_RNE), mask=mask)
+        db_acc += tl.sum(dh, axis=0)
+    tl.store(DB_part + pid_m * N + cols, db_acc, mask=col_mask)
+    if ONE_LAUNCH:
+        if _arrive(Counter, n_parts * tl.num_programs(1)):
+            _sum_all_cols(DB_part, DB, n_parts, N, SUM_P, SUM_N, EMULATE_RNE)
+
+
+def _block() -> int:
+    return 65536 if interpreted() else 1024  # the interpreter's cost is per program
+
+
+@functools.lru_cache(maxsize=None)
+def _bwd_tiles(n: int) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_N): ~4K elements a step on a GPU, whole rows in the interpreter."""
+    block_n = min(next_power_of_2(n), 65536 if interpreted() else 1024)
+    return max(1, (65536 if interpreted() else 4096) // block_n), block_n
+
+
+
+def bias_gelu_fwd(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """gelu(x + bias) for contiguous x (..., N) and bias (N,)."""
+    y = torch.empty_like(x)
+    n = x.numel()
+    if n:
+        block = _block()
+        _bias_gelu_fwd_kernel[(cdiv(n, block),)](x, bias, y, n, x.shape[-1], BLOCK=block, EMULATE_RNE=interpreted(),
+                                                 num_warps=4)
+    return y
+
+
+def bias_gelu_bwd(dy: torch.Tensor, x: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx in x.dtype, db in bias.dtype) for contiguous dy, x (..., N) and bias (N,)."""
+    n = x.shape[-1]
+    m = x.numel() // n if n else 0
+    dx = torch.empty_like(x)
+    if m == 0:
+        return dx, torch.zeros_like(bias)
+    block_m, block_n = _bwd_tiles(n)
+    col_blocks = cdiv(n, block_n)
+    if interpreted() or x.device.type != "cuda":
+        cap = 4
+    else:
+        cap = colsum.max_parts(n, max(1, 4 * sm_count(x.device) // col_blocks))
+    rows_per_program = cdiv(cdiv(m, block_m), min(cdiv(m, block_m), cap)) * block_m
+    parts = cdiv(m, rows_per_program)
+    part = colsum.partials(parts, n, x.device, True)
+    one = colsum.one_launch(parts, n)
+    db = torch.empty_like(bias) if one else None
+    counter = colsum.arrival_counter(x.device) if one else None
+    sum_p, sum_n = colsum.blocks(parts, n)
+    _bias_gelu_bwd_kernel[(parts, col_blocks)](
+        dy, x, bias, dx, part, db, counter, m, n, rows_per_program, parts,
+        BLOCK_M=block_m, BLOCK_N=block_n, EMULATE_RNE=interpreted(), ONE_LAUNCH=one, SUM_P=sum_p, SUM_N=sum_n,
+        num_warps=4 if block_m * block_n <= 4096 else 8,
+    )
+    return dx, db if one else colsum.sum_partials(part, bias.dtype)
