@@ -430,11 +430,12 @@ def _segment_sum_kernel(META, n, PART, OUT, FOUND, HAS_FOUND: tl.constexpr, WIDT
 
 
 @triton.jit
-def _clip_kernel(PART, nblocks, OUT, SCALE, FOUND, max_norm, HAS_SCALE: tl.constexpr, HAS_FOUND: tl.constexpr,
-                 BLOCK_P: tl.constexpr):
+def _clip_kernel(PART, nblocks, OUT, SCALE, FOUND, max_norm, eps, HAS_SCALE: tl.constexpr, HAS_FOUND: tl.constexpr,
+                 TORCH_RULE: tl.constexpr, BLOCK_P: tl.constexpr):
     """One program: OUT = (norm, found, mult, 1 - found) from the per-block sums of squares of the grads, in
     a fixed order. norm = sqrt(sum) / scale; found = 1 when norm is not finite or FOUND != 0;
-    mult = (1 / scale) * max_norm / max(norm, max_norm): the grad multiplier of the update."""
+    mult = (1 / scale) * max_norm / max(norm, max_norm): the grad multiplier of the update; with
+    TORCH_RULE torch.nn.utils.clip_grad_norm_'s coefficient min(max_norm / (norm + eps), 1) instead."""
     norm = tl.sqrt_rn(_sum_blocks(PART, 0, nblocks, 0, 1, BLOCK_P))
     inv = tl.full((), 1.0, tl.float32)
     if HAS_SCALE:
@@ -443,7 +444,10 @@ def _clip_kernel(PART, nblocks, OUT, SCALE, FOUND, max_norm, HAS_SCALE: tl.const
     bad = ~(norm < float("inf"))  # inf or NaN (a NaN compares false)
     if HAS_FOUND:
         bad = bad | (tl.load(FOUND) != 0)
-    clip = tl.div_rn(tl.full((), 1.0, tl.float32) * max_norm, tl.maximum(norm, max_norm))
+    if TORCH_RULE:
+        clip = tl.minimum(tl.div_rn(tl.full((), 1.0, tl.float32) * max_norm, norm + eps), 1.0)
+    else:
+        clip = tl.div_rn(tl.full((), 1.0, tl.float32) * max_norm, tl.maximum(norm, max_norm))
     if HAS_SCALE:
         clip = inv * clip
     tl.store(OUT, norm)
@@ -799,7 +803,7 @@ def l2norm(launch: Launch, per_tensor: bool):
 
 
 def clip_inputs(launch: Launch, max_norm: float, grad_scale: torch.Tensor | None,
-                found_inf: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                found_inf: torch.Tensor | None, eps: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(grad multiplier, skip flag, norm), 1-element fp32 views on the device: the global norm of
     the tensors of a norm_launch divided by grad_scale, the flag (norm not finite, or found_inf !=
     0) and (1 / grad_scale) * max_norm / max(norm, max_norm). One sum-of-squares launch per dtype
@@ -809,8 +813,8 @@ def clip_inputs(launch: Launch, max_norm: float, grad_scale: torch.Tensor | None
     scale, found = _flag(grad_scale, "grad_scale", device), _flag(found_inf, "found_inf", device)
     flat, _, nblocks = launch.block_sums()
     out = torch.empty(4, device=device, dtype=torch.float32)
-    _clip_kernel[(1,)](flat, nblocks, out, scale, found, float(max_norm), HAS_SCALE=scale is not None,
-                       HAS_FOUND=found is not None, BLOCK_P=1024, num_warps=4)
+    _clip_kernel[(1,)](flat, nblocks, out, scale, found, float(max_norm), float(eps or 0.0), HAS_SCALE=scale is not None,
+                       HAS_FOUND=found is not None, TORCH_RULE=eps is not None, BLOCK_P=1024, num_warps=4)
     flag = out[1:2]
     flag._zerofuse_increment = out[3]
     return out[2:3], flag, out[0:1]

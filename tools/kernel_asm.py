@@ -45,10 +45,10 @@ def _variants():
     yield "sum_squares", K._sum_squares_kernel, dict(X_TY=tl.float32)
     # small kernels without an alignment variant (aligned: null in the output): compiled, counted
     yield "segment_sum", K._segment_sum_kernel, dict(HAS_FOUND=True, WIDTH=2, BLOCK_P=1024)
-    yield "clip", K._clip_kernel, dict(HAS_SCALE=True, HAS_FOUND=True, BLOCK_P=1024)
+    yield "clip", K._clip_kernel, dict(HAS_SCALE=True, HAS_FOUND=True, TORCH_RULE=True, BLOCK_P=1024)
 
 
-_TYPES = {"META": "*i64", "OWN": "*i32", "SCHED": "*i32", "SYNC": "*i32", "CONSTS": "*fp64", "n": "i32", "nblocks": "i32", "max_norm": "fp32"}
+_TYPES = {"META": "*i64", "OWN": "*i32", "SCHED": "*i32", "SYNC": "*i32", "CONSTS": "*fp64", "n": "i32", "nblocks": "i32", "max_norm": "fp32", "eps": "fp32"}
 
 
 def compile_ptx(kernel, constexprs: dict, arch: int, num_warps: int) -> str:

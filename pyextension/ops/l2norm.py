@@ -52,14 +52,15 @@ def l2norm(tensors: Sequence[torch.Tensor], per_tensor: bool = False,
 
 
 def clip_inputs(grads: Sequence[torch.Tensor], max_norm: float, grad_scale: torch.Tensor | None = None,
-                found_inf: torch.Tensor | None = None, prepared: Prepared | None = None
+                found_inf: torch.Tensor | None = None, prepared: Prepared | None = None, eps: float | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """What an optimizer step needs to clip the global grad norm to max_norm: (grad multiplier,
     skip flag, norm), 1-element fp32 tensors on the grads' device, without a host sync.
 
     norm: the 2-norm of all grads divided by grad_scale (the loss scale they carry); skip flag: 1
     when norm is inf or NaN (an inf/NaN grad) or found_inf != 0; multiplier: (1 / grad_scale) *
-    max_norm / max(norm, max_norm), what the update multiplies the grads by. On the Triton path
+    max_norm / max(norm, max_norm), what the update multiplies the grads by (with ``eps``: torch's
+    clip_grad_norm_ coefficient min(max_norm / (norm + eps), 1) instead). On the Triton path
     with kept tables (prepared) and no tracing: one pass over the grads and one single-program
     kernel; otherwise l2norm and about ten small torch ops."""
     grads = list(grads)
@@ -67,7 +68,7 @@ def clip_inputs(grads: Sequence[torch.Tensor], max_norm: float, grad_scale: torc
         raise ValueError(f"zerofuse.ops.clip_inputs: expected max_norm > 0, got {max_norm}")
     if grads and prepared is not None and direct(grads):
         return K.clip_inputs(prepared.launch("l2norm", grads, None, lambda: _launch(grads)), max_norm, grad_scale,
-                             found_inf)
+                             found_inf, eps)
     norm, _ = l2norm(grads, prepared=prepared)
     norm = norm.reshape(1)
     mult = None
@@ -76,7 +77,10 @@ def clip_inputs(grads: Sequence[torch.Tensor], max_norm: float, grad_scale: torc
         norm = norm * mult
     bad = (~torch.isfinite(norm)).float()  # a non-finite norm means an inf/NaN gradient
     found = bad if found_inf is None else torch.maximum(found_inf.reshape(1).float(), bad)
-    clip = max_norm / torch.clamp(norm, min=max_norm)
+    if eps is None:
+        clip = max_norm / torch.clamp(norm, min=max_norm)
+    else:
+        clip = torch.clamp(max_norm / (norm + eps), max=1.0)
     return (clip if mult is None else mult * clip), found, norm
 
 

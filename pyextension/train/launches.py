@@ -20,12 +20,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 NO_LAUNCH = {"view", "_unsafe_view", "as_strided", "slice", "select", "t", "transpose", "expand", "unsqueeze",
              "squeeze", "permute", "split", "split_with_sizes", "alias", "detach", "empty", "empty_strided",
              "empty_like", "_reshape_alias", "unbind", "narrow", "reshape", "lift_fresh", "set_", "resize_",
-             "new_empty", "new_empty_strided", "chunk", "view_as", "unflatten", "flatten"}
+             "new_empty", "new_empty_strided", "chunk", "view_as", "unflatten", "flatten",
+             "_record_function_enter_new", "_record_function_exit"}  # (profiler annotations)
 CPP_LAUNCHES = {"flatten_into", "unflatten_from"}  # zerofuse:: C++ ops: one kernel per call on CUDA
 
 
 class CountLaunches(TorchDispatchMode):
-    """aten ops that would launch a kernel, and zerofuse's C++ copies, by name."""
+    """aten ops that would launch a kernel, and zerofuse's C++ copies, by name. Transparent: the
+    optimizer ops take their direct Triton path under it, as they do uncounted (ops._optim.direct)."""
+
+    zerofuse_transparent = True
 
     def __init__(self):
         super().__init__()

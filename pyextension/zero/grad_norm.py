@@ -8,7 +8,8 @@ import torch
 
 from zerofuse.ops import l2norm
 from zerofuse.kernels.common import upload
-from zerofuse.ops._optim import Prepared
+from zerofuse.ops._optim import Prepared, direct
+from zerofuse.ops.l2norm import clip_inputs
 from zerofuse.zero.options import NAME
 
 
@@ -53,6 +54,24 @@ class GradNorms:
             sq = sq.reshape(1).clone()
             eng.pp_comm.all_reduce_coalesced([sq], op="sum").wait()
         return sq.sqrt() / self.scale
+
+    def _fused_clip(self, max_norm: float):
+        """(grad multiplier, skip flag, norm) of a step clipped to max_norm with torch's
+        clip_grad_norm_ coefficient, by ops.clip_inputs (one sum-of-squares pass and one
+        single-program kernel instead of l2norm and ~15 small ops) where the norm needs no
+        collective: every grad whole here (stage 0) or one rank, no TP, PP or expert groups, on the
+        kernels' direct path. None otherwise (the caller takes _grad_norm)."""
+        eng = self.engine
+        if eng.tp_comm is not None or eng.pp_comm is not None or eng.edp_comm is not None:
+            return None
+        if eng.stage != 0 and eng.world_size != 1:
+            return None
+        eng.finish_grad_sync()
+        grads = [u.grad_shard() for u in eng.units]
+        if not grads or not direct(grads):
+            return None
+        kept = self.__dict__.setdefault("_norm_prepared", (Prepared(), Prepared()))
+        return clip_inputs(grads, max_norm, self.scale if self.fp16 else None, None, prepared=kept[0], eps=1e-6)
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:

@@ -284,15 +284,21 @@ class Optimizer(GradNorms, OptimizerState, torch.optim.Optimizer):
         eng = self.engine
         eng.finish_grad_sync()
         found = self._found_inf
-        mult = self.scale.reciprocal()
-        if self._clip_coef is None and (self.max_grad_norm is not None or self.fp16):
-            norm = self._grad_norm()
-            self.last_grad_norm = norm
-            found = (~torch.isfinite(norm)).float()
-            if self.max_grad_norm is not None:
-                self._clip_coef = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
-        if self._clip_coef is not None:
-            mult = mult * self._clip_coef
+        fused = None
+        if self._clip_coef is None and self.max_grad_norm is not None:
+            fused = self._fused_clip(self.max_grad_norm)  # one rank / stage 0: two kernels
+        if fused is not None:
+            mult, found, self.last_grad_norm = fused
+        else:
+            mult = self.scale.reciprocal()
+            if self._clip_coef is None and (self.max_grad_norm is not None or self.fp16):
+                norm = self._grad_norm()
+                self.last_grad_norm = norm
+                found = (~torch.isfinite(norm)).float()
+                if self.max_grad_norm is not None:
+                    self._clip_coef = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
+            if self._clip_coef is not None:
+                mult = mult * self._clip_coef
         for gi, group in enumerate(self.param_groups):  # (advances the step counters, offload or not)
             self._step_group(gi, group, mult, found)
         if self.host is not None:
