@@ -36,16 +36,24 @@ from zerofuse.train.launches import CountLaunches, count_hooks  # noqa: E402  (t
 
 
 class _Stub:
-    """A Triton kernel (or autotuner) whose launches are counted and do nothing."""
+    """A Triton kernel (or autotuner) whose launches are counted, by name, and do nothing."""
     count = 0
+    names: dict[str, int] = {}
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def _count(self):
+        _Stub.count += 1
+        _Stub.names[self.name] = _Stub.names.get(self.name, 0) + 1
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
-            _Stub.count += 1
+            self._count()
         return launch
 
     def run(self, *args, **kwargs):
-        _Stub.count += 1
+        self._count()
 
 
 def _stub_kernels() -> None:
@@ -54,7 +62,7 @@ def _stub_kernels() -> None:
     for mod in [m for m in vars(K).values() if type(m).__name__ == "module" and m.__name__.startswith(K.__name__ + ".")]:
         for name in dir(mod):
             if name.endswith("_kernel") or name.endswith("_tuned"):
-                setattr(mod, name, _Stub())
+                setattr(mod, name, _Stub(f"{mod.__name__.rsplit('.', 1)[-1]}.{name}"))
 
 
 def main(argv=None) -> int:
@@ -83,6 +91,7 @@ def main(argv=None) -> int:
         times.append(time.perf_counter() - t0)
     for _ in range(3):
         s0, hooks = _Stub.count, {}
+        _Stub.names = {}
         with CountLaunches() as c, CountSyncs() as s, count_hooks(t.model, hooks):
             t.train_step()
         launches.append(_Stub.count - s0 + c.count)
@@ -95,7 +104,8 @@ def main(argv=None) -> int:
            "launches_per_step": launches[-1], "aten_launches_per_step": aten[-1],
            "triton_launches_per_step": launches[-1] - aten[-1], "launches_per_layer": launches[-1] / layers,
            "hooks_per_step": nhooks[-1], "syncs_per_step": syncs[-1], "sync_calls": s.calls[:10],
-           "top_aten": sorted(c.names.items(), key=lambda kv: -kv[1])[:12]}
+           "top_aten": sorted(c.names.items(), key=lambda kv: -kv[1])[:12],
+           "triton": dict(sorted(_Stub.names.items(), key=lambda kv: -kv[1]))}
     print(json.dumps(res, indent=1))
     return inprocess.finish(res, a.json)
 

@@ -9,8 +9,8 @@ Forward, per block of BLOCK_M query rows, over blocks of BLOCK_N keys (online so
     s = q k^T * scale * log2(e);  m' = max(m, rowmax s);  p = 2^(s - m')
     l = l * 2^(m - m') + rowsum p;  acc = acc * 2^(m - m') + p v;  m = m'
     out = acc / l,  lse = (m + log2 l) * ln 2     (natural log-sum-exp of the scaled scores, fp32)
-Backward recomputes p = exp(q k^T * scale - lse) blockwise, with delta = rowsum(dout * out) from a
-preprocessing pass:
+Backward recomputes p = exp(q k^T * scale - lse) blockwise, with delta = rowsum(dout * out) formed
+by the dq kernel for its rows and read by the dk/dv kernel after it (kernels/attention_bwd.py):
     dv = p^T dout;  dp = dout v^T;  ds = p * (dp - delta);  dq = ds k * scale;  dk = ds^T q * scale
 dk and dv are accumulated per key block over every query head of the group (no atomics), dq per
 query block over the key blocks. All accumulation is fp32.
@@ -152,16 +152,6 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, sqb, sqh, sqn, skb, skh, skn, svb, svh, sv
     tl.store(_rows(_heads(O, b, h, sob, soh), pid_m * BLOCK_M, son, offs_d, BLOCK_M), out.to(O.dtype.element_ty),
              mask=row_mask)
     tl.store(LSE + (b.to(tl.int64) * Hq + h) * Nq + offs_m, (m_i + tl.log2(l_i)) * 0.6931471805599453,
-             mask=offs_m < Nq)
-
-
-@triton.jit
-def _attn_delta_kernel(O, DO, DELTA, sob, soh, son, sdb, sdh, sdn, Hq, Nq, D,
-                       BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
-    b, h, _, offs_m, _, offs_d, _, mask, o = _query_block(O, sob, soh, son, 1, Nq, D, BLOCK_M, BLOCK_M, BLOCK_D)
-    do = tl.load(_rows(_heads(DO, b, h, sdb, sdh), tl.program_id(0) * BLOCK_M, sdn, offs_d, BLOCK_M), mask=mask,
-                 other=0.0)
-    tl.store(DELTA + (b.to(tl.int64) * Hq + h) * Nq + offs_m, tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1),
              mask=offs_m < Nq)
 
 

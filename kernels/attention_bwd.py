@@ -1,14 +1,15 @@
-"""The backward of kernels/attention.py's flash attention: dk/dv per key block (every query head of
-its group) and dq per query block, from the forward's LSE and delta = rowsum(o * do) (the delta
-kernel lives with the forward's helpers). dq/dk/dv are written at their own strides: contiguous,
-or views of one packed qkv gradient (zerofuse::attention_qkv)."""
+"""The backward of kernels/attention.py's flash attention, two launches: dq per query block, which
+also forms delta = rowsum(o * do) of its rows (from one o tile: no pre-pass launch) and stores it,
+then dk/dv per key block (every query head of its group), which reads every row's delta. Both use
+the forward's LSE. dq/dk/dv are written at their own strides: contiguous, or views of one packed
+qkv gradient (zerofuse::attention_qkv)."""
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
 
-from zerofuse.kernels.attention import (_attn_delta_kernel, _block_d, _check_grid, _dot, _heads, _key_tile, _launch,
+from zerofuse.kernels.attention import (_block_d, _check_grid, _dot, _heads, _key_tile, _launch,
                                         _query_block, _query_pid, _rows, _tileable, _tuned, _unmasked_end, _writable)
 from zerofuse.kernels.common import cdiv
 
@@ -86,8 +87,8 @@ def _dq_blocks(dq, q, do, lse, delta, k_base, v_base, skn, svn, start, end, offs
 
 
 @triton.jit
-def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
-                        sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sdb, sdh, sdn,
+def _attn_bwd_dq_kernel(Q, K, V, DO, O, LSE, DELTA, DQ,
+                        sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sdb, sdh, sdn, sob, soh, son,
                         sdqb, sdqh, sdqn, Hq, G, Nq, Nk, D, scale,
                         CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_D: tl.constexpr, UPCAST: tl.constexpr):
@@ -99,7 +100,10 @@ def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
     # rows past Nq: lse 0 and delta 0 would make exp(s) overflow into inf * 0 = NaN in an unmasked
     # block: their lse is +inf instead (p = 0), and their dq is not stored
     lse = tl.load(LSE + bh * Nq + offs_m, mask=offs_m < Nq, other=float("inf"))
-    delta = tl.load(DELTA + bh * Nq + offs_m, mask=offs_m < Nq, other=0.0)
+    # delta = rowsum(o * do) of these rows (0 past Nq), kept for the dk/dv kernel that runs next
+    o = tl.load(_rows(_heads(O, b, h, sob, soh), pid_m * BLOCK_M, son, offs_d, BLOCK_M), mask=row_mask, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
+    tl.store(DELTA + bh * Nq + offs_m, delta, mask=offs_m < Nq)
     dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     hi = Nk
     if CAUSAL:
@@ -128,22 +132,19 @@ def attention_bwd(dout, q, k, v, out, lse, causal: bool, scale: float, dq=None, 
     dout = _tileable(dout if dout.stride(-1) == 1 else dout.contiguous())
     q, k, v, out = _tileable(q), _tileable(k), _tileable(v), _tileable(out)
     bd = _block_d(d)
-    delta = torch.empty((b, hq, nq), device=q.device, dtype=torch.float32)
+    delta = torch.empty((b, hq, nq), device=q.device, dtype=torch.float32)  # written by the dq kernel
     lse = lse.contiguous()
-    _attn_delta_kernel[(cdiv(nq, 64), hq, b)](
-        out, dout, delta, *out.stride()[:3], *dout.stride()[:3], hq, nq, d, BLOCK_M=64, BLOCK_D=bd,
-    )
     given = (dq, dk, dv)
     outs = [_writable(t, like.shape, like) for t, like in zip(given, (q, k, v))]
     dq, dk, dv = (t if t is not None else torch.empty(like.shape, device=like.device, dtype=like.dtype)
                   for t, like in zip(outs, (q, k, v)))
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3])
+    _launch(_attn_bwd_dq_kernel, _attn_bwd_dq_tuned, lambda meta: (cdiv(nq, meta["BLOCK_M"]), hq, b),
+            q, k, v, dout, out, lse, delta, dq, *strides, *out.stride()[:3], *dq.stride()[:3], hq, hq // hkv, nq, nk,
+            d, scale, CAUSAL=causal, BLOCK_D=bd)
     _launch(_attn_bwd_dkdv_kernel, _attn_bwd_dkdv_tuned, lambda meta: (cdiv(nk, meta["BLOCK_N"]), hkv, b),
             q, k, v, dout, lse, delta, dk, dv, *strides, *dk.stride()[:3], *dv.stride()[:3], hq, hkv, hq // hkv,
             nq, nk, d, scale, CAUSAL=causal, BLOCK_D=bd)
-    _launch(_attn_bwd_dq_kernel, _attn_bwd_dq_tuned, lambda meta: (cdiv(nq, meta["BLOCK_M"]), hq, b),
-            q, k, v, dout, lse, delta, dq, *strides, *dq.stride()[:3], hq, hq // hkv, nq, nk, d, scale,
-            CAUSAL=causal, BLOCK_D=bd)
     res = [dq, dk, dv]
     for i, (g, o) in enumerate(zip(given, outs)):
         if g is not None and o is None:  # given but not writable in place: copied in
