@@ -306,15 +306,16 @@ def scale_saved_grads(ctx, dloss: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     grads = ctx.saved_tensors
     if type(dloss) is not torch.Tensor:  # traced (torch.compile, opcheck): functional tensors, out of place
         return tuple(g * dloss if g is not None else None for g in grads)
-    for g in grads:
-        if g is not None:
-            g.mul_(dloss)  # dloss: a 0-dim fp32 tensor; the gradients keep their dtypes
+    # one multi-tensor launch (dloss: a 0-dim fp32 tensor read on the device; the gradients keep their
+    # dtypes); empty ones (no bias) skipped
+    torch._foreach_mul_([g for g in grads if g is not None and g.numel()], dloss)
     return grads
 
 
 def _setup(ctx, inputs, output):
     hidden, weight, target, bias, ignore_index, smoothing, z_loss, softcap, reduction, chunk, grad = inputs
     _, lse, dh, dw, db = output
+    ctx.set_materialize_grads(False)  # no zero-filled gradients for the outputs that get none
     ctx.grad = grad
     ctx.has_bias = bias is not None
     ctx.opts = (ignore_index, smoothing, z_loss, softcap, reduction, chunk)
@@ -325,6 +326,8 @@ def _setup(ctx, inputs, output):
 
 
 def _backward(ctx, dloss, _dlse, _ddh, _ddw, _ddb):
+    if dloss is None:  # only the other outputs had gradients: none flows back
+        return (None,) * 11
     if ctx.grad:
         dh, dw, db = scale_saved_grads(ctx, dloss)
     else:

@@ -283,11 +283,17 @@ class EagerNorm(torch.autograd.Function):
     def forward(ctx, x, weight, bias, residual, eps, is_rms):
         y, h, mean, rstd = _norm_fwd(x, weight, bias, residual, eps, is_rms)
         ctx.is_rms = is_rms
+        ctx.set_materialize_grads(False)  # an unused h gets no zero-filled gradient (and no add)
         _save(ctx, x, residual, h, weight, bias, mean, rstd)
         return y, h
 
     @staticmethod
     def backward(ctx, dy, dh):
+        if dy is None and dh is None:
+            return None, None, None, None, None, None
+        if dy is None:  # only h was used: dh passes through to both inputs, the params get nothing
+            dx, dres = _input_grads(ctx, dh)
+            return dx, None, None, dres, None, None
         xin, weight, bias, mean, rstd = ctx.saved_tensors
         dx, dw, db = _norm_bwd(dy, dh if ctx.has_residual else None, xin, weight, bias, mean, rstd, ctx.is_rms)
         dx, dres = _input_grads(ctx, dx)

@@ -30,6 +30,7 @@ class CountLaunches(TorchDispatchMode):
     optimizer ops take their direct Triton path under it, as they do uncounted (ops._optim.direct)."""
 
     zerofuse_transparent = True
+    paused = False  # set while host-side work runs (bench/profile_step.py: the batch, the stop vote)
 
     def __init__(self):
         super().__init__()
@@ -38,7 +39,7 @@ class CountLaunches(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
-        if (func.namespace == "aten" and name not in NO_LAUNCH) or name in CPP_LAUNCHES:
+        if not self.paused and ((func.namespace == "aten" and name not in NO_LAUNCH) or name in CPP_LAUNCHES):
             self.count += 1
             self.names[name] = self.names.get(name, 0) + 1
         return func(*args, **(kwargs or {}))

@@ -175,13 +175,13 @@ class Trainer:
                 sync = i == args.grad_accum - 1
                 with contextlib.nullcontext() if sync else self.model.no_sync():
                     loss = self._forward(xs[i], ys[i])
-                    opt.scale_loss(loss / args.grad_accum).backward()
+                    opt.scale_loss(loss if args.grad_accum == 1 else loss / args.grad_accum).backward()
                 ce = loss.detach()
                 if self.moe is not None:  # the routers' aux and z losses: reported apart
                     self.moe.record(self.model.router_losses)
                     ce = ce - self.model.router_losses.sum()
                 total = ce if total is None else total + ce
-            mean_loss = total / args.grad_accum
+            mean_loss = total if args.grad_accum == 1 else total / args.grad_accum  # (no launch for a / 1)
         if self.moe is not None:
             self.moe.end_step()
             for m in self.model.moe_layers:  # aux-loss-free balancing: before the step (collective over DP)
