@@ -69,9 +69,9 @@ def _norm_fwd_kernel(
 
 @triton.jit
 def _norm_bwd_kernel(
-    DY, DH, X, W, Mean, Rstd, DX, DW_part, DB_part, DW, DB, Counter,
+    DY, DH, X, W, Mean, Rstd, DX, DW_part, DB_part, DR_part, DW, DB, DR, Counter,
     M, N, rows_per_program, n_parts,
-    HAS_DH: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, IS_RMS: tl.constexpr,
+    HAS_DH: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_DR: tl.constexpr, IS_RMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EMULATE_RNE: tl.constexpr,
     ONE_LAUNCH: tl.constexpr, SUM_P: tl.constexpr, SUM_N: tl.constexpr,
 ):
@@ -82,6 +82,7 @@ def _norm_bwd_kernel(
         w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
     dw_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     db_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    dr_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     first = pid * rows_per_program
     for start in range(first, first + rows_per_program, BLOCK_M):
         rows = start + tl.arange(0, BLOCK_M)
@@ -113,16 +114,22 @@ def _norm_bwd_kernel(
             dw_acc += tl.sum(dy * xhat, axis=0)
         if HAS_B:
             db_acc += tl.sum(dy, axis=0)
+        if HAS_DR:
+            dr_acc += tl.sum(tl.where(mask, dx, 0.0), axis=0)
     if HAS_W:
         tl.store(DW_part + pid * N + cols, dw_acc, mask=col_mask)
     if HAS_B:
         tl.store(DB_part + pid * N + cols, db_acc, mask=col_mask)
-    if ONE_LAUNCH and (HAS_W or HAS_B):
+    if HAS_DR:
+        tl.store(DR_part + pid * N + cols, dr_acc, mask=col_mask)
+    if ONE_LAUNCH and (HAS_W or HAS_B or HAS_DR):
         if _arrive(Counter, n_parts):
             if HAS_W:
                 _sum_all_cols(DW_part, DW, n_parts, N, SUM_P, SUM_N, EMULATE_RNE)
             if HAS_B:
                 _sum_all_cols(DB_part, DB, n_parts, N, SUM_P, SUM_N, EMULATE_RNE)
+            if HAS_DR:
+                _sum_all_cols(DR_part, DR, n_parts, N, SUM_P, SUM_N, EMULATE_RNE)
 
 
 @functools.lru_cache(maxsize=None)
@@ -168,11 +175,12 @@ def norm_fwd(x, weight, bias, residual, eps: float, is_rms: bool):
     return y, h, mean, rstd
 
 
-def norm_bwd(dy, dh, x, weight, bias, mean, rstd, is_rms: bool):
+def norm_bwd(dy, dh, x, weight, bias, mean, rstd, is_rms: bool, dr_dtype: torch.dtype | None = None):
     """dy, dh, x: contiguous, rows of N (x is the normalised input, h when the residual was fused);
-    bias only tells whether (and in which dtype) db is wanted.
-    Returns (dx in x.dtype, shaped like x; dw in weight.dtype or None, db in bias.dtype or None).
-    Any leading shape, as norm_fwd."""
+    bias only tells whether (and in which dtype) db is wanted; dr_dtype whether dr, the sum over
+    rows of dx (the gradient of a bias added into the input by its producer), is.
+    Returns (dx in x.dtype, shaped like x; dw in weight.dtype or None, db in bias.dtype or None,
+    dr in dr_dtype or None). Any leading shape, as norm_fwd."""
     n = x.shape[-1]
     m = x.numel() // n
     block_m, block_n, num_warps = _config(n)
@@ -182,23 +190,27 @@ def norm_bwd(dy, dh, x, weight, bias, mean, rstd, is_rms: bool):
     dx = torch.empty_like(x)
     dw_part = colsum.partials(progs, n, x.device, weight is not None)
     db_part = colsum.partials(progs, n, x.device, bias is not None)
-    one = colsum.one_launch(progs, n) and (weight is not None or bias is not None)
-    dw = db = counter = None
+    dr_part = colsum.partials(progs, n, x.device, dr_dtype is not None)
+    one = colsum.one_launch(progs, n) and (weight is not None or bias is not None or dr_dtype is not None)
+    dw = db = dr = counter = None
     if one:
         dw = torch.empty(n, device=x.device, dtype=weight.dtype) if weight is not None else None
         db = torch.empty(n, device=x.device, dtype=bias.dtype) if bias is not None else None
+        dr = torch.empty(n, device=x.device, dtype=dr_dtype) if dr_dtype is not None else None
         counter = colsum.arrival_counter(x.device)
     sum_p, sum_n = colsum.blocks(progs, n)
     _norm_bwd_kernel[(progs,)](
-        dy, dh, x, weight, mean, rstd, dx, dw_part, db_part, dw, db, counter, m, n, rows_per_program, progs,
-        HAS_DH=dh is not None, HAS_W=weight is not None, HAS_B=bias is not None, IS_RMS=is_rms,
+        dy, dh, x, weight, mean, rstd, dx, dw_part, db_part, dr_part, dw, db, dr, counter, m, n, rows_per_program,
+        progs, HAS_DH=dh is not None, HAS_W=weight is not None, HAS_B=bias is not None, HAS_DR=dr_dtype is not None,
+        IS_RMS=is_rms,
         BLOCK_M=block_m, BLOCK_N=block_n, EMULATE_RNE=interpreted(), ONE_LAUNCH=one, SUM_P=sum_p, SUM_N=sum_n,
         num_warps=num_warps,
     )
     if one:
-        return dx, dw, db
+        return dx, dw, db, dr
     return (
         dx,
         colsum.sum_partials(dw_part, weight.dtype if weight is not None else None),
         colsum.sum_partials(db_part, bias.dtype if bias is not None else None),
+        colsum.sum_partials(dr_part, dr_dtype),
     )

@@ -56,3 +56,61 @@ def test_fused_cross_entropy_backward_scales_in_one_launch():
     (torch.nn.functional.cross_entropy(ref[0] @ ref[1].T, target) * 0.5).backward()
     for a, e in zip(ours, ref):
         assert_close(a.grad, e.grad, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rms", [False, True])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_input_bias_gets_its_gradient_from_the_norm(rms, compiled):
+    """A bias added into the norm's input by its producer, detached (F.linear(a, w, b.detach())),
+    and handed to the norm as input_bias: b's gradient, the sum of the input's gradient over the
+    rows, comes from the norm's backward (eagerly: its kernel; compiled: a fused zero-valued add),
+    equal to the unfused graph's where the add carries it; the output is unchanged."""
+    from zerofuse.nn.functional import add_rms_norm
+
+    norm = add_rms_norm if rms else add_layer_norm
+    g = torch.Generator().manual_seed(0)
+    a, r, b, w = torch.randn(3, 5, 16, generator=g), torch.randn(3, 5, 16, generator=g), torch.randn(16), torch.randn(16)
+    dy, dh = torch.randn(3, 5, 16, generator=g), torch.randn(3, 5, 16, generator=g)
+    ours, ref = _leaves(a, r, b, w), _leaves(a, r, b, w)
+
+    def fused(a, r, b, w):
+        return norm(a + b.detach(), r, 16, w, input_bias=b)
+
+    f = torch.compile(fused, backend="aot_eager", fullgraph=True) if compiled else fused
+    y, h = f(*ours)
+    torch.autograd.backward([y, h], [dy, dh])
+    y_ref, h_ref = norm(ref[0] + ref[2], ref[1], 16, ref[3])
+    torch.autograd.backward([y_ref, h_ref], [dy, dh])
+    assert torch.equal(y, y_ref.detach()) and torch.equal(h, h_ref.detach())
+    for name, got, want in zip(("input", "residual", "input_bias", "weight"), ours, ref):
+        assert_close(got.grad, want.grad, atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_input_bias_of_the_wrong_shape_is_refused():
+    x = torch.randn(4, 8)
+    with pytest.raises(ValueError, match="expected input_bias of shape \\[8\\]"):
+        add_layer_norm(x, x, 8, input_bias=torch.randn(7))
+
+
+def test_gpt_block_attention_bias_gradient_from_norm2():
+    """gpt.Block adds the attention's output bias in its projection and takes its gradient from
+    norm2's backward: the same gradients (every param) as the block without the fold, and no sum
+    over the attention output in the backward."""
+    from zerofuse.models import gpt
+
+    cfg = gpt.config("tiny", dim=32, n_head=2, n_layer=1, bias=True)
+    torch.manual_seed(0)
+    block = gpt.Block(cfg)
+    assert block.fold_attn_bias
+    x, delta, dx, dd = (torch.randn(2, 5, 32) for _ in range(4))
+    grads = {}
+    for fold in (True, False):
+        block.fold_attn_bias = fold
+        block.zero_grad()
+        with CountLaunches() as c:
+            out = block(x, delta)
+            torch.autograd.backward(out, [dx, dd])
+        grads[fold] = ({n: p.grad.clone() for n, p in block.named_parameters()}, c.names.get("sum", 0))
+    for n, want in grads[False][0].items():
+        assert_close(grads[True][0][n], want, atol=1e-5, rtol=1e-5, msg=n)
+    assert grads[True][1] == grads[False][1] - 1, (grads[True][1], grads[False][1])

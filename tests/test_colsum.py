@@ -12,7 +12,7 @@ from zerofuse.kernels import norms as KN
 interp = pytest.mark.skipif(not kernels.triton_on_cpu(), reason="interpreter tests (ZEROFUSE_TRITON_ON_CPU=1)")
 
 
-def _case(rows, n, dtype, is_rms, has_w=True, has_b=True, has_dh=False, seed=0):
+def _case(rows, n, dtype, is_rms, has_w=True, has_b=True, has_dh=False, seed=0, dr=False):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, n, generator=g).to(dtype)
     w = torch.randn(n, generator=g).to(dtype) if has_w else None
@@ -20,7 +20,7 @@ def _case(rows, n, dtype, is_rms, has_w=True, has_b=True, has_dh=False, seed=0):
     _, _, mean, rstd = KN.norm_fwd(x, w, b, None, 1e-5, is_rms)
     dy = torch.randn(rows, n, generator=g).to(dtype)
     dh = torch.randn(rows, n, generator=g).to(dtype) if has_dh else None
-    return dy, dh, x, w, b, mean, rstd, is_rms
+    return dy, dh, x, w, b, mean, rstd, is_rms, (dtype if dr else None)
 
 
 def _two_launch(monkeypatch, args):
@@ -32,9 +32,10 @@ def _two_launch(monkeypatch, args):
 @interp
 @pytest.mark.parametrize("rows,n", [(1, 7), (5, 33), (97, 123), (300, 768)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("is_rms,has_b,has_dh", [(False, True, False), (False, False, True), (True, False, False)])
-def test_one_launch_equals_two_launches_bitwise(monkeypatch, rows, n, dtype, is_rms, has_b, has_dh):
-    args = _case(rows, n, dtype, is_rms, has_b=has_b, has_dh=has_dh)
+@pytest.mark.parametrize("is_rms,has_b,has_dh,dr", [(False, True, False, False), (False, False, True, True),
+                                                    (True, False, False, False), (True, False, True, True)])
+def test_one_launch_equals_two_launches_bitwise(monkeypatch, rows, n, dtype, is_rms, has_b, has_dh, dr):
+    args = _case(rows, n, dtype, is_rms, has_b=has_b, has_dh=has_dh, dr=dr)
     counter = colsum.arrival_counter(torch.device("cpu"))
     calls = []
     real = colsum.sum_partials
@@ -43,8 +44,15 @@ def test_one_launch_equals_two_launches_bitwise(monkeypatch, rows, n, dtype, is_
     assert calls == [], "the one-launch backward launched a second kernel"
     assert int(counter) == 0, "the last program must put the arrival counter back to zero"
     two = _two_launch(monkeypatch, args)
-    assert len(calls) == 2  # the two-launch path really ran (dw and db, each None-aware)
-    for name, a, b in zip(("dx", "dw", "db"), one, two):
+    assert len(calls) == 3  # the two-launch path really ran (dw, db and dr, each None-aware)
+    assert (one[3] is not None) == dr
+    if dr:  # the sum over rows of dx, formed in fp32 before dx was rounded to its dtype: within the
+        # rounding of each dx element (half an ulp of the dtype) and of the sum itself
+        ulp = torch.finfo(dtype).eps
+        dx = two[0].double()
+        err = (one[3].double() - dx.sum(0)).abs()
+        assert (err <= dx.abs().sum(0) * ulp + one[3].double().abs() * ulp + 1e-6).all(), err.max()
+    for name, a, b in zip(("dx", "dw", "db", "dr"), one, two):
         assert (a is None) == (b is None), name
         if a is not None:
             assert a.dtype == b.dtype and torch.equal(a, b), name

@@ -176,6 +176,9 @@ class Block(torch.nn.Module):
             self.attn = tp.ParallelAttention(cfg.dim, cfg.n_head, cfg.n_kv_head, **kw, **tp_kw)
         self.norm2 = _norm(cfg)
         self.mlp = moe if moe is not None else MLP(cfg, tp_kw)  # moe: a zerofuse.moe.MoE
+        # the attention's output bias: added by its projection, its gradient summed by norm2's
+        # backward kernel (input_bias), not by a sum of its own; both in this block (one ZeRO-3 unit)
+        self.fold_attn_bias = tp_kw is None and cfg.bias
 
     def forward(self, x: Tensor, delta: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """x + attn(norm1(x)), then + mlp(norm2(.)), with each residual add fused into the norm
@@ -186,7 +189,10 @@ class Block(torch.nn.Module):
             h = self.norm1(x)
         else:
             h, x = self.norm1(delta, x)
-        h, x = self.norm2(self.attn(h), x)
+        if self.fold_attn_bias:
+            h, x = self.norm2(self.attn(h, proj_bias_grad=False), x, input_bias=self.attn.proj.bias)
+        else:
+            h, x = self.norm2(self.attn(h), x)
         return x, self.mlp(h)
 
 

@@ -38,7 +38,10 @@ class Attention(torch.nn.Module):
         self.proj = torch.nn.Linear(embed_dim, embed_dim, **kw)
         self.rope = rope
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, *, proj_bias_grad: bool = True) -> Tensor:
+        """proj_bias_grad=False: the output projection adds its bias without a gradient path to it;
+        the caller gives the bias its gradient (zerofuse.models.gpt.Block: the next norm's
+        input_bias, summed in the norm's backward kernel instead of a separate sum here)."""
         if x.dim() != 3 or x.shape[-1] != self.embed_dim:
             where = f"{type(self).__module__.rsplit('.', 1)[0]}.{type(self).__name__}"
             raise ValueError(f"{where}: expected x of shape (batch, seq, embed_dim={self.embed_dim}), got "
@@ -48,7 +51,7 @@ class Attention(torch.nn.Module):
         b, n = qkv.shape[:2]  # not x's: a sequence-parallel projection gathers the sequence
         if self.rope is None and self.sdpa is scaled_dot_product_attention:
             # straight from the projection: no copy of the heads, the output or the gradients
-            return self.proj(qkv_attention(qkv, hq, hkv, is_causal=self.causal))
+            return self._project(qkv_attention(qkv, hq, hkv, is_causal=self.causal), proj_bias_grad)
         # views of the fused projection in (B, H, N, D) order (strided; the kernel takes strides)
         q = qkv[..., : hq * d].view(b, n, hq, d).transpose(1, 2)
         k = qkv[..., hq * d:(hq + hkv) * d].view(b, n, hkv, d).transpose(1, 2)
@@ -56,4 +59,9 @@ class Attention(torch.nn.Module):
         if self.rope is not None:  # positions 0..n-1: the whole sequence is here (SP gathered it)
             q, k = self.rope(q, k)
         out = self.sdpa(q, k, v, is_causal=self.causal, enable_gqa=hq != hkv)
-        return self.proj(out.transpose(1, 2).reshape(b, n, hq * d))
+        return self._project(out.transpose(1, 2).reshape(b, n, hq * d), proj_bias_grad)
+
+    def _project(self, out: Tensor, bias_grad: bool) -> Tensor:
+        if bias_grad or self.proj.bias is None:
+            return self.proj(out)
+        return torch.nn.functional.linear(out, self.proj.weight, self.proj.bias.detach())

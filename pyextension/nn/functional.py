@@ -31,7 +31,7 @@ def _shape(normalized_shape: _ShapeLike) -> tuple[int, ...]:
     return (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
 
 
-def _check(fn, input, shape, weight, bias, residual) -> None:
+def _check(fn, input, shape, weight, bias, residual, input_bias=None) -> None:
     where = f"zerofuse.nn.functional.{fn}"
     if not isinstance(input, Tensor) or not input.is_floating_point():
         got = input.dtype if isinstance(input, Tensor) else type(input).__name__
@@ -41,7 +41,7 @@ def _check(fn, input, shape, weight, bias, residual) -> None:
             f"{where}: expected input whose trailing dimensions equal normalized_shape={list(shape)}, "
             f"got input of shape {list(input.shape)}"
         )
-    for name, p in (("weight", weight), ("bias", bias)):
+    for name, p in (("weight", weight), ("bias", bias), ("input_bias", input_bias)):
         if p is None:
             continue
         if tuple(p.shape) != shape:
@@ -69,10 +69,11 @@ def _flat(t: Tensor | None, n: int) -> Tensor | None:
     return t if t is None or t.dim() == 1 else t.reshape(n)
 
 
-def _layer_norm(fn, input, residual, normalized_shape, weight, bias, eps):
+def _layer_norm(fn, input, residual, normalized_shape, weight, bias, eps, input_bias=None):
     shape = _shape(normalized_shape)
-    _check(fn, input, shape, weight, bias, residual)
+    _check(fn, input, shape, weight, bias, residual, input_bias)
     _check_eps(fn, eps)
+    input, input_bias = _bias_grad_carrier(input, input_bias)
     n = math.prod(shape)
     if n == 0:  # rows of no elements: nothing to normalise (and no row count to reshape to)
         h = input if residual is None else input + residual
@@ -81,16 +82,24 @@ def _layer_norm(fn, input, residual, normalized_shape, weight, bias, eps):
     w, b = _flat(weight, n), _flat(bias, n)
     if torch.compiler.is_compiling():
         y, h, _, _ = _ops.layer_norm(x, w, b, r, eps)
-    elif _needs_grad(x, w, b, r):
-        y, h = _ops.eager_norm(x, w, b, r, eps, False)
+    elif _needs_grad(x, w, b, r, input_bias):
+        y, h = _ops.eager_norm(x, w, b, r, eps, False, _flat(input_bias, n))
     else:  # nothing to differentiate: the kernels without autograd's bookkeeping
         y, h, _, _ = _ops._norm_fwd(x, w, b, r, eps, False)
     return _as(y, input), (input if residual is None else _as(h, input))
 
 
-def _needs_grad(x, w, b, r) -> bool:
-    return torch.is_grad_enabled() and (x.requires_grad or (w is not None and w.requires_grad)
-                                        or (b is not None and b.requires_grad) or (r is not None and r.requires_grad))
+def _needs_grad(x, w, b, r, input_bias=None) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, w, b, r, input_bias))
+
+
+def _bias_grad_carrier(input, input_bias):
+    """(input, input_bias) for the kernels: under torch.compile the bias's gradient is carried by a
+    zero-valued add, input + (input_bias - input_bias.detach()), which the compiler fuses; eagerly
+    EagerNorm's backward makes it (None returned here: nothing to carry)."""
+    if input_bias is not None and torch.compiler.is_compiling():
+        return input + (input_bias - input_bias.detach()), None
+    return input, input_bias
 
 
 def _rows(input, residual, shape, n):
@@ -106,9 +115,10 @@ def _as(t: Tensor, like: Tensor) -> Tensor:
     return t if t.shape == like.shape else t.view(like.shape)
 
 
-def _rms_norm(fn, input, residual, normalized_shape, weight, eps):
+def _rms_norm(fn, input, residual, normalized_shape, weight, eps, input_bias=None):
     shape = _shape(normalized_shape)
-    _check(fn, input, shape, weight, None, residual)
+    _check(fn, input, shape, weight, None, residual, input_bias)
+    input, input_bias = _bias_grad_carrier(input, input_bias)
     if eps is None:
         eps = torch.finfo(input.dtype).eps
     _check_eps(fn, eps)
@@ -120,8 +130,8 @@ def _rms_norm(fn, input, residual, normalized_shape, weight, eps):
     w = _flat(weight, n)
     if torch.compiler.is_compiling():
         y, h, _ = _ops.rms_norm(x, w, r, eps)
-    elif _needs_grad(x, w, None, r):
-        y, h = _ops.eager_norm(x, w, None, r, eps, True)
+    elif _needs_grad(x, w, None, r, input_bias):
+        y, h = _ops.eager_norm(x, w, None, r, eps, True, _flat(input_bias, n))
     else:
         y, h, _, _ = _ops._norm_fwd(x, w, None, r, eps, True)
     return _as(y, input), (input if residual is None else _as(h, input))
@@ -140,15 +150,20 @@ def rms_norm(input: Tensor, normalized_shape: _ShapeLike, weight: Tensor | None 
 
 
 def add_layer_norm(input: Tensor, residual: Tensor, normalized_shape: _ShapeLike, weight: Tensor | None = None,
-                   bias: Tensor | None = None, eps: float = 1e-5) -> tuple[Tensor, Tensor]:
-    """(layer_norm(h), h) with h = input + residual, fused; gradients flow to input and residual."""
-    return _layer_norm("add_layer_norm", input, residual, normalized_shape, weight, bias, eps)
+                   bias: Tensor | None = None, eps: float = 1e-5, *,
+                   input_bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """(layer_norm(h), h) with h = input + residual, fused; gradients flow to input and residual.
+    input_bias (of normalized_shape): a bias already added into input by its producer without a
+    gradient path (e.g. F.linear(a, w, b.detach())); never read, it receives its gradient, the sum
+    of input's gradient over the rows, from the norm's backward kernel (no separate sum)."""
+    return _layer_norm("add_layer_norm", input, residual, normalized_shape, weight, bias, eps, input_bias)
 
 
 def add_rms_norm(input: Tensor, residual: Tensor, normalized_shape: _ShapeLike, weight: Tensor | None = None,
-                 eps: float | None = None) -> tuple[Tensor, Tensor]:
-    """(rms_norm(h), h) with h = input + residual, fused; gradients flow to input and residual."""
-    return _rms_norm("add_rms_norm", input, residual, normalized_shape, weight, eps)
+                 eps: float | None = None, *, input_bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """(rms_norm(h), h) with h = input + residual, fused; gradients flow to input and residual;
+    input_bias as add_layer_norm's."""
+    return _rms_norm("add_rms_norm", input, residual, normalized_shape, weight, eps, input_bias)
 
 
 _warned: set[str] = set()

@@ -11,17 +11,20 @@ from zerofuse.nn import functional as F
 
 
 class LayerNorm(torch.nn.LayerNorm):
-    def forward(self, input: Tensor, residual: Tensor | None = None):
+    def forward(self, input: Tensor, residual: Tensor | None = None, *, input_bias: Tensor | None = None):
+        """norm(input), or (norm(h), h) with h = input + residual; input_bias: see
+        zerofuse.nn.functional.add_layer_norm (with a residual only)."""
         if residual is None:
             return F.layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps)
-        return F.add_layer_norm(input, residual, self.normalized_shape, self.weight, self.bias, self.eps)
+        return F.add_layer_norm(input, residual, self.normalized_shape, self.weight, self.bias, self.eps,
+                                input_bias=input_bias)
 
 
 class RMSNorm(torch.nn.RMSNorm):
-    def forward(self, input: Tensor, residual: Tensor | None = None):
+    def forward(self, input: Tensor, residual: Tensor | None = None, *, input_bias: Tensor | None = None):
         if residual is None:
             return F.rms_norm(input, self.normalized_shape, self.weight, self.eps)
-        return F.add_rms_norm(input, residual, self.normalized_shape, self.weight, self.eps)
+        return F.add_rms_norm(input, residual, self.normalized_shape, self.weight, self.eps, input_bias=input_bias)
 
 
 def _swap(mod: torch.nn.Module) -> torch.nn.Module | None:

@@ -161,17 +161,23 @@ def _(x, weight, residual, eps):
 # ---------------------------------------------------------------- backward ops
 
 
-def _norm_bwd(dy, dh, x, weight, bias, mean, rstd, is_rms):
+def _norm_bwd(dy, dh, x, weight, bias, mean, rstd, is_rms, dr_dtype=None):
+    """(dx, dw, db) (empty tensors for absent params), and with dr_dtype also dr: the sum over rows
+    of dx, the gradient of a bias its producer added into the input (EagerNorm's input_bias)."""
     n = x.shape[-1]
     w = None if weight is None else weight.contiguous()
     if _use_triton(x):
-        dx, dw, db = K.norm_bwd(_contiguous(dy), _contiguous(dh), _contiguous(x), w, bias, mean, rstd, is_rms)
+        dx, dw, db, dr = K.norm_bwd(_contiguous(dy), _contiguous(dh), _contiguous(x), w, bias, mean, rstd, is_rms,
+                                    dr_dtype)
+        if dr_dtype is not None:  # (the kernel summed it from dx in fp32)
+            return dx, (dw if dw is not None else _empty(x)), (db if db is not None else _empty(x)), dr
     elif _cpu_kernel(x, dy, dh, w, bias):
         empty = rstd.new_empty(_EMPTY)
         dx, dw, db = torch.ops.zerofuse.norm_bwd_cpu(
             _2d(dy, n), _2d(dh, n), _2d(x, n), w, bias, empty if mean is None else mean, rstd, is_rms
         )
-        return dx.view(x.shape), dw, db
+        dx = dx.view(x.shape)
+        return (dx, dw, db) if dr_dtype is None else (dx, dw, db, _row_sum(dx, dr_dtype))
     else:
         x2, dy2, stat = x.reshape(-1, n), dy.reshape(-1, n), rstd.view(-1, 1)
         if is_rms:  # aten._fused_rms_norm_backward has no CPU kernel: the same formula in torch ops
@@ -187,7 +193,12 @@ def _norm_bwd(dy, dh, x, weight, bias, mean, rstd, is_rms):
             )
         dx = dx.view(x.shape) if dh is None else dx.view(x.shape) + dh
         db = db.to(bias.dtype) if db is not None else None
-    return dx, (dw if dw is not None else _empty(x)), (db if db is not None else _empty(x))
+    out = dx, (dw if dw is not None else _empty(x)), (db if db is not None else _empty(x))
+    return out if dr_dtype is None else (*out, _row_sum(dx, dr_dtype))
+
+
+def _row_sum(dx, dtype):
+    return dx.reshape(-1, dx.shape[-1]).to(_stat_dtype(dx)).sum(0).to(dtype)
 
 
 @torch.library.custom_op("zerofuse::layer_norm_backward", mutates_args=())
@@ -275,14 +286,19 @@ class EagerNorm(torch.autograd.Function):
     dispatch (measured on CPU: ~25 us per forward, ~70 us with autograd, vs ~6 us for the kernel
     on small rows). The faces use it outside torch.compile; compiled graphs use the ops.
 
-    apply(x, weight, bias, residual, eps, is_rms) -> (y, h) with h None when residual is None.
-    It runs none of the ops' checks: its callers, the faces, checked the arguments first.
+    apply(x, weight, bias, residual, eps, is_rms, input_bias=None) -> (y, h) with h None when residual
+    is None. input_bias: a bias x's producer already added into x without passing it a gradient
+    (zerofuse.models.gpt.Block: the attention's output projection); never read, its gradient (the
+    sum over rows of x's) comes out of the backward kernel with the others, instead of a separate
+    sum in the producer's backward. It runs none of the ops' checks: its callers, the faces,
+    checked the arguments first.
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, residual, eps, is_rms):
+    def forward(ctx, x, weight, bias, residual, eps, is_rms, input_bias=None):
         y, h, mean, rstd = _norm_fwd(x, weight, bias, residual, eps, is_rms)
         ctx.is_rms = is_rms
+        ctx.dr_dtype = input_bias.dtype if input_bias is not None else None
         ctx.set_materialize_grads(False)  # an unused h gets no zero-filled gradient (and no add)
         _save(ctx, x, residual, h, weight, bias, mean, rstd)
         return y, h
@@ -290,14 +306,16 @@ class EagerNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, dh):
         if dy is None and dh is None:
-            return None, None, None, None, None, None
+            return None, None, None, None, None, None, None
         if dy is None:  # only h was used: dh passes through to both inputs, the params get nothing
             dx, dres = _input_grads(ctx, dh)
-            return dx, None, None, dres, None, None
+            return dx, None, None, dres, None, None, (_row_sum(dh, ctx.dr_dtype) if ctx.dr_dtype else None)
         xin, weight, bias, mean, rstd = ctx.saved_tensors
-        dx, dw, db = _norm_bwd(dy, dh if ctx.has_residual else None, xin, weight, bias, mean, rstd, ctx.is_rms)
+        dx, dw, db, *dr = _norm_bwd(dy, dh if ctx.has_residual else None, xin, weight, bias, mean, rstd, ctx.is_rms,
+                                    ctx.dr_dtype)
         dx, dres = _input_grads(ctx, dx)
-        return dx, (dw if weight is not None else None), (db if bias is not None else None), dres, None, None
+        return (dx, (dw if weight is not None else None), (db if bias is not None else None), dres, None, None,
+                dr[0] if dr else None)
 
 
 eager_norm = eager_apply(EagerNorm)

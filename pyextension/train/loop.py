@@ -175,7 +175,8 @@ class Trainer:
                 sync = i == args.grad_accum - 1
                 with contextlib.nullcontext() if sync else self.model.no_sync():
                     loss = self._forward(xs[i], ys[i])
-                    opt.scale_loss(loss if args.grad_accum == 1 else loss / args.grad_accum).backward()
+                    scaled = opt.scale_loss(loss if args.grad_accum == 1 else loss / args.grad_accum)
+                    scaled.backward(self._unit_grad(scaled))
                 ce = loss.detach()
                 if self.moe is not None:  # the routers' aux and z losses: reported apart
                     self.moe.record(self.model.router_losses)
@@ -191,6 +192,14 @@ class Trainer:
             on_stepped()
         opt.zero_grad()
         return mean_loss
+
+    def _unit_grad(self, loss: torch.Tensor) -> torch.Tensor:
+        """The gradient a backward starts from (1), one persistent device tensor per dtype rather
+        than the ones_like (a launch) of loss.backward()."""
+        units = self.__dict__.setdefault("_units", {})
+        if loss.dtype not in units:
+            units[loss.dtype] = torch.ones((), dtype=loss.dtype, device=loss.device)
+        return units[loss.dtype]
 
     def _measure_memory(self) -> None:
         if self.memory is None:  # sizes and allocator counters only: no sync
@@ -218,7 +227,7 @@ class Trainer:
         self.step += 1
         host = {"step": self.step, "lr": lr, "comm_time": comm.wait_seconds() - w0 if cpu else None,
                 "step_time": time.perf_counter() - t0 if cpu else None}  # CUDA: timed between log points
-        self.metrics.record(host, mean_loss, norm, skipped)
+        self.metrics.record(host, mean_loss, norm, skipped, copy=self.graphs is not None)
         stop_after = args.stop_after is not None and self.step >= args.stop_after  # the same on every rank
         self.stopped = self.vote.vote(self.stop.signum) or (signal.SIGTERM if stop_after else 0)
 

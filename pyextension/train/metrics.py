@@ -33,15 +33,20 @@ class StepMetrics:
         self._nan = None  # the placeholder of an absent value (no clipping: no grad norm), made once
         self.windows = 0  # log points so far
 
-    def record(self, host: dict, loss: torch.Tensor, norm: torch.Tensor | None, skipped: torch.Tensor | None) -> None:
-        """One step: host fields (step, lr, comm_time, step_time on CPU) and device scalars; no sync."""
+    def record(self, host: dict, loss: torch.Tensor, norm: torch.Tensor | None, skipped: torch.Tensor | None,
+               copy: bool = True) -> None:
+        """One step: host fields (step, lr, comm_time, step_time on CPU) and device scalars; no sync.
+        copy=False: the scalars are this step's own tensors, which nothing overwrites (an eager
+        step): kept as they are, and stacked once at the log point instead of at every step; a
+        CUDA graph's replay returns the same output buffers every step: copied (one launch)."""
         def scalar(t):
             if t is None:
                 if self._nan is None:
                     self._nan = torch.full((), _NONE, device=self.device)
                 return self._nan
             return t.detach().reshape(()).float()
-        self.values.append(torch.stack([loss.detach().reshape(()).float(), scalar(norm), scalar(skipped)]))
+        values = [loss.detach().reshape(()).float(), scalar(norm), scalar(skipped)]
+        self.values.append(torch.stack(values).unbind() if copy else values)
         self.pending.append(host)
 
     def flush(self) -> list[dict]:
@@ -49,7 +54,7 @@ class StepMetrics:
         device sync of those steps."""
         if not self.pending:
             return []
-        vals = torch.stack(self.values)
+        vals = torch.stack([v for step in self.values for v in step]).view(-1, 3)
         if self.world > 1:  # the mean over the world = over DP (TP ranks agree)
             loss = vals[:, 0].contiguous()
             dist.all_reduce(loss)
