@@ -109,3 +109,26 @@ def test_one_launch_backward_compiles_for_an_h100_without_spills():
             assert r["l2_loads"].get("v4.b32", 0) > 0, r
         else:
             assert r["atomics"] == {} and r["l2_loads"] == {}, r
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,n", [(16384, 768), (4096, 1024), (1000, 4096), (64, 65536)])
+def test_cuda_one_launch_and_two_launch_sums_agree_and_repeat(monkeypatch, rows, n):
+    """On a GPU: the one-launch backward (its last program's sums) against the two-launch one, and
+    against itself run again (deterministic: the fixed order holds whoever arrives last); the
+    counter is back at zero after each; dr (the input bias's gradient) equals dx's row sums."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, n, generator=g).to("cuda", torch.bfloat16)
+    w, b = (torch.randn(n, generator=g).to("cuda", torch.bfloat16) for _ in range(2))
+    _, _, mean, rstd = KN.norm_fwd(x, w, b, None, 1e-5, False)
+    dy = torch.randn(rows, n, generator=g).to("cuda", torch.bfloat16)
+    args = (dy, None, x, w, b, mean, rstd, False, torch.float32)
+    one, again = KN.norm_bwd(*args), KN.norm_bwd(*args)
+    assert int(colsum.arrival_counter(x.device)) == 0
+    two = _two_launch(monkeypatch, args)
+    for a, c in zip(one, again):
+        assert torch.equal(a, c)
+    assert torch.equal(one[0], two[0])
+    for a, c in zip(one[1:], two[1:]):
+        torch.testing.assert_close(a.float(), c.float(), atol=1e-2 * rows ** 0.5, rtol=1e-2)
+    torch.testing.assert_close(one[3], one[0].float().sum(0), atol=5e-2 * rows ** 0.5, rtol=1e-2)

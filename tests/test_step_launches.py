@@ -27,17 +27,20 @@ def test_gpt2_step_launches_per_layer(tmp_path):
     # (no clone, slice_backward, add of the qkv grads) and the bucket copies were fused; 35.1 after;
     # 27.2 with the norms' backward in one launch, bias + GELU fused, the fused clip and the
     # attention backward's delta formed in its dq kernel; 26.3 with no zero-filled gradients, the
-    # cross-entropy's grads scaled in one launch and no division by grad_accum 1
-    assert res["launches_per_layer"] <= 26.5, res
+    # cross-entropy's grads scaled in one launch and no division by grad_accum 1; 25.0 with the
+    # attention bias's gradient from norm2's kernel, a persistent unit gradient and metrics stacked
+    # per log window (issue target: <= 25)
+    assert res["launches_per_layer"] <= 25.0, res
     assert res["syncs_per_step"] == 0
     for gone in ("slice_backward", "clone", "copy_", "gelu", "gelu_backward", "clamp", "isfinite", "zeros", "mul_",
-                 "div"):
+                 "div", "ones_like", "stack"):
         assert gone not in ops, (gone, ops)
     triton, layers = res["triton"], res["n_layer"]
     assert triton["norms._norm_bwd_kernel"] == 2 * layers + 1  # every norm's backward: one launch
     assert triton["bias_gelu._bias_gelu_bwd_kernel"] == layers
     assert triton["attention_bwd._attn_bwd_dq_kernel"] == triton["attention_bwd._attn_bwd_dkdv_kernel"] == layers
     assert not [k for k in triton if "sum_partials" in k or "delta" in k or "segment_sum" in k], triton
+    assert ops["sum"] == 2 * layers + 1, ops  # qkv and MLP-out bias grads, wpe over the batch; no attention-out one
 
 
 class _Count(TorchDispatchMode):
