@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from zerofuse.kernels import interpreted
-from zerofuse.kernels import colsum
+from zerofuse.kernels import colsum, norms_wide
 from zerofuse.kernels.colsum import _arrive, _sum_all_cols
 from zerofuse.kernels.common import _cast, cdiv, next_power_of_2, sm_count
 
@@ -166,11 +166,15 @@ def norm_fwd(x, weight, bias, residual, eps: float, is_rms: bool):
         y, h = torch.empty_like(x, dtype=h_dtype), torch.empty_like(x, dtype=h_dtype)
     mean = None if is_rms else torch.empty(m, device=x.device, dtype=torch.float32)
     rstd = torch.empty(m, device=x.device, dtype=torch.float32)
-    grid = (cdiv(m, block_m),)
-    _norm_fwd_kernel[grid](
+    flags = dict(HAS_RES=residual is not None, HAS_W=weight is not None, HAS_B=bias is not None, IS_RMS=is_rms,
+                 EMULATE_RNE=interpreted())
+    if block_n >= norms_wide.FWD_MIN_BLOCK:  # a row in chunks (kernels/norms_wide.py)
+        norms_wide._norm_fwd_wide_kernel[(m,)](x, residual, h, y, weight, bias, mean, rstd, m, n, eps,
+                                                CHUNK=norms_wide.CHUNK, num_warps=8, **flags)
+        return y, h, mean, rstd
+    _norm_fwd_kernel[(cdiv(m, block_m),)](
         x, residual, h, y, weight, bias, mean, rstd, m, n, eps,
-        HAS_RES=residual is not None, HAS_W=weight is not None, HAS_B=bias is not None, IS_RMS=is_rms,
-        BLOCK_M=block_m, BLOCK_N=block_n, EMULATE_RNE=interpreted(), num_warps=num_warps,
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, **flags,
     )
     return y, h, mean, rstd
 
@@ -184,6 +188,9 @@ def norm_bwd(dy, dh, x, weight, bias, mean, rstd, is_rms: bool, dr_dtype: torch.
     n = x.shape[-1]
     m = x.numel() // n
     block_m, block_n, num_warps = _config(n)
+    wide = block_n >= norms_wide.BWD_MIN_BLOCK  # a row in chunks (kernels/norms_wide.py)
+    if wide:
+        block_m = 1
     progs = _bwd_programs(m, n, block_m, x.device)
     rows_per_program = cdiv(cdiv(m, block_m), progs) * block_m
     progs = cdiv(m, rows_per_program)
@@ -199,13 +206,17 @@ def norm_bwd(dy, dh, x, weight, bias, mean, rstd, is_rms: bool, dr_dtype: torch.
         dr = torch.empty(n, device=x.device, dtype=dr_dtype) if dr_dtype is not None else None
         counter = colsum.arrival_counter(x.device)
     sum_p, sum_n = colsum.blocks(progs, n)
-    _norm_bwd_kernel[(progs,)](
-        dy, dh, x, weight, mean, rstd, dx, dw_part, db_part, dr_part, dw, db, dr, counter, m, n, rows_per_program,
-        progs, HAS_DH=dh is not None, HAS_W=weight is not None, HAS_B=bias is not None, HAS_DR=dr_dtype is not None,
-        IS_RMS=is_rms,
-        BLOCK_M=block_m, BLOCK_N=block_n, EMULATE_RNE=interpreted(), ONE_LAUNCH=one, SUM_P=sum_p, SUM_N=sum_n,
-        num_warps=num_warps,
-    )
+    flags = dict(HAS_DH=dh is not None, HAS_W=weight is not None, HAS_B=bias is not None, HAS_DR=dr_dtype is not None,
+                 IS_RMS=is_rms, EMULATE_RNE=interpreted(), ONE_LAUNCH=one, SUM_P=sum_p, SUM_N=sum_n)
+    if wide:
+        terms = torch.empty(2 * m, device=x.device, dtype=torch.float32)  # c1, c2 of each row
+        norms_wide._norm_bwd_wide_kernel[(progs,)](
+            dy, dh, x, weight, mean, rstd, dx, dw_part, db_part, dr_part, dw, db, dr, counter, terms, m, n,
+            rows_per_program, progs, CHUNK=norms_wide.CHUNK, num_warps=8, **flags)
+    else:
+        _norm_bwd_kernel[(progs,)](
+            dy, dh, x, weight, mean, rstd, dx, dw_part, db_part, dr_part, dw, db, dr, counter, m, n,
+            rows_per_program, progs, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, **flags)
     if one:
         return dx, dw, db, dr
     return (

@@ -8,6 +8,7 @@ on a CPU machine by tests/test_optim.py, and shown to a developer by
     python tools/kernel_asm.py [--arch 90]
     python tools/kernel_asm.py --attention   # the attention kernels (tile access widths)
     python tools/kernel_asm.py --norms       # the norms' one-launch backward (atomics, spills)
+    python tools/kernel_asm.py --norms-wide  # whole-row vs chunked norms on wide rows (spills)
 
 which prints one JSON line per kernel variant: {"kernel", "aligned" (null for the small kernels
 that take no alignment promise), "loads": {width: count}, "stores": {...}}. Must run without TRITON_INTERPRET (the interpreter's functions do not compile).
@@ -137,14 +138,9 @@ def norms(arch: int) -> None:
         block_m, block_n, num_warps = KN._config(n)
         sum_p, sum_n = colsum.blocks(colsum.max_parts(n, 4 * 132), n)  # an H100's 132 SMs
         for is_rms, one in ((False, True), (True, True), (False, False)):
-            cx = dict(HAS_DH=not is_rms, HAS_W=True, HAS_B=not is_rms, IS_RMS=is_rms, BLOCK_M=block_m, BLOCK_N=block_n,
+            cx = dict(HAS_DH=not is_rms, HAS_W=True, HAS_B=not is_rms, HAS_DR=not is_rms, IS_RMS=is_rms, BLOCK_M=block_m, BLOCK_N=block_n,
                       EMULATE_RNE=False, ONE_LAUNCH=one, SUM_P=sum_p, SUM_N=sum_n)
-            sig = {}
-            for name in inspect.signature(KN._norm_bwd_kernel.fn).parameters:
-                sig[name] = ("constexpr" if name in cx else "i32" if name in ("M", "N", "rows_per_program", "n_parts")
-                             else "*i32" if name == "Counter" else "*fp32" if name in ("Mean", "Rstd", "DW_part", "DB_part")
-                             else "*bf16")
-            attrs = {(i,): [["tt.divisibility", 16]] for i, k in enumerate(sig) if sig[k].startswith("*") or k == "N"}
+            sig, attrs = _norm_sig(KN._norm_bwd_kernel, cx)
             ptx = triton.compile(ASTSource(KN._norm_bwd_kernel, sig, constexprs=cx, attrs=attrs),
                                  target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps}).asm["ptx"]
             print(json.dumps({"kernel": "norm_bwd", "rms": is_rms, "n": n, "one_launch": one,
@@ -152,6 +148,45 @@ def norms(arch: int) -> None:
                               "l2_loads": dict(Counter(re.findall(r"ld\.global\.cg\.([\w.]+)", ptx))),
                               "loads": widths(ptx, "ld"), "stores": widths(ptx, "st"), **ptxas_info(ptx, arch)}),
                   flush=True)
+
+
+def _norm_sig(kernel, cx: dict) -> tuple[dict, dict]:
+    """A norm kernel's signature as a launch specialises it (bf16 tensors, fp32 statistics and
+    partials, pointers and N divisible by 16) and its divisibility attributes."""
+    fp32 = ("Mean", "Rstd", "DW_part", "DB_part", "DR_part", "Terms")
+    sig = {}
+    for name in inspect.signature(kernel.fn).parameters:
+        sig[name] = ("constexpr" if name in cx else "i32" if name in ("M", "N", "rows_per_program", "n_parts")
+                     else "fp32" if name == "eps" else "*i32" if name == "Counter" else "*fp32" if name in fp32
+                     else "*bf16")
+    return sig, {(i,): [["tt.divisibility", 16]] for i, k in enumerate(sig) if sig[k].startswith("*") or k == "N"}
+
+
+def norms_wide(arch: int) -> None:
+    """LayerNorm with residual, weight and bias (bf16) on wide rows: the whole-row backward at
+    16384 columns and the chunked kernels (kernels/norms_wide.py) at 16384 and 65536, with the
+    launchers' warps: one JSON line each with ptxas's registers and spills."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from zerofuse.kernels import norms as KN
+    from zerofuse.kernels import norms_wide as KW
+
+    bwd = dict(HAS_DH=True, HAS_W=True, HAS_B=True, HAS_DR=False, IS_RMS=False, EMULATE_RNE=False, ONE_LAUNCH=False,
+               SUM_P=128, SUM_N=32)
+    fwd = dict(HAS_RES=True, HAS_W=True, HAS_B=True, IS_RMS=False, EMULATE_RNE=False)
+    block_m, block_n, warps = KN._config(16384)
+    cases = [("norm_bwd_whole_row", 16384, KN._norm_bwd_kernel, dict(bwd, BLOCK_M=block_m, BLOCK_N=block_n), warps)]
+    for n in (16384, 65536):
+        cases.append(("norm_bwd_chunked", n, KW._norm_bwd_wide_kernel, dict(bwd, CHUNK=KW.CHUNK), 8))
+        cases.append(("norm_fwd_chunked", n, KW._norm_fwd_wide_kernel, dict(fwd, CHUNK=KW.CHUNK), 8))
+    for name, n, kernel, cx, num_warps in cases:
+        sig, attrs = _norm_sig(kernel, cx)
+        ptx = triton.compile(ASTSource(kernel, sig, constexprs=cx, attrs=attrs), target=GPUTarget("cuda", arch, 32),
+                             options={"num_warps": num_warps}).asm["ptx"]
+        print(json.dumps({"kernel": name, "n": n, "num_warps": num_warps, "loads": widths(ptx, "ld"),
+                          "stores": widths(ptx, "st"), **ptxas_info(ptx, arch)}), flush=True)
 
 
 def widths(ptx: str, op: str) -> dict[str, int]:
@@ -164,6 +199,7 @@ def main(argv=None) -> int:
     parser.add_argument("--arch", type=int, default=90, help="compute capability as one number (90: H100)")
     parser.add_argument("--attention", action="store_true", help="the attention kernels instead")
     parser.add_argument("--norms", action="store_true", help="the norms' backward instead")
+    parser.add_argument("--norms-wide", action="store_true", help="whole-row vs chunked norms on wide rows")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         sys.exit("tools/kernel_asm.py: unset TRITON_INTERPRET (interpreted kernels cannot be compiled)")
@@ -172,6 +208,9 @@ def main(argv=None) -> int:
         return 0
     if args.norms:
         norms(args.arch)
+        return 0
+    if args.norms_wide:
+        norms_wide(args.arch)
         return 0
     from zerofuse.kernels import optim as K
 
