@@ -45,14 +45,14 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
             row_mask = (rows[:, None] < Nq) & d_mask[None, :]
             q = tl.load(_rows(q_base, start_m, sqn, offs_d, BLOCK_M), mask=row_mask, other=0.0)
             do = tl.load(_rows(do_base, start_m, sdn, offs_d, BLOCK_M), mask=row_mask, other=0.0)
-            lse = tl.load(LSE + stat_base + rows, mask=rows < Nq, other=0.0)
+            lse2 = tl.load(LSE + stat_base + rows, mask=rows < Nq, other=0.0) * 1.4426950408889634  # base 2
             delta = tl.load(DELTA + stat_base + rows, mask=rows < Nq, other=0.0)
             # scores transposed: (BLOCK_N keys, BLOCK_M rows)
-            st = _dot(k, tl.trans(q), UPCAST) * scale
+            st = _dot(k, tl.trans(q), UPCAST) * (scale * 1.4426950408889634)  # log2(e) folded in: exp2
             keep = (offs_n[:, None] < Nk) & (rows[None, :] < Nq)
             if CAUSAL:
                 keep = keep & (offs_n[:, None] <= rows[None, :])
-            pt = tl.where(keep, tl.exp(st - lse[None, :]), 0.0)
+            pt = tl.where(keep, tl.exp2(st - lse2[None, :]), 0.0)
             dv += _dot(pt.to(do.dtype), do, UPCAST)
             dpt = _dot(v, tl.trans(do), UPCAST)
             dst = pt * (dpt - delta[None, :])
@@ -66,15 +66,15 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
 
 
 @triton.jit
-def _dq_blocks(dq, q, do, lse, delta, k_base, v_base, skn, svn, start, end, offs_m, offs_n, offs_d, d_mask, Nq, Nk,
-               scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr):
+def _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, skn, svn, start, end, offs_m, offs_n, offs_d, d_mask, Nq, Nk,
+               qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr):
     """dq over the key blocks [start, end): masked (the key tail, the causal diagonal) only when MASKED."""
     for start_n in range(start, end, BLOCK_N):
         cols = start_n + offs_n
         k = _key_tile(k_base, start_n, skn, offs_n, offs_d, d_mask, Nk, MASKED, BLOCK_N)
         v = _key_tile(v_base, start_n, svn, offs_n, offs_d, d_mask, Nk, MASKED, BLOCK_N)
-        s = _dot(q, tl.trans(k), UPCAST) * scale
-        p = tl.exp(s - lse[:, None])
+        s = _dot(q, tl.trans(k), UPCAST) * qk_scale  # scale * log2(e): p = 2^(s - lse * log2(e))
+        p = tl.exp2(s - lse2[:, None])
         if MASKED:
             keep = (cols[None, :] < Nk) & (offs_m[:, None] < Nq)
             if CAUSAL:
@@ -99,7 +99,8 @@ def _attn_bwd_dq_kernel(Q, K, V, DO, O, LSE, DELTA, DQ,
     do = tl.load(_rows(_heads(DO, b, h, sdb, sdh), pid_m * BLOCK_M, sdn, offs_d, BLOCK_M), mask=row_mask, other=0.0)
     # rows past Nq: lse 0 and delta 0 would make exp(s) overflow into inf * 0 = NaN in an unmasked
     # block: their lse is +inf instead (p = 0), and their dq is not stored
-    lse = tl.load(LSE + bh * Nq + offs_m, mask=offs_m < Nq, other=float("inf"))
+    lse2 = tl.load(LSE + bh * Nq + offs_m, mask=offs_m < Nq, other=float("inf")) * 1.4426950408889634
+    qk_scale = scale * 1.4426950408889634
     # delta = rowsum(o * do) of these rows (0 past Nq), kept for the dk/dv kernel that runs next
     o = tl.load(_rows(_heads(O, b, h, sob, soh), pid_m * BLOCK_M, son, offs_d, BLOCK_M), mask=row_mask, other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
@@ -111,10 +112,10 @@ def _attn_bwd_dq_kernel(Q, K, V, DO, O, LSE, DELTA, DQ,
     k_base = _heads(K, b, hk, skb, skh)
     v_base = _heads(V, b, hk, svb, svh)
     full = _unmasked_end(pid_m, Nk, CAUSAL, BLOCK_M, BLOCK_N)
-    dq = _dq_blocks(dq, q, do, lse, delta, k_base, v_base, skn, svn, 0, full, offs_m, offs_n, offs_d, d_mask, Nq,
-                    Nk, scale, False, CAUSAL, BLOCK_N, UPCAST)
-    dq = _dq_blocks(dq, q, do, lse, delta, k_base, v_base, skn, svn, full, hi, offs_m, offs_n, offs_d, d_mask, Nq,
-                    Nk, scale, True, CAUSAL, BLOCK_N, UPCAST)
+    dq = _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, skn, svn, 0, full, offs_m, offs_n, offs_d, d_mask, Nq,
+                    Nk, qk_scale, False, CAUSAL, BLOCK_N, UPCAST)
+    dq = _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, skn, svn, full, hi, offs_m, offs_n, offs_d, d_mask, Nq,
+                    Nk, qk_scale, True, CAUSAL, BLOCK_N, UPCAST)
     tl.store(_rows(_heads(DQ, b, h, sdqb, sdqh), pid_m * BLOCK_M, sdqn, offs_d, BLOCK_M),
              (dq * scale).to(DQ.dtype.element_ty), mask=row_mask)
 
