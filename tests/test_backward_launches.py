@@ -103,6 +103,8 @@ def test_gpt_block_attention_bias_gradient_from_norm2():
     block = gpt.Block(cfg)
     assert block.fold_attn_bias
     x, delta, dx, dd = (torch.randn(2, 5, 32) for _ in range(4))
+    proj_calls = []  # the projection runs as a module (its hooks, e.g. a ZeRO-3 gather, fire)
+    block.attn.proj.register_forward_pre_hook(lambda mod, args: proj_calls.append(1))
     grads = {}
     for fold in (True, False):
         block.fold_attn_bias = fold
@@ -114,3 +116,4 @@ def test_gpt_block_attention_bias_gradient_from_norm2():
     for n, want in grads[False][0].items():
         assert_close(grads[True][0][n], want, atol=1e-5, rtol=1e-5, msg=n)
     assert grads[True][1] == grads[False][1] - 1, (grads[True][1], grads[False][1])
+    assert len(proj_calls) == 2

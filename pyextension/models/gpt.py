@@ -177,7 +177,7 @@ class Block(torch.nn.Module):
         self.norm2 = _norm(cfg)
         self.mlp = moe if moe is not None else MLP(cfg, tp_kw)  # moe: a zerofuse.moe.MoE
         # the attention's output bias: added by its projection, its gradient summed by norm2's
-        # backward kernel (input_bias), not by a sum of its own; both in this block (one ZeRO-3 unit)
+        # backward kernel (input_bias), not by a sum of its own (norm2 never reads the bias)
         self.fold_attn_bias = tp_kw is None and cfg.bias
 
     def forward(self, x: Tensor, delta: Tensor | None = None) -> tuple[Tensor, Tensor]:

@@ -8,6 +8,16 @@ from torch import Tensor
 from zerofuse.nn.functional import qkv_attention, scaled_dot_product_attention
 
 
+class _OutProjection(torch.nn.Linear):
+    """nn.Linear (same params, state_dict keys, init) whose forward can add its bias without a
+    gradient path to it (bias_grad=False: the caller gives the bias its gradient). Called as a
+    module, so hooks on it (ZeRO-3's parameter gathers when it is a unit of its own) still run."""
+
+    def forward(self, x: Tensor, bias_grad: bool = True) -> Tensor:
+        bias = self.bias if bias_grad or self.bias is None else self.bias.detach()
+        return torch.nn.functional.linear(x, self.weight, bias)
+
+
 class Attention(torch.nn.Module):
     """x (B, N, embed_dim) -> (B, N, embed_dim). num_kv_heads (default num_heads) must divide
     num_heads; qkv is one Linear of embed_dim -> (num_heads + 2 * num_kv_heads) * head_dim. sdpa:
@@ -35,7 +45,7 @@ class Attention(torch.nn.Module):
         self.sdpa = scaled_dot_product_attention if sdpa is None else sdpa
         kw = dict(bias=bias, device=device, dtype=dtype)
         self.qkv = torch.nn.Linear(embed_dim, (num_heads + 2 * num_kv_heads) * self.head_dim, **kw)
-        self.proj = torch.nn.Linear(embed_dim, embed_dim, **kw)
+        self.proj = _OutProjection(embed_dim, embed_dim, **kw)
         self.rope = rope
 
     def forward(self, x: Tensor, *, proj_bias_grad: bool = True) -> Tensor:
@@ -62,6 +72,4 @@ class Attention(torch.nn.Module):
         return self._project(out.transpose(1, 2).reshape(b, n, hq * d), proj_bias_grad)
 
     def _project(self, out: Tensor, bias_grad: bool) -> Tensor:
-        if bias_grad or self.proj.bias is None:
-            return self.proj(out)
-        return torch.nn.functional.linear(out, self.proj.weight, self.proj.bias.detach())
+        return self.proj(out) if bias_grad else self.proj(out, bias_grad=False)
