@@ -12,7 +12,9 @@ ratio to torch eager's peak measured in the same run. The memory shape is the on
 
 bench_swiglu and bench_rotary_embedding time forward + backward of SwiGLU (vs F.silu(gate) * up,
 its torch.compile and Liger's LigerSiLUMulFunction on a GPU) and of RoPE on q and k (vs the
-reference's torch ops and their torch.compile); GB/s counts each input and output once.
+reference's torch ops and their torch.compile); bench_bias_gelu GPT-2's bias + GELU after the fc
+matmul (vs F.gelu(x + b) and its torch.compile; backward includes the bias gradient's sum). GB/s
+counts each input and output once.
 """
 import os
 
@@ -69,7 +71,7 @@ def pytest_generate_tests(metafunc):
         dev = metafunc.config.getoption("--bench-device") or ("cuda" if torch.cuda.is_available() else "cpu")
         shapes = SMOKE_SHAPES if smoke else (GPU_SHAPES if dev == "cuda" else CPU_SHAPES)
         metafunc.parametrize("shape", shapes, ids=["x".join(map(str, s)) for s in shapes])
-    for name, table in (("glu_shape", GLU_SHAPES), ("rope_shape", ROPE_SHAPES)):
+    for name, table in (("glu_shape", GLU_SHAPES), ("rope_shape", ROPE_SHAPES), ("gelu_shape", GELU_SHAPES)):
         if name in metafunc.fixturenames:
             smoke = metafunc.config.getoption("--smoke") or os.environ.get("ZEROFUSE_BENCH_SMOKE") == "1"
             dev = metafunc.config.getoption("--bench-device") or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -125,6 +127,7 @@ def bench_linear_cross_entropy_memory(benchmark, device, smoke, provider):
 
 GLU_SHAPES = {"cuda": [(8192, 14336), (16384, 8192)], "cpu": [(2048, 2816)], "smoke": [(64, 96)]}
 ROPE_SHAPES = {"cuda": [(4, 32, 8, 4096, 128)], "cpu": [(2, 16, 4, 512, 128)], "smoke": [(1, 4, 2, 16, 32)]}
+GELU_SHAPES = {"cuda": [(16384, 3072), (8192, 5120)], "cpu": [(2048, 3072)], "smoke": [(64, 96)]}  # gpt2-124m/774m
 
 
 def _torch_glu(gate, up):
@@ -178,3 +181,26 @@ def bench_rotary_embedding(measure, device, provider, rope_shape):
     # forward reads q, k and writes their rotations; backward reads and writes as much
     qk = (q.numel() + k.numel()) * q.element_size()
     measure(run, case=f"rotary/fwd+bwd/{_dtype(device)}/{b}x{hq}x{hkv}x{n}x{d}", provider=provider, bytes_moved=4 * qk)
+
+
+def _torch_bias_gelu(x, b):
+    return F.gelu(x + b, approximate="tanh")
+
+
+@pytest.mark.parametrize("provider", ["torch", "torch_compile", "zerofuse"])
+def bench_bias_gelu(measure, device, provider, gelu_shape):
+    from zerofuse.nn.functional import bias_gelu
+    fn = {"torch": _torch_bias_gelu, "torch_compile": torch.compile(_torch_bias_gelu), "zerofuse": bias_gelu}[provider]
+    rows, hidden = gelu_shape
+    g = torch.Generator().manual_seed(0)
+    x, dy = (torch.randn(rows, hidden, generator=g).to(device, _dtype(device)) for _ in range(2))
+    b = torch.randn(hidden, generator=g).to(device, _dtype(device))
+    x.requires_grad_(), b.requires_grad_()
+
+    def run():
+        return torch.autograd.grad(fn(x, b), (x, b), dy)
+
+    run()
+    # forward reads x and writes y; backward reads dy and x and writes dx (the bias terms are small)
+    measure(run, case=f"bias_gelu/fwd+bwd/{_dtype(device)}/{rows}x{hidden}", provider=provider,
+            bytes_moved=5 * rows * hidden * x.element_size())
