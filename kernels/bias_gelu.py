@@ -26,10 +26,16 @@ from zerofuse.kernels.swiglu import _act_and_grad
 
 
 @triton.jit
-def _bias_gelu_fwd_kernel(X, B, Y, n, N, BLOCK: tl.constexpr, EMULATE_RNE: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    h = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32) + tl.load(B + offs % N, mask=mask, other=0.0).to(tl.float32)
+def _bias_gelu_fwd_kernel(X, B, Y, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EMULATE_RNE: tl.constexpr):
+    # (rows, columns) tiles: the bias read by column (a flat index modulo N would hide the
+    # contiguity the 16-byte accesses need: 2-byte loads in the PTX for sm_90)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    mask = (rows < M)[:, None] & col_mask[None, :]
+    offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+    b = tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)
+    h = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32) + b[None, :]
     y, _ = _act_and_grad(h, True, False)
     tl.store(Y + offs, _cast(y, Y.dtype.element_ty, EMULATE_RNE), mask=mask)
 
@@ -61,13 +67,9 @@ def _bias_gelu_bwd_kernel(
             _sum_all_cols(DB_part, DB, n_parts, N, SUM_P, SUM_N, EMULATE_RNE)
 
 
-def _block() -> int:
-    return 65536 if interpreted() else 1024  # the interpreter's cost is per program
-
-
 @functools.lru_cache(maxsize=None)
 def _bwd_tiles(n: int) -> tuple[int, int]:
-    """(BLOCK_M, BLOCK_N): ~4K elements a step on a GPU, whole rows in the interpreter."""
+    """(BLOCK_M, BLOCK_N) of both kernels: ~4K elements a tile on a GPU, whole rows in the interpreter."""
     block_n = min(next_power_of_2(n), 65536 if interpreted() else 1024)
     return max(1, (65536 if interpreted() else 4096) // block_n), block_n
 
@@ -76,11 +78,12 @@ def _bwd_tiles(n: int) -> tuple[int, int]:
 def bias_gelu_fwd(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """gelu(x + bias) for contiguous x (..., N) and bias (N,)."""
     y = torch.empty_like(x)
-    n = x.numel()
-    if n:
-        block = _block()
-        _bias_gelu_fwd_kernel[(cdiv(n, block),)](x, bias, y, n, x.shape[-1], BLOCK=block, EMULATE_RNE=interpreted(),
-                                                 num_warps=4)
+    n = x.shape[-1]
+    m = x.numel() // n if n else 0
+    if m:
+        block_m, block_n = _bwd_tiles(n)
+        _bias_gelu_fwd_kernel[(cdiv(m, block_m), cdiv(n, block_n))](x, bias, y, m, n, BLOCK_M=block_m, BLOCK_N=block_n,
+                                                                     EMULATE_RNE=interpreted(), num_warps=4)
     return y
 
 

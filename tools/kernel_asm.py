@@ -9,6 +9,7 @@ on a CPU machine by tests/test_optim.py, and shown to a developer by
     python tools/kernel_asm.py --attention   # the attention kernels (tile access widths)
     python tools/kernel_asm.py --norms       # the norms' one-launch backward (atomics, spills)
     python tools/kernel_asm.py --norms-wide  # whole-row vs chunked norms on wide rows (spills)
+    python tools/kernel_asm.py --bias-gelu   # bias + GELU forward and backward (widths, atomics)
 
 which prints one JSON line per kernel variant: {"kernel", "aligned" (null for the small kernels
 that take no alignment promise), "loads": {width: count}, "stores": {...}}. Must run without TRITON_INTERPRET (the interpreter's functions do not compile).
@@ -153,7 +154,7 @@ def norms(arch: int) -> None:
 def _norm_sig(kernel, cx: dict) -> tuple[dict, dict]:
     """A norm kernel's signature as a launch specialises it (bf16 tensors, fp32 statistics and
     partials, pointers and N divisible by 16) and its divisibility attributes."""
-    fp32 = ("Mean", "Rstd", "DW_part", "DB_part", "DR_part", "Terms")
+    fp32 = ("Mean", "Rstd", "DW_part", "DB_part", "DR_part", "Terms")  # (and bias_gelu's DB_part)
     sig = {}
     for name in inspect.signature(kernel.fn).parameters:
         sig[name] = ("constexpr" if name in cx else "i32" if name in ("M", "N", "rows_per_program", "n_parts")
@@ -189,6 +190,29 @@ def norms_wide(arch: int) -> None:
                           "stores": widths(ptx, "st"), **ptxas_info(ptx, arch)}), flush=True)
 
 
+def bias_gelu(arch: int) -> None:
+    """kernels/bias_gelu.py (bf16, 4 x 1024 tiles, 4 warps, pointers and widths divisible by 16): the
+    forward and the backward in one launch and in two, one JSON line each with access widths,
+    atomics and ptxas's registers and spills."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from zerofuse.kernels import bias_gelu as KB
+
+    tiles = dict(BLOCK_M=4, BLOCK_N=1024, EMULATE_RNE=False)
+    cases = [("bias_gelu_fwd", None, KB._bias_gelu_fwd_kernel, tiles)]
+    for one in (True, False):
+        cases.append(("bias_gelu_bwd", one, KB._bias_gelu_bwd_kernel, dict(tiles, ONE_LAUNCH=one, SUM_P=128, SUM_N=32)))
+    for name, one, kernel, cx in cases:
+        sig, attrs = _norm_sig(kernel, cx)
+        ptx = triton.compile(ASTSource(kernel, sig, constexprs=cx, attrs=attrs), target=GPUTarget("cuda", arch, 32),
+                             options={"num_warps": 4}).asm["ptx"]
+        print(json.dumps({"kernel": name, "one_launch": one, "loads": widths(ptx, "ld"), "stores": widths(ptx, "st"),
+                          "atomics": dict(Counter(re.findall(r"atom\.[\w.]+", ptx))), **ptxas_info(ptx, arch)}),
+              flush=True)
+
+
 def widths(ptx: str, op: str) -> dict[str, int]:
     """{"v4.b32": count, "b32": count, ...} of the ld.global / st.global instructions."""
     return dict(Counter(m.group(1) for m in re.finditer(rf"{op}\.global\.((?:v\d\.)?b\d+)", ptx)))
@@ -200,6 +224,7 @@ def main(argv=None) -> int:
     parser.add_argument("--attention", action="store_true", help="the attention kernels instead")
     parser.add_argument("--norms", action="store_true", help="the norms' backward instead")
     parser.add_argument("--norms-wide", action="store_true", help="whole-row vs chunked norms on wide rows")
+    parser.add_argument("--bias-gelu", action="store_true", help="the bias + GELU kernels")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         sys.exit("tools/kernel_asm.py: unset TRITON_INTERPRET (interpreted kernels cannot be compiled)")
@@ -211,6 +236,9 @@ def main(argv=None) -> int:
         return 0
     if args.norms_wide:
         norms_wide(args.arch)
+        return 0
+    if args.bias_gelu:
+        bias_gelu(args.arch)
         return 0
     from zerofuse.kernels import optim as K
 
