@@ -1,7 +1,8 @@
 """Backwards that launch nothing they need not: an output that gets no gradient is not zero-filled
 (the norms' unused h, the fused cross-entropy's lse and gradient outputs), and the cross-entropy
 scales the gradients it made in the forward in one multi-tensor launch. Gradients still equal the
-reference's. On the kernels' path (the interpreter), where the step's launches are counted."""
+reference's. On the kernels' path (the interpreter), where the step's launches are counted; the
+input_bias gradient also on the native CPU path."""
 from __future__ import annotations
 
 import pytest
@@ -12,13 +13,14 @@ from zerofuse import kernels
 from zerofuse.nn.functional import add_layer_norm, linear_cross_entropy
 from zerofuse.train.launches import CountLaunches
 
-pytestmark = pytest.mark.skipif(not kernels.triton_on_cpu(), reason="the kernels' path (interpreter)")
+interp = pytest.mark.skipif(not kernels.triton_on_cpu(), reason="the kernels' path (interpreter)")
 
 
 def _leaves(*ts):
     return [t.detach().clone().requires_grad_() for t in ts]
 
 
+@interp
 @pytest.mark.parametrize("use", ["y", "h", "both"])
 def test_add_layer_norm_backward_zero_fills_no_unused_output(use):
     from zerofuse.kernels import colsum
@@ -44,6 +46,7 @@ def test_add_layer_norm_backward_zero_fills_no_unused_output(use):
             assert_close(a.grad, e.grad, atol=1e-5, rtol=1e-4, msg=name)
 
 
+@interp
 def test_fused_cross_entropy_backward_scales_in_one_launch():
     g = torch.Generator().manual_seed(0)
     hidden, weight = torch.randn(13, 24, generator=g), torch.randn(50, 24, generator=g) * 0.3
@@ -58,6 +61,7 @@ def test_fused_cross_entropy_backward_scales_in_one_launch():
         assert_close(a.grad, e.grad, atol=1e-6, rtol=1e-5)
 
 
+@interp
 @pytest.mark.parametrize("rms", [False, True])
 @pytest.mark.parametrize("compiled", [False, True])
 def test_input_bias_gets_its_gradient_from_the_norm(rms, compiled):
@@ -92,6 +96,7 @@ def test_input_bias_of_the_wrong_shape_is_refused():
         add_layer_norm(x, x, 8, input_bias=torch.randn(7))
 
 
+@interp
 def test_gpt_block_attention_bias_gradient_from_norm2():
     """gpt.Block adds the attention's output bias in its projection and takes its gradient from
     norm2's backward: the same gradients (every param) as the block without the fold, and no sum
@@ -117,3 +122,20 @@ def test_gpt_block_attention_bias_gradient_from_norm2():
         assert_close(grads[True][0][n], want, atol=1e-5, rtol=1e-5, msg=n)
     assert grads[True][1] == grads[False][1] - 1, (grads[True][1], grads[False][1])
     assert len(proj_calls) == 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_input_bias_on_the_cpu_kernels(cpu_kernels, dtype):
+    """The same input_bias gradient on the native CPU path (C++ kernels; float64: torch's), where the
+    norm's backward sums the rows in torch."""
+    g = torch.Generator().manual_seed(0)
+    a, r = (torch.randn(2, 7, 12, generator=g, dtype=dtype) for _ in range(2))
+    b, w = torch.randn(12, dtype=dtype), torch.randn(12, dtype=dtype)
+    dy = torch.randn(2, 7, 12, generator=g, dtype=dtype)
+    ours, ref = _leaves(a, r, b, w), _leaves(a, r, b, w)
+    y, _ = add_layer_norm(ours[0] + ours[2].detach(), ours[1], 12, ours[3], input_bias=ours[2])
+    y.backward(dy)
+    y_ref, _ = add_layer_norm(ref[0] + ref[2], ref[1], 12, ref[3])
+    y_ref.backward(dy)
+    for name, got, want in zip(("input", "residual", "input_bias", "weight"), ours, ref):
+        assert_close(got.grad, want.grad, atol=1e-5, rtol=1e-5, msg=name)
