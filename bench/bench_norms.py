@@ -91,3 +91,37 @@ def bench_norm(measure, device, smoke, norm, dtype, mode, provider, shape):
     run(*(setup() if setup else ()))  # compile / autotune outside the timing
     measure(run, case=f"{norm}/{mode}/{dtype}/{m}x{n}", provider=provider, bytes_moved=_bytes(norm, mode, m, n, dtype),
             setup=setup)
+
+
+# The backward's weight/bias reduction, at GPT-2 shapes, to set colsum.ONE_LAUNCH_FLOATS from a
+# measurement (GPU only: the CPU path has no such choice): "one_launch" (4 programs per SM, every
+# partial summed by the launch's last program), "two_launch" (a quarter of the programs, a second
+# launch sums), "default" (the shipped threshold: 1 MiB of partials in one launch); torch's
+# backward in the same run for scale.
+REDUCTION_SHAPES = [(16384, 768), (16384, 1024), (4096, 1600), (8192, 2048)]
+
+
+@pytest.mark.parametrize("provider", ["torch", "two_launch", "one_launch", "default"])
+@pytest.mark.parametrize("rshape", REDUCTION_SHAPES, ids=[f"{m}x{n}" for m, n in REDUCTION_SHAPES])
+def bench_norm_bwd_reduction(measure, device, monkeypatch, provider, rshape):
+    if device.type != "cuda":
+        pytest.skip("the one-launch reduction is a choice of the Triton path: GPU only")
+    from zerofuse.kernels import colsum
+    m, n = rshape
+    if provider == "two_launch":
+        monkeypatch.setattr(colsum, "ONE_LAUNCH_FLOATS", 0)
+    elif provider == "one_launch":
+        monkeypatch.setattr(colsum, "ONE_LAUNCH_FLOATS", 1 << 24)
+    fn, params = _forward_fn("layer", "torch" if provider == "torch" else "zerofuse", n, torch.bfloat16, device)
+    x = torch.randn(m, n, device=device, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(m, n, device=device, dtype=torch.bfloat16)
+
+    def setup():
+        return (fn(x),)
+
+    def run(y):
+        return torch.autograd.grad(y, [x, *params], dy)
+
+    run(*setup())
+    measure(run, case=f"layer/bwd/reduction/{m}x{n}", provider=provider,
+            bytes_moved=_bytes("layer", "bwd", m, n, torch.bfloat16), setup=setup)
