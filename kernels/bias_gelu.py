@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from zerofuse.kernels import colsum, interpreted
-from zerofuse.kernels.colsum import _arrive, _sum_all_cols
+from zerofuse.kernels.colsum import _last_sums
 from zerofuse.kernels.common import _cast, cdiv, next_power_of_2, sm_count
 from zerofuse.kernels.swiglu import _act_and_grad
 
@@ -63,8 +63,8 @@ def _bias_gelu_bwd_kernel(
         db_acc += tl.sum(dh, axis=0)
     tl.store(DB_part + pid_m * N + cols, db_acc, mask=col_mask)
     if ONE_LAUNCH:
-        if _arrive(Counter, n_parts * tl.num_programs(1)):
-            _sum_all_cols(DB_part, DB, n_parts, N, SUM_P, SUM_N, EMULATE_RNE)
+        _last_sums(Counter, n_parts * tl.num_programs(1), n_parts, N, DB_part, DB, DB_part, DB, DB_part, DB,
+                   True, False, False, SUM_P, SUM_N, EMULATE_RNE)
 
 
 @functools.lru_cache(maxsize=None)

@@ -92,6 +92,20 @@ def _sum_all_cols(P, Out, n_parts, N, BLOCK_P: tl.constexpr, BLOCK_N: tl.constex
 
 
 @triton.jit
+def _last_sums(Counter, arrivals, n_parts, N, P1, O1, P2, O2, P3, O3, HAS1: tl.constexpr, HAS2: tl.constexpr,
+               HAS3: tl.constexpr, SUM_P: tl.constexpr, SUM_N: tl.constexpr, EMULATE_RNE: tl.constexpr):
+    """The end of a one-launch kernel whose programs stored up to three partial arrays (n_parts, N):
+    the last of ``arrivals`` programs sums each present one into its output."""
+    if _arrive(Counter, arrivals):
+        if HAS1:
+            _sum_all_cols(P1, O1, n_parts, N, SUM_P, SUM_N, EMULATE_RNE)
+        if HAS2:
+            _sum_all_cols(P2, O2, n_parts, N, SUM_P, SUM_N, EMULATE_RNE)
+        if HAS3:
+            _sum_all_cols(P3, O3, n_parts, N, SUM_P, SUM_N, EMULATE_RNE)
+
+
+@triton.jit
 def _sum_partials_kernel(P, Out, n_parts, N, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, EMULATE_RNE: tl.constexpr):
     _sum_cols(P, Out, n_parts, N, tl.program_id(0) * BLOCK_N, BLOCK_P, BLOCK_N, EMULATE_RNE)
 

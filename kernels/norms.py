@@ -27,7 +27,7 @@ import triton.language as tl
 
 from zerofuse.kernels import interpreted
 from zerofuse.kernels import colsum, norms_wide
-from zerofuse.kernels.colsum import _arrive, _sum_all_cols
+from zerofuse.kernels.colsum import _last_sums
 from zerofuse.kernels.common import _cast, cdiv, next_power_of_2, sm_count
 
 MAX_HIDDEN = 65536
@@ -123,13 +123,8 @@ def _norm_bwd_kernel(
     if HAS_DR:
         tl.store(DR_part + pid * N + cols, dr_acc, mask=col_mask)
     if ONE_LAUNCH and (HAS_W or HAS_B or HAS_DR):
-        if _arrive(Counter, n_parts):
-            if HAS_W:
-                _sum_all_cols(DW_part, DW, n_parts, N, SUM_P, SUM_N, EMULATE_RNE)
-            if HAS_B:
-                _sum_all_cols(DB_part, DB, n_parts, N, SUM_P, SUM_N, EMULATE_RNE)
-            if HAS_DR:
-                _sum_all_cols(DR_part, DR, n_parts, N, SUM_P, SUM_N, EMULATE_RNE)
+        _last_sums(Counter, n_parts, n_parts, N, DW_part, DW, DB_part, DB, DR_part, DR, HAS_W, HAS_B, HAS_DR,
+                   SUM_P, SUM_N, EMULATE_RNE)
 
 
 @functools.lru_cache(maxsize=None)

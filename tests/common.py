@@ -9,6 +9,22 @@ HAS_CUDA = torch.cuda.is_available()
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
+def kernel_asm(*flags: str) -> list[dict]:
+    """tools/kernel_asm.py's JSON lines (kernels compiled for sm_90 on this machine, outside the
+    interpreter: it runs in a child process without TRITON_INTERPRET)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["ZEROFUSE_TRITON_ON_CPU"] = "0"
+    tool = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "kernel_asm.py")
+    out = subprocess.run([sys.executable, tool, *flags], env=env, check=True, capture_output=True, text=True,
+                         timeout=900).stdout
+    return [json.loads(line) for line in out.splitlines()]
+
+
 def tiny_job_args(tmp_path, *argv):
     """zerofuse-train's checked flags for a tiny in-process job on the CPU (one rank, 2 layers of dim
     32, no evaluation, samples or checkpoints, outputs in tmp_path); argv adds flags or overrides

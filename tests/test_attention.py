@@ -199,17 +199,9 @@ def test_tiles_compile_to_16_byte_accesses_for_an_h100():
     accesses and the k/v tiles by pipelined 16-byte cp.async copies into shared memory, no 2-byte
     load left, in every kernel, causal or not. (head_dim 72 compiles to 2-byte loads: its tile mask
     cannot be proven uniform over 8 elements; correct, not fast: listed in the tool's output.)"""
-    import json
-    import os
-    import subprocess
-    import sys
+    from common import kernel_asm
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["ZEROFUSE_TRITON_ON_CPU"] = "0"
-    tool = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "kernel_asm.py")
-    out = subprocess.run([sys.executable, tool, "--attention"], env=env, check=True, capture_output=True, text=True,
-                         timeout=600).stdout
-    rows = [json.loads(line) for line in out.splitlines()]
+    rows = kernel_asm("--attention")
     assert len(rows) == 12
     for r in rows:
         if r["head_dim"] % 16 == 0:

@@ -165,17 +165,9 @@ def test_kernels_compile_for_an_h100_to_16_byte_accesses():
     """tools/kernel_asm.py --bias-gelu: forward and backward move bf16 tiles in 16-byte accesses (the
     forward once read the bias at a flat index modulo N, which compiled to 2-byte loads), no spills,
     and the one-launch backward draws one acq_rel ticket."""
-    import json
-    import os
-    import subprocess
-    import sys
+    from common import kernel_asm
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["ZEROFUSE_TRITON_ON_CPU"] = "0"
-    tool = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "kernel_asm.py")
-    out = subprocess.run([sys.executable, tool, "--bias-gelu"], env=env, check=True, capture_output=True, text=True,
-                         timeout=600).stdout
-    rows = [json.loads(line) for line in out.splitlines()]
+    rows = kernel_asm("--bias-gelu")
     assert len(rows) == 3
     for r in rows:
         assert "b16" not in r["loads"] and r["loads"].get("v4.b32", 0) > 0 and r["stores"].get("v4.b32", 0) > 0, r

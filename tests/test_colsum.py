@@ -90,17 +90,9 @@ def test_one_launch_backward_compiles_for_an_h100_without_spills():
     """tools/kernel_asm.py --norms compiles the norms' backward for sm_90 on this CPU machine: the
     one-launch kernels draw their ticket by one acq_rel atomic at GPU scope and read the partials
     through L2 (.cg); the two-launch kernel has no atomic; none spills registers."""
-    import json
-    import os
-    import subprocess
-    import sys
+    from common import kernel_asm
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["ZEROFUSE_TRITON_ON_CPU"] = "0"
-    tool = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "kernel_asm.py")
-    out = subprocess.run([sys.executable, tool, "--norms"], env=env, check=True, capture_output=True, text=True,
-                         timeout=600).stdout
-    rows = [json.loads(line) for line in out.splitlines()]
+    rows = kernel_asm("--norms")
     assert len(rows) == 6
     for r in rows:
         assert r["spill_stores"] == 0 and r["spill_loads"] == 0, r

@@ -100,17 +100,9 @@ def test_a_real_wide_row_against_float64(is_rms):
 def test_chunked_kernels_compile_for_an_h100_without_spills():
     """tools/kernel_asm.py --norms: at 16384 / 65536 columns the whole-row backward spills and the
     chunked one does not; the chunked forward does not spill at 65536."""
-    import json
-    import os
-    import subprocess
-    import sys
+    from common import kernel_asm
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["ZEROFUSE_TRITON_ON_CPU"] = "0"
-    tool = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "kernel_asm.py")
-    out = subprocess.run([sys.executable, tool, "--norms-wide"], env=env, check=True, capture_output=True, text=True,
-                         timeout=900).stdout
-    rows = {(r["kernel"], r["n"]): r for r in map(json.loads, out.splitlines())}
+    rows = {(r["kernel"], r["n"]): r for r in kernel_asm("--norms-wide")}
     assert rows[("norm_bwd_whole_row", 16384)]["spill_stores"] > 0  # what the chunked kernels avoid
     for key in (("norm_bwd_chunked", 16384), ("norm_bwd_chunked", 65536), ("norm_fwd_chunked", 65536)):
         assert rows[key]["spill_stores"] == 0 and rows[key]["spill_loads"] == 0, rows[key]

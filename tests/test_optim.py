@@ -5,7 +5,6 @@ Most tests run three ways (the ``path`` fixture): the C++ CPU kernels, the Trito
 interpreter on CPU tensors, and the Triton kernels on CUDA (skipped without a GPU).
 """
 import copy
-import os
 
 import pytest
 import torch
@@ -630,17 +629,11 @@ def test_full_blocks_compile_to_16_byte_accesses_for_an_h100():
     thread); without the alignment promise, none may. A mask against the runtime numel on every
     block made all of them 4-byte accesses (the kernels before this test reached 0.47 of the H100's
     copy bandwidth)."""
-    import json
-    import subprocess
-    import sys
-
     from zerofuse.kernels import optim as K
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["ZEROFUSE_TRITON_ON_CPU"] = "0"
-    out = subprocess.run([sys.executable, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "kernel_asm.py")], env=env, check=True,
-                         capture_output=True, text=True, timeout=600).stdout
-    rows = [json.loads(line) for line in out.splitlines()]
+    from common import kernel_asm
+
+    rows = kernel_asm()
     per_array = K.BLOCK // (32 * K._NUM_WARPS) // 4
     seen = set()
     assert {"segment_sum", "clip"} <= {r["kernel"] for r in rows if r["aligned"] is None}  # they compile

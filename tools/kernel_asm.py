@@ -221,25 +221,18 @@ def widths(ptx: str, op: str) -> dict[str, int]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, default=90, help="compute capability as one number (90: H100)")
-    parser.add_argument("--attention", action="store_true", help="the attention kernels instead")
-    parser.add_argument("--norms", action="store_true", help="the norms' backward instead")
-    parser.add_argument("--norms-wide", action="store_true", help="whole-row vs chunked norms on wide rows")
-    parser.add_argument("--bias-gelu", action="store_true", help="the bias + GELU kernels")
+    modes = {"attention": (attention, "the attention kernels"), "norms": (norms, "the norms' backward"),
+             "norms_wide": (norms_wide, "whole-row vs chunked norms on wide rows"),
+             "bias_gelu": (bias_gelu, "the bias + GELU kernels")}
+    for name, (_, what) in modes.items():
+        parser.add_argument("--" + name.replace("_", "-"), action="store_true", help=f"{what} instead")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         sys.exit("tools/kernel_asm.py: unset TRITON_INTERPRET (interpreted kernels cannot be compiled)")
-    if args.attention:
-        attention(args.arch)
-        return 0
-    if args.norms:
-        norms(args.arch)
-        return 0
-    if args.norms_wide:
-        norms_wide(args.arch)
-        return 0
-    if args.bias_gelu:
-        bias_gelu(args.arch)
-        return 0
+    for name, (run, _) in modes.items():
+        if getattr(args, name):
+            run(args.arch)
+            return 0
     from zerofuse.kernels import optim as K
 
     for name, kernel, constexprs in _variants():

@@ -166,11 +166,10 @@ def _norm_bwd(dy, dh, x, weight, bias, mean, rstd, is_rms, dr_dtype=None):
     of dx, the gradient of a bias its producer added into the input (EagerNorm's input_bias)."""
     n = x.shape[-1]
     w = None if weight is None else weight.contiguous()
-    if _use_triton(x):
+    dr = None
+    if _use_triton(x):  # (the kernel sums dr from dx in fp32)
         dx, dw, db, dr = K.norm_bwd(_contiguous(dy), _contiguous(dh), _contiguous(x), w, bias, mean, rstd, is_rms,
                                     dr_dtype)
-        if dr_dtype is not None:  # (the kernel summed it from dx in fp32)
-            return dx, (dw if dw is not None else _empty(x)), (db if db is not None else _empty(x)), dr
     elif _cpu_kernel(x, dy, dh, w, bias):
         empty = rstd.new_empty(_EMPTY)
         dx, dw, db = torch.ops.zerofuse.norm_bwd_cpu(
@@ -194,7 +193,9 @@ def _norm_bwd(dy, dh, x, weight, bias, mean, rstd, is_rms, dr_dtype=None):
         dx = dx.view(x.shape) if dh is None else dx.view(x.shape) + dh
         db = db.to(bias.dtype) if db is not None else None
     out = dx, (dw if dw is not None else _empty(x)), (db if db is not None else _empty(x))
-    return out if dr_dtype is None else (*out, _row_sum(dx, dr_dtype))
+    if dr_dtype is None:
+        return out
+    return (*out, dr if dr is not None else _row_sum(dx, dr_dtype))
 
 
 def _row_sum(dx, dtype):
