@@ -13,7 +13,7 @@ step (time_vs_zerofuse_adamw_clipped, the like-for-like ratio) and 44/28 = 1.57x
 updates in a scratch buffer and stage 2 reads them back from the last-level cache
 (csrc/cpu/lamb.cpp); on GPUs the one-launch LAMB (provider zerofuse_one_launch) runs each tensor's
 stage 2 right after its stage 1, reading from L2 what fits ([Note: one-launch LAMB] in
-kernels/optim.py), measured slower than the default two-launch form on an H200. A roofline_ratio above 1
+kernels/lamb.py), measured slower than the default two-launch form on an H200. A roofline_ratio above 1
 for LAMB means reuse: the 44 bytes are counted as if all came from memory.
 """
 import statistics
@@ -45,7 +45,7 @@ def _params(device, total):
 
 
 def _optimizer(provider, params):
-    if provider == "zerofuse":
+    if provider in ("zerofuse", "zerofuse_flat_grid"):  # (the grid is set by bench_adamw_step)
         return FusedAdamW(params, lr=1e-3, weight_decay=0.01)
     if provider == "zerofuse_clip":  # the same step with global grad-norm clipping, as LAMB has
         return FusedAdamW(params, lr=1e-3, weight_decay=0.01, max_grad_norm=1.0)
@@ -59,11 +59,20 @@ def _optimizer(provider, params):
     raise ValueError(provider)
 
 
-@pytest.mark.parametrize("provider", ["torch_foreach", "torch_fused", "deepspeed_cpu_adam", "zerofuse", "zerofuse_clip"])
+@pytest.mark.parametrize("provider", ["torch_foreach", "torch_fused", "deepspeed_cpu_adam", "zerofuse", "zerofuse_clip",
+                                      "zerofuse_flat_grid"])
 @pytest.mark.parametrize("size", list(SIZES))
-def bench_adamw_step(measure, device, smoke, size, provider):
+def bench_adamw_step(measure, device, smoke, size, provider, monkeypatch):
+    """zerofuse: the shipped launch (the persistent grid, [Note: persistent grid] in
+    kernels/multi_tensor.py); zerofuse_flat_grid: one program per block (ZEROFUSE_OPTIM_GRID=flat),
+    the form measured on the H100/H200 before; on CPU both are the C++ kernel."""
     if provider == "deepspeed_cpu_adam" and device.type != "cpu":
         pytest.skip("DeepSpeedCPUAdam is a CPU optimizer")
+    from zerofuse.kernels import multi_tensor
+    if provider == "zerofuse_flat_grid":
+        if device.type == "cpu":
+            pytest.skip("the C++ CPU kernel has no grid")
+        monkeypatch.setattr(multi_tensor, "GRID", "flat")
     if size == "100M" and device.type == "cpu" and provider == "torch_foreach" and not smoke:
         pytest.skip("torch's foreach AdamW at 100M parameters: seconds per step on a 2-core CPU")
     params = _params(device, 20_000 if smoke else SIZES[size])
@@ -71,6 +80,30 @@ def bench_adamw_step(measure, device, smoke, size, provider):
     opt.step()  # states allocated outside the timing
     n = sum(p.numel() for p in params)
     measure(opt.step, case=f"adamw/{size}", provider=provider, bytes_moved=(32 if provider == "zerofuse_clip" else 28) * n)
+
+
+@pytest.mark.parametrize("grid", ["persistent", "flat"])
+@pytest.mark.parametrize("warps", [4, 8, 16])
+@pytest.mark.parametrize("block", [1024, 2048, 4096])
+@pytest.mark.parametrize("size", ["10M", "100M"])
+def bench_adamw_block_sweep(measure, device, smoke, size, block, warps, grid, monkeypatch):
+    """The Triton AdamW step (bf16 params with fp32 masters, as zerofuse.zero trains) at each
+    BLOCK x num_warps x grid, to choose multi_tensor.BLOCK, _NUM_WARPS and GRID on a GPU
+    (roofline_ratio at 28 bytes per param: read the bf16 grad and fp32 master, m, v; write those three
+    and the bf16 param). GPU only."""
+    if device.type != "cuda":
+        pytest.skip("a sweep of the Triton kernels' launch configuration: GPU only")
+    from zerofuse.kernels import multi_tensor
+    monkeypatch.setattr(multi_tensor, "BLOCK", block)
+    monkeypatch.setattr(multi_tensor, "_NUM_WARPS", warps)
+    monkeypatch.setattr(multi_tensor, "GRID", grid)
+    params = [torch.nn.Parameter(p.detach().to(torch.bfloat16)) for p in _params(device, 20_000 if smoke else SIZES[size])]
+    for p in params:
+        p.grad = torch.randn_like(p) * 1e-3
+    opt = FusedAdamW(params, lr=1e-3, weight_decay=0.01, master_weights=True)
+    opt.step()
+    n = sum(p.numel() for p in params)
+    measure(opt.step, case=f"adamw_bf16_masters/{size}", provider=f"block{block}_warps{warps}_{grid}", bytes_moved=28 * n)
 
 
 @pytest.mark.parametrize("peer", ["torch_fused", "deepspeed_cpu_adam"])
@@ -127,7 +160,7 @@ class _EagerLAMB:
 def bench_lamb_step(measure, registry, device, smoke, size, provider, benchmark, monkeypatch):
     """zerofuse: stage 1 over every tensor, then stage 2 (two launches per dtype group, the default;
     what ZeRO runs, with an all-reduce between); zerofuse_one_launch: ZEROFUSE_LAMB_ONE_LAUNCH's form
-    ([Note: one-launch LAMB] in kernels/optim.py: stage 2 of a tensor right after its stage 1,
+    ([Note: one-launch LAMB] in kernels/lamb.py: stage 2 of a tensor right after its stage 1,
     reading from L2). On CPU both are the C++ kernel."""
     if size == "100M" and device.type == "cpu" and provider == "torch_eager" and not smoke:
         pytest.skip("eager LAMB at 100M parameters: seconds per step on a 2-core CPU")

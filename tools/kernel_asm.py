@@ -12,7 +12,9 @@ on a CPU machine by tests/test_optim.py, and shown to a developer by
     python tools/kernel_asm.py --bias-gelu   # bias + GELU forward and backward (widths, atomics)
 
 which prints one JSON line per kernel variant: {"kernel", "aligned" (null for the small kernels
-that take no alignment promise), "loads": {width: count}, "stores": {...}}. Must run without TRITON_INTERPRET (the interpreter's functions do not compile).
+that take no alignment promise), "loads": {width: count}, "stores": {...}, "hints": {L1 eviction
+qualifier: count}, "f64" (float64 instructions), and ptxas's "registers", "spill_stores",
+"spill_loads"}. Must run without TRITON_INTERPRET (the interpreter's functions do not compile).
 """
 from __future__ import annotations
 
@@ -45,12 +47,13 @@ def _variants():
                                                    BLOCK_P=1024, **fp32)
     yield "lars", K._lars_kernel, dict(HAS_MASTER=False, HAS_MULT=True, HAS_FOUND=True, EMULATE_RNE=False, **fp32)
     yield "sum_squares", K._sum_squares_kernel, dict(X_TY=tl.float32)
+    yield "steps", K._steps_kernel, dict(B1_AT=1, LR_AT=0, ADVANCE=True, HAS_FOUND=True, BLOCK_K=128)
     # small kernels without an alignment variant (aligned: null in the output): compiled, counted
     yield "segment_sum", K._segment_sum_kernel, dict(HAS_FOUND=True, WIDTH=2, BLOCK_P=1024)
     yield "clip", K._clip_kernel, dict(HAS_SCALE=True, HAS_FOUND=True, TORCH_RULE=True, BLOCK_P=1024)
 
 
-_TYPES = {"META": "*i64", "OWN": "*i32", "SCHED": "*i32", "SYNC": "*i32", "CONSTS": "*fp64", "n": "i32", "nblocks": "i32", "max_norm": "fp32", "eps": "fp32"}
+_TYPES = {"STEPS": "*i64", "k": "i32", "META": "*i64", "OWN": "*i32", "SCHED": "*i32", "SYNC": "*i32", "CONSTS": "*fp64", "n": "i32", "nblocks": "i32", "max_norm": "fp32", "eps": "fp32"}
 
 
 def compile_ptx(kernel, constexprs: dict, arch: int, num_warps: int) -> str:
@@ -214,8 +217,14 @@ def bias_gelu(arch: int) -> None:
 
 
 def widths(ptx: str, op: str) -> dict[str, int]:
-    """{"v4.b32": count, "b32": count, ...} of the ld.global / st.global instructions."""
-    return dict(Counter(m.group(1) for m in re.finditer(rf"{op}\.global\.((?:v\d\.)?b\d+)", ptx)))
+    """{"v4.b32": count, "b32": count, ...} of the ld.global / st.global instructions, with or
+    without cache qualifiers (ld.global.L1::evict_first.L2::cache_hint.v4.b32 counts as v4.b32)."""
+    return dict(Counter(m.group(1) for m in re.finditer(rf"\b{op}\.global(?:\.[\w:]+?)*?\.((?:v\d\.)?b\d+)\b", ptx)))
+
+
+def hints(ptx: str) -> dict[str, int]:
+    """{"evict_first": count, ...}: the L1 eviction qualifiers of global loads and stores."""
+    return dict(Counter(re.findall(r"\b(?:ld|st)\.global[\w.:]*?\.L1::(\w+)", ptx)))
 
 
 def main(argv=None) -> int:
@@ -240,8 +249,9 @@ def main(argv=None) -> int:
         for aligned in aligned_variants:
             more = dict(ALIGNED=aligned, BLOCK=K.BLOCK) if aligned is not None else {}
             ptx = compile_ptx(kernel, dict(constexprs, **more), args.arch, K._NUM_WARPS)
-            print(json.dumps({"kernel": name, "aligned": aligned, "loads": widths(ptx, "ld"),
-                              "stores": widths(ptx, "st")}), flush=True)
+            print(json.dumps({"kernel": name, "aligned": aligned, "loads": widths(ptx, "ld"), "stores": widths(ptx, "st"),
+                              "hints": hints(ptx), "f64": len(re.findall(r"\.f64\b", ptx)), **ptxas_info(ptx, args.arch)}),
+                  flush=True)
     return 0
 
 

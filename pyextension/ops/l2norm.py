@@ -2,7 +2,7 @@
 
 The global gradient norm (clipping, logging, and the inf/NaN check: any inf or NaN makes it
 non-finite) in one pass over all grads; per-tensor norms for LARS. Schema in
-csrc/registration.cpp; CPU kernel csrc/cpu/l2norm.cpp; CUDA kernels/optim.py.
+csrc/registration.cpp; CPU kernel csrc/cpu/l2norm.cpp; CUDA kernels/l2norm.py.
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ Stage 1 advances the step counters, updates the moments and writes, per tensor, 
 sum u^2) into ``norms`` (n, 2); stage 2 applies ``p -= lr * trust * u``. The split lets ZeRO
 all-reduce the sums of a tensor sharded over ranks between the stages; ``lamb_`` runs both (on
 CPU blocked for the cache, so stage 2 reads p, m, v from cache, not memory). Math: zerofuse.reference.lamb_step. Schemas in
-csrc/registration.cpp; CPU kernels csrc/cpu/lamb.cpp; CUDA kernels/optim.py.
+csrc/registration.cpp; CPU kernels csrc/cpu/lamb.cpp; CUDA kernels/lamb.py.
 """
 from __future__ import annotations
 
@@ -94,7 +94,7 @@ def _lamb_triton(params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr, beta1
 def _run(launch, lr, beta1, beta2, eps, weight_decay, bias_correction, trust_mode, min_trust, max_trust, has_master,
          grad_mult, found_inf):
     """Both stages over one launch (stage 2 ignores the grads' row): two kernel launches per dtype
-    group, or one with K.LAMB_ONE_LAUNCH on ([Note: one-launch LAMB] in kernels/optim.py)."""
+    group, or one with K.LAMB_ONE_LAUNCH on ([Note: one-launch LAMB] in kernels/lamb.py)."""
     if K.LAMB_ONE_LAUNCH:
         K.lamb_fused(launch, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
                      bias_correction=bias_correction, trust_mode=trust_mode, min_trust=min_trust, max_trust=max_trust,

@@ -1,0 +1,109 @@
+"""The 2-norm of many tensors (l2norm) and the inputs of a clipped step (clip_inputs: norm, skip
+flag, grad multiplier) in Triton, over the multi-tensor tables of multi_tensor.py: one
+sum-of-squares pass per dtype group (the persistent grid, [Note: persistent grid]) writes a partial
+per block; per-tensor sums (segment_sums) or one single-program kernel (_clip_kernel) add them in a
+fixed order: deterministic, no host sync.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from zerofuse.kernels.multi_tensor import (KEEP, Launch, _blocks, _ld, _next_owner, _ptr, _span,
+                                           _sum_blocks, flag, segment_sums)
+
+
+@triton.jit
+def _sum_squares_kernel(META, OWN, n, nblocks, PART, X_TY: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
+    """PART[b] = the sum of squares of block b (the grads of a clipped step: read again by the
+    step, so left in L2 with the default policy)."""
+    first, stride, t_next = _blocks(OWN, nblocks)
+    for b in range(first, nblocks, stride):
+        t = t_next
+        t_next = _next_owner(OWN, b, stride, nblocks, False)
+        start, numel = _span(META, n, t, b, BLOCK)
+        X = _ptr(META, 3, n, t, X_TY, ALIGNED)
+        offs = start + tl.arange(0, BLOCK)
+        if start + BLOCK <= numel:
+            x = _ld(X, offs, offs < numel, False, KEEP)
+        else:
+            x = _ld(X, offs, offs < numel, True, KEEP)
+        tl.store(PART + b, tl.sum(x * x, axis=0))
+
+
+@triton.jit
+def _clip_kernel(PART, nblocks, OUT, SCALE, FOUND, max_norm, eps, HAS_SCALE: tl.constexpr, HAS_FOUND: tl.constexpr,
+                 TORCH_RULE: tl.constexpr, BLOCK_P: tl.constexpr):
+    """One program: OUT = (norm, found, mult) from the per-block sums of squares of the grads, in
+    a fixed order. norm = sqrt(sum) / scale; found = 1 when norm is not finite or FOUND != 0;
+    mult = (1 / scale) * max_norm / max(norm, max_norm): the grad multiplier of the update; with
+    TORCH_RULE torch.nn.utils.clip_grad_norm_'s coefficient min(max_norm / (norm + eps), 1) instead."""
+    norm = tl.sqrt_rn(_sum_blocks(PART, 0, nblocks, 0, 1, BLOCK_P))
+    inv = tl.full((), 1.0, tl.float32)
+    if HAS_SCALE:
+        inv = tl.div_rn(inv, tl.load(SCALE))
+        norm = norm * inv
+    bad = ~(norm < float("inf"))  # inf or NaN (a NaN compares false)
+    if HAS_FOUND:
+        bad = bad | (tl.load(FOUND) != 0)
+    if TORCH_RULE:
+        clip = tl.minimum(tl.div_rn(tl.full((), 1.0, tl.float32) * max_norm, norm + eps), 1.0)
+    else:
+        clip = tl.div_rn(tl.full((), 1.0, tl.float32) * max_norm, tl.maximum(norm, max_norm))
+    if HAS_SCALE:
+        clip = inv * clip
+    tl.store(OUT, norm)
+    tl.store(OUT + 1, bad.to(tl.float32))
+    tl.store(OUT + 2, clip)
+
+
+def block_sums(launch: Launch) -> tuple[torch.Tensor, list[torch.Tensor], int]:
+    """Per-block sums of squares of every group's tensors of a norm_launch, in one buffer (at least
+    one entry, kept on the launch between calls): (buffer, each group's (blocks, 1) view of it,
+    number of blocks). l2norm sums the views per tensor, clip_inputs the whole buffer."""
+    if launch.block_sum_buf is None:
+        total = sum(table.blocks for table, _, _ in launch.groups)
+        flat = torch.empty(max(1, total), device=launch.device, dtype=torch.float32)
+        views, off = [], 0
+        for table, _, _ in launch.groups:
+            views.append(flat[off:off + table.blocks].view(-1, 1))
+            off += table.blocks
+        launch.block_sum_buf = (flat, views, total)
+    flat, views, total = launch.block_sum_buf
+    for (table, x_ty, _), part in zip(launch.groups, views):
+        if table.blocks:
+            _sum_squares_kernel[(table.programs,)](table.meta, table.own, table.n, table.blocks, part, X_TY=x_ty,
+                                                   ALIGNED=table.aligned, BLOCK=table.block, num_warps=table.warps)
+    return flat, views, total
+
+
+def norm_launch(tensors) -> Launch:
+    """The Launch of l2norm: one group per dtype."""
+    return Launch(tensors, None, [])
+
+
+def l2norm(launch: Launch, per_tensor: bool):
+    """(norm of all, (n,) norms or (0,)), fp32 on the tensors' device."""
+    device = launch.device
+    sums = torch.zeros(launch.n, device=device, dtype=torch.float32)
+    for (table, _, _), part in zip(launch.groups, block_sums(launch)[1]):
+        if table.blocks:
+            segment_sums(table, part, sums, None)
+    total = sums.sum().sqrt()
+    return total, sums.sqrt() if per_tensor else sums.new_empty(0)
+
+
+def clip_inputs(launch: Launch, max_norm: float, grad_scale: torch.Tensor | None,
+                found_inf: torch.Tensor | None, eps: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(grad multiplier, skip flag, norm), 1-element fp32 views on the device: the global norm of
+    the tensors of a norm_launch divided by grad_scale, the flag (norm not finite, or found_inf !=
+    0) and (1 / grad_scale) * max_norm / max(norm, max_norm). One sum-of-squares launch per dtype
+    group and one single-program launch, no host sync."""
+    device = launch.device
+    scale, found = flag(grad_scale, "grad_scale", device), flag(found_inf, "found_inf", device)
+    flat, _, nblocks = block_sums(launch)
+    out = torch.empty(3, device=device, dtype=torch.float32)
+    _clip_kernel[(1,)](flat, nblocks, out, scale, found, float(max_norm), float(eps or 0.0), HAS_SCALE=scale is not None,
+                       HAS_FOUND=found is not None, TORCH_RULE=eps is not None, BLOCK_P=1024, num_warps=4)
+    return out[2:3], out[1:2], out[0:1]
