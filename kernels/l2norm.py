@@ -10,8 +10,32 @@ import torch
 import triton
 import triton.language as tl
 
-from zerofuse.kernels.multi_tensor import (KEEP, Launch, _blocks, _ld, _next_owner, _ptr, _span,
-                                           _sum_blocks, flag, segment_sums)
+from zerofuse.kernels.multi_tensor import KEEP, Launch, _blocks, _go, _ld, _next_owner, _ptr, _span, _Table, flag
+
+
+@triton.jit
+def _sum_blocks(PART, b0, b1, k, WIDTH: tl.constexpr, BLOCK_P: tl.constexpr):
+    """sum of PART[b, k] over the blocks b0 <= b < b1 of one tensor (PART is (blocks, WIDTH)), in a
+    fixed order."""
+    acc = tl.zeros((BLOCK_P,), tl.float32)
+    for s in range(b0, b1, BLOCK_P):
+        idx = s + tl.arange(0, BLOCK_P)
+        acc += tl.load(PART + idx * WIDTH + k, mask=idx < b1, other=0.0)
+    return tl.sum(acc, axis=0)
+
+
+@triton.jit
+def _segment_sum_kernel(META, n, PART, OUT, FOUND, HAS_FOUND: tl.constexpr, WIDTH: tl.constexpr,
+                        BLOCK_P: tl.constexpr):
+    """OUT[index[t], k] = sum of PART[b, k] over the blocks b of tensor t (PART is (blocks, WIDTH));
+    nothing written when found_inf != 0."""
+    t = tl.program_id(0)
+    if _go(FOUND, HAS_FOUND):
+        b0 = tl.load(META + t).to(tl.int32)
+        b1 = tl.load(META + t + 1).to(tl.int32)
+        row = tl.load(META + 2 * (n + 1) + t)
+        for k in tl.static_range(WIDTH):
+            tl.store(OUT + row * WIDTH + k, _sum_blocks(PART, b0, b1, k, WIDTH, BLOCK_P))
 
 
 @triton.jit
@@ -56,6 +80,13 @@ def _clip_kernel(PART, nblocks, OUT, SCALE, FOUND, max_norm, eps, HAS_SCALE: tl.
     tl.store(OUT, norm)
     tl.store(OUT + 1, bad.to(tl.float32))
     tl.store(OUT + 2, clip)
+
+
+def segment_sums(table: _Table, part: torch.Tensor, out: torch.Tensor, found: torch.Tensor | None) -> None:
+    """out[index[t]] = the sums of part's rows over each tensor t's blocks (_segment_sum_kernel)."""
+    if table.n:
+        _segment_sum_kernel[(table.n,)](table.meta, table.n, part, out, found, HAS_FOUND=found is not None,
+                                        WIDTH=part.shape[1], BLOCK_P=1024)
 
 
 def block_sums(launch: Launch) -> tuple[torch.Tensor, list[torch.Tensor], int]:

@@ -8,14 +8,15 @@ leaves p, m and v in L2 for stage 2, which walks the blocks backwards and stream
 from __future__ import annotations
 
 import os
+from collections import OrderedDict
 
 import torch
 import triton
 import triton.language as tl
 
-from zerofuse.kernels.multi_tensor import (KEEP, STREAM, Launch, _blocks, _go, _grad_mult, _ld, _next_owner,
-                                           _ptr, _span, _st, _store_param, _sum_blocks, emulate_rne, flag,
-                                           segment_sums)
+from zerofuse.kernels.l2norm import _sum_blocks, segment_sums
+from zerofuse.kernels.multi_tensor import (KEEP, STREAM, Launch, _blocks, _go, _grad_mult, _kept, _ld,
+                                           _next_owner, _ptr, _span, _st, _store_param, emulate_rne, flag, upload)
 
 # pointer rows as Adam's (kernels/optim.py); consts: beta1, beta2, eps, weight_decay, lr, min_trust, max_trust
 _B1_AT = 0
@@ -229,6 +230,21 @@ def lamb_stage2(launch: Launch, norms: torch.Tensor, *, lr, beta1, beta2, eps, w
             )
 
 
+_SCHEDULES: OrderedDict = OrderedDict()  # the one-launch LAMB's block order, per recent layout
+
+
+def _schedule(numels: tuple, blocks: list[int], device: torch.device) -> torch.Tensor:
+    """Per tensor, its stage-1 blocks, then its stage-2 blocks from last to first (the most recently
+    streamed first: the likeliest in L2); codes 2 * block + stage."""
+    def make():
+        codes = []
+        for a, b in zip(blocks, blocks[1:]):
+            codes += range(2 * a, 2 * b, 2)
+            codes += range(2 * b - 1, 2 * a, -2)
+        return upload(torch.tensor(codes or [0], dtype=torch.int32), device)
+    return _kept(_SCHEDULES, (numels, device), make)
+
+
 def _lamb_one_launch_from_env() -> bool:
     value = os.environ.get("ZEROFUSE_LAMB_ONE_LAUNCH", "0")
     if value not in ("0", "1"):
@@ -270,7 +286,8 @@ def lamb_fused(launch: Launch, *, lr, beta1, beta2, eps, weight_decay, bias_corr
     for g, (table, p_ty, g_ty) in enumerate(launch.groups):
         if table.blocks:
             _lamb_fused_kernel[(2 * table.blocks,)](
-                table.meta, table.own, table.schedule(), consts, table.n, mult, found, launch.part(g, 2), norms,
+                table.meta, table.own, _schedule(table.numels, table.block_starts, device), consts, table.n, mult, found,
+                launch.part(g, 2), norms,
                 launch.sync(g), P_TY=p_ty, G_TY=g_ty, HAS_MASTER=has_master, HAS_MULT=mult is not None,
                 HAS_FOUND=found is not None, BIAS_CORRECTION=bias_correction, PAPER=trust_mode == 0,
                 ALIGNED=table.aligned, BLOCK=table.block, BLOCK_P=1024, EMULATE_RNE=emulate_rne(), num_warps=table.warps,

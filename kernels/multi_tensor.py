@@ -214,31 +214,6 @@ def _steps_kernel(STEPS, k, CONSTS, ROWS, FOUND, B1_AT: tl.constexpr, LR_AT: tl.
         tl.store(ROWS + 4 * i + 3, tl.sqrt(bc2).to(tl.float32), mask=mask)
 
 
-@triton.jit
-def _sum_blocks(PART, b0, b1, k, WIDTH: tl.constexpr, BLOCK_P: tl.constexpr):
-    """sum of PART[b, k] over the blocks b0 <= b < b1 of one tensor (PART is (blocks, WIDTH)), in a
-    fixed order."""
-    acc = tl.zeros((BLOCK_P,), tl.float32)
-    for s in range(b0, b1, BLOCK_P):
-        idx = s + tl.arange(0, BLOCK_P)
-        acc += tl.load(PART + idx * WIDTH + k, mask=idx < b1, other=0.0)
-    return tl.sum(acc, axis=0)
-
-
-@triton.jit
-def _segment_sum_kernel(META, n, PART, OUT, FOUND, HAS_FOUND: tl.constexpr, WIDTH: tl.constexpr,
-                        BLOCK_P: tl.constexpr):
-    """OUT[index[t], k] = sum of PART[b, k] over the blocks b of tensor t (PART is (blocks, WIDTH));
-    nothing written when found_inf != 0."""
-    t = tl.program_id(0)
-    if _go(FOUND, HAS_FOUND):
-        b0 = tl.load(META + t).to(tl.int32)
-        b1 = tl.load(META + t + 1).to(tl.int32)
-        row = tl.load(META + 2 * (n + 1) + t)
-        for k in tl.static_range(WIDTH):
-            tl.store(OUT + row * WIDTH + k, _sum_blocks(PART, b0, b1, k, WIDTH, BLOCK_P))
-
-
 # ------------------------------------------------------------------------------------ host side
 
 
@@ -250,7 +225,6 @@ def _int64_on(values: list[int], device: torch.device) -> torch.Tensor:
 # tables that depend only on a layout (the tensors' sizes) and the device, kept for recent layouts
 _LAYOUTS_KEPT = 64
 _OWNERS: OrderedDict = OrderedDict()  # the block -> tensor map: 4 bytes per block
-_SCHEDULES: OrderedDict = OrderedDict()  # the one-launch LAMB's block order
 
 
 def _kept(cache: OrderedDict, key, make) -> torch.Tensor:
@@ -271,18 +245,6 @@ def _owners(numels: tuple, blocks: list[int], device: torch.device) -> torch.Ten
         counts = torch.tensor([b - a for a, b in zip(blocks, blocks[1:])], dtype=torch.int64)
         return upload(torch.repeat_interleave(torch.arange(len(numels), dtype=torch.int32), counts), device)
     return _kept(_OWNERS, (numels, device), make)
-
-
-def _schedule(numels: tuple, blocks: list[int], device: torch.device) -> torch.Tensor:
-    """Per tensor, its stage-1 blocks, then its stage-2 blocks from last to first (the most recently
-    streamed first: the likeliest in L2); codes 2 * block + stage."""
-    def make():
-        codes = []
-        for a, b in zip(blocks, blocks[1:]):
-            codes += range(2 * a, 2 * b, 2)
-            codes += range(2 * b - 1, 2 * a, -2)
-        return upload(torch.tensor(codes or [0], dtype=torch.int32), device)
-    return _kept(_SCHEDULES, (numels, device), make)
 
 
 class _Table:
@@ -312,10 +274,7 @@ class _Table:
             rows += ptrs + pad
         self.meta = _int64_on(rows, device)
         self.own = _owners(numels, blocks, device)
-        self._numels, self._blocks = numels, blocks
-
-    def schedule(self) -> torch.Tensor:
-        return _schedule(self._numels, self._blocks, self.meta.device)
+        self.numels, self.block_starts = numels, blocks
 
 
 def _groups(params, grads) -> list[list[int]]:
@@ -422,13 +381,6 @@ def _check_steps(steps: Sequence[torch.Tensor], device: torch.device) -> list[to
                                f"(the Triton kernels read step counts on the device), got {s.dtype} "
                                f"{tuple(s.shape)} on {s.device}")
     return list({s.data_ptr(): s for s in steps}.values())
-
-
-def segment_sums(table: _Table, part: torch.Tensor, out: torch.Tensor, found: torch.Tensor | None) -> None:
-    """out[index[t]] = the sums of part's rows over each tensor t's blocks (_segment_sum_kernel)."""
-    if table.n:
-        _segment_sum_kernel[(table.n,)](table.meta, table.n, part, out, found, HAS_FOUND=found is not None,
-                                        WIDTH=part.shape[1], BLOCK_P=1024)
 
 
 def emulate_rne() -> bool:

@@ -12,13 +12,14 @@ import torch
 import triton
 import triton.language as tl
 
-from zerofuse.kernels.l2norm import (_clip_kernel, _sum_squares_kernel, block_sums, clip_inputs, l2norm,  # noqa: F401
-                                     norm_launch)
+from zerofuse.kernels.l2norm import (_clip_kernel, _segment_sum_kernel, _sum_squares_kernel, block_sums,  # noqa: F401
+                                     clip_inputs, l2norm, norm_launch)
 from zerofuse.kernels.lamb import (LAMB_ONE_LAUNCH, _lamb_fused_kernel, _lamb_one_launch_from_env,  # noqa: F401
-                                   _lamb_stage1_kernel, _lamb_stage2_kernel, lamb_fused, lamb_stage1, lamb_stage2)
+                                   _lamb_stage1_kernel, _lamb_stage2_kernel, _schedule, lamb_fused, lamb_stage1,
+                                   lamb_stage2)
 from zerofuse.kernels.multi_tensor import (BLOCK, STREAM, _NUM_WARPS, Launch, _blocks, _go, _grad_mult, _ld,  # noqa: F401
-                                           _next_owner, _ptr, _schedule, _segment_sum_kernel, _span, _st,
-                                           _steps_kernel, _store_param, _Table, emulate_rne, flag)
+                                           _next_owner, _ptr, _span, _st, _steps_kernel, _store_param, _Table,
+                                           emulate_rne, flag)
 
 # ------------------------------------------------------------------------------------ Adam / AdamW
 

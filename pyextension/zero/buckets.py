@@ -210,10 +210,15 @@ class Bucket:
         """Stage 2/3, no gflat yet and not the bucket's last grad: param i's grad stays in its .grad
         (autograd's tensor) until the last one arrives ([Note: bucket buffers]). True if deferred."""
         if self.stage in (2, 3) and self.gflat is None and self.ready < len(self.params):
-            self.deferred[i] = True
-            self._deferred.append(i)
+            self.defer(i)
             return True
         return False
+
+    def defer(self, i: int) -> None:
+        """Param i's grad stays in its .grad until add_deferred."""
+        if not self.deferred[i]:
+            self.deferred[i] = True
+            self._deferred.append(i)
 
     def add_deferred(self, also: int | None = None) -> None:
         """Moves the deferred grads, and param ``also``'s (the one arriving), into gflat (made here)

@@ -22,6 +22,11 @@ for a bucket's buffers and [Note: bucket buffers] for their lifetimes.
   backward order), and it is freed when its last grad is ready. Forward under no_grad frees
   everything after use. A forward re-run inside backward (activation checkpointing) keeps the
   unit gathered.
+
+[Note: a world of one] Over one rank (stages 0-2, no TP/PP/expert groups, no offload) hooks have
+nothing to overlap: none are registered (``hookless``). ``take_grads`` moves the grads autograd left
+in .grad into the units at the next sync point (step, grad norm, full_grads, the end of a no_sync()
+window: accumulation stays in the reduce dtype), with the hooks' copies and adds: the same numbers.
 """
 from __future__ import annotations
 
@@ -37,47 +42,25 @@ from zerofuse.zero.grads import SHARDED, gathered_grads, install_clip_warning
 from zerofuse.zero.layout import bucket_groups, check_same_layout, unit_groups
 from zerofuse.zero.experts import ExpertLayout
 from zerofuse.zero.materialize import Initializer, materialize_rest
-from zerofuse.zero.offload import OFFLOAD_MODES, auto_ratio, host_units
+from zerofuse.zero.offload import auto_ratio, host_units
+from zerofuse.zero.options import PRECISIONS, check_args
 from zerofuse.zero.stage3 import Stage3Hooks
 
-PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-REDUCE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 ALIGN = 128
 
 
 class ZeroEngine(ExpertLayout, Stage3Hooks):
+    HOOKLESS = True  # [Note: a world of one]; False: hooks over one rank too (tests compare the two)
+
     def __init__(self, model, *, stage, group, precision, reduce_dtype, bucket_mb, overlap, prefetch, wrap,
                  reshard_after_forward=True, tp_group=None, max_inflight=2, device=None, param_init_fn=None,
                  pp_group=None, expert_group=None, offload=None, offload_ratio=1.0):
         name = "zerofuse.zero.parallelize"
-        if offload not in OFFLOAD_MODES:
-            raise ValueError(f"{name}: expected offload None, 'optimizer' or 'optimizer+params', got {offload!r}")
-        if offload == "optimizer+params" and stage != 3:
-            raise ValueError(f"{name}: offload='optimizer+params' keeps the param shards in host memory: expected "
-                             f"stage 3, got {stage}")
+        check_args(name, stage=stage, precision=precision, reduce_dtype=reduce_dtype, bucket_mb=bucket_mb,
+                   prefetch=prefetch, max_inflight=max_inflight, param_init_fn=param_init_fn, offload=offload,
+                   offload_ratio=offload_ratio)
         auto = offload_ratio == "auto"
-        if not (auto or isinstance(offload_ratio, (int, float)) and 0.0 <= offload_ratio <= 1.0):
-            raise ValueError(f"{name}: expected offload_ratio in [0, 1] or 'auto', got {offload_ratio!r}")
-        if (auto or offload_ratio < 1.0) and offload != "optimizer":
-            raise ValueError(f"{name}: offload_ratio < 1 splits the optimizer step between host and device: expected "
-                             f"offload='optimizer', got {offload!r}")
         self.offload = offload
-        if stage not in (0, 1, 2, 3):
-            raise ValueError(f"{name}: expected stage 0, 1, 2 or 3, got {stage!r}")
-        if precision not in PRECISIONS:
-            raise ValueError(f"{name}: expected precision 'fp32', 'bf16' or 'fp16', got {precision!r}")
-        if reduce_dtype is not None and reduce_dtype not in REDUCE_DTYPES:
-            raise ValueError(f"{name}: expected reduce_dtype None, torch.float32, torch.bfloat16 or torch.float16, got "
-                             f"{reduce_dtype!r}")
-        if not bucket_mb > 0:
-            raise ValueError(f"{name}: expected bucket_mb > 0, got {bucket_mb}")
-        if not isinstance(prefetch, int) or prefetch < 0:
-            raise ValueError(f"{name}: expected prefetch to be an int >= 0, got {prefetch!r}")
-        if not isinstance(max_inflight, int) or isinstance(max_inflight, bool) or max_inflight < 1:
-            raise ValueError(f"{name}: expected max_inflight to be an int >= 1, got {max_inflight!r}")
-        if param_init_fn is not None and not callable(param_init_fn):
-            raise TypeError(f"{name}: expected param_init_fn to be None or a callable(module), got "
-                            f"{type(param_init_fn).__name__}")
         if getattr(model, "_zerofuse_zero", None) is not None:
             raise ValueError(f"{name}: the model is already parallelized")
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -169,8 +152,13 @@ class ZeroEngine(ExpertLayout, Stage3Hooks):
         self._hooks = []
         self._fwd_order: list[Bucket] = []
         self._last_order: list[Bucket] = [self.wrap_units[id(m)] for m in self._wrap_mods] if stage == 3 else []
+        # [Note: a world of one]: nothing to overlap, so no grad hooks; the grads are taken at sync points
+        self.hookless = (self.HOOKLESS and stage != 3 and self.world_size == 1 and offload is None and self.tp_comm is None
+                         and self.pp_comm is None and self.edp_comm is None
+                         and all(u.comm is None for u in self.units))
         for p in self.params:
-            self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_ready))
+            if not self.hookless:
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_ready))
             setattr(p, SHARDED, True)
         install_clip_warning()
         if stage == 3:
@@ -227,6 +215,10 @@ class ZeroEngine(ExpertLayout, Stage3Hooks):
                 unit.free()
 
     def _end_of_backward(self) -> None:
+        """Autograd's callback at the end of a hooked backward."""
+        self._close_backward()
+
+    def _close_backward(self) -> None:
         for u in self.units:  # buckets with params that got no grad
             u.add_deferred()
         self._final_queued = False
@@ -254,7 +246,23 @@ class ZeroEngine(ExpertLayout, Stage3Hooks):
             self._grad_ready(p)
 
     def finish_grad_sync(self) -> None:
+        if self.hookless:
+            self.take_grads()
         self.buckets.finish_grad_sync()
+
+    def take_grads(self) -> None:
+        """[Note: a world of one] The grads in .grad taken into the units as one backward's (per
+        unit one zerofuse::flatten_into of the empty regions, adds for the others), .grad dropped."""
+        pending = False
+        for p in self.params:
+            if p.grad is not None:
+                unit, i = self.unit_of[id(p)]
+                unit.defer(i)
+                unit.ready += 1
+                pending = True
+        if pending:
+            self._final_queued = True  # ended here, not by an autograd callback
+            self._close_backward()
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -263,12 +271,14 @@ class ZeroEngine(ExpertLayout, Stage3Hooks):
         prev, self.sync_grads = self.sync_grads, False
         try:
             yield
+            if self.hookless:  # this window's grads into the (reduce dtype) buffers before the next one
+                self.take_grads()
         finally:
             self.sync_grads = prev
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Forget the grads: set_to_none=True frees the grad shards (nothing held between steps),
-        False fills them with zeros (as torch's zero_grad)."""
+        """Forget the grads (also those a hookless engine left in .grad): set_to_none=True frees the
+        grad shards (nothing held between steps), False fills them with zeros (as torch's)."""
         self.buckets.finish_grad_sync()
         for u in self.units:
             u.zero_grad(set_to_none)

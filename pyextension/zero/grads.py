@@ -46,7 +46,7 @@ def gathered_grads(eng):
     """Every param's full, reduced gradient as its ``.grad`` inside the block (gathered from the
     ranks' shards on entry, dropped on exit); in-place changes to a ``.grad`` (a user's own
     clipping) are written back into this rank's shard. Collective: every rank enters."""
-    eng.buckets.finish_grad_sync()
+    eng.finish_grad_sync()
     held = []  # (bucket, full grad buffer, grads handed out with their versions)
     for u in eng.units:
         if not u.has_grad():

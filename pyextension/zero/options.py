@@ -1,5 +1,6 @@
-"""zerofuse.zero.Optimizer's options: the optimizers it runs, their defaults and state keys, and
-the checks of hyperparameters and loss-scaler settings (before anything is built)."""
+"""zerofuse.zero's options: zerofuse.zero.Optimizer's optimizers, their defaults and state keys,
+the checks of hyperparameters and loss-scaler settings, and the checks of parallelize's arguments
+(before anything is built)."""
 from __future__ import annotations
 
 import torch
@@ -7,6 +8,8 @@ import torch
 from zerofuse.ops.lamb import TRUST_MODES
 
 NAME = "zerofuse.zero.Optimizer"
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+REDUCE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 DEFAULTS = {
     "adamw": dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2),
@@ -56,3 +59,38 @@ def check_scaler(initial_scale, growth_factor, backoff_factor, growth_interval) 
             ("growth_interval", growth_interval, int_interval and growth_interval >= 1, "an int >= 1")):
         if not ok:
             raise ValueError(f"{NAME}: expected {arg} {want}, got {value!r}")
+
+
+def check_args(name, *, stage, precision, reduce_dtype, bucket_mb, prefetch, max_inflight, param_init_fn, offload,
+               offload_ratio) -> None:
+    """parallelize's arguments, checked before anything is built (each error names the argument,
+    the expectation and the value)."""
+    from zerofuse.zero.offload import OFFLOAD_MODES  # (offload.py imports this module)
+
+    if offload not in OFFLOAD_MODES:
+        raise ValueError(f"{name}: expected offload None, 'optimizer' or 'optimizer+params', got {offload!r}")
+    if offload == "optimizer+params" and stage != 3:
+        raise ValueError(f"{name}: offload='optimizer+params' keeps the param shards in host memory: expected "
+                         f"stage 3, got {stage}")
+    auto = offload_ratio == "auto"
+    if not (auto or isinstance(offload_ratio, (int, float)) and 0.0 <= offload_ratio <= 1.0):
+        raise ValueError(f"{name}: expected offload_ratio in [0, 1] or 'auto', got {offload_ratio!r}")
+    if (auto or offload_ratio < 1.0) and offload != "optimizer":
+        raise ValueError(f"{name}: offload_ratio < 1 splits the optimizer step between host and device: expected "
+                         f"offload='optimizer', got {offload!r}")
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"{name}: expected stage 0, 1, 2 or 3, got {stage!r}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"{name}: expected precision 'fp32', 'bf16' or 'fp16', got {precision!r}")
+    if reduce_dtype is not None and reduce_dtype not in REDUCE_DTYPES:
+        raise ValueError(f"{name}: expected reduce_dtype None, torch.float32, torch.bfloat16 or torch.float16, got "
+                         f"{reduce_dtype!r}")
+    if not bucket_mb > 0:
+        raise ValueError(f"{name}: expected bucket_mb > 0, got {bucket_mb}")
+    if not isinstance(prefetch, int) or prefetch < 0:
+        raise ValueError(f"{name}: expected prefetch to be an int >= 0, got {prefetch!r}")
+    if not isinstance(max_inflight, int) or isinstance(max_inflight, bool) or max_inflight < 1:
+        raise ValueError(f"{name}: expected max_inflight to be an int >= 1, got {max_inflight!r}")
+    if param_init_fn is not None and not callable(param_init_fn):
+        raise TypeError(f"{name}: expected param_init_fn to be None or a callable(module), got "
+                        f"{type(param_init_fn).__name__}")

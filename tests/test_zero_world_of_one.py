@@ -1,0 +1,58 @@
+"""ZeRO over one rank without hooks ([Note: a world of one] in zerofuse/zero/engine.py): the grads
+autograd leaves in .grad are taken at the step (or at the end of a no_sync window), and training
+is bit for bit the hooked engine's."""
+import pytest
+import torch
+
+from zerofuse import zero
+from zerofuse.models import GPT, GPTConfig
+from zerofuse.zero.engine import ZeroEngine
+
+
+def _train(hookless, stage, precision, monkeypatch, accum=2, steps=3):
+    monkeypatch.setattr(ZeroEngine, "HOOKLESS", hookless)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=61, seq_len=16, n_layer=2, n_head=2, dim=32), seed=0)
+    zm = zero.parallelize(model, stage=stage, precision=precision, bucket_mb=0.02)
+    eng = zm._zerofuse_zero
+    assert eng.hookless == hookless
+    assert any(p._post_accumulate_grad_hooks for p in zm.parameters()) != hookless
+    opt = zero.Optimizer(zm, "adamw", lr=1e-2, weight_decay=0.1, max_grad_norm=0.5)
+    g = torch.Generator().manual_seed(1)
+    norms = []
+    for _ in range(steps):
+        for i in range(accum):
+            x = torch.randint(0, 61, (2, 16), generator=g)
+            with zm.no_sync() if i < accum - 1 else torch.enable_grad():
+                zm(x, x)[1].backward()
+        opt.step()
+        norms.append(opt.last_grad_norm.clone())
+        opt.zero_grad()
+    x = torch.randint(0, 61, (2, 16), generator=g)
+    zm(x, x)[1].backward()  # grads left for full_grads to take
+    with zero.full_grads(zm):
+        grads = [p.grad.clone() for p in zm.parameters()]
+    return [p.detach().clone() for p in zm.parameters()], grads, norms, len(eng.units)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_hookless_training_equals_the_hooked_engine_bit_for_bit(stage, precision, monkeypatch, world_of_one):
+    """Grad accumulation over a no_sync window (added in the reduce dtype, fp32 under bf16), clipping
+    by the global norm, several buckets, full_grads after a backward: the same bits either way. A
+    hookless engine that took the window's grads only at the step would accumulate bf16 grads in
+    bf16 (autograd's .grad) and differ; one that never took them would train on zeros."""
+    ours = _train(True, stage, precision, monkeypatch)
+    theirs = _train(False, stage, precision, monkeypatch)
+    assert ours[3] > 1  # several buckets
+    for a, b in zip(ours[0] + ours[1] + ours[2], theirs[0] + theirs[1] + theirs[2]):
+        assert torch.equal(a, b)
+
+
+def test_a_world_of_one_with_offload_or_stage_3_keeps_its_hooks(world_of_one):
+    """Where the hooks do work over one rank too (stage 3's gathers and frees, offload's host steps
+    during backward), the engine keeps them."""
+    for kw in (dict(stage=3), dict(stage=2, offload="optimizer")):
+        model = GPT(GPTConfig(vocab_size=61, seq_len=16, n_layer=1, n_head=2, dim=32), seed=0)
+        eng = zero.parallelize(model, **kw)._zerofuse_zero
+        assert not eng.hookless and all(p._post_accumulate_grad_hooks for p in model.parameters()), kw
