@@ -190,13 +190,34 @@ def _tuned(kernel, key):
 _attn_fwd_tuned = _tuned(_attn_fwd_kernel, ["Nq", "Nk", "D", "CAUSAL"])
 
 
-def _launch(kernel, tuned, grid, *args, **consts):
-    """The interpreter: the fixed INTERPRETER_BLOCKS; a GPU: the autotuned kernel."""
+def length_class(n: int) -> int:
+    """The sequence-length bucket a tuned tile config is kept for: the next power of 2, at least 64."""
+    return max(64, next_power_of_2(n))
+
+
+# [Note: tuned configs by length class] triton.autotune keys on the exact lengths: every new
+# sequence length (an eval batch, a packed batch, inference) benchmarked all GPU_CONFIGS again
+# (7 configs x ~100 runs), and its run() built three dicts per call (~8 us of host time per launch
+# on the H200's host). The config it picks is kept here per (kernel, length classes, D, causal,
+# dtype): a length of a class seen before launches the JIT kernel with that config directly. Any
+# config is correct at any length (the tails are masked); only the speed may differ within a class.
+_CHOSEN: dict = {}
+
+
+def _launch(kernel, tuned, grid, *args, tune_key: tuple = (), **consts):
+    """The interpreter: the fixed INTERPRETER_BLOCKS; a GPU: the config chosen for tune_key (the
+    length classes, D, causal, dtype), autotuned on its first call ([Note: tuned configs by length class])."""
     if interpreted():
         bm, bn = INTERPRETER_BLOCKS
         kernel[grid({"BLOCK_M": bm, "BLOCK_N": bn})](*args, BLOCK_M=bm, BLOCK_N=bn, UPCAST=True, num_warps=4, **consts)
-    else:
-        tuned[grid](*args, UPCAST=False, **consts)
+        return
+    key = (kernel, *tune_key)
+    meta = _CHOSEN.get(key)
+    if meta is None:
+        tuned[grid](*args, UPCAST=False, **consts)  # benchmarks the configs, launches the best
+        _CHOSEN[key] = tuned.best_config.all_kwargs()  # (BLOCK_M, BLOCK_N, num_warps, num_stages, ...)
+        return
+    kernel[grid(meta)](*args, UPCAST=False, **meta, **consts)
 
 
 def check_like_query(q, k, v, fn: str) -> None:
@@ -276,7 +297,8 @@ def attention_fwd(q, k, v, causal: bool, scale: float, out=None):
     lse = torch.empty((b, hq, nq), device=q.device, dtype=torch.float32)
     _launch(_attn_fwd_kernel, _attn_fwd_tuned, lambda meta: (cdiv(nq, meta["BLOCK_M"]), hq, b),
             q, k, v, out, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
-            hq, hq // hkv, nq, nk, d, scale * LOG2E, CAUSAL=causal, BLOCK_D=_block_d(d))
+            hq, hq // hkv, nq, nk, d, scale * LOG2E, CAUSAL=causal, BLOCK_D=_block_d(d),
+            tune_key=(length_class(nq), length_class(nk), d, causal, q.dtype))
     if given is not None and given is not out:
         given.copy_(out)
         out = given

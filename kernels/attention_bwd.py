@@ -10,7 +10,8 @@ import triton
 import triton.language as tl
 
 from zerofuse.kernels.attention import (_block_d, _check_grid, _dot, _heads, _key_tile, _launch,
-                                        _query_block, _query_pid, _rows, _tileable, _tuned, _unmasked_end, _writable)
+                                        _query_block, _query_pid, _rows, _tileable, _tuned, _unmasked_end, _writable,
+                                        length_class)
 from zerofuse.kernels.common import cdiv
 
 
@@ -140,12 +141,13 @@ def attention_bwd(dout, q, k, v, out, lse, causal: bool, scale: float, dq=None, 
     dq, dk, dv = (t if t is not None else torch.empty(like.shape, device=like.device, dtype=like.dtype)
                   for t, like in zip(outs, (q, k, v)))
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3])
+    tune_key = (length_class(nq), length_class(nk), d, causal, q.dtype)
     _launch(_attn_bwd_dq_kernel, _attn_bwd_dq_tuned, lambda meta: (cdiv(nq, meta["BLOCK_M"]), hq, b),
             q, k, v, dout, out, lse, delta, dq, *strides, *out.stride()[:3], *dq.stride()[:3], hq, hq // hkv, nq, nk,
-            d, scale, CAUSAL=causal, BLOCK_D=bd)
+            d, scale, CAUSAL=causal, BLOCK_D=bd, tune_key=tune_key)
     _launch(_attn_bwd_dkdv_kernel, _attn_bwd_dkdv_tuned, lambda meta: (cdiv(nk, meta["BLOCK_N"]), hkv, b),
             q, k, v, dout, lse, delta, dk, dv, *strides, *dk.stride()[:3], *dv.stride()[:3], hq, hkv, hq // hkv,
-            nq, nk, d, scale, CAUSAL=causal, BLOCK_D=bd)
+            nq, nk, d, scale, CAUSAL=causal, BLOCK_D=bd, tune_key=tune_key)
     res = [dq, dk, dv]
     for i, (g, o) in enumerate(zip(given, outs)):
         if g is not None and o is None:  # given but not writable in place: copied in

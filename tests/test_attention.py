@@ -207,3 +207,43 @@ def test_tiles_compile_to_16_byte_accesses_for_an_h100():
         if r["head_dim"] % 16 == 0:
             assert "b16" not in r["loads"] and "b16" not in r["stores"], r
             assert r["async_copies"].get("16B", 0) > 0 and r["stores"].get("v4.b32", 0) > 0, r
+
+
+def test_a_new_length_of_a_seen_class_launches_the_chosen_config_without_tuning(monkeypatch):
+    """[Note: tuned configs by length class] in kernels/attention.py, with the GPU path's kernel and
+    autotuner replaced by recorders: the first length of a class is autotuned (once per kernel),
+    a later length of the same class (1000 -> 1020: both 1024) launches the JIT kernel with the
+    config the tuner chose, a length of another class (1025: 2048), another head_dim or the other
+    causality is tuned again."""
+    from zerofuse.kernels import attention as A
+
+    calls = []
+
+    class Recorder:
+        def __init__(self, name):
+            self.name = name
+            self.best_config = type("Cfg", (), {"all_kwargs": lambda self: {"BLOCK_M": 64, "BLOCK_N": 32,
+                                                                            "num_warps": 4, "num_stages": 3}})()
+
+        def __getitem__(self, grid):
+            # the JIT kernel gets its grid evaluated; the tuner a function of each config's meta
+            return lambda *args, **kw: calls.append((self.name, grid if isinstance(grid, tuple) else None, kw))
+
+    kernel, tuned = Recorder("jit"), Recorder("tuner")
+    monkeypatch.setattr(A, "interpreted", lambda: False)
+    monkeypatch.setattr(A, "_CHOSEN", {})
+    q = torch.empty(1, 2, 4, 64, dtype=torch.bfloat16)  # (the launcher only reads its dtype)
+
+    def launch(n, d=64, causal=True):
+        A._launch(kernel, tuned, lambda meta: (-(-n // meta["BLOCK_M"]), 2, 1), "args", CAUSAL=causal, BLOCK_D=d,
+                  tune_key=(A.length_class(n), A.length_class(n), d, causal, q.dtype))
+        return calls[-1]
+
+    assert launch(1000)[0] == "tuner"
+    name, grid, kw = launch(1020)
+    assert name == "jit" and grid == (16, 2, 1) and kw == {"UPCAST": False, "BLOCK_M": 64, "BLOCK_N": 32,
+                                                          "num_warps": 4, "num_stages": 3, "CAUSAL": True,
+                                                          "BLOCK_D": 64}
+    assert launch(1025)[0] == "tuner" and launch(2048)[0] == "jit"
+    assert launch(1000, d=128)[0] == "tuner" and launch(1000, causal=False)[0] == "tuner"
+    assert [A.length_class(n) for n in (1, 64, 65, 97, 1024, 1025)] == [64, 64, 128, 128, 1024, 2048]
