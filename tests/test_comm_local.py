@@ -172,6 +172,7 @@ def _zero_steps(rank, world_size, stage):
     for _ in range(4):
         x, y = torch.randn(8, 13, generator=g), torch.randn(8, 5, generator=g)
         torch.nn.functional.mse_loss(zm(x), y).backward()
+        eng.finish_grad_sync()  # over one rank the grads are taken at a sync point ([Note: a world of one])
         if stage in (0, 2):  # the reduced gflat became the grad itself: no copy into another buffer
             assert {u.index: u.gshard.data_ptr() for u in eng.units} == reduced, stage
             # ... and the same buffer every step (kept between steps: the optimizer's tables stay valid)

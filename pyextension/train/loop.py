@@ -1,10 +1,8 @@
-"""One rank of the training job: build the model, (resume,) train, evaluate, checkpoint, sample."""
+"""One rank of the training job: (build.py builds it,) train, evaluate, checkpoint, sample."""
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
-import os
 import resource
 import signal
 import time
@@ -12,24 +10,8 @@ from pathlib import Path
 
 import torch
 
-from .cli import PROG
-from .data import Corpus, Sampler
-from .launch import _die_with_parent, _init_distributed, _StopFlag
-from .metrics import StepMetrics, StopVote
-from .report import RankZeroLog
-
-
-def lr_lambda(args):
-    """Multiplier of --lr at a step: linear warmup, then cosine decay to --min-lr at --steps."""
-    floor = args.min_lr / args.lr
-
-    def f(step: int) -> float:
-        if step < args.warmup:
-            return (step + 1) / args.warmup
-        progress = min(1.0, (step - args.warmup) / max(1, args.steps - args.warmup))
-        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return f
+from . import build
+from .build import lr_lambda  # noqa: F401  (zerofuse.train.lr_lambda)
 
 
 class Trainer:
@@ -41,111 +23,7 @@ class Trainer:
     # ------------------------------------------------------------------ setup
 
     def _setup(self) -> None:
-        import torch.distributed as dist
-        import zerofuse  # noqa: F401  (loads the extension before the model)
-        from zerofuse import zero
-        from zerofuse.models import GPT, config
-        from zerofuse.parallel import init_mesh
-        from . import T0  # measured when the package was imported
-
-        args = self.args
-        self.t_start = float(os.environ.get("ZEROFUSE_TRAIN_T0", T0))
-        _die_with_parent()
-        self.stop = _StopFlag()
-        self.device = _init_distributed(args, self.env)
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.mesh = init_mesh(dp=args.dp, tp=args.tp, pp=args.pp, ep=args.ep)
-        self.corpus = Corpus.load(args.data, args.tokenizer, args.val_data)
-        # a character vocabulary is not padded for tp (the vocab-parallel layers split an uneven one),
-        # so the model and its checkpoints are the same at every tp; GPT-2's is padded to 50304
-        self.cfg = config(args.model_name, **{**args.model_shape, "vocab_size": self.corpus.model_vocab})
-        kw = {"tp_group": self.mesh.tp_group, "sequence_parallel": args.sequence_parallel} if args.tp > 1 else {}
-        if self.cfg.moe_experts:
-            kw.update(ep_group=self.mesh.ep_group, edp_group=self.mesh.edp_group, dp_group=self.mesh.dp_group)
-        self.pp = None
-        if args.zero_stage == 3 or args.pp > 1:  # built on meta: never whole on a rank
-            with torch.device("meta"):
-                model = GPT(self.cfg, seed=args.seed, **kw)
-        else:
-            model = GPT(self.cfg, seed=args.seed, **kw).to(self.device)
-        model.activation_checkpointing = args.activation_checkpointing
-        model.activation_offload = args.activation_offload
-        self.n_params = model.num_params()  # unsharded
-        self.n_active_params = model.num_params(active=True)
-        if args.pp > 1:  # this rank's stages only, ZeRO over the stage's DP group (train/pipeline.py)
-            from .pipeline import PipelineJob
-            self.pp = PipelineJob(self, model)
-            self.model = self.pp.module
-        else:
-            self.model = zero.parallelize(model, stage=args.zero_stage, group=self.mesh.dp_group,
-                                          precision=args.precision, device=self.device,
-                                          offload=None if args.offload == "none" else args.offload,
-                                          **({"offload_ratio": args.offload_ratio} if args.offload != "none" else {}))
-        self.compiled = None
-        if args.compile:  # the whole model where ZeRO has no forward hooks (a world of one), else each block
-            if self.world == 1 and args.zero_stage != 3:
-                self.model.compile()
-                self.compiled = "the whole model"
-            else:
-                blocks = self.model.blocks
-                for block in (blocks.values() if isinstance(blocks, torch.nn.ModuleDict) else blocks):
-                    block.forward = torch.compile(block.forward)
-                self.compiled = "each transformer block"
-        self.opt = zero.Optimizer(self.model, args.optimizer, param_groups=self._param_groups(),
-                                  max_grad_norm=args.clip or None, **self._hyper(),
-                                  delayed_update=args.offload_delayed_update is not None,
-                                  delayed_update_warmup=args.offload_delayed_update or 0)
-        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(args))
-        from .graphs import StepGraph, reason_not
-        self.graphs_off = "--no-cuda-graphs" if args.cuda_graphs is False else reason_not(self)
-        self.graphs = StepGraph(self) if self.graphs_off is None else None
-        seq = self.cfg.seq_len
-        self.train_data = Sampler(self.corpus.train, seq, args.batch, args.grad_accum, args.dp, self.mesh.dp_rank,
-                                  args.seed)
-        self.val_data = Sampler(self.corpus.val, seq, args.batch, 1, 1, 0, args.seed)
-        self.out = Path(args.out)
-        self.ckpt = self.out / "ckpt"
-        self.step = self._resume() if args.resume else 0
-        self.start_step = self.step
-        self.memory = None
-        self.launches = None  # counted at the second step (train/launches.py)
-        self.stopped = 0  # the signal every rank agreed to stop on
-        self.log_every = args.log_every or max(1, args.steps // 20)
-        tokens = args.dp * args.batch * args.grad_accum * seq
-        self.metrics = StepMetrics(self.device, self.world, tokens)
-        self.vote = StopVote(self.world, self.device)
-        self.moe = None
-        self._a2a_last, self._a2a_bytes_last = 0.0, 0  # the all-to-all counters at the last log point
-        if self.cfg.moe_experts:
-            from zerofuse.models.moe import Stats
-            self.moe = Stats(self.model.moe_layers)
-        self.log = RankZeroLog(self) if self.rank == 0 else None
-
-    def _param_groups(self):
-        decay = [p for p in self.model.parameters() if p.requires_grad and p.dim() >= 2]
-        other = [p for p in self.model.parameters() if p.requires_grad and p.dim() < 2]
-        groups = [{"params": decay}]
-        if other:
-            groups.append({"params": other, "weight_decay": 0.0})
-        return groups
-
-    def _hyper(self) -> dict:
-        args = self.args
-        kw = dict(lr=args.lr, weight_decay=args.weight_decay)
-        if args.optimizer in ("adamw", "lamb"):
-            kw["betas"] = (0.9, 0.95)
-        return kw
-
-    def _resume(self) -> int:
-        from zerofuse import checkpoint
-        extra = checkpoint.load(str(self.ckpt), self.model, self.opt)
-        if extra["tokenizer"] != self.corpus.identity():
-            raise ValueError(f"{PROG}: --resume: the checkpoint at {self.ckpt} was trained on a different vocabulary "
-                             f"({extra['tokenizer']['kind']} tokenizer) than --data {self.args.data}")
-        self.sched.load_state_dict(extra["scheduler"])
-        for g, lr in zip(self.opt.param_groups, self.sched.get_last_lr()):
-            g["lr"] = lr
-        return int(extra["step"])
+        build.setup(self)
 
     # ------------------------------------------------------------------ steps
 

@@ -153,8 +153,8 @@ class ZeroEngine(ExpertLayout, Stage3Hooks):
         self._fwd_order: list[Bucket] = []
         self._last_order: list[Bucket] = [self.wrap_units[id(m)] for m in self._wrap_mods] if stage == 3 else []
         # [Note: a world of one]: nothing to overlap, so no grad hooks; the grads are taken at sync points
-        self.hookless = (self.HOOKLESS and stage != 3 and self.world_size == 1 and offload is None and self.tp_comm is None
-                         and self.pp_comm is None and self.edp_comm is None
+        self.hookless = (self.HOOKLESS and stage != 3 and self.world_size == 1 and offload is None
+                         and self.tp_comm is None and self.pp_comm is None and self.edp_comm is None
                          and all(u.comm is None for u in self.units))
         for p in self.params:
             if not self.hookless:

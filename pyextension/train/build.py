@@ -1,0 +1,142 @@
+"""What one rank of the training job builds before its first step (Trainer._setup): the process
+group and mesh, the corpus, the model (on meta under ZeRO-3 or a pipeline), ZeRO, compilation, the
+optimizer and its schedule (resumed from --out's checkpoint with --resume), the samplers, the
+step metrics and the log."""
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import torch
+
+from .cli import PROG
+from .data import Corpus, Sampler
+from .launch import _die_with_parent, _init_distributed, _StopFlag
+from .metrics import StepMetrics, StopVote
+from .report import RankZeroLog
+
+
+def lr_lambda(args):
+    """Multiplier of --lr at a step: linear warmup, then cosine decay to --min-lr at --steps."""
+    floor = args.min_lr / args.lr
+
+    def f(step: int) -> float:
+        if step < args.warmup:
+            return (step + 1) / args.warmup
+        progress = min(1.0, (step - args.warmup) / max(1, args.steps - args.warmup))
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return f
+
+
+def setup(t) -> None:
+    """Trainer._setup: everything one rank builds before its first step, on the Trainer t."""
+    import torch.distributed as dist
+    import zerofuse  # noqa: F401  (loads the extension before the model)
+    from zerofuse import zero
+    from zerofuse.models import GPT, config
+    from zerofuse.parallel import init_mesh
+    from . import T0  # measured when the package was imported
+
+    args = t.args
+    t.t_start = float(os.environ.get("ZEROFUSE_TRAIN_T0", T0))
+    _die_with_parent()
+    t.stop = _StopFlag()
+    t.device = _init_distributed(args, t.env)
+    t.rank, t.world = dist.get_rank(), dist.get_world_size()
+    t.mesh = init_mesh(dp=args.dp, tp=args.tp, pp=args.pp, ep=args.ep)
+    t.corpus = Corpus.load(args.data, args.tokenizer, args.val_data)
+    # a character vocabulary is not padded for tp (the vocab-parallel layers split an uneven one),
+    # so the model and its checkpoints are the same at every tp; GPT-2's is padded to 50304
+    t.cfg = config(args.model_name, **{**args.model_shape, "vocab_size": t.corpus.model_vocab})
+    kw = {"tp_group": t.mesh.tp_group, "sequence_parallel": args.sequence_parallel} if args.tp > 1 else {}
+    if t.cfg.moe_experts:
+        kw.update(ep_group=t.mesh.ep_group, edp_group=t.mesh.edp_group, dp_group=t.mesh.dp_group)
+    t.pp = None
+    if args.zero_stage == 3 or args.pp > 1:  # built on meta: never whole on a rank
+        with torch.device("meta"):
+            model = GPT(t.cfg, seed=args.seed, **kw)
+    else:
+        model = GPT(t.cfg, seed=args.seed, **kw).to(t.device)
+    model.activation_checkpointing = args.activation_checkpointing
+    model.activation_offload = args.activation_offload
+    t.n_params = model.num_params()  # unsharded
+    t.n_active_params = model.num_params(active=True)
+    if args.pp > 1:  # this rank's stages only, ZeRO over the stage's DP group (train/pipeline.py)
+        from .pipeline import PipelineJob
+        t.pp = PipelineJob(t, model)
+        t.model = t.pp.module
+    else:
+        t.model = zero.parallelize(model, stage=args.zero_stage, group=t.mesh.dp_group,
+                                   precision=args.precision, device=t.device,
+                                   offload=None if args.offload == "none" else args.offload,
+                                   **({"offload_ratio": args.offload_ratio} if args.offload != "none" else {}))
+    t.compiled = None
+    if args.compile:  # the whole model where ZeRO has no forward hooks (a world of one), else each block
+        if t.world == 1 and args.zero_stage != 3:
+            t.model.compile()
+            t.compiled = "the whole model"
+        else:
+            blocks = t.model.blocks
+            for block in (blocks.values() if isinstance(blocks, torch.nn.ModuleDict) else blocks):
+                block.forward = torch.compile(block.forward)
+            t.compiled = "each transformer block"
+    t.opt = zero.Optimizer(t.model, args.optimizer, param_groups=param_groups(t.model),
+                           max_grad_norm=args.clip or None, **hyper(args),
+                           delayed_update=args.offload_delayed_update is not None,
+                           delayed_update_warmup=args.offload_delayed_update or 0)
+    t.sched = torch.optim.lr_scheduler.LambdaLR(t.opt, lr_lambda(args))
+    from .graphs import StepGraph, reason_not
+    t.graphs_off = "--no-cuda-graphs" if args.cuda_graphs is False else reason_not(t)
+    t.graphs = StepGraph(t) if t.graphs_off is None else None
+    seq = t.cfg.seq_len
+    t.train_data = Sampler(t.corpus.train, seq, args.batch, args.grad_accum, args.dp, t.mesh.dp_rank, args.seed)
+    t.val_data = Sampler(t.corpus.val, seq, args.batch, 1, 1, 0, args.seed)
+    t.out = Path(args.out)
+    t.ckpt = t.out / "ckpt"
+    t.step = resume(t) if args.resume else 0
+    t.start_step = t.step
+    t.memory = None
+    t.launches = None  # counted at the second step (train/launches.py)
+    t.stopped = 0  # the signal every rank agreed to stop on
+    t.log_every = args.log_every or max(1, args.steps // 20)
+    tokens = args.dp * args.batch * args.grad_accum * seq
+    t.metrics = StepMetrics(t.device, t.world, tokens)
+    t.vote = StopVote(t.world, t.device)
+    t.moe = None
+    t._a2a_last, t._a2a_bytes_last = 0.0, 0  # the all-to-all counters at the last log point
+    if t.cfg.moe_experts:
+        from zerofuse.models.moe import Stats
+        t.moe = Stats(t.model.moe_layers)
+    t.log = RankZeroLog(t) if t.rank == 0 else None
+
+
+def param_groups(model):
+    """No weight decay for vectors (norms, biases), as GPT-2 and nanoGPT."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    other = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    groups = [{"params": decay}]
+    if other:
+        groups.append({"params": other, "weight_decay": 0.0})
+    return groups
+
+
+def hyper(args) -> dict:
+    kw = dict(lr=args.lr, weight_decay=args.weight_decay)
+    if args.optimizer in ("adamw", "lamb"):
+        kw["betas"] = (0.9, 0.95)
+    return kw
+
+
+def resume(t) -> int:
+    """The step to go on from, after loading --out's checkpoint into t's model, optimizer and schedule."""
+    from zerofuse import checkpoint
+    extra = checkpoint.load(str(t.ckpt), t.model, t.opt)
+    if extra["tokenizer"] != t.corpus.identity():
+        raise ValueError(f"{PROG}: --resume: the checkpoint at {t.ckpt} was trained on a different vocabulary "
+                         f"({extra['tokenizer']['kind']} tokenizer) than --data {t.args.data}")
+    t.sched.load_state_dict(extra["scheduler"])
+    for g, lr in zip(t.opt.param_groups, t.sched.get_last_lr()):
+        g["lr"] = lr
+    return int(extra["step"])
