@@ -10,11 +10,10 @@ cProfile's top Python functions.
     python bench/profile_host.py [--device cuda|cpu] [--calls N]
     python bench/profile_host.py --stub-kernels   # no GPU needed
 
---stub-kernels measures, on any machine, the host side of the CUDA path of the norm faces (a
-tiny LayerNorm/RMSNorm against torch's on the CPU) and of the optimizer steps:
+--stub-kernels measures, on any machine, the host side of the CUDA path of the norm and attention
+faces (tiny shapes, against torch's on the CPU) and of the optimizer steps:
 CPU tensors go through the Triton path (ZEROFUSE_TRITON_ON_CPU=1) with every optimizer kernel
-launch replaced by a no-op, and torch._foreach_add_ (one launch on CUDA, a per-tensor loop on CPU)
-too. What it leaves out: the launches themselves (Triton's launcher, ~10-30 us each on a GPU
+launch replaced by a no-op (the step counters' kernel included). What it leaves out: the launches themselves (Triton's launcher, ~10-30 us each on a GPU
 host) and CUDA's copies of the tables.
 """
 from __future__ import annotations
@@ -66,7 +65,7 @@ def _stubbed_optimizer_steps(calls: int) -> None:
     if not kernels.interpreted():
         sys.exit("--stub-kernels: set ZEROFUSE_TRITON_ON_CPU=1 before zerofuse is imported (this script does)")
     import bench_optimizers
-    from zerofuse.kernels import optim as K
+    from zerofuse.kernels import l2norm, lamb, multi_tensor, optim
     from zerofuse.optim import FusedAdamW, FusedLAMB
 
     class _NoLaunch:
@@ -77,10 +76,10 @@ def _stubbed_optimizer_steps(calls: int) -> None:
         def __getitem__(self, grid):
             return lambda part, nblocks, out, *args, **kwargs: out.zero_()
 
-    for name in dir(K):
-        if name.endswith("_kernel"):
-            setattr(K, name, _CleanClip() if name == "_clip_kernel" else _NoLaunch())
-    torch._foreach_add_ = lambda *args, **kwargs: None
+    for module in (multi_tensor, optim, lamb, l2norm):  # each launcher calls its own module's kernels
+        for name in dir(module):
+            if name.endswith("_kernel"):
+                setattr(module, name, _CleanClip() if name == "_clip_kernel" else _NoLaunch())
     cpu = torch.device("cpu")
     params = bench_optimizers._params(cpu, 1_000_000)
     for label, opt in (("FusedAdamW", FusedAdamW(params, lr=1e-3, weight_decay=0.01)),
@@ -119,6 +118,33 @@ def _stubbed_norms(calls: int) -> None:
                   f"torch cpu {t:.1f} us per call ({z / t:.2f}x; median of {calls})")
 
 
+def _stubbed_attention(calls: int) -> None:
+    """Host time per call of the attention face's CUDA path (Triton in the interpreter, the forward
+    kernel's launch a no-op) on a tiny shape, next to torch's CPU sdpa of that shape (which includes
+    its small compute), without autograd and with (the forward only)."""
+    import torch.nn.functional as F
+
+    import zerofuse.nn.functional as ZF
+    from zerofuse.kernels import attention as K
+
+    class _NoLaunch:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: None
+
+    K._attn_fwd_kernel = _NoLaunch()
+    cpu = torch.device("cpu")
+    for grad in (False, True):
+        q, k, v = (torch.randn(1, 2, 16, 16).requires_grad_(grad) for _ in range(3))
+        ours = lambda: ZF.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
+        theirs = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
+        for _ in range(200):
+            ours()
+            theirs()
+        z, t = (_median_seconds(fn, cpu, calls) * 1e6 for fn in (ours, theirs))
+        print(f"attention fwd 1x2x16x16 causal{' with grad' if grad else ''}, launch stubbed: zerofuse {z:.1f} us, "
+              f"torch cpu {t:.1f} us per call ({z / t:.2f}x; median of {calls})")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -129,6 +155,7 @@ def main(argv=None) -> int:
     if args.stub_kernels:
         torch.set_num_threads(1)
         _stubbed_norms(max(args.calls, 2000))
+        _stubbed_attention(max(args.calls, 2000))
         _stubbed_optimizer_steps(args.calls)
         return 0
     device = torch.device(args.device)

@@ -247,3 +247,37 @@ def test_a_new_length_of_a_seen_class_launches_the_chosen_config_without_tuning(
     assert launch(1025)[0] == "tuner" and launch(2048)[0] == "jit"
     assert launch(1000, d=128)[0] == "tuner" and launch(1000, causal=False)[0] == "tuner"
     assert [A.length_class(n) for n in (1, 64, 65, 97, 1024, 1025)] == [64, 64, 128, 128, 1024, 2048]
+
+
+@pytest.mark.parametrize("case", [CASES[1], CASES[3]], ids=lambda c: "-".join(map(str, c)))
+def test_face_runs_eagerly_without_the_custom_op_and_equals_it(path, case):
+    """The face's eager path (EagerAttention, as the norms': no custom_op dispatch) gives the op's
+    bits, forward and backward; without grad it runs no autograd at all; the dispatcher sees no
+    zerofuse::attention call either way (only under torch.compile, where the op is traced)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.add(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    b, hq, hkv, nq, nk, d, causal = case
+    q, k, v, dout = _inputs(b, hq, hkv, nq, nk, d, torch.float32, seed=5)
+    ours = [t.clone().requires_grad_() for t in (q, k, v)]
+    theirs = [t.clone().requires_grad_() for t in (q, k, v)]
+    with Ops() as seen:
+        out = zf_sdpa(*ours, is_causal=causal, enable_gqa=hq != hkv)
+        out.backward(dout)
+    assert not any("zerofuse" in n for n in seen.names), seen.names
+    want, _ = torch.ops.zerofuse.attention(*theirs, causal, d ** -0.5)
+    want.backward(dout)
+    assert torch.equal(out, want)
+    for a, t in zip(ours, theirs):
+        assert torch.equal(a.grad, t.grad)
+    with torch.no_grad():
+        quiet = zf_sdpa(*ours, is_causal=causal, enable_gqa=hq != hkv)
+    assert quiet.grad_fn is None and torch.equal(quiet, want)

@@ -231,8 +231,11 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
     scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
     # the kernel takes any strides but a unit one along head_dim (torch's sdpa takes any layout)
     query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
-    out, _ = torch.ops.zerofuse.attention(query, key, value, bool(is_causal), scale)
-    return out
+    if torch.compiler.is_compiling():
+        return torch.ops.zerofuse.attention(query, key, value, bool(is_causal), scale)[0]
+    if not _needs_grad(query, key, value, None):  # no autograd at all
+        return _attn._fwd(query, key, value, bool(is_causal), scale)[0]
+    return _attn.eager_attention(query, key, value, bool(is_causal), scale)
 
 
 def qkv_attention(qkv: Tensor, num_heads: int, num_kv_heads: int | None = None, is_causal: bool = False,

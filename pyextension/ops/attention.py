@@ -21,7 +21,7 @@ from torch import Tensor
 
 from zerofuse import kernels, reference
 from zerofuse.kernels import attention as K
-from zerofuse.ops import register
+from zerofuse.ops import eager_apply, register
 
 # head_dim the Triton kernels take (one program holds a whole head_dim row block)
 MAX_HEAD_DIM = 256
@@ -59,6 +59,11 @@ def _check_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, 
 
 @torch.library.custom_op("zerofuse::attention", mutates_args=())
 def attention(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+    return _fwd(q, k, v, is_causal, scale)
+
+
+def _fwd(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+    """zerofuse::attention's body (also EagerAttention's)."""
     K._check(q, k, v)
     if _empty(q, k):
         return torch.zeros_like(q, memory_format=torch.contiguous_format), torch.full(
@@ -83,6 +88,12 @@ def _(q, k, v, is_causal, scale):
 def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, is_causal: bool,
                        scale: float) -> tuple[Tensor, Tensor, Tensor]:
     _check_backward(dout, q, k, v, out, lse)
+    return _bwd(dout, q, k, v, out, lse, is_causal, scale)
+
+
+def _bwd(dout, q, k, v, out, lse, is_causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """zerofuse::attention_backward's body after its checks (also EagerAttention's, whose saved
+    tensors need none)."""
     if _empty(q, k):
         return tuple(torch.zeros_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
     if use_triton(q):
@@ -118,6 +129,27 @@ def _backward(ctx, dout, dlse):
 
 
 attention.register_autograd(_backward, setup_context=_setup_context)
+
+
+class EagerAttention(torch.autograd.Function):
+    """The ops above for eager mode without custom_op's Python dispatch (as the norms' EagerNorm):
+    apply(q, k, v, is_causal, scale) -> out. The op's checks run in forward; lse is not returned
+    (not differentiable, as through the op)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, is_causal, scale):
+        out, lse = _fwd(q, k, v, is_causal, scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (is_causal, scale)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        return *_bwd(dout, q, k, v, out, lse, *ctx.args), None, None
+
+
+eager_attention = eager_apply(EagerAttention)
 
 
 def _selftest(device: torch.device) -> None:
