@@ -281,11 +281,13 @@ def _writable(t: torch.Tensor | None, shape, like: torch.Tensor) -> torch.Tensor
     return t if ok else None
 
 
-def attention_fwd(q, k, v, causal: bool, scale: float, out=None):
+def attention_fwd(q, k, v, causal: bool, scale: float, out=None, checked: bool = False):
     """(out (B, Hq, Nq, D) like q, lse (B, Hq, Nq) fp32 natural log-sum-exp of the scaled scores).
     out: where to write it (any strides with a unit one along D, e.g. a (B, Nq, Hq, D) buffer seen
-    as (B, Hq, Nq, D)); default a new contiguous tensor."""
-    _check(q, k, v, "zerofuse.kernels.attention.attention_fwd")
+    as (B, Hq, Nq, D)); default a new contiguous tensor. checked: the caller ran _check (or made
+    q, k, v as views of one checked qkv tensor)."""
+    if not checked:
+        _check(q, k, v, "zerofuse.kernels.attention.attention_fwd")
     q, k, v = _tileable(q), _tileable(k), _tileable(v)
     b, hq, nq, d = q.shape
     _check_grid(b, hq)

@@ -69,7 +69,7 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float) -> tupl
         return torch.zeros_like(q, memory_format=torch.contiguous_format), torch.full(
             q.shape[:3], -math.inf, dtype=_lse_dtype(q), device=q.device)
     if use_triton(q):
-        return K.attention_fwd(q, k, v, is_causal, scale)
+        return K.attention_fwd(q, k, v, is_causal, scale, checked=True)
     g = _groups(q, k)
     kk, vv = (k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)) if g > 1 else (k, v)
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, kk, vv, 0.0, is_causal, scale=scale)

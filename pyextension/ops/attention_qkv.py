@@ -64,7 +64,7 @@ def _fwd(qkv, hq, hkv, is_causal, scale):
     q, k, v = heads(qkv, hq, hkv, d)
     if use_triton(q) and not _empty(q, k):
         out = qkv.new_empty((b, n, hq * d))
-        _, lse = K.attention_fwd(q, k, v, is_causal, scale, out=out.view(b, n, hq, d).transpose(1, 2))
+        _, lse = K.attention_fwd(q, k, v, is_causal, scale, out=out.view(b, n, hq, d).transpose(1, 2), checked=True)
         return out, lse
     out4, lse = torch.ops.zerofuse.attention(q, k, v, is_causal, scale)
     return out4.transpose(1, 2).reshape(b, n, hq * d), lse
