@@ -394,9 +394,9 @@ def full_params(model: torch.nn.Module):
 
 def full_grads(model: torch.nn.Module):
     """Context manager: every param of a ZeRO model holds its full gradient as ``.grad`` inside
-    (for inspection, logging or a user's own clipping, written back on exit); outside it ``.grad``
-    is None by design: the grads live in zerofuse's shards (clip with
-    ``zerofuse.zero.Optimizer.clip_grad_norm_``; torch's clip_grad_norm_ sees no grads there)."""
+    (for inspection, logging or a user's own clipping, written back on exit); outside it the grads
+    live in zerofuse's shards (clip with ``zerofuse.zero.Optimizer.clip_grad_norm_``), and ``.grad``
+    is None, or over one rank autograd's until the next step takes it ([Note: a world of one])."""
     return engine_of(model, "zerofuse.zero.full_grads").full_grads()
 
 
