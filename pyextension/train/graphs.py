@@ -1,7 +1,8 @@
 """--cuda-graphs: the whole training step (forwards, backwards, clipping, the optimizer step and
 zero_grad: Trainer.step_body) captured once in a CUDA graph and replayed at every step after, so the
-host launches one graph where the eager step launches ~700 kernels and runs ~200 Python hooks
-(bench/profile_step.py counts them) and the GPU no longer waits for the host between kernels.
+host launches one graph where the eager step launches ~300 kernels (bench/profile_step.py counts
+them: gpt2-124m's structure, 2026-11-26; ~700 and ~200 Python hooks when this was written) and the
+GPU no longer waits for the host between kernels.
 
 [Note: graphed step] What the capture relies on, and who provides it:
 - Static shapes: every batch has the Sampler's shape. A replay reads its batch from one device
