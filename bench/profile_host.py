@@ -59,6 +59,13 @@ def _cases(device):
     yield f"AdamW step 1M params ({len(ours)} tensors)", opt.step, peer.step
 
 
+class _NoLaunch:
+    """A Triton kernel whose launches do nothing (kernel[grid](...) returns at once)."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
 def _stubbed_optimizer_steps(calls: int) -> None:
     from zerofuse import kernels
 
@@ -67,10 +74,6 @@ def _stubbed_optimizer_steps(calls: int) -> None:
     import bench_optimizers
     from zerofuse.kernels import l2norm, lamb, multi_tensor, optim
     from zerofuse.optim import FusedAdamW, FusedLAMB
-
-    class _NoLaunch:
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: None
 
     class _CleanClip:  # the clipping kernel's output zeroed: a found flag of 0, so the step is not skipped
         def __getitem__(self, grid):
@@ -91,58 +94,48 @@ def _stubbed_optimizer_steps(calls: int) -> None:
               f"{_median_seconds(opt.step, cpu, calls) * 1e6:.1f} us host time (median of {calls})")
 
 
+def _time_face(label: str, ours, theirs, calls: int) -> None:
+    """Prints the median host time per call of a zerofuse face (its kernel launch stubbed) and of
+    torch's CPU function of the same tiny shape (which includes its small compute), after warm-up."""
+    cpu = torch.device("cpu")
+    for _ in range(200):
+        ours()
+        theirs()
+    z, t = (_median_seconds(fn, cpu, calls) * 1e6 for fn in (ours, theirs))
+    print(f"{label}, launch stubbed: zerofuse {z:.1f} us, torch cpu {t:.1f} us per call ({z / t:.2f}x; "
+          f"median of {calls})")
+
+
 def _stubbed_norms(calls: int) -> None:
-    """Host time per call of the norm faces' CUDA path (Triton in the interpreter, the kernel launch
-    a no-op) on a tiny shape, next to torch's CPU LayerNorm/RMSNorm of that shape (which includes
-    its small compute), with and without autograd."""
+    """The norm faces' CUDA path (Triton in the interpreter) on a tiny shape against torch's CPU
+    LayerNorm/RMSNorm, with and without autograd."""
     import torch.nn.functional as F
 
     import zerofuse.nn.functional as ZF
     from zerofuse.kernels import norms as K
 
-    class _NoLaunch:
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: None
-
     K._norm_fwd_kernel = _NoLaunch()
-    cpu = torch.device("cpu")
     for grad in (False, True):
         x, w, b = (torch.randn(*s).requires_grad_(grad) for s in ((4, 64), (64,), (64,)))
         for name, ours, theirs in (("layer_norm", lambda: ZF.layer_norm(x, (64,), w, b), lambda: F.layer_norm(x, (64,), w, b)),
                                    ("rms_norm", lambda: ZF.rms_norm(x, (64,), w, 1e-5), lambda: F.rms_norm(x, (64,), w, 1e-5))):
-            for _ in range(200):
-                ours()
-                theirs()
-            z, t = (_median_seconds(fn, cpu, calls) * 1e6 for fn in (ours, theirs))
-            print(f"{name} fwd 4x64{' with grad' if grad else ''}, launch stubbed: zerofuse {z:.1f} us, "
-                  f"torch cpu {t:.1f} us per call ({z / t:.2f}x; median of {calls})")
+            _time_face(f"{name} fwd 4x64{' with grad' if grad else ''}", ours, theirs, calls)
 
 
 def _stubbed_attention(calls: int) -> None:
-    """Host time per call of the attention face's CUDA path (Triton in the interpreter, the forward
-    kernel's launch a no-op) on a tiny shape, next to torch's CPU sdpa of that shape (which includes
-    its small compute), without autograd and with (the forward only)."""
+    """The attention face's CUDA path (Triton in the interpreter) on a tiny shape against torch's
+    CPU sdpa, without autograd and with (the forward only)."""
     import torch.nn.functional as F
 
     import zerofuse.nn.functional as ZF
     from zerofuse.kernels import attention as K
 
-    class _NoLaunch:
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: None
-
     K._attn_fwd_kernel = _NoLaunch()
-    cpu = torch.device("cpu")
     for grad in (False, True):
         q, k, v = (torch.randn(1, 2, 16, 16).requires_grad_(grad) for _ in range(3))
-        ours = lambda: ZF.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
-        theirs = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
-        for _ in range(200):
-            ours()
-            theirs()
-        z, t = (_median_seconds(fn, cpu, calls) * 1e6 for fn in (ours, theirs))
-        print(f"attention fwd 1x2x16x16 causal{' with grad' if grad else ''}, launch stubbed: zerofuse {z:.1f} us, "
-              f"torch cpu {t:.1f} us per call ({z / t:.2f}x; median of {calls})")
+        _time_face(f"attention fwd 1x2x16x16 causal{' with grad' if grad else ''}",
+                   lambda: ZF.scaled_dot_product_attention(q, k, v, is_causal=True),
+                   lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), calls)
 
 
 def main(argv=None) -> int:

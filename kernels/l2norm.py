@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from zerofuse.kernels.multi_tensor import KEEP, Launch, _blocks, _go, _ld, _next_owner, _ptr, _span, _Table, flag
+from zerofuse.kernels.multi_tensor import KEEP, Launch, _blocks, _go, _ld, _ptr, _Table, _visit, flag
 
 
 @triton.jit
@@ -43,10 +43,8 @@ def _sum_squares_kernel(META, OWN, n, nblocks, PART, X_TY: tl.constexpr, ALIGNED
     """PART[b] = the sum of squares of block b (the grads of a clipped step: read again by the
     step, so left in L2 with the default policy)."""
     first, stride, t_next = _blocks(OWN, nblocks)
-    for b in range(first, nblocks, stride):
-        t = t_next
-        t_next = _next_owner(OWN, b, stride, nblocks, False)
-        start, numel = _span(META, n, t, b, BLOCK)
+    for i in range(first, nblocks, stride):
+        b, t, t_next, start, numel = _visit(META, OWN, n, i, stride, nblocks, t_next, BLOCK, False)
         X = _ptr(META, 3, n, t, X_TY, ALIGNED)
         offs = start + tl.arange(0, BLOCK)
         if start + BLOCK <= numel:

@@ -14,27 +14,34 @@ import torch
 import triton
 import triton.language as tl
 
+from zerofuse.kernels import interpreted
 from zerofuse.kernels.l2norm import _sum_blocks, segment_sums
 from zerofuse.kernels.multi_tensor import (KEEP, STREAM, Launch, _blocks, _go, _grad_mult, _kept, _ld,
-                                           _next_owner, _ptr, _span, _st, _store_param, emulate_rne, flag, upload)
+                                           _ptr, _st, _store_param, _visit, flag, upload)
 
 # pointer rows as Adam's (kernels/optim.py); consts: beta1, beta2, eps, weight_decay, lr, min_trust, max_trust
 _B1_AT = 0
 
 
 @triton.jit
-def _lamb_consts(META, CONSTS, n, t, BIAS_CORRECTION: tl.constexpr):
-    """(beta1, beta2, w1, w2, eps, wd, bc1, bc2) in fp32; bc1, bc2 from tensor t's step-scalars row."""
+def _lamb_consts(CONSTS):
+    """(beta1, beta2, w1, w2, eps, wd) in fp32: the launch's, loaded once per program."""
     beta1, beta2 = tl.load(CONSTS), tl.load(CONSTS + 1)
+    return (beta1.to(tl.float32), beta2.to(tl.float32), (1.0 - beta1).to(tl.float32),
+            (1.0 - beta2).to(tl.float32), tl.load(CONSTS + 2).to(tl.float32),
+            tl.load(CONSTS + 3).to(tl.float32))
+
+
+@triton.jit
+def _bias_corrections(META, n, t, BIAS_CORRECTION: tl.constexpr):
+    """(bc1, bc2) of tensor t, from its step-scalars row ([Note: step scalars]); 1 without."""
     if BIAS_CORRECTION:
         S = _ptr(META, 8, n, t, tl.float32, False)
         bc1, bc2 = tl.load(S), tl.load(S + 1)
     else:
         bc1 = tl.full((), 1.0, tl.float32)
         bc2 = bc1
-    return (beta1.to(tl.float32), beta2.to(tl.float32), (1.0 - beta1).to(tl.float32),
-            (1.0 - beta2).to(tl.float32), tl.load(CONSTS + 2).to(tl.float32),
-            tl.load(CONSTS + 3).to(tl.float32), bc1, bc2)
+    return bc1, bc2
 
 
 @triton.jit
@@ -59,17 +66,30 @@ def _lamb1_block(P, G, M, V, offs, mask, MULT, beta1, beta2, w1, w2, eps, wd, bc
 
 
 @triton.jit
+def _lamb1_span(P, G, M, V, start, numel, MULT, beta1, beta2, w1, w2, eps, wd, bc1, bc2,
+                HAS_MULT: tl.constexpr, BLOCK: tl.constexpr):
+    """_lamb1_block over elements start .. start + BLOCK of a tensor of numel: unmasked when whole."""
+    offs = start + tl.arange(0, BLOCK)
+    if start + BLOCK <= numel:
+        pp, uu = _lamb1_block(P, G, M, V, offs, offs < numel, MULT, beta1, beta2, w1, w2, eps, wd, bc1, bc2,
+                              HAS_MULT, False)
+    else:
+        pp, uu = _lamb1_block(P, G, M, V, offs, offs < numel, MULT, beta1, beta2, w1, w2, eps, wd, bc1, bc2,
+                              HAS_MULT, True)
+    return pp, uu
+
+
+@triton.jit
 def _lamb_stage1_kernel(META, OWN, CONSTS, n, nblocks, MULT, FOUND, PART, P_TY: tl.constexpr, G_TY: tl.constexpr,
                         HAS_MASTER: tl.constexpr, HAS_MULT: tl.constexpr, HAS_FOUND: tl.constexpr,
                         BIAS_CORRECTION: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
     # a skipped step writes no sums: the segment sums leave the norms as they were
     if _go(FOUND, HAS_FOUND):
+        beta1, beta2, w1, w2, eps, wd = _lamb_consts(CONSTS)
         first, stride, t_next = _blocks(OWN, nblocks)
-        for b in range(first, nblocks, stride):
-            t = t_next
-            t_next = _next_owner(OWN, b, stride, nblocks, False)
-            start, numel = _span(META, n, t, b, BLOCK)
-            beta1, beta2, w1, w2, eps, wd, bc1, bc2 = _lamb_consts(META, CONSTS, n, t, BIAS_CORRECTION)
+        for i in range(first, nblocks, stride):
+            b, t, t_next, start, numel = _visit(META, OWN, n, i, stride, nblocks, t_next, BLOCK, False)
+            bc1, bc2 = _bias_corrections(META, n, t, BIAS_CORRECTION)
             if HAS_MASTER:
                 P = _ptr(META, 7, n, t, tl.float32, ALIGNED)
             else:
@@ -77,13 +97,8 @@ def _lamb_stage1_kernel(META, OWN, CONSTS, n, nblocks, MULT, FOUND, PART, P_TY: 
             G = _ptr(META, 4, n, t, G_TY, ALIGNED)
             M = _ptr(META, 5, n, t, tl.float32, ALIGNED)
             V = _ptr(META, 6, n, t, tl.float32, ALIGNED)
-            offs = start + tl.arange(0, BLOCK)
-            if start + BLOCK <= numel:
-                pp, uu = _lamb1_block(P, G, M, V, offs, offs < numel, MULT, beta1, beta2, w1, w2, eps, wd, bc1, bc2,
-                                      HAS_MULT, False)
-            else:
-                pp, uu = _lamb1_block(P, G, M, V, offs, offs < numel, MULT, beta1, beta2, w1, w2, eps, wd, bc1, bc2,
-                                      HAS_MULT, True)
+            pp, uu = _lamb1_span(P, G, M, V, start, numel, MULT, beta1, beta2, w1, w2, eps, wd, bc1, bc2, HAS_MULT,
+                                 BLOCK)
             tl.store(PART + 2 * b, pp)
             tl.store(PART + 2 * b + 1, uu)
 
@@ -103,12 +118,23 @@ def _trust_ratio(NORMS, row, CONSTS, PAPER: tl.constexpr):
 
 @triton.jit
 def _lamb2_block(P, W, M, V, offs, mask, ratio, bc1, bc2, eps, wd, HAS_MASTER: tl.constexpr,
-                 MASKED: tl.constexpr, EMULATE_RNE: tl.constexpr, EVICT: tl.constexpr):
-    p = _ld(W, offs, mask, MASKED, EVICT) if HAS_MASTER else _ld(P, offs, mask, MASKED, EVICT)
-    m = _ld(M, offs, mask, MASKED, EVICT)
-    v = _ld(V, offs, mask, MASKED, EVICT)
+                 MASKED: tl.constexpr, EMULATE_RNE: tl.constexpr):
+    p = _ld(W, offs, mask, MASKED, STREAM) if HAS_MASTER else _ld(P, offs, mask, MASKED, STREAM)
+    m = _ld(M, offs, mask, MASKED, STREAM)
+    v = _ld(V, offs, mask, MASKED, STREAM)
     p = p - ratio * _lamb_update(m, v, p, bc1, bc2, eps, wd)
-    _store_param(P, W, offs, mask, p, HAS_MASTER, MASKED, EMULATE_RNE, EVICT)
+    _store_param(P, W, offs, mask, p, HAS_MASTER, MASKED, EMULATE_RNE, STREAM)
+
+
+@triton.jit
+def _lamb2_span(P, W, M, V, start, numel, ratio, bc1, bc2, eps, wd, HAS_MASTER: tl.constexpr,
+                EMULATE_RNE: tl.constexpr, BLOCK: tl.constexpr):
+    """_lamb2_block over elements start .. start + BLOCK of a tensor of numel: unmasked when whole."""
+    offs = start + tl.arange(0, BLOCK)
+    if start + BLOCK <= numel:
+        _lamb2_block(P, W, M, V, offs, offs < numel, ratio, bc1, bc2, eps, wd, HAS_MASTER, False, EMULATE_RNE)
+    else:
+        _lamb2_block(P, W, M, V, offs, offs < numel, ratio, bc1, bc2, eps, wd, HAS_MASTER, True, EMULATE_RNE)
 
 
 @triton.jit
@@ -116,25 +142,17 @@ def _lamb_stage2_kernel(META, OWN, CONSTS, n, nblocks, NORMS, FOUND, P_TY: tl.co
                         HAS_FOUND: tl.constexpr, BIAS_CORRECTION: tl.constexpr, PAPER: tl.constexpr,
                         ALIGNED: tl.constexpr, BLOCK: tl.constexpr, EMULATE_RNE: tl.constexpr):
     if _go(FOUND, HAS_FOUND):
+        beta1, beta2, w1, w2, eps, wd = _lamb_consts(CONSTS)
         first, stride, t_next = _blocks(OWN, nblocks, BACKWARDS=True)  # stage 1's last blocks are in L2
         for i in range(first, nblocks, stride):
-            b = nblocks - 1 - i
-            t = t_next
-            t_next = _next_owner(OWN, i, stride, nblocks, True)
-            start, numel = _span(META, n, t, b, BLOCK)
-            beta1, beta2, w1, w2, eps, wd, bc1, bc2 = _lamb_consts(META, CONSTS, n, t, BIAS_CORRECTION)
+            b, t, t_next, start, numel = _visit(META, OWN, n, i, stride, nblocks, t_next, BLOCK, True)
+            bc1, bc2 = _bias_corrections(META, n, t, BIAS_CORRECTION)
             ratio = _trust_ratio(NORMS, tl.load(META + 2 * (n + 1) + t), CONSTS, PAPER)
             P = _ptr(META, 3, n, t, P_TY, ALIGNED)
             W = _ptr(META, 7, n, t, tl.float32, ALIGNED)
             M = _ptr(META, 5, n, t, tl.float32, ALIGNED)
             V = _ptr(META, 6, n, t, tl.float32, ALIGNED)
-            offs = start + tl.arange(0, BLOCK)
-            if start + BLOCK <= numel:
-                _lamb2_block(P, W, M, V, offs, offs < numel, ratio, bc1, bc2, eps, wd, HAS_MASTER, False, EMULATE_RNE,
-                             STREAM)
-            else:
-                _lamb2_block(P, W, M, V, offs, offs < numel, ratio, bc1, bc2, eps, wd, HAS_MASTER, True, EMULATE_RNE,
-                             STREAM)
+            _lamb2_span(P, W, M, V, start, numel, ratio, bc1, bc2, eps, wd, HAS_MASTER, EMULATE_RNE, BLOCK)
 
 
 @triton.jit
@@ -154,22 +172,17 @@ def _lamb_fused_kernel(META, OWN, SCHED, CONSTS, n, MULT, FOUND, PART, NORMS, SY
         start = (b - first) * BLOCK
         b0 = first.to(tl.int32)
         numel = tl.load(META + (n + 1) + t)
-        beta1, beta2, w1, w2, eps, wd, bc1, bc2 = _lamb_consts(META, CONSTS, n, t, BIAS_CORRECTION)
+        beta1, beta2, w1, w2, eps, wd = _lamb_consts(CONSTS)
+        bc1, bc2 = _bias_corrections(META, n, t, BIAS_CORRECTION)
         M = _ptr(META, 5, n, t, tl.float32, ALIGNED)
         V = _ptr(META, 6, n, t, tl.float32, ALIGNED)
         W = _ptr(META, 7, n, t, tl.float32, ALIGNED)
         P = _ptr(META, 3, n, t, P_TY, ALIGNED)
-        offs = start + tl.arange(0, BLOCK)
         row = tl.load(META + 2 * (n + 1) + t)
         if (code & 1) == 0:  # stage 1: moments, this block's sums of squares
             G = _ptr(META, 4, n, t, G_TY, ALIGNED)
-            P1 = W if HAS_MASTER else P
-            if start + BLOCK <= numel:
-                pp, uu = _lamb1_block(P1, G, M, V, offs, offs < numel, MULT, beta1, beta2, w1, w2, eps, wd, bc1,
-                                      bc2, HAS_MULT, False)
-            else:
-                pp, uu = _lamb1_block(P1, G, M, V, offs, offs < numel, MULT, beta1, beta2, w1, w2, eps, wd, bc1,
-                                      bc2, HAS_MULT, True)
+            pp, uu = _lamb1_span(W if HAS_MASTER else P, G, M, V, start, numel, MULT, beta1, beta2, w1, w2, eps, wd,
+                                 bc1, bc2, HAS_MULT, BLOCK)
             tl.store(PART + 2 * b, pp)
             tl.store(PART + 2 * b + 1, uu)
             # acq_rel: the sums (and moments) above are seen by whoever sees the count
@@ -184,12 +197,7 @@ def _lamb_fused_kernel(META, OWN, SCHED, CONSTS, n, MULT, FOUND, PART, NORMS, SY
             while ready == 0:
                 ready = tl.atomic_add(SYNC + 1 + n + t, 0)
             ratio = _trust_ratio(NORMS, row, CONSTS, PAPER)
-            if start + BLOCK <= numel:
-                _lamb2_block(P, W, M, V, offs, offs < numel, ratio, bc1, bc2, eps, wd, HAS_MASTER, False, EMULATE_RNE,
-                             STREAM)
-            else:
-                _lamb2_block(P, W, M, V, offs, offs < numel, ratio, bc1, bc2, eps, wd, HAS_MASTER, True, EMULATE_RNE,
-                             STREAM)
+            _lamb2_span(P, W, M, V, start, numel, ratio, bc1, bc2, eps, wd, HAS_MASTER, EMULATE_RNE, BLOCK)
 
 
 def lamb_stage1(launch: Launch, norms: torch.Tensor, *, beta1, beta2, eps, weight_decay, bias_correction,
@@ -213,20 +221,21 @@ def lamb_stage1(launch: Launch, norms: torch.Tensor, *, beta1, beta2, eps, weigh
 
 
 def lamb_stage2(launch: Launch, norms: torch.Tensor, *, lr, beta1, beta2, eps, weight_decay, bias_correction,
-                trust_mode, min_trust, max_trust, has_master, found_inf):
+                trust_mode, min_trust, max_trust, has_master, found_inf, rows_ready: bool = False):
+    """p -= lr * trust * u. rows_ready: lamb_stage1 ran on this same launch just before (its
+    step-scalars rows hold this step's bias corrections); else they are computed here first."""
     if not launch.n:
         return
     found = flag(found_inf, "found_inf", launch.device)
     consts = launch.consts((beta1, beta2, eps, weight_decay, lr, min_trust, max_trust))
-    if bias_correction and not launch.rows_current:  # stage 1 ran on another Launch (a separate op call)
+    if bias_correction and not rows_ready:  # stage 1 ran on another Launch (ZeRO's separate op calls)
         launch.advance(consts, found, b1_at=_B1_AT, advance=False)
-    launch.rows_current = False  # consumed: a later stage 2 alone recomputes them
     for table, p_ty, _ in launch.groups:
         if table.blocks:
             _lamb_stage2_kernel[(table.programs,)](
                 table.meta, table.own, consts, table.n, table.blocks, norms, found, P_TY=p_ty, HAS_MASTER=has_master,
                 HAS_FOUND=found is not None, BIAS_CORRECTION=bias_correction, PAPER=trust_mode == 0,
-                ALIGNED=table.aligned, BLOCK=table.block, EMULATE_RNE=emulate_rne(), num_warps=table.warps,
+                ALIGNED=table.aligned, BLOCK=table.block, EMULATE_RNE=interpreted(), num_warps=table.warps,
             )
 
 
@@ -290,7 +299,7 @@ def lamb_fused(launch: Launch, *, lr, beta1, beta2, eps, weight_decay, bias_corr
                 launch.part(g, 2), norms,
                 launch.sync(g), P_TY=p_ty, G_TY=g_ty, HAS_MASTER=has_master, HAS_MULT=mult is not None,
                 HAS_FOUND=found is not None, BIAS_CORRECTION=bias_correction, PAPER=trust_mode == 0,
-                ALIGNED=table.aligned, BLOCK=table.block, BLOCK_P=1024, EMULATE_RNE=emulate_rne(), num_warps=table.warps,
+                ALIGNED=table.aligned, BLOCK=table.block, BLOCK_P=1024, EMULATE_RNE=interpreted(), num_warps=table.warps,
             )
 
 

@@ -47,17 +47,15 @@ import torch
 import triton
 import triton.language as tl
 
-from zerofuse.kernels import interpreted
 from zerofuse.kernels.common import _cast, cdiv, sm_count, upload
 
 BLOCK = 2048
 _NUM_WARPS = 8
 _TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
-# meta rows, each n + 1 entries: block starts (the last entry is the total), numels, positions in
-# the caller's list, then one row of data pointers per list (PTR + k); the last row of a Launch with
+# meta rows, each n + 1 entries: 0 block starts (the last entry is the total), 1 numels, 2 positions
+# in the caller's list, then one row of data pointers per list (3 + k); the last row of a Launch with
 # step counters points at each tensor's step-scalars row ([Note: step scalars])
-_STARTS, _NUMELS, _INDEX, PTR = 0, 1, 2, 3
 
 # [Note: persistent grid]: resident programs per SM (8 warps each; tests/test_optim_grid.py checks that
 # ptxas's register counts for sm_90 let this many stay resident: 2 x 256 threads x <= 128 registers)
@@ -119,6 +117,15 @@ def _next_owner(OWN, b, stride, nblocks, BACKWARDS: tl.constexpr):
 def _span(META, n, t, blk, BLOCK: tl.constexpr):
     """(first element offset of block blk in tensor t, numel of t)."""
     return (blk - tl.load(META + t)) * BLOCK, tl.load(META + (n + 1) + t)
+
+
+@triton.jit
+def _visit(META, OWN, n, i, stride, nblocks, t_next, BLOCK: tl.constexpr, BACKWARDS: tl.constexpr):
+    """Step i of a program's loop (for i in range(first, nblocks, stride), after _blocks):
+    (block, its tensor, the next step's tensor (prefetched), first element offset, numel)."""
+    b = _block(i, nblocks, BACKWARDS)
+    start, numel = _span(META, n, t_next, b, BLOCK)
+    return b, t_next, _next_owner(OWN, i, stride, nblocks, BACKWARDS), start, numel
 
 
 @triton.jit
@@ -304,7 +311,6 @@ class Launch:
             self.step_rows = torch.zeros((max(1, len(self.steps)), 4), device=self.device, dtype=torch.float32)
             self.step_ptrs = _int64_on([s.data_ptr() for s in self.steps] or [0], self.device)
             others = list(others) + [[self.step_rows[where[s.data_ptr()]] for s in steps]]
-        self.rows_current = False  # the scalars rows hold this step's values (set by advance)
         self.groups = []
         for idx in _groups(params, grads):
             pick = lambda lst: [lst[i] for i in idx] if lst else None  # noqa: E731
@@ -347,7 +353,6 @@ class Launch:
             return
         _steps_kernel[(1,)](self.step_ptrs, len(self.steps), consts, self.step_rows, found, B1_AT=b1_at, LR_AT=lr_at,
                             ADVANCE=advance, HAS_FOUND=found is not None, BLOCK_K=128, num_warps=4)
-        self.rows_current = True
 
     def sync(self, g: int) -> torch.Tensor:
         """The one-launch LAMB's counters of group g (ticket, per tensor: stage-1 blocks done, norms
@@ -384,8 +389,3 @@ def _check_steps(steps: Sequence[torch.Tensor], device: torch.device) -> list[to
                                f"(the Triton kernels read step counts on the device), got {s.dtype} "
                                f"{tuple(s.shape)} on {s.device}")
     return list({s.data_ptr(): s for s in steps}.values())
-
-
-def emulate_rne() -> bool:
-    """Whether kernels round fp32 -> bf16 on the bits (the interpreter truncates: common._cast)."""
-    return interpreted()

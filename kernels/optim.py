@@ -12,14 +12,14 @@ import torch
 import triton
 import triton.language as tl
 
+from zerofuse.kernels import interpreted
 from zerofuse.kernels.l2norm import (_clip_kernel, _segment_sum_kernel, _sum_squares_kernel, block_sums,  # noqa: F401
                                      clip_inputs, l2norm, norm_launch)
 from zerofuse.kernels.lamb import (LAMB_ONE_LAUNCH, _lamb_fused_kernel, _lamb_one_launch_from_env,  # noqa: F401
                                    _lamb_stage1_kernel, _lamb_stage2_kernel, _schedule, lamb_fused, lamb_stage1,
                                    lamb_stage2)
 from zerofuse.kernels.multi_tensor import (BLOCK, STREAM, _NUM_WARPS, Launch, _blocks, _go, _grad_mult, _ld,  # noqa: F401
-                                           _next_owner, _ptr, _span, _st, _steps_kernel, _store_param, _Table,
-                                           emulate_rne, flag)
+                                           _ptr, _st, _steps_kernel, _store_param, _Table, _visit, flag)
 
 # ------------------------------------------------------------------------------------ Adam / AdamW
 
@@ -63,10 +63,8 @@ def _adam_kernel(META, OWN, CONSTS, n, nblocks, MULT, FOUND, P_TY: tl.constexpr,
         decay = (1.0 - lr * wd).to(tl.float32)
         b1, b2, wd = beta1.to(tl.float32), beta2.to(tl.float32), wd.to(tl.float32)
         first, stride, t_next = _blocks(OWN, nblocks)
-        for b in range(first, nblocks, stride):
-            t = t_next
-            t_next = _next_owner(OWN, b, stride, nblocks, False)
-            start, numel = _span(META, n, t, b, BLOCK)
+        for i in range(first, nblocks, stride):
+            b, t, t_next, start, numel = _visit(META, OWN, n, i, stride, nblocks, t_next, BLOCK, False)
             P = _ptr(META, 3, n, t, P_TY, ALIGNED)
             G = _ptr(META, 4, n, t, G_TY, ALIGNED)
             M = _ptr(META, 5, n, t, tl.float32, ALIGNED)
@@ -106,10 +104,8 @@ def _lars_kernel(META, OWN, CONSTS, n, nblocks, PNORMS, GNORMS, MULT, FOUND, P_T
         tc, eps = tl.load(CONSTS + 3), tl.load(CONSTS + 4)
         m32, wd32 = momentum.to(tl.float32), wd.to(tl.float32)
         first, stride, t_next = _blocks(OWN, nblocks)
-        for b in range(first, nblocks, stride):
-            t = t_next
-            t_next = _next_owner(OWN, b, stride, nblocks, False)
-            start, numel = _span(META, n, t, b, BLOCK)
+        for i in range(first, nblocks, stride):
+            b, t, t_next, start, numel = _visit(META, OWN, n, i, stride, nblocks, t_next, BLOCK, False)
             row = tl.load(META + 2 * (n + 1) + t)
             pn = tl.load(PNORMS + row).to(tl.float64)
             gn = tl.load(GNORMS + row).to(tl.float64)
@@ -153,7 +149,7 @@ def adam(launch: Launch, *, lr, beta1, beta2, eps, weight_decay, decoupled, maxi
             _adam_kernel[(table.programs,)](
                 table.meta, table.own, consts, table.n, table.blocks, mult, found, P_TY=p_ty, G_TY=g_ty,
                 HAS_MASTER=has_master, HAS_MULT=mult is not None, HAS_FOUND=found is not None, DECOUPLED=decoupled,
-                MAXIMIZE=maximize, ALIGNED=table.aligned, BLOCK=table.block, EMULATE_RNE=emulate_rne(),
+                MAXIMIZE=maximize, ALIGNED=table.aligned, BLOCK=table.block, EMULATE_RNE=interpreted(),
                 num_warps=table.warps,
             )
 
@@ -176,5 +172,5 @@ def lars(launch: Launch, norms: torch.Tensor, *, lr, momentum, weight_decay, tru
             _lars_kernel[(table.programs,)](
                 table.meta, table.own, consts, table.n, table.blocks, pnorms, gnorms, mult, found, P_TY=p_ty,
                 G_TY=g_ty, HAS_MASTER=has_master, HAS_MULT=mult is not None, HAS_FOUND=found is not None,
-                ALIGNED=table.aligned, BLOCK=table.block, EMULATE_RNE=emulate_rne(), num_warps=table.warps,
+                ALIGNED=table.aligned, BLOCK=table.block, EMULATE_RNE=interpreted(), num_warps=table.warps,
             )

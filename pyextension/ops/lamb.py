@@ -104,7 +104,8 @@ def _run(launch, lr, beta1, beta2, eps, weight_decay, bias_correction, trust_mod
     kw = dict(beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction,
               has_master=has_master, found_inf=found_inf)
     K.lamb_stage1(launch, norms, grad_mult=grad_mult, **kw)
-    K.lamb_stage2(launch, norms, lr=lr, trust_mode=trust_mode, min_trust=min_trust, max_trust=max_trust, **kw)
+    K.lamb_stage2(launch, norms, lr=lr, trust_mode=trust_mode, min_trust=min_trust, max_trust=max_trust,
+                  rows_ready=True, **kw)
 
 
 LIB.impl("lamb_", _lamb_triton, "CUDA")

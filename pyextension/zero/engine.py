@@ -258,7 +258,6 @@ class ZeroEngine(ExpertLayout, Stage3Hooks):
             if p.grad is not None:
                 unit, i = self.unit_of[id(p)]
                 unit.defer(i)
-                unit.ready += 1
                 pending = True
         if pending:
             self._final_queued = True  # ended here, not by an autograd callback
