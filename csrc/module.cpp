@@ -36,6 +36,33 @@ py::dict build_info() {
   return d;
 }
 
+// [Note: no GIL in the communicator's destructor] The last reference to a Communicator is usually
+// dropped by Python, with the GIL held, and its destructor joins the transport's threads (the gloo
+// p2p poster, the delayed-launch chain of tests, the NCCL watchdog). Those threads drop tensors,
+// and dropping the last reference to a tensor that Python has let go of takes the GIL: joined with
+// the GIL held, they wait for it forever (CI 2026-11-26: a pipeline rank hung at the end of its
+// run, its main thread in the destructor, one thread with no Python frame). As torch's c10d
+// bindings do for their process groups, the destructor runs with the GIL released.
+struct DeleteWithoutGil {
+  void operator()(Communicator* c) const {
+    if (PyGILState_Check()) {
+      py::gil_scoped_release nogil;
+      delete c;
+    } else {
+      delete c;
+    }
+  }
+};
+
+std::shared_ptr<Communicator> make_communicator(c10::intrusive_ptr<c10d::ProcessGroup> pg,
+                                                c10::intrusive_ptr<c10d::Store> store, const std::string& transport,
+                                                const std::string& key, double timeout_s, double debug_delay_ms) {
+  py::gil_scoped_release nogil;
+  return std::shared_ptr<Communicator>(
+      new Communicator(std::move(pg), std::move(store), transport, key, timeout_s, debug_delay_ms),
+      DeleteWithoutGil());
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -57,10 +84,8 @@ PYBIND11_MODULE(_C, m) {
 
   using Tensors = std::vector<at::Tensor>;
   py::class_<Communicator, std::shared_ptr<Communicator>>(m, "_Communicator")
-      .def(py::init<c10::intrusive_ptr<c10d::ProcessGroup>, c10::intrusive_ptr<c10d::Store>, const std::string&,
-                    const std::string&, double, double>(),
-           py::arg("group"), py::arg("store"), py::arg("transport"), py::arg("key"), py::arg("timeout_s"),
-           py::arg("debug_delay_ms"), py::call_guard<py::gil_scoped_release>())
+      .def(py::init(&make_communicator), py::arg("group"), py::arg("store"), py::arg("transport"), py::arg("key"),
+           py::arg("timeout_s"), py::arg("debug_delay_ms"))
       .def_property_readonly("rank", &Communicator::rank)
       .def_property_readonly("world_size", &Communicator::world_size)
       .def_property_readonly("transport", &Communicator::transport_name)

@@ -146,3 +146,4 @@ def _pair_only_rank(rank, ws):
     comm.recv(got, peer).wait()
     comm.send(got * 2, peer).wait()
     return torch.equal(got, torch.arange(11.0))
+
