@@ -13,8 +13,9 @@ cProfile's top Python functions.
 --stub-kernels measures, on any machine, the host side of the CUDA path of the norm and attention
 faces (tiny shapes, against torch's on the CPU) and of the optimizer steps:
 CPU tensors go through the Triton path (ZEROFUSE_TRITON_ON_CPU=1) with every optimizer kernel
-launch replaced by a no-op (the step counters' kernel included). What it leaves out: the launches themselves (Triton's launcher, ~10-30 us each on a GPU
-host) and CUDA's copies of the tables.
+launch replaced by a no-op (the step counters' kernel included). What it leaves out: the launches
+themselves and CUDA's copies of the tables; the launch path (JITFunction.run against a handle,
+[Note: launch handles]) is timed on its own, with the compiled launcher a no-op.
 """
 from __future__ import annotations
 
@@ -138,6 +139,77 @@ def _stubbed_attention(calls: int) -> None:
                    lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), calls)
 
 
+def _launch_paths(calls: int) -> None:
+    """[Note: launch handles] offline: the LayerNorm forward's launch (4096 x 1024 fp32, weight and
+    bias) through JITFunction.run and through a handle, each whole but for the compiled launcher
+    (no GPU here): a no-op in its place that calls the launch hooks as Triton's C launcher does, a
+    driver answering device 0 / stream 0 / sm_90, the kernel compiled by neither (a stand-in
+    CompiledKernel in the JIT's cache and in the handle)."""
+    from unittest import mock
+
+    from triton import knobs
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime.driver import driver
+    from triton.runtime.jit import JITFunction
+
+    from zerofuse import _C
+    from zerofuse.kernels import launch as L
+    from zerofuse.kernels import norms as K
+
+    class Driver:
+        get_current_device = staticmethod(lambda: 0)
+        get_current_stream = staticmethod(lambda device: 0)
+        get_current_target = staticmethod(lambda: GPUTarget("cuda", 90, 32))
+
+    class Compiled:  # what the JIT's cache holds once compiled: CompiledKernel's launch-time face
+        function, packed_metadata, name = 0, (), "norm_fwd"
+
+        @staticmethod
+        def run(g0, g1, g2, stream, function, packed, metadata, enter, leave, *args):
+            if enter is not None:
+                enter(metadata)
+            if leave is not None:
+                leave(metadata)
+
+        def launch_metadata(self, grid, stream, *args):  # CompiledKernel's, less _init_handles
+            if knobs.runtime.launch_enter_hook is None:
+                return None
+            from triton.compiler.compiler import LazyDict
+            return LazyDict({"name": self.name, "function": self.function, "stream": stream})
+
+    jf = JITFunction(K._norm_fwd_kernel.fn)
+    x = torch.randn(4096, 1024)
+    w, b, y, mean, rstd = torch.randn(1024), torch.randn(1024), torch.empty_like(x), torch.empty(4096), torch.empty(4096)
+    args = (x, None, None, y, w, b, mean, rstd, 4096, 1024, 1e-5)
+    consts = dict(BLOCK_M=4, BLOCK_N=1024, num_warps=4, HAS_RES=False, HAS_W=True, HAS_B=True, IS_RMS=False,
+                  EMULATE_RNE=False)
+
+    def compile_(self, key, *a, **kw):
+        self.device_caches[0][0][key] = Compiled()
+        return self.device_caches[0][0][key]
+
+    cpu = torch.device("cpu")
+    driver.set_active(Driver())
+    try:
+        with mock.patch.object(JITFunction, "_do_compile", compile_), \
+                mock.patch.object(torch._C, "_cuda_getDevice", lambda: 0, create=True), \
+                mock.patch.object(torch._C, "_cuda_getCurrentRawStream", lambda d: 0, create=True):
+            key = (id(jf), 0, tuple(consts.items()), _C.launch_key(args))
+            L.HANDLES[key] = L.Handle(jf, Compiled(), L.tail_args(jf, len(args), consts))
+            jit = lambda: jf[(1024,)](*args, **consts)  # noqa: E731
+            handle = lambda: L._launch_handle(jf, (1024,), args, consts)  # noqa: E731
+            for _ in range(200):
+                jit()
+                handle()
+            assert L.HANDLES[key].hits >= 200  # the handle launched, not the JIT
+            j, h = (_median_seconds(fn, cpu, calls) * 1e6 for fn in (jit, handle))
+            del L.HANDLES[key]
+    finally:
+        driver.reset_active() if driver._default is not None else driver.set_active(None)
+    print(f"launch of the LayerNorm forward (11 args, 8 constexprs/options), the compiled launcher a no-op: "
+          f"JITFunction.run {j:.1f} us, handle {h:.1f} us per call ({j / h:.1f}x; median of {calls})")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -147,6 +219,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.stub_kernels:
         torch.set_num_threads(1)
+        _launch_paths(max(args.calls, 2000))  # first: the others stub the kernels out
         _stubbed_norms(max(args.calls, 2000))
         _stubbed_attention(max(args.calls, 2000))
         _stubbed_optimizer_steps(args.calls)
@@ -155,12 +228,18 @@ def main(argv=None) -> int:
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
+    from zerofuse.kernels import launch as L
+
     for name, ours, theirs in _cases(device):
         for _ in range(10):  # warm-up: compilation, autotuning, state allocation
             ours()
             theirs()
+        L.MODE = "jit"  # [Note: launch handles]: every launch through JITFunction.run, then through handles
+        zj = _median_seconds(ours, device, args.calls) * 1e6
+        L.MODE = "handles"
         z, t = (_median_seconds(fn, device, args.calls) * 1e6 for fn in (ours, theirs))
-        print(f"\n=== {name}: zerofuse {z:.1f} us, torch {t:.1f} us per call (median of {args.calls}, synchronised)")
+        print(f"\n=== {name}: zerofuse {z:.1f} us (launches through the JIT: {zj:.1f} us), torch {t:.1f} us per call "
+              f"(median of {args.calls}, synchronised)")
         with torch.profiler.profile(activities=activities) as prof:
             for _ in range(20):
                 ours()

@@ -27,6 +27,7 @@ import triton.language as tl
 
 from zerofuse.kernels import interpreted
 from zerofuse.kernels.common import cdiv, next_power_of_2
+from zerofuse.kernels.launch import launch_triton
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -209,7 +210,8 @@ def _launch(kernel, tuned, grid, *args, tune_key: tuple = (), **consts):
     length classes, D, causal, dtype), autotuned on its first call ([Note: tuned configs by length class])."""
     if interpreted():
         bm, bn = INTERPRETER_BLOCKS
-        kernel[grid({"BLOCK_M": bm, "BLOCK_N": bn})](*args, BLOCK_M=bm, BLOCK_N=bn, UPCAST=True, num_warps=4, **consts)
+        launch_triton(kernel, grid({"BLOCK_M": bm, "BLOCK_N": bn}), *args, BLOCK_M=bm, BLOCK_N=bn, UPCAST=True,
+                      num_warps=4, **consts)
         return
     key = (kernel, *tune_key)
     meta = _CHOSEN.get(key)
@@ -217,7 +219,7 @@ def _launch(kernel, tuned, grid, *args, tune_key: tuple = (), **consts):
         tuned[grid](*args, UPCAST=False, **consts)  # benchmarks the configs, launches the best
         _CHOSEN[key] = tuned.best_config.all_kwargs()  # (BLOCK_M, BLOCK_N, num_warps, num_stages, ...)
         return
-    kernel[grid(meta)](*args, UPCAST=False, **meta, **consts)
+    launch_triton(kernel, grid(meta), *args, UPCAST=False, **meta, **consts)
 
 
 def check_like_query(q, k, v, fn: str) -> None:

@@ -23,6 +23,7 @@ from zerofuse.kernels import colsum, interpreted
 from zerofuse.kernels.colsum import _last_sums
 from zerofuse.kernels.common import _cast, cdiv, next_power_of_2, sm_count
 from zerofuse.kernels.swiglu import _act_and_grad
+from zerofuse.kernels.launch import launch_triton
 
 
 @triton.jit
@@ -82,8 +83,8 @@ def bias_gelu_fwd(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     m = x.numel() // n if n else 0
     if m:
         block_m, block_n = _bwd_tiles(n)
-        _bias_gelu_fwd_kernel[(cdiv(m, block_m), cdiv(n, block_n))](x, bias, y, m, n, BLOCK_M=block_m, BLOCK_N=block_n,
-                                                                     EMULATE_RNE=interpreted(), num_warps=4)
+        launch_triton(_bias_gelu_fwd_kernel, (cdiv(m, block_m), cdiv(n, block_n)), x, bias, y, m, n, BLOCK_M=block_m,
+                      BLOCK_N=block_n, EMULATE_RNE=interpreted(), num_warps=4)
     return y
 
 
@@ -107,7 +108,7 @@ def bias_gelu_bwd(dy: torch.Tensor, x: torch.Tensor, bias: torch.Tensor) -> tupl
     db = torch.empty_like(bias) if one else None
     counter = colsum.arrival_counter(x.device) if one else None
     sum_p, sum_n = colsum.blocks(parts, n)
-    _bias_gelu_bwd_kernel[(parts, col_blocks)](
+    launch_triton(_bias_gelu_bwd_kernel, (parts, col_blocks),
         dy, x, bias, dx, part, db, counter, m, n, rows_per_program, parts,
         BLOCK_M=block_m, BLOCK_N=block_n, EMULATE_RNE=interpreted(), ONE_LAUNCH=one, SUM_P=sum_p, SUM_N=sum_n,
         num_warps=4 if block_m * block_n <= 4096 else 8,

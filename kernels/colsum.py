@@ -25,6 +25,7 @@ import triton.language as tl
 
 from zerofuse.kernels import interpreted
 from zerofuse.kernels.common import _cast, cdiv, next_power_of_2
+from zerofuse.kernels.launch import launch_triton
 
 # Partials one program may sum at the end of a kernel: 256K fp32 (1 MiB, from L2), e.g. 341 parts of
 # a 768-wide row. Beyond it the second launch's parallel column blocks win. A first guess from the
@@ -133,6 +134,6 @@ def sum_partials(part: torch.Tensor | None, dtype: torch.dtype | None) -> torch.
     n_parts, n = part.shape
     out = torch.empty(n, device=part.device, dtype=dtype)
     block_p, block_n = blocks(n_parts, n)
-    _sum_partials_kernel[(cdiv(n, block_n),)](part, out, n_parts, n, BLOCK_P=block_p, BLOCK_N=block_n,
-                                              EMULATE_RNE=interpreted())
+    launch_triton(_sum_partials_kernel, (cdiv(n, block_n),), part, out, n_parts, n, BLOCK_P=block_p, BLOCK_N=block_n,
+                  EMULATE_RNE=interpreted())
     return out

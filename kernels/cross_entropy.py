@@ -26,6 +26,7 @@ import triton.language as tl
 
 from zerofuse.kernels import interpreted
 from zerofuse.kernels.common import _cast, _tanh, _tanh_sech2, next_power_of_2
+from zerofuse.kernels.launch import launch_triton
 
 
 @triton.jit
@@ -100,7 +101,7 @@ def ce_rows(z: torch.Tensor, target: torch.Tensor, scale: torch.Tensor | None, l
     if rows == 0:
         return
     block = _block_v(v)
-    _ce_kernel[(rows,)](
+    launch_triton(_ce_kernel, (rows,),
         z, z.stride(0), target, scale if grad else lse, lse, tz if stats else lse, sz if stats else lse,
         v, vocab_total, vocab_start, float(smoothing), float(z_loss), float(softcap or 1.0),
         STATS=stats, GRAD=grad, HAS_SOFTCAP=bool(softcap), BLOCK_V=block, EMULATE_RNE=interpreted(),

@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from zerofuse.kernels.multi_tensor import KEEP, Launch, _blocks, _go, _ld, _ptr, _Table, _visit, flag
+from zerofuse.kernels.launch import launch_triton
 
 
 @triton.jit
@@ -83,8 +84,8 @@ def _clip_kernel(PART, nblocks, OUT, SCALE, FOUND, max_norm, eps, HAS_SCALE: tl.
 def segment_sums(table: _Table, part: torch.Tensor, out: torch.Tensor, found: torch.Tensor | None) -> None:
     """out[index[t]] = the sums of part's rows over each tensor t's blocks (_segment_sum_kernel)."""
     if table.n:
-        _segment_sum_kernel[(table.n,)](table.meta, table.n, part, out, found, HAS_FOUND=found is not None,
-                                        WIDTH=part.shape[1], BLOCK_P=1024)
+        launch_triton(_segment_sum_kernel, (table.n,), table.meta, table.n, part, out, found,
+                      HAS_FOUND=found is not None, WIDTH=part.shape[1], BLOCK_P=1024)
 
 
 def block_sums(launch: Launch) -> tuple[torch.Tensor, list[torch.Tensor], int]:
@@ -102,8 +103,8 @@ def block_sums(launch: Launch) -> tuple[torch.Tensor, list[torch.Tensor], int]:
     flat, views, total = launch.block_sum_buf
     for (table, x_ty, _), part in zip(launch.groups, views):
         if table.blocks:
-            _sum_squares_kernel[(table.programs,)](table.meta, table.own, table.n, table.blocks, part, X_TY=x_ty,
-                                                   ALIGNED=table.aligned, BLOCK=table.block, num_warps=table.warps)
+            launch_triton(_sum_squares_kernel, (table.programs,), table.meta, table.own, table.n, table.blocks, part,
+                          X_TY=x_ty, ALIGNED=table.aligned, BLOCK=table.block, num_warps=table.warps)
     return flat, views, total
 
 
@@ -133,6 +134,7 @@ def clip_inputs(launch: Launch, max_norm: float, grad_scale: torch.Tensor | None
     scale, found = flag(grad_scale, "grad_scale", device), flag(found_inf, "found_inf", device)
     flat, _, nblocks = block_sums(launch)
     out = torch.empty(3, device=device, dtype=torch.float32)
-    _clip_kernel[(1,)](flat, nblocks, out, scale, found, float(max_norm), float(eps or 0.0), HAS_SCALE=scale is not None,
-                       HAS_FOUND=found is not None, TORCH_RULE=eps is not None, BLOCK_P=1024, num_warps=4)
+    launch_triton(_clip_kernel, (1,), flat, nblocks, out, scale, found, float(max_norm), float(eps or 0.0),
+           HAS_SCALE=scale is not None, HAS_FOUND=found is not None, TORCH_RULE=eps is not None, BLOCK_P=1024,
+           num_warps=4)
     return out[2:3], out[1:2], out[0:1]

@@ -16,6 +16,7 @@ import triton.language as tl
 
 from zerofuse.kernels import interpreted
 from zerofuse.kernels.l2norm import _sum_blocks, segment_sums
+from zerofuse.kernels.launch import launch_triton
 from zerofuse.kernels.multi_tensor import (KEEP, STREAM, Launch, _blocks, _go, _grad_mult, _kept, _ld,
                                            _ptr, _st, _store_param, _visit, flag, upload)
 
@@ -212,7 +213,7 @@ def lamb_stage1(launch: Launch, norms: torch.Tensor, *, beta1, beta2, eps, weigh
     for g, (table, p_ty, g_ty) in enumerate(launch.groups):
         part = launch.part(g, 2)
         if table.blocks:
-            _lamb_stage1_kernel[(table.programs,)](
+            launch_triton(_lamb_stage1_kernel, (table.programs,),
                 table.meta, table.own, consts, table.n, table.blocks, mult, found, part, P_TY=p_ty, G_TY=g_ty,
                 HAS_MASTER=has_master, HAS_MULT=mult is not None, HAS_FOUND=found is not None,
                 BIAS_CORRECTION=bias_correction, ALIGNED=table.aligned, BLOCK=table.block, num_warps=table.warps,
@@ -232,7 +233,7 @@ def lamb_stage2(launch: Launch, norms: torch.Tensor, *, lr, beta1, beta2, eps, w
         launch.advance(consts, found, b1_at=_B1_AT, advance=False)
     for table, p_ty, _ in launch.groups:
         if table.blocks:
-            _lamb_stage2_kernel[(table.programs,)](
+            launch_triton(_lamb_stage2_kernel, (table.programs,),
                 table.meta, table.own, consts, table.n, table.blocks, norms, found, P_TY=p_ty, HAS_MASTER=has_master,
                 HAS_FOUND=found is not None, BIAS_CORRECTION=bias_correction, PAPER=trust_mode == 0,
                 ALIGNED=table.aligned, BLOCK=table.block, EMULATE_RNE=interpreted(), num_warps=table.warps,
@@ -294,7 +295,7 @@ def lamb_fused(launch: Launch, *, lr, beta1, beta2, eps, weight_decay, bias_corr
     norms = torch.empty((launch.n, 2), device=device, dtype=torch.float32)
     for g, (table, p_ty, g_ty) in enumerate(launch.groups):
         if table.blocks:
-            _lamb_fused_kernel[(2 * table.blocks,)](
+            launch_triton(_lamb_fused_kernel, (2 * table.blocks,),
                 table.meta, table.own, _schedule(table.numels, table.block_starts, device), consts, table.n, mult, found,
                 launch.part(g, 2), norms,
                 launch.sync(g), P_TY=p_ty, G_TY=g_ty, HAS_MASTER=has_master, HAS_MULT=mult is not None,

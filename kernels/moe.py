@@ -20,6 +20,7 @@ import triton.language as tl
 
 from zerofuse.kernels import interpreted
 from zerofuse.kernels.common import _cast
+from zerofuse.kernels.launch import launch_triton
 
 
 @triton.jit
@@ -80,7 +81,7 @@ def gather_rows(x: torch.Tensor, src: torch.Tensor, k: int, dtype: torch.dtype) 
     """x [T, D] contiguous, src [R] int64 -> out [R, D] of dtype (permute)."""
     out = torch.empty(src.shape[0], x.shape[1], dtype=dtype, device=x.device)
     if out.numel():
-        _gather_rows_kernel[(src.shape[0],)](x, src, out, x.shape[1], K=k, BLOCK_D=_block_d(x.shape[1]),
+        launch_triton(_gather_rows_kernel, (src.shape[0],), x, src, out, x.shape[1], K=k, BLOCK_D=_block_d(x.shape[1]),
                                             EMULATE_RNE=interpreted(), num_warps=4)
     return out
 
@@ -90,8 +91,8 @@ def combine_rows(y: torch.Tensor, pos: torch.Tensor, w: torch.Tensor | None, dty
     t, k = pos.shape
     out = torch.empty(t, y.shape[1], dtype=dtype, device=y.device)
     if out.numel():
-        _combine_rows_kernel[(t,)](y, pos, w if w is not None else pos, out, y.shape[1], K=k, HAS_W=w is not None,
-                                  BLOCK_D=_block_d(y.shape[1]), EMULATE_RNE=interpreted(), num_warps=4)
+        launch_triton(_combine_rows_kernel, (t,), y, pos, w if w is not None else pos, out, y.shape[1], K=k,
+                      HAS_W=w is not None, BLOCK_D=_block_d(y.shape[1]), EMULATE_RNE=interpreted(), num_warps=4)
     return out
 
 
@@ -100,6 +101,6 @@ def unpermute_bwd(dout: torch.Tensor, y: torch.Tensor, src: torch.Tensor, w: tor
     dy = torch.empty_like(y)
     dw = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
     if y.shape[0] and y.shape[1]:
-        _unpermute_bwd_kernel[(y.shape[0],)](dout, y, src, w, dy, dw, y.shape[1], K=w.shape[1],
-                                            BLOCK_D=_block_d(y.shape[1]), EMULATE_RNE=interpreted(), num_warps=4)
+        launch_triton(_unpermute_bwd_kernel, (y.shape[0],), dout, y, src, w, dy, dw, y.shape[1], K=w.shape[1],
+                      BLOCK_D=_block_d(y.shape[1]), EMULATE_RNE=interpreted(), num_warps=4)
     return dy, dw

@@ -48,6 +48,7 @@ import triton
 import triton.language as tl
 
 from zerofuse.kernels.common import _cast, cdiv, sm_count, upload
+from zerofuse.kernels.launch import launch_triton
 
 BLOCK = 2048
 _NUM_WARPS = 8
@@ -351,8 +352,8 @@ class Launch:
         consts (beta1 at b1_at, beta2 after it, lr at lr_at)."""
         if not self.steps:
             return
-        _steps_kernel[(1,)](self.step_ptrs, len(self.steps), consts, self.step_rows, found, B1_AT=b1_at, LR_AT=lr_at,
-                            ADVANCE=advance, HAS_FOUND=found is not None, BLOCK_K=128, num_warps=4)
+        launch_triton(_steps_kernel, (1,), self.step_ptrs, len(self.steps), consts, self.step_rows, found, B1_AT=b1_at,
+                      LR_AT=lr_at, ADVANCE=advance, HAS_FOUND=found is not None, BLOCK_K=128, num_warps=4)
 
     def sync(self, g: int) -> torch.Tensor:
         """The one-launch LAMB's counters of group g (ticket, per tensor: stage-1 blocks done, norms

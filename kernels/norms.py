@@ -29,6 +29,7 @@ from zerofuse.kernels import interpreted
 from zerofuse.kernels import colsum, norms_wide
 from zerofuse.kernels.colsum import _last_sums
 from zerofuse.kernels.common import _cast, cdiv, next_power_of_2, sm_count
+from zerofuse.kernels.launch import launch_triton
 
 MAX_HIDDEN = 65536
 
@@ -164,10 +165,10 @@ def norm_fwd(x, weight, bias, residual, eps: float, is_rms: bool):
     flags = dict(HAS_RES=residual is not None, HAS_W=weight is not None, HAS_B=bias is not None, IS_RMS=is_rms,
                  EMULATE_RNE=interpreted())
     if block_n >= norms_wide.FWD_MIN_BLOCK:  # a row in chunks (kernels/norms_wide.py)
-        norms_wide._norm_fwd_wide_kernel[(m,)](x, residual, h, y, weight, bias, mean, rstd, m, n, eps,
-                                                CHUNK=norms_wide.CHUNK, num_warps=8, **flags)
+        launch_triton(norms_wide._norm_fwd_wide_kernel, (m,), x, residual, h, y, weight, bias, mean, rstd, m, n, eps,
+                      CHUNK=norms_wide.CHUNK, num_warps=8, **flags)
         return y, h, mean, rstd
-    _norm_fwd_kernel[(cdiv(m, block_m),)](
+    launch_triton(_norm_fwd_kernel, (cdiv(m, block_m),),
         x, residual, h, y, weight, bias, mean, rstd, m, n, eps,
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, **flags,
     )
@@ -205,11 +206,11 @@ def norm_bwd(dy, dh, x, weight, bias, mean, rstd, is_rms: bool, dr_dtype: torch.
                  IS_RMS=is_rms, EMULATE_RNE=interpreted(), ONE_LAUNCH=one, SUM_P=sum_p, SUM_N=sum_n)
     if wide:
         terms = torch.empty(2 * m, device=x.device, dtype=torch.float32)  # c1, c2 of each row
-        norms_wide._norm_bwd_wide_kernel[(progs,)](
+        launch_triton(norms_wide._norm_bwd_wide_kernel, (progs,),
             dy, dh, x, weight, mean, rstd, dx, dw_part, db_part, dr_part, dw, db, dr, counter, terms, m, n,
             rows_per_program, progs, CHUNK=norms_wide.CHUNK, num_warps=8, **flags)
     else:
-        _norm_bwd_kernel[(progs,)](
+        launch_triton(_norm_bwd_kernel, (progs,),
             dy, dh, x, weight, mean, rstd, dx, dw_part, db_part, dr_part, dw, db, dr, counter, m, n,
             rows_per_program, progs, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, **flags)
     if one:

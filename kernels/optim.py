@@ -18,6 +18,7 @@ from zerofuse.kernels.l2norm import (_clip_kernel, _segment_sum_kernel, _sum_squ
 from zerofuse.kernels.lamb import (LAMB_ONE_LAUNCH, _lamb_fused_kernel, _lamb_one_launch_from_env,  # noqa: F401
                                    _lamb_stage1_kernel, _lamb_stage2_kernel, _schedule, lamb_fused, lamb_stage1,
                                    lamb_stage2)
+from zerofuse.kernels.launch import launch_triton
 from zerofuse.kernels.multi_tensor import (BLOCK, STREAM, _NUM_WARPS, Launch, _blocks, _go, _grad_mult, _ld,  # noqa: F401
                                            _ptr, _st, _steps_kernel, _store_param, _Table, _visit, flag)
 
@@ -146,7 +147,7 @@ def adam(launch: Launch, *, lr, beta1, beta2, eps, weight_decay, decoupled, maxi
     launch.advance(consts, found, b1_at=1, lr_at=0)
     for table, p_ty, g_ty in launch.groups:
         if table.blocks:
-            _adam_kernel[(table.programs,)](
+            launch_triton(_adam_kernel, (table.programs,),
                 table.meta, table.own, consts, table.n, table.blocks, mult, found, P_TY=p_ty, G_TY=g_ty,
                 HAS_MASTER=has_master, HAS_MULT=mult is not None, HAS_FOUND=found is not None, DECOUPLED=decoupled,
                 MAXIMIZE=maximize, ALIGNED=table.aligned, BLOCK=table.block, EMULATE_RNE=interpreted(),
@@ -169,7 +170,7 @@ def lars(launch: Launch, norms: torch.Tensor, *, lr, momentum, weight_decay, tru
     pnorms, gnorms = norms[:launch.n], norms[launch.n:]
     for table, p_ty, g_ty in launch.groups:
         if table.blocks:
-            _lars_kernel[(table.programs,)](
+            launch_triton(_lars_kernel, (table.programs,),
                 table.meta, table.own, consts, table.n, table.blocks, pnorms, gnorms, mult, found, P_TY=p_ty,
                 G_TY=g_ty, HAS_MASTER=has_master, HAS_MULT=mult is not None, HAS_FOUND=found is not None,
                 ALIGNED=table.aligned, BLOCK=table.block, EMULATE_RNE=interpreted(), num_warps=table.warps,

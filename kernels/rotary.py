@@ -18,6 +18,7 @@ import triton.language as tl
 
 from zerofuse.kernels import interpreted
 from zerofuse.kernels.common import _cast, next_power_of_2
+from zerofuse.kernels.launch import launch_triton
 
 
 @triton.jit
@@ -71,7 +72,7 @@ def rope(x: torch.Tensor, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     block_r = next_power_of_2(half)
     block_h = max(1, min(next_power_of_2(h), 64 if interpreted() else max(1, 4096 // block_r)))
     pos = positions if positions is not None else cos
-    _rope_kernel[(b * n,)](
+    launch_triton(_rope_kernel, (b * n,),
         x, out, cos, sin, pos, n, h, *x.stride()[:3], *out.stride()[:3], cos.stride(0),
         *(positions.stride() if positions is not None else (0, 0)),
         HALF=half, BLOCK_H=block_h, BLOCK_R=block_r, INTERLEAVED=interleaved, HAS_POS=positions is not None,

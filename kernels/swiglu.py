@@ -19,6 +19,7 @@ import triton.language as tl
 
 from zerofuse.kernels import interpreted
 from zerofuse.kernels.common import _cast, _tanh_sech2, cdiv
+from zerofuse.kernels.launch import launch_triton
 
 ACTIVATIONS = ("silu", "gelu_tanh")
 _K = 0.7978845608028654  # sqrt(2 / pi)
@@ -75,8 +76,8 @@ def swiglu_fwd(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.T
     n = gate.numel()
     if n:
         block = _block()
-        _swiglu_fwd_kernel[(cdiv(n, block),)](gate, up, y, n, GELU=activation == "gelu_tanh", BLOCK=block,
-                                             EMULATE_RNE=interpreted(), num_warps=4)
+        launch_triton(_swiglu_fwd_kernel, (cdiv(n, block),), gate, up, y, n, GELU=activation == "gelu_tanh",
+                      BLOCK=block, EMULATE_RNE=interpreted(), num_warps=4)
     return y
 
 
@@ -86,6 +87,6 @@ def swiglu_bwd(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activatio
     n = gate.numel()
     if n:
         block = _block()
-        _swiglu_bwd_kernel[(cdiv(n, block),)](dy, gate, up, dg, du, n, GELU=activation == "gelu_tanh", BLOCK=block,
-                                             EMULATE_RNE=interpreted(), num_warps=4)
+        launch_triton(_swiglu_bwd_kernel, (cdiv(n, block),), dy, gate, up, dg, du, n, GELU=activation == "gelu_tanh",
+                      BLOCK=block, EMULATE_RNE=interpreted(), num_warps=4)
     return dg, du

@@ -1,0 +1,113 @@
+"""Launching a Triton kernel: ``launch_triton(kernel, grid, *args, **consts)`` is ``kernel[grid](*args,
+**consts)``, and on CUDA (``MODE == "handles"``) the compiled kernel's own launcher called directly
+once the JIT has compiled and launched the kernel for that specialization.
+
+[Note: launch handles] ``JITFunction.run`` spends, per call and before the launch itself, ~7 us
+binding the arguments and specializing each one (generated Python calling the native
+specializer), ~3.4 us turning the specialization and the options into its cache key (a tuple and
+``str(options)``), and the current device/stream queries (measured on this project's CPU,
+Triton 3.6, the LayerNorm forward's 11 arguments: 9.8 us for the binder and the key). A handle is
+the ``CompiledKernel`` the JIT returned for the first call of a key of ours, with the constant
+tail of its argument list: later calls with the same key call its launcher with
+(grid, stream, function, metadata, args..., tail...) as the JIT would.
+
+Our key must change whenever Triton's specialization would (else a kernel compiled for 16-byte
+aligned pointers would run on unaligned ones): per argument (zerofuse._C.launch_key, in C++: the
+same in Python took 2.5 us for 11 arguments), a tensor's dtype and whether its address is a
+multiple of 16; an int's range class (i32 / i64 / u64) and whether it is 1 or a multiple of 16; a
+bool's value; for floats and None the type; and the constexprs and options verbatim.
+That is every property Triton 3.6's specializer reads and some it does not (more keys, never
+fewer): tests/test_launch.py holds the key against Triton's own binder on CPU for the kernels'
+argument kinds, and the argument list handed to the launcher against the binder's. Anything else
+(a launch hook set, a tensor descriptor, an argument type not listed) goes through the JIT.
+Without a hook the launcher gets None for the hooks and their metadata; the JIT passes Triton
+3.6's empty hook chains, which the launcher then calls, after building the metadata dict.
+
+``MODE`` ("handles" by default; ``ZEROFUSE_TRITON_LAUNCH=jit`` launches every call through the
+JIT) has not yet run on a GPU: no GPU was lent since it was written. The argument lists are
+checked on CPU for every launch site against Triton's binder; tests/test_launch.py's GPU test
+compares the outputs bit for bit with the JIT's, and bench/profile_host.py times both on CUDA.
+A handle also ignores a later change of ``triton.knobs.runtime.debug`` (an option the JIT keys).
+"""
+from __future__ import annotations
+
+import inspect
+import os
+
+import torch
+from triton import knobs
+from triton.runtime.jit import JITFunction
+
+from zerofuse import _C
+from zerofuse.kernels import _INTERPRETED
+
+MODE = os.environ.get("ZEROFUSE_TRITON_LAUNCH", "handles")
+if MODE not in ("jit", "handles"):
+    raise ValueError(f"ZEROFUSE_TRITON_LAUNCH: expected 'jit' or 'handles', got {MODE!r}")
+
+
+def _hooked(chain) -> bool:
+    """Whether a launch hook (a profiler's) is set: then the JIT launches, with its metadata."""
+    return chain is not None and bool(getattr(chain, "calls", True))
+
+
+class Handle:
+    """One compiled specialization of a kernel: its launcher and the constant end of its argument list."""
+
+    __slots__ = ("kernel", "run", "function", "packed", "tail", "hits")
+
+    def __init__(self, kernel, compiled, tail: tuple):
+        self.kernel = kernel
+        self.run, self.function, self.packed = compiled.run, compiled.function, compiled.packed_metadata
+        self.tail, self.hits = tail, 0
+
+
+HANDLES: dict[tuple, Handle] = {}  # (id(kernel), device, consts, argument keys) -> Handle
+
+
+def tail_args(kernel, n_args: int, consts: dict) -> tuple:
+    """The values the JIT binds to the parameters after the ``n_args`` positional ones (from
+    ``consts``, which may also hold launch options, or the parameter's default), in signature
+    order: the end of the launcher's argument list."""
+    out = []
+    for p in kernel.params[n_args:]:
+        if p.name in consts:
+            out.append(consts[p.name])
+        elif p.default is not inspect.Parameter.empty:
+            out.append(p.default)
+        else:
+            raise TypeError(f"{kernel.__name__}: missing argument {p.name!r}")
+    return tuple(out)
+
+
+def launch_triton(kernel, grid, *args, **consts):
+    """``kernel[grid](*args, **consts)``; on CUDA under MODE "handles", through a handle after the
+    first call of each specialization ([Note: launch handles])."""
+    if MODE == "jit" or _INTERPRETED:
+        return kernel[grid](*args, **consts)
+    return _launch_handle(kernel, grid, args, consts)
+
+
+def _launch_handle(kernel, grid, args, consts):
+    if not isinstance(kernel, JITFunction) or callable(grid):
+        return kernel[grid](*args, **consts)
+    device = torch._C._cuda_getDevice()  # torch.cuda.current_device() less its Python wrapper
+    try:
+        keys = _C.launch_key(args)
+    except (TypeError, RuntimeError):
+        return kernel[grid](*args, **consts)
+    # id: a JITFunction hashes its source's cache key, and the Handle keeps the kernel alive
+    key = (id(kernel), device, tuple(consts.items()), keys)
+    h = HANDLES.get(key)
+    enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook  # Triton 3.6: HookChains
+    if h is None or _hooked(enter) or _hooked(leave):
+        compiled = kernel[grid](*args, **consts)
+        if h is None and compiled is not None:
+            HANDLES[key] = Handle(kernel, compiled, tail_args(kernel, len(args), consts))
+        return compiled
+    h.hits += 1
+    g1 = grid[1] if len(grid) > 1 else 1
+    g2 = grid[2] if len(grid) > 2 else 1
+    h.run(grid[0], g1, g2, torch._C._cuda_getCurrentRawStream(device), h.function, h.packed, None, None, None,
+          *args, *h.tail)
+    return None
