@@ -2,14 +2,15 @@
 **consts)``, and on CUDA (``MODE == "handles"``) the compiled kernel's own launcher called directly
 once the JIT has compiled and launched the kernel for that specialization.
 
-[Note: launch handles] ``JITFunction.run`` spends, per call and before the launch itself, ~7 us
-binding the arguments and specializing each one (generated Python calling the native
-specializer), ~3.4 us turning the specialization and the options into its cache key (a tuple and
-``str(options)``), and the current device/stream queries (measured on this project's CPU,
-Triton 3.6, the LayerNorm forward's 11 arguments: 9.8 us for the binder and the key). A handle is
+[Note: launch handles] ``JITFunction.run`` spends per call, before the compiled launcher runs,
+~10 us on this project's CPU for the LayerNorm forward's 11 arguments (Triton 3.6; about half in
+its generated binder, which specializes each argument, and the cache key it builds from that and
+``str(options)``; the rest in device/stream queries, the options dict and the launch-metadata dict
+it makes for Triton 3.6's launch hooks, which are HookChain objects, never None). A handle is
 the ``CompiledKernel`` the JIT returned for the first call of a key of ours, with the constant
 tail of its argument list: later calls with the same key call its launcher with
-(grid, stream, function, metadata, args..., tail...) as the JIT would.
+(grid, stream, function, metadata, args..., tail...) as the JIT would, ~2 us of Python in all
+(bench/results/cpu-2026-11-26/host_launch.md).
 
 Our key must change whenever Triton's specialization would (else a kernel compiled for 16-byte
 aligned pointers would run on unaligned ones): per argument (zerofuse._C.launch_key, in C++: the

@@ -155,6 +155,7 @@ def test_every_launch_is_keyed_and_binds_as_the_jit_does(monkeypatch):
             binders[kernel.fn] = _binder(kernel.fn)
         jf, binder = binders[kernel.fn]
         assert len(_C.launch_key(args)) == 2 * len(args)  # TypeError for a kind without a key
+        hash(tuple(consts.items()))  # the handle key's constexprs and options
         bound, _, _ = binder(*args, **consts, debug=False, instrumentation_mode="")
         want = list(bound.values())
         got = list(args) + list(L.tail_args(jf, len(args), consts))
