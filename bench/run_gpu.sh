@@ -70,6 +70,7 @@ run_phase() {
   "$py" -c "import torch, triton, sys; print('python', sys.version.split()[0]); print('torch', torch.__version__, 'cuda', torch.version.cuda); print('triton', triton.__version__)"
   nvcc --version | tail -1
   echo "phases: $phases"
+  env | grep '^ZEROFUSE_' | sort  # the switches a run was measured under (launch path, optimizer grid, ...)
 } >> "$out/env.txt" 2>&1
 
 if ! want build && ! "$py" -c "import zerofuse._C" 2>/dev/null; then
