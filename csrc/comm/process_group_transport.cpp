@@ -31,10 +31,11 @@ using Launch = std::function<c10::intrusive_ptr<c10d::Work>()>;
 // A wait() that returned at once therefore left the buffers alive for as long as the worker was not
 // scheduled: with busy cores, a stage-3 unit's full-size gradient (3 MiB in test_zero_memory) was
 // still allocated when the next forward began, and measured peaks varied from run to run (CI
-// 2026-11-26; here 4 of 12 runs of that test, and 33-46 of 300 waits of a 1 MiB all-reduce). After a gloo wait the Work's references are awaited
-// (yielding, at most kSettleBound; after kSettleGiveUp waits that reached the bound, never again in
-// this process: a backend that keeps its references is not waited for), so a waited collective's
-// buffers are freed by the time wait() returns, as on the NCCL transport.
+// 2026-11-26; here 4 of 12 runs of that test, and 33-46 of 300 waits of a 1 MiB all-reduce).
+// After a gloo wait the Work's references are awaited (yielding, at most kSettleBound; after
+// kSettleGiveUp waits that reached the bound, never again in this process: a backend that keeps
+// its references is not waited for), so a waited collective's buffers are freed by the time
+// wait() returns, as on the NCCL transport.
 constexpr auto kSettleBound = std::chrono::milliseconds(100);
 constexpr int kSettleGiveUp = 3;
 std::atomic<int> settle_bound_reached{0};
