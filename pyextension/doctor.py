@@ -68,7 +68,10 @@ def report() -> list[str]:
     if kernels.interpreted():
         mode = "interpreter (TRITON_INTERPRET=1)"
     elif torch.cuda.is_available():
-        mode = "native on CUDA"
+        from zerofuse.kernels import launch
+
+        # [Note: launch handles]: which launch path the numbers of a run were measured with
+        mode = f"native on CUDA, launches through {launch.MODE} (ZEROFUSE_TRITON_LAUNCH)"
     else:
         mode = "no GPU: Triton kernels do not run (ZEROFUSE_TRITON_ON_CPU=1 runs them in the interpreter)"
     lines.append(f"triton     {mode}; CPU tensors use " + ("Triton" if kernels.triton_on_cpu() else "the CPU kernels"))
