@@ -152,7 +152,6 @@ def _launch_paths(calls: int) -> None:
     from triton.runtime.driver import driver
     from triton.runtime.jit import JITFunction
 
-    from zerofuse import _C
     from zerofuse.kernels import launch as L
     from zerofuse.kernels import norms as K
 
@@ -194,7 +193,7 @@ def _launch_paths(calls: int) -> None:
         with mock.patch.object(JITFunction, "_do_compile", compile_), \
                 mock.patch.object(torch._C, "_cuda_getDevice", lambda: 0, create=True), \
                 mock.patch.object(torch._C, "_cuda_getCurrentRawStream", lambda d: 0, create=True):
-            key = (id(jf), 0, tuple(consts.items()), _C.launch_key(args))
+            key = L.handle_key(jf, 0, args, consts)
             L.HANDLES[key] = L.Handle(jf, Compiled(), L.tail_args(jf, len(args), consts))
             jit = lambda: jf[(1024,)](*args, **consts)  # noqa: E731
             handle = lambda: L._launch_handle(jf, (1024,), args, consts)  # noqa: E731

@@ -66,6 +66,12 @@ class Handle:
 HANDLES: dict[tuple, Handle] = {}  # (id(kernel), device, consts, argument keys) -> Handle
 
 
+def handle_key(kernel, device: int, args: tuple, consts: dict) -> tuple:
+    """The key of the handle a launch may use; TypeError for an argument kind without a key. id:
+    a JITFunction hashes its source's cache key, and the Handle keeps the kernel alive."""
+    return id(kernel), device, tuple(consts.items()), _C.launch_key(args)
+
+
 def tail_args(kernel, n_args: int, consts: dict) -> tuple:
     """The values the JIT binds to the parameters after the ``n_args`` positional ones (from
     ``consts``, which may also hold launch options, or the parameter's default), in signature
@@ -94,11 +100,9 @@ def _launch_handle(kernel, grid, args, consts):
         return kernel[grid](*args, **consts)
     device = torch._C._cuda_getDevice()  # torch.cuda.current_device() less its Python wrapper
     try:
-        keys = _C.launch_key(args)
+        key = handle_key(kernel, device, args, consts)
     except (TypeError, RuntimeError):
         return kernel[grid](*args, **consts)
-    # id: a JITFunction hashes its source's cache key, and the Handle keeps the kernel alive
-    key = (id(kernel), device, tuple(consts.items()), keys)
     h = HANDLES.get(key)
     enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook  # Triton 3.6: HookChains
     if h is None or _hooked(enter) or _hooked(leave):
