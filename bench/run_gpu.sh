@@ -92,6 +92,13 @@ fi
 if want doctor; then
   run_phase doctor "$py" -m zerofuse.doctor 2>&1 | tee -a "$out/env.txt"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  # the doctor runs every op again through Triton launch handles (kernels/launch.py, on by default,
+  # first run on a GPU here): if they fail only that way, the rest of the run uses the JIT
+  if grep -q "^launch handles: FAILED" "$out/env.txt"; then
+    export ZEROFUSE_TRITON_LAUNCH=jit
+    echo "== launch handles failed the doctor: the rest of this run launches through the JIT (ZEROFUSE_TRITON_LAUNCH=jit)" \
+      | tee -a "$out/env.txt"
+  fi
 fi
 
 if want train; then

@@ -110,6 +110,42 @@ def selftest(devices: list[torch.device]) -> list[str]:
     return failures
 
 
+HANDLES_FAILED = "launch handles: FAILED"  # bench/run_gpu.sh looks for this line
+
+
+def _handles_in_use(device: torch.device) -> bool:
+    from zerofuse import kernels
+    from zerofuse.kernels import launch
+
+    return device.type == "cuda" and not kernels.interpreted() and launch.MODE == "handles"
+
+
+def handles_selftest(devices: list[torch.device]) -> list[str]:
+    """Every op's self-test again where Triton launches through handles ([Note: launch handles]):
+    the first run (selftest) compiled each kernel and launched its first call through the JIT, so
+    this one launches through the handles made then. A failure here after a pass there is the handles'
+    own: the line HANDLES_FAILED says to run with ZEROFUSE_TRITON_LAUNCH=jit."""
+    from zerofuse import ops
+    from zerofuse.kernels import launch
+
+    failures = []
+    for dev in [d for d in devices if _handles_in_use(d)]:
+        hits = sum(h.hits for h in launch.HANDLES.values())
+        for name in ops.list_ops():
+            try:
+                ops.OPS[name].selftest(dev)
+            except Exception:
+                failures.append(f"{name} on {dev} through launch handles: {traceback.format_exc()}")
+                print(f"  FAIL  {name:28s} {str(dev):7s} through launch handles\n{traceback.format_exc()}")
+        hits = sum(h.hits for h in launch.HANDLES.values()) - hits
+        if failures:
+            print(f"{HANDLES_FAILED} on {dev}: the self-tests above failed only through them; "
+                  "run with ZEROFUSE_TRITON_LAUNCH=jit")
+        else:
+            print(f"  ok    every op again on {dev} through launch handles ({hits} handle launches)")
+    return failures
+
+
 def _comm_case(transport: str, device: torch.device) -> None:
     from zerofuse.comm import Communicator
 
@@ -169,7 +205,10 @@ def main(argv: list[str] | None = None) -> int:
         print(line)
     if args.no_selftest:
         return 0
-    failures = selftest(_devices()) + comm_selftest(_devices())
+    failures = selftest(_devices())
+    if not failures:  # a failure through the JIT would fail again here: not the handles'
+        failures += handles_selftest(_devices())
+    failures += comm_selftest(_devices())
     if failures:
         print(f"doctor: {len(failures)} self-test(s) failed", file=sys.stderr)
         return 1

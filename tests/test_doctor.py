@@ -38,3 +38,33 @@ def test_an_op_without_selftest_fails_the_doctor(monkeypatch):
 def test_report_only(flag, capsys):
     assert doctor.main([flag]) == 0
     assert "ok    " not in capsys.readouterr().out
+
+
+def test_a_selftest_failing_only_through_launch_handles_says_so(monkeypatch, capsys):
+    """The doctor runs the self-tests again where Triton launches through handles (faked here on
+    the CPU device) and, when they fail only then, prints the line run_gpu.sh switches to the JIT on."""
+    calls = []
+
+    def fails_the_second_time(device):
+        calls.append(device)
+        if len(calls) > 1:
+            torch.testing.assert_close(torch.ones(2), torch.zeros(2))
+
+    name = "zerofuse::flatten_into"
+    monkeypatch.setattr(doctor, "_handles_in_use", lambda d: True)
+    monkeypatch.setitem(ops.OPS, name, ops.OpInfo(name, "C++", fails_the_second_time))
+    assert doctor.selftest([torch.device("cpu")]) == []  # the first run passes
+    failures = doctor.handles_selftest([torch.device("cpu")])
+    assert len(failures) == 1 and failures[0].startswith(f"{name} on cpu through launch handles")
+    assert doctor.HANDLES_FAILED in capsys.readouterr().out
+
+
+def test_the_handles_selftest_passes_and_runs_nothing_without_handles(monkeypatch, capsys):
+    runs = []
+    name = "zerofuse::flatten_into"
+    monkeypatch.setitem(ops.OPS, name, ops.OpInfo(name, "C++", runs.append))
+    assert doctor.handles_selftest([torch.device("cpu")]) == [] and runs == []  # no CUDA: no handles
+    monkeypatch.setattr(doctor, "_handles_in_use", lambda d: True)
+    assert doctor.handles_selftest([torch.device("cpu")]) == [] and runs == [torch.device("cpu")]
+    out = capsys.readouterr().out
+    assert "through launch handles" in out and doctor.HANDLES_FAILED not in out
