@@ -39,7 +39,7 @@ def _norm_fwd_kernel(
     X, R, H, Y, W, B, Mean, Rstd,
     M, N, eps,
     HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, IS_RMS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EMULATE_RNE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EMULATE_RNE: tl.constexpr, STATS: tl.constexpr = True,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
@@ -56,10 +56,12 @@ def _norm_fwd_kernel(
         xc = x
     else:
         mean = tl.sum(x, axis=1) / N
-        tl.store(Mean + rows, mean, mask=row_mask)
+        if STATS:
+            tl.store(Mean + rows, mean, mask=row_mask)
         xc = tl.where(mask, x - mean[:, None], 0.0)
     rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / N + eps)
-    tl.store(Rstd + rows, rstd, mask=row_mask)
+    if STATS:
+        tl.store(Rstd + rows, rstd, mask=row_mask)
     y = xc * rstd[:, None]
     if HAS_W:
         y = y * tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
@@ -148,10 +150,10 @@ def _bwd_programs(m: int, n: int, block_m: int, device: torch.device) -> int:
 
 
 
-def norm_fwd(x, weight, bias, residual, eps: float, is_rms: bool):
+def norm_fwd(x, weight, bias, residual, eps: float, is_rms: bool, stats: bool = True):
     """x, residual: contiguous, rows of N = x.shape[-1] elements (M = numel / N rows, any leading
     shape). Returns (y and h shaped like x (h None without a residual), mean (M,) fp32 or None,
-    rstd (M,) fp32)."""
+    rstd (M,) fp32 or None); stats=False (no backward to come) stores neither mean nor rstd."""
     n = x.shape[-1]
     m = x.numel() // n
     block_m, block_n, num_warps = _config(n)
@@ -160,10 +162,10 @@ def norm_fwd(x, weight, bias, residual, eps: float, is_rms: bool):
     else:
         h_dtype = torch.result_type(x, residual)
         y, h = torch.empty_like(x, dtype=h_dtype), torch.empty_like(x, dtype=h_dtype)
-    mean = None if is_rms else torch.empty(m, device=x.device, dtype=torch.float32)
-    rstd = torch.empty(m, device=x.device, dtype=torch.float32)
+    mean = None if is_rms or not stats else x.new_empty(m, dtype=torch.float32)  # new_empty: 0.2 us less a call
+    rstd = x.new_empty(m, dtype=torch.float32) if stats else None
     flags = dict(HAS_RES=residual is not None, HAS_W=weight is not None, HAS_B=bias is not None, IS_RMS=is_rms,
-                 EMULATE_RNE=interpreted())
+                 EMULATE_RNE=interpreted(), STATS=stats)
     if block_n >= norms_wide.FWD_MIN_BLOCK:  # a row in chunks (kernels/norms_wide.py)
         launch_triton(norms_wide._norm_fwd_wide_kernel, (m,), x, residual, h, y, weight, bias, mean, rstd, m, n, eps,
                       CHUNK=norms_wide.CHUNK, num_warps=8, **flags)

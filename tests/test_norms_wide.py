@@ -106,3 +106,32 @@ def test_chunked_kernels_compile_for_an_h100_without_spills():
     assert rows[("norm_bwd_whole_row", 16384)]["spill_stores"] > 0  # what the chunked kernels avoid
     for key in (("norm_bwd_chunked", 16384), ("norm_bwd_chunked", 65536), ("norm_fwd_chunked", 65536)):
         assert rows[key]["spill_stores"] == 0 and rows[key]["spill_loads"] == 0, rows[key]
+
+
+@interp
+@pytest.mark.parametrize("wide", [False, True], ids=["whole_rows", "chunked"])
+@pytest.mark.parametrize("is_rms", [False, True])
+def test_a_forward_without_backward_stores_no_statistics(monkeypatch, wide, is_rms):
+    """norm_fwd(stats=False), the faces' path when nothing requires grad: no mean/rstd allocated or
+    stored (STATS=False), the same y and h as with them."""
+    x, w, b, r, *_ = _case(6, 97, torch.bfloat16, is_rms, True, True)
+    if wide:
+        monkeypatch.setattr(KW, "FWD_MIN_BLOCK", 1)
+        monkeypatch.setattr(KW, "CHUNK", 32)
+    y, h, mean, rstd = KN.norm_fwd(x, w, b, r, 1e-5, is_rms)
+    y0, h0, mean0, rstd0 = KN.norm_fwd(x, w, b, r, 1e-5, is_rms, stats=False)
+    assert rstd is not None and mean0 is None and rstd0 is None
+    assert torch.equal(y0, y) and torch.equal(h0, h)
+
+    import zerofuse.nn.functional as ZF
+
+    seen = []
+    real = KN.launch_triton
+    monkeypatch.setattr(KN, "launch_triton", lambda *a, **k: seen.append(k["STATS"]) or real(*a, **k))
+    face = (lambda: ZF.rms_norm(x, (97,), w)) if is_rms else (lambda: ZF.layer_norm(x, (97,), w, b))
+    face()  # nothing requires grad
+    w.requires_grad_()
+    with torch.no_grad():
+        face()
+    face()  # w's gradient to come: the statistics are stored
+    assert seen == [False, False, True]

@@ -32,32 +32,42 @@ def _shape(normalized_shape: _ShapeLike) -> tuple[int, ...]:
 
 
 def _check(fn, input, shape, weight, bias, residual, input_bias=None) -> None:
-    where = f"zerofuse.nn.functional.{fn}"
+    # The common case (every tensor well-formed) in few attribute reads: this runs on every call.
     if not isinstance(input, Tensor) or not input.is_floating_point():
         got = input.dtype if isinstance(input, Tensor) else type(input).__name__
-        raise TypeError(f"{where}: expected input to be a floating-point tensor, got {got}")
-    if len(shape) == 0 or len(shape) > input.dim() or tuple(input.shape[-len(shape):]) != shape:
+        raise TypeError(f"zerofuse.nn.functional.{fn}: expected input to be a floating-point tensor, got {got}")
+    k = len(shape)
+    if k == 0 or k > input.dim() or input.shape[-k:] != shape:
         raise ValueError(
-            f"{where}: expected input whose trailing dimensions equal normalized_shape={list(shape)}, "
-            f"got input of shape {list(input.shape)}"
+            f"zerofuse.nn.functional.{fn}: expected input whose trailing dimensions equal "
+            f"normalized_shape={list(shape)}, got input of shape {list(input.shape)}"
         )
-    for name, p in (("weight", weight), ("bias", bias), ("input_bias", input_bias)):
-        if p is None:
-            continue
-        if tuple(p.shape) != shape:
-            raise ValueError(f"{where}: expected {name} of shape {list(shape)} (normalized_shape), got {list(p.shape)}")
-        if not p.is_floating_point():
-            raise TypeError(f"{where}: expected {name} to be a floating-point tensor, got {p.dtype}")
-        if p.device != input.device:
-            raise ValueError(f"{where}: expected {name} on the device of input ({input.device}), got {p.device}")
+    device = input.device
+    if weight is not None:
+        _check_param(fn, "weight", weight, shape, device)
+    if bias is not None:
+        _check_param(fn, "bias", bias, shape, device)
+    if input_bias is not None:
+        _check_param(fn, "input_bias", input_bias, shape, device)
     if residual is not None:
+        where = f"zerofuse.nn.functional.{fn}"
         if residual.shape != input.shape:
             raise ValueError(f"{where}: expected residual of the input's shape {list(input.shape)}, got {list(residual.shape)}")
-        if not residual.is_floating_point() or residual.device != input.device:
+        if not residual.is_floating_point() or residual.device != device:
             raise ValueError(
-                f"{where}: expected residual to be a floating-point tensor on {input.device}, "
+                f"{where}: expected residual to be a floating-point tensor on {device}, "
                 f"got {residual.dtype} on {residual.device}"
             )
+
+
+def _check_param(fn, name, p, shape, device) -> None:
+    if p.shape != shape:
+        raise ValueError(f"zerofuse.nn.functional.{fn}: expected {name} of shape {list(shape)} (normalized_shape), "
+                         f"got {list(p.shape)}")
+    if not p.is_floating_point():
+        raise TypeError(f"zerofuse.nn.functional.{fn}: expected {name} to be a floating-point tensor, got {p.dtype}")
+    if p.device != device:
+        raise ValueError(f"zerofuse.nn.functional.{fn}: expected {name} on the device of input ({device}), got {p.device}")
 
 
 def _check_eps(fn, eps) -> None:
@@ -85,12 +95,15 @@ def _layer_norm(fn, input, residual, normalized_shape, weight, bias, eps, input_
     elif _needs_grad(x, w, b, r, input_bias):
         y, h = _ops.eager_norm(x, w, b, r, eps, False, _flat(input_bias, n))
     else:  # nothing to differentiate: the kernels without autograd's bookkeeping
-        y, h, _, _ = _ops._norm_fwd(x, w, b, r, eps, False)
+        y, h, _, _ = _ops._norm_fwd(x, w, b, r, eps, False, stats=False)
     return _as(y, input), (input if residual is None else _as(h, input))
 
 
 def _needs_grad(x, w, b, r, input_bias=None) -> bool:
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, w, b, r, input_bias))
+    # x, then each optional tensor, without a generator (this runs on every call)
+    return torch.is_grad_enabled() and (x.requires_grad or (w is not None and w.requires_grad)
+                                        or (b is not None and b.requires_grad) or (r is not None and r.requires_grad)
+                                        or (input_bias is not None and input_bias.requires_grad))
 
 
 def _bias_grad_carrier(input, input_bias):
@@ -133,7 +146,7 @@ def _rms_norm(fn, input, residual, normalized_shape, weight, eps, input_bias=Non
     elif _needs_grad(x, w, None, r, input_bias):
         y, h = _ops.eager_norm(x, w, None, r, eps, True, _flat(input_bias, n))
     else:
-        y, h, _, _ = _ops._norm_fwd(x, w, None, r, eps, True)
+        y, h, _, _ = _ops._norm_fwd(x, w, None, r, eps, True, stats=False)
     return _as(y, input), (input if residual is None else _as(h, input))
 
 

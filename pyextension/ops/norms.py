@@ -100,12 +100,13 @@ def _contiguous(t: Tensor | None) -> Tensor | None:
     return t if t is None or t.is_contiguous() else t.contiguous()
 
 
-def _norm_fwd(x, weight, bias, residual, eps, is_rms):
-    """(y, h or None without a residual, mean or None, rstd): y and h shaped like x."""
+def _norm_fwd(x, weight, bias, residual, eps, is_rms, stats=True):
+    """(y, h or None without a residual, mean or None, rstd): y and h shaped like x. stats=False
+    (nothing to differentiate): the Triton kernels store no mean/rstd (None); the others may."""
     n = x.shape[-1]
     w, b = _contiguous(weight), _contiguous(bias)
     if _use_triton(x):  # any leading shape: the kernel takes rows of n (no reshape, no view)
-        return K.norm_fwd(_contiguous(x), w, b, _contiguous(residual), eps, is_rms)
+        return K.norm_fwd(_contiguous(x), w, b, _contiguous(residual), eps, is_rms, stats)
     if _cpu_kernel(x, residual, w, b):
         y, h, mean, rstd = torch.ops.zerofuse.norm_fwd_cpu(_2d(x, n), w, b, _2d(residual, n), eps, is_rms)
         return y.view(x.shape), (h.view(x.shape) if residual is not None else None), (None if is_rms else mean), rstd
