@@ -21,6 +21,27 @@ import torch
 def pytest_addoption(parser):
     parser.addoption("--smoke", action="store_true", help="tiny sizes (CI smoke run)")
     parser.addoption("--bench-device", default=None, help="cpu or cuda (default: cuda if available)")
+    parser.addoption("--bench-jsonl", default=None, metavar="PATH",
+                     help="append each benchmark's result to PATH (one JSON line) as soon as it ends")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """--bench-jsonl: each benchmark's result written when its test ends, not only in pytest-benchmark's
+    JSON at the end of the session, which a suite cut at a GPU lease's deadline (SIGINT then KILL,
+    bench/run_gpu.sh) never reaches: on 2026-11-26 an attention suite cut so lost every result.
+    bench/summarize.py --merge reads these lines for a suite that has no JSON."""
+    yield
+    path = item.config.getoption("--bench-jsonl")
+    fixture = getattr(item, "funcargs", {}).get("benchmark")
+    if call.when != "call" or not path or fixture is None or getattr(fixture, "stats", None) is None:
+        return
+    import json
+
+    with open(path, "a") as f:
+        f.write(json.dumps(fixture.stats.as_dict(include_data=False), default=str) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
 
 
 @pytest.fixture(scope="session")

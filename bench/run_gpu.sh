@@ -145,18 +145,20 @@ if want tests; then
 fi
 
 if want bench; then
-  # one suite at a time, the finished ones merged into bench.json as they end: a suite cut at the
-  # deadline loses only its own results
+  # one suite at a time, the finished ones merged into bench.json as they end; each benchmark's
+  # result is also written the moment it ends (--bench-jsonl), so a suite cut at the deadline
+  # loses only the benchmark it was in
   jdir=$(mktemp -d)
   for suite in ${BENCH_SUITES:-$default_suites}; do
     name=$(basename "$suite" .py)
     # shellcheck disable=SC2086
     run_phase "bench $name" "$py" -m pytest "$suite" -q -p no:cacheprovider --timeout 300 \
-      --bench-device "${BENCH_DEVICE:-cuda}" --benchmark-json "$jdir/$name.json" \
+      --bench-device "${BENCH_DEVICE:-cuda}" --benchmark-json "$jdir/$name.json" --bench-jsonl "$jdir/$name.jsonl" \
       --benchmark-columns=median,iqr,rounds --benchmark-sort=name 2>&1 | tee -a "$out/bench.txt"
     rc=${PIPESTATUS[0]}
     [ "$rc" -eq 0 ] || [ "$rc" -eq 5 ] || status=1
-    "$py" bench/summarize.py "$out/bench.json" --merge "$jdir"/*.json 2>/dev/null && \
+    # a suite cut before pytest-benchmark wrote its .json still has its finished benchmarks' lines
+    "$py" bench/summarize.py "$out/bench.json" --merge "$jdir"/*.json "$jdir"/*.jsonl 2>/dev/null && \
       "$py" bench/summarize.py "$out/bench.json" --title "zerofuse GPU benchmarks" > "$out/summary.md"
     [ "$rc" -eq 124 ] && break
   done

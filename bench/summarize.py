@@ -2,6 +2,7 @@
 
     python bench/summarize.py bench.json [--title "..."] > summary.md
     python bench/summarize.py --merge out.json a.json b.json ...   # one file of several suites' results
+                                                                 # (a.jsonl: --bench-jsonl's lines)
 
 One row per benchmark: median time, GB/s or TFLOP/s, ratio to the measured roofline, and the
 zerofuse provider's speedups over the peers measured in the same run (all from extra_info).
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 
 def render(data: dict, title: str) -> str:
@@ -40,6 +42,9 @@ def render(data: dict, title: str) -> str:
             f"| {b['name']} | {b['stats']['median'] * 1e3:.3f} | {e.get('GB/s', '')} | {e.get('TFLOP/s', '')} "
             f"| {e.get('roofline_ratio', e.get('peak_ratio', ''))} | {speedups} |"
         )
+    if data.get("partial_suites"):
+        lines += ["", f"Cut before their end (the results of their finished benchmarks only): "
+                      f"{', '.join(data['partial_suites'])}."]
     roof = next((b["extra_info"].get("roofline_GB/s") for b in data.get("benchmarks", []) if "roofline_GB/s" in b.get("extra_info", {})), None)
     if roof:
         lines += ["", f"Roofline: measured device bandwidth {roof} GB/s (bytes read + written; the better of a copy and an in-place scale)."]
@@ -49,20 +54,42 @@ def render(data: dict, title: str) -> str:
 def merge(out: str, parts: list[str]) -> None:
     """The benchmarks of several pytest-benchmark JSON files in one (the first readable file's
     machine and commit info); files that are missing or unreadable (a suite cut before it wrote
-    its file) are left out."""
-    merged = None
+    its file) are left out. A part ending in .jsonl holds one benchmark a line (conftest.py's
+    --bench-jsonl, written as each ends): read only when the .json of the same name is not
+    readable, its suite is listed under "partial_suites" (cut before its end)."""
+    merged, lines, partial = None, [], []
+    readable = set()
     for path in parts:
+        if path.endswith(".jsonl"):
+            continue
         try:
             with open(path) as f:
                 data = json.load(f)
         except (OSError, ValueError):
             continue
+        readable.add(path)
         if merged is None:
             merged = data
         else:
             merged["benchmarks"] += data.get("benchmarks", [])
+    for path in parts:
+        if not path.endswith(".jsonl") or path[: -len("l")] in readable:
+            continue
+        try:
+            with open(path) as f:
+                got = [json.loads(line) for line in f if line.strip()]
+        except (OSError, ValueError):
+            continue
+        if got:
+            lines += got
+            partial.append(os.path.basename(path)[: -len(".jsonl")])
+    if merged is None and lines:
+        merged = {"machine_info": {}, "commit_info": {}, "benchmarks": []}
     if merged is None:
         raise SystemExit("summarize --merge: no readable results")
+    merged["benchmarks"] += lines
+    if partial:
+        merged["partial_suites"] = sorted(set(merged.get("partial_suites", [])) | set(partial))
     with open(out, "w") as f:
         json.dump(merged, f)
 
