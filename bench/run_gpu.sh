@@ -29,6 +29,8 @@
 #   PYTHON=python ZEROFUSE_CUDA=0 BENCH_DEVICE=cpu ZEROFUSE_BENCH_SMOKE=1 TRAIN_DEVICE=cpu \
 #     TRAIN_ARGS="--model tiny --steps 5 --nproc 1" PEER_ARGS="--dim 64 --layers 2 --heads 2 --seq 32 \
 #     --vocab 128 --batch 2 --steps 3 --warmup 1" bash bench/run_gpu.sh /tmp/x
+# Peers the GPU image lacks (Liger-Kernel) travel as wheels: run bench/fetch_gpu_wheels.sh here first
+# and name ".whl" in the device call's carry; this script installs them into /tmp/site.
 # Copy the folder to bench/results/<device>-<date>/ and commit it. Never write results by hand.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -62,6 +64,12 @@ run_phase() {
   return $rc
 }
 
+# peers carried as wheels (bench/fetch_gpu_wheels.sh: Liger-Kernel), installed where nothing else looks
+if ls .whl/*.whl > /dev/null 2>&1; then
+  "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    >> "$out/env.txt" 2>&1 && export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+
 {
   date -u +"%Y-%m-%dT%H:%M:%SZ"
   git rev-parse HEAD 2>/dev/null || true
@@ -71,6 +79,9 @@ run_phase() {
   nvcc --version | tail -1
   echo "phases: $phases"
   env | grep '^ZEROFUSE_' | sort  # the switches a run was measured under (launch path, optimizer grid, ...)
+  echo "carried wheels: $(ls .whl/*.whl 2>/dev/null | xargs -r -n1 basename | tr '\n' ' ')"
+  "$py" -c "import liger_kernel, importlib.metadata as m; print('liger-kernel', m.version('liger-kernel'))" 2>/dev/null \
+    || echo "liger-kernel: not installed (bench/fetch_gpu_wheels.sh, carry .whl)"
 } >> "$out/env.txt" 2>&1
 
 if ! want build && ! "$py" -c "import zerofuse._C" 2>/dev/null; then
