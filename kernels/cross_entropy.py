@@ -15,7 +15,8 @@ F.cross_entropy(z', t, label_smoothing=eps) plus PaLM's z-loss; the gradient fol
 differentiation (as in Liger-Kernel's and FlashAttention's Triton cross-entropies).
 
 One program per row loops over the vocabulary in blocks of BLOCK_V with an online max/sum of exp
-(Milakov & Gimelshein 2018): STATS reads the row once, GRAD reads and writes it once; with both, the
+(Milakov & Gimelshein 2018; the sums kept per lane, [Note: one reduction a block]), sz summed only
+with label smoothing (0 without): STATS reads the row once, GRAD reads and writes it once; with both, the
 gradient overwrites the logits, so the chunk's logits buffer becomes its gradient.
 """
 from __future__ import annotations
@@ -41,31 +42,36 @@ def _capped(z, softcap, HAS_SOFTCAP: tl.constexpr):
 def _ce_kernel(
     Z, stride_z, Target, Scale, Lse, TZ, SZ,
     V, V_total, vocab_start, smoothing, z_loss, softcap,
-    STATS: tl.constexpr, GRAD: tl.constexpr, HAS_SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr,
-    EMULATE_RNE: tl.constexpr,
+    STATS: tl.constexpr, GRAD: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
+    BLOCK_V: tl.constexpr, EMULATE_RNE: tl.constexpr,
 ):
     row = tl.program_id(0)
     z_row = Z + row.to(tl.int64) * stride_z
     t_local = tl.load(Target + row).to(tl.int64) - vocab_start
     if STATS:
+        # [Note: one reduction a block] the running max is a scalar (one tl.max a block: a
+        # cross-warp reduction), the sums of exp(z - m) and of z are kept per lane and reduced once
+        # after the loop, and z_t is one load: four reductions a block were three too many.
         m = -float("inf")
-        s = 0.0
-        sz = 0.0
-        tz = 0.0
+        s_vec = tl.zeros((BLOCK_V,), tl.float32)
+        sz_vec = tl.zeros((BLOCK_V,), tl.float32)
         for start in range(0, V, BLOCK_V):
             cols = start + tl.arange(0, BLOCK_V)
             mask = cols < V
             z = _capped(tl.load(z_row + cols, mask=mask, other=0.0).to(tl.float32), softcap, HAS_SOFTCAP)
+            if HAS_SMOOTHING:
+                sz_vec += tl.where(mask, z, 0.0)
             z = tl.where(mask, z, -float("inf"))
             m_new = tl.maximum(m, tl.max(z, axis=0))
-            s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
+            s_vec = s_vec * tl.exp(m - m_new) + tl.exp(z - m_new)
             m = m_new
-            sz += tl.sum(tl.where(mask, z, 0.0), axis=0)
-            tz += tl.sum(tl.where(cols == t_local, z, 0.0), axis=0)
-        lse = m + tl.log(s)
+        lse = m + tl.log(tl.sum(s_vec, axis=0))
+        t_in = (t_local >= 0) & (t_local < V)  # the target in this shard's columns (never an ignored one)
+        tz = tl.where(t_in, _capped(tl.load(z_row + t_local, mask=t_in, other=0.0).to(tl.float32), softcap,
+                                    HAS_SOFTCAP), 0.0)
         tl.store(Lse + row, lse)
         tl.store(TZ + row, tz)
-        tl.store(SZ + row, sz)
+        tl.store(SZ + row, tl.sum(sz_vec, axis=0))  # 0 without label smoothing (the loss reads it only with)
     else:
         lse = tl.load(Lse + row)
     if GRAD:
@@ -104,6 +110,7 @@ def ce_rows(z: torch.Tensor, target: torch.Tensor, scale: torch.Tensor | None, l
     launch_triton(_ce_kernel, (rows,),
         z, z.stride(0), target, scale if grad else lse, lse, tz if stats else lse, sz if stats else lse,
         v, vocab_total, vocab_start, float(smoothing), float(z_loss), float(softcap or 1.0),
-        STATS=stats, GRAD=grad, HAS_SOFTCAP=bool(softcap), BLOCK_V=block, EMULATE_RNE=interpreted(),
+        STATS=stats, GRAD=grad, HAS_SOFTCAP=bool(softcap), HAS_SMOOTHING=smoothing != 0, BLOCK_V=block,
+        EMULATE_RNE=interpreted(),
         num_warps=8 if block >= 2048 else 4,
     )

@@ -288,3 +288,48 @@ def test_a_second_backward_through_the_graph_is_refused_unless_recomputing(kerne
     loss.backward()
     for x, g in zip((h, w, b), first):
         assert_close(x.grad, 2 * g, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("block", [None, 1024], ids=["one_block", "5_blocks"])
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+@pytest.mark.parametrize("softcap", [0.0, 30.0])
+def test_row_statistics_against_torch(monkeypatch, smoothing, softcap, block):
+    """The row kernel's statistics (kernels/cross_entropy.py, [Note: one reduction a block]): lse
+    and z_t against torch in float64 over several vocabulary blocks, for targets inside this
+    shard's columns, outside them (another shard's; vocab_start 64) and ignored (-100, outside
+    every shard): z_t 0 outside; sz the row sum with label smoothing, 0 without (unread then)."""
+    g = torch.Generator().manual_seed(3)
+    rows, v, start = 5, 5000, 64  # 5000 columns: two 4096-wide blocks on a GPU, one in the interpreter
+    if block:  # the online max/sum over several blocks, the last one ragged
+        monkeypatch.setattr(K, "_block_v", lambda v: block)
+    z = (torch.randn(rows, v, generator=g) * 4).to(torch.bfloat16)
+    target = torch.tensor([start + 3, start + v - 1, start - 1, start + v, -100])
+    lse, tz, sz = (torch.empty(rows) for _ in range(3))
+    K.ce_rows(z, target, None, lse, tz, sz, vocab_start=start, vocab_total=3 * v, smoothing=smoothing, z_loss=0.0,
+              softcap=softcap, stats=True, grad=False)
+    def capped(t):
+        return t if not softcap else softcap * torch.tanh(t / softcap)
+
+    zc, peer = capped(z.double()), capped(z.float())  # peer: torch in fp32
+    assert_within_peer_rule(lse, torch.logsumexp(zc, 1), torch.logsumexp(peer, 1), msg="lse")
+    assert_close(tz, torch.stack([zc[0, 3], zc[1, v - 1], *torch.zeros(3, dtype=torch.float64)]))
+    if smoothing:
+        assert_within_peer_rule(sz, zc.sum(1), peer.sum(1), msg="sz")
+    else:
+        assert torch.equal(sz, torch.zeros(rows))
+
+
+def test_row_kernel_compiles_for_an_h100_to_one_reduction_a_block():
+    """tools/kernel_asm.py --cross-entropy (GPT-2's vocabulary, bf16): the statistics loop takes the
+    barriers of one cross-warp reduction a block (it took four: max, sum of exp, sum of z, the
+    target's z), 16-byte accesses, no spills."""
+    from common import kernel_asm
+
+    rows = kernel_asm("--cross-entropy")
+    assert len(rows) == 2
+    for r in rows:
+        stats_loop, grad_loop = r["loops"]
+        assert stats_loop["barriers"] <= 3 and stats_loop["shuffles"] <= 8, r
+        assert grad_loop["barriers"] == 0, r
+        assert r["loads"].get("v4.b32", 0) > 0 and r["stores"].get("v4.b32", 0) > 0, r
+        assert r["spill_stores"] == 0 and r["spill_loads"] == 0, r

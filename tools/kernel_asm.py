@@ -10,6 +10,7 @@ on a CPU machine by tests/test_optim.py, and shown to a developer by
     python tools/kernel_asm.py --norms       # the norms' one-launch backward (atomics, spills)
     python tools/kernel_asm.py --norms-wide  # whole-row vs chunked norms on wide rows (spills)
     python tools/kernel_asm.py --bias-gelu   # bias + GELU forward and backward (widths, atomics)
+    python tools/kernel_asm.py --cross-entropy  # the cross-entropy row kernel (barriers, shuffles)
 
 which prints one JSON line per kernel variant: {"kernel", "aligned" (null for the small kernels
 that take no alignment promise), "loads": {width: count}, "stores": {...}, "hints": {L1 eviction
@@ -216,6 +217,52 @@ def bias_gelu(arch: int) -> None:
               flush=True)
 
 
+def cross_entropy(arch: int) -> None:
+    """kernels/cross_entropy.py's row kernel as the fused linear cross-entropy launches it for a
+    GPT-2 vocabulary of 50304 (bf16 logits, BLOCK_V 4096, 8 warps, statistics and gradient in one launch),
+    with and without label smoothing: one JSON line each with the CTA barriers (each cross-warp
+    reduction takes barriers; the vocabulary loop runs 13 times a row at 50304), warp shuffles,
+    access widths and ptxas's registers and spills."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from zerofuse.kernels import cross_entropy as KC
+
+    kernel = KC._ce_kernel
+    params = inspect.signature(kernel.fn).parameters
+    for smoothing in (False, True):
+        cx = dict(STATS=True, GRAD=True, HAS_SOFTCAP=False, BLOCK_V=4096, EMULATE_RNE=False)
+        if "HAS_SMOOTHING" in params:
+            cx["HAS_SMOOTHING"] = smoothing
+        ints = ("stride_z", "V", "V_total", "vocab_start")
+        sig = {n: ("constexpr" if n in cx else "i32" if n in ints else "fp32" if n in ("smoothing", "z_loss", "softcap")
+                   else "*i64" if n == "Target" else "*bf16" if n == "Z" else "*fp32") for n in params}
+        # as a launch specialises them at 50304 (a multiple of 16): pointers, the row stride, V, V_total
+        attrs = {(i,): [["tt.divisibility", 16]] for i, k in enumerate(sig)
+                 if sig[k].startswith("*") or k in ("stride_z", "V", "V_total")}
+        ptx = triton.compile(ASTSource(kernel, sig, constexprs=cx, attrs=attrs), target=GPUTarget("cuda", arch, 32),
+                             options={"num_warps": 8}).asm["ptx"]
+        print(json.dumps({"kernel": "ce", "smoothing": smoothing, "barriers": len(re.findall(r"\bbar\.sync\b", ptx)),
+                          "shuffles": len(re.findall(r"\bshfl\.", ptx)), "loops": loops(ptx), "loads": widths(ptx, "ld"),
+                          "stores": widths(ptx, "st"), **ptxas_info(ptx, arch)}), flush=True)
+
+
+def loops(ptx: str) -> list[dict[str, int]]:
+    """Per loop of the PTX (a label and the branch back to it), in order: its instructions'
+    "barriers" (bar.sync), "shuffles" (shfl) and "exp2" (ex2) counts, those of one iteration."""
+    lines = ptx.splitlines()
+    labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"^\s*(\$L__\w+):", line))}
+    out = []
+    for i, line in enumerate(lines):
+        m = re.search(r"\bbra(?:\.uni)?\s+(\$L__\w+);", line)
+        if m and labels.get(m.group(1), i) < i:
+            body = "\n".join(lines[labels[m.group(1)]:i + 1])
+            out.append({"barriers": len(re.findall(r"\bbar\.sync\b", body)),
+                        "shuffles": len(re.findall(r"\bshfl\.", body)), "exp2": len(re.findall(r"\bex2\.", body))})
+    return out
+
+
 def widths(ptx: str, op: str) -> dict[str, int]:
     """{"v4.b32": count, "b32": count, ...} of the ld.global / st.global instructions, with or
     without cache qualifiers (ld.global.L1::evict_first.L2::cache_hint.v4.b32 counts as v4.b32)."""
@@ -232,7 +279,8 @@ def main(argv=None) -> int:
     parser.add_argument("--arch", type=int, default=90, help="compute capability as one number (90: H100)")
     modes = {"attention": (attention, "the attention kernels"), "norms": (norms, "the norms' backward"),
              "norms_wide": (norms_wide, "whole-row vs chunked norms on wide rows"),
-             "bias_gelu": (bias_gelu, "the bias + GELU kernels")}
+             "bias_gelu": (bias_gelu, "the bias + GELU kernels"),
+             "cross_entropy": (cross_entropy, "the cross-entropy row kernel")}
     for name, (_, what) in modes.items():
         parser.add_argument("--" + name.replace("_", "-"), action="store_true", help=f"{what} instead")
     args = parser.parse_args(argv)
