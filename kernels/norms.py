@@ -83,9 +83,9 @@ def _norm_bwd_kernel(
     col_mask = cols < N
     if HAS_W:
         w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
-    dw_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    db_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    dr_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    dw_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    db_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    dr_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     first = pid * rows_per_program
     for start in range(first, first + rows_per_program, BLOCK_M):
         rows = start + tl.arange(0, BLOCK_M)
@@ -114,17 +114,17 @@ def _norm_bwd_kernel(
             dx += tl.load(DH + offs, mask=mask, other=0.0).to(tl.float32)
         tl.store(DX + offs, _cast(dx, DX.dtype.element_ty, EMULATE_RNE), mask=mask)
         if HAS_W:
-            dw_acc += tl.sum(dy * xhat, axis=0)
+            dw_acc += dy * xhat
         if HAS_B:
-            db_acc += tl.sum(dy, axis=0)
+            db_acc += dy
         if HAS_DR:
-            dr_acc += tl.sum(tl.where(mask, dx, 0.0), axis=0)
+            dr_acc += tl.where(mask, dx, 0.0)
     if HAS_W:
-        tl.store(DW_part + pid * N + cols, dw_acc, mask=col_mask)
+        tl.store(DW_part + pid * N + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
     if HAS_B:
-        tl.store(DB_part + pid * N + cols, db_acc, mask=col_mask)
+        tl.store(DB_part + pid * N + cols, tl.sum(db_acc, axis=0), mask=col_mask)
     if HAS_DR:
-        tl.store(DR_part + pid * N + cols, dr_acc, mask=col_mask)
+        tl.store(DR_part + pid * N + cols, tl.sum(dr_acc, axis=0), mask=col_mask)
     if ONE_LAUNCH and (HAS_W or HAS_B or HAS_DR):
         _last_sums(Counter, n_parts, n_parts, N, DW_part, DW, DB_part, DB, DR_part, DR, HAS_W, HAS_B, HAS_DR,
                    SUM_P, SUM_N, EMULATE_RNE)

@@ -130,8 +130,8 @@ def norms(arch: int) -> None:
     """The norms' backward, bf16 (LayerNorm with dh, weight and bias; RMSNorm with weight), at
     widths 768 and 4096 with the launcher's tile config, in one launch (its last program sums
     the weight/bias partials: kernels/colsum.py) and two: one JSON line each with the PTX's
-    atomics, fences, L2 (.cg) loads of the partials, global access widths and ptxas's registers and
-    spills."""
+    loops (barriers, shuffles a pass), atomics, fences, L2 (.cg) loads of the partials, global
+    access widths and ptxas's registers and spills."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -148,7 +148,7 @@ def norms(arch: int) -> None:
             sig, attrs = _norm_sig(KN._norm_bwd_kernel, cx)
             ptx = triton.compile(ASTSource(KN._norm_bwd_kernel, sig, constexprs=cx, attrs=attrs),
                                  target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps}).asm["ptx"]
-            print(json.dumps({"kernel": "norm_bwd", "rms": is_rms, "n": n, "one_launch": one,
+            print(json.dumps({"kernel": "norm_bwd", "rms": is_rms, "n": n, "one_launch": one, "loops": loops(ptx),
                               "atomics": dict(Counter(re.findall(r"atom\.[\w.]+", ptx))),
                               "l2_loads": dict(Counter(re.findall(r"ld\.global\.cg\.([\w.]+)", ptx))),
                               "loads": widths(ptx, "ld"), "stores": widths(ptx, "st"), **ptxas_info(ptx, arch)}),
