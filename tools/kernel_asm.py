@@ -79,7 +79,7 @@ def attention(arch: int) -> None:
     config (128 x 64, 8 warps, 3 stages) and specialised as a launch specialises them (pointers
     16-byte aligned; an int argument divisible by 16 marked so: the strides, and head_dim D when it
     is, as 64 and 80 are and 72 is not): one JSON line per (kernel, causal, head_dim) with the PTX's
-    global load / async-copy / store widths (a compile error raises)."""
+    global load / async-copy / store widths and its loops (a compile error raises)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -103,7 +103,7 @@ def attention(arch: int) -> None:
                                  options={"num_warps": 8, "num_stages": 3}).asm["ptx"]
             print(json.dumps({"kernel": kernel.fn.__name__, "causal": causal, "head_dim": d,
                               "loads": widths(ptx, "ld"), "async_copies": async_copies(ptx),
-                              "stores": widths(ptx, "st")}), flush=True)
+                              "stores": widths(ptx, "st"), "loops": loops(ptx)}), flush=True)
 
 
 def ptxas_info(ptx: str, arch: int) -> dict[str, int]:
