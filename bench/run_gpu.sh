@@ -25,6 +25,11 @@
 #   TRAIN_MODES              the step's modes to train (default: "--cuda-graphs --no-cuda-graphs")
 #   PEER_ARGS                flags for bench/peer_step.py, the torch-native peer (default: GPT-2 small, batch 16)
 #   PYTHON                   interpreter (default python3: the GPU image has no plain `python`)
+# Ways back for code first run on a GPU there (each recorded in env.txt when set):
+#   ZEROFUSE_TRITON_LAUNCH=jit        Triton launches through the JIT, not launch handles (set by this
+#                                     script when the doctor's handle check fails)
+#   ZEROFUSE_ONE_LAUNCH_FLOATS=0      the norms'/bias-GELU's column sums in a second launch
+#   ZEROFUSE_OPTIM_GRID, ZEROFUSE_LAMB_ONE_LAUNCH  the optimizer kernels' grid and LAMB's form
 # A dry run of the flow on a CPU machine (smoke sizes, no CUDA build, a tiny model):
 #   PYTHON=python ZEROFUSE_CUDA=0 BENCH_DEVICE=cpu ZEROFUSE_BENCH_SMOKE=1 TRAIN_DEVICE=cpu \
 #     TRAIN_ARGS="--model tiny --steps 5 --nproc 1" PEER_ARGS="--dim 64 --layers 2 --heads 2 --seq 32 \

@@ -19,6 +19,8 @@ program reads the partials with ``.cg`` loads (L2, not a possibly stale L1 line)
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -30,8 +32,9 @@ from zerofuse.kernels.launch import launch_triton
 # Partials one program may sum at the end of a kernel: 256K fp32 (1 MiB, from L2), e.g. 341 parts of
 # a 768-wide row. Beyond it the second launch's parallel column blocks win. A first guess from the
 # H200's per-SM L2 bandwidth (~100-200 GB/s: 5-10 µs for 1 MiB) against a launch's 15-25 µs of
-# host time (bench/results/h200-2026-11-26); to be swept on a GPU.
-ONE_LAUNCH_FLOATS = 1 << 18
+# host time (bench/results/h200-2026-11-26); to be swept on a GPU. ZEROFUSE_ONE_LAUNCH_FLOATS sets
+# it (0: every sum in a second launch, the way back should the one-launch form fail on a GPU).
+ONE_LAUNCH_FLOATS = int(os.environ.get("ZEROFUSE_ONE_LAUNCH_FLOATS", 1 << 18))
 
 
 def one_launch(n_parts: int, n: int) -> bool:

@@ -2,6 +2,8 @@
 launch (the norms' backward in one launch) equal the two-launch sums bit for bit, leave the arrival
 counter at zero, and the one-launch path launches nothing else. Interpreter (CPU) tests; the GPU
 run of the same kernels is covered by test_norms' CUDA cases."""
+import os
+
 import pytest
 import torch
 
@@ -130,3 +132,16 @@ def test_cuda_one_launch_and_two_launch_sums_agree_and_repeat(monkeypatch, rows,
     for a, c in zip(one[1:], two[1:]):
         torch.testing.assert_close(a.float(), c.float(), atol=1e-2 * rows ** 0.5, rtol=1e-2)
     torch.testing.assert_close(one[3], one[0].float().sum(0), atol=5e-2 * rows ** 0.5, rtol=1e-2)
+
+
+def test_the_one_launch_threshold_is_set_by_the_environment():
+    """ZEROFUSE_ONE_LAUNCH_FLOATS=0 sends every sum to the second launch (the way back, on a GPU,
+    should the one-launch form misbehave there): read at import."""
+    import subprocess
+    import sys
+
+    code = ("from zerofuse.kernels import colsum; "
+            "print(colsum.ONE_LAUNCH_FLOATS, colsum.one_launch(1, 1), colsum.max_parts(768, 528))")
+    env = dict(os.environ, ZEROFUSE_ONE_LAUNCH_FLOATS="0")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.split() == ["0", "False", "132"]
