@@ -104,9 +104,9 @@ def bias_gelu_bwd(dy: torch.Tensor, x: torch.Tensor, bias: torch.Tensor) -> tupl
     rows_per_program = cdiv(cdiv(m, block_m), min(cdiv(m, block_m), cap)) * block_m
     parts = cdiv(m, rows_per_program)
     part = colsum.partials(parts, n, x.device, True)
-    one = colsum.one_launch(parts, n)
+    counter = colsum.arrival_counter(x.device) if colsum.one_launch(parts, n) else None
+    one = counter is not None  # (none while capturing a graph on a stream that has none yet)
     db = torch.empty_like(bias) if one else None
-    counter = colsum.arrival_counter(x.device) if one else None
     sum_p, sum_n = colsum.blocks(parts, n)
     launch_triton(_bias_gelu_bwd_kernel, (parts, col_blocks),
         dy, x, bias, dx, part, db, counter, m, n, rows_per_program, parts,

@@ -50,15 +50,29 @@ def max_parts(n: int, cap: int) -> int:
 _COUNTERS: dict = {}
 
 
-def arrival_counter(device: torch.device) -> torch.Tensor:
-    """The int32 arrival counter of ``device``'s current stream (kernels of one stream run one
-    after the other, and each leaves the counter at zero; another stream's kernel could overlap,
-    so it gets its own). Made once, zero-filled; under CUDA-graph capture that fill is captured,
-    which is harmless: the counter is zero whenever a kernel starts."""
-    key = (device.type, device.index, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
+def arrival_counter(device: torch.device, stream=None) -> torch.Tensor | None:
+    """The int32 arrival counter of ``stream`` (default: ``device``'s current stream): kernels of one
+    stream run one after the other, and each leaves the counter at zero; another stream's kernel
+    could overlap, so it gets its own. Made once, zero-filled. None when it does not exist yet and
+    the stream is capturing a CUDA graph: made there, its zero-fill would run only when the graph
+    is replayed, and an eager kernel on that stream before then would find garbage; the caller
+    sums in a second launch instead (zerofuse.train's graphed step makes its capture stream's
+    counter before capturing)."""
+    if device.type == "cuda":
+        stream = stream if stream is not None else torch.cuda.current_stream(device)
+        key = (device.type, device.index, stream.cuda_stream)
+    else:
+        key = (device.type, device.index, 0)
     counter = _COUNTERS.get(key)
     if counter is None:
-        counter = _COUNTERS[key] = torch.zeros(1, dtype=torch.int32, device=device)
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        if device.type == "cuda":
+            with torch.cuda.stream(stream):
+                counter = torch.zeros(1, dtype=torch.int32, device=device)
+        else:
+            counter = torch.zeros(1, dtype=torch.int32, device=device)
+        _COUNTERS[key] = counter
     return counter
 
 

@@ -28,7 +28,9 @@ Without a hook the launcher gets None for the hooks and their metadata; the JIT 
 JIT) has not yet run on a GPU: no GPU was lent since it was written. The argument lists are
 checked on CPU for every launch site against Triton's binder; tests/test_launch.py's GPU test
 compares the outputs bit for bit with the JIT's, and bench/profile_host.py times both on CUDA.
-A handle also ignores a later change of ``triton.knobs.runtime.debug`` (an option the JIT keys).
+A handle also ignores later changes of ``triton.knobs.runtime.debug`` and
+``knobs.compilation.instrumentation_mode`` (the JIT keys both), skips the JIT's pre-run hooks (none
+set here) and its check that the globals a kernel reads have not changed.
 """
 from __future__ import annotations
 
@@ -68,8 +70,9 @@ HANDLES: dict[tuple, Handle] = {}  # (id(kernel), device, consts, argument keys)
 
 def handle_key(kernel, device: int, args: tuple, consts: dict) -> tuple:
     """The key of the handle a launch may use; TypeError for an argument kind without a key. id:
-    a JITFunction hashes its source's cache key, and the Handle keeps the kernel alive."""
-    return id(kernel), device, tuple(consts.items()), _C.launch_key(args)
+    a JITFunction hashes its source's cache key, and the Handle keeps the kernel alive. The
+    constexprs' types too: 1, True and 1.0 are equal keys, not the same specialization."""
+    return id(kernel), device, tuple(consts.items()), tuple(map(type, consts.values())), _C.launch_key(args)
 
 
 def tail_args(kernel, n_args: int, consts: dict) -> tuple:
@@ -101,13 +104,14 @@ def _launch_handle(kernel, grid, args, consts):
     device = torch._C._cuda_getDevice()  # torch.cuda.current_device() less its Python wrapper
     try:
         key = handle_key(kernel, device, args, consts)
+        h = HANDLES.get(key)  # (an unhashable constexpr: TypeError, the JIT)
     except (TypeError, RuntimeError):
         return kernel[grid](*args, **consts)
-    h = HANDLES.get(key)
     enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook  # Triton 3.6: HookChains
     if h is None or _hooked(enter) or _hooked(leave):
         compiled = kernel[grid](*args, **consts)
-        if h is None and compiled is not None:
+        if h is None and compiled is not None and not any(isinstance(v, torch.Tensor) for v in consts.values()):
+            # (a tensor passed by keyword would key by identity: a handle per call, never hit)
             HANDLES[key] = Handle(kernel, compiled, tail_args(kernel, len(args), consts))
         return compiled
     h.hits += 1

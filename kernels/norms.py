@@ -185,6 +185,12 @@ def norm_bwd(dy, dh, x, weight, bias, mean, rstd, is_rms: bool, dr_dtype: torch.
     dr in dr_dtype or None). Any leading shape, as norm_fwd."""
     n = x.shape[-1]
     m = x.numel() // n
+    if m == 0:  # no rows: an empty dx, zero parameter gradients (no launch)
+        def zeros(dtype):
+            return None if dtype is None else torch.zeros(n, device=x.device, dtype=dtype)
+
+        return (torch.empty_like(x), zeros(weight.dtype if weight is not None else None),
+                zeros(bias.dtype if bias is not None else None), zeros(dr_dtype))
     block_m, block_n, num_warps = _config(n)
     wide = block_n >= norms_wide.BWD_MIN_BLOCK  # a row in chunks (kernels/norms_wide.py)
     if wide:
@@ -197,12 +203,13 @@ def norm_bwd(dy, dh, x, weight, bias, mean, rstd, is_rms: bool, dr_dtype: torch.
     db_part = colsum.partials(progs, n, x.device, bias is not None)
     dr_part = colsum.partials(progs, n, x.device, dr_dtype is not None)
     one = colsum.one_launch(progs, n) and (weight is not None or bias is not None or dr_dtype is not None)
-    dw = db = dr = counter = None
+    counter = colsum.arrival_counter(x.device) if one else None
+    one = counter is not None  # (none while capturing a graph on a stream that has none yet)
+    dw = db = dr = None
     if one:
         dw = torch.empty(n, device=x.device, dtype=weight.dtype) if weight is not None else None
         db = torch.empty(n, device=x.device, dtype=bias.dtype) if bias is not None else None
         dr = torch.empty(n, device=x.device, dtype=dr_dtype) if dr_dtype is not None else None
-        counter = colsum.arrival_counter(x.device)
     sum_p, sum_n = colsum.blocks(progs, n)
     flags = dict(HAS_DH=dh is not None, HAS_W=weight is not None, HAS_B=bias is not None, HAS_DR=dr_dtype is not None,
                  IS_RMS=is_rms, EMULATE_RNE=interpreted(), ONE_LAUNCH=one, SUM_P=sum_p, SUM_N=sum_n)

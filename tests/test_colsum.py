@@ -78,6 +78,57 @@ def test_counter_not_at_zero_breaks_the_sum(monkeypatch):
     assert torch.isnan(bad[1]).all() and not torch.isnan(good[1]).any()
 
 
+@interp
+def test_without_a_counter_the_sums_take_the_second_launch(monkeypatch):
+    """While a stream captures a CUDA graph and has no arrival counter yet, arrival_counter gives
+    None (a counter made there would be zeroed only by a replay) and the norms' and bias-GELU's
+    backwards sum their partials in a second launch: the same bits as in one launch."""
+    from zerofuse.kernels import bias_gelu as KB
+
+    class _Stream:
+        cuda_stream = 12345  # a stream no counter was made for
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert colsum.arrival_counter(torch.device("cuda", 0), _Stream()) is None
+    args = _case(97, 123, torch.bfloat16, False, has_dh=True, dr=True)
+    one = KN.norm_bwd(*args)
+    g = torch.Generator().manual_seed(1)
+    x, dy = torch.randn(37, 130, generator=g), torch.randn(37, 130, generator=g)
+    b = torch.randn(130, generator=g)
+    gelu_one = KB.bias_gelu_bwd(dy, x, b)
+    calls = []
+    real = colsum.sum_partials
+    monkeypatch.setattr(colsum, "sum_partials", lambda *a: calls.append(a) or real(*a))
+    monkeypatch.setattr(colsum, "arrival_counter", lambda device, stream=None: None)
+    two = KN.norm_bwd(*args)
+    gelu_two = KB.bias_gelu_bwd(dy, x, b)
+    assert len(calls) == 4  # dw, db, dr and the bias-GELU's db, each in a second launch
+    for a, c in zip((*one, *gelu_one), (*two, *gelu_two)):
+        assert torch.equal(a, c)
+
+
+@interp
+@pytest.mark.parametrize("is_rms", [False, True])
+def test_a_backward_over_no_rows(is_rms):
+    """No rows (an empty batch): an empty dx and zero parameter gradients, no launch (the program
+    count was 0, and the partition by it a ZeroDivisionError)."""
+    x = torch.randn(0, 8, dtype=torch.bfloat16)
+    w = torch.randn(8, dtype=torch.bfloat16)
+    b = None if is_rms else torch.randn(8, dtype=torch.bfloat16)
+    stats = torch.empty(0)
+    dx, dw, db, dr = KN.norm_bwd(torch.empty_like(x), None, x, w, b, None if is_rms else stats, stats, is_rms,
+                                 torch.float32)
+    assert dx.shape == (0, 8) and torch.equal(dw, torch.zeros(8, dtype=torch.bfloat16))
+    assert (db is None) == is_rms and (db is None or torch.equal(db, torch.zeros(8, dtype=torch.bfloat16)))
+    assert torch.equal(dr, torch.zeros(8))
+    xg = x.clone().requires_grad_()  # through the face's autograd too
+    import zerofuse.nn.functional as ZF
+
+    y = ZF.rms_norm(xg, (8,), w) if is_rms else ZF.layer_norm(xg, (8,), w.requires_grad_(), b)
+    y.sum().backward()
+    assert xg.grad.shape == (0, 8)
+
+
 def test_part_counts_and_limits():
     assert colsum.one_launch(4, colsum.ONE_LAUNCH_FLOATS // 4)
     assert not colsum.one_launch(4, colsum.ONE_LAUNCH_FLOATS // 4 + 1)

@@ -174,7 +174,8 @@ def test_the_second_launch_of_a_key_calls_the_compiled_launcher(monkeypatch):
     """The handles path with the JIT and the CUDA queries stood in for: a key's first launch goes
     through the JIT and keeps its compiled kernel; the next calls its launcher with the JIT's
     arguments (grid padded to 3, the current stream, the binder's argument list, no hooks); an
-    unaligned tensor, another constexpr or a launch hook goes through the JIT again."""
+    unaligned tensor, another constexpr, an equal constexpr of another type, an unhashable one or a
+    launch hook goes through the JIT again, and a tensor passed by keyword keeps no handle."""
     from unittest import mock
 
     from triton import knobs
@@ -212,6 +213,14 @@ def test_the_second_launch_of_a_key_calls_the_compiled_launcher(monkeypatch):
         finally:
             knobs.runtime.launch_enter_hook.remove(hook)
         assert len(jit_calls) == 4 and len(runs) == 2
+        L._launch_handle(jf, (5,), args, dict(C=4.0, num_warps=2))  # 4.0 == 4, not the same kernel: the JIT
+        assert len(jit_calls) == 5 and len(runs) == 2
+        L._launch_handle(jf, (5,), args, dict(C=[4], num_warps=2))  # unhashable: the JIT, no error
+        assert len(jit_calls) == 6 and len(runs) == 2
+        n = len(L.HANDLES)
+        for _ in range(2):  # a tensor by keyword: the JIT each time, no handle kept (it would key by identity)
+            L._launch_handle(jf, (5,), args[:-1], dict(q=torch.empty(64), C=4, num_warps=2))
+        assert len(jit_calls) == 8 and len(runs) == 2 and len(L.HANDLES) == n
     assert sum(h.hits for h in L.HANDLES.values()) == 2
     L.HANDLES.clear()
 

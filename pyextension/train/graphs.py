@@ -101,8 +101,15 @@ class StepGraph:
         self.batch = batch.to(t.device, copy=True)
         t.opt.sync_lr()
         graph = self.new_graph()
+        stream = None
+        if t.device.type == "cuda":  # the capture's stream, with its arrival counter made (zeroed) now:
+            from zerofuse.kernels import colsum  # made while capturing, it would be zeroed only by a replay
+
+            stream = torch.cuda.Stream(t.device)
+            colsum.arrival_counter(t.device, stream)
+            torch.cuda.synchronize(t.device)
         try:
-            with _capturing(graph):
+            with _capturing(graph, stream):
                 self.outputs = self._outputs(t.step_body(self.batch[0], self.batch[1]))
         except Exception as e:  # noqa: BLE001 - whatever the capture refused, the job goes on eagerly
             self._give_up(e)
@@ -146,8 +153,9 @@ class _SideStream:
         return False
 
 
-def _capturing(graph):
-    """torch.cuda.graph(graph) for a CUDA graph; a stand-in graph (tests on CPU) brings its own."""
+def _capturing(graph, stream=None):
+    """torch.cuda.graph(graph, stream=stream) for a CUDA graph; a stand-in graph (tests on CPU)
+    brings its own."""
     if isinstance(graph, torch.cuda.CUDAGraph):
-        return torch.cuda.graph(graph)
+        return torch.cuda.graph(graph, stream=stream)
     return graph.capture()
