@@ -84,8 +84,9 @@ def _clip_kernel(PART, nblocks, OUT, SCALE, FOUND, max_norm, eps, HAS_SCALE: tl.
 def segment_sums(table: _Table, part: torch.Tensor, out: torch.Tensor, found: torch.Tensor | None) -> None:
     """out[index[t]] = the sums of part's rows over each tensor t's blocks (_segment_sum_kernel)."""
     if table.n:
+        # the fused LAMB's warps: the same per-thread grouping of the block sums, so the same bits
         launch_triton(_segment_sum_kernel, (table.n,), table.meta, table.n, part, out, found,
-                      HAS_FOUND=found is not None, WIDTH=part.shape[1], BLOCK_P=1024)
+                      HAS_FOUND=found is not None, WIDTH=part.shape[1], BLOCK_P=1024, num_warps=table.warps)
 
 
 def block_sums(launch: Launch) -> tuple[torch.Tensor, list[torch.Tensor], int]:

@@ -252,7 +252,7 @@ def _schedule(numels: tuple, blocks: list[int], device: torch.device) -> torch.T
             codes += range(2 * a, 2 * b, 2)
             codes += range(2 * b - 1, 2 * a, -2)
         return upload(torch.tensor(codes or [0], dtype=torch.int32), device)
-    return _kept(_SCHEDULES, (numels, device), make)
+    return _kept(_SCHEDULES, (numels, tuple(blocks), device), make)  # the block starts: BLOCK may change
 
 
 def _lamb_one_launch_from_env() -> bool:

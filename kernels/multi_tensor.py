@@ -255,7 +255,7 @@ def _owners(numels: tuple, blocks: list[int], device: torch.device) -> torch.Ten
     def make():
         counts = torch.tensor([b - a for a, b in zip(blocks, blocks[1:])], dtype=torch.int64)
         return upload(torch.repeat_interleave(torch.arange(len(numels), dtype=torch.int32), counts), device)
-    return _kept(_OWNERS, (numels, device), make)
+    return _kept(_OWNERS, (numels, tuple(blocks), device), make)  # the block starts: BLOCK may change
 
 
 class _Table:

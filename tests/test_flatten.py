@@ -270,3 +270,40 @@ def test_torch_compile_fullgraph(device):
     for g, w, src in zip(got, want, grads):
         torch.testing.assert_close(g, w, rtol=0, atol=0)
         torch.testing.assert_close(g, (src.float() * 0.5).to(src.dtype), rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("warm", [True, False], ids=["table_made_eagerly", "table_made_while_capturing"])
+def test_flatten_and_unflatten_in_a_captured_cuda_graph(warm):
+    """[Note: device tables kept by content]: flatten_into / unflatten_from captured in a CUDA graph
+    replay with the values the sources hold at each replay, whether the table was made by an eager
+    call first (the capture copies nothing) or during the capture (its pinned source kept for the
+    replays); and an eager call with the same tensors (a table hit) gives the same values."""
+    ts = [torch.randn(n, device="cuda").to(dt) for n, dt in ((5000, torch.float32), (77, torch.bfloat16),
+                                                             (3, torch.float16))]
+    offsets, total = _layout(ts, 128)
+    flat, back = torch.zeros(total, device="cuda"), [torch.empty_like(t) for t in ts]
+    if warm:
+        zerofuse.flatten_into(ts, flat, offsets)
+        zerofuse.unflatten_from(flat, back, offsets)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        zerofuse.flatten_into(ts, flat, offsets)
+        zerofuse.unflatten_from(flat * 2, back, offsets)
+    for step in range(3):
+        for t in ts:
+            t.copy_(torch.randn(t.shape, device="cuda"))
+        torch.empty(1 << 20, device="cuda", dtype=torch.uint8).fill_(step)  # churn the caching allocators
+        torch.empty(1 << 16, dtype=torch.uint8).pin_memory()
+        g.replay()
+        torch.cuda.synchronize()
+        want = torch.zeros(total, device="cuda")
+        reference.flatten_into(ts, want, offsets)
+        assert torch.equal(flat, want), step
+        for b, t in zip(back, ts):
+            assert torch.equal(b, (t.float() * 2).to(t.dtype)), step
+    eager = torch.zeros(total, device="cuda")
+    zerofuse.flatten_into(ts, eager, offsets)
+    assert torch.equal(eager, flat)

@@ -104,6 +104,27 @@ def test_optim_grid_is_chosen_by_the_environment(monkeypatch):
     assert MT.programs(13, torch.device("cpu")) == 13
 
 
+def test_a_changed_block_size_builds_its_own_block_map(monkeypatch):
+    """The block -> tensor map (and the one-launch LAMB's schedule) are kept per layout: a layout is
+    the block starts, not only the sizes, so a BLOCK changed in the same process (bench_optimizers'
+    sweep) gets its own map (a map kept by sizes alone gave 5 owners to 8 blocks: blocks read past
+    it and wrote before their tensor)."""
+    from zerofuse.kernels import lamb as KL
+
+    ts = [torch.empty(5000), torch.empty(3000)]
+    maps = {}
+    for block in (2048, 1024, 2048):
+        monkeypatch.setattr(MT, "BLOCK", block)
+        table = MT._Table([ts], torch.device("cpu"))
+        own = table.own.tolist()
+        assert len(own) == table.blocks == -(-5000 // block) + -(-3000 // block)
+        assert own == [0] * -(-5000 // block) + [1] * -(-3000 // block)
+        sched = KL._schedule(table.numels, table.block_starts, torch.device("cpu"))
+        assert sorted(sched.tolist()) == list(range(2 * table.blocks))  # each block's two stages once
+        maps.setdefault(block, own)
+    assert maps[1024] != maps[2048]
+
+
 def test_step_scalars_rows_hold_the_float64_bias_corrections(device):
     """[Note: step scalars]: one launch advances each distinct counter once (two tensors share one
     here), not at all on a skipped step, and writes (1 - beta1^t, 1 - beta2^t, lr / (1 - beta1^t),

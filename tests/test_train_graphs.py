@@ -163,9 +163,12 @@ def test_gpu_graphed_steps_equal_eager_steps(tmp_path):
     assert es["final_val_loss"] == gs["final_val_loss"]
 
 
-def test_a_capture_failing_mid_backward_leaves_no_half_step(tmp_path, monkeypatch):
+@pytest.mark.parametrize("end_fails", [False, True], ids=["body_raises", "then_the_end_raises"])
+def test_a_capture_failing_mid_backward_leaves_no_half_step(tmp_path, monkeypatch, end_fails):
     """The capture raises from inside backward (after ZeRO counted some grads and queued its end of
-    backward): abandon_step resets that, and the job goes on eagerly with the eager job's losses."""
+    backward): abandon_step resets that (and drops what the capture built), and the job goes on
+    eagerly with the eager job's losses. When the capture's end then fails too (as torch's does
+    over an invalidated capture), the log names the first error, then the end's."""
     state = {"capturing": False}
 
     class MidBackward(_StandInGraph):
@@ -177,6 +180,8 @@ def test_a_capture_failing_mid_backward_leaves_no_half_step(tmp_path, monkeypatc
                     yield
             finally:
                 state["capturing"] = False
+                if end_fails:
+                    raise RuntimeError("operation failed due to a previous error during capture")
 
     class Failing(graphs.StepGraph):
         def __init__(self, trainer):
@@ -196,4 +201,6 @@ def test_a_capture_failing_mid_backward_leaves_no_half_step(tmp_path, monkeypatc
     t = Trainer(_args(failed), None)
     assert t.run() == 0
     assert t.graphs.failed.startswith("capture failed at step 4 (RuntimeError: operation not permitted")
+    assert t.graphs.failed.endswith("; then RuntimeError: operation failed due to a previous error during capture)"
+                                    if end_fails else "capturing)"), t.graphs.failed
     assert [(r["loss"], r["grad_norm"]) for r in _rows(eager)] == [(r["loss"], r["grad_norm"]) for r in _rows(failed)]

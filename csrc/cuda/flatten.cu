@@ -1,9 +1,9 @@
 // CUDA kernels of zerofuse::flatten_into / unflatten_from: one multi-tensor launch per call.
 //
-// The host writes one TensorMeta per tensor (pointer, numel, offset into flat, dtype, first chunk)
-// into a pinned buffer, copies it to the device on the current stream, and launches one block per
-// kChunk-element chunk of all tensors together; a block finds its tensor by binary search over
-// the chunk prefix. Same-dtype chunks move 16 bytes per thread per access when aligned; others
+// The host writes one TensorMeta per tensor (pointer, numel, offset into flat, dtype, first chunk),
+// finds that table on the device or copies it there once ([Note: device tables kept by content]),
+// and launches one block per kChunk-element chunk of all tensors together; a block finds its
+// tensor by binary search over the chunk prefix. Same-dtype chunks move 16 bytes per thread per access when aligned; others
 // convert element by element (e.g. bf16 grads into an fp32 bucket). Tensors the kernel does not
 // take (non-contiguous, or dtypes other than fp32/fp16/bf16/fp64) go through Tensor::copy_,
 // correct but one launch each.
@@ -12,11 +12,17 @@
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/util/TypeCast.h>
 #include <torch/library.h>
 
+#include <cstring>
+#include <deque>
+#include <mutex>
+#include <string>
+#include <unordered_map>
 #include <vector>
 
 namespace zerofuse {
@@ -88,6 +94,56 @@ __global__ void __launch_bounds__(kThreads) multi_tensor_copy_kernel(const Tenso
   }
 }
 
+// [Note: device tables kept by content]
+// A call's TensorMeta table reaches the device once per distinct content (the tensors' addresses,
+// sizes, offsets and dtypes: ZeRO flattens the same grads into the same bucket every step), and
+// stays there. Eagerly this saves a pinned allocation and a host-to-device copy per call. Under
+// CUDA-graph capture it is what makes the call capturable: a table copied during the capture is
+// read by every replay from its pinned source, which must then outlive the graph (the caching host
+// allocator would hand a freed block out again); a table the warm-up steps made is not copied at
+// all. So a table used while capturing is never dropped (a handful per graph); the others are kept
+// for the kKept most recent contents. The key holds every byte the kernel reads, so a hit is the
+// same table. A table read from a stream other than the one it was made on is marked in use by
+// that stream (record_stream), so dropping it later waits for that stream's work.
+struct DeviceTable {
+  at::Tensor device;  // the table the kernel reads
+  at::Tensor host;    // its pinned source (read again by a captured copy at each replay)
+  cudaStream_t made_on;
+  bool captured;
+};
+
+constexpr size_t kKept = 256;
+
+const TensorMeta* device_table(const std::vector<TensorMeta>& metas, const at::Device& device, cudaStream_t stream) {
+  static std::mutex mu;
+  static std::unordered_map<std::string, DeviceTable> tables;
+  static std::deque<std::string> uncaptured;  // the droppable keys, oldest first
+  std::string key(reinterpret_cast<const char*>(metas.data()), metas.size() * sizeof(TensorMeta));
+  const int idx = device.index();
+  key.append(reinterpret_cast<const char*>(&idx), sizeof(idx));
+  const bool capturing = c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None;
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = tables.find(key);
+  if (it == tables.end()) {
+    const int64_t words = static_cast<int64_t>(metas.size() * sizeof(TensorMeta) / sizeof(int64_t));
+    at::Tensor host = at::empty({words}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
+    std::memcpy(host.data_ptr(), metas.data(), metas.size() * sizeof(TensorMeta));
+    at::Tensor dev = host.to(device, /*non_blocking=*/true);
+    it = tables.emplace(key, DeviceTable{dev, host, stream, capturing}).first;
+    if (!capturing) uncaptured.push_back(key);
+  } else if (it->second.made_on != stream) {
+    it->second.device.record_stream(c10::cuda::getCurrentCUDAStream(device.index()));
+  }
+  it->second.captured = it->second.captured || capturing;
+  const TensorMeta* table = reinterpret_cast<const TensorMeta*>(it->second.device.data_ptr<int64_t>());
+  while (uncaptured.size() > kKept) {  // drop the oldest table no graph reads
+    auto old = tables.find(uncaptured.front());
+    if (old != tables.end() && !old->second.captured) tables.erase(old);
+    uncaptured.pop_front();
+  }
+  return table;
+}
+
 template <bool kToFlat>
 void copy_ranges(at::TensorList tensors, const at::Tensor& flat, at::IntArrayRef offsets) {
   at::AutoDispatchBelowADInplaceOrView no_autograd;
@@ -109,14 +165,9 @@ void copy_ranges(at::TensorList tensors, const at::Tensor& flat, at::IntArrayRef
   }
 
   if (!metas.empty()) {
-    const int64_t words = static_cast<int64_t>(metas.size() * sizeof(TensorMeta) / sizeof(int64_t));
-    at::Tensor host = at::empty({words}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
-    std::memcpy(host.data_ptr(), metas.data(), metas.size() * sizeof(TensorMeta));
-    // The caching host allocator keeps the pinned block until this copy has completed.
-    at::Tensor device_meta = host.to(flat.device(), /*non_blocking=*/true);
-    const auto* meta = reinterpret_cast<const TensorMeta*>(device_meta.data_ptr<int64_t>());
-    const int64_t n = static_cast<int64_t>(metas.size());
     cudaStream_t stream = c10::cuda::getCurrentCUDAStream(flat.get_device()).stream();
+    const TensorMeta* meta = device_table(metas, flat.device(), stream);  // [Note: device tables kept by content]
+    const int64_t n = static_cast<int64_t>(metas.size());
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, flat.scalar_type(), "zerofuse_multi_tensor_copy", [&] {
       multi_tensor_copy_kernel<scalar_t, kToFlat>
           <<<static_cast<unsigned>(n_chunks), kThreads, 0, stream>>>(meta, n, flat.data_ptr<scalar_t>());

@@ -69,6 +69,7 @@ class StepGraph:
         self.warm = 0
         self.captured_at: int | None = None  # the step (0-based) captured
         self.failed: str | None = None
+        self.capture_stream = self.before = None  # the capture's stream; the current one before it
 
     def _outputs(self, loss):
         opt = self.t.opt
@@ -101,12 +102,15 @@ class StepGraph:
         self.batch = batch.to(t.device, copy=True)
         t.opt.sync_lr()
         graph = self.new_graph()
-        stream = None
+        stream = self.before = None
         if t.device.type == "cuda":  # the capture's stream, with its arrival counter made (zeroed) now:
             from zerofuse.kernels import colsum  # made while capturing, it would be zeroed only by a replay
 
-            stream = torch.cuda.Stream(t.device)
+            # kept for the graph's life: a stream handle dropped could come back from torch's pool
+            # for other work, which would then share the counter the graph's kernels use
+            stream = self.capture_stream = torch.cuda.Stream(t.device)
             colsum.arrival_counter(t.device, stream)
+            self.before = torch.cuda.current_stream(t.device)
             torch.cuda.synchronize(t.device)
         try:
             with _capturing(graph, stream):
@@ -118,8 +122,12 @@ class StepGraph:
 
     def _give_up(self, e: Exception) -> None:
         t = self.t
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        self.failed = f"capture failed at step {t.step + 1} ({type(e).__name__}: {first})"
+        if self.before is not None:  # torch.cuda.graph's exit raised before restoring the stream
+            torch.cuda.set_stream(self.before)
+        # an error inside the capture, then the capture's end failing over it: both, the first first
+        errors = [x for x in (e.__context__, e) if x is not None]
+        said = "; then ".join(f"{type(x).__name__}: {_first_line(x)}" for x in errors)
+        self.failed = f"capture failed at step {t.step + 1} ({said})"
         if t.device.type == "cuda":
             torch.cuda.synchronize(t.device)
         t.opt.abandon_step()  # nothing ran while capturing: forget the half-built step's Python state
@@ -151,6 +159,11 @@ class _SideStream:
         self.ctx.__exit__(*exc)
         self.cur.wait_stream(self.side)
         return False
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else ""
 
 
 def _capturing(graph, stream=None):

@@ -267,6 +267,10 @@ class Optimizer(GradNorms, OptimizerState, torch.optim.Optimizer):
         self._clip_coef = self._found_inf = None
         for plan in self._plans.values():
             plan.release_grads()
+        # what a capture built (launch tables, constants) holds device memory its uploads and fills
+        # never reached: built again by the next eager step
+        self._plans = StepPlans()
+        self.__dict__.pop("_norm_prepared", None)
 
     def _lr(self, gi: int, group):
         return self._device_lr[gi] if self._device_lr is not None else group["lr"]
