@@ -278,8 +278,9 @@ def test_torch_compile_fullgraph(device):
 def test_flatten_and_unflatten_in_a_captured_cuda_graph(warm):
     """[Note: device tables kept by content]: flatten_into / unflatten_from captured in a CUDA graph
     replay with the values the sources hold at each replay, whether the table was made by an eager
-    call first (the capture copies nothing) or during the capture (its pinned source kept for the
-    replays); and an eager call with the same tensors (a table hit) gives the same values."""
+    call first (the capture copies nothing) or during the capture (written by kernels carrying it in
+    their parameters: no host memory in the graph); and an eager call with the same tensors (a
+    table hit) gives the same values."""
     ts = [torch.randn(n, device="cuda").to(dt) for n, dt in ((5000, torch.float32), (77, torch.bfloat16),
                                                              (3, torch.float16))]
     offsets, total = _layout(ts, 128)

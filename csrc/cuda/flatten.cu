@@ -18,6 +18,7 @@
 #include <c10/util/TypeCast.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstring>
 #include <deque>
 #include <mutex>
@@ -97,22 +98,52 @@ __global__ void __launch_bounds__(kThreads) multi_tensor_copy_kernel(const Tenso
 // [Note: device tables kept by content]
 // A call's TensorMeta table reaches the device once per distinct content (the tensors' addresses,
 // sizes, offsets and dtypes: ZeRO flattens the same grads into the same bucket every step), and
-// stays there. Eagerly this saves a pinned allocation and a host-to-device copy per call. Under
-// CUDA-graph capture it is what makes the call capturable: a table copied during the capture is
-// read by every replay from its pinned source, which must then outlive the graph (the caching host
-// allocator would hand a freed block out again); a table the warm-up steps made is not copied at
-// all. So a table used while capturing is never dropped (a handful per graph); the others are kept
-// for the kKept most recent contents. The key holds every byte the kernel reads, so a hit is the
-// same table. A table read from a stream other than the one it was made on is marked in use by
-// that stream (record_stream), so dropping it later waits for that stream's work.
+// stays there: eagerly, one pinned allocation and host-to-device copy per content instead of per
+// call. Under CUDA-graph capture no host memory is touched: a table made while capturing (the
+// grads autograd allocates in the graph's pool have addresses the warm-up never saw) is written by
+// kernels that carry it in their parameters (kMetasPerWrite entries each, 2560 bytes of the 4 KB a
+// launch may pass), which the graph keeps by value, so a replay needs no host buffer alive and no
+// pinned allocation (with its event queries) ran inside the capture. A table a graph reads is never
+// dropped (a handful per graph); the others are kept for the kKept most recent contents. The key
+// holds every byte the kernel reads, so a hit is the same table. A table read from a stream other
+// than the one it was made on is marked in use by that stream (record_stream), so dropping it later
+// waits for that stream's work.
 struct DeviceTable {
   at::Tensor device;  // the table the kernel reads
-  at::Tensor host;    // its pinned source (read again by a captured copy at each replay)
   cudaStream_t made_on;
   bool captured;
 };
 
 constexpr size_t kKept = 256;
+constexpr int64_t kMetasPerWrite = 64;
+
+struct MetaBatch {
+  TensorMeta m[kMetasPerWrite];
+};
+
+__global__ void write_table_kernel(MetaBatch batch, int64_t n, TensorMeta* out) {
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) out[i] = batch.m[i];
+}
+
+at::Tensor table_on_device(const std::vector<TensorMeta>& metas, const at::Device& device, cudaStream_t stream,
+                           bool capturing) {
+  const int64_t words = static_cast<int64_t>(metas.size() * sizeof(TensorMeta) / sizeof(int64_t));
+  if (!capturing) {
+    at::Tensor host = at::empty({words}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
+    std::memcpy(host.data_ptr(), metas.data(), metas.size() * sizeof(TensorMeta));
+    return host.to(device, /*non_blocking=*/true);  // the host allocator keeps host until the copy is done
+  }
+  at::Tensor dev = at::empty({words}, at::TensorOptions().dtype(at::kLong).device(device));
+  auto* out = reinterpret_cast<TensorMeta*>(dev.data_ptr<int64_t>());
+  for (size_t first = 0; first < metas.size(); first += kMetasPerWrite) {
+    MetaBatch batch{};
+    const int64_t n = std::min<int64_t>(kMetasPerWrite, static_cast<int64_t>(metas.size() - first));
+    std::memcpy(batch.m, metas.data() + first, n * sizeof(TensorMeta));
+    write_table_kernel<<<1, kMetasPerWrite, 0, stream>>>(batch, n, out + first);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  return dev;
+}
 
 const TensorMeta* device_table(const std::vector<TensorMeta>& metas, const at::Device& device, cudaStream_t stream) {
   static std::mutex mu;
@@ -125,11 +156,7 @@ const TensorMeta* device_table(const std::vector<TensorMeta>& metas, const at::D
   std::lock_guard<std::mutex> lock(mu);
   auto it = tables.find(key);
   if (it == tables.end()) {
-    const int64_t words = static_cast<int64_t>(metas.size() * sizeof(TensorMeta) / sizeof(int64_t));
-    at::Tensor host = at::empty({words}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
-    std::memcpy(host.data_ptr(), metas.data(), metas.size() * sizeof(TensorMeta));
-    at::Tensor dev = host.to(device, /*non_blocking=*/true);
-    it = tables.emplace(key, DeviceTable{dev, host, stream, capturing}).first;
+    it = tables.emplace(key, DeviceTable{table_on_device(metas, device, stream, capturing), stream, capturing}).first;
     if (!capturing) uncaptured.push_back(key);
   } else if (it->second.made_on != stream) {
     it->second.device.record_stream(c10::cuda::getCurrentCUDAStream(device.index()));

@@ -106,8 +106,9 @@ class StepGraph:
         if t.device.type == "cuda":  # the capture's stream, with its arrival counter made (zeroed) now:
             from zerofuse.kernels import colsum  # made while capturing, it would be zeroed only by a replay
 
-            # kept for the graph's life: a stream handle dropped could come back from torch's pool
-            # for other work, which would then share the counter the graph's kernels use
+            # (torch hands its pooled stream handles out round-robin: a Stream made 32 streams later
+            # shares this one's handle, and so its counter; harmless unless its eager kernels run
+            # while the graph replays on another stream. Nothing here makes streams after this.)
             stream = self.capture_stream = torch.cuda.Stream(t.device)
             colsum.arrival_counter(t.device, stream)
             self.before = torch.cuda.current_stream(t.device)
