@@ -11,7 +11,11 @@ Cases: reduce_scatter (tensors -> flat shard) and all_gather (shard -> tensors).
   floor of the other two; GB/s counts the bytes read + written;
 - torch: torch.cat + dist.reduce_scatter_tensor, or dist.all_gather_into_tensor + unflatten_from,
   on torch's own NCCL process group;
-- zerofuse: Communicator(transport="nccl").reduce_scatter_coalesced / all_gather_coalesced.
+- zerofuse_nccl: Communicator(transport="nccl").reduce_scatter_coalesced / all_gather_coalesced
+  through the NCCL transport (its world-of-one shortcut turned off here: the C++ path, comm stream
+  and events, what a bucket costs at any world size besides the transfer);
+- zerofuse: the same calls as a job of one rank makes them (comm/local.py: in place on the current
+  stream, no NCCL call).
 extra_info: overhead_us_vs_copy = (median - copy's median) per bucket, in microseconds.
 """
 from __future__ import annotations
@@ -24,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 BUCKET_MB = [1, 5, 25, 100]
-PROVIDERS = ["copy", "torch", "zerofuse"]  # zerofuse last: measure() adds its speedups over the others
+PROVIDERS = ["copy", "torch", "zerofuse_nccl", "zerofuse"]  # zerofuse last: measure() adds its speedups
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +71,9 @@ def bench_nccl_bucket(measure, registry, benchmark, nccl_world, device, smoke, c
         offsets.append(offsets[-1] + t.numel())
     flat = torch.cat(ts)
     ref = [t.clone() for t in ts]
-    comm = Communicator(transport="nccl") if provider == "zerofuse" else None
+    comm = Communicator(transport="nccl") if provider.startswith("zerofuse") else None
+    if provider == "zerofuse_nccl":
+        comm._one = False  # the transport itself, as with more ranks (a world of one otherwise skips it)
     shard = torch.empty(comm.shard_numel(ts) if comm else n, device=device)
     shard[:n].copy_(flat)
     if coll == "reduce_scatter":
@@ -75,7 +81,7 @@ def bench_nccl_bucket(measure, registry, benchmark, nccl_world, device, smoke, c
             "copy": lambda: flatten_into(ts, shard, offsets),
             "torch": lambda: dist.reduce_scatter_tensor(shard, torch.cat(ts), op=dist.ReduceOp.SUM),
             "zerofuse": lambda: comm.reduce_scatter_coalesced(ts, shard, op="sum").wait(),
-        }[provider]
+        }[provider.replace("zerofuse_nccl", "zerofuse")]
         check = lambda: torch.testing.assert_close(shard[:n], flat)  # noqa: E731
     else:
         def torch_ag():
@@ -86,7 +92,7 @@ def bench_nccl_bucket(measure, registry, benchmark, nccl_world, device, smoke, c
             "copy": lambda: unflatten_from(shard, ts, offsets),
             "torch": torch_ag,
             "zerofuse": lambda: comm.all_gather_coalesced(shard, ts).wait(),
-        }[provider]
+        }[provider.replace("zerofuse_nccl", "zerofuse")]
 
         def check():
             for t, r in zip(ts, ref):

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import zerofuse
+from conftest import import_peer  # bench/conftest.py
 from zerofuse.zero import peak_memory
 
 transformers = pytest.importorskip("transformers")
@@ -50,7 +51,7 @@ def _model(provider, device, smoke):
     elif provider == "liger":
         if device.type != "cuda":
             pytest.skip("Liger-Kernel's kernels are Triton launches: GPU only")
-        lk = pytest.importorskip("liger_kernel.transformers")
+        lk = import_peer("liger_kernel.transformers")
         lk._apply_liger_kernel_to_instance(model=model)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, s["vocab_size"], (b, n), generator=g).to(device)

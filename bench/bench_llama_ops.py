@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from zerofuse.nn.functional import linear_cross_entropy
+from conftest import import_peer  # bench/conftest.py
 from zerofuse.zero import peak_memory
 
 GPU_SHAPES = [(4096, 1024, 128256), (8192, 2048, 128256), (8192, 768, 50304)]  # (tokens, dim, vocab)
@@ -48,7 +49,7 @@ def _loss_fn(provider, device):
         return _compiled.setdefault("fn", torch.compile(_unfused))
     if device.type != "cuda":
         pytest.skip("Liger-Kernel's fused linear cross-entropy launches Triton kernels: GPU only")
-    mod = pytest.importorskip("liger_kernel.transformers")
+    mod = import_peer("liger_kernel.transformers")
     loss = mod.LigerFusedLinearCrossEntropyLoss()
     return lambda h, w, t: loss(w, h, t)
 
@@ -140,7 +141,7 @@ def bench_swiglu(measure, device, provider, glu_shape):
     if provider == "liger":
         if device.type != "cuda":
             pytest.skip("Liger-Kernel's SwiGLU launches Triton kernels: GPU only")
-        fn = pytest.importorskip("liger_kernel.ops.swiglu").LigerSiLUMulFunction.apply
+        fn = import_peer("liger_kernel.ops.swiglu").LigerSiLUMulFunction.apply
     else:
         fn = {"torch": _torch_glu, "torch_compile": torch.compile(_torch_glu), "zerofuse": swiglu}[provider]
     rows, hidden = glu_shape

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import zerofuse.nn.functional as ZF
+from conftest import import_peer  # bench/conftest.py
 
 GPU_SHAPES = [(4096, 1024), (4096, 4096), (16384, 4096), (4096, 8192), (16384, 8192), (4096, 16384)]
 # CPU: outputs of at most 16 MB. Larger ones (32-64 MB) are mmapped fresh by glibc on each call and
@@ -21,7 +22,7 @@ SMOKE_SHAPES = [(64, 256)]
 
 
 def _liger(norm):
-    mod = pytest.importorskip("liger_kernel.transformers")
+    mod = import_peer("liger_kernel.transformers")
     return mod.LigerLayerNorm if norm == "layer" else mod.LigerRMSNorm
 
 

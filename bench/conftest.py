@@ -18,6 +18,13 @@ import pytest
 import torch
 
 
+# torch.compile peers: a suite compiles the same functions for many shapes and dtypes, which
+# passes Dynamo's default of 8 recompiles per function, after which it runs them eagerly without a
+# word (bench_norms' compiled rows from its third shape on were torch's eager ones, 2026-11-26)
+torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 512)
+torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 4096)
+
+
 def pytest_addoption(parser):
     parser.addoption("--smoke", action="store_true", help="tiny sizes (CI smoke run)")
     parser.addoption("--bench-device", default=None, help="cpu or cuda (default: cuda if available)")
@@ -53,6 +60,17 @@ def smoke(request) -> bool:
 def device(request) -> torch.device:
     name = request.config.getoption("--bench-device") or ("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
+
+
+def import_peer(module: str):
+    """A peer's module, or the test skipped with the reason it did not import: not only a missing
+    package (a wheel carried to the GPU machine with --no-deps may fail on something else)."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except Exception as e:  # noqa: BLE001 - whatever breaks the import, the peer is listed as absent
+        pytest.skip(f"{module} does not import here ({type(e).__name__}: {str(e).splitlines()[0][:160]})")
 
 
 def synchronize(device: torch.device) -> None:
@@ -112,19 +130,23 @@ def setup_then_sync(setup, device):
     return run
 
 
-def device_ms(fn, setup, device: torch.device, rounds: int, flush_bytes: int = 256 << 20) -> float:
+def device_ms(fn, setup, device: torch.device, rounds: int, flush_bytes: int = 256 << 20,
+              hold_ms: float = 1.0) -> float:
     """CUDA: the median device time of fn(*setup()) in ms, by CUDA events, the L2 flushed (a write of
     flush_bytes, more than an H100's 50 MB or an H200's 60 MB of L2) before each round and the
-    stream held by a sleep kernel while the host queues the flush, the start event, fn's launches
-    and the end event, so host time between launches is not counted (the wall time the benchmark
-    records counts it: the difference is the host's share per call). setup runs untimed."""
+    stream held by a sleep kernel (about hold_ms) while the host queues the flush, the start event,
+    fn's launches and the end event, so host time between launches is not counted (the wall time
+    the benchmark records counts it: the difference is the host's share per call). The hold must
+    outlast the queueing: measure() passes twice the call's wall time (at most 50 ms). A call that
+    synchronizes inside (a host read) is timed with its host time whatever the hold. setup runs
+    untimed."""
     flush = torch.empty(flush_bytes, dtype=torch.int8, device=device)
     times = []
     for _ in range(rounds):
         args = setup()[0] if setup else ()
         synchronize(device)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(2_000_000)  # ~1 ms at 2 GHz: longer than queueing what follows
+        torch.cuda._sleep(int(hold_ms * 2_000_000))  # cycles: ~hold_ms at 2 GHz
         flush.zero_()
         start.record()
         fn(*args)
@@ -168,7 +190,9 @@ def measure(benchmark, device, smoke, copy_roofline, registry):
         if flops is not None:
             info["TFLOP/s"] = round(flops / median / 1e12, 3)
         if device.type == "cuda" and not smoke:  # device time apart from the wall time per call
-            dev = device_ms(fn, pedantic_setup, device, max(3, rounds // 2))
+            dev = device_ms(fn, pedantic_setup, device, max(3, rounds // 2), hold_ms=min(50.0, max(1.0, 2e3 * median)))
+            # (the wall median ran with a warm L2, the device time with a flushed one: for calls
+            # whose data fits in L2 the share can read near zero or below)
             info.update(device_ms=round(dev, 4), host_share_ms=round(median * 1e3 - dev, 4))
         if provider == "zerofuse":
             for (c, peer), m in registry.medians.items():

@@ -105,6 +105,8 @@ def main(argv=None) -> int:
         step(i)
     sync()
     warm_s = time.perf_counter() - t0
+    print(f"peer_step: warm-up of {a.warmup} steps{' (with compilation)' if a.compile else ''} took {warm_s:.1f} s",
+          flush=True)  # something comes back should the timed steps be cut
     t0 = time.perf_counter()
     for i in range(a.warmup, a.warmup + a.steps):
         loss = step(i)

@@ -73,6 +73,13 @@ def main(argv=None) -> int:
     ap.add_argument("extra", nargs="*", help="more zerofuse-train flags (after --)")
     a = ap.parse_args(argv)
     n = a.warmup + a.steps + a.profile_steps + 2
+    if a.device == "cuda" and "--no-cuda-graphs" not in a.extra:
+        # a graph captured before the profiler first starts (the warm-up captures it) is traced
+        # only when CUPTI was set up for graphs first (pytorch#75504 hung without)
+        from torch.profiler import _utils as prof_utils
+
+        if hasattr(prof_utils, "_init_for_cuda_graphs"):
+            prof_utils._init_for_cuda_graphs()
     t = inprocess.trainer(["--device", a.device, "--model", a.model, "--batch", str(a.batch), "--steps", str(n),
                            "--zero-stage", str(a.zero_stage), *a.extra])
     args, out = t.args, t.args.out

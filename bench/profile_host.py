@@ -229,15 +229,17 @@ def main(argv=None) -> int:
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     from zerofuse.kernels import launch as L
 
+    handles = L.MODE == "handles"  # not when ZEROFUSE_TRITON_LAUNCH=jit (run_gpu.sh: the handles failed the doctor)
     for name, ours, theirs in _cases(device):
         for _ in range(10):  # warm-up: compilation, autotuning, state allocation
             ours()
             theirs()
         L.MODE = "jit"  # [Note: launch handles]: every launch through JITFunction.run, then through handles
         zj = _median_seconds(ours, device, args.calls) * 1e6
-        L.MODE = "handles"
+        L.MODE = "handles" if handles else "jit"
         z, t = (_median_seconds(fn, device, args.calls) * 1e6 for fn in (ours, theirs))
-        print(f"\n=== {name}: zerofuse {z:.1f} us (launches through the JIT: {zj:.1f} us), torch {t:.1f} us per call "
+        via = f"launches through handles; through the JIT: {zj:.1f} us" if handles else "launches through the JIT"
+        print(f"\n=== {name}: zerofuse {z:.1f} us ({via}), torch {t:.1f} us per call "
               f"(median of {args.calls}, synchronised)")
         with torch.profiler.profile(activities=activities) as prof:
             for _ in range(20):

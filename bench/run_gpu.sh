@@ -6,13 +6,17 @@
 #
 # Usage: bash bench/run_gpu.sh [OUT_DIR] [PHASES]
 #   OUT_DIR  default: $OUT, else bench/out
-#   PHASES   comma-separated, run in this order: build,doctor,train,profile,tests,bench (default:
-#            all). A session's device time is 15 minutes, a call at most 10, and the machine stays
-#            warm only 30 s after one. Measured 2026-11-26 on an H200: build+doctor ~2 min, a 60-step
-#            train ~1 min, profile ~1.5 min, tests ~3.5 min; since then train runs the step graphed and
-#            eager plus the torch-native peer eager and compiled (~3-4 min, estimated) and profile
-#            profiles both modes, so the default phases fill a call and the benchmarks (most valuable
-#            first) take what is left before the deadline; a second call with PHASES=bench runs them.
+#   PHASES   comma-separated, run in this order: build,doctor,tests,train,profile,bench (default:
+#            all). A session's device time is 15 minutes (machine start included), a call at most
+#            10, and the machine stays warm only 30 s after one. Estimates (an H200 on 2026-11-26
+#            and a review of the scripts since): build+doctor ~2 min, tests ~3.5-4 min (correctness
+#            first: much GPU code has never run), train ~3.5 min (the step graphed and eager, the
+#            torch-native peer eager and compiled; PEER_COMPILE=0 saves ~1.5 min), profile ~2 min,
+#            the bench suites ~8-10 min in all (attention ~2.5, norms ~1.5, llama_ops ~2,
+#            optimizers ~1.5, hf ~1.5, the rest under 1). So one call covers build to profile and
+#            the benchmarks take what is left; a second call at once (PHASES=bench and the suites
+#            not yet measured in BENCH_SUITES; ZEROFUSE_TRITON_LAUNCH=jit again if the first call's
+#            doctor failed the handles) gets the time left. Each finished benchmark is kept.
 #            Without `build` the extension built by an earlier call is used; when there is none
 #            (the machine went back in between), it is built first anyway.
 # Environment:
@@ -40,7 +44,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-${OUT:-bench/out}}
-phases=",${2:-build,doctor,train,profile,tests,bench},"
+phases=",${2:-build,doctor,tests,train,profile,bench},"
 default_suites="bench/bench_attention.py bench/bench_norms.py bench/bench_llama_ops.py bench/bench_moe.py
   bench/bench_offload.py bench/bench_optimizers.py bench/bench_flatten.py bench/bench_comm_gpu.py bench/bench_hf.py"
 mkdir -p "$out"
@@ -117,6 +121,15 @@ if want doctor; then
   fi
 fi
 
+if want tests; then
+  # under xdist a test that crashes its process (a segfault in native code) fails alone
+  xdist=$("$py" -c "import xdist" 2>/dev/null && echo "-n ${TEST_WORKERS:-6}")
+  # shellcheck disable=SC2086
+  run_phase tests "$py" -m pytest tests -m gpu $xdist -q -p no:cacheprovider --timeout 300 -rfEs 2>&1 | tee -a "$out/tests.txt"
+  rc=${PIPESTATUS[0]}
+  [ "$rc" -eq 0 ] || [ "$rc" -eq 5 ] || status=1  # 5: nothing selected (a CPU dry run)
+fi
+
 if want train; then
   # the step eager and as a CUDA graph (--cuda-graphs is the default where the step can be captured)
   for mode in ${TRAIN_MODES:---cuda-graphs --no-cuda-graphs}; do
@@ -130,7 +143,8 @@ if want train; then
     { echo "== summary.json ($mode)"; cat "$tdir/summary.json" 2>/dev/null || echo "(none)"; } >> "$out/train.txt"
   done
   # the torch-native peer of the same step (nn modules, SDPA, fused AdamW), eager and compiled
-  for peer in "" --compile; do
+  compiled=$([ "${PEER_COMPILE:-1}" = 1 ] && echo --compile)  # the issue's peer; ~1.5 min (PEER_COMPILE=0: not)
+  for peer in "" $compiled; do
     echo "== peer_step $peer" >> "$out/train.txt"
     # shellcheck disable=SC2086
     run_phase "peer $peer" "$py" bench/peer_step.py --device "${TRAIN_DEVICE:-cuda}" $peer ${PEER_ARGS:-} \
@@ -149,15 +163,6 @@ if want profile; then
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
     done
   fi
-fi
-
-if want tests; then
-  # under xdist a test that crashes its process (a segfault in native code) fails alone
-  xdist=$("$py" -c "import xdist" 2>/dev/null && echo "-n ${TEST_WORKERS:-6}")
-  # shellcheck disable=SC2086
-  run_phase tests "$py" -m pytest tests -m gpu $xdist -q -p no:cacheprovider --timeout 300 -rfEs 2>&1 | tee -a "$out/tests.txt"
-  rc=${PIPESTATUS[0]}
-  [ "$rc" -eq 0 ] || [ "$rc" -eq 5 ] || status=1  # 5: nothing selected (a CPU dry run)
 fi
 
 if want bench; then

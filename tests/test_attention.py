@@ -25,6 +25,7 @@ CASES = [  # (B, Hq, Hkv, Nq, Nk, D, causal)
     (1, 4, 2, 130, 65, 80, True),  # grouped-query, head_dim 80, Nq > Nk
     (1, 2, 1, 33, 33, 128, True),
     (1, 2, 1, 70, 70, 256, True),  # the largest head_dim the face sends to the kernel
+    (1, 2, 2, 40, 150, 32, True),  # causal with Nk > Nq: top-left aligned as torch's; keys past Nq unseen
 ]
 
 
@@ -70,7 +71,7 @@ def test_every_gpu_block_shape_is_correct(blocks, monkeypatch):
     """The GPU autotuner may pick any of GPU_CONFIGS' block shapes: each one gives the fp32 result
     (causal and not, odd lengths, Nq != Nk, grouped-query) in the interpreter."""
     monkeypatch.setattr(K, "INTERPRETER_BLOCKS", blocks)
-    for case in (CASES[1], CASES[2], CASES[3]):
+    for case in (CASES[1], CASES[2], CASES[3], CASES[6]):
         test_forward_and_backward_vs_float64(case, torch.float32)
 
 

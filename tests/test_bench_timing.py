@@ -55,3 +55,27 @@ def test_device_time_flushes_the_l2_and_times_only_the_call(monkeypatch):
     ms = conf.device_ms(lambda x: order.append(f"call {x}"), setup, torch.device("cuda"), rounds=3)
     one = ["setup", "sync", "sync", "sleep", "flush", "record", "call x", "record", "wait"]
     assert order == one * 3 and ms == 2.0
+
+
+def test_a_peer_that_fails_to_import_is_skipped_with_its_reason(tmp_path, monkeypatch):
+    """import_peer: a missing package and one whose import raises something else (a wheel carried
+    with --no-deps) both skip the benchmark with the reason, instead of erroring it."""
+    import pytest
+
+    conf = _bench_conftest()
+    (tmp_path / "broken_peer_zf.py").write_text("raise RuntimeError('needs transformers<5')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(pytest.skip.Exception, match="no_such_peer_zf does not import here"):
+        conf.import_peer("no_such_peer_zf")
+    with pytest.raises(pytest.skip.Exception, match=r"broken_peer_zf does not import here \(RuntimeError: needs"):
+        conf.import_peer("broken_peer_zf")
+    assert conf.import_peer("json").dumps([1]) == "[1]"
+
+
+def test_compiled_peers_may_recompile_for_every_shape():
+    """Dynamo's default of 8 recompiles per function turned a suite's later torch.compile rows into
+    eager ones silently; the bench conftest raises the limits."""
+    import torch._dynamo.config as dyn
+
+    _bench_conftest()
+    assert dyn.recompile_limit >= 512 and dyn.accumulated_recompile_limit >= 4096
