@@ -24,7 +24,9 @@ def _suite(tmp_path, **popen):
     cmd = [sys.executable, "-m", "pytest", "bench/bench_flatten.py", "-q", "-p", "no:cacheprovider", "--bench-device",
            "cpu", "--benchmark-json", str(tmp_path / "bench_flatten.json"), "--bench-jsonl",
            str(tmp_path / "bench_flatten.jsonl")]
-    env = dict(os.environ, ZEROFUSE_BENCH_SMOKE="1")
+    # not an xdist worker's variables: pytest-benchmark takes them to mean xdist and times nothing
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    env["ZEROFUSE_BENCH_SMOKE"] = "1"
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, **popen)
 
 
@@ -51,6 +53,7 @@ def test_a_suite_killed_midway_keeps_its_finished_benchmarks(tmp_path):
     deadline = time.monotonic() + 240
     while len(_lines(path)) < 2 and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.01)
+    assert proc.poll() is None, "the suite ended before it could be cut"
     os.killpg(proc.pid, signal.SIGKILL)  # as `timeout --kill-after` does to a suite that ignores SIGINT
     proc.wait(timeout=60)
     assert not (tmp_path / "bench_flatten.json").exists()  # pytest-benchmark's file never came
