@@ -123,7 +123,13 @@ def _bad_input(rank, world_size):
     for call in (lambda: comm.reduce_scatter_coalesced([torch.ones(4)], torch.empty(3)),
                  lambda: comm.reduce_scatter_coalesced([torch.ones(4)], torch.empty(4), op="mean"),
                  lambda: comm.all_gather_coalesced(torch.ones(2, 2), [torch.empty(4)]),
-                 lambda: comm.all_to_all(torch.empty(4), torch.ones(5), [4], [5])):
+                 lambda: comm.all_to_all(torch.empty(4), torch.ones(5), [4], [5]),
+                 lambda: comm.all_to_all(torch.empty(5, dtype=torch.float64), torch.ones(5), [5], [5]),
+                 lambda: comm.all_to_all(torch.empty(5), torch.ones(5), [5, 0], [5]),
+                 lambda: comm.all_to_all(torch.empty(5), torch.ones(5), [5], [-5]),
+                 lambda: comm.all_to_all(torch.empty(5, 2), torch.ones(2, 5).t(), [5], [5]),
+                 lambda: comm.all_to_all(torch.empty(5, 3), torch.ones(5, 2), [5], [5]),
+                 lambda: comm.all_to_all(torch.empty(5), torch.ones(5), [5], [4])):
         try:
             call()
             msgs.append(None)
@@ -137,7 +143,14 @@ def test_one_rank_bad_input_is_refused_with_the_transport_messages():
     assert msgs[0].startswith("ValueError") and "expected out_shard to have 4 elements" in msgs[0], msgs[0]
     assert "expected op 'sum', 'avg', 'max' or 'min', got 'mean'" in msgs[1], msgs[1]
     assert "expected shard to be a 1-D contiguous tensor" in msgs[2], msgs[2]
-    assert "equal splits and shapes" in msgs[3], msgs[3]
+    # all_to_all: the transport's checks, then what one rank adds (the input goes to the output whole)
+    assert "expected equal splits, got in_splits [5], out_splits [4]" in msgs[3], msgs[3]
+    assert "expected out on input's device with its dtype (cpu, torch.float32), got cpu, torch.float64" in msgs[4]
+    assert msgs[5].startswith("ValueError") and "expected out_splits to hold 1 row counts (one per rank), got 2" in msgs[5]
+    assert "expected in_splits >= 0, got [-5]" in msgs[6], msgs[6]
+    assert "expected contiguous input and out" in msgs[7], msgs[7]
+    assert "expected input and out of one row shape, got [5, 2] and [5, 3]" in msgs[8], msgs[8]
+    assert "expected in_splits to sum to input's 5 rows, got [4]" in msgs[9], msgs[9]
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])

@@ -137,10 +137,27 @@ def all_reduce_coalesced(tensors: Sequence[torch.Tensor], op: str, scale: float 
 
 def all_to_all(output: torch.Tensor, input: torch.Tensor, output_splits: Sequence[int],
                input_splits: Sequence[int]) -> DoneWork:
-    if list(output_splits) != list(input_splits) or output.shape != input.shape:
-        raise ValueError(f"zerofuse::comm.all_to_all: over one rank the input goes to the output whole: expected "
-                         f"equal splits and shapes, got input_splits {list(input_splits)} of {list(input.shape)}, "
-                         f"output_splits {list(output_splits)} of {list(output.shape)}")
+    fn = "zerofuse::comm.all_to_all"  # the transport's checks (csrc/comm/all_to_all.cpp), its messages
+    for name, splits in (("out_splits", output_splits), ("in_splits", input_splits)):
+        if len(splits) != 1:
+            raise ValueError(f"{fn}: expected {name} to hold 1 row counts (one per rank), got {len(splits)}")
+        if splits[0] < 0:
+            raise ValueError(f"{fn}: expected {name} >= 0, got {list(splits)}")
+    if not (input.is_contiguous() and output.is_contiguous()):
+        raise RuntimeError(f"{fn}: expected contiguous input and out")
+    if input.device != output.device or input.dtype != output.dtype:
+        raise RuntimeError(f"{fn}: expected out on input's device with its dtype ({input.device}, {input.dtype}), "
+                           f"got {output.device}, {output.dtype}")
+    if input.dim() < 1 or output.dim() != input.dim() or input.shape[1:] != output.shape[1:]:
+        raise RuntimeError(f"{fn}: expected input and out of one row shape, got {list(input.shape)} and "
+                           f"{list(output.shape)}")
+    if input_splits[0] != input.shape[0]:
+        raise ValueError(f"{fn}: expected in_splits to sum to input's {input.shape[0]} rows, got {list(input_splits)}")
+    if output_splits[0] != output.shape[0]:
+        raise ValueError(f"{fn}: expected out_splits to sum to out's {output.shape[0]} rows, got {list(output_splits)}")
+    if output_splits[0] != input_splits[0]:
+        raise ValueError(f"{fn}: over one rank the input goes to the output whole: expected equal splits, got "
+                         f"in_splits {list(input_splits)}, out_splits {list(output_splits)}")
     with torch.no_grad():
         if output.data_ptr() != input.data_ptr():
             output.copy_(input)
