@@ -72,7 +72,8 @@ def pytest_generate_tests(metafunc):
         dev = metafunc.config.getoption("--bench-device") or ("cuda" if torch.cuda.is_available() else "cpu")
         shapes = SMOKE_SHAPES if smoke else (GPU_SHAPES if dev == "cuda" else CPU_SHAPES)
         metafunc.parametrize("shape", shapes, ids=["x".join(map(str, s)) for s in shapes])
-    for name, table in (("glu_shape", GLU_SHAPES), ("rope_shape", ROPE_SHAPES), ("gelu_shape", GELU_SHAPES)):
+    for name, table in (("glu_shape", GLU_SHAPES), ("rope_shape", ROPE_SHAPES), ("gelu_shape", GELU_SHAPES),
+                        ("bias_grad_shape", BIAS_GRAD_SHAPES)):
         if name in metafunc.fixturenames:
             smoke = metafunc.config.getoption("--smoke") or os.environ.get("ZEROFUSE_BENCH_SMOKE") == "1"
             dev = metafunc.config.getoption("--bench-device") or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -205,3 +206,25 @@ def bench_bias_gelu(measure, device, provider, gelu_shape):
     # forward reads x and writes y; backward reads dy and x and writes dx (the bias terms are small)
     measure(run, case=f"bias_gelu/fwd+bwd/{_dtype(device)}/{rows}x{hidden}", provider=provider,
             bytes_moved=5 * rows * hidden * x.element_size())
+
+
+# A linear layer's bias gradient (the column sums of its output gradient): GPT-2 124M's qkv
+# (2304 wide) and MLP-out (768) at 16 x 1024 tokens, where torch's reduce_kernel took 1.74 ms of a
+# step on the H200 (bench/results/h200-2026-11-26). To choose, on a GPU, whether the bias sums of
+# those layers should move to kernels/bias_gelu.py's column_sum (torch's today).
+BIAS_GRAD_SHAPES = {"smoke": [(64, 96)], "cpu": [(2048, 768)], "cuda": [(16384, 2304), (16384, 768), (16384, 3072)]}
+
+
+@pytest.mark.parametrize("provider", ["torch", "zerofuse"])
+def bench_bias_grad(measure, device, smoke, provider, bias_grad_shape):
+    from zerofuse import kernels
+    from zerofuse.kernels.bias_gelu import column_sum
+
+    if device.type != "cuda" and provider == "zerofuse" and not (smoke and kernels.interpreted()):
+        pytest.skip("column_sum is a Triton kernel: a GPU (or the interpreter at the smoke size)")
+    rows, n = bias_grad_shape
+    dy = torch.randn(rows, n, generator=torch.Generator().manual_seed(0)).to(device, _dtype(device))
+    fn = (lambda: dy.sum(0)) if provider == "torch" else (lambda: column_sum(dy))
+    torch.testing.assert_close(fn().float(), dy.float().sum(0), atol=0.5, rtol=2e-2)  # the same sums
+    measure(fn, case=f"bias_grad/{_dtype(device)}/{rows}x{n}", provider=provider,
+            bytes_moved=rows * n * dy.element_size())

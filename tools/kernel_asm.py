@@ -196,8 +196,8 @@ def norms_wide(arch: int) -> None:
 
 def bias_gelu(arch: int) -> None:
     """kernels/bias_gelu.py (bf16, 4 x 1024 tiles, 4 warps, pointers and widths divisible by 16): the
-    forward and the backward in one launch and in two, one JSON line each with access widths,
-    atomics and ptxas's registers and spills."""
+    forward, the backward and the plain column sum (GELU=False) in one launch and in two, one JSON
+    line each with access widths, atomics and ptxas's registers and spills."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -208,6 +208,8 @@ def bias_gelu(arch: int) -> None:
     cases = [("bias_gelu_fwd", None, KB._bias_gelu_fwd_kernel, tiles)]
     for one in (True, False):
         cases.append(("bias_gelu_bwd", one, KB._bias_gelu_bwd_kernel, dict(tiles, ONE_LAUNCH=one, SUM_P=128, SUM_N=32)))
+        cases.append(("column_sum", one, KB._bias_gelu_bwd_kernel,
+                      dict(tiles, ONE_LAUNCH=one, SUM_P=128, SUM_N=32, GELU=False)))
     for name, one, kernel, cx in cases:
         sig, attrs = _norm_sig(kernel, cx)
         ptx = triton.compile(ASTSource(kernel, sig, constexprs=cx, attrs=attrs), target=GPUTarget("cuda", arch, 32),
