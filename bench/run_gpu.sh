@@ -15,8 +15,8 @@
 #            the bench suites ~8-10 min in all (attention ~2.5, norms ~1.5, llama_ops ~2,
 #            optimizers ~1.5, hf ~1.5, the rest under 1). So one call covers build to profile and
 #            the benchmarks take what is left; a second call at once (PHASES=bench and the suites
-#            not yet measured in BENCH_SUITES; ZEROFUSE_TRITON_LAUNCH=jit again if the first call's
-#            doctor failed the handles) gets the time left. Each finished benchmark is kept.
+#            not yet measured in BENCH_SUITES; it keeps to the JIT if the first call's doctor failed
+#            the handles) gets the time left. Each finished benchmark is kept.
 #            Without `build` the extension built by an earlier call is used; when there is none
 #            (the machine went back in between), it is built first anyway.
 # Environment:
@@ -116,9 +116,15 @@ if want doctor; then
   # first run on a GPU here): if they fail only that way, the rest of the run uses the JIT
   if grep -q "^launch handles: FAILED" "$out/env.txt"; then
     export ZEROFUSE_TRITON_LAUNCH=jit
+    mkdir -p build && touch build/zerofuse-handles-failed  # (ignored; kept for the next call on this machine)
     echo "== launch handles failed the doctor: the rest of this run launches through the JIT (ZEROFUSE_TRITON_LAUNCH=jit)" \
       | tee -a "$out/env.txt"
+  else
+    rm -f build/zerofuse-handles-failed
   fi
+elif [ -e build/zerofuse-handles-failed ]; then  # an earlier call's doctor on this machine
+  export ZEROFUSE_TRITON_LAUNCH=jit
+  echo "== launch handles failed an earlier call's doctor here: launching through the JIT" | tee -a "$out/env.txt"
 fi
 
 if want tests; then
