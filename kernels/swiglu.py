@@ -9,7 +9,9 @@ Backward recomputes act(g) from the saved inputs (the product is never stored):
     silu':      s (1 + g (1 - s))
     gelu_tanh': 0.5 (1 + t) + 0.5 g sech^2 k (1 + 3 * 0.044715 g^2),   t = tanh(k (g + 0.044715 g^3)),
                 sech^2 = 1 - t^2 computed without cancellation (kernels/common.py _tanh_sech2)
-Each program handles BLOCK contiguous elements (inputs of the same shape, contiguous).
+Each program handles a (BLOCK_M rows, BLOCK_N columns) tile. gate and up may be views whose rows are
+evenly spaced (e.g. the two halves of one fused projection's output, ``fc(x).chunk(2, -1)``): read
+in place at their row strides, no contiguous copies; outputs and dy are contiguous.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ import triton
 import triton.language as tl
 
 from zerofuse.kernels import interpreted
-from zerofuse.kernels.common import _cast, _tanh_sech2, cdiv
+from zerofuse.kernels.common import _cast, _tanh_sech2
 from zerofuse.kernels.launch import launch_triton
 
 ACTIVATIONS = ("silu", "gelu_tanh")
@@ -45,48 +47,75 @@ def _act_and_grad(g, GELU: tl.constexpr, NEED_GRAD: tl.constexpr):
 
 
 @triton.jit
-def _swiglu_fwd_kernel(G, U, Y, n, GELU: tl.constexpr, BLOCK: tl.constexpr, EMULATE_RNE: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(U + offs, mask=mask, other=0.0).to(tl.float32)
+def _swiglu_fwd_kernel(G, U, Y, M, H, sg, su, GELU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       EMULATE_RNE: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows < M)[:, None] & (cols < H)[None, :]
+    r = rows.to(tl.int64)[:, None]
+    g = tl.load(G + r * sg + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(U + r * su + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     act, _ = _act_and_grad(g, GELU, False)
-    tl.store(Y + offs, _cast(act * u, Y.dtype.element_ty, EMULATE_RNE), mask=mask)
+    tl.store(Y + r * H + cols[None, :], _cast(act * u, Y.dtype.element_ty, EMULATE_RNE), mask=mask)
 
 
 @triton.jit
-def _swiglu_bwd_kernel(DY, G, U, DG, DU, n, GELU: tl.constexpr, BLOCK: tl.constexpr, EMULATE_RNE: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
+def _swiglu_bwd_kernel(DY, G, U, DG, DU, M, H, sg, su, GELU: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, EMULATE_RNE: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows < M)[:, None] & (cols < H)[None, :]
+    r = rows.to(tl.int64)[:, None]
+    offs = r * H + cols[None, :]
     dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
-    g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(U + offs, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(G + r * sg + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(U + r * su + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     act, d = _act_and_grad(g, GELU, True)
     tl.store(DU + offs, _cast(dy * act, DU.dtype.element_ty, EMULATE_RNE), mask=mask)
     tl.store(DG + offs, _cast(dy * u * d, DG.dtype.element_ty, EMULATE_RNE), mask=mask)
 
 
-def _block() -> int:
-    return 65536 if interpreted() else 1024  # the interpreter's cost is per program
+def _tiles(h: int) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_N): ~1024 elements a program on a GPU; the interpreter pays per program."""
+    block_n = min(triton.next_power_of_2(h), 65536 if interpreted() else 1024)
+    return max(1, (65536 if interpreted() else 1024) // block_n), block_n
+
+
+def rows(t: torch.Tensor) -> torch.Tensor:
+    """t as (rows, t.shape[-1]) with a unit column stride: a view where t's rows are evenly spaced
+    (contiguous, or a slice along the last dim such as one half of a fused gate/up projection's
+    output: no copy), else a contiguous copy."""
+    if t.dim() >= 1 and t.stride(-1) == 1:
+        try:
+            return t.view(-1, t.shape[-1])
+        except RuntimeError:  # rows not evenly spaced
+            pass
+    return t.contiguous().view(-1, t.shape[-1])
 
 
 def swiglu_fwd(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
-    """act(gate) * up for contiguous gate/up of one shape and dtype."""
-    y = torch.empty_like(gate)
-    n = gate.numel()
-    if n:
-        block = _block()
-        launch_triton(_swiglu_fwd_kernel, (cdiv(n, block),), gate, up, y, n, GELU=activation == "gelu_tanh",
-                      BLOCK=block, EMULATE_RNE=interpreted(), num_warps=4)
+    """act(gate) * up for gate/up of one shape and dtype, rows at any even spacing (``rows``); y
+    contiguous."""
+    y = torch.empty(gate.shape, device=gate.device, dtype=gate.dtype)
+    if gate.numel():
+        g2, u2 = rows(gate), rows(up)
+        m, h = g2.shape
+        block_m, block_n = _tiles(h)
+        launch_triton(_swiglu_fwd_kernel, (triton.cdiv(m, block_m), triton.cdiv(h, block_n)), g2, u2, y, m, h,
+                      g2.stride(0), u2.stride(0), GELU=activation == "gelu_tanh", BLOCK_M=block_m, BLOCK_N=block_n,
+                      EMULATE_RNE=interpreted(), num_warps=4)
     return y
 
 
 def swiglu_bwd(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation: str):
-    """(dgate, dup) for contiguous dy/gate/up of one shape and dtype."""
-    dg, du = torch.empty_like(gate), torch.empty_like(up)
-    n = gate.numel()
-    if n:
-        block = _block()
-        launch_triton(_swiglu_bwd_kernel, (cdiv(n, block),), dy, gate, up, dg, du, n, GELU=activation == "gelu_tanh",
-                      BLOCK=block, EMULATE_RNE=interpreted(), num_warps=4)
+    """(dgate, dup), contiguous, for contiguous dy and gate/up as swiglu_fwd takes them."""
+    dg = torch.empty(gate.shape, device=gate.device, dtype=gate.dtype)
+    du = torch.empty(up.shape, device=up.device, dtype=up.dtype)
+    if gate.numel():
+        g2, u2 = rows(gate), rows(up)
+        m, h = g2.shape
+        block_m, block_n = _tiles(h)
+        launch_triton(_swiglu_bwd_kernel, (triton.cdiv(m, block_m), triton.cdiv(h, block_n)), dy, g2, u2, dg, du, m,
+                      h, g2.stride(0), u2.stride(0), GELU=activation == "gelu_tanh", BLOCK_M=block_m,
+                      BLOCK_N=block_n, EMULATE_RNE=interpreted(), num_warps=4)
     return dg, du

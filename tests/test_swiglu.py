@@ -120,3 +120,25 @@ def test_cuda_matches_reference(dtype):
         peer = _grads(lambda a, b: reference.swiglu(a, b, activation), gate.cuda(), up.cuda(), dy.cuda())
         for got, want, theirs in zip(ours, ref, peer):
             assert_within_peer_rule(got.cpu(), want, theirs.cpu())
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_the_halves_of_a_fused_projection_are_read_in_place(activation):
+    """gate, up = fc(x).chunk(2, -1) (zerofuse.models.gpt's SwiGLU MLP): the kernels read both
+    halves at their row stride, no contiguous copies (aten clone) forward or backward, and give the
+    bits of contiguous inputs."""
+    from zerofuse import kernels
+    from zerofuse.train.launches import CountLaunches
+
+    if not kernels.triton_on_cpu():
+        pytest.skip("the kernels' path (interpreter)")
+    fused = torch.randn(5, 37, 2 * 130, generator=torch.Generator().manual_seed(1), dtype=torch.bfloat16)
+    dy = torch.randn(5, 37, 130, dtype=torch.bfloat16)
+    x = fused.clone().requires_grad_()
+    with CountLaunches() as c:
+        gate, up = x.chunk(2, -1)
+        y = FACES[activation](gate, up)
+        y.backward(dy)
+    assert "clone" not in c.names, c.names
+    want = _grads(FACES[activation], *(t.contiguous() for t in fused.chunk(2, -1)), dy)
+    assert torch.equal(y, want[0]) and torch.equal(x.grad, torch.cat(want[1:], -1))

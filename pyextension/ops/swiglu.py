@@ -51,8 +51,8 @@ def _act_backward(grad: Tensor, g: Tensor, activation: str) -> Tensor:
 
 
 def _fwd(gate, up, activation):
-    if _use_triton(gate):
-        return K.swiglu_fwd(gate.contiguous(), up.contiguous(), activation)
+    if _use_triton(gate):  # rows at any even spacing: a fused projection's halves are read in place
+        return K.swiglu_fwd(gate, up, activation)
     # aten's kernels on fp32 (float64) copies of low-precision inputs: fp32 inside, one rounding
     acc = _acc(gate)
     return _act(gate.to(acc), activation).mul_(up.to(acc)).to(gate.dtype)
@@ -60,7 +60,7 @@ def _fwd(gate, up, activation):
 
 def _bwd(dy, gate, up, activation):
     if _use_triton(gate):
-        return K.swiglu_bwd(dy.contiguous(), gate.contiguous(), up.contiguous(), activation)
+        return K.swiglu_bwd(dy.contiguous(), gate, up, activation)
     acc = _acc(gate)
     dyf, g = dy.to(acc), gate.to(acc)
     dg = _act_backward(dyf * up.to(acc), g, activation)
