@@ -11,7 +11,8 @@ Backward recomputes act(g) from the saved inputs (the product is never stored):
                 sech^2 = 1 - t^2 computed without cancellation (kernels/common.py _tanh_sech2)
 Each program handles a (BLOCK_M rows, BLOCK_N columns) tile. gate and up may be views whose rows are
 evenly spaced (e.g. the two halves of one fused projection's output, ``fc(x).chunk(2, -1)``): read
-in place at their row strides, no contiguous copies; outputs and dy are contiguous.
+in place at their row strides, no contiguous copies; y and dy are contiguous, and the backward can
+write dgate and dup into the two halves of one fused gradient.
 """
 from __future__ import annotations
 
@@ -60,19 +61,18 @@ def _swiglu_fwd_kernel(G, U, Y, M, H, sg, su, GELU: tl.constexpr, BLOCK_M: tl.co
 
 
 @triton.jit
-def _swiglu_bwd_kernel(DY, G, U, DG, DU, M, H, sg, su, GELU: tl.constexpr, BLOCK_M: tl.constexpr,
+def _swiglu_bwd_kernel(DY, G, U, DG, DU, M, H, sg, su, sdg, sdu, GELU: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, EMULATE_RNE: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rows < M)[:, None] & (cols < H)[None, :]
     r = rows.to(tl.int64)[:, None]
-    offs = r * H + cols[None, :]
-    dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(DY + r * H + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     g = tl.load(G + r * sg + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     u = tl.load(U + r * su + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     act, d = _act_and_grad(g, GELU, True)
-    tl.store(DU + offs, _cast(dy * act, DU.dtype.element_ty, EMULATE_RNE), mask=mask)
-    tl.store(DG + offs, _cast(dy * u * d, DG.dtype.element_ty, EMULATE_RNE), mask=mask)
+    tl.store(DU + r * sdu + cols[None, :], _cast(dy * act, DU.dtype.element_ty, EMULATE_RNE), mask=mask)
+    tl.store(DG + r * sdg + cols[None, :], _cast(dy * u * d, DG.dtype.element_ty, EMULATE_RNE), mask=mask)
 
 
 def _tiles(h: int) -> tuple[int, int]:
@@ -107,15 +107,21 @@ def swiglu_fwd(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.T
     return y
 
 
-def swiglu_bwd(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation: str):
-    """(dgate, dup), contiguous, for contiguous dy and gate/up as swiglu_fwd takes them."""
-    dg = torch.empty(gate.shape, device=gate.device, dtype=gate.dtype)
-    du = torch.empty(up.shape, device=up.device, dtype=up.dtype)
+def swiglu_bwd(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation: str,
+               dgrad: torch.Tensor | None = None):
+    """(dgate, dup) for contiguous dy and gate/up as swiglu_fwd takes them: contiguous, or with
+    ``dgrad`` (gate's shape with a last dim twice as wide, contiguous) its two halves, written in
+    place (the gradient of a fused [gate | up] tensor, no concatenation)."""
+    if dgrad is None:
+        dg = torch.empty(gate.shape, device=gate.device, dtype=gate.dtype)
+        du = torch.empty(up.shape, device=up.device, dtype=up.dtype)
+    else:
+        dg, du = dgrad.chunk(2, -1)
     if gate.numel():
-        g2, u2 = rows(gate), rows(up)
+        g2, u2, dg2, du2 = rows(gate), rows(up), dg.view(-1, dg.shape[-1]), du.view(-1, du.shape[-1])
         m, h = g2.shape
         block_m, block_n = _tiles(h)
-        launch_triton(_swiglu_bwd_kernel, (triton.cdiv(m, block_m), triton.cdiv(h, block_n)), dy, g2, u2, dg, du, m,
-                      h, g2.stride(0), u2.stride(0), GELU=activation == "gelu_tanh", BLOCK_M=block_m,
-                      BLOCK_N=block_n, EMULATE_RNE=interpreted(), num_warps=4)
+        launch_triton(_swiglu_bwd_kernel, (triton.cdiv(m, block_m), triton.cdiv(h, block_n)), dy, g2, u2, dg2, du2,
+                      m, h, g2.stride(0), u2.stride(0), dg2.stride(0), du2.stride(0), GELU=activation == "gelu_tanh",
+                      BLOCK_M=block_m, BLOCK_N=block_n, EMULATE_RNE=interpreted(), num_warps=4)
     return dg, du

@@ -123,22 +123,42 @@ def test_cuda_matches_reference(dtype):
 
 
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
-def test_the_halves_of_a_fused_projection_are_read_in_place(activation):
-    """gate, up = fc(x).chunk(2, -1) (zerofuse.models.gpt's SwiGLU MLP): the kernels read both
-    halves at their row stride, no contiguous copies (aten clone) forward or backward, and give the
-    bits of contiguous inputs."""
-    from zerofuse import kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_fused_projection_is_read_in_place_and_its_gradient_written_whole(activation, dtype, kernel_path):
+    """swiglu(x) with x = [gate | up] (zerofuse.models.gpt's SwiGLU MLP: fc(x) holds both): the
+    bits of swiglu(gate, up) on contiguous halves, forward and gradient; on the kernels' path the
+    halves are read in place and the gradient of x written at once: no aten clone (contiguous
+    copies) and no cat (autograd's chunk backward) forward or backward. The two-argument call on
+    chunk views reads them in place too."""
     from zerofuse.train.launches import CountLaunches
 
-    if not kernels.triton_on_cpu():
-        pytest.skip("the kernels' path (interpreter)")
-    fused = torch.randn(5, 37, 2 * 130, generator=torch.Generator().manual_seed(1), dtype=torch.bfloat16)
-    dy = torch.randn(5, 37, 130, dtype=torch.bfloat16)
-    x = fused.clone().requires_grad_()
-    with CountLaunches() as c:
-        gate, up = x.chunk(2, -1)
-        y = FACES[activation](gate, up)
-        y.backward(dy)
-    assert "clone" not in c.names, c.names
+    fused = torch.randn(5, 37, 2 * 130, generator=torch.Generator().manual_seed(1), dtype=dtype)
+    dy = torch.randn(5, 37, 130, dtype=dtype)
     want = _grads(FACES[activation], *(t.contiguous() for t in fused.chunk(2, -1)), dy)
-    assert torch.equal(y, want[0]) and torch.equal(x.grad, torch.cat(want[1:], -1))
+    for packed in (True, False):
+        x = fused.clone().requires_grad_()
+        with CountLaunches() as c:
+            y = FACES[activation](x) if packed else FACES[activation](*x.chunk(2, -1))
+            y.backward(dy)
+        if kernel_path == "triton":  # one kernel reading the same values: the same bits
+            assert torch.equal(y, want[0]) and torch.equal(x.grad, torch.cat(want[1:], -1)), packed
+            assert "clone" not in c.names and ("cat" not in c.names or not packed), (packed, c.names)
+        else:  # aten's CPU kernels take another (vectorised or not) path on strided views: rounding apart
+            assert_close(y, want[0])
+            assert_close(x.grad, torch.cat(want[1:], -1))
+
+
+def test_a_fused_projection_of_odd_width_is_refused():
+    with pytest.raises(ValueError, match=r"swiglu: without up, expected gate to hold \[gate \| up\] along an even "
+                                         r"last dim, got shape \[3, 5\]"):
+        swiglu(torch.randn(3, 5))
+    with pytest.raises(TypeError, match="geglu: expected gate to be a floating-point tensor, got torch.int64"):
+        geglu(torch.ones(3, 4, dtype=torch.long))
+
+
+def test_a_fused_projection_compiles_to_the_eager_values():
+    x = torch.randn(4, 2 * 48, generator=torch.Generator().manual_seed(3), requires_grad=True)
+    want = torch.autograd.grad(swiglu(x).square().sum(), x)[0]
+    got = torch.autograd.grad(torch.compile(lambda t: swiglu(t).square().sum(), backend="aot_eager",
+                                            fullgraph=True)(x), x)[0]
+    assert_close(got, want)

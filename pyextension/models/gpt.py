@@ -156,9 +156,8 @@ class MLP(torch.nn.Module):
             self.proj = tp.RowParallelLinear(h, cfg.dim, bias=cfg.bias, **tp_kw)
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.gated:
-            gate, up = self.fc(x).chunk(2, dim=-1)
-            return self.proj(znn.functional.swiglu(gate, up))
+        if self.gated:  # fc(x) is [gate | up] (each rank's slices under TP): read in place, its grad written whole
+            return self.proj(znn.functional.swiglu(self.fc(x)))
         if isinstance(self.fc, znn.LinearGELU):
             return self.proj(self.fc(x))
         return self.proj(TF.gelu(self.fc(x), approximate="tanh"))

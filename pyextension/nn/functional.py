@@ -5,7 +5,7 @@
     add_layer_norm(input, residual, normalized_shape, weight=None, bias=None, eps=1e-05) -> (y, h)
     add_rms_norm(input, residual, normalized_shape, weight=None, eps=None) -> (y, h)
     linear_cross_entropy(hidden, weight, target, bias=None, ignore_index=-100, reduction="mean", ...)  (nn/loss.py)
-    swiglu(gate, up), geglu(gate, up), bias_gelu(input, bias)  (nn/mlp.py)
+    swiglu(gate, up=None), geglu(gate, up=None), bias_gelu(input, bias)  (nn/mlp.py; up=None: gate is [gate | up])
     rotary_embedding(q, k, cos, sin, positions=None, *, interleaved=False, inplace=False)  (nn/rotary.py)
     scaled_dot_product_attention(query, key, value, ...) and qkv_attention(qkv, num_heads, num_kv_heads, ...)
 

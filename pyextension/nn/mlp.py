@@ -1,5 +1,6 @@
 """MLP activations. Gated MLPs: ``swiglu(gate, up)`` / ``geglu(gate, up)`` (act(gate) * up in one pass,
-the product not kept for backward) and ``GatedMLP``, the Llama MLP down_proj(act(gate_proj(x)) *
+the product not kept for backward; ``swiglu(x)`` for x = [gate | up], a fused projection's output,
+read in place and its gradient written whole) and ``GatedMLP``, the Llama MLP down_proj(act(gate_proj(x)) *
 up_proj(x)) with Hugging Face's parameter names. GPT-2's: ``bias_gelu(input, bias)`` (gelu_tanh(input
 + bias) in one pass, the bias gradient summed by its backward kernel) and ``LinearGELU``, an
 nn.Linear whose forward is gelu_tanh(linear(x)) as matmul + that. Triton kernels on CUDA, torch ops
@@ -25,20 +26,37 @@ def _check(fn: str, gate, up) -> None:
                          f"{gate.device}), got {list(up.shape)}, {up.dtype}, {up.device}")
 
 
-def _glu(fn: str, gate: Tensor, up: Tensor, activation: str) -> Tensor:
+def _glu(fn: str, gate: Tensor, up: Tensor | None, activation: str) -> Tensor:
+    if up is None:  # gate is [gate | up]: a fused projection's output
+        _check_packed(fn, gate)
+        if torch.compiler.is_compiling():
+            return _ops.swiglu(*gate.chunk(2, -1), activation)
+        return _ops.eager_swiglu_packed(gate, activation)
     _check(fn, gate, up)
     if torch.compiler.is_compiling():
         return _ops.swiglu(gate, up, activation)
     return _ops.eager_swiglu(gate, up, activation)
 
 
-def swiglu(gate: Tensor, up: Tensor) -> Tensor:
-    """F.silu(gate) * up, fused (fp32 inside, one rounding)."""
+def _check_packed(fn: str, x) -> None:
+    where = f"zerofuse.nn.functional.{fn}"
+    if not isinstance(x, Tensor) or not x.is_floating_point():
+        got = x.dtype if isinstance(x, Tensor) else type(x).__name__
+        raise TypeError(f"{where}: expected gate to be a floating-point tensor, got {got}")
+    if x.dim() == 0 or x.shape[-1] % 2:
+        raise ValueError(f"{where}: without up, expected gate to hold [gate | up] along an even last dim, got "
+                         f"shape {list(x.shape)}")
+
+
+def swiglu(gate: Tensor, up: Tensor | None = None) -> Tensor:
+    """F.silu(gate) * up, fused (fp32 inside, one rounding). Without up, gate holds [gate | up]
+    along its last dim (a fused gate/up projection's output): the halves are read in place and the
+    gradient of the whole is written at once (no chunk and no concatenation of the halves' grads)."""
     return _glu("swiglu", gate, up, "silu")
 
 
-def geglu(gate: Tensor, up: Tensor) -> Tensor:
-    """F.gelu(gate, approximate="tanh") * up, fused (fp32 inside, one rounding)."""
+def geglu(gate: Tensor, up: Tensor | None = None) -> Tensor:
+    """F.gelu(gate, approximate="tanh") * up, fused (fp32 inside, one rounding); up=None as swiglu's."""
     return _glu("geglu", gate, up, "gelu_tanh")
 
 

@@ -129,6 +129,31 @@ class EagerSwiGLU(torch.autograd.Function):
 eager_swiglu = eager_apply(EagerSwiGLU)
 
 
+class EagerSwiGLUPacked(torch.autograd.Function):
+    """act(gate) * up of the two halves of x = [gate | up] along its last dim (a fused gate/up
+    projection's output), eagerly: the kernels read the halves in place and write the gradient of x
+    whole (no chunk, no concatenation of the halves' gradients). The face checked x first."""
+
+    @staticmethod
+    def forward(ctx, x, activation):
+        ctx.activation = activation
+        ctx.save_for_backward(x)
+        return _fwd(*x.chunk(2, -1), activation)
+
+    @staticmethod
+    def backward(ctx, dy):
+        (x,) = ctx.saved_tensors
+        gate, up = x.chunk(2, -1)
+        if _use_triton(x):
+            dx = torch.empty(x.shape, device=x.device, dtype=x.dtype)
+            K.swiglu_bwd(dy.contiguous(), gate, up, ctx.activation, dgrad=dx)
+            return dx, None
+        return torch.cat(_bwd(dy, gate, up, ctx.activation), -1), None
+
+
+eager_swiglu_packed = eager_apply(EagerSwiGLUPacked)
+
+
 def _selftest(device: torch.device) -> None:
     g = torch.Generator().manual_seed(0)
     gate64, up64, dy = (torch.randn(3, 37, 123, generator=g, dtype=torch.float64) * 3 for _ in range(3))
