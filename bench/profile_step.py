@@ -94,12 +94,13 @@ def main(argv=None) -> int:
     ap.add_argument("--seq-len", type=int, default=32)
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--json")
+    ap.add_argument("--model", default="gpt2-124m", help="a preset's structure (e.g. llama3-1b) at the small dims")
     a = ap.parse_args(argv)
     from zerofuse.models import gpt
     # GPT-2's structure also where the preset lacked it (the comparison with 836555f's tree)
     gpt.PRESETS["gpt2-124m"].update(bias=True, tie_embeddings=True)
     _stub_kernels()
-    t = inprocess.trainer(["--device", "cpu", "--model", "gpt2-124m", "--tokenizer", "char", "--dim", str(a.dim),
+    t = inprocess.trainer(["--device", "cpu", "--model", a.model, "--tokenizer", "char", "--dim", str(a.dim),
                            "--seq-len", str(a.seq_len), "--batch", str(a.batch), "--steps", str(a.steps + 3),
                            "--zero-stage", str(a.stage)])
     torch.set_num_threads(1)
@@ -127,7 +128,7 @@ def main(argv=None) -> int:
         nhooks.append(hooks.get("hooks", 0))
         syncs.append(len(s.calls))
     layers = t.cfg.n_layer
-    res = {"model": "gpt2-124m structure", "n_layer": layers, "dim": a.dim, "seq_len": a.seq_len, "batch": a.batch,
+    res = {"model": f"{a.model} structure", "n_layer": layers, "dim": a.dim, "seq_len": a.seq_len, "batch": a.batch,
            "zero_stage": a.stage, "host_ms_per_step": statistics.median(times) * 1e3,
            "launches_per_step": launches[-1], "aten_launches_per_step": aten[-1],
            "triton_launches_per_step": launches[-1] - aten[-1], "launches_per_layer": launches[-1] / layers,

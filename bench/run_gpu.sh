@@ -129,7 +129,8 @@ fi
 
 if want tests; then
   # under xdist a test that crashes its process (a segfault in native code) fails alone
-  xdist=$("$py" -c "import xdist" 2>/dev/null && echo "-n ${TEST_WORKERS:-6}")
+  # (loadgroup: the tests of one xdist_group run one after another, e.g. test_large_offsets' ~30 GB ones)
+  xdist=$("$py" -c "import xdist" 2>/dev/null && echo "-n ${TEST_WORKERS:-6} --dist loadgroup")
   # shellcheck disable=SC2086
   run_phase tests "$py" -m pytest tests -m gpu $xdist -q -p no:cacheprovider --timeout 300 -rfEs 2>&1 | tee -a "$out/tests.txt"
   rc=${PIPESTATUS[0]}

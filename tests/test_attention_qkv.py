@@ -16,6 +16,8 @@ from zerofuse.nn import Attention
 from common import HAS_CUDA
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"
+# On a GPU machine every test here runs on CUDA, so the module belongs to `-m gpu` there.
+pytestmark = [pytest.mark.gpu] if HAS_CUDA else []
 
 CASES = [  # (B, Hq, Hkv, N, D, causal)
     (1, 2, 2, 97, 32, False),

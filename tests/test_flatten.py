@@ -281,8 +281,9 @@ def test_flatten_and_unflatten_in_a_captured_cuda_graph(warm):
     call first (the capture copies nothing) or during the capture (written by kernels carrying it in
     their parameters: no host memory in the graph); and an eager call with the same tensors (a
     table hit) gives the same values."""
-    ts = [torch.randn(n, device="cuda").to(dt) for n, dt in ((5000, torch.float32), (77, torch.bfloat16),
-                                                             (3, torch.float16))]
+    # sizes of their own per case: the other case's table (kept by content) is never this one's
+    ts = [torch.randn(n + (0 if warm else 16), device="cuda").to(dt)
+          for n, dt in ((5000, torch.float32), (77, torch.bfloat16), (3, torch.float16))]
     offsets, total = _layout(ts, 128)
     flat, back = torch.zeros(total, device="cuda"), [torch.empty_like(t) for t in ts]
     if warm:

@@ -168,6 +168,7 @@ def test_attention_check_on_a_small_tensor():
 
 
 @pytest.mark.gpu
+@pytest.mark.xdist_group("over_30_gb")  # one at a time (run_gpu.sh: --dist loadgroup): ~32 GB each
 @pytest.mark.parametrize("norm", ["layer", "rms"])
 def test_gpu_norms_of_2_pow_31_plus_7_elements(norm):
     m, n = 364289, 5895  # m * n = 2^31 + 7
@@ -176,6 +177,7 @@ def test_gpu_norms_of_2_pow_31_plus_7_elements(norm):
 
 
 @pytest.mark.gpu
+@pytest.mark.xdist_group("over_30_gb")  # ~34 GB
 def test_gpu_attention_past_2_pow_31_elements():
     shape = (2047, 16, 1025, 64)  # 2^31 + 1047552 elements per tensor; 4 GiB each in fp16
     assert shape[0] * shape[1] * shape[2] * shape[3] >= 2**31 + 7
