@@ -6,6 +6,7 @@ import torch
 from torch import Tensor
 
 from zerofuse.nn.functional import qkv_attention, scaled_dot_product_attention
+from zerofuse.nn.rotary import RotaryEmbedding
 
 
 class _OutProjection(torch.nn.Linear):
@@ -59,8 +60,12 @@ class Attention(torch.nn.Module):
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv(x)
         b, n = qkv.shape[:2]  # not x's: a sequence-parallel projection gathers the sequence
-        if self.rope is None and self.sdpa is scaled_dot_product_attention:
-            # straight from the projection: no copy of the heads, the output or the gradients
+        rope_packed = isinstance(self.rope, RotaryEmbedding) and not torch.compiler.is_compiling()
+        if self.sdpa is scaled_dot_product_attention and (self.rope is None or rope_packed):
+            # straight from the projection: no copy of the heads, the output or the gradients (RoPE
+            # rotates the q and k heads of a copy of the packed qkv, ops.rotary.EagerRopeQKV)
+            if self.rope is not None:
+                qkv = self.rope.rotate_packed(qkv, hq + hkv, d)
             return self._project(qkv_attention(qkv, hq, hkv, is_causal=self.causal), proj_bias_grad)
         # views of the fused projection in (B, H, N, D) order (strided; the kernel takes strides)
         q = qkv[..., : hq * d].view(b, n, hq, d).transpose(1, 2)

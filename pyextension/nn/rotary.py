@@ -76,6 +76,19 @@ class RotaryEmbedding(torch.nn.Module):
         cos, sin = self.tables(q.device)
         return rotary_embedding(q, k, cos, sin, positions, interleaved=self.interleaved)
 
+    def rotate_packed(self, qkv: Tensor, n_heads: int, head_dim: int) -> Tensor:
+        """qkv (B, N, heads * head_dim) with its first n_heads heads rotated at positions 0..N-1 and the
+        rest as they are, in qkv's layout (a fused QKV projection's output: n_heads = Hq + Hkv), eagerly
+        (ops.rotary.EagerRopeQKV)."""
+        cos, sin = self.tables(qkv.device)
+        if qkv.dim() != 3 or qkv.shape[-1] % head_dim or n_heads * head_dim > qkv.shape[-1]:
+            raise ValueError(f"zerofuse.nn.RotaryEmbedding.rotate_packed: expected qkv (batch, seq, heads * {head_dim}) of at least "
+                             f"{n_heads} heads, got {list(qkv.shape)}")
+        if qkv.shape[1] > cos.shape[0]:
+            raise ValueError(f"zerofuse.nn.RotaryEmbedding.rotate_packed: sequence length {qkv.shape[1]} exceeds the "
+                             f"{cos.shape[0]} positions of the tables (max_positions)")
+        return _ops.eager_rope_qkv(qkv, cos, sin, n_heads, head_dim, self.interleaved)
+
     def extra_repr(self) -> str:
         return (f"rotary_dim={self.rotary_dim}, max_positions={self.max_positions}, base={self.base}, "
                 f"interleaved={self.interleaved}")

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from zerofuse import kernels, reference
 from zerofuse.kernels import rotary as K
-from zerofuse.ops import register
+from zerofuse.ops import eager_apply, register
 
 _NAME = "zerofuse::rotary_embedding"
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -123,6 +123,44 @@ def rotary_embedding_(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, positions:
 @rotary_embedding_.register_fake
 def _(q, k, cos, sin, positions, interleaved, inverse):
     check_args(_NAME + "_", q, k, cos, sin, positions)
+
+
+def _qk_heads(t: Tensor, n_heads: int, head_dim: int) -> Tensor:
+    """The first n_heads heads of t (B, N, heads * head_dim) as a (B, n_heads, N, head_dim) view."""
+    b, n = t.shape[:2]
+    return t.view(b, n, -1, head_dim)[:, :, :n_heads].transpose(1, 2)
+
+
+def _rotated_copy(t: Tensor, cos: Tensor, sin: Tensor, n_heads: int, head_dim: int, interleaved: bool,
+                  inverse: bool) -> Tensor:
+    out = t.clone(memory_format=torch.contiguous_format)
+    heads = _qk_heads(out, n_heads, head_dim)
+    _rope(heads, heads, cos, sin, None, interleaved, inverse)
+    return out
+
+
+class EagerRopeQKV(torch.autograd.Function):
+    """RoPE of the q and k heads of a fused QKV projection's output qkv (B, N, (Hq + 2 Hkv) * D) at
+    positions 0..N-1, v as it is, in the same packed layout, eagerly: a copy of qkv rotated in place
+    over its first n_heads = Hq + Hkv heads (q's and k's are adjacent: one launch), the backward
+    likewise on the gradient. zerofuse::attention_qkv then reads it as it reads an unrotated one: no
+    split heads, no three qkv-sized zero-filled slice gradients summed, no transposes
+    (zerofuse.nn.Attention with a RotaryEmbedding). The face (RotaryEmbedding.rotate_packed) checked
+    the arguments."""
+
+    @staticmethod
+    def forward(ctx, qkv, cos, sin, n_heads, head_dim, interleaved):
+        ctx.args = (n_heads, head_dim, interleaved)
+        ctx.save_for_backward(cos, sin)
+        return _rotated_copy(qkv, cos, sin, n_heads, head_dim, interleaved, False)
+
+    @staticmethod
+    def backward(ctx, grad):
+        cos, sin = ctx.saved_tensors
+        return _rotated_copy(grad, cos, sin, *ctx.args, True), None, None, None, None, None
+
+
+eager_rope_qkv = eager_apply(EagerRopeQKV)
 
 
 def _selftest(device: torch.device) -> None:
