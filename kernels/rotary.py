@@ -24,13 +24,21 @@ from zerofuse.kernels.launch import launch_triton
 @triton.jit
 def _rope_kernel(
     X, OUT, COS, SIN, POS,
-    N, n_heads, sxb, sxh, sxn, sob, soh, son, s_tab, s_pb, s_pn,
+    N, n_heads, sxb, sxh, sxn, sob, soh, son, s_tab, s_pb, s_pn, all_heads, D,
     HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, INTERLEAVED: tl.constexpr,
     HAS_POS: tl.constexpr, INVERSE: tl.constexpr, EMULATE_RNE: tl.constexpr,
+    COPY: tl.constexpr = False, BLOCK_D: tl.constexpr = 16,
 ):
     row = tl.program_id(0)
     b = (row // N).to(tl.int64)
     n = (row % N).to(tl.int64)
+    if COPY:  # the rest of OUT from X: heads n_heads..all_heads, and the rotated heads' dims past 2 * HALF
+        d = tl.arange(0, BLOCK_D)
+        for h0 in range(0, all_heads, BLOCK_H):
+            h = (h0 + tl.arange(0, BLOCK_H)).to(tl.int64)
+            keep = (h < all_heads)[:, None] & (d < D)[None, :] & ((h >= n_heads)[:, None] | (d >= 2 * HALF)[None, :])
+            v = tl.load(X + b * sxb + n * sxn + h[:, None] * sxh + d[None, :], mask=keep, other=0.0)
+            tl.store(OUT + b * sob + n * son + h[:, None] * soh + d[None, :], v, mask=keep)
     if HAS_POS:
         p = tl.load(POS + b * s_pb + n * s_pn).to(tl.int64)
     else:
@@ -61,20 +69,23 @@ def _rope_kernel(
 
 
 def rope(x: torch.Tensor, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor | None,
-         interleaved: bool, inverse: bool) -> None:
+         interleaved: bool, inverse: bool, rotate_heads: int | None = None) -> None:
     """Rotates x (B, H, N, D) into out (same shape; may be x itself), rotary dims 2 * cos.shape[1];
-    out's other dims are not written. cos/sin (L, R/2) with a unit last stride; positions (B, N) or
-    None."""
-    b, h, n, _ = x.shape
+    out's other dims are not written. With rotate_heads (< H; out not x): the first rotate_heads
+    heads are rotated and out gets the rest of x as it is (one pass: a rotated copy). cos/sin
+    (L, R/2) with a unit last stride; positions (B, N) or None."""
+    b, h, n, d = x.shape
     if x.numel() == 0:
         return
     half = cos.shape[1]
     block_r = next_power_of_2(half)
-    block_h = max(1, min(next_power_of_2(h), 64 if interpreted() else max(1, 4096 // block_r)))
+    copy = rotate_heads is not None
+    block_d = next_power_of_2(d) if copy else 16
+    block_h = max(1, min(next_power_of_2(h), 64 if interpreted() else max(1, 4096 // max(block_r, block_d if copy else 1))))
     pos = positions if positions is not None else cos
     launch_triton(_rope_kernel, (b * n,),
-        x, out, cos, sin, pos, n, h, *x.stride()[:3], *out.stride()[:3], cos.stride(0),
-        *(positions.stride() if positions is not None else (0, 0)),
+        x, out, cos, sin, pos, n, rotate_heads if copy else h, *x.stride()[:3], *out.stride()[:3], cos.stride(0),
+        *(positions.stride() if positions is not None else (0, 0)), h, d,
         HALF=half, BLOCK_H=block_h, BLOCK_R=block_r, INTERLEAVED=interleaved, HAS_POS=positions is not None,
-        INVERSE=inverse, EMULATE_RNE=interpreted(), num_warps=4,
+        INVERSE=inverse, EMULATE_RNE=interpreted(), COPY=copy, BLOCK_D=block_d, num_warps=4,
     )

@@ -147,3 +147,13 @@ def test_cuda_matches_reference(dtype):
             want = reference.rotary_embedding(x.double(), cos.double(), sin.double(), None, interleaved)
             peer = reference.rotary_embedding(x.cuda(), cos.cuda(), sin.cuda(), None, interleaved)
             assert_within_peer_rule(got.cpu(), want, peer.cpu())
+
+
+def test_rotate_packed_refuses_what_it_cannot_rotate():
+    from zerofuse.nn import RotaryEmbedding
+
+    rope = RotaryEmbedding(16, 8)
+    with pytest.raises(ValueError, match=r"rotate_packed: sequence length 9 exceeds the 8 positions"):
+        rope.rotate_packed(torch.randn(1, 9, 48), 2, 16)
+    with pytest.raises(ValueError, match=r"rotate_packed: expected qkv \(batch, seq, heads \* 16\) of at least 4 heads"):
+        rope.rotate_packed(torch.randn(1, 4, 48), 4, 16)

@@ -133,6 +133,16 @@ def _qk_heads(t: Tensor, n_heads: int, head_dim: int) -> Tensor:
 
 def _rotated_copy(t: Tensor, cos: Tensor, sin: Tensor, n_heads: int, head_dim: int, interleaved: bool,
                   inverse: bool) -> Tensor:
+    """t with its first n_heads heads rotated, in a new contiguous tensor: one kernel pass (the rest
+    copied by it) on the kernels' path, a copy then the rotation in place on torch's."""
+    if t.dtype in _KERNEL_DTYPES and (t.is_cuda or (t.device.type == "cpu" and kernels.triton_on_cpu())):
+        t = t if t.stride(-1) == 1 else t.contiguous()
+        out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+        b, n = t.shape[:2]
+        x_all = t.view(b, n, -1, head_dim).transpose(1, 2)
+        K.rope(x_all, out.view(b, n, -1, head_dim).transpose(1, 2), cos.contiguous(), sin.contiguous(), None,
+               interleaved, inverse, rotate_heads=n_heads)
+        return out
     out = t.clone(memory_format=torch.contiguous_format)
     heads = _qk_heads(out, n_heads, head_dim)
     _rope(heads, heads, cos, sin, None, interleaved, inverse)
@@ -141,9 +151,9 @@ def _rotated_copy(t: Tensor, cos: Tensor, sin: Tensor, n_heads: int, head_dim: i
 
 class EagerRopeQKV(torch.autograd.Function):
     """RoPE of the q and k heads of a fused QKV projection's output qkv (B, N, (Hq + 2 Hkv) * D) at
-    positions 0..N-1, v as it is, in the same packed layout, eagerly: a copy of qkv rotated in place
-    over its first n_heads = Hq + Hkv heads (q's and k's are adjacent: one launch), the backward
-    likewise on the gradient. zerofuse::attention_qkv then reads it as it reads an unrotated one: no
+    positions 0..N-1, v as it is, in the same packed layout, eagerly: one kernel pass writes the copy
+    with its first n_heads = Hq + Hkv heads (q's and k's, adjacent) rotated, the backward likewise on
+    the gradient. zerofuse::attention_qkv then reads it as it reads an unrotated one: no
     split heads, no three qkv-sized zero-filled slice gradients summed, no transposes
     (zerofuse.nn.Attention with a RotaryEmbedding). The face (RotaryEmbedding.rotate_packed) checked
     the arguments."""
