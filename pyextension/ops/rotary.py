@@ -136,7 +136,7 @@ def _rotated_copy(t: Tensor, cos: Tensor, sin: Tensor, n_heads: int, head_dim: i
     """t with its first n_heads heads rotated, in a new contiguous tensor: one kernel pass (the rest
     copied by it) on the kernels' path, a copy then the rotation in place on torch's."""
     if t.dtype in _KERNEL_DTYPES and (t.is_cuda or (t.device.type == "cpu" and kernels.triton_on_cpu())):
-        t = t if t.stride(-1) == 1 else t.contiguous()
+        t = t if t.is_contiguous() else t.contiguous()  # (a gradient may come expanded or strided)
         out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
         b, n = t.shape[:2]
         x_all = t.view(b, n, -1, head_dim).transpose(1, 2)
