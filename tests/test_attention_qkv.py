@@ -138,3 +138,19 @@ def test_empty_sequence_and_bad_input():
         ZF.qkv_attention(x[0], 2, 1)
     with pytest.raises(ValueError, match="last dim to be contiguous"):
         ZF.qkv_attention(torch.randn(2, 32, 5, device=DEVICE).transpose(1, 2), 2, 1)
+
+
+def test_rope_on_packed_qkv_takes_a_strided_gradient():
+    """The gradient reaching the packed RoPE may be strided (here: a transposed one): it is made
+    contiguous, and the input gradient equals the one from the same values laid out contiguously."""
+    from zerofuse.nn import RotaryEmbedding
+
+    torch.manual_seed(0)
+    m = Attention(64, 4, 2, rope=RotaryEmbedding(16, 32)).to(DEVICE)
+    g = torch.randn(9, 2, 64, device=DEVICE).transpose(0, 1)
+    grads = []
+    for grad in (g, g.contiguous()):
+        x = torch.randn(2, 9, 64, device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(1)).requires_grad_()
+        m(x).backward(grad)
+        grads.append(x.grad)
+    assert torch.equal(grads[0], grads[1])
