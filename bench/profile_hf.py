@@ -50,7 +50,7 @@ def _profile(model, ids, steps: int) -> dict:
     # .item() (aten::_local_scalar_dense, one per param) launches nothing there
     cpu_reads = c.names.pop("_local_scalar_dense", 0)
     triton = _Stub.count - s0
-    launches = triton + c.aten - cpu_reads
+    launches = triton + c.count - cpu_reads
     layers = model.config.num_hidden_layers
     return {"host_ms_per_step": round(statistics.median(times) * 1e3, 2), "launches_per_step": launches,
             "triton_launches_per_step": triton, "launches_per_layer": round(launches / layers, 1),
