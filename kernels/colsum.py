@@ -19,6 +19,7 @@ program reads the partials with ``.cg`` loads (L2, not a possibly stale L1 line)
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -67,12 +68,8 @@ def arrival_counter(device: torch.device, stream=None) -> torch.Tensor | None:
     if counter is None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return None
-        if device.type == "cuda":
-            with torch.cuda.stream(stream):
-                counter = torch.zeros(1, dtype=torch.int32, device=device)
-        else:
-            counter = torch.zeros(1, dtype=torch.int32, device=device)
-        _COUNTERS[key] = counter
+        with torch.cuda.stream(stream) if device.type == "cuda" else contextlib.nullcontext():
+            counter = _COUNTERS[key] = torch.zeros(1, dtype=torch.int32, device=device)
     return counter
 
 

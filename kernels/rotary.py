@@ -81,7 +81,8 @@ def rope(x: torch.Tensor, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     block_r = next_power_of_2(half)
     copy = rotate_heads is not None
     block_d = next_power_of_2(d) if copy else 16
-    block_h = max(1, min(next_power_of_2(h), 64 if interpreted() else max(1, 4096 // max(block_r, block_d if copy else 1))))
+    width = max(block_r, block_d) if copy else block_r  # the widest tile a head takes
+    block_h = max(1, min(next_power_of_2(h), 64 if interpreted() else max(1, 4096 // width)))
     pos = positions if positions is not None else cos
     launch_triton(_rope_kernel, (b * n,),
         x, out, cos, sin, pos, n, rotate_heads if copy else h, *x.stride()[:3], *out.stride()[:3], cos.stride(0),

@@ -48,14 +48,22 @@ def _act_and_grad(g, GELU: tl.constexpr, NEED_GRAD: tl.constexpr):
 
 
 @triton.jit
-def _swiglu_fwd_kernel(G, U, Y, M, H, sg, su, GELU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       EMULATE_RNE: tl.constexpr):
+def _gate_up_tile(G, U, M, H, sg, su, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's (BLOCK_M, BLOCK_N) tile: (row offsets (int64, a column), columns, mask, gate and
+    up in fp32, read at their row strides)."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rows < M)[:, None] & (cols < H)[None, :]
     r = rows.to(tl.int64)[:, None]
     g = tl.load(G + r * sg + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     u = tl.load(U + r * su + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    return r, cols, mask, g, u
+
+
+@triton.jit
+def _swiglu_fwd_kernel(G, U, Y, M, H, sg, su, GELU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       EMULATE_RNE: tl.constexpr):
+    r, cols, mask, g, u = _gate_up_tile(G, U, M, H, sg, su, BLOCK_M, BLOCK_N)
     act, _ = _act_and_grad(g, GELU, False)
     tl.store(Y + r * H + cols[None, :], _cast(act * u, Y.dtype.element_ty, EMULATE_RNE), mask=mask)
 
@@ -63,22 +71,21 @@ def _swiglu_fwd_kernel(G, U, Y, M, H, sg, su, GELU: tl.constexpr, BLOCK_M: tl.co
 @triton.jit
 def _swiglu_bwd_kernel(DY, G, U, DG, DU, M, H, sg, su, sdg, sdu, GELU: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, EMULATE_RNE: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = (rows < M)[:, None] & (cols < H)[None, :]
-    r = rows.to(tl.int64)[:, None]
+    r, cols, mask, g, u = _gate_up_tile(G, U, M, H, sg, su, BLOCK_M, BLOCK_N)
     dy = tl.load(DY + r * H + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    g = tl.load(G + r * sg + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(U + r * su + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     act, d = _act_and_grad(g, GELU, True)
     tl.store(DU + r * sdu + cols[None, :], _cast(dy * act, DU.dtype.element_ty, EMULATE_RNE), mask=mask)
     tl.store(DG + r * sdg + cols[None, :], _cast(dy * u * d, DG.dtype.element_ty, EMULATE_RNE), mask=mask)
 
 
-def _tiles(h: int) -> tuple[int, int]:
-    """(BLOCK_M, BLOCK_N): ~1024 elements a program on a GPU; the interpreter pays per program."""
+def _launch_shape(m: int, h: int, activation: str) -> tuple[tuple[int, int], dict]:
+    """(grid, constexprs and options) of both kernels over (m, h): ~1024 elements a program on a
+    GPU; the interpreter pays per program."""
     block_n = min(triton.next_power_of_2(h), 65536 if interpreted() else 1024)
-    return max(1, (65536 if interpreted() else 1024) // block_n), block_n
+    block_m = max(1, (65536 if interpreted() else 1024) // block_n)
+    return ((triton.cdiv(m, block_m), triton.cdiv(h, block_n)),
+            dict(GELU=activation == "gelu_tanh", BLOCK_M=block_m, BLOCK_N=block_n, EMULATE_RNE=interpreted(),
+                 num_warps=4))
 
 
 def rows(t: torch.Tensor) -> torch.Tensor:
@@ -99,11 +106,8 @@ def swiglu_fwd(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.T
     y = torch.empty(gate.shape, device=gate.device, dtype=gate.dtype)
     if gate.numel():
         g2, u2 = rows(gate), rows(up)
-        m, h = g2.shape
-        block_m, block_n = _tiles(h)
-        launch_triton(_swiglu_fwd_kernel, (triton.cdiv(m, block_m), triton.cdiv(h, block_n)), g2, u2, y, m, h,
-                      g2.stride(0), u2.stride(0), GELU=activation == "gelu_tanh", BLOCK_M=block_m, BLOCK_N=block_n,
-                      EMULATE_RNE=interpreted(), num_warps=4)
+        grid, tiles = _launch_shape(*g2.shape, activation)
+        launch_triton(_swiglu_fwd_kernel, grid, g2, u2, y, *g2.shape, g2.stride(0), u2.stride(0), **tiles)
     return y
 
 
@@ -119,9 +123,7 @@ def swiglu_bwd(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activatio
         dg, du = dgrad.chunk(2, -1)
     if gate.numel():
         g2, u2, dg2, du2 = rows(gate), rows(up), dg.view(-1, dg.shape[-1]), du.view(-1, du.shape[-1])
-        m, h = g2.shape
-        block_m, block_n = _tiles(h)
-        launch_triton(_swiglu_bwd_kernel, (triton.cdiv(m, block_m), triton.cdiv(h, block_n)), dy, g2, u2, dg2, du2,
-                      m, h, g2.stride(0), u2.stride(0), dg2.stride(0), du2.stride(0), GELU=activation == "gelu_tanh",
-                      BLOCK_M=block_m, BLOCK_N=block_n, EMULATE_RNE=interpreted(), num_warps=4)
+        grid, tiles = _launch_shape(*g2.shape, activation)
+        launch_triton(_swiglu_bwd_kernel, grid, dy, g2, u2, dg2, du2, *g2.shape, g2.stride(0), u2.stride(0),
+                      dg2.stride(0), du2.stride(0), **tiles)
     return dg, du

@@ -57,9 +57,12 @@ def _rope_torch(x, out, cos, sin, positions, interleaved, inverse) -> None:
     out[..., sl2] = o2
 
 
+def _on_triton(x: Tensor) -> bool:
+    return x.dtype in _KERNEL_DTYPES and (x.is_cuda or (x.device.type == "cpu" and kernels.triton_on_cpu()))
+
+
 def _rope(x, out, cos, sin, positions, interleaved, inverse) -> None:
-    on_triton = x.dtype in _KERNEL_DTYPES and (x.is_cuda or (x.device.type == "cpu" and kernels.triton_on_cpu()))
-    if on_triton:
+    if _on_triton(x):
         K.rope(x, out, cos.contiguous(), sin.contiguous(), positions, interleaved, inverse)
     else:
         _rope_torch(x, out, cos, sin, positions, interleaved, inverse)
@@ -135,7 +138,7 @@ def _rotated_copy(t: Tensor, cos: Tensor, sin: Tensor, n_heads: int, head_dim: i
                   inverse: bool) -> Tensor:
     """t with its first n_heads heads rotated, in a new contiguous tensor: one kernel pass (the rest
     copied by it) on the kernels' path, a copy then the rotation in place on torch's."""
-    if t.dtype in _KERNEL_DTYPES and (t.is_cuda or (t.device.type == "cpu" and kernels.triton_on_cpu())):
+    if _on_triton(t):
         t = t if t.is_contiguous() else t.contiguous()  # (a gradient may come expanded or strided)
         out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
         b, n = t.shape[:2]
