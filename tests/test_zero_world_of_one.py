@@ -9,7 +9,9 @@ from zerofuse.models import GPT, GPTConfig
 from zerofuse.zero.engine import ZeroEngine
 
 
-def _train(hookless, stage, precision, monkeypatch, accum=2, steps=3):
+def _train(hookless, stage, precision, monkeypatch, accum=2, steps=3, window="each"):
+    """window: how the accumulating backwards meet no_sync(): "each" in its own window, "one" all
+    in one window, "none" not at all (each backward reduces, as a world of several ranks would)."""
     monkeypatch.setattr(ZeroEngine, "HOOKLESS", hookless)
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=61, seq_len=16, n_layer=2, n_head=2, dim=32), seed=0)
@@ -21,10 +23,14 @@ def _train(hookless, stage, precision, monkeypatch, accum=2, steps=3):
     g = torch.Generator().manual_seed(1)
     norms = []
     for _ in range(steps):
-        for i in range(accum):
-            x = torch.randint(0, 61, (2, 16), generator=g)
-            with zm.no_sync() if i < accum - 1 else torch.enable_grad():
-                zm(x, x)[1].backward()
+        outer = zm.no_sync() if window == "one" else torch.enable_grad()
+        with outer:
+            for i in range(accum - 1):
+                x = torch.randint(0, 61, (2, 16), generator=g)
+                with zm.no_sync() if window == "each" else torch.enable_grad():
+                    zm(x, x)[1].backward()
+        x = torch.randint(0, 61, (2, 16), generator=g)
+        zm(x, x)[1].backward()
         opt.step()
         norms.append(opt.last_grad_norm.clone())
         opt.zero_grad()
@@ -45,6 +51,18 @@ def test_hookless_training_equals_the_hooked_engine_bit_for_bit(stage, precision
     ours = _train(True, stage, precision, monkeypatch)
     theirs = _train(False, stage, precision, monkeypatch)
     assert ours[3] > 1  # several buckets
+    for a, b in zip(ours[0] + ours[1] + ours[2], theirs[0] + theirs[1] + theirs[2]):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("window", ["one", "none"])
+@pytest.mark.parametrize("stage", [0, 2])
+def test_hookless_accumulates_several_backwards_in_the_reduce_dtype(stage, window, monkeypatch, world_of_one):
+    """Three backwards a step with bf16 params, all in one no_sync window or with none: the hooked
+    engine adds each into its fp32 buffers; a hookless one must not leave them to autograd's bf16
+    .grad until the step (bf16 sums: other bits)."""
+    ours = _train(True, stage, "bf16", monkeypatch, accum=3, window=window)
+    theirs = _train(False, stage, "bf16", monkeypatch, accum=3, window=window)
     for a, b in zip(ours[0] + ours[1] + ours[2], theirs[0] + theirs[1] + theirs[2]):
         assert torch.equal(a, b)
 

@@ -27,6 +27,9 @@ for a bucket's buffers and [Note: bucket buffers] for their lifetimes.
 nothing to overlap: none are registered (``hookless``). ``take_grads`` moves the grads autograd left
 in .grad into the units at the next sync point (step, grad norm, full_grads, the end of a no_sync()
 window: accumulation stays in the reduce dtype), with the hooks' copies and adds: the same numbers.
+Where autograd's .grad would sum in another dtype (bf16/fp16 params, fp32 reduce), one forward
+pre-hook on the model takes them before each forward too, so backwards with no sync point between
+them (no no_sync(), or several in one window) still add in the reduce dtype.
 """
 from __future__ import annotations
 
@@ -160,6 +163,8 @@ class ZeroEngine(ExpertLayout, Stage3Hooks):
             if not self.hookless:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_ready))
             setattr(p, SHARDED, True)
+        if self.hookless and self.dtype != self.reduce_dtype:  # [Note: a world of one]
+            self._hooks.append(model.register_forward_pre_hook(self._take_before_forward))
         install_clip_warning()
         if stage == 3:
             self._install_stage3_hooks(model)
@@ -262,6 +267,10 @@ class ZeroEngine(ExpertLayout, Stage3Hooks):
         if pending:
             self._final_queued = True  # ended here, not by an autograd callback
             self._close_backward()
+
+    def _take_before_forward(self, module, args) -> None:
+        if torch._C._current_graph_task_id() == -1:  # not a forward re-run inside a backward
+            self.take_grads()
 
     @contextlib.contextmanager
     def no_sync(self):
