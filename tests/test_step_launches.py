@@ -87,7 +87,7 @@ class _Count(TorchDispatchMode):
 
 @pytest.mark.parametrize("stage", [0, 2])
 def test_bucket_grads_arrive_in_one_copy(stage, world_of_one):
-    """Over one rank ([Note: a world of one] in zerofuse/zero/engine.py) the backward runs no grad
+    """Over one rank ([Note: a world of one] in zerofuse/zero/world_of_one.py) the backward runs no grad
     hook and no copy: the grads are taken at the next sync point (here full_grads) in one
     zerofuse::flatten_into per bucket and no per-param copy, at stage 0 as at stage 2. The grads
     equal plain autograd's."""

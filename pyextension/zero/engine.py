@@ -23,13 +23,7 @@ for a bucket's buffers and [Note: bucket buffers] for their lifetimes.
   everything after use. A forward re-run inside backward (activation checkpointing) keeps the
   unit gathered.
 
-[Note: a world of one] Over one rank (stages 0-2, no TP/PP/expert groups, no offload) hooks have
-nothing to overlap: none are registered (``hookless``). ``take_grads`` moves the grads autograd left
-in .grad into the units at the next sync point (step, grad norm, full_grads, the end of a no_sync()
-window: accumulation stays in the reduce dtype), with the hooks' copies and adds: the same numbers.
-Where autograd's .grad would sum in another dtype (bf16/fp16 params, fp32 reduce), one forward
-pre-hook on the model takes them before each forward too, so backwards with no sync point between
-them (no no_sync(), or several in one window) still add in the reduce dtype.
+[Note: a world of one]: zerofuse/zero/world_of_one.py.
 """
 from __future__ import annotations
 
@@ -48,12 +42,12 @@ from zerofuse.zero.materialize import Initializer, materialize_rest
 from zerofuse.zero.offload import auto_ratio, host_units
 from zerofuse.zero.options import PRECISIONS, check_args
 from zerofuse.zero.stage3 import Stage3Hooks
+from zerofuse.zero.world_of_one import WorldOfOne
 
 ALIGN = 128
 
 
-class ZeroEngine(ExpertLayout, Stage3Hooks):
-    HOOKLESS = True  # [Note: a world of one]; False: hooks over one rank too (tests compare the two)
+class ZeroEngine(ExpertLayout, Stage3Hooks, WorldOfOne):
 
     def __init__(self, model, *, stage, group, precision, reduce_dtype, bucket_mb, overlap, prefetch, wrap,
                  reshard_after_forward=True, tp_group=None, max_inflight=2, device=None, param_init_fn=None,
@@ -155,16 +149,11 @@ class ZeroEngine(ExpertLayout, Stage3Hooks):
         self._hooks = []
         self._fwd_order: list[Bucket] = []
         self._last_order: list[Bucket] = [self.wrap_units[id(m)] for m in self._wrap_mods] if stage == 3 else []
-        # [Note: a world of one]: nothing to overlap, so no grad hooks; the grads are taken at sync points
-        self.hookless = (self.HOOKLESS and stage != 3 and self.world_size == 1 and offload is None
-                         and self.tp_comm is None and self.pp_comm is None and self.edp_comm is None
-                         and all(u.comm is None for u in self.units))
+        self.hookless = self._hookless(model, offload)
         for p in self.params:
             if not self.hookless:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_ready))
             setattr(p, SHARDED, True)
-        if self.hookless and self.dtype != self.reduce_dtype:  # [Note: a world of one]
-            self._hooks.append(model.register_forward_pre_hook(self._take_before_forward))
         install_clip_warning()
         if stage == 3:
             self._install_stage3_hooks(model)
@@ -254,23 +243,6 @@ class ZeroEngine(ExpertLayout, Stage3Hooks):
         if self.hookless:
             self.take_grads()
         self.buckets.finish_grad_sync()
-
-    def take_grads(self) -> None:
-        """[Note: a world of one] The grads in .grad taken into the units as one backward's (per
-        unit one zerofuse::flatten_into of the empty regions, adds for the others), .grad dropped."""
-        pending = False
-        for p in self.params:
-            if p.grad is not None:
-                unit, i = self.unit_of[id(p)]
-                unit.defer(i)
-                pending = True
-        if pending:
-            self._final_queued = True  # ended here, not by an autograd callback
-            self._close_backward()
-
-    def _take_before_forward(self, module, args) -> None:
-        if torch._C._current_graph_task_id() == -1:  # not a forward re-run inside a backward
-            self.take_grads()
 
     @contextlib.contextmanager
     def no_sync(self):

@@ -1,0 +1,44 @@
+"""ZeRO over one rank without hooks (the engine's mixin).
+
+[Note: a world of one] Over one rank (stages 0-2, no TP/PP/expert groups, no offload) hooks have
+nothing to overlap: none are registered (``hookless``). ``take_grads`` moves the grads autograd left
+in .grad into the units at the next sync point (step, grad norm, full_grads, the end of a no_sync()
+window: accumulation stays in the reduce dtype), with the hooks' copies and adds: the same numbers.
+Where autograd's .grad would sum in another dtype (bf16/fp16 params, fp32 reduce), one forward
+pre-hook on the model takes them before each forward too, so backwards with no sync point between
+them (no no_sync(), or several in one window) still add in the reduce dtype.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class WorldOfOne:
+    HOOKLESS = True  # [Note: a world of one]; False: hooks over one rank too (tests compare the two)
+
+    def _hookless(self, model, offload) -> bool:
+        """[Note: a world of one]: whether this engine registers no grad hooks (nothing to overlap);
+        if so, and .grad would sum in another dtype than the units, the forward pre-hook."""
+        hookless = (self.HOOKLESS and self.stage != 3 and self.world_size == 1 and offload is None
+                    and self.tp_comm is None and self.pp_comm is None and self.edp_comm is None
+                    and all(u.comm is None for u in self.units))
+        if hookless and self.dtype != self.reduce_dtype:
+            self._hooks.append(model.register_forward_pre_hook(self._take_before_forward))
+        return hookless
+
+    def take_grads(self) -> None:
+        """[Note: a world of one] The grads in .grad taken into the units as one backward's (per
+        unit one zerofuse::flatten_into of the empty regions, adds for the others), .grad dropped."""
+        pending = False
+        for p in self.params:
+            if p.grad is not None:
+                unit, i = self.unit_of[id(p)]
+                unit.defer(i)
+                pending = True
+        if pending:
+            self._final_queued = True  # ended here, not by an autograd callback
+            self._close_backward()
+
+    def _take_before_forward(self, module, args) -> None:
+        if torch._C._current_graph_task_id() == -1:  # not a forward re-run inside a backward
+            self.take_grads()
