@@ -159,6 +159,42 @@ def test_opcheck_and_compile():
         torch.testing.assert_close(a.grad, b.grad)
 
 
+def _bnhd(t):
+    """t's values in (B, N, H, D) memory seen as (B, H, N, D): a Hugging Face projection's heads."""
+    return t.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def test_outputs_and_gradients_follow_the_inputs_layout(path):
+    """[Note: outputs follow their inputs' layout]: (B, H, N, D) views of (B, N, H, D) buffers give an
+    output and gradients in (B, N, H, D) memory (the transposes around a Hugging Face attention stay
+    views: no copy), the same values as contiguous inputs give; contiguous inputs contiguous ones;
+    the fake impls promise the same strides (opcheck compares them)."""
+    q, k, v, dout = _inputs(2, 4, 2, 33, 33, 16, torch.float32)
+    out, lse = torch.ops.zerofuse.attention(q, k, v, True, 0.3)
+    grads = torch.ops.zerofuse.attention_backward(dout, q, k, v, out, lse, True, 0.3)
+    assert out.is_contiguous() and all(g.is_contiguous() for g in grads)
+    tq, tk, tv, tdout = map(_bnhd, (q, k, v, dout))
+    out2, lse2 = torch.ops.zerofuse.attention(tq, tk, tv, True, 0.3)
+    grads2 = torch.ops.zerofuse.attention_backward(_bnhd(dout), tq, tk, tv, out2, lse2, True, 0.3)
+    for a, b in zip((out, lse, *grads), (out2, lse2, *grads2)):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    for t in (out2, *grads2):
+        assert t.transpose(1, 2).is_contiguous(), t.stride()
+    torch.library.opcheck(torch.ops.zerofuse.attention.default, (tq, tk, tv, True, 0.3))
+    torch.library.opcheck(torch.ops.zerofuse.attention_backward.default, (tdout, tq, tk, tv, out2, lse2, True, 0.3))
+    # the face's output, and the gradients autograd hands the (B, N, H, D) leaves
+    leaves = [t.transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v)]
+    views, seen = [t.transpose(1, 2) for t in leaves], []
+    for t in views:
+        t.register_hook(seen.append)  # the gradients attention's backward hands the transposes
+    o = zf_sdpa(*views, is_causal=True, scale=0.3, enable_gqa=True)
+    assert o.transpose(1, 2).is_contiguous()
+    o.backward(_bnhd(dout))
+    assert len(seen) == 3 and all(g.transpose(1, 2).is_contiguous() for g in seen), [g.stride() for g in seen]
+    for leaf, g in zip(leaves, grads):
+        torch.testing.assert_close(leaf.grad, g.transpose(1, 2), rtol=1e-6, atol=1e-6)
+
+
 def test_attention_module_matches_a_plain_implementation(path):
     torch.manual_seed(0)
     m = Attention(96, num_heads=6, num_kv_heads=2).to(DEVICE)

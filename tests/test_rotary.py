@@ -117,6 +117,34 @@ def test_bad_input_errors_name_the_argument(call, exc, msg):
         call(q, k, cos, sin)
 
 
+def test_outputs_and_gradients_follow_the_inputs_layout(monkeypatch):
+    """[Note: outputs follow their inputs' layout]: RoPE of (B, H, N, D) views of (B, N, H, D) buffers
+    comes back in (B, N, H, D) memory, and so do their gradients (Hugging Face's view/transpose
+    around it stay views); the same values as contiguous inputs give, on both paths; opcheck
+    compares the fake's strides with these."""
+    from zerofuse import kernels
+
+    cos, sin = rope_tables(40, 16)
+    for triton in (False, True):
+        monkeypatch.setattr(kernels, "TRITON_ON_CPU", triton and kernels.interpreted())
+        q, k = _inputs(torch.float32, n=33, d=16, strided=True)
+        assert not q.is_contiguous()
+        oq, ok = torch.ops.zerofuse.rotary_embedding(q, k, cos, sin, None, False, False)
+        cq, ck = torch.ops.zerofuse.rotary_embedding(q.contiguous(), k.contiguous(), cos, sin, None, False, False)
+        assert cq.is_contiguous() and ck.is_contiguous()
+        for got, want in ((oq, cq), (ok, ck)):
+            assert got.transpose(1, 2).is_contiguous(), got.stride()
+            assert torch.equal(got, want)
+        torch.library.opcheck(torch.ops.zerofuse.rotary_embedding.default, (q, k, cos, sin, None, False, False))
+        leaf = q.transpose(1, 2).detach().clone().requires_grad_()  # (B, N, H, D)
+        x = leaf.transpose(1, 2)
+        seen = []
+        x.register_hook(seen.append)  # the gradient RoPE's backward hands the transpose
+        rq, _ = rotary_embedding(x, k, cos, sin)
+        rq.backward(torch.randn(rq.shape).transpose(1, 2).contiguous().transpose(1, 2))
+        assert seen[0].transpose(1, 2).is_contiguous(), seen[0].stride()
+
+
 def test_opcheck_and_compile():
     q, k = (t.requires_grad_() for t in _inputs(torch.float32, n=9, d=16))
     cos, sin = rope_tables(12, 16)

@@ -42,6 +42,41 @@ def eager_apply(cls: type[torch.autograd.Function]) -> Callable:
     return apply
 
 
+def layout_strides(t: torch.Tensor) -> tuple[int, ...]:
+    """[Note: outputs follow their inputs' layout] The strides of a dense tensor of t's shape whose
+    memory orders the dims as t's strides do (outermost the largest; ties keep the dim order; the
+    last dim innermost): a (B, H, N, D) view of a (B, N, H, D) buffer (a Hugging Face projection's
+    heads) gives (B, N, H, D) memory seen as (B, H, N, D), a contiguous t contiguous strides.
+    Attention's and RoPE's outputs and gradients take their inputs' layout this way, on every path
+    and in their fake impls, so the views and transposes a model puts around them stay views
+    (no copy for the output projection, none for the projections' gradients)."""
+    n = t.dim()
+    if t.is_contiguous() or any(s == 0 and z > 1 for s, z in zip(t.stride(), t.shape)):  # (expanded: no order)
+        order = list(range(n))
+    else:
+        order = sorted(range(n - 1), key=lambda i: (-t.stride(i), i)) + [n - 1]
+    strides, step = [0] * n, 1
+    for i in reversed(order):
+        strides[i] = step
+        step *= max(t.shape[i], 1)
+    return tuple(strides)
+
+
+def empty_in_layout(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A new tensor of t's shape and device in t's layout ([Note: outputs follow their inputs' layout])."""
+    if t.is_contiguous():
+        return torch.empty(t.shape, dtype=dtype or t.dtype, device=t.device)
+    return torch.empty_strided(t.shape, layout_strides(t), dtype=dtype or t.dtype, device=t.device)
+
+
+def in_layout(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """t (of like's shape) in like's layout: t itself where its strides are those already."""
+    want = layout_strides(like)
+    if all(a == b or s <= 1 for a, b, s in zip(t.stride(), want, t.shape)):
+        return t
+    return empty_in_layout(like, t.dtype).copy_(t)
+
+
 def list_ops() -> list[str]:
     """Qualified names of zerofuse's registered ops."""
     return sorted(OPS)

@@ -1,8 +1,10 @@
 """``zerofuse::attention`` / ``zerofuse::attention_backward``: fused attention, Triton custom ops.
 
-attention(q, k, v, is_causal, scale) -> (out, lse): (B, H, N, D) layout, grouped-query attention
+attention(q, k, v, is_causal, scale) -> (out, lse): (B, H, N, D) shapes, grouped-query attention
 when k/v have fewer heads (Hq a multiple of Hkv), torch's top-left causal mask; lse is the natural
-log-sum-exp per query row (fp32; fp64 for fp64 inputs). Not differentiable through lse.
+log-sum-exp per query row (fp32; fp64 for fp64 inputs). Not differentiable through lse. out and
+the gradients dq/dk/dv are laid out as q/k/v are ([Note: outputs follow their inputs' layout] in
+zerofuse/ops/__init__.py): for (B, H, N, D) views of (B, N, H, D) projections, (B, N, H, D) memory.
 
 CUDA tensors (and CPU tensors under ZEROFUSE_TRITON_ON_CPU=1) run kernels/attention.py; other
 CPU tensors run torch's CPU flash-attention kernels (k/v heads repeated for GQA; their gradients
@@ -21,7 +23,7 @@ from torch import Tensor
 
 from zerofuse import kernels, reference
 from zerofuse.kernels import attention as K
-from zerofuse.ops import eager_apply, register
+from zerofuse.ops import eager_apply, empty_in_layout, in_layout, register
 
 # head_dim the Triton kernels take (one program holds a whole head_dim row block)
 MAX_HEAD_DIM = 256
@@ -66,22 +68,21 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float) -> tupl
     """zerofuse::attention's body (also EagerAttention's)."""
     K._check(q, k, v)
     if _empty(q, k):
-        return torch.zeros_like(q, memory_format=torch.contiguous_format), torch.full(
-            q.shape[:3], -math.inf, dtype=_lse_dtype(q), device=q.device)
+        return empty_in_layout(q).zero_(), torch.full(q.shape[:3], -math.inf, dtype=_lse_dtype(q), device=q.device)
     if use_triton(q):
-        return K.attention_fwd(q, k, v, is_causal, scale, checked=True)
+        return K.attention_fwd(q, k, v, is_causal, scale, out=empty_in_layout(q), checked=True)
     g = _groups(q, k)
     kk, vv = (k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)) if g > 1 else (k, v)
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, kk, vv, 0.0, is_causal, scale=scale)
-    # contiguous as the Triton path's and the fake's (torch's CPU kernel returns a (B, N, H, D)
-    # layout: torch.compile asserts the strides the fake promised)
-    return out.contiguous(), lse.to(_lse_dtype(q)).contiguous()
+    # in q's layout as the Triton path's and the fake's (torch.compile asserts the strides the fake
+    # promised; torch's CPU kernel returns a (B, N, H, D) layout)
+    return in_layout(out, q), lse.to(_lse_dtype(q)).contiguous()
 
 
 @attention.register_fake
 def _(q, k, v, is_causal, scale):
     K._check(q, k, v)
-    return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(q.shape[:3], dtype=_lse_dtype(q))
+    return empty_in_layout(q), q.new_empty(q.shape[:3], dtype=_lse_dtype(q))
 
 
 @torch.library.custom_op("zerofuse::attention_backward", mutates_args=())
@@ -95,9 +96,9 @@ def _bwd(dout, q, k, v, out, lse, is_causal: bool, scale: float) -> tuple[Tensor
     """zerofuse::attention_backward's body after its checks (also EagerAttention's, whose saved
     tensors need none)."""
     if _empty(q, k):
-        return tuple(torch.zeros_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+        return tuple(empty_in_layout(t).zero_() for t in (q, k, v))
     if use_triton(q):
-        return K.attention_bwd(dout, q, k, v, out, lse, is_causal, scale)
+        return K.attention_bwd(dout, q, k, v, out, lse, is_causal, scale, *map(empty_in_layout, (q, k, v)))
     g = _groups(q, k)
     kk, vv = (k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)) if g > 1 else (k, v)
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
@@ -106,13 +107,13 @@ def _bwd(dout, q, k, v, out, lse, is_causal: bool, scale: float) -> tuple[Tensor
         b, hkv, nk, d = k.shape
         dk = dk.view(b, hkv, g, nk, d).sum(2)
         dv = dv.view(b, hkv, g, nk, d).sum(2)
-    return tuple(g.to(t.dtype).contiguous() for g, t in ((dq, q), (dk, k), (dv, v)))
+    return tuple(in_layout(g.to(t.dtype), t) for g, t in ((dq, q), (dk, k), (dv, v)))
 
 
 @attention_backward.register_fake
 def _(dout, q, k, v, out, lse, is_causal, scale):
     _check_backward(dout, q, k, v, out, lse)
-    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+    return tuple(map(empty_in_layout, (q, k, v)))
 
 
 def _setup_context(ctx, inputs, output):

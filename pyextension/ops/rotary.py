@@ -13,7 +13,7 @@ from torch import Tensor
 
 from zerofuse import kernels, reference
 from zerofuse.kernels import rotary as K
-from zerofuse.ops import eager_apply, register
+from zerofuse.ops import eager_apply, empty_in_layout, register
 
 _NAME = "zerofuse::rotary_embedding"
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -69,8 +69,9 @@ def _rope(x, out, cos, sin, positions, interleaved, inverse) -> None:
 
 
 def _out_of_place(x, cos, sin, positions, interleaved, inverse) -> Tensor:
-    out = x.clone(memory_format=torch.contiguous_format) if 2 * cos.shape[1] < x.shape[-1] else \
-        torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    out = empty_in_layout(x)  # [Note: outputs follow their inputs' layout]
+    if 2 * cos.shape[1] < x.shape[-1]:  # partial rotary: the other dims as they are
+        out.copy_(x)
     _rope(x, out, cos, sin, positions, interleaved, inverse)
     return out
 
@@ -85,7 +86,7 @@ def _check_values(fn, cos, positions) -> None:
 @torch.library.custom_op(_NAME, mutates_args=())
 def rotary_embedding(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, positions: Tensor | None, interleaved: bool,
                      inverse: bool) -> tuple[Tensor, Tensor]:
-    """(RoPE(q), RoPE(k)) in new contiguous tensors; inverse=True rotates back (the backward)."""
+    """(RoPE(q), RoPE(k)) in new tensors laid out as q and k; inverse=True rotates back (the backward)."""
     check_args(_NAME, q, k, cos, sin, positions)
     _check_values(_NAME, cos, positions)
     return (_out_of_place(q, cos, sin, positions, interleaved, inverse),
@@ -95,7 +96,7 @@ def rotary_embedding(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, positions: 
 @rotary_embedding.register_fake
 def _(q, k, cos, sin, positions, interleaved, inverse):
     check_args(_NAME, q, k, cos, sin, positions)
-    return (torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(k.shape, dtype=k.dtype, device=k.device))
+    return empty_in_layout(q), empty_in_layout(k)
 
 
 def _setup(ctx, inputs, output):
@@ -104,9 +105,15 @@ def _setup(ctx, inputs, output):
     ctx.save_for_backward(cos, sin, positions)
 
 
+def _unit_last(t: Tensor) -> Tensor:
+    """A gradient the kernels read in place (any strides with a unit one along head_dim): the
+    gradients keep their layout (a (B, N, H, D) one gives a (B, N, H, D) one back)."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
 def _backward(ctx, dq, dk):
     cos, sin, positions = ctx.saved_tensors
-    dq, dk = rotary_embedding(dq.contiguous(), dk.contiguous(), cos, sin, positions, *ctx.args)
+    dq, dk = rotary_embedding(_unit_last(dq), _unit_last(dk), cos, sin, positions, *ctx.args)
     return dq, dk, None, None, None, None, None
 
 
