@@ -64,6 +64,15 @@ def test_forward_and_backward_vs_float64(case, dtype):
         assert _max_err(got, want) <= 2 * _max_err(theirs, want) + floor
 
 
+@pytest.mark.parametrize("case", [(1, 2, 1, 1025, 1025, 64, True),
+                                  (1, 1, 1, 1025, 1023 if HAS_CUDA else 130, 128, False)],  # (the interpreter: shorter)
+                         ids=lambda c: "-".join(map(str, c)))
+def test_odd_long_sequences(case):
+    """Lengths one past a tile multiple (1025: a last block of one row), Nq != Nk and head_dim 64/128
+    (issue 24's odd lengths; 97 and head_dim 80/256 are in CASES): fp32 forward and backward."""
+    test_forward_and_backward_vs_float64(case, torch.float32)
+
+
 @pytest.mark.skipif(not kernels.interpreted(), reason="block shapes are forced in the interpreter")
 @pytest.mark.parametrize("blocks", sorted({(m, n) for m, n, _, _ in K.GPU_CONFIGS + [K.SMALL_CONFIG]}),
                          ids=lambda b: f"{b[0]}x{b[1]}")

@@ -67,6 +67,19 @@ def test_hookless_accumulates_several_backwards_in_the_reduce_dtype(stage, windo
         assert torch.equal(a, b)
 
 
+def test_the_forward_take_hook_only_where_dtypes_differ_and_the_job_drops_it(world_of_one):
+    """The pre-hook is on the model only with bf16/fp16 params summing in fp32; a caller whose
+    backwards each end at a sync point (zerofuse-train's loop) removes it: no hook at all."""
+    hooks = {}
+    for precision in ("fp32", "bf16"):
+        model = GPT(GPTConfig(vocab_size=61, seq_len=16, n_layer=1, n_head=2, dim=32), seed=0)
+        zm = zero.parallelize(model, stage=2, precision=precision)
+        hooks[precision] = len(zm._forward_pre_hooks)
+        zm._zerofuse_zero.backwards_end_at_sync_points()
+        assert not zm._forward_pre_hooks and not any(p._post_accumulate_grad_hooks for p in zm.parameters())
+    assert hooks == {"fp32": 0, "bf16": 1}
+
+
 def test_a_world_of_one_with_offload_or_stage_3_keeps_its_hooks(world_of_one):
     """Where the hooks do work over one rank too (stage 3's gathers and frees, offload's host steps
     during backward), the engine keeps them."""

@@ -72,6 +72,7 @@ def setup(t) -> None:
                                    precision=args.precision, device=t.device,
                                    offload=None if args.offload == "none" else args.offload,
                                    **({"offload_ratio": args.offload_ratio} if args.offload != "none" else {}))
+        t.model._zerofuse_zero.backwards_end_at_sync_points()  # (loop.py: a no_sync() window per micro-batch)
     t.compiled = None
     if args.compile:  # the whole model where ZeRO has no forward hooks (a world of one), else each block
         if t.world == 1 and args.zero_stage != 3:

@@ -22,9 +22,21 @@ class WorldOfOne:
         hookless = (self.HOOKLESS and self.stage != 3 and self.world_size == 1 and offload is None
                     and self.tp_comm is None and self.pp_comm is None and self.edp_comm is None
                     and all(u.comm is None for u in self.units))
+        self._take_hook = None
         if hookless and self.dtype != self.reduce_dtype:
-            self._hooks.append(model.register_forward_pre_hook(self._take_before_forward))
+            self._take_hook = model.register_forward_pre_hook(self._take_before_forward)
+            self._hooks.append(self._take_hook)
         return hookless
+
+    def backwards_end_at_sync_points(self) -> None:
+        """The caller promises every backward is followed by a sync point before the next one (each
+        in its own no_sync() window, the last before the step), as zerofuse-train's loop does: the
+        forward pre-hook of [Note: a world of one] has nothing to take and is removed (no hook at
+        all over one rank; nothing for torch.compile to step around)."""
+        if self._take_hook is not None:
+            self._take_hook.remove()
+            self._hooks.remove(self._take_hook)
+            self._take_hook = None
 
     def take_grads(self) -> None:
         """[Note: a world of one] The grads in .grad taken into the units as one backward's (per
@@ -39,6 +51,7 @@ class WorldOfOne:
             self._final_queued = True  # ended here, not by an autograd callback
             self._close_backward()
 
+    @torch.compiler.disable
     def _take_before_forward(self, module, args) -> None:
         if torch._C._current_graph_task_id() == -1:  # not a forward re-run inside a backward
             self.take_grads()
