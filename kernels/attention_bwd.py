@@ -131,8 +131,8 @@ def attention_bwd(dout, q, k, v, out, lse, causal: bool, scale: float, dq=None, 
     b, hq, nq, d = q.shape
     _check_grid(b, hq)
     hkv, nk = k.shape[1], k.shape[2]
-    dout = _tileable(dout if dout.stride(-1) == 1 else dout.contiguous())
-    q, k, v, out = _tileable(q), _tileable(k), _tileable(v), _tileable(out)
+    dout, out = (_tileable(t if t.stride(-1) == 1 else t.contiguous()) for t in (dout, out))  # (read along D)
+    q, k, v = _tileable(q), _tileable(k), _tileable(v)
     bd = _block_d(d)
     delta = torch.empty((b, hq, nq), device=q.device, dtype=torch.float32)  # written by the dq kernel
     lse = lse.contiguous()

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from zerofuse.kernels import interpreted
-from zerofuse.kernels.common import _cast
+from zerofuse.kernels.common import _cast, next_power_of_2
 from zerofuse.kernels.launch import launch_triton
 
 
@@ -74,7 +74,7 @@ def _unpermute_bwd_kernel(DOUT, Y, SRC, W, DY, DW, D, K: tl.constexpr, BLOCK_D: 
 
 
 def _block_d(d: int) -> int:
-    return min(triton.next_power_of_2(max(d, 1)), 4096 if interpreted() else 1024)
+    return min(next_power_of_2(max(d, 1)), 4096 if interpreted() else 1024)
 
 
 def gather_rows(x: torch.Tensor, src: torch.Tensor, k: int, dtype: torch.dtype) -> torch.Tensor:

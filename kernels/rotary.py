@@ -34,7 +34,9 @@ def _rope_kernel(
     n = (row % N).to(tl.int64)
     if COPY:  # the rest of OUT from X: heads n_heads..all_heads, and the rotated heads' dims past 2 * HALF
         d = tl.arange(0, BLOCK_D)
-        for h0 in range(0, all_heads, BLOCK_H):
+        # the rotated heads hold nothing to copy where the rotary dims are all of head_dim
+        first = (n_heads // BLOCK_H) * BLOCK_H if 2 * HALF == D else 0
+        for h0 in range(first, all_heads, BLOCK_H):
             h = (h0 + tl.arange(0, BLOCK_H)).to(tl.int64)
             keep = (h < all_heads)[:, None] & (d < D)[None, :] & ((h >= n_heads)[:, None] | (d >= 2 * HALF)[None, :])
             v = tl.load(X + b * sxb + n * sxn + h[:, None] * sxh + d[None, :], mask=keep, other=0.0)

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from zerofuse.kernels import interpreted
-from zerofuse.kernels.common import _cast, _tanh_sech2
+from zerofuse.kernels.common import _cast, _tanh_sech2, cdiv, next_power_of_2
 from zerofuse.kernels.launch import launch_triton
 
 ACTIVATIONS = ("silu", "gelu_tanh")
@@ -81,9 +81,9 @@ def _swiglu_bwd_kernel(DY, G, U, DG, DU, M, H, sg, su, sdg, sdu, GELU: tl.conste
 def _launch_shape(m: int, h: int, activation: str) -> tuple[tuple[int, int], dict]:
     """(grid, constexprs and options) of both kernels over (m, h): ~1024 elements a program on a
     GPU; the interpreter pays per program."""
-    block_n = min(triton.next_power_of_2(h), 65536 if interpreted() else 1024)
-    block_m = max(1, (65536 if interpreted() else 1024) // block_n)
-    return ((triton.cdiv(m, block_m), triton.cdiv(h, block_n)),
+    block_n = min(next_power_of_2(h), 65536 if interpreted() else 1024)  # (plain ints: triton's are
+    block_m = max(1, (65536 if interpreted() else 1024) // block_n)  # ConstexprFunctions, slower per call)
+    return ((cdiv(m, block_m), cdiv(h, block_n)),
             dict(GELU=activation == "gelu_tanh", BLOCK_M=block_m, BLOCK_N=block_n, EMULATE_RNE=interpreted(),
                  num_warps=4))
 

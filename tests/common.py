@@ -69,3 +69,17 @@ class SavedActivations:
     def remove(self):
         for h in self._handles:
             h.remove()
+
+
+def assert_fake_strides(op, *args) -> None:
+    """op's real outputs have the strides its fake impl promises for the same arguments (opcheck
+    compares shapes and dtypes, not strides; torch.compile asserts them): dims of size 1 excepted."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    real = op(*args)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake = op(*(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args))
+    real, fake = (o if isinstance(o, (tuple, list)) else (o,) for o in (real, fake))
+    for i, (r, f) in enumerate(zip(real, fake)):
+        keep = [d for d in range(r.dim()) if r.shape[d] > 1]
+        assert [r.stride(d) for d in keep] == [f.stride(d) for d in keep], (op, i, r.stride(), f.stride())

@@ -9,7 +9,7 @@ import torch
 from zerofuse import kernels, reference
 from zerofuse.kernels import attention as K
 
-from common import HAS_CUDA
+from common import HAS_CUDA, assert_fake_strides
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 # On a GPU machine every test here runs on CUDA, so the module belongs to `-m gpu` there.
@@ -96,6 +96,17 @@ def test_non_contiguous_inputs():
     torch.testing.assert_close(lse.double(), want_lse, rtol=1e-5, atol=1e-5)
 
 
+def test_backward_takes_an_output_strided_along_head_dim():
+    """out with a non-unit stride along D (the kernels read its rows along D for delta): the same
+    gradients as from a contiguous out (it was read as if contiguous: wrong dq, dk)."""
+    q, k, v, dout = _inputs(1, 2, 2, 33, 33, 16, torch.float32)
+    out, lse = K.attention_fwd(q, k, v, True, 0.25)
+    want = K.attention_bwd(dout, q, k, v, out, lse, True, 0.25)
+    strided = torch.empty(1, 2, 16, 33, device=DEVICE).transpose(-1, -2).copy_(out)
+    for a, b in zip(K.attention_bwd(dout, q, k, v, strided, lse, True, 0.25), want):
+        assert torch.equal(a, b)
+
+
 def test_bad_shapes_raise():
     q = torch.randn(1, 3, 8, 16, device=DEVICE)
     k = torch.randn(1, 2, 8, 16, device=DEVICE)
@@ -132,6 +143,25 @@ def test_face_matches_torch_sdpa_with_gradients(path, case):
     torch.testing.assert_close(out, want, rtol=2e-5, atol=2e-5)
     for a, t in zip(ours, theirs):
         torch.testing.assert_close(a.grad, t.grad, rtol=2e-4, atol=2e-4)
+
+
+def test_more_batches_than_the_grid_takes_fall_back():
+    """B > 65535 (the kernels' grid y/z limit): torch's result after the warning, not an error."""
+    q, k, v = (torch.randn(65536, 1, 2, 8, device=DEVICE) for _ in range(3))
+    zerofuse.nn.functional._warned.clear()
+    with pytest.warns(UserWarning, match="more than 65535 batches or heads"):
+        out = zf_sdpa(q, k, v, is_causal=True)
+    torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+def test_the_op_refuses_what_the_kernels_do_not_take_on_cuda():
+    """float64 or head_dim > 256 on CUDA called straight through the op (the face falls back): a
+    clear error (it reached torch's cpu-only flash kernels with CUDA tensors)."""
+    for q in (torch.randn(1, 2, 8, 16, device="cuda", dtype=torch.float64), torch.randn(1, 2, 8, 264, device="cuda")):
+        with pytest.raises(ValueError, match=r"zerofuse::attention: the fused kernels take head_dim <= 256"):
+            torch.ops.zerofuse.attention(q, q, q, True, 0.5)
 
 
 def test_unsupported_arguments_fall_back_with_one_warning():
@@ -177,7 +207,7 @@ def test_outputs_and_gradients_follow_the_inputs_layout(path):
     """[Note: outputs follow their inputs' layout]: (B, H, N, D) views of (B, N, H, D) buffers give an
     output and gradients in (B, N, H, D) memory (the transposes around a Hugging Face attention stay
     views: no copy), the same values as contiguous inputs give; contiguous inputs contiguous ones;
-    the fake impls promise the same strides (opcheck compares them)."""
+    the fake impls promise the same strides."""
     q, k, v, dout = _inputs(2, 4, 2, 33, 33, 16, torch.float32)
     out, lse = torch.ops.zerofuse.attention(q, k, v, True, 0.3)
     grads = torch.ops.zerofuse.attention_backward(dout, q, k, v, out, lse, True, 0.3)
@@ -191,6 +221,9 @@ def test_outputs_and_gradients_follow_the_inputs_layout(path):
         assert t.transpose(1, 2).is_contiguous(), t.stride()
     torch.library.opcheck(torch.ops.zerofuse.attention.default, (tq, tk, tv, True, 0.3))
     torch.library.opcheck(torch.ops.zerofuse.attention_backward.default, (tdout, tq, tk, tv, out2, lse2, True, 0.3))
+    for args in ((q, k, v), (tq, tk, tv)):
+        assert_fake_strides(torch.ops.zerofuse.attention.default, *args, True, 0.3)
+    assert_fake_strides(torch.ops.zerofuse.attention_backward.default, tdout, tq, tk, tv, out2, lse2, True, 0.3)
     # the face's output, and the gradients autograd hands the (B, N, H, D) leaves
     leaves = [t.transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v)]
     views, seen = [t.transpose(1, 2) for t in leaves], []

@@ -181,6 +181,9 @@ TENSOR_OPS = [
          lambda: (r(1, 2, 5, 8), r(1, 2, 5, 8), r(1, 2, 5, 8, dtype=F64), r(1, 2, 5, 8), r(1, 2, 5, 8), z(1, 2, 5),
                   False, 0.5),
          TypeError, ATT + r"_backward: expected key of the dtype of query \(torch.float32\), got torch.float64"),
+    Case("attention_backward-dout-bf16", ops.attention_backward,
+         lambda: (r(1, 2, 5, 8, dtype=BF16), *[r(1, 2, 5, 8)] * 4, z(1, 2, 5), False, 0.5),
+         TypeError, ATT + r"_backward: expected dout of the dtype of query \(torch.float32\), got torch.bfloat16"),
     Case("attention_backward-lse-rows", ops.attention_backward,
          lambda: (*[r(1, 2, 5, 8)] * 5, z(1, 2, 4), False, 0.5), ValueError,
          ATT + r"_backward: expected lse to be a floating-point tensor of shape \[1, 2, 5\] on cpu, got torch.float32 "

@@ -4,6 +4,7 @@ Hugging Face Llama's formula (rotate_half with duplicated-half cos/sin): every d
 import pytest
 import torch
 
+from common import assert_fake_strides
 from tolerances import assert_close, assert_within_peer_rule
 from zerofuse import reference
 from zerofuse.nn import RotaryEmbedding, rope_tables
@@ -120,8 +121,8 @@ def test_bad_input_errors_name_the_argument(call, exc, msg):
 def test_outputs_and_gradients_follow_the_inputs_layout(monkeypatch):
     """[Note: outputs follow their inputs' layout]: RoPE of (B, H, N, D) views of (B, N, H, D) buffers
     comes back in (B, N, H, D) memory, and so do their gradients (Hugging Face's view/transpose
-    around it stay views); the same values as contiguous inputs give, on both paths; opcheck
-    compares the fake's strides with these."""
+    around it stay views); the same values as contiguous inputs give, on both paths; the fake
+    promises the same strides."""
     from zerofuse import kernels
 
     cos, sin = rope_tables(40, 16)
@@ -136,6 +137,8 @@ def test_outputs_and_gradients_follow_the_inputs_layout(monkeypatch):
             assert got.transpose(1, 2).is_contiguous(), got.stride()
             assert torch.equal(got, want)
         torch.library.opcheck(torch.ops.zerofuse.rotary_embedding.default, (q, k, cos, sin, None, False, False))
+        for args in ((q, k), (q.contiguous(), k.contiguous())):
+            assert_fake_strides(torch.ops.zerofuse.rotary_embedding.default, *args, cos, sin, None, False, False)
         leaf = q.transpose(1, 2).detach().clone().requires_grad_()  # (B, N, H, D)
         x = leaf.transpose(1, 2)
         seen = []

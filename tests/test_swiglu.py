@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from common import assert_fake_strides
 from tolerances import assert_close, assert_within_peer_rule
 from zerofuse import reference
 from zerofuse.nn import GatedMLP
@@ -91,6 +92,15 @@ def test_backward_keeps_only_the_inputs():
 def test_bad_input_errors_name_the_argument(call, exc, msg):
     with pytest.raises(exc, match=msg):
         call()
+
+
+def test_outputs_have_the_fakes_strides(kernel_path):
+    """Transposed inputs: the outputs are contiguous on both paths, as the fakes promise (the torch
+    path's elementwise ops used to follow gate's layout: torch.compile's stride asserts fail)."""
+    gt, ut = (torch.randn(33, 5).t() for _ in range(2))
+    for activation in ("silu", "gelu_tanh"):
+        assert_fake_strides(torch.ops.zerofuse.swiglu.default, gt, ut, activation)
+        assert_fake_strides(torch.ops.zerofuse.swiglu_backward.default, torch.randn(33, 5).t(), gt, ut, activation)
 
 
 def test_opcheck_and_compile():

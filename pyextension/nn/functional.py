@@ -236,6 +236,8 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
         reason = f"dtype {query.dtype} on CUDA"
     elif key.shape[-2] == 0:
         reason = "no keys"
+    elif max(query.shape[0], query.shape[1]) > _attn.MAX_GRID_YZ:
+        reason = f"more than {_attn.MAX_GRID_YZ} batches or heads (the kernels' grid)"
     if reason is not None:
         _fallback_warning(reason)
         kw = {"enable_gqa": enable_gqa} if enable_gqa else {}

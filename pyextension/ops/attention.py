@@ -27,12 +27,22 @@ from zerofuse.ops import eager_apply, empty_in_layout, in_layout, register
 
 # head_dim the Triton kernels take (one program holds a whole head_dim row block)
 MAX_HEAD_DIM = 256
+MAX_GRID_YZ = K._MAX_GRID_YZ  # batches and heads the kernels' grid takes
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def use_triton(q: Tensor) -> bool:
     fits = q.shape[-1] <= MAX_HEAD_DIM and q.dtype in _DTYPES
     return fits and (q.is_cuda or (q.device.type == "cpu" and kernels.triton_on_cpu()))
+
+
+def _refuse_on_cuda(q: Tensor, fn: str) -> None:
+    """What the kernels do not take, on CUDA (the faces fall back to torch's sdpa first; the CPU
+    flash kernels are cpu-only)."""
+    if q.device.type != "cpu":
+        raise ValueError(f"{fn}: the fused kernels take head_dim <= {MAX_HEAD_DIM} in float32, float16 or "
+                         f"bfloat16 on {q.device}, got head_dim {q.shape[-1]} in {q.dtype} (use torch's "
+                         "scaled_dot_product_attention, or zerofuse.nn.functional's, which falls back to it)")
 
 
 def _lse_dtype(q: Tensor) -> torch.dtype:
@@ -57,6 +67,9 @@ def _check_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, 
         if t.shape != shape or t.device != q.device or not t.is_floating_point():
             raise ValueError(f"{fn}: expected {name} to be a floating-point tensor of shape {list(shape)} on "
                              f"{q.device}, got {t.dtype} {list(t.shape)} on {t.device}")
+    for name, t in (("dout", dout), ("out", out)):  # (the kernels multiply them with v and q as q's dtype)
+        if t.dtype != q.dtype:
+            raise TypeError(f"{fn}: expected {name} of the dtype of query ({q.dtype}), got {t.dtype}")
 
 
 @torch.library.custom_op("zerofuse::attention", mutates_args=())
@@ -71,6 +84,7 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float) -> tupl
         return empty_in_layout(q).zero_(), torch.full(q.shape[:3], -math.inf, dtype=_lse_dtype(q), device=q.device)
     if use_triton(q):
         return K.attention_fwd(q, k, v, is_causal, scale, out=empty_in_layout(q), checked=True)
+    _refuse_on_cuda(q, "zerofuse::attention")
     g = _groups(q, k)
     kk, vv = (k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)) if g > 1 else (k, v)
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, kk, vv, 0.0, is_causal, scale=scale)
@@ -99,6 +113,7 @@ def _bwd(dout, q, k, v, out, lse, is_causal: bool, scale: float) -> tuple[Tensor
         return tuple(empty_in_layout(t).zero_() for t in (q, k, v))
     if use_triton(q):
         return K.attention_bwd(dout, q, k, v, out, lse, is_causal, scale, *map(empty_in_layout, (q, k, v)))
+    _refuse_on_cuda(q, "zerofuse::attention_backward")
     g = _groups(q, k)
     kk, vv = (k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)) if g > 1 else (k, v)
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(

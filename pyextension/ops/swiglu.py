@@ -53,9 +53,10 @@ def _act_backward(grad: Tensor, g: Tensor, activation: str) -> Tensor:
 def _fwd(gate, up, activation):
     if _use_triton(gate):  # rows at any even spacing: a fused projection's halves are read in place
         return K.swiglu_fwd(gate, up, activation)
-    # aten's kernels on fp32 (float64) copies of low-precision inputs: fp32 inside, one rounding
+    # aten's kernels on fp32 (float64) copies of low-precision inputs: fp32 inside, one rounding;
+    # contiguous as the Triton path's and the fakes' (aten's elementwise ops follow gate's layout)
     acc = _acc(gate)
-    return _act(gate.to(acc), activation).mul_(up.to(acc)).to(gate.dtype)
+    return _act(gate.to(acc), activation).mul_(up.to(acc)).to(gate.dtype).contiguous()
 
 
 def _bwd(dy, gate, up, activation):
@@ -64,7 +65,7 @@ def _bwd(dy, gate, up, activation):
     acc = _acc(gate)
     dyf, g = dy.to(acc), gate.to(acc)
     dg = _act_backward(dyf * up.to(acc), g, activation)
-    return dg.to(gate.dtype), _act(g, activation).mul_(dyf).to(up.dtype)
+    return dg.to(gate.dtype).contiguous(), _act(g, activation).mul_(dyf).to(up.dtype).contiguous()
 
 
 @torch.library.custom_op(_NAME, mutates_args=())
