@@ -66,8 +66,8 @@ def _fwd(qkv, hq, hkv, is_causal, scale):
         out = qkv.new_empty((b, n, hq * d))
         _, lse = K.attention_fwd(q, k, v, is_causal, scale, out=out.view(b, n, hq, d).transpose(1, 2), checked=True)
         return out, lse
-    out4, lse = torch.ops.zerofuse.attention(q, k, v, is_causal, scale)
-    return out4.transpose(1, 2).reshape(b, n, hq * d), lse
+    out4, lse = torch.ops.zerofuse.attention(q, k, v, is_causal, scale)  # (in q's layout: (B, N, H, D) for a
+    return out4.transpose(1, 2).reshape(b, n, hq * d).contiguous(), lse  # contiguous qkv, so a view here)
 
 
 def _bwd(dout, qkv, out, lse, hq, hkv, is_causal, scale):

@@ -43,8 +43,8 @@ def _acc(x: Tensor) -> torch.dtype:
 def _fwd(x, bias):
     if _use_triton(x):
         return K.bias_gelu_fwd(x.contiguous(), bias.contiguous())
-    acc = _acc(x)
-    return torch.nn.functional.gelu(x.to(acc) + bias.to(acc), approximate="tanh").to(x.dtype)
+    acc = _acc(x)  # (contiguous as the Triton path's and the fakes': aten's follow x's layout)
+    return torch.nn.functional.gelu(x.to(acc) + bias.to(acc), approximate="tanh").to(x.dtype).contiguous()
 
 
 def _bwd(dy, x, bias):
@@ -52,7 +52,7 @@ def _bwd(dy, x, bias):
         return K.bias_gelu_bwd(dy.contiguous(), x.contiguous(), bias.contiguous())
     acc = _acc(x)
     dh = torch.ops.aten.gelu_backward(dy.to(acc), x.to(acc) + bias.to(acc), approximate="tanh")
-    return dh.to(x.dtype), dh.reshape(-1, x.shape[-1]).sum(0).to(bias.dtype)
+    return dh.to(x.dtype).contiguous(), dh.reshape(-1, x.shape[-1]).sum(0).to(bias.dtype)
 
 
 @torch.library.custom_op(_NAME, mutates_args=())

@@ -163,8 +163,9 @@ def moe_unpermute_backward(dout: Tensor, y: Tensor, src: Tensor, weights: Tensor
 
 @moe_unpermute_backward.register_fake
 def _(dout, y, src, weights):
-    return torch.empty_like(y), weights.new_empty(weights.shape, dtype=torch.float64 if torch.float64 in (
-        y.dtype, dout.dtype) else torch.float32)
+    acc = torch.float64 if torch.float64 in (y.dtype, dout.dtype) else torch.float32
+    # dy contiguous on both paths, whatever y's layout
+    return torch.empty(y.shape, dtype=y.dtype, device=y.device), weights.new_empty(weights.shape, dtype=acc)
 
 
 def _unpermute_setup(ctx, inputs, output):

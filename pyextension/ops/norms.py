@@ -223,6 +223,10 @@ def rms_norm_backward(
     return dx, dw
 
 
+def _dx_fake(x):  # contiguous on every path, whatever x's layout
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
 def _param_grad_fake(x, p):
     return torch.empty_like(p) if p is not None else _empty(x)
 
@@ -230,13 +234,13 @@ def _param_grad_fake(x, p):
 @layer_norm_backward.register_fake
 def _(dy, dh, x, weight, bias, mean, rstd):
     _check_bwd(_fn(False, True), dy, dh, x, weight, bias, mean, rstd)
-    return torch.empty_like(x), _param_grad_fake(x, weight), _param_grad_fake(x, bias)
+    return _dx_fake(x), _param_grad_fake(x, weight), _param_grad_fake(x, bias)
 
 
 @rms_norm_backward.register_fake
 def _(dy, dh, x, weight, rstd):
     _check_bwd(_fn(True, True), dy, dh, x, weight, None, None, rstd)
-    return torch.empty_like(x), _param_grad_fake(x, weight)
+    return _dx_fake(x), _param_grad_fake(x, weight)
 
 
 # ---------------------------------------------------------------- autograd
@@ -379,7 +383,7 @@ def _(x, weight, bias, residual, eps, rms):
 @torch.library.register_fake("zerofuse::norm_bwd_cpu")
 def _(dy, dh, x, weight, bias, mean, rstd, rms):
     _check_cpu_op(x, weight, bias, {"dy": dy, "dh": dh}, {"rstd": rstd} if rms else {"rstd": rstd, "mean": mean})
-    return torch.empty_like(x), _param_grad_fake(x, weight), _param_grad_fake(x, bias)
+    return _dx_fake(x), _param_grad_fake(x, weight), _param_grad_fake(x, bias)
 
 
 def _selftest_cpu_kernels(device: torch.device) -> None:
