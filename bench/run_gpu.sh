@@ -7,7 +7,7 @@
 # Usage: bash bench/run_gpu.sh [OUT_DIR] [PHASES]
 #   OUT_DIR  default: $OUT, else bench/out
 #   PHASES   comma-separated, run in this order: build,doctor,tests,train,profile,bench (default:
-#            all). A session's device time is 15 minutes (machine start included), a call at most
+#            all). A lease's device time is 15 minutes (machine start included), a call at most
 #            10, and the machine stays warm only 30 s after one. Estimates (an H200 on 2026-11-26
 #            and a review of the scripts since): build+doctor ~2 min, tests ~3.5-4 min (correctness
 #            first: much GPU code has never run), train ~3.5 min (the step graphed and eager, the
