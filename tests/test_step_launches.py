@@ -113,15 +113,17 @@ def test_bucket_grads_arrive_in_one_copy(stage, world_of_one):
 
 
 @pytest.mark.timeout(300)
-def test_the_job_counts_its_step_and_restores_its_hooks(tmp_path, capsys):
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_job_counts_its_step_and_restores_its_hooks(tmp_path, capsys, precision):
     """zerofuse-train counts the second step's launches and hooks (train/launches.py) and reports
     them; the counters leave every hook as it was. Over one rank ZeRO puts no hook on the model: the
-    one counted is a user's grad hook, added here."""
+    one counted is a user's grad hook, added here (bf16: the job removes the forward take hook of
+    [Note: a world of one], its loop ending every backward at a sync point)."""
     from zerofuse.train.loop import Trainer
 
     from common import tiny_job_args
 
-    t = Trainer(tiny_job_args(tmp_path, "--layers", "3", "--steps", "3"), None)
+    t = Trainer(tiny_job_args(tmp_path, "--layers", "3", "--steps", "3", "--precision", precision), None)
     before = {}
     real_setup = t._setup
 
