@@ -139,6 +139,29 @@ def _stubbed_attention(calls: int) -> None:
                    lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), calls)
 
 
+def _stubbed_rope(calls: int) -> None:
+    """The RoPE face's CUDA path (Triton in the interpreter) on (B, H, N, D) views of (B, N, H, D)
+    projections (Hugging Face's layout), forward with and without autograd, against Hugging Face's
+    torch formula (rotate_half) on the CPU."""
+    import zerofuse.nn.functional as ZF
+    from zerofuse.kernels import rotary as K
+
+    K._rope_kernel = _NoLaunch()
+    cos, sin = torch.randn(64, 32), torch.randn(64, 32)
+    c2, s2 = torch.cat([cos[:32], cos[:32]], -1)[None, None], torch.cat([sin[:32], sin[:32]], -1)[None, None]
+
+    def hf(q, k):  # transformers' apply_rotary_pos_emb
+        def half(x):
+            return torch.cat((-x[..., 32:], x[..., :32]), dim=-1)
+        return q * c2 + half(q) * s2, k * c2 + half(k) * s2
+
+    for grad in (False, True):
+        q = torch.randn(2, 32, 4, 64).transpose(1, 2).requires_grad_(grad)
+        k = torch.randn(2, 32, 2, 64).transpose(1, 2).requires_grad_(grad)
+        _time_face(f"rotary_embedding fwd 2x4x32x64 + 2 kv heads{' with grad' if grad else ''}",
+                   lambda: ZF.rotary_embedding(q, k, cos, sin), lambda: hf(q, k), calls)
+
+
 def _launch_paths(calls: int) -> None:
     """[Note: launch handles] offline: the LayerNorm forward's launch (4096 x 1024 fp32, weight and
     bias) through JITFunction.run and through a handle, each whole but for the compiled launcher
@@ -221,6 +244,7 @@ def main(argv=None) -> int:
         _launch_paths(max(args.calls, 2000))  # first: the others stub the kernels out
         _stubbed_norms(max(args.calls, 2000))
         _stubbed_attention(max(args.calls, 2000))
+        _stubbed_rope(max(args.calls, 2000))
         _stubbed_optimizer_steps(args.calls)
         return 0
     device = torch.device(args.device)

@@ -148,6 +148,32 @@ def test_outputs_and_gradients_follow_the_inputs_layout(monkeypatch):
         assert seen[0].transpose(1, 2).is_contiguous(), seen[0].stride()
 
 
+def test_eager_path_is_the_op_and_checks_positions_once(monkeypatch):
+    """The face's eager autograd (ops.rotary.EagerRope) gives the op's outputs and gradients bit for
+    bit; it checks the positions in forward only (the op checked them again in its backward: on a
+    GPU a few launches per layer); positions modified between forward and backward are refused."""
+    from zerofuse.ops import ids, rotary
+
+    cos, sin = rope_tables(40, 16)
+    pos = torch.randint(0, 40, (2, 33), generator=torch.Generator().manual_seed(3))
+    q, k = _inputs(torch.float32, n=33, d=16, strided=True)
+    dq, dk = torch.randn(q.shape), torch.randn(k.shape)
+    calls = []
+    real = ids.check_ids
+    monkeypatch.setattr(ids, "check_ids", lambda *a, **kw: (calls.append(1), real(*a, **kw)))
+    eager = _run(lambda a, b: rotary_embedding(a, b, cos, sin, pos), q, k, dq, dk)
+    assert len(calls) == 1
+    op = _run(lambda a, b: rotary.rotary_embedding(a, b, cos, sin, pos, False, False), q, k, dq, dk)
+    assert len(calls) == 3  # the op: forward and backward
+    for a, b in zip(eager, op):
+        assert torch.equal(a, b)
+    p2 = pos.clone()
+    oq, _ = rotary_embedding(q.detach().requires_grad_(), k, cos, sin, p2)
+    p2.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        oq.sum().backward()
+
+
 def test_opcheck_and_compile():
     q, k = (t.requires_grad_() for t in _inputs(torch.float32, n=9, d=16))
     cos, sin = rope_tables(12, 16)

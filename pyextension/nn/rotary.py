@@ -36,7 +36,11 @@ def rotary_embedding(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, positions: 
             raise ValueError(f"{_WHERE}: inplace=True has no autograd; use inplace=False where gradients flow")
         torch.ops.zerofuse.rotary_embedding_(q, k, cos, sin, positions, bool(interleaved), False)
         return q, k
-    return _ops.rotary_embedding(q, k, cos, sin, positions, bool(interleaved), False)
+    if torch.compiler.is_compiling():
+        return _ops.rotary_embedding(q, k, cos, sin, positions, bool(interleaved), False)
+    if wants_grad(q, k):  # the op's autograd without custom_op's Python dispatch
+        return _ops.eager_rope(q, k, cos, sin, positions, bool(interleaved))
+    return _ops.rope_pair(q, k, cos, sin, positions, bool(interleaved), False)
 
 
 def rope_tables(positions: int, rotary_dim: int, base: float = 10000.0, device=None) -> tuple[Tensor, Tensor]:

@@ -83,14 +83,22 @@ def _check_values(fn, cos, positions) -> None:
         check_ids(fn, "positions", positions, cos.shape[0])
 
 
+def rope_pair(q, k, cos, sin, positions, interleaved: bool, inverse: bool, checked: bool = False):
+    """(RoPE(q), RoPE(k)) in new tensors laid out as q and k: the op's body, EagerRope's and the
+    face's without autograd. checked: the arguments and positions were checked (EagerRope's
+    backward: the forward checked the same saved, unmodified positions)."""
+    if not checked:
+        check_args(_NAME, q, k, cos, sin, positions)
+        _check_values(_NAME, cos, positions)
+    return (_out_of_place(q, cos, sin, positions, interleaved, inverse),
+            _out_of_place(k, cos, sin, positions, interleaved, inverse))
+
+
 @torch.library.custom_op(_NAME, mutates_args=())
 def rotary_embedding(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, positions: Tensor | None, interleaved: bool,
                      inverse: bool) -> tuple[Tensor, Tensor]:
     """(RoPE(q), RoPE(k)) in new tensors laid out as q and k; inverse=True rotates back (the backward)."""
-    check_args(_NAME, q, k, cos, sin, positions)
-    _check_values(_NAME, cos, positions)
-    return (_out_of_place(q, cos, sin, positions, interleaved, inverse),
-            _out_of_place(k, cos, sin, positions, interleaved, inverse))
+    return rope_pair(q, k, cos, sin, positions, interleaved, inverse)
 
 
 @rotary_embedding.register_fake
@@ -118,6 +126,28 @@ def _backward(ctx, dq, dk):
 
 
 rotary_embedding.register_autograd(_backward, setup_context=_setup)
+
+
+class EagerRope(torch.autograd.Function):
+    """The op above for eager mode without custom_op's Python dispatch (as ops.norms.EagerNorm):
+    apply(q, k, cos, sin, positions, interleaved) -> (RoPE(q), RoPE(k)). The positions are checked
+    once, in forward (on a GPU their check is a few launches): the backward rotates the gradients
+    back by the same saved positions (autograd refuses them if modified in between)."""
+
+    @staticmethod
+    def forward(ctx, q, k, cos, sin, positions, interleaved):
+        ctx.interleaved = interleaved
+        ctx.save_for_backward(cos, sin, positions)
+        return rope_pair(q, k, cos, sin, positions, interleaved, False)
+
+    @staticmethod
+    def backward(ctx, dq, dk):
+        cos, sin, positions = ctx.saved_tensors
+        dq, dk = rope_pair(_unit_last(dq), _unit_last(dk), cos, sin, positions, ctx.interleaved, True, checked=True)
+        return dq, dk, None, None, None, None
+
+
+eager_rope = eager_apply(EagerRope)
 
 
 @torch.library.custom_op(_NAME + "_", mutates_args=("q", "k"))
