@@ -94,6 +94,34 @@ def test_bad_input_errors_name_the_argument(call, exc, msg):
         call()
 
 
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_packed_op_under_compile_writes_the_gradient_whole(activation, kernel_path):
+    """Under torch.compile swiglu(x) of a fused projection traces zerofuse::swiglu_packed: the same
+    values and gradient as eagerly, opcheck'd, and the compiled backward makes no cat (the chunked
+    two-argument op's backward concatenated the halves' gradients: a copy of the whole gradient)."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    x = torch.randn(4, 9, 2 * 24, generator=torch.Generator().manual_seed(2))
+    torch.library.opcheck(torch.ops.zerofuse.swiglu_packed.default, (x.clone().requires_grad_(), activation))
+    torch.library.opcheck(torch.ops.zerofuse.swiglu_packed_backward.default, (torch.randn(4, 9, 24), x, activation))
+    face = FACES[activation]
+    eager = x.clone().requires_grad_()
+    face(eager).square().sum().backward()
+    graphs = []
+
+    def keep(gm, _):  # the forward and backward graphs, run as traced
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    compiled = x.clone().requires_grad_()
+    backend = aot_autograd(fw_compiler=keep, bw_compiler=keep)
+    torch.compile(lambda t: face(t).square().sum(), backend=backend, fullgraph=True)(compiled).backward()
+    assert torch.equal(compiled.grad, eager.grad)
+    code = "".join(g.code for g in graphs)
+    assert "swiglu_packed_backward" in code and "aten.cat" not in code, code
+
+
 def test_outputs_have_the_fakes_strides(kernel_path):
     """Transposed inputs: the outputs are contiguous on both paths, as the fakes promise (the torch
     path's elementwise ops used to follow gate's layout: torch.compile's stride asserts fail)."""

@@ -30,7 +30,7 @@ def _glu(fn: str, gate: Tensor, up: Tensor | None, activation: str) -> Tensor:
     if up is None:  # gate is [gate | up]: a fused projection's output
         _check_packed(fn, gate)
         if torch.compiler.is_compiling():
-            return _ops.swiglu(*gate.chunk(2, -1), activation)
+            return _ops.swiglu_packed(gate, activation)
         return _ops.eager_swiglu_packed(gate, activation)
     _check(fn, gate, up)
     if torch.compiler.is_compiling():

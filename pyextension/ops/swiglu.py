@@ -110,6 +110,71 @@ def _backward(ctx, dy):
 swiglu.register_autograd(_backward, setup_context=_setup)
 
 
+# ---------------------------------------------------------------- packed: x = [gate | up]
+
+
+def _halves(fn: str, x: Tensor) -> tuple[Tensor, Tensor]:
+    if x.dim() == 0 or x.shape[-1] % 2:
+        raise RuntimeError(f"{fn}: expected x to hold [gate | up] along an even last dim, got shape {list(x.shape)}")
+    return x.chunk(2, -1)
+
+
+def _packed_bwd(dy: Tensor, x: Tensor, activation: str) -> Tensor:
+    """The gradient of x = [gate | up] written whole: the kernels write both halves of one buffer
+    (no concatenation of the halves' gradients); the torch path concatenates."""
+    gate, up = x.chunk(2, -1)
+    if _use_triton(x):
+        dx = torch.empty(x.shape, device=x.device, dtype=x.dtype)
+        K.swiglu_bwd(dy.contiguous(), gate, up, activation, dgrad=dx)
+        return dx
+    return torch.cat(_bwd(dy, gate, up, activation), -1)
+
+
+@torch.library.custom_op(_NAME + "_packed", mutates_args=())
+def swiglu_packed(x: Tensor, activation: str) -> Tensor:
+    """act(gate) * up of x = [gate | up] along its last dim (a fused gate/up projection's output):
+    the halves read in place; the op torch.compile traces for ``swiglu(x)``."""
+    gate, up = _halves(_NAME + "_packed", x)
+    check_args(_NAME + "_packed", gate, up, activation)
+    return _fwd(gate, up, activation)
+
+
+@swiglu_packed.register_fake
+def _(x, activation):
+    gate, up = _halves(_NAME + "_packed", x)
+    check_args(_NAME + "_packed", gate, up, activation)
+    return torch.empty(gate.shape, dtype=x.dtype, device=x.device)
+
+
+@torch.library.custom_op(_NAME + "_packed_backward", mutates_args=())
+def swiglu_packed_backward(dy: Tensor, x: Tensor, activation: str) -> Tensor:
+    """The gradient of x (its shape, contiguous) from dy (of the output's shape)."""
+    gate, up = _halves(_NAME + "_packed_backward", x)
+    check_args(_NAME + "_packed_backward", gate, up, activation, dy)
+    return _packed_bwd(dy, x, activation)
+
+
+@swiglu_packed_backward.register_fake
+def _(dy, x, activation):
+    gate, up = _halves(_NAME + "_packed_backward", x)
+    check_args(_NAME + "_packed_backward", gate, up, activation, dy)
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+def _packed_setup(ctx, inputs, output):
+    x, activation = inputs
+    ctx.activation = activation
+    ctx.save_for_backward(x)
+
+
+def _packed_backward(ctx, dy):
+    (x,) = ctx.saved_tensors
+    return swiglu_packed_backward(dy, x, ctx.activation), None
+
+
+swiglu_packed.register_autograd(_packed_backward, setup_context=_packed_setup)
+
+
 class EagerSwiGLU(torch.autograd.Function):
     """The op's forward/backward without custom_op's Python dispatch, for eager mode (as
     ops.norms.EagerNorm); the face checked the arguments first."""
@@ -144,12 +209,7 @@ class EagerSwiGLUPacked(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         (x,) = ctx.saved_tensors
-        gate, up = x.chunk(2, -1)
-        if _use_triton(x):
-            dx = torch.empty(x.shape, device=x.device, dtype=x.dtype)
-            K.swiglu_bwd(dy.contiguous(), gate, up, ctx.activation, dgrad=dx)
-            return dx, None
-        return torch.cat(_bwd(dy, gate, up, ctx.activation), -1), None
+        return _packed_bwd(dy, x, ctx.activation), None
 
 
 eager_swiglu_packed = eager_apply(EagerSwiGLUPacked)
@@ -168,9 +228,16 @@ def _selftest(device: torch.device) -> None:
         (y_ref * dy).sum().backward()
         for a, r in zip(ours, refs):
             torch.testing.assert_close(a.grad.double().cpu(), r.grad, atol=1e-4, rtol=1e-5)
+        packed = torch.cat([t.detach() for t in ours], -1).requires_grad_()  # [gate | up]: the packed op
+        yp = swiglu_packed(packed, activation)
+        torch.testing.assert_close(yp, y)
+        (yp.double().cpu() * dy).sum().backward()
+        torch.testing.assert_close(packed.grad, torch.cat([a.grad for a in ours], -1))
     assert math.isfinite(float(swiglu(torch.tensor([-1e4, 1e4], device=device), torch.ones(2, device=device),
                                       "gelu_tanh").sum()))
 
 
 register(_NAME, "Triton", _selftest)
 register(_NAME + "_backward", "Triton", _selftest)
+register(_NAME + "_packed", "Triton", _selftest)
+register(_NAME + "_packed_backward", "Triton", _selftest)
