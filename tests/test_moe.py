@@ -60,6 +60,28 @@ def test_permute_unpermute_match_the_reference(t, k, e, dtype, drop, kernel_path
     assert_close(x.grad, xr.grad.to(dtype))
 
 
+@pytest.mark.parametrize("drop", [False, True])
+def test_eager_paths_are_the_ops(drop, kernel_path):
+    """ops.moe.permute / unpermute (what the MoE layer calls: eager autograd without custom_op's
+    dispatch) give the ops' outputs and gradients bit for bit; the routing outputs carry no grad."""
+    from zerofuse.ops.moe import permute, unpermute
+
+    g = torch.Generator().manual_seed(4)
+    experts = _routing(37, 2, 5, drop)
+    x0, w0, y0 = torch.randn(37, 24, generator=g), torch.rand(37, 2, generator=g), torch.randn(74, 24, generator=g)
+    dz, drows = torch.randn(37, 24, generator=g), torch.randn(74, 24, generator=g)
+    results = []
+    for p_fn, u_fn in ((permute, unpermute), (moe_permute, moe_unpermute)):
+        x, w, y = (t.clone().requires_grad_() for t in (x0, w0, y0))
+        rows, pos, src, counts = p_fn(x, experts, 5)
+        assert not (pos.requires_grad or src.requires_grad or counts.requires_grad)
+        z = u_fn(y, pos, src, w)
+        ((z * dz).sum() + (rows * drows).sum()).backward()
+        results.append((rows, pos, src, counts, z, x.grad, w.grad, y.grad))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
 def test_all_tokens_to_one_expert_and_int32_ids(kernel_path):
     x = torch.randn(9, 16)
     experts = torch.full((9, 2), 3, dtype=torch.int32)

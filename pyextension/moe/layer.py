@@ -26,7 +26,7 @@ from zerofuse.comm import Communicator
 from zerofuse.moe.dispatch import Dispatch
 from zerofuse.moe.router import Router
 from zerofuse.nn.mlp import geglu, swiglu
-from zerofuse.ops.moe import moe_permute, moe_unpermute
+from zerofuse.ops.moe import permute, unpermute
 from zerofuse.tp.spec import TPSpec
 
 NAME = "zerofuse.moe.MoE"
@@ -114,13 +114,13 @@ class MoE(torch.nn.Module):
         r = self.router(flat)
         self.aux_loss = r.aux_loss + r.z_loss
         self.router_losses = (r.aux_loss, r.z_loss)
-        rows, pos, src, counts = moe_permute(flat, r.experts, self.router.num_experts)
+        rows, pos, src, counts = permute(flat, r.experts, self.router.num_experts)
         if self.ep_comm is None:
             out = self.expert_mlp(rows, counts, full=self.router.capacity_factor == 0)
         else:
             d = Dispatch(self.ep_comm, counts)
             out = d.receive(self.expert_mlp(d.send(rows), d.local_counts, full=True), rows.shape[0])
-        y = moe_unpermute(out, pos, src, r.weights).to(x.dtype)
+        y = unpermute(out, pos, src, r.weights).to(x.dtype)
         if self.shared is not None:
             y = y + self.shared(flat)
         return y.reshape(shape)

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from zerofuse import kernels, reference
 from zerofuse.kernels import moe as K
-from zerofuse.ops import register
+from zerofuse.ops import eager_apply, register
 
 _P, _U = "zerofuse::moe_permute", "zerofuse::moe_unpermute"
 
@@ -147,6 +147,10 @@ def _(y, pos, src, weights):
 @torch.library.custom_op(_U + "_backward", mutates_args=())
 def moe_unpermute_backward(dout: Tensor, y: Tensor, src: Tensor, weights: Tensor) -> tuple[Tensor, Tensor]:
     """(dy [T * k, d] in y's dtype, dweights [T, k] fp32)."""
+    return _unpermute_bwd(dout, y, src, weights)
+
+
+def _unpermute_bwd(dout, y, src, weights):
     if _use_triton(y):
         return K.unpermute_bwd(dout.contiguous(), y.contiguous(), src, weights.contiguous())
     k = weights.shape[1]
@@ -180,6 +184,58 @@ def _unpermute_backward(ctx, dout):
 
 
 moe_unpermute.register_autograd(_unpermute_backward, setup_context=_unpermute_setup)
+
+
+class EagerPermute(torch.autograd.Function):
+    """moe_permute's forward and backward for eager mode without custom_op's Python dispatch (as
+    ops.norms.EagerNorm): apply(x, experts, num_experts) -> (out, pos, src, counts)."""
+
+    @staticmethod
+    def forward(ctx, x, experts, num_experts):
+        _check_permute(_P, x, experts, num_experts)
+        pos, src, counts = routing_indices(experts, num_experts)
+        ctx.mark_non_differentiable(pos, src, counts)
+        ctx.save_for_backward(pos)
+        return _gather(x, src, experts.shape[1]), pos, src, counts
+
+    @staticmethod
+    def backward(ctx, dout, _dpos, _dsrc, _dcounts):
+        (pos,) = ctx.saved_tensors
+        dout = dout.contiguous()
+        return _combine(dout, pos, None, dout.dtype), None, None
+
+
+class EagerUnpermute(torch.autograd.Function):
+    """moe_unpermute's, likewise: apply(y, pos, src, weights) -> z."""
+
+    @staticmethod
+    def forward(ctx, y, pos, src, weights):
+        _check_unpermute(_U, y, pos, src, weights)
+        ctx.save_for_backward(y, src, weights)
+        return _combine(y, pos, weights, _out_dtype(y, weights))
+
+    @staticmethod
+    def backward(ctx, dout):
+        y, src, weights = ctx.saved_tensors
+        dy, dw = _unpermute_bwd(dout.contiguous(), y, src, weights)
+        return dy, None, None, dw.to(weights.dtype)
+
+
+_eager_permute, _eager_unpermute = eager_apply(EagerPermute), eager_apply(EagerUnpermute)
+
+
+def permute(x: Tensor, experts: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """moe_permute for models: the op under torch.compile, its eager autograd path otherwise."""
+    if torch.compiler.is_compiling():
+        return moe_permute(x, experts, num_experts)
+    return _eager_permute(x, experts, num_experts)
+
+
+def unpermute(y: Tensor, pos: Tensor, src: Tensor, weights: Tensor) -> Tensor:
+    """moe_unpermute for models, as permute."""
+    if torch.compiler.is_compiling():
+        return moe_unpermute(y, pos, src, weights)
+    return _eager_unpermute(y, pos, src, weights)
 
 
 def _selftest(device: torch.device) -> None:
