@@ -67,17 +67,47 @@ def test_hookless_accumulates_several_backwards_in_the_reduce_dtype(stage, windo
         assert torch.equal(a, b)
 
 
-def test_the_forward_take_hook_only_where_dtypes_differ_and_the_job_drops_it(world_of_one):
-    """The pre-hook is on the model only with bf16/fp16 params summing in fp32; a caller whose
+def test_the_take_hook_only_where_dtypes_differ_and_the_job_drops_it(world_of_one):
+    """The forward hook is on the model only with bf16/fp16 params summing in fp32; a caller whose
     backwards each end at a sync point (zerofuse-train's loop) removes it: no hook at all."""
     hooks = {}
     for precision in ("fp32", "bf16"):
         model = GPT(GPTConfig(vocab_size=61, seq_len=16, n_layer=1, n_head=2, dim=32), seed=0)
         zm = zero.parallelize(model, stage=2, precision=precision)
-        hooks[precision] = len(zm._forward_pre_hooks)
+        hooks[precision] = len(zm._forward_hooks) + len(zm._forward_pre_hooks)
         zm._zerofuse_zero.backwards_end_at_sync_points()
-        assert not zm._forward_pre_hooks and not any(p._post_accumulate_grad_hooks for p in zm.parameters())
+        assert not zm._forward_hooks and not zm._forward_pre_hooks
+        assert not any(p._post_accumulate_grad_hooks for p in zm.parameters())
     assert hooks == {"fp32": 0, "bf16": 1}
+
+
+def _two_losses_one_forward(hookless, monkeypatch):
+    """bf16, stage 2: one forward, two losses backpropagated with retain_graph (no sync point in
+    between), then the step; and a forward inside full_grads (a gradient-dependent metric)."""
+    monkeypatch.setattr(ZeroEngine, "HOOKLESS", hookless)
+    model = GPT(GPTConfig(vocab_size=61, seq_len=16, n_layer=2, n_head=2, dim=32), seed=0)
+    zm = zero.parallelize(model, stage=2, precision="bf16", bucket_mb=0.02)
+    opt = zero.Optimizer(zm, "adamw", lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, 61, (2, 16), generator=g)
+    logits, _ = zm(x)  # (no targets: the logits, two losses of them)
+    logits.float().square().mean().backward(retain_graph=True)
+    logits.float().mean().backward()
+    with zero.full_grads(zm):
+        zm(x, x)  # (under the hookless engine's hook: must not take the handed-out grads as new ones)
+        grads = [p.grad.clone() for p in zm.parameters()]
+    opt.step()
+    return grads, [p.detach().clone() for p in zm.parameters()]
+
+
+def test_hookless_two_losses_of_one_forward_and_a_forward_inside_full_grads(monkeypatch, world_of_one):
+    """Several backwards of one forward (retain_graph) add in fp32 as the hooked engine's (the
+    take is queued at the end of each backward through the model's outputs, not before the next
+    forward), and a forward inside full_grads leaves the grads alone: bit for bit the hooked engine."""
+    ours, theirs = (_two_losses_one_forward(h, monkeypatch) for h in (True, False))
+    assert any(g.abs().sum() > 0 for g in ours[0])
+    for a, b in zip(ours[0] + ours[1], theirs[0] + theirs[1]):
+        assert torch.equal(a, b)
 
 
 def test_a_world_of_one_with_offload_or_stage_3_keeps_its_hooks(world_of_one):

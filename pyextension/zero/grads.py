@@ -63,9 +63,11 @@ def gathered_grads(eng):
             p.grad = view if view.dtype == p.dtype else view.to(p.dtype)
             given.append((p.grad, p.grad._version))
         held.append((u, buf, given))
+    eng.grads_out = True  # [Note: a world of one]: not taken back as new grads meanwhile
     try:
         yield
     finally:
+        eng.grads_out = False
         for u, buf, given in held:
             changed = False
             for p, o, (grad, version) in zip(u.params, u.offsets, given):

@@ -4,13 +4,19 @@
 nothing to overlap: none are registered (``hookless``). ``take_grads`` moves the grads autograd left
 in .grad into the units at the next sync point (step, grad norm, full_grads, the end of a no_sync()
 window: accumulation stays in the reduce dtype), with the hooks' copies and adds: the same numbers.
-Where autograd's .grad would sum in another dtype (bf16/fp16 params, fp32 reduce), one forward
-pre-hook on the model takes them before each forward too, so backwards with no sync point between
-them (no no_sync(), or several in one window) still add in the reduce dtype.
+Where autograd's .grad would sum in another dtype (bf16/fp16 params, fp32 reduce), a forward hook
+on the model puts a grad hook on its outputs that queues ``take_grads`` for the end of each backward
+through them, so several backwards before a sync point (no no_sync(), several in one window,
+several losses of one forward with retain_graph) still add in the reduce dtype, as the hooked
+engine's. A backward that does not pass through the model's outputs (a submodule called directly)
+is not seen: it is taken at the next sync point. zerofuse-train, whose loop ends every backward at
+a sync point, removes the hook (``backwards_end_at_sync_points``): its step runs no hook at all.
+Inside ``full_grads`` (grads handed out as .grad) nothing is taken.
 """
 from __future__ import annotations
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 
 class WorldOfOne:
@@ -18,21 +24,21 @@ class WorldOfOne:
 
     def _hookless(self, model, offload) -> bool:
         """[Note: a world of one]: whether this engine registers no grad hooks (nothing to overlap);
-        if so, and .grad would sum in another dtype than the units, the forward pre-hook."""
+        if so, and .grad would sum in another dtype than the units, the model's forward hook."""
         hookless = (self.HOOKLESS and self.stage != 3 and self.world_size == 1 and offload is None
                     and self.tp_comm is None and self.pp_comm is None and self.edp_comm is None
                     and all(u.comm is None for u in self.units))
-        self._take_hook = None
+        self._take_hook, self._take_queued, self.grads_out = None, False, False
         if hookless and self.dtype != self.reduce_dtype:
-            self._take_hook = model.register_forward_pre_hook(self._take_before_forward)
+            self._take_hook = model.register_forward_hook(self._take_after_backward)
             self._hooks.append(self._take_hook)
         return hookless
 
     def backwards_end_at_sync_points(self) -> None:
         """The caller promises every backward is followed by a sync point before the next one (each
         in its own no_sync() window, the last before the step), as zerofuse-train's loop does: the
-        forward pre-hook of [Note: a world of one] has nothing to take and is removed (no hook at
-        all over one rank; nothing for torch.compile to step around)."""
+        forward hook of [Note: a world of one] has nothing to take and is removed (no hook at all
+        over one rank; nothing for torch.compile to step around)."""
         if self._take_hook is not None:
             self._take_hook.remove()
             self._hooks.remove(self._take_hook)
@@ -41,6 +47,8 @@ class WorldOfOne:
     def take_grads(self) -> None:
         """[Note: a world of one] The grads in .grad taken into the units as one backward's (per
         unit one zerofuse::flatten_into of the empty regions, adds for the others), .grad dropped."""
+        if self.grads_out:  # full_grads handed the units' grads out as .grad: they are not new ones
+            return
         pending = False
         for p in self.params:
             if p.grad is not None:
@@ -52,6 +60,19 @@ class WorldOfOne:
             self._close_backward()
 
     @torch.compiler.disable
-    def _take_before_forward(self, module, args) -> None:
-        if torch._C._current_graph_task_id() == -1:  # not a forward re-run inside a backward
-            self.take_grads()
+    def _take_after_backward(self, module, args, output) -> None:
+        if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
+            return  # nothing to differentiate, or a forward re-run inside a backward
+        self._take_queued = False  # (a backward that failed before its callback left it set)
+        for t in tree_leaves(output):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(self._queue_take)
+
+    def _queue_take(self, grad):
+        if not self._take_queued:  # once per backward, whichever output it passes through
+            self._take_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._take_queued_grads)
+
+    def _take_queued_grads(self) -> None:
+        self._take_queued = False
+        self.take_grads()
