@@ -152,6 +152,9 @@ def test_more_batches_than_the_grid_takes_fall_back():
     with pytest.warns(UserWarning, match="more than 65535 batches or heads"):
         out = zf_sdpa(q, k, v, is_causal=True)
     torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True))
+    qkv = torch.cat([t.transpose(1, 2).reshape(65536, 2, 8) for t in (q, k, v)], -1)  # and from a fused QKV
+    got = zerofuse.nn.functional.qkv_attention(qkv, 1, is_causal=True)
+    torch.testing.assert_close(got, out.transpose(1, 2).reshape(65536, 2, 8))
 
 
 @pytest.mark.gpu

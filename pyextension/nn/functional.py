@@ -261,14 +261,16 @@ def qkv_attention(qkv: Tensor, num_heads: int, num_kv_heads: int | None = None, 
     scaled_dot_product_attention and transposing its output back, without the copies that costs
     (zerofuse::attention_qkv: the kernels read the heads in place, write the output in this layout
     and the gradient of qkv as one packed tensor). What the fused kernel does not take (head_dim >
-    256, float64 on CUDA) runs scaled_dot_product_attention on the split heads."""
+    256, float64 on CUDA, more than 65535 batches or heads) runs scaled_dot_product_attention on
+    the split heads."""
     from zerofuse.ops import attention as _attn
     from zerofuse.ops import attention_qkv as _qkv
 
     num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
     d = _qkv.check(qkv, num_heads, num_kv_heads, "zerofuse.nn.functional.qkv_attention")
     scale = d ** -0.5 if scale is None else float(scale)
-    if d > _attn.MAX_HEAD_DIM or (qkv.is_cuda and qkv.dtype not in (torch.float32, torch.float16, torch.bfloat16)):
+    if (d > _attn.MAX_HEAD_DIM or (qkv.is_cuda and qkv.dtype not in (torch.float32, torch.float16, torch.bfloat16))
+            or max(qkv.shape[0], num_heads) > _attn.MAX_GRID_YZ):
         q, k, v = _qkv.heads(qkv, num_heads, num_kv_heads, d)
         out = scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale,
                                            enable_gqa=num_heads != num_kv_heads)
