@@ -80,6 +80,13 @@ def test_eager_paths_are_the_ops(drop, kernel_path):
         results.append((rows, pos, src, counts, z, x.grad, w.grad, y.grad))
     for a, b in zip(*results):
         assert torch.equal(a, b)
+    from zerofuse.train.launches import CountLaunches
+
+    x = x0.clone().requires_grad_()
+    rows = permute(x, experts, 5)[0]
+    with CountLaunches() as c:  # no zero-filled gradients made for the integer outputs
+        rows.sum().backward()
+    assert not {"zeros", "zeros_like", "fill_", "zero_"} & set(c.names), c.names
 
 
 def test_all_tokens_to_one_expert_and_int32_ids(kernel_path):

@@ -195,11 +195,14 @@ class EagerPermute(torch.autograd.Function):
         _check_permute(_P, x, experts, num_experts)
         pos, src, counts = routing_indices(experts, num_experts)
         ctx.mark_non_differentiable(pos, src, counts)
+        ctx.set_materialize_grads(False)  # (no zero-filled gradients of the integer outputs)
         ctx.save_for_backward(pos)
         return _gather(x, src, experts.shape[1]), pos, src, counts
 
     @staticmethod
     def backward(ctx, dout, _dpos, _dsrc, _dcounts):
+        if dout is None:  # the rows took no part in the loss
+            return None, None, None
         (pos,) = ctx.saved_tensors
         dout = dout.contiguous()
         return _combine(dout, pos, None, dout.dtype), None, None
