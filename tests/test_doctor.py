@@ -8,8 +8,15 @@ import torch
 from zerofuse import doctor, ops
 
 
-def test_doctor_exits_zero_and_lists_ops():
-    r = subprocess.run([sys.executable, "-m", "zerofuse.doctor"], capture_output=True, text=True, timeout=300)
+@pytest.mark.parametrize("triton_on_cpu", ["0", "1"])
+def test_doctor_exits_zero_and_lists_ops(triton_on_cpu):
+    """Both CPU paths: the ops' torch/C++ kernels (what a user's doctor runs, CI's doctor step) and
+    the Triton kernels in the interpreter (what this test session runs)."""
+    import os
+
+    env = dict(os.environ, ZEROFUSE_TRITON_ON_CPU=triton_on_cpu)
+    r = subprocess.run([sys.executable, "-m", "zerofuse.doctor"], capture_output=True, text=True, timeout=300,
+                       env=env)
     assert r.returncode == 0, r.stdout + r.stderr
     for needle in ("zerofuse ", "torch ", "triton ", "NCCL ", "backends   CPU yes", "doctor: all self-tests passed"):
         assert needle in r.stdout
