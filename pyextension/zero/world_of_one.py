@@ -9,8 +9,10 @@ on the model puts a grad hook on its outputs that queues ``take_grads`` for the 
 through them, so several backwards before a sync point (no no_sync(), several in one window,
 several losses of one forward with retain_graph) still add in the reduce dtype, as the hooked
 engine's. A backward that does not pass through the model's outputs (a submodule called directly)
-is not seen: it is taken at the next sync point. zerofuse-train, whose loop ends every backward at
-a sync point, removes the hook (``backwards_end_at_sync_points``): its step runs no hook at all.
+is not seen: it is taken at the next sync point. The hook is torch.compiler.disable'd: a compiled
+model breaks its graph there (torch.compile(model, fullgraph=True) refuses it: call
+``backwards_end_at_sync_points`` first where it holds). zerofuse-train, whose loop ends every
+backward at a sync point, removes the hook (``backwards_end_at_sync_points``): its step runs no hook.
 Inside ``full_grads`` (grads handed out as .grad) nothing is taken.
 """
 from __future__ import annotations
