@@ -150,9 +150,10 @@ def _stubbed_rope(calls: int) -> None:
     cos, sin = torch.randn(64, 32), torch.randn(64, 32)
     c2, s2 = torch.cat([cos[:32], cos[:32]], -1)[None, None], torch.cat([sin[:32], sin[:32]], -1)[None, None]
 
+    def half(x):  # transformers' rotate_half
+        return torch.cat((-x[..., 32:], x[..., :32]), dim=-1)
+
     def hf(q, k):  # transformers' apply_rotary_pos_emb
-        def half(x):
-            return torch.cat((-x[..., 32:], x[..., :32]), dim=-1)
         return q * c2 + half(q) * s2, k * c2 + half(k) * s2
 
     for grad in (False, True):

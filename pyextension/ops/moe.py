@@ -94,6 +94,11 @@ def _combine(y: Tensor, pos: Tensor, w: Tensor | None, dtype: torch.dtype) -> Te
 @torch.library.custom_op(_P, mutates_args=())
 def moe_permute(x: Tensor, experts: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(out [T * k, d], pos [T, k], src [T * k], counts [E]): see the module docstring."""
+    return _permute(x, experts, num_experts)
+
+
+def _permute(x, experts, num_experts):
+    """moe_permute's body (also EagerPermute's forward)."""
     _check_permute(_P, x, experts, num_experts)
     pos, src, counts = routing_indices(experts, num_experts)
     return _gather(x, src, experts.shape[1]), pos, src, counts
@@ -134,6 +139,11 @@ moe_permute.register_autograd(_permute_backward, setup_context=_permute_setup)
 @torch.library.custom_op(_U, mutates_args=())
 def moe_unpermute(y: Tensor, pos: Tensor, src: Tensor, weights: Tensor) -> Tensor:
     """z [T, d] = sum_s weights[t, s] * y[pos[t, s]] in fp32 (see the module docstring)."""
+    return _unpermute(y, pos, src, weights)
+
+
+def _unpermute(y, pos, src, weights):
+    """moe_unpermute's body (also EagerUnpermute's forward)."""
     _check_unpermute(_U, y, pos, src, weights)
     return _combine(y, pos, weights, _out_dtype(y, weights))
 
@@ -192,12 +202,11 @@ class EagerPermute(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, experts, num_experts):
-        _check_permute(_P, x, experts, num_experts)
-        pos, src, counts = routing_indices(experts, num_experts)
+        out, pos, src, counts = _permute(x, experts, num_experts)
         ctx.mark_non_differentiable(pos, src, counts)
         ctx.set_materialize_grads(False)  # (no zero-filled gradients of the integer outputs)
         ctx.save_for_backward(pos)
-        return _gather(x, src, experts.shape[1]), pos, src, counts
+        return out, pos, src, counts
 
     @staticmethod
     def backward(ctx, dout, _dpos, _dsrc, _dcounts):
@@ -213,9 +222,8 @@ class EagerUnpermute(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, y, pos, src, weights):
-        _check_unpermute(_U, y, pos, src, weights)
         ctx.save_for_backward(y, src, weights)
-        return _combine(y, pos, weights, _out_dtype(y, weights))
+        return _unpermute(y, pos, src, weights)
 
     @staticmethod
     def backward(ctx, dout):
