@@ -6,6 +6,7 @@
 
 #include "comm/communicator.h"
 #include "cpu/vector_isa.h"
+#include "host_keys.h"
 #include "memory_counter.h"
 #ifdef ZEROFUSE_WITH_NCCL
 #include "comm/nccl_info.h"
@@ -63,46 +64,6 @@ std::shared_ptr<Communicator> make_communicator(c10::intrusive_ptr<c10d::Process
       DeleteWithoutGil());
 }
 
-// [Note: launch handles] (kernels/launch.py): what Triton 3.6's specialization of each launch
-// argument depends on, two bytes per argument: None (0, 0); bool (1, value); float (2, 0); int (3,
-// range class i32/i64/u64 << 2 | (== 1) << 1 | (multiple of 16)); tensor (4 + (address multiple of
-// 16), scalar type). Anything else raises TypeError (the caller launches through the JIT).
-py::bytes launch_key(const py::tuple& args) {
-  std::string key(2 * args.size(), '\0');
-  for (size_t i = 0; i < args.size(); ++i) {
-    PyObject* a = args[i].ptr();
-    char kind = 0, value = 0;
-    if (a == Py_None) {
-    } else if (PyBool_Check(a)) {
-      kind = 1, value = a == Py_True;
-    } else if (PyFloat_CheckExact(a)) {
-      kind = 2;
-    } else if (PyLong_CheckExact(a)) {
-      int overflow = 0;
-      const long long v = PyLong_AsLongLongAndOverflow(a, &overflow);
-      unsigned long long bits = static_cast<unsigned long long>(v);
-      int range = v >= INT32_MIN && v <= INT32_MAX ? 0 : 1;
-      if (overflow != 0) {
-        bits = overflow > 0 ? PyLong_AsUnsignedLongLong(a) : 0;
-        if (overflow < 0 || PyErr_Occurred()) {
-          PyErr_Clear();
-          throw py::type_error("launch_key: an int outside the 64-bit ranges");
-        }
-        range = 2;
-      }
-      kind = 3, value = static_cast<char>(range << 2 | (overflow == 0 && v == 1) << 1 | ((bits & 15) == 0));
-    } else if (THPVariable_Check(a)) {
-      const at::Tensor& t = THPVariable_Unpack(a);
-      kind = static_cast<char>(4 + ((reinterpret_cast<uintptr_t>(t.data_ptr()) & 15) == 0));
-      value = static_cast<char>(t.scalar_type());
-    } else {
-      throw py::type_error(std::string("launch_key: an argument of type ") + Py_TYPE(a)->tp_name);
-    }
-    key[2 * i] = kind, key[2 * i + 1] = value;
-  }
-  return py::bytes(key);
-}
-
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -114,7 +75,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("cpu_memory_counter_reset_peak", &zerofuse::cpu_memory_counter_reset_peak);
   // csrc/cpu/vector_isa.h: 2 AVX-512, 1 AVX2, 0 baseline (the CPU kernels' loops in use)
   m.def("cpu_vector_isa", &zerofuse::vector_isa);
-  m.def("launch_key", &launch_key, py::arg("args"));
+  m.def("launch_key", &zerofuse::launch_key, py::arg("args"));
+  m.attr("signature") = zerofuse::signature_function();
 
   py::class_<Work, std::shared_ptr<Work>>(m, "Work")
       .def("wait", &Work::wait, py::call_guard<py::gil_scoped_release>(),

@@ -154,27 +154,43 @@ def norm_fwd(x, weight, bias, residual, eps: float, is_rms: bool, stats: bool = 
     """x, residual: contiguous, rows of N = x.shape[-1] elements (M = numel / N rows, any leading
     shape). Returns (y and h shaped like x (h None without a residual), mean (M,) fp32 or None,
     rstd (M,) fp32 or None); stats=False (no backward to come) stores neither mean nor rstd."""
-    n = x.shape[-1]
-    m = x.numel() // n
-    block_m, block_n, num_warps = _config(n)
-    if residual is None:
-        y, h = torch.empty_like(x), None
-    else:
-        h_dtype = torch.result_type(x, residual)
-        y, h = torch.empty_like(x, dtype=h_dtype), torch.empty_like(x, dtype=h_dtype)
-    mean = None if is_rms or not stats else x.new_empty(m, dtype=torch.float32)  # new_empty: 0.2 us less a call
-    rstd = x.new_empty(m, dtype=torch.float32) if stats else None
-    flags = dict(HAS_RES=residual is not None, HAS_W=weight is not None, HAS_B=bias is not None, IS_RMS=is_rms,
-                 EMULATE_RNE=interpreted(), STATS=stats)
-    if block_n >= norms_wide.FWD_MIN_BLOCK:  # a row in chunks (kernels/norms_wide.py)
-        launch_triton(norms_wide._norm_fwd_wide_kernel, (m,), x, residual, h, y, weight, bias, mean, rstd, m, n, eps,
-                      CHUNK=norms_wide.CHUNK, num_warps=8, **flags)
+    return FwdLaunch(x, residual, weight, bias, eps, is_rms, stats)(x, weight, bias, residual)
+
+
+class FwdLaunch:
+    """norm_fwd for one signature of its arguments (x's shape and dtype, residual's dtype, which
+    of weight/bias/residual are given, eps, is_rms, stats), its configuration worked out once:
+    calling it allocates the outputs and launches. The faces keep one per call signature
+    ([Note: call signatures], zerofuse/ops/signatures.py); norm_fwd makes one per call."""
+
+    __slots__ = ("wide", "grid", "m", "n", "eps", "consts", "h_dtype", "stats", "has_mean")
+
+    def __init__(self, x, residual, weight, bias, eps: float, is_rms: bool, stats: bool):
+        n = x.shape[-1]
+        self.m, self.n, self.eps, self.stats, self.has_mean = x.numel() // n, n, eps, stats, stats and not is_rms
+        self.h_dtype = None if residual is None else torch.result_type(x, residual)
+        block_m, block_n, num_warps = _config(n)
+        flags = dict(HAS_RES=residual is not None, HAS_W=weight is not None, HAS_B=bias is not None, IS_RMS=is_rms,
+                     EMULATE_RNE=interpreted(), STATS=stats)
+        if block_n >= norms_wide.FWD_MIN_BLOCK:  # a row in chunks (kernels/norms_wide.py)
+            self.wide, self.grid = True, (self.m,)
+            self.consts = dict(CHUNK=norms_wide.CHUNK, num_warps=8, **flags)
+        else:
+            self.wide, self.grid = False, (cdiv(self.m, block_m),)
+            self.consts = dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, **flags)
+
+    def __call__(self, x, weight, bias, residual):
+        if self.h_dtype is None:
+            y, h = torch.empty_like(x), None
+        else:
+            y, h = torch.empty_like(x, dtype=self.h_dtype), torch.empty_like(x, dtype=self.h_dtype)
+        mean = x.new_empty(self.m, dtype=torch.float32) if self.has_mean else None  # new_empty: 0.2 us less a call
+        rstd = x.new_empty(self.m, dtype=torch.float32) if self.stats else None
+        # the kernels by their module names, read at each launch (bench/profile_host.py stubs them)
+        kernel = norms_wide._norm_fwd_wide_kernel if self.wide else _norm_fwd_kernel
+        launch_triton(kernel, self.grid, x, residual, h, y, weight, bias, mean, rstd, self.m, self.n, self.eps,
+                      **self.consts)
         return y, h, mean, rstd
-    launch_triton(_norm_fwd_kernel, (cdiv(m, block_m),),
-        x, residual, h, y, weight, bias, mean, rstd, m, n, eps,
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, **flags,
-    )
-    return y, h, mean, rstd
 
 
 def norm_bwd(dy, dh, x, weight, bias, mean, rstd, is_rms: bool, dr_dtype: torch.dtype | None = None):

@@ -22,7 +22,10 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from zerofuse import kernels as _kernels
+from zerofuse.kernels.norms import FwdLaunch
 from zerofuse.ops import norms as _ops
+from zerofuse.ops.signatures import Plans, signature
 
 _ShapeLike = int | Sequence[int] | torch.Size
 
@@ -80,6 +83,11 @@ def _flat(t: Tensor | None, n: int) -> Tensor | None:
 
 
 def _layer_norm(fn, input, residual, normalized_shape, weight, bias, eps, input_bias=None):
+    if not torch.compiler.is_compiling():  # a plan for these arguments' signature: no checks, no choices
+        key = signature(input, residual, normalized_shape, weight, bias, eps, input_bias, False, _kernels.TRITON_ON_CPU)
+        plan = _PLANS.get(key)
+        if plan is not None:
+            return plan(input, residual, weight, bias, input_bias)
     shape = _shape(normalized_shape)
     _check(fn, input, shape, weight, bias, residual, input_bias)
     _check_eps(fn, eps)
@@ -88,14 +96,49 @@ def _layer_norm(fn, input, residual, normalized_shape, weight, bias, eps, input_
     if n == 0:  # rows of no elements: nothing to normalise (and no row count to reshape to)
         h = input if residual is None else input + residual
         return torch.nn.functional.layer_norm(h, shape, weight, bias, eps), h
-    x, r = _rows(input, residual, shape, n)
     w, b = _flat(weight, n), _flat(bias, n)
     if torch.compiler.is_compiling():
+        x, r = _rows(input, residual, shape, n)
         y, h, _, _ = _ops.layer_norm(x, w, b, r, eps)
-    elif _needs_grad(x, w, b, r, input_bias):
-        y, h = _ops.eager_norm(x, w, b, r, eps, False, _flat(input_bias, n))
+        return _as(y, input), (input if residual is None else _as(h, input))
+    return _eager_norm(key, input, residual, shape, w, b, eps, False, _flat(input_bias, n))
+
+
+_PLANS = Plans()  # [Note: call signatures]: both norms' (is_rms is in the signature)
+
+
+class _NormPlan:
+    """The eager norm for one signature: the Triton kernels' launch worked out, with autograd or
+    without. Recorded where the kernels take the tensors as given: one normalised dim, every
+    tensor contiguous, the Triton path (CUDA, or the interpreter on CPU)."""
+
+    __slots__ = ("launch", "grad", "is_rms", "eps")
+
+    def __init__(self, launch: FwdLaunch, grad: bool, is_rms: bool, eps: float):
+        self.launch, self.grad, self.is_rms, self.eps = launch, grad, is_rms, eps
+
+    def __call__(self, input, residual, weight, bias, input_bias):
+        if self.grad:
+            y, h = _ops.eager_norm(input, weight, bias, residual, self.eps, self.is_rms, input_bias, self.launch)
+        else:
+            y, h, _, _ = self.launch(input, weight, bias, residual)
+        return y, (input if residual is None else h)
+
+
+def _eager_norm(key, input, residual, shape, w, b, eps, is_rms, input_bias):
+    """The eager call of both norms, its arguments checked (w, b, input_bias: flat); records the
+    plan of the call's signature (key) where one applies."""
+    x, r = _rows(input, residual, shape, math.prod(shape))
+    grad = _needs_grad(x, w, b, r, input_bias)
+    if key is not None and len(shape) == 1 and _ops._use_triton(x) and all(
+            t is None or t.is_contiguous() for t in (x, w, b, r)):
+        plan = _NormPlan(FwdLaunch(x, r, w, b, eps, is_rms, stats=grad), grad, is_rms, eps)
+        _PLANS.put(key, plan)
+        return plan(input, residual, w, b, input_bias)
+    if grad:
+        y, h = _ops.eager_norm(x, w, b, r, eps, is_rms, input_bias)
     else:  # nothing to differentiate: the kernels without autograd's bookkeeping
-        y, h, _, _ = _ops._norm_fwd(x, w, b, r, eps, False, stats=False)
+        y, h, _, _ = _ops._norm_fwd(x, w, b, r, eps, is_rms, stats=False)
     return _as(y, input), (input if residual is None else _as(h, input))
 
 
@@ -129,6 +172,11 @@ def _as(t: Tensor, like: Tensor) -> Tensor:
 
 
 def _rms_norm(fn, input, residual, normalized_shape, weight, eps, input_bias=None):
+    if not torch.compiler.is_compiling():
+        key = signature(input, residual, normalized_shape, weight, eps, input_bias, True, _kernels.TRITON_ON_CPU)
+        plan = _PLANS.get(key)
+        if plan is not None:
+            return plan(input, residual, weight, None, input_bias)
     shape = _shape(normalized_shape)
     _check(fn, input, shape, weight, None, residual, input_bias)
     input, input_bias = _bias_grad_carrier(input, input_bias)
@@ -139,15 +187,12 @@ def _rms_norm(fn, input, residual, normalized_shape, weight, eps, input_bias=Non
     if n == 0:
         h = input if residual is None else input + residual
         return torch.nn.functional.rms_norm(h, shape, weight, eps), h
-    x, r = _rows(input, residual, shape, n)
     w = _flat(weight, n)
     if torch.compiler.is_compiling():
+        x, r = _rows(input, residual, shape, n)
         y, h, _ = _ops.rms_norm(x, w, r, eps)
-    elif _needs_grad(x, w, None, r, input_bias):
-        y, h = _ops.eager_norm(x, w, None, r, eps, True, _flat(input_bias, n))
-    else:
-        y, h, _, _ = _ops._norm_fwd(x, w, None, r, eps, True, stats=False)
-    return _as(y, input), (input if residual is None else _as(h, input))
+        return _as(y, input), (input if residual is None else _as(h, input))
+    return _eager_norm(key, input, residual, shape, w, None, eps, True, _flat(input_bias, n))
 
 
 def layer_norm(input: Tensor, normalized_shape: _ShapeLike, weight: Tensor | None = None,

@@ -297,12 +297,16 @@ class EagerNorm(torch.autograd.Function):
     (zerofuse.models.gpt.Block: the attention's output projection); never read, its gradient (the
     sum over rows of x's) comes out of the backward kernel with the others, instead of a separate
     sum in the producer's backward. It runs none of the ops' checks: its callers, the faces,
-    checked the arguments first.
+    checked the arguments first. launch: the face's kernels.norms.FwdLaunch for these arguments
+    (stats=True; [Note: call signatures]), which forward calls instead of choosing the path.
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, residual, eps, is_rms, input_bias=None):
-        y, h, mean, rstd = _norm_fwd(x, weight, bias, residual, eps, is_rms)
+    def forward(ctx, x, weight, bias, residual, eps, is_rms, input_bias=None, launch=None):
+        if launch is not None:
+            y, h, mean, rstd = launch(x, weight, bias, residual)
+        else:
+            y, h, mean, rstd = _norm_fwd(x, weight, bias, residual, eps, is_rms)
         ctx.is_rms = is_rms
         ctx.dr_dtype = input_bias.dtype if input_bias is not None else None
         ctx.set_materialize_grads(False)  # an unused h gets no zero-filled gradient (and no add)
@@ -312,16 +316,16 @@ class EagerNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, dh):
         if dy is None and dh is None:
-            return None, None, None, None, None, None, None
+            return None, None, None, None, None, None, None, None
         if dy is None:  # only h was used: dh passes through to both inputs, the params get nothing
             dx, dres = _input_grads(ctx, dh)
-            return dx, None, None, dres, None, None, (_row_sum(dh, ctx.dr_dtype) if ctx.dr_dtype else None)
+            return dx, None, None, dres, None, None, (_row_sum(dh, ctx.dr_dtype) if ctx.dr_dtype else None), None
         xin, weight, bias, mean, rstd = ctx.saved_tensors
         dx, dw, db, *dr = _norm_bwd(dy, dh if ctx.has_residual else None, xin, weight, bias, mean, rstd, ctx.is_rms,
                                     ctx.dr_dtype)
         dx, dres = _input_grads(ctx, dx)
         return (dx, (dw if weight is not None else None), (db if bias is not None else None), dres, None, None,
-                dr[0] if dr else None)
+                dr[0] if dr else None, None)
 
 
 eager_norm = eager_apply(EagerNorm)

@@ -1,0 +1,41 @@
+"""Per-signature plans for the faces' eager calls: argument checks and path choices made once.
+
+[Note: call signatures] A face (zerofuse.nn.functional.layer_norm, ...) spends most of its host
+time per call, before any kernel runs, on work whose outcome depends only on its arguments'
+metadata: checking shapes, dtypes and devices, choosing the path (Triton or not, contiguous or
+not, autograd or not) and the kernel's configuration. ``signature(*args)`` (zerofuse._C, C++:
+~0.35 us on this project's CPU) returns bytes that differ whenever any of that could: grad mode;
+per argument None, a bool's, int's or float's value, a tuple or list of ints, or a tensor's dtype,
+device, requires_grad, sizes and strides. A face keeps, per signature, the plan its first (slow,
+checked) call worked out, and a later call with the same signature runs the plan: allocate the
+outputs, launch. The signature is None (no plan: the slow path, every call) for an argument of
+any other kind, a tensor subclass other than Parameter (it may override what a plan skips), a
+non-strided, conjugate or negative-bit tensor, and while a TorchFunctionMode is active; faces
+also take the slow path while torch.compile traces them (the ops, not the plans).
+
+A plan holds nothing of the tensors it was made for (no data pointers, no values), so what it
+skips must not depend on them: a face records a plan only on paths whose checks and choices read
+metadata alone, and puts into the signature any global its path reads (e.g. whether CPU tensors
+go through the Triton interpreter). Bad arguments never get a plan: the slow path raises first.
+"""
+from __future__ import annotations
+
+from zerofuse._C import signature
+
+__all__ = ["Plans", "signature"]
+
+
+class Plans(dict):
+    """signature -> plan, bounded: emptied when it holds ``limit`` plans (a model calls a face with
+    a few signatures; a caller whose shapes change every call pays the slow path, never memory)."""
+
+    def __init__(self, limit: int = 1024):
+        super().__init__()
+        self.limit = limit
+
+    def put(self, key: bytes | None, plan) -> None:
+        if key is None:
+            return
+        if len(self) >= self.limit:
+            self.clear()
+        self[key] = plan

@@ -1,0 +1,142 @@
+"""[Note: call signatures] (zerofuse/ops/signatures.py): the C++ signature, and the norm faces'
+plans: a call with a known signature skips the checks and path choices, gives the bits the slow
+path gives, and a call whose signature differs in anything the checks read takes the slow path."""
+import pytest
+import torch
+
+import zerofuse.nn.functional as ZF
+from zerofuse import kernels
+from zerofuse.nn import functional as face
+from zerofuse.ops.signatures import Plans, signature
+
+
+def test_signature_differs_in_everything_a_face_reads():
+    x = torch.randn(4, 6)
+    base = signature(x, None, (6,), 1e-5, True, 3)
+    variants = [
+        signature(x.double(), None, (6,), 1e-5, True, 3),           # dtype
+        signature(x.reshape(6, 4), None, (6,), 1e-5, True, 3),      # sizes
+        signature(x.t().contiguous().t(), None, (6,), 1e-5, True, 3),  # strides
+        signature(x.clone().requires_grad_(), None, (6,), 1e-5, True, 3),
+        signature(x, x, (6,), 1e-5, True, 3),                       # None vs a tensor
+        signature(x, None, [6, 1], 1e-5, True, 3),
+        signature(x, None, (6,), 1e-6, True, 3),
+        signature(x, None, (6,), 1e-5, False, 3),
+        signature(x, None, (6,), 1e-5, True, 4),
+        signature(x, None, 6, 1e-5, True, 3),                       # an int, not a tuple
+        signature(x.to("meta"), None, (6,), 1e-5, True, 3),         # device
+    ]
+    with torch.no_grad():
+        variants.append(signature(x, None, (6,), 1e-5, True, 3))    # grad mode
+    assert all(isinstance(v, bytes) for v in variants)
+    assert len({base, *variants}) == len(variants) + 1
+    assert signature(x.clone(), None, (6,), 1e-5, True, 3) == base  # values and addresses are not in it
+    assert signature(torch.nn.Parameter(x), None, (6,), 1e-5, True, 3) == signature(
+        x.clone().requires_grad_(), None, (6,), 1e-5, True, 3)
+
+
+class _Sub(torch.Tensor):
+    pass
+
+
+class _Mode(torch.overrides.TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def test_no_signature_where_a_plan_could_skip_something_that_matters():
+    x = torch.randn(3, 4)
+    assert signature(x.as_subclass(_Sub)) is None
+    assert signature(torch.randn(2, dtype=torch.complex64).conj()) is None
+    assert signature(x.to_sparse()) is None
+    assert signature(x, "a string") is None
+    assert signature(x, (1, 2.5)) is None
+    assert signature(2**70) is None
+    with _Mode():
+        assert signature(x) is None
+    assert signature(x) is not None
+
+
+def test_plans_are_bounded():
+    plans = Plans(limit=2)
+    plans.put(b"a", 1)
+    plans.put(b"b", 2)
+    plans.put(None, 3)  # no signature, no plan
+    assert len(plans) == 2
+    plans.put(b"c", 3)
+    assert dict(plans) == {b"c": 3}
+
+
+@pytest.fixture
+def counted_checks(monkeypatch):
+    """The number of times the norm faces ran their argument checks."""
+    calls = []
+    check = face._check
+    monkeypatch.setattr(face, "_check", lambda *a, **k: (calls.append(1), check(*a, **k))[1])
+    face._PLANS.clear()
+    yield calls
+    face._PLANS.clear()
+
+
+def _norm_call(norm, residual, grad, x, r, w, b, ib):
+    if norm == "layer":
+        if residual:
+            return ZF.add_layer_norm(x, r, (x.shape[-1],), w, b, 1e-5, input_bias=ib)
+        return ZF.layer_norm(x, (x.shape[-1],), w, b, 1e-5), x
+    if residual:
+        return ZF.add_rms_norm(x, r, (x.shape[-1],), w, input_bias=ib)
+    return ZF.rms_norm(x, (x.shape[-1],), w), x
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
+@pytest.mark.parametrize("norm", ["layer", "rms"])
+def test_a_planned_call_gives_the_checked_calls_bits(norm, residual, grad, dtype, counted_checks):
+    g = torch.Generator().manual_seed(0)
+    leaves = [torch.randn(s, generator=g).to(dtype) for s in ((2, 5, 33), (2, 5, 33), (33,), (33,), (33,))]
+    results = []
+    for _ in range(3):
+        x, r, w, b, ib = (t.clone().requires_grad_(grad) for t in leaves)
+        y, h = _norm_call(norm, residual, grad, x, r, w, b, ib)
+        got = [y, h]
+        if grad:
+            (y.float().square().sum() + h.float().sum()).backward()
+            got += [t.grad for t in (x, r, w, b, ib)]
+        results.append(got)
+    assert len(counted_checks) == 1  # checked once: the later calls ran the signature's plan
+    for first, later in zip(results[0], results[2]):
+        assert (first is None) == (later is None)
+        if first is not None:
+            assert torch.equal(first, later)
+
+
+def test_a_call_of_another_signature_is_checked_and_planned_apart(counted_checks):
+    x, w, b = torch.randn(4, 16), torch.randn(16), torch.randn(16)
+    want = torch.nn.functional.layer_norm(x, (16,), w, b)
+    ZF.layer_norm(x, (16,), w, b)
+    ZF.layer_norm(x, (16,), w, b)
+    assert len(counted_checks) == 1
+    ZF.layer_norm(x, (16,), w, b, eps=1e-3)  # eps
+    ZF.layer_norm(x.double(), (16,), w.double(), b.double())  # dtype (and another path: no plan)
+    xt = torch.randn(16, 4).t()
+    for _ in range(2):  # strided input: the slow path every call (it makes x contiguous)
+        torch.testing.assert_close(ZF.layer_norm(xt, (16,), w, b), torch.nn.functional.layer_norm(xt, (16,), w, b))
+    with pytest.raises(ValueError, match="weight of shape"):  # a bad weight after a plan exists: still refused
+        ZF.layer_norm(x, (16,), torch.randn(15), b)
+    assert len(counted_checks) == 6
+    torch.testing.assert_close(ZF.layer_norm(x, (16,), w, b), want)
+    assert len(counted_checks) == 6
+
+
+def test_the_triton_switch_is_in_the_signature(counted_checks, monkeypatch):
+    """A plan made for the Triton path must not serve a call routed to the C++ CPU kernels."""
+    x, w = torch.randn(3, 8), torch.randn(8)
+    ZF.rms_norm(x, (8,), w)
+    ran = []
+    cpu_op = torch.ops.zerofuse.norm_fwd_cpu
+    monkeypatch.setattr(kernels, "TRITON_ON_CPU", False)
+    monkeypatch.setattr(face._ops.torch.ops.zerofuse, "norm_fwd_cpu",
+                        lambda *a: (ran.append(1), cpu_op(*a))[1], raising=False)
+    torch.testing.assert_close(ZF.rms_norm(x, (8,), w), torch.nn.functional.rms_norm(x, (8,), w))
+    assert ran == [1]
