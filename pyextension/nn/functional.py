@@ -12,7 +12,8 @@
 with h = input + residual, y = norm(h): the pre-norm transformer step in one pass. Triton kernels
 on CUDA, C++ kernels on CPU (Triton in the interpreter under ZEROFUSE_TRITON_ON_CPU=1). Under
 torch.compile they trace the zerofuse custom ops; in eager mode they call the same kernels through
-ops.norms.EagerNorm, which skips custom_op's Python dispatch overhead.
+ops.norms.EagerNorm, which skips custom_op's Python dispatch overhead, and the norms check their
+arguments once per call signature ([Note: call signatures], zerofuse/ops/signatures.py).
 """
 from __future__ import annotations
 
@@ -84,7 +85,7 @@ def _flat(t: Tensor | None, n: int) -> Tensor | None:
 
 def _layer_norm(fn, input, residual, normalized_shape, weight, bias, eps, input_bias=None):
     if not torch.compiler.is_compiling():  # a plan for these arguments' signature: no checks, no choices
-        key = signature(input, residual, normalized_shape, weight, bias, eps, input_bias, False, _kernels.TRITON_ON_CPU)
+        key = signature(False, input, residual, normalized_shape, weight, bias, eps, input_bias, _kernels.TRITON_ON_CPU)
         plan = _PLANS.get(key)
         if plan is not None:
             return plan(input, residual, weight, bias, input_bias)
@@ -104,7 +105,7 @@ def _layer_norm(fn, input, residual, normalized_shape, weight, bias, eps, input_
     return _eager_norm(key, input, residual, shape, w, b, eps, False, _flat(input_bias, n))
 
 
-_PLANS = Plans()  # [Note: call signatures]: both norms' (is_rms is in the signature)
+_PLANS = Plans()  # [Note: call signatures]: both norms' (is_rms leads the signature)
 
 
 class _NormPlan:
@@ -173,7 +174,7 @@ def _as(t: Tensor, like: Tensor) -> Tensor:
 
 def _rms_norm(fn, input, residual, normalized_shape, weight, eps, input_bias=None):
     if not torch.compiler.is_compiling():
-        key = signature(input, residual, normalized_shape, weight, eps, input_bias, True, _kernels.TRITON_ON_CPU)
+        key = signature(True, input, residual, normalized_shape, weight, eps, input_bias, _kernels.TRITON_ON_CPU)
         plan = _PLANS.get(key)
         if plan is not None:
             return plan(input, residual, weight, None, input_bias)
