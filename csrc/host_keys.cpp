@@ -88,14 +88,15 @@ bool put_arg(std::string& key, PyObject* a) {
     }
   } else if (THPVariable_CheckTypeExact(Py_TYPE(a))) {  // a Tensor or a Parameter, no other subclass
     const at::Tensor& t = THPVariable_Unpack(a);
-    if (t.layout() != at::kStrided || t.is_conj() || t.is_neg()) return false;
+    // (nested tensors are strided but have no sizes: their sizes() throws)
+    if (t.layout() != at::kStrided || t.is_nested() || t.is_conj() || t.is_neg()) return false;
     const at::Device d = t.device();
     key.push_back('t');
     put(key, static_cast<int8_t>(t.scalar_type()));
     put(key, static_cast<int8_t>(d.type()));
     put(key, static_cast<int8_t>(d.index()));
     put(key, static_cast<int8_t>(t.requires_grad()));
-    put(key, static_cast<int8_t>(t.dim()));
+    put(key, static_cast<int64_t>(t.dim()));  // (all 8 bytes: where the sizes end is part of the key)
     for (const int64_t s : t.sizes()) put(key, s);
     for (const int64_t s : t.strides()) put(key, s);
   } else {
@@ -113,16 +114,22 @@ bool put_arg(std::string& key, PyObject* a) {
 // Parameter, a non-strided, conjugate or negative-bit tensor, and while a TorchFunctionMode is on.
 namespace {
 
-// METH_FASTCALL, no pybind11 argument handling: ~0.3 us of a ~0.7 us call through py::args.
+// METH_FASTCALL, no pybind11 argument handling: ~0.3 us of a ~0.7 us call through py::args. No
+// C++ exception may leave it (a raw C function): any one means no signature, the slow path, which
+// raises what it should.
 PyObject* signature_fast(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (at::impl::torch_function_mode_enabled()) Py_RETURN_NONE;
-  std::string key;
-  key.reserve(160);
-  key.push_back(at::GradMode::is_enabled() ? 'G' : 'g');
-  for (Py_ssize_t i = 0; i < nargs; ++i) {
-    if (!put_arg(key, args[i])) Py_RETURN_NONE;
+  try {
+    if (at::impl::torch_function_mode_enabled()) Py_RETURN_NONE;
+    std::string key;
+    key.reserve(160);
+    key.push_back(at::GradMode::is_enabled() ? 'G' : 'g');
+    for (Py_ssize_t i = 0; i < nargs; ++i) {
+      if (!put_arg(key, args[i])) Py_RETURN_NONE;
+    }
+    return PyBytes_FromStringAndSize(key.data(), static_cast<Py_ssize_t>(key.size()));
+  } catch (...) {
+    Py_RETURN_NONE;
   }
-  return PyBytes_FromStringAndSize(key.data(), static_cast<Py_ssize_t>(key.size()));
 }
 
 PyMethodDef signature_def = {"signature", reinterpret_cast<PyCFunction>(reinterpret_cast<void*>(&signature_fast)),
@@ -131,7 +138,9 @@ PyMethodDef signature_def = {"signature", reinterpret_cast<PyCFunction>(reinterp
 }  // namespace
 
 py::object signature_function() {
-  return py::reinterpret_steal<py::object>(PyCFunction_New(&signature_def, nullptr));
+  PyObject* f = PyCFunction_New(&signature_def, nullptr);
+  if (f == nullptr) throw py::error_already_set();
+  return py::reinterpret_steal<py::object>(f);
 }
 
 }  // namespace zerofuse

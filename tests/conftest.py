@@ -5,6 +5,7 @@ Tests marked ``gpu`` (or parametrised with common.DEVICES' ``cuda``) skip withou
 """
 import getpass
 import os
+import sys
 import tempfile
 
 # torch.compile's on-disk kernel cache is keyed without ATEN_CPU_CAPABILITY: on an AVX-512 machine a
@@ -39,6 +40,15 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _no_plans_from_other_tests():
+    """The faces' plans ([Note: call signatures]) hold what module settings a test may patch (the
+    wide-row kernels' thresholds): each test starts with none."""
+    face = sys.modules.get("zerofuse.nn.functional")
+    if face is not None:
+        face._PLANS.clear()
 
 
 @pytest.fixture

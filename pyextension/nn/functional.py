@@ -131,11 +131,12 @@ def _eager_norm(key, input, residual, shape, w, b, eps, is_rms, input_bias):
     plan of the call's signature (key) where one applies."""
     x, r = _rows(input, residual, shape, math.prod(shape))
     grad = _needs_grad(x, w, b, r, input_bias)
-    if key is not None and len(shape) == 1 and _ops._use_triton(x) and all(
-            t is None or t.is_contiguous() for t in (x, w, b, r)):
+    if key is not None and len(shape) == 1 and type(eps) in (float, int) and _ops._use_triton(x) and all(
+            t is None or t.is_contiguous() for t in (x, w, b, r)):  # (a tensor eps: no plan holds a value)
         plan = _NormPlan(FwdLaunch(x, r, w, b, eps, is_rms, stats=grad), grad, is_rms, eps)
-        _PLANS.put(key, plan)
-        return plan(input, residual, w, b, input_bias)
+        out = plan(input, residual, w, b, input_bias)
+        _PLANS.put(key, plan)  # once it ran: a call that fails leaves no plan
+        return out
     if grad:
         y, h = _ops.eager_norm(x, w, b, r, eps, is_rms, input_bias)
     else:  # nothing to differentiate: the kernels without autograd's bookkeeping
