@@ -204,3 +204,62 @@ def test_a_capture_failing_mid_backward_leaves_no_half_step(tmp_path, monkeypatc
     assert t.graphs.failed.endswith("; then RuntimeError: operation failed due to a previous error during capture)"
                                     if end_fails else "capturing)"), t.graphs.failed
     assert [(r["loss"], r["grad_norm"]) for r in _rows(eager)] == [(r["loss"], r["grad_norm"]) for r in _rows(failed)]
+
+
+def test_a_failed_capture_ends_the_allocators_capture(monkeypatch):
+    """torch 2.11's capture_end raises over an invalidated capture before ending the allocator's
+    capture into the graph's pool (the allocator then serves every later allocation of the thread
+    from the dead pool and asserts in empty_cache): _give_up ends it, and takes the allocator's
+    refusal, where torch already ended it, as done."""
+    ended = []
+
+    def end(index, pool):
+        if ended:
+            raise RuntimeError("endAllocatePool: not currently recording to mempool_id")
+        ended.append((index, pool))
+
+    monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", end, raising=False)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+
+    class Opt:
+        def abandon_step(self):
+            pass
+
+        def sync_lr(self, on=True):
+            pass
+
+    sg = graphs.StepGraph.__new__(graphs.StepGraph)
+    sg.t = type("T", (), {"device": torch.device("cuda", 1), "opt": Opt(), "log": None, "step": 3})()
+    sg.before, sg.pool = None, (0, 7)
+    sg._give_up(RuntimeError("operation not permitted when stream is capturing"))
+    assert ended == [(1, (0, 7))]
+    assert sg.failed == "capture failed at step 4 (RuntimeError: operation not permitted when stream is capturing)"
+    assert graphs.end_allocating_to_pool(torch.device("cuda", 1), (0, 7)) is False  # already ended: refused
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(600)
+def test_gpu_a_failed_capture_leaves_the_allocator_usable(tmp_path, monkeypatch):
+    """A real capture that fails (a host read inside the captured step): the job trains eagerly,
+    and the caching allocator is out of capture mode after it (empty_cache asserted before)."""
+    real = Trainer.step_body
+
+    def syncing(self, *a, **k):
+        loss = real(self, *a, **k)
+        if torch.cuda.is_current_stream_capturing():
+            loss.item()  # not permitted while capturing
+        return loss
+
+    monkeypatch.setattr(Trainer, "step_body", syncing)
+    out = tmp_path / "job"
+    args = train._parser().parse_args(
+        ["--device", "cuda", "--nproc", "1", "--model", "gpt2-124m", "--layers", "2", "--seq-len", "128",
+         "--batch", "2", "--steps", "8", "--warmup", "2", "--log-every", "4", "--eval-every", "0",
+         "--sample-tokens", "0", "--ckpt-every", "0", "--out", str(out), "--cuda-graphs"])
+    train.validate(args)
+    t = Trainer(args, None)
+    assert t.run() == 0
+    assert t.graphs.failed and t.graphs.failed.startswith("capture failed"), t.graphs.failed
+    torch.cuda.empty_cache()  # asserted (captures_underway.empty()) while the dead capture was open
+    x = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")  # an allocation after it works
+    assert x.numel() == 256 << 20

@@ -25,7 +25,8 @@ GPU no longer waits for the host between kernels.
 Before the capture, WARMUP eager steps run on a side stream (torch's advice for whole-network
 capture): Triton compiles and autotunes, the optimizer builds its states and tables, ZeRO its
 buffers. Nothing executes while capturing, so the captured step is replayed at once as that step.
-A capture that fails is logged in one line and the job goes on eagerly.
+A capture that fails is logged in one line and the job goes on eagerly, the caching allocator's
+capture into the graph's pool ended first (end_allocating_to_pool: torch 2.11 leaves it open).
 """
 from __future__ import annotations
 
@@ -70,6 +71,7 @@ class StepGraph:
         self.captured_at: int | None = None  # the step (0-based) captured
         self.failed: str | None = None
         self.capture_stream = self.before = None  # the capture's stream; the current one before it
+        self.pool = None  # the capture's memory pool (CUDA)
 
     def _outputs(self, loss):
         opt = self.t.opt
@@ -112,9 +114,10 @@ class StepGraph:
             stream = self.capture_stream = torch.cuda.Stream(t.device)
             colsum.arrival_counter(t.device, stream)
             self.before = torch.cuda.current_stream(t.device)
+            self.pool = torch.cuda.graph_pool_handle()  # named: a failed capture's is ended by _give_up
             torch.cuda.synchronize(t.device)
         try:
-            with _capturing(graph, stream):
+            with _capturing(graph, stream, self.pool):
                 self.outputs = self._outputs(t.step_body(self.batch[0], self.batch[1]))
         except Exception as e:  # noqa: BLE001 - whatever the capture refused, the job goes on eagerly
             self._give_up(e)
@@ -125,6 +128,8 @@ class StepGraph:
         t = self.t
         if self.before is not None:  # torch.cuda.graph's exit raised before restoring the stream
             torch.cuda.set_stream(self.before)
+        if self.pool is not None:
+            end_allocating_to_pool(t.device, self.pool)
         # an error inside the capture, then the capture's end failing over it: both, the first first
         errors = [x for x in (e.__context__, e) if x is not None]
         said = "; then ".join(f"{type(x).__name__}: {_first_line(x)}" for x in errors)
@@ -167,9 +172,27 @@ def _first_line(e: BaseException) -> str:
     return text.splitlines()[0] if text else ""
 
 
-def _capturing(graph, stream=None):
-    """torch.cuda.graph(graph, stream=stream) for a CUDA graph; a stand-in graph (tests on CPU)
-    brings its own."""
+def _capturing(graph, stream=None, pool=None):
+    """torch.cuda.graph(graph, pool=pool, stream=stream) for a CUDA graph; a stand-in graph (tests
+    on CPU) brings its own."""
     if isinstance(graph, torch.cuda.CUDAGraph):
-        return torch.cuda.graph(graph, stream=stream)
+        return torch.cuda.graph(graph, pool=pool, stream=stream)
     return graph.capture()
+
+
+def end_allocating_to_pool(device: torch.device, pool) -> bool:
+    """After a failed capture: tell the caching allocator the capture into ``pool`` is over, where
+    torch did not. torch 2.11's CUDAGraph.capture_end raises, over a capture an error invalidated,
+    before it does so (fixed upstream later: pytorch#180395): left so, the allocator keeps serving
+    this thread's allocations from the dead capture's pool, stops recycling blocks freed across
+    streams and asserts in empty_cache (``captures_underway.empty()``) for the rest of the job.
+    Where torch did end it, the allocator refuses ('not currently recording to mempool_id'):
+    nothing to do. Returns whether it was ended here. (The pool's memory itself stays reserved
+    until the process ends on torch without pytorch#190348; releasing it here could release it
+    twice on torch with it.)"""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    try:
+        torch._C._cuda_endAllocateToPool(index, pool)
+    except (RuntimeError, AttributeError):
+        return False
+    return True
