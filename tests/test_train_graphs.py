@@ -231,8 +231,10 @@ def test_a_failed_capture_ends_the_allocators_capture(monkeypatch):
     sg = graphs.StepGraph.__new__(graphs.StepGraph)
     sg.t = type("T", (), {"device": torch.device("cuda", 1), "opt": Opt(), "log": None, "step": 3})()
     sg.before, sg.pool = None, (0, 7)
-    sg._give_up(RuntimeError("operation not permitted when stream is capturing"))
+    dead = object()
+    sg._give_up(RuntimeError("operation not permitted when stream is capturing"), dead)
     assert ended == [(1, (0, 7))]
+    assert sg.abandoned is dead  # kept: its pool's addresses are never handed to eager tensors
     assert sg.failed == "capture failed at step 4 (RuntimeError: operation not permitted when stream is capturing)"
     assert graphs.end_allocating_to_pool(torch.device("cuda", 1), (0, 7)) is False  # already ended: refused
 

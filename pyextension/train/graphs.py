@@ -72,6 +72,7 @@ class StepGraph:
         self.failed: str | None = None
         self.capture_stream = self.before = None  # the capture's stream; the current one before it
         self.pool = None  # the capture's memory pool (CUDA)
+        self.abandoned = None  # a graph whose capture failed (_give_up)
 
     def _outputs(self, loss):
         opt = self.t.opt
@@ -120,12 +121,18 @@ class StepGraph:
             with _capturing(graph, stream, self.pool):
                 self.outputs = self._outputs(t.step_body(self.batch[0], self.batch[1]))
         except Exception as e:  # noqa: BLE001 - whatever the capture refused, the job goes on eagerly
-            self._give_up(e)
+            self._give_up(e, graph)
             return
         self.graph, self.captured_at = graph, t.step
 
-    def _give_up(self, e: Exception) -> None:
+    def _give_up(self, e: Exception, graph=None) -> None:
         t = self.t
+        # Kept, never destroyed: its pool's memory is then never handed out again. Tables the
+        # capture left behind (csrc/cuda/flatten.cu: device tables keyed by the grads' addresses,
+        # written by kernels the capture recorded but never ran) name addresses in that pool; a
+        # torch that releases a failed capture's pool (pytorch#190348) could give them to eager
+        # grads of the same sizes, which would then find the unwritten table.
+        self.abandoned = graph
         if self.before is not None:  # torch.cuda.graph's exit raised before restoring the stream
             torch.cuda.set_stream(self.before)
         if self.pool is not None:
@@ -187,9 +194,8 @@ def end_allocating_to_pool(device: torch.device, pool) -> bool:
     this thread's allocations from the dead capture's pool, stops recycling blocks freed across
     streams and asserts in empty_cache (``captures_underway.empty()``) for the rest of the job.
     Where torch did end it, the allocator refuses ('not currently recording to mempool_id'):
-    nothing to do. Returns whether it was ended here. (The pool's memory itself stays reserved
-    until the process ends on torch without pytorch#190348; releasing it here could release it
-    twice on torch with it.)"""
+    nothing to do. Returns whether it was ended here. (The pool's memory stays reserved until the
+    process ends: StepGraph keeps the failed graph, see _give_up.)"""
     index = device.index if device.index is not None else torch.cuda.current_device()
     try:
         torch._C._cuda_endAllocateToPool(index, pool)
