@@ -180,6 +180,22 @@ def test_runs_under_torchrun(tmp_path):
 
 
 @pytest.mark.timeout(TIMEOUT)
+def test_ranks_starting_further_apart_than_the_timeout(tmp_path):
+    """--timeout bounds the collectives, not how far apart the ranks start: rank 1 starts 6 s late
+    (a sitecustomize sleeping in it) and the job with --timeout 3 trains (its group's connection
+    timed out before the ranks met on the store first)."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("import os, time\nif os.environ.get('RANK') == '1':\n    time.sleep(6)\n")
+    env = _env()
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), env.get("PYTHONPATH")]))
+    p = subprocess.run(_cmd("--nproc", 2, "--timeout", 3, "--steps", 2, "--eval-every", 0, "--sample-tokens", 0,
+                            "--out", tmp_path / "out"), env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    _ok(p)
+    assert json.loads((tmp_path / "out" / "summary.json").read_text())["steps_done"] == 2
+
+
+@pytest.mark.timeout(TIMEOUT)
 def test_dp2_tp2(tmp_path):
     p = run("--nproc", 4, "--dp", 2, "--tp", 2, "--steps", 4, "--eval-every", 2, "--out", tmp_path)
     _ok(p)

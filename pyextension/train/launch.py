@@ -121,6 +121,28 @@ def _init_distributed(args, env: dict | None):
             os.environ["MASTER_ADDR"] = _slurm_master()
             os.environ["MASTER_PORT"] = os.environ.get("MASTER_PORT", str(29500 + int(os.environ.get(
                 "SLURM_JOB_ID", "0")) % 1000))
-        dist.init_process_group(backend, init_method="env://", rank=int(env["RANK"]),
-                                world_size=int(env["WORLD_SIZE"]), timeout=timeout)
+        rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+        dist.init_process_group(backend, store=_rendezvous(rank, world, timeout), rank=rank, world_size=world,
+                                timeout=timeout)
     return device
+
+
+STARTUP_S = 300.0  # how far apart the ranks may start, whatever --timeout
+
+
+def _rendezvous(rank: int, world: int, timeout: datetime.timedelta):
+    """The job's store (env://, torchrun's agent store where it hosts one), once every rank has
+    reached it. --timeout bounds the collectives, but a group's connection also waits for its
+    peers within it, and ranks start seconds apart (the interpreter and imports on a loaded
+    machine: a 3 s --timeout failed in connectFullMesh in CI, 2026-11-27). So the ranks first meet
+    on the store, allowing STARTUP_S; then the store and the group take --timeout."""
+    import torch.distributed as dist
+
+    start = datetime.timedelta(seconds=max(timeout.total_seconds(), STARTUP_S))
+    store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=start))
+    key = f"zerofuse/arrived/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"  # (a restart meets anew)
+    if store.add(key, 1) == world:
+        store.set(key + "/all", "1")
+    store.wait([key + "/all"])
+    store.set_timeout(timeout)
+    return store
