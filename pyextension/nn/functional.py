@@ -97,12 +97,12 @@ def _layer_norm(fn, input, residual, normalized_shape, weight, bias, eps, input_
     if n == 0:  # rows of no elements: nothing to normalise (and no row count to reshape to)
         h = input if residual is None else input + residual
         return torch.nn.functional.layer_norm(h, shape, weight, bias, eps), h
+    x, r = _rows(input, residual, shape, n)
     w, b = _flat(weight, n), _flat(bias, n)
     if torch.compiler.is_compiling():
-        x, r = _rows(input, residual, shape, n)
         y, h, _, _ = _ops.layer_norm(x, w, b, r, eps)
         return _as(y, input), (input if residual is None else _as(h, input))
-    return _eager_norm(key, input, residual, shape, w, b, eps, False, _flat(input_bias, n))
+    return _eager_norm(key, input, residual, x, r, w, b, eps, False, _flat(input_bias, n))
 
 
 _PLANS = Plans()  # [Note: call signatures]: both norms' (is_rms leads the signature)
@@ -113,27 +113,28 @@ class _NormPlan:
     without. Recorded where the kernels take the tensors as given: one normalised dim, every
     tensor contiguous, the Triton path (CUDA, or the interpreter on CPU)."""
 
-    __slots__ = ("launch", "grad", "is_rms", "eps")
+    __slots__ = ("launch", "grad", "is_rms")
 
-    def __init__(self, launch: FwdLaunch, grad: bool, is_rms: bool, eps: float):
-        self.launch, self.grad, self.is_rms, self.eps = launch, grad, is_rms, eps
+    def __init__(self, launch: FwdLaunch, grad: bool, is_rms: bool):
+        self.launch, self.grad, self.is_rms = launch, grad, is_rms
 
     def __call__(self, input, residual, weight, bias, input_bias):
         if self.grad:
-            y, h = _ops.eager_norm(input, weight, bias, residual, self.eps, self.is_rms, input_bias, self.launch)
+            y, h = _ops.eager_norm(input, weight, bias, residual, self.launch.eps, self.is_rms, input_bias, self.launch)
         else:
             y, h, _, _ = self.launch(input, weight, bias, residual)
         return y, (input if residual is None else h)
 
 
-def _eager_norm(key, input, residual, shape, w, b, eps, is_rms, input_bias):
-    """The eager call of both norms, its arguments checked (w, b, input_bias: flat); records the
-    plan of the call's signature (key) where one applies."""
-    x, r = _rows(input, residual, shape, math.prod(shape))
+def _eager_norm(key, input, residual, x, r, w, b, eps, is_rms, input_bias):
+    """The eager call of both norms, its arguments checked (x, r: input and residual as rows; w, b,
+    input_bias: flat); records the plan of the call's signature (key) where one applies."""
     grad = _needs_grad(x, w, b, r, input_bias)
-    if key is not None and len(shape) == 1 and type(eps) in (float, int) and _ops._use_triton(x) and all(
-            t is None or t.is_contiguous() for t in (x, w, b, r)):  # (a tensor eps: no plan holds a value)
-        plan = _NormPlan(FwdLaunch(x, r, w, b, eps, is_rms, stats=grad), grad, is_rms, eps)
+    # a plan where x is input (one normalised dim: later calls pass the tensors as given) and eps
+    # a number (a plan holds no tensor's value)
+    if key is not None and x is input and type(eps) in (float, int) and _ops._use_triton(x) and all(
+            t is None or t.is_contiguous() for t in (x, w, b, r)):
+        plan = _NormPlan(FwdLaunch(x, r, w, b, eps, is_rms, stats=grad), grad, is_rms)
         out = plan(input, residual, w, b, input_bias)
         _PLANS.put(key, plan)  # once it ran: a call that fails leaves no plan
         return out
@@ -189,12 +190,12 @@ def _rms_norm(fn, input, residual, normalized_shape, weight, eps, input_bias=Non
     if n == 0:
         h = input if residual is None else input + residual
         return torch.nn.functional.rms_norm(h, shape, weight, eps), h
+    x, r = _rows(input, residual, shape, n)
     w = _flat(weight, n)
     if torch.compiler.is_compiling():
-        x, r = _rows(input, residual, shape, n)
         y, h, _ = _ops.rms_norm(x, w, r, eps)
         return _as(y, input), (input if residual is None else _as(h, input))
-    return _eager_norm(key, input, residual, shape, w, None, eps, True, _flat(input_bias, n))
+    return _eager_norm(key, input, residual, x, r, w, None, eps, True, _flat(input_bias, n))
 
 
 def layer_norm(input: Tensor, normalized_shape: _ShapeLike, weight: Tensor | None = None,
