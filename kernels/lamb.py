@@ -243,16 +243,26 @@ def lamb_stage2(launch: Launch, norms: torch.Tensor, *, lr, beta1, beta2, eps, w
 _SCHEDULES: OrderedDict = OrderedDict()  # the one-launch LAMB's block order, per recent layout
 
 
-def _schedule(numels: tuple, blocks: list[int], device: torch.device) -> torch.Tensor:
-    """Per tensor, its stage-1 blocks, then its stage-2 blocks from last to first (the most recently
-    streamed first: the likeliest in L2); codes 2 * block + stage."""
+def _schedule(table, device: torch.device) -> torch.Tensor:
+    """Per tensor of table (a multi_tensor._Table), its stage-1 blocks, then its stage-2 blocks from
+    last to first (the most recently streamed first: the likeliest in L2); codes 2 * block + stage.
+    The table keeps its schedule, as it keeps its own tables: a captured step (--cuda-graphs) reads
+    it at every replay, so it must outlive _SCHEDULES's eviction of the least recently used layout
+    (more than _LAYOUTS_KEPT layouts: e.g. one per ZeRO bucket), which would free it for reuse."""
+    kept = getattr(table, "lamb_schedule", None)
+    if kept is not None:
+        return kept
+    blocks = table.block_starts
+
     def make():
         codes = []
         for a, b in zip(blocks, blocks[1:]):
             codes += range(2 * a, 2 * b, 2)
             codes += range(2 * b - 1, 2 * a, -2)
         return upload(torch.tensor(codes or [0], dtype=torch.int32), device)
-    return _kept(_SCHEDULES, (numels, tuple(blocks), device), make)  # the block starts: BLOCK may change
+    # the block starts: BLOCK may change
+    table.lamb_schedule = _kept(_SCHEDULES, (table.numels, tuple(blocks), device), make)
+    return table.lamb_schedule
 
 
 def _lamb_one_launch_from_env() -> bool:
@@ -296,7 +306,7 @@ def lamb_fused(launch: Launch, *, lr, beta1, beta2, eps, weight_decay, bias_corr
     for g, (table, p_ty, g_ty) in enumerate(launch.groups):
         if table.blocks:
             launch_triton(_lamb_fused_kernel, (2 * table.blocks,),
-                table.meta, table.own, _schedule(table.numels, table.block_starts, device), consts, table.n, mult, found,
+                table.meta, table.own, _schedule(table, device), consts, table.n, mult, found,
                 launch.part(g, 2), norms,
                 launch.sync(g), P_TY=p_ty, G_TY=g_ty, HAS_MASTER=has_master, HAS_MULT=mult is not None,
                 HAS_FOUND=found is not None, BIAS_CORRECTION=bias_correction, PAPER=trust_mode == 0,

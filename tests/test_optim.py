@@ -5,6 +5,7 @@ Most tests run three ways (the ``path`` fixture): the C++ CPU kernels, the Trito
 interpreter on CPU tensors, and the Triton kernels on CUDA (skipped without a GPU).
 """
 import copy
+import types
 
 import pytest
 import torch
@@ -492,8 +493,41 @@ def test_one_launch_lamb_schedule_runs_each_tensor_stage_1_then_stage_2_backward
     from zerofuse.kernels import optim as K
 
     # tensors of 2, 0, 1 and 3 blocks: codes 2 * block + stage
-    sched = K._schedule((5000, 0, 7, 9000), [0, 2, 2, 3, 6], torch.device("cpu")).tolist()
+    table = types.SimpleNamespace(numels=(5000, 0, 7, 9000), block_starts=[0, 2, 2, 3, 6])
+    sched = K._schedule(table, torch.device("cpu")).tolist()
     assert sched == [0, 2, 3, 1, 4, 5, 6, 8, 10, 11, 9, 7]
+
+
+def test_one_launch_lamb_schedule_outlives_the_layout_cache(monkeypatch):
+    """A captured step (--cuda-graphs) reads the schedule of its first launch at every replay: an
+    optimizer's launch keeps using that same tensor after more than _LAYOUTS_KEPT other layouts
+    (e.g. ZeRO buckets) pushed it out of the shared cache, which freed it for reuse."""
+    from zerofuse.kernels import lamb as KL
+    from zerofuse.kernels import multi_tensor as MT
+    from zerofuse.kernels import optim as K
+
+    monkeypatch.setattr(K, "LAMB_ONE_LAUNCH", True)
+    monkeypatch.setattr(KL, "_SCHEDULES", KL.OrderedDict())
+    seen = []
+    real = KL.launch_triton
+
+    def spy(kernel, grid, *args, **consts):
+        if kernel is KL._lamb_fused_kernel:
+            seen.append(args[2])
+        return real(kernel, grid, *args, **consts)
+
+    monkeypatch.setattr(KL, "launch_triton", spy)
+    params = [torch.nn.Parameter(torch.randn(n)) for n in (5, 4099)]
+    opt = FusedLAMB(params, lr=1e-3)
+    for p in params:
+        p.grad = torch.zeros_like(p)  # kept, as a job's grads are: the launch's tables are kept
+    for step in range(2):
+        for p in params:
+            p.grad.normal_()
+        opt.step()
+        for n in range(MT._LAYOUTS_KEPT + 1):  # other layouts evict this optimizer's
+            MT._kept(KL._SCHEDULES, ("another layout", n), lambda: torch.zeros(1, dtype=torch.int32))
+    assert len(seen) == 2 and seen[0] is seen[1]
 
 
 def test_lamb_launch_form_is_chosen_by_the_environment(monkeypatch):
