@@ -97,9 +97,11 @@ def _key_tile(base, start_n, stride, offs_n, offs_d, d_mask, Nk, MASKED: tl.cons
 
 @triton.jit
 def _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, skn, svn, start, end, offs_m, offs_n, offs_d, d_mask, Nk,
-                qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr):
+                qk_scale, doc_lo, MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
+                UPCAST: tl.constexpr, DOCS: tl.constexpr = False):
     """The online softmax over the key blocks [start, end): masked (the key tail, the causal
-    diagonal) only when MASKED."""
+    diagonal, and with DOCS each row's keys before doc_lo, its document's first token) only when
+    MASKED."""
     for start_n in range(start, end, BLOCK_N):
         cols = start_n + offs_n
         k = _key_tile(k_base, start_n, skn, offs_n, offs_d, d_mask, Nk, MASKED, BLOCK_N)
@@ -108,15 +110,45 @@ def _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, skn, svn, start, end, offs_m, 
             keep = cols[None, :] < Nk
             if CAUSAL:
                 keep = keep & (cols[None, :] <= offs_m[:, None])
+            if DOCS:
+                keep = keep & (cols[None, :] >= doc_lo[:, None])
             s = tl.where(keep, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        m_use = m_new
+        if MASKED and DOCS:  # a row may have seen no key yet: 2^(-inf - -inf) would be NaN (m stays -inf)
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = _key_tile(v_base, start_n, svn, offs_n, offs_d, d_mask, Nk, MASKED, BLOCK_N)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST)
         m_i = m_new
     return acc, l_i, m_i
+
+
+# [Note: documents] Packed sequences (several documents in one row, as pre-training packs them and
+# transformers' DataCollatorWithFlattening does): with DOCS, causal attention where query i sees key
+# j only if start(i) <= j <= i, start(i) being the first token of i's document. The bounds come as
+# one int32 (2, B, N) tensor (zerofuse.ops.attention.document_bounds): row 0 each token's document
+# start, row 1 the token one past its document's end; starts are non-decreasing along N. The
+# forward and dq kernels run a query block's keys from its first row's start (rounded down to
+# BLOCK_N: earlier blocks are skipped), masked up to its last row's start (rounded up), unmasked
+# from there to the causal diagonal; the dk/dv kernel runs a key block's queries from the causal
+# start to the end of its last key's document. Work per row is its document's length, not its
+# position in the row, with no (N, N) mask read. A row that has seen no key yet in a masked block
+# keeps its running max at -inf (a stand-in 0 would underflow rows whose scores are all far below 0).
+@triton.jit
+def _doc_starts(DOC, b, offs_m, Nq, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[Note: documents] For a block of query rows: each row's document start (its first visible
+    key), the first key block any row sees (the first row's start, rounded down to BLOCK_N), and
+    where the key blocks every row sees wholly begin (the last row's start, rounded up)."""
+    first = tl.min(offs_m, axis=0)  # (a block's first row is always < Nq)
+    last = tl.minimum(tl.max(offs_m, axis=0), Nq - 1)
+    row_base = DOC + b.to(tl.int64) * Nq
+    doc_lo = tl.load(row_base + offs_m, mask=offs_m < Nq, other=0)
+    lo = (tl.load(row_base + first) // BLOCK_N) * BLOCK_N
+    mid = ((tl.load(row_base + last) + BLOCK_N - 1) // BLOCK_N) * BLOCK_N
+    return doc_lo, lo, mid
 
 
 @triton.jit
@@ -129,10 +161,10 @@ def _unmasked_end(pid_m, Nk, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_
 
 
 @triton.jit
-def _attn_fwd_kernel(Q, K, V, O, LSE, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son,
+def _attn_fwd_kernel(Q, K, V, O, LSE, DOC, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son,
                      Hq, G, Nq, Nk, D, qk_scale,
                      CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                     UPCAST: tl.constexpr):
+                     UPCAST: tl.constexpr, DOCS: tl.constexpr = False):
     pid_m = _query_pid(CAUSAL)
     b, h, hk, offs_m, offs_n, offs_d, d_mask, row_mask, q = _query_block(Q, sqb, sqh, sqn, G, Nq, D, BLOCK_M,
                                                                          BLOCK_N, BLOCK_D, CAUSAL)
@@ -145,10 +177,19 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, sqb, sqh, sqn, skb, skh, skn, svb, svh, sv
     if CAUSAL:
         hi = tl.minimum(Nk, (pid_m + 1) * BLOCK_M)
     full = _unmasked_end(pid_m, Nk, CAUSAL, BLOCK_M, BLOCK_N)
-    acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, skn, svn, 0, full, offs_m, offs_n, offs_d,
-                                d_mask, Nk, qk_scale, False, CAUSAL, BLOCK_N, UPCAST)
+    lo = 0
+    doc_lo = offs_m
+    if DOCS:  # masked from the first key block any row sees up to where every row sees whole blocks
+        doc_lo, lo, mid = _doc_starts(DOC, b, offs_m, Nq, BLOCK_M, BLOCK_N)
+        mid = tl.minimum(mid, hi)
+        acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, skn, svn, lo, mid, offs_m, offs_n, offs_d,
+                                    d_mask, Nk, qk_scale, doc_lo, True, CAUSAL, BLOCK_N, UPCAST, DOCS)
+        lo = mid
+        full = tl.maximum(full, mid)
+    acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, skn, svn, lo, full, offs_m, offs_n, offs_d,
+                                d_mask, Nk, qk_scale, doc_lo, False, CAUSAL, BLOCK_N, UPCAST)
     acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, skn, svn, full, hi, offs_m, offs_n, offs_d,
-                                d_mask, Nk, qk_scale, True, CAUSAL, BLOCK_N, UPCAST)
+                                d_mask, Nk, qk_scale, doc_lo, True, CAUSAL, BLOCK_N, UPCAST, DOCS)
     out = acc / l_i[:, None]
     tl.store(_rows(_heads(O, b, h, sob, soh), pid_m * BLOCK_M, son, offs_d, BLOCK_M), out.to(O.dtype.element_ty),
              mask=row_mask)
@@ -283,13 +324,30 @@ def _writable(t: torch.Tensor | None, shape, like: torch.Tensor) -> torch.Tensor
     return t if ok else None
 
 
-def attention_fwd(q, k, v, causal: bool, scale: float, out=None, checked: bool = False):
+def check_docs(docs, q, k, causal: bool, fn: str) -> None:
+    """[Note: documents] docs: int32 (2, B, N), per token its document's first token and the one past
+    its last (document_bounds), for causal attention of queries and keys of one length N."""
+    b, n = q.shape[0], q.shape[2]
+    if not causal or k.shape[2] != n:
+        raise ValueError(f"{fn}: documents are for causal attention of queries and keys of one length, got "
+                         f"is_causal={causal}, {n} queries and {k.shape[2]} keys")
+    if not isinstance(docs, torch.Tensor) or docs.dtype != torch.int32 or tuple(docs.shape) != (2, b, n) \
+            or docs.device != q.device:
+        got = f"{docs.dtype} {list(docs.shape)} on {docs.device}" if isinstance(docs, torch.Tensor) else type(docs)
+        raise ValueError(f"{fn}: expected document bounds of shape [2, {b}, {n}], int32 on {q.device} "
+                         f"(zerofuse.ops.attention.document_bounds), got {got}")
+
+
+def attention_fwd(q, k, v, causal: bool, scale: float, out=None, checked: bool = False, docs=None):
     """(out (B, Hq, Nq, D) like q, lse (B, Hq, Nq) fp32 natural log-sum-exp of the scaled scores).
     out: where to write it (any strides with a unit one along D, e.g. a (B, Nq, Hq, D) buffer seen
     as (B, Hq, Nq, D)); default a new contiguous tensor. checked: the caller ran _check (or made
-    q, k, v as views of one checked qkv tensor)."""
+    q, k, v as views of one checked qkv tensor). docs: document bounds ([Note: documents])."""
     if not checked:
         _check(q, k, v, "zerofuse.kernels.attention.attention_fwd")
+    if docs is not None:
+        check_docs(docs, q, k, causal, "zerofuse.kernels.attention.attention_fwd")
+        docs = docs.contiguous()
     q, k, v = _tileable(q), _tileable(k), _tileable(v)
     b, hq, nq, d = q.shape
     _check_grid(b, hq)
@@ -300,19 +358,19 @@ def attention_fwd(q, k, v, causal: bool, scale: float, out=None, checked: bool =
         out = torch.empty((b, hq, nq, d), device=q.device, dtype=q.dtype)
     lse = torch.empty((b, hq, nq), device=q.device, dtype=torch.float32)
     _launch(_attn_fwd_kernel, _attn_fwd_tuned, lambda meta: (cdiv(nq, meta["BLOCK_M"]), hq, b),
-            q, k, v, out, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
-            hq, hq // hkv, nq, nk, d, scale * LOG2E, CAUSAL=causal, BLOCK_D=_block_d(d),
-            tune_key=(length_class(nq), length_class(nk), d, causal, q.dtype))
+            q, k, v, out, lse, lse if docs is None else docs, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+            *out.stride()[:3], hq, hq // hkv, nq, nk, d, scale * LOG2E, CAUSAL=causal, BLOCK_D=_block_d(d),
+            DOCS=docs is not None, tune_key=(length_class(nq), length_class(nk), d, causal, q.dtype, docs is not None))
     if given is not None and given is not out:
         given.copy_(out)
         out = given
     return out, lse
 
 
-def attention_bwd(dout, q, k, v, out, lse, causal: bool, scale: float, dq=None, dk=None, dv=None):
+def attention_bwd(dout, q, k, v, out, lse, causal: bool, scale: float, dq=None, dk=None, dv=None, docs=None):
     """(dq, dk, dv): kernels/attention_bwd.py."""
     from zerofuse.kernels.attention_bwd import attention_bwd as bwd
-    return bwd(dout, q, k, v, out, lse, causal, scale, dq, dk, dv)
+    return bwd(dout, q, k, v, out, lse, causal, scale, dq, dk, dv, docs)
 
 
 def default_scale(d: int) -> float:

@@ -9,18 +9,18 @@ import torch
 import triton
 import triton.language as tl
 
-from zerofuse.kernels.attention import (_block_d, _check_grid, _dot, _heads, _key_tile, _launch,
+from zerofuse.kernels.attention import (_block_d, _check_grid, _doc_starts, _dot, _heads, _key_tile, _launch,
                                         _query_block, _query_pid, _rows, _tileable, _tuned, _unmasked_end, _writable,
-                                        length_class)
+                                        check_docs, length_class)
 from zerofuse.kernels.common import cdiv
 
 
 @triton.jit
-def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
+def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DOC,
                           sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sdb, sdh, sdn,
                           sdkb, sdkh, sdkn, sdvb, sdvh, sdvn, Hq, Hkv, G, Nq, Nk, D, scale,
                           CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_D: tl.constexpr, UPCAST: tl.constexpr):
+                          BLOCK_D: tl.constexpr, UPCAST: tl.constexpr, DOCS: tl.constexpr = False):
     pid_n = tl.program_id(0)
     hk = tl.program_id(1)
     b = tl.program_id(2)
@@ -36,12 +36,16 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
     lo = 0
     if CAUSAL:
         lo = (pid_n * BLOCK_N // BLOCK_M) * BLOCK_M  # rows before the block's first key see none of it
+    hi = Nq
+    doc_base = DOC + b.to(tl.int64) * Nq
+    if DOCS:  # [Note: documents] rows from the end of the last key's document on see none of the block
+        hi = tl.load(doc_base + tl.num_programs(2).to(tl.int64) * Nq + tl.minimum(pid_n * BLOCK_N + BLOCK_N, Nk) - 1)
     for g in range(0, G):
         h = hk * G + g
         q_base = _heads(Q, b, h, sqb, sqh)
         do_base = _heads(DO, b, h, sdb, sdh)
         stat_base = (b.to(tl.int64) * Hq + h) * Nq
-        for start_m in range(lo, Nq, BLOCK_M):
+        for start_m in range(lo, hi, BLOCK_M):
             rows = start_m + offs_m
             row_mask = (rows[:, None] < Nq) & d_mask[None, :]
             q = tl.load(_rows(q_base, start_m, sqn, offs_d, BLOCK_M), mask=row_mask, other=0.0)
@@ -53,6 +57,8 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
             keep = (offs_n[:, None] < Nk) & (rows[None, :] < Nq)
             if CAUSAL:
                 keep = keep & (offs_n[:, None] <= rows[None, :])
+            if DOCS:
+                keep = keep & (offs_n[:, None] >= tl.load(doc_base + rows, mask=rows < Nq, other=0)[None, :])
             pt = tl.where(keep, tl.exp2(st - lse2[None, :]), 0.0)
             dv += _dot(pt.to(do.dtype), do, UPCAST)
             dpt = _dot(v, tl.trans(do), UPCAST)
@@ -68,8 +74,10 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
 
 @triton.jit
 def _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, skn, svn, start, end, offs_m, offs_n, offs_d, d_mask, Nq, Nk,
-               qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr):
-    """dq over the key blocks [start, end): masked (the key tail, the causal diagonal) only when MASKED."""
+               qk_scale, doc_lo, MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
+               UPCAST: tl.constexpr, DOCS: tl.constexpr = False):
+    """dq over the key blocks [start, end): masked (the key tail, the causal diagonal, with DOCS the
+    keys before each row's document) only when MASKED."""
     for start_n in range(start, end, BLOCK_N):
         cols = start_n + offs_n
         k = _key_tile(k_base, start_n, skn, offs_n, offs_d, d_mask, Nk, MASKED, BLOCK_N)
@@ -80,6 +88,8 @@ def _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, skn, svn, start, end, off
             keep = (cols[None, :] < Nk) & (offs_m[:, None] < Nq)
             if CAUSAL:
                 keep = keep & (cols[None, :] <= offs_m[:, None])
+            if DOCS:
+                keep = keep & (cols[None, :] >= doc_lo[:, None])
             p = tl.where(keep, p, 0.0)
         dp = _dot(do, tl.trans(v), UPCAST)
         ds = p * (dp - delta[:, None])
@@ -88,11 +98,11 @@ def _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, skn, svn, start, end, off
 
 
 @triton.jit
-def _attn_bwd_dq_kernel(Q, K, V, DO, O, LSE, DELTA, DQ,
+def _attn_bwd_dq_kernel(Q, K, V, DO, O, LSE, DELTA, DQ, DOC,
                         sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sdb, sdh, sdn, sob, soh, son,
                         sdqb, sdqh, sdqn, Hq, G, Nq, Nk, D, scale,
                         CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_D: tl.constexpr, UPCAST: tl.constexpr):
+                        BLOCK_D: tl.constexpr, UPCAST: tl.constexpr, DOCS: tl.constexpr = False):
     pid_m = _query_pid(CAUSAL)
     b, h, hk, offs_m, offs_n, offs_d, d_mask, row_mask, q = _query_block(Q, sqb, sqh, sqn, G, Nq, D, BLOCK_M,
                                                                          BLOCK_N, BLOCK_D, CAUSAL)
@@ -113,10 +123,19 @@ def _attn_bwd_dq_kernel(Q, K, V, DO, O, LSE, DELTA, DQ,
     k_base = _heads(K, b, hk, skb, skh)
     v_base = _heads(V, b, hk, svb, svh)
     full = _unmasked_end(pid_m, Nk, CAUSAL, BLOCK_M, BLOCK_N)
-    dq = _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, skn, svn, 0, full, offs_m, offs_n, offs_d, d_mask, Nq,
-                    Nk, qk_scale, False, CAUSAL, BLOCK_N, UPCAST)
+    lo = 0
+    doc_lo = offs_m
+    if DOCS:  # the forward's key ranges ([Note: documents])
+        doc_lo, lo, mid = _doc_starts(DOC, b, offs_m, Nq, BLOCK_M, BLOCK_N)
+        mid = tl.minimum(mid, hi)
+        dq = _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, skn, svn, lo, mid, offs_m, offs_n, offs_d, d_mask,
+                        Nq, Nk, qk_scale, doc_lo, True, CAUSAL, BLOCK_N, UPCAST, DOCS)
+        lo = mid
+        full = tl.maximum(full, mid)
+    dq = _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, skn, svn, lo, full, offs_m, offs_n, offs_d, d_mask, Nq,
+                    Nk, qk_scale, doc_lo, False, CAUSAL, BLOCK_N, UPCAST)
     dq = _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, skn, svn, full, hi, offs_m, offs_n, offs_d, d_mask, Nq,
-                    Nk, qk_scale, True, CAUSAL, BLOCK_N, UPCAST)
+                    Nk, qk_scale, doc_lo, True, CAUSAL, BLOCK_N, UPCAST, DOCS)
     tl.store(_rows(_heads(DQ, b, h, sdqb, sdqh), pid_m * BLOCK_M, sdqn, offs_d, BLOCK_M),
              (dq * scale).to(DQ.dtype.element_ty), mask=row_mask)
 
@@ -125,9 +144,13 @@ _attn_bwd_dkdv_tuned = _tuned(_attn_bwd_dkdv_kernel, ["Nq", "Nk", "D", "CAUSAL"]
 _attn_bwd_dq_tuned = _tuned(_attn_bwd_dq_kernel, ["Nq", "Nk", "D", "CAUSAL"])
 
 
-def attention_bwd(dout, q, k, v, out, lse, causal: bool, scale: float, dq=None, dk=None, dv=None):
+def attention_bwd(dout, q, k, v, out, lse, causal: bool, scale: float, dq=None, dk=None, dv=None, docs=None):
     """(dq, dk, dv) in the inputs' dtypes; written into dq/dk/dv when given (any strides with a unit
-    one along D: e.g. views of one packed qkv gradient), else into new contiguous tensors."""
+    one along D: e.g. views of one packed qkv gradient), else into new contiguous tensors. docs:
+    the forward's document bounds ([Note: documents] in kernels/attention.py)."""
+    if docs is not None:
+        check_docs(docs, q, k, causal, "zerofuse.kernels.attention.attention_bwd")
+        docs = docs.contiguous()
     b, hq, nq, d = q.shape
     _check_grid(b, hq)
     hkv, nk = k.shape[1], k.shape[2]
@@ -141,13 +164,14 @@ def attention_bwd(dout, q, k, v, out, lse, causal: bool, scale: float, dq=None, 
     dq, dk, dv = (t if t is not None else torch.empty(like.shape, device=like.device, dtype=like.dtype)
                   for t, like in zip(outs, (q, k, v)))
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3])
-    tune_key = (length_class(nq), length_class(nk), d, causal, q.dtype)
+    tune_key = (length_class(nq), length_class(nk), d, causal, q.dtype, docs is not None)
+    doc = lse if docs is None else docs  # (not read without documents)
     _launch(_attn_bwd_dq_kernel, _attn_bwd_dq_tuned, lambda meta: (cdiv(nq, meta["BLOCK_M"]), hq, b),
-            q, k, v, dout, out, lse, delta, dq, *strides, *out.stride()[:3], *dq.stride()[:3], hq, hq // hkv, nq, nk,
-            d, scale, CAUSAL=causal, BLOCK_D=bd, tune_key=tune_key)
+            q, k, v, dout, out, lse, delta, dq, doc, *strides, *out.stride()[:3], *dq.stride()[:3], hq, hq // hkv, nq,
+            nk, d, scale, CAUSAL=causal, BLOCK_D=bd, DOCS=docs is not None, tune_key=tune_key)
     _launch(_attn_bwd_dkdv_kernel, _attn_bwd_dkdv_tuned, lambda meta: (cdiv(nk, meta["BLOCK_N"]), hkv, b),
-            q, k, v, dout, lse, delta, dk, dv, *strides, *dk.stride()[:3], *dv.stride()[:3], hq, hkv, hq // hkv,
-            nq, nk, d, scale, CAUSAL=causal, BLOCK_D=bd, tune_key=tune_key)
+            q, k, v, dout, lse, delta, dk, dv, doc, *strides, *dk.stride()[:3], *dv.stride()[:3], hq, hkv, hq // hkv,
+            nq, nk, d, scale, CAUSAL=causal, BLOCK_D=bd, DOCS=docs is not None, tune_key=tune_key)
     res = [dq, dk, dv]
     for i, (g, o) in enumerate(zip(given, outs)):
         if g is not None and o is None:  # given but not writable in place: copied in

@@ -119,11 +119,12 @@ def lars_step(params, grads, momentum_buffers, *, lr, momentum, weight_decay, tr
         x.sub_(v)
 
 
-def attention(q, k, v, is_causal=False, scale=None):
+def attention(q, k, v, is_causal=False, scale=None, document_ids=None):
     """(out, lse) of softmax(q k^T * scale [+ causal mask]) v in the inputs' dtype (pass float64 for
     a float64 reference). (B, H, N, D) layout; key/value heads repeated for grouped-query
     attention (Hq a multiple of Hkv); causal is torch's top-left mask (query i sees keys 0..i);
-    lse is the natural log-sum-exp of each row's scaled, masked scores."""
+    lse is the natural log-sum-exp of each row's scaled, masked scores. document_ids (B, N): a
+    query sees only keys of its own document, a run of equal ids along N."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     g = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
@@ -132,6 +133,10 @@ def attention(q, k, v, is_causal=False, scale=None):
         nq, nk = q.shape[-2], k.shape[-2]
         keep = torch.ones(nq, nk, dtype=torch.bool, device=q.device).tril()
         s = s.masked_fill(~keep, float("-inf"))
+    if document_ids is not None:
+        runs = torch.cat([torch.zeros_like(document_ids[:, :1]),
+                          (document_ids[:, 1:] != document_ids[:, :-1]).long()], dim=1).cumsum(1)
+        s = s.masked_fill((runs[:, None, :, None] != runs[:, None, None, :]), float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
     return torch.softmax(s, dim=-1) @ v, lse
 

@@ -279,12 +279,13 @@ def test_tiles_compile_to_16_byte_accesses_for_an_h100():
     """Compiled for sm_90 on this CPU machine as a launch specialises them (tools/kernel_asm.py
     --attention): with head_dim a multiple of 16 (64, 80) every q/o/do tile moves in 16-byte
     accesses and the k/v tiles by pipelined 16-byte cp.async copies into shared memory, no 2-byte
-    load left, in every kernel, causal or not. (head_dim 72 compiles to 2-byte loads: its tile mask
-    cannot be proven uniform over 8 elements; correct, not fast: listed in the tool's output.)"""
+    load left, in every kernel, causal or not, with packed documents or not ([Note: documents]).
+    (head_dim 72 compiles to 2-byte loads: its tile mask cannot be proven uniform over 8 elements;
+    correct, not fast: listed in the tool's output.)"""
     from common import kernel_asm
 
     rows = kernel_asm("--attention")
-    assert len(rows) == 12
+    assert len(rows) == 18 and sum(r["documents"] for r in rows) == 6
     for r in rows:
         if r["head_dim"] % 16 == 0:
             assert "b16" not in r["loads"] and "b16" not in r["stores"], r

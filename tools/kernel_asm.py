@@ -78,8 +78,8 @@ def attention(arch: int) -> None:
     """The attention kernels (forward, dq, dk/dv), causal and not, bf16, compiled with a GPU tile
     config (128 x 64, 8 warps, 3 stages) and specialised as a launch specialises them (pointers
     16-byte aligned; an int argument divisible by 16 marked so: the strides, and head_dim D when it
-    is, as 64 and 80 are and 72 is not): one JSON line per (kernel, causal, head_dim) with the PTX's
-    global load / async-copy / store widths and its loops (a compile error raises)."""
+    is, as 64 and 80 are and 72 is not): one JSON line per (kernel, causal, head_dim, documents) with
+    the PTX's global load / async-copy / store widths and its loops (a compile error raises)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -88,20 +88,21 @@ def attention(arch: int) -> None:
     from zerofuse.kernels import attention_bwd as AB
 
     for kernel in (A._attn_fwd_kernel, AB._attn_bwd_dq_kernel, AB._attn_bwd_dkdv_kernel):
-        for causal, d in ((True, 64), (False, 64), (True, 80), (True, 72)):
-            cx = dict(CAUSAL=causal, BLOCK_M=128, BLOCK_N=64, BLOCK_D=A._block_d(d), UPCAST=False)
+        for causal, d, docs in ((True, 64, False), (False, 64, False), (True, 80, False), (True, 72, False),
+                                (True, 64, True), (True, 128, True)):
+            cx = dict(CAUSAL=causal, BLOCK_M=128, BLOCK_N=64, BLOCK_D=A._block_d(d), UPCAST=False, DOCS=docs)
             sig = {}
             for name in inspect.signature(kernel.fn).parameters:
                 ints = name.startswith("s") and name != "scale" or name in ("Hq", "Hkv", "G", "Nq", "Nk", "D")
                 sig[name] = ("constexpr" if name in cx else "i32" if ints else "fp32" if name in ("scale", "qk_scale")
-                             else "*fp32" if name in ("LSE", "DELTA") else "*bf16")
+                             else "*fp32" if name in ("LSE", "DELTA") else "*i32" if name == "DOC" else "*bf16")
             divisible = {n for n, ty in sig.items() if ty.startswith("*") or (ty == "i32" and n.startswith("s"))}
             if d % 16 == 0:
                 divisible.add("D")
             attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig) if n in divisible}
             ptx = triton.compile(ASTSource(kernel, sig, constexprs=cx, attrs=attrs), target=GPUTarget("cuda", arch, 32),
                                  options={"num_warps": 8, "num_stages": 3}).asm["ptx"]
-            print(json.dumps({"kernel": kernel.fn.__name__, "causal": causal, "head_dim": d,
+            print(json.dumps({"kernel": kernel.fn.__name__, "causal": causal, "head_dim": d, "documents": docs,
                               "loads": widths(ptx, "ld"), "async_copies": async_copies(ptx),
                               "stores": widths(ptx, "st"), "loops": loops(ptx)}), flush=True)
 

@@ -6,10 +6,11 @@ that function whose module-level names ``apply_rotary_pos_emb`` and ``ALL_ATTENT
 bound to zerofuse's; the class, its other instances and the modeling module are untouched.
 
 Attention: zerofuse's fused kernel runs where the model's mask function handed the layer no mask
-(a causal batch without padding: sdpa's mask function returns None then), queries and keys of one
-length, no dropout, softcap, sliding window shorter than the sequence or attention weights asked
-for; anything else runs the model's configured implementation (sdpa where that is zerofuse
-itself) — a different result is never returned silently. ``attn_implementation="zerofuse"`` (at
+(a causal batch without padding: sdpa's mask function returns None then) or the mask of packed
+sequences ([Note: packed sequences in transformers]), queries and keys of one length, no dropout,
+softcap, sliding window shorter than the sequence or attention weights asked for; anything else
+runs the model's configured implementation (sdpa where that is zerofuse itself) — a different
+result is never returned silently. ``attn_implementation="zerofuse"`` (at
 load or in the config) selects the same function through transformers' AttentionInterface.
 """
 from __future__ import annotations
@@ -18,6 +19,7 @@ import functools
 import inspect
 import sys
 import types
+import weakref
 
 import torch
 
@@ -55,18 +57,57 @@ def _runs_fused(query, key, attention_mask, dropout, kwargs) -> bool:
             and query.shape[1] % key.shape[1] == 0)
 
 
+# [Note: packed sequences in transformers] Packed training batches (several documents in one row,
+# position_ids restarting at 0 for each: DataCollatorWithFlattening) reach a layer as a bool
+# (B, 1, N, N) mask, causal and block-diagonal, made by the model's mask function from the
+# position_ids it also hands the layer (transformers >= 4.53 detects packing where no 2-D mask and
+# no cache were given). The fused kernel takes such a batch as document ids (no N x N mask read):
+# the ids come from position_ids' restarts, and the mask must equal theirs exactly (checked once per
+# forward on the mask object every layer shares: one comparison and one host sync; transformers'
+# packing detection syncs too) - a mask with padding, a window or anything else falls back.
+_last_packed: dict = {}
+
+
+def _packed_documents(query, attention_mask, kwargs):
+    """Document ids (B, N) when attention_mask is exactly the packed-sequence mask of the layer's
+    position_ids, else None."""
+    pos = kwargs.get("position_ids")
+    b, n = query.shape[0], query.shape[2]
+    if (not isinstance(pos, torch.Tensor) or not isinstance(attention_mask, torch.Tensor)
+            or attention_mask.dtype != torch.bool or attention_mask.dim() != 4 or attention_mask.shape[0] not in (1, b)
+            or tuple(attention_mask.shape[1:]) != (1, n, n) or pos.dim() != 2 or pos.shape[0] not in (1, b)
+            or pos.shape[1] != n or pos.is_floating_point() or torch.compiler.is_compiling()):
+        return None
+    key = (attention_mask._version, pos._version, b)
+    if _last_packed.get("mask", lambda: None)() is attention_mask and _last_packed.get("pos", lambda: None)() is pos \
+            and _last_packed["key"] == key:
+        return _last_packed["ids"]
+    from zerofuse.ops.attention import document_bounds, document_mask  # noqa: PLC0415
+
+    restart = torch.ones_like(pos, dtype=torch.bool)
+    restart[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
+    ids = restart.cumsum(1).expand(b, n)
+    if not torch.equal(attention_mask.expand(b, 1, n, n), document_mask(document_bounds(ids))):
+        ids = None
+    _last_packed.update(mask=weakref.ref(attention_mask), pos=weakref.ref(pos), key=key, ids=ids)
+    return ids
+
+
 def attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
                       is_causal=None, *, default=None, **kwargs):
     """transformers' attention-function signature: (B, H, N, D) q, k, v -> ((B, N, H, D), None).
     default: the model's own eager function, for a fallback when that is its configured one."""
-    if not _runs_fused(query, key, attention_mask, dropout, kwargs):
+    docs = None
+    if attention_mask is not None and query.shape[2] == key.shape[2]:
+        docs = _packed_documents(query, attention_mask, kwargs)
+    if not _runs_fused(query, key, attention_mask if docs is None else None, dropout, kwargs):
         _calls["fallback"] += 1
         return _fallback_impl(module, default)(module, query, key, value, attention_mask, dropout=dropout,
                                                scaling=scaling, is_causal=is_causal, **kwargs)
     _calls["fused"] += 1
     causal = (is_causal if is_causal is not None else getattr(module, "is_causal", True)) and query.shape[2] > 1
-    out = zF.scaled_dot_product_attention(query, key, value, is_causal=bool(causal), scale=scaling,
-                                          enable_gqa=key.shape[1] != query.shape[1])
+    out = zF.scaled_dot_product_attention(query, key, value, is_causal=bool(causal) or docs is not None, scale=scaling,
+                                          enable_gqa=key.shape[1] != query.shape[1], document_ids=docs)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -18,6 +18,7 @@ arguments once per call signature ([Note: call signatures], zerofuse/ops/signatu
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -256,15 +257,21 @@ def _check_attention(query, key, value, dropout_p) -> None:
 
 def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None,
                                  dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
-                                 enable_gqa: bool = False) -> Tensor:
+                                 enable_gqa: bool = False, *, document_ids: Tensor | None = None) -> Tensor:
     """torch.nn.functional.scaled_dot_product_attention with zerofuse's fused kernel: (B, H, N, D)
     tensors, causal or not, grouped-query attention with enable_gqa=True. What the kernel does not
     take (an attn_mask, dropout_p > 0, other ranks, head_dim > 256, float64 on CUDA, an empty query
     or batch) runs torch's implementation after a one-time warning: never a silently different
-    result. Query, key and value must share a device and a dtype (as for torch's)."""
+    result. Query, key and value must share a device and a dtype (as for torch's).
+    document_ids (B, N) integers, causal only: packed documents, each a run of equal ids along N; a
+    query sees only the earlier keys of its own document (varlen attention without unpadding; the
+    kernel skips the key blocks of other documents)."""
     from zerofuse.ops import attention as _attn
 
     _check_attention(query, key, value, dropout_p)
+    docs = None
+    if document_ids is not None:
+        docs = _documents(query, key, is_causal, document_ids)
     if query.dim() == 4 and key.dim() == 4 and query.shape[1] != key.shape[1] and not enable_gqa:
         raise ValueError(f"zerofuse.nn.functional.scaled_dot_product_attention: query has {query.shape[1]} heads, "
                          f"key {key.shape[1]}: pass enable_gqa=True for grouped-query attention")
@@ -289,16 +296,59 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
     if reason is not None:
         _fallback_warning(reason)
         kw = {"enable_gqa": enable_gqa} if enable_gqa else {}
+        if docs is not None:  # the documents as a mask, causal included
+            attn_mask, is_causal = _with_documents(attn_mask, docs), False
         return torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal,
                                                                 scale=scale, **kw)
     scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
     # the kernel takes any strides but a unit one along head_dim (torch's sdpa takes any layout)
     query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
     if torch.compiler.is_compiling():
-        return torch.ops.zerofuse.attention(query, key, value, bool(is_causal), scale)[0]
+        return torch.ops.zerofuse.attention(query, key, value, bool(is_causal), scale, docs)[0]
     if not _needs_grad(query, key, value, None):  # no autograd at all
-        return _attn._fwd(query, key, value, bool(is_causal), scale)[0]
-    return _attn.eager_attention(query, key, value, bool(is_causal), scale)
+        return _attn._fwd(query, key, value, bool(is_causal), scale, docs)[0]
+    return _attn.eager_attention(query, key, value, bool(is_causal), scale, docs)
+
+
+def _documents(query: Tensor, key: Tensor, is_causal: bool, document_ids: Tensor) -> Tensor:
+    """scaled_dot_product_attention's document_ids as the op's docs (document_bounds), checked."""
+    from zerofuse.ops import attention as _attn
+
+    where = "zerofuse.nn.functional.scaled_dot_product_attention"
+    n = query.shape[-2] if query.dim() >= 2 else None
+    if not is_causal or key.dim() < 2 or key.shape[-2] != n:
+        raise ValueError(f"{where}: document_ids are for causal attention of queries and keys of one length, "
+                         f"got is_causal={is_causal}, query {list(query.shape)}, key {list(key.shape)}")
+    if not isinstance(document_ids, Tensor) or tuple(document_ids.shape) != (query.shape[0], n) \
+            or document_ids.device != query.device:
+        got = (f"{list(document_ids.shape)} on {document_ids.device}" if isinstance(document_ids, Tensor)
+               else type(document_ids).__name__)
+        raise ValueError(f"{where}: expected document_ids of shape [{query.shape[0]}, {n}] (batch, sequence) on "
+                         f"{query.device}, got {got}")
+    if torch.compiler.is_compiling():
+        return _attn.document_bounds(document_ids)
+    # every layer of a forward passes the same ids: their bounds are made once
+    last = _last_documents
+    if last.get("ids", lambda: None)() is document_ids and last["version"] == document_ids._version:
+        return last["docs"]
+    docs = _attn.document_bounds(document_ids)
+    last.update(ids=weakref.ref(document_ids), version=document_ids._version, docs=docs)
+    return docs
+
+
+_last_documents: dict = {}
+
+
+def _with_documents(attn_mask: Tensor | None, docs: Tensor) -> Tensor:
+    """torch's sdpa mask for the documents (causal included), combined with the caller's attn_mask."""
+    from zerofuse.ops import attention as _attn
+
+    seen = _attn.document_mask(docs)
+    if attn_mask is None:
+        return seen
+    if attn_mask.dtype == torch.bool:
+        return attn_mask & seen
+    return attn_mask.masked_fill(~seen, float("-inf"))
 
 
 def qkv_attention(qkv: Tensor, num_heads: int, num_kv_heads: int | None = None, is_causal: bool = False,

@@ -1,14 +1,16 @@
 """``zerofuse::attention`` / ``zerofuse::attention_backward``: fused attention, Triton custom ops.
 
-attention(q, k, v, is_causal, scale) -> (out, lse): (B, H, N, D) shapes, grouped-query attention
-when k/v have fewer heads (Hq a multiple of Hkv), torch's top-left causal mask; lse is the natural
-log-sum-exp per query row (fp32; fp64 for fp64 inputs). Not differentiable through lse. out and
+attention(q, k, v, is_causal, scale, docs=None) -> (out, lse): (B, H, N, D) shapes, grouped-query
+attention when k/v have fewer heads (Hq a multiple of Hkv), torch's top-left causal mask; lse is the
+natural log-sum-exp per query row (fp32; fp64 for fp64 inputs). Not differentiable through lse.
+docs: packed documents (causal only): a query sees only the keys of its own document
+(document_bounds below; [Note: documents] in kernels/attention.py). out and
 the gradients dq/dk/dv are laid out as q/k/v are ([Note: outputs follow their inputs' layout] in
 zerofuse/ops/__init__.py): for (B, H, N, D) views of (B, N, H, D) projections, (B, N, H, D) memory.
 
 CUDA tensors (and CPU tensors under ZEROFUSE_TRITON_ON_CPU=1) run kernels/attention.py; other
 CPU tensors run torch's CPU flash-attention kernels (k/v heads repeated for GQA; their gradients
-summed back over the group).
+summed back over the group; documents as an additive (B, 1, N, N) mask).
 
 Empty input (B, H or Nq of 0, or no keys) runs no kernel, on any path (torch's CPU flash kernels
 divide by zero on it: SIGFPE): out is zeros, as torch's sdpa gives (a query that sees no key
@@ -60,6 +62,47 @@ def _empty(q: Tensor, k: Tensor) -> bool:
     return b * h * nq == 0 or k.shape[2] == 0
 
 
+def document_bounds(document_ids: Tensor) -> Tensor:
+    """The ops' docs argument from per-token document ids (B, N) of any integer dtype: int32 (2, B, N),
+    per token its document's first token and the one past its last. A document is a run of equal
+    ids along N (as transformers' packed-sequence indices); the same id in two runs is two documents."""
+    if not isinstance(document_ids, Tensor) or document_ids.dim() != 2 or document_ids.is_floating_point() \
+            or document_ids.is_complex() or document_ids.dtype == torch.bool:
+        got = (f"{document_ids.dtype} {list(document_ids.shape)}" if isinstance(document_ids, Tensor)
+               else type(document_ids).__name__)
+        raise ValueError(f"zerofuse document_bounds: expected document_ids as a (batch, sequence) integer tensor, "
+                         f"got {got}")
+    b, n = document_ids.shape
+    dev = document_ids.device
+    idx = torch.arange(n, device=dev, dtype=torch.int32).expand(b, n)
+    first = torch.ones((b, n), dtype=torch.bool, device=dev)  # a document's first token
+    first[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    last = torch.ones((b, n), dtype=torch.bool, device=dev)  # a document's last token
+    last[:, :-1] = first[:, 1:]
+    start = torch.where(first, idx, 0).cummax(1).values
+    end = torch.where(last, idx + 1, n).flip(1).cummin(1).values.flip(1)
+    return torch.stack((start, end)).to(torch.int32)
+
+
+def document_mask(docs: Tensor) -> Tensor:
+    """The documents as torch's sdpa mask: bool (B, 1, N, N), True where a query sees a key (causal
+    included). N x N: for torch's kernels only."""
+    n = docs.shape[2]
+    keys = torch.arange(n, device=docs.device)
+    return ((keys[None, None, :] >= docs[0][:, :, None]) & (keys[None, None, :] <= keys[None, :, None]))[:, None]
+
+
+def _doc_mask(docs: Tensor, dtype: torch.dtype) -> Tensor:
+    """document_mask as an additive mask (torch's CPU flash kernels take one of the query's dtype)."""
+    seen = document_mask(docs)
+    return torch.zeros(seen.shape, dtype=dtype, device=docs.device).masked_fill_(~seen, -math.inf)
+
+
+def _check_docs(docs, q: Tensor, k: Tensor, is_causal: bool, fn: str) -> None:
+    if docs is not None:
+        K.check_docs(docs, q, k, is_causal, fn)
+
+
 def _check_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor) -> None:
     fn = "zerofuse::attention_backward"
     K._check(q, k, v, fn)
@@ -73,51 +116,59 @@ def _check_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, 
 
 
 @torch.library.custom_op("zerofuse::attention", mutates_args=())
-def attention(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float) -> tuple[Tensor, Tensor]:
-    return _fwd(q, k, v, is_causal, scale)
+def attention(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float,
+              docs: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    return _fwd(q, k, v, is_causal, scale, docs)
 
 
-def _fwd(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+def _fwd(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float, docs=None) -> tuple[Tensor, Tensor]:
     """zerofuse::attention's body (also EagerAttention's)."""
     K._check(q, k, v)
+    _check_docs(docs, q, k, is_causal, "zerofuse::attention")
     if _empty(q, k):
         return empty_in_layout(q).zero_(), torch.full(q.shape[:3], -math.inf, dtype=_lse_dtype(q), device=q.device)
     if use_triton(q):
-        return K.attention_fwd(q, k, v, is_causal, scale, out=empty_in_layout(q), checked=True)
+        return K.attention_fwd(q, k, v, is_causal, scale, out=empty_in_layout(q), checked=True, docs=docs)
     _refuse_on_cuda(q, "zerofuse::attention")
     g = _groups(q, k)
     kk, vv = (k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)) if g > 1 else (k, v)
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, kk, vv, 0.0, is_causal, scale=scale)
+    mask = None if docs is None else _doc_mask(docs, q.dtype)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, kk, vv, 0.0, is_causal and mask is None,
+                                                                          attn_mask=mask, scale=scale)
     # in q's layout as the Triton path's and the fake's (torch.compile asserts the strides the fake
     # promised; torch's CPU kernel returns a (B, N, H, D) layout)
     return in_layout(out, q), lse.to(_lse_dtype(q)).contiguous()
 
 
 @attention.register_fake
-def _(q, k, v, is_causal, scale):
+def _(q, k, v, is_causal, scale, docs=None):
     K._check(q, k, v)
+    _check_docs(docs, q, k, is_causal, "zerofuse::attention")
     return empty_in_layout(q), q.new_empty(q.shape[:3], dtype=_lse_dtype(q))
 
 
 @torch.library.custom_op("zerofuse::attention_backward", mutates_args=())
 def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, is_causal: bool,
-                       scale: float) -> tuple[Tensor, Tensor, Tensor]:
+                       scale: float, docs: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     _check_backward(dout, q, k, v, out, lse)
-    return _bwd(dout, q, k, v, out, lse, is_causal, scale)
+    _check_docs(docs, q, k, is_causal, "zerofuse::attention_backward")
+    return _bwd(dout, q, k, v, out, lse, is_causal, scale, docs)
 
 
-def _bwd(dout, q, k, v, out, lse, is_causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+def _bwd(dout, q, k, v, out, lse, is_causal: bool, scale: float, docs=None) -> tuple[Tensor, Tensor, Tensor]:
     """zerofuse::attention_backward's body after its checks (also EagerAttention's, whose saved
     tensors need none)."""
     if _empty(q, k):
         return tuple(empty_in_layout(t).zero_() for t in (q, k, v))
     if use_triton(q):
-        return K.attention_bwd(dout, q, k, v, out, lse, is_causal, scale, *map(empty_in_layout, (q, k, v)))
+        return K.attention_bwd(dout, q, k, v, out, lse, is_causal, scale, *map(empty_in_layout, (q, k, v)), docs=docs)
     _refuse_on_cuda(q, "zerofuse::attention_backward")
     g = _groups(q, k)
     kk, vv = (k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)) if g > 1 else (k, v)
+    mask = None if docs is None else _doc_mask(docs, q.dtype)
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        dout.contiguous(), q, kk, vv, out, lse.to(_lse_dtype(q)), 0.0, is_causal, scale=scale)
+        dout.contiguous(), q, kk, vv, out, lse.to(_lse_dtype(q)), 0.0, is_causal and mask is None, attn_mask=mask,
+        scale=scale)
     if g > 1:
         b, hkv, nk, d = k.shape
         dk = dk.view(b, hkv, g, nk, d).sum(2)
@@ -126,22 +177,23 @@ def _bwd(dout, q, k, v, out, lse, is_causal: bool, scale: float) -> tuple[Tensor
 
 
 @attention_backward.register_fake
-def _(dout, q, k, v, out, lse, is_causal, scale):
+def _(dout, q, k, v, out, lse, is_causal, scale, docs=None):
     _check_backward(dout, q, k, v, out, lse)
+    _check_docs(docs, q, k, is_causal, "zerofuse::attention_backward")
     return tuple(map(empty_in_layout, (q, k, v)))
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, is_causal, scale = inputs
+    q, k, v, is_causal, scale, docs = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.save_for_backward(q, k, v, out, lse, docs)
     ctx.is_causal, ctx.scale = is_causal, scale
 
 
 def _backward(ctx, dout, dlse):
-    q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = attention_backward(dout, q, k, v, out, lse, ctx.is_causal, ctx.scale)
-    return dq, dk, dv, None, None
+    q, k, v, out, lse, docs = ctx.saved_tensors
+    dq, dk, dv = attention_backward(dout, q, k, v, out, lse, ctx.is_causal, ctx.scale, docs)
+    return dq, dk, dv, None, None, None
 
 
 attention.register_autograd(_backward, setup_context=_setup_context)
@@ -149,20 +201,20 @@ attention.register_autograd(_backward, setup_context=_setup_context)
 
 class EagerAttention(torch.autograd.Function):
     """The ops above for eager mode without custom_op's Python dispatch (as the norms' EagerNorm):
-    apply(q, k, v, is_causal, scale) -> out. The op's checks run in forward; lse is not returned
-    (not differentiable, as through the op)."""
+    apply(q, k, v, is_causal, scale, docs=None) -> out. The op's checks run in forward; lse is not
+    returned (not differentiable, as through the op)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, is_causal, scale):
-        out, lse = _fwd(q, k, v, is_causal, scale)
-        ctx.save_for_backward(q, k, v, out, lse)
+    def forward(ctx, q, k, v, is_causal, scale, docs=None):
+        out, lse = _fwd(q, k, v, is_causal, scale, docs)
+        ctx.save_for_backward(q, k, v, out, lse, docs)
         ctx.args = (is_causal, scale)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        return *_bwd(dout, q, k, v, out, lse, *ctx.args), None, None
+        q, k, v, out, lse, docs = ctx.saved_tensors
+        return *_bwd(dout, q, k, v, out, lse, *ctx.args, docs), None, None, None
 
 
 eager_attention = eager_apply(EagerAttention)
