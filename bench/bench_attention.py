@@ -134,3 +134,72 @@ def bench_attention(measure, device, smoke, matmul_peak, benchmark, causal, mode
         tflops = benchmark.extra_info["TFLOP/s"]
         benchmark.extra_info.update({"matmul_peak_TFLOP/s": round(matmul_peak, 2),
                                      "peak_ratio": round(tflops / matmul_peak, 3)})
+
+
+def _documents(b: int, n: int, device) -> torch.Tensor:
+    """Document ids (B, N) of a packed batch: lengths cycling through n/2, n/8, n/4, n/16, ... (a
+    pre-training mix), cut at the row's end; each row starts the cycle at another place."""
+    cycle = [max(1, n // f) for f in (2, 8, 4, 16, 8, 32)]
+    rows = []
+    for r in range(b):
+        lengths, i = [], r
+        while sum(lengths) < n:
+            lengths.append(cycle[i % len(cycle)])
+            i += 1
+        rows.append(torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[:n])
+    return torch.stack(rows).to(device)
+
+
+DOC_PROVIDERS = ["torch_sdpa_mask", "flex_attention", "zerofuse_causal", "zerofuse"]
+
+
+@pytest.mark.parametrize("provider", DOC_PROVIDERS)
+def bench_attention_documents(measure, device, smoke, benchmark, provider, case):
+    """Packed documents, causal within each, forward + backward: zerofuse's document_ids against
+    torch's sdpa with the (B, 1, N, N) bool mask and (CUDA) flex_attention with a block mask;
+    zerofuse_causal is plain causal attention over the whole row (the work documents save).
+    FLOPs count the pairs each query sees (sum of L^2 / 2 over documents, as the causal rule)."""
+    cuda = device.type == "cuda"
+    if provider == "flex_attention" and not cuda:
+        pytest.skip("flex_attention is measured on CUDA (compiled)")
+    b, h, n, d = case
+    dtype = torch.bfloat16 if cuda else torch.float32
+    ids = _documents(b, n, device)
+    g = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(b, h, n, d, device=device, dtype=dtype, generator=g).requires_grad_() for _ in range(3))
+    dout = torch.randn(b, h, n, d, device=device, dtype=dtype, generator=g)
+    if provider == "zerofuse":
+        def fn():
+            return ZF.scaled_dot_product_attention(q, k, v, is_causal=True, document_ids=ids)
+    elif provider == "zerofuse_causal":
+        def fn():
+            return ZF.scaled_dot_product_attention(q, k, v, is_causal=True)
+    elif provider == "torch_sdpa_mask":
+        from zerofuse.ops.attention import document_bounds, document_mask
+
+        mask = document_mask(document_bounds(ids))
+
+        def fn():
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    else:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        def doc_causal(bi, hi, qi, ki):
+            return (ids[bi, qi] == ids[bi, ki]) & (ki <= qi)
+
+        block_mask = create_block_mask(doc_causal, b, None, n, n, device=device)
+        flex = torch.compile(flex_attention)
+
+        def fn():
+            return flex(q, k, v, block_mask=block_mask)
+
+    def run():
+        return torch.autograd.grad(fn(), (q, k, v), dout)
+
+    run()  # autotune / compile outside the timing
+    pairs = 0.0  # (query, key) pairs seen: L (L + 1) / 2 per document of L tokens
+    for row in ids.cpu():
+        lengths = torch.unique_consecutive(row, return_counts=True)[1].double()
+        pairs += float((lengths * (lengths + 1) / 2).sum())
+    measure(run, case=f"fwd+bwd/documents/{dtype}/B{b}H{h}N{n}D{d}", provider=provider,
+            flops=3.5 * 4 * h * d * pairs)
