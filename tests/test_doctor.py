@@ -24,7 +24,16 @@ def test_doctor_exits_zero_and_lists_ops(triton_on_cpu):
         assert f"ok    {name}" in r.stdout
 
 
-def test_a_failing_selftest_fails_the_doctor(monkeypatch, capsys):
+@pytest.fixture
+def stubbed(monkeypatch):
+    """Every op's self-test replaced by one that passes: the tests below check the doctor's own logic
+    (the real self-tests run in test_doctor_exits_zero_and_lists_ops, both CPU paths; here they
+    took ~40-80 s per test in the interpreter)."""
+    for name, info in list(ops.OPS.items()):
+        monkeypatch.setitem(ops.OPS, name, ops.OpInfo(name, info.kind, lambda device: None))
+
+
+def test_a_failing_selftest_fails_the_doctor(monkeypatch, capsys, stubbed):
     def wrong(device):
         torch.testing.assert_close(torch.ones(2), torch.zeros(2))
 
@@ -35,7 +44,7 @@ def test_a_failing_selftest_fails_the_doctor(monkeypatch, capsys):
     assert "FAIL" in capsys.readouterr().out
 
 
-def test_an_op_without_selftest_fails_the_doctor(monkeypatch):
+def test_an_op_without_selftest_fails_the_doctor(monkeypatch, stubbed):
     monkeypatch.delitem(ops.OPS, "zerofuse::unflatten_from")
     failures = doctor.selftest([torch.device("cpu")])
     assert failures == ["zerofuse::unflatten_from: registered with torch but has no self-test"]
@@ -47,7 +56,7 @@ def test_report_only(flag, capsys):
     assert "ok    " not in capsys.readouterr().out
 
 
-def test_a_selftest_failing_only_through_launch_handles_says_so(monkeypatch, capsys):
+def test_a_selftest_failing_only_through_launch_handles_says_so(monkeypatch, capsys, stubbed):
     """The doctor runs the self-tests again where Triton launches through handles (faked here on
     the CPU device) and, when they fail only then, prints the line run_gpu.sh switches to the JIT on."""
     calls = []
@@ -66,7 +75,7 @@ def test_a_selftest_failing_only_through_launch_handles_says_so(monkeypatch, cap
     assert doctor.HANDLES_FAILED in capsys.readouterr().out
 
 
-def test_the_handles_selftest_passes_and_runs_nothing_without_handles(monkeypatch, capsys):
+def test_the_handles_selftest_passes_and_runs_nothing_without_handles(monkeypatch, capsys, stubbed):
     runs = []
     name = "zerofuse::flatten_into"
     monkeypatch.setitem(ops.OPS, name, ops.OpInfo(name, "C++", runs.append))
