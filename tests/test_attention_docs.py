@@ -210,3 +210,32 @@ def test_rows_that_see_no_key_of_a_block_keep_a_running_max_of_minus_infinity(mo
                                   document_ids=_ids([[40, 24]]))
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_qkv_attention_takes_documents(path):
+    """zerofuse::attention_qkv with documents: the result and the packed qkv gradient of
+    scaled_dot_product_attention with the same document_ids on the split heads; opcheck."""
+    from zerofuse.ops import attention_qkv as QKV
+
+    hq, hkv, d = 4, 2, 16
+    g = torch.Generator().manual_seed(5)
+    qkv = torch.randn(2, 53, (hq + 2 * hkv) * d, generator=g).to(DEVICE)
+    dout = torch.randn(2, 53, hq * d, generator=g).to(DEVICE)
+    ids = _ids([[20, 1, 32], [53]])
+    mine = qkv.clone().requires_grad_()
+    out = zF.qkv_attention(mine, hq, hkv, is_causal=True, document_ids=ids)
+    out.backward(dout)
+    ref = qkv.clone().requires_grad_()
+    q, k, v = QKV.heads(ref, hq, hkv, d)
+    want = zF.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, document_ids=ids)
+    want = want.transpose(1, 2).reshape(2, 53, hq * d)
+    want.backward(dout)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(mine.grad, ref.grad, rtol=1e-5, atol=1e-6)
+    docs = A.document_bounds(ids)
+    torch.library.opcheck(torch.ops.zerofuse.attention_qkv.default, (qkv, hq, hkv, True, 0.25, docs))
+    o, lse = torch.ops.zerofuse.attention_qkv(qkv, hq, hkv, True, 0.25, docs)
+    torch.library.opcheck(torch.ops.zerofuse.attention_qkv_backward.default,
+                          (dout, qkv, o, lse, hq, hkv, True, 0.25, docs))
+    with pytest.raises(ValueError, match="qkv_attention: document_ids are for causal attention"):
+        zF.qkv_attention(qkv, hq, hkv, document_ids=ids)

@@ -179,19 +179,20 @@ class Block(torch.nn.Module):
         # backward kernel (input_bias), not by a sum of its own (norm2 never reads the bias)
         self.fold_attn_bias = tp_kw is None and cfg.bias
 
-    def forward(self, x: Tensor, delta: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    def forward(self, x: Tensor, delta: Tensor | None = None, document_ids: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """x + attn(norm1(x)), then + mlp(norm2(.)), with each residual add fused into the norm
         that follows it (one kernel for add + norm): ``delta`` is the previous block's MLP output
         not yet added to x (None for the first block); returns (x + delta + attn, mlp output), the
-        last add left to the next block's norm1 or the model's final norm."""
+        last add left to the next block's norm1 or the model's final norm. document_ids: GPT's."""
         if delta is None:
             h = self.norm1(x)
         else:
             h, x = self.norm1(delta, x)
         if self.fold_attn_bias:
-            h, x = self.norm2(self.attn(h, proj_bias_grad=False), x, input_bias=self.attn.proj.bias)
+            h, x = self.norm2(self.attn(h, proj_bias_grad=False, document_ids=document_ids), x,
+                              input_bias=self.attn.proj.bias)
         else:
-            h, x = self.norm2(self.attn(h), x)
+            h, x = self.norm2(self.attn(h, document_ids=document_ids), x)
         return x, self.mlp(h)
 
 
@@ -312,10 +313,13 @@ class GPT(torch.nn.Module):
             return n
         return sum(count(p) for p in self.parameters())
 
-    def forward(self, idx: Tensor, targets: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    def forward(self, idx: Tensor, targets: Tensor | None = None, *,
+                document_ids: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+        """document_ids (B, N): packed documents (each a run of equal ids, e.g. (idx == EOT).cumsum(1)):
+        a token attends only to the earlier tokens of its own document; positions are not reset."""
         x, delta = self.embed(idx), None
         for block in self.blocks:
-            x, delta = self.run_block(block, x, delta)
+            x, delta = self.run_block(block, x, delta, document_ids)
         return self.final(x, delta, targets)
 
     # The three parts of forward, also run one by one by the stages of zerofuse.pipeline.
@@ -336,9 +340,11 @@ class GPT(torch.nn.Module):
             pos = pos[r * m:(r + 1) * m]
         return self.wte(idx) if self.wpe is None else self.wte(idx) + self.wpe(pos)
 
-    def run_block(self, block: torch.nn.Module, x: Tensor, delta: Tensor | None) -> tuple[Tensor, Tensor]:
+    def run_block(self, block: torch.nn.Module, x: Tensor, delta: Tensor | None,
+                  document_ids: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """One block (recomputed in backward under activation checkpointing): (x, pending delta)."""
-        return recompute.run(block, recompute.mode_of(self.activation_checkpointing), x, delta,
+        args = (x, delta) if document_ids is None else (x, delta, document_ids)
+        return recompute.run(block, recompute.mode_of(self.activation_checkpointing), *args,
                              offload=self.activation_offload)
 
     def final(self, x: Tensor, delta: Tensor | None, targets: Tensor | None) -> tuple[Tensor | None, Tensor | None]:

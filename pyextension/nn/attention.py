@@ -49,10 +49,12 @@ class Attention(torch.nn.Module):
         self.proj = _OutProjection(embed_dim, embed_dim, **kw)
         self.rope = rope
 
-    def forward(self, x: Tensor, *, proj_bias_grad: bool = True) -> Tensor:
+    def forward(self, x: Tensor, *, proj_bias_grad: bool = True, document_ids: Tensor | None = None) -> Tensor:
         """proj_bias_grad=False: the output projection adds its bias without a gradient path to it;
         the caller gives the bias its gradient (zerofuse.models.gpt.Block: the next norm's
-        input_bias, summed in the norm's backward kernel instead of a separate sum here)."""
+        input_bias, summed in the norm's backward kernel instead of a separate sum here).
+        document_ids (B, N) (causal only): packed documents, as scaled_dot_product_attention's; a
+        torch sdpa given as ``sdpa`` gets them as a mask."""
         if x.dim() != 3 or x.shape[-1] != self.embed_dim:
             where = f"{type(self).__module__.rsplit('.', 1)[0]}.{type(self).__name__}"
             raise ValueError(f"{where}: expected x of shape (batch, seq, embed_dim={self.embed_dim}), got "
@@ -66,14 +68,24 @@ class Attention(torch.nn.Module):
             # rotates the q and k heads of a copy of the packed qkv, ops.rotary.EagerRopeQKV)
             if self.rope is not None:
                 qkv = self.rope.rotate_packed(qkv, hq + hkv, d)
-            return self._project(qkv_attention(qkv, hq, hkv, is_causal=self.causal), proj_bias_grad)
+            out = qkv_attention(qkv, hq, hkv, is_causal=self.causal, document_ids=document_ids)
+            return self._project(out, proj_bias_grad)
         # views of the fused projection in (B, H, N, D) order (strided; the kernel takes strides)
         q = qkv[..., : hq * d].view(b, n, hq, d).transpose(1, 2)
         k = qkv[..., hq * d:(hq + hkv) * d].view(b, n, hkv, d).transpose(1, 2)
         v = qkv[..., (hq + hkv) * d:].view(b, n, hkv, d).transpose(1, 2)
         if self.rope is not None:  # positions 0..n-1: the whole sequence is here (SP gathered it)
             q, k = self.rope(q, k)
-        out = self.sdpa(q, k, v, is_causal=self.causal, enable_gqa=hq != hkv)
+        if document_ids is None:
+            out = self.sdpa(q, k, v, is_causal=self.causal, enable_gqa=hq != hkv)
+        elif self.sdpa is scaled_dot_product_attention:
+            out = self.sdpa(q, k, v, is_causal=self.causal, enable_gqa=hq != hkv, document_ids=document_ids)
+        else:  # another sdpa (torch's): the documents as its mask (causal included)
+            from zerofuse.ops.attention import document_bounds, document_mask
+
+            if not self.causal:
+                raise ValueError("zerofuse.nn.Attention: document_ids are for causal attention, got causal=False")
+            out = self.sdpa(q, k, v, attn_mask=document_mask(document_bounds(document_ids)), enable_gqa=hq != hkv)
         return self._project(out.transpose(1, 2).reshape(b, n, hq * d), proj_bias_grad)
 
     def _project(self, out: Tensor, bias_grad: bool) -> Tensor:

@@ -1,10 +1,11 @@
 """``zerofuse::attention_qkv`` / ``zerofuse::attention_qkv_backward``: attention straight from a fused
 QKV projection, Triton custom ops.
 
-attention_qkv(qkv, num_heads, num_kv_heads, is_causal, scale) -> (out, lse): qkv (B, N, (Hq + 2 Hkv) * D)
-is the projection's output, [q heads | k heads | v heads] along the last dim; out (B, N, Hq * D) is
-ready for the output projection; lse (B, Hq, N) as zerofuse::attention's. The backward returns the
-gradient of qkv as one (B, N, (Hq + 2 Hkv) * D) tensor.
+attention_qkv(qkv, num_heads, num_kv_heads, is_causal, scale, docs=None) -> (out, lse): qkv (B, N,
+(Hq + 2 Hkv) * D) is the projection's output, [q heads | k heads | v heads] along the last dim; out
+(B, N, Hq * D) is ready for the output projection; lse (B, Hq, N) and docs (packed documents) as
+zerofuse::attention's. The backward returns the gradient of qkv as one (B, N, (Hq + 2 Hkv) * D)
+tensor.
 
 Why: taking q, k, v as slices of qkv and the output through a transpose costs, per layer, a copy of
 the output into (B, N, Hq * D), a copy of dout, and in backward three zero-filled qkv-sized
@@ -26,7 +27,7 @@ from torch import Tensor
 from zerofuse import reference
 from zerofuse.kernels import attention as K
 from zerofuse.ops import eager_apply, register
-from zerofuse.ops.attention import _empty, _lse_dtype, use_triton
+from zerofuse.ops.attention import _check_docs, _empty, _lse_dtype, use_triton
 
 _FN = "zerofuse::attention_qkv"
 
@@ -58,19 +59,20 @@ def heads(qkv: Tensor, hq: int, hkv: int, d: int) -> tuple[Tensor, Tensor, Tenso
     return q, k, v
 
 
-def _fwd(qkv, hq, hkv, is_causal, scale):
+def _fwd(qkv, hq, hkv, is_causal, scale, docs=None):
     d = qkv.shape[-1] // (hq + 2 * hkv)
     b, n, _ = qkv.shape
     q, k, v = heads(qkv, hq, hkv, d)
     if use_triton(q) and not _empty(q, k):
         out = qkv.new_empty((b, n, hq * d))
-        _, lse = K.attention_fwd(q, k, v, is_causal, scale, out=out.view(b, n, hq, d).transpose(1, 2), checked=True)
+        _, lse = K.attention_fwd(q, k, v, is_causal, scale, out=out.view(b, n, hq, d).transpose(1, 2), checked=True,
+                                 docs=docs)
         return out, lse
-    out4, lse = torch.ops.zerofuse.attention(q, k, v, is_causal, scale)  # (in q's layout: (B, N, H, D) for a
-    return out4.transpose(1, 2).reshape(b, n, hq * d).contiguous(), lse  # contiguous qkv, so a view here)
+    out4, lse = torch.ops.zerofuse.attention(q, k, v, is_causal, scale, docs)  # (in q's layout: (B, N, H, D)
+    return out4.transpose(1, 2).reshape(b, n, hq * d).contiguous(), lse  # for a contiguous qkv, so a view here)
 
 
-def _bwd(dout, qkv, out, lse, hq, hkv, is_causal, scale):
+def _bwd(dout, qkv, out, lse, hq, hkv, is_causal, scale, docs=None):
     d = qkv.shape[-1] // (hq + 2 * hkv)
     b, n, _ = qkv.shape
     q, k, v = heads(qkv, hq, hkv, d)
@@ -78,15 +80,15 @@ def _bwd(dout, qkv, out, lse, hq, hkv, is_causal, scale):
     out4 = out.reshape(b, n, hq, d).transpose(1, 2)
     if use_triton(q) and not _empty(q, k):
         dqkv = torch.empty((b, n, qkv.shape[-1]), dtype=qkv.dtype, device=qkv.device)
-        K.attention_bwd(dout4, q, k, v, out4, lse, is_causal, scale, *heads(dqkv, hq, hkv, d))
+        K.attention_bwd(dout4, q, k, v, out4, lse, is_causal, scale, *heads(dqkv, hq, hkv, d), docs=docs)
         return dqkv
-    grads = torch.ops.zerofuse.attention_backward(dout4, q, k, v, out4, lse, is_causal, scale)
+    grads = torch.ops.zerofuse.attention_backward(dout4, q, k, v, out4, lse, is_causal, scale, docs)
     return torch.cat([g.transpose(1, 2).reshape(b, n, g.shape[1] * d) for g in grads], dim=-1)
 
 
-def _check_bwd(dout, qkv, out, lse, hq, hkv):
+def _check_bwd(dout, qkv, out, lse, hq, hkv, is_causal, docs):
     fn = "zerofuse::attention_qkv_backward"
-    d = check(qkv, hq, hkv, fn)
+    d = _check_all(qkv, hq, hkv, is_causal, docs, fn)
     b, n, _ = qkv.shape
     for name, t, shape in (("dout", dout, (b, n, hq * d)), ("out", out, (b, n, hq * d)), ("lse", lse, (b, hq, n))):
         if tuple(t.shape) != shape or t.device != qkv.device or not t.is_floating_point():
@@ -96,42 +98,49 @@ def _check_bwd(dout, qkv, out, lse, hq, hkv):
 
 @torch.library.custom_op("zerofuse::attention_qkv", mutates_args=())
 def attention_qkv(qkv: Tensor, num_heads: int, num_kv_heads: int, is_causal: bool,
-                  scale: float) -> tuple[Tensor, Tensor]:
-    check(qkv, num_heads, num_kv_heads)
-    return _fwd(qkv, num_heads, num_kv_heads, is_causal, scale)
+                  scale: float, docs: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    _check_all(qkv, num_heads, num_kv_heads, is_causal, docs)
+    return _fwd(qkv, num_heads, num_kv_heads, is_causal, scale, docs)
+
+
+def _check_all(qkv, hq, hkv, is_causal, docs, fn: str = _FN) -> int:
+    d = check(qkv, hq, hkv, fn)
+    if docs is not None:
+        _check_docs(docs, *heads(qkv, hq, hkv, d)[:2], is_causal, fn)
+    return d
 
 
 @attention_qkv.register_fake
-def _(qkv, num_heads, num_kv_heads, is_causal, scale):
-    d = check(qkv, num_heads, num_kv_heads)
+def _(qkv, num_heads, num_kv_heads, is_causal, scale, docs=None):
+    d = _check_all(qkv, num_heads, num_kv_heads, is_causal, docs)
     b, n, _ = qkv.shape
     return qkv.new_empty((b, n, num_heads * d)), qkv.new_empty((b, num_heads, n), dtype=_lse_dtype(qkv))
 
 
 @torch.library.custom_op("zerofuse::attention_qkv_backward", mutates_args=())
 def attention_qkv_backward(dout: Tensor, qkv: Tensor, out: Tensor, lse: Tensor, num_heads: int, num_kv_heads: int,
-                           is_causal: bool, scale: float) -> Tensor:
+                           is_causal: bool, scale: float, docs: Tensor | None = None) -> Tensor:
     """The gradient of qkv, packed as qkv."""
-    _check_bwd(dout, qkv, out, lse, num_heads, num_kv_heads)
-    return _bwd(dout, qkv, out, lse, num_heads, num_kv_heads, is_causal, scale)
+    _check_bwd(dout, qkv, out, lse, num_heads, num_kv_heads, is_causal, docs)
+    return _bwd(dout, qkv, out, lse, num_heads, num_kv_heads, is_causal, scale, docs)
 
 
 @attention_qkv_backward.register_fake
-def _(dout, qkv, out, lse, num_heads, num_kv_heads, is_causal, scale):
-    _check_bwd(dout, qkv, out, lse, num_heads, num_kv_heads)
+def _(dout, qkv, out, lse, num_heads, num_kv_heads, is_causal, scale, docs=None):
+    _check_bwd(dout, qkv, out, lse, num_heads, num_kv_heads, is_causal, docs)
     return torch.empty(qkv.shape, dtype=qkv.dtype, device=qkv.device)
 
 
 def _setup_context(ctx, inputs, output):
-    qkv, hq, hkv, is_causal, scale = inputs
+    qkv, hq, hkv, is_causal, scale, docs = inputs
     out, lse = output
-    ctx.save_for_backward(qkv, out, lse)
+    ctx.save_for_backward(qkv, out, lse, docs)
     ctx.args = (hq, hkv, is_causal, scale)
 
 
 def _backward(ctx, dout, _dlse):
-    qkv, out, lse = ctx.saved_tensors
-    return attention_qkv_backward(dout, qkv, out, lse, *ctx.args), None, None, None, None
+    qkv, out, lse, docs = ctx.saved_tensors
+    return attention_qkv_backward(dout, qkv, out, lse, *ctx.args, docs), None, None, None, None, None
 
 
 attention_qkv.register_autograd(_backward, setup_context=_setup_context)
@@ -139,19 +148,19 @@ attention_qkv.register_autograd(_backward, setup_context=_setup_context)
 
 class EagerQKVAttention(torch.autograd.Function):
     """The ops above for eager mode without custom_op's Python dispatch (the face checked the
-    arguments). apply(qkv, num_heads, num_kv_heads, is_causal, scale) -> out (B, N, Hq * D)."""
+    arguments). apply(qkv, num_heads, num_kv_heads, is_causal, scale, docs=None) -> out (B, N, Hq * D)."""
 
     @staticmethod
-    def forward(ctx, qkv, hq, hkv, is_causal, scale):
-        out, lse = _fwd(qkv, hq, hkv, is_causal, scale)
-        ctx.save_for_backward(qkv, out, lse)
+    def forward(ctx, qkv, hq, hkv, is_causal, scale, docs=None):
+        out, lse = _fwd(qkv, hq, hkv, is_causal, scale, docs)
+        ctx.save_for_backward(qkv, out, lse, docs)
         ctx.args = (hq, hkv, is_causal, scale)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        qkv, out, lse = ctx.saved_tensors
-        return _bwd(dout, qkv, out, lse, *ctx.args), None, None, None, None
+        qkv, out, lse, docs = ctx.saved_tensors
+        return _bwd(dout, qkv, out, lse, *ctx.args, docs), None, None, None, None, None
 
 
 eager_qkv_attention = eager_apply(EagerQKVAttention)

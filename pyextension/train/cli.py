@@ -117,6 +117,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="char: vocab = the text's characters (byte when it is not UTF-8); byte; gpt2: GPT-2's "
                         "BPE, the text tokenized once and cached next to it (default: gpt2 for the gpt2-* models "
                         "and token shards, else char)")
+    d.add_argument("--document-masking", action="store_true",
+                   help="attention within documents: a token sees only the earlier tokens of its own document, "
+                        "documents starting at <|endoftext|> (GPT-2 tokens; positions are not reset)")
     d.add_argument("--out", default="out", help="output directory (default ./out)")
     d.add_argument("--ckpt-every", type=int, default=200, help="checkpoint every N steps (0: only at the end)")
     d.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
@@ -195,6 +198,9 @@ def validate(args) -> None:
     _validate_model(args)
     _validate_moe(args)
     _validate_data(args)
+    _check(not args.document_masking or (args.tokenizer == "gpt2" and pp == 1),
+           f"--document-masking: expected GPT-2 tokens (--tokenizer gpt2 or token shards: documents start at "
+           f"<|endoftext|>) and --pp 1, got --tokenizer {args.tokenizer} --pp {pp}")
     _validate_out(Path(args.out))
     ckpt = Path(args.out) / "ckpt"
     if args.export:

@@ -93,6 +93,12 @@ class Corpus:
         index = {c: i for i, c in enumerate(self.chars)}
         return [index[c] for c in text if c in index]
 
+    @property
+    def document_start(self) -> int | None:
+        """The token that starts a document (GPT-2's <|endoftext|>, as llm.c's shards put it before
+        each one); None for char/byte text."""
+        return tok.GPT2_EOT if self.kind == "gpt2" else None
+
     def prompt(self) -> list[int]:
         """What generation starts from: a newline (GPT-2: <|endoftext|>, the start of a document)."""
         return [tok.GPT2_EOT] if self.kind == "gpt2" else (self.encode("\n") or [0])

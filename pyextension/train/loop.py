@@ -30,6 +30,8 @@ class Trainer:
     def _forward(self, x, y):
         if self.pp is not None:
             return self.pp.eval_loss(x, y)
+        if self.args.document_masking:  # documents start at <|endoftext|> (a device op: no sync, graphable)
+            return self.model(x, y, document_ids=(x == self.corpus.document_start).cumsum(1))[1]
         return self.model(x, y)[1]
 
     def _batch(self, step: int):

@@ -1,0 +1,166 @@
+"""Attention faces: ``scaled_dot_product_attention`` (torch's signature, plus ``document_ids`` for
+packed documents) and ``qkv_attention`` (straight from a fused QKV projection), re-exported by
+zerofuse.nn.functional. Triton kernels on CUDA (the interpreter on CPU under
+ZEROFUSE_TRITON_ON_CPU=1), torch's CPU flash kernels on the cpu; what the kernels do not take runs
+torch's sdpa after a one-time warning."""
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch import Tensor
+
+from zerofuse.nn.functional import _needs_grad
+
+_warned: set[str] = set()
+
+
+def _fallback_warning(reason: str) -> None:
+    if reason not in _warned:
+        _warned.add(reason)
+        import warnings
+
+        warnings.warn(f"zerofuse.nn.functional.scaled_dot_product_attention: {reason}; running torch's "
+                      "implementation instead (warned once)", stacklevel=3)
+
+
+def _check_attention(query, key, value, dropout_p) -> None:
+    """What torch's sdpa also refuses, named; the fused kernel would otherwise run a key on another
+    device (meta: uninitialised memory) or of another dtype."""
+    where = "zerofuse.nn.functional.scaled_dot_product_attention"
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, Tensor) or not t.is_floating_point():
+            got = t.dtype if isinstance(t, Tensor) else type(t).__name__
+            raise TypeError(f"{where}: expected {name} to be a floating-point tensor, got {got}")
+    from zerofuse.kernels.attention import check_like_query
+
+    check_like_query(query, key, value, where)
+    if not 0.0 <= dropout_p <= 1.0:
+        raise ValueError(f"{where}: expected dropout_p in [0, 1], got {dropout_p}")
+
+
+def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None,
+                                 dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+                                 enable_gqa: bool = False, *, document_ids: Tensor | None = None) -> Tensor:
+    """torch.nn.functional.scaled_dot_product_attention with zerofuse's fused kernel: (B, H, N, D)
+    tensors, causal or not, grouped-query attention with enable_gqa=True. What the kernel does not
+    take (an attn_mask, dropout_p > 0, other ranks, head_dim > 256, float64 on CUDA, an empty query
+    or batch) runs torch's implementation after a one-time warning: never a silently different
+    result. Query, key and value must share a device and a dtype (as for torch's).
+    document_ids (B, N) integers, causal only: packed documents, each a run of equal ids along N; a
+    query sees only the earlier keys of its own document (varlen attention without unpadding; the
+    kernel skips the key blocks of other documents)."""
+    from zerofuse.ops import attention as _attn
+
+    _check_attention(query, key, value, dropout_p)
+    docs = None
+    if document_ids is not None:
+        docs = _documents(query, key, is_causal, document_ids)
+    if query.dim() == 4 and key.dim() == 4 and query.shape[1] != key.shape[1] and not enable_gqa:
+        raise ValueError(f"zerofuse.nn.functional.scaled_dot_product_attention: query has {query.shape[1]} heads, "
+                         f"key {key.shape[1]}: pass enable_gqa=True for grouped-query attention")
+    reason = None
+    if attn_mask is not None:
+        reason = "attn_mask is not supported by the fused kernel"
+    elif dropout_p > 0.0:
+        reason = "dropout_p > 0 is not supported by the fused kernel"
+    elif query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
+        reason = f"expected 4-D (B, H, N, D) inputs, got {query.dim()}-D"
+    elif 0 in query.shape or 0 in key.shape[:2]:
+        # nothing to compute; torch's CPU flash kernel divides by zero on an empty query (SIGFPE)
+        reason = f"empty input (query {list(query.shape)}, key {list(key.shape)})"
+    elif query.shape[-1] > _attn.MAX_HEAD_DIM:
+        reason = f"head_dim {query.shape[-1]} > {_attn.MAX_HEAD_DIM}"
+    elif query.is_cuda and query.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        reason = f"dtype {query.dtype} on CUDA"
+    elif key.shape[-2] == 0:
+        reason = "no keys"
+    elif max(query.shape[0], query.shape[1]) > _attn.MAX_GRID_YZ:
+        reason = f"more than {_attn.MAX_GRID_YZ} batches or heads (the kernels' grid)"
+    if reason is not None:
+        _fallback_warning(reason)
+        kw = {"enable_gqa": enable_gqa} if enable_gqa else {}
+        if docs is not None:  # the documents as a mask, causal included
+            attn_mask, is_causal = _with_documents(attn_mask, docs), False
+        return torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal,
+                                                                scale=scale, **kw)
+    scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
+    # the kernel takes any strides but a unit one along head_dim (torch's sdpa takes any layout)
+    query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
+    if torch.compiler.is_compiling():
+        return torch.ops.zerofuse.attention(query, key, value, bool(is_causal), scale, docs)[0]
+    if not _needs_grad(query, key, value, None):  # no autograd at all
+        return _attn._fwd(query, key, value, bool(is_causal), scale, docs)[0]
+    return _attn.eager_attention(query, key, value, bool(is_causal), scale, docs)
+
+
+def _documents(query: Tensor, key: Tensor, is_causal: bool, document_ids: Tensor,
+               where: str = "zerofuse.nn.functional.scaled_dot_product_attention") -> Tensor:
+    """scaled_dot_product_attention's document_ids as the op's docs (document_bounds), checked."""
+    from zerofuse.ops import attention as _attn
+
+    n = query.shape[-2] if query.dim() >= 2 else None
+    if not is_causal or key.dim() < 2 or key.shape[-2] != n:
+        raise ValueError(f"{where}: document_ids are for causal attention of queries and keys of one length, "
+                         f"got is_causal={is_causal}, query {list(query.shape)}, key {list(key.shape)}")
+    if not isinstance(document_ids, Tensor) or tuple(document_ids.shape) != (query.shape[0], n) \
+            or document_ids.device != query.device:
+        got = (f"{list(document_ids.shape)} on {document_ids.device}" if isinstance(document_ids, Tensor)
+               else type(document_ids).__name__)
+        raise ValueError(f"{where}: expected document_ids of shape [{query.shape[0]}, {n}] (batch, sequence) on "
+                         f"{query.device}, got {got}")
+    if torch.compiler.is_compiling():
+        return _attn.document_bounds(document_ids)
+    # every layer of a forward passes the same ids: their bounds are made once
+    last = _last_documents
+    if last.get("ids", lambda: None)() is document_ids and last["version"] == document_ids._version:
+        return last["docs"]
+    docs = _attn.document_bounds(document_ids)
+    last.update(ids=weakref.ref(document_ids), version=document_ids._version, docs=docs)
+    return docs
+
+
+_last_documents: dict = {}
+
+
+def _with_documents(attn_mask: Tensor | None, docs: Tensor) -> Tensor:
+    """torch's sdpa mask for the documents (causal included), combined with the caller's attn_mask."""
+    from zerofuse.ops import attention as _attn
+
+    seen = _attn.document_mask(docs)
+    if attn_mask is None:
+        return seen
+    if attn_mask.dtype == torch.bool:
+        return attn_mask & seen
+    return attn_mask.masked_fill(~seen, float("-inf"))
+
+
+def qkv_attention(qkv: Tensor, num_heads: int, num_kv_heads: int | None = None, is_causal: bool = False,
+                  scale: float | None = None, *, document_ids: Tensor | None = None) -> Tensor:
+    """Attention straight from a fused QKV projection: qkv (B, N, (Hq + 2 * Hkv) * D), the q heads then
+    the k heads then the v heads along the last dim (zerofuse.nn.Attention's layout) -> (B, N, Hq * D),
+    ready for the output projection. The same result as splitting qkv into (B, H, N, D) heads for
+    scaled_dot_product_attention and transposing its output back, without the copies that costs
+    (zerofuse::attention_qkv: the kernels read the heads in place, write the output in this layout
+    and the gradient of qkv as one packed tensor). What the fused kernel does not take (head_dim >
+    256, float64 on CUDA, more than 65535 batches or heads) runs scaled_dot_product_attention on
+    the split heads. document_ids (B, N): packed documents, as scaled_dot_product_attention's."""
+    from zerofuse.ops import attention as _attn
+    from zerofuse.ops import attention_qkv as _qkv
+
+    num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+    d = _qkv.check(qkv, num_heads, num_kv_heads, "zerofuse.nn.functional.qkv_attention")
+    scale = d ** -0.5 if scale is None else float(scale)
+    if (d > _attn.MAX_HEAD_DIM or (qkv.is_cuda and qkv.dtype not in (torch.float32, torch.float16, torch.bfloat16))
+            or max(qkv.shape[0], num_heads) > _attn.MAX_GRID_YZ):
+        q, k, v = _qkv.heads(qkv, num_heads, num_kv_heads, d)
+        out = scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale,
+                                           enable_gqa=num_heads != num_kv_heads, document_ids=document_ids)
+        return out.transpose(1, 2).reshape(qkv.shape[0], qkv.shape[1], num_heads * d)
+    docs = None
+    if document_ids is not None:
+        docs = _documents(*_qkv.heads(qkv, num_heads, num_kv_heads, d)[:2], is_causal, document_ids,
+                          "zerofuse.nn.functional.qkv_attention")
+    if torch.compiler.is_compiling():
+        return torch.ops.zerofuse.attention_qkv(qkv, num_heads, num_kv_heads, bool(is_causal), scale, docs)[0]
+    return _qkv.eager_qkv_attention(qkv, num_heads, num_kv_heads, bool(is_causal), scale, docs)
