@@ -131,12 +131,17 @@ def _batches(steps=STEPS):
     return [torch.randint(0, 65, (GB, SEQ + 1), generator=g) for _ in range(steps)]
 
 
-def _reference(steps=STEPS, cfg=CFG):
+def _documents(x, docs: bool):
+    """GPT's keyword arguments: with docs, a document starting at each token divisible by 5."""
+    return {"document_ids": (x % 5 == 0).cumsum(1)} if docs else {}
+
+
+def _reference(steps=STEPS, cfg=CFG, docs=False):
     model = GPT(GPTConfig(**cfg), seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
     losses, norms = [], []
     for b in _batches(steps):
-        _, loss = model(b[:, :-1], b[:, 1:])
+        _, loss = model(b[:, :-1], b[:, 1:], **_documents(b[:, :-1], docs))
         loss.backward()
         norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).item())
         opt.step()
@@ -150,7 +155,7 @@ def _shards_of(model):
         return {n: p.detach().float().clone() for n, p in model.named_parameters()}
 
 
-def _gpt_rank(rank, ws, dp, tpn, sp, stage, cfg=CFG):
+def _gpt_rank(rank, ws, dp, tpn, sp, stage, cfg=CFG, docs=False):
     mesh = zerofuse.parallel.init_mesh(dp=dp, tp=tpn)
     model = GPT(GPTConfig(**cfg), seed=0, tp_group=mesh.tp_group, sequence_parallel=sp)
     zerofuse.zero.parallelize(model, stage=stage, group=mesh.dp_group, bucket_mb=0.05)
@@ -159,7 +164,7 @@ def _gpt_rank(rank, ws, dp, tpn, sp, stage, cfg=CFG):
     losses, norms = [], []
     for b in _batches():
         mine = b[mesh.dp_rank * per:(mesh.dp_rank + 1) * per]
-        _, loss = model(mine[:, :-1], mine[:, 1:])
+        _, loss = model(mine[:, :-1], mine[:, 1:], **_documents(mine[:, :-1], docs))
         loss.backward()
         norms.append(opt.clip_grad_norm_(MAX_NORM).item())
         opt.step()
@@ -183,11 +188,14 @@ def _merge(results, tpn):
 
 @pytest.mark.parametrize("dp,tpn,sp,stage,arch", [(1, 2, False, 0, "gpt"), (1, 2, True, 1, "gpt"), (2, 2, False, 2, "gpt"),
                                                   (2, 2, True, 3, "gpt"), (1, 2, True, 2, "llama"),
-                                                  (2, 2, False, 3, "llama")])
+                                                  (2, 2, False, 3, "llama"), (2, 2, True, 3, "llama-documents")])
 def test_gpt_training_matches_single_process(dp, tpn, sp, stage, arch):
-    cfg = LLAMA if arch == "llama" else CFG
-    ref_losses, ref_norms, ref_params = _reference(cfg=cfg)
-    results = run_distributed(_gpt_rank, dp * tpn, dp, tpn, sp, stage, cfg, timeout=300)
+    """llama-documents: packed documents (document_ids) under TP + SP + ZeRO-3: each rank's heads
+    attend within the documents of the gathered sequence."""
+    cfg = LLAMA if arch.startswith("llama") else CFG
+    docs = arch.endswith("documents")
+    ref_losses, ref_norms, ref_params = _reference(cfg=cfg, docs=docs)
+    results = run_distributed(_gpt_rank, dp * tpn, dp, tpn, sp, stage, cfg, docs, timeout=300)
     for r in results:
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(torch.tensor(r["norms"]), torch.tensor(ref_norms), rtol=1e-5, atol=1e-6)
