@@ -20,6 +20,9 @@ from zerofuse.train.loop import Trainer
 
 from common import tiny_job_args
 
+# the job's plumbing on the C++ CPU kernels (the Triton interpreter made each in-process job 10-30 s)
+pytestmark = pytest.mark.usefixtures("cpu_kernels")
+
 
 def _args(tmp_path, *argv):
     return tiny_job_args(tmp_path, "--steps", "8", "--warmup", "4", "--log-every", "4", *argv)

@@ -8,6 +8,9 @@ from zerofuse import zero
 from zerofuse.models import GPT, GPTConfig
 from zerofuse.zero.engine import ZeroEngine
 
+# the engine's hook logic, on the C++ CPU kernels (the Triton interpreter took 20-60 s a test here)
+pytestmark = pytest.mark.usefixtures("cpu_kernels")
+
 
 def _train(hookless, stage, precision, monkeypatch, accum=2, steps=3, window="each"):
     """window: how the accumulating backwards meet no_sync(): "each" in its own window, "one" all
