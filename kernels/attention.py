@@ -146,8 +146,9 @@ def _doc_starts(DOC, b, offs_m, Nq, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
     last = tl.minimum(tl.max(offs_m, axis=0), Nq - 1)
     row_base = DOC + b.to(tl.int64) * Nq
     doc_lo = tl.load(row_base + offs_m, mask=offs_m < Nq, other=0)
-    lo = (tl.load(row_base + first) // BLOCK_N) * BLOCK_N
-    mid = ((tl.load(row_base + last) + BLOCK_N - 1) // BLOCK_N) * BLOCK_N
+    # (clamped at 0: bounds not made by document_bounds give wrong results, never reads before K/V)
+    lo = (tl.maximum(tl.load(row_base + first), 0) // BLOCK_N) * BLOCK_N
+    mid = ((tl.maximum(tl.load(row_base + last), 0) + BLOCK_N - 1) // BLOCK_N) * BLOCK_N
     return doc_lo, lo, mid
 
 
@@ -229,7 +230,7 @@ def _tuned(kernel, key):
     return triton.autotune(configs=configs, key=key, prune_configs_by={"early_config_prune": _prune})(kernel)
 
 
-_attn_fwd_tuned = _tuned(_attn_fwd_kernel, ["Nq", "Nk", "D", "CAUSAL"])
+_attn_fwd_tuned = _tuned(_attn_fwd_kernel, ["Nq", "Nk", "D", "CAUSAL", "DOCS"])
 
 
 def length_class(n: int) -> int:

@@ -39,7 +39,8 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DOC,
     hi = Nq
     doc_base = DOC + b.to(tl.int64) * Nq
     if DOCS:  # [Note: documents] rows from the end of the last key's document on see none of the block
-        hi = tl.load(doc_base + tl.num_programs(2).to(tl.int64) * Nq + tl.minimum(pid_n * BLOCK_N + BLOCK_N, Nk) - 1)
+        end = tl.load(doc_base + tl.num_programs(2).to(tl.int64) * Nq + tl.minimum(pid_n * BLOCK_N + BLOCK_N, Nk) - 1)
+        hi = tl.minimum(end, Nq)  # (bounds not made by document_bounds: wrong results, no reads past Q)
     for g in range(0, G):
         h = hk * G + g
         q_base = _heads(Q, b, h, sqb, sqh)
@@ -140,8 +141,8 @@ def _attn_bwd_dq_kernel(Q, K, V, DO, O, LSE, DELTA, DQ, DOC,
              (dq * scale).to(DQ.dtype.element_ty), mask=row_mask)
 
 
-_attn_bwd_dkdv_tuned = _tuned(_attn_bwd_dkdv_kernel, ["Nq", "Nk", "D", "CAUSAL"])
-_attn_bwd_dq_tuned = _tuned(_attn_bwd_dq_kernel, ["Nq", "Nk", "D", "CAUSAL"])
+_attn_bwd_dkdv_tuned = _tuned(_attn_bwd_dkdv_kernel, ["Nq", "Nk", "D", "CAUSAL", "DOCS"])
+_attn_bwd_dq_tuned = _tuned(_attn_bwd_dq_kernel, ["Nq", "Nk", "D", "CAUSAL", "DOCS"])
 
 
 def attention_bwd(dout, q, k, v, out, lse, causal: bool, scale: float, dq=None, dk=None, dv=None, docs=None):

@@ -239,3 +239,32 @@ def test_qkv_attention_takes_documents(path):
                           (dout, qkv, o, lse, hq, hkv, True, 0.25, docs))
     with pytest.raises(ValueError, match="qkv_attention: document_ids are for causal attention"):
         zF.qkv_attention(qkv, hq, hkv, document_ids=ids)
+
+
+def test_documents_in_inference_mode_and_broadcast_over_the_batch(path):
+    """Inference tensors (no version counter: the face's bounds cache skips them) and (1, N) ids
+    shared by every row of the batch."""
+    q, k, v, _ = _inputs(2, 2, 2, 30, 16, torch.float32)
+    ids = _ids([[10, 20]])
+    want = zF.scaled_dot_product_attention(q, k, v, is_causal=True, document_ids=ids.expand(2, 30).clone())
+    with torch.inference_mode():
+        got = zF.scaled_dot_product_attention(q, k, v, is_causal=True, document_ids=_ids([[10, 20]]))
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close(zF.scaled_dot_product_attention(q, k, v, is_causal=True, document_ids=ids), want,
+                               rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+def test_a_captured_graph_replays_over_new_document_ids():
+    """The face's bounds cache is skipped under capture: a graph captured over a static ids tensor
+    applies the ids copied into it before each replay (not the warm-up's)."""
+    q, k, v, _ = _inputs(1, 2, 2, 64, 16, torch.bfloat16)
+    static = _ids([[64]])
+    zF.scaled_dot_product_attention(q, k, v, is_causal=True, document_ids=static)  # warm-up: cached
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = zF.scaled_dot_product_attention(q, k, v, is_causal=True, document_ids=static)
+    new = _ids([[20, 44]])
+    static.copy_(new)
+    graph.replay()
+    torch.testing.assert_close(out, zF.scaled_dot_product_attention(q, k, v, is_causal=True, document_ids=new.clone()))

@@ -85,3 +85,17 @@ def test_a_mask_other_than_the_positions_documents_falls_back(cpu_kernels):
                                   position_ids=torch.cat([torch.arange(4), torch.arange(5)])[None])
     assert zerofuse.hf.attention_calls()["fused"] == mid["fused"] + 1
     torch.testing.assert_close(same, other, **tol(torch.float32))
+
+
+def test_packed_batch_in_inference_mode_falls_back(cpu_kernels):
+    """Inference mode (no version counters to key the mask check on): the model's sdpa runs, with
+    stock's result (the fused path raised there before)."""
+    stock = build("gpt2")
+    patched = zerofuse.patch(copy.deepcopy(stock))
+    ids, pos = batch(2, 19), _positions([[7, 12], [19]])
+    with torch.inference_mode():
+        before = zerofuse.hf.attention_calls()
+        got = patched(ids, position_ids=pos, use_cache=False).logits
+        assert zerofuse.hf.attention_calls()["fallback"] == before["fallback"] + LAYERS
+        want = stock(ids, position_ids=pos, use_cache=False).logits
+    torch.testing.assert_close(got, want, **tol(torch.float32))

@@ -63,9 +63,12 @@ def _runs_fused(query, key, attention_mask, dropout, kwargs) -> bool:
 # position_ids it also hands the layer (transformers >= 4.53 detects packing where no 2-D mask and
 # no cache were given). The fused kernel takes such a batch as document ids (no N x N mask read):
 # the ids come from position_ids' restarts, and the mask must equal theirs exactly (checked once per
-# forward on the mask object every layer shares: one comparison and one host sync; transformers'
-# packing detection syncs too) - a mask with padding, a window or anything else falls back.
-_last_packed: dict = {}
+# forward and mask object - layers share them; models alternating full and windowed layers hold two
+# - one comparison and one host sync each; transformers' packing detection syncs too) - a mask with
+# padding, a window or anything else falls back. Not under torch.compile, a CUDA graph capture or
+# inference mode (a host sync or a version counter they do not allow): those fall back.
+_PACKED_KEPT = 4
+_packed: list = []  # (mask ref, position_ids ref, versions and batch, ids or None), the latest last
 
 
 def _packed_documents(query, attention_mask, kwargs):
@@ -76,12 +79,14 @@ def _packed_documents(query, attention_mask, kwargs):
     if (not isinstance(pos, torch.Tensor) or not isinstance(attention_mask, torch.Tensor)
             or attention_mask.dtype != torch.bool or attention_mask.dim() != 4 or attention_mask.shape[0] not in (1, b)
             or tuple(attention_mask.shape[1:]) != (1, n, n) or pos.dim() != 2 or pos.shape[0] not in (1, b)
-            or pos.shape[1] != n or pos.is_floating_point() or torch.compiler.is_compiling()):
+            or pos.shape[1] != n or pos.is_floating_point() or pos.device != query.device
+            or torch.compiler.is_compiling() or attention_mask.is_inference() or pos.is_inference()
+            or (query.is_cuda and torch.cuda.is_current_stream_capturing())):
         return None
     key = (attention_mask._version, pos._version, b)
-    if _last_packed.get("mask", lambda: None)() is attention_mask and _last_packed.get("pos", lambda: None)() is pos \
-            and _last_packed["key"] == key:
-        return _last_packed["ids"]
+    for mask_ref, pos_ref, k, ids in _packed:
+        if mask_ref() is attention_mask and pos_ref() is pos and k == key:
+            return ids
     from zerofuse.ops.attention import document_bounds, document_mask  # noqa: PLC0415
 
     restart = torch.ones_like(pos, dtype=torch.bool)
@@ -89,7 +94,8 @@ def _packed_documents(query, attention_mask, kwargs):
     ids = restart.cumsum(1).expand(b, n)
     if not torch.equal(attention_mask.expand(b, 1, n, n), document_mask(document_bounds(ids))):
         ids = None
-    _last_packed.update(mask=weakref.ref(attention_mask), pos=weakref.ref(pos), key=key, ids=ids)
+    _packed.append((weakref.ref(attention_mask), weakref.ref(pos), key, ids))
+    del _packed[:-_PACKED_KEPT]
     return ids
 
 
@@ -98,7 +104,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
     """transformers' attention-function signature: (B, H, N, D) q, k, v -> ((B, N, H, D), None).
     default: the model's own eager function, for a fallback when that is its configured one."""
     docs = None
-    if attention_mask is not None and query.shape[2] == key.shape[2]:
+    if attention_mask is not None and _runs_fused(query, key, None, dropout, kwargs):  # (the cheap checks first)
         docs = _packed_documents(query, attention_mask, kwargs)
     if not _runs_fused(query, key, attention_mask if docs is None else None, dropout, kwargs):
         _calls["fallback"] += 1

@@ -103,24 +103,29 @@ def _documents(query: Tensor, key: Tensor, is_causal: bool, document_ids: Tensor
     if not is_causal or key.dim() < 2 or key.shape[-2] != n:
         raise ValueError(f"{where}: document_ids are for causal attention of queries and keys of one length, "
                          f"got is_causal={is_causal}, query {list(query.shape)}, key {list(key.shape)}")
-    if not isinstance(document_ids, Tensor) or tuple(document_ids.shape) != (query.shape[0], n) \
-            or document_ids.device != query.device:
+    b = query.shape[0]
+    if not isinstance(document_ids, Tensor) or document_ids.dim() != 2 or document_ids.shape[0] not in (1, b) \
+            or document_ids.shape[1] != n or document_ids.device != query.device:
         got = (f"{list(document_ids.shape)} on {document_ids.device}" if isinstance(document_ids, Tensor)
                else type(document_ids).__name__)
-        raise ValueError(f"{where}: expected document_ids of shape [{query.shape[0]}, {n}] (batch, sequence) on "
+        raise ValueError(f"{where}: expected document_ids of shape [{b}, {n}] or [1, {n}] (batch, sequence) on "
                          f"{query.device}, got {got}")
-    if torch.compiler.is_compiling():
-        return _attn.document_bounds(document_ids)
-    # every layer of a forward passes the same ids: their bounds are made once
-    last = _last_documents
-    if last.get("ids", lambda: None)() is document_ids and last["version"] == document_ids._version:
-        return last["docs"]
-    docs = _attn.document_bounds(document_ids)
-    last.update(ids=weakref.ref(document_ids), version=document_ids._version, docs=docs)
+    if (torch.compiler.is_compiling() or document_ids.is_inference()
+            or (document_ids.is_cuda and torch.cuda.is_current_stream_capturing())):
+        # no cache: a traced or captured call must record making the bounds (a captured graph
+        # replays over new ids copied into the same tensor); inference tensors have no version
+        return _attn.document_bounds(document_ids.expand(b, n))
+    # every layer of a forward passes the same ids: their bounds are made once (one entry, read and
+    # written whole)
+    ref, key, docs = _last_documents[0]
+    if ref() is document_ids and key == (document_ids._version, b):
+        return docs
+    docs = _attn.document_bounds(document_ids.expand(b, n))
+    _last_documents[0] = (weakref.ref(document_ids), (document_ids._version, b), docs)
     return docs
 
 
-_last_documents: dict = {}
+_last_documents: list = [(lambda: None, None, None)]
 
 
 def _with_documents(attn_mask: Tensor | None, docs: Tensor) -> Tensor:

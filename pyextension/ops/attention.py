@@ -4,7 +4,9 @@ attention(q, k, v, is_causal, scale, docs=None) -> (out, lse): (B, H, N, D) shap
 attention when k/v have fewer heads (Hq a multiple of Hkv), torch's top-left causal mask; lse is the
 natural log-sum-exp per query row (fp32; fp64 for fp64 inputs). Not differentiable through lse.
 docs: packed documents (causal only): a query sees only the keys of its own document
-(document_bounds below; [Note: documents] in kernels/attention.py). out and
+(document_bounds below; [Note: documents] in kernels/attention.py). docs must be document_bounds'
+output: other values give wrong results (not checked: that would read the device; the kernels clamp
+them so as never to read outside q, k and v). out and
 the gradients dq/dk/dv are laid out as q/k/v are ([Note: outputs follow their inputs' layout] in
 zerofuse/ops/__init__.py): for (B, H, N, D) views of (B, N, H, D) projections, (B, N, H, D) memory.
 
