@@ -87,10 +87,11 @@ def test_a_mask_other_than_the_positions_documents_falls_back(cpu_kernels):
     torch.testing.assert_close(same, other, **tol(torch.float32))
 
 
-def test_packed_batch_in_inference_mode_falls_back(cpu_kernels):
-    """Inference mode (no version counters to key the mask check on): the model's sdpa runs, with
-    stock's result (the fused path raised there before)."""
-    stock = build("gpt2")
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_packed_batch_in_inference_mode_falls_back(arch, cpu_kernels):
+    """Inference mode (no version counters to key the mask check or the RoPE tables' cache on): the
+    model's sdpa runs, with stock's result (both raised there before)."""
+    stock = build(arch)
     patched = zerofuse.patch(copy.deepcopy(stock))
     ids, pos = batch(2, 19), _positions([[7, 12], [19]])
     with torch.inference_mode():

@@ -136,8 +136,9 @@ def make_rope(original):
     last: dict = {}  # the tables of the last cos/sin seen: every layer of a forward gets the same ones
 
     def tables(cos, sin, half):
-        if not torch.compiler.is_compiling() and last.get("cos") is cos and last.get("sin") is sin \
-                and last["version"] == (cos._version, sin._version):
+        # (inference tensors have no version counter: not cached)
+        keep = not torch.compiler.is_compiling() and not cos.is_inference() and not sin.is_inference()
+        if keep and last.get("cos") is cos and last.get("sin") is sin and last["version"] == (cos._version, sin._version):
             return last["tables"]
         b, n = cos.shape[0], cos.shape[1]
         c, s = cos[..., :half].detach(), sin[..., :half].detach()
@@ -146,7 +147,7 @@ def make_rope(original):
         else:
             out = (c.reshape(b * n, half).contiguous(), s.reshape(b * n, half).contiguous(),
                    torch.arange(b * n, device=cos.device).view(b, n))
-        if not torch.compiler.is_compiling():  # holding cos/sin: their addresses are not reused meanwhile
+        if keep:  # holding cos/sin: their addresses are not reused meanwhile
             last.update(cos=cos, sin=sin, version=(cos._version, sin._version), tables=out)
         return out
 
