@@ -119,7 +119,7 @@ def test_a_changed_block_size_builds_its_own_block_map(monkeypatch):
         own = table.own.tolist()
         assert len(own) == table.blocks == -(-5000 // block) + -(-3000 // block)
         assert own == [0] * -(-5000 // block) + [1] * -(-3000 // block)
-        sched = KL._schedule(table.numels, table.block_starts, torch.device("cpu"))
+        sched = KL._schedule(table, torch.device("cpu"))
         assert sorted(sched.tolist()) == list(range(2 * table.blocks))  # each block's two stages once
         maps.setdefault(block, own)
     assert maps[1024] != maps[2048]
