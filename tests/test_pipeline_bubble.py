@@ -45,7 +45,7 @@ class SleepLayer(torch.nn.Module):
         return _Sleep.apply(x, self.w, self.unit)
 
 
-def _sleep_rank(rank, ws, schedule, v, m, steps=2, fail_rank=None):
+def _sleep_rank(rank, ws, schedule, v, m, steps=3, fail_rank=None):
     import zerofuse  # noqa: F401
     from zerofuse.pipeline import Pipeline, split_modules
 
@@ -57,13 +57,17 @@ def _sleep_rank(rank, ws, schedule, v, m, steps=2, fail_rank=None):
                            layout=[2] + [1] * (ws * v - 1))
     pipe = Pipeline(stages, schedule=schedule, microbatches=m)
     x, t = torch.ones(m * 2, 8), torch.zeros(m * 2, 8)
+    idle = []
     for _ in range(steps):  # idle over the step as the simulator counts it: from a common start to the last rank's end
         torch.distributed.barrier()
         t0 = time.perf_counter()
         loss = pipe.step(x, t)
         torch.distributed.barrier()
-        wall = time.perf_counter() - t0
-    return 1 - pipe.compute_seconds / wall, loss.item()
+        idle.append(1 - pipe.compute_seconds / (time.perf_counter() - t0))
+    # the least idle step: other processes on the machine only ever add time (a sleep overshooting,
+    # a late barrier), so the minimum is the schedule's own idle (CI 2026-11-27: one step of zb-2-1
+    # measured 0.097 against the simulator's 0.077 on a loaded machine)
+    return min(idle), loss.item()
 
 
 @pytest.mark.parametrize("schedule,p,v", [("gpipe", 2, 1), ("1f1b", 2, 1), ("1f1b", 4, 1), ("interleaved", 2, 2),
