@@ -188,11 +188,11 @@ class Block(torch.nn.Module):
             h = self.norm1(x)
         else:
             h, x = self.norm1(delta, x)
+        kw = {} if document_ids is None else {"document_ids": document_ids}  # (an attn swapped in may not take them)
         if self.fold_attn_bias:
-            h, x = self.norm2(self.attn(h, proj_bias_grad=False, document_ids=document_ids), x,
-                              input_bias=self.attn.proj.bias)
+            h, x = self.norm2(self.attn(h, proj_bias_grad=False, **kw), x, input_bias=self.attn.proj.bias)
         else:
-            h, x = self.norm2(self.attn(h, document_ids=document_ids), x)
+            h, x = self.norm2(self.attn(h, **kw), x)
         return x, self.mlp(h)
 
 
