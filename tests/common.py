@@ -83,3 +83,15 @@ def assert_fake_strides(op, *args) -> None:
     for i, (r, f) in enumerate(zip(real, fake)):
         keep = [d for d in range(r.dim()) if r.shape[d] > 1]
         assert [r.stride(d) for d in keep] == [f.stride(d) for d in keep], (op, i, r.stride(), f.stride())
+
+
+def assert_compiled_grads_equal(f, *inputs) -> None:
+    """f(*inputs).backward() compiled whole (fullgraph, aot_eager) gives the eager call's input grads."""
+    import torch
+
+    leaves = [t.clone().requires_grad_() for t in inputs]
+    torch.compile(f, fullgraph=True, backend="aot_eager")(*leaves).backward()
+    ref = [t.clone().requires_grad_() for t in inputs]
+    f(*ref).backward()
+    for a, b in zip(leaves, ref):
+        torch.testing.assert_close(a.grad, b.grad)

@@ -9,7 +9,7 @@ import torch
 from zerofuse import kernels, reference
 from zerofuse.kernels import attention as K
 
-from common import HAS_CUDA, assert_fake_strides
+from common import HAS_CUDA, assert_compiled_grads_equal, assert_fake_strides
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 # On a GPU machine every test here runs on CUDA, so the module belongs to `-m gpu` there.
@@ -193,12 +193,7 @@ def test_opcheck_and_compile():
     def f(q, k, v):
         return zf_sdpa(q, k, v, is_causal=True, enable_gqa=True).sum()
 
-    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    torch.compile(f, fullgraph=True, backend="aot_eager")(*leaves).backward()
-    ref = [t.clone().requires_grad_() for t in (q, k, v)]
-    f(*ref).backward()
-    for a, b in zip(leaves, ref):
-        torch.testing.assert_close(a.grad, b.grad)
+    assert_compiled_grads_equal(f, q, k, v)
 
 
 def _bnhd(t):

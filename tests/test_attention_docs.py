@@ -11,7 +11,7 @@ from zerofuse.kernels import attention as K
 from zerofuse.nn import functional as zF
 from zerofuse.ops import attention as A
 
-from common import HAS_CUDA, assert_fake_strides
+from common import HAS_CUDA, assert_compiled_grads_equal, assert_fake_strides
 from tolerances import assert_within_peer_rule
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"
@@ -185,12 +185,7 @@ def test_opcheck_and_compile():
     def f(q, k, v):
         return zF.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, document_ids=ids).sum()
 
-    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    torch.compile(f, fullgraph=True, backend="aot_eager")(*leaves).backward()
-    ref = [t.clone().requires_grad_() for t in (q, k, v)]
-    f(*ref).backward()
-    for a, b in zip(leaves, ref):
-        torch.testing.assert_close(a.grad, b.grad)
+    assert_compiled_grads_equal(f, q, k, v)
 
 
 @pytest.mark.skipif(not kernels.interpreted(), reason="block shapes are forced in the interpreter")
