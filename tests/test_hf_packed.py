@@ -100,3 +100,74 @@ def test_packed_batch_in_inference_mode_falls_back(arch, cpu_kernels):
         assert zerofuse.hf.attention_calls()["fallback"] == before["fallback"] + LAYERS
         want = stock(ids, position_ids=pos, use_cache=False).logits
     torch.testing.assert_close(got, want, **tol(torch.float32))
+
+
+def _flash(model, name="flash_attention_2"):
+    """The model configured for a flash implementation (never called here: the patched attention
+    runs the fused kernel, and the fallback tests replace the model's implementation)."""
+    model.config._attn_implementation = name
+    return model
+
+
+@pytest.mark.parametrize("form", ["position_ids", "cu_seq_lens"])
+def test_a_flash_configured_model_attends_per_document(form, cpu_kernels):
+    """With a flash implementation configured, transformers hands a packed batch to the layer with no
+    mask: as position_ids restarting in one row, or as cu_seq_lens_q/_k + max_length_q/_k over the
+    flattened batch (DataCollatorWithFlattening(return_flash_attn_kwargs=True)). The patched model ran
+    plain causal attention across the documents there (second document's logits 0.57 off); now it
+    has the documents' logits and gradients (stock sdpa given the same packed position_ids)."""
+    stock = build("llama")
+    patched = zerofuse.patch(_flash(copy.deepcopy(stock)))
+    rows = [[7, 1, 11]] if form == "position_ids" else [[7, 1, 11], [19]]
+    ids, pos = batch(len(rows), 19), _positions(rows)
+    kw = {}
+    if form == "cu_seq_lens":
+        cu = torch.tensor([0, 7, 8, 19, 38], dtype=torch.int32)
+        kw = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu.clone(), max_length_q=19, max_length_k=19)
+    before = zerofuse.hf.attention_calls()
+    logits, grads = _loss_and_grads(patched, ids, position_ids=pos, **kw)
+    after = zerofuse.hf.attention_calls()
+    assert after["fused"] - before["fused"] == LAYERS and after["fallback"] == before["fallback"]
+    want, want_grads = _loss_and_grads(stock, ids, position_ids=pos)
+    torch.testing.assert_close(logits, want, **tol(torch.float32))
+    for name, g in grads.items():
+        torch.testing.assert_close(g, want_grads[name], rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+    alone = stock(ids[:1, 8:], use_cache=False).logits  # the first row's last document alone
+    torch.testing.assert_close(logits[:1, 8:], alone.detach(), **tol(torch.float32))
+
+
+def _varlen(cu_q, cu_k=None):
+    return dict(cu_seq_lens_q=torch.tensor(cu_q), cu_seq_lens_k=torch.tensor(cu_k or cu_q), max_length_q=19,
+                max_length_k=19)
+
+
+@pytest.mark.parametrize("case", [
+    "offsets crossing a row", "q and k offsets differ", "offsets short of the batch",
+    "position_ids not starting a document", "not causal"])
+def test_flash_documents_the_kernel_cannot_reproduce_fall_back(case, monkeypatch, cpu_kernels):
+    """Where the flash implementation's documents are not the kernel's (causal, per row, covering
+    every token), the model's own implementation runs (here a stand-in that records its call)."""
+    from zerofuse.hf import attention as H
+
+    ran = []
+    monkeypatch.setattr(H, "_fallback_impl", lambda module, default: lambda *a, **k: ran.append(case) or ("stock", None))
+    attn = _flash(zerofuse.patch(build("llama"))).model.layers[0].self_attn
+    b = 1 if case == "position_ids not starting a document" else 2
+    q, kv = torch.randn(b, 4, 19, 24), torch.randn(b, 2, 19, 24)
+    kw = {"offsets crossing a row": _varlen([0, 10, 38]),
+          "q and k offsets differ": _varlen([0, 7, 19, 38], [0, 8, 19, 38]),
+          "offsets short of the batch": _varlen([0, 7, 19, 30]),
+          "position_ids not starting a document": dict(position_ids=torch.cat([torch.arange(3, 8), torch.arange(14)])[None]),
+          "not causal": _varlen([0, 7, 19, 38])}[case]
+    if case == "not causal":
+        monkeypatch.setattr(attn, "is_causal", False)
+    out = H.attention_forward(attn, q, kv, kv, None, scaling=0.2, **kw)
+    assert out == ("stock", None) and ran == [case]
+    # the same call with offsets the kernel takes runs fused, as the documents of its ids
+    if case == "offsets crossing a row":
+        docs = torch.tensor([0] * 7 + [1] * 12)[None].expand(2, 19)
+        got, _ = H.attention_forward(attn, q, kv, kv, None, scaling=0.2, **_varlen([0, 7, 19, 26, 38]))
+        want = zerofuse.nn.functional.scaled_dot_product_attention(
+            q, kv, kv, is_causal=True, scale=0.2, enable_gqa=True, document_ids=docs).transpose(1, 2)
+        torch.testing.assert_close(got, want, **tol(torch.float32))
+        assert ran == [case]

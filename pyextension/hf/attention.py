@@ -6,8 +6,9 @@ that function whose module-level names ``apply_rotary_pos_emb`` and ``ALL_ATTENT
 bound to zerofuse's; the class, its other instances and the modeling module are untouched.
 
 Attention: zerofuse's fused kernel runs where the model's mask function handed the layer no mask
-(a causal batch without padding: sdpa's mask function returns None then) or the mask of packed
-sequences ([Note: packed sequences in transformers]), queries and keys of one length, no dropout,
+(a causal batch without padding: sdpa's mask function returns None then; a flash-configured model's
+packed documents given by kwargs) or the mask of packed sequences ([Note: packed sequences in
+transformers]), queries and keys of one length, no dropout,
 softcap, sliding window shorter than the sequence or attention weights asked for; anything else
 runs the model's configured implementation (sdpa where that is zerofuse itself) — a different
 result is never returned silently. ``attn_implementation="zerofuse"`` (at
@@ -58,17 +59,43 @@ def _runs_fused(query, key, attention_mask, dropout, kwargs) -> bool:
 
 
 # [Note: packed sequences in transformers] Packed training batches (several documents in one row,
-# position_ids restarting at 0 for each: DataCollatorWithFlattening) reach a layer as a bool
-# (B, 1, N, N) mask, causal and block-diagonal, made by the model's mask function from the
-# position_ids it also hands the layer (transformers >= 4.53 detects packing where no 2-D mask and
-# no cache were given). The fused kernel takes such a batch as document ids (no N x N mask read):
-# the ids come from position_ids' restarts, and the mask must equal theirs exactly (checked once per
-# forward and mask object - layers share them; models alternating full and windowed layers hold two
-# - one comparison and one host sync each; transformers' packing detection syncs too) - a mask with
-# padding, a window or anything else falls back. Not under torch.compile, a CUDA graph capture or
-# inference mode (a host sync or a version counter they do not allow): those fall back.
+# position_ids restarting at 0 for each: DataCollatorWithFlattening) come in two forms, and the
+# fused kernel takes both as document ids (no N x N mask read):
+# - sdpa/eager (and "zerofuse"): a bool (B, 1, N, N) mask, causal and block-diagonal, made by the
+#   model's mask function from the position_ids it also hands the layer (transformers >= 4.53
+#   detects packing where no 2-D mask and no cache were given). The ids come from position_ids'
+#   restarts, and the mask must equal theirs exactly (checked once per forward and mask object -
+#   layers share them; models alternating full and windowed layers hold two - one comparison and one
+#   host sync each; transformers' packing detection syncs too) - a mask with padding, a window or
+#   anything else falls back.
+# - flash_attention_* (any implementation named "flash"; "zerofuse" for the first form): no mask;
+#   the documents are the kwargs cu_seq_lens_q/_k (with max_length_q/_k: all four, as transformers'
+#   flash path reads them; over the batch flattened to B*N tokens) or else, for one row, the tokens
+#   where position_ids equal their minimum (transformers' rule there). Without this a patched flash
+#   model attended across documents (test). Offsets that do not cover B*N, differ between q and k or
+#   cross a row boundary, and position_ids whose first token does not start a document, run the
+#   model's implementation.
+# Not under torch.compile, a CUDA graph capture or inference mode (a host sync or a version counter
+# they do not allow): those fall back.
 _PACKED_KEPT = 4
-_packed: list = []  # (mask ref, position_ids ref, versions and batch, ids or None), the latest last
+_packed: list = []  # (refs of the tensors read, their versions and the shape, ids or None), the latest last
+
+
+def _unsyncable(*tensors) -> bool:
+    return (torch.compiler.is_compiling() or any(t.is_inference() for t in tensors)
+            or (tensors[0].is_cuda and torch.cuda.is_current_stream_capturing()))
+
+
+def _cached_ids(tensors, shape, make):
+    """make() for these tensors (document ids or None), once per tensors, versions and shape."""
+    key = (tuple(t._version for t in tensors), shape)
+    for refs, k, ids in _packed:
+        if k == key and all(r() is t for r, t in zip(refs, tensors, strict=True)):
+            return ids
+    ids = make()
+    _packed.append((tuple(weakref.ref(t) for t in tensors), key, ids))
+    del _packed[:-_PACKED_KEPT]
+    return ids
 
 
 def _packed_documents(query, attention_mask, kwargs):
@@ -80,23 +107,62 @@ def _packed_documents(query, attention_mask, kwargs):
             or attention_mask.dtype != torch.bool or attention_mask.dim() != 4 or attention_mask.shape[0] not in (1, b)
             or tuple(attention_mask.shape[1:]) != (1, n, n) or pos.dim() != 2 or pos.shape[0] not in (1, b)
             or pos.shape[1] != n or pos.is_floating_point() or pos.device != query.device
-            or torch.compiler.is_compiling() or attention_mask.is_inference() or pos.is_inference()
-            or (query.is_cuda and torch.cuda.is_current_stream_capturing())):
+            or _unsyncable(attention_mask, pos)):
         return None
-    key = (attention_mask._version, pos._version, b)
-    for mask_ref, pos_ref, k, ids in _packed:
-        if mask_ref() is attention_mask and pos_ref() is pos and k == key:
-            return ids
-    from zerofuse.ops.attention import document_bounds, document_mask  # noqa: PLC0415
 
-    restart = torch.ones_like(pos, dtype=torch.bool)
-    restart[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
-    ids = restart.cumsum(1).expand(b, n)
-    if not torch.equal(attention_mask.expand(b, 1, n, n), document_mask(document_bounds(ids))):
-        ids = None
-    _packed.append((weakref.ref(attention_mask), weakref.ref(pos), key, ids))
-    del _packed[:-_PACKED_KEPT]
-    return ids
+    def make():
+        from zerofuse.ops.attention import document_bounds, document_mask  # noqa: PLC0415
+
+        restart = torch.ones_like(pos, dtype=torch.bool)
+        restart[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
+        ids = restart.cumsum(1).expand(b, n)
+        return ids if torch.equal(attention_mask.expand(b, 1, n, n), document_mask(document_bounds(ids))) else None
+
+    return _cached_ids((attention_mask, pos), (b, n), make)
+
+
+_NOT_SAME = object()  # flash semantics the kernel cannot reproduce: run the model's implementation
+
+
+def _flash_documents(module, query, kwargs):
+    """For a module configured with a flash implementation (or zerofuse's, for the offsets), the
+    documents its kwargs describe: ids (B, N), None (one causal sequence per row) or _NOT_SAME."""
+    impl = getattr(getattr(module, "config", None), "_attn_implementation", None) or ""
+    flash = "flash" in impl
+    if not flash and impl != NAME:
+        return None
+    b, n = query.shape[0], query.shape[2]
+    dev = query.device
+    varlen = [kwargs.get(k) for k in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")]
+    if all(v is not None for v in varlen):
+        cu_q, cu_k = varlen[:2]
+        if (not all(isinstance(c, torch.Tensor) and c.dim() == 1 and c.numel() >= 2 and not c.is_floating_point()
+                    and c.device == dev for c in (cu_q, cu_k)) or _unsyncable(cu_q, cu_k)):
+            return _NOT_SAME
+
+        def make():
+            cu = cu_q.long()
+            rows = torch.arange(1, b, device=dev) * n
+            if (not torch.equal(cu, cu_k.long()) or cu[0].item() != 0 or cu[-1].item() != b * n
+                    or bool((cu.diff() < 0).any()) or not bool(torch.isin(rows, cu).all())):
+                return _NOT_SAME
+            tokens = torch.arange(b * n, device=dev)
+            return torch.searchsorted(cu[1:], tokens, right=True).view(b, n)
+
+        return _cached_ids((cu_q, cu_k), (b, n), make)
+    pos = kwargs.get("position_ids")
+    if not flash or b != 1 or n == 1 or not isinstance(pos, torch.Tensor) or pos.shape != (1, n):
+        return None
+    if pos.is_floating_point() or pos.device != dev or _unsyncable(pos):
+        return _NOT_SAME
+
+    def make():
+        starts = pos == pos.min()
+        if not bool(starts[0, 0]):
+            return _NOT_SAME
+        return starts.cumsum(1) if bool(starts[0, 1:].any()) else None
+
+    return _cached_ids((pos,), (b, n), make)
 
 
 def attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
@@ -104,14 +170,19 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
     """transformers' attention-function signature: (B, H, N, D) q, k, v -> ((B, N, H, D), None).
     default: the model's own eager function, for a fallback when that is its configured one."""
     docs = None
-    if attention_mask is not None and _runs_fused(query, key, None, dropout, kwargs):  # (the cheap checks first)
-        docs = _packed_documents(query, attention_mask, kwargs)
-    if not _runs_fused(query, key, attention_mask if docs is None else None, dropout, kwargs):
+    causal = (is_causal if is_causal is not None else getattr(module, "is_causal", True)) and query.shape[2] > 1
+    if _runs_fused(query, key, None, dropout, kwargs):  # (the cheap checks first)
+        if attention_mask is not None:
+            docs = _packed_documents(query, attention_mask, kwargs)
+        else:
+            docs = _flash_documents(module, query, kwargs)
+            if docs is not None and not causal:  # the kernel's documents are causal
+                docs = _NOT_SAME
+    if docs is _NOT_SAME or not _runs_fused(query, key, attention_mask if docs is None else None, dropout, kwargs):
         _calls["fallback"] += 1
         return _fallback_impl(module, default)(module, query, key, value, attention_mask, dropout=dropout,
                                                scaling=scaling, is_causal=is_causal, **kwargs)
     _calls["fused"] += 1
-    causal = (is_causal if is_causal is not None else getattr(module, "is_causal", True)) and query.shape[2] > 1
     out = zF.scaled_dot_product_attention(query, key, value, is_causal=bool(causal) or docs is not None, scale=scaling,
                                           enable_gqa=key.shape[1] != query.shape[1], document_ids=docs)
     return out.transpose(1, 2).contiguous(), None
