@@ -23,7 +23,12 @@ def _batches(steps=STEPS, batch=BATCH):
             for _ in range(steps)]
 
 
-def _reference(n_layer, steps=STEPS, batch=BATCH, split=1, tied=False):
+def _documents(idx, on: bool):
+    """Packed documents of a batch: one starts at each token divisible by 7 (or None)."""
+    return (idx % 7 == 0).cumsum(1) if on else None
+
+
+def _reference(n_layer, steps=STEPS, batch=BATCH, split=1, tied=False, documents=False):
     """Single-process training on the whole batch (split > 1: the same batch as that many
     accumulated micro-batches, the equally valid reordering assert_close_training allows for):
     losses and final params by name."""
@@ -37,7 +42,7 @@ def _reference(n_layer, steps=STEPS, batch=BATCH, split=1, tied=False):
     for idx, tgt in _batches(steps, batch):
         total = 0.0
         for i, t in zip(idx.chunk(split), tgt.chunk(split)):
-            _, loss = model(i, t)
+            _, loss = model(i, t, document_ids=_documents(i, documents))
             (loss / split).backward()
             total += loss.item() / split
         opt.step()
@@ -46,16 +51,16 @@ def _reference(n_layer, steps=STEPS, batch=BATCH, split=1, tied=False):
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def assert_matches_reference(out, n_layer, micro, tied=False):
+def assert_matches_reference(out, n_layer, micro, tied=False, documents=False):
     """Each rank's losses (rtol 1e-5) and params (the training-parity rule) against single-process
     training; every param of the model on exactly one rank."""
     from tolerances import assert_close_training
 
-    ref_losses, ref_params = _reference(n_layer, tied=tied)
+    ref_losses, ref_params = _reference(n_layer, tied=tied, documents=documents)
     # tied: the weight's grad is also summed in another order (its two uses' grads on two ranks),
     # so the reordering allowance takes the batch split several ways (tolerances.assert_close_training)
     splits = sorted({micro, 2, BATCH}) if tied else [micro]
-    alts = [_reference(n_layer, split=k, tied=tied)[1] for k in splits]
+    alts = [_reference(n_layer, split=k, tied=tied, documents=documents)[1] for k in splits]
     for rank, (losses, named, *_rest) in enumerate(out):
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
         for name, p in named.items():
@@ -64,7 +69,8 @@ def assert_matches_reference(out, n_layer, micro, tied=False):
     assert sorted(names) == sorted(ref_params)
 
 
-def _pp_rank(rank, ws, schedule, v, n_layer, microbatches, layout=None, recompute=False, tied=False):
+def _pp_rank(rank, ws, schedule, v, n_layer, microbatches, layout=None, recompute=False, tied=False,
+             documents=False):
     import zerofuse  # noqa: F401
     from zerofuse.models import GPT
     from zerofuse.pipeline import Pipeline, split_gpt
@@ -79,7 +85,7 @@ def _pp_rank(rank, ws, schedule, v, n_layer, microbatches, layout=None, recomput
     opt = torch.optim.AdamW(params, lr=1e-2, eps=1e-6)
     losses, peaks = [], []
     for idx, tgt in _batches():
-        losses.append(pipe.step(idx, tgt).item())
+        losses.append(pipe.step(idx, tgt, document_ids=_documents(idx, documents)).item())
         opt.step()
         opt.zero_grad(set_to_none=True)
         peaks.append(dict(pipe.peak_live))
@@ -113,6 +119,46 @@ def test_tied_embeddings_across_stages_match_single_process(schedule, pp, v):
     n_layer = 8 if pp * v > 4 else 4
     out = run_distributed(_pp_rank, pp, schedule, v, n_layer, MICRO, None, False, True, timeout=300)
     assert_matches_reference(out, n_layer, MICRO, tied=True)
+
+
+@pytest.mark.parametrize("schedule,pp,v,recompute", [("1f1b", 2, 1, False), ("zb", 2, 1, True),
+                                                    ("interleaved", 2, 2, False)])
+def test_packed_documents_through_the_stages_match_single_process(schedule, pp, v, recompute):
+    """document_ids chunked with the batch into micro-batches reach every stage's attention (also
+    recomputed in backward, and through the zero-bubble split backward): the losses and params of
+    one process training GPT(idx, targets, document_ids=); and not those of training without them."""
+    out = run_distributed(_pp_rank, pp, schedule, v, 4, MICRO, None, recompute, False, True, timeout=300)
+    assert_matches_reference(out, 4, MICRO, documents=True)
+    plain = _reference(4)[0]
+    assert all(abs(a - b) > 1e-4 for a, b in zip(out[0][0][1:], plain[1:]))
+
+
+def _documents_refused_rank(rank, ws):
+    import zerofuse  # noqa: F401
+    from zerofuse.pipeline import Pipeline, split_modules
+
+    layers = torch.nn.Sequential(torch.nn.Embedding(61, 8), torch.nn.Linear(8, 61))
+    stages = split_modules(layers, ws, [rank], loss_fn=lambda out, t: torch.nn.functional.cross_entropy(
+        out.flatten(0, 1), t.flatten()))
+    pipe = Pipeline(stages, schedule="1f1b", microbatches=2)
+    idx, tgt = _batches(1)[0]
+    errors = []
+    for docs in (_documents(idx, True), idx[:, :3], idx.float()):
+        try:
+            pipe.step(idx, tgt, document_ids=docs)
+        except ValueError as e:
+            errors.append(str(e))
+    return errors
+
+
+def test_document_ids_are_refused_where_they_cannot_apply():
+    """Stages of split_modules (modules that take no documents) and ids not of the batch's shape or
+    an integer dtype: a ValueError on every rank before anything runs (nothing hangs)."""
+    for errors in run_distributed(_documents_refused_rank, 2, timeout=120):
+        assert len(errors) == 3, errors
+        assert "document_ids given, but stages [" in errors[0] and "take none" in errors[0]
+        for e in errors[1:]:
+            assert "expected document_ids as an integer tensor of the batch's shape [8, 16]" in e, e
 
 
 def _dealloc_rank(rank, ws, steps):

@@ -108,6 +108,24 @@ def test_tied_gpt2_job_at_pp2_matches_resumes_and_consolidates(tmp_path):
     assert model.head.weight is model.wte.weight and torch.equal(model.head.weight, state["model"]["wte.weight"])
 
 
+def test_document_masking_at_pp2_matches_the_unsplit_job(tmp_path):
+    """--document-masking over two pipeline ranks (GPT-2 token shards with a document every 3-12
+    tokens): each rank makes the micro-batches' document ids and the losses (train and eval) are the
+    unsplit job's with them (which test_documents_model shows apply)."""
+    from test_documents_model import _shards
+
+    train_bin, val_bin = _shards(tmp_path)
+    docs = [*TIED, "--document-masking", "--data", train_bin, "--val-data", val_bin, "--ckpt-every", "0"]
+    _ok(run("--nproc", 1, "--grad-accum", 2, *docs, "--out", tmp_path / "unsplit"))
+    _ok(run("--nproc", 2, "--pp", 2, "--microbatches", 2, *docs, "--out", tmp_path / "pp2"))
+    want, got = metrics(tmp_path / "unsplit"), metrics(tmp_path / "pp2")
+    assert [r["step"] for r in got] == [r["step"] for r in want] and any("val_loss" in r for r in want)
+    for a, b in zip(got, want):
+        assert a.keys() >= {"loss"} and ("val_loss" in a) == ("val_loss" in b), (a, b)
+        for key in {"loss", "val_loss"} & b.keys():
+            assert a[key] == pytest.approx(b[key], rel=1e-5), (a, b)
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--nproc", 2, "--pp", 2, "--grad-accum", 2], "--grad-accum: expected 1 with --pp 2"),
     (["--nproc", 4, "--pp", 3], "--tp/--pp: expected tp × pp (1 × 3) to divide the number of ranks 4"),

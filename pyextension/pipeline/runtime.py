@@ -58,7 +58,8 @@ def _run_backward(tensors, grads, inputs=(), *, keep_graph=False, accumulate=Tru
 class Pipeline(Transfers):
     """One rank's part of a pipeline: its stages, the schedule's action list for this rank, and
     the transfers to its neighbours (see the module docstring). ``step`` trains one batch,
-    ``forward_only`` evaluates one; after a step, ``compute_seconds`` / ``step_seconds`` give this
+    ``forward_only`` evaluates one (both with the batch's ``document_ids`` for packed documents,
+    chunked into micro-batches as the batch: every rank passes them); after a step, ``compute_seconds`` / ``step_seconds`` give this
     rank's busy and wall time, ``timeline`` its compute actions, ``peak_live`` the most
     micro-batches each stage held."""
 
@@ -158,7 +159,7 @@ class Pipeline(Transfers):
 
     # ------------------------------------------------------------------ the step
 
-    def step(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def step(self, idx: torch.Tensor, targets: torch.Tensor, *, document_ids: torch.Tensor | None = None) -> torch.Tensor:
         t_step = time.perf_counter()
         m = self.m
         if targets is None or targets.shape[0] != idx.shape[0]:
@@ -168,7 +169,7 @@ class Pipeline(Transfers):
         if idx.shape[0] % m:
             raise ValueError(f"{NAME}.step: expected the batch size ({idx.shape[0]}) to divide by the number of "
                              f"micro-batches ({m})")
-        mbs, tgts = idx.chunk(m), targets.chunk(m)
+        mbs, tgts, docs = idx.chunk(m), targets.chunk(m), self._documents(idx, document_ids, m)
         self._mb_shape = tuple(mbs[0].shape)
         self._device = idx.device
         self._inputs, self._outputs, self._grads_in, self._ys, self._losses = {}, {}, {}, {}, {}
@@ -193,7 +194,7 @@ class Pipeline(Transfers):
             t0 = time.perf_counter()
             _current[0] = a
             if a.kind == "F":
-                self._forward(a, mbs, tgts)
+                self._forward(a, mbs, tgts, docs)
                 live[a.stage] += 1
                 self.peak_live[a.stage] = max(self.peak_live[a.stage], live[a.stage])
             elif a.kind in ("B", "I", "W"):
@@ -232,19 +233,21 @@ class Pipeline(Transfers):
         return eng.no_sync()
 
     @torch.no_grad()
-    def forward_only(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def forward_only(self, idx: torch.Tensor, targets: torch.Tensor, *,
+                     document_ids: torch.Tensor | None = None) -> torch.Tensor:
         """The loss of one batch through every stage (evaluation: no micro-batches, no backward),
         on every rank."""
         from zerofuse.pipeline.schedules import Action
 
         self._mb_shape, self._device = tuple(idx.shape), idx.device
+        docs = self._documents(idx, document_ids, 1)
         self._inputs, self._outputs, self._losses, self._recv, self._sends, self._posted = {}, {}, {}, {}, [], {}
         m, self.m = self.m, 1
         try:
             for s in sorted(self.stages):
                 if s > 0 and s - 1 not in self.stages:
                     self._communicate([Action("RECV_F", s, 0, stage_to_rank(s - 1, self.p))])
-                self._forward(Action("F", s, 0), [idx], [targets])
+                self._forward(Action("F", s, 0), [idx], [targets], docs)
                 if s < self.num_stages - 1 and s + 1 not in self.stages:
                     self._communicate([Action("SEND_F", s, 0, stage_to_rank(s + 1, self.p))])
             for w in self._sends:
@@ -255,7 +258,22 @@ class Pipeline(Transfers):
             self.m = m
             self._inputs, self._outputs = {}, {}
 
-    def _forward(self, a, mbs, tgts):
+    def _documents(self, idx, document_ids, m):
+        """document_ids (the batch's shape) checked and chunked into m micro-batches, or None."""
+        if document_ids is None:
+            return None
+        if (not isinstance(document_ids, torch.Tensor) or document_ids.shape != idx.shape
+                or document_ids.is_floating_point() or document_ids.device != idx.device):
+            got = (f"{document_ids.dtype} {list(document_ids.shape)} on {document_ids.device}"
+                   if isinstance(document_ids, torch.Tensor) else type(document_ids).__name__)
+            raise ValueError(f"{NAME}: expected document_ids as an integer tensor of the batch's shape "
+                             f"{list(idx.shape)} on {idx.device}, got {got}")
+        refusing = sorted(s for s, stage in self.stages.items() if not stage.takes_documents)
+        if refusing:
+            raise ValueError(f"{NAME}: document_ids given, but stages {refusing} take none (split_gpt's stages do)")
+        return document_ids.chunk(m)
+
+    def _forward(self, a, mbs, tgts, docs=None):
         stage = self.stages[a.stage]
         if stage.is_first:
             inputs = (mbs[a.mb],)
@@ -281,7 +299,8 @@ class Pipeline(Transfers):
         watch = sent and key not in self._saved_outputs
         try:
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if watch else contextlib.nullcontext():
-                out = stage(*inputs, targets=tgts[a.mb] if stage.is_last else None)
+                out = stage(*inputs, targets=tgts[a.mb] if stage.is_last else None,
+                            document_ids=None if docs is None else docs[a.mb])
         finally:
             if record:
                 self._ys[(a.stage, a.mb)] = self._recording

@@ -8,7 +8,7 @@ ids) and returns a tuple of tensors for the next stage, or, on the last stage, t
 
 - :func:`split_gpt`: a ``zerofuse.models.GPT`` by layer counts (balanced by parameters, or an
   explicit layout such as ``"E,4,4,4,L"``); its stages run the model's own ``embed``, blocks and
-  ``final``.
+  ``final``, and take the micro-batch's ``document_ids`` (packed documents) for their blocks.
 - :func:`split_modules`: any model given as an ordered list of ``(name, module)`` (or an
   ``nn.Sequential``), each module called on the previous one's output, and a ``loss_fn(output,
   targets)`` on the last stage.
@@ -41,7 +41,8 @@ class Stage(torch.nn.Module):
     """One pipeline stage (see the module docstring). ``index`` / ``num_stages``: its place in the
     pipeline; ``parts``: its (name, module) in order."""
 
-    def __init__(self, parts: Sequence[tuple[str, torch.nn.Module]], run: Callable, index: int, num_stages: int):
+    def __init__(self, parts: Sequence[tuple[str, torch.nn.Module]], run: Callable, index: int, num_stages: int,
+                 *, takes_documents: bool = False):
         super().__init__()
         for name, module in parts:
             path = name.split(".")
@@ -54,6 +55,7 @@ class Stage(torch.nn.Module):
         self.parts = [name for name, _ in parts]
         self._run = run
         self.index, self.num_stages = index, num_stages
+        self.takes_documents = takes_documents  # forward takes document_ids (split_gpt's stages)
         # tied embeddings split over two ranks (see the module docstring): the first stage's real
         # weight ("source") or the last stage's mirror of it ("mirror"), else None
         self.tied: tuple[str, torch.Tensor] | None = None
@@ -69,8 +71,16 @@ class Stage(torch.nn.Module):
     def is_last(self) -> bool:
         return self.index == self.num_stages - 1
 
-    def forward(self, *inputs: torch.Tensor, targets: torch.Tensor | None = None):
-        return self._run(*inputs, targets=targets)
+    def forward(self, *inputs: torch.Tensor, targets: torch.Tensor | None = None,
+                document_ids: torch.Tensor | None = None):
+        """document_ids (B, N): packed documents of this micro-batch (zerofuse.models.GPT's), for
+        the attention of the stage's blocks; only where takes_documents."""
+        if document_ids is None:
+            return self._run(*inputs, targets=targets)
+        if not self.takes_documents:
+            raise ValueError(f"{NAME}: document_ids given to stage {self.index}, whose modules take none "
+                             f"(split_gpt's stages do)")
+        return self._run(*inputs, targets=targets, document_ids=document_ids)
 
     def extra_repr(self) -> str:
         return f"stage {self.index} of {self.num_stages}: {', '.join(self.parts)}"
@@ -243,7 +253,8 @@ def split_gpt(model, num_stages: int, stage_ids: Sequence[int], *, layout=None, 
             parts += [("norm", model.norm), ("head", model.head)]
         _materialize([m for _, m in parts], device, getattr(model, "param_init_fn", None))
         kept.update(id(p) for _, m in parts for p in m.parameters())
-        stages.append(Stage(parts, _gpt_runner(model, emb, [model.blocks[i] for i in blocks], head), s, num_stages))
+        stages.append(Stage(parts, _gpt_runner(model, emb, [model.blocks[i] for i in blocks], head), s, num_stages,
+                            takes_documents=True))
     ends = [i for i in (0, num_stages - 1) if i in stage_ids]
     if cfg.tie_embeddings and num_stages > 1 and len(ends) == 1:  # the two uses on two ranks
         (end,) = ends
@@ -268,13 +279,13 @@ def _mirror(module: torch.nn.Module, name: str) -> torch.Tensor:
 
 
 def _gpt_runner(model, emb: bool, blocks: list, head: bool) -> Callable:
-    def run(*inputs, targets=None):
+    def run(*inputs, targets=None, document_ids=None):
         if emb:
             x, delta = model.embed(inputs[0]), None
         else:
             x, delta = inputs if len(inputs) == 2 else (inputs[0], None)
         for block in blocks:
-            x, delta = model.run_block(block, x, delta)
+            x, delta = model.run_block(block, x, delta, document_ids)
         if head:
             logits, loss = model.final(x, delta, targets)
             return loss if targets is not None else logits

@@ -198,9 +198,9 @@ def validate(args) -> None:
     _validate_model(args)
     _validate_moe(args)
     _validate_data(args)
-    _check(not args.document_masking or (args.tokenizer == "gpt2" and pp == 1),
+    _check(not args.document_masking or args.tokenizer == "gpt2",
            f"--document-masking: expected GPT-2 tokens (--tokenizer gpt2 or token shards: documents start at "
-           f"<|endoftext|>) and --pp 1, got --tokenizer {args.tokenizer} --pp {pp}")
+           f"<|endoftext|>), got --tokenizer {args.tokenizer}")
     _validate_out(Path(args.out))
     ckpt = Path(args.out) / "ckpt"
     if args.export:

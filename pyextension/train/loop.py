@@ -27,12 +27,16 @@ class Trainer:
 
     # ------------------------------------------------------------------ steps
 
+    def _documents(self, x):
+        """--document-masking: x's documents, each starting at <|endoftext|> (a device op: no sync,
+        graphable); else None."""
+        return (x == self.corpus.document_start).cumsum(-1) if self.args.document_masking else None
+
     def _forward(self, x, y):
+        docs = self._documents(x)
         if self.pp is not None:
-            return self.pp.eval_loss(x, y)
-        if self.args.document_masking:  # documents start at <|endoftext|> (a device op: no sync, graphable)
-            return self.model(x, y, document_ids=(x == self.corpus.document_start).cumsum(1))[1]
-        return self.model(x, y)[1]
+            return self.pp.eval_loss(x, y, docs)
+        return self.model(x, y)[1] if docs is None else self.model(x, y, document_ids=docs)[1]
 
     def _batch(self, step: int):
         """This step's (inputs, targets) stacked, (2, grad_accum, batch, seq): on the CPU as they
@@ -48,7 +52,7 @@ class Trainer:
         optimizer's lr (Optimizer.sync_lr). on_stepped() runs between the step and zero_grad."""
         args, opt = self.args, self.opt
         if self.pp is not None:  # the schedule runs the micro-batches' forwards and backwards
-            mean_loss = self.pp.step(xs, ys)
+            mean_loss = self.pp.step(xs, ys, self._documents(xs))
         else:
             total = None
             for i in range(args.grad_accum):

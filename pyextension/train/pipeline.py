@@ -26,14 +26,16 @@ class PipelineJob:
                              group=mesh.pp_group, zero_module=None if v == 1 else self.module)
         self.idle: list[float] = []  # per step: 1 - compute / step time on this rank
 
-    def step(self, xs: torch.Tensor, ys: torch.Tensor) -> torch.Tensor:
-        """Forward + backward of the M micro-batches xs (M, batch, seq); returns the mean loss."""
-        loss = self.pipe.step(xs.reshape(-1, xs.shape[-1]), ys.reshape(-1, ys.shape[-1]))
+    def step(self, xs: torch.Tensor, ys: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Forward + backward of the M micro-batches xs (M, batch, seq) (document_ids: their packed
+        documents, the same shape); returns the mean loss."""
+        flat = (lambda t: None if t is None else t.reshape(-1, t.shape[-1]))
+        loss = self.pipe.step(flat(xs), flat(ys), document_ids=flat(document_ids))
         self.idle.append(1.0 - self.pipe.compute_seconds / max(self.pipe.step_seconds, 1e-9))
         return loss
 
-    def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return self.pipe.forward_only(x, y)
+    def eval_loss(self, x: torch.Tensor, y: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        return self.pipe.forward_only(x, y, document_ids=document_ids)
 
     def report(self, world: int) -> dict:
         """Gathered on every rank (collective): each rank's measured idle fraction (mean over the
