@@ -33,11 +33,8 @@ from zerofuse.tp.spec import spec_of
 from zerofuse.zero.engine import engine_of
 
 NAME = files.NAME
-DCP_META = ".metadata"
-
-
-def is_dcp(directory: str) -> bool:
-    return os.path.isfile(os.path.join(directory, DCP_META))
+DCP_META = files.DCP_META
+is_dcp = files.is_dcp
 
 
 def boxes(shape: tuple[int, ...], a: int, b: int) -> list[tuple[tuple[int, ...], tuple[int, ...], int]]:

@@ -29,6 +29,11 @@ import torch
 
 NAME = "zerofuse.checkpoint"
 META = "meta.json"
+DCP_META = ".metadata"  # torch.distributed.checkpoint's metadata file: a directory in DCP's layout
+
+
+def is_dcp(directory: str) -> bool:
+    return os.path.isfile(os.path.join(directory, DCP_META))
 
 
 def kill_point(name: str) -> None:

@@ -4,7 +4,6 @@ with ``model.safetensors.index.json`` past ``max_shard_bytes``). Names stay zero
 state_dict keys of the saved model); a tied weight is written once and the tie recorded in the config."""
 from __future__ import annotations
 
-import json
 import os
 
 import torch

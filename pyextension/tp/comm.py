@@ -22,6 +22,7 @@ import collections
 import torch
 import torch.distributed as dist
 
+from zerofuse._compile import opaque_to_compile
 from zerofuse.comm import Communicator
 
 _comms: list[tuple[dist.ProcessGroup, Communicator]] = []
@@ -58,7 +59,7 @@ def _count(kind: str, t: torch.Tensor, factor: int = 1) -> None:
 # ---------------------------------------------------------------------------- raw collectives
 
 
-@torch.compiler.disable  # the Communicator is opaque to dynamo: no retracing per shape
+@opaque_to_compile  # the Communicator is opaque to dynamo: no retracing per shape
 def all_reduce(x: torch.Tensor, comm: Communicator, op: str = "sum", wait: bool = True):
     """In place on a contiguous x; returns the Work when wait=False."""
     _count("all_reduce", x)
@@ -69,7 +70,7 @@ def all_reduce(x: torch.Tensor, comm: Communicator, op: str = "sum", wait: bool 
     return work
 
 
-@torch.compiler.disable  # the Communicator is opaque to dynamo: no retracing per shape
+@opaque_to_compile  # the Communicator is opaque to dynamo: no retracing per shape
 def seq_all_gather_start(x: torch.Tensor, comm: Communicator):
     """Start gathering the sequence shards x (b, s/tp, h) -> (buffer, work); finish with
     seq_all_gather_finish."""
@@ -80,7 +81,7 @@ def seq_all_gather_start(x: torch.Tensor, comm: Communicator):
     return buf, comm.all_gather_coalesced(shard.reshape(-1), [buf.view(-1)])
 
 
-@torch.compiler.disable  # the Communicator is opaque to dynamo: no retracing per shape
+@opaque_to_compile  # the Communicator is opaque to dynamo: no retracing per shape
 def seq_all_gather_finish(buf: torch.Tensor, work) -> torch.Tensor:
     work.wait()
     tp, b, s, h = buf.shape[0], buf.shape[1], buf.shape[2], buf.shape[3:]
@@ -97,7 +98,7 @@ def _check_seq(x: torch.Tensor, tp: int, who: str) -> None:
                          f"the TP size {tp}, got shape {list(x.shape)}")
 
 
-@torch.compiler.disable  # the Communicator is opaque to dynamo: no retracing per shape
+@opaque_to_compile  # the Communicator is opaque to dynamo: no retracing per shape
 def seq_reduce_scatter_start(x: torch.Tensor, comm: Communicator):
     """Start reduce-scattering x (b, s, h) (sum) into this rank's sequence shard (b, s/tp, h) ->
     (shard, work); the shard holds the result after work.wait()."""

@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 from torch.utils._pytree import tree_leaves
 
+from zerofuse._compile import opaque_to_compile
+
 
 class WorldOfOne:
     HOOKLESS = True  # [Note: a world of one]; False: hooks over one rank too (tests compare the two)
@@ -61,7 +63,7 @@ class WorldOfOne:
             self._final_queued = True  # ended here, not by an autograd callback
             self._close_backward()
 
-    @torch.compiler.disable
+    @opaque_to_compile
     def _take_after_backward(self, module, args, output) -> None:
         if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
             return  # nothing to differentiate, or a forward re-run inside a backward
