@@ -171,3 +171,28 @@ def test_flash_documents_the_kernel_cannot_reproduce_fall_back(case, monkeypatch
             q, kv, kv, is_causal=True, scale=0.2, enable_gqa=True, document_ids=docs).transpose(1, 2)
         torch.testing.assert_close(got, want, **tol(torch.float32))
         assert ran == [case]
+
+
+def test_zerofuses_own_implementation_reads_the_offsets_or_says_why_not(cpu_kernels):
+    """attn_implementation="zerofuse" takes cu_seq_lens_q/_k as documents too (with the flash
+    model's result), also in inference mode (no sync allowed to check them there); offsets it cannot
+    take raise naming them (its fallback, sdpa, would ignore them: a silently different result)."""
+    from zerofuse.hf import attention as H
+
+    stock = build("llama")
+    zf = _flash(zerofuse.patch(copy.deepcopy(stock)), "zerofuse")
+    fa = _flash(zerofuse.patch(copy.deepcopy(stock)))
+    ids, kw = batch(2, 19), _varlen([0, 7, 8, 19, 38])
+    got = zf(ids, use_cache=False, **kw).logits  # no position_ids: only the offsets say where documents are
+    want = fa(ids, use_cache=False, **kw).logits
+    torch.testing.assert_close(got, want, **tol(torch.float32))
+    alone = stock(ids[:1, 8:], position_ids=torch.arange(8, 19)[None], use_cache=False).logits
+    torch.testing.assert_close(got[:1, 8:], alone, **tol(torch.float32))
+    with torch.inference_mode():
+        torch.testing.assert_close(zf(ids, use_cache=False, **kw).logits, got, **tol(torch.float32))
+    with pytest.raises(ValueError, match=r"cu_seq_lens_q and cu_seq_lens_k to be the same offsets .*\[0, 10, 38\]"):
+        zf(ids, use_cache=False, **_varlen([0, 10, 38]))
+    attn = zf.model.layers[0].self_attn
+    q, kv = torch.randn(2, 4, 19, 24), torch.randn(2, 2, 19, 24)
+    with pytest.raises(ValueError, match="are for causal attention"):
+        H.attention_forward(attn, q, kv, kv, None, scaling=0.2, is_causal=False, **kw)

@@ -74,7 +74,9 @@ def _runs_fused(query, key, attention_mask, dropout, kwargs) -> bool:
 #   where position_ids equal their minimum (transformers' rule there). Without this a patched flash
 #   model attended across documents (test). Offsets that do not cover B*N, differ between q and k or
 #   cross a row boundary, and position_ids whose first token does not start a document, run the
-#   model's implementation.
+#   model's implementation. zerofuse's own implementation ("zerofuse") also reads the offsets, and
+#   having no other implementation to defer to, raises on ones it cannot take and takes them
+#   unchecked where nothing may sync (compile, capture, inference mode).
 # Not under torch.compile, a CUDA graph capture or inference mode (a host sync or a version counter
 # they do not allow): those fall back.
 _PACKED_KEPT = 4
@@ -124,30 +126,57 @@ def _packed_documents(query, attention_mask, kwargs):
 _NOT_SAME = object()  # flash semantics the kernel cannot reproduce: run the model's implementation
 
 
-def _flash_documents(module, query, kwargs):
+def _offsets_ids(cu: torch.Tensor, b: int, n: int) -> torch.Tensor:
+    """Document ids (B, N) of offsets over the flattened batch (no checks, no host sync)."""
+    tokens = torch.arange(b * n, device=cu.device)
+    return torch.searchsorted(cu[1:].long(), tokens, right=True).view(b, n)
+
+
+def _flash_documents(module, query, kwargs, causal: bool):
     """For a module configured with a flash implementation (or zerofuse's, for the offsets), the
-    documents its kwargs describe: ids (B, N), None (one causal sequence per row) or _NOT_SAME."""
+    documents its kwargs describe: ids (B, N), None (one causal sequence per row) or _NOT_SAME.
+    zerofuse's own implementation has no other to fall back to: offsets it cannot take raise, and
+    where nothing may sync (compile, capture, inference mode) they are taken unchecked."""
     impl = getattr(getattr(module, "config", None), "_attn_implementation", None) or ""
     flash = "flash" in impl
     if not flash and impl != NAME:
         return None
+    ids = _kwargs_documents(query, kwargs, flash)
+    if ids is None or ids is _NOT_SAME or causal or query.shape[2] == 1:
+        return ids
+    if flash:  # the kernel's documents are causal
+        return _NOT_SAME
+    raise ValueError(f"zerofuse attention: packed documents (cu_seq_lens_q/_k) are for causal attention, got "
+                     f"{type(module).__name__} with is_causal=False")
+
+
+def _kwargs_documents(query, kwargs, flash: bool):
     b, n = query.shape[0], query.shape[2]
     dev = query.device
     varlen = [kwargs.get(k) for k in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")]
     if all(v is not None for v in varlen):
         cu_q, cu_k = varlen[:2]
-        if (not all(isinstance(c, torch.Tensor) and c.dim() == 1 and c.numel() >= 2 and not c.is_floating_point()
-                    and c.device == dev for c in (cu_q, cu_k)) or _unsyncable(cu_q, cu_k)):
-            return _NOT_SAME
+
+        def refused():
+            if flash:
+                return _NOT_SAME
+            got = [c.tolist() if isinstance(c, torch.Tensor) and c.numel() < 64 else type(c).__name__ for c in (cu_q, cu_k)]
+            raise ValueError(f"zerofuse attention: expected cu_seq_lens_q and cu_seq_lens_k to be the same offsets on "
+                             f"{dev}, from 0 to batch x sequence ({b} x {n}), splitting no row; got {got[0]} and {got[1]}")
+
+        if not all(isinstance(c, torch.Tensor) and c.dim() == 1 and c.numel() >= 2 and not c.is_floating_point()
+                   and c.device == dev for c in (cu_q, cu_k)):
+            return refused()
+        if _unsyncable(cu_q, cu_k):
+            return _NOT_SAME if flash else _offsets_ids(cu_q, b, n)
 
         def make():
             cu = cu_q.long()
             rows = torch.arange(1, b, device=dev) * n
             if (not torch.equal(cu, cu_k.long()) or cu[0].item() != 0 or cu[-1].item() != b * n
                     or bool((cu.diff() < 0).any()) or not bool(torch.isin(rows, cu).all())):
-                return _NOT_SAME
-            tokens = torch.arange(b * n, device=dev)
-            return torch.searchsorted(cu[1:], tokens, right=True).view(b, n)
+                return refused()
+            return _offsets_ids(cu, b, n)
 
         return _cached_ids((cu_q, cu_k), (b, n), make)
     pos = kwargs.get("position_ids")
@@ -175,9 +204,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
         if attention_mask is not None:
             docs = _packed_documents(query, attention_mask, kwargs)
         else:
-            docs = _flash_documents(module, query, kwargs)
-            if docs is not None and not causal:  # the kernel's documents are causal
-                docs = _NOT_SAME
+            docs = _flash_documents(module, query, kwargs, causal)
     if docs is _NOT_SAME or not _runs_fused(query, key, attention_mask if docs is None else None, dropout, kwargs):
         _calls["fallback"] += 1
         return _fallback_impl(module, default)(module, query, key, value, attention_mask, dropout=dropout,
