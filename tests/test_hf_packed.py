@@ -150,7 +150,7 @@ def test_flash_documents_the_kernel_cannot_reproduce_fall_back(case, monkeypatch
     from zerofuse.hf import attention as H
 
     ran = []
-    monkeypatch.setattr(H, "_fallback_impl", lambda module, default: lambda *a, **k: ran.append(case) or ("stock", None))
+    monkeypatch.setattr(H, "_fallback_impl", lambda module, default, kwargs=None: lambda *a, **k: ran.append(case) or ("stock", None))
     attn = _flash(zerofuse.patch(build("llama"))).model.layers[0].self_attn
     b = 1 if case == "position_ids not starting a document" else 2
     q, kv = torch.randn(b, 4, 19, 24), torch.randn(b, 2, 19, 24)

@@ -269,11 +269,13 @@ def test_patched_model_under_inductor_trains_as_eager():
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6)
 
 
-def test_loss_pass_builds_no_kv_cache_unless_asked(cpu_kernels):
+def test_loss_pass_builds_a_kv_cache_where_stock_does(cpu_kernels):
+    """The decoder runs as in the stock forward: a cache where config.use_cache asks (transformers'
+    packed-batch detection depends on it: tests/test_hf_parity.py), none with use_cache=False."""
     stock = build("llama")
     patched = zerofuse.patch(copy.deepcopy(stock))
     ids = batch()
     assert stock.config.use_cache and stock(ids, labels=ids).past_key_values is not None  # stock's default
-    assert patched(ids, labels=ids).past_key_values is None
-    cache = patched(ids, labels=ids, use_cache=True).past_key_values
+    cache = patched(ids, labels=ids).past_key_values
     assert cache is not None and cache.get_seq_length() == ids.shape[1]
+    assert patched(ids, labels=ids, use_cache=False).past_key_values is None

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tolerances import assert_close, assert_within_peer_rule
+from tolerances import assert_close, assert_within_peer_rule, tol
 from zerofuse import reference
 from zerofuse.kernels import cross_entropy as K
 from zerofuse.nn.functional import linear_cross_entropy
@@ -104,6 +104,30 @@ def test_equals_torch_cross_entropy_of_the_unfused_head(kernel_path):
         ours = linear_cross_entropy(h, w, target, b, **kw)
         theirs = F.cross_entropy(torch.addmm(b, h, w.T), target, **kw)
         assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+
+
+def test_under_autocast_computes_as_the_unfused_head_would(cpu_kernels):
+    """Under autocast F.linear makes the logits in the autocast dtype from fp32 params: the fused
+    loss casts hidden, weight and bias the same way (it raised 'Expected out tensor to have dtype
+    BFloat16' before), its gradients reach the fp32 params in fp32, and the loss and gradients are
+    the unfused head's under autocast within bf16's rule."""
+    g = torch.Generator().manual_seed(3)
+    h = torch.randn(37, 24, generator=g, requires_grad=True)
+    w = torch.randn(101, 24, generator=g, requires_grad=True)
+    b = torch.randn(101, generator=g, requires_grad=True)
+    t = torch.randint(0, 101, (37,), generator=g)
+    results = []
+    for fused in (True, False):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = (linear_cross_entropy(h, w, t, b) if fused
+                    else F.cross_entropy(F.linear(h, w, b).float(), t))
+        grads = torch.autograd.grad(loss, (h, w, b))
+        assert all(x.dtype == torch.float32 for x in grads)
+        results.append((loss, grads))
+    (loss, grads), (want, want_grads) = results
+    torch.testing.assert_close(loss, want, **tol(torch.bfloat16))  # two bf16 computations: bf16's rule
+    for x, y in zip(grads, want_grads):
+        torch.testing.assert_close(x, y, **tol(torch.bfloat16))
 
 
 def test_the_kernels_vocabulary_loop_over_several_blocks(monkeypatch):

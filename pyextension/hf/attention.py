@@ -8,8 +8,8 @@ bound to zerofuse's; the class, its other instances and the modeling module are 
 Attention: zerofuse's fused kernel runs where the model's mask function handed the layer no mask
 (a causal batch without padding: sdpa's mask function returns None then; a flash-configured model's
 packed documents given by kwargs) or the mask of packed sequences ([Note: packed sequences in
-transformers]), queries and keys of one length, no dropout,
-softcap, sliding window shorter than the sequence or attention weights asked for; anything else
+transformers]), queries and keys of one length, q and v of one head dim, no dropout, softcap,
+attention sinks, sliding window shorter than the sequence or attention weights asked for; anything else
 runs the model's configured implementation (sdpa where that is zerofuse itself) — a different
 result is never returned silently. ``attn_implementation="zerofuse"`` (at
 load or in the config) selects the same function through transformers' AttentionInterface.
@@ -36,13 +36,20 @@ def attention_calls() -> dict:
     return dict(_calls)
 
 
-def _fallback_impl(module, default):
-    """What the module's configured implementation would run (sdpa where that is zerofuse's)."""
+def _fallback_impl(module, default, kwargs=None):
+    """What the module's configured implementation would run (sdpa where that is zerofuse's; the
+    model's eager function where attention sinks need it)."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # noqa: PLC0415
 
     impl = getattr(getattr(module, "config", None), "_attn_implementation", None) or "sdpa"
     if impl == NAME:
         impl = "sdpa"
+        if (kwargs or {}).get("s_aux") is not None:  # sdpa would drop the sinks: a different result
+            if default is None:
+                raise ValueError(f"zerofuse attention: attention sinks (s_aux) need the model's eager attention, which "
+                                 f"{type(module).__name__} did not hand over: load the model with "
+                                 f"attn_implementation='eager' (zerofuse.patch it to fuse what it can)")
+            impl = "eager"
     if impl == "eager" and default is not None:
         return default
     if impl == "eager":  # selected by name with no model default at hand: transformers' sdpa
@@ -50,9 +57,10 @@ def _fallback_impl(module, default):
     return ALL_ATTENTION_FUNCTIONS.get_interface(impl, default)
 
 
-def _runs_fused(query, key, attention_mask, dropout, kwargs) -> bool:
+def _runs_fused(query, key, value, attention_mask, dropout, kwargs) -> bool:
     window = kwargs.get("sliding_window")
     return (attention_mask is None and not dropout and kwargs.get("softcap") is None
+            and kwargs.get("s_aux") is None and value.shape[-1] == query.shape[-1]  # (sinks; MLA's v head dim)
             and (window is None or window >= key.shape[2]) and not kwargs.get("output_attentions")
             and kwargs.get("position_bias") is None and query.shape[2] == key.shape[2]
             and query.shape[1] % key.shape[1] == 0)
@@ -200,14 +208,14 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
     default: the model's own eager function, for a fallback when that is its configured one."""
     docs = None
     causal = (is_causal if is_causal is not None else getattr(module, "is_causal", True)) and query.shape[2] > 1
-    if _runs_fused(query, key, None, dropout, kwargs):  # (the cheap checks first)
+    if _runs_fused(query, key, value, None, dropout, kwargs):  # (the cheap checks first)
         if attention_mask is not None:
             docs = _packed_documents(query, attention_mask, kwargs)
         else:
             docs = _flash_documents(module, query, kwargs, causal)
-    if docs is _NOT_SAME or not _runs_fused(query, key, attention_mask if docs is None else None, dropout, kwargs):
+    if docs is _NOT_SAME or not _runs_fused(query, key, value, attention_mask if docs is None else None, dropout, kwargs):
         _calls["fallback"] += 1
-        return _fallback_impl(module, default)(module, query, key, value, attention_mask, dropout=dropout,
+        return _fallback_impl(module, default, kwargs)(module, query, key, value, attention_mask, dropout=dropout,
                                                scaling=scaling, is_causal=is_causal, **kwargs)
     _calls["fused"] += 1
     out = zF.scaled_dot_product_attention(query, key, value, is_causal=bool(causal) or docs is not None, scale=scaling,

@@ -5,15 +5,22 @@ to the input embedding stays a tie; state_dict keys unchanged), and the instance
 given ``labels`` (or ``shift_labels``), runs the decoder and computes the loss in the head's own
 forward: ZeRO's hooks gather the head's weight first (Liger-Kernel#1048 read it raw), the
 (tokens, vocab) logits never exist, and the returned ``logits`` is None. Without labels it is the
-model's own forward (logits for evaluation and generation). Loss semantics are transformers'
-ForCausalLMLoss: labels shifted left by one with ignore_index -100 appended, the mean over
-non-ignored targets, or with ``num_items_in_batch`` (gradient accumulation, as the Trainer passes
-it) the sum divided by it; Gemma 2's final-logit softcap is applied inside the fused loss. A loss
-pass builds no KV cache unless ``use_cache=True`` is passed.
+model's own forward (logits for evaluation and generation), and so is a model whose
+``loss_function`` is not transformers' ForCausalLMLoss (set by the user or by ``loss_type``). Loss
+semantics are ForCausalLMLoss's: labels shifted left by one with ``ignore_index`` (a kwarg, -100 by
+default) appended, the mean over non-ignored targets (NaN when there are none), or with
+``num_items_in_batch`` (gradient accumulation, as the Trainer passes it) the sum divided by it,
+over the positions ``logits_to_keep`` keeps; Gemma 2's final-logit softcap is applied inside the
+fused loss. The decoder runs as the stock forward runs it (the same kwargs, a KV cache where the
+config's use_cache asks: transformers detects packed sequences only without one). The patched
+forward has the stock forward's signature (transformers reads it: generate's attention_mask and
+position_ids, the Trainer's columns); ``return_dict=False`` keeps the logits' slot (None) in the
+tuple.
 """
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import types
 
 import torch
@@ -52,16 +59,40 @@ def _output_class(model):
     return CausalLMOutputWithPast
 
 
-def _shifted(labels, shift_labels):
+def _shifted(labels, shift_labels, ignore_index: int):
     if shift_labels is not None:
         return shift_labels
-    return F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+    return F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+
+
+def _fused_head_ready(model) -> bool:
+    """Whether lm_head is the fused head; an nn.Linear put there since the patch (transformers'
+    resize_token_embeddings makes a new one) is swapped again."""
+    if isinstance(model.lm_head, (LinearCrossEntropyHead, VocabParallelLinearCrossEntropyHead)):
+        return True
+    if type(model.lm_head) is torch.nn.Linear:
+        fused_head(model)
+        return True
+    return False
+
+
+def _stock_loss(model) -> bool:
+    """Whether the model's loss is transformers' ForCausalLMLoss (what the fused loss computes)."""
+    if "_loss_function" in model.__dict__:
+        fn = model.__dict__["_loss_function"]
+    else:
+        from transformers.loss.loss_utils import LOSS_MAPPING  # noqa: PLC0415
+
+        fn = LOSS_MAPPING.get(getattr(model, "loss_type", None) or "ForCausalLM", LOSS_MAPPING["ForCausalLM"])
+    from transformers.loss.loss_utils import ForCausalLMLoss  # noqa: PLC0415
+
+    return fn is ForCausalLMLoss
 
 
 def lm_forward(self, input_ids=None, *args, labels=None, shift_labels=None, num_items_in_batch=None,
                logits_to_keep=0, return_dict=None, **kwargs):
     """The patched forward; see the module doc."""
-    if (labels is None and shift_labels is None) or args:
+    if (labels is None and shift_labels is None) or args or not _stock_loss(self) or not _fused_head_ready(self):
         kw = {} if labels is None else {"labels": labels}
         if shift_labels is not None:
             kw["shift_labels"] = shift_labels
@@ -72,25 +103,45 @@ def lm_forward(self, input_ids=None, *args, labels=None, shift_labels=None, num_
         return type(self).forward(self, input_ids, *args, logits_to_keep=logits_to_keep, **kw, **kwargs)
     arch = self._zerofuse_arch
     decoder = getattr(self, arch.decoder)
-    # a loss pass builds no KV cache unless asked (config.use_cache defaults to True: the stock
-    # forward concatenates every layer's K/V into a cache a training step never reads)
-    kwargs.setdefault("use_cache", False)
-    out = decoder(input_ids=input_ids, return_dict=True, **kwargs)
+    out = decoder(input_ids=input_ids, return_dict=True, **kwargs)  # as the stock forward: every kwarg
     hidden = out[0]
-    target = _shifted(labels, shift_labels).to(hidden.device)
+    keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+    hidden = hidden[:, keep, :]  # the positions whose logits the stock forward would make
+    ignore_index = int(kwargs.get("ignore_index", IGNORE_INDEX))
+    target = _shifted(labels, shift_labels, ignore_index).to(hidden.device)
     softcap = getattr(self.config, arch.final_softcap, None) if arch.final_softcap else None
     reduction = "mean" if num_items_in_batch is None else "sum"
-    loss = self.lm_head(hidden, target, ignore_index=IGNORE_INDEX, reduction=reduction, softcap=softcap)
+    loss = self.lm_head(hidden, target, ignore_index=ignore_index, reduction=reduction, softcap=softcap)
     if num_items_in_batch is not None:
         if torch.is_tensor(num_items_in_batch):
             num_items_in_batch = num_items_in_batch.to(loss.device)
         loss = loss / num_items_in_batch
+    else:  # F.cross_entropy's mean over no targets is NaN (zerofuse's is 0): stock's loss
+        loss = torch.where((target != ignore_index).any(), loss, torch.full_like(loss, float("nan")))
     cls, fields = self._zerofuse_output
     rest = {k: v for k, v in out.items() if k in fields and k not in ("loss", "logits")}
     result = cls(loss=loss, logits=None, **rest)
     if return_dict is False or (return_dict is None and not getattr(self.config, "return_dict", True)):
-        return result.to_tuple()
+        return (loss, None) + tuple(v for k, v in result.items() if k not in ("loss", "logits"))
     return result
+
+
+_FORWARDS: dict = {}
+
+
+def _forward_of(cls):
+    """lm_forward presented with cls.forward's signature (one function per class): transformers
+    inspects model.forward's parameters (generate's attention_mask / position_ids, the Trainer's
+    columns to keep), and lm_forward's own ((input_ids, *args, ..., **kwargs)) named neither."""
+    if cls not in _FORWARDS:
+        def forward(self, *args, **kwargs):
+            return lm_forward(self, *args, **kwargs)
+
+        forward.__signature__ = inspect.signature(cls.forward)
+        forward.__doc__ = lm_forward.__doc__
+        forward.__name__ = forward.__qualname__ = "forward"
+        _FORWARDS[cls] = forward
+    return _FORWARDS[cls]
 
 
 def patch_lm(model, arch) -> bool:
@@ -100,6 +151,6 @@ def patch_lm(model, arch) -> bool:
     model._zerofuse_arch = arch
     cls = _output_class(model)  # once, not per forward
     model._zerofuse_output = (cls, frozenset(f.name for f in dataclasses.fields(cls)))
-    model.forward = types.MethodType(lm_forward, model)
+    model.forward = types.MethodType(_forward_of(type(model)), model)
     model._zerofuse_lce = True
     return True

@@ -10,12 +10,16 @@ with a token count known only for the whole batch (Hugging Face's ``num_items_in
 reduction='sum' and divide: ``linear_cross_entropy(..., reduction="sum") / num_items_in_batch``.
 
 Unlike F.cross_entropy, 'mean' over a batch whose targets are all ignore_index is 0, not NaN.
+Under autocast the GEMMs run in the autocast dtype, as the unfused head's F.linear would (hidden,
+weight and bias cast to it; the logsumexp stays fp32).
 Under tensor parallelism use zerofuse.tp.vocab_parallel_linear_cross_entropy (the weight sharded
 over the vocabulary). Under ZeRO-3 call it inside the forward of a module the weight belongs to (or
 of the model, whose root unit holds the head): the weight is gathered there. A weight whose storage
 is freed (a ZeRO-3 shard not gathered) is refused rather than read.
 """
 from __future__ import annotations
+
+import contextlib
 
 import torch
 from torch import Tensor
@@ -50,6 +54,24 @@ def check_face_args(hidden, weight, target, bias, reduction, softcap, chunk_size
         raise ValueError(f"{where}: expected chunk_size to be an int >= 1 or None, got {chunk_size!r}")
 
 
+def autocast_inputs(hidden, weight, bias):
+    """Under autocast (of hidden's device), as F.linear: (hidden, weight, bias) in the autocast dtype
+    and a context with autocast off (the ops' out= GEMMs must not be cast again); else as given."""
+    dev = hidden.device.type if isinstance(hidden, Tensor) else None
+    try:
+        on = dev is not None and torch.is_autocast_enabled(dev)
+    except RuntimeError:  # a device type autocast does not know (meta)
+        on = False
+    if not on:
+        return hidden, weight, bias, contextlib.nullcontext()
+    dt = torch.get_autocast_dtype(dev)
+
+    def cast(t):
+        return t.to(dt) if isinstance(t, Tensor) and t.is_floating_point() else t
+
+    return cast(hidden), cast(weight), cast(bias), torch.autocast(dev, enabled=False)
+
+
 def wants_grad(*tensors: Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
@@ -64,10 +86,13 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: T
     logits per chunk as hidden has elements). recompute=True keeps no gradients from the forward
     and recomputes each chunk's logits in backward (one more GEMM; always so for 'none')."""
     check_face_args(hidden, weight, target, bias, reduction, softcap, chunk_size)
+    hidden, weight, bias, autocast_off = autocast_inputs(hidden, weight, bias)
     grad = reduction != "none" and not recompute and wants_grad(hidden, weight, bias)
     h = hidden.reshape(-1, hidden.shape[-1])
-    loss = _ops.linear_cross_entropy(h, weight, target.reshape(-1), bias, int(ignore_index), float(label_smoothing),
-                                     float(z_loss), float(softcap or 0.0), reduction, int(chunk_size or 0), grad)[0]
+    with autocast_off:
+        loss = _ops.linear_cross_entropy(h, weight, target.reshape(-1), bias, int(ignore_index),
+                                         float(label_smoothing), float(z_loss), float(softcap or 0.0), reduction,
+                                         int(chunk_size or 0), grad)[0]
     return loss.view(target.shape) if reduction == "none" else loss
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from zerofuse.nn.loss import check_face_args, wants_grad
+from zerofuse.nn.loss import autocast_inputs, check_face_args, wants_grad
 from zerofuse.ops import linear_cross_entropy as ops
 from zerofuse.ops.ids import check_ids
 from zerofuse.tp import comm as C
@@ -103,8 +103,10 @@ def vocab_parallel_linear_cross_entropy(hidden: Tensor, weight: Tensor, target: 
     # from the full vocabulary: every rank must run the same chunks (the same collectives)
     chunk = chunk_size or ops.default_chunk(h2.shape[0], vocab_size, h2.shape[1])
     opts = (int(ignore_index), float(label_smoothing), float(z_loss), float(softcap or 0.0), reduction, chunk)
-    grad = reduction != "none" and not recompute and wants_grad(h, weight, bias)
-    loss = _VocabParallelLCE.apply(h2, weight, bias, t1, comm, start, vocab_size, opts, grad)
+    h2, weight, bias, autocast_off = autocast_inputs(h2, weight, bias)
+    grad = reduction != "none" and not recompute and wants_grad(h2, weight, bias)
+    with autocast_off:
+        loss = _VocabParallelLCE.apply(h2, weight, bias, t1, comm, start, vocab_size, opts, grad)
     return loss.view(target.shape) if reduction == "none" else loss
 
 
