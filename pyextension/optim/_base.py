@@ -93,9 +93,19 @@ class FusedOptimizerMixin:
                                  f"param_groups[{len(self.param_groups)}] the same tensor as params[{j}]")
 
     def load_state_dict(self, state_dict):
-        """Also takes torch.optim's (and Apex's) state dicts: missing group options get defaults."""
+        """Also takes torch.optim's (and Apex's) state dicts: missing group options get defaults.
+        States saved in fp32 (masters, moments of bf16/fp16 params) load in fp32: torch's own
+        load_state_dict casts every floating state to its param's dtype (a bf16 run then resumed
+        from its own state_dict with rounded moments, and with masters the kernel refused)."""
         self._checked = set()
+        saved = state_dict.get("state", {})
+        ids = [i for g in state_dict.get("param_groups", []) for i in g["params"]]
         super().load_state_dict(state_dict)
+        for i, p in zip(ids, (p for g in self.param_groups for p in g["params"])):
+            for key, value in saved.get(i, {}).items():
+                if (key != "step" and torch.is_tensor(value) and value.dtype == torch.float32
+                        and p.dtype in LOW_PRECISION):
+                    self.state[p][key] = value.to(p.device, copy=True)
         for group in self.param_groups:
             for key, value in self.defaults.items():
                 group.setdefault(key, value)
@@ -239,7 +249,16 @@ class FusedOptimizerMixin:
         return loss
 
     def _max_grad_norm(self):
-        return self.defaults.get("max_grad_norm")
+        """The clipping threshold: every group's 'max_grad_norm' (the norm is global: they must
+        agree), so changing it in param_groups takes effect as the lr does."""
+        values = {g.get("max_grad_norm", self.defaults.get("max_grad_norm")) for g in self.param_groups}
+        if len(values) > 1:
+            raise ValueError(f"{self._name()}: expected one max_grad_norm in every param group (the grad norm is "
+                             f"global), got {sorted(values, key=str)}")
+        value = values.pop() if values else None
+        if value is not None and not value > 0:
+            raise ValueError(f"{self._name()}: expected max_grad_norm > 0 or None, got {value}")
+        return value
 
 
 def _check_amp_arg(name: str, arg: str, value) -> None:

@@ -13,7 +13,10 @@ Torch's surfaces hold: ``state[p]`` is populated for every param with a piece on
 flat states, so writing them writes the optimizer's state), ``zero_grad(set_to_none=...)`` frees or
 zero-fills the grad shards, and ``state_dict()`` has torch.optim's layout (``state[index]`` holding
 this rank's pieces, ``param_groups`` with param indices) plus a ``zerofuse`` entry with the layout
-it belongs to.
+it belongs to. Unlike torch.optim (as DeepSpeed's ZeRO): a param that got no grad in a step is
+stepped with a zero grad (its decay applied, its moments advanced; one step count per group), the
+groups are fixed at construction (add_param_group refused), and torch options it does not implement
+(maximize, amsgrad, ...) are refused in param groups.
 
 fp16: ``scale_loss(loss)`` multiplies by the dynamic loss scale; every step computes the global
 grad norm (one all-reduce of a scalar): inf/NaN on any rank gives inf/NaN on every rank, so every
@@ -30,7 +33,7 @@ from zerofuse.kernels.common import upload
 from zerofuse.ops._optim import Prepared, StepPlans
 from zerofuse.zero.engine import engine_of
 from zerofuse.zero.grad_norm import GradNorms
-from zerofuse.zero.options import DEFAULTS, NAME, STATE_KEYS, check_options, check_scaler
+from zerofuse.zero.options import DEFAULTS, NAME, STATE_KEYS, check_group_keys, check_options, check_scaler
 from zerofuse.zero.optimizer_state import OptimizerState
 
 
@@ -107,7 +110,9 @@ class Optimizer(GradNorms, OptimizerState, torch.optim.Optimizer):
         groups = self._groups(eng, param_groups)
         for i, g in enumerate(groups):  # a group's own options (the defaults are checked above)
             check_options({k: v for k, v in g.items() if k != "params"}, f"param_groups[{i}]")
+            check_group_keys(g, optimizer, f"param_groups[{i}]")
         super().__init__(groups, defaults)
+        self._built = True  # (add_param_group: refused from here on)
         self._group_of = {}
         for gi, g in enumerate(self.param_groups):
             for p in g["params"]:
@@ -240,25 +245,6 @@ class Optimizer(GradNorms, OptimizerState, torch.optim.Optimizer):
         """loss times the dynamic loss scale (fp16; 1 otherwise): call backward on this."""
         return loss * self.scale.to(loss.dtype) if self.fp16 else loss
 
-    def sync_lr(self, on: bool = True) -> None:
-        """Keep each group's lr in a float64 device tensor, written here (a fill, no copy from the
-        host) when group["lr"] changed; from the first call on, step() hands the kernels those
-        tensors, which they read on the device. A CUDA graph of the step then follows the lr
-        schedule: call this before the capture and before every replay (zerofuse.train's
-        --cuda-graphs). The values are the floats' exactly. on=False: back to the floats."""
-        if not on:
-            self._device_lr = None
-            return
-        if self._device_lr is None or len(self._device_lr) != len(self.param_groups):
-            dev = self.scale.device
-            self._device_lr = [torch.full((1,), float("nan"), dtype=torch.float64, device=dev)
-                               for _ in self.param_groups]
-            self._lr_synced = [None] * len(self.param_groups)
-        for gi, group in enumerate(self.param_groups):
-            if self._lr_synced[gi] != group["lr"]:
-                self._device_lr[gi].fill_(float(group["lr"]))
-                self._lr_synced[gi] = group["lr"]
-
     def abandon_step(self) -> None:
         """Forget a step begun and not finished (a failed CUDA graph capture, which ran nothing):
         the backward's bookkeeping, the grads, the clipping state (zero/grads.py abandon_backward)."""
@@ -271,9 +257,6 @@ class Optimizer(GradNorms, OptimizerState, torch.optim.Optimizer):
         # never reached: built again by the next eager step
         self._plans = StepPlans()
         self.__dict__.pop("_norm_prepared", None)
-
-    def _lr(self, gi: int, group):
-        return self._device_lr[gi] if self._device_lr is not None else group["lr"]
 
     @property
     def loss_scale(self) -> float:

@@ -1,5 +1,6 @@
-"""zero.Optimizer's state dict: this rank's shard of the states in torch.optim's layout, named by
-the ZeRO layout it belongs to (zerofuse.checkpoint saves and reshards across layouts)."""
+"""zero.Optimizer's torch.optim surfaces: its state dict (this rank's shard of the states in
+torch.optim's layout, named by the ZeRO layout it belongs to: zerofuse.checkpoint saves and
+reshards across layouts), the lr as device tensors (sync_lr), add_param_group."""
 from __future__ import annotations
 
 import torch
@@ -8,8 +9,41 @@ from zerofuse.zero.options import NAME
 
 
 class OptimizerState:
-    """state_dict / load_state_dict / write_params of zerofuse.zero.Optimizer (a mixin: it reads the
-    Optimizer's engine, param_groups, state, steps, scaler and host steps)."""
+    """state_dict / load_state_dict / write_params / sync_lr / add_param_group of
+    zerofuse.zero.Optimizer (a mixin: it reads the Optimizer's engine, param_groups, state, steps,
+    scaler and host steps)."""
+
+    def sync_lr(self, on: bool = True) -> None:
+        """Keep each group's lr in a float64 device tensor, written here (a fill, no copy from the
+        host) when group["lr"] changed; from the first call on, step() hands the kernels those
+        tensors, which they read on the device. A CUDA graph of the step then follows the lr
+        schedule: call this before the capture and before every replay (zerofuse.train's
+        --cuda-graphs). The values are the floats' exactly. on=False: back to the floats."""
+        if not on:
+            self._device_lr = None
+            return
+        if self._device_lr is None or len(self._device_lr) != len(self.param_groups):
+            dev = self.scale.device
+            self._device_lr = [torch.full((1,), float("nan"), dtype=torch.float64, device=dev)
+                               for _ in self.param_groups]
+            self._lr_synced = [None] * len(self.param_groups)
+        for gi, group in enumerate(self.param_groups):
+            lr = group["lr"]
+            if torch.is_tensor(lr):  # schedulers update a tensor lr in place: copied every call (no sync)
+                self._device_lr[gi].copy_(lr.reshape(1))
+                self._lr_synced[gi] = None
+            elif self._lr_synced[gi] != lr:
+                self._device_lr[gi].fill_(float(lr))
+                self._lr_synced[gi] = lr
+
+    def add_param_group(self, param_group) -> None:
+        if getattr(self, "_built", False):
+            raise NotImplementedError(f"{NAME}: add_param_group after construction: the groups' params are laid out "
+                                      f"in the shards when the Optimizer is built; pass every group in param_groups=")
+        super().add_param_group(param_group)
+
+    def _lr(self, gi: int, group):
+        return self._device_lr[gi] if self._device_lr is not None else group["lr"]
 
     def _layout(self) -> dict:
         eng = self.engine

@@ -49,6 +49,26 @@ def check_options(opts: dict, where: str) -> None:
                          f"{opts['max_trust']}")
 
 
+# torch.optim options zerofuse.zero.Optimizer does not implement, with the value it does: a param
+# group setting another was silently ignored (maximize=True: a review's reproduction, 2026-11-27);
+# other keys a group carries (a name, foreach, ...) stay allowed, as in torch
+_FIXED = {"maximize": False, "amsgrad": False, "differentiable": False, "nesterov": False}
+
+
+def check_group_keys(group: dict, optimizer: str, where: str) -> None:
+    """A param group's torch.optim options other than the ones this optimizer implements."""
+    fixed = dict(_FIXED)
+    if optimizer in ("adamw", "adam"):
+        fixed["decoupled_weight_decay"] = optimizer == "adamw"
+    for key, want in fixed.items():
+        if key in group and group[key] != want:
+            hint = " (choose optimizer='adamw' or 'adam')" if key == "decoupled_weight_decay" else ""
+            raise TypeError(f"{NAME}: {where}[{key!r}] = {group[key]!r} is not supported by optimizer "
+                            f"{optimizer!r}{hint}")
+    if "max_grad_norm" in group:
+        raise TypeError(f"{NAME}: {where}['max_grad_norm']: clipping is global, pass max_grad_norm= to the Optimizer")
+
+
 def check_scaler(initial_scale, growth_factor, backoff_factor, growth_interval) -> None:
     """The dynamic loss scale's settings (fp16), as torch.amp.GradScaler takes them."""
     int_interval = isinstance(growth_interval, int) and not isinstance(growth_interval, bool)
