@@ -196,3 +196,6 @@ def test_zerofuses_own_implementation_reads_the_offsets_or_says_why_not(cpu_kern
     q, kv = torch.randn(2, 4, 19, 24), torch.randn(2, 2, 19, 24)
     with pytest.raises(ValueError, match="are for causal attention"):
         H.attention_forward(attn, q, kv, kv, None, scaling=0.2, is_causal=False, **kw)
+    # a call the kernel cannot run (a window shorter than the sequence): sdpa would drop the offsets
+    with pytest.raises(ValueError, match=r"cu_seq_lens_q/_k \(packed documents\) given to a call the fused kernel"):
+        H.attention_forward(attn, q, kv, kv, None, scaling=0.2, sliding_window=5, **kw)

@@ -136,6 +136,9 @@ def test_zero_optimizer_refuses_what_it_would_ignore(world_of_one):
     opt = zerofuse.zero.Optimizer(model, "adamw", param_groups=[{"params": ps, "name": "all", "maximize": False}])
     with pytest.raises(NotImplementedError, match="add_param_group after construction"):
         opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]})
+    opt.param_groups[0]["maximize"] = True  # set after construction (or loaded): refused at the step
+    with pytest.raises(TypeError, match="'maximize'] = True is not supported"):
+        _train(model, opt, 1)
 
 
 def test_zero_optimizer_sync_lr_follows_a_tensor_lr_updated_in_place(world_of_one):

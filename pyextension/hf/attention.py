@@ -134,6 +134,13 @@ def _packed_documents(query, attention_mask, kwargs):
 _NOT_SAME = object()  # flash semantics the kernel cannot reproduce: run the model's implementation
 
 
+_VARLEN = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")  # (all four: transformers' rule)
+
+
+def _implementation(module) -> str:
+    return getattr(getattr(module, "config", None), "_attn_implementation", None) or ""
+
+
 def _offsets_ids(cu: torch.Tensor, b: int, n: int) -> torch.Tensor:
     """Document ids (B, N) of offsets over the flattened batch (no checks, no host sync)."""
     tokens = torch.arange(b * n, device=cu.device)
@@ -145,7 +152,7 @@ def _flash_documents(module, query, kwargs, causal: bool):
     documents its kwargs describe: ids (B, N), None (one causal sequence per row) or _NOT_SAME.
     zerofuse's own implementation has no other to fall back to: offsets it cannot take raise, and
     where nothing may sync (compile, capture, inference mode) they are taken unchecked."""
-    impl = getattr(getattr(module, "config", None), "_attn_implementation", None) or ""
+    impl = _implementation(module)
     flash = "flash" in impl
     if not flash and impl != NAME:
         return None
@@ -161,7 +168,7 @@ def _flash_documents(module, query, kwargs, causal: bool):
 def _kwargs_documents(query, kwargs, flash: bool):
     b, n = query.shape[0], query.shape[2]
     dev = query.device
-    varlen = [kwargs.get(k) for k in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")]
+    varlen = [kwargs.get(k) for k in _VARLEN]
     if all(v is not None for v in varlen):
         cu_q, cu_k = varlen[:2]
 
@@ -179,12 +186,13 @@ def _kwargs_documents(query, kwargs, flash: bool):
             return _NOT_SAME if flash else _offsets_ids(cu_q, b, n)
 
         def make():
-            cu = cu_q.long()
-            rows = torch.arange(1, b, device=dev) * n
-            if (not torch.equal(cu, cu_k.long()) or cu[0].item() != 0 or cu[-1].item() != b * n
-                    or bool((cu.diff() < 0).any()) or not bool(torch.isin(rows, cu).all())):
+            if cu_q.shape != cu_k.shape:
                 return refused()
-            return _offsets_ids(cu, b, n)
+            oq, ok = torch.stack((cu_q.long(), cu_k.long())).tolist()  # one host read (the offsets are short)
+            if (oq != ok or oq[0] != 0 or oq[-1] != b * n or any(x > y for x, y in zip(oq, oq[1:]))
+                    or not {r * n for r in range(1, b)} <= set(oq)):
+                return refused()
+            return _offsets_ids(cu_q, b, n)
 
         return _cached_ids((cu_q, cu_k), (b, n), make)
     pos = kwargs.get("position_ids")
@@ -214,6 +222,11 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
         else:
             docs = _flash_documents(module, query, kwargs, causal)
     if docs is _NOT_SAME or not _runs_fused(query, key, value, attention_mask if docs is None else None, dropout, kwargs):
+        if _implementation(module) == NAME and all(kwargs.get(k) is not None for k in _VARLEN):
+            raise ValueError("zerofuse attention: cu_seq_lens_q/_k (packed documents) given to a call the fused kernel "
+                             "cannot run (an attention mask, e.g. a sliding window's or padding, dropout, a softcap, "
+                             "sinks, attention weights asked for, or queries and keys of different lengths), and "
+                             "its fallback, sdpa, would ignore them: pass packed batches as position_ids instead")
         _calls["fallback"] += 1
         return _fallback_impl(module, default, kwargs)(module, query, key, value, attention_mask, dropout=dropout,
                                                scaling=scaling, is_causal=is_causal, **kwargs)

@@ -27,6 +27,7 @@ from zerofuse import kernels as _kernels
 from zerofuse.kernels.norms import FwdLaunch
 from zerofuse.ops import norms as _ops
 from zerofuse.ops.signatures import Plans, signature
+from zerofuse.reference import default_rms_eps
 
 _ShapeLike = int | Sequence[int] | torch.Size
 
@@ -183,8 +184,8 @@ def _rms_norm(fn, input, residual, normalized_shape, weight, eps, input_bias=Non
     shape = _shape(normalized_shape)
     _check(fn, input, shape, weight, None, residual, input_bias)
     input, input_bias = _bias_grad_carrier(input, input_bias)
-    if eps is None:
-        eps = torch.finfo(input.dtype).eps
+    if eps is None:  # torch's: the epsilon of the dtype it computes in (fp32 for bf16/fp16 inputs)
+        eps = default_rms_eps(input.dtype)
     _check_eps(fn, eps)
     n = math.prod(shape)
     if n == 0:
@@ -206,7 +207,8 @@ def layer_norm(input: Tensor, normalized_shape: _ShapeLike, weight: Tensor | Non
 
 def rms_norm(input: Tensor, normalized_shape: _ShapeLike, weight: Tensor | None = None,
              eps: float | None = None) -> Tensor:
-    """Drop-in for torch.nn.functional.rms_norm (eps=None means torch.finfo(input.dtype).eps)."""
+    """Drop-in for torch.nn.functional.rms_norm (eps=None: torch's default, the epsilon of the dtype
+    it computes in: fp32's for bf16/fp16 inputs, although torch's docs say the input's)."""
     return _rms_norm("rms_norm", input, None, normalized_shape, weight, eps)[0]
 
 

@@ -24,6 +24,7 @@ import contextlib
 import torch
 from torch import Tensor
 
+from zerofuse.nn.autocast import autocast_dtype, cast_all
 from zerofuse.ops import linear_cross_entropy as _ops
 
 _WHERE = "zerofuse.nn.functional.linear_cross_entropy"
@@ -57,19 +58,10 @@ def check_face_args(hidden, weight, target, bias, reduction, softcap, chunk_size
 def autocast_inputs(hidden, weight, bias):
     """Under autocast (of hidden's device), as F.linear: (hidden, weight, bias) in the autocast dtype
     and a context with autocast off (the ops' out= GEMMs must not be cast again); else as given."""
-    dev = hidden.device.type if isinstance(hidden, Tensor) else None
-    try:
-        on = dev is not None and torch.is_autocast_enabled(dev)
-    except RuntimeError:  # a device type autocast does not know (meta)
-        on = False
-    if not on:
+    dt = autocast_dtype(hidden)
+    if dt is None:
         return hidden, weight, bias, contextlib.nullcontext()
-    dt = torch.get_autocast_dtype(dev)
-
-    def cast(t):
-        return t.to(dt) if isinstance(t, Tensor) and t.is_floating_point() else t
-
-    return cast(hidden), cast(weight), cast(bias), torch.autocast(dev, enabled=False)
+    return (*cast_all(dt, hidden, weight, bias), torch.autocast(hidden.device.type, enabled=False))
 
 
 def wants_grad(*tensors: Tensor | None) -> bool:

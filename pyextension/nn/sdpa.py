@@ -10,6 +10,7 @@ import weakref
 import torch
 from torch import Tensor
 
+from zerofuse.nn.autocast import autocast_dtype, cast_all
 from zerofuse.nn.functional import _needs_grad
 
 _warned: set[str] = set()
@@ -44,14 +45,18 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
                                  enable_gqa: bool = False, *, document_ids: Tensor | None = None) -> Tensor:
     """torch.nn.functional.scaled_dot_product_attention with zerofuse's fused kernel: (B, H, N, D)
     tensors, causal or not, grouped-query attention with enable_gqa=True. What the kernel does not
-    take (an attn_mask, dropout_p > 0, other ranks, head_dim > 256, float64 on CUDA, an empty query
-    or batch) runs torch's implementation after a one-time warning: never a silently different
-    result. Query, key and value must share a device and a dtype (as for torch's).
+    take (an attn_mask, dropout_p > 0, other ranks, head_dim > 256, a value head_dim of its own,
+    key/value batches broadcast, float64 on CUDA, an empty query or batch) runs torch's
+    implementation after a one-time warning: never a silently different result. Query, key and value
+    must share a device and a dtype (as for torch's); under autocast they are cast to its dtype first,
+    as torch's sdpa's are. No double backward (create_graph=True raises).
     document_ids (B, N) integers, causal only: packed documents, each a run of equal ids along N; a
     query sees only the earlier keys of its own document (varlen attention without unpadding; the
     kernel skips the key blocks of other documents)."""
     from zerofuse.ops import attention as _attn
 
+    # under autocast torch's sdpa runs in the autocast dtype (its floating inputs cast): so here
+    query, key, value = cast_all(autocast_dtype(query), query, key, value)
     _check_attention(query, key, value, dropout_p)
     docs = None
     if document_ids is not None:
@@ -66,6 +71,11 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
         reason = "dropout_p > 0 is not supported by the fused kernel"
     elif query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
         reason = f"expected 4-D (B, H, N, D) inputs, got {query.dim()}-D"
+    elif value.shape[-1] != query.shape[-1]:
+        reason = f"a value head_dim ({value.shape[-1]}) other than query's ({query.shape[-1]})"
+    elif key.shape[0] != query.shape[0] or value.shape[:-1] != key.shape[:-1]:
+        reason = f"key/value batches or lengths broadcast (query {list(query.shape)}, key {list(key.shape)}, " \
+                 f"value {list(value.shape)})"
     elif 0 in query.shape or 0 in key.shape[:2]:
         # nothing to compute; torch's CPU flash kernel divides by zero on an empty query (SIGFPE)
         reason = f"empty input (query {list(query.shape)}, key {list(key.shape)})"

@@ -42,6 +42,36 @@ def eager_apply(cls: type[torch.autograd.Function]) -> Callable:
     return apply
 
 
+def first_order(backward: Callable | None = None, *, name: str | None = None) -> Callable:
+    """For the backward of an autograd Function whose gradients carry no graph (the Eager* ones, the
+    fused loss's): under create_graph=True (a gradient penalty, a Hessian-vector product) its
+    gradients come out with a graph node that raises when they are differentiated, instead of
+    gradients whose own second-order term would be silently missing (a penalty on d(loss)/dx of a
+    norm was 137 off torch's: a review's reproduction, 2026-11-27). Used only as values they are
+    fine. torch's once_differentiable does this only when the incoming gradients require grad,
+    which a penalty's do not."""
+    if backward is None:
+        return lambda fn: first_order(fn, name=name)
+    label = name or backward.__qualname__.split(".")[0]
+    message = (f"zerofuse: {label} has no double backward: differentiating its gradients (create_graph=True) "
+               f"would miss their second-order term; compute that part with torch's ops").encode()
+
+    def run(ctx, *grads):
+        if not torch.is_grad_enabled() or torch.compiler.is_compiling():  # (traced backwards: the compiler's)
+            return backward(ctx, *grads)
+        with torch.no_grad():
+            out = backward(ctx, *grads)
+        outs = out if isinstance(out, tuple) else (out,)
+        fake = [t.detach().requires_grad_() if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+                for t in outs]
+        wrapped = torch._C._functions.DelayedError(message, len(fake))(*fake)
+        wrapped = wrapped if isinstance(wrapped, tuple) else (wrapped,)
+        return wrapped if isinstance(out, tuple) else wrapped[0]
+
+    run.__name__, run.__qualname__, run.__doc__ = backward.__name__, backward.__qualname__, backward.__doc__
+    return run
+
+
 def layout_strides(t: torch.Tensor) -> tuple[int, ...]:
     """[Note: outputs follow their inputs' layout] The strides of a dense tensor of t's shape whose
     memory orders the dims as t's strides do (outermost the largest; ties keep the dim order; the

@@ -27,7 +27,7 @@ from torch import Tensor
 
 from zerofuse import kernels, reference
 from zerofuse.kernels import attention as K
-from zerofuse.ops import eager_apply, empty_in_layout, in_layout, register
+from zerofuse.ops import eager_apply, first_order, empty_in_layout, in_layout, register
 
 # head_dim the Triton kernels take (one program holds a whole head_dim row block)
 MAX_HEAD_DIM = 256
@@ -214,6 +214,7 @@ class EagerAttention(torch.autograd.Function):
         return out
 
     @staticmethod
+    @first_order
     def backward(ctx, dout):
         q, k, v, out, lse, docs = ctx.saved_tensors
         return *_bwd(dout, q, k, v, out, lse, *ctx.args, docs), None, None, None

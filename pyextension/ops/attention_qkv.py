@@ -26,7 +26,7 @@ from torch import Tensor
 
 from zerofuse import reference
 from zerofuse.kernels import attention as K
-from zerofuse.ops import eager_apply, register
+from zerofuse.ops import eager_apply, first_order, register
 from zerofuse.ops.attention import _check_docs, _empty, _lse_dtype, use_triton
 
 _FN = "zerofuse::attention_qkv"
@@ -158,6 +158,7 @@ class EagerQKVAttention(torch.autograd.Function):
         return out
 
     @staticmethod
+    @first_order
     def backward(ctx, dout):
         qkv, out, lse, docs = ctx.saved_tensors
         return _bwd(dout, qkv, out, lse, *ctx.args, docs), None, None, None, None, None

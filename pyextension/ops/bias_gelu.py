@@ -14,7 +14,7 @@ from torch import Tensor
 
 from zerofuse import kernels, reference
 from zerofuse.kernels import bias_gelu as K
-from zerofuse.ops import eager_apply, register
+from zerofuse.ops import eager_apply, first_order, register
 
 _NAME = "zerofuse::bias_gelu"
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -103,6 +103,7 @@ class EagerBiasGELU(torch.autograd.Function):
         return _fwd(x, bias)
 
     @staticmethod
+    @first_order
     def backward(ctx, dy):
         x, bias = ctx.saved_tensors
         return _bwd(dy, x, bias)

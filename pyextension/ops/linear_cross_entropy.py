@@ -27,7 +27,7 @@ from torch import Tensor
 
 from zerofuse import kernels, reference
 from zerofuse.kernels import cross_entropy as K
-from zerofuse.ops import register
+from zerofuse.ops import first_order, register
 from zerofuse.ops.ids import check_ids
 
 _NAME = "zerofuse::linear_cross_entropy"
@@ -154,7 +154,7 @@ def forward_chunks(hidden, weight, bias, target, scale, *, chunk, vocab_start, v
     """The chunk loop -> (lse, tz, sz, dhidden, dweight, dbias): statistics per token (global ones
     when ``combine(lse, tz, sz)`` merges each chunk's over the vocabulary shards, in place) and, with
     ``grad``, the gradients of sum_i scale_i * loss_i (scale: fp32 per token)."""
-    t, v = hidden.shape[0], weight.shape[0]
+    t = hidden.shape[0]
     stat = dict(dtype=torch.float64 if hidden.dtype == torch.float64 else torch.float32, device=hidden.device)
     lse, tz, sz = torch.empty(t, **stat), torch.empty(t, **stat), torch.empty(t, **stat)
     dh = dw = db = None
@@ -336,7 +336,7 @@ def _backward(ctx, dloss, _dlse, _ddh, _ddw, _ddb):
     return dh, dw, None, (db if ctx.has_bias else None), None, None, None, None, None, None, None
 
 
-linear_cross_entropy.register_autograd(_backward, setup_context=_setup)
+linear_cross_entropy.register_autograd(first_order(_backward, name="linear_cross_entropy"), setup_context=_setup)
 
 
 # ---------------------------------------------------------------- self-test (doctor)

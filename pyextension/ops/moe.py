@@ -23,7 +23,7 @@ from torch import Tensor
 
 from zerofuse import kernels, reference
 from zerofuse.kernels import moe as K
-from zerofuse.ops import eager_apply, register
+from zerofuse.ops import eager_apply, first_order, register
 
 _P, _U = "zerofuse::moe_permute", "zerofuse::moe_unpermute"
 
@@ -209,6 +209,7 @@ class EagerPermute(torch.autograd.Function):
         return out, pos, src, counts
 
     @staticmethod
+    @first_order
     def backward(ctx, dout, _dpos, _dsrc, _dcounts):
         if dout is None:  # the rows took no part in the loss
             return None, None, None
@@ -226,6 +227,7 @@ class EagerUnpermute(torch.autograd.Function):
         return _unpermute(y, pos, src, weights)
 
     @staticmethod
+    @first_order
     def backward(ctx, dout):
         y, src, weights = ctx.saved_tensors
         dy, dw = _unpermute_bwd(dout.contiguous(), y, src, weights)

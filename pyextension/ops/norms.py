@@ -20,7 +20,7 @@ from torch import Tensor
 
 from zerofuse import kernels, reference
 from zerofuse.kernels import norms as K
-from zerofuse.ops import eager_apply, register
+from zerofuse.ops import eager_apply, first_order, register
 
 _EMPTY = (0,)
 
@@ -314,6 +314,7 @@ class EagerNorm(torch.autograd.Function):
         return y, h
 
     @staticmethod
+    @first_order
     def backward(ctx, dy, dh):
         if dy is None and dh is None:
             return None, None, None, None, None, None, None, None

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from zerofuse import kernels, reference
 from zerofuse.kernels import rotary as K
-from zerofuse.ops import eager_apply, empty_in_layout, register
+from zerofuse.ops import eager_apply, first_order, empty_in_layout, register
 
 _NAME = "zerofuse::rotary_embedding"
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -141,6 +141,7 @@ class EagerRope(torch.autograd.Function):
         return rope_pair(q, k, cos, sin, positions, interleaved, False)
 
     @staticmethod
+    @first_order
     def backward(ctx, dq, dk):
         cos, sin, positions = ctx.saved_tensors
         dq, dk = rope_pair(_unit_last(dq), _unit_last(dk), cos, sin, positions, ctx.interleaved, True, checked=True)
@@ -156,6 +157,11 @@ def rotary_embedding_(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, positions:
     """RoPE of q and k in place (no autograd)."""
     check_args(_NAME + "_", q, k, cos, sin, positions)
     _check_values(_NAME + "_", cos, positions)
+    for name, t in (("q", q), ("k", k)):  # (the kernel would rotate shared elements once per alias)
+        if torch._debug_has_internal_overlap(t) == 1:
+            raise RuntimeError(f"{_NAME}_: unsupported operation: more than one element of {name} (shape "
+                               f"{list(t.shape)}, strides {list(t.stride())}) refers to a single memory location; "
+                               f"clone it before rotating in place")
     _rope(q, q, cos, sin, positions, interleaved, inverse)
     _rope(k, k, cos, sin, positions, interleaved, inverse)
 
@@ -205,6 +211,7 @@ class EagerRopeQKV(torch.autograd.Function):
         return _rotated_copy(qkv, cos, sin, n_heads, head_dim, interleaved, False)
 
     @staticmethod
+    @first_order
     def backward(ctx, grad):
         cos, sin = ctx.saved_tensors
         return _rotated_copy(grad, cos, sin, *ctx.args, True), None, None, None, None, None

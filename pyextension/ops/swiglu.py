@@ -14,7 +14,7 @@ from torch import Tensor
 
 from zerofuse import kernels, reference
 from zerofuse.kernels import swiglu as K
-from zerofuse.ops import eager_apply, register
+from zerofuse.ops import eager_apply, first_order, register
 
 _NAME = "zerofuse::swiglu"
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -186,6 +186,7 @@ class EagerSwiGLU(torch.autograd.Function):
         return _fwd(gate, up, activation)
 
     @staticmethod
+    @first_order
     def backward(ctx, dy):
         gate, up = ctx.saved_tensors
         dg, du = _bwd(dy, gate, up, ctx.activation)
@@ -207,6 +208,7 @@ class EagerSwiGLUPacked(torch.autograd.Function):
         return _fwd(*x.chunk(2, -1), activation)
 
     @staticmethod
+    @first_order
     def backward(ctx, dy):
         (x,) = ctx.saved_tensors
         return _packed_bwd(dy, x, ctx.activation), None

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from zerofuse.nn.loss import autocast_inputs, check_face_args, wants_grad
+from zerofuse.ops import first_order
 from zerofuse.ops import linear_cross_entropy as ops
 from zerofuse.ops.ids import check_ids
 from zerofuse.tp import comm as C
@@ -57,6 +58,7 @@ class _VocabParallelLCE(torch.autograd.Function):
         return loss
 
     @staticmethod
+    @first_order(name="vocab_parallel_linear_cross_entropy")
     def backward(ctx, dloss):
         if ctx.grad:
             dh, dw, db = ops.scale_saved_grads(ctx, dloss)
@@ -96,6 +98,7 @@ def vocab_parallel_linear_cross_entropy(hidden: Tensor, weight: Tensor, target: 
     else:
         h = C.copy_to_tp(hidden, comm) if isinstance(hidden, Tensor) else hidden
     check_face_args(h, weight, target, bias, reduction, softcap, chunk_size, _WHERE)
+    h, weight, bias, autocast_off = autocast_inputs(h, weight, bias)  # (before the dtype checks: as F.linear)
     ops.check_args(_WHERE, h.reshape(-1, h.shape[-1]), weight, target.reshape(-1), bias, label_smoothing, z_loss,
                    float(softcap or 0.0), reduction, 0)
     check_ids(_WHERE, "target", target, vocab_size, ignore_index)
@@ -103,7 +106,6 @@ def vocab_parallel_linear_cross_entropy(hidden: Tensor, weight: Tensor, target: 
     # from the full vocabulary: every rank must run the same chunks (the same collectives)
     chunk = chunk_size or ops.default_chunk(h2.shape[0], vocab_size, h2.shape[1])
     opts = (int(ignore_index), float(label_smoothing), float(z_loss), float(softcap or 0.0), reduction, chunk)
-    h2, weight, bias, autocast_off = autocast_inputs(h2, weight, bias)
     grad = reduction != "none" and not recompute and wants_grad(h2, weight, bias)
     with autocast_off:
         loss = _VocabParallelLCE.apply(h2, weight, bias, t1, comm, start, vocab_size, opts, grad)

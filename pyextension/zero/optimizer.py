@@ -268,6 +268,8 @@ class Optimizer(GradNorms, OptimizerState, torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        for gi, g in enumerate(self.param_groups):  # options set on a group since (or loaded): as at construction
+            check_group_keys(g, self.kind, f"param_groups[{gi}]")
         eng = self.engine
         eng.finish_grad_sync()
         found = self._found_inf

@@ -29,8 +29,11 @@ class OptimizerState:
             self._lr_synced = [None] * len(self.param_groups)
         for gi, group in enumerate(self.param_groups):
             lr = group["lr"]
-            if torch.is_tensor(lr):  # schedulers update a tensor lr in place: copied every call (no sync)
-                self._device_lr[gi].copy_(lr.reshape(1))
+            if torch.is_tensor(lr):  # schedulers update a tensor lr in place: read every call
+                if lr.device.type == "cpu":  # a fill from the host value (a copy from pageable memory would sync)
+                    self._device_lr[gi].fill_(float(lr))
+                else:
+                    self._device_lr[gi].copy_(lr.reshape(1))
                 self._lr_synced[gi] = None
             elif self._lr_synced[gi] != lr:
                 self._device_lr[gi].fill_(float(lr))
