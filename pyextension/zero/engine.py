@@ -147,6 +147,7 @@ class ZeroEngine(ExpertLayout, Stage3Hooks, WorldOfOne):
         self._final_queued = False
         self._in_backward = False
         self._hooks = []
+        self.optimizer_ref = None  # the zero.Optimizer built on this engine (a weakref), for model.zero_grad
         self._fwd_order: list[Bucket] = []
         self._last_order: list[Bucket] = [self.wrap_units[id(m)] for m in self._wrap_mods] if stage == 3 else []
         self.hookless = self._hookless(model, offload)
@@ -256,6 +257,16 @@ class ZeroEngine(ExpertLayout, Stage3Hooks, WorldOfOne):
         finally:
             self.sync_grads = prev
 
+    def model_zero_grad(self, set_to_none: bool = True) -> None:
+        """model.zero_grad(): the Optimizer's (the grads live in the units' shards; Module.zero_grad
+        cleared only .grad, so later steps added every earlier grad). params_loaded: its masters."""
+        opt = self.optimizer_ref() if self.optimizer_ref is not None else None
+        (opt.zero_grad if opt is not None else self.zero_grad)(set_to_none)
+
+    def params_loaded(self) -> None:
+        if self.optimizer_ref is not None and self.optimizer_ref() is not None:
+            self.optimizer_ref().read_params()
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget the grads (also those a hookless engine left in .grad): set_to_none=True frees the
         grad shards (nothing held between steps), False fills them with zeros (as torch's)."""
@@ -363,6 +374,9 @@ def parallelize(model: torch.nn.Module, *, stage: int, group=None, precision: st
                         expert_group=expert_group, offload=offload, offload_ratio=offload_ratio)
     model._zerofuse_zero = engine
     model.no_sync = engine.no_sync
+    model.zero_grad = engine.model_zero_grad
+    if stage != 3:  # loaded params reach the Optimizer's fp32 masters (stage 3 loads inside full_params)
+        model.register_load_state_dict_post_hook(lambda _module, _keys: engine.params_loaded())
     return model
 
 

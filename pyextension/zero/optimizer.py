@@ -25,6 +25,7 @@ the scale backs off; after ``growth_interval`` clean steps it grows.
 """
 from __future__ import annotations
 
+import weakref
 
 import torch
 
@@ -107,6 +108,7 @@ class Optimizer(GradNorms, OptimizerState, torch.optim.Optimizer):
             raise ValueError(f"{NAME}: expected max_grad_norm > 0 or None, got {max_grad_norm}")
         check_scaler(initial_scale, growth_factor, backoff_factor, growth_interval)
         self.engine, self.kind, self.max_grad_norm = eng, optimizer, max_grad_norm
+        eng.optimizer_ref = weakref.ref(self)
         groups = self._groups(eng, param_groups)
         for i, g in enumerate(groups):  # a group's own options (the defaults are checked above)
             check_options({k: v for k, v in g.items() if k != "params"}, f"param_groups[{i}]")

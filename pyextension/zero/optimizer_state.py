@@ -99,6 +99,14 @@ class OptimizerState:
             self.write_params()
 
     @torch.no_grad()
+    def read_params(self) -> None:
+        """fp32 masters from the params (after model.load_state_dict wrote them: stages 0-2 call this
+        from the model's load hook; without it the next step wrote the old masters back over the
+        loaded weights - a review's reproduction, 2026-11-27)."""
+        for u, st in zip(self.engine.units, self.unit_states):
+            if "master" in st:
+                st["master"].copy_(u.shard)
+
     def write_params(self) -> None:
         """Params from the fp32 masters (after a load), then gathered (stage 1/2)."""
         eng = self.engine

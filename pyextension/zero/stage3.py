@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from zerofuse.zero.buckets import Bucket
+from zerofuse.zero.buckets import FREE, Bucket
 
 
 def _pair(u: Bucket):
@@ -17,6 +17,11 @@ def _pair(u: Bucket):
 
 class Stage3Hooks:
     def _install_stage3_hooks(self, model) -> None:
+        # model.state_dict() / load_state_dict() where the params are freed shards: read, they crashed
+        # the process (their storage is resized to 0); keep_vars=True (the Parameters themselves, as
+        # zerofuse.checkpoint lists them) stays allowed
+        self._hooks.append(model.register_state_dict_pre_hook(self._check_state_dict))
+        self._hooks.append(model.register_load_state_dict_pre_hook(self._refuse_load_state_dict))
         self._hooks.append(model.register_forward_pre_hook(self._root_pre_forward))
         self._hooks.append(model.register_forward_hook(self._root_post_forward))
         for m in self._wrap_mods:
@@ -87,6 +92,17 @@ class Stage3Hooks:
                 self._prefetch(self._next(u, self._last_order[::-1]))
 
         return hook
+
+    def _check_state_dict(self, module, prefix, keep_vars) -> None:
+        if not keep_vars and any(u.state == FREE for u in self.units):
+            raise RuntimeError("zerofuse.zero: model.state_dict() at stage 3 outside zerofuse.zero.full_params(model): "
+                               "the params are freed shards there (reading them would crash); call it inside "
+                               "full_params, or save with zerofuse.checkpoint.save")
+
+    def _refuse_load_state_dict(self, *args) -> None:
+        raise RuntimeError("zerofuse.zero: model.load_state_dict() at stage 3: the params are shards (writes to "
+                           "gathered params are lost); load with zerofuse.checkpoint.load, or load the state into the "
+                           "model before parallelize")
 
 
 def _tensors(out):
