@@ -3,7 +3,7 @@
 The model has Llama-3.2-1B's structure (16 layers, 32 query / 8 kv heads, untied head) at small
 dims so compute is negligible; zerofuse runs its CUDA path's Python (ZEROFUSE_TRITON_ON_CPU=1) with
 every Triton launch replaced by a counting no-op (bench/profile_step.py's stubs and counter). Per
-step (forward with labels + backward + torch AdamW foreach step) it reports the launches (Triton
+step (forward with labels and use_cache=False + backward + torch AdamW foreach step) it reports the launches (Triton
 launches + aten ops that launch a kernel on CUDA; not the optimizer's step-counter reads, cpu
 tensors on a GPU too), their count per layer, and the host ms (an upper bound: the aten ops still
 run on tiny CPU tensors).
@@ -32,7 +32,7 @@ def _profile(model, ids, steps: int) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
 
     def step():
-        model(ids, labels=ids).loss.backward()
+        model(ids, labels=ids, use_cache=False).loss.backward()  # a training step: no KV cache (both models)
         opt.step()
         opt.zero_grad(set_to_none=True)
 

@@ -65,13 +65,15 @@ def test_llama_step_launches_per_layer(tmp_path):
 def test_hf_llama_patched_step_launches(tmp_path):
     """bench/profile_hf.py (Hugging Face Llama-3.2-1B's structure, stock vs zerofuse.patch): the
     script runs (it had rotted unnoticed) and the patched step launches under half of stock's
-    kernels (43.4 vs 108.1 per decoder layer, 2026-11-26: no copies around attention and RoPE)."""
+    kernels (43.4 vs 108.1 per decoder layer, 2026-11-26: no copies around attention and RoPE;
+    43.7 vs 104.6 on 2026-11-27, both steps with use_cache=False, the patched loss's NaN for a batch
+    without targets (stock's) costing ~5 launches a step)."""
     pytest.importorskip("transformers")
     out = tmp_path / "hf.json"
     subprocess.run([sys.executable, os.path.join(ROOT, "bench", "profile_hf.py"), "--steps", "1", "--json", str(out)],
                    check=True, capture_output=True, timeout=280)
     res = json.loads(out.read_text())
-    assert res["zerofuse"]["launches_per_layer"] <= 43.4 and res["launch_ratio"] < 0.5, res
+    assert res["zerofuse"]["launches_per_layer"] <= 43.7 and res["launch_ratio"] < 0.5, res
 
 
 class _Count(TorchDispatchMode):

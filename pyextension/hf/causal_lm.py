@@ -116,8 +116,8 @@ def lm_forward(self, input_ids=None, *args, labels=None, shift_labels=None, num_
         if torch.is_tensor(num_items_in_batch):
             num_items_in_batch = num_items_in_batch.to(loss.device)
         loss = loss / num_items_in_batch
-    else:  # F.cross_entropy's mean over no targets is NaN (zerofuse's is 0): stock's loss
-        loss = torch.where((target != ignore_index).any(), loss, torch.full_like(loss, float("nan")))
+    else:  # F.cross_entropy's mean over no targets is NaN (zerofuse's is 0): 0 / False is stock's NaN
+        loss = loss / (target != ignore_index).any()
     cls, fields = self._zerofuse_output
     rest = {k: v for k, v in out.items() if k in fields and k not in ("loss", "logits")}
     result = cls(loss=loss, logits=None, **rest)

@@ -71,7 +71,7 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
         reason = "dropout_p > 0 is not supported by the fused kernel"
     elif query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
         reason = f"expected 4-D (B, H, N, D) inputs, got {query.dim()}-D"
-    elif value.shape[-1] != query.shape[-1]:
+    elif value.shape[-1] != query.shape[-1] and key.shape[-1] == query.shape[-1]:  # (q and k must agree: checked)
         reason = f"a value head_dim ({value.shape[-1]}) other than query's ({query.shape[-1]})"
     elif key.shape[0] != query.shape[0] or value.shape[:-1] != key.shape[:-1]:
         reason = f"key/value batches or lengths broadcast (query {list(query.shape)}, key {list(key.shape)}, " \
