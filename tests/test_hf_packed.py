@@ -29,6 +29,22 @@ def _loss_and_grads(model, ids, **kw):
     return out.logits.detach(), {n: p.grad for n, p in model.named_parameters()}
 
 
+def _assert_fused_as_stock(patched, stock, ids, pos, **kw):
+    """Every layer of the patched model runs fused (kw: its packing kwargs) with the logits and
+    gradients of stock sdpa given the packed position_ids; the first row's last document (tokens
+    8..18) has the logits of that document run alone."""
+    before = zerofuse.hf.attention_calls()
+    logits, grads = _loss_and_grads(patched, ids, position_ids=pos, **kw)
+    after = zerofuse.hf.attention_calls()
+    assert after["fused"] - before["fused"] == LAYERS and after["fallback"] == before["fallback"]
+    want, want_grads = _loss_and_grads(stock, ids, position_ids=pos)
+    torch.testing.assert_close(logits, want, **tol(torch.float32))
+    for name, g in grads.items():
+        torch.testing.assert_close(g, want_grads[name], rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+    alone = stock(ids[:1, 8:], use_cache=False).logits
+    torch.testing.assert_close(logits[:1, 8:], alone.detach(), **tol(torch.float32))
+
+
 @pytest.mark.parametrize("arch,path", [("llama", "cpu"), ("qwen3", "cpu"), ("gpt2", "cpu"), ("llama", "triton")])
 def test_packed_batch_runs_fused_and_matches_stock(arch, path, request):
     if path == "cpu":
@@ -37,17 +53,7 @@ def test_packed_batch_runs_fused_and_matches_stock(arch, path, request):
     patched = zerofuse.patch(copy.deepcopy(stock))
     ids = batch(2, 19)
     pos = _positions([[7, 1, 11], [19]])  # a one-token document; the second row one document
-    before = zerofuse.hf.attention_calls()
-    logits, grads = _loss_and_grads(patched, ids, position_ids=pos)
-    after = zerofuse.hf.attention_calls()
-    assert after["fused"] - before["fused"] == LAYERS and after["fallback"] == before["fallback"]
-    want, want_grads = _loss_and_grads(stock, ids, position_ids=pos)
-    torch.testing.assert_close(logits, want, **tol(torch.float32))
-    for name, g in grads.items():
-        torch.testing.assert_close(g, want_grads[name], rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
-    # the documents are attended to separately: the first row's last document alone gives its logits
-    alone = stock(ids[:1, 8:], use_cache=False).logits
-    torch.testing.assert_close(logits[:1, 8:], alone.detach(), **tol(torch.float32))
+    _assert_fused_as_stock(patched, stock, ids, pos)
 
 
 def test_packed_batch_with_padding_falls_back(cpu_kernels):
@@ -124,16 +130,7 @@ def test_a_flash_configured_model_attends_per_document(form, cpu_kernels):
     if form == "cu_seq_lens":
         cu = torch.tensor([0, 7, 8, 19, 38], dtype=torch.int32)
         kw = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu.clone(), max_length_q=19, max_length_k=19)
-    before = zerofuse.hf.attention_calls()
-    logits, grads = _loss_and_grads(patched, ids, position_ids=pos, **kw)
-    after = zerofuse.hf.attention_calls()
-    assert after["fused"] - before["fused"] == LAYERS and after["fallback"] == before["fallback"]
-    want, want_grads = _loss_and_grads(stock, ids, position_ids=pos)
-    torch.testing.assert_close(logits, want, **tol(torch.float32))
-    for name, g in grads.items():
-        torch.testing.assert_close(g, want_grads[name], rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
-    alone = stock(ids[:1, 8:], use_cache=False).logits  # the first row's last document alone
-    torch.testing.assert_close(logits[:1, 8:], alone.detach(), **tol(torch.float32))
+    _assert_fused_as_stock(patched, stock, ids, pos, **kw)
 
 
 def _varlen(cu_q, cu_k=None):
