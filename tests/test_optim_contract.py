@@ -2,7 +2,8 @@
 different from torch.optim (each test failed before its fix): resuming bf16 params from the
 optimizer's own state_dict, Adam's per-group decoupled_weight_decay, amsgrad set in a group, a
 group's max_grad_norm; zerofuse.zero.Optimizer's param-group options, a tensor lr under sync_lr,
-add_param_group."""
+add_param_group; a parallelized model's torch surfaces (zero_grad, load_state_dict, state_dict and
+param reads at stage 3, conversions, requires_grad changed after parallelize)."""
 from __future__ import annotations
 
 import copy
@@ -12,6 +13,8 @@ import torch
 
 import zerofuse
 from zerofuse.optim import FusedAdam, FusedAdamW, FusedLAMB
+
+from tolerances import assert_close
 
 pytestmark = pytest.mark.usefixtures("cpu_kernels")
 
@@ -215,3 +218,104 @@ def test_stage3_state_dict_outside_full_params_raises_instead_of_crashing(world_
         for name, value in plain.state_dict().items():
             torch.testing.assert_close(got[name], value, rtol=0, atol=0, msg=name)
     assert set(model.state_dict(keep_vars=True)) == set(plain.state_dict())  # (the Parameters, as checkpoints list them)
+
+
+def test_stage3_params_read_outside_a_gather_are_nan_placeholders_of_their_shape(world_of_one):
+    """Outside a forward/backward or full_params, a stage-3 param's storage is freed: reading it
+    (a norm, an EMA, print) crashed the process (SIGSEGV). Now it reads as NaNs of the param's
+    shape, dtype and numel (parameter counts stay right), an in-place write raises, and gathers
+    and training are unchanged."""
+    plain = _model()
+    model = zerofuse.zero.parallelize(_model(), stage=3)
+    opt = zerofuse.zero.Optimizer(model, "adamw", lr=1e-2)
+    ref_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    for step in range(2):
+        for m in (model, plain):
+            assert [(p.shape, p.dtype) for p in m.parameters()] == [(p.shape, p.dtype) for p in plain.parameters()]
+        assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in plain.parameters())
+        for p in model.parameters():
+            assert torch.isnan(p.detach().sum()), "a freed param read as values"
+        with pytest.raises(RuntimeError, match="single memory location"):
+            with torch.no_grad():
+                model[0].weight.mul_(0.5)
+        with zerofuse.zero.full_params(model):
+            for p, q in zip(model.parameters(), plain.parameters()):
+                assert_close(p, q, op="training_params")
+        _train(model, opt, 1, start=step)
+        _train(plain, ref_opt, 1, start=step)
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_converting_a_parallelized_model_raises_instead_of_detaching_its_params(stage, world_of_one):
+    """model.double() / .half() / .to(dtype) after parallelize replaced each param's data (a view
+    into the buckets) with a copy nothing steps: at stages 0-2 the loss stayed the same step after
+    step, at stage 3 a kernel failed on mixed dtypes. Now a conversion that would change a param
+    raises before anything (a buffer either) is converted; no-op conversions pass."""
+    plain = _model()
+    model = zerofuse.zero.parallelize(_model(), stage=stage)
+    model.register_buffer("scale", torch.ones(3))
+    opt = zerofuse.zero.Optimizer(model, "adamw", lr=1e-2)
+    ref_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    assert model.to(torch.float32) is model and model.float() is model and model.cpu() is model
+    for convert in (lambda m: m.double(), lambda m: m.half(), lambda m: m.to(torch.bfloat16),
+                    lambda m: m[2].to(torch.float64)):
+        with pytest.raises(RuntimeError, match=r"after parallelize would replace (0|2)\.weight's data .*before "
+                                               r"zerofuse.zero.parallelize"):
+            convert(model)
+    assert model.scale.dtype == torch.float32
+    _train(model, opt, 2)
+    _train(plain, ref_opt, 2)
+    with zerofuse.zero.full_params(model):
+        for p, q in zip(model.parameters(), plain.parameters()):
+            assert_close(p, q, op="training_params")
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+@pytest.mark.parametrize("change", ["unfreeze", "freeze"])
+def test_requires_grad_changed_after_parallelize_raises_at_the_step(stage, change, world_of_one):
+    """A param unfrozen after parallelize was never stepped (0.30 off torch after 3 steps), one frozen
+    after it was still stepped on zero grads (1e-3 off: torch.optim skips it). Now the step raises
+    naming the param, before changing anything; set back, training goes on as torch's."""
+    plain, model = _model(), _model()
+    if change == "unfreeze":
+        for m in (plain, model):
+            m[0].weight.requires_grad_(False)
+    zerofuse.zero.parallelize(model, stage=stage)
+    opt = zerofuse.zero.Optimizer(model, "adamw", lr=1e-2)
+    ref_opt = torch.optim.AdamW([p for p in plain.parameters() if p.requires_grad], lr=1e-2)
+    model[0].weight.requires_grad_(change == "unfreeze")
+    x = torch.randn(5, 8)
+    model(x).sum().backward()
+    with pytest.raises(RuntimeError, match=r"0\.weight\.requires_grad changed after parallelize \(was "
+                                           + ("False, now True" if change == "unfreeze" else "True, now False")):
+        opt.step()
+    model[0].weight.requires_grad_(change != "unfreeze")
+    opt.zero_grad()
+    _train(model, opt, 2)
+    _train(plain, ref_opt, 2)
+    with zerofuse.zero.full_params(model):
+        for p, q in zip(model.parameters(), plain.parameters()):
+            assert_close(p, q, op="training_params")
+
+
+def test_stage3_backward_twice_through_a_retained_graph_matches_torch(world_of_one):
+    """loss.backward(retain_graph=True) then loss.backward(): the second backward found the root
+    unit (embedding and tied head) freed by the first and failed in the head's backward ('setStorage
+    ... out of bounds for storage of size 0'). Now the root is gathered again; both grads add up."""
+    from zerofuse.models import GPT, GPTConfig
+
+    cfg = GPTConfig(vocab_size=65, seq_len=32, n_layer=2, n_head=4, n_kv_head=2, dim=48)
+    plain, model = GPT(cfg, seed=0), zerofuse.zero.parallelize(GPT(cfg, seed=0), stage=3)
+    opts = (zerofuse.zero.Optimizer(model, "adamw", lr=1e-2), torch.optim.AdamW(plain.parameters(), lr=1e-2))
+    x = torch.randint(0, 65, (4, 17), generator=torch.Generator().manual_seed(0))
+    for m, opt in zip((model, plain), opts):
+        for _ in range(2):
+            logits, _ = m(x[:, :-1])
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), x[:, 1:].flatten())
+            loss.backward(retain_graph=True)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    with zerofuse.zero.full_params(model):
+        for p, q in zip(model.parameters(), plain.parameters()):
+            assert_close(p, q, op="training_params")

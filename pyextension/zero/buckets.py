@@ -8,7 +8,12 @@ Layout: the params, flattened, one after another (``offsets``), padded with zero
 shard_numel). Every param's ``.data`` is a view into the bucket's full buffer ``full``, so modules
 and autograd see ordinary parameters. Stage 1/2 keep ``full`` resident and the rank's shard is a
 view of it; stage 3 keeps its own ``shard`` and gives ``full``'s storage back between uses
-(storage resized to 0: the views keep their shapes, nothing is reallocated by autograd).
+(storage resized to 0: autograd's saved views of the params keep their shapes and are filled again
+by the next gather, nothing is reallocated). While freed, each param's ``.data`` is a NaN
+placeholder of its shape (one element expanded, no memory): read outside a forward/backward or
+``full_params``, a param gives NaNs, its shape, dtype and numel stay the model's, and an in-place
+write raises; the freed views themselves, read, crashed the process (SIGSEGV: no storage behind
+them). A gather puts the views back (``finish_param_sync``).
 
 Gradients: the grad-ready hook copies (or, accumulating, adds) each param's .grad, times
 ``grad_div`` (1 / the data-parallel world size: averages are pre-divided, so fp16 grads cannot
@@ -115,6 +120,12 @@ class Bucket:
                 else:
                     view.copy_(p.detach())
                 p.data = view
+        self._views = [p.data for p in self.params]
+        self._placeholders = None
+        if stage == 3:  # one NaN (0 for an integer param) per dtype, expanded to each param's shape
+            fill = float("nan") if dtype.is_floating_point else 0
+            one = torch.full((), fill, dtype=dtype, device=device)
+            self._placeholders = [one.expand(p.shape) for p in self.params]
         self._full_bytes = self.padded * self.full.element_size()
         self.state = GATHERED
         self.gather_work = None
@@ -153,8 +164,8 @@ class Bucket:
                 init(self.params)
                 self.full[:self.numel].copy_(tmp)
                 del tmp
-                for p, o in zip(self.params, self.offsets):
-                    p.data = self.full[o:o + p.numel()].view(p.shape)
+                for p, v in zip(self.params, self._views):
+                    p.data = v
             else:
                 init(self.params)
             self.meta = False
@@ -173,13 +184,15 @@ class Bucket:
         self.shard, self.host_shard = host, True
 
     def free(self) -> None:
-        """Stage 3: give the full buffer's storage back (the params keep their views)."""
+        """Stage 3: give the full buffer's storage back; the params hold NaN placeholders until the next gather."""
         if self.state == GATHERING:  # the all-gather still writes into full: finish it first
             self.gather_work.wait()
             self.gather_work = None
             self._staged = None
         self.full.untyped_storage().resize_(0)
         self.state = FREE
+        for p, ph in zip(self.params, self._placeholders):
+            p.data = ph
 
     def start_param_sync(self, comm) -> None:
         """All-gather every rank's shard into ``full`` (stage 3: only when freed)."""
@@ -203,6 +216,9 @@ class Bucket:
             self.gather_work = None
             self._staged = None
             self.state = GATHERED
+            if self.stage == 3:
+                for p, v in zip(self.params, self._views):
+                    p.data = v
 
     # ------------------------------------------------------------------ grads
 

@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from zerofuse.comm import Communicator
 from zerofuse.zero.bucket_group import BucketGroup
+from zerofuse.zero.fixed_layout import TrainableCheck, guard_conversions
 from zerofuse.zero.buckets import FREE, Bucket
 from zerofuse.zero.grads import SHARDED, gathered_grads, install_clip_warning
 from zerofuse.zero.layout import bucket_groups, check_same_layout, unit_groups
@@ -156,6 +157,8 @@ class ZeroEngine(ExpertLayout, Stage3Hooks, WorldOfOne):
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_ready))
             setattr(p, SHARDED, True)
         install_clip_warning()
+        guard_conversions(model, set(self.param_index))  # (zero/fixed_layout.py)
+        self.check_trainable = TrainableCheck(model, set(self.param_index))
         if stage == 3:
             self._install_stage3_hooks(model)
         elif self.comm.world_size > 1 or any(u.comm is not None and u.comm.world_size > 1 for u in self.units):

@@ -17,9 +17,9 @@ def _pair(u: Bucket):
 
 class Stage3Hooks:
     def _install_stage3_hooks(self, model) -> None:
-        # model.state_dict() / load_state_dict() where the params are freed shards: read, they crashed
-        # the process (their storage is resized to 0); keep_vars=True (the Parameters themselves, as
-        # zerofuse.checkpoint lists them) stays allowed
+        # model.state_dict() / load_state_dict() where the params are freed shards (NaN placeholders,
+        # zero/buckets.py): a state dict of NaNs, writes lost; keep_vars=True (the Parameters
+        # themselves, as zerofuse.checkpoint lists them) stays allowed
         self._hooks.append(model.register_state_dict_pre_hook(self._check_state_dict))
         self._hooks.append(model.register_load_state_dict_pre_hook(self._refuse_load_state_dict))
         self._hooks.append(model.register_forward_pre_hook(self._root_pre_forward))
@@ -37,12 +37,19 @@ class Stage3Hooks:
             self._fwd_order = []
             self._prefetch(self._last_order[: self.prefetch])
 
-    def _root_post_forward(self, _mod, _args, _out) -> None:
+    def _root_post_forward(self, _mod, _args, out) -> None:
         if self._fwd_order:
             self._last_order = self._fwd_order
         if not torch.is_grad_enabled() and not self._in_backward:
             for u in self.units:
                 u.free()
+        elif self.root is not None and not self._in_backward:
+            # the root unit stays gathered from this forward to the end of the first backward; a
+            # second backward through a retained graph finds it freed: gathered again by these hooks
+            # (it failed in the head's backward: "setStorage ... out of bounds for storage of size 0")
+            for t in _tensors(out):
+                if t.requires_grad:
+                    t.register_hook(self._make_pre_backward(self.root))
 
     def _prefetch(self, units) -> None:
         for u in units:
@@ -96,7 +103,7 @@ class Stage3Hooks:
     def _check_state_dict(self, module, prefix, keep_vars) -> None:
         if not keep_vars and any(u.state == FREE for u in self.units):
             raise RuntimeError("zerofuse.zero: model.state_dict() at stage 3 outside zerofuse.zero.full_params(model): "
-                               "the params are freed shards there (reading them would crash); call it inside "
+                               "the params are freed shards there (NaN placeholders); call it inside "
                                "full_params, or save with zerofuse.checkpoint.save")
 
     def _refuse_load_state_dict(self, *args) -> None:
