@@ -19,7 +19,11 @@ params' flags) raises naming the param.
 """
 from __future__ import annotations
 
+import operator
+
 import torch
+
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 
 def guard_conversions(model: torch.nn.Module, managed: set[int]) -> None:
@@ -47,10 +51,11 @@ def _guarded(apply, mine):
 class TrainableCheck:
     def __init__(self, model: torch.nn.Module, managed: set[int]):
         self.named = list(model.named_parameters())
-        self.flags = [id(p) in managed for _, p in self.named]
+        self.params = [p for _, p in self.named]
+        self.flags = [id(p) in managed for p in self.params]
 
     def __call__(self) -> None:
-        if [p.requires_grad for _, p in self.named] == self.flags:
+        if list(map(_REQUIRES_GRAD, self.params)) == self.flags:  # (GPT-2 124M, 148 params: 23 us here)
             return
         name, was = next((n, f) for (n, p), f in zip(self.named, self.flags) if p.requires_grad != f)
         raise RuntimeError(
