@@ -319,3 +319,42 @@ def test_stage3_backward_twice_through_a_retained_graph_matches_torch(world_of_o
     with zerofuse.zero.full_params(model):
         for p, q in zip(model.parameters(), plain.parameters()):
             assert_close(p, q, op="training_params")
+
+
+def _stage3_run(precision, edit, stage=3):
+    model = zerofuse.zero.parallelize(_model(), stage=stage, precision=precision)
+    opt = zerofuse.zero.Optimizer(model, "adamw", lr=1e-2)
+    for step in range(3):
+        edit(model, step)
+        _train(model, opt, 1, start=step)
+    with zerofuse.zero.full_params(model):
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_stage3_writes_inside_full_params_reach_the_shards(precision, world_of_one):
+    """full_params at stage 3 was read-only: an in-place init or a load_state_dict inside it was
+    silently dropped at exit (and load_state_dict refused). Now each rank's part is written back and
+    the fp32 masters of bf16 params refreshed: the same run as stage 0 loading the same weights. A
+    block that only reads changes nothing, bit for bit (the masters are not rounded to bf16)."""
+    def halve(model, step):
+        if step == 1:
+            with zerofuse.zero.full_params(model), torch.no_grad():
+                model[0].weight.mul_(0.5)
+                model.load_state_dict({**model.state_dict(), "2.bias": torch.ones(4)})
+
+    def halve_at_stage0(model, step):
+        if step == 1:
+            state = model.state_dict()
+            model.load_state_dict({**state, "0.weight": state["0.weight"] * 0.5, "2.bias": torch.ones(4)})
+
+    def read(model, step):
+        with zerofuse.zero.full_params(model):
+            assert all(torch.isfinite(p).all() for p in model.parameters())
+
+    got, want = _stage3_run(precision, halve), _stage3_run(precision, halve_at_stage0, stage=0)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=0, msg=name)
+    plain_run, read_run = _stage3_run(precision, lambda m, s: None), _stage3_run(precision, read)
+    assert all(torch.equal(read_run[n], plain_run[n]) for n in plain_run)
+    assert not all(torch.equal(got[n], plain_run[n]) for n in plain_run)

@@ -109,10 +109,7 @@ def _state_rank(rank, ws, stage):
         {"params": [p for p in other.parameters() if p.dim() < 2], "weight_decay": 0.0}])
     with zerofuse.zero.full_params(model), zerofuse.zero.full_params(other), torch.no_grad():
         for p, q in zip(model.parameters(), other.parameters()):
-            q.copy_(p)
-    if stage == 3:  # full_params does not write back at stage 3: copy the shards
-        for u, v in zip(model._zerofuse_zero.units, other._zerofuse_zero.units):
-            v.shard.copy_(u.shard)
+            q.copy_(p)  # (stage 3: written back to other's shards on exit)
     other_opt.load_state_dict(sd)
     step(model, opt, 5)
     step(other, other_opt, 5)

@@ -66,6 +66,9 @@ def load(path: str, model: torch.nn.Module, optimizer=None):
     """Returns the ``extra`` given to save (None for a DCP checkpoint written by plain torch)."""
     if getattr(model, "_zerofuse_zero", None) is None:
         full = consolidate(path)
+        if optimizer is not None and full["optimizer"] is None:  # (checked before the model is loaded)
+            raise ValueError(f"{NAME}.load: the checkpoint at {path!r} holds no optimizer state (saved without an "
+                             "optimizer); pass optimizer=None")
         model.load_state_dict(full["model"])
         if optimizer is not None:
             optimizer.load_state_dict(full["optimizer"])

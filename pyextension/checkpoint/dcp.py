@@ -28,7 +28,7 @@ from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from zerofuse.checkpoint import files
-from zerofuse.checkpoint.native import _saving_ranks, _table, check_optimizer
+from zerofuse.checkpoint.native import _saving_ranks, _table, check_optimizer, check_owner, plain_options, restore_scale
 from zerofuse.tp.spec import spec_of
 from zerofuse.zero.engine import engine_of
 
@@ -130,7 +130,7 @@ def _state_dict(eng, model, optimizer, loading: bool = False) -> dict:
         torch_opt = _TORCH_OPTIMIZERS.get(optimizer.kind)
         # torch's own options first, so a torch optimizer's load finds every key it asks for
         defaults = torch_opt([torch.zeros(1)]).defaults if torch_opt is not None and not loading else {}
-        groups = [defaults | {k: v for k, v in g.items() if k != "params"}
+        groups = [defaults | plain_options(g)
                   | {"params": [eng.names[eng.param_index[id(p)]] for p in g["params"]]} for g in optimizer.param_groups]
         sd["optim"] = {"state": state, "param_groups": groups}
     return sd
@@ -149,6 +149,7 @@ def save(path: str, model, optimizer=None, *, extra=None) -> None:
     """Collective, as zerofuse.checkpoint.save; the directory follows [Note: checkpoint commit
     protocol] (a meta.json naming the format is written after DCP's files)."""
     eng = engine_of(model, f"{NAME}.save")
+    check_owner(optimizer, eng, f"{NAME}.save")
     files.check_plain(extra)
     _refuse_tp(eng)
     if eng.stage != 3:
@@ -162,10 +163,12 @@ def save(path: str, model, optimizer=None, *, extra=None) -> None:
     dcp.save(_state_dict(eng, model, optimizer), storage_writer=dcp.FileSystemWriter(tmp, sync_files=True),
              process_group=group)
     if eng.rank == 0:
-        files.write_tensors(os.path.join(tmp, "zerofuse_extra.pt"), {"extra": extra})
+        scale = {} if optimizer is None else {"scale": float(optimizer.scale.item()),
+                                                 "growth_tracker": int(optimizer._growth_tracker.item())}
+        files.write_tensors(os.path.join(tmp, "zerofuse_extra.pt"), {"extra": extra} | scale)
         files.fsync_dir(tmp)
         files.write_json(os.path.join(tmp, files.META), {"format": "dcp", "world_size": eng.world_size,
-                                                         "stage": eng.stage})
+                                                         "stage": eng.stage, "precision": eng.precision})
         files.commit(path)
     dist.barrier(group=group)
 
@@ -241,6 +244,7 @@ def load(path: str, model, optimizer=None):
     md = reader.read_metadata()
     nested = any(k.startswith("model.") for k in md.state_dict_metadata)
     opt_meta = None
+    check_owner(optimizer, eng, who)
     if optimizer is not None:
         kinds = {k.split(".")[-1] for k in md.state_dict_metadata if k.startswith("optim.state.")}
         have = set(optimizer.unit_states[0]) - {"master"} if optimizer.unit_states else set()
@@ -264,6 +268,9 @@ def load(path: str, model, optimizer=None):
         raise ValueError(f"{who}: the DCP checkpoint at {root!r} is for a different model; shape mismatch: {wrong}")
     if missing:
         raise ValueError(f"{who}: the DCP checkpoint at {root!r} is for a different model; missing: {missing}")
+    if unexpected := sorted(set(saved) - set(model.state_dict(keep_vars=True))):  # (a bigger model's: loaded before)
+        raise ValueError(f"{who}: the DCP checkpoint at {root!r} is for a different model; not in the model: "
+                         f"{unexpected}")
     for n in list(want.get("model", want)):
         if n not in saved:
             del (want["model"] if nested else want)[n]  # buffers the checkpoint does not hold keep their values
@@ -275,14 +282,26 @@ def load(path: str, model, optimizer=None):
         if len(saved_groups) != len(optimizer.param_groups):
             raise ValueError(f"{who}: the DCP checkpoint at {root!r} has {len(saved_groups)} param groups, the "
                              f"optimizer {len(optimizer.param_groups)}")
+        for i, (g, saved_g) in enumerate(zip(optimizer.param_groups, saved_groups)):
+            names = {eng.names[eng.param_index[id(p)]] for p in g["params"]}
+            if "params" in saved_g and set(saved_g["params"]) != names:  # (applied by position before)
+                raise ValueError(f"{who}: the DCP checkpoint at {root!r} has param group {i} over other params "
+                                 f"than the optimizer's: saved {sorted(saved_g['params'])}, optimizer {sorted(names)}")
         for g, saved_g in zip(optimizer.param_groups, saved_groups):
             g.update({k: v for k, v in saved_g.items() if k != "params" and k in g})
+        if optimizer.host is not None:  # offload keeps host copies of the step counters (left at 0 before)
+            optimizer.host.load_steps()
         optimizer.write_params()
     elif eng.stage != 3:
         eng.start_param_sync()
         eng.finish_param_sync()
     extra_file = os.path.join(root, "zerofuse_extra.pt")
-    return files.read_tensors(extra_file)["extra"] if os.path.isfile(extra_file) else None
+    ours = files.read_tensors(extra_file) if os.path.isfile(extra_file) else {}
+    if optimizer is not None:  # fp16's loss scale (not saved before: the load restarted it from initial_scale)
+        saved_precision = files.read_json(os.path.join(root, files.META)).get("precision") \
+            if os.path.isfile(os.path.join(root, files.META)) else None
+        restore_scale(optimizer, saved_precision, ours.get("scale"), ours.get("growth_tracker"))
+    return ours.get("extra")
 
 
 def _param_groups(reader, md) -> list[dict]:

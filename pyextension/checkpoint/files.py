@@ -1,8 +1,8 @@
 """Files of a checkpoint: reading without running code, writing durably, and the commit protocol.
 
 [Note: checkpoint commit protocol] A checkpoint at ``path`` is complete when its ``meta.json``
-exists: meta.json is written last (after every rank's files, fsynced), and ``remove`` deletes it
-first. A save writes into ``<path>.tmp``, then the leader
+exists: meta.json is written last (after every rank's files, fsynced; each file is written as
+``<file>.part`` and renamed, so a meta.json that exists is whole), and ``remove`` deletes it first. A save writes into ``<path>.tmp``, then the leader
     1. removes ``<path>.old`` (only ever a copy older than ``path``, which is complete),
     2. renames ``path`` -> ``<path>.old``           (now: .old and .tmp are complete),
     3. renames ``<path>.tmp`` -> ``path``           (now: path and .old are complete),
@@ -95,11 +95,20 @@ def fsync_dir(directory: str) -> None:
 
 
 def _write(file: str, mode: str, dump) -> None:
+    """Written under a temporary name and renamed: a dump that fails halfway (a value JSON cannot
+    hold) leaves no file, where it left a cut-off meta.json that made the directory count as complete."""
     kill_point(f"before {os.path.basename(file)}")
-    with open(file, mode) as f:
-        dump(f)
-        f.flush()
-        os.fsync(f.fileno())
+    part = file + ".part"
+    try:
+        with open(part, mode) as f:
+            dump(f)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        if os.path.exists(part):
+            os.unlink(part)
+        raise
+    os.replace(part, file)
     kill_point(f"after {os.path.basename(file)}")
 
 

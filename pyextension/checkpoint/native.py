@@ -71,10 +71,33 @@ def _saved_shape(p) -> list[int]:
     return list(spec.full_shape if spec is not None else p.shape)
 
 
+def check_owner(optimizer, eng, who) -> None:
+    """The optimizer must be the zero.Optimizer built on this model (another one's params are not
+    this engine's: a KeyError on an object id before)."""
+    if optimizer is not None and getattr(optimizer, "engine", None) is not eng:
+        whose = "of a different model" if hasattr(optimizer, "engine") else "(not a zerofuse.zero.Optimizer)"
+        raise ValueError(f"{who}: expected optimizer to be the zerofuse.zero.Optimizer built on this model, got a "
+                         f"{type(optimizer).__name__} {whose}")
+
+
+def plain_options(group: dict) -> dict:
+    """A param group's options as plain values (a tensor lr, as sync_lr takes, as its float)."""
+    return {k: (v.item() if isinstance(v, torch.Tensor) and v.numel() == 1 else v) for k, v in group.items()
+            if k != "params"}
+
+
+def restore_scale(optimizer, saved_precision: str, scale, growth_tracker) -> None:
+    """fp16's loss scale and growth tracker, only from an fp16 run into an fp16 run: a bf16/fp32 run
+    has no scale (restored from fp16 it kept dividing the grads by 65536), and an fp16 run resumed
+    from another precision starts from its own initial_scale (restored, it started from 1)."""
+    if optimizer.fp16 and saved_precision == "fp16" and scale is not None:
+        optimizer.scale.fill_(scale)
+        optimizer._growth_tracker.fill_(growth_tracker)
+
+
 def save(path: str, model: torch.nn.Module, optimizer=None, *, extra=None) -> None:
     eng = engine_of(model, f"{NAME}.save")
-    if optimizer is not None and optimizer.engine is not eng:
-        raise ValueError(f"{NAME}.save: the optimizer belongs to a different model")
+    check_owner(optimizer, eng, f"{NAME}.save")
     files.check_plain(extra)
     if eng.stage != 3:
         eng.finish_param_sync()
@@ -157,7 +180,7 @@ def _meta(eng, model, optimizer) -> dict:
         "optimizer": None if optimizer is None else {
             "kind": optimizer.kind,
             "state_keys": sorted(k for k in optimizer.unit_states[0] if k != "master") if optimizer.unit_states else [],
-            "param_groups": [{k: v for k, v in g.items() if k != "params"} | {
+            "param_groups": [plain_options(g) | {
                 "params": [eng.names[eng.param_index[id(p)]] for p in g["params"]]} for g in optimizer.param_groups],
             "steps": [float(s.item()) for s in optimizer._steps],
             "scale": float(optimizer.scale.item()),
@@ -185,6 +208,7 @@ def check_model(saved: dict, names, shapes, who, subset: bool = False) -> None:
 def check_optimizer(optimizer, opt_meta, eng, who) -> None:
     if optimizer is None:
         return
+    check_owner(optimizer, eng, who)
     if opt_meta is None:
         raise ValueError(f"{who}: the checkpoint holds no optimizer state (saved without an optimizer)")
     if optimizer.kind != opt_meta["kind"]:
@@ -214,13 +238,15 @@ def load(path: str, model: torch.nn.Module, optimizer=None):
     check_optimizer(optimizer, opt_meta, eng, who)
     group = None if eng.tp_comm is not None or eng.pp_comm is not None else eng.comm.group
     try:
-        _fill_shards(eng, optimizer, opt_meta, full, src)
         first = full.common()
+        rest = first.get("rest", {})
+        check_rest(model, eng, rest, who)  # before anything is written: a mismatch leaves the model as it was
+        _fill_shards(eng, optimizer, opt_meta, full, src)
     except (ValueError, OSError) as e:
         agree(group, e, who, eng.units[0].device)
         raise
     agree(group, None, who, eng.units[0].device)
-    _finish_load(eng, model, optimizer, opt_meta, first.get("rest", {}))
+    _finish_load(eng, model, optimizer, opt_meta, rest, full.meta["precision"])
     return first.get("extra")
 
 
@@ -263,7 +289,29 @@ def agree(group, error, who, device) -> None:
                          "(their errors say why)")
 
 
-def _finish_load(eng, model, optimizer, opt_meta, rest) -> None:
+def check_rest(model, eng, rest: dict, who) -> None:
+    """The buffers and frozen params (``rest``, in common.pt) against the model's: names and shapes
+    (a [1] buffer loaded into a [4] one broadcast silently; a wrong size failed halfway through
+    the load). A pipeline stage holds only some of them: shapes only."""
+    managed = {id(p) for p in eng.params}
+    mine = {n: t for n, t in model.state_dict(keep_vars=True).items() if id(t) not in managed}
+    wrong = [f"{n}: saved {list(t.shape)}, model {list(mine[n].shape)}" for n, t in rest.items()
+             if n in mine and tuple(t.shape) != tuple(mine[n].shape)]
+    parts = [f"shape mismatch: {wrong}"] if wrong else []
+    if eng.pp_comm is None:
+        trained = set(eng.names)
+        if missing := [n for n in mine if n not in rest]:
+            parts.append(f"buffers or frozen params missing in the checkpoint: {missing}")
+        if unexpected := [n for n in rest if n not in mine]:
+            moved = [n for n in unexpected if n in trained]
+            parts.append(f"not buffers or frozen params of the model: {unexpected}"
+                         + (f" ({moved} trainable now, frozen when saved: set requires_grad as it was before "
+                            f"parallelize)" if moved else ""))
+    if parts:
+        raise ValueError(f"{who}: the checkpoint is for a different model; " + "; ".join(parts))
+
+
+def _finish_load(eng, model, optimizer, opt_meta, rest, saved_precision: str) -> None:
     if optimizer is not None:
         for g, saved in zip(optimizer.param_groups, opt_meta["param_groups"]):
             g.update({k: (tuple(v) if isinstance(v, list) else v) for k, v in saved.items() if k != "params"})
@@ -271,8 +319,7 @@ def _finish_load(eng, model, optimizer, opt_meta, rest) -> None:
             s.fill_(step)
         if optimizer.host is not None:  # offload keeps host copies of the counters
             optimizer.host.load_steps()
-        optimizer.scale.fill_(opt_meta["scale"])
-        optimizer._growth_tracker.fill_(opt_meta["growth_tracker"])
+        restore_scale(optimizer, saved_precision, opt_meta["scale"], opt_meta["growth_tracker"])
     if rest:
         sd = model.state_dict(keep_vars=True)
         for n, t in rest.items():

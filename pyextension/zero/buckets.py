@@ -70,6 +70,7 @@ import torch
 
 FREE, GATHERING, GATHERED = "free", "gathering", "gathered"
 LOW_PRECISION = (torch.bfloat16, torch.float16)
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,6 +194,19 @@ class Bucket:
         self.state = FREE
         for p, ph in zip(self.params, self._placeholders):
             p.data = ph
+
+    def write_back(self) -> bool:
+        """Stage 3, gathered: this rank's part of ``full`` into ``shard`` where a write changed it
+        (compared bit for bit: a block that only read leaves the shard, and the optimizer's fp32
+        masters, untouched). Returns whether it did."""
+        mine = self.full[self.lo:self.hi]
+        if mine.device != self.shard.device:  # (offloaded shard: in host memory)
+            mine = mine.to(self.shard.device)
+        bits = _INT_OF_SIZE[mine.element_size()]
+        if torch.equal(mine.view(bits), self.shard.view(bits)):
+            return False
+        self.shard.copy_(mine)
+        return True
 
     def start_param_sync(self, comm) -> None:
         """All-gather every rank's shard into ``full`` (stage 3: only when freed)."""

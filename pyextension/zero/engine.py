@@ -266,9 +266,9 @@ class ZeroEngine(ExpertLayout, Stage3Hooks, WorldOfOne):
         opt = self.optimizer_ref() if self.optimizer_ref is not None else None
         (opt.zero_grad if opt is not None else self.zero_grad)(set_to_none)
 
-    def params_loaded(self) -> None:
+    def params_loaded(self, units=None) -> None:
         if self.optimizer_ref is not None and self.optimizer_ref() is not None:
-            self.optimizer_ref().read_params()
+            self.optimizer_ref().read_params(units)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget the grads (also those a hookless engine left in .grad): set_to_none=True frees the
@@ -314,7 +314,10 @@ class ZeroEngine(ExpertLayout, Stage3Hooks, WorldOfOne):
     @contextlib.contextmanager
     def full_params(self):
         """Every param holds its full value inside the block (stage 3 gathers and frees after;
-        stage 1/2 wait for a pending all-gather). Read-only: writes to stage-3 params are lost."""
+        stage 1/2 wait for a pending all-gather). Stage 3: what the block wrote into the params it
+        gathered (an init, weight surgery, model.load_state_dict) is written back to each rank's
+        shard on exit, and the Optimizer's fp32 masters of those units refreshed, as FSDP's
+        summon_full_params(writeback=True); each rank keeps its own part of what it wrote."""
         if self.stage != 3:
             self.finish_param_sync()
             yield
@@ -327,8 +330,11 @@ class ZeroEngine(ExpertLayout, Stage3Hooks, WorldOfOne):
         try:
             yield
         finally:
+            written = [u for u in was_free if u.write_back()]
             for u in was_free:  # units a forward/backward in progress holds stay gathered
                 u.free()
+            if written:
+                self.params_loaded(written)
 
     def full_grads(self):
         """See zerofuse.zero.full_grads (zerofuse/zero/grads.py)."""
@@ -384,8 +390,9 @@ def parallelize(model: torch.nn.Module, *, stage: int, group=None, precision: st
 
 
 def full_params(model: torch.nn.Module):
-    """Context manager: the model's params hold their full values inside (e.g. to export or
-    evaluate outside the hooks); see ZeroEngine.full_params."""
+    """Context manager: the model's params hold their full values inside (e.g. to export, evaluate,
+    initialise or load outside the hooks; stage 3 writes what was written back to the shards on
+    exit); see ZeroEngine.full_params."""
     return engine_of(model, "zerofuse.zero.full_params").full_params()
 
 

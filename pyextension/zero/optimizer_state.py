@@ -99,12 +99,13 @@ class OptimizerState:
             self.write_params()
 
     @torch.no_grad()
-    def read_params(self) -> None:
+    def read_params(self, units=None) -> None:
         """fp32 masters from the params (after model.load_state_dict wrote them: stages 0-2 call this
         from the model's load hook; without it the next step wrote the old masters back over the
-        loaded weights - a review's reproduction, 2026-11-27)."""
+        loaded weights - a review's reproduction, 2026-11-27), of ``units`` only where given (stage
+        3: those full_params wrote back)."""
         for u, st in zip(self.engine.units, self.unit_states):
-            if "master" in st:
+            if "master" in st and (units is None or any(u is w for w in units)):
                 st["master"].copy_(u.shard)
 
     def write_params(self) -> None:

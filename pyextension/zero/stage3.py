@@ -18,8 +18,9 @@ def _pair(u: Bucket):
 class Stage3Hooks:
     def _install_stage3_hooks(self, model) -> None:
         # model.state_dict() / load_state_dict() where the params are freed shards (NaN placeholders,
-        # zero/buckets.py): a state dict of NaNs, writes lost; keep_vars=True (the Parameters
-        # themselves, as zerofuse.checkpoint lists them) stays allowed
+        # zero/buckets.py) raise: a state dict of NaNs, writes lost; inside full_params they are the
+        # model's (a load written back on exit); keep_vars=True (the Parameters themselves, as
+        # zerofuse.checkpoint lists them) stays allowed
         self._hooks.append(model.register_state_dict_pre_hook(self._check_state_dict))
         self._hooks.append(model.register_load_state_dict_pre_hook(self._refuse_load_state_dict))
         self._hooks.append(model.register_forward_pre_hook(self._root_pre_forward))
@@ -107,9 +108,10 @@ class Stage3Hooks:
                                "full_params, or save with zerofuse.checkpoint.save")
 
     def _refuse_load_state_dict(self, *args) -> None:
-        raise RuntimeError("zerofuse.zero: model.load_state_dict() at stage 3: the params are shards (writes to "
-                           "gathered params are lost); load with zerofuse.checkpoint.load, or load the state into the "
-                           "model before parallelize")
+        if any(u.state == FREE for u in self.units):
+            raise RuntimeError("zerofuse.zero: model.load_state_dict() at stage 3 outside zerofuse.zero.full_params"
+                               "(model): the params are freed shards there; call it inside full_params (written "
+                               "back to the shards on exit), or load with zerofuse.checkpoint.load")
 
 
 def _tensors(out):
