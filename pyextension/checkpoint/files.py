@@ -2,7 +2,8 @@
 
 [Note: checkpoint commit protocol] A checkpoint at ``path`` is complete when its ``meta.json``
 exists: meta.json is written last (after every rank's files, fsynced; each file is written as
-``<file>.part`` and renamed, so a meta.json that exists is whole), and ``remove`` deletes it first. A save writes into ``<path>.tmp``, then the leader
+``<file>.part`` and renamed, so a meta.json that exists is whole), and ``remove`` deletes it
+first. A save writes into ``<path>.tmp``, then the leader
     1. removes ``<path>.old`` (only ever a copy older than ``path``, which is complete),
     2. renames ``path`` -> ``<path>.old``           (now: .old and .tmp are complete),
     3. renames ``<path>.tmp`` -> ``path``           (now: path and .old are complete),

@@ -299,14 +299,10 @@ def check_rest(model, eng, rest: dict, who) -> None:
              if n in mine and tuple(t.shape) != tuple(mine[n].shape)]
     parts = [f"shape mismatch: {wrong}"] if wrong else []
     if eng.pp_comm is None:
-        trained = set(eng.names)
         if missing := [n for n in mine if n not in rest]:
             parts.append(f"buffers or frozen params missing in the checkpoint: {missing}")
         if unexpected := [n for n in rest if n not in mine]:
-            moved = [n for n in unexpected if n in trained]
-            parts.append(f"not buffers or frozen params of the model: {unexpected}"
-                         + (f" ({moved} trainable now, frozen when saved: set requires_grad as it was before "
-                            f"parallelize)" if moved else ""))
+            parts.append(f"not buffers or frozen params of the model: {unexpected}")
     if parts:
         raise ValueError(f"{who}: the checkpoint is for a different model; " + "; ".join(parts))
 

@@ -34,8 +34,8 @@ import torch.distributed as dist
 
 from zerofuse.comm import Communicator
 from zerofuse.zero.bucket_group import BucketGroup
-from zerofuse.zero.fixed_layout import TrainableCheck, guard_conversions
 from zerofuse.zero.buckets import FREE, Bucket
+from zerofuse.zero.fixed_layout import TrainableCheck, guard_conversions
 from zerofuse.zero.grads import SHARDED, gathered_grads, install_clip_warning
 from zerofuse.zero.layout import bucket_groups, check_same_layout, unit_groups
 from zerofuse.zero.experts import ExpertLayout
