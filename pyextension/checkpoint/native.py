@@ -293,8 +293,7 @@ def check_rest(model, eng, rest: dict, who) -> None:
     """The buffers and frozen params (``rest``, in common.pt) against the model's: names and shapes
     (a [1] buffer loaded into a [4] one broadcast silently; a wrong size failed halfway through
     the load). A pipeline stage holds only some of them: shapes only."""
-    managed = {id(p) for p in eng.params}
-    mine = {n: t for n, t in model.state_dict(keep_vars=True).items() if id(t) not in managed}
+    mine = {n: t for n, t in model.state_dict(keep_vars=True).items() if id(t) not in eng.param_index}
     wrong = [f"{n}: saved {list(t.shape)}, model {list(mine[n].shape)}" for n, t in rest.items()
              if n in mine and tuple(t.shape) != tuple(mine[n].shape)]
     parts = [f"shape mismatch: {wrong}"] if wrong else []

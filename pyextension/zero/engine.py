@@ -157,8 +157,8 @@ class ZeroEngine(ExpertLayout, Stage3Hooks, WorldOfOne):
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_ready))
             setattr(p, SHARDED, True)
         install_clip_warning()
-        guard_conversions(model, set(self.param_index))  # (zero/fixed_layout.py)
-        self.check_trainable = TrainableCheck(model, set(self.param_index))
+        guard_conversions(model, self.param_index.keys())  # (zero/fixed_layout.py)
+        self.check_trainable = TrainableCheck(model, self.param_index.keys())
         if stage == 3:
             self._install_stage3_hooks(model)
         elif self.comm.world_size > 1 or any(u.comm is not None and u.comm.world_size > 1 for u in self.units):

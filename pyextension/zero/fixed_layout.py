@@ -26,7 +26,7 @@ import torch
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 
-def guard_conversions(model: torch.nn.Module, managed: set[int]) -> None:
+def guard_conversions(model: torch.nn.Module, managed) -> None:
     for prefix, mod in model.named_modules():
         mine = [(f"{prefix}.{n}" if prefix else n, p) for n, p in mod.named_parameters()
                 if id(p) in managed]
@@ -49,7 +49,7 @@ def _guarded(apply, mine):
 
 
 class TrainableCheck:
-    def __init__(self, model: torch.nn.Module, managed: set[int]):
+    def __init__(self, model: torch.nn.Module, managed):  # (ids of the params parallelize took)
         self.named = list(model.named_parameters())
         self.params = [p for _, p in self.named]
         self.flags = [id(p) in managed for p in self.params]
