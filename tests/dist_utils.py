@@ -57,8 +57,10 @@ def _die_with_parent() -> None:
 
 
 def ranks_threads(world_size: int) -> int:
-    """Intra-op threads per rank when world_size ranks share this machine's cores."""
-    return max(1, (os.cpu_count() or 1) // world_size)
+    """Intra-op threads per rank when world_size ranks share the cores this test has: OMP_NUM_THREADS
+    where set (conftest gives each xdist worker its share), else the machine's."""
+    cores = int(os.environ.get("OMP_NUM_THREADS") or 0) or os.cpu_count() or 1
+    return max(1, cores // world_size)
 
 
 def _context():

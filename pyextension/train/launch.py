@@ -111,7 +111,10 @@ def _init_distributed(args, env: dict | None):
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+        # the cores shared among the ranks on this host, unless OMP_NUM_THREADS says otherwise
+        # (torch has read it already; torchrun sets it to 1 for several local ranks)
+        if not os.environ.get("OMP_NUM_THREADS"):
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     backend = "nccl" if args.device == "cuda" else "gloo"
     timeout = datetime.timedelta(seconds=args.timeout)  # init_mesh's groups and their Communicators inherit it
     if env is None:  # a world of one in this process: ZeRO still goes through a process group
