@@ -2,7 +2,8 @@
 torch.distributed.checkpoint / FSDP2 users expect (each test failed before its fix): fp16's loss
 scale restored into other precisions (and not saved by the DCP format), offloaded step counters and
 param groups of a DCP load, checkpoints of a bigger model, buffers of another shape, a tensor lr,
-a meta.json cut off by a failed write, an optimizer of another model."""
+a meta.json cut off by a failed write, an optimizer of another model or of another update rule,
+torch's per-param step counts, a param frozen on one side only."""
 from __future__ import annotations
 
 import os
@@ -150,3 +151,95 @@ def test_a_plain_model_asking_for_an_optimizer_state_that_was_not_saved(tmp_path
     with pytest.raises(ValueError, match="holds no optimizer state"):
         zerofuse.checkpoint.load(str(tmp_path / "ck"), plain, torch.optim.AdamW(plain.parameters()))
     assert all(torch.equal(t, before[n]) for n, t in plain.state_dict().items())
+
+
+def test_a_checkpoint_loads_only_into_an_optimizer_of_its_update_rule(tmp_path, world_of_one):
+    """A plain model's SGD took adamw's saved state and ignored it (training went on from no
+    momentum); an Adam took it with L2 decay in place of decoupled decay; a DCP checkpoint of
+    torch's AdamW loaded into zerofuse's 'adam' the same way."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    for fmt in FORMATS:
+        model = _zmodel()
+        opt = zerofuse.zero.Optimizer(model, "adamw", lr=1e-3)
+        _train(model, opt, 1)
+        zerofuse.checkpoint.save(str(tmp_path / fmt), model, opt, format=fmt)
+        for make, name in ((lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), "sgd"),
+                           (lambda ps: torch.optim.Adam(ps), "adam")):
+            plain = GPT(GPTConfig(**CFG), seed=5)
+            before = {n: t.clone() for n, t in plain.state_dict().items()}
+            with pytest.raises(ValueError, match=f"optimizer is 'adamw', this one is '{name}'"):
+                zerofuse.checkpoint.load(str(tmp_path / fmt), plain, make(plain.parameters()))
+            assert all(torch.equal(t, before[n]) for n, t in plain.state_dict().items())
+        plain = GPT(GPTConfig(**CFG), seed=5)  # the same rule loads
+        zerofuse.checkpoint.load(str(tmp_path / fmt), plain, torch.optim.AdamW(plain.parameters()))
+    plain = GPT(GPTConfig(**CFG), seed=0)
+    torch_opt = torch.optim.AdamW(plain.parameters(), lr=1e-3)
+    _, loss = plain(torch.zeros(2, 8, dtype=torch.long), torch.ones(2, 8, dtype=torch.long))
+    loss.backward()
+    torch_opt.step()
+    msd, osd = get_state_dict(plain, torch_opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / "torch"))
+    with pytest.raises(ValueError, match="optimizer is 'adamw', this one is 'adam'"):
+        zerofuse.checkpoint.load(str(tmp_path / "torch"), model, zerofuse.zero.Optimizer(model, "adam"))
+
+
+def _torch_dcp_skipping_a_step(path, split):
+    """A plain torch AdamW checkpoint (DCP) in which wte.weight had no grad at the first of 3 steps
+    (torch skips it: its count is 2, the others' 3); split: wte.weight in a group of its own."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    plain = GPT(GPTConfig(**CFG), seed=0)
+    others = [p for p in plain.parameters() if p is not plain.wte.weight]
+    groups = [{"params": [plain.wte.weight]}, {"params": others}] if split else [{"params": list(plain.parameters())}]
+    torch_opt = torch.optim.AdamW(groups, lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    for step in range(3):
+        b = torch.randint(0, 65, (2, 9), generator=g)
+        _, loss = plain(b[:, :-1], b[:, 1:])
+        loss.backward()
+        if step == 0:
+            plain.wte.weight.grad = None
+        torch_opt.step()
+        torch_opt.zero_grad()
+    msd, osd = get_state_dict(plain, torch_opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+
+
+def test_per_param_step_counts_of_a_torch_dcp_checkpoint_must_agree_in_a_group(tmp_path, world_of_one):
+    """torch counts Adam's steps per param; zerofuse's optimizer keeps one count per group: the last
+    param's count was loaded for all (a param that had skipped steps got another bias correction)."""
+    _torch_dcp_skipping_a_step(str(tmp_path / "one"), split=False)
+    model = _zmodel()
+    opt = zerofuse.zero.Optimizer(model, "adamw", lr=1e-3)
+    before = {n: t.clone() for n, t in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"param group 0 has several step counts: .*'wte.weight': 2"):
+        zerofuse.checkpoint.load(str(tmp_path / "one"), model, opt)
+    assert all(torch.equal(t, before[n]) for n, t in model.state_dict().items())  # refused before loading
+    _torch_dcp_skipping_a_step(str(tmp_path / "two"), split=True)  # the same run, wte.weight in its own group
+    model = _zmodel()
+    others = [p for p in model.parameters() if p is not model.wte.weight]
+    opt = zerofuse.zero.Optimizer(model, "adamw", lr=1e-3,
+                                  param_groups=[{"params": [model.wte.weight]}, {"params": others}])
+    zerofuse.checkpoint.load(str(tmp_path / "two"), model, opt)
+    assert [float(s) for s in opt._steps] == [2.0, 3.0]
+
+
+def test_a_param_frozen_at_save_and_trained_at_load_is_named_as_such(tmp_path, world_of_one):
+    """A param whose requires_grad differs between save and load was reported as 'missing in the
+    checkpoint' (it was there, as a frozen param) or 'not in the model'."""
+    model = GPT(GPTConfig(**CFG), seed=0)
+    model.blocks[0].attn.qkv.weight.requires_grad_(False)
+    zerofuse.zero.parallelize(model, stage=2, bucket_mb=0.05)
+    zerofuse.checkpoint.save(str(tmp_path / "frozen"), model)
+    zerofuse.checkpoint.save(str(tmp_path / "trained"), _zmodel())
+    want = r"frozen when saved, trained by this model: \['blocks.0.attn.qkv.weight'\].*consolidate"
+    with pytest.raises(ValueError, match=want):
+        zerofuse.checkpoint.load(str(tmp_path / "frozen"), _zmodel())
+    model = GPT(GPTConfig(**CFG), seed=0)
+    model.blocks[0].attn.qkv.weight.requires_grad_(False)
+    zerofuse.zero.parallelize(model, stage=2, bucket_mb=0.05)
+    with pytest.raises(ValueError, match=r"trained when saved, frozen in this model: \['blocks.0.attn.qkv.weight'\]"):
+        zerofuse.checkpoint.load(str(tmp_path / "trained"), model)

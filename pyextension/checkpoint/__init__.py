@@ -66,9 +66,13 @@ def load(path: str, model: torch.nn.Module, optimizer=None):
     """Returns the ``extra`` given to save (None for a DCP checkpoint written by plain torch)."""
     if getattr(model, "_zerofuse_zero", None) is None:
         full = consolidate(path)
-        if optimizer is not None and full["optimizer"] is None:  # (checked before the model is loaded)
-            raise ValueError(f"{NAME}.load: the checkpoint at {path!r} holds no optimizer state (saved without an "
-                             "optimizer); pass optimizer=None")
+        if optimizer is not None:  # (checked before the model is loaded)
+            if full["optimizer"] is None:
+                raise ValueError(f"{NAME}.load: the checkpoint at {path!r} holds no optimizer state (saved without "
+                                 "an optimizer); pass optimizer=None")
+            kind = native.saved_kind(full["optimizer"]["param_groups"]) if _is_dcp(path) \
+                else native.Full(path).meta["optimizer"]["kind"]
+            native.check_kind(kind, native.kind_of(optimizer), f"{NAME}.load", type(optimizer).__name__)
         model.load_state_dict(full["model"])
         if optimizer is not None:
             optimizer.load_state_dict(full["optimizer"])

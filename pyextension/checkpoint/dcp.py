@@ -28,7 +28,8 @@ from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from zerofuse.checkpoint import files
-from zerofuse.checkpoint.native import _saving_ranks, _table, check_optimizer, check_owner, plain_options, restore_scale
+from zerofuse.checkpoint.native import (_saving_ranks, _table, check_kind, check_optimizer, check_owner, plain_options,
+                                        restore_scale, saved_kind)
 from zerofuse.tp.spec import spec_of
 from zerofuse.zero.engine import engine_of
 
@@ -276,19 +277,19 @@ def load(path: str, model, optimizer=None):
             del (want["model"] if nested else want)[n]  # buffers the checkpoint does not hold keep their values
     if optimizer is not None and not nested:
         raise ValueError(f"{who}: the DCP checkpoint at {root!r} holds no optimizer state ('optim')")
+    if optimizer is not None:  # checked before anything is loaded
+        saved_groups = _param_groups(reader, md)
+        _check_groups(optimizer, eng, saved_groups, who, root)
+        check_kind(saved_kind(saved_groups), optimizer.kind, who, "zerofuse.zero.Optimizer")
+        steps = _group_steps(optimizer, eng, _saved_steps(reader, md), who, root)
+        for entry in want["optim"]["state"].values():
+            entry.pop("step", None)  # one count per group, set below (each param's was written into it)
     dcp.load(want, storage_reader=reader, planner=SafeLoadPlanner(), process_group=eng.comm.group)
     if optimizer is not None:
-        saved_groups = _param_groups(reader, md)
-        if len(saved_groups) != len(optimizer.param_groups):
-            raise ValueError(f"{who}: the DCP checkpoint at {root!r} has {len(saved_groups)} param groups, the "
-                             f"optimizer {len(optimizer.param_groups)}")
-        for i, (g, saved_g) in enumerate(zip(optimizer.param_groups, saved_groups)):
-            names = {eng.names[eng.param_index[id(p)]] for p in g["params"]}
-            if "params" in saved_g and set(saved_g["params"]) != names:  # (applied by position before)
-                raise ValueError(f"{who}: the DCP checkpoint at {root!r} has param group {i} over other params "
-                                 f"than the optimizer's: saved {sorted(saved_g['params'])}, optimizer {sorted(names)}")
         for g, saved_g in zip(optimizer.param_groups, saved_groups):
             g.update({k: v for k, v in saved_g.items() if k != "params" and k in g})
+        for s, step in zip(optimizer._steps, steps):
+            s.fill_(step)
         if optimizer.host is not None:  # offload keeps host copies of the step counters (left at 0 before)
             optimizer.host.load_steps()
         optimizer.write_params()
@@ -302,6 +303,49 @@ def load(path: str, model, optimizer=None):
             if os.path.isfile(os.path.join(root, files.META)) else None
         restore_scale(optimizer, saved_precision, ours.get("scale"), ours.get("growth_tracker"))
     return ours.get("extra")
+
+
+def _check_groups(optimizer, eng, saved_groups: list[dict], who: str, root: str) -> None:
+    if len(saved_groups) != len(optimizer.param_groups):
+        raise ValueError(f"{who}: the DCP checkpoint at {root!r} has {len(saved_groups)} param groups, the "
+                         f"optimizer {len(optimizer.param_groups)}")
+    for i, (g, saved_g) in enumerate(zip(optimizer.param_groups, saved_groups)):
+        names = {eng.names[eng.param_index[id(p)]] for p in g["params"]}
+        if "params" in saved_g and set(saved_g["params"]) != names:  # (applied by position before)
+            raise ValueError(f"{who}: the DCP checkpoint at {root!r} has param group {i} over other params "
+                             f"than the optimizer's: saved {sorted(saved_g['params'])}, optimizer {sorted(names)}")
+
+
+def _saved_steps(reader, md) -> dict[str, float]:
+    """Each param's saved step count (``optim.state.<fqn>.step``: a tensor, or a number)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata  # noqa: PLC0415
+    keys = {k: m for k, m in md.state_dict_metadata.items() if k.startswith("optim.state.") and k.endswith(".step")}
+    if not keys:
+        return {}
+    want = {k: torch.empty(m.size, dtype=m.properties.dtype) if isinstance(m, TensorStorageMetadata) else None
+            for k, m in keys.items()}
+    planner = SafeLoadPlanner(flatten_state_dict=False)
+    dcp.load(want, storage_reader=reader, planner=planner, no_dist=True)
+    return {k.removeprefix("optim.state.").removesuffix(".step"): float(planner.state_dict[k]) for k in keys}
+
+
+def _group_steps(optimizer, eng, saved: dict[str, float], who: str, root: str) -> list[float]:
+    """The step count of each param group: torch counts per param (a param without a grad at a step
+    is not counted), zerofuse per group, so the counts of a group's params must agree."""
+    out = []
+    for gi, g in enumerate(optimizer.param_groups):
+        got = {n: saved[n] for n in (eng.names[eng.param_index[id(p)]] for p in g["params"]) if n in saved}
+        if len(set(got.values())) > 1:
+            some = dict(sorted(got.items(), key=lambda kv: kv[1])[:3])
+            raise ValueError(f"{who}: the DCP checkpoint at {root!r} counts Adam's steps per param and param group "
+                             f"{gi} has several step counts: {some} ... and {max(got.values()):g}; zerofuse's "
+                             "optimizer keeps one count per group: put the params of each count in a group of "
+                             "their own, or load with optimizer=None")
+        if not got and optimizer.kind != "lars":
+            raise ValueError(f"{who}: the DCP checkpoint at {root!r} holds no step count for param group {gi} "
+                             f"(the {optimizer.kind!r} optimizer's bias correction needs it)")
+        out.append(next(iter(got.values()), 0.0))
+    return out
 
 
 def _param_groups(reader, md) -> list[dict]:

@@ -205,14 +205,47 @@ def check_model(saved: dict, names, shapes, who, subset: bool = False) -> None:
         raise ValueError(f"{who}: the checkpoint is for a different model; " + "; ".join(parts))
 
 
+def kind_of(optimizer) -> str | None:
+    """The update rule of a torch-style optimizer, in zerofuse.zero.Optimizer's names ('adamw',
+    'adam', 'lamb', 'lars'; another torch.optim class: its name lowercased); None for a class that
+    is not a torch.optim.Optimizer (its state is its own business)."""
+    from zerofuse.optim import FusedLAMB, FusedLARS  # noqa: PLC0415
+
+    if isinstance(optimizer, FusedLAMB):
+        return "lamb"
+    if isinstance(optimizer, FusedLARS):
+        return "lars"
+    if isinstance(optimizer, torch.optim.Adam):  # AdamW is an Adam with decoupled_weight_decay=True
+        decoupled = isinstance(optimizer, torch.optim.AdamW) or any(
+            g.get("decoupled_weight_decay", False) for g in optimizer.param_groups)
+        return "adamw" if decoupled else "adam"
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return type(optimizer).__name__.lower()
+    return None
+
+
+def saved_kind(groups: list[dict]) -> str | None:
+    """'adamw' / 'adam' from torch's decoupled_weight_decay option in saved param groups (a DCP
+    checkpoint records no optimizer kind); None where the groups do not say."""
+    flags = {g["decoupled_weight_decay"] for g in groups if "decoupled_weight_decay" in g}
+    return None if len(flags) != 1 else ("adamw" if flags.pop() else "adam")
+
+
+def check_kind(saved: str | None, mine: str | None, who: str, where: str) -> None:
+    """An optimizer given another update rule's state (adamw's moments in an SGD, or in an Adam that
+    then applied L2 decay instead of decoupled decay) is refused; unknown on either side passes."""
+    if saved is not None and mine is not None and saved != mine:
+        raise ValueError(f"{who}: the checkpoint's optimizer is {saved!r}, this one is {mine!r} ({where}); "
+                         "load with optimizer=None to take the weights only")
+
+
 def check_optimizer(optimizer, opt_meta, eng, who) -> None:
     if optimizer is None:
         return
     check_owner(optimizer, eng, who)
     if opt_meta is None:
         raise ValueError(f"{who}: the checkpoint holds no optimizer state (saved without an optimizer)")
-    if optimizer.kind != opt_meta["kind"]:
-        raise ValueError(f"{who}: the checkpoint's optimizer is {opt_meta['kind']!r}, this one is {optimizer.kind!r}")
+    check_kind(opt_meta["kind"], optimizer.kind, who, "zerofuse.zero.Optimizer")
     by_name = {n: i for i, n in enumerate(eng.names)}
     saved_groups = opt_meta["param_groups"]
     if len(saved_groups) != len(optimizer.param_groups) or any(
@@ -233,7 +266,10 @@ def load(path: str, model: torch.nn.Module, optimizer=None):
     src = full.parts[eng.tp_rank] if same_tp else None
     shapes = [_saved_shape(p) if same_tp or (spec := spec_of(p)) is None else spec.full_shape for p in eng.params]
     # a pipeline stage holds some of the saved params (the other stages load the rest)
-    check_model(src.shapes if same_tp else full.shapes, eng.names, shapes, who, subset=eng.pp_comm is not None)
+    try:
+        check_model(src.shapes if same_tp else full.shapes, eng.names, shapes, who, subset=eng.pp_comm is not None)
+    except ValueError as e:
+        raise ValueError(f"{e}{_frozen_toggles(model, eng, full)}") from None
     opt_meta = full.meta["optimizer"]
     check_optimizer(optimizer, opt_meta, eng, who)
     group = None if eng.tp_comm is not None or eng.pp_comm is not None else eng.comm.group
@@ -248,6 +284,23 @@ def load(path: str, model: torch.nn.Module, optimizer=None):
     agree(group, None, who, eng.units[0].device)
     _finish_load(eng, model, optimizer, opt_meta, rest, full.meta["precision"])
     return first.get("extra")
+
+
+def _frozen_toggles(model, eng, full) -> str:
+    """The params a different model error comes from when their requires_grad changed since the
+    save (ZeRO shards what trains; a frozen param is saved whole, with the buffers)."""
+    rest = set(full.common().get("rest", {}))
+    frozen_now = {n for n, p in model.named_parameters(remove_duplicate=False) if id(p) not in eng.param_index}
+    parts = []
+    if trained_now := [n for n in eng.names if n in rest]:
+        parts.append(f"frozen when saved, trained by this model: {trained_now}")
+    if frozen_now := sorted(n for n in frozen_now if n in full.shapes):
+        parts.append(f"trained when saved, frozen in this model: {frozen_now}")
+    if not parts:
+        return ""
+    return ("; " + "; ".join(parts) + " (parallelize fixes which params train: to change them, load the weights "
+            "into the model before parallelize, model.load_state_dict(zerofuse.checkpoint.consolidate(path)"
+            "['model']), or freeze the same params as when saved)")
 
 
 def _fill_shards(eng, optimizer, opt_meta, full, src) -> None:
