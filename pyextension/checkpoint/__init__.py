@@ -22,7 +22,7 @@ import os
 
 import torch
 
-from zerofuse.checkpoint import files, native
+from zerofuse.checkpoint import files, native, optim_checks
 from zerofuse.checkpoint.hf import export_hf
 
 NAME = files.NAME
@@ -70,9 +70,9 @@ def load(path: str, model: torch.nn.Module, optimizer=None):
             if full["optimizer"] is None:
                 raise ValueError(f"{NAME}.load: the checkpoint at {path!r} holds no optimizer state (saved without "
                                  "an optimizer); pass optimizer=None")
-            kind = native.saved_kind(full["optimizer"]["param_groups"]) if _is_dcp(path) \
+            kind = optim_checks.saved_kind(full["optimizer"]["param_groups"]) if _is_dcp(path) \
                 else native.Full(path).meta["optimizer"]["kind"]
-            native.check_kind(kind, native.kind_of(optimizer), f"{NAME}.load", type(optimizer).__name__)
+            optim_checks.check_kind(kind, optim_checks.kind_of(optimizer), f"{NAME}.load", type(optimizer).__name__)
         model.load_state_dict(full["model"])
         if optimizer is not None:
             optimizer.load_state_dict(full["optimizer"])

@@ -28,8 +28,9 @@ from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from zerofuse.checkpoint import files
-from zerofuse.checkpoint.native import (_saving_ranks, _table, check_kind, check_optimizer, check_owner, plain_options,
-                                        restore_scale, saved_kind)
+from zerofuse.checkpoint.native import _saving_ranks, _table
+from zerofuse.checkpoint.optim_checks import (check_kind, check_optimizer, check_owner, plain_options, restore_scale,
+                                              saved_kind)
 from zerofuse.tp.spec import spec_of
 from zerofuse.zero.engine import engine_of
 

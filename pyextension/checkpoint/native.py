@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from zerofuse.checkpoint import files
+from zerofuse.checkpoint.optim_checks import check_optimizer, check_owner, plain_options, restore_scale
 from zerofuse.checkpoint.sources import FORMAT, VALUE, Full
 from zerofuse.moe import expert_spec
 from zerofuse.tp.spec import spec_of
@@ -69,30 +70,6 @@ def _table(eng, rank: int) -> list[list]:
 def _saved_shape(p) -> list[int]:
     spec = expert_spec(p)
     return list(spec.full_shape if spec is not None else p.shape)
-
-
-def check_owner(optimizer, eng, who) -> None:
-    """The optimizer must be the zero.Optimizer built on this model (another one's params are not
-    this engine's: a KeyError on an object id before)."""
-    if optimizer is not None and getattr(optimizer, "engine", None) is not eng:
-        whose = "of a different model" if hasattr(optimizer, "engine") else "(not a zerofuse.zero.Optimizer)"
-        raise ValueError(f"{who}: expected optimizer to be the zerofuse.zero.Optimizer built on this model, got a "
-                         f"{type(optimizer).__name__} {whose}")
-
-
-def plain_options(group: dict) -> dict:
-    """A param group's options as plain values (a tensor lr, as sync_lr takes, as its float)."""
-    return {k: (v.item() if isinstance(v, torch.Tensor) and v.numel() == 1 else v) for k, v in group.items()
-            if k != "params"}
-
-
-def restore_scale(optimizer, saved_precision: str, scale, growth_tracker) -> None:
-    """fp16's loss scale and growth tracker, only from an fp16 run into an fp16 run: a bf16/fp32 run
-    has no scale (restored from fp16 it kept dividing the grads by 65536), and an fp16 run resumed
-    from another precision starts from its own initial_scale (restored, it started from 1)."""
-    if optimizer.fp16 and saved_precision == "fp16" and scale is not None:
-        optimizer.scale.fill_(scale)
-        optimizer._growth_tracker.fill_(growth_tracker)
 
 
 def save(path: str, model: torch.nn.Module, optimizer=None, *, extra=None) -> None:
@@ -203,56 +180,6 @@ def check_model(saved: dict, names, shapes, who, subset: bool = False) -> None:
         if wrong:
             parts.append(f"shape mismatch: {wrong}")
         raise ValueError(f"{who}: the checkpoint is for a different model; " + "; ".join(parts))
-
-
-def kind_of(optimizer) -> str | None:
-    """The update rule of a torch-style optimizer, in zerofuse.zero.Optimizer's names ('adamw',
-    'adam', 'lamb', 'lars'; another torch.optim class: its name lowercased); None for a class that
-    is not a torch.optim.Optimizer (its state is its own business)."""
-    from zerofuse.optim import FusedLAMB, FusedLARS  # noqa: PLC0415
-
-    if isinstance(optimizer, FusedLAMB):
-        return "lamb"
-    if isinstance(optimizer, FusedLARS):
-        return "lars"
-    if isinstance(optimizer, torch.optim.Adam):  # AdamW is an Adam with decoupled_weight_decay=True
-        decoupled = isinstance(optimizer, torch.optim.AdamW) or any(
-            g.get("decoupled_weight_decay", False) for g in optimizer.param_groups)
-        return "adamw" if decoupled else "adam"
-    if isinstance(optimizer, torch.optim.Optimizer):
-        return type(optimizer).__name__.lower()
-    return None
-
-
-def saved_kind(groups: list[dict]) -> str | None:
-    """'adamw' / 'adam' from torch's decoupled_weight_decay option in saved param groups (a DCP
-    checkpoint records no optimizer kind); None where the groups do not say."""
-    flags = {g["decoupled_weight_decay"] for g in groups if "decoupled_weight_decay" in g}
-    return None if len(flags) != 1 else ("adamw" if flags.pop() else "adam")
-
-
-def check_kind(saved: str | None, mine: str | None, who: str, where: str) -> None:
-    """An optimizer given another update rule's state (adamw's moments in an SGD, or in an Adam that
-    then applied L2 decay instead of decoupled decay) is refused; unknown on either side passes."""
-    if saved is not None and mine is not None and saved != mine:
-        raise ValueError(f"{who}: the checkpoint's optimizer is {saved!r}, this one is {mine!r} ({where}); "
-                         "load with optimizer=None to take the weights only")
-
-
-def check_optimizer(optimizer, opt_meta, eng, who) -> None:
-    if optimizer is None:
-        return
-    check_owner(optimizer, eng, who)
-    if opt_meta is None:
-        raise ValueError(f"{who}: the checkpoint holds no optimizer state (saved without an optimizer)")
-    check_kind(opt_meta["kind"], optimizer.kind, who, "zerofuse.zero.Optimizer")
-    by_name = {n: i for i, n in enumerate(eng.names)}
-    saved_groups = opt_meta["param_groups"]
-    if len(saved_groups) != len(optimizer.param_groups) or any(
-            sorted(by_name[n] for n in saved["params"] if n in by_name) != sorted(eng.param_index[id(p)]
-                                                                                   for p in g["params"])
-            for g, saved in zip(optimizer.param_groups, saved_groups)):
-        raise ValueError(f"{who}: the checkpoint's param groups hold different params than the optimizer's")
 
 
 @torch.no_grad()
