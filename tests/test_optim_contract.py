@@ -358,3 +358,31 @@ def test_stage3_writes_inside_full_params_reach_the_shards(precision, world_of_o
     plain_run, read_run = _stage3_run(precision, lambda m, s: None), _stage3_run(precision, read)
     assert all(torch.equal(read_run[n], plain_run[n]) for n in plain_run)
     assert not all(torch.equal(got[n], plain_run[n]) for n in plain_run)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_writes_inside_full_params_at_stages_0_to_2_reach_the_fp32_masters(stage, world_of_one):
+    """bf16 params keep fp32 masters in the Optimizer: an in-place edit of a param (an init, weight
+    surgery) was overwritten by its old master at the next step. Inside full_params, as at stage 3,
+    the masters of what was written are refreshed on exit: the run of stage 0 loading the same
+    weights; a block that only reads changes nothing, bit for bit."""
+    def halve(model, step):
+        if step == 1:
+            with zerofuse.zero.full_params(model), torch.no_grad():
+                model[0].weight.mul_(0.5)
+
+    def halve_by_loading(model, step):
+        if step == 1:
+            state = model.state_dict()
+            model.load_state_dict({**state, "0.weight": state["0.weight"] * 0.5})
+
+    def read(model, step):
+        with zerofuse.zero.full_params(model):
+            assert all(torch.isfinite(p).all() for p in model.parameters())
+
+    got, want = _stage3_run("bf16", halve, stage=stage), _stage3_run("bf16", halve_by_loading, stage=0)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=0, msg=name)
+    plain_run, read_run = _stage3_run("bf16", lambda m, s: None, stage=stage), _stage3_run("bf16", read, stage=stage)
+    assert all(torch.equal(read_run[n], plain_run[n]) for n in plain_run)
+    assert not all(torch.equal(got[n], plain_run[n]) for n in plain_run)

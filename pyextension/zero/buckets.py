@@ -70,7 +70,7 @@ import torch
 
 FREE, GATHERING, GATHERED = "free", "gathering", "gathered"
 LOW_PRECISION = (torch.bfloat16, torch.float16)
-_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,7 +202,7 @@ class Bucket:
         mine = self.full[self.lo:self.hi]
         if mine.device != self.shard.device:  # (offloaded shard: in host memory)
             mine = mine.to(self.shard.device)
-        bits = _INT_OF_SIZE[mine.element_size()]
+        bits = INT_OF_SIZE[mine.element_size()]
         if torch.equal(mine.view(bits), self.shard.view(bits)):
             return False
         self.shard.copy_(mine)

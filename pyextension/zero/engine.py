@@ -266,9 +266,9 @@ class ZeroEngine(ExpertLayout, Stage3Hooks, WorldOfOne):
         opt = self.optimizer_ref() if self.optimizer_ref is not None else None
         (opt.zero_grad if opt is not None else self.zero_grad)(set_to_none)
 
-    def params_loaded(self, units=None) -> None:
+    def params_loaded(self, units=None, written_only: bool = False) -> None:
         if self.optimizer_ref is not None and self.optimizer_ref() is not None:
-            self.optimizer_ref().read_params(units)
+            self.optimizer_ref().read_params(units, written_only)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget the grads (also those a hookless engine left in .grad): set_to_none=True frees the
@@ -317,10 +317,16 @@ class ZeroEngine(ExpertLayout, Stage3Hooks, WorldOfOne):
         stage 1/2 wait for a pending all-gather). Stage 3: what the block wrote into the params it
         gathered (an init, weight surgery, model.load_state_dict) is written back to each rank's
         shard on exit, and the Optimizer's fp32 masters of those units refreshed, as FSDP's
-        summon_full_params(writeback=True); each rank keeps its own part of what it wrote."""
+        summon_full_params(writeback=True); each rank keeps its own part of what it wrote. Stages
+        0-2 hold the params whole already: what the block wrote into a param with an fp32 master
+        (bf16/fp16, offload) refreshes that master on exit (it was written back over the edit at
+        the next step)."""
         if self.stage != 3:
             self.finish_param_sync()
-            yield
+            try:
+                yield
+            finally:
+                self.params_loaded(written_only=True)
             return
         was_free = [u for u in self.units if u.state == FREE]
         for u in was_free:

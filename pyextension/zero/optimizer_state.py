@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from zerofuse.zero.buckets import INT_OF_SIZE
 from zerofuse.zero.options import NAME
 
 
@@ -99,14 +100,23 @@ class OptimizerState:
             self.write_params()
 
     @torch.no_grad()
-    def read_params(self, units=None) -> None:
+    def read_params(self, units=None, written_only: bool = False) -> None:
         """fp32 masters from the params (after model.load_state_dict wrote them: stages 0-2 call this
         from the model's load hook; without it the next step wrote the old masters back over the
         loaded weights - a review's reproduction, 2026-11-27), of ``units`` only where given (stage
-        3: those full_params wrote back)."""
+        3: those full_params wrote back); ``written_only``: of the units whose params differ bit for
+        bit from their master's rounding (stages 0-2 leaving full_params: a master of params only
+        read keeps its fp32 bits)."""
         for u, st in zip(self.engine.units, self.unit_states):
-            if "master" in st and (units is None or any(u is w for w in units)):
-                st["master"].copy_(u.shard)
+            if "master" not in st or (units is not None and not any(u is w for w in units)):
+                continue
+            master = st["master"]
+            if written_only:
+                rounded = master.to(device=u.shard.device, dtype=u.shard.dtype)
+                bits = INT_OF_SIZE[rounded.element_size()]
+                if torch.equal(rounded.view(bits), u.shard.view(bits)):
+                    continue
+            master.copy_(u.shard)
 
     def write_params(self) -> None:
         """Params from the fp32 masters (after a load), then gathered (stage 1/2)."""
