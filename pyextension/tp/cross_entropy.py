@@ -20,7 +20,7 @@ from zerofuse.ops import linear_cross_entropy as ops
 from zerofuse.ops.ids import check_ids
 from zerofuse.tp import comm as C
 from zerofuse.tp.layers import ColumnParallelLinear, _group
-from zerofuse.tp.spec import split_range
+from zerofuse.tp.spec import vocab_range
 
 _WHERE = "zerofuse.tp.vocab_parallel_linear_cross_entropy"
 
@@ -79,16 +79,16 @@ def vocab_parallel_linear_cross_entropy(hidden: Tensor, weight: Tensor, target: 
                                         recompute: bool = False) -> Tensor:
     """zerofuse.nn.functional.linear_cross_entropy(hidden, full_weight, target, full_bias, ...) with the
     weight (and bias) split over the TP group by vocabulary rows: ``weight`` is this rank's (V_r, D)
-    shard, ``vocab_size`` the full vocabulary (default V_r x tp for an even split). hidden is
+    shard, ``vocab_size`` the full vocabulary (default: the group's shards summed, one small
+    all-reduce more). hidden is
     replicated over the group (..., D), or with sequence_parallel=True this rank's sequence shard
     (b, s/tp, D) with target the whole (b, s). Every rank gets the same loss."""
     comm = C.comm_for(_group(group))
-    tp, n_local = comm.world_size, weight.shape[0] if isinstance(weight, Tensor) and weight.dim() == 2 else 0
-    vocab_size = n_local * tp if vocab_size is None else vocab_size
-    start, end = split_range(vocab_size, tp, comm.rank)
-    if end - start != n_local:
-        raise ValueError(f"{_WHERE}: rank {comm.rank} of {tp} expected a weight shard of {end - start} rows of a "
-                         f"vocabulary of {vocab_size}, got shape {list(weight.shape)}")
+    tp = comm.world_size
+    if not isinstance(weight, Tensor) or weight.dim() != 2:
+        raise ValueError(f"{_WHERE}: expected weight to be this rank's (V_r, D) shard of the output layer, got "
+                         f"{list(weight.shape) if isinstance(weight, Tensor) else type(weight).__name__}")
+    vocab_size, start, _ = vocab_range(weight.shape[0], vocab_size, comm, _WHERE, weight.device, "weight rows")
     if sequence_parallel:
         if not isinstance(hidden, Tensor) or hidden.dim() != 3 or not isinstance(target, Tensor) \
                 or tuple(target.shape) != (hidden.shape[0], hidden.shape[1] * tp):

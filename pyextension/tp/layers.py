@@ -27,7 +27,7 @@ from torch import Tensor
 from zerofuse.ops.ids import check_ids
 from zerofuse import nn as znn
 from zerofuse.tp import comm as C
-from zerofuse.tp.spec import TPSpec, spec_of, split_range
+from zerofuse.tp.spec import TPSpec, spec_of, split_range, vocab_range
 
 
 def _group(group):
@@ -131,10 +131,13 @@ class _RowLinear(torch.autograd.Function):
         return grad_x, grad_w, None, None
 
 
-def _check_features(who: str, x: Tensor, n: int, what: str) -> None:
+def _check_features(who: str, x: Tensor, n: int, what: str, sp: bool = False) -> None:
     if x.dim() == 0 or x.shape[-1] != n:
         raise ValueError(f"zerofuse.tp.{who}: expected an input whose last dimension is {n} ({what}), got shape "
                          f"{list(x.shape)}")
+    if sp and x.dim() < 3:
+        raise ValueError(f"zerofuse.tp.{who}: with sequence_parallel=True expected an input of shape (batch, seq, "
+                         f"{n}) (the sequence along dim 1), got shape {list(x.shape)}")
 
 
 def _init_linear_full(out_features: int, in_features: int, bias: bool, device, dtype):
@@ -186,7 +189,7 @@ class ColumnParallelLinear(_TPModule):
         return _adopt(layer, weight, bias, sharded_bias=True)
 
     def forward(self, x: Tensor) -> Tensor:
-        _check_features("ColumnParallelLinear", x, self.in_features, "in_features")
+        _check_features("ColumnParallelLinear", x, self.in_features, "in_features", self.sequence_parallel)
         y = _ColumnLinear.apply(x, self.weight, self.bias, self.comm, self.sequence_parallel)
         return C.gather_last_dim(y, self.comm, self.out_per_rank) if self.gather_output else y
 
@@ -225,15 +228,20 @@ class RowParallelLinear(_TPModule):
             C.sync_replicated_grads([layer.bias], layer.comm, when=lambda: layer.sequence_parallel)
         return layer
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, bias_grad: bool = True) -> Tensor:
+        """bias_grad=False: the bias is added without a gradient path to it (the caller gives it
+        its gradient, as zerofuse.nn.Attention's proj_bias_grad=False asks)."""
         if not self.input_is_parallel:
-            _check_features("RowParallelLinear", x, self.in_features, "in_features")
+            _check_features("RowParallelLinear", x, self.in_features, "in_features", self.sequence_parallel)
             x = C.split_last_dim(x, self.comm, self.in_per_rank)
         else:
             _check_features("RowParallelLinear", x, self.weight.shape[1],
-                            f"this rank's slice of in_features {self.in_features} (input_is_parallel=True)")
+                            f"this rank's slice of in_features {self.in_features} (input_is_parallel=True)",
+                            self.sequence_parallel)
         y = _RowLinear.apply(x, self.weight, self.comm, self.sequence_parallel)
-        return y + self.bias if self.bias is not None else y
+        if self.bias is None:
+            return y
+        return y + (self.bias if bias_grad else self.bias.detach())
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features} (this rank {self.weight.shape[1]}), out_features={self.out_features}, "
@@ -264,6 +272,9 @@ class VocabParallelEmbedding(_TPModule):
         spec = TPSpec(0, (num_embeddings,), (num_embeddings, embedding_dim), self.tp, self.tp_rank)
         full = torch.empty(num_embeddings, embedding_dim, device=device, dtype=dtype)
         torch.nn.init.normal_(full)
+        if padding_idx is not None:  # as torch.nn.Embedding's reset_parameters
+            with torch.no_grad():
+                full[padding_idx].fill_(0)
         self.weight = _sharded(full, spec)
 
     @classmethod
@@ -274,6 +285,9 @@ class VocabParallelEmbedding(_TPModule):
 
     def forward(self, idx: Tensor) -> Tensor:
         check_ids("zerofuse.tp.VocabParallelEmbedding", "idx", idx, self.num_embeddings)
+        if self.sequence_parallel and idx.dim() != 2:
+            raise ValueError(f"zerofuse.tp.VocabParallelEmbedding: with sequence_parallel=True expected idx of shape "
+                             f"(batch, seq), got {list(idx.shape)}")
         outside = (idx < self.vocab_start) | (idx >= self.vocab_end)
         local = (idx - self.vocab_start).masked_fill(outside, 0)
         pad = self.padding_idx
@@ -313,6 +327,11 @@ class _VocabParallelCE(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
+        if getattr(ctx, "used", False):  # (an obscure "modified by an inplace operation" error before)
+            raise RuntimeError("zerofuse.tp.vocab_parallel_cross_entropy: a second backward through the same graph "
+                               "(retain_graph=True) is not supported: the first one turned the saved softmax into "
+                               "the gradient in place (no second vocabulary-sized buffer); compute the loss again")
+        ctx.used = True
         softmax, local_t, inside, ignored = ctx.saved_tensors
         grad = softmax
         grad.scatter_add_(-1, local_t.unsqueeze(-1), -inside.to(grad.dtype).unsqueeze(-1))
@@ -324,16 +343,11 @@ def vocab_parallel_cross_entropy(logits_shard: Tensor, targets: Tensor, group=No
                                  ignore_index: int = -100, reduction: str = "mean") -> Tensor:
     """F.cross_entropy(full_logits, targets) from this rank's vocabulary shard (..., V_r) of the
     logits, split over the TP group as ColumnParallelLinear / VocabParallelEmbedding split it
-    (vocab_size: the full vocabulary, default V_r × tp for an even split). reduction: 'mean'
-    (over targets != ignore_index), 'sum' or 'none'."""
+    (vocab_size: the full vocabulary; default: the group's shards summed, one small all-reduce
+    more). reduction: 'mean' (over targets != ignore_index), 'sum' or 'none'."""
     comm = C.comm_for(_group(group))
-    tp = comm.world_size
-    n_local = logits_shard.shape[-1]
-    vocab_size = n_local * tp if vocab_size is None else vocab_size
-    start, end = split_range(vocab_size, tp, comm.rank)
-    if end - start != n_local:
-        raise ValueError(f"zerofuse.tp.vocab_parallel_cross_entropy: rank {comm.rank} of {tp} expected "
-                         f"{end - start} logits of a vocabulary of {vocab_size}, got {n_local}")
+    vocab_size, start, _ = vocab_range(logits_shard.shape[-1], vocab_size, comm,
+                                       "zerofuse.tp.vocab_parallel_cross_entropy", logits_shard.device)
     if targets.shape != logits_shard.shape[:-1]:
         raise ValueError(f"zerofuse.tp.vocab_parallel_cross_entropy: expected targets of shape "
                          f"{list(logits_shard.shape[:-1])}, got {list(targets.shape)}")

@@ -14,8 +14,57 @@ import dataclasses
 import torch
 
 
+def tp_group_of(model: torch.nn.Module, tp_group, who: str):
+    """The TP group a ZeRO model's grad norms must add up over: ``tp_group`` if given, else the
+    model's ``tp_group`` attribute (zerofuse's models), else the one group its zerofuse.tp layers were
+    built on (a custom model's clip norm was each TP rank's own part before: 12.9 and 14.5 on two
+    ranks where the model's is 18.3, and the replicated params drifted apart). Checked against the
+    TP size of every sharded param."""
+    import torch.distributed as dist  # noqa: PLC0415
+
+    if tp_group is None:
+        tp_group = getattr(model, "tp_group", None)
+    if tp_group is None:
+        groups = {id(m.group): m.group for m in model.modules()
+                  if getattr(m, "group", None) is not None and any(spec_of(p) for p in m.parameters(recurse=False))}
+        if len(groups) > 1:
+            raise ValueError(f"{who}: the model's tensor-parallel layers were built on {len(groups)} different "
+                             "groups; pass tp_group= (the one their norms add up over)")
+        tp_group = next(iter(groups.values()), None)
+    size = dist.get_world_size(tp_group) if tp_group is not None else 1
+    wrong = sorted({spec_of(p).tp for p in model.parameters() if spec_of(p) is not None} - {size})
+    if wrong:
+        raise ValueError(f"{who}: the model holds tensor-parallel slices of a TP size {wrong}, expected tp_group to "
+                         f"be a group of that size, got {'none' if tp_group is None else f'a group of {size}'}")
+    return tp_group
+
+
 def split_sizes(n: int, tp: int) -> list[int]:
     return [n // tp + (1 if r < n % tp else 0) for r in range(tp)]
+
+
+def vocab_range(n_local: int, vocab_size: int | None, comm, who: str, device,
+                unit: str = "logits") -> tuple[int, int, int]:
+    """(vocab_size, start, end) of this rank's shard of n_local vocabulary entries. vocab_size=None:
+    the TP group's shards summed (one small all-reduce; each rank's own guess, n_local x tp, differed
+    between ranks of an uneven split: a wrong loss, or one rank raising while the others hung)."""
+    from zerofuse.tp import comm as C  # noqa: PLC0415
+
+    tp, rank = comm.world_size, comm.rank
+    if vocab_size is None:
+        sizes = torch.zeros(tp, dtype=torch.int64, device=device)
+        sizes[rank] = n_local
+        C.all_reduce(sizes, comm)
+        sizes = sizes.tolist()
+        vocab_size = sum(sizes)
+        if split_sizes(vocab_size, tp) != sizes:
+            raise ValueError(f"{who}: the TP group's vocabulary shards {sizes} are not the split of {vocab_size} "
+                             f"over {tp} ranks ({split_sizes(vocab_size, tp)}, as ColumnParallelLinear makes it)")
+    start, end = split_range(vocab_size, tp, rank)
+    if end - start != n_local:
+        raise ValueError(f"{who}: rank {rank} of {tp} expected {end - start} {unit} of a vocabulary of {vocab_size}, "
+                         f"got {n_local}")
+    return vocab_size, start, end
 
 
 def split_range(n: int, tp: int, rank: int) -> tuple[int, int]:

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from zerofuse.comm import Communicator
+from zerofuse.tp.spec import tp_group_of
 from zerofuse.zero.bucket_group import BucketGroup
 from zerofuse.zero.buckets import FREE, Bucket
 from zerofuse.zero.fixed_layout import TrainableCheck, guard_conversions
@@ -103,8 +104,7 @@ class ZeroEngine(ExpertLayout, Stage3Hooks, WorldOfOne):
                                              else self.dtype)
         # tensor parallelism: params marked by zerofuse.tp hold a slice of a larger tensor (their
         # norms add up over the TP group); the others are replicated on every TP rank
-        if tp_group is None:
-            tp_group = getattr(model, "tp_group", None)
+        tp_group = tp_group_of(model, tp_group, name)
         self.tp_comm = Communicator(tp_group) if tp_group is not None and dist.get_world_size(tp_group) > 1 else None
         self.tp_rank = self.tp_comm.rank if self.tp_comm is not None else 0
         self.tp_sharded = [getattr(p, "_zf_tp", None) is not None for p in self.params]

@@ -1,0 +1,120 @@
+"""zerofuse.tp where a review (2026-11-27) reproduced behaviour a Megatron / DTensor user would call
+wrong (each check failed before its fix), on 2 real gloo ranks: the default vocab_size of an uneven
+vocabulary split, ZeRO's clip norm of a custom TP model given no tp_group, padding_idx's row at
+init, sequence-parallel inputs without a batch dim, proj_bias_grad=False in ParallelAttention, a
+second backward through the vocab-parallel cross-entropy."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import zerofuse
+from zerofuse import tp
+from zerofuse.tp.spec import split_range
+
+from dist_utils import run_distributed
+
+pytestmark = pytest.mark.usefixtures("native_kernels")
+V, D, H = 5, 16, 32  # V = 5 over 2 ranks: shards of 3 and 2
+
+
+class _Net(torch.nn.Module):
+    """A custom model of zerofuse.tp layers (no tp_group attribute)."""
+
+    def __init__(self, parallel: bool, group=None):
+        super().__init__()
+        self.ln = torch.nn.LayerNorm(D)
+        self.fc = tp.ColumnParallelLinear(D, H, group=group) if parallel else torch.nn.Linear(D, H)
+        self.proj = tp.RowParallelLinear(H, D, group=group) if parallel else torch.nn.Linear(H, D)
+
+    def forward(self, x):
+        return self.proj(torch.relu(self.fc(self.ln(x))))
+
+
+def _error(fn) -> str:
+    try:
+        fn()
+    except (ValueError, RuntimeError) as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def _contract_rank(rank, ws):
+    out = {}
+    g = torch.Generator().manual_seed(0)
+    # the default vocab_size of an uneven split (each rank guessed n_local x tp: 6 and 4)
+    logits, hidden, weight = torch.randn(2, 4, V, generator=g), torch.randn(2, 4, 8, generator=g), torch.randn(V, 8, generator=g)
+    targets = torch.tensor([[0, 1, 2, 3], [4, 2, 4, 0]])
+    a, b = split_range(V, ws, rank)
+    out["ce"] = (tp.vocab_parallel_cross_entropy(logits[..., a:b].contiguous(), targets).item(),
+                 F.cross_entropy(logits.reshape(-1, V), targets.reshape(-1)).item())
+    out["lce"] = (tp.vocab_parallel_linear_cross_entropy(hidden, weight[a:b].contiguous(), targets).item(),
+                  F.cross_entropy((hidden @ weight.t()).reshape(-1, V), targets.reshape(-1)).item())
+    # a second backward through a retained graph
+    shard = logits[..., a:b].clone().requires_grad_()
+    loss = tp.vocab_parallel_cross_entropy(shard, targets, vocab_size=V)
+    loss.backward(retain_graph=True)
+    out["twice"] = _error(lambda: loss.backward())
+    # ZeRO's clip norm of a custom TP model, no tp_group given: the unsharded model's
+    x = torch.randn(2, 4, D, generator=g)
+    torch.manual_seed(0)
+    ref = _Net(parallel=False)
+    ref(x).square().sum().backward()
+    want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9).item()
+    mesh = zerofuse.parallel.init_mesh(dp=1, tp=ws)
+    torch.manual_seed(0)
+    model = zerofuse.zero.parallelize(_Net(parallel=True, group=mesh.tp_group), stage=1, group=mesh.dp_group)
+    opt = zerofuse.zero.Optimizer(model, "adamw", lr=1e-3)
+    model(x).square().sum().backward()
+    out["clip"] = (opt.clip_grad_norm_(1e9).item(), want)
+    # padding_idx's row is zero at init, as torch.nn.Embedding's (same seed: the same table)
+    torch.manual_seed(0)
+    ref_emb = torch.nn.Embedding(8, 4, padding_idx=3)
+    torch.manual_seed(0)
+    emb = tp.VocabParallelEmbedding(8, 4, padding_idx=3)
+    ids = torch.arange(8).view(1, 8)
+    out["padding"] = torch.equal(emb(ids), ref_emb(ids))
+    # sequence parallelism takes (batch, seq, ...) inputs
+    out["sp_errors"] = [
+        _error(lambda: tp.VocabParallelEmbedding(10, 8, sequence_parallel=True)(torch.tensor([1, 2, 3, 4]))),
+        _error(lambda: tp.ColumnParallelLinear(8, 6, sequence_parallel=True)(torch.randn(2, 8))),
+        _error(lambda: tp.RowParallelLinear(8, 6, sequence_parallel=True)(torch.randn(4, 8 // ws))),
+    ]
+    # proj_bias_grad=False: the same output, the bias left for the caller's gradient
+    attn = tp.ParallelAttention(16, 4, 2, bias=True)
+    h = torch.randn(1, 4, 16, generator=g)
+    plain, detached = attn(h), attn(h, proj_bias_grad=False)
+    detached.sum().backward()
+    out["proj_bias_grad"] = (torch.equal(plain, detached), attn.proj.bias.grad is None, attn.proj.weight.grad is not None)
+    return out
+
+
+def test_tp_surfaces_match_torch_or_refuse_clearly():
+    for rank, out in enumerate(run_distributed(_contract_rank, 2, timeout=120)):
+        for key in ("ce", "lce", "clip"):
+            got, want = out[key]
+            assert got == pytest.approx(want, rel=1e-5), (rank, key, got, want)
+        assert out["twice"].startswith("RuntimeError: zerofuse.tp.vocab_parallel_cross_entropy: a second backward")
+        assert out["padding"], rank
+        embedding, column, row = out["sp_errors"]
+        assert "VocabParallelEmbedding: with sequence_parallel=True expected idx of shape (batch, seq), got [4]" \
+            in embedding
+        assert "ColumnParallelLinear: with sequence_parallel=True expected an input of shape (batch, seq, 8)" in column
+        assert "RowParallelLinear: with sequence_parallel=True expected an input of shape (batch, seq, 4)" in row
+        assert out["proj_bias_grad"] == (True, True, True), rank
+
+
+def _groups_rank(rank, ws):
+    import torch.distributed as dist
+
+    mesh = zerofuse.parallel.init_mesh(dp=1, tp=ws)
+    alone = [dist.new_group([r]) for r in range(ws)][rank]
+    model = _Net(parallel=True, group=mesh.tp_group)
+    return _error(lambda: zerofuse.zero.parallelize(model, stage=1, group=alone, tp_group=alone))
+
+
+def test_a_tp_group_of_another_size_than_the_layers_is_refused():
+    for message in run_distributed(_groups_rank, 2, timeout=120):
+        assert "holds tensor-parallel slices of a TP size [2], expected tp_group to be a group of that size, " \
+               "got a group of 1" in message, message
