@@ -6,7 +6,11 @@
 Every rank of the pipeline group calls ``step`` with a batch of the same shape (only the first
 stage reads ``idx``, only the last ``targets``); the batch is cut into ``microbatches`` along dim 0
 and the loss returned (on every rank) is the mean of the micro-batches' losses, the backward
-scaled by 1/m, so the grads equal single-process training on the whole batch.
+scaled by 1/m, so the grads equal single-process training on the whole batch where each
+micro-batch's loss is a mean over the same number of items (as torch.distributed.pipelining and
+Megatron: with ignore_index targets spread unevenly over the micro-batches it is the mean of their
+means, not the whole batch's token mean). ``step`` trains (grad enabled); ``forward_only``
+evaluates, both under the caller's autocast (the stage boundaries are agreed per mode).
 
 Transfers between stages: zerofuse.pipeline.transfers ([Note: pipeline transfers]).
 
@@ -125,8 +129,9 @@ class Pipeline(Transfers):
             raise ValueError(f"{NAME}: tied embeddings split over two pipeline ranks need the first stage's weight "
                              "whole to send it; expected ZeRO stage 0, 1 or 2, got ZeRO-3 (or untie them: "
                              "GPTConfig(tie_embeddings=False))")
-        self._specs: dict = {}  # (stage, micro-batch shape) -> [(shape, dtype)] of its output
-        self._saved_outputs: dict = {}  # (stage, micro-batch shape, training) -> per output: saved by autograd
+        self._specs: dict = {}  # (stage, micro-batch shape, mode) -> [(shape, dtype, requires_grad)] of its output
+        self._saved_outputs: dict = {}  # (stage, micro-batch shape, mode, training) -> per output: saved by autograd
+        self._mode: tuple = ()  # what an output's dtype and flags depend on besides the shape (_set_batch)
         self._split = schedule == "zb"
         self._hooks = []
         self._once: dict[int, list] = {}  # stage -> params whose grads come in I ([Note: zero-bubble split])
@@ -169,9 +174,11 @@ class Pipeline(Transfers):
         if idx.shape[0] % m:
             raise ValueError(f"{NAME}.step: expected the batch size ({idx.shape[0]}) to divide by the number of "
                              f"micro-batches ({m})")
+        if not torch.is_grad_enabled():
+            raise RuntimeError(f"{NAME}.step trains (forward and backward): called with grad disabled "
+                               "(torch.no_grad()); evaluate with forward_only")
         mbs, tgts, docs = idx.chunk(m), targets.chunk(m), self._documents(idx, document_ids, m)
-        self._mb_shape = tuple(mbs[0].shape)
-        self._device = idx.device
+        self._set_batch(mbs[0])
         self._inputs, self._outputs, self._grads_in, self._ys, self._losses = {}, {}, {}, {}, {}
         self._recv, self._sends, self._posted = {}, [], {}
         early = idx.device.type == "cpu"  # gloo: receives may be posted ahead ([Note: pipeline transfers])
@@ -221,6 +228,14 @@ class Pipeline(Transfers):
         self.compute_seconds, self.step_seconds = compute, time.perf_counter() - t_step
         return self._mean_loss()
 
+    def _set_batch(self, mb: torch.Tensor) -> None:
+        """The micro-batch shape, device and mode the boundaries' headers are agreed for
+        ([Note: pipeline transfers]): every rank computes the same key without communicating."""
+        self._mb_shape, self._device = tuple(mb.shape), mb.device
+        dev = mb.device.type
+        self._mode = (torch.is_grad_enabled(), torch.is_autocast_enabled(dev),
+                      torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None)
+
     def _sync_ctx(self, stage: int, i: int):
         if self._engine is not None:
             eng, last = self._engine, self._last_any
@@ -239,7 +254,11 @@ class Pipeline(Transfers):
         on every rank."""
         from zerofuse.pipeline.schedules import Action
 
-        self._mb_shape, self._device = tuple(idx.shape), idx.device
+        if targets is None or not isinstance(targets, torch.Tensor) or targets.shape[0] != idx.shape[0]:
+            raise ValueError(f"{NAME}.forward_only: expected targets with the batch's {idx.shape[0]} rows (the loss "
+                             f"is what it returns; every rank passes them), got "
+                             f"{None if targets is None else list(getattr(targets, 'shape', []))}")
+        self._set_batch(idx)
         docs = self._documents(idx, document_ids, 1)
         self._inputs, self._outputs, self._losses, self._recv, self._sends, self._posted = {}, {}, {}, {}, [], {}
         m, self.m = self.m, 1
@@ -279,7 +298,8 @@ class Pipeline(Transfers):
             inputs = (mbs[a.mb],)
         else:
             inputs = self._recv.pop(("F", a.stage, a.mb))
-            inputs = tuple(t.requires_grad_() if t.is_floating_point() else t for t in inputs)
+            if a.stage - 1 not in self.stages:  # received: flagged as the header says (passed locally: already)
+                inputs = tuple(t.requires_grad_(grad) for t, (_, _, grad) in zip(inputs, self._spec(a.stage - 1)))
         self._inputs[(a.stage, a.mb)] = inputs
         record = self._split and torch.is_grad_enabled()
         if record:
@@ -295,7 +315,7 @@ class Pipeline(Transfers):
         # seen once through saved_tensors_hooks (a Python call per saved tensor: measured 4% of the
         # interleaved pp 2 step when paid on every forward) and remembered.
         sent = not stage.is_last and a.stage + 1 not in self.stages and torch.is_grad_enabled()
-        key = (a.stage, self._mb_shape, stage.training)
+        key = (a.stage, self._mb_shape, self._mode, stage.training)
         watch = sent and key not in self._saved_outputs
         try:
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if watch else contextlib.nullcontext():
@@ -313,21 +333,20 @@ class Pipeline(Transfers):
                 self._saved_outputs[key] = tuple(t.untyped_storage().data_ptr() in saved for t in out)
             self._outputs[(a.stage, a.mb)] = (tuple(out), self._saved_outputs[key] if sent else (False,) * len(out))
             if a.stage + 1 in self.stages:  # the next stage on this rank (p == 1): passed locally
-                self._recv[("F", a.stage + 1, a.mb)] = tuple(t.detach() for t in out)
+                self._recv[("F", a.stage + 1, a.mb)] = tuple(t.detach().requires_grad_(t.requires_grad) for t in out)
 
     def _output_grads(self, a):
         outs, _ = self._outputs.pop((a.stage, a.mb))
         if self.stages[a.stage].is_last:
             return outs, (torch.ones_like(outs[0]),)
-        grads = self._recv.pop(("B", a.stage, a.mb))
-        pairs = [(o, g) for o, g in zip(outs, grads) if o.requires_grad]
-        return tuple(o for o, _ in pairs), tuple(g for _, g in pairs)
+        grads = self._recv.pop(("B", a.stage, a.mb))  # one per output that requires grad
+        return tuple(o for o in outs if o.requires_grad), tuple(grads)
 
     def _finish_input_grads(self, a, grads):
         inputs = self._inputs.pop((a.stage, a.mb))
         if self.stages[a.stage].is_first:
             return
-        g = tuple(x if x is not None else torch.zeros_like(t) for x, t in zip(grads, inputs) if t.is_floating_point())
+        g = tuple(x if x is not None else torch.zeros_like(t) for x, t in zip(grads, inputs) if t.requires_grad)
         if a.stage - 1 in self.stages:
             self._recv[("B", a.stage - 1, a.mb)] = g
         else:
@@ -337,7 +356,7 @@ class Pipeline(Transfers):
         outs, grads = self._output_grads(a)
         inputs = self._inputs[(a.stage, a.mb)]
         _run_backward(outs, grads)
-        self._finish_input_grads(a, [t.grad if t.is_floating_point() else None for t in inputs])
+        self._finish_input_grads(a, [t.grad if t.requires_grad else None for t in inputs])
 
     def _backward_I(self, a):
         outs, grads = self._output_grads(a)

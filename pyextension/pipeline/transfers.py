@@ -1,8 +1,12 @@
 """The transfers between pipeline stages: the send/receive half of zerofuse.pipeline.Pipeline.
 
-[Note: pipeline transfers] The shapes and dtypes of what crosses a stage boundary are agreed once
-per micro-batch shape: the first forward of a boundary also sends a small int64 header (count,
-dtypes, shapes); later transfers are the tensors alone. Consecutive SEND/RECV actions are posted
+[Note: pipeline transfers] The shapes, dtypes and requires_grad flags of what crosses a stage
+boundary are agreed once per micro-batch shape and mode (grad mode, autocast on and its dtype: an
+output is bf16 under autocast and fp32 without, the receiver allocated the old dtype and read
+uninitialised memory before): the first forward of a boundary also sends a small int64 header
+(count, dtypes, flags, shapes); later transfers are the tensors alone, checked on the sending side
+against what was agreed. Grads go back for the outputs that require grad only, on both sides (a
+frozen first stage, or a float mask passed along, hung the step before). Consecutive SEND/RECV actions are posted
 as one ``batch_p2p`` of sends and one of receives; only receives are waited for before the compute
 that needs them, sends are waited for at the end of the step (gloo matches them by tag, the
 schedule's per-pair order serves NCCL). On CPU (gloo: a transfer moves once its receive is posted,
@@ -33,7 +37,7 @@ from __future__ import annotations
 import torch
 
 from zerofuse.comm import P2POp
-from zerofuse.pipeline.header import HEADER_SLOTS, header, parse_header
+from zerofuse.pipeline.header import HEADER_SLOTS, header, parse_header, spec_of
 from zerofuse.pipeline.schedules import stage_to_rank
 
 
@@ -47,7 +51,7 @@ class Transfers:
         return ((stage * 2 + (kind == "B")) * 2 + is_header) * self.m + mb
 
     def _spec(self, stage: int):
-        return self._specs.get((stage, self._mb_shape))
+        return self._specs.get((stage, self._mb_shape, self._mode))
 
     def _recv_ops(self, a, peer: int):
         """(key of what arrives, its buffers, their receive ops) for a RECV action, or None while the
@@ -56,14 +60,13 @@ class Transfers:
             spec = self._spec(a.stage - 1)
             if spec is None:
                 return None
-            bufs = tuple(torch.empty(s, dtype=d, device=self._device) for s, d in spec)
+            bufs = tuple(torch.empty(s, dtype=d, device=self._device) for s, d, _ in spec)
             tag = self._tag("F", a.stage - 1, a.mb)
         else:
             spec, entry = self._spec(a.stage), self._outputs.get((a.stage, a.mb))
             if spec is None or entry is None:
                 return None
-            bufs = tuple(torch.empty(s, dtype=d, device=self._device) for (s, d), o in zip(spec, entry[0])
-                         if o.requires_grad)
+            bufs = tuple(torch.empty(s, dtype=d, device=self._device) for s, d, grad in spec if grad)
             tag = self._tag("B", a.stage + 1, a.mb)
         ops = [P2POp("recv", b, peer, tag) for b in bufs]
         if a.kind == "RECV_F" and self._tied_mirror is not None and a.stage == self.num_stages - 1 and a.mb == 0:
@@ -112,12 +115,17 @@ class Transfers:
             peer = self._peer(a)
             if a.kind == "SEND_F":
                 outs, saved = self._outputs[(a.stage, a.mb)]
-                if self._spec(a.stage) is None:
-                    self._specs[(a.stage, self._mb_shape)] = [(tuple(t.shape), t.dtype) for t in outs]
-                    head = header(outs).to(self._device)
+                agreed = self._spec(a.stage)
+                if agreed is None:
+                    head = header(outs, a.stage).to(self._device)
+                    self._specs[(a.stage, self._mb_shape, self._mode)] = spec_of(outs)
                     sends.append(P2POp("send", head, peer, self._tag("F", a.stage, a.mb, True)))
+                elif agreed != spec_of(outs):
+                    raise ValueError(f"zerofuse.pipeline: stage {a.stage}'s outputs (shape, dtype, requires_grad) "
+                                     f"{spec_of(outs)} differ from {agreed}, agreed with the next stage for this "
+                                     "micro-batch shape and mode; expected the same outputs at every micro-batch")
                 for t in outs:
-                    sends.append(P2POp("send", t.detach(), peer, self._tag("F", a.stage, a.mb)))
+                    sends.append(P2POp("send", t.detach().contiguous(), peer, self._tag("F", a.stage, a.mb)))
                 if self._tied_source is not None and a.stage == 0 and a.mb == 0:
                     last = stage_to_rank(self.num_stages - 1, self.p)
                     sends.append(P2POp("send", self._tied_source.detach(), last, self._tied_tag("weight")))
@@ -136,7 +144,7 @@ class Transfers:
                 if r is None:  # the first transfer of this boundary: its header first
                     head = torch.empty(HEADER_SLOTS, dtype=torch.int64, device=self._device)
                     self.comm.batch_p2p([P2POp("recv", head, peer, self._tag("F", a.stage - 1, a.mb, True))]).wait()
-                    self._specs[(a.stage - 1, self._mb_shape)] = parse_header(head)
+                    self._specs[(a.stage - 1, self._mb_shape, self._mode)] = parse_header(head)
                     r = self._recv_ops(a, peer)
                 key, bufs, ops = r
                 recvs += ops

@@ -1,0 +1,134 @@
+"""zerofuse.pipeline where a review (2026-11-27) reproduced silent garbage or hangs (each check failed
+before its fix), on 2 real gloo ranks against one process running the same micro-batches: a step
+under autocast after one without (the receiver kept the old dtype and read uninitialised memory;
+the reverse order aborted in gloo), a frozen first stage and a float mask passed along without grad
+(the step hung: grads sent for inputs the other side posted no receive for), forward_only without
+targets (returned the mean of the logits) and step under no_grad (an error on one rank, a hang on
+the other)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from dist_utils import run_distributed
+
+pytestmark = pytest.mark.usefixtures("native_kernels")
+MICRO = 2
+
+
+class _WithMask(nn.Module):
+    """The first stage's module: its activations and a float mask that needs no grad."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.lin(x), (x > 0).float()
+
+
+class _Masked(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, h, mask):
+        return self.lin(h) * mask
+
+
+def _mse(out, target):
+    return ((out - target) ** 2).mean()
+
+
+def _modules(mask: bool):
+    torch.manual_seed(0)
+    if mask:
+        return [("a", _WithMask()), ("b", _Masked())]
+    return [("a", nn.Linear(16, 16)), ("b", nn.Linear(16, 16))]
+
+
+def _data():
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(4, 16, generator=g), torch.randn(4, 16, generator=g)
+
+
+AUTOCAST = [False, True, False, True]  # fp32, bf16 autocast, and back, on the same batch shape
+
+
+def _one_process(mask=False, frozen_first=False):
+    """The losses of the AUTOCAST steps (no update: the same params each time) as the pipeline
+    computes them (the mean over micro-batches), and the second module's grads of the first."""
+    modules = [m for _, m in _modules(mask)]
+    if frozen_first:
+        modules[0].requires_grad_(False)
+    x, y = _data()
+    losses = []
+    for amp in AUTOCAST:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+            total = 0.0
+            for xs, ys in zip(x.chunk(MICRO), y.chunk(MICRO)):
+                h = modules[0](xs)
+                out = modules[1](*h) if mask else modules[1](h)
+                loss = _mse(out, ys) / MICRO
+                if not amp and not losses:
+                    loss.backward()
+                total += loss.item()
+        losses.append(total)
+    return losses, [p.grad.clone() for p in modules[1].parameters()]
+
+
+def _pipe(rank, ws, mask=False, frozen_first=False):
+    import zerofuse  # noqa: F401
+    from zerofuse.pipeline import Pipeline, split_modules
+
+    stages = split_modules(_modules(mask), ws, [rank], loss_fn=_mse, device="cpu")
+    if frozen_first and rank == 0:
+        stages[0].requires_grad_(False)
+    return stages, Pipeline(stages, schedule="1f1b", microbatches=MICRO)
+
+
+def _error(fn) -> str:
+    try:
+        fn()
+    except (ValueError, RuntimeError) as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def _contract_rank(rank, ws):
+    out = {}
+    x, y = _data()
+    for case in ("plain", "mask", "frozen_first"):
+        stages, pipe = _pipe(rank, ws, mask=case == "mask", frozen_first=case == "frozen_first")
+        losses = []
+        for i, amp in enumerate(AUTOCAST):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+                losses.append(pipe.step(x, y).item())
+            if i == 0:
+                grads = [p.grad.clone() for p in stages[0].parameters()] if rank == 1 else []
+            for s in stages:
+                s.zero_grad(set_to_none=True)
+        out[case] = (losses, grads)
+    stages, pipe = _pipe(rank, ws)
+    out["forward_only_without_targets"] = _error(lambda: pipe.forward_only(x, None))
+    with torch.no_grad():
+        out["step_under_no_grad"] = _error(lambda: pipe.step(x, y))
+    return out
+
+
+def test_pipeline_steps_match_one_process_or_refuse_clearly():
+    results = run_distributed(_contract_rank, 2, timeout=120)
+    for case in ("plain", "mask", "frozen_first"):
+        want_losses, want_grads = _one_process(mask=case == "mask", frozen_first=case == "frozen_first")
+        for rank, out in enumerate(results):
+            losses, grads = out[case]
+            for amp, got, want in zip(AUTOCAST, losses, want_losses):
+                assert got == pytest.approx(want, rel=1e-2 if amp else 1e-6), (case, rank, losses, want_losses)
+            for g, w in zip(grads, want_grads):  # the last stage's module: rank 1
+                torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-7)
+    for out in results:
+        assert out["forward_only_without_targets"].startswith(
+            "ValueError: zerofuse.pipeline.Pipeline.forward_only: expected targets with the batch's 4 rows"), out
+        assert out["step_under_no_grad"].startswith(
+            "RuntimeError: zerofuse.pipeline.Pipeline.step trains (forward and backward): called with grad disabled"), out
