@@ -71,6 +71,10 @@ class MoE(torch.nn.Module):
             raise ValueError(f"{NAME}: expected activation one of {_ACTIVATIONS}, got {activation!r}")
         if dim < 1 or hidden < 1:
             raise ValueError(f"{NAME}: expected dim and hidden >= 1, got {dim}, {hidden}")
+        # the router's loads (aux-loss-free bias, the global aux loss) sum over the expert-parallel
+        # group unless told another (the GPT passes its DP group): left unset, each rank balanced
+        # its own loads and its replicated bias drifted from the others'
+        router_options.setdefault("group", ep_group)
         self.router = Router(dim, num_experts, top_k, **router_options)
         self.activation, self.hidden = activation, hidden
         self.ep_comm = None

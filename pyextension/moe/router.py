@@ -2,7 +2,8 @@
 
 Scores in fp32 (Megatron-Core's fp32 router): softmax or sigmoid of x @ W^T. The top k by score
 (+ a per-expert bias for aux-loss-free balancing, DeepSeek-V3: the bias steers the choice, never
-the weight), weights normalised over the k when asked. Balancing:
+the weight), weights normalised over the k when asked and k > 1 (a top-1 weight stays the score, as
+Switch's: normalised it would be 1 and the router would get no gradient from the output). Balancing:
 
 - aux loss (Switch / GShard): coef * E * sum_e f_e * P_e, f_e the fraction of the T * k choices that
   went to e, P_e the mean score of e (the scores normalised per token for sigmoid);
@@ -79,11 +80,14 @@ class Router(torch.nn.Module):
         load = torch.bincount(experts.reshape(-1), minlength=e)
         zero = logits.new_zeros(())
         aux = zero
+        tokens = x.shape[0]
         if self.aux_loss_coef > 0:
             p = scores if self.score == "softmax" else scores / scores.sum(-1, keepdim=True)
-            frac = self._load_fraction(load, experts.numel())
-            aux = self.aux_loss_coef * e * (frac * p.mean(0)).sum()
-        z = self.z_loss_coef * torch.logsumexp(logits, -1).pow(2).mean() if self.z_loss_coef > 0 else zero
+            frac, per_token = self._load_fraction(load, tokens)
+            aux = self.aux_loss_coef * e * (frac * p.sum(0) * per_token).sum()
+        # (sums over max(T, 1): a rank given no tokens has losses of 0, not NaN)
+        z = self.z_loss_coef * torch.logsumexp(logits, -1).pow(2).sum() / max(tokens, 1) if self.z_loss_coef > 0 \
+            else zero
         dropped = torch.zeros((), dtype=torch.int64, device=x.device)
         if self.capacity_factor > 0:
             experts, dropped = self._drop(experts)
@@ -92,15 +96,20 @@ class Router(torch.nn.Module):
             self._loads.append(load)
         return Routing(weights, experts, aux, z)
 
-    def _load_fraction(self, load: Tensor, choices: int) -> Tensor:
-        """f_e: this forward's fraction of the choices per expert; aux_loss_scope 'global': over the
-        whole batch of ``group`` (Megatron's global-batch balancing: an all-reduce of E + 1 counts
-        per layer call), so the mean of the ranks' aux losses is one process's over the batch."""
+    def _load_fraction(self, load: Tensor, tokens: int) -> tuple[Tensor, Tensor | float]:
+        """(f_e, the factor making P_e of a sum of this rank's token scores). f_e: this forward's
+        fraction of the choices per expert, P_e the mean score; aux_loss_scope 'global': both over
+        the whole batch of ``group`` (Megatron's global-batch balancing: an all-reduce of E + 1
+        counts per layer call), P_e as this rank's share (world / all tokens, not 1 / its tokens:
+        ranks given other token counts weighed as one process does), so the mean of the ranks' aux
+        losses is one process's over the batch."""
+        choices = tokens * self.top_k
         if self.aux_loss_scope == "local" or self.group is None or dist.get_world_size(self.group) == 1:
-            return load.float() / max(choices, 1)
+            return load.float() / max(choices, 1), 1.0 / max(tokens, 1)
         counts = torch.cat([load, load.new_full((1,), choices)]).float()
         dist.all_reduce(counts, group=self.group)
-        return counts[:-1] / counts[-1].clamp_min(1)
+        all_tokens = counts[-1] / self.top_k
+        return counts[:-1] / counts[-1].clamp_min(1), dist.get_world_size(self.group) / all_tokens.clamp_min(1)
 
     def capacity(self, tokens: int) -> int:
         return math.ceil(self.capacity_factor * tokens * self.top_k / self.num_experts)

@@ -24,6 +24,7 @@ from torch import Tensor
 from zerofuse import kernels, reference
 from zerofuse.kernels import moe as K
 from zerofuse.ops import eager_apply, first_order, register
+from zerofuse.ops.ids import check_ids
 
 _P, _U = "zerofuse::moe_permute", "zerofuse::moe_unpermute"
 
@@ -100,6 +101,7 @@ def moe_permute(x: Tensor, experts: Tensor, num_experts: int) -> tuple[Tensor, T
 def _permute(x, experts, num_experts):
     """moe_permute's body (also EagerPermute's forward)."""
     _check_permute(_P, x, experts, num_experts)
+    check_ids(_P, "experts", experts, num_experts, allowed=-1)  # the values (another id was taken as dropped)
     pos, src, counts = routing_indices(experts, num_experts)
     return _gather(x, src, experts.shape[1]), pos, src, counts
 

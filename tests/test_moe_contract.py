@@ -1,0 +1,81 @@
+"""zerofuse.moe where a review (2026-11-27) reproduced behaviour a Megatron-Core MoE user would call
+wrong (each check failed before its fix), on 2 real gloo ranks: a standalone MoE(ep_group=) balanced
+each rank's own loads (the replicated expert bias drifted apart; the global aux loss acted as the
+local one), the global aux loss of ranks given different token counts was not one process's, a
+rank given no tokens had NaN aux and z losses, moe_permute took out-of-range expert ids as dropped."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dist_utils import run_distributed
+
+pytestmark = pytest.mark.usefixtures("native_kernels")
+D, H, E = 16, 24, 4
+
+
+def _tokens(n, seed):
+    return torch.randn(n, D, generator=torch.Generator().manual_seed(seed))
+
+
+def _contract_rank(rank, ws):
+    from zerofuse.moe import MoE, Router
+
+    out = {}
+    # a standalone MoE(ep_group=): the loads summed over the group (rank 0's tokens all to expert 0,
+    # rank 1's all to expert 3)
+    torch.manual_seed(0)
+    moe = MoE(D, H, E, 1, ep_group=dist.group.WORLD, bias_update_rate=0.1, aux_loss_coef=1.0,
+              aux_loss_scope="global")
+    with torch.no_grad():
+        moe.router.weight.zero_()
+        moe.router.weight[0 if rank == 0 else 3, 0] = 10.0
+    x = _tokens(6, rank).abs()  # feature 0 > 0: the router picks the expert set above
+    (moe(x).sum() + moe.aux_loss).backward()
+    mine = 0 if rank == 0 else 3
+    assert moe.router.last_load.tolist() == [6 if e == mine else 0 for e in range(E)]
+    p = torch.softmax(x @ moe.router.weight.detach().t(), -1)
+    # over the group: f = 1/2 for experts 0 and 3; P_e as this rank's share of the group's 12 tokens
+    out["aux_global"] = (moe.router_losses[0].item(), E * 0.5 * (p[:, 0] + p[:, 3]).sum().item() * ws / 12)
+    moe.router.update_bias()
+    out["bias"] = moe.router.expert_bias.tolist()
+    # the global aux loss of 10 and 2 tokens: the ranks' mean is one process's over the 12
+    torch.manual_seed(0)
+    router = Router(D, E, 2, aux_loss_coef=1.0, aux_loss_scope="global", group=dist.group.WORLD)
+    aux = router(_tokens(10 if rank == 0 else 2, 100 + rank)).aux_loss.detach().clone()
+    dist.all_reduce(aux)
+    out["uneven_mean_aux"] = aux.item() / ws
+    # no tokens on this rank: losses of 0
+    torch.manual_seed(0)
+    router = Router(D, E, 2, aux_loss_coef=1.0, z_loss_coef=1.0)
+    empty = router(torch.zeros(0, D))
+    out["empty"] = (empty.aux_loss.item(), empty.z_loss.item())
+    return out
+
+
+def test_moe_balancing_matches_one_process_over_the_group():
+    from zerofuse.moe import Router
+
+    results = run_distributed(_contract_rank, 2, timeout=120)
+    torch.manual_seed(0)
+    one = Router(D, E, 2, aux_loss_coef=1.0)(torch.cat([_tokens(10, 100), _tokens(2, 101)])).aux_loss.item()
+    for rank, out in enumerate(results):
+        # experts 0 and 3 each got half the group's 12 choices: above the mean of 3, 1 and 2 below it
+        assert out["bias"] == pytest.approx([-0.1, 0.1, 0.1, -0.1]), (rank, out["bias"])
+        got, want = out["aux_global"]  # (each rank's own loads: f = 1 for its expert, about twice this)
+        assert got == pytest.approx(want, rel=1e-5), (rank, got, want)
+        assert out["uneven_mean_aux"] == pytest.approx(one, rel=1e-5), (rank, out["uneven_mean_aux"], one)
+        assert out["empty"] == (0.0, 0.0), rank
+
+
+def test_moe_permute_refuses_expert_ids_out_of_range():
+    from zerofuse.ops.moe import moe_permute
+
+    x = torch.randn(3, 4)
+    with pytest.raises(IndexError, match=r"expected experts in \[0, 2\) or -1, got 5"):
+        moe_permute(x, torch.tensor([[0], [5], [1]]), 2)
+    with pytest.raises(IndexError, match=r"expected experts in \[0, 2\) or -1, got -3"):
+        moe_permute(x, torch.tensor([[0], [-3], [1]]), 2)
+    _, pos, _, counts = moe_permute(x, torch.tensor([[0], [-1], [1]]), 2)  # -1: dropped
+    assert counts.tolist() == [1, 1] and pos[1, 0].item() == -1
