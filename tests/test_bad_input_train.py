@@ -105,7 +105,7 @@ TRAIN = [
     Case("flag-data-directory", _flags, lambda: ("--data", "."), U,
          r"^--data: expected a readable text file, got '.' \(a directory\)"),
     Case("flag-data-too-short", lambda: _flags("--data", _file("abc")), tuple, U,
-         r"^--data: expected at least 66 validation tokens .*for --seq-len 64, got 0 validation tokens"),
+         r"^--data: expected at least 65 validation tokens .*for --seq-len 64, got 0 validation tokens"),
     Case("flag-data-glob-matches-none", _flags, lambda: ("--data", "shards/none_*.bin"), U,
          r"^--data: expected the pattern 'shards/none_\*.bin' to match token files, matched none"),
     Case("flag-data-bin-missing", _flags, lambda: ("--data", "no-such.bin"), U,

@@ -131,6 +131,33 @@ def test_resume_at_another_layout(stopped, tmp_path):
     assert start_val == pytest.approx(metrics(src)[2]["val_loss"], abs=1e-4)
 
 
+@pytest.mark.timeout(TIMEOUT)
+def test_resume_follows_this_runs_schedule_flags(straight, stopped, tmp_path):
+    """--resume with a new --lr ran the checkpoint's base lr (with the new --min-lr floor: 10x what
+    was asked) and its first step at the old schedule's last lr; a new --seed changed the data
+    without a word; --steps below the checkpoint's step exited 0 having done nothing."""
+    from types import SimpleNamespace
+
+    from zerofuse.train.build import lr_lambda
+
+    old = lr_lambda(SimpleNamespace(lr=1e-2, min_lr=1e-3, warmup=2, steps=6))
+    assert all(r["lr"] == pytest.approx(1e-2 * old(r["step"] - 1), rel=1e-6) for r in metrics(straight[0]))
+    src, p = stopped
+    _ok(p, 128 + signal.SIGTERM)
+    shutil.copytree(src / "ckpt", tmp_path / "ckpt")
+    p = run("--nproc", 1, "--zero-stage", 2, "--steps", 6, "--eval-every", 0, "--out", tmp_path, "--resume",
+            "--lr", "5e-3", "--min-lr", "5e-4", "--seed", "5")
+    _ok(p)
+    new = lr_lambda(SimpleNamespace(lr=5e-3, min_lr=5e-4, warmup=2, steps=6))
+    rows = metrics(tmp_path)
+    assert [r["step"] for r in rows] == [4, 5, 6]
+    assert [r["lr"] for r in rows] == pytest.approx([5e-3 * new(s - 1) for s in (4, 5, 6)], rel=1e-6)
+    assert "--resume: --lr 0.005 (the checkpoint's run: 0.01) from step 3" in p.stdout
+    assert "--resume: --seed 5 differs from the checkpoint's run (0)" in p.stdout
+    p = run("--nproc", 1, "--steps", 2, "--eval-every", 0, "--out", tmp_path, "--resume")
+    assert p.returncode != 0 and "--steps: expected at least the checkpoint's step 6 to resume, got 2" in p.stderr
+
+
 def _children(pid: int) -> list[int]:
     kids = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
@@ -278,7 +305,7 @@ def test_data_too_short(capsys, tmp_path):
     f = tmp_path / "short.txt"
     f.write_text("hello world\n" * 20)
     assert train.main(["--data", str(f), "--seq-len", "64", "--out", str(tmp_path)]) == 2
-    assert "--data: expected at least 66 validation tokens" in capsys.readouterr().err
+    assert "--data: expected at least 65 validation tokens" in capsys.readouterr().err
 
 
 def test_argparse_errors_are_one_line(capsys):

@@ -165,10 +165,13 @@ def test_flags_gpt2_defaults_and_errors(tmp_path):
         (("--val-data", str(GPT2_DEFAULT[1])), r"^--val-data: expected GPT-2 tokens .*got --tokenizer char"),
         (("--data", str(tmp_path / "none_*.bin")), r"^--data: expected the pattern .* to match token files"),
         (("--data", str(GPT2_DEFAULT[0]), "--val-data", str(short)),
-         r"^--val-data: expected a val shard of at least 66 tokens for --seq-len 64, got at most 50"),
+         r"^--val-data: expected a val shard of at least 65 tokens for --seq-len 64, got at most 50"),
     ):
         with pytest.raises(train.UsageError, match=message):
             _flags(*argv)
+    # a shard of exactly --seq-len + 1 tokens holds one window (refused before: "at least 66")
+    exact = _raw(tmp_path / "exact.bin", range(65))
+    assert _flags("--data", str(GPT2_DEFAULT[0]), "--val-data", str(exact), "--seq-len", "64").val_data == str(exact)
 
 
 @pytest.mark.timeout(300)

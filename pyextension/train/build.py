@@ -137,7 +137,23 @@ def resume(t) -> int:
     if extra["tokenizer"] != t.corpus.identity():
         raise ValueError(f"{PROG}: --resume: the checkpoint at {t.ckpt} was trained on a different vocabulary "
                          f"({extra['tokenizer']['kind']} tokenizer) than --data {t.args.data}")
+    step, args = int(extra["step"]), t.args
+    if args.steps < step:  # (== : resumed at the end, nothing to train)
+        raise ValueError(f"{PROG}: --steps: expected at least the checkpoint's step {step} to resume, got {args.steps}")
     t.sched.load_state_dict(extra["scheduler"])
-    for g, lr in zip(t.opt.param_groups, t.sched.get_last_lr()):
+    # this run's schedule (--lr, --min-lr, --warmup, --steps) at the resumed step: the loaded state
+    # carried the checkpoint's base lr (a new --lr was ignored while --min-lr applied) and its last
+    # lr (the old schedule's, for a step); unchanged flags give the same lr bit for bit
+    saved_lr = t.sched.base_lrs[0]
+    t.sched.base_lrs = [args.lr for _ in t.opt.param_groups]
+    lrs = [base * f(t.sched.last_epoch) for base, f in zip(t.sched.base_lrs, t.sched.lr_lambdas)]
+    t.sched._last_lr = lrs
+    for g, lr in zip(t.opt.param_groups, lrs):
         g["lr"] = lr
-    return int(extra["step"])
+    t.notes = []
+    if saved_lr != args.lr:
+        t.notes.append(f"--resume: --lr {args.lr:g} (the checkpoint's run: {saved_lr:g}) from step {step}")
+    if extra.get("seed") is not None and extra["seed"] != args.seed:
+        t.notes.append(f"--resume: --seed {args.seed} differs from the checkpoint's run ({extra['seed']}): its "
+                       "batches and validation set are not those the run would have had")
+    return step

@@ -139,7 +139,7 @@ def _validate_data(args) -> None:
            f"got {args.tokenizer}")
     _check(args.val_data is None or args.tokenizer == "gpt2",
            f"--val-data: expected GPT-2 tokens (--tokenizer gpt2 or token shards), got --tokenizer {args.tokenizer}")
-    need = args.model_shape["seq_len"] + 2
+    need = args.model_shape["seq_len"] + 1  # one window of inputs and targets (data.Sampler)
     if args.tokenizer == "gpt2":
         return _validate_tokens(args, shards, need)
     path = _data_path(args)

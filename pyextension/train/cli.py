@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -207,8 +208,11 @@ def validate(args) -> None:
         import importlib.util
         _check(importlib.util.find_spec("safetensors") is not None,
                "--export: expected the safetensors package to be installed (pip install safetensors), found none")
-    _check(not args.resume or any((Path(f"{ckpt}{s}") / "meta.json").is_file() for s in ("", ".tmp", ".old")),
-           f"--resume: expected a complete checkpoint at {ckpt}, found none")
+    saved = any((Path(f"{ckpt}{s}") / "meta.json").is_file() for s in ("", ".tmp", ".old"))
+    _check(not args.resume or saved, f"--resume: expected a complete checkpoint at {ckpt}, found none")
+    if saved and not args.resume:  # (its metrics.jsonl was emptied without a word before)
+        print(f"{PROG}: note: --out {args.out} holds a checkpoint: this run starts over, replacing it and its "
+              "metrics (--resume continues it)", file=sys.stderr)
 
 
 def _validate_out(out: Path) -> None:

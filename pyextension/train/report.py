@@ -68,6 +68,8 @@ class RankZeroLog:
             self.write(f"cuda graphs: {graphs_state(t)}")
         if t.compiled:
             self.write(f"torch.compile: {t.compiled} (compiled at its first call: the first log window)")
+        for note in getattr(t, "notes", []):
+            self.write(note)
         where = f"resumed at step {t.step}" if t.step else "step 0"
         self.write(f"{where}: val loss {val:.4f}")
         if self.tb:
