@@ -56,6 +56,16 @@ def _die_with_parent() -> None:
         pass
 
 
+def error_text(fn: Callable[[], Any]) -> str:
+    """What ``fn()`` raised (ValueError or RuntimeError) as "Type: message", or "no error": a rank's
+    expected error returned as a value, for the caller to match."""
+    try:
+        fn()
+    except (ValueError, RuntimeError) as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
 def ranks_threads(world_size: int) -> int:
     """Intra-op threads per rank when world_size ranks share the cores this test has: OMP_NUM_THREADS
     where set (conftest gives each xdist worker its share), else the machine's."""

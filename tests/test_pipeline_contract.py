@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from dist_utils import run_distributed
+from dist_utils import error_text, run_distributed
 
 pytestmark = pytest.mark.usefixtures("native_kernels")
 MICRO = 2
@@ -88,14 +88,6 @@ def _pipe(rank, ws, mask=False, frozen_first=False):
     return stages, Pipeline(stages, schedule="1f1b", microbatches=MICRO)
 
 
-def _error(fn) -> str:
-    try:
-        fn()
-    except (ValueError, RuntimeError) as e:
-        return f"{type(e).__name__}: {e}"
-    return "no error"
-
-
 def _contract_rank(rank, ws):
     out = {}
     x, y = _data()
@@ -111,9 +103,9 @@ def _contract_rank(rank, ws):
                 s.zero_grad(set_to_none=True)
         out[case] = (losses, grads)
     stages, pipe = _pipe(rank, ws)
-    out["forward_only_without_targets"] = _error(lambda: pipe.forward_only(x, None))
+    out["forward_only_without_targets"] = error_text(lambda: pipe.forward_only(x, None))
     with torch.no_grad():
-        out["step_under_no_grad"] = _error(lambda: pipe.step(x, y))
+        out["step_under_no_grad"] = error_text(lambda: pipe.step(x, y))
     return out
 
 

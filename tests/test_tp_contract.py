@@ -13,7 +13,7 @@ import zerofuse
 from zerofuse import tp
 from zerofuse.tp.spec import split_range
 
-from dist_utils import run_distributed
+from dist_utils import error_text, run_distributed
 
 pytestmark = pytest.mark.usefixtures("native_kernels")
 V, D, H = 5, 16, 32  # V = 5 over 2 ranks: shards of 3 and 2
@@ -32,14 +32,6 @@ class _Net(torch.nn.Module):
         return self.proj(torch.relu(self.fc(self.ln(x))))
 
 
-def _error(fn) -> str:
-    try:
-        fn()
-    except (ValueError, RuntimeError) as e:
-        return f"{type(e).__name__}: {e}"
-    return "no error"
-
-
 def _contract_rank(rank, ws):
     out = {}
     g = torch.Generator().manual_seed(0)
@@ -55,7 +47,7 @@ def _contract_rank(rank, ws):
     shard = logits[..., a:b].clone().requires_grad_()
     loss = tp.vocab_parallel_cross_entropy(shard, targets, vocab_size=V)
     loss.backward(retain_graph=True)
-    out["twice"] = _error(lambda: loss.backward())
+    out["twice"] = error_text(lambda: loss.backward())
     # ZeRO's clip norm of a custom TP model, no tp_group given: the unsharded model's
     x = torch.randn(2, 4, D, generator=g)
     torch.manual_seed(0)
@@ -77,9 +69,9 @@ def _contract_rank(rank, ws):
     out["padding"] = torch.equal(emb(ids), ref_emb(ids))
     # sequence parallelism takes (batch, seq, ...) inputs
     out["sp_errors"] = [
-        _error(lambda: tp.VocabParallelEmbedding(10, 8, sequence_parallel=True)(torch.tensor([1, 2, 3, 4]))),
-        _error(lambda: tp.ColumnParallelLinear(8, 6, sequence_parallel=True)(torch.randn(2, 8))),
-        _error(lambda: tp.RowParallelLinear(8, 6, sequence_parallel=True)(torch.randn(4, 8 // ws))),
+        error_text(lambda: tp.VocabParallelEmbedding(10, 8, sequence_parallel=True)(torch.tensor([1, 2, 3, 4]))),
+        error_text(lambda: tp.ColumnParallelLinear(8, 6, sequence_parallel=True)(torch.randn(2, 8))),
+        error_text(lambda: tp.RowParallelLinear(8, 6, sequence_parallel=True)(torch.randn(4, 8 // ws))),
     ]
     # proj_bias_grad=False: the same output, the bias left for the caller's gradient
     attn = tp.ParallelAttention(16, 4, 2, bias=True)
@@ -111,7 +103,7 @@ def _groups_rank(rank, ws):
     mesh = zerofuse.parallel.init_mesh(dp=1, tp=ws)
     alone = [dist.new_group([r]) for r in range(ws)][rank]
     model = _Net(parallel=True, group=mesh.tp_group)
-    return _error(lambda: zerofuse.zero.parallelize(model, stage=1, group=alone, tp_group=alone))
+    return error_text(lambda: zerofuse.zero.parallelize(model, stage=1, group=alone, tp_group=alone))
 
 
 def test_a_tp_group_of_another_size_than_the_layers_is_refused():

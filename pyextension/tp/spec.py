@@ -32,7 +32,7 @@ def tp_group_of(model: torch.nn.Module, tp_group, who: str):
                              "groups; pass tp_group= (the one their norms add up over)")
         tp_group = next(iter(groups.values()), None)
     size = dist.get_world_size(tp_group) if tp_group is not None else 1
-    wrong = sorted({spec_of(p).tp for p in model.parameters() if spec_of(p) is not None} - {size})
+    wrong = sorted({s.tp for s in map(spec_of, model.parameters()) if s is not None} - {size})
     if wrong:
         raise ValueError(f"{who}: the model holds tensor-parallel slices of a TP size {wrong}, expected tp_group to "
                          f"be a group of that size, got {'none' if tp_group is None else f'a group of {size}'}")
