@@ -9,7 +9,8 @@
 #   PHASES   comma-separated, run in this order: build,doctor,tests,train,profile,bench (default:
 #            all). A lease's device time is 15 minutes (machine start included), a call at most
 #            10, and the machine stays warm only 30 s after one. Estimates (an H200 on 2026-11-26
-#            and a review of the scripts since): build+doctor ~2 min, tests ~3.5-4 min (correctness
+#            and 2026-11-27): build+doctor ~2-4 min (the doctor's first attention call autotunes:
+#            44-78 s), tests ~3.5-5 min (correctness
 #            first: much GPU code has never run), train ~3.5 min (the step graphed and eager, the
 #            torch-native peer eager and compiled; PEER_COMPILE=0 saves ~1.5 min), profile ~2 min,
 #            the bench suites ~8-10 min in all (attention ~2.5, norms ~1.5, llama_ops ~2,
@@ -22,7 +23,8 @@
 # Environment:
 #   ZEROFUSE_GPU_DEADLINE_S  seconds the whole script may take (default 560); every phase runs
 #                            under `timeout` with what is left, so a slow phase is cut and the
-#                            files of the phases before it still come back
+#                            files of the phases before it still come back (a phase cut at
+#                            it gets 30 s more to end: give the device call's timeout that margin)
 #   BENCH_SUITES             bench files to run (default: every bench/bench_*.py, the least
 #                            measured first: attention, norms, llama ops, moe, offload, optimizers)
 #   TRAIN_ARGS               extra zerofuse-train flags (default: 60 steps of gpt2-124m, bf16)
@@ -67,7 +69,7 @@ run_phase() {
     return 124
   fi
   echo "== $name (at most ${t}s)"
-  timeout --signal=INT --kill-after=10 "$t" "$@"
+  timeout --signal=INT --kill-after=30 "$t" "$@"  # (30 s for pytest to print its summary after the INT)
   local rc=$?
   [ "$rc" -eq 124 ] && echo "== $name: cut at the deadline"
   return $rc
@@ -130,9 +132,12 @@ fi
 if want tests; then
   # under xdist a test that crashes its process (a segfault in native code) fails alone
   # (loadgroup: the tests of one xdist_group run one after another, e.g. test_large_offsets' ~30 GB ones)
+  # -v: each test's outcome by name as it ends (-q names them only in the final summary, which a
+  # run cut at the deadline never writes: 2026-11-27's two failures were left unnamed)
   xdist=$("$py" -c "import xdist" 2>/dev/null && echo "-n ${TEST_WORKERS:-6} --dist loadgroup")
   # shellcheck disable=SC2086
-  run_phase tests "$py" -m pytest tests -m gpu $xdist -q -p no:cacheprovider --timeout 300 -rfEs 2>&1 | tee -a "$out/tests.txt"
+  run_phase tests "$py" -m pytest tests -m gpu $xdist -v -p no:cacheprovider --timeout 300 -rfEs \
+    -W ignore::pytest_benchmark.logger.PytestBenchmarkWarning 2>&1 | tee -a "$out/tests.txt"
   rc=${PIPESTATUS[0]}
   [ "$rc" -eq 0 ] || [ "$rc" -eq 5 ] || status=1  # 5: nothing selected (a CPU dry run)
 fi

@@ -225,6 +225,41 @@ def test_the_second_launch_of_a_key_calls_the_compiled_launcher(monkeypatch):
     L.HANDLES.clear()
 
 
+def test_the_jobs_launch_count_includes_handle_launches(monkeypatch):
+    """zerofuse.train.launches.count_triton counts a launch through a handle as one Triton launch
+    (it patched JITFunction.run only, which handles bypass: an H200 job reported 0 Triton launches
+    per step on 2026-11-27); the first launch of a key, through the JIT, counts once."""
+    from unittest import mock
+
+    from zerofuse.train.launches import count_triton
+
+    class Compiled:
+        function, packed_metadata = "fn", "meta"
+
+        def run(self, *a):
+            pass
+
+    def getitem(self, grid):
+        return lambda *a, **kw: self.run(*a, grid=grid, **kw)
+
+    jf, _ = _binder(_probe)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda d: 77, raising=False)
+    L.HANDLES.clear()
+    args = (torch.empty(64), 16, 32, 1.0, True, torch.empty(64))
+    counter: dict = {}
+    with mock.patch.object(JITFunction, "__getitem__", getitem), \
+            mock.patch.object(JITFunction, "run", lambda self, *a, **kw: Compiled()):
+        L._launch_handle(jf, (5,), args, dict(C=4, num_warps=2))  # before the count: not counted
+        with count_triton(counter):
+            for _ in range(3):
+                L._launch_handle(jf, (5,), args, dict(C=4, num_warps=2))
+            L._launch_handle(jf, (5,), args, dict(C=6, num_warps=2))  # a new key: the JIT
+    assert counter["triton"] == 4
+    assert sum(h.hits for h in L.HANDLES.values()) == 3
+    L.HANDLES.clear()
+
+
 def test_modes(monkeypatch):
     """In the interpreter (either mode): the JIT's call itself; a bad mode is refused by name."""
     seen = []

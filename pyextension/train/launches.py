@@ -2,7 +2,8 @@
 (the second step: the first builds the optimizer's plans) and what bench/profile_step.py measures
 offline.
 
-- Triton launches: every JITFunction / interpreted-function run (an autotuned kernel counts once).
+- Triton launches: every JITFunction / interpreted-function run (an autotuned kernel counts once)
+  and every launch through a handle (kernels/launch.py: those bypass JITFunction.run).
 - aten ops that launch a kernel on CUDA (views, metadata and allocations excluded) and zerofuse's
   C++ multi-tensor copies (flatten_into / unflatten_from: one kernel each), by a dispatch mode.
 - Python hooks: the forward/backward hooks on the model's modules, the params' grad hooks and
@@ -47,11 +48,15 @@ class CountLaunches(TorchDispatchMode):
 
 @contextlib.contextmanager
 def count_triton(counter: dict):
-    """counter["triton"] += 1 for every Triton kernel run inside the block (compiled or interpreted)."""
+    """counter["triton"] += 1 for every Triton kernel run inside the block (compiled or interpreted),
+    through the JIT or a launch handle (the handles' hits: they call the compiled launcher directly)."""
     from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
 
+    from zerofuse.kernels import launch
+
     saved = [(cls, cls.run) for cls in (JITFunction, InterpretedFunction)]
+    hits = sum(h.hits for h in launch.HANDLES.values())
 
     def counted(real):
         def run(self, *args, **kwargs):
@@ -66,6 +71,7 @@ def count_triton(counter: dict):
     finally:
         for cls, real in saved:
             cls.run = real
+        counter["triton"] = counter.get("triton", 0) + sum(h.hits for h in launch.HANDLES.values()) - hits
 
 
 @contextlib.contextmanager
