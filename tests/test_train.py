@@ -296,6 +296,21 @@ def test_bad_flags(argv, message, capsys, tmp_path):
     assert message in err and err.count("\n") == 1, err
 
 
+@pytest.mark.timeout(TIMEOUT)
+def test_resume_with_another_model_shape_is_refused_before_launch(stopped, capsys, tmp_path):
+    """--resume with flags that build another model: one line naming the flags and the checkpoint's
+    values, before any rank starts (each rank's load raised with a traceback of its own)."""
+    src, p = stopped
+    _ok(p, 128 + signal.SIGTERM)
+    shutil.copytree(src / "ckpt", tmp_path / "ckpt")
+    flags = ["--device", "cpu", "--resume", "--out", str(tmp_path), *TINY]
+    assert train.main([*flags, "--dim", "48", "--layers", "3"]) == 2  # (the last of a repeated flag counts)
+    err = capsys.readouterr().err
+    assert (f"--resume: the checkpoint at {tmp_path / 'ckpt'} holds another model: --layers 3 (the checkpoint's: "
+            "2), --dim 48 (the checkpoint's: 32); expected the flags of the run that wrote it") in err
+    assert "Traceback" not in err
+
+
 def test_resume_without_checkpoint(capsys, tmp_path):
     assert train.main(["--resume", "--out", str(tmp_path)]) == 2
     assert f"--resume: expected a complete checkpoint at {tmp_path / 'ckpt'}" in capsys.readouterr().err

@@ -4,6 +4,7 @@ and the data (text or token shards that exist, parse and hold a window of --seq-
 A bad flag raises UsageError: one line naming the flag, what was expected and what came."""
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 
@@ -181,3 +182,31 @@ def _validate_tokens(args, shards: bool, need: int) -> None:
         longest = max(len(a) for a in getattr(corpus, part))
         _check(longest >= need, f"{flag}: expected a {part} shard of at least {need} tokens for --seq-len {seq}, "
                                 f"got at most {longest}")
+
+
+# GPTConfig fields that shape the params, with the flag that sets each (the others: --model's preset)
+_SHAPE_FLAGS = {"n_layer": "--layers", "n_head": "--heads", "n_kv_head": "--kv-heads", "dim": "--dim",
+                "seq_len": "--seq-len", "moe_experts": "--experts", "moe_every": "--moe-every"}
+_SHAPE_FIELDS = (*_SHAPE_FLAGS, "mlp_ratio", "mlp_hidden", "mlp", "norm", "bias", "tie_embeddings", "pos")
+
+
+def validate_resume(args, ckpt) -> None:
+    """--resume: the checkpoint's model has the shape these flags build (each rank's load refused it
+    with a traceback of its own). Read from the checkpoint's ``extra`` (the job's config); the
+    sequence length only with learned positions (rotary ones take any). Anything unreadable is left
+    to the ranks' load, which reports it."""
+    from zerofuse.checkpoint.sources import Full
+    from zerofuse.models import config
+    try:
+        saved = (Full(str(ckpt)).common().get("extra") or {}).get("config")
+    except (ValueError, OSError, KeyError):
+        return
+    if not isinstance(saved, dict):
+        return
+    mine = dataclasses.asdict(config(args.model_name, **{**args.model_shape, "vocab_size": saved.get("vocab_size", 0)}))
+    rope = saved.get("pos") == mine["pos"] == "rope"
+    diff = [f for f in _SHAPE_FIELDS if f in saved and saved[f] != mine[f] and not (f == "seq_len" and rope)]
+    _check(not diff, f"--resume: the checkpoint at {ckpt} holds another model: " + ", ".join(
+        f"{_SHAPE_FLAGS[f]} {mine[f]} (the checkpoint's: {saved[f]})" if f in _SHAPE_FLAGS
+        else f"{f} {mine[f]!r} (the checkpoint's: {saved[f]!r}; --model {args.model_name})" for f in diff)
+        + "; expected the flags of the run that wrote it")

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from .checks import (DEFAULT_MODEL, UsageError, _check, _validate_data, _validate_model,  # noqa: F401  (re-exported)
-                     _validate_moe, _validate_pipeline)
+                     _validate_moe, _validate_pipeline, validate_resume)
 
 PROG = "zerofuse-train"
 EXIT_USAGE = 2
@@ -210,6 +210,8 @@ def validate(args) -> None:
                "--export: expected the safetensors package to be installed (pip install safetensors), found none")
     saved = any((Path(f"{ckpt}{s}") / "meta.json").is_file() for s in ("", ".tmp", ".old"))
     _check(not args.resume or saved, f"--resume: expected a complete checkpoint at {ckpt}, found none")
+    if args.resume:
+        validate_resume(args, ckpt)
     if saved and not args.resume:  # (its metrics.jsonl was emptied without a word before)
         print(f"{PROG}: note: --out {args.out} holds a checkpoint: this run starts over, replacing it and its "
               "metrics (--resume continues it)", file=sys.stderr)
