@@ -60,10 +60,15 @@ def test_pp2_job_matches_the_unsplit_job(unsplit, schedule, extra, tmp_path):
 @pytest.mark.parametrize("layout", [["--nproc", 1, "--grad-accum", 4], ["--nproc", 4, "--pp", 4, "--microbatches", 4]])
 def test_pp2_checkpoint_resumes_at_another_pipeline_layout(unsplit, stopped, layout, tmp_path):
     shutil.copytree(stopped / "ckpt", tmp_path / "ckpt")
-    p = run(*layout, *PP, "--out", tmp_path, "--resume")
+    p = run(*layout, *PP, "--out", tmp_path, "--resume", "--sample-tokens", 5)
     _ok(p)
     got, want = _losses(metrics(tmp_path)), _losses(unsplit)
     assert sorted(got) == [4, 5, 6]
+    # a sample from the whole model; with --pp none, said (it was skipped without a word)
+    if "--pp" in layout:
+        assert "note: no sample with --pp 4 (each stage holds part of the model" in p.stdout
+    else:
+        assert "--- sample (5 tokens" in p.stdout
     for step in got:
         assert got[step] == pytest.approx(want[step], rel=1e-5), step
 

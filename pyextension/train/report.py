@@ -107,6 +107,9 @@ class RankZeroLog:
         if text is not None:
             print(f"--- sample ({self.args.sample_tokens} tokens, temperature 0.8, top-k 40) ---\n{text}\n---",
                   flush=True)
+        elif self.args.sample_tokens and self.args.pp > 1 and not signum:  # (it was skipped without a word)
+            print(f"{PROG}: note: no sample with --pp {self.args.pp} (each stage holds part of the model; "
+                  f"zerofuse.checkpoint.consolidate('{self.t.ckpt}') gives the whole one)", flush=True)
         start = [{"step": 0, "val_loss": self.initial_val}] if self.t.start_step == 0 else []
         _plot(start + self.history, self.out / "loss.png")
 
