@@ -121,6 +121,20 @@ def test_layer_norm_of_rows_with_a_large_mean_and_tiny_spread(path):
     assert_close(y, reference.layer_norm(x.double(), (513,))[0], atol=1e-2, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("norm", ["layer", "rms"])
+def test_rows_holding_inf_or_nan_give_torchs_non_finite_values(norm, dtype, path):
+    """The C++ LayerNorm of a row holding inf gave -inf and NaN where torch gives NaN throughout:
+    the variance (inf - inf: NaN) was clamped to 0, so the row was scaled by 1/sqrt(eps)."""
+    x = torch.randn(4, 40, dtype=dtype)
+    x[0, 3], x[1, 0], x[2, 7] = float("inf"), float("-inf"), float("nan")
+    fn, ref = (ZF.layer_norm, torch.nn.functional.layer_norm) if norm == "layer" else \
+        (ZF.rms_norm, torch.nn.functional.rms_norm)
+    y, want = fn(x, (40,)), ref(x, (40,))
+    assert torch.equal(y.isnan(), want.isnan()) and torch.equal(y.isinf(), want.isinf())
+    torch.testing.assert_close(y[want.isfinite()], want[want.isfinite()])
+
+
 @pytest.mark.parametrize("norm", ["layer", "rms"])
 def test_widest_rows(norm):
     _check(norm, (3, 65536), (65536,), torch.bfloat16, "cpu")

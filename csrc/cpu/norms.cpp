@@ -43,7 +43,10 @@ ZF_MULTIVERSION(void, row_moments, (const float* __restrict__ x, int64_t n, floa
   }
   const double inv_n = 1. / static_cast<double>(n);
   *mean = static_cast<float>(k + s1 * inv_n);
-  *var = static_cast<float>(std::max(0., (s2 - s1 * s1 * inv_n) * inv_n));
+  // clamped at 0 against rounding, NaN kept (std::max(0., NaN) is 0: a row holding inf, whose
+  // variance is inf - inf, was scaled by 1 / sqrt(eps) into -inf where torch gives NaN)
+  const double v = (s2 - s1 * s1 * inv_n) * inv_n;
+  *var = static_cast<float>(v < 0. ? 0. : v);
 }
 
 ZF_MULTIVERSION(float, row_sq_dev, (const float* __restrict__ x, float mu, int64_t n),
