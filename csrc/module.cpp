@@ -117,6 +117,8 @@ PYBIND11_MODULE(_C, m) {
           py::arg("tensors"), py::arg("op"), py::arg("scale"), py::arg("reduce_dtype"),
           py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("p2p_sequence", &Communicator::p2p_sequence)
+      .def("fail", &Communicator::fail, py::arg("message"))
+      .def("check_usable", &Communicator::check_usable, py::arg("what"))
       .def(
           "batch_p2p",
           [](Communicator& c, const std::vector<std::tuple<bool, at::Tensor, int, int>>& ops) {

@@ -14,21 +14,21 @@ std::shared_ptr<Work> Communicator::all_to_all(const at::Tensor& out, const at::
   const char* fn = ".all_to_all";
   for (const auto* splits : {&out_splits, &in_splits}) {
     const char* name = splits == &out_splits ? "out_splits" : "in_splits";
-    ZF_CHECK_VALUE(static_cast<int>(splits->size()) == world_size_, "comm", fn, ": expected ", name, " to hold ",
+    ZF_COMM_CHECK_VALUE(static_cast<int>(splits->size()) == world_size_, fn, "expected ", name, " to hold ",
                    world_size_, " row counts (one per rank), got ", splits->size());
-    for (int64_t n : *splits) ZF_CHECK_VALUE(n >= 0, "comm", fn, ": expected ", name, " >= 0, got ", *splits);
+    for (int64_t n : *splits) ZF_COMM_CHECK_VALUE(n >= 0, fn, "expected ", name, " >= 0, got ", *splits);
   }
-  ZF_CHECK(in.is_contiguous() && out.is_contiguous(), "comm", fn, ": expected contiguous input and out");
-  ZF_CHECK(in.device() == out.device() && in.scalar_type() == out.scalar_type(), "comm", fn,
-           ": expected out on input's device with its dtype (", in.device(), ", ", in.scalar_type(), "), got ",
+  ZF_COMM_CHECK(in.is_contiguous() && out.is_contiguous(), fn, "expected contiguous input and out");
+  ZF_COMM_CHECK(in.device() == out.device() && in.scalar_type() == out.scalar_type(), fn,
+           "expected out on input's device with its dtype (", in.device(), ", ", in.scalar_type(), "), got ",
            out.device(), ", ", out.scalar_type());
-  ZF_CHECK(in.dim() >= 1 && out.dim() == in.dim() && in.sizes().slice(1) == out.sizes().slice(1), "comm", fn,
-           ": expected input and out of one row shape, got ", in.sizes(), " and ", out.sizes());
+  ZF_COMM_CHECK(in.dim() >= 1 && out.dim() == in.dim() && in.sizes().slice(1) == out.sizes().slice(1), fn,
+           "expected input and out of one row shape, got ", in.sizes(), " and ", out.sizes());
   const int64_t sent = std::accumulate(in_splits.begin(), in_splits.end(), int64_t{0});
   const int64_t got = std::accumulate(out_splits.begin(), out_splits.end(), int64_t{0});
-  ZF_CHECK_VALUE(sent == in.size(0), "comm", fn, ": expected in_splits to sum to input's ", in.size(0),
+  ZF_COMM_CHECK_VALUE(sent == in.size(0), fn, "expected in_splits to sum to input's ", in.size(0),
                  " rows, got ", in_splits);
-  ZF_CHECK_VALUE(got == out.size(0), "comm", fn, ": expected out_splits to sum to out's ", out.size(0), " rows, got ",
+  ZF_COMM_CHECK_VALUE(got == out.size(0), fn, "expected out_splits to sum to out's ", out.size(0), " rows, got ",
                  out_splits);
   const std::string what = label("all_to_all");
   failure_->check(what);  // [Note: communicator failure]

@@ -13,8 +13,6 @@ namespace zerofuse::comm {
 
 namespace {
 
-const char* kOp = "comm";
-
 void flatten_into(at::TensorList tensors, const at::Tensor& flat, c10::ArrayRef<int64_t> offsets) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("zerofuse::flatten_into", "")
@@ -44,7 +42,7 @@ std::vector<int64_t> packed_offsets(at::TensorList tensors, int64_t* total) {
 void check_one_device(at::TensorList tensors, const char* fn, const at::Tensor* other, const char* other_name) {
   for (size_t i = 0; i < tensors.size(); ++i) {
     const at::Device want = other ? other->device() : tensors[0].device();
-    ZF_CHECK(tensors[i].device() == want, kOp, fn, ": expected ", indexed("tensors", i), " on ", want,
+    ZF_COMM_CHECK(tensors[i].device() == want, fn, "expected ", indexed("tensors", i), " on ", want,
              other ? " like " : " like tensors[0]", other ? other_name : "", ", got ", tensors[i].device());
   }
 }
@@ -56,18 +54,46 @@ bool is_whole_flat(at::TensorList tensors, int64_t numel, at::ScalarType dtype) 
 }
 
 void check_flat(const at::Tensor& t, int64_t numel, const char* fn, const char* name) {
-  ZF_CHECK(t.dim() == 1 && t.is_contiguous(), kOp, fn, ": expected ", name,
+  ZF_COMM_CHECK(t.dim() == 1 && t.is_contiguous(), fn, "expected ", name,
            " to be a 1-D contiguous tensor, got shape ", t.sizes(), " with strides ", t.strides());
-  ZF_CHECK_VALUE(t.numel() == numel, kOp, fn, ": expected ", name, " to have ", numel,
+  ZF_COMM_CHECK_VALUE(t.numel() == numel, fn, "expected ", name, " to have ", numel,
                  " elements (ceil(total numel / world_size)), got ", t.numel());
 }
 
-// The op the transport runs and the factor the result is multiplied by afterwards: AVG is SUM
-// then 1 / world_size where the transport has no AVG; `scale` multiplies either way.
-std::pair<Reduce, double> plan_reduce(Reduce op, const Transport& transport, std::optional<double> scale,
-                                      int world_size) {
+// How a reduction runs: the op the transport runs, the factor the flat buffer is multiplied by
+// before it and the one the result is multiplied by after it. AVG is SUM and 1 / world_size where
+// the transport has no AVG: after the sum, except in fp16, whose range (65504) the sum of the
+// ranks' values can leave where their mean does not (gloo gave inf for the avg of 40000 on two
+// ranks): before it, as NCCL's own avg of floats; `scale` multiplies the result either way.
+struct ReducePlan {
+  Reduce op;
+  double before, after;
+};
+
+ReducePlan plan_reduce(Reduce op, const Transport& transport, std::optional<double> scale, int world_size,
+                       at::ScalarType dtype) {
   const bool avg_here = op == Reduce::kAvg && !transport.native_avg();
-  return {avg_here ? Reduce::kSum : op, scale.value_or(1.0) / (avg_here ? world_size : 1)};
+  const bool first = avg_here && dtype == at::kHalf;
+  const double ws = static_cast<double>(world_size);
+  return {avg_here ? Reduce::kSum : op, first ? 1.0 / ws : 1.0, scale.value_or(1.0) / (avg_here && !first ? ws : 1.0)};
+}
+
+// An integer reduction cannot be multiplied by a fraction: refused before anything runs (it raised
+// in wait(), after the collective, and a second wait() returned with the tensors unwritten).
+void check_reduce_dtype(Reduce op, std::optional<double> scale, at::ScalarType dtype, const char* fn) {
+  ZF_COMM_CHECK_VALUE(at::isFloatingType(dtype) || (op != Reduce::kAvg && !scale), fn,
+                      "expected a floating dtype with op 'avg' or a scale (the result is multiplied by a fraction), "
+                      "got ", dtype, op == Reduce::kAvg ? " with op 'avg'" : " with a scale");
+}
+
+// Seconds to the communicator's timeout: positive (NaN refused); at most kMaxTimeoutS (~3 years:
+// inf, 1e30 or 1e10 s overflowed the milliseconds, and deadlines in nanoseconds, into a 1 ms timeout
+// that failed the first collective and broke the group).
+constexpr double kMaxTimeoutS = 1e8;
+
+std::chrono::milliseconds timeout_ms(double timeout_s) {
+  TORCH_CHECK_VALUE(timeout_s > 0, "zerofuse.comm.Communicator: expected timeout > 0 seconds, got ", timeout_s);
+  return std::chrono::milliseconds(std::max<int64_t>(1, static_cast<int64_t>(std::min(timeout_s, kMaxTimeoutS) * 1000)));
 }
 
 }  // namespace
@@ -129,11 +155,11 @@ void Work::wait() {
     if (failure_) failure_->raise(message);
     C10_THROW_ERROR(DistBackendError, "zerofuse.comm: " + message);
   }
-  finished_ = true;
   if (finish_) {
-    finish_();
+    finish_();  // (when it raises, the next wait() runs it again and raises again: never "done" unwritten)
     finish_ = nullptr;  // drops the buffers it holds: a waited Work kept by the caller pins nothing
   }
+  finished_ = true;
   keep_.clear();
   release_transport();
 }
@@ -160,9 +186,8 @@ Communicator::Communicator(c10::intrusive_ptr<c10d::ProcessGroup> pg, c10::intru
       key_(key),
       rank_(pg_->getRank()),
       world_size_(pg_->getSize()),
-      timeout_(std::max<int64_t>(1, static_cast<int64_t>(timeout_s * 1000))),
+      timeout_(timeout_ms(timeout_s)),
       group_(group_label(*pg_)) {
-  TORCH_CHECK_VALUE(timeout_s > 0, "zerofuse.comm.Communicator: expected timeout > 0 seconds, got ", timeout_s);
   TORCH_CHECK_VALUE(mode_ == "auto" || mode_ == "process_group" || mode_ == "nccl",
                     "zerofuse.comm.Communicator: expected transport 'auto', 'process_group' or 'nccl', got '", mode_,
                     "'");
@@ -226,7 +251,7 @@ void Communicator::free_staging() {
 Transport& Communicator::transport_for(const at::Device& device, const char* fn) {
   if (mode_ == "process_group") return *pg_transport_;
   if (mode_ == "nccl") {
-    ZF_CHECK(device.is_cuda(), kOp, fn, ": the NCCL transport takes CUDA tensors, got tensors on ", device);
+    ZF_COMM_CHECK(device.is_cuda(), fn, "the NCCL transport takes CUDA tensors, got tensors on ", device);
     return *nccl_transport_;
   }
 #ifdef ZEROFUSE_WITH_NCCL
@@ -283,11 +308,13 @@ std::shared_ptr<Work> Communicator::reduce_scatter_coalesced(at::TensorList tens
   const auto offsets = packed_offsets(tensors, &total);
   const int64_t shard = ceil_shard(total);
   check_flat(out_shard, shard, fn, "out_shard");
+  const at::ScalarType dtype = reduce_dtype.value_or(out_shard.scalar_type());
+  if (total) check_reduce_dtype(red, scale, dtype, fn);
   const std::string what = label("reduce_scatter_coalesced");
   if (total == 0) return std::make_shared<DoneWork>(what, timeout_);
   failure_->check(what);  // [Note: communicator failure]
   Transport& transport = transport_for(out_shard.device(), fn);
-  const at::ScalarType dtype = reduce_dtype.value_or(out_shard.scalar_type());
+  const ReducePlan plan = plan_reduce(red, transport, scale, world_size_, dtype);
   at::Tensor flat;
   if (is_whole_flat(tensors, shard * world_size_, dtype) && !out_shard.is_alias_of(tensors[0])) {
     flat = tensors[0].view({-1});  // already one flat buffer (e.g. ZeRO's): no copy; kept alive until done
@@ -296,10 +323,10 @@ std::shared_ptr<Work> Communicator::reduce_scatter_coalesced(at::TensorList tens
     if (shard * world_size_ > total) flat.narrow(0, total, shard * world_size_ - total).zero_();
     flatten_into(tensors, flat, offsets);
   }
-  const auto plan = plan_reduce(red, transport, scale, world_size_);
-  const double factor = plan.second;  // a plain variable: lambdas may not capture structured bindings in C++17
+  if (plan.before != 1.0) flat.mul_(plan.before);
+  const double factor = plan.after;
   if (transport.reduce_scatter_via_all_reduce()) {
-    auto work = watched(transport.all_reduce(flat, plan.first, what));
+    auto work = watched(transport.all_reduce(flat, plan.op, what));
     const int64_t lo = rank_ * shard;
     work->set_finish([flat, out_shard, lo, shard, factor]() mutable {
       at::Tensor mine = flat.narrow(0, lo, shard);
@@ -311,7 +338,7 @@ std::shared_ptr<Work> Communicator::reduce_scatter_coalesced(at::TensorList tens
   }
   const bool direct = dtype == out_shard.scalar_type();
   at::Tensor out = direct ? out_shard : at::empty({shard}, flat.options());
-  auto work = watched(transport.reduce_scatter(out, flat, plan.first, what));
+  auto work = watched(transport.reduce_scatter(out, flat, plan.op, what));
   work->set_finish([out, out_shard, direct, factor]() mutable {
     if (factor != 1.0) out.mul_(factor);
     if (!direct) out_shard.copy_(out);
@@ -358,13 +385,15 @@ std::shared_ptr<Work> Communicator::all_reduce_coalesced(at::TensorList tensors,
   check_one_device(tensors, fn, nullptr, nullptr);
   int64_t total = 0;
   const auto offsets = packed_offsets(tensors, &total);
+  at::ScalarType dtype = tensors.empty() ? at::kFloat : tensors[0].scalar_type();
+  for (const auto& t : tensors) dtype = c10::promoteTypes(dtype, t.scalar_type());
+  dtype = reduce_dtype.value_or(dtype);
+  if (total) check_reduce_dtype(red, scale, dtype, fn);
   const std::string what = label("all_reduce_coalesced");
   if (total == 0) return std::make_shared<DoneWork>(what, timeout_);
   failure_->check(what);  // [Note: communicator failure]
   Transport& transport = transport_for(tensors[0].device(), fn);
-  at::ScalarType dtype = tensors[0].scalar_type();
-  for (const auto& t : tensors) dtype = c10::promoteTypes(dtype, t.scalar_type());
-  dtype = reduce_dtype.value_or(dtype);
+  const ReducePlan plan = plan_reduce(red, transport, scale, world_size_, dtype);
   // One contiguous tensor in the reduce dtype (a ZeRO stage-0 grad buffer, a TP activation) is
   // reduced in place: no copy in or out. Its contents are undefined until wait(), as with a
   // reduce-scatter of a whole flat buffer.
@@ -376,9 +405,9 @@ std::shared_ptr<Work> Communicator::all_reduce_coalesced(at::TensorList tensors,
     flat = staging(total, tensors[0].options().dtype(dtype));
     flatten_into(tensors, flat, offsets);
   }
-  const auto plan = plan_reduce(red, transport, scale, world_size_);
-  const double factor = plan.second;
-  auto work = watched(transport.all_reduce(flat, plan.first, what));
+  if (plan.before != 1.0) flat.mul_(plan.before);
+  const double factor = plan.after;
+  auto work = watched(transport.all_reduce(flat, plan.op, what));
   std::vector<at::Tensor> outs;
   if (!in_place) outs.assign(tensors.begin(), tensors.end());
   work->set_finish([flat, outs, offsets, factor]() mutable {

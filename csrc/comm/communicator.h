@@ -38,6 +38,11 @@
 #include <string>
 #include <vector>
 
+// "zerofuse::comm.<fn>: <message>", fn being ".reduce_scatter_coalesced" etc.: the messages of
+// comm/local.py (world size 1) word for word (ZF_CHECK's "zerofuse::comm: .fn" did not match)
+#define ZF_COMM_CHECK(cond, fn, ...) TORCH_CHECK(cond, "zerofuse::comm", fn, ": ", __VA_ARGS__)
+#define ZF_COMM_CHECK_VALUE(cond, fn, ...) TORCH_CHECK_VALUE(cond, "zerofuse::comm", fn, ": ", __VA_ARGS__)
+
 namespace zerofuse::comm {
 
 enum class Reduce { kSum, kAvg, kMax, kMin };
@@ -191,6 +196,10 @@ class Communicator {
   // collective checker's numbering; messages number them per communicator as "batch_p2p #n".
   std::shared_ptr<Work> batch_p2p(const std::vector<P2POp>& ops);
   int64_t p2p_sequence() const { return p2p_seq_; }
+  // The failed state from Python: collectives run on the c10d group itself
+  // (reduce_scatter_fp32_sum) refuse once it is set, and set it when they fail.
+  void fail(const std::string& message) { failure_->set(message); }
+  void check_usable(const std::string& what) const { failure_->check(what); }
   // All-to-all with per-rank row counts (csrc/comm/all_to_all.cpp): a collective (every rank of
   // the group calls it, in the same order as the others), e.g. MoE's token dispatch and combine.
   std::shared_ptr<Work> all_to_all(const at::Tensor& out,  // [sum(out_splits), ...] contiguous, written at wait()

@@ -15,15 +15,15 @@ std::shared_ptr<Work> Communicator::batch_p2p(const std::vector<P2POp>& ops) {
   for (size_t i = 0; i < ops.size(); ++i) {
     const P2POp& op = ops[i];
     const std::string name = std::string("ops[") + std::to_string(i) + "]";
-    ZF_CHECK_VALUE(op.peer >= 0 && op.peer < world_size_, "comm", fn, ": expected ", name,
+    ZF_COMM_CHECK_VALUE(op.peer >= 0 && op.peer < world_size_, fn, "expected ", name,
                    ".peer to be a rank of the group (0 <= peer < ", world_size_, "), got ", op.peer);
-    ZF_CHECK_VALUE(op.peer != rank_, "comm", fn, ": expected ", name, ".peer to be another rank than this one (",
+    ZF_COMM_CHECK_VALUE(op.peer != rank_, fn, "expected ", name, ".peer to be another rank than this one (",
                    rank_, "), got ", op.peer);
-    ZF_CHECK(op.tensor.is_contiguous(), "comm", fn, ": expected ", name, ".tensor to be contiguous, got strides ",
+    ZF_COMM_CHECK(op.tensor.is_contiguous(), fn, "expected ", name, ".tensor to be contiguous, got strides ",
              op.tensor.strides(), " for shape ", op.tensor.sizes());
-    ZF_CHECK(op.tensor.device() == ops[0].tensor.device(), "comm", fn, ": expected ", name, ".tensor on ",
+    ZF_COMM_CHECK(op.tensor.device() == ops[0].tensor.device(), fn, "expected ", name, ".tensor on ",
              ops[0].tensor.device(), " like ops[0].tensor, got ", op.tensor.device());
-    ZF_CHECK_VALUE(op.tag >= 0, "comm", fn, ": expected ", name, ".tag >= 0, got ", op.tag);
+    ZF_COMM_CHECK_VALUE(op.tag >= 0, fn, "expected ", name, ".tag >= 0, got ", op.tag);
     label << (i ? ", " : "") << (op.send ? "send " : "recv ") << op.tensor.sizes() << ":" << op.tensor.scalar_type()
           << (op.send ? " to " : " from ") << op.peer;
   }

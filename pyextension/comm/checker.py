@@ -2,7 +2,13 @@
 publishes each call's signature in the group's store before the collective and compares it with
 every other rank's, so that a mismatch raises :class:`CollectiveMismatch` on every rank instead of
 a hang or a mix of data. A mixin of Communicator (it reads the communicator's store, uid, rank,
-world size, timeout and C++ sequence number)."""
+world size and timeout).
+
+Calls are numbered by the checker itself, one count per communicator advanced at every published
+call: the C++ sequence number (used before) does not advance when a call is refused by its
+argument checks after publishing, so the next call reused the refused call's keys and compared
+itself with the other ranks' stale signatures (a false mismatch on one rank, the others entering
+the collective alone)."""
 from __future__ import annotations
 
 import datetime
@@ -26,10 +32,10 @@ def _signature(name: str, **parts) -> str:
 
 
 class CollectiveChecker:
-    def _check_splits(self, in_s: list[int], out_s: list[int]) -> None:
+    def _check_splits(self, seq: int, in_s: list[int], out_s: list[int]) -> None:
         """Rank r's out_splits[s] must be rank s's in_splits[r], for every pair: every rank checks
-        the whole matrix, so all of them raise on a mismatch (none is left waiting in the call)."""
-        seq = self._c.sequence
+        the whole matrix, so all of them raise on a mismatch (none is left waiting in the call).
+        ``seq``: the number _checked gave the call."""
         prefix = f"{self._uid}/a2a/{seq}/"
         self.store.set(prefix + str(self.rank), ",".join(map(str, in_s)) + ";" + ",".join(map(str, out_s)))
         keys = [prefix + str(r) for r in range(self.world_size)]
@@ -72,10 +78,11 @@ class CollectiveChecker:
                     f"zerofuse.comm: transfer #{n} from rank {src} to rank {dst} differs: rank {self.rank} posted "
                     f"{o.op} {sig}, rank {o.peer} posted {other} {theirs}")
 
-    def _checked(self, name: str, **parts) -> None:
+    def _checked(self, name: str, **parts) -> int | None:
+        """Publishes and compares this call's signature; returns its number (None: no checker)."""
         if not self.check:
-            return
-        seq = self._c.sequence  # the number the C++ call is about to take
+            return None
+        seq = self._check_seq = getattr(self, "_check_seq", -1) + 1
         mine = _signature(name, **parts)
         prefix = f"{self._uid}/check/{seq}/"
         self.store.set(prefix + str(self.rank), mine)
@@ -94,3 +101,4 @@ class CollectiveChecker:
                 by_call.setdefault(c, []).append(r)
             detail = "; ".join(f"rank(s) {ranks}: {c}" for c, ranks in by_call.items())
             raise CollectiveMismatch(f"zerofuse.comm: collective #{seq} differs across ranks: {detail}")
+        return seq

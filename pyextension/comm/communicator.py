@@ -28,8 +28,11 @@ only its own, and comparing them would be a collective of its own before every c
 long as a small all-reduce). On gloo such a call aborts the process of a rank that receives more
 than it posted (gloo's enforce, in its transport thread: std::terminate, no Python exception), and
 the ranks left raise ``DistBackendError``; the abort cannot tear a checkpoint (files.py writes
-each one aside and renames it into place), and no all-reduce or reduce-scatter returns on any rank
-with a mix of data, except for the rare sizes of [Note: piece size] (process_group_transport.cpp).
+each one aside and renames it into place), and no all-reduce or reduce-scatter of different
+sizes returns on any rank with a mix of data, except for the rare sizes of [Note: piece size]
+(process_group_transport.cpp). Ranks that differ only in dtype, with equal element sizes (bf16 and
+fp16, fp32 and int32), are not detected by the transports either: the bytes are reduced as the
+receiving rank's dtype and every rank returns garbage (as torch's own gloo collectives).
 ``all_gather_coalesced`` is a broadcast per rank on gloo, which takes a message shorter than the
 receive: the rank with the largest shard can return with others' shorter shards in its slots. Run
 with ``ZEROFUSE_CHECK_COLLECTIVES=1`` to find such a mismatch (tests/test_bad_input_comm.py).
@@ -39,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import itertools
+import numbers
 import os
 import time
 import weakref
@@ -96,6 +100,20 @@ def _group_label(group: dist.ProcessGroup) -> str:
     return f"group {group.group_name}" + (f" ({desc})" if desc and desc != "undefined" else "")
 
 
+MAX_TIMEOUT_S = 1e8  # (~3 years) as csrc/comm/communicator.cpp: longer ones overflowed into 1 ms
+
+
+def _timeout(value) -> float:
+    """Seconds, > 0 (NaN and <= 0 refused by name), at most MAX_TIMEOUT_S (inf: that)."""
+    try:
+        t = float(value)
+    except (TypeError, ValueError):
+        t = float("nan")
+    if not t > 0:
+        raise ValueError(f"zerofuse.comm.Communicator: expected timeout > 0 seconds, got {value!r}")
+    return min(t, MAX_TIMEOUT_S)
+
+
 class Work:
     """Handle of one collective: ``wait()`` (CPU: blocks, bounded by the communicator's timeout;
     CUDA: the current stream waits) and ``is_completed()``."""
@@ -117,15 +135,20 @@ class Work:
 
 
 class _SummedWork:
-    """Work of Communicator.reduce_scatter_fp32_sum: wait() finishes the all-to-all and sums."""
+    """Work of Communicator.reduce_scatter_fp32_sum: wait() finishes the all-to-all and sums. A
+    failure is the communicator's, as for the C++ Works ([Note: communicator failure]): this wait
+    and every later one raise it, and so does every later call of the communicator (a second wait
+    returned with out_shard unwritten, and the next collective waited for a timeout again)."""
 
-    __slots__ = ("_comm", "_w", "_recv", "_flat", "_out", "_gather", "_what")
+    __slots__ = ("_comm", "_w", "_recv", "_flat", "_out", "_gather", "_what", "_error")
 
     def __init__(self, comm, work, recv, flat, out, gather, what):
         self._comm, self._w, self._recv, self._flat, self._out, self._gather = comm, work, recv, flat, out, gather
-        self._what = what
+        self._what, self._error = what, None
 
     def wait(self) -> None:
+        if self._error is not None:
+            raise dist.DistBackendError(self._error)
         if self._w is None:
             return
         t0 = time.perf_counter()
@@ -142,14 +165,20 @@ class _SummedWork:
                 mine = total.to(self._flat.dtype)
                 dist.all_gather_into_tensor(self._flat, mine, group=comm.group, async_op=True).wait(timeout)
         except RuntimeError as e:  # c10d names neither the collective nor the group
-            raise dist.DistBackendError(f"zerofuse.comm: {self._what} failed (timeout {comm.timeout:g} s): "
-                                        f"{e}") from e
+            message = f"{self._what} failed (timeout {comm.timeout:g} s): {e}"
+            comm._c.fail(message)
+            self._error = f"zerofuse.comm: {message}"
+            raise dist.DistBackendError(self._error) from e
         finally:
             self._w = self._flat = self._out = None
             _waited[0] += time.perf_counter() - t0
 
     def is_completed(self) -> bool:
         return self._w is None or self._w.is_completed()
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, (int, numbers.Integral)) and not isinstance(v, bool)
 
 
 class P2POp(NamedTuple):
@@ -172,12 +201,15 @@ class Communicator(CollectiveChecker):
             raise RuntimeError("zerofuse.comm.Communicator: torch.distributed is not initialized "
                                "(call torch.distributed.init_process_group first)")
         self.group = group if group is not None else dist.distributed_c10d._get_default_group()
+        if self.group is dist.GroupMember.NON_GROUP_MEMBER or not isinstance(self.group, dist.ProcessGroup):
+            raise ValueError(f"zerofuse.comm.Communicator: expected a process group this rank ({dist.get_rank()}) "
+                             f"belongs to, got {self.group!r} (new_group returns that on the ranks outside the group)")
         name = dist.distributed_c10d._get_process_group_name(self.group)
         self.store = dist.distributed_c10d._get_default_store()
         self._uid = _next_uid(name, self.group, self.store, dist.get_rank(self.group))
         if debug_delay_ms is None:
             debug_delay_ms = float(os.environ.get("ZEROFUSE_COMM_DELAY_MS", "0"))
-        self.timeout = group_timeout(self.group) if timeout is None else float(timeout)
+        self.timeout = _timeout(group_timeout(self.group) if timeout is None else timeout)
         self._fp32_sums = itertools.count()  # numbers reduce_scatter_fp32_sum calls (c10d: not in the C++ sequence)
         self._c = _C._Communicator(self.group, self.store, transport, f"{self._uid}/nccl_id", self.timeout,
                                    float(debug_delay_ms))
@@ -252,6 +284,11 @@ class Communicator(CollectiveChecker):
                              f"multiple of world_size ({ws}) elements, got {list(flat.shape)} "
                              f"(contiguous={flat.is_contiguous()})")
         shard = flat.numel() // ws
+        if out_shard is not None and (out_shard.dim() != 1 or not out_shard.is_contiguous()
+                                      or not out_shard.is_floating_point() or out_shard.device != flat.device):
+            raise ValueError(f"zerofuse.comm.reduce_scatter_fp32_sum: expected out_shard as a 1-D contiguous "
+                             f"floating tensor on {flat.device}, got {out_shard.dtype} {list(out_shard.shape)} "
+                             f"(contiguous={out_shard.is_contiguous()}) on {out_shard.device}")
         if out_shard is not None and out_shard.numel() != shard:
             raise ValueError(f"zerofuse.comm.reduce_scatter_fp32_sum: expected out_shard of {shard} elements, got "
                              f"{out_shard.numel()}")
@@ -261,6 +298,7 @@ class Communicator(CollectiveChecker):
             return local.DONE
         what = (f"reduce_scatter_fp32_sum #{next(self._fp32_sums)} on rank {self.rank} of {ws} in "
                 f"{_group_label(self.group)}")
+        self._c.check_usable(what)  # [Note: communicator failure]
         recv = torch.empty_like(flat)
         work = dist.all_to_all_single(recv, flat, group=self.group, async_op=True)
         return _SummedWork(self, work, recv, flat if all_gather else None, out_shard, all_gather, what)
@@ -283,9 +321,10 @@ class Communicator(CollectiveChecker):
         CollectiveMismatch on both ranks of a pair that differ."""
         ops = list(ops)
         for i, o in enumerate(ops):
-            if not isinstance(o, P2POp) or o.op not in ("send", "recv") or not isinstance(o.tensor, torch.Tensor):
+            if not isinstance(o, P2POp) or o.op not in ("send", "recv") or not isinstance(o.tensor, torch.Tensor) \
+                    or not _is_int(o.peer) or not _is_int(o.tag):  # (a float peer was truncated to a rank)
                 raise ValueError(f"zerofuse.comm.batch_p2p: expected ops[{i}] to be a P2POp('send'|'recv', tensor, "
-                                 f"peer, tag), got {o!r}")
+                                 f"peer: int, tag: int), got {o!r}")
         if self.check:
             self._checked_p2p(ops)
         return Work(self._c.batch_p2p([(o.op == "send", o.tensor, int(o.peer), int(o.tag)) for o in ops]))
@@ -297,11 +336,15 @@ class Communicator(CollectiveChecker):
         contiguous, of one row shape and dtype. A collective: every rank calls it in the same order.
         ZEROFUSE_CHECK_COLLECTIVES=1 also checks that each rank receives what the others send."""
         in_s, out_s = [int(n) for n in input_splits], [int(n) for n in output_splits]
+        for name, given, got in (("input_splits", input_splits, in_s), ("output_splits", output_splits, out_s)):
+            if any(isinstance(n, bool) or n != m for n, m in zip(given, got)):  # (1.7 rows were taken as 1)
+                raise ValueError(f"zerofuse::comm.all_to_all: expected {name} to be whole row counts, got "
+                                 f"{list(given)}")
         if self._one:
             return local.all_to_all(output, input, out_s, in_s)
         if self.check:
-            self._checked("all_to_all", dtype=str(input.dtype), row_shape=tuple(input.shape[1:]))
-            self._check_splits(in_s, out_s)
+            seq = self._checked("all_to_all", dtype=str(input.dtype), row_shape=tuple(input.shape[1:]))
+            self._check_splits(seq, in_s, out_s)
         return Work(self._c.all_to_all(output, input, out_s, in_s))
 
     @property

@@ -38,6 +38,15 @@ def _check_op(op: str, fn: str) -> None:
         raise ValueError(f"zerofuse::comm{fn}: expected op 'sum', 'avg', 'max' or 'min', got '{op}'")
 
 
+def _check_reduce_dtype(op: str, scale: float | None, dtype: torch.dtype, fn: str) -> None:
+    """As the C++ transports (communicator.cpp, check_reduce_dtype): avg or a scale on integers is
+    refused on any world size (over one rank avg divides by 1: it was accepted here only)."""
+    if not (dtype.is_floating_point or (op != "avg" and scale is None)):
+        name = torch.empty(0, dtype=dtype).type().removeprefix("torch.").removesuffix("Tensor")  # c10's: Long, Int
+        raise ValueError(f"zerofuse::comm{fn}: expected a floating dtype with op 'avg' or a scale (the result is "
+                         f"multiplied by a fraction), got {name}{' with op ' + repr(op) if op == 'avg' else ' with a scale'}")
+
+
 def _check_one_device(tensors: Sequence[torch.Tensor], fn: str, other: torch.Tensor | None, other_name: str) -> None:
     want = other.device if other is not None else (tensors[0].device if tensors else None)
     for i, t in enumerate(tensors):
@@ -86,6 +95,7 @@ def reduce_scatter_coalesced(tensors: Sequence[torch.Tensor], out_shard: torch.T
     if total == 0:
         return DONE
     dtype = reduce_dtype or out_shard.dtype
+    _check_reduce_dtype(op, scale, dtype, fn)
     factor = _factor(scale)
     with torch.no_grad():
         flat = _flat(tensors, total, dtype, out_shard)
@@ -124,6 +134,8 @@ def all_reduce_coalesced(tensors: Sequence[torch.Tensor], op: str, scale: float 
     for t in tensors[1:]:
         dtype = torch.promote_types(dtype, t.dtype)
     dtype = reduce_dtype or dtype
+    if total:
+        _check_reduce_dtype(op, scale, dtype, fn)
     if total == 0 or (factor == 1.0 and all(t.dtype == dtype for t in tensors)):
         return DONE  # nothing changes (C++ casts to the reduce dtype and back: exact when it is theirs)
     with torch.no_grad():

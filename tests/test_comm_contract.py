@@ -1,0 +1,168 @@
+"""zerofuse.comm.Communicator: what a review reproduced as wrong, on real gloo processes (each
+check failed before its fix): integer reductions by a fraction refused at the call (they raised
+after the collective, and a second wait() returned "done" with the tensors unwritten); the fp16
+average not overflowing where the mean fits (gloo summed first: inf for the avg of 40000); a failed
+reduce_scatter_fp32_sum failing the communicator as the C++ Works do; an infinite timeout (it
+overflowed into 1 ms); the checker's numbering after a refused call; clear errors for a group the
+rank is not in, a float peer or split, and a bad out_shard; the messages of world size 1 and 2
+the same."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dist_utils import error_text, run_distributed
+from zerofuse.comm import Communicator, P2POp
+
+TIMEOUT = 90
+
+
+def _integer_fractions(rank, world_size):
+    comm = Communicator()
+    calls = {
+        "all_reduce avg": lambda: comm.all_reduce_coalesced([torch.ones(4, dtype=torch.int64)], op="avg"),
+        "all_reduce scale": lambda: comm.all_reduce_coalesced([torch.ones(4, dtype=torch.int32)], op="sum", scale=0.5),
+        "reduce_scatter avg": lambda: comm.reduce_scatter_coalesced([torch.ones(4, dtype=torch.int64)],
+                                                                    torch.zeros(-(-4 // world_size), dtype=torch.int64)),
+    }
+    out = {k: error_text(f) for k, f in calls.items()}
+    t = torch.full((4,), 3, dtype=torch.int64)  # what stays allowed: a sum of integers
+    comm.all_reduce_coalesced([t], op="sum").wait()
+    out["sum"] = t.tolist()
+    return out
+
+
+@pytest.mark.timeout(TIMEOUT)
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_integer_reductions_by_a_fraction_are_refused_at_the_call(world_size):
+    for got in run_distributed(_integer_fractions, world_size):
+        for what, fn in (("all_reduce avg", "all_reduce_coalesced"), ("reduce_scatter avg", "reduce_scatter_coalesced")):
+            assert got[what] == (f"ValueError: zerofuse::comm.{fn}: expected a floating dtype with op 'avg' or a scale "
+                                 "(the result is multiplied by a fraction), got Long with op 'avg'"), got[what]
+        assert got["all_reduce scale"].endswith("got Int with a scale"), got["all_reduce scale"]
+        assert got["sum"] == [3 * world_size] * 4
+
+
+def _fp16_avg(rank, world_size):
+    comm = Communicator()
+    t = torch.full((5,), 40000.0, dtype=torch.float16)
+    comm.all_reduce_coalesced([t], op="avg").wait()
+    shard = torch.zeros(comm.shard_numel([t]), dtype=torch.float16)
+    comm.reduce_scatter_coalesced([torch.full((5,), 40000.0, dtype=torch.float16)], shard, op="avg").wait()
+    third = torch.full((3,), float(rank + 1), dtype=torch.float16)  # (1 + 2 + 3) / 3 = 2: rounding
+    comm.all_reduce_coalesced([third], op="avg").wait()
+    return t.tolist(), shard.tolist(), third.tolist()
+
+
+@pytest.mark.timeout(TIMEOUT)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_fp16_average_does_not_overflow_where_the_mean_fits(world_size):
+    """gloo has no avg: the sum of the ranks' fp16 values overflowed (inf) before the division."""
+    for t, shard, third in run_distributed(_fp16_avg, world_size):
+        assert t == [40000.0] * 5 and max(shard) == 40000.0 and set(shard) <= {40000.0, 0.0}  # (0: padding)
+        assert third == [pytest.approx((world_size + 1) / 2, rel=1e-3)] * 3
+
+
+def _fp32_sum_failure(rank, world_size):
+    comm = Communicator(timeout=2)
+    if rank == 1:  # never joins: rank 0's all-to-all times out
+        time.sleep(6)
+        return None
+    flat = torch.ones(4, dtype=torch.bfloat16)
+    out = torch.full((2,), -1.0)
+    work = comm.reduce_scatter_fp32_sum(flat, out)
+    first = error_text(work.wait)
+    second = error_text(work.wait)
+    t0 = time.perf_counter()
+    later = error_text(lambda: comm.all_reduce_coalesced([torch.ones(3)]).wait())
+    return first, second, later, time.perf_counter() - t0, out.tolist()
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_a_failed_fp32_sum_fails_the_communicator():
+    first, second, later, later_s, out = run_distributed(_fp32_sum_failure, 2)[0]
+    assert first.startswith("DistBackendError: zerofuse.comm: reduce_scatter_fp32_sum #0 on rank 0 of 2"), first
+    assert second == first  # (it returned, out_shard unwritten)
+    assert later.startswith("DistBackendError: zerofuse.comm: all_reduce_coalesced #0 on rank 0 of 2") and \
+        "refused: the communicator failed earlier" in later and "reduce_scatter_fp32_sum #0" in later, later
+    assert later_s < 1.0 and out == [-1.0, -1.0]  # refused at once (it waited a timeout again)
+
+
+def _timeouts(rank, world_size):
+    bad = {repr(v): error_text(lambda v=v: Communicator(timeout=v)) for v in (0, -1.0, float("nan"), "soon")}
+    comm = Communicator(timeout=float("inf"))
+    if rank == 1:
+        time.sleep(1.0)  # a peer 1 s late: an infinite timeout waits for it
+    t = torch.ones(3)
+    comm.all_reduce_coalesced([t]).wait()
+    dist.barrier()  # the group is intact
+    return bad, comm.timeout, t.tolist()
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_an_infinite_timeout_waits_and_bad_ones_are_refused():
+    for bad, timeout, t in run_distributed(_timeouts, 2):
+        assert timeout == 1e8 and t == [2.0] * 3
+        for v, got in bad.items():
+            assert got == f"ValueError: zerofuse.comm.Communicator: expected timeout > 0 seconds, got {v}", got
+
+
+def _checker_after_refusal(rank, world_size):
+    comm = Communicator()
+    refused = error_text(lambda: comm.reduce_scatter_coalesced([torch.ones(4)], torch.zeros(7)))  # wrong size
+    t = torch.full((4,), float(rank))
+    comm.all_reduce_coalesced([t]).wait()
+    return refused, t.tolist()
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_the_checker_numbers_calls_itself_so_a_refused_call_leaves_no_stale_signature(monkeypatch):
+    """The same refused call on every rank, then a good one: the next call was compared with the
+    other ranks' refused one (a false CollectiveMismatch on one rank, the other entering alone)."""
+    monkeypatch.setenv("ZEROFUSE_CHECK_COLLECTIVES", "1")
+    for refused, t in run_distributed(_checker_after_refusal, 2):
+        assert refused.startswith("ValueError: zerofuse::comm.reduce_scatter_coalesced: expected out_shard to have 2 "
+                                  "elements"), refused
+        assert t == [1.0] * 4
+
+
+def _arguments(rank, world_size):
+    sub = dist.new_group([0, 1])
+    out = {"nonmember": error_text(lambda: Communicator(sub)) if rank == 2 else None}
+    comm = Communicator()
+    out["peer"] = error_text(lambda: comm.batch_p2p([P2POp("send", torch.ones(2), 1.7)]))
+    rows = torch.ones(3, 2)
+    out["splits"] = error_text(lambda: comm.all_to_all(rows, rows, [1.5, 1, 0.5], [1, 1, 1]))
+    flat = torch.ones(6, dtype=torch.bfloat16)
+    out["2-D shard"] = error_text(lambda: comm.reduce_scatter_fp32_sum(flat, torch.zeros(1, 2)))
+    out["int shard"] = error_text(lambda: comm.reduce_scatter_fp32_sum(flat, torch.zeros(2, dtype=torch.int64)))
+    out["shape"] = error_text(lambda: comm.reduce_scatter_coalesced([torch.ones(6)], torch.zeros(1, 2)))
+    return out
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_bad_arguments_are_named():
+    got = run_distributed(_arguments, 3)
+    assert got[2]["nonmember"].startswith("ValueError: zerofuse.comm.Communicator: expected a process group this rank "
+                                          "(2) belongs to"), got[2]["nonmember"]
+    for r in got:
+        assert r["peer"].startswith("ValueError: zerofuse.comm.batch_p2p: expected ops[0] to be a P2POp("), r["peer"]
+        assert r["splits"] == ("ValueError: zerofuse::comm.all_to_all: expected output_splits to be whole row counts, "
+                               "got [1.5, 1, 0.5]"), r["splits"]
+        for k in ("2-D shard", "int shard"):
+            assert r[k].startswith("ValueError: zerofuse.comm.reduce_scatter_fp32_sum: expected out_shard as a 1-D "
+                                   "contiguous floating tensor"), r[k]
+        # the message of world size 3 is world size 1's word for word ("zerofuse::comm: .fn" before)
+        assert r["shape"] == ("RuntimeError: zerofuse::comm.reduce_scatter_coalesced: expected out_shard to be a 1-D "
+                              "contiguous tensor, got shape [1, 2] with strides [2, 1]"), r["shape"]
+
+
+def test_the_world_of_one_says_the_same(world_of_one):
+    comm = Communicator()
+    assert error_text(lambda: comm.reduce_scatter_coalesced([torch.ones(6)], torch.zeros(1, 2))) == (
+        "RuntimeError: zerofuse::comm.reduce_scatter_coalesced: expected out_shard to be a 1-D contiguous tensor, "
+        "got shape [1, 2] with strides [2, 1]")
+
