@@ -1,10 +1,12 @@
 """zerofuse.pipeline on real gloo ranks: every schedule at pp 2 and 4 (interleaved also with 2
 virtual stages per rank) trains a GPT for 10 steps with the losses and final params of
 single-process training on the same global batch; stage splitting; bad input."""
+import math
+
 import pytest
 import torch
 
-from dist_utils import run_distributed
+from dist_utils import error_text, run_distributed
 
 pytestmark = pytest.mark.usefixtures("native_kernels")  # the C++ CPU kernels, in this process and the ranks
 STEPS = 10
@@ -121,7 +123,7 @@ def test_tied_embeddings_across_stages_match_single_process(schedule, pp, v):
     assert_matches_reference(out, n_layer, MICRO, tied=True)
 
 
-@pytest.mark.parametrize("schedule,pp,v,recompute", [("1f1b", 2, 1, False), ("zb", 2, 1, True),
+@pytest.mark.parametrize("schedule,pp,v,recompute", [("1f1b", 2, 1, True), ("zb", 2, 1, False),
                                                     ("interleaved", 2, 2, False)])
 def test_packed_documents_through_the_stages_match_single_process(schedule, pp, v, recompute):
     """document_ids chunked with the batch into micro-batches reach every stage's attention (also
@@ -131,6 +133,34 @@ def test_packed_documents_through_the_stages_match_single_process(schedule, pp, 
     assert_matches_reference(out, 4, MICRO, documents=True)
     plain = _reference(4)[0]
     assert all(abs(a - b) > 1e-4 for a, b in zip(out[0][0][1:], plain[1:]))
+
+
+def _zb_recompute_rank(rank, ws):
+    from zerofuse.models import GPT
+    from zerofuse.pipeline import Pipeline, split_gpt
+
+    with torch.device("meta"):
+        model = GPT(_cfg(4), seed=0)
+    pipe = Pipeline(split_gpt(model, ws, [rank], device="cpu"), schedule="zb", microbatches=2)
+    idx, tgt = _batches(1)[0]
+    out = []
+    for mode in ("full", "selective"):
+        model.activation_checkpointing = mode
+        out.append(error_text(lambda: pipe.step(idx, tgt)))
+    model.activation_checkpointing = "none"
+    out.append(pipe.step(idx, tgt).item())  # still usable
+    return out
+
+
+def test_zero_bubble_with_activation_checkpointing_is_refused_on_every_rank():
+    """'zb' with full checkpointing recomputed each block once per module with params in its W
+    pass (8 forwards of a block per micro-batch, 1f1b's 2); with selective it raised torch's
+    "backward an extra time" at the first W. Refused at the step, on every rank, before anything runs."""
+    for full, selective, loss in run_distributed(_zb_recompute_rank, 2, timeout=120):
+        for got, mode in ((full, "full"), (selective, "selective")):
+            assert got.startswith(f"ValueError: zerofuse.pipeline.Pipeline: schedule 'zb' with activation_checkpointing "
+                                  f"'{mode}': its weight-grad pass is a second backward"), got
+        assert math.isfinite(loss)
 
 
 def _documents_refused_rank(rank, ws):

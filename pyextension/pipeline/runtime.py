@@ -156,6 +156,20 @@ class Pipeline(Transfers):
 
     # ------------------------------------------------------------------ zero-bubble hooks
 
+    def _check_no_recompute(self) -> None:
+        """'zb' and activation checkpointing: its W pass is a second backward through each block,
+        module by module: full checkpointing recomputed every block once per module with params
+        (8 forwards of a GPT block per micro-batch, measured: 1f1b's 2), and selective
+        checkpointing allows one backward only (the step raised torch's error at the first W)."""
+        from zerofuse.models.recompute import mode_of
+        for s in self.stages.values():
+            mode = mode_of(s.checkpointing()) if hasattr(s, "checkpointing") else "none"
+            if mode != "none":
+                raise ValueError(f"{NAME}: schedule 'zb' with activation_checkpointing {mode!r}: its weight-grad "
+                                 "pass is a second backward through each block (recomputing the block once per "
+                                 "module, or refused by selective checkpointing); expected activation_checkpointing "
+                                 "'none' with 'zb', or schedule '1f1b' or 'interleaved' with checkpointing")
+
     def _record_output(self, mod, _args, out):
         if self._recording is not None:
             outs = [t for t in _tensors(out) if t.requires_grad]
@@ -177,6 +191,8 @@ class Pipeline(Transfers):
         if not torch.is_grad_enabled():
             raise RuntimeError(f"{NAME}.step trains (forward and backward): called with grad disabled "
                                "(torch.no_grad()); evaluate with forward_only")
+        if self._split:
+            self._check_no_recompute()
         mbs, tgts, docs = idx.chunk(m), targets.chunk(m), self._documents(idx, document_ids, m)
         self._set_batch(mbs[0])
         self._inputs, self._outputs, self._grads_in, self._ys, self._losses = {}, {}, {}, {}, {}

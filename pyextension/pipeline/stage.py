@@ -255,6 +255,7 @@ def split_gpt(model, num_stages: int, stage_ids: Sequence[int], *, layout=None, 
         kept.update(id(p) for _, m in parts for p in m.parameters())
         stages.append(Stage(parts, _gpt_runner(model, emb, [model.blocks[i] for i in blocks], head), s, num_stages,
                             takes_documents=True))
+        stages[-1].checkpointing = lambda: model.activation_checkpointing  # (read by Pipeline.step for 'zb')
     ends = [i for i in (0, num_stages - 1) if i in stage_ids]
     if cfg.tie_embeddings and num_stages > 1 and len(ends) == 1:  # the two uses on two ranks
         (end,) = ends

@@ -30,6 +30,10 @@ def _validate_pipeline(args) -> None:
     from zerofuse.pipeline.schedules import build_schedule
     v = args.virtual_stages
     _check(v >= 1, f"--virtual-stages: expected >= 1, got {v}")
+    _check(args.pp_schedule != "zb" or args.activation_checkpointing == "none",
+           f"--pp-schedule zb: expected --activation-checkpointing none (its weight-grad pass is a second backward "
+           f"through each block: recomputed once per module, or refused by selective), got "
+           f"{args.activation_checkpointing}; use --pp-schedule 1f1b or interleaved with checkpointing")
     _check(v == 1 or args.pp_schedule == "interleaved",
            f"--virtual-stages: expected 1 with --pp-schedule {args.pp_schedule} (only interleaved runs several), got {v}")
     if args.pp == 1:
