@@ -177,9 +177,11 @@ def test_offload_without_checkpointing_is_refused():
                                          r"'selective' .*got activation_offload=True with activation_checkpointing "
                                          r"'none'"):
         model(X[:, :-1], X[:, 1:])
-    model.activation_checkpointing, model.activation_offload = "full", "yes"
-    with pytest.raises(ValueError, match=r"expected activation_offload True or False, got 'yes'"):
-        model(X[:, :-1], X[:, 1:])
+    model.activation_checkpointing = "full"
+    for bad in ("yes", 1, 1.0, None):  # (1 and 1.0 were taken as True)
+        model.activation_offload = bad
+        with pytest.raises(ValueError, match=rf"expected activation_offload True or False, got {bad!r}"):
+            model(X[:, :-1], X[:, 1:])
 
 
 def test_job_flag_without_checkpointing_is_a_usage_error(capsys, tmp_path):
@@ -215,3 +217,19 @@ def test_cuda_offload_uses_pinned_host_copies(mode, monkeypatch):
     assert torch.equal(loss, base_loss)
     for n, g in base.items():
         assert torch.equal(grads[n], g), n
+
+
+def test_the_host_cache_serves_the_list_layout_of_older_torch():
+    """Torch releases before 2.13's per-call index kept an op's saved outputs in a list (append in
+    forward, pop(0) in recompute): the offloading cache had only 2.13's dict face (AttributeError
+    'append' there); both faces give the entries back in order."""
+    from torch.utils.checkpoint import _VersionWrapper
+
+    a, b = torch.randn(3), torch.randn(2)
+    old = recompute._HostCache()
+    old.append(_VersionWrapper(a))
+    old.append(_VersionWrapper(b))
+    assert torch.equal(old.pop(0).val, a) and torch.equal(old.pop(0).val, b) and len(old) == 0
+    new = recompute._HostCache()
+    new[0], new[1] = _VersionWrapper(a), _VersionWrapper(b)
+    assert torch.equal(new.get(1).val, b) and torch.equal(new.get(0).val, a)

@@ -136,8 +136,13 @@ def test_one_document_is_causal_attention(path):
     """One document per row: the same bits as causal attention without documents."""
     q, k, v, _ = _inputs(2, 2, 1, 97, 32, torch.float32)
     ids = torch.zeros(2, 97, dtype=torch.long, device=DEVICE)
-    got = zF.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, document_ids=ids)
     want = zF.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    if q.is_cuda:  # documents are tuned under a key of their own: the same tile config, or other bits
+        from zerofuse.kernels import attention as KA
+        for key, meta in list(KA._CHOSEN.items()):
+            if key[1:] == (128, 128, 32, True, torch.float32, False):
+                KA._CHOSEN[(*key[:-1], True)] = meta
+    got = zF.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, document_ids=ids)
     assert torch.equal(got, want) if path == "triton" else torch.allclose(got, want, rtol=1e-5, atol=1e-6)
 
 

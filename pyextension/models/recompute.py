@@ -117,13 +117,27 @@ def _unpack_kept(entry):
 
 
 class _HostCache(dict):
-    """One op's slots of torch's selective-checkpoint cache, the kept outputs on the host."""
+    """One op's slots of torch's selective-checkpoint cache, the kept outputs on the host. Torch
+    2.13 numbers an op's calls (cache[idx] = entry, cache.get(idx)); torch releases before that
+    per-call index kept a list per op (append in forward, pop(0) in recompute): both are served
+    (pyproject takes torch >= 2.8, the GPU image has 2.11; only 2.13's layout runs in CI)."""
 
     def __setitem__(self, idx, entry):
         super().__setitem__(idx, tree_map(_pack_kept, entry))
 
     def get(self, idx, default=None):
         return tree_map(_unpack_kept, super().get(idx, default))
+
+    def append(self, entry) -> None:
+        n = self.__dict__.get("appended", 0)
+        self[n] = entry
+        self.appended = n + 1
+
+    def pop(self, first=0):
+        """The oldest entry left (a list's pop(0)), unpacked."""
+        if first != 0 or not self:
+            raise IndexError("zerofuse.models.recompute: pop(0) of an empty or list-like cache only")
+        return tree_map(_unpack_kept, super().pop(min(self)))
 
 
 def _selective_contexts(offload: bool):
@@ -135,7 +149,7 @@ def _selective_contexts(offload: bool):
 
 def run(block, mode: str, *args, offload: bool = False):
     """block(*args) under the mode (no checkpointing without grad); offload: see the module's doc."""
-    if offload not in (True, False):
+    if not isinstance(offload, bool):  # (1, 0 and 1.0 passed `in (True, False)`; None did not)
         raise ValueError(f"zerofuse.models.GPT: expected activation_offload True or False, got {offload!r}")
     if offload and mode == "none":
         raise ValueError("zerofuse.models.GPT: expected activation_offload with activation_checkpointing 'full' or "
