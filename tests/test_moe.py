@@ -135,6 +135,24 @@ def test_opcheck_and_compile():
         assert_close(a, b)
 
 
+def test_a_compiled_fp32_moe_model_matches_eager():
+    """torch.compile of a whole fp32 MoE GPT failed to trace on CPU: torch._grouped_mm's fake kernel
+    takes bf16 only (its eager CPU kernel fp32 too); the experts' loop runs under compile instead."""
+    from zerofuse.models import GPT, config
+
+    model = GPT(config("moe-tiny", n_layer=2, dim=64, n_head=2, seq_len=32), seed=0)
+    x = torch.randint(0, model.config.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
+    want = model(x[:, :-1], x[:, 1:])[1]
+    want_g = torch.autograd.grad(want, list(model.parameters()), allow_unused=True)
+    got = torch.compile(model, backend="aot_eager")(x[:, :-1], x[:, 1:])[1]
+    got_g = torch.autograd.grad(got, list(model.parameters()), allow_unused=True)
+    assert_close(got, want)
+    for a, b in zip(got_g, want_g):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert_close(a, b)
+
+
 @pytest.mark.parametrize("score,normalize,k", [("softmax", True, 2), ("softmax", False, 1), ("sigmoid", True, 4)])
 def test_router_matches_the_reference_and_its_losses(score, normalize, k):
     torch.manual_seed(0)

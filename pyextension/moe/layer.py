@@ -48,7 +48,10 @@ def grouped_mm(x: Tensor, w: Tensor, counts: Tensor, *, full: bool = False) -> T
     sum(counts) == R (dropless routing), so no rows are masked."""
     if x.shape[0] == 0:  # no rows (an expert-parallel rank that received none): w still in the graph
         return x @ w[0]
-    if hasattr(torch, "_grouped_mm") and x.dtype in (torch.float32, torch.bfloat16) and _aligned(x, w):
+    # fp32: torch's eager CPU kernel takes it, its fake (meta) kernel takes bf16 only, so a compiled
+    # model failed to trace ("Expected inputs of BF16 type"): the per-expert loop there
+    fp32_ok = x.dtype == torch.float32 and not torch.compiler.is_compiling()
+    if hasattr(torch, "_grouped_mm") and (x.dtype == torch.bfloat16 or fp32_ok) and _aligned(x, w):
         offs = counts.cumsum(0).to(torch.int32)
         out = torch._grouped_mm(x, w, offs=offs)
         if full:
