@@ -9,8 +9,8 @@
 #   PHASES   comma-separated, run in this order: build,doctor,tests,train,profile,bench (default:
 #            all). A lease's device time is 15 minutes (machine start included), a call at most
 #            10, and the machine stays warm only 30 s after one. Estimates (an H200 on 2026-11-26
-#            and 2026-11-27): build+doctor ~2-4 min (the doctor's first attention call autotunes:
-#            44-78 s), tests ~3.5-5 min (correctness
+#            and 2026-11-27): build+doctor ~2-4 min (the doctor's first attention call autotuned:
+#            44-78 s; it runs one pinned tile config since 2026-11-27, unmeasured), tests ~3.5-5 min (correctness
 #            first: much GPU code has never run), train ~3.5 min (the step graphed and eager, the
 #            torch-native peer eager and compiled; PEER_COMPILE=0 saves ~1.5 min), profile ~2 min,
 #            the bench suites ~8-10 min in all (attention ~2.5, norms ~1.5, llama_ops ~2,

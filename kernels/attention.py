@@ -19,6 +19,7 @@ In the interpreter, tl.dot on fp16/bf16 is wrong: operands are upcast to fp32 th
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -245,6 +246,22 @@ def length_class(n: int) -> int:
 # dtype): a length of a class seen before launches the JIT kernel with that config directly. Any
 # config is correct at any length (the tails are masked); only the speed may differ within a class.
 _CHOSEN: dict = {}
+_PINNED: list = [None]  # the launch options every GPU launch takes instead of tuning (pinned_config)
+
+
+@contextlib.contextmanager
+def pinned_config(cfg: tuple = SMALL_CONFIG):
+    """Within the block every GPU launch takes the tile config ``cfg`` (BLOCK_M, BLOCK_N, warps,
+    stages; the default fits every head_dim and dtype) instead of its autotuned one, and tunes
+    nothing: for checks of the kernels' results, not their speed (the doctor's first attention call
+    tuned every shape of its self-test: 44-78 s on an H200). Nothing is kept in _CHOSEN."""
+    m, n, w, st = cfg
+    saved = _PINNED[0]
+    _PINNED[0] = triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=st).all_kwargs()
+    try:
+        yield
+    finally:
+        _PINNED[0] = saved
 
 
 def _launch(kernel, tuned, grid, *args, tune_key: tuple = (), **consts):
@@ -254,6 +271,10 @@ def _launch(kernel, tuned, grid, *args, tune_key: tuple = (), **consts):
         bm, bn = INTERPRETER_BLOCKS
         launch_triton(kernel, grid({"BLOCK_M": bm, "BLOCK_N": bn}), *args, BLOCK_M=bm, BLOCK_N=bn, UPCAST=True,
                       num_warps=4, **consts)
+        return
+    if _PINNED[0] is not None:
+        meta = _PINNED[0]
+        launch_triton(kernel, grid(meta), *args, UPCAST=False, **meta, **consts)
         return
     key = (kernel, *tune_key)
     meta = _CHOSEN.get(key)

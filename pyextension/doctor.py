@@ -205,9 +205,11 @@ def main(argv: list[str] | None = None) -> int:
         print(line)
     if args.no_selftest:
         return 0
-    failures = selftest(_devices())
-    if not failures:  # a failure through the JIT would fail again here: not the handles'
-        failures += handles_selftest(_devices())
+    from zerofuse.kernels.attention import pinned_config
+    with pinned_config():  # results are checked, not speed: no autotuning (44-78 s of an H200's time)
+        failures = selftest(_devices())
+        if not failures:  # a failure through the JIT would fail again here: not the handles'
+            failures += handles_selftest(_devices())
     failures += comm_selftest(_devices())
     if failures:
         print(f"doctor: {len(failures)} self-test(s) failed", file=sys.stderr)

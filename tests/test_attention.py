@@ -325,6 +325,15 @@ def test_a_new_length_of_a_seen_class_launches_the_chosen_config_without_tuning(
     assert launch(1025)[0] == "tuner" and launch(2048)[0] == "jit"
     assert launch(1000, d=128)[0] == "tuner" and launch(1000, causal=False)[0] == "tuner"
     assert [A.length_class(n) for n in (1, 64, 65, 97, 1024, 1025)] == [64, 64, 128, 128, 1024, 2048]
+    # pinned_config (the doctor's): every launch takes the config, none tunes or is kept
+    chosen = dict(A._CHOSEN)
+    with A.pinned_config():
+        for n, causal in ((4096, True), (1000, True), (77, False)):
+            name, grid, kw = launch(n, causal=causal)
+            assert name == "jit" and grid == (-(-n // 32), 2, 1) and kw == {
+                "UPCAST": False, "BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_ctas": 1, "num_stages": 1,
+                "CAUSAL": causal, "BLOCK_D": 64}
+    assert A._CHOSEN == chosen and A._PINNED == [None] and launch(4096)[0] == "tuner"
 
 
 @pytest.mark.parametrize("case", [CASES[1], CASES[3]], ids=lambda c: "-".join(map(str, c)))
