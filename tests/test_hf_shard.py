@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 import zerofuse
 from dist_utils import run_distributed
+from tolerances import assert_close
 from hf_models import batch, build
 from zerofuse import tp
 
@@ -70,6 +71,9 @@ def test_sharded_patched_model_trains_as_one_process(arch, dp, tpn, stage, cpu_k
         assert r["tied"] == (arch in ("gemma", "qwen2"))  # a tie stays a tie through the TP plan
     by_tp = {r["tp_rank"]: r for r in results[:tpn]}
     for name, want in ref_params.items():
+        # a replicated param is the same on every TP rank (Qwen3's per-head q_norm / k_norm drifted apart)
+        assert by_tp[0]["specs"][name] is not None or all(
+            torch.equal(by_tp[t]["params"][name], by_tp[0]["params"][name]) for t in range(tpn)), name
         spec = by_tp[0]["specs"][name]
         got = spec.merge([by_tp[t]["params"][name] for t in range(tpn)]) if spec is not None else by_tp[0]["params"][name]
         # Adam divides by sqrt(v): an element whose gradient is near zero moves by up to lr on a
@@ -86,6 +90,31 @@ def test_sharded_patched_model_trains_as_one_process(arch, dp, tpn, stage, cpu_k
         for key in ("o_proj", "down_proj"):
             assert any(key in n and s is not None and s.dim == 1 for n, s in specs.items()), key
         assert all(s is None for n, s in specs.items() if "norm" in n)
+
+
+def _qk_norm_grads_rank(rank, ws):
+    from zerofuse import kernels
+
+    kernels.TRITON_ON_CPU = False
+    model = zerofuse.shard(zerofuse.patch(build("qwen3")), tp=2)
+    ids = _batches()[0]
+    model(ids, labels=ids).loss.backward()
+    with zerofuse.zero.full_grads(model):
+        return {n: p.grad.clone() for n, p in model.named_parameters() if "q_norm" in n or "k_norm" in n}
+
+
+def test_per_head_norms_get_the_whole_gradient_under_tp(cpu_kernels):
+    """Qwen3's q_norm / k_norm (replicated, applied to each rank's heads) got each TP rank's part of
+    their gradient: the ranks stepped different values, none the one process's. Summed over the group."""
+    model = zerofuse.patch(build("qwen3"))
+    ids = _batches()[0]
+    model(ids, labels=ids).loss.backward()
+    want = {n: p.grad for n, p in model.named_parameters() if "q_norm" in n or "k_norm" in n}
+    assert want
+    for got in run_distributed(_qk_norm_grads_rank, 2, timeout=300):
+        assert got.keys() == want.keys()
+        for n, g in want.items():
+            assert_close(got[n], g, msg=lambda m, n=n: f"{n}: {m}")
 
 
 def _refusals_rank(rank, ws):

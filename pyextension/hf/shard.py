@@ -6,8 +6,11 @@ projections column-parallel, o/down projections row-parallel (one all-reduce eac
 backward), the input embedding vocabulary-parallel and the output layer a vocabulary-parallel
 fused linear + cross-entropy head (logits gathered when asked for without labels). The attention
 modules keep their own forward: with q/k/v split by whole heads they see num_heads / tp heads.
-Norm weights stay replicated (their gradients agree over the TP group: no sequence parallelism
-here). ZeRO then shards over the data-parallel group (zerofuse.zero.parallelize; stage 3 wraps each
+Norm weights stay replicated. Those of the decoder (on the whole hidden state: no sequence
+parallelism here) get the same gradient on every TP rank; those inside a module the plan split
+(Qwen3's per-head q_norm / k_norm, applied to this rank's heads only) get a part of it on each,
+summed over the TP group by a hook (tp.sync_replicated_grads; before, each rank stepped its part:
+the ranks' copies drifted apart and from one process's). ZeRO then shards over the data-parallel group (zerofuse.zero.parallelize; stage 3 wraps each
 decoder layer). Every rank calls it with the same model (same weights: load, or seed, alike).
 """
 from __future__ import annotations
@@ -19,6 +22,7 @@ import torch
 from zerofuse import zero
 from zerofuse.hf import archs
 from zerofuse.parallel import init_mesh
+from zerofuse.tp import comm as tp_comm
 from zerofuse.tp import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from zerofuse.tp.cross_entropy import VocabParallelLinearCrossEntropyHead
 
@@ -49,7 +53,9 @@ def _tensor_parallel(model, arch, decoder, mesh) -> None:
         n = getattr(cfg, key, None)
         if n is not None and n % tp:
             raise ValueError(f"{WHO}: expected the TP size {tp} to divide config.{key} ({n})")
+    partial, comm = [], None
     for parent in list(model.modules()):
+        split = False
         for name, child in list(parent.named_children()):
             style = arch.tp.get(name)
             if style is None:
@@ -58,7 +64,14 @@ def _tensor_parallel(model, arch, decoder, mesh) -> None:
                 raise ValueError(f"{WHO}: expected {name} to be a torch.nn.Linear for the TP plan, got "
                                  f"{type(child).__name__}")
             cls = ColumnParallelLinear if style == "column" else RowParallelLinear
-            setattr(parent, name, cls.from_full(child.weight, child.bias, group=group))
+            new = cls.from_full(child.weight, child.bias, group=group)
+            setattr(parent, name, new)
+            split, comm = True, new.comm
+        if split:  # the module's own replicated params see this rank's heads / columns only
+            partial += [p for n, c in parent.named_children() if arch.tp.get(n) is None
+                        for p in c.parameters() if p.requires_grad]
+    if partial:
+        tp_comm.sync_replicated_grads(partial, comm)
     emb = getattr(decoder, arch.embed)
     head = model.lm_head
     tied = head.weight is emb.weight
