@@ -157,6 +157,24 @@ def test_unknown_architecture_and_bad_flags_are_refused():
         zerofuse.patch(build("llama"), rope="yes")
 
 
+def test_a_refused_patch_changes_nothing():
+    """An lm_head the fused loss cannot take (a subclass of Linear: a quantised or adapter layer)
+    was refused after the norms, MLPs and attention were patched: half patched, counted as none."""
+    class AdapterLinear(torch.nn.Linear):
+        pass
+
+    model = build("llama")
+    old = model.lm_head
+    model.lm_head = AdapterLinear(old.in_features, old.out_features, bias=False)
+    with pytest.raises(ValueError, match="linear_cross_entropy expects lm_head to be a torch.nn.Linear, got "
+                                         "AdapterLinear"):
+        zerofuse.patch(model)
+    assert zerofuse.hf.patched(model) == {}
+    assert not [n for n, m in model.named_modules() if "forward" in vars(m)]  # no forward swapped
+    zerofuse.patch(model, linear_cross_entropy=False)
+    assert zerofuse.hf.patched(model)["rms_norm"] > 0 and zerofuse.hf.patched(model)["linear_cross_entropy"] == 0
+
+
 def test_gradient_accumulation_with_num_items_in_batch(cpu_kernels):
     """4 micro-batches, each loss = sum / num_items_in_batch (the Trainer's), give the big batch's
     mean-loss gradients (transformers >= 4.46 semantics; Liger-Kernel#802)."""

@@ -32,14 +32,22 @@ from zerofuse.tp.cross_entropy import VocabParallelLinearCrossEntropyHead
 IGNORE_INDEX = -100
 
 
+def check_fusable_head(model) -> None:
+    """model.lm_head is one fused_head can swap (zerofuse.patch checks before it changes anything:
+    a refusal after the norms and MLPs were patched left the model half patched, counted as none)."""
+    head = getattr(model, "lm_head", None)
+    if not isinstance(head, (LinearCrossEntropyHead, VocabParallelLinearCrossEntropyHead)) and \
+            type(head) is not torch.nn.Linear:
+        raise ValueError(f"zerofuse.patch: linear_cross_entropy expects lm_head to be a torch.nn.Linear, got "
+                         f"{type(head).__name__} (pass linear_cross_entropy=False to patch the rest)")
+
+
 def fused_head(model) -> None:
     """Swap model.lm_head (a torch.nn.Linear) for a LinearCrossEntropyHead sharing its params."""
     head = model.lm_head
     if isinstance(head, (LinearCrossEntropyHead, VocabParallelLinearCrossEntropyHead)):
         return
-    if type(head) is not torch.nn.Linear:
-        raise ValueError(f"zerofuse.patch: linear_cross_entropy expects lm_head to be a torch.nn.Linear, got "
-                         f"{type(head).__name__}")
+    check_fusable_head(model)
     new = LinearCrossEntropyHead(head.in_features, head.out_features, bias=head.bias is not None, device="meta")
     new.weight = head.weight
     if head.bias is not None:

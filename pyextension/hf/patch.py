@@ -10,7 +10,7 @@ import types
 
 from zerofuse.hf import archs
 from zerofuse.hf.attention import patch_attention, register
-from zerofuse.hf.causal_lm import patch_lm
+from zerofuse.hf.causal_lm import check_fusable_head, patch_lm
 from zerofuse.nn import functional as zF
 
 WHO = "zerofuse.patch"
@@ -76,7 +76,10 @@ def patch(model, rms_norm: bool = True, attention: bool = True, rope: bool = Tru
     through the attention interface (unpadded causal batches; the rest runs the model's own);
     rope: the rotary embedding; swiglu: the gated MLP's act(gate) * up (SwiGLU, Gemma's GeGLU);
     linear_cross_entropy: the output layer + loss fused and chunked when labels are given.
-    An unknown architecture is refused with the list of what can be patched."""
+    An unknown architecture is refused with the list of what can be patched; a refusal changes nothing.
+    Save a patched model with ``save_pretrained`` or its ``state_dict`` and patch again after loading:
+    pickling the module whole (``torch.save(model)``) is not supported (its forwards are bound to
+    each instance: a load fails, or runs the stock forward)."""
     flags = {k: _flag(k, v) for k, v in (("rms_norm", rms_norm), ("attention", attention), ("rope", rope),
                                          ("swiglu", swiglu), ("linear_cross_entropy", linear_cross_entropy))}
     outer, model = model, getattr(model, "_orig_mod", model)  # torch.compile's wrapper: patch what it wraps
@@ -87,6 +90,8 @@ def patch(model, rms_norm: bool = True, attention: bool = True, rope: bool = Tru
                          "call zerofuse.patch before zerofuse.shard / zerofuse.zero.parallelize")
     counts = dict(getattr(model, "_zerofuse_patched", None) or dict.fromkeys(archs.OPS, 0))
     on = {k for k, v in flags.items() if v and k in arch.ops}
+    if "linear_cross_entropy" in on:
+        check_fusable_head(model)  # before anything is swapped: a refusal leaves the model as it was
     if "rms_norm" in on:
         counts["rms_norm"] += _patch_modules(model, archs.norm_kind, _attach_norm)
     if "swiglu" in on:
