@@ -92,8 +92,11 @@ def setup(t) -> None:
     t.graphs_off = "--no-cuda-graphs" if args.cuda_graphs is False else reason_not(t)
     t.graphs = StepGraph(t) if t.graphs_off is None else None
     seq = t.cfg.seq_len
-    t.train_data = Sampler(t.corpus.train, seq, args.batch, args.grad_accum, args.dp, t.mesh.dp_rank, args.seed)
-    t.val_data = Sampler(t.corpus.val, seq, args.batch, 1, 1, 0, args.seed)
+    vocab = t.corpus.vocab_size
+    t.train_data = Sampler(t.corpus.train, seq, args.batch, args.grad_accum, args.dp, t.mesh.dp_rank, args.seed,
+                           vocab=vocab)
+    t.val_data = Sampler(t.corpus.val, seq, args.batch, 1, 1, 0, args.seed, vocab=vocab,
+                         flag="--val-data" if args.val_data else "--data")
     t.out = Path(args.out)
     t.ckpt = t.out / "ckpt"
     t.step = resume(t) if args.resume else 0

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import sys
 
 from . import tokens as tok
 from .data import GPT2_DEFAULT, Corpus, _data_path
@@ -135,7 +136,8 @@ def _validate_moe(args) -> None:
 
 def _validate_data(args) -> None:
     gpt2_model = args.model_name.startswith("gpt2-")
-    if args.data is None and gpt2_model and args.tokenizer in (None, "gpt2"):
+    if args.data is None and (args.tokenizer == "gpt2" or (gpt2_model and args.tokenizer is None)):
+        # the shipped shards (any model with --tokenizer gpt2 tokenized the shipped text into the package before)
         args.data, args.val_data = (str(p) for p in GPT2_DEFAULT)
     shards = args.data is not None and tok.is_shard_spec(args.data)
     args.tokenizer = args.tokenizer or ("gpt2" if shards or gpt2_model else "char")
@@ -156,6 +158,7 @@ def _validate_data(args) -> None:
     if size < 64 * 2 ** 20:  # small enough to tokenise here: check the exact split sizes
         corpus = Corpus.load(path, args.tokenizer)
         ok, got = len(corpus.val[0]) >= need, f"{len(corpus.val[0])} validation tokens"
+        args.corpus_identity = corpus.identity()
     else:
         ok, got = True, ""
     _check(ok, f"--data: expected at least {need} validation tokens (10% of the file) for --seq-len "
@@ -171,11 +174,19 @@ def _validate_tokens(args, shards: bool, need: int) -> None:
         _check(path.is_file() and os.access(path, os.R_OK),
                f"--data: expected a readable text file or token shards (.bin), got {str(path)!r}")
         _check(tok.gpt2_available(), f"--tokenizer gpt2: expected the GPT-2 BPE to be installed ({tok.GPT2_INSTALL})")
-        args.data = str(tok.tokenize_cached(path, fallback_dir=args.out))
+        try:
+            args.data = str(tok.tokenize_cached(path, fallback_dir=args.out))
+        except ValueError as e:
+            raise UsageError(str(e)) from None
     try:
         corpus = Corpus.load(args.data, "gpt2", args.val_data)
     except (ValueError, OSError) as e:
         raise UsageError(str(e)) from None
+    args.corpus_identity = corpus.identity()
+    if args.document_masking and not any(tok.GPT2_EOT in a[:1 << 20] for a in corpus.train):
+        print(f"zerofuse-train: note: --document-masking: no <|endoftext|> ({tok.GPT2_EOT}) in the first 2^20 tokens "
+              "of any --data shard: one document each, attention as without the flag (a text tokenized by "
+              "--tokenizer gpt2 has none: a literal '<|endoftext|>' is text)", file=sys.stderr)
     seq = args.model_shape["seq_len"]
     for part, flag in (("train", "--data"), ("val", "--val-data" if args.val_data else "--data")):
         for arr in getattr(corpus, part):
@@ -194,6 +205,11 @@ _SHAPE_FLAGS = {"n_layer": "--layers", "n_head": "--heads", "n_kv_head": "--kv-h
 _SHAPE_FIELDS = (*_SHAPE_FLAGS, "mlp_ratio", "mlp_hidden", "mlp", "norm", "bias", "tie_embeddings", "pos")
 
 
+def _vocab_text(identity: dict | None) -> str:
+    chars = (identity or {}).get("chars")
+    return f"{(identity or {}).get('kind')} tokens" + (f", {len(chars)} symbols" if chars else "")
+
+
 def validate_resume(args, ckpt) -> None:
     """--resume: the checkpoint's model has the shape these flags build (each rank's load refused it
     with a traceback of its own). Read from the checkpoint's ``extra`` (the job's config); the
@@ -202,11 +218,16 @@ def validate_resume(args, ckpt) -> None:
     from zerofuse.checkpoint.sources import Full
     from zerofuse.models import config
     try:
-        saved = (Full(str(ckpt)).common().get("extra") or {}).get("config")
+        extra = Full(str(ckpt)).common().get("extra") or {}
     except (ValueError, OSError, KeyError):
         return
+    saved = extra.get("config")
     if not isinstance(saved, dict):
         return
+    vocab, want = getattr(args, "corpus_identity", None), extra.get("tokenizer")
+    _check(vocab is None or want is None or vocab == want,
+           f"--resume: the checkpoint at {ckpt} was trained on another vocabulary ({_vocab_text(want)}) than "
+           f"--data {args.data} ({_vocab_text(vocab)}); expected the data of the run that wrote it")
     mine = dataclasses.asdict(config(args.model_name, **{**args.model_shape, "vocab_size": saved.get("vocab_size", 0)}))
     rope = saved.get("pos") == mine["pos"] == "rope"
     diff = [f for f in _SHAPE_FIELDS if f in saved and saved[f] != mine[f] and not (f == "seq_len" and rope)]

@@ -61,16 +61,26 @@ class Corpus:
     @classmethod
     def _load_tokens(cls, spec: str, val_spec) -> "Corpus":
         """GPT-2 tokens; a text file (not .bin) is tokenized into its cache first."""
-        def shards(s, flag):
+        def files(s, flag):
             if not tok.is_shard_spec(str(s)):
                 s = tok.tokenize_cached(s)
-            return [tok.read_shard(p, flag) for p in tok.expand(str(s), flag)]
-        train = shards(spec, "--data")
+            return tok.expand(str(s), flag)
+
+        def shards(paths, flag):
+            _open_files(len(paths), flag)
+            return [tok.read_shard(p, flag) for p in paths]
+        train_files = files(spec, "--data")
+        train = shards(train_files, "--data")
         if val_spec is None:
             last, val = _split(train[-1])
             train, val = train[:-1] + [last], [val]
         else:
-            val = shards(val_spec, "--val-data")
+            val_files = files(val_spec, "--val-data")
+            both = sorted({p.resolve() for p in train_files} & {p.resolve() for p in val_files})
+            if both:  # (the validation loss was measured on training data without a word)
+                raise ValueError(f"--val-data: expected files that are not training data, got {[str(p) for p in both]} "
+                                 f"also matched by --data {spec!r}")
+            val = shards(val_files, "--val-data")
         return cls("gpt2", None, train, val)
 
     @property
@@ -116,6 +126,20 @@ class Corpus:
         return {"kind": self.kind, "chars": self.chars}
 
 
+def _open_files(n: int, flag: str) -> None:
+    """Each memory-mapped shard holds a file descriptor: the soft limit is raised toward the hard one
+    for n shards (llm.c's FineWeb-100B has ~1000; the default soft limit is often 1024, which ended
+    in a bare "[Errno 24] Too many open files"); ValueError naming the flag when even that is short."""
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = n + 256  # (the process's other files, sockets of the process group)
+    if soft != resource.RLIM_INFINITY and soft < need:
+        if hard != resource.RLIM_INFINITY and hard < need:
+            raise ValueError(f"{flag}: {n} token files need about {need} open files, the limit is {hard} "
+                             "(ulimit -n): raise it, or merge the shards")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
+
+
 def _mix(*parts: int) -> int:
     """A fixed 63-bit seed from integers (Python's hash() is salted per process)."""
     h = 1469598103934665603
@@ -131,7 +155,10 @@ class Sampler:
     and any layout with the same dp × batch sees the same data. Over several shards a start is drawn
     over all windows of all shards (a window never spans two shards)."""
 
-    def __init__(self, tokens, seq_len: int, batch: int, accum: int, dp: int, dp_rank: int, seed: int):
+    def __init__(self, tokens, seq_len: int, batch: int, accum: int, dp: int, dp_rank: int, seed: int,
+                 vocab: int | None = None, flag: str = "--data"):
+        # ids must be below vocab: checked per batch (a shard's middle is not read at the start)
+        self.vocab, self.flag = vocab, flag
         shards = [tokens] if not isinstance(tokens, (list, tuple)) else list(tokens)
         self.shards = [s.numpy() if isinstance(s, torch.Tensor) else s for s in shards]
         self.seq_len, self.batch, self.accum = seq_len, batch, accum
@@ -155,5 +182,9 @@ class Sampler:
         for s in np.unique(shard):
             at = shard == s
             chunk[at] = self.shards[s][local[at][:, None] + self._window]
+            if self.vocab is not None and chunk[at].max() >= self.vocab:
+                raise ValueError(f"{self.flag}: shard {s} holds token id {int(chunk[at].max())} at or past the vocabulary "
+                                 f"({self.vocab}) in a window read at step {step}; expected GPT-2 token ids "
+                                 f"(the start checks read the first and last 2^20 tokens of each shard)")
         chunk = torch.from_numpy(chunk)
         return chunk[..., :-1], chunk[..., 1:]

@@ -36,17 +36,37 @@ def padded_vocab(n: int, multiple: int = 64) -> int:
     return -(-n // multiple) * multiple
 
 
+def _is_pattern(spec: str) -> bool:
+    """A glob pattern, unless a file of that very name exists (run[1].txt is a file, not a pattern)."""
+    return glob.has_magic(spec) and not Path(spec).exists()
+
+
 def is_shard_spec(spec: str) -> bool:
     """--data names token shards (not a text file) when it ends in .bin or is a glob pattern."""
-    return spec.endswith(".bin") or glob.has_magic(spec)
+    return spec.endswith(".bin") or _is_pattern(spec)
+
+
+def _is_token_file(path: Path) -> bool:
+    """A .bin file, or one that starts with llm.c's header."""
+    if path.suffix == ".bin":
+        return True
+    with open(path, "rb") as f:
+        head = np.frombuffer(f.read(4).ljust(4, b"\0"), dtype=np.int32)
+    return int(head[0]) == MAGIC
 
 
 def expand(spec: str, flag: str = "--data") -> list[Path]:
-    """The files a shard spec names, sorted; ValueError naming the flag when there are none."""
-    if glob.has_magic(spec):
+    """The files a shard spec names, sorted; ValueError naming the flag when there are none, or when
+    a pattern matches a file that is not a token file (a text read as uint16 pairs trained silently
+    on garbage ids: two ASCII bytes make an id below GPT-2's vocabulary)."""
+    if _is_pattern(spec):
         paths = sorted(Path(p) for p in glob.glob(spec, recursive=True) if Path(p).is_file())
         if not paths:
             raise ValueError(f"{flag}: expected the pattern {spec!r} to match token files, matched none")
+        other = [str(p) for p in paths if not _is_token_file(p)]
+        if other:
+            raise ValueError(f"{flag}: expected the pattern {spec!r} to match token files (.bin, or llm.c's header), "
+                             f"it also matches {other[:3]}{' ...' if len(other) > 3 else ''}")
         return paths
     path = Path(spec)
     if not path.is_file():
@@ -83,7 +103,8 @@ def read_shard(path, flag: str = "--data") -> np.ndarray:
 
 def check_ids(tokens: np.ndarray, path, vocab: int = GPT2_VOCAB, flag: str = "--data", sample: int = 1 << 20) -> None:
     """Token ids must index the vocabulary: checked on the first and last ``sample`` tokens (the
-    whole of a small shard; the model's embedding would read out of bounds on a larger id)."""
+    whole of a small shard; the model's embedding would read out of bounds on a larger id). The
+    rest is checked batch by batch as it is read (data.Sampler)."""
     for part in (tokens[:sample], tokens[-sample:]):
         if len(part) and int(part.max()) >= vocab:
             raise ValueError(f"{flag}: {path}: expected GPT-2 token ids below {vocab}, found {int(part.max())}")
@@ -163,6 +184,11 @@ def tokenize_cached(text_path, fallback_dir=None) -> Path:
     import fcntl
     text_path = Path(text_path)
     raw = text_path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:  # (decoded with replacement characters, silently, before)
+        raise ValueError(f"--data: {text_path} is not UTF-8 text (byte {e.start}: {raw[e.start:e.start + 4]!r}); "
+                         "expected UTF-8 for --tokenizer gpt2 (--tokenizer byte reads any file)") from None
     name = f"{text_path.name}.gpt2-{hashlib.sha256(raw).hexdigest()[:12]}.bin"
     where = text_path.parent if os.access(text_path.parent, os.W_OK) else Path(fallback_dir or ".")
     where.mkdir(parents=True, exist_ok=True)
@@ -172,5 +198,5 @@ def tokenize_cached(text_path, fallback_dir=None) -> Path:
     with open(where / f".{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not cache.is_file():
-            write_shard(cache, gpt2_encode(raw.decode("utf-8", errors="replace")))
+            write_shard(cache, gpt2_encode(text))
     return cache

@@ -1,0 +1,105 @@
+"""The training job's data: what a review reproduced as silently wrong or unclear (each check
+failing before its fix): a glob matching text files read as GPT-2 ids; ids past the vocabulary in
+a shard's middle (never checked: they trained in the padding rows or crashed a rank); validation
+shards that are also training shards; non-UTF-8 text tokenized with replacement characters; a
+literal file name with brackets taken as a pattern; --tokenizer gpt2 without --data tokenizing the
+shipped text into the package; --document-masking on data without documents; --resume on another
+vocabulary; more shards than the open-file limit."""
+from __future__ import annotations
+
+import resource
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from zerofuse import train
+from zerofuse.train import data as D
+from zerofuse.train import tokens as tok
+from zerofuse.train.data import GPT2_DEFAULT
+
+from test_train import _ok, run
+from test_train_data import _flags
+
+
+def test_a_pattern_matching_text_files_is_refused(tmp_path):
+    (tmp_path / "notes.txt").write_text("The quick brown fox jumps over the lazy dog\n" * 20)
+    tok.write_shard(tmp_path / "a.bin", range(500))
+    with pytest.raises(train.UsageError, match=r"^--data: expected the pattern .* to match token files \(.bin, or "
+                                               r"llm.c's header\), it also matches \['.*notes.txt'\]"):
+        _flags("--data", str(tmp_path / "*"), "--seq-len", "8")
+    tok.write_shard(tmp_path / "headed.tok", range(500))  # an llm.c header under another suffix is a token file
+    assert [p.name for p in tok.expand(str(tmp_path / "[ah]*"))] == ["a.bin", "headed.tok"]
+
+
+def test_a_file_named_like_a_pattern_is_a_file(tmp_path):
+    text = tmp_path / "run[1].txt"
+    text.write_text("hello world, " * 200)
+    assert not tok.is_shard_spec(str(text))
+    assert _flags("--data", str(text), "--seq-len", "8").data == str(text)
+
+
+def test_ids_past_the_vocabulary_in_a_shards_middle_are_found_when_read():
+    ids = np.zeros(100_000, dtype=np.uint16)
+    ids[50_000:50_100] = 50_300  # a padding row of the 50304-row embedding: trained silently before
+    sampler = D.Sampler([ids], 64, 8, 1, 1, 0, seed=0, vocab=tok.GPT2_VOCAB)
+    with pytest.raises(ValueError, match=r"^--data: shard 0 holds token id 50300 at or past the vocabulary \(50257\) "
+                                         r"in a window read at step \d+"):
+        for step in range(5000):
+            sampler.get(step)
+
+
+def test_validation_shards_that_are_training_shards_are_refused(tmp_path):
+    for name in ("train_000.bin", "val_000.bin"):
+        tok.write_shard(tmp_path / name, range(5000))
+    with pytest.raises(train.UsageError, match=r"^--val-data: expected files that are not training data, got "
+                                               r"\['.*val_000.bin'\] also matched by --data"):
+        _flags("--data", str(tmp_path / "*.bin"), "--val-data", str(tmp_path / "val_000.bin"), "--seq-len", "8")
+    assert _flags("--data", str(tmp_path / "train_*.bin"), "--val-data", str(tmp_path / "val_000.bin"),
+                  "--seq-len", "8").val_data.endswith("val_000.bin")
+
+
+def test_non_utf8_text_is_refused_for_the_gpt2_tokenizer(tmp_path):
+    text = tmp_path / "latin1.txt"
+    text.write_bytes("Café crème, ".encode("latin-1") * 100)
+    with pytest.raises(ValueError, match=r"^--data: .*latin1.txt is not UTF-8 text \(byte 3: .*\); expected UTF-8 "
+                                         r"for --tokenizer gpt2"):
+        tok.tokenize_cached(text)
+    assert not list(tmp_path.glob("*.bin"))  # (it was tokenized with replacement characters)
+
+
+def test_gpt2_tokens_without_data_are_the_shipped_shards():
+    a = _flags("--model", "tiny", "--tokenizer", "gpt2")
+    assert (Path(a.data), Path(a.val_data)) == GPT2_DEFAULT
+
+
+def test_document_masking_on_data_without_documents_says_so(capsys):
+    _flags("--data", str(GPT2_DEFAULT[0]), "--val-data", str(GPT2_DEFAULT[1]), "--document-masking")
+    assert "note: --document-masking: no <|endoftext|> (50256)" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(300)
+def test_resume_on_another_vocabulary_is_refused_before_launch(tmp_path, capsys):
+    """A checkpoint of one text's characters resumed on another text: one line (each rank raised a
+    shape mismatch of its own)."""
+    text = tmp_path / "small.txt"
+    text.write_text("abcdefghij klmnopqrst\n" * 400)
+    out = tmp_path / "out"
+    _ok(run("--nproc", 1, "--model", "tiny", "--steps", 1, "--eval-every", 0, "--sample-tokens", 0, "--out", out))
+    assert train.main(["--device", "cpu", "--nproc", "1", "--model", "tiny", "--steps", "2", "--out", str(out),
+                       "--resume", "--data", str(text)]) == 2
+    err = capsys.readouterr().err
+    assert (f"--resume: the checkpoint at {out / 'ckpt'} was trained on another vocabulary (char tokens, 65 symbols) "
+            f"than --data {text} (char tokens, 22 symbols)") in err and "Traceback" not in err
+
+
+def test_many_shards_raise_the_open_file_limit(monkeypatch):
+    calls = []
+    monkeypatch.setattr(resource, "getrlimit", lambda what: (64, 4096))
+    monkeypatch.setattr(resource, "setrlimit", lambda what, lim: calls.append(lim))
+    D._open_files(1100, "--data")
+    assert calls == [(1356, 4096)]
+    monkeypatch.setattr(resource, "getrlimit", lambda what: (64, 512))
+    with pytest.raises(ValueError, match=r"^--data: 1100 token files need about 1356 open files, the limit is 512 "
+                                         r"\(ulimit -n\)"):
+        D._open_files(1100, "--data")
