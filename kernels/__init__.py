@@ -13,7 +13,10 @@ that calls one fails with "Cannot call @triton.jit'd outside of the scope of a k
 import os
 import sys
 
-TRITON_ON_CPU = os.environ.get("ZEROFUSE_TRITON_ON_CPU", "0") == "1"
+from zerofuse.kernels.env import flag as _flag  # noqa: E402
+
+TRITON_ON_CPU = _flag("ZEROFUSE_TRITON_ON_CPU", False, "CPU tensors through the Triton kernels (interpreter)",
+                      "CPU tensors through the C++/torch CPU kernels")
 
 
 def _interpret_triton_language() -> None:

@@ -20,13 +20,12 @@ program reads the partials with ``.cg`` loads (L2, not a possibly stale L1 line)
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from zerofuse.kernels import interpreted
+from zerofuse.kernels import env, interpreted
 from zerofuse.kernels.common import _cast, cdiv, next_power_of_2
 from zerofuse.kernels.launch import launch_triton
 
@@ -35,7 +34,7 @@ from zerofuse.kernels.launch import launch_triton
 # H200's per-SM L2 bandwidth (~100-200 GB/s: 5-10 µs for 1 MiB) against a launch's 15-25 µs of
 # host time (bench/results/h200-2026-11-26); to be swept on a GPU. ZEROFUSE_ONE_LAUNCH_FLOATS sets
 # it (0: every sum in a second launch, the way back should the one-launch form fail on a GPU).
-ONE_LAUNCH_FLOATS = int(os.environ.get("ZEROFUSE_ONE_LAUNCH_FLOATS", 1 << 18))
+ONE_LAUNCH_FLOATS = env.number("ZEROFUSE_ONE_LAUNCH_FLOATS", 1 << 18)
 
 
 def one_launch(n_parts: int, n: int) -> bool:

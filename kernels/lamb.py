@@ -7,14 +7,13 @@ leaves p, m and v in L2 for stage 2, which walks the blocks backwards and stream
 """
 from __future__ import annotations
 
-import os
 from collections import OrderedDict
 
 import torch
 import triton
 import triton.language as tl
 
-from zerofuse.kernels import interpreted
+from zerofuse.kernels import env, interpreted
 from zerofuse.kernels.l2norm import _sum_blocks, segment_sums
 from zerofuse.kernels.launch import launch_triton
 from zerofuse.kernels.multi_tensor import (KEEP, STREAM, Launch, _blocks, _go, _grad_mult, _kept, _ld,
@@ -266,10 +265,7 @@ def _schedule(table, device: torch.device) -> torch.Tensor:
 
 
 def _lamb_one_launch_from_env() -> bool:
-    value = os.environ.get("ZEROFUSE_LAMB_ONE_LAUNCH", "0")
-    if value not in ("0", "1"):
-        raise ValueError(f"ZEROFUSE_LAMB_ONE_LAUNCH must be '0' (two launches) or '1' (one launch), got {value!r}")
-    return value == "1"
+    return env.flag("ZEROFUSE_LAMB_ONE_LAUNCH", False, "one launch", "two launches")
 
 
 # [Note: one-launch LAMB] A LAMB step moves at least 44 bytes per fp32 param from memory in

@@ -35,18 +35,16 @@ set here) and its check that the globals a kernel reads have not changed.
 from __future__ import annotations
 
 import inspect
-import os
 
 import torch
 from triton import knobs
 from triton.runtime.jit import JITFunction
 
 from zerofuse import _C
-from zerofuse.kernels import _INTERPRETED
+from zerofuse.kernels import _INTERPRETED, env
 
-MODE = os.environ.get("ZEROFUSE_TRITON_LAUNCH", "handles")
-if MODE not in ("jit", "handles"):
-    raise ValueError(f"ZEROFUSE_TRITON_LAUNCH: expected 'jit' or 'handles', got {MODE!r}")
+MODE = env.choice("ZEROFUSE_TRITON_LAUNCH", "handles", {"jit": "every launch through Triton's JIT",
+                                                        "handles": "compiled launchers called directly"})
 
 
 def _hooked(chain) -> bool:

@@ -39,7 +39,6 @@ kernel before, 10 after: the constants' loads and conversions).
 """
 from __future__ import annotations
 
-import os
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -47,6 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
+from zerofuse.kernels import env
 from zerofuse.kernels.common import _cast, cdiv, sm_count, upload
 from zerofuse.kernels.launch import launch_triton
 
@@ -70,11 +70,8 @@ KEEP = tl.constexpr("")
 
 
 def _grid_from_env() -> str:
-    value = os.environ.get("ZEROFUSE_OPTIM_GRID", "persistent")
-    if value not in ("persistent", "flat"):
-        raise ValueError(f"ZEROFUSE_OPTIM_GRID must be 'persistent' (a few programs per SM looping over blocks) "
-                         f"or 'flat' (one program per block), got {value!r}")
-    return value
+    return env.choice("ZEROFUSE_OPTIM_GRID", "persistent", {"persistent": "a few programs per SM looping over blocks",
+                                                            "flat": "one program per block"})
 
 
 GRID = _grid_from_env()

@@ -54,6 +54,7 @@ import torch.distributed as dist
 
 from zerofuse import _C
 from zerofuse.comm import local
+from zerofuse.kernels import env
 from zerofuse.comm.checker import CollectiveChecker, CollectiveMismatch  # noqa: F401  (re-exported)
 
 # per group name: ranks of a group number their communicators alike whatever other groups they
@@ -208,12 +209,12 @@ class Communicator(CollectiveChecker):
         self.store = dist.distributed_c10d._get_default_store()
         self._uid = _next_uid(name, self.group, self.store, dist.get_rank(self.group))
         if debug_delay_ms is None:
-            debug_delay_ms = float(os.environ.get("ZEROFUSE_COMM_DELAY_MS", "0"))
+            debug_delay_ms = env.number("ZEROFUSE_COMM_DELAY_MS", 0.0, kind=float)
         self.timeout = _timeout(group_timeout(self.group) if timeout is None else timeout)
         self._fp32_sums = itertools.count()  # numbers reduce_scatter_fp32_sum calls (c10d: not in the C++ sequence)
         self._c = _C._Communicator(self.group, self.store, transport, f"{self._uid}/nccl_id", self.timeout,
                                    float(debug_delay_ms))
-        self.check = os.environ.get("ZEROFUSE_CHECK_COLLECTIVES", "0") == "1"
+        self.check = env.flag("ZEROFUSE_CHECK_COLLECTIVES", False, "every call's signature compared across ranks", "off")
         self._p2p_counts: dict[tuple[int, int], int] = {}  # (src, dst) -> transfers checked (_checked_p2p)
         self._one = self._c.world_size == 1  # collectives done in place on the current stream (comm/local.py)
 
