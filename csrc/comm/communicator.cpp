@@ -93,7 +93,8 @@ constexpr double kMaxTimeoutS = 1e8;
 
 std::chrono::milliseconds timeout_ms(double timeout_s) {
   TORCH_CHECK_VALUE(timeout_s > 0, "zerofuse.comm.Communicator: expected timeout > 0 seconds, got ", timeout_s);
-  return std::chrono::milliseconds(std::max<int64_t>(1, static_cast<int64_t>(std::min(timeout_s, kMaxTimeoutS) * 1000)));
+  const double ms = std::min(timeout_s, kMaxTimeoutS) * 1000;
+  return std::chrono::milliseconds(std::max<int64_t>(1, static_cast<int64_t>(ms)));
 }
 
 }  // namespace

@@ -214,7 +214,7 @@ class Communicator(CollectiveChecker):
         self._fp32_sums = itertools.count()  # numbers reduce_scatter_fp32_sum calls (c10d: not in the C++ sequence)
         self._c = _C._Communicator(self.group, self.store, transport, f"{self._uid}/nccl_id", self.timeout,
                                    float(debug_delay_ms))
-        self.check = env.flag("ZEROFUSE_CHECK_COLLECTIVES", False, "every call's signature compared across ranks", "off")
+        self.check = env.flag("ZEROFUSE_CHECK_COLLECTIVES", False, "calls compared across ranks", "off")
         self._p2p_counts: dict[tuple[int, int], int] = {}  # (src, dst) -> transfers checked (_checked_p2p)
         self._one = self._c.world_size == 1  # collectives done in place on the current stream (comm/local.py)
 

@@ -43,8 +43,9 @@ def _check_reduce_dtype(op: str, scale: float | None, dtype: torch.dtype, fn: st
     refused on any world size (over one rank avg divides by 1: it was accepted here only)."""
     if not (dtype.is_floating_point or (op != "avg" and scale is None)):
         name = torch.empty(0, dtype=dtype).type().removeprefix("torch.").removesuffix("Tensor")  # c10's: Long, Int
+        how = " with op 'avg'" if op == "avg" else " with a scale"
         raise ValueError(f"zerofuse::comm{fn}: expected a floating dtype with op 'avg' or a scale (the result is "
-                         f"multiplied by a fraction), got {name}{' with op ' + repr(op) if op == 'avg' else ' with a scale'}")
+                         f"multiplied by a fraction), got {name}{how}")
 
 
 def _check_one_device(tensors: Sequence[torch.Tensor], fn: str, other: torch.Tensor | None, other_name: str) -> None:

@@ -10,8 +10,8 @@ Norm weights stay replicated. Those of the decoder (on the whole hidden state: n
 parallelism here) get the same gradient on every TP rank; those inside a module the plan split
 (Qwen3's per-head q_norm / k_norm, applied to this rank's heads only) get a part of it on each,
 summed over the TP group by a hook (tp.sync_replicated_grads; before, each rank stepped its part:
-the ranks' copies drifted apart and from one process's). ZeRO then shards over the data-parallel group (zerofuse.zero.parallelize; stage 3 wraps each
-decoder layer). Every rank calls it with the same model (same weights: load, or seed, alike).
+the ranks' copies drifted apart and from one process's). ZeRO then shards over the data-parallel
+group (zerofuse.zero.parallelize; stage 3 wraps each decoder layer). Every rank calls it with the same model (same weights: load, or seed, alike).
 """
 from __future__ import annotations
 

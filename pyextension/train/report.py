@@ -225,7 +225,8 @@ def _moe_summary(t: Trainer, runs: list[dict]) -> dict | None:
             "a2a_bytes_per_step": last["a2a_bytes_per_step"] if t.args.ep > 1 else 0,
             # dispatch, combine and their backward: every (token, choice) row once each, dropless;
             # activation checkpointing runs the forward's two again in backward (6, not 4)
-            "a2a_bytes_per_step_analytic": ((4 if t.args.activation_checkpointing == "none" else 6) * t.args.dp * t.args.batch * t.args.grad_accum * c.seq_len * c.moe_top_k
+            "a2a_bytes_per_step_analytic": ((4 if t.args.activation_checkpointing == "none" else 6) * t.args.dp
+                                            * t.args.batch * t.args.grad_accum * c.seq_len * c.moe_top_k
                                             * c.dim * PRECISIONS[t.args.precision].itemsize
                                             * len(last["max_over_mean_load"]) if t.args.ep > 1 else 0),
             "a2a_exposed_ms_per_step": 1e3 * _mean(a2a) if a2a else None}
