@@ -32,6 +32,8 @@ def _signature(name: str, **parts) -> str:
 
 
 class CollectiveChecker:
+    _check_seq = -1  # the number of the last call published (per instance once set)
+
     def _check_splits(self, seq: int, in_s: list[int], out_s: list[int]) -> None:
         """Rank r's out_splits[s] must be rank s's in_splits[r], for every pair: every rank checks
         the whole matrix, so all of them raise on a mismatch (none is left waiting in the call).
@@ -82,7 +84,7 @@ class CollectiveChecker:
         """Publishes and compares this call's signature; returns its number (None: no checker)."""
         if not self.check:
             return None
-        seq = self._check_seq = getattr(self, "_check_seq", -1) + 1
+        seq = self._check_seq = self._check_seq + 1
         mine = _signature(name, **parts)
         prefix = f"{self._uid}/check/{seq}/"
         self.store.set(prefix + str(self.rank), mine)

@@ -179,7 +179,7 @@ class _SummedWork:
 
 
 def _is_int(v) -> bool:
-    return isinstance(v, (int, numbers.Integral)) and not isinstance(v, bool)
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
 class P2POp(NamedTuple):

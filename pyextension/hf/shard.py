@@ -11,7 +11,8 @@ parallelism here) get the same gradient on every TP rank; those inside a module 
 (Qwen3's per-head q_norm / k_norm, applied to this rank's heads only) get a part of it on each,
 summed over the TP group by a hook (tp.sync_replicated_grads; before, each rank stepped its part:
 the ranks' copies drifted apart and from one process's). ZeRO then shards over the data-parallel
-group (zerofuse.zero.parallelize; stage 3 wraps each decoder layer). Every rank calls it with the same model (same weights: load, or seed, alike).
+group (zerofuse.zero.parallelize; stage 3 wraps each decoder layer). Every rank calls it with the
+same model (same weights: load, or seed, alike).
 """
 from __future__ import annotations
 

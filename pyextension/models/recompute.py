@@ -128,10 +128,11 @@ class _HostCache(dict):
     def get(self, idx, default=None):
         return tree_map(_unpack_kept, super().get(idx, default))
 
+    appended = 0  # entries appended (the list layout's next index)
+
     def append(self, entry) -> None:
-        n = self.__dict__.get("appended", 0)
-        self[n] = entry
-        self.appended = n + 1
+        self[self.appended] = entry
+        self.appended += 1
 
     def pop(self, first=0):
         """The oldest entry left (a list's pop(0)), unpacked."""

@@ -228,7 +228,8 @@ def validate_resume(args, ckpt) -> None:
     _check(vocab is None or want is None or vocab == want,
            f"--resume: the checkpoint at {ckpt} was trained on another vocabulary ({_vocab_text(want)}) than "
            f"--data {args.data} ({_vocab_text(vocab)}); expected the data of the run that wrote it")
-    mine = dataclasses.asdict(config(args.model_name, **{**args.model_shape, "vocab_size": saved.get("vocab_size", 0)}))
+    shape = {**args.model_shape, "vocab_size": saved.get("vocab_size", 0)}
+    mine = dataclasses.asdict(config(args.model_name, **shape))
     rope = saved.get("pos") == mine["pos"] == "rope"
     diff = [f for f in _SHAPE_FIELDS if f in saved and saved[f] != mine[f] and not (f == "seq_len" and rope)]
     _check(not diff, f"--resume: the checkpoint at {ckpt} holds another model: " + ", ".join(

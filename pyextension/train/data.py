@@ -182,9 +182,10 @@ class Sampler:
         for s in np.unique(shard):
             at = shard == s
             chunk[at] = self.shards[s][local[at][:, None] + self._window]
-            if self.vocab is not None and chunk[at].max() >= self.vocab:
-                raise ValueError(f"{self.flag}: shard {s} holds token id {int(chunk[at].max())} at or past the "
-                                 f"vocabulary ({self.vocab}) in a window read at step {step}; expected GPT-2 token ids "
-                                 f"(the start checks read the first and last 2^20 tokens of each shard)")
+        if self.vocab is not None and chunk.max() >= self.vocab:  # one max over the batch
+            row = np.unravel_index(int(chunk.argmax()), chunk.shape)[:-1]
+            raise ValueError(f"{self.flag}: shard {int(shard[row])} holds token id {int(chunk.max())} at or past the "
+                             f"vocabulary ({self.vocab}) in a window read at step {step}; expected GPT-2 token ids "
+                             f"(the start checks read the first and last 2^20 tokens of each shard)")
         chunk = torch.from_numpy(chunk)
         return chunk[..., :-1], chunk[..., 1:]

@@ -184,11 +184,6 @@ def tokenize_cached(text_path, fallback_dir=None) -> Path:
     import fcntl
     text_path = Path(text_path)
     raw = text_path.read_bytes()
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:  # (decoded with replacement characters, silently, before)
-        raise ValueError(f"--data: {text_path} is not UTF-8 text (byte {e.start}: {raw[e.start:e.start + 4]!r}); "
-                         "expected UTF-8 for --tokenizer gpt2 (--tokenizer byte reads any file)") from None
     name = f"{text_path.name}.gpt2-{hashlib.sha256(raw).hexdigest()[:12]}.bin"
     where = text_path.parent if os.access(text_path.parent, os.W_OK) else Path(fallback_dir or ".")
     where.mkdir(parents=True, exist_ok=True)
@@ -198,5 +193,11 @@ def tokenize_cached(text_path, fallback_dir=None) -> Path:
     with open(where / f".{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not cache.is_file():
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as e:  # (decoded with replacement characters, silently, before)
+                raise ValueError(f"--data: {text_path} is not UTF-8 text (byte {e.start}: "
+                                 f"{raw[e.start:e.start + 4]!r}); expected UTF-8 for --tokenizer gpt2 "
+                                 "(--tokenizer byte reads any file)") from None
             write_shard(cache, gpt2_encode(text))
     return cache
