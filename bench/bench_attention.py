@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import zerofuse.nn.functional as ZF
+from conftest import import_peer  # bench/conftest.py
 
 GPU_N = [int(n) for n in os.environ.get("ZEROFUSE_BENCH_ATTENTION_N", "1024,4096,16384").split(",")]
 GPU_TOKENS = 16384
@@ -72,7 +73,7 @@ def _sdpa(provider: str):
     if provider == "zerofuse":
         return ZF.scaled_dot_product_attention, contextlib.nullcontext
     if provider == "flash_attn":
-        fa = pytest.importorskip("flash_attn")
+        fa = import_peer("flash_attn")
 
         def fn(q, k, v, is_causal):  # flash-attn's layout is (B, N, H, D)
             return fa.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
@@ -188,7 +189,7 @@ def bench_attention_documents(measure, device, smoke, benchmark, provider, case)
             return (ids[bi, qi] == ids[bi, ki]) & (ki <= qi)
 
         block_mask = create_block_mask(doc_causal, b, None, n, n, device=device)
-        flex = torch.compile(flex_attention)
+        flex = torch.compile(flex_attention, dynamic=False)
 
         def fn():
             return flex(q, k, v, block_mask=block_mask)

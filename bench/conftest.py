@@ -6,7 +6,10 @@
 - :func:`measure` times one provider with warm-up rounds and records in ``extra_info``: GB/s (or
   TFLOP/s), the ratio to the roofline measured in the same session (a plain large device copy for
   memory-bound ops), and for the zerofuse provider the speedup over each peer measured earlier in
-  the same session on the same case (parametrise providers with zerofuse last).
+  the same session on the same case (parametrise providers with zerofuse last); on a GPU all of
+  them from the device time (CUDA events, L2 flushed), the wall time per call beside it, except
+  for whole training steps, timed by wall (``timing="wall"``).
+- :func:`timed`: one call's device time (GPU) or wall time (CPU), for suites that time by hand.
 """
 from __future__ import annotations
 
@@ -70,7 +73,8 @@ def import_peer(module: str):
     try:
         return importlib.import_module(module)
     except Exception as e:  # noqa: BLE001 - whatever breaks the import, the peer is listed as absent
-        pytest.skip(f"{module} does not import here ({type(e).__name__}: {str(e).splitlines()[0][:160]})")
+        pytest.skip(f"{module} does not import here ({type(e).__name__}: {str(e).splitlines()[0][:160]})",
+                    allow_module_level=True)
 
 
 def synchronize(device: torch.device) -> None:
@@ -84,15 +88,24 @@ def sync(device):
     return lambda: synchronize(device)
 
 
-def _median_seconds(fn, device, rounds: int) -> float:
-    times = []
-    for _ in range(rounds):
-        synchronize(device)
-        t0 = time.perf_counter()
+def timed(fn, device: torch.device) -> float:
+    """Seconds of one call of fn, for suites that time by hand (interleaved pairs): on a GPU its
+    device time, by CUDA events around it once the queue is empty; on a CPU its wall time."""
+    synchronize(device)
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
         fn()
-        synchronize(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _median_seconds(fn, device, rounds: int) -> float:
+    return statistics.median(timed(fn, device) for _ in range(rounds))
 
 
 @pytest.fixture(scope="session")
@@ -168,11 +181,52 @@ def registry() -> _Registry:
     return _Registry()
 
 
+def record(info: dict, registry: _Registry, *, case: str, provider: str, wall: float, dev: float | None,
+           timing: str, bytes_moved: int | None, flops: float | None, roofline: float) -> float:
+    """measure()'s results into extra_info from the wall median and the device time (None: not
+    measured, a CPU); returns the seconds the rates and ratios use (see measure)."""
+    seconds, basis = wall, "wall"
+    if dev is not None:
+        # (the wall median ran with a warm L2, the device time with a flushed one: for calls
+        # whose data fits in L2 the share can read near zero or below)
+        info.update(device_ms=round(dev * 1e3, 4), wall_ms=round(wall * 1e3, 4),
+                    host_share_ms=round((wall - dev) * 1e3, 4))
+        if timing == "device":
+            seconds, basis = dev, "device"
+    info.update(time_ms=round(seconds * 1e3, 4), timing=basis)
+    registry.medians[(case, provider)] = seconds
+    if bytes_moved is not None:
+        gbps = bytes_moved / seconds / 1e9
+        info.update(**{"GB/s": round(gbps, 2), "roofline_GB/s": round(roofline, 2),
+                       "roofline_ratio": round(gbps / roofline, 3)})
+    if flops is not None:
+        info["TFLOP/s"] = round(flops / seconds / 1e12, 3)
+    if provider == "zerofuse":
+        for (c, peer), m in registry.medians.items():
+            if c == case and peer != provider:
+                info[f"speedup_vs_{peer}"] = round(m / seconds, 3)
+    return seconds
+
+
 @pytest.fixture
 def measure(benchmark, device, smoke, copy_roofline, registry):
-    def run(fn, *, case: str, provider: str, bytes_moved: int | None = None, flops: float | None = None, setup=None):
+    def run(fn, *, case: str, provider: str, bytes_moved: int | None = None, flops: float | None = None, setup=None,
+            timing: str = "device") -> float | None:
         """Times fn(); with ``setup``, fn(*setup()) where setup (untimed, before every round)
-        makes fn's arguments (e.g. a fresh autograd graph for a backward)."""
+        makes fn's arguments (e.g. a fresh autograd graph for a backward). Returns the seconds per
+        call that GB/s, TFLOP/s, the roofline ratio and the speedups are computed from (None under
+        --benchmark-disable, which times nothing):
+
+        - ``timing="device"`` (an op or a kernel): on a GPU the device time by CUDA events with
+          the L2 flushed (:func:`device_ms`), the wall time per call (host included) recorded beside
+          it as wall_ms; on a CPU the two are one.
+        - ``timing="wall"`` (a whole training step, whose host time is part of what it costs):
+          the wall time per call, the device time recorded beside it.
+
+        extra_info's time_ms and timing say which one the row's numbers use (the wall median
+        alone made them: 2026-11-27's attention rows read 0.84x cuDNN by wall, 1.01x by device)."""
+        if timing not in ("device", "wall"):
+            raise ValueError(f"measure: expected timing 'device' or 'wall', got {timing!r}")
         rounds = 1 if smoke else 20
         pedantic_setup = setup_then_sync(setup, device) if setup else None
         benchmark.pedantic(lambda *a: (fn(*a), synchronize(device)), setup=pedantic_setup, rounds=rounds,
@@ -180,23 +234,12 @@ def measure(benchmark, device, smoke, copy_roofline, registry):
         info = benchmark.extra_info
         info.update(case=case, provider=provider, device=str(device), **_versions(device))
         if benchmark.stats is None:  # --benchmark-disable: ran once, nothing timed
-            return
-        median = benchmark.stats.stats.median
-        registry.medians[(case, provider)] = median
-        if bytes_moved is not None:
-            gbps = bytes_moved / median / 1e9
-            info.update(**{"GB/s": round(gbps, 2), "roofline_GB/s": round(copy_roofline, 2),
-                           "roofline_ratio": round(gbps / copy_roofline, 3)})
-        if flops is not None:
-            info["TFLOP/s"] = round(flops / median / 1e12, 3)
+            return None
+        wall, dev = benchmark.stats.stats.median, None
         if device.type == "cuda" and not smoke:  # device time apart from the wall time per call
-            dev = device_ms(fn, pedantic_setup, device, max(3, rounds // 2), hold_ms=min(50.0, max(1.0, 2e3 * median)))
-            # (the wall median ran with a warm L2, the device time with a flushed one: for calls
-            # whose data fits in L2 the share can read near zero or below)
-            info.update(device_ms=round(dev, 4), host_share_ms=round(median * 1e3 - dev, 4))
-        if provider == "zerofuse":
-            for (c, peer), m in registry.medians.items():
-                if c == case and peer != provider:
-                    info[f"speedup_vs_{peer}"] = round(m / median, 3)
+            dev = device_ms(fn, pedantic_setup, device, max(3, rounds // 2),
+                            hold_ms=min(50.0, max(1.0, 2e3 * wall))) / 1e3
+        return record(info, registry, case=case, provider=provider, wall=wall, dev=dev, timing=timing,
+                      bytes_moved=bytes_moved, flops=flops, roofline=copy_roofline)
 
     return run

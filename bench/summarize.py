@@ -2,16 +2,22 @@
 
     python bench/summarize.py bench.json [--title "..."] > summary.md
     python bench/summarize.py --merge out.json a.json b.json ...   # one file of several suites' results
-                                                                 # (a.jsonl: --bench-jsonl's lines)
+                                                                 # (a.jsonl: --bench-jsonl's lines,
+                                                                 #  a.cut: the mark of a cut suite)
 
-One row per benchmark: median time, GB/s or TFLOP/s, ratio to the measured roofline, and the
-zerofuse provider's speedups over the peers measured in the same run (all from extra_info).
+One row per benchmark: its time (on a GPU the device time, bench/conftest.py's measure), GB/s or
+TFLOP/s, ratio to the measured roofline, the zerofuse provider's speedups over the peers measured
+in the same run, and every other number the benchmark recorded (all from extra_info).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+
+
+# extra_info keys shown in their own columns or in the header, not among a row's other results
+_COLUMNS = {"GB/s", "TFLOP/s", "roofline_ratio", "peak_ratio", "roofline_GB/s", "matmul_peak_TFLOP/s", "time_ms"}
 
 
 def render(data: dict, title: str) -> str:
@@ -28,20 +34,28 @@ def render(data: dict, title: str) -> str:
     for key in ("device", "device_name", "torch", "triton"):
         if key in extra:
             lines.append(f"- {key}: {extra[key]}")
-    lines += ["", "| benchmark | median (ms) | GB/s | TFLOP/s | roofline ratio | speedups (zerofuse vs peer) |",
+    lines += ["", "| benchmark | time (ms) | GB/s | TFLOP/s | roofline ratio | speedups (zerofuse vs peer); other results |",
               "|---|---:|---:|---:|---:|---|"]
+    timings = set()
     for b in data.get("benchmarks", []):
         e = b.get("extra_info", {})
+        timings.add(e.get("timing", "wall"))
         speedups = ", ".join(f"{k[len('speedup_vs_'):]} {v:.2f}x" for k, v in e.items() if k.startswith("speedup_vs_"))
-        notes = ("busbw_GB/s", "busbw_vs_single", "comm_ms_overlap_off", "exposed_comm_ms_overlap_on", "exposed_ratio",
-                 "peak_rss_growth_MB_rank1", "model_state_MB_rank1", "peak_ratio", "device_ms", "host_share_ms")
-        ratios = ", ".join(f"{k} {v:.2f}" for k, v in e.items()
-                           if (k.startswith("time_vs_") or k in notes) and isinstance(v, (int, float)))
-        speedups = "; ".join(x for x in (speedups, ratios) if x)
+        # every other number a benchmark recorded (memory peaks and their ratios, tokens/s, bubbles,
+        # per-provider medians, ...): the columns' own keys and the run's constants left out
+        others = ", ".join(f"{k} {v:.4g}" for k, v in e.items()
+                           if k not in _COLUMNS and not k.startswith("speedup_vs_")
+                           and isinstance(v, (int, float)) and not isinstance(v, bool))
+        results = "; ".join(x for x in (speedups, others) if x)
+        seconds = e["time_ms"] / 1e3 if isinstance(e.get("time_ms"), (int, float)) else b["stats"]["median"]
         lines.append(
-            f"| {b['name']} | {b['stats']['median'] * 1e3:.3f} | {e.get('GB/s', '')} | {e.get('TFLOP/s', '')} "
-            f"| {e.get('roofline_ratio', e.get('peak_ratio', ''))} | {speedups} |"
+            f"| {b['name']} | {seconds * 1e3:.3f} | {e.get('GB/s', '')} | {e.get('TFLOP/s', '')} "
+            f"| {e.get('roofline_ratio', e.get('peak_ratio', ''))} | {results} |"
         )
+    if "device" in timings:
+        lines += ["", "Time: the device time by CUDA events with the L2 flushed where the row's timing is device "
+                      "(GB/s, TFLOP/s, ratios and speedups from it; wall_ms is the wall time per call, host "
+                      "included); the wall median elsewhere (CPU rows, whole training steps)."]
     if data.get("partial_suites"):
         lines += ["", f"Cut before their end (the results of their finished benchmarks only): "
                       f"{', '.join(data['partial_suites'])}."]
@@ -57,10 +71,12 @@ def merge(out: str, parts: list[str]) -> None:
     its file) are left out. A part ending in .jsonl holds one benchmark a line (conftest.py's
     --bench-jsonl, written as each ends): read only when the .json of the same name is not
     readable, its suite is listed under "partial_suites" (cut before its end)."""
-    merged, lines, partial = None, [], []
+    merged, lines = None, []
     readable = set()
+    # PART.cut: run_gpu.sh's mark of a suite cut at the deadline, whatever it managed to write
+    partial = [os.path.basename(p)[: -len(".cut")] for p in parts if p.endswith(".cut") and os.path.exists(p)]
     for path in parts:
-        if path.endswith(".jsonl"):
+        if path.endswith((".jsonl", ".cut")):
             continue
         try:
             with open(path) as f:

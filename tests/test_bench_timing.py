@@ -79,3 +79,93 @@ def test_compiled_peers_may_recompile_for_every_shape():
 
     _bench_conftest()
     assert dyn.recompile_limit >= 512 and dyn.accumulated_recompile_limit >= 4096
+
+
+def _record(conf, registry, provider, *, wall, dev, timing="device"):
+    info = {}
+    seconds = conf.record(info, registry, case="c", provider=provider, wall=wall, dev=dev, timing=timing,
+                          bytes_moved=4e9, flops=2e9, roofline=2000.0)
+    return seconds, info
+
+
+def test_rates_and_speedups_use_the_device_time_on_a_gpu():
+    """On a GPU an op's GB/s, TFLOP/s and speedups come from its device time (CUDA events, L2
+    flushed), the wall time per call beside it; they came from the wall median, host time and warm
+    L2 included (the 2026-11-27 attention rows: 0.84x cuDNN by wall, 1.01x by device)."""
+    conf = _bench_conftest()
+    reg = conf._Registry()
+    assert _record(conf, reg, "peer", wall=4e-3, dev=3e-3)[0] == 3e-3
+    seconds, info = _record(conf, reg, "zerofuse", wall=5e-3, dev=2e-3)
+    assert seconds == 2e-3 and info["timing"] == "device" and info["time_ms"] == 2.0
+    assert info["speedup_vs_peer"] == 1.5  # 3 ms / 2 ms, not 4 ms / 5 ms
+    assert info["GB/s"] == 2000.0 and info["roofline_ratio"] == 1.0 and info["TFLOP/s"] == 1.0
+    assert info["wall_ms"] == 5.0 and info["device_ms"] == 2.0 and info["host_share_ms"] == 3.0
+
+
+def test_whole_steps_and_cpu_rows_use_the_wall_time():
+    conf = _bench_conftest()
+    reg = conf._Registry()
+    _record(conf, reg, "peer", wall=4e-3, dev=1e-3, timing="wall")
+    seconds, info = _record(conf, reg, "zerofuse", wall=2e-3, dev=1e-3, timing="wall")
+    assert seconds == 2e-3 and info["timing"] == "wall" and info["speedup_vs_peer"] == 2.0
+    assert info["device_ms"] == 1.0  # still recorded beside
+    seconds, info = _record(conf, conf._Registry(), "zerofuse", wall=3e-3, dev=None)  # a CPU: no device time
+    assert seconds == 3e-3 and info["timing"] == "wall" and "device_ms" not in info
+
+
+def test_compiled_peers_compile_for_static_shapes():
+    """A peer's torch.compile reused across a suite's shapes (one function, or one lambda's code)
+    went dynamic from the second shape on (Dynamo's automatic dynamic): every compiled row after the
+    first timed a symbolic-shape kernel. Each bench suite's torch.compile names dynamic=False."""
+    import ast
+
+    bench = Path(__file__).parent.parent / "bench"
+    calls = []
+    for path in sorted(bench.glob("bench_*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and ast.unparse(node.func) == "torch.compile":
+                dynamic = [k.value for k in node.keywords if k.arg == "dynamic"]
+                calls.append((path.name, node.lineno, ast.unparse(dynamic[0]) if dynamic else None))
+    assert len(calls) >= 6
+    assert all(d == "False" for _, _, d in calls), [c for c in calls if c[2] != "False"]
+
+
+def test_the_summary_shows_every_result_and_what_its_time_is():
+    """bench/summarize.py: a row's time is the time its rates use (the device time on a GPU), and
+    every number a benchmark recorded is shown (the memory benchmarks' peaks and ratios were
+    dropped: their rows showed only a no-op's time)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_summarize", Path(__file__).parent.parent / "bench" / "summarize.py")
+    S = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(S)
+    rows = [{"name": "bench_op[zerofuse]", "stats": {"median": 0.005},
+             "extra_info": {"time_ms": 2.0, "timing": "device", "wall_ms": 5.0, "GB/s": 10.0, "speedup_vs_torch": 1.5,
+                            "provider": "zerofuse"}},
+            {"name": "bench_memory[zerofuse]", "stats": {"median": 1e-6},
+             "extra_info": {"peak_MiB": 12.5, "ratio_vs_torch": 0.172, "timing": "wall"}}]
+    text = S.render({"benchmarks": rows}, "t")
+    op = next(line for line in text.splitlines() if "bench_op" in line)
+    assert "| 2.000 |" in op and "torch 1.50x" in op and "wall_ms 5" in op
+    mem = next(line for line in text.splitlines() if "bench_memory" in line)
+    assert "peak_MiB 12.5" in mem and "ratio_vs_torch 0.172" in mem
+    assert "device time by CUDA events" in text
+
+
+def test_a_suite_cut_after_writing_its_json_is_listed_as_cut(tmp_path):
+    """A suite cut by the deadline's SIGINT between two benchmarks still gets its .json from
+    pytest-benchmark, which read as the whole suite; run_gpu.sh marks it (NAME.cut) and merge lists it."""
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location("bench_summarize", Path(__file__).parent.parent / "bench" / "summarize.py")
+    S = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(S)
+    row = {"name": "bench_a", "stats": {"median": 1.0}, "extra_info": {}}
+    (tmp_path / "bench_x.json").write_text(json.dumps({"benchmarks": [row]}))
+    (tmp_path / "bench_y.json").write_text(json.dumps({"benchmarks": [row]}))
+    (tmp_path / "bench_x.cut").write_text("")
+    out = tmp_path / "merged.json"
+    S.merge(str(out), [str(tmp_path / n) for n in ("bench_x.json", "bench_y.json", "bench_x.cut", "bench_z.cut")])
+    merged = json.loads(out.read_text())
+    assert len(merged["benchmarks"]) == 2 and merged["partial_suites"] == ["bench_x"]
