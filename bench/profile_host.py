@@ -125,18 +125,27 @@ def _stubbed_norms(calls: int) -> None:
 
 def _stubbed_attention(calls: int) -> None:
     """The attention face's CUDA path (Triton in the interpreter) on a tiny shape against torch's
-    CPU sdpa, without autograd and with (the forward only)."""
+    CPU sdpa: the forward without autograd and with it, and forward + backward (autograd.grad)."""
     import torch.nn.functional as F
 
     import zerofuse.nn.functional as ZF
     from zerofuse.kernels import attention as K
 
-    K._attn_fwd_kernel = _NoLaunch()
+    from zerofuse.kernels import attention_bwd as B
+
+    K._attn_fwd_kernel = B._attn_bwd_dq_kernel = B._attn_bwd_dkdv_kernel = _NoLaunch()
     for grad in (False, True):
         q, k, v = (torch.randn(1, 2, 16, 16).requires_grad_(grad) for _ in range(3))
         _time_face(f"attention fwd 1x2x16x16 causal{' with grad' if grad else ''}",
                    lambda: ZF.scaled_dot_product_attention(q, k, v, is_causal=True),
                    lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), calls)
+    dout = torch.randn(1, 2, 16, 16)
+
+    def fwd_bwd(sdpa):
+        return lambda: torch.autograd.grad(sdpa(q, k, v, is_causal=True), (q, k, v), dout)
+
+    _time_face("attention fwd+bwd 1x2x16x16 causal", fwd_bwd(ZF.scaled_dot_product_attention),
+               fwd_bwd(F.scaled_dot_product_attention), calls)
 
 
 def _stubbed_rope(calls: int) -> None:
