@@ -146,8 +146,18 @@ def test_document_masking_at_pp2_matches_the_unsplit_job(tmp_path):
     (["--nproc", 2, "--microbatches", 4], "--microbatches/--virtual-stages/--pp-layout: expected --pp > 1"),
     (["--nproc", 8, "--pp", 8, "--layers", 4], "--pp: expected at most 6 stages for 4 layers"),
 ])
-def test_bad_pipeline_flags_exit_2(argv, message, tmp_path):
-    p = run(*argv, "--steps", 1, "--out", tmp_path, timeout=60)
-    assert p.returncode == 2, (p.stdout, p.stderr)
-    assert message in p.stderr, p.stderr
-    assert len(p.stderr.strip().splitlines()) == 1
+def test_bad_pipeline_flags_exit_2(argv, message, tmp_path, capsys, monkeypatch):
+    """Refused by the flag checks, before any rank starts (in this process: the CLI's exit code and
+    its one line are test_train.py's test_bad_flag_exits_2_before_starting's, in a subprocess)."""
+    from test_train import TINY
+    from zerofuse import train
+
+    def started(*a, **k):
+        raise AssertionError(f"the job started: {argv} passed the flag checks")
+
+    monkeypatch.setattr(train, "launch", started)
+    monkeypatch.setattr(train, "Trainer", started)
+    assert train.main([*TINY, *map(str, argv), "--steps", "1", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert message in err, err
+    assert len(err.strip().splitlines()) == 1
