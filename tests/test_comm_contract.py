@@ -166,3 +166,58 @@ def test_the_world_of_one_says_the_same(world_of_one):
         "RuntimeError: zerofuse::comm.reduce_scatter_coalesced: expected out_shard to be a 1-D contiguous tensor, "
         "got shape [1, 2] with strides [2, 1]")
 
+
+
+def _wait_timeouts(rank, world_size):
+    import datetime
+
+    comm = Communicator(timeout=4.0)
+    out = {}
+    t = torch.full((3,), float(rank + 1))
+    comm.all_reduce_coalesced([t]).wait(timeout=datetime.timedelta(seconds=60))  # done in time: as wait()
+    out["sum"] = t.tolist()
+    shard = torch.zeros(2)
+    comm.reduce_scatter_fp32_sum(torch.ones(4, dtype=torch.bfloat16), shard).wait(timeout=30)
+    out["fp32 sum"] = shard.tolist()
+    out["list"] = error_text(lambda: comm.reduce_scatter_fp32_sum([torch.ones(4)], shard))
+    out["bad"] = {repr(v): error_text(lambda v=v: comm.all_reduce_coalesced([torch.ones(1)]).wait(timeout=v))
+                  for v in (-1.0, float("nan"), "soon")}
+    dist.barrier()
+    if rank == 1:
+        time.sleep(2.0)  # late: rank 0's wait(timeout=0.3) gives up on it
+    t0 = time.perf_counter()
+    out["late"] = error_text(lambda: comm.all_reduce_coalesced([torch.ones(3)]).wait(timeout=0.3))
+    out["late_s"] = time.perf_counter() - t0
+    out["after"] = error_text(lambda: comm.all_reduce_coalesced([torch.ones(3)]).wait())
+    return out
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_wait_takes_a_timeout_on_every_world_size():
+    """Work.wait(timeout=) as torch's (seconds or a timedelta): it raised TypeError at world size > 1
+    while the world of one took it. Done in time it is wait(); past it the collective fails the
+    communicator (as its own timeout does), and bad values are refused by name."""
+    got = run_distributed(_wait_timeouts, 2)
+    for r in got:
+        assert r["sum"] == [3.0] * 3 and r["fp32 sum"] == [2.0, 2.0]
+        assert r["list"] == "ValueError: zerofuse.comm.reduce_scatter_fp32_sum: expected flat to be a tensor, got list"
+        for v, text in r["bad"].items():
+            assert text == ("ValueError: zerofuse.comm.Work.wait: expected timeout >= 0 seconds or a timedelta (0: "
+                            f"the communicator's), got {v}"), text
+    late = got[0]
+    assert late["late"].startswith("DistBackendError: zerofuse.comm: all_reduce_coalesced") and \
+        "did not finish within the wait's timeout of 0.3 s" in late["late"], late["late"]
+    assert 0.3 <= late["late_s"] < 1.5, late["late_s"]
+    assert "refused: the communicator failed earlier" in late["after"], late["after"]
+
+
+def test_the_world_of_one_takes_the_same_timeouts(world_of_one):
+    import datetime
+
+    comm = Communicator()
+    t = torch.ones(2)
+    comm.all_reduce_coalesced([t]).wait(timeout=datetime.timedelta(seconds=1))
+    comm.all_reduce_coalesced([t]).wait(timeout=0)
+    assert error_text(lambda: comm.all_reduce_coalesced([t]).wait(timeout=-1)) == (
+        "ValueError: zerofuse.comm.Work.wait: expected timeout >= 0 seconds or a timedelta (0: the communicator's), "
+        "got -1")

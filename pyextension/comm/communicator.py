@@ -43,7 +43,6 @@ import contextlib
 import datetime
 import itertools
 import numbers
-import os
 import time
 import weakref
 from collections.abc import Sequence
@@ -115,21 +114,56 @@ def _timeout(value) -> float:
     return min(t, MAX_TIMEOUT_S)
 
 
+def wait_timeout(value) -> float | None:
+    """Work.wait's ``timeout``: seconds, or a datetime.timedelta; None or 0 (torch's default,
+    timedelta(0)): no bound but the communicator's. Negative or NaN values are refused by name."""
+    if value is None:
+        return None
+    t = value.total_seconds() if isinstance(value, datetime.timedelta) else value
+    try:
+        t = float(t)
+    except (TypeError, ValueError):
+        t = float("nan")
+    if not t >= 0:
+        raise ValueError(f"zerofuse.comm.Work.wait: expected timeout >= 0 seconds or a timedelta (0: the "
+                         f"communicator's), got {value!r}")
+    return None if t == 0 else min(t, MAX_TIMEOUT_S)
+
+
 class Work:
-    """Handle of one collective: ``wait()`` (CPU: blocks, bounded by the communicator's timeout;
-    CUDA: the current stream waits) and ``is_completed()``."""
+    """Handle of one collective: ``wait(timeout=None)`` (CPU: blocks, bounded by the communicator's
+    timeout; CUDA: the current stream waits) and ``is_completed()``. A ``timeout`` (seconds or a
+    timedelta, as torch's Work.wait) blocks the host until the collective is done, on CUDA too,
+    for at most that long; past it the collective is the communicator's failure, as when the
+    communicator's own timeout passes ([Note: communicator failure]: a collective in flight cannot
+    be withdrawn from its peers)."""
 
-    __slots__ = ("_w",)
+    __slots__ = ("_w", "_c")
 
-    def __init__(self, work):
-        self._w = work
+    def __init__(self, work, comm):
+        self._w, self._c = work, comm
 
-    def wait(self) -> None:
+    def wait(self, timeout=None) -> None:
+        limit = wait_timeout(timeout)
         t0 = time.perf_counter()
         try:
+            if limit is not None and not self._done_within(limit):
+                message = f"{self._w.what} did not finish within the wait's timeout of {limit:g} s"
+                self._c.fail(message)
+                raise dist.DistBackendError(f"zerofuse.comm: {message}")
             self._w.wait()
         finally:
             _waited[0] += time.perf_counter() - t0
+
+    def _done_within(self, limit: float) -> bool:
+        deadline, nap = time.monotonic() + limit, 50e-6
+        while not self._w.is_completed():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            time.sleep(min(nap, left))
+            nap = min(2 * nap, 1e-3)
+        return True
 
     def is_completed(self) -> bool:
         return self._w.is_completed()
@@ -147,14 +181,15 @@ class _SummedWork:
         self._comm, self._w, self._recv, self._flat, self._out, self._gather = comm, work, recv, flat, out, gather
         self._what, self._error = what, None
 
-    def wait(self) -> None:
+    def wait(self, timeout=None) -> None:
+        limit = wait_timeout(timeout)
         if self._error is not None:
             raise dist.DistBackendError(self._error)
         if self._w is None:
             return
         t0 = time.perf_counter()
         comm = self._comm
-        timeout = datetime.timedelta(seconds=comm.timeout)
+        timeout = datetime.timedelta(seconds=min(comm.timeout, limit or comm.timeout))
         try:
             self._w.wait(timeout)
             ws = comm.world_size
@@ -249,7 +284,7 @@ class Communicator(CollectiveChecker):
             return local.reduce_scatter_coalesced(tensors, out_shard, op, scale, reduce_dtype)
         self._checked("reduce_scatter_coalesced", tensors=tensors, out_shard=out_shard, op=op, scale=scale,
                       reduce_dtype=reduce_dtype)
-        return Work(self._c.reduce_scatter_coalesced(tensors, out_shard, op, scale, reduce_dtype))
+        return Work(self._c.reduce_scatter_coalesced(tensors, out_shard, op, scale, reduce_dtype), self._c)
 
     def all_gather_coalesced(self, shard: torch.Tensor, tensors: Sequence[torch.Tensor]):
         """Gather every rank's ``shard`` into the concatenation of ``tensors`` (the inverse of
@@ -259,7 +294,7 @@ class Communicator(CollectiveChecker):
         if self._one:
             return local.all_gather_coalesced(shard, tensors)
         self._checked("all_gather_coalesced", shard=shard, tensors=tensors)
-        return Work(self._c.all_gather_coalesced(shard, tensors))
+        return Work(self._c.all_gather_coalesced(shard, tensors), self._c)
 
     def all_reduce_coalesced(self, tensors: Sequence[torch.Tensor], op: str = "sum", scale: float | None = None,
                              reduce_dtype: torch.dtype | None = None):
@@ -270,7 +305,7 @@ class Communicator(CollectiveChecker):
         if self._one:
             return local.all_reduce_coalesced(tensors, op, scale, reduce_dtype)
         self._checked("all_reduce_coalesced", tensors=tensors, op=op, scale=scale, reduce_dtype=reduce_dtype)
-        return Work(self._c.all_reduce_coalesced(tensors, op, scale, reduce_dtype))
+        return Work(self._c.all_reduce_coalesced(tensors, op, scale, reduce_dtype), self._c)
 
     def reduce_scatter_fp32_sum(self, flat: torch.Tensor, out_shard: torch.Tensor | None = None, *,
                                 all_gather: bool = False) -> "_SummedWork":
@@ -280,6 +315,9 @@ class Communicator(CollectiveChecker):
         ``out_shard``. ``all_gather=True``: an all-reduce, the summed shards gathered back into
         flat. Runs on the c10d group (not checked by ZEROFUSE_CHECK_COLLECTIVES)."""
         ws = self.world_size
+        if not isinstance(flat, torch.Tensor):
+            raise ValueError(f"zerofuse.comm.reduce_scatter_fp32_sum: expected flat to be a tensor, got "
+                             f"{type(flat).__name__}")
         if not flat.is_contiguous() or flat.numel() % ws:
             raise ValueError(f"zerofuse.comm.reduce_scatter_fp32_sum: expected a contiguous flat tensor of a "
                              f"multiple of world_size ({ws}) elements, got {list(flat.shape)} "
@@ -328,7 +366,7 @@ class Communicator(CollectiveChecker):
                                  f"peer: int, tag: int), got {o!r}")
         if self.check:
             self._checked_p2p(ops)
-        return Work(self._c.batch_p2p([(o.op == "send", o.tensor, int(o.peer), int(o.tag)) for o in ops]))
+        return Work(self._c.batch_p2p([(o.op == "send", o.tensor, int(o.peer), int(o.tag)) for o in ops]), self._c)
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor, output_splits: Sequence[int],
                    input_splits: Sequence[int]) -> Work:
@@ -346,7 +384,7 @@ class Communicator(CollectiveChecker):
         if self.check:
             seq = self._checked("all_to_all", dtype=str(input.dtype), row_shape=tuple(input.shape[1:]))
             self._check_splits(seq, in_s, out_s)
-        return Work(self._c.all_to_all(output, input, out_s, in_s))
+        return Work(self._c.all_to_all(output, input, out_s, in_s), self._c)
 
     @property
     def buffer_bytes(self) -> int:

@@ -24,7 +24,9 @@ class DoneWork:
     __slots__ = ()
 
     def wait(self, timeout=None) -> None:
-        return None
+        from zerofuse.comm.communicator import wait_timeout
+
+        wait_timeout(timeout)  # (the same arguments refused as on the transports)
 
     def is_completed(self) -> bool:
         return True
