@@ -30,12 +30,13 @@ def _flat(n, seed):
     return p, grad
 
 
-def _zerofuse(n, per_bucket=False):
-    """The offload thread's calls (HostSteps._step_units) on the buckets' host master/states."""
+def _zerofuse(n, per_bucket=False, bucket=BUCKET):
+    """The offload thread's calls (HostSteps._step_units) on the buckets' host master/states
+    (buckets of ``bucket`` elements: smoke runs use small ones, so that their n spans several)."""
     p, g = _flat(n, 0)
     m, v = torch.zeros_like(p), torch.zeros_like(p)
     step = torch.zeros(1)
-    chunks = [(a, min(BUCKET, n - a)) for a in range(0, n, BUCKET)]
+    chunks = [(a, min(bucket, n - a)) for a in range(0, n, bucket)]
     calls = [[c] for c in chunks] if per_bucket else [chunks]
 
     def run():
@@ -73,8 +74,9 @@ def _deepspeed(n):
 def bench_offload_host_step(measure, device, smoke, size, provider):
     if device.type != "cpu":
         pytest.skip("the host step of offload is a CPU benchmark")
-    n = 50_000 if smoke else SIZES[size]
-    fn = {"zerofuse": _zerofuse, "zerofuse_per_bucket": lambda k: _zerofuse(k, per_bucket=True),
+    n, bucket = (50_000, 20_000) if smoke else (SIZES[size], BUCKET)
+    fn = {"zerofuse": lambda k: _zerofuse(k, bucket=bucket),
+          "zerofuse_per_bucket": lambda k: _zerofuse(k, per_bucket=True, bucket=bucket),
           "torch_fused": _torch_fused, "deepspeed_cpu_adam": _deepspeed}[provider](n)
     fn()
     measure(fn, case=f"offload_host_adamw/{size}", provider=provider, bytes_moved=28 * n)
@@ -87,10 +89,9 @@ def bench_offload_host_step_interleaved(benchmark, device, smoke, size, peer):
     phases hit both alike; extra_info speedup_vs_<peer>: the median over rounds of peer / zerofuse."""
     if device.type != "cpu":
         pytest.skip("the host step of offload is a CPU benchmark")
-    n = 50_000 if smoke else SIZES[size]
-    fns = {"zerofuse": _zerofuse(n), peer: (_torch_fused if peer == "torch_fused" else _deepspeed)(n)}
+    n, bucket = (50_000, 20_000) if smoke else (SIZES[size], BUCKET)
+    fns = {"zerofuse": _zerofuse(n, bucket=bucket), peer: (_torch_fused if peer == "torch_fused" else _deepspeed)(n)}
     times = {k: [] for k in fns}
-
     order = list(fns)
 
     def pair():  # each round in the other order, so neither runs first always
