@@ -27,6 +27,22 @@ def _split(arr: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return arr[:split], arr[split:]
 
 
+def char_ids(text: str) -> tuple[list[str], np.ndarray]:
+    """The character vocabulary of ``text`` (its distinct characters sorted by code point) and the
+    text as int32 ids into it: a table from code point to id, no sort of the text (np.unique's
+    sort and int64 inverse took ~38 bytes per character at the peak, 0.76 GB for a 20 MB text, and
+    9x the time; this takes ~8: the UTF-32 codes and the ids)."""
+    codes = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
+    if not len(codes):
+        return [], np.zeros(0, dtype=np.int32)
+    present = np.zeros(int(codes.max()) + 1, dtype=bool)  # at most 0x110000 code points
+    present[codes] = True
+    vocab = np.flatnonzero(present)
+    table = np.zeros(len(present), dtype=np.int32)
+    table[vocab] = np.arange(len(vocab), dtype=np.int32)
+    return [chr(c) for c in vocab], table[codes]
+
+
 @dataclasses.dataclass
 class Corpus:
     """Tokens for training and validation, each a list of 1-D arrays (one per shard).
@@ -48,14 +64,12 @@ class Corpus:
         chars = None
         if tokenizer == "char":
             try:
-                codes = np.frombuffer(raw.decode("utf-8").encode("utf-32-le"), dtype=np.uint32)
-                vocab, ids = np.unique(codes, return_inverse=True)  # sorted by code point
-                chars = [chr(c) for c in vocab]
+                chars, ids = char_ids(raw.decode("utf-8"))
             except UnicodeDecodeError:
                 tokenizer = "byte"
         if tokenizer == "byte":
-            ids = np.frombuffer(raw, dtype=np.uint8)
-        train, val = _split(ids.astype(np.int32))
+            ids = np.frombuffer(raw, dtype=np.uint8).astype(np.int32)
+        train, val = _split(ids)
         return cls(tokenizer, chars, [train], [val])
 
     @classmethod
