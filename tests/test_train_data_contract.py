@@ -128,3 +128,22 @@ def test_char_tokens_take_a_few_bytes_per_character(tmp_path):
         tracemalloc.stop()
     assert c.vocab_size == len(set(path.read_text()))
     assert peak / n < 14, f"{peak / n:.1f} bytes per character at the peak"
+
+
+def test_a_cached_text_is_not_read_into_memory(tmp_path, monkeypatch):
+    """--tokenizer gpt2 on a text: the cache is found by the text's hash, now computed as the file is
+    read; the whole text was read into memory at every start, cache hit or not (a 10 GB corpus:
+    10 GB of RSS to find its cached shard)."""
+    import tracemalloc
+
+    text = tmp_path / "t.txt"
+    text.write_text("To be, or not to be: that is the question.\n" * 100_000)  # 4.3 MB
+    monkeypatch.setattr(tok, "gpt2_encode", lambda s: np.arange(len(s) // 4, dtype=np.uint16))  # (no BPE needed)
+    cache = tok.tokenize_cached(text)
+    tracemalloc.start()
+    try:
+        assert tok.tokenize_cached(text) == cache
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, peak  # (hashlib reads 256 KiB at a time)

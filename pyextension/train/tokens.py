@@ -183,8 +183,9 @@ def tokenize_cached(text_path, fallback_dir=None) -> Path:
     (every rank under torchrun) wait on a lock for the one that tokenizes."""
     import fcntl
     text_path = Path(text_path)
-    raw = text_path.read_bytes()
-    name = f"{text_path.name}.gpt2-{hashlib.sha256(raw).hexdigest()[:12]}.bin"
+    with open(text_path, "rb") as f:  # hashed as read: a cache hit holds no copy of the text in memory
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
+    name = f"{text_path.name}.gpt2-{digest[:12]}.bin"
     where = text_path.parent if os.access(text_path.parent, os.W_OK) else Path(fallback_dir or ".")
     where.mkdir(parents=True, exist_ok=True)
     cache = where / name
@@ -193,6 +194,9 @@ def tokenize_cached(text_path, fallback_dir=None) -> Path:
     with open(where / f".{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not cache.is_file():
+            raw = text_path.read_bytes()
+            if hashlib.sha256(raw).hexdigest() != digest:  # (the cache's name would not be its text's)
+                raise ValueError(f"--data: {text_path} changed while it was read; expected a text that stays put")
             try:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError as e:  # (decoded with replacement characters, silently, before)
