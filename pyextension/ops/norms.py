@@ -110,16 +110,19 @@ def _norm_fwd(x, weight, bias, residual, eps, is_rms, stats=True):
     if _cpu_kernel(x, residual, w, b):
         y, h, mean, rstd = torch.ops.zerofuse.norm_fwd_cpu(_2d(x, n), w, b, _2d(residual, n), eps, is_rms)
         return y.view(x.shape), (h.view(x.shape) if residual is not None else None), (None if is_rms else mean), rstd
-    # float64, and rows wider than the Triton kernel on CUDA: torch's native kernels
-    h = x + residual if residual is not None else x
+    # float64, a residual of a wider dtype on the CPU, and rows wider than the Triton kernel on CUDA:
+    # torch's native kernels. h contiguous and the stats in _stat_dtype(x), as on the other paths and
+    # in the fake (h took a transposed x's strides and a float64 residual made float64 stats: a
+    # compiled call failed on the fake's promise)
+    h = (x + residual).contiguous() if residual is not None else x
     h2 = h.reshape(-1, n)
     if is_rms:
         y, rstd = torch.ops.aten._fused_rms_norm(h2, [n], w, eps)
         mean = None
     else:
         y, mean, rstd = torch.ops.aten.native_layer_norm(h2, [n], w, b, eps)
-        mean = mean.view(-1)
-    return y.view(h.shape), (h if residual is not None else None), mean, rstd.view(-1)
+        mean = mean.view(-1).to(_stat_dtype(x))
+    return y.view(h.shape), (h if residual is not None else None), mean, rstd.view(-1).to(_stat_dtype(x))
 
 
 @torch.library.custom_op("zerofuse::layer_norm", mutates_args=())
@@ -188,8 +191,9 @@ def _norm_bwd(dy, dh, x, weight, bias, mean, rstd, is_rms, dr_dtype=None):
             dw = (dyf * xhat).sum(0).to(w.dtype) if w is not None else None
             db = None
         else:
-            dx, dw, db = torch.ops.aten.native_layer_norm_backward(
-                dy2, x2, [n], mean.view(-1, 1), stat, w, bias, [True, w is not None, bias is not None]
+            dx, dw, db = torch.ops.aten.native_layer_norm_backward(  # (its stats in x's dtype: h's, float64
+                dy2, x2, [n], mean.view(-1, 1).to(x2.dtype), stat.to(x2.dtype), w, bias,  # after a float64 residual)
+                [True, w is not None, bias is not None]
             )
         dx = dx.view(x.shape) if dh is None else dx.view(x.shape) + dh
         db = db.to(bias.dtype) if db is not None else None
@@ -260,6 +264,7 @@ def _input_grads(ctx, dx):
 def _layer_norm_setup(ctx, inputs, output):
     x, weight, bias, residual, _ = inputs
     _, h, mean, rstd = output
+    ctx.mark_non_differentiable(mean, rstd)  # (a loss through them got no gradient from them, silently)
     _save(ctx, x, residual, h, weight, bias, mean, rstd)
 
 
@@ -273,6 +278,7 @@ def _layer_norm_backward(ctx, dy, dh, _dmean, _drstd):
 def _rms_norm_setup(ctx, inputs, output):
     x, weight, residual, _ = inputs
     _, h, rstd = output
+    ctx.mark_non_differentiable(rstd)
     _save(ctx, x, residual, h, weight, rstd)
 
 
