@@ -144,7 +144,8 @@ def bench_swiglu(measure, device, provider, glu_shape):
             pytest.skip("Liger-Kernel's SwiGLU launches Triton kernels: GPU only")
         fn = import_peer("liger_kernel.ops.swiglu").LigerSiLUMulFunction.apply
     else:
-        fn = {"torch": _torch_glu, "torch_compile": torch.compile(_torch_glu, dynamic=False), "zerofuse": swiglu}[provider]
+        fn = {"torch": _torch_glu, "torch_compile": torch.compile(_torch_glu, dynamic=False),
+              "zerofuse": swiglu}[provider]
     rows, hidden = glu_shape
     g = torch.Generator().manual_seed(0)
     gate, up, dy = (torch.randn(rows, hidden, generator=g).to(device, _dtype(device)) for _ in range(3))
@@ -168,7 +169,8 @@ def _torch_rope(q, k, cos, sin):
 def bench_rotary_embedding(measure, device, provider, rope_shape):
     from zerofuse.nn import rope_tables
     from zerofuse.nn.functional import rotary_embedding
-    fn = {"torch": _torch_rope, "torch_compile": torch.compile(_torch_rope, dynamic=False), "zerofuse": rotary_embedding}[provider]
+    fn = {"torch": _torch_rope, "torch_compile": torch.compile(_torch_rope, dynamic=False),
+          "zerofuse": rotary_embedding}[provider]
     b, hq, hkv, n, d = rope_shape
     g = torch.Generator().manual_seed(0)
     q = torch.randn(b, n, hq, d, generator=g).to(device, _dtype(device)).transpose(1, 2).requires_grad_()
@@ -194,7 +196,8 @@ def _torch_bias_gelu(x, b):
 @pytest.mark.parametrize("provider", ["torch", "torch_compile", "zerofuse"])
 def bench_bias_gelu(measure, device, provider, gelu_shape):
     from zerofuse.nn.functional import bias_gelu
-    fn = {"torch": _torch_bias_gelu, "torch_compile": torch.compile(_torch_bias_gelu, dynamic=False), "zerofuse": bias_gelu}[provider]
+    fn = {"torch": _torch_bias_gelu, "torch_compile": torch.compile(_torch_bias_gelu, dynamic=False),
+          "zerofuse": bias_gelu}[provider]
     rows, hidden = gelu_shape
     g = torch.Generator().manual_seed(0)
     x, dy = (torch.randn(rows, hidden, generator=g).to(device, _dtype(device)) for _ in range(2))

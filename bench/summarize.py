@@ -34,7 +34,8 @@ def render(data: dict, title: str) -> str:
     for key in ("device", "device_name", "torch", "triton"):
         if key in extra:
             lines.append(f"- {key}: {extra[key]}")
-    lines += ["", "| benchmark | time (ms) | GB/s | TFLOP/s | roofline ratio | speedups (zerofuse vs peer); other results |",
+    lines += ["", "| benchmark | time (ms) | GB/s | TFLOP/s | roofline ratio "
+                  "| speedups (zerofuse vs peer); other results |",
               "|---|---:|---:|---:|---:|---|"]
     timings = set()
     for b in data.get("benchmarks", []):

@@ -124,8 +124,8 @@ def test_compiled_peers_compile_for_static_shapes():
     for path in sorted(bench.glob("bench_*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Call) and ast.unparse(node.func) == "torch.compile":
-                dynamic = [k.value for k in node.keywords if k.arg == "dynamic"]
-                calls.append((path.name, node.lineno, ast.unparse(dynamic[0]) if dynamic else None))
+                dynamic = [ast.unparse(k.value) for k in node.keywords if k.arg == "dynamic"]
+                calls.append((path.name, node.lineno, dynamic[0] if dynamic else None))
     assert len(calls) >= 6
     assert all(d == "False" for _, _, d in calls), [c for c in calls if c[2] != "False"]
 
@@ -143,7 +143,8 @@ def test_the_summary_shows_every_result_and_what_its_time_is():
              "extra_info": {"time_ms": 2.0, "timing": "device", "wall_ms": 5.0, "GB/s": 10.0, "speedup_vs_torch": 1.5,
                             "provider": "zerofuse"}},
             {"name": "bench_memory[zerofuse]", "stats": {"median": 1e-6},
-             "extra_info": {"peak_MiB": 12.5, "ratio_vs_torch": 0.172, "timing": "wall"}}]
+             "extra_info": {"peak_MiB": 12.5, "ratio_vs_torch": 0.172,
+                            "timing": "wall"}}]
     text = S.render({"benchmarks": rows}, "t")
     op = next(line for line in text.splitlines() if "bench_op" in line)
     assert "| 2.000 |" in op and "torch 1.50x" in op and "wall_ms 5" in op
