@@ -221,3 +221,32 @@ def test_the_world_of_one_takes_the_same_timeouts(world_of_one):
     assert error_text(lambda: comm.all_reduce_coalesced([t]).wait(timeout=-1)) == (
         "ValueError: zerofuse.comm.Work.wait: expected timeout >= 0 seconds or a timedelta (0: the communicator's), "
         "got -1")
+
+
+def test_a_timed_wait_inside_coalesce_says_the_group_is_open():
+    """Inside coalesce() an NCCL collective is launched at the block's end: its wait() says so at
+    once. A wait with a timeout polled it for the whole timeout, then failed the communicator.
+    (NCCL-only; here with a stand-in for the C++ Work of an open group.)"""
+    from zerofuse.comm.communicator import Work
+
+    class Unlaunched:
+        what = "all_reduce_coalesced #0"
+
+        def is_completed(self):
+            return False
+
+        def wait(self):
+            raise RuntimeError("wait() on a collective of a group that is still open: end the group first")
+
+    class Comm:
+        _coalescing = 1
+
+        class _c:  # noqa: N801
+            @staticmethod
+            def fail(message):
+                raise AssertionError(f"the communicator was failed: {message}")
+
+    t0 = time.perf_counter()
+    with pytest.raises(RuntimeError, match="group that is still open"):
+        Work(Unlaunched(), Comm()).wait(timeout=3)
+    assert time.perf_counter() - t0 < 1.0

@@ -138,18 +138,19 @@ class Work:
     communicator's own timeout passes ([Note: communicator failure]: a collective in flight cannot
     be withdrawn from its peers)."""
 
-    __slots__ = ("_w", "_c")
+    __slots__ = ("_w", "_comm")
 
-    def __init__(self, work, comm):
-        self._w, self._c = work, comm
+    def __init__(self, work, comm: "Communicator"):
+        self._w, self._comm = work, comm
 
     def wait(self, timeout=None) -> None:
         limit = wait_timeout(timeout)
         t0 = time.perf_counter()
         try:
-            if limit is not None and not self._done_within(limit):
+            # (inside coalesce() an NCCL collective is not launched yet: its wait() says so at once)
+            if limit is not None and not self._comm._coalescing and not self._done_within(limit):
                 message = f"{self._w.what} did not finish within the wait's timeout of {limit:g} s"
-                self._c.fail(message)
+                self._comm._c.fail(message)
                 raise dist.DistBackendError(f"zerofuse.comm: {message}")
             self._w.wait()
         finally:
@@ -252,6 +253,7 @@ class Communicator(CollectiveChecker):
         self.check = env.flag("ZEROFUSE_CHECK_COLLECTIVES", False, "calls compared across ranks", "off")
         self._p2p_counts: dict[tuple[int, int], int] = {}  # (src, dst) -> transfers checked (_checked_p2p)
         self._one = self._c.world_size == 1  # collectives done in place on the current stream (comm/local.py)
+        self._coalescing = 0  # depth of coalesce() blocks (a Work of an open NCCL group is not launched yet)
 
     @property
     def rank(self) -> int:
@@ -284,7 +286,7 @@ class Communicator(CollectiveChecker):
             return local.reduce_scatter_coalesced(tensors, out_shard, op, scale, reduce_dtype)
         self._checked("reduce_scatter_coalesced", tensors=tensors, out_shard=out_shard, op=op, scale=scale,
                       reduce_dtype=reduce_dtype)
-        return Work(self._c.reduce_scatter_coalesced(tensors, out_shard, op, scale, reduce_dtype), self._c)
+        return Work(self._c.reduce_scatter_coalesced(tensors, out_shard, op, scale, reduce_dtype), self)
 
     def all_gather_coalesced(self, shard: torch.Tensor, tensors: Sequence[torch.Tensor]):
         """Gather every rank's ``shard`` into the concatenation of ``tensors`` (the inverse of
@@ -294,7 +296,7 @@ class Communicator(CollectiveChecker):
         if self._one:
             return local.all_gather_coalesced(shard, tensors)
         self._checked("all_gather_coalesced", shard=shard, tensors=tensors)
-        return Work(self._c.all_gather_coalesced(shard, tensors), self._c)
+        return Work(self._c.all_gather_coalesced(shard, tensors), self)
 
     def all_reduce_coalesced(self, tensors: Sequence[torch.Tensor], op: str = "sum", scale: float | None = None,
                              reduce_dtype: torch.dtype | None = None):
@@ -305,7 +307,7 @@ class Communicator(CollectiveChecker):
         if self._one:
             return local.all_reduce_coalesced(tensors, op, scale, reduce_dtype)
         self._checked("all_reduce_coalesced", tensors=tensors, op=op, scale=scale, reduce_dtype=reduce_dtype)
-        return Work(self._c.all_reduce_coalesced(tensors, op, scale, reduce_dtype), self._c)
+        return Work(self._c.all_reduce_coalesced(tensors, op, scale, reduce_dtype), self)
 
     def reduce_scatter_fp32_sum(self, flat: torch.Tensor, out_shard: torch.Tensor | None = None, *,
                                 all_gather: bool = False) -> "_SummedWork":
@@ -366,7 +368,7 @@ class Communicator(CollectiveChecker):
                                  f"peer: int, tag: int), got {o!r}")
         if self.check:
             self._checked_p2p(ops)
-        return Work(self._c.batch_p2p([(o.op == "send", o.tensor, int(o.peer), int(o.tag)) for o in ops]), self._c)
+        return Work(self._c.batch_p2p([(o.op == "send", o.tensor, int(o.peer), int(o.tag)) for o in ops]), self)
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor, output_splits: Sequence[int],
                    input_splits: Sequence[int]) -> Work:
@@ -384,7 +386,7 @@ class Communicator(CollectiveChecker):
         if self.check:
             seq = self._checked("all_to_all", dtype=str(input.dtype), row_shape=tuple(input.shape[1:]))
             self._check_splits(seq, in_s, out_s)
-        return Work(self._c.all_to_all(output, input, out_s, in_s), self._c)
+        return Work(self._c.all_to_all(output, input, out_s, in_s), self)
 
     @property
     def buffer_bytes(self) -> int:
@@ -403,7 +405,9 @@ class Communicator(CollectiveChecker):
         reduce-scatter); the ProcessGroup transport launches each at once. Wait for their Works
         after the block."""
         self._c.group_start()
+        self._coalescing += 1
         try:
             yield self
         finally:
+            self._coalescing -= 1
             self._c.group_end()
