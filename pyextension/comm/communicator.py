@@ -202,7 +202,7 @@ class _SummedWork:
                 mine = total.to(self._flat.dtype)
                 dist.all_gather_into_tensor(self._flat, mine, group=comm.group, async_op=True).wait(timeout)
         except RuntimeError as e:  # c10d names neither the collective nor the group
-            message = f"{self._what} failed (timeout {comm.timeout:g} s): {e}"
+            message = f"{self._what} failed (timeout {timeout.total_seconds():g} s): {e}"
             comm._c.fail(message)
             self._error = f"zerofuse.comm: {message}"
             raise dist.DistBackendError(self._error) from e
