@@ -134,11 +134,9 @@ def test_the_summary_shows_every_result_and_what_its_time_is():
     """bench/summarize.py: a row's time is the time its rates use (the device time on a GPU), and
     every number a benchmark recorded is shown (the memory benchmarks' peaks and ratios were
     dropped: their rows showed only a no-op's time)."""
-    import importlib.util
+    from test_bench_record import _summarize
 
-    spec = importlib.util.spec_from_file_location("bench_summarize", Path(__file__).parent.parent / "bench" / "summarize.py")
-    S = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(S)
+    S = _summarize()
     rows = [{"name": "bench_op[zerofuse]", "stats": {"median": 0.005},
              "extra_info": {"time_ms": 2.0, "timing": "device", "wall_ms": 5.0, "GB/s": 10.0, "speedup_vs_torch": 1.5,
                             "provider": "zerofuse"}},
@@ -156,12 +154,11 @@ def test_the_summary_shows_every_result_and_what_its_time_is():
 def test_a_suite_cut_after_writing_its_json_is_listed_as_cut(tmp_path):
     """A suite cut by the deadline's SIGINT between two benchmarks still gets its .json from
     pytest-benchmark, which read as the whole suite; run_gpu.sh marks it (NAME.cut) and merge lists it."""
-    import importlib.util
     import json
 
-    spec = importlib.util.spec_from_file_location("bench_summarize", Path(__file__).parent.parent / "bench" / "summarize.py")
-    S = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(S)
+    from test_bench_record import _summarize
+
+    S = _summarize()
     row = {"name": "bench_a", "stats": {"median": 1.0}, "extra_info": {}}
     (tmp_path / "bench_x.json").write_text(json.dumps({"benchmarks": [row]}))
     (tmp_path / "bench_y.json").write_text(json.dumps({"benchmarks": [row]}))

@@ -103,12 +103,16 @@ def _group_label(group: dist.ProcessGroup) -> str:
 MAX_TIMEOUT_S = 1e8  # (~3 years) as csrc/comm/communicator.cpp: longer ones overflowed into 1 ms
 
 
+def _float_or_nan(value) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return float("nan")
+
+
 def _timeout(value) -> float:
     """Seconds, > 0 (NaN and <= 0 refused by name), at most MAX_TIMEOUT_S (inf: that)."""
-    try:
-        t = float(value)
-    except (TypeError, ValueError):
-        t = float("nan")
+    t = _float_or_nan(value)
     if not t > 0:
         raise ValueError(f"zerofuse.comm.Communicator: expected timeout > 0 seconds, got {value!r}")
     return min(t, MAX_TIMEOUT_S)
@@ -119,11 +123,7 @@ def wait_timeout(value) -> float | None:
     timedelta(0)): no bound but the communicator's. Negative or NaN values are refused by name."""
     if value is None:
         return None
-    t = value.total_seconds() if isinstance(value, datetime.timedelta) else value
-    try:
-        t = float(t)
-    except (TypeError, ValueError):
-        t = float("nan")
+    t = value.total_seconds() if isinstance(value, datetime.timedelta) else _float_or_nan(value)
     if not t >= 0:
         raise ValueError(f"zerofuse.comm.Work.wait: expected timeout >= 0 seconds or a timedelta (0: the "
                          f"communicator's), got {value!r}")

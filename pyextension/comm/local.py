@@ -24,9 +24,10 @@ class DoneWork:
     __slots__ = ()
 
     def wait(self, timeout=None) -> None:
-        from zerofuse.comm.communicator import wait_timeout
+        if timeout is not None:  # (the same arguments refused as on the transports; none: the hot path)
+            from zerofuse.comm.communicator import wait_timeout
 
-        wait_timeout(timeout)  # (the same arguments refused as on the transports)
+            wait_timeout(timeout)
 
     def is_completed(self) -> bool:
         return True

@@ -191,8 +191,9 @@ def _norm_bwd(dy, dh, x, weight, bias, mean, rstd, is_rms, dr_dtype=None):
             dw = (dyf * xhat).sum(0).to(w.dtype) if w is not None else None
             db = None
         else:
-            dx, dw, db = torch.ops.aten.native_layer_norm_backward(  # (its stats in x's dtype: h's, float64
-                dy2, x2, [n], mean.view(-1, 1).to(x2.dtype), stat.to(x2.dtype), w, bias,  # after a float64 residual)
+            # (it takes the stats in x's dtype: h's, float64 after a float64 residual)
+            dx, dw, db = torch.ops.aten.native_layer_norm_backward(
+                dy2, x2, [n], mean.view(-1, 1).to(x2.dtype), stat.to(x2.dtype), w, bias,
                 [True, w is not None, bias is not None]
             )
         dx = dx.view(x.shape) if dh is None else dx.view(x.shape) + dh
