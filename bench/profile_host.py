@@ -146,6 +146,20 @@ def _stubbed_attention(calls: int) -> None:
 
     _time_face("attention fwd+bwd 1x2x16x16 causal", fwd_bwd(ZF.scaled_dot_product_attention),
                fwd_bwd(F.scaled_dot_product_attention), calls)
+    # qkv_attention (zerofuse.nn.Attention's, GPT's) against its torch equivalent: heads split from
+    # the projection, sdpa, the output transposed back
+    for grad in (False, True):
+        qkv = torch.randn(1, 16, 3 * 2 * 16).requires_grad_(grad)
+        dout = torch.randn(1, 16, 2 * 16)
+
+        def split(qkv):
+            q, k, v = qkv.view(1, 16, 3, 2, 16).permute(2, 0, 3, 1, 4)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(1, 16, 32)
+
+        ours, theirs = (lambda: ZF.qkv_attention(qkv, 2, is_causal=True)), (lambda: split(qkv))
+        if grad:
+            ours, theirs = ((lambda f: lambda: torch.autograd.grad(f(), qkv, dout))(f) for f in (ours, theirs))
+        _time_face(f"qkv_attention {'fwd+bwd' if grad else 'fwd'} 1x16x(3x2x16) causal", ours, theirs, calls)
 
 
 def _stubbed_rope(calls: int) -> None:

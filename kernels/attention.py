@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from zerofuse.kernels import interpreted
-from zerofuse.kernels.common import cdiv, next_power_of_2
+from zerofuse.kernels.common import next_power_of_2
 from zerofuse.kernels.launch import launch_triton
 
 LOG2E = 1.4426950408889634
@@ -360,40 +360,9 @@ def check_docs(docs, q, k, causal: bool, fn: str) -> None:
                          f"(zerofuse.ops.attention.document_bounds), got {got}")
 
 
-def attention_fwd(q, k, v, causal: bool, scale: float, out=None, checked: bool = False, docs=None):
-    """(out (B, Hq, Nq, D) like q, lse (B, Hq, Nq) fp32 natural log-sum-exp of the scaled scores).
-    out: where to write it (any strides with a unit one along D, e.g. a (B, Nq, Hq, D) buffer seen
-    as (B, Hq, Nq, D)); default a new contiguous tensor. checked: the caller ran _check (or made
-    q, k, v as views of one checked qkv tensor). docs: document bounds ([Note: documents])."""
-    if not checked:
-        _check(q, k, v, "zerofuse.kernels.attention.attention_fwd")
-    if docs is not None:
-        check_docs(docs, q, k, causal, "zerofuse.kernels.attention.attention_fwd")
-        docs = docs.contiguous()
-    q, k, v = _tileable(q), _tileable(k), _tileable(v)
-    b, hq, nq, d = q.shape
-    _check_grid(b, hq)
-    hkv, nk = k.shape[1], k.shape[2]
-    given = out
-    out = _writable(out, q.shape, q)
-    if out is None:
-        out = torch.empty((b, hq, nq, d), device=q.device, dtype=q.dtype)
-    lse = torch.empty((b, hq, nq), device=q.device, dtype=torch.float32)
-    _launch(_attn_fwd_kernel, _attn_fwd_tuned, lambda meta: (cdiv(nq, meta["BLOCK_M"]), hq, b),
-            q, k, v, out, lse, lse if docs is None else docs, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-            *out.stride()[:3], hq, hq // hkv, nq, nk, d, scale * LOG2E, CAUSAL=causal, BLOCK_D=_block_d(d),
-            DOCS=docs is not None, tune_key=(length_class(nq), length_class(nk), d, causal, q.dtype, docs is not None))
-    if given is not None and given is not out:
-        given.copy_(out)
-        out = given
-    return out, lse
-
-
-def attention_bwd(dout, q, k, v, out, lse, causal: bool, scale: float, dq=None, dk=None, dv=None, docs=None):
-    """(dq, dk, dv): kernels/attention_bwd.py."""
-    from zerofuse.kernels.attention_bwd import attention_bwd as bwd
-    return bwd(dout, q, k, v, out, lse, causal, scale, dq, dk, dv, docs)
-
-
 def default_scale(d: int) -> float:
     return 1.0 / math.sqrt(d)
+
+
+# the launches (host side) live in kernels/attention_launch.py, which reads this module
+from zerofuse.kernels.attention_launch import Launches, attention_bwd, attention_fwd  # noqa: E402,F401

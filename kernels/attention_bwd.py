@@ -2,17 +2,14 @@
 also forms delta = rowsum(o * do) of its rows (from one o tile: no pre-pass launch) and stores it,
 then dk/dv per key block (every query head of its group), which reads every row's delta. Both use
 the forward's LSE. dq/dk/dv are written at their own strides: contiguous, or views of one packed
-qkv gradient (zerofuse::attention_qkv)."""
+qkv gradient (zerofuse::attention_qkv). Launched by kernels/attention_launch.py."""
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
-from zerofuse.kernels.attention import (_block_d, _check_grid, _doc_starts, _dot, _heads, _key_tile, _launch,
-                                        _query_block, _query_pid, _rows, _tileable, _tuned, _unmasked_end, _writable,
-                                        check_docs, length_class)
-from zerofuse.kernels.common import cdiv
+from zerofuse.kernels.attention import (_doc_starts, _dot, _heads, _key_tile, _query_block, _query_pid, _rows, _tuned,
+                                        _unmasked_end)
 
 
 @triton.jit
@@ -144,38 +141,3 @@ def _attn_bwd_dq_kernel(Q, K, V, DO, O, LSE, DELTA, DQ, DOC,
 _attn_bwd_dkdv_tuned = _tuned(_attn_bwd_dkdv_kernel, ["Nq", "Nk", "D", "CAUSAL", "DOCS"])
 _attn_bwd_dq_tuned = _tuned(_attn_bwd_dq_kernel, ["Nq", "Nk", "D", "CAUSAL", "DOCS"])
 
-
-def attention_bwd(dout, q, k, v, out, lse, causal: bool, scale: float, dq=None, dk=None, dv=None, docs=None):
-    """(dq, dk, dv) in the inputs' dtypes; written into dq/dk/dv when given (any strides with a unit
-    one along D: e.g. views of one packed qkv gradient), else into new contiguous tensors. docs:
-    the forward's document bounds ([Note: documents] in kernels/attention.py)."""
-    if docs is not None:
-        check_docs(docs, q, k, causal, "zerofuse.kernels.attention.attention_bwd")
-        docs = docs.contiguous()
-    b, hq, nq, d = q.shape
-    _check_grid(b, hq)
-    hkv, nk = k.shape[1], k.shape[2]
-    dout, out = (_tileable(t if t.stride(-1) == 1 else t.contiguous()) for t in (dout, out))  # (read along D)
-    q, k, v = _tileable(q), _tileable(k), _tileable(v)
-    bd = _block_d(d)
-    delta = torch.empty((b, hq, nq), device=q.device, dtype=torch.float32)  # written by the dq kernel
-    lse = lse.contiguous()
-    given = (dq, dk, dv)
-    outs = [_writable(t, like.shape, like) for t, like in zip(given, (q, k, v))]
-    dq, dk, dv = (t if t is not None else torch.empty(like.shape, device=like.device, dtype=like.dtype)
-                  for t, like in zip(outs, (q, k, v)))
-    strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3])
-    tune_key = (length_class(nq), length_class(nk), d, causal, q.dtype, docs is not None)
-    doc = lse if docs is None else docs  # (not read without documents)
-    _launch(_attn_bwd_dq_kernel, _attn_bwd_dq_tuned, lambda meta: (cdiv(nq, meta["BLOCK_M"]), hq, b),
-            q, k, v, dout, out, lse, delta, dq, doc, *strides, *out.stride()[:3], *dq.stride()[:3], hq, hq // hkv, nq,
-            nk, d, scale, CAUSAL=causal, BLOCK_D=bd, DOCS=docs is not None, tune_key=tune_key)
-    _launch(_attn_bwd_dkdv_kernel, _attn_bwd_dkdv_tuned, lambda meta: (cdiv(nk, meta["BLOCK_N"]), hkv, b),
-            q, k, v, dout, lse, delta, dk, dv, doc, *strides, *dk.stride()[:3], *dv.stride()[:3], hq, hkv, hq // hkv,
-            nq, nk, d, scale, CAUSAL=causal, BLOCK_D=bd, DOCS=docs is not None, tune_key=tune_key)
-    res = [dq, dk, dv]
-    for i, (g, o) in enumerate(zip(given, outs)):
-        if g is not None and o is None:  # given but not writable in place: copied in
-            g.copy_(res[i])
-            res[i] = g
-    return tuple(res)

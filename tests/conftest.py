@@ -54,9 +54,9 @@ def _seed():
 def _no_plans_from_other_tests():
     """The faces' plans ([Note: call signatures]) hold what module settings a test may patch (the
     wide-row kernels' thresholds): each test starts with none."""
-    face = sys.modules.get("zerofuse.nn.functional")
-    if face is not None:
-        face._PLANS.clear()
+    signatures = sys.modules.get("zerofuse.ops.signatures")
+    if signatures is not None:
+        signatures.clear_plans()
 
 
 @pytest.fixture

@@ -155,3 +155,107 @@ def test_the_triton_switch_is_in_the_signature(counted_checks, monkeypatch):
                         lambda *a: (ran.append(1), cpu_op(*a))[1], raising=False)
     torch.testing.assert_close(ZF.rms_norm(x, (8,), w), torch.nn.functional.rms_norm(x, (8,), w))
     assert ran == [1]
+
+
+# ---------------------------------------------------------------- attention's plans (nn/sdpa.py)
+
+@pytest.fixture
+def attention_checks(monkeypatch):
+    """The number of times the attention faces ran their argument checks (the slow path)."""
+    from zerofuse.nn import sdpa
+
+    calls = []
+    check, qkv_check = sdpa._check_attention, sdpa._qkv.check
+    monkeypatch.setattr(sdpa, "_check_attention", lambda *a: (calls.append(1), check(*a))[1])
+    monkeypatch.setattr(sdpa._qkv, "check", lambda *a: (calls.append(1), qkv_check(*a))[1])
+    return calls
+
+
+def _attention_run(case, grad, dtype, ids=None):
+    """One call of a face from fresh leaves: its output, and with grad the leaves' gradients."""
+    g = torch.Generator().manual_seed(1)
+    b, n, hq, hkv, d = 2, 19, 4, 2, 16
+    if case == "qkv":
+        qkv = torch.randn(b, n, (hq + 2 * hkv) * d, generator=g).to(dtype).requires_grad_(grad)
+        leaves = [qkv]
+        out = ZF.qkv_attention(qkv, hq, hkv, is_causal=True, document_ids=ids)
+    else:
+        shapes = [(b, hq, n, d), (b, hkv, n, d), (b, hkv, n, d)]
+        if case == "bnhd":  # (B, H, N, D) views of (B, N, H, D) projections, as Hugging Face's
+            leaves = [torch.randn(s[0], s[2], s[1], s[3], generator=g).to(dtype).requires_grad_(grad) for s in shapes]
+            q, k, v = (t.transpose(1, 2) for t in leaves)
+        else:
+            leaves = [torch.randn(s, generator=g).to(dtype).requires_grad_(grad) for s in shapes]
+            q, k, v = leaves
+        out = ZF.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3, enable_gqa=True, document_ids=ids)
+    got = [out]
+    if grad:
+        (out.float() * torch.linspace(-1, 1, out.shape[-1])).sum().backward()
+        got += [t.grad for t in leaves]
+    return got
+
+
+@planned
+@pytest.mark.parametrize("docs", [False, True], ids=["", "documents"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+@pytest.mark.parametrize("case", ["bhnd", "bnhd", "qkv"])
+def test_a_planned_attention_call_gives_the_checked_calls_bits(case, grad, dtype, docs, attention_checks, monkeypatch):
+    from zerofuse.nn import sdpa
+
+    ids = torch.tensor([[0] * 7 + [1] * 12, [3] * 19]) if docs else None
+    planned_runs = [_attention_run(case, grad, dtype, ids) for _ in range(3)]
+    assert len(attention_checks) == 1  # checked once: the later calls ran the signature's plan
+    with monkeypatch.context() as m:
+        m.setattr(sdpa, "signature", lambda *a: None)  # no signature, no plan: the checked path
+        checked = _attention_run(case, grad, dtype, ids)
+    assert len(attention_checks) == 2
+    for got in planned_runs:
+        assert len(got) == len(checked)
+        for want, have in zip(checked, got):
+            assert have.stride() == want.stride()
+            assert torch.equal(have, want)
+
+
+@planned
+def test_an_attention_plan_bakes_in_no_tensor_value(attention_checks):
+    """The signature holds a tensor's metadata, not its value: a scale passed as a tensor, or
+    document ids changed in place, must not be served what a plan kept from an earlier call."""
+    from zerofuse.ops.attention import document_bounds, document_mask
+
+    q, k, v = (torch.randn(1, 2, 9, 8) for _ in range(3))
+    for s in (0.5, 0.25, 0.125):  # scales as 0-d tensors of one signature
+        want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=s)
+        torch.testing.assert_close(ZF.scaled_dot_product_attention(q, k, v, is_causal=True, scale=torch.tensor(s)),
+                                   want)
+    ids = torch.zeros(1, 9, dtype=torch.long)
+    for split in (4, 6, 0):
+        ids.zero_()
+        ids[:, split:] = 1  # the same tensor, new values
+        mask = document_mask(document_bounds(ids))
+        want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        for _ in range(2):
+            torch.testing.assert_close(ZF.scaled_dot_product_attention(q, k, v, is_causal=True, document_ids=ids),
+                                       want)
+            qkv = torch.cat([t.transpose(1, 2).reshape(1, 9, 16) for t in (q, k, v)], -1)
+            torch.testing.assert_close(ZF.qkv_attention(qkv, 2, is_causal=True, document_ids=ids),
+                                       want.transpose(1, 2).reshape(1, 9, 16))
+
+
+@planned
+def test_an_attention_plan_does_not_serve_autocast_or_the_cpu_kernels(monkeypatch):
+    from zerofuse.kernels import attention as K
+
+    q, k, v = (torch.randn(1, 2, 9, 8) for _ in range(3))
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    for _ in range(2):
+        assert ZF.scaled_dot_product_attention(q, k, v, is_causal=True).dtype == torch.float32
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # torch's sdpa runs in bf16 there: so must this
+        out = ZF.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert out.dtype == torch.bfloat16
+    launched = []
+    launch = K._launch
+    monkeypatch.setattr(K, "_launch", lambda *a, **kw: (launched.append(1), launch(*a, **kw))[1])
+    monkeypatch.setattr(kernels, "TRITON_ON_CPU", False)  # CPU tensors now take torch's CPU kernels
+    torch.testing.assert_close(ZF.scaled_dot_product_attention(q, k, v, is_causal=True), want)
+    assert launched == []

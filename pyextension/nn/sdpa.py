@@ -10,8 +10,12 @@ import weakref
 import torch
 from torch import Tensor
 
+from zerofuse import kernels as _kernels
 from zerofuse.nn.autocast import autocast_dtype, cast_all
 from zerofuse.nn.functional import _needs_grad
+from zerofuse.ops import attention as _attn
+from zerofuse.ops import attention_qkv as _qkv
+from zerofuse.ops.signatures import Plans, signature
 
 _warned: set[str] = set()
 
@@ -53,10 +57,17 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
     document_ids (B, N) integers, causal only: packed documents, each a run of equal ids along N; a
     query sees only the earlier keys of its own document (varlen attention without unpadding; the
     kernel skips the key blocks of other documents)."""
-    from zerofuse.ops import attention as _attn
-
+    sig = None
+    if not torch.compiler.is_compiling():  # a plan for these arguments' signature: no checks, no choices
+        sig = signature(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, document_ids,
+                        _kernels.TRITON_ON_CPU, isinstance(query, Tensor) and _autocast_on(query))
+        plan = _PLANS.get(sig)
+        if plan is not None:
+            docs = None if document_ids is None else _bounds(document_ids, query.shape[0], query.shape[2])
+            return plan(query, key, value, docs)
     # under autocast torch's sdpa runs in the autocast dtype (its floating inputs cast): so here
-    query, key, value = cast_all(autocast_dtype(query), query, key, value)
+    cast = autocast_dtype(query)
+    query, key, value = cast_all(cast, query, key, value)
     _check_attention(query, key, value, dropout_p)
     docs = None
     if document_ids is not None:
@@ -94,21 +105,39 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
             attn_mask, is_causal = _with_documents(attn_mask, docs), False
         return torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal,
                                                                 scale=scale, **kw)
-    scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
+    given_scale, scale = scale, query.shape[-1] ** -0.5 if scale is None else float(scale)
     # the kernel takes any strides but a unit one along head_dim (torch's sdpa takes any layout)
+    as_given = all(t.stride(-1) == 1 for t in (query, key, value))
     query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
     if torch.compiler.is_compiling():
         return torch.ops.zerofuse.attention(query, key, value, bool(is_causal), scale, docs)[0]
-    if not _needs_grad(query, key, value, None):  # no autograd at all
+    grad = _needs_grad(query, key, value, None)
+    # a plan where the kernels take the tensors as given and every argument it bakes in is a plain
+    # value (a tensor's value is not in the signature); autocast off (its dtype is not either)
+    if (sig is not None and as_given and cast is None and _attn.use_triton(query)
+            and all(type(a) in _PLAIN for a in (dropout_p, is_causal, enable_gqa, given_scale))
+            and all(_attn.K._tileable(t) is t for t in (query, key, value))):
+        plan = _attn.Plan(query, key, value, bool(is_causal), scale, docs is not None, grad)
+        out = plan(query, key, value, docs)
+        _PLANS.put(sig, plan)  # once it ran: a call that fails leaves no plan
+        return out
+    if not grad:  # no autograd at all
         return _attn._fwd(query, key, value, bool(is_causal), scale, docs)[0]
     return _attn.eager_attention(query, key, value, bool(is_causal), scale, docs)
+
+
+_PLANS = Plans()  # [Note: call signatures]: scaled_dot_product_attention's
+_PLAIN = (bool, int, float, type(None))
+
+
+def _autocast_on(t: Tensor) -> bool:
+    """Whether autocast is on for t's device type (the plans' devices: CUDA, or the CPU)."""
+    return torch.is_autocast_enabled("cuda" if t.is_cuda else "cpu")
 
 
 def _documents(query: Tensor, key: Tensor, is_causal: bool, document_ids: Tensor,
                where: str = "zerofuse.nn.functional.scaled_dot_product_attention") -> Tensor:
     """scaled_dot_product_attention's document_ids as the op's docs (document_bounds), checked."""
-    from zerofuse.ops import attention as _attn
-
     n = query.shape[-2] if query.dim() >= 2 else None
     if not is_causal or key.dim() < 2 or key.shape[-2] != n:
         raise ValueError(f"{where}: document_ids are for causal attention of queries and keys of one length, "
@@ -120,6 +149,11 @@ def _documents(query: Tensor, key: Tensor, is_causal: bool, document_ids: Tensor
                else type(document_ids).__name__)
         raise ValueError(f"{where}: expected document_ids of shape [{b}, {n}] or [1, {n}] (batch, sequence) on "
                          f"{query.device}, got {got}")
+    return _bounds(document_ids, b, n)
+
+
+def _bounds(document_ids: Tensor, b: int, n: int) -> Tensor:
+    """The bounds of checked document_ids (B or 1, N) for b batches, made once per ids tensor and version."""
     if (torch.compiler.is_compiling() or document_ids.is_inference()
             or (document_ids.is_cuda and torch.cuda.is_current_stream_capturing())):
         # no cache: a traced or captured call must record making the bounds (a captured graph
@@ -140,8 +174,6 @@ _last_documents: list = [(lambda: None, None, None)]
 
 def _with_documents(attn_mask: Tensor | None, docs: Tensor) -> Tensor:
     """torch's sdpa mask for the documents (causal included), combined with the caller's attn_mask."""
-    from zerofuse.ops import attention as _attn
-
     seen = _attn.document_mask(docs)
     if attn_mask is None:
         return seen
@@ -160,9 +192,14 @@ def qkv_attention(qkv: Tensor, num_heads: int, num_kv_heads: int | None = None, 
     and the gradient of qkv as one packed tensor). What the fused kernel does not take (head_dim >
     256, float64 on CUDA, more than 65535 batches or heads) runs scaled_dot_product_attention on
     the split heads. document_ids (B, N): packed documents, as scaled_dot_product_attention's."""
-    from zerofuse.ops import attention as _attn
-    from zerofuse.ops import attention_qkv as _qkv
-
+    sig = None
+    if not torch.compiler.is_compiling():  # a plan for these arguments' signature: no checks, no choices
+        sig = signature(qkv, num_heads, num_kv_heads, is_causal, scale, document_ids, _kernels.TRITON_ON_CPU)
+        plan = _QKV_PLANS.get(sig)
+        if plan is not None:
+            docs = None if document_ids is None else _bounds(document_ids, qkv.shape[0], qkv.shape[1])
+            return plan(qkv, docs)
+    given = (num_heads, num_kv_heads, is_causal, scale)
     num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
     d = _qkv.check(qkv, num_heads, num_kv_heads, "zerofuse.nn.functional.qkv_attention")
     scale = d ** -0.5 if scale is None else float(scale)
@@ -178,4 +215,15 @@ def qkv_attention(qkv: Tensor, num_heads: int, num_kv_heads: int | None = None, 
                           "zerofuse.nn.functional.qkv_attention")
     if torch.compiler.is_compiling():
         return torch.ops.zerofuse.attention_qkv(qkv, num_heads, num_kv_heads, bool(is_causal), scale, docs)[0]
+    # a plan on the Triton path with nothing empty, rows the kernels take in place, plain values
+    if (sig is not None and all(type(a) in _PLAIN for a in given) and qkv.numel() > 0
+            and _attn.use_triton(qkv[..., :d]) and (qkv.shape[1] <= 1 or qkv.stride(1) <= _attn.K._MAX_ROW_STRIDE)):
+        plan = _qkv.Plan(qkv, num_heads, num_kv_heads, bool(is_causal), scale, docs is not None,
+                         _needs_grad(qkv, None, None, None))
+        out = plan(qkv, docs)
+        _QKV_PLANS.put(sig, plan)  # once it ran: a call that fails leaves no plan
+        return out
     return _qkv.eager_qkv_attention(qkv, num_heads, num_kv_heads, bool(is_causal), scale, docs)
+
+
+_QKV_PLANS = Plans()  # [Note: call signatures]: qkv_attention's

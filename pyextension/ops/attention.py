@@ -27,7 +27,7 @@ from torch import Tensor
 
 from zerofuse import kernels, reference
 from zerofuse.kernels import attention as K
-from zerofuse.ops import eager_apply, first_order, empty_in_layout, in_layout, register
+from zerofuse.ops import eager_apply, first_order, empty_in_layout, in_layout, layout_strides, register
 
 # head_dim the Triton kernels take (one program holds a whole head_dim row block)
 MAX_HEAD_DIM = 256
@@ -203,24 +203,65 @@ attention.register_autograd(_backward, setup_context=_setup_context)
 
 class EagerAttention(torch.autograd.Function):
     """The ops above for eager mode without custom_op's Python dispatch (as the norms' EagerNorm):
-    apply(q, k, v, is_causal, scale, docs=None) -> out. The op's checks run in forward; lse is not
-    returned (not differentiable, as through the op)."""
+    apply(q, k, v, is_causal, scale, docs=None, plan=None) -> out. The op's checks run in forward
+    unless a plan is given: the face's Plan for these arguments' signature ([Note: call
+    signatures]), which then allocates and launches forward and backward. lse is not returned (not
+    differentiable, as through the op)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, is_causal, scale, docs=None):
-        out, lse = _fwd(q, k, v, is_causal, scale, docs)
+    def forward(ctx, q, k, v, is_causal, scale, docs=None, plan=None):
+        out, lse = _fwd(q, k, v, is_causal, scale, docs) if plan is None else plan.forward(q, k, v, docs)
         ctx.save_for_backward(q, k, v, out, lse, docs)
-        ctx.args = (is_causal, scale)
+        ctx.args, ctx.plan = (is_causal, scale), plan
         return out
 
     @staticmethod
     @first_order
     def backward(ctx, dout):
         q, k, v, out, lse, docs = ctx.saved_tensors
-        return *_bwd(dout, q, k, v, out, lse, *ctx.args, docs), None, None, None
+        if ctx.plan is not None:
+            return *ctx.plan.backward(dout, q, k, v, out, lse, docs), None, None, None, None
+        return *_bwd(dout, q, k, v, out, lse, *ctx.args, docs), None, None, None, None
 
 
 eager_attention = eager_apply(EagerAttention)
+
+
+class Plan:
+    """zerofuse::attention's eager call for one signature of the face's arguments ([Note: call
+    signatures]; nn/sdpa.py records it): the Triton path with nothing empty, q, k and v taken as
+    given (a unit stride along D, rows within [Note: 64-bit offsets] of kernels/attention.py),
+    out and the gradients in their inputs' layouts. Calling it allocates and launches; with
+    autograd (grad: from the signature's grad mode and requires_grad) through EagerAttention."""
+
+    __slots__ = ("launches", "grad", "args", "layouts", "dtype", "device")
+
+    def __init__(self, q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float, docs: bool, grad: bool):
+        K._check(q, k, v)  # (what the op checks and the face does not: the shapes the kernels rely on)
+        self.layouts = tuple((t.shape, layout_strides(t)) for t in (q, k, v))
+        self.launches = K.Launches(q, k, v, self.layouts[0][1], is_causal, scale, docs)
+        self.grad, self.args, self.dtype, self.device = grad, (is_causal, scale), q.dtype, q.device
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, docs: Tensor | None) -> Tensor:
+        if self.grad:
+            return eager_attention(q, k, v, *self.args, docs, self)
+        return self.forward(q, k, v, docs)[0]
+
+    def _empty(self, i: int) -> Tensor:
+        shape, strides = self.layouts[i]
+        return torch.empty_strided(shape, strides, dtype=self.dtype, device=self.device)
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, docs: Tensor | None) -> tuple[Tensor, Tensor]:
+        out = self._empty(0)
+        lse = torch.empty(self.launches.lse_shape, dtype=torch.float32, device=self.device)
+        self.launches.forward(q, k, v, out, lse, docs)
+        return out, lse
+
+    def backward(self, dout: Tensor, q, k, v, out, lse, docs) -> tuple[Tensor, Tensor, Tensor]:
+        dout = K._tileable(dout if dout.stride(-1) == 1 else dout.contiguous())  # (read along D)
+        dq, dk, dv = self._empty(0), self._empty(1), self._empty(2)
+        self.launches.backward(dout, q, k, v, out, lse, dq, dk, dv, docs)
+        return dq, dk, dv
 
 
 def _selftest(device: torch.device) -> None:

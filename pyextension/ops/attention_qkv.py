@@ -148,23 +148,75 @@ attention_qkv.register_autograd(_backward, setup_context=_setup_context)
 
 class EagerQKVAttention(torch.autograd.Function):
     """The ops above for eager mode without custom_op's Python dispatch (the face checked the
-    arguments). apply(qkv, num_heads, num_kv_heads, is_causal, scale, docs=None) -> out (B, N, Hq * D)."""
+    arguments). apply(qkv, num_heads, num_kv_heads, is_causal, scale, docs=None, plan=None) -> out
+    (B, N, Hq * D); plan: the face's Plan for these arguments' signature ([Note: call signatures]),
+    which then allocates and launches forward and backward."""
 
     @staticmethod
-    def forward(ctx, qkv, hq, hkv, is_causal, scale, docs=None):
-        out, lse = _fwd(qkv, hq, hkv, is_causal, scale, docs)
+    def forward(ctx, qkv, hq, hkv, is_causal, scale, docs=None, plan=None):
+        out, lse = _fwd(qkv, hq, hkv, is_causal, scale, docs) if plan is None else plan.forward(qkv, docs)
         ctx.save_for_backward(qkv, out, lse, docs)
-        ctx.args = (hq, hkv, is_causal, scale)
+        ctx.args, ctx.plan = (hq, hkv, is_causal, scale), plan
         return out
 
     @staticmethod
     @first_order
     def backward(ctx, dout):
         qkv, out, lse, docs = ctx.saved_tensors
-        return _bwd(dout, qkv, out, lse, *ctx.args, docs), None, None, None, None, None
+        if ctx.plan is not None:
+            return ctx.plan.backward(dout, qkv, out, lse, docs), None, None, None, None, None, None
+        return _bwd(dout, qkv, out, lse, *ctx.args, docs), None, None, None, None, None, None
 
 
 eager_qkv_attention = eager_apply(EagerQKVAttention)
+
+
+class Plan:
+    """zerofuse::attention_qkv's eager call for one signature of the face's arguments ([Note: call
+    signatures]; nn/sdpa.py qkv_attention records it): the Triton path with nothing empty and the
+    heads' rows within [Note: 64-bit offsets] of kernels/attention.py. q, k, v (and dq, dk, dv of
+    the packed gradient) are made as one as_strided view each, out (B, N, Hq * D) and its gradient
+    contiguous; calling it allocates and launches, with autograd through EagerQKVAttention when grad
+    (from the signature's grad mode and requires_grad)."""
+
+    __slots__ = ("launches", "grad", "args", "views", "grad_views", "out_shape", "out4", "dtype", "device")
+
+    def __init__(self, qkv: Tensor, hq: int, hkv: int, is_causal: bool, scale: float, docs: bool, grad: bool):
+        b, n, width = qkv.shape
+        d = width // (hq + 2 * hkv)
+        q, k, v = heads(qkv, hq, hkv, d)
+        base = qkv.storage_offset()
+        self.views = tuple((t.shape, t.stride(), t.storage_offset() - base) for t in (q, k, v))
+        packed = torch.empty((b, n, width), device="meta")  # the gradient's layout: contiguous qkv
+        self.grad_views = tuple((t.shape, t.stride(), t.storage_offset()) for t in heads(packed, hq, hkv, d))
+        self.out_shape = (b, n, hq * d)
+        self.out4 = ((b, hq, n, d), (n * hq * d, d, hq * d, 1))  # out (B, N, Hq * D) seen as (B, Hq, N, D)
+        self.launches = K.Launches(q, k, v, self.out4[1], is_causal, scale, docs)
+        self.grad, self.args, self.dtype, self.device = grad, (hq, hkv, is_causal, scale), qkv.dtype, qkv.device
+
+    def __call__(self, qkv: Tensor, docs: Tensor | None) -> Tensor:
+        if self.grad:
+            return eager_qkv_attention(qkv, *self.args, docs, self)
+        return self.forward(qkv, docs)[0]
+
+    def _heads(self, t: Tensor, views, base: int) -> tuple[Tensor, Tensor, Tensor]:
+        return tuple(t.as_strided(shape, stride, base + off) for shape, stride, off in views)
+
+    def forward(self, qkv: Tensor, docs: Tensor | None) -> tuple[Tensor, Tensor]:
+        out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
+        lse = torch.empty(self.launches.lse_shape, dtype=torch.float32, device=self.device)
+        self.launches.forward(*self._heads(qkv, self.views, qkv.storage_offset()), out.as_strided(*self.out4), lse,
+                              docs)
+        return out, lse
+
+    def backward(self, dout: Tensor, qkv: Tensor, out: Tensor, lse: Tensor, docs: Tensor | None) -> Tensor:
+        b, n, _ = self.out_shape
+        hq, d = self.out4[0][1], self.out4[0][3]
+        dout4 = (dout if dout.stride(-1) == 1 else dout.contiguous()).reshape(b, n, hq, d).transpose(1, 2)
+        dqkv = torch.empty(qkv.shape, dtype=self.dtype, device=self.device)
+        self.launches.backward(K._tileable(dout4), *self._heads(qkv, self.views, qkv.storage_offset()),
+                               out.as_strided(*self.out4), lse, *self._heads(dqkv, self.grad_views, 0), docs)
+        return dqkv
 
 
 def _selftest(device: torch.device) -> None:

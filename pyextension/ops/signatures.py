@@ -22,16 +22,19 @@ from __future__ import annotations
 
 from zerofuse._C import signature
 
-__all__ = ["Plans", "signature"]
+__all__ = ["Plans", "clear_plans", "signature"]
 
 
 class Plans(dict):
     """signature -> plan, bounded: emptied when it holds ``limit`` plans (a model calls a face with
     a few signatures; a caller whose shapes change every call pays the slow path, never memory)."""
 
+    ALL: list[Plans] = []  # every face's, for clear_plans
+
     def __init__(self, limit: int = 1024):
         super().__init__()
         self.limit = limit
+        Plans.ALL.append(self)
 
     def put(self, key: bytes | None, plan) -> None:
         if key is None:
@@ -39,3 +42,10 @@ class Plans(dict):
         if len(self) >= self.limit:
             self.clear()
         self[key] = plan
+
+
+def clear_plans() -> None:
+    """Forgets every face's plans (a plan keeps what a module setting was when it was made: the
+    tests that patch one start with none)."""
+    for plans in Plans.ALL:
+        plans.clear()
