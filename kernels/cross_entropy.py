@@ -40,14 +40,14 @@ def _capped(z, softcap, HAS_SOFTCAP: tl.constexpr):
 
 @triton.jit
 def _ce_kernel(
-    Z, stride_z, Target, Scale, Lse, TZ, SZ,
+    Z, stride_z, Target, stride_t, Scale, Lse, TZ, SZ,
     V, V_total, vocab_start, smoothing, z_loss, softcap,
     STATS: tl.constexpr, GRAD: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
     BLOCK_V: tl.constexpr, EMULATE_RNE: tl.constexpr,
 ):
     row = tl.program_id(0)
     z_row = Z + row.to(tl.int64) * stride_z
-    t_local = tl.load(Target + row).to(tl.int64) - vocab_start
+    t_local = tl.load(Target + row.to(tl.int64) * stride_t).to(tl.int64) - vocab_start
     if STATS:
         # [Note: one reduction a block] the running max is a scalar (one tl.max a block: a
         # cross-warp reduction), the sums of exp(z - m) and of z are kept per lane and reduced once
@@ -100,7 +100,8 @@ def _block_v(v: int) -> int:
 def ce_rows(z: torch.Tensor, target: torch.Tensor, scale: torch.Tensor | None, lse: torch.Tensor,
             tz: torch.Tensor | None, sz: torch.Tensor | None, *, vocab_start: int, vocab_total: int,
             smoothing: float, z_loss: float, softcap: float, stats: bool, grad: bool) -> None:
-    """The kernel on z (rows, V) (unit stride along V), in place. stats: writes lse/tz/sz (fp32,
+    """The kernel on z (rows, V) (unit stride along V), in place; target (rows,) at any stride (a
+    column or a last-token slice of the labels: a strided view). stats: writes lse/tz/sz (fp32,
     one per row); else lse is read. grad: overwrites z with its gradient times scale (fp32, one per
     row)."""
     rows, v = z.shape
@@ -108,7 +109,7 @@ def ce_rows(z: torch.Tensor, target: torch.Tensor, scale: torch.Tensor | None, l
         return
     block = _block_v(v)
     launch_triton(_ce_kernel, (rows,),
-        z, z.stride(0), target, scale if grad else lse, lse, tz if stats else lse, sz if stats else lse,
+        z, z.stride(0), target, target.stride(0), scale if grad else lse, lse, tz if stats else lse, sz if stats else lse,
         v, vocab_total, vocab_start, float(smoothing), float(z_loss), float(softcap or 1.0),
         STATS=stats, GRAD=grad, HAS_SOFTCAP=bool(softcap), HAS_SMOOTHING=smoothing != 0, BLOCK_V=block,
         EMULATE_RNE=interpreted(),

@@ -91,13 +91,14 @@ def _launch_shape(m: int, h: int, activation: str) -> tuple[tuple[int, int], dic
 def rows(t: torch.Tensor) -> torch.Tensor:
     """t as (rows, t.shape[-1]) with a unit column stride: a view where t's rows are evenly spaced
     (contiguous, or a slice along the last dim such as one half of a fused gate/up projection's
-    output: no copy), else a contiguous copy."""
+    output: no copy), else a contiguous copy. A 0-dim t is one row of one element."""
+    n = t.shape[-1] if t.dim() else 1
     if t.dim() >= 1 and t.stride(-1) == 1:
         try:
-            return t.view(-1, t.shape[-1])
+            return t.view(-1, n)
         except RuntimeError:  # rows not evenly spaced
             pass
-    return t.contiguous().view(-1, t.shape[-1])
+    return t.contiguous().view(-1, n)
 
 
 def swiglu_fwd(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
@@ -122,7 +123,7 @@ def swiglu_bwd(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activatio
     else:
         dg, du = dgrad.chunk(2, -1)
     if gate.numel():
-        g2, u2, dg2, du2 = rows(gate), rows(up), dg.view(-1, dg.shape[-1]), du.view(-1, du.shape[-1])
+        g2, u2, dg2, du2 = rows(gate), rows(up), rows(dg), rows(du)
         grid, tiles = _launch_shape(*g2.shape, activation)
         launch_triton(_swiglu_bwd_kernel, grid, dy, g2, u2, dg2, du2, *g2.shape, g2.stride(0), u2.stride(0),
                       dg2.stride(0), du2.stride(0), **tiles)

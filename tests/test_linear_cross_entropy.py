@@ -154,6 +154,26 @@ def test_ignore_index_other_than_default_and_int32_targets(kernel_path):
     assert_close(ours[0], ref[0].float(), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("view", ["column", "last_token"])
+def test_a_strided_target_is_read_at_its_stride(view, kernel_path):
+    """A target that reshape(-1) keeps a strided view (a column of the labels, or the last token of
+    each sequence) is read at its stride (the kernel read it as contiguous: another row's label)."""
+    leaves, target = _inputs(torch.float32, t=2 * 37)
+    if view == "column":
+        labels = target.view(37, 2)
+        hidden, target = leaves[0][:37], labels[:, 0]
+    else:
+        labels = target.view(2, 37)
+        hidden, target = leaves[0][:2].reshape(2, 1, D), labels[:, -1:]
+    assert not target.reshape(-1).is_contiguous()
+    ours = _run(linear_cross_entropy, [hidden, leaves[1], None], target)
+    ref = _run(reference.linear_cross_entropy, [hidden.double(), leaves[1].double(), None],
+               target.reshape(-1) if view == "column" else target.reshape(2, 1))
+    assert_close(ours[0], ref[0].float(), atol=1e-5, rtol=1e-5)
+    for got, want in zip(ours[1][:2], ref[1][:2]):
+        assert_close(got, want.float(), atol=1e-5, rtol=1e-5)
+
+
 def test_batched_hidden_and_target_shapes():
     leaves, target = _inputs(torch.float32, t=2 * 3 * 5)
     h = leaves[0].reshape(2, 3, 5, D)
@@ -213,8 +233,11 @@ BAD = [
     (dict(bias=torch.randn(V + 1)), RuntimeError, r"expected bias of shape \(1025,\)"),
     (dict(reduction="avg"), ValueError, r"expected reduction 'mean', 'sum' or 'none', got 'avg'"),
     (dict(label_smoothing=1.5), RuntimeError, r"expected label_smoothing in \[0, 1\], got 1.5"),
-    (dict(z_loss=-1.0), RuntimeError, r"expected z_loss >= 0, got -1.0"),
-    (dict(softcap=0.0), ValueError, r"expected softcap > 0 or None, got 0.0"),
+    (dict(z_loss=-1.0), RuntimeError, r"expected a finite z_loss >= 0, got -1.0"),
+    (dict(softcap=0.0), ValueError, r"expected a finite softcap > 0 or None, got 0.0"),
+    (dict(softcap=float("inf")), ValueError, r"expected a finite softcap > 0 or None, got inf"),  # (NaN loss)
+    (dict(hidden=torch.tensor(1.0), target=torch.tensor(1)), ValueError, r"expected hidden of shape \(\.\.\., dim\), "
+     r"got a 0-dim tensor"),
     (dict(chunk_size=0), ValueError, r"expected chunk_size to be an int >= 1 or None, got 0"),
     (dict(target=torch.full((T,), V)), IndexError, r"expected target in \[0, 1025\) or -100, got 1025"),
     (dict(hidden=torch.zeros(T, D, dtype=torch.long)), TypeError, r"expected hidden to be a floating-point tensor"),

@@ -20,7 +20,7 @@ def _grads(fn, gate, up, dy):
     return y.detach(), leaves[0].grad, leaves[1].grad
 
 
-@pytest.mark.parametrize("shape", [(97, 123), (2, 5, 1025), (0, 7), (3,)])
+@pytest.mark.parametrize("shape", [(97, 123), (2, 5, 1025), (0, 7), (3,), ()])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
 def test_matches_float64_reference_within_the_peer_rule(activation, dtype, shape, kernel_path):

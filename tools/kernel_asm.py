@@ -238,7 +238,7 @@ def cross_entropy(arch: int) -> None:
         cx = dict(STATS=True, GRAD=True, HAS_SOFTCAP=False, BLOCK_V=4096, EMULATE_RNE=False)
         if "HAS_SMOOTHING" in params:
             cx["HAS_SMOOTHING"] = smoothing
-        ints = ("stride_z", "V", "V_total", "vocab_start")
+        ints = ("stride_z", "stride_t", "V", "V_total", "vocab_start")
         sig = {n: ("constexpr" if n in cx else "i32" if n in ints else "fp32" if n in ("smoothing", "z_loss", "softcap")
                    else "*i64" if n == "Target" else "*bf16" if n == "Z" else "*fp32") for n in params}
         # as a launch specialises them at 50304 (a multiple of 16): pointers, the row stride, V, V_total

@@ -20,6 +20,7 @@ is freed (a ZeRO-3 shard not gathered) is refused rather than read.
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 from torch import Tensor
@@ -44,13 +45,15 @@ def check_face_args(hidden, weight, target, bias, reduction, softcap, chunk_size
                                "param, or of the model")
     if not isinstance(target, Tensor):
         raise TypeError(f"{where}: expected target to be an integer tensor, got {type(target).__name__}")
-    if hidden.dim() < 1 or tuple(target.shape) != tuple(hidden.shape[:-1]):
+    if hidden.dim() < 1:
+        raise ValueError(f"{where}: expected hidden of shape (..., dim), got a 0-dim tensor")
+    if tuple(target.shape) != tuple(hidden.shape[:-1]):
         raise ValueError(f"{where}: expected target of shape {list(hidden.shape[:-1])} (hidden's without the last "
                          f"dim), got {list(target.shape)}")
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"{where}: expected reduction 'mean', 'sum' or 'none', got {reduction!r}")
-    if softcap is not None and not softcap > 0:
-        raise ValueError(f"{where}: expected softcap > 0 or None, got {softcap}")
+    if softcap is not None and not 0 < softcap < math.inf:  # (inf caps nothing: None says so; tanh(z/inf)*inf is NaN)
+        raise ValueError(f"{where}: expected a finite softcap > 0 or None, got {softcap}")
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
         raise ValueError(f"{where}: expected chunk_size to be an int >= 1 or None, got {chunk_size!r}")
 

@@ -22,6 +22,8 @@ chunk), and 3 fp32 values per token.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -75,10 +77,10 @@ def check_args(fn: str, hidden: Tensor, weight: Tensor, target: Tensor, bias: Te
                            f"{target.dtype} {list(target.shape)} on {target.device}")
     if not 0.0 <= label_smoothing <= 1.0:
         raise RuntimeError(f"{fn}: expected label_smoothing in [0, 1], got {label_smoothing}")
-    if not z_loss >= 0.0:
-        raise RuntimeError(f"{fn}: expected z_loss >= 0, got {z_loss}")
-    if not softcap >= 0.0:
-        raise RuntimeError(f"{fn}: expected softcap > 0 (or 0: none), got {softcap}")
+    if not 0.0 <= z_loss < math.inf:
+        raise RuntimeError(f"{fn}: expected a finite z_loss >= 0, got {z_loss}")
+    if not 0.0 <= softcap < math.inf:
+        raise RuntimeError(f"{fn}: expected a finite softcap > 0 (or 0: none), got {softcap}")
     if reduction not in _REDUCTIONS:
         raise RuntimeError(f"{fn}: expected reduction 'mean', 'sum' or 'none', got {reduction!r}")
     if chunk_size < 0:
