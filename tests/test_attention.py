@@ -145,6 +145,15 @@ def test_face_matches_torch_sdpa_with_gradients(path, case):
         torch.testing.assert_close(a.grad, t.grad, rtol=2e-4, atol=2e-4)
 
 
+def test_head_dim_one_takes_any_stride_along_it(path):
+    """A head_dim of 1 has no stride to respect: a transposed (B, H, 8, 1) view (stride 8 along D,
+    already 'contiguous' to torch) was refused by the kernels' contiguity check."""
+    q, k, v = (torch.randn(1, 2, 1, 8).transpose(-1, -2) for _ in range(3))
+    assert q.stride(-1) != 1 and q.is_contiguous()
+    torch.testing.assert_close(zf_sdpa(q, k, v, is_causal=True),
+                               torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True))
+
+
 def test_more_batches_than_the_grid_takes_fall_back():
     """B > 65535 (the kernels' grid y/z limit): torch's result after the warning, not an error."""
     q, k, v = (torch.randn(65536, 1, 2, 8, device=DEVICE) for _ in range(3))

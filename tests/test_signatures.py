@@ -259,3 +259,95 @@ def test_an_attention_plan_does_not_serve_autocast_or_the_cpu_kernels(monkeypatc
     monkeypatch.setattr(kernels, "TRITON_ON_CPU", False)  # CPU tensors now take torch's CPU kernels
     torch.testing.assert_close(ZF.scaled_dot_product_attention(q, k, v, is_causal=True), want)
     assert launched == []
+
+
+@planned
+@pytest.mark.parametrize("case", ["bnhd", "qkv_seq_major", "qkv_slice"])
+def test_a_planned_backward_reads_saved_tensors_at_their_own_strides(case):
+    """Saved-tensor hooks (torch's save_on_cpu with pinned memory: activation offload) give the saved
+    tensors back in other layouts (contiguous copies): a plan's backward must not read them at the forward's strides
+    (it did: gradients off by ~10, or an out-of-bounds view of a sliced qkv)."""
+    g = torch.Generator().manual_seed(0)
+    b, n, h, d = 2, 16, 2, 16
+    if case == "bnhd":
+        src = [torch.randn(b, n, h, d, generator=g) for _ in range(3)]
+
+        def face(leaves):
+            return ZF.scaled_dot_product_attention(*[t.transpose(1, 2) for t in leaves], is_causal=True)
+    else:
+        w = 3 * h * d
+        src = [torch.randn(n, b, w, generator=g) if case == "qkv_seq_major" else torch.randn(b, n, w + 32, generator=g)]
+
+        def face(leaves):
+            qkv = leaves[0].transpose(0, 1) if case == "qkv_seq_major" else leaves[0][..., 16:16 + w]
+            return ZF.qkv_attention(qkv, h, is_causal=True)
+    weight = torch.randn(face(src).shape, generator=g)
+
+    def grads(hooked):
+        leaves = [t.clone().requires_grad_() for t in src]
+        if hooked:  # as save_on_cpu(pin_memory=True) does: a contiguous copy of each saved tensor
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(memory_format=torch.contiguous_format),
+                                                          lambda t: t):
+                out = face(leaves)
+        else:
+            out = face(leaves)
+        (out * weight).sum().backward()
+        return out.detach(), [t.grad for t in leaves]
+
+    want = grads(False)
+    for _ in range(2):  # the first call records the plan, the second runs it
+        got = grads(True)
+        torch.testing.assert_close(got[0], want[0])
+        for a, e in zip(got[1], want[1]):
+            torch.testing.assert_close(a, e)
+
+
+def _faces():
+    import zerofuse.nn.functional as F
+
+    qkv = torch.randn(1, 5, 3 * 2 * 8)
+    k, v = torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
+    return {"sdpa": (torch.randn(1, 2, 5, 8), lambda x: F.scaled_dot_product_attention(x, k, v, is_causal=True)),
+            "qkv_attention": (qkv, lambda x: F.qkv_attention(x, 2, is_causal=True)),
+            "layer_norm": (torch.randn(3, 8), lambda x: F.layer_norm(x, (8,))),
+            "rms_norm": (torch.randn(3, 8), lambda x: F.rms_norm(x, (8,), torch.ones(8)))}
+
+
+@pytest.mark.parametrize("name", ["sdpa", "qkv_attention", "layer_norm", "rms_norm"])
+def test_forward_ad_is_refused_not_dropped(name):
+    """Under forward AD the kernels alone would return outputs without tangents (a silently wrong
+    jvp): the faces go through their autograd Functions, which have no jvp and say so, also when a
+    plan was recorded for the same tensors outside the dual level."""
+    import torch.autograd.forward_ad as fwad
+
+    x, face = _faces()[name]
+    face(x), face(x)  # (a plan, where one applies, for x without forward AD)
+    with fwad.dual_level():
+        with pytest.raises(NotImplementedError, match="jvp"):
+            face(fwad.make_dual(x, torch.randn_like(x)))
+
+
+@pytest.mark.parametrize("name", ["sdpa", "qkv_attention", "layer_norm", "rms_norm"])
+def test_inference_mode_under_enable_grad_records_no_graph(name):
+    """torch records no graph in inference mode, even under enable_grad: an inference tensor out,
+    not an error from saving inference tensors for a backward (the faces' Functions did)."""
+    x, face = _faces()[name]
+    leaf = x.clone().requires_grad_()
+    want = face(x)
+    face(leaf), face(leaf)  # (a plan with autograd, where one applies)
+    with torch.inference_mode(), torch.enable_grad():
+        for _ in range(2):
+            out = face(leaf)
+            assert out.is_inference() and not out.requires_grad
+            torch.testing.assert_close(out, want)
+
+
+def test_qkv_attention_runs_in_the_autocast_dtype():
+    """As scaled_dot_product_attention (and torch's sdpa): under autocast the inputs are cast."""
+    qkv = torch.randn(1, 5, 3 * 2 * 8)
+    for _ in range(2):
+        assert ZF.qkv_attention(qkv, 2, is_causal=True).dtype == torch.float32
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = ZF.qkv_attention(qkv, 2, is_causal=True)
+        assert out.dtype == torch.bfloat16
+        torch.testing.assert_close(out, ZF.qkv_attention(qkv.bfloat16(), 2, is_causal=True))

@@ -26,7 +26,7 @@ from torch import Tensor
 from zerofuse import kernels as _kernels
 from zerofuse.kernels.norms import FwdLaunch
 from zerofuse.ops import norms as _ops
-from zerofuse.ops.signatures import Plans, signature
+from zerofuse.ops.signatures import Plans, autograd_modes, needs_autograd, signature
 from zerofuse.reference import default_rms_eps
 
 _ShapeLike = int | Sequence[int] | torch.Size
@@ -86,7 +86,8 @@ def _flat(t: Tensor | None, n: int) -> Tensor | None:
 
 def _layer_norm(fn, input, residual, normalized_shape, weight, bias, eps, input_bias=None):
     if not torch.compiler.is_compiling():  # a plan for these arguments' signature: no checks, no choices
-        key = signature(False, input, residual, normalized_shape, weight, bias, eps, input_bias, _kernels.TRITON_ON_CPU)
+        key = signature(False, input, residual, normalized_shape, weight, bias, eps, input_bias, _kernels.TRITON_ON_CPU,
+                        autograd_modes())
         plan = _PLANS.get(key)
         if plan is not None:
             return plan(input, residual, weight, bias, input_bias)
@@ -147,10 +148,7 @@ def _eager_norm(key, input, residual, x, r, w, b, eps, is_rms, input_bias):
 
 
 def _needs_grad(x, w, b, r, input_bias=None) -> bool:
-    # x, then each optional tensor, without a generator (this runs on every call)
-    return torch.is_grad_enabled() and (x.requires_grad or (w is not None and w.requires_grad)
-                                        or (b is not None and b.requires_grad) or (r is not None and r.requires_grad)
-                                        or (input_bias is not None and input_bias.requires_grad))
+    return needs_autograd(x, w, b, r, input_bias)
 
 
 def _bias_grad_carrier(input, input_bias):
@@ -177,7 +175,8 @@ def _as(t: Tensor, like: Tensor) -> Tensor:
 
 def _rms_norm(fn, input, residual, normalized_shape, weight, eps, input_bias=None):
     if not torch.compiler.is_compiling():
-        key = signature(True, input, residual, normalized_shape, weight, eps, input_bias, _kernels.TRITON_ON_CPU)
+        key = signature(True, input, residual, normalized_shape, weight, eps, input_bias, _kernels.TRITON_ON_CPU,
+                        autograd_modes())
         plan = _PLANS.get(key)
         if plan is not None:
             return plan(input, residual, weight, None, input_bias)

@@ -15,7 +15,7 @@ from zerofuse.nn.autocast import autocast_dtype, cast_all
 from zerofuse.nn.functional import _needs_grad
 from zerofuse.ops import attention as _attn
 from zerofuse.ops import attention_qkv as _qkv
-from zerofuse.ops.signatures import Plans, signature
+from zerofuse.ops.signatures import Plans, autograd_modes, signature
 
 _warned: set[str] = set()
 
@@ -60,7 +60,7 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
     sig = None
     if not torch.compiler.is_compiling():  # a plan for these arguments' signature: no checks, no choices
         sig = signature(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, document_ids,
-                        _kernels.TRITON_ON_CPU, isinstance(query, Tensor) and _autocast_on(query))
+                        _kernels.TRITON_ON_CPU, isinstance(query, Tensor) and _autocast_on(query), autograd_modes())
         plan = _PLANS.get(sig)
         if plan is not None:
             docs = None if document_ids is None else _bounds(document_ids, query.shape[0], query.shape[2])
@@ -191,10 +191,12 @@ def qkv_attention(qkv: Tensor, num_heads: int, num_kv_heads: int | None = None, 
     (zerofuse::attention_qkv: the kernels read the heads in place, write the output in this layout
     and the gradient of qkv as one packed tensor). What the fused kernel does not take (head_dim >
     256, float64 on CUDA, more than 65535 batches or heads) runs scaled_dot_product_attention on
-    the split heads. document_ids (B, N): packed documents, as scaled_dot_product_attention's."""
+    the split heads. document_ids (B, N): packed documents, as scaled_dot_product_attention's. Under
+    autocast qkv is cast to its dtype first (as torch's sdpa's inputs are)."""
     sig = None
     if not torch.compiler.is_compiling():  # a plan for these arguments' signature: no checks, no choices
-        sig = signature(qkv, num_heads, num_kv_heads, is_causal, scale, document_ids, _kernels.TRITON_ON_CPU)
+        sig = signature(qkv, num_heads, num_kv_heads, is_causal, scale, document_ids, _kernels.TRITON_ON_CPU,
+                        isinstance(qkv, Tensor) and _autocast_on(qkv), autograd_modes())
         plan = _QKV_PLANS.get(sig)
         if plan is not None:
             docs = None if document_ids is None else _bounds(document_ids, qkv.shape[0], qkv.shape[1])
@@ -203,6 +205,8 @@ def qkv_attention(qkv: Tensor, num_heads: int, num_kv_heads: int | None = None, 
     num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
     d = _qkv.check(qkv, num_heads, num_kv_heads, "zerofuse.nn.functional.qkv_attention")
     scale = d ** -0.5 if scale is None else float(scale)
+    cast = autocast_dtype(qkv)  # under autocast, as scaled_dot_product_attention's inputs (torch's sdpa's)
+    qkv = cast_all(cast, qkv)[0]
     if (d > _attn.MAX_HEAD_DIM or (qkv.is_cuda and qkv.dtype not in (torch.float32, torch.float16, torch.bfloat16))
             or max(qkv.shape[0], num_heads) > _attn.MAX_GRID_YZ):
         q, k, v = _qkv.heads(qkv, num_heads, num_kv_heads, d)
@@ -216,13 +220,15 @@ def qkv_attention(qkv: Tensor, num_heads: int, num_kv_heads: int | None = None, 
     if torch.compiler.is_compiling():
         return torch.ops.zerofuse.attention_qkv(qkv, num_heads, num_kv_heads, bool(is_causal), scale, docs)[0]
     # a plan on the Triton path with nothing empty, rows the kernels take in place, plain values
-    if (sig is not None and all(type(a) in _PLAIN for a in given) and qkv.numel() > 0
+    grad = _needs_grad(qkv, None, None, None)
+    if (sig is not None and cast is None and all(type(a) in _PLAIN for a in given) and qkv.numel() > 0
             and _attn.use_triton(qkv[..., :d]) and (qkv.shape[1] <= 1 or qkv.stride(1) <= _attn.K._MAX_ROW_STRIDE)):
-        plan = _qkv.Plan(qkv, num_heads, num_kv_heads, bool(is_causal), scale, docs is not None,
-                         _needs_grad(qkv, None, None, None))
+        plan = _qkv.Plan(qkv, num_heads, num_kv_heads, bool(is_causal), scale, docs is not None, grad)
         out = plan(qkv, docs)
         _QKV_PLANS.put(sig, plan)  # once it ran: a call that fails leaves no plan
         return out
+    if not grad:  # no autograd at all
+        return _qkv._fwd(qkv, num_heads, num_kv_heads, bool(is_causal), scale, docs)[0]
     return _qkv.eager_qkv_attention(qkv, num_heads, num_kv_heads, bool(is_causal), scale, docs)
 
 

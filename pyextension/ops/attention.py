@@ -234,13 +234,14 @@ class Plan:
     out and the gradients in their inputs' layouts. Calling it allocates and launches; with
     autograd (grad: from the signature's grad mode and requires_grad) through EagerAttention."""
 
-    __slots__ = ("launches", "grad", "args", "layouts", "dtype", "device")
+    __slots__ = ("launches", "grad", "args", "layouts", "saved", "dtype", "device")
 
     def __init__(self, q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float, docs: bool, grad: bool):
         K._check(q, k, v)  # (what the op checks and the face does not: the shapes the kernels rely on)
         self.layouts = tuple((t.shape, layout_strides(t)) for t in (q, k, v))
         self.launches = K.Launches(q, k, v, self.layouts[0][1], is_causal, scale, docs)
         self.grad, self.args, self.dtype, self.device = grad, (is_causal, scale), q.dtype, q.device
+        self.saved = (q.stride(), k.stride(), v.stride(), self.layouts[0][1])  # what Launches was made for
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, docs: Tensor | None) -> Tensor:
         if self.grad:
@@ -258,6 +259,11 @@ class Plan:
         return out, lse
 
     def backward(self, dout: Tensor, q, k, v, out, lse, docs) -> tuple[Tensor, Tensor, Tensor]:
+        if ((q.stride(), k.stride(), v.stride(), out.stride()) != self.saved or not lse.is_contiguous()
+                or not (docs is None or docs.is_contiguous())):
+            # saved-tensor hooks (torch.autograd.graph.save_on_cpu, activation offload) may give the
+            # tensors back in other layouts than the forward's: the checked path reads their strides
+            return _bwd(dout, q, k, v, out, lse, *self.args, docs)
         dout = K._tileable(dout if dout.stride(-1) == 1 else dout.contiguous())  # (read along D)
         dq, dk, dv = self._empty(0), self._empty(1), self._empty(2)
         self.launches.backward(dout, q, k, v, out, lse, dq, dk, dv, docs)

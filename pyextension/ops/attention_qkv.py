@@ -179,13 +179,14 @@ class Plan:
     contiguous; calling it allocates and launches, with autograd through EagerQKVAttention when grad
     (from the signature's grad mode and requires_grad)."""
 
-    __slots__ = ("launches", "grad", "args", "views", "grad_views", "out_shape", "out4", "dtype", "device")
+    __slots__ = ("launches", "grad", "args", "views", "grad_views", "out_shape", "out4", "qkv_strides", "dtype",
+                 "device")
 
     def __init__(self, qkv: Tensor, hq: int, hkv: int, is_causal: bool, scale: float, docs: bool, grad: bool):
         b, n, width = qkv.shape
         d = width // (hq + 2 * hkv)
         q, k, v = heads(qkv, hq, hkv, d)
-        base = qkv.storage_offset()
+        base, self.qkv_strides = qkv.storage_offset(), qkv.stride()
         self.views = tuple((t.shape, t.stride(), t.storage_offset() - base) for t in (q, k, v))
         packed = torch.empty((b, n, width), device="meta")  # the gradient's layout: contiguous qkv
         self.grad_views = tuple((t.shape, t.stride(), t.storage_offset()) for t in heads(packed, hq, hkv, d))
@@ -210,6 +211,11 @@ class Plan:
         return out, lse
 
     def backward(self, dout: Tensor, qkv: Tensor, out: Tensor, lse: Tensor, docs: Tensor | None) -> Tensor:
+        if (qkv.stride() != self.qkv_strides or not out.is_contiguous() or not lse.is_contiguous()
+                or not (docs is None or docs.is_contiguous())):
+            # saved-tensor hooks (torch.autograd.graph.save_on_cpu, activation offload) may give the
+            # tensors back in other layouts than the forward's: the checked path reads their strides
+            return _bwd(dout, qkv, out, lse, *self.args, docs)
         b, n, _ = self.out_shape
         hq, d = self.out4[0][1], self.out4[0][3]
         dout4 = (dout if dout.stride(-1) == 1 else dout.contiguous()).reshape(b, n, hq, d).transpose(1, 2)

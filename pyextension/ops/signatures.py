@@ -20,9 +20,30 @@ go through the Triton interpreter). Bad arguments never get a plan: the slow pat
 """
 from __future__ import annotations
 
+import torch
+import torch.autograd.forward_ad as _forward_ad
+
 from zerofuse._C import signature
 
-__all__ = ["Plans", "clear_plans", "signature"]
+__all__ = ["Plans", "autograd_modes", "clear_plans", "needs_autograd", "signature"]
+
+
+def autograd_modes() -> int:
+    """What decides, besides grad mode and requires_grad, whether a face's call records autograd:
+    forward AD's dual level (-1 outside ``forward_ad.dual_level()``) and inference mode. The faces
+    put it in their signatures."""
+    return (_forward_ad._current_level + 1) * 2 + torch.is_inference_mode_enabled()
+
+
+def needs_autograd(*tensors) -> bool:
+    """Whether a face's call goes through its autograd Function: grad mode on outside inference
+    mode and a tensor requiring grad (torch records no graph in inference mode, even under
+    enable_grad), or forward AD active: the Functions have no jvp and say so, where the kernels
+    alone would drop the tangents silently (torch's own ops propagate them, or raise)."""
+    if _forward_ad._current_level >= 0:
+        return True
+    return torch.is_grad_enabled() and not torch.is_inference_mode_enabled() and any(
+        t is not None and t.requires_grad for t in tensors)
 
 
 class Plans(dict):
