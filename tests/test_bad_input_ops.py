@@ -121,7 +121,7 @@ NATIVE = [
     Case("norm_fwd_cpu-weight-int", _norm_fwd, lambda: (r(2, 8), torch.ones(8, dtype=I64)), RuntimeError,
          r"expected weight to be a float32, float16 or bfloat16 cpu tensor of 8 elements .*got Long"),
     Case("norm_fwd_cpu-x-1d", _norm_fwd, lambda: (r(8),), RuntimeError,
-         r"expected x of 2 dims \(rows, hidden\), got shape \[8\]"),
+         r"expected x of 2 dims \(rows, hidden\) with a hidden size >= 1, got shape \[8\]"),
     Case("norm_fwd_cpu-x-strided", _norm_fwd, lambda: (r(2, 8).t(),), RuntimeError,
          r"expected x to be a contiguous \(8, 2\) tensor, got shape \[8, 2\] with strides \[1, 8\]"),
     Case("norm_fwd_cpu-x-int", _norm_fwd, lambda: (torch.ones(2, 8, dtype=I64),), RuntimeError,
@@ -295,11 +295,11 @@ OPTIM_OPS = [
     Case("lars_-buffer-is-param", lambda p: lars_([p], [r(4)], [p], **LARS), lambda: (r(4),), ValueError,
          r"expected momentum_buffers\[0\] not to share memory with params\[0\]"),
     Case("l2norm-int", l2norm, lambda: ([torch.ones(3, dtype=torch.int32)],), RuntimeError,
-         r"l2norm: expected params\[0\] in float32, bfloat16 or float16, got .*(Int|int32)"),
+         r"l2norm: expected tensors\[0\] in float32, bfloat16 or float16, got .*(Int|int32)"),
     Case("l2norm-two-devices", l2norm, lambda: ([r(3), r(3, device=META)],), RuntimeError,
-         r"l2norm: expected params\[1\] on cpu.*got meta"),
+         r"l2norm: expected tensors\[1\] on cpu.*got meta"),
     Case("l2norm-strided", l2norm, lambda: ([r(3, 2).t()],), RuntimeError,
-         r"l2norm: expected params\[0\] to be contiguous, got strides \[1, 2\]"),
+         r"l2norm: expected tensors\[0\] to be contiguous, got strides \[1, 2\]"),
 ]
 PATHS = ("cpp", "triton")
 OPTIM_OP_PARAMS = [pytest.param(c, p, id=f"{c.id}-{p}") for c in OPTIM_OPS for p in PATHS]

@@ -418,6 +418,21 @@ def test_cpu_kernel_rejects_bad_input():
         torch.ops.zerofuse.norm_fwd_cpu(torch.randn(2, 4, dtype=torch.float64), None, None, None, 1e-5, False)
     with pytest.raises(RuntimeError, match=r"expected residual to be a contiguous \(2, 4\) tensor, got shape \[2, 5\]"):
         torch.ops.zerofuse.norm_fwd_cpu(torch.randn(2, 4), None, None, torch.randn(2, 5), 1e-5, False)
+    for rms in (False, True):  # a hidden size of 0: LayerNorm read x[0] of an empty row (a segfault)
+        with pytest.raises(RuntimeError, match=r"with a hidden size >= 1, got shape \[3, 0\]"):
+            torch.ops.zerofuse.norm_fwd_cpu(torch.randn(3, 0), None, None, None, 1e-5, rms)
+    with pytest.raises(RuntimeError, match=r"zerofuse::layer_norm: expected x .* with a hidden size >= 1"):
+        torch.ops.zerofuse.layer_norm(torch.randn(3, 0), None, None, None, 1e-5)
+
+
+def test_cpu_kernel_rms_of_squares_summing_past_the_float_range(cpu_kernels):
+    """17 values of 5e18: each square (2.5e37) and their mean are floats, their sum (4.25e38) is not.
+    The C++ kernel divided the (double) sum by N only after rounding it to float: inf, rstd 0, y 0
+    (torch's own rms_norm gives 0 too; the Triton kernels sum in fp32 as torch does)."""
+    x = torch.full((2, 17), 5e18)
+    x[1] *= -1
+    w = torch.linspace(0.5, 1.5, 17)
+    assert_close(ZF.rms_norm(x, (17,), w), reference.rms_norm(x.double(), (17,), w.double())[0].float())
 
 
 @pytest.mark.parametrize("norm", ["layer", "rms"])

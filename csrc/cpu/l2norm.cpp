@@ -25,7 +25,7 @@ ZF_MULTIVERSION(float, sum_squares, (const float* __restrict__ x, int64_t n),
 std::tuple<at::Tensor, at::Tensor> l2norm_cpu(at::TensorList tensors,  // n tensors, fp32/bf16/fp16, contiguous
                                               bool per_tensor) {         // also return each tensor's norm
   const char* op = "l2norm";
-  check_param_lists(op, tensors, {}, {}, {}, nullptr);
+  check_param_lists(op, tensors, {}, {}, {}, nullptr, "tensors");
   const SpanPlan plan = plan_params(tensors);
   std::vector<double> partial(plan.spans.size(), 0.0);
   // the tensors stand in the params' place: for_each_chunk hands their fp32 values as chunk.p

@@ -49,17 +49,18 @@ ZF_MULTIVERSION(void, row_moments, (const float* __restrict__ x, int64_t n, floa
   *var = static_cast<float>(v < 0. ? 0. : v);
 }
 
-ZF_MULTIVERSION(float, row_sq_dev, (const float* __restrict__ x, float mu, int64_t n),
+ZF_MULTIVERSION(float, row_mean_sq_dev, (const float* __restrict__ x, float mu, int64_t n),
                 (x, mu, n)) {
-  // sum((x - mu)^2): the squared deviations (LayerNorm) or, with mu = 0, the squares (RMSNorm);
-  // summed in double for the reason row_moments gives
+  // mean((x - mu)^2): the variance about mu (LayerNorm) or, with mu = 0, the mean square (RMSNorm);
+  // summed in double for the reason row_moments gives, and divided by n in double: a sum of
+  // squares past FLT_MAX whose mean is not (17 x 5e18) gave inf, an rstd of 0 and y = 0
   double s = 0.;
 #pragma omp simd reduction(+ : s)
   for (int64_t i = 0; i < n; ++i) {
     const double d = static_cast<double>(x[i]) - mu;
     s += d * d;
   }
-  return static_cast<float>(s);
+  return static_cast<float>(s / static_cast<double>(n));
 }
 
 ZF_MULTIVERSION(void, row_normalize, (const float* __restrict__ x, float* __restrict__ y, float mean, float rstd, const float* __restrict__ w, const float* __restrict__ b, int64_t n),
@@ -189,7 +190,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> norm_fwd_cpu(
     const c10::optional<at::Tensor>& bias,        // (N,)
     const c10::optional<at::Tensor>& residual,    // (M, N) contiguous
     double eps, bool rms) {
-  ZF_CHECK(x.dim() == 2, "norm_cpu", "expected x of 2 dims (rows, hidden), got shape ", x.sizes());
+  ZF_CHECK(x.dim() == 2 && x.size(1) >= 1, "norm_cpu", "expected x of 2 dims (rows, hidden) with a hidden size >= 1, "
+           "got shape ", x.sizes());
   const int64_t m = x.size(0), n = x.size(1);
   check_2d(x, "x", m, n);
   const bool has_res = residual.has_value() && residual->defined();
@@ -229,7 +231,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> norm_fwd_cpu(
       float mu, var;
       if (rms) {
         mu = 0.f;
-        var = row_sq_dev(in, 0.f, n) / static_cast<float>(n);
+        var = row_mean_sq_dev(in, 0.f, n);
       } else {
         row_moments(in, n, &mu, &var);
       }
@@ -257,7 +259,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_bwd_cpu(
     const at::Tensor& mean,                   // (M,) fp32, empty for RMSNorm
     const at::Tensor& rstd,                   // (M,) fp32
     bool rms) {
-  ZF_CHECK(x.dim() == 2, "norm_cpu", "expected x of 2 dims (rows, hidden), got shape ", x.sizes());
+  ZF_CHECK(x.dim() == 2 && x.size(1) >= 1, "norm_cpu", "expected x of 2 dims (rows, hidden) with a hidden size >= 1, "
+           "got shape ", x.sizes());
   const int64_t m = x.size(0), n = x.size(1);
   check_2d(x, "x", m, n);
   check_2d(dy, "dy", m, n);

@@ -33,7 +33,7 @@ inline bool float_or_low(at::ScalarType t) { return t == at::kFloat || t == at::
 // or one fp32 tensor per param; steps (if not nullptr) one 1-element float tensor per param.
 inline void check_param_lists(const char* op, at::TensorList params, std::initializer_list<NamedList> like,
                               std::initializer_list<NamedList> fp32, at::TensorList masters,
-                              const at::TensorList* steps) {
+                              const at::TensorList* steps, const char* params_name = "params") {
   const size_t n = params.size();
   for (const auto& l : like) {
     ZF_CHECK_VALUE(l.list.size() == n, op, "expected ", l.name, " to have one tensor per param (", n, "), got ",
@@ -52,16 +52,16 @@ inline void check_param_lists(const char* op, at::TensorList params, std::initia
   for (size_t i = 0; i < n; ++i) {
     const at::Tensor& p = params[i];
     const int64_t numel = p.numel();
-    ZF_CHECK(p.device().is_cpu(), op, "expected ", indexed("params", i), " on cpu, got ", p.device());
-    ZF_CHECK(float_or_low(p.scalar_type()), op, "expected ", indexed("params", i),
+    ZF_CHECK(p.device().is_cpu(), op, "expected ", indexed(params_name, i), " on cpu, got ", p.device());
+    ZF_CHECK(float_or_low(p.scalar_type()), op, "expected ", indexed(params_name, i),
              " in float32, bfloat16 or float16, got ", p.scalar_type());
-    ZF_CHECK(p.is_contiguous(), op, "expected ", indexed("params", i), " to be contiguous, got strides ",
+    ZF_CHECK(p.is_contiguous(), op, "expected ", indexed(params_name, i), " to be contiguous, got strides ",
              p.strides());
     auto check_like = [&](const at::Tensor& t, const std::string& name) {
       ZF_CHECK(t.is_contiguous(), op, "expected ", name, " to be contiguous, got strides ", t.strides());
-      ZF_CHECK_VALUE(t.numel() == numel, op, "expected ", name, " to have ", numel, " elements like params[", i,
-                     "], got ", t.numel());
-      check_same_device(t, p, op, name, indexed("params", i));
+      ZF_CHECK_VALUE(t.numel() == numel, op, "expected ", name, " to have ", numel, " elements like ",
+                     indexed(params_name, i), ", got ", t.numel());
+      check_same_device(t, p, op, name, indexed(params_name, i));
     };
     for (const auto& l : like) {
       ZF_CHECK(float_or_low(l.list[i].scalar_type()), op, "expected ", indexed(l.name, i),

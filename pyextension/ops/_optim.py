@@ -136,7 +136,9 @@ def selftest_tensors(device: torch.device):
     return ps, [p.clone() for p in ps], [zeros(), zeros()], [zeros(), zeros()], [torch.tensor(0.0, device=device) for _ in ps]
 
 
-def check_param_lists(op: str, params, like: dict, fp32: dict, masters=(), steps=None) -> None:
+def check_param_lists(op: str, params, like: dict, fp32: dict, masters=(), steps=None, params_name="params") -> None:
+    """csrc/cpu/optim.h's check_param_lists: params (named params_name in the messages: l2norm's are
+    "tensors") and the lists of one tensor per param."""
     pre = f"zerofuse::{op}: "
     n = len(params)
     for name, lst in (*like.items(), *fp32.items()):
@@ -150,11 +152,11 @@ def check_param_lists(op: str, params, like: dict, fp32: dict, masters=(), steps
     numels = []
     for i, p in enumerate(params):
         if p.device != dev:
-            raise RuntimeError(f"{pre}expected params[{i}] on {dev} like params[0], got {p.device}")
+            raise RuntimeError(f"{pre}expected {params_name}[{i}] on {dev} like {params_name}[0], got {p.device}")
         if p.dtype not in _FLOATS:
-            raise RuntimeError(f"{pre}expected params[{i}] in float32, bfloat16 or float16, got {p.dtype}")
+            raise RuntimeError(f"{pre}expected {params_name}[{i}] in float32, bfloat16 or float16, got {p.dtype}")
         if not p.is_contiguous():
-            raise RuntimeError(f"{pre}expected params[{i}] to be contiguous, got strides {list(p.stride())}")
+            raise RuntimeError(f"{pre}expected {params_name}[{i}] to be contiguous, got strides {list(p.stride())}")
         numels.append(p.numel())
     lists = [(name, lst, False) for name, lst in like.items()] + [(name, lst, True) for name, lst in fp32.items()]
     if masters:

@@ -18,7 +18,7 @@ from zerofuse.ops._optim import LIB, Prepared, check_param_lists, direct, use_tr
 
 @torch.library.register_fake("zerofuse::l2norm")
 def _l2norm_fake(tensors, per_tensor):
-    check_param_lists("l2norm", tensors, {}, {})
+    check_param_lists("l2norm", tensors, {}, {}, params_name="tensors")
     device = tensors[0].device if tensors else torch.device("cpu")
     return (torch.empty((), device=device, dtype=torch.float32),
             torch.empty(len(tensors) if per_tensor else 0, device=device, dtype=torch.float32))
@@ -32,7 +32,7 @@ LIB.impl("l2norm", _l2norm_triton, "CUDA")
 
 
 def _launch(tensors):
-    check_param_lists("l2norm", tensors, {}, {})
+    check_param_lists("l2norm", tensors, {}, {}, params_name="tensors")
     return K.norm_launch(tensors)
 
 

@@ -66,9 +66,9 @@ def _check_like_x(fn: str, name: str, t: Tensor | None, x: Tensor) -> None:
 
 
 def _check_fwd(fn: str, x: Tensor, weight: Tensor | None, bias: Tensor | None, residual: Tensor | None) -> None:
-    if x.dim() == 0 or not x.is_floating_point():
-        raise RuntimeError(f"{fn}: expected x to be a floating-point tensor (..., hidden), got {x.dtype} "
-                           f"{list(x.shape)}")
+    if x.dim() == 0 or not x.is_floating_point() or x.shape[-1] == 0:
+        raise RuntimeError(f"{fn}: expected x to be a floating-point tensor (..., hidden) with a hidden size >= 1 "
+                           f"(the faces take 0), got {x.dtype} {list(x.shape)}")
     n = x.shape[-1]
     for name, p in (("weight", weight), ("bias", bias)):
         if p is not None and (p.numel() != n or p.device != x.device or not p.is_floating_point()):
