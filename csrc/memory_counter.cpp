@@ -6,49 +6,64 @@
 
 #include <atomic>
 #include <mutex>
+#include <unordered_map>
 
 namespace zerofuse {
 namespace {
 
-struct Counting;
-
-// what a counted block's deleter needs: the wrapped allocator's DataPtr (freeing it frees the
-// block) and the size to subtract
+// Counted blocks by data pointer: the DataPtr handed out has its data as its context (torch's
+// raw_allocate, which oneDNN's bf16/fp16 matmuls use for scratch, asserts that and frees through
+// raw_deleter() with the data pointer alone: a Block* context failed that assert, 2026-11-27).
 struct Block {
-  c10::DataPtr inner;
-  int64_t bytes;
-  Counting* counter;
+  c10::DataPtr inner;  // the wrapped allocator's: destroying it frees the memory
+  int64_t bytes = 0;
 };
 
 struct Counting final : c10::Allocator {
   c10::Allocator* base = nullptr;
   std::atomic<int64_t> current{0};
   std::atomic<int64_t> peak{0};
+  std::mutex blocks_mutex;
+  std::unordered_map<void*, Block> blocks;
 
-  static void release(void* ctx) {
-    auto* block = static_cast<Block*>(ctx);
-    block->counter->current.fetch_sub(block->bytes);
-    delete block;
-  }
+  static void release(void* data);
 
   c10::DataPtr allocate(size_t n) override {
     c10::DataPtr inner = base->allocate(n);
     void* data = inner.get();
     c10::Device device = inner.device();
-    auto* block = new Block{std::move(inner), static_cast<int64_t>(n), this};
-    const int64_t now = current.fetch_add(block->bytes) + block->bytes;
+    if (data == nullptr) return inner;  // (0 bytes: nothing to count or free)
+    const int64_t bytes = static_cast<int64_t>(n);
+    {
+      std::lock_guard<std::mutex> lock(blocks_mutex);
+      blocks.emplace(data, Block{std::move(inner), bytes});
+    }
+    const int64_t now = current.fetch_add(bytes) + bytes;
     int64_t seen = peak.load();
     while (now > seen && !peak.compare_exchange_weak(seen, now)) {
     }
-    return {data, block, &Counting::release, device};
+    return {data, data, &Counting::release, device};
   }
 
-  c10::DeleterFnPtr raw_deleter() const override { return nullptr; }
+  c10::DeleterFnPtr raw_deleter() const override { return &Counting::release; }
 
   void copy_data(void* dst, const void* src, std::size_t n) const override { default_copy_data(dst, src, n); }
 };
 
 Counting counter;
+
+void Counting::release(void* data) {
+  Block block;
+  {
+    std::lock_guard<std::mutex> lock(counter.blocks_mutex);
+    auto it = counter.blocks.find(data);
+    if (it == counter.blocks.end()) return;
+    block = std::move(it->second);
+    counter.blocks.erase(it);
+  }
+  counter.current.fetch_sub(block.bytes);
+}  // block.inner frees the memory here, outside the lock
+
 std::mutex install_mutex;
 constexpr uint8_t kPriority = 127;  // SetCPUAllocator ignores lower priorities than the current one
 

@@ -326,6 +326,10 @@ FLAT = [
                      r"overlapping", dict(lr=1e-3)),
     Case("packed_offsets-align-0", zerofuse.packed_offsets, lambda: ([3, 4], 0), ValueError,
          r"expected align >= 1, got 0"),
+    Case("packed_offsets-tensors", zerofuse.packed_offsets, lambda: ([z(3), z(4)],), TypeError,
+         r"expected numels\[0\] to be an element count .*got a tensor of shape \[3\]"),
+    Case("packed_offsets-fraction", zerofuse.packed_offsets, lambda: ([3, 4.5],), TypeError,
+         r"expected numels\[1\] to be an element count .*got 4.5"),
 ]
 
 

@@ -110,7 +110,9 @@ def test_module_makes_fp32_tables_per_device_outside_the_state_dict():
     (lambda q, k, c, s: rotary_embedding(q[0], k[0], c, s), RuntimeError, r"expected q to be a floating-point \(batch"),
     (lambda q, k, c, s: rotary_embedding(q, k, c.requires_grad_(), s), ValueError, r"tables get no gradient"),
     (lambda q, k, c, s: rope_tables(10, 7), ValueError, r"expected an even rotary_dim"),
-], ids=["k-shape", "table-shapes", "too-long", "positions-range", "q-3d", "table-grad", "odd-dim"])
+    (lambda q, k, c, s: rope_tables(torch.arange(10), 8), TypeError,  # (positions is a count, not the positions)
+     r"rope_tables: expected positions to be an int \(the number of positions in the table\), got a tensor"),
+], ids=["k-shape", "table-shapes", "too-long", "positions-range", "q-3d", "table-grad", "odd-dim", "positions-tensor"])
 def test_bad_input_errors_name_the_argument(call, exc, msg):
     q, k = _inputs(torch.float32)
     cos, sin = rope_tables(128, 80)

@@ -155,7 +155,8 @@ def test_resume_follows_this_runs_schedule_flags(straight, stopped, tmp_path):
     assert "--resume: --lr 0.005 (the checkpoint's run: 0.01) from step 3" in p.stdout
     assert "--resume: --seed 5 differs from the checkpoint's run (0)" in p.stdout
     p = run("--nproc", 1, "--steps", 2, "--eval-every", 0, "--out", tmp_path, "--resume")
-    assert p.returncode != 0 and "--steps: expected at least the checkpoint's step 6 to resume, got 2" in p.stderr
+    assert p.returncode == 2 and "--steps: expected at least the checkpoint's step 6 to resume, got 2" in p.stderr
+    assert "Traceback" not in p.stderr
 
 
 def _children(pid: int) -> list[int]:
@@ -312,6 +313,9 @@ def test_resume_with_another_model_shape_is_refused_before_launch(stopped, capsy
     assert (f"--resume: the checkpoint at {tmp_path / 'ckpt'} holds another model: --layers 3 (the checkpoint's: "
             "2), --dim 48 (the checkpoint's: 32); expected the flags of the run that wrote it") in err
     assert "Traceback" not in err
+    assert train.main([*flags, "--steps", "1"]) == 2  # below the checkpoint's step: refused before launch too
+    err = capsys.readouterr().err
+    assert "--steps: expected at least the checkpoint's step 3 to resume, got 1" in err and err.count("\n") == 1, err
 
 
 def test_resume_without_checkpoint(capsys, tmp_path):

@@ -131,3 +131,20 @@ def test_backward_peak_is_at_most_fsdp2s(stage):
         if stage == 3:  # the same at the step's start: shards of params and states (+ padding), no grads
             assert z_start <= f_start + 64 * 1024, (rank, z_start / MiB, f_start / MiB)
         assert z_peak <= f_peak, (rank, z_peak / MiB, f_peak / MiB)
+
+
+def test_cpu_peak_counts_the_block_and_takes_onednn_scratch():
+    """peak_memory on CPU wraps torch's CPU allocator: a 1000-float tensor made and freed in the
+    block is a peak of 4000 bytes; a bf16 / fp16 matmul (oneDNN takes scratch through
+    raw_allocate, which asserts the DataPtr's context is its data) runs inside it (an internal
+    assert in torch's Allocator.h before 2026-11-28) and gives the bits it gives outside."""
+    with zerofuse.zero.peak_memory() as mem:
+        x = torch.empty(1000, dtype=torch.float32)
+        del x
+    assert mem.peak == 4000
+    a, b = torch.randn(8, 64), torch.randn(64, 64)
+    for dtype in (torch.bfloat16, torch.float16):
+        want = a.to(dtype) @ b.to(dtype)
+        with zerofuse.zero.peak_memory() as mem:
+            got = a.to(dtype) @ b.to(dtype)
+        assert torch.equal(got, want) and mem.peak >= got.numel() * got.element_size()

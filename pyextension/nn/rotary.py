@@ -5,6 +5,8 @@ heads: grouped-query attention), the tables (positions, rotary_dim / 2); pairs a
 rotary). Triton on CUDA, torch ops on the cpu; the tables get no gradient."""
 from __future__ import annotations
 
+import operator
+
 import torch
 from torch import Tensor
 
@@ -43,9 +45,22 @@ def rotary_embedding(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, positions: 
     return _ops.rope_pair(q, k, cos, sin, positions, bool(interleaved), False)
 
 
+def _count(name: str, v, what: str) -> int:
+    try:
+        if isinstance(v, bool):
+            raise TypeError
+        return operator.index(v)
+    except TypeError:
+        got = f"a tensor of shape {list(v.shape)}" if isinstance(v, Tensor) else repr(v)
+        raise TypeError(f"zerofuse.nn.rope_tables: expected {name} to be an int ({what}), got {got}") from None
+
+
 def rope_tables(positions: int, rotary_dim: int, base: float = 10000.0, device=None) -> tuple[Tensor, Tensor]:
     """cos/sin (positions, rotary_dim / 2) in fp32, angle p * base^(-2i / rotary_dim) (the original
-    RoPE frequencies, as Llama's and GPT-NeoX's), computed in float64 then rounded."""
+    RoPE frequencies, as Llama's and GPT-NeoX's), computed in float64 then rounded. positions: how
+    many (the table's rows 0..positions-1; rotary_embedding's positions= then index it)."""
+    positions = _count("positions", positions, "the number of positions in the table")
+    rotary_dim = _count("rotary_dim", rotary_dim, "the number of rotated dims")
     if rotary_dim < 2 or rotary_dim % 2 or positions < 1:
         raise ValueError(f"zerofuse.nn.rope_tables: expected an even rotary_dim >= 2 and positions >= 1, got "
                          f"rotary_dim={rotary_dim}, positions={positions}")

@@ -7,6 +7,7 @@ the fake impls (so both ops trace under torch.compile) and the Python faces.
 """
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 
 import torch
@@ -120,7 +121,17 @@ def packed_offsets(numels: Sequence[int], align: int = 1) -> tuple[list[int], in
     if align < 1:
         raise ValueError(f"packed_offsets: expected align >= 1, got {align}")
     offsets, pos = [], 0
-    for n in numels:
+    for i, n in enumerate(numels):
+        try:
+            if isinstance(n, (bool, torch.Tensor)):
+                raise TypeError
+            n = operator.index(n)
+            if n < 0:
+                raise TypeError
+        except TypeError:
+            got = f"a tensor of shape {list(n.shape)}" if isinstance(n, torch.Tensor) else repr(n)
+            raise TypeError(f"packed_offsets: expected numels[{i}] to be an element count (an int >= 0: "
+                            f"[t.numel() for t in tensors]), got {got}") from None
         offsets.append(pos)
         pos += -(-int(n) // align) * align
     return offsets, pos

@@ -211,8 +211,8 @@ def _vocab_text(identity: dict | None) -> str:
 
 
 def validate_resume(args, ckpt) -> None:
-    """--resume: the checkpoint's model has the shape these flags build (each rank's load refused it
-    with a traceback of its own). Read from the checkpoint's ``extra`` (the job's config); the
+    """--resume: the checkpoint's model has the shape these flags build and --steps reaches its step
+    (each rank's load refused them with a traceback of its own). Read from the checkpoint's ``extra`` (the job's config); the
     sequence length only with learned positions (rotary ones take any). Anything unreadable is left
     to the ranks' load, which reports it."""
     from zerofuse.checkpoint.sources import Full
@@ -221,6 +221,9 @@ def validate_resume(args, ckpt) -> None:
         extra = Full(str(ckpt)).common().get("extra") or {}
     except (ValueError, OSError, KeyError):
         return
+    step = extra.get("step")
+    _check(not isinstance(step, int) or args.steps >= step,
+           f"--steps: expected at least the checkpoint's step {step} to resume, got {args.steps}")
     saved = extra.get("config")
     if not isinstance(saved, dict):
         return
