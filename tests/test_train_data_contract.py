@@ -147,3 +147,19 @@ def test_a_cached_text_is_not_read_into_memory(tmp_path, monkeypatch):
     finally:
         tracemalloc.stop()
     assert peak < 1 << 20, peak  # (hashlib reads 256 KiB at a time)
+
+
+def test_a_note_is_printed_once_a_job(capsys, monkeypatch):
+    """By the --nproc launcher (or a process alone, or a torchrun job's rank 0), not again by each
+    rank, which checks the same flags (a note came out three times with --nproc 2)."""
+    from zerofuse.train.checks import note
+
+    for env, printed in (({}, True), ({"ZEROFUSE_TRAIN_LAUNCHED": "1"}, False), ({"RANK": "1"}, False),
+                         ({"RANK": "0"}, True)):
+        with monkeypatch.context() as m:
+            for k in ("ZEROFUSE_TRAIN_LAUNCHED", "RANK"):
+                m.delenv(k, raising=False)
+            for k, v in env.items():
+                m.setenv(k, v)
+            note("something")
+        assert (capsys.readouterr().err == "zerofuse-train: note: something\n") == printed, env

@@ -26,6 +26,14 @@ def _check(ok: bool, message: str) -> None:
         raise UsageError(message)
 
 
+def note(message: str) -> None:
+    """A one-line note on the flags, printed once a job: by the process that checks them first (the
+    --nproc launcher, or one process alone), not again by each rank it starts (a torchrun job: by
+    rank 0)."""
+    if os.environ.get("ZEROFUSE_TRAIN_LAUNCHED") != "1" and os.environ.get("RANK", "0") == "0":
+        print(f"zerofuse-train: note: {message}", file=sys.stderr)
+
+
 def _validate_pipeline(args) -> None:
     """--pp and its flags: the micro-batches replace --grad-accum; the schedule's own rules."""
     from zerofuse.pipeline.schedules import build_schedule
@@ -184,9 +192,9 @@ def _validate_tokens(args, shards: bool, need: int) -> None:
         raise UsageError(str(e)) from None
     args.corpus_identity = corpus.identity()
     if args.document_masking and not any(tok.GPT2_EOT in a[:1 << 20] for a in corpus.train):
-        print(f"zerofuse-train: note: --document-masking: no <|endoftext|> ({tok.GPT2_EOT}) in the first 2^20 tokens "
-              "of any --data shard: one document each, attention as without the flag (a text tokenized by "
-              "--tokenizer gpt2 has none: a literal '<|endoftext|>' is text)", file=sys.stderr)
+        note(f"--document-masking: no <|endoftext|> ({tok.GPT2_EOT}) in the first 2^20 tokens of any --data shard: "
+             "one document each, attention as without the flag (a text tokenized by --tokenizer gpt2 has none: a "
+             "literal '<|endoftext|>' is text)")
     seq = args.model_shape["seq_len"]
     for part, flag in (("train", "--data"), ("val", "--val-data" if args.val_data else "--data")):
         for arr in getattr(corpus, part):

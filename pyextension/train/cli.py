@@ -6,12 +6,11 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import sys
 from pathlib import Path
 
 import torch
 
-from .checks import (DEFAULT_MODEL, UsageError, _check, _validate_data, _validate_model,  # noqa: F401  (re-exported)
+from .checks import (DEFAULT_MODEL, UsageError, _check, _validate_data, _validate_model, note,  # noqa: F401  (re-exported)
                      _validate_moe, _validate_pipeline, validate_resume)
 
 PROG = "zerofuse-train"
@@ -213,8 +212,8 @@ def validate(args) -> None:
     if args.resume:
         validate_resume(args, ckpt)
     if saved and not args.resume:  # (its metrics.jsonl was emptied without a word before)
-        print(f"{PROG}: note: --out {args.out} holds a checkpoint: this run starts over, replacing it and its "
-              "metrics (--resume continues it)", file=sys.stderr)
+        note(f"--out {args.out} holds a checkpoint: this run starts over, replacing it and its metrics (--resume "
+             "continues it)")
 
 
 def _validate_out(out: Path) -> None:
