@@ -25,7 +25,7 @@ class Launches:
     modules at each launch (bench/profile_host.py stubs them there)."""
 
     __slots__ = ("qkv_strides", "out_strides", "fwd_sizes", "bwd_sizes", "fwd_grid", "dq_grid", "dkdv_grid",
-                 "consts", "tune_key", "scale", "lse_shape")
+                 "consts", "tune_key", "lse_shape")
 
     def __init__(self, q, k, v, out_strides, causal: bool, scale: float, docs: bool):
         b, hq, nq, d = q.shape
@@ -35,7 +35,7 @@ class Launches:
         self.out_strides = tuple(out_strides[:3])
         self.fwd_sizes = (hq, g, nq, nk, d, scale * A.LOG2E)
         self.bwd_sizes = (hkv, g, nq, nk, d, scale)
-        self.scale, self.lse_shape = scale, (b, hq, nq)
+        self.lse_shape = (b, hq, nq)
         self.fwd_grid = self.dq_grid = lambda meta: (cdiv(nq, meta["BLOCK_M"]), hq, b)
         self.dkdv_grid = lambda meta: (cdiv(nk, meta["BLOCK_N"]), hkv, b)
         self.consts = dict(CAUSAL=causal, BLOCK_D=A._block_d(d), DOCS=docs)
