@@ -60,3 +60,24 @@ def test_config_errors():
     with pytest.raises(ValueError, match="sequence length 65 exceeds the model's seq_len 64"):
         GPT(GPTConfig(**SMALL))(torch.zeros((1, 65), dtype=torch.long))
     assert config("tiny").dim == 128
+    # an MLP of no width and NaN rope tables were built silently; a negative width failed inside torch
+    for bad, msg in ((dict(mlp_hidden=0), r"expected mlp_hidden >= 1 or None \(mlp_ratio \* dim\), got 0"),
+                     (dict(mlp_hidden=-3), r"expected mlp_hidden >= 1 or None"),
+                     (dict(mlp_ratio=0.001), r"expected mlp_ratio \* dim >= 1 .*got mlp_ratio 0.001 x dim 128 = 0"),
+                     (dict(pos="rope", rope_base=0.0), r"expected a finite rope_base > 0, got 0.0"),
+                     (dict(rope_base=-5.0), r"expected a finite rope_base > 0, got -5.0")):
+        with pytest.raises(ValueError, match=msg):
+            GPTConfig(**{**SMALL, **bad})
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused_loss", "unfused_loss"])
+def test_targets_and_idx_of_other_shapes_are_refused(fused):
+    """The unfused loss reshaped the logits by the targets' shape: targets (2, 5) for idx (2, 10)
+    gave a loss over 74 made-up classes instead of an error."""
+    model = GPT(GPTConfig(**{**SMALL, "fused_loss": fused}))
+    idx = torch.randint(0, SMALL["vocab_size"], (2, 10))
+    for bad in ((2, 5), (1, 10)):
+        with pytest.raises(ValueError, match=r"expected target"):
+            model(idx, torch.randint(0, SMALL["vocab_size"], bad))
+    with pytest.raises(ValueError, match=r"expected idx of shape \(batch, sequence\), got \[10\]"):
+        model(idx[0])

@@ -95,7 +95,9 @@ class Block(torch.nn.Module):
 
 class GPT(torch.nn.Module):
     """forward(idx (B, N) int64, targets (B, N) or None) -> (logits (B, N, vocab), loss or None);
-    the loss is the mean cross-entropy in fp32 whatever the model's dtype. With targets and
+    the loss is the mean cross-entropy in fp32 whatever the model's dtype (the fused loss: fp64 for
+    an fp64 model), over the targets not ignored (-100; every one ignored: the fused loss is 0,
+    the unfused one NaN as torch's cross_entropy). With targets and
     ``cfg.fused_loss`` (the default) the loss comes from zerofuse's fused output layer +
     cross-entropy, which never forms the logits: (None, loss).
 
@@ -224,6 +226,8 @@ class GPT(torch.nn.Module):
     def embed(self, idx: Tensor) -> Tensor:
         """Token (+ learned position) embeddings of idx (B, N): x (B, N, dim) (sequence
         parallelism: this rank's positions)."""
+        if idx.dim() != 2:
+            raise ValueError(f"zerofuse.models.GPT: expected idx of shape (batch, sequence), got {list(idx.shape)}")
         n = idx.shape[1]
         if n > self.config.seq_len:
             raise ValueError(f"zerofuse.models.GPT: sequence length {n} exceeds the model's seq_len "
@@ -261,6 +265,9 @@ class GPT(torch.nn.Module):
         logits = self.head(h)
         loss = None
         if targets is not None:
+            if tuple(targets.shape) != tuple(logits.shape[:-1]):  # (the reshape below would mix rows up)
+                raise ValueError(f"zerofuse.models.GPT: expected targets of idx's shape {list(logits.shape[:-1])}, got "
+                                 f"{list(targets.shape)}")
             b, n = targets.shape
             if self.tp_group is None:
                 loss = TF.cross_entropy(logits.float().reshape(b * n, -1), targets.reshape(b * n))

@@ -3,6 +3,7 @@ released, Llama-style shapes, Mixture of Experts, and the CPU-sized ones of the 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from zerofuse.models import moe as zmoe
 
@@ -61,6 +62,13 @@ class GPTConfig:
             raise ValueError(f"{name}: rope needs an even head_dim, got {self.dim // self.n_head}")
         if self.attention not in ("zerofuse", "torch"):
             raise ValueError(f"{name}: expected attention 'zerofuse' or 'torch', got {self.attention!r}")
+        if self.mlp_hidden is not None and self.mlp_hidden < 1:
+            raise ValueError(f"{name}: expected mlp_hidden >= 1 or None (mlp_ratio * dim), got {self.mlp_hidden}")
+        if self.hidden < 1:
+            raise ValueError(f"{name}: expected mlp_ratio * dim >= 1 (the MLP's hidden size), got mlp_ratio "
+                             f"{self.mlp_ratio} x dim {self.dim} = {self.hidden}")
+        if not 0 < self.rope_base < math.inf:  # (0 or less: NaN rope tables, which attention absorbs silently)
+            raise ValueError(f"{name}: expected a finite rope_base > 0, got {self.rope_base}")
         zmoe.check_config(self)
 
     @property
