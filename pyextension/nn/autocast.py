@@ -17,6 +17,12 @@ def autocast_dtype(t) -> torch.dtype | None:
     return torch.get_autocast_dtype(dev) if on else None
 
 
+def autocast_on(t) -> bool:
+    """autocast_dtype(t) is not None, for the faces' call signatures: cheaper (the plans' devices
+    are CUDA or the CPU); False for what is not a tensor."""
+    return isinstance(t, Tensor) and torch.is_autocast_enabled("cuda" if t.is_cuda else "cpu")
+
+
 _CAST = (torch.float32, torch.float16, torch.bfloat16)  # what autocast casts (float64 it leaves alone)
 
 

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from zerofuse import kernels as _kernels
-from zerofuse.nn.autocast import autocast_dtype, cast_all
+from zerofuse.nn.autocast import autocast_dtype, autocast_on, cast_all
 from zerofuse.nn.functional import _needs_grad
 from zerofuse.ops import attention as _attn
 from zerofuse.ops import attention_qkv as _qkv
@@ -60,7 +60,7 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
     sig = None
     if not torch.compiler.is_compiling():  # a plan for these arguments' signature: no checks, no choices
         sig = signature(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, document_ids,
-                        _kernels.TRITON_ON_CPU, isinstance(query, Tensor) and _autocast_on(query), autograd_modes())
+                        _kernels.TRITON_ON_CPU, autocast_on(query), autograd_modes())
         plan = _PLANS.get(sig)
         if plan is not None:
             docs = None if document_ids is None else _bounds(document_ids, query.shape[0], query.shape[2])
@@ -130,11 +130,6 @@ _PLANS = Plans()  # [Note: call signatures]: scaled_dot_product_attention's
 _PLAIN = (bool, int, float, type(None))
 
 
-def _autocast_on(t: Tensor) -> bool:
-    """Whether autocast is on for t's device type (the plans' devices: CUDA, or the CPU)."""
-    return torch.is_autocast_enabled("cuda" if t.is_cuda else "cpu")
-
-
 def _documents(query: Tensor, key: Tensor, is_causal: bool, document_ids: Tensor,
                where: str = "zerofuse.nn.functional.scaled_dot_product_attention") -> Tensor:
     """scaled_dot_product_attention's document_ids as the op's docs (document_bounds), checked."""
@@ -196,7 +191,7 @@ def qkv_attention(qkv: Tensor, num_heads: int, num_kv_heads: int | None = None, 
     sig = None
     if not torch.compiler.is_compiling():  # a plan for these arguments' signature: no checks, no choices
         sig = signature(qkv, num_heads, num_kv_heads, is_causal, scale, document_ids, _kernels.TRITON_ON_CPU,
-                        isinstance(qkv, Tensor) and _autocast_on(qkv), autograd_modes())
+                        autocast_on(qkv), autograd_modes())
         plan = _QKV_PLANS.get(sig)
         if plan is not None:
             docs = None if document_ids is None else _bounds(document_ids, qkv.shape[0], qkv.shape[1])
