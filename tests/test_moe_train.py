@@ -180,3 +180,26 @@ def test_checkpoint_across_ep_sizes(tmp_path, save_at, load_at):
     consolidated = zerofuse.checkpoint.consolidate(path)["model"]
     for name, want in saved[0][0].items():
         assert torch.equal(consolidated[name], want), name
+
+
+def test_router_loss_figures_are_the_mean_over_forwards():
+    """The job's aux and z loss figures over a step of several micro-batch forwards (grad
+    accumulation) are the forwards' mean, what the step trained on (they were summed: 4x as large
+    at --grad-accum 4), and over two steps still the mean per forward."""
+    from zerofuse.models.moe import Stats
+
+    model = GPT(GPTConfig(**{**CFG, "moe_aux_loss": 1e-2}), seed=0)
+    stats = Stats(model.moe_layers)
+    seen = []
+    with torch.no_grad():
+        for b in batches(2):
+            for part in b.chunk(4):
+                model(part[:, :-1], part[:, 1:])
+                stats.record(model.router_losses)
+                seen.append(model.router_losses.double())
+            stats.end_step()
+    want = torch.stack(seen).mean(0)
+    got = stats.read()
+    assert got["steps"] == 2
+    assert got["aux_loss"] == pytest.approx(want[0].item(), rel=1e-6) and want[0] > 0
+    assert got["z_loss"] == pytest.approx(want[1].item(), rel=1e-6) and want[1] > 0

@@ -135,7 +135,7 @@ def test_resume_at_another_layout(stopped, tmp_path):
 def test_resume_follows_this_runs_schedule_flags(straight, stopped, tmp_path):
     """--resume with a new --lr ran the checkpoint's base lr (with the new --min-lr floor: 10x what
     was asked) and its first step at the old schedule's last lr; a new --seed changed the data
-    without a word; --steps below the checkpoint's step exited 0 having done nothing."""
+    without a word; a new --weight-decay was ignored (the checkpoint's kept); --steps below the checkpoint's step exited 0 having done nothing."""
     from types import SimpleNamespace
 
     from zerofuse.train.build import lr_lambda
@@ -146,7 +146,7 @@ def test_resume_follows_this_runs_schedule_flags(straight, stopped, tmp_path):
     _ok(p, 128 + signal.SIGTERM)
     shutil.copytree(src / "ckpt", tmp_path / "ckpt")
     p = run("--nproc", 1, "--zero-stage", 2, "--steps", 6, "--eval-every", 0, "--out", tmp_path, "--resume",
-            "--lr", "5e-3", "--min-lr", "5e-4", "--seed", "5")
+            "--lr", "5e-3", "--min-lr", "5e-4", "--seed", "5", "--weight-decay", "0.5")
     _ok(p)
     new = lr_lambda(SimpleNamespace(lr=5e-3, min_lr=5e-4, warmup=2, steps=6))
     rows = metrics(tmp_path)
@@ -154,9 +154,30 @@ def test_resume_follows_this_runs_schedule_flags(straight, stopped, tmp_path):
     assert [r["lr"] for r in rows] == pytest.approx([5e-3 * new(s - 1) for s in (4, 5, 6)], rel=1e-6)
     assert "--resume: --lr 0.005 (the checkpoint's run: 0.01) from step 3" in p.stdout
     assert "--resume: --seed 5 differs from the checkpoint's run (0)" in p.stdout
+    # a new --weight-decay applies from the resumed step (the load restored the checkpoint's 0.1)
+    assert "--resume: --weight-decay 0.5 (the checkpoint's run: 0.1) from step 3" in p.stdout
+    groups = json.loads((tmp_path / "ckpt" / "meta.json").read_text())["optimizer"]["param_groups"]
+    assert [g["weight_decay"] for g in groups] == [0.5, 0.0]
     p = run("--nproc", 1, "--steps", 2, "--eval-every", 0, "--out", tmp_path, "--resume")
     assert p.returncode == 2 and "--steps: expected at least the checkpoint's step 6 to resume, got 2" in p.stderr
     assert "Traceback" not in p.stderr
+
+
+def test_skipped_steps_are_flagged_outside_fp16(tmp_path):
+    """fp32 with --clip: a step whose grad norm is not finite is skipped by the optimizer; its
+    record says so ("skipped": true, the NaN/inf norm kept: it was logged as null, the record of a
+    run without clipping) and the summary counts the skipped steps. --lr 1e30 makes step 2's grads
+    non-finite; the params then stay, so every later step is skipped too."""
+    p = run("--nproc", 1, "--steps", 3, "--warmup", 0, "--lr", "1e30", "--clip", 1, "--eval-every", 0,
+            "--sample-tokens", 0, "--out", tmp_path)
+    _ok(p)
+    rows = metrics(tmp_path)
+    assert math.isfinite(rows[0]["grad_norm"]) and "skipped" not in rows[0]
+    for r in rows[1:]:
+        assert r["skipped"] is True and not math.isfinite(r["grad_norm"]), r
+    assert rows[2]["loss"] == rows[1]["loss"]  # the params did not move
+    assert json.loads((tmp_path / "summary.json").read_text())["skipped_steps"] == 2
+    assert "skipped steps  2" in p.stdout
 
 
 def _children(pid: int) -> list[int]:

@@ -111,15 +111,15 @@ def test_delayed_update_equals_one_process_with_the_same_delay(ws, stage, mode, 
         assert_close_training(params[name], want, alt[name], msg=name)
 
 
-def _resume_rank(rank, ws, path):
+def _resume_rank(rank, ws, path, warmup):
     from zerofuse import checkpoint
 
-    model, opt = _build(2, "optimizer", 0, True)
+    model, opt = _build(2, "optimizer", warmup, True)
     _train(rank, ws, model, opt, 3)
     checkpoint.save(path, model, opt)  # applies the pending update first
     after_save = bool(opt.host.pending)
     l1 = _train(rank, ws, model, opt, 3, first=3)
-    model2, opt2 = _build(2, "optimizer", 0, True, seed=1)
+    model2, opt2 = _build(2, "optimizer", warmup, True, seed=1)
     checkpoint.load(path, model2, opt2)
     l2 = _train(rank, ws, model2, opt2, 3, first=3)
     opt.apply_pending()
@@ -129,9 +129,38 @@ def _resume_rank(rank, ws, path):
     return after_save, [x.item() for x in l1], [x.item() for x in l2], same
 
 
-def test_a_checkpoint_mid_run_resumes_to_the_same_bits(tmp_path):
-    for after_save, l1, l2, same in run_distributed(_resume_rank, 2, str(tmp_path / "ckpt"), timeout=240):
+@pytest.mark.parametrize("warmup", [0, 2])
+def test_a_checkpoint_mid_run_resumes_to_the_same_bits(tmp_path, warmup):
+    """Saved at step 3; with a warm-up of 2 the resumed run's steps are delayed as the
+    uninterrupted run's (the warm-up counts the checkpoint's steps, not this run's)."""
+    for after_save, l1, l2, same in run_distributed(_resume_rank, 2, str(tmp_path / "ckpt"), warmup, timeout=240):
         assert not after_save and l1 == l2 and same
+
+
+def _late_lr_rank(rank, ws):
+    import threading
+
+    held, held_opt = _build(2, "optimizer", 0, False)
+    model, opt = _build(2, "optimizer", 0, False)
+    gate = threading.Event()
+    held_opt.host.pool.submit(gate.wait)  # the offload thread busy until the lr below is written
+    _train(rank, ws, held, held_opt, 1)  # step() returns with its host step queued
+    for g in held_opt.param_groups:
+        g["lr"] = 1.0  # what a scheduler writes for the next step, while this step's host step waits
+    gate.set()
+    held_opt.apply_pending()
+    _train(rank, ws, model, opt, 1)
+    opt.apply_pending()
+    with zerofuse.zero.full_params(held), zerofuse.zero.full_params(model):
+        return [n for (n, p), q in zip(held.named_parameters(), model.parameters()) if not torch.equal(p, q)]
+
+
+def test_the_delayed_host_step_uses_the_lr_of_its_own_step():
+    """The host step of a delayed update runs after step() returned and the scheduler moved on:
+    it takes the lr its step had (it read the group's live lr: a run's bits depended on the
+    offload thread's timing)."""
+    for differ in run_distributed(_late_lr_rank, 2, timeout=120):
+        assert differ == []
 
 
 def _misuse_rank(rank, ws):

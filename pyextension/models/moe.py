@@ -81,6 +81,7 @@ class Stats:
         self.load = None  # [layers, E] int64
         self.dropped = None
         self.losses = None  # [aux, z] summed over the steps' forwards
+        self.forwards = 0  # the forwards whose losses were recorded (grad accumulation: several a step)
         self.steps = 0
 
     def record(self, losses: torch.Tensor | None = None) -> None:
@@ -92,6 +93,7 @@ class Stats:
         self.dropped = dropped if self.dropped is None else self.dropped + dropped
         if losses is not None:
             self.losses = losses.detach() if self.losses is None else self.losses + losses.detach()
+            self.forwards += 1
 
     def end_step(self) -> None:
         self.steps += 1
@@ -113,8 +115,8 @@ class Stats:
         vals = flat.cpu().tolist()
         out = {"max_over_mean_load": (load.max(1).values / load.mean(1).clamp_min(1e-12)).cpu().tolist(),
                "dropped": int(vals[n * e]), "a2a_bytes_per_step": vals[n * e + 1] / max(self.steps, 1),
-               "aux_loss": vals[-2] / max(self.steps, 1),
-               "z_loss": vals[-1] / max(self.steps, 1), "steps": self.steps}
+               "aux_loss": vals[-2] / max(self.forwards, 1),  # the mean over forwards: what a step trained on
+               "z_loss": vals[-1] / max(self.forwards, 1), "steps": self.steps}
         self.load = self.dropped = self.losses = None
-        self.steps = 0
+        self.steps = self.forwards = 0
         return out

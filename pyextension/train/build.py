@@ -136,6 +136,7 @@ def hyper(args) -> dict:
 def resume(t) -> int:
     """The step to go on from, after loading --out's checkpoint into t's model, optimizer and schedule."""
     from zerofuse import checkpoint
+    mine = [{k: v for k, v in g.items() if k not in ("params", "lr", "initial_lr")} for g in t.opt.param_groups]
     extra = checkpoint.load(str(t.ckpt), t.model, t.opt)
     if extra["tokenizer"] != t.corpus.identity():
         raise ValueError(f"{PROG}: --resume: the checkpoint at {t.ckpt} was trained on a different vocabulary "
@@ -154,6 +155,13 @@ def resume(t) -> int:
     for g, lr in zip(t.opt.param_groups, lrs):
         g["lr"] = lr
     t.notes = []
+    # this run's other options (--weight-decay): the load restored the checkpoint's
+    for gi, (g, want) in enumerate(zip(t.opt.param_groups, mine)):
+        for k, v in want.items():
+            if k in g and g[k] != v:
+                if k == "weight_decay" and gi == 0:
+                    t.notes.append(f"--resume: --weight-decay {v:g} (the checkpoint's run: {g[k]:g}) from step {step}")
+                g[k] = v
     if saved_lr != args.lr:
         t.notes.append(f"--resume: --lr {args.lr:g} (the checkpoint's run: {saved_lr:g}) from step {step}")
     if extra.get("seed") is not None and extra["seed"] != args.seed:

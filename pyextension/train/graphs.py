@@ -76,7 +76,7 @@ class StepGraph:
 
     def _outputs(self, loss):
         opt = self.t.opt
-        return loss, opt.last_grad_norm, opt.last_step_skipped if opt.fp16 else None
+        return loss, opt.last_grad_norm, opt.last_step_skipped
 
     def step(self, batch: torch.Tensor):
         t = self.t

@@ -106,7 +106,7 @@ class Trainer:
             if not cpu:
                 both = both.to(self.device, non_blocking=True)
             mean_loss = self.step_body(both[0], both[1], self._measure_memory)
-            norm, skipped = opt.last_grad_norm, opt.last_step_skipped if opt.fp16 else None
+            norm, skipped = opt.last_grad_norm, opt.last_step_skipped  # (skipped: fp16 overflow or a non-finite norm)
         self.sched.step()
         self.step += 1
         host = {"step": self.step, "lr": lr, "comm_time": comm.wait_seconds() - w0 if cpu else None,

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from .launch import STOP_SIGNALS
 
-_NONE = float("nan")
+_NONE = -1.0  # an absent value (no clipping: no grad norm); a norm is >= 0 or not finite, a flag 0 or 1
 
 
 class StepMetrics:
@@ -30,7 +30,7 @@ class StepMetrics:
         self.pending: list[dict] = []  # host-side fields of the steps since the last log point
         self.values: list[torch.Tensor] = []  # per step: (loss, grad norm, skipped) on the device
         self.t_last = time.perf_counter()
-        self._nan = None  # the placeholder of an absent value (no clipping: no grad norm), made once
+        self._absent = None  # the placeholder of an absent value (no clipping: no grad norm), made once
         self.windows = 0  # log points so far
 
     def record(self, host: dict, loss: torch.Tensor, norm: torch.Tensor | None, skipped: torch.Tensor | None,
@@ -41,9 +41,9 @@ class StepMetrics:
         CUDA graph's replay returns the same output buffers every step: copied (one launch)."""
         def scalar(t):
             if t is None:
-                if self._nan is None:
-                    self._nan = torch.full((), _NONE, device=self.device)
-                return self._nan
+                if self._absent is None:
+                    self._absent = torch.full((), _NONE, device=self.device)
+                return self._absent
             return t.detach().reshape(()).float()
         values = [loss.detach().reshape(()).float(), scalar(norm), scalar(skipped)]
         self.values.append(torch.stack(values).unbind() if copy else values)
@@ -70,8 +70,8 @@ class StepMetrics:
             if not m.get("step_time"):  # CUDA: the window's wall time shared by its steps
                 m["step_time"], m["log_window"] = per_step, self.windows
             m["tokens_per_s"] = self.tokens / m["step_time"]
-            m["grad_norm"] = None if norm != norm else norm
-            if skipped == skipped and skipped > 0:
+            m["grad_norm"] = None if norm == _NONE else norm  # a NaN / inf norm stays (its step was skipped)
+            if skipped > 0:  # fp16 overflow or a non-finite grad norm: the optimizer left the params
                 m["skipped"] = True
             out.append(m)
         self.pending, self.values, self.t_last = [], [], now

@@ -135,6 +135,7 @@ class RankZeroLog:
             "mfu": _mfu(t, tok_s), "memory_per_rank": memory,
             "initial_val_loss": self.initial_val if t.start_step == 0 else None,
             "final_train_loss": runs[-1]["loss"] if runs else None,
+            "skipped_steps": sum(1 for m in runs if m.get("skipped")),
             "final_val_loss": final_val[0], "final_val_step": final_val[1],
             "pipeline": getattr(t, "pipeline_report", None), "cuda_graphs": graphs_state(t), "compiled": t.compiled,
             "launches": t.launches, "kernels": _kernel_path(t),

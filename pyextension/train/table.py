@@ -69,6 +69,9 @@ def _table(s: dict) -> str:
     rows.append(("loss", f"train {num(s['final_train_loss'], '.4f')}, val {s['final_val_loss']:.4f} at step "
                          f"{s['final_val_step']}" + (f" (initial val {s['initial_val_loss']:.4f})"
                                                      if s["initial_val_loss"] is not None else "")))
+    if s.get("skipped_steps"):
+        rows.append(("skipped steps", f"{s['skipped_steps']} (fp16 overflow or a non-finite grad norm: the optimizer "
+                                      "left the params; metrics.jsonl flags them)"))
     width = max(len(k) for k, _ in rows)
     return "\n".join([f"{PROG} summary"] + [f"  {k:<{width}}  {v}" for k, v in rows])
 

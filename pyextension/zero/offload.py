@@ -34,7 +34,9 @@ step t runs during the forward and backward of step t+1 instead of between them.
 masters follow Adam exactly, but each gradient is taken one update late: with w_t the masters
 after t steps, w_{t+1} = w_t - lr * adam(g(w_{t-1})) (w_{-1} = w_0), where undelayed ZeRO-Offload
 has g(w_t). The paper starts DPU after a few dozen undelayed steps, when the gradients change
-slowly; ``delayed_update_warmup`` steps run undelayed first. A pending update is applied (waited
+slowly; the first ``delayed_update_warmup`` steps taken run undelayed (a skipped step is not one;
+a resumed run counts the checkpoint's). The host step reads the param groups' options (lr) as
+they were at its step(), not as the scheduler left them after it returned. A pending update is applied (waited
 for and written to the params) by ``Optimizer.apply_pending()``, by ``state_dict()`` and
 ``load_state_dict()``: a checkpoint holds applied params, and a run resumed from it equals the run
 that saved it from there on. Not with offload_ratio < 1 (the device's part would not be delayed).
@@ -137,12 +139,13 @@ class HostSteps:
         self.log: list[tuple[int, str]] = []  # (unit, "backward" | "step"): when each host step was launched
         self.last_log: list[tuple[int, str]] = []  # the last step's
         self.pending: dict[int, tuple] = {}  # delayed update: the last step's futures, not yet written back
-        self.steps_done = 0  # step() calls (delayed_update_warmup)
 
     @property
     def delayed(self) -> bool:
         """Whether this step's host steps are left running past step() ([Note: delayed parameter update])."""
-        return self.opt.delayed_update and self.steps_done >= self.opt.delayed_update_warmup
+        # the steps taken (skipped ones are none) against the warm-up: the host counters, which a
+        # checkpoint restores (load_steps), so a resumed run delays as the uninterrupted one
+        return self.opt.delayed_update and self.host_steps[0].item() >= self.opt.delayed_update_warmup
 
     @property
     def overlapped(self) -> bool:
@@ -191,7 +194,9 @@ class HostSteps:
             for gi, runs in self.by_unit[v.index]:
                 groups.setdefault(gi, []).extend((v.index, a, n) for a, n in runs)
         opt = self.opt
-        args = [(opt.param_groups[gi], self.host_steps[gi].clone(), runs) for gi, runs in groups.items()]
+        # the groups' options as of now: the thread may run after step() returned (a delayed
+        # update) and the scheduler wrote the next step's lr into the group
+        args = [(_options(opt.param_groups[gi]), self.host_steps[gi].clone(), runs) for gi, runs in groups.items()]
         self.futures[u.index] = (self.pool.submit(self._step_units, units, args, mult), units)
 
     def _step_units(self, units, args, mult) -> None:
@@ -237,10 +242,9 @@ class HostSteps:
         finally:
             self.last_log, self.log = self.log, []
             self.reduced = [False] * len(eng.units)
-        if not skip:  # (the device's counters advance in the device step, which runs for every group)
-            for s in self.host_steps:
+        if not skip:  # (the device's counters advance in the device step, which runs for every group;
+            for s in self.host_steps:  # after the path was chosen: `overlapped` reads them)
                 s += 1.0
-        self.steps_done += 1  # (after the path was chosen: `overlapped` reads it)
 
     def _queue_all(self, host_mult) -> None:
         """Every host unit's step queued: on a GPU one by one (each written back as it ends), on a
@@ -280,7 +284,6 @@ class HostSteps:
         self.pending, self.futures = self.futures, {}
         self.last_log, self.log = self.log, []
         self.reduced = [False] * len(self.eng.units)
-        self.steps_done += 1
 
     def apply_pending(self) -> bool:
         """A delayed update's host steps waited for and their params written back (stage 1/2: the
@@ -302,3 +305,8 @@ class HostSteps:
         """After the device step counters were set (a checkpoint load)."""
         for s, d in zip(self.host_steps, self.opt._steps):
             s.fill_(float(d.item()))
+
+
+def _options(group: dict) -> dict:
+    """A param group's options (not its params) as they are now; a tensor lr copied."""
+    return {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in group.items() if k != "params"}
