@@ -112,6 +112,45 @@ def test_float64_is_computed_in_float64(norm, residual, path):
     _check(norm, (3, 21, 77), (77,), torch.float64, "cpu", residual=residual)
 
 
+@pytest.mark.parametrize("norm", ["layer", "rms"])
+def test_a_float64_residual_is_added_and_normalised_in_float64(norm, path):
+    """fp32 x + a float64 residual: h and y are float64 (torch's type promotion), so the sum and the
+    norm are taken in float64 on every path (the Triton kernels added in fp32 into float64 outputs:
+    the residual's detail below fp32's epsilon was lost)."""
+    x = torch.randn(3, 5, 40)
+    r = 1.0 + 1e-9 * torch.randn(3, 5, 40, dtype=torch.float64)
+    want_h = x.double() + r
+    if norm == "layer":
+        y, h = ZF.add_layer_norm(x, r, (40,))
+        want_y = torch.nn.functional.layer_norm(want_h, (40,))
+    else:
+        y, h = ZF.add_rms_norm(x, r, (40,), eps=1e-6)
+        want_y = torch.nn.functional.rms_norm(want_h, (40,), eps=1e-6)
+    assert h.dtype == y.dtype == torch.float64
+    assert torch.equal(h, want_h)
+    assert_close(y, want_y)
+
+
+@pytest.mark.parametrize("norm", ["layer", "rms"])
+def test_backward_ops_read_strided_stats_by_row(norm, path):
+    """mean / rstd passed as strided views (a column of a wider tensor) give the gradients of the
+    same values contiguous (the Triton kernels read them flat: dx off by O(1000))."""
+    x, w, b = torch.randn(6, 24), torch.randn(24), torch.randn(24)
+    dy = torch.randn(6, 24)
+    if norm == "layer":
+        _, _, mean, rstd = torch.ops.zerofuse.layer_norm(x, w, b, None, 1e-5)
+        wide = torch.stack([mean, rstd, torch.zeros_like(mean)], 1)  # (6, 3): columns of stride 3
+        want = torch.ops.zerofuse.layer_norm_backward(dy, None, x, w, b, mean, rstd)
+        got = torch.ops.zerofuse.layer_norm_backward(dy, None, x, w, b, wide[:, 0], wide[:, 1])
+    else:
+        _, _, rstd = torch.ops.zerofuse.rms_norm(x, w, None, 1e-6)
+        wide = torch.stack([rstd, torch.zeros_like(rstd)], 1)
+        want = torch.ops.zerofuse.rms_norm_backward(dy, None, x, w, rstd)
+        got = torch.ops.zerofuse.rms_norm_backward(dy, None, x, w, wide[:, 0])
+    for g, w_ in zip(got, want):
+        assert torch.equal(g, w_)
+
+
 def test_layer_norm_of_rows_with_a_large_mean_and_tiny_spread(path):
     """|mean| / std = 1e5: a plain one-pass sum of squares cancels to garbage (errors of O(1) or
     NaN) in fp32. What remains is inherent to fp32: the mean's rounding (ulp(1000) = 6e-5) over a

@@ -279,6 +279,16 @@ def test_lamb_with_tensors_larger_than_a_cache_block(device, cpu_kernels):
         torch.testing.assert_close(p.detach(), r, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("opt_cls", [FusedLAMB, FusedLARS])
+def test_max_grad_norm_zero_means_no_clipping(path, opt_cls):
+    """LAMB and LARS document max_grad_norm=0 as no clipping and their constructors take it; every
+    step() then refused it (the shared threshold check wanted > 0)."""
+    got, _ = _run(opt_cls, _params(device=path), steps=3, lr=1e-2, max_grad_norm=0)
+    want, _ = _run(opt_cls, _params(device=path), steps=3, lr=1e-2, max_grad_norm=None)
+    for p, q in zip(got, want):
+        assert torch.equal(p, q)
+
+
 @pytest.mark.parametrize("opt_cls", [FusedAdamW, FusedLAMB, FusedLARS])
 def test_found_inf_skips_the_step_and_grad_scale_unscales(path, opt_cls):
     params, opt = _run(opt_cls, _params(device=path), steps=3, lr=1e-2)

@@ -134,7 +134,7 @@ def _eager_norm(key, input, residual, x, r, w, b, eps, is_rms, input_bias):
     grad = _needs_grad(x, w, b, r, input_bias)
     # a plan where x is input (one normalised dim: later calls pass the tensors as given) and eps
     # a number (a plan holds no tensor's value)
-    if key is not None and x is input and type(eps) in (float, int) and _ops._use_triton(x) and all(
+    if key is not None and x is input and type(eps) in (float, int) and _ops._use_triton(x, r) and all(
             t is None or t.is_contiguous() for t in (x, w, b, r)):
         plan = _NormPlan(FwdLaunch(x, r, w, b, eps, is_rms, stats=grad), grad, is_rms)
         out = plan(input, residual, w, b, input_bias)

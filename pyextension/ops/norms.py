@@ -33,10 +33,11 @@ def _cpu_kernel(*ts: Tensor | None) -> bool:
     return all(t is None or (t.device.type == "cpu" and t.dtype in _KERNEL_DTYPES) for t in ts)
 
 
-def _use_triton(x: Tensor) -> bool:
-    # float64 (computed in float64) and rows wider than one program's block take torch's native
-    # kernels: correct, not fused.
+def _use_triton(x: Tensor, residual: Tensor | None = None) -> bool:
+    # float64 (computed in float64; a float64 residual too: h = x + residual is float64) and rows
+    # wider than one program's block take torch's native kernels: correct, not fused.
     fits = 0 < x.shape[-1] <= K.MAX_HIDDEN and x.dtype in _KERNEL_DTYPES
+    fits = fits and (residual is None or residual.dtype in _KERNEL_DTYPES)
     return fits and (x.is_cuda or (x.device.type == "cpu" and kernels.triton_on_cpu()))
 
 
@@ -105,7 +106,7 @@ def _norm_fwd(x, weight, bias, residual, eps, is_rms, stats=True):
     (nothing to differentiate): the Triton kernels store no mean/rstd (None); the others may."""
     n = x.shape[-1]
     w, b = _contiguous(weight), _contiguous(bias)
-    if _use_triton(x):  # any leading shape: the kernel takes rows of n (no reshape, no view)
+    if _use_triton(x, residual):  # any leading shape: the kernel takes rows of n (no reshape, no view)
         return K.norm_fwd(_contiguous(x), w, b, _contiguous(residual), eps, is_rms, stats)
     if _cpu_kernel(x, residual, w, b):
         y, h, mean, rstd = torch.ops.zerofuse.norm_fwd_cpu(_2d(x, n), w, b, _2d(residual, n), eps, is_rms)
@@ -170,6 +171,7 @@ def _norm_bwd(dy, dh, x, weight, bias, mean, rstd, is_rms, dr_dtype=None):
     of dx, the gradient of a bias its producer added into the input (EagerNorm's input_bias)."""
     n = x.shape[-1]
     w = None if weight is None else weight.contiguous()
+    mean, rstd = _contiguous(mean), rstd.contiguous()  # the kernels read them flat, one per row
     dr = None
     if _use_triton(x):  # (the kernel sums dr from dx in fp32)
         dx, dw, db, dr = K.norm_bwd(_contiguous(dy), _contiguous(dh), _contiguous(x), w, bias, mean, rstd, is_rms,

@@ -256,9 +256,9 @@ class FusedOptimizerMixin:
             raise ValueError(f"{self._name()}: expected one max_grad_norm in every param group (the grad norm is "
                              f"global), got {sorted(values, key=str)}")
         value = values.pop() if values else None
-        if value is not None and not value > 0:
-            raise ValueError(f"{self._name()}: expected max_grad_norm > 0 or None, got {value}")
-        return value
+        if value is not None and not value >= 0:
+            raise ValueError(f"{self._name()}: expected max_grad_norm >= 0 or None (0: no clipping), got {value}")
+        return value or None  # 0: no clipping, as the constructors document
 
 
 def _check_amp_arg(name: str, arg: str, value) -> None:
