@@ -24,6 +24,7 @@ import weakref
 
 import torch
 
+from zerofuse.hf.bound import Bound
 from zerofuse.nn import functional as zF
 
 NAME = "zerofuse"
@@ -316,6 +317,8 @@ def _rebound_forward(cls, want: frozenset):
     """cls.forward with zerofuse's names bound, one copy per (class, replacements) for every
     instance (nothing per instance: patched models are not kept alive by a cache)."""
     key = (cls, want)
+    if "attention" in want:
+        register()  # (a model unpickled in a new process: its config may name "zerofuse")
     if key not in _rebound:
         inner = inspect.unwrap(cls.forward)
         names = {}
@@ -350,7 +353,7 @@ def patch_attention(module, rope: bool, attention: bool) -> set[str]:
     want = (attention_names(module) & asked) | done
     if want == done:
         return set()
-    module.forward = types.MethodType(_rebound_forward(type(module), frozenset(want)), module)
+    module.forward = Bound(module, _rebound_forward, type(module), frozenset(want))
     module._zerofuse_attention = tuple(sorted(want))
     return want - done
 

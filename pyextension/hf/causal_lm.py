@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import types
 
 import torch
 import torch.nn.functional as F
 
+from zerofuse.hf.bound import Bound
 from zerofuse.nn.loss import LinearCrossEntropyHead
 from zerofuse.tp.cross_entropy import VocabParallelLinearCrossEntropyHead
 
@@ -159,6 +159,6 @@ def patch_lm(model, arch) -> bool:
     model._zerofuse_arch = arch
     cls = _output_class(model)  # once, not per forward
     model._zerofuse_output = (cls, frozenset(f.name for f in dataclasses.fields(cls)))
-    model.forward = types.MethodType(_forward_of(type(model)), model)
+    model.forward = Bound(model, _forward_of, type(model))
     model._zerofuse_lce = True
     return True

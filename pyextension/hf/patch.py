@@ -6,10 +6,9 @@ parameters and state_dict keys are unchanged, and patching twice changes nothing
 """
 from __future__ import annotations
 
-import types
-
 from zerofuse.hf import archs
 from zerofuse.hf.attention import patch_attention, register
+from zerofuse.hf.bound import Bound
 from zerofuse.hf.causal_lm import check_fusable_head, patch_lm
 from zerofuse.nn import functional as zF
 
@@ -42,12 +41,12 @@ def _patched(mod) -> bool:
 
 def _attach_norm(mod, kind) -> None:
     mod._zerofuse_norm, mod._zerofuse_eps = kind, archs.norm_eps(mod)
-    mod.forward = types.MethodType(_NORMS[kind], mod)
+    mod.forward = Bound(mod, _NORMS[kind])
 
 
 def _attach_glu(mod, act) -> None:
     mod._zerofuse_glu = act
-    mod.forward = types.MethodType(_glu_forward, mod)
+    mod.forward = Bound(mod, _glu_forward)
 
 
 def _patch_modules(model, detect, attach) -> int:
@@ -77,9 +76,8 @@ def patch(model, rms_norm: bool = True, attention: bool = True, rope: bool = Tru
     rope: the rotary embedding; swiglu: the gated MLP's act(gate) * up (SwiGLU, Gemma's GeGLU);
     linear_cross_entropy: the output layer + loss fused and chunked when labels are given.
     An unknown architecture is refused with the list of what can be patched; a refusal changes nothing.
-    Save a patched model with ``save_pretrained`` or its ``state_dict`` and patch again after loading:
-    pickling the module whole (``torch.save(model)``) is not supported (its forwards are bound to
-    each instance: a load fails, or runs the stock forward)."""
+    The patched model pickles whole (``torch.save(model)``, ``copy.deepcopy``) with its patches
+    (zerofuse.hf.bound); ``save_pretrained`` saves the stock layout (patch again after loading)."""
     flags = {k: _flag(k, v) for k, v in (("rms_norm", rms_norm), ("attention", attention), ("rope", rope),
                                          ("swiglu", swiglu), ("linear_cross_entropy", linear_cross_entropy))}
     outer, model = model, getattr(model, "_orig_mod", model)  # torch.compile's wrapper: patch what it wraps

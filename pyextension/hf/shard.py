@@ -16,12 +16,12 @@ same model (same weights: load, or seed, alike).
 """
 from __future__ import annotations
 
-import types
 
 import torch
 
 from zerofuse import zero
 from zerofuse.hf import archs
+from zerofuse.hf.bound import Bound
 from zerofuse.parallel import init_mesh
 from zerofuse.tp import comm as tp_comm
 from zerofuse.tp import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
@@ -44,7 +44,7 @@ def _embedding(emb, group):
         if scale is None:
             raise ValueError(f"{WHO}: the input embedding {type(emb).__name__} has a forward zerofuse does not know")
         new.register_buffer("embed_scale", torch.as_tensor(scale).detach().clone(), persistent=False)
-        new.forward = types.MethodType(_scaled_embedding_forward, new)
+        new.forward = Bound(new, _scaled_embedding_forward)
     return new
 
 

@@ -1,0 +1,26 @@
+"""One module's own forward, set per instance by zerofuse.patch: ``module.forward = Bound(module, make, *key)``.
+
+A ``functools.partial`` of ``make(*key)`` (or of ``make`` itself without a key) over the module, so
+``inspect.signature(module.forward)`` shows the function's parameters past the module (transformers
+reads ``model.forward``'s: generate's attention_mask / position_ids, the Trainer's columns), and
+picklable: it pickles as (module, make, *key) and is made again on load, as ``make(*key)`` may be
+a function made at run time (a rebound class forward). ``torch.save(model)`` / ``copy.deepcopy``
+of a patched model keep zerofuse's forwards, as a bound method's pickle (``getattr(module,
+"forward")``, read before the module's state is set) would not: it came back as the class's stock
+forward, or failed to load.
+"""
+from __future__ import annotations
+
+import functools
+
+
+class Bound(functools.partial):
+    """``make(*key)(module, *args, **kwargs)``; see the module doc."""
+
+    def __new__(cls, module, make, *key):
+        self = super().__new__(cls, make(*key) if key else make, module)
+        self._recipe = (make, *key)
+        return self
+
+    def __reduce__(self):
+        return (type(self), (self.args[0], *self._recipe))
