@@ -6,8 +6,8 @@ torch uses (the nvidia-nccl-cuXX wheel next to torch), with an rpath so the .so 
 fresh machine, in an editable install and after `pip install .`.
 
 Environment: ZEROFUSE_CUDA=0/1 forces the CPU-only / CUDA build; MAX_JOBS caps ninja's jobs
-(torch.utils.cpp_extension honours it); ZEROFUSE_DEBUG=1 builds with -g -O0 (release by default:
--g doubles compile time); TORCH_CUDA_ARCH_LIST picks the GPU architectures (default: the visible GPU).
+(torch.utils.cpp_extension honours it); ZEROFUSE_DEBUG=1 builds with -g -O0 and asserts (release by
+default: -O3 -g0); both take 0 or 1 only; TORCH_CUDA_ARCH_LIST picks the GPU architectures (default: the visible GPU).
 """
 import os
 import sys
@@ -24,11 +24,15 @@ from tools import buildenv  # noqa: E402
 
 
 def _want_cuda() -> bool:
-    have = torch.version.cuda is not None and buildenv.find_nvcc() is not None
-    forced = os.environ.get("ZEROFUSE_CUDA")
-    if forced == "0":
+    forced = None
+    if os.environ.get("ZEROFUSE_CUDA") is not None:
+        forced = buildenv.env("ZEROFUSE_CUDA", "flag", False, "the CUDA build", "the CPU-only build")
+    if forced is False:
         return False
-    if forced == "1" and not have:
+    if torch.version.cuda is not None and (bad := buildenv.bad_cuda_home()):
+        raise SystemExit(bad)
+    have = torch.version.cuda is not None and buildenv.find_nvcc() is not None
+    if forced and not have:
         raise SystemExit(
             f"ZEROFUSE_CUDA=1 needs a CUDA build of torch and nvcc; found torch {torch.__version__} "
             f"(torch.version.cuda={torch.version.cuda}) and nvcc={buildenv.find_nvcc()}"
@@ -40,8 +44,10 @@ def _extension():
     note = buildenv.pick_host_compilers()
     if note:
         print(f"zerofuse: {note}", file=sys.stderr)
-    debug = os.environ.get("ZEROFUSE_DEBUG") == "1"
-    opt = ["-g", "-O0"] if debug else ["-O3"]
+    debug = buildenv.env("ZEROFUSE_DEBUG", "flag", False, "-g -O0, asserts on", "release: -O3, no debug info")
+    # after Python's own flags (-DNDEBUG -g -O2 or so, which come first): -g0 drops their -g (the
+    # debug info was ~60% of the .so and a large part of the compile time), -UNDEBUG their NDEBUG
+    opt = ["-g", "-O0", "-UNDEBUG"] if debug else ["-O3", "-g0"]
     # -fopenmp: at::parallel_for is OpenMP inline code; without the flag it silently runs on one
     # thread. libgomp.so.1 resolves to the copy torch has already loaded.
     # -fno-math-errno: otherwise sqrt in a loop cannot vectorise (errno) - the Adam kernel ran 2x slower.
@@ -61,7 +67,8 @@ def _extension():
         )
     inc, lib = nccl
     print(f"zerofuse: building with CUDA {torch.version.cuda} and NCCL from {lib}", file=sys.stderr)
-    nvcc = (["-G", "-O0"] if debug else []) + buildenv.NVCC_FLAGS
+    # nvcc takes the last -O: a debug build drops -O3 (-g: host debug info, -G: device's)
+    nvcc = [f for f in buildenv.NVCC_FLAGS if f != "-O3"] + ["-G", "-g", "-O0"] if debug else buildenv.NVCC_FLAGS
     # $ORIGIN/../nvidia/nccl/lib finds the wheel's libnccl after a non-editable install into
     # site-packages; the absolute path covers editable installs and NCCL_HOME builds.
     rpath = ["-Wl,-rpath,$ORIGIN/../nvidia/nccl/lib", f"-Wl,-rpath,{lib}"]
@@ -76,12 +83,14 @@ def _extension():
     )
 
 
-packages = ["zerofuse"] + ["zerofuse." + p for p in find_packages("pyextension")] + ["zerofuse.kernels"]
+# zerofuse.data: the shipped corpus (no Python; listed so setuptools ships it as package data and
+# not as an undeclared namespace package, which it warns it will stop including)
+packages = ["zerofuse"] + ["zerofuse." + p for p in find_packages("pyextension")] + ["zerofuse.kernels", "zerofuse.data"]
 
 setup(
     packages=packages,
     package_dir={"zerofuse": "pyextension", "zerofuse.kernels": "kernels"},
-    package_data={"zerofuse": ["data/*.txt", "data/*.bin"]},
+    package_data={"zerofuse.data": ["*.txt", "*.bin"]},
     ext_modules=[_extension()],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
 )

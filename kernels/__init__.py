@@ -61,6 +61,13 @@ def _reinterpret_loaded_language() -> None:
             setattr(tl.core.tensor, attr, _member(interpreted(value)))
 
 
+def _interpret_knob() -> bool:
+    """Whether triton interprets @triton.jit functions decorated now (TRITON_INTERPRET, read as triton does)."""
+    import triton  # noqa: PLC0415
+
+    return bool(triton.knobs.runtime.interpret)
+
+
 def _member(fn):
     def method(*args, **kwargs):
         return fn(*args, **kwargs)
@@ -79,8 +86,10 @@ def triton_on_cpu() -> bool:
     return TRITON_ON_CPU
 
 
-# Read once: triton reads TRITON_INTERPRET when a function is decorated, which is at import.
-_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# Read once: triton reads TRITON_INTERPRET when a function is decorated, which is at import; as
+# triton reads it (its knob: "1", "true", "on", "yes"; only "1" counted here before, so with
+# TRITON_INTERPRET=true the kernels ran interpreted while zerofuse took them for compiled ones)
+_INTERPRETED = _interpret_knob()
 
 
 def interpreted() -> bool:

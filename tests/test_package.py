@@ -132,6 +132,24 @@ def test_without_the_flag_triton_stays_native():
     assert r.stdout.split() == ["False", "False"]
 
 
+def test_triton_interpret_is_read_as_triton_reads_it():
+    """TRITON_INTERPRET=true makes triton interpret the kernels; zerofuse counted only "1", so it
+    took them for compiled ones (no interpreter rounding fix: half of a bf16 SwiGLU's outputs one
+    ulp off the round-to-nearest reference)."""
+    code = """
+        import torch, zerofuse
+        from zerofuse import kernels
+        from zerofuse.kernels.swiglu import swiglu_fwd
+        g, u = (torch.randn(8, 64, generator=torch.Generator().manual_seed(i)).bfloat16() for i in (0, 1))
+        ref = (torch.nn.functional.silu(g.float()) * u.float()).bfloat16()
+        print(kernels.interpreted(), int((swiglu_fwd(g, u, "silu") != ref).sum()))
+    """
+    for value in ("true", "1"):
+        r = _run(code, TRITON_INTERPRET=value)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.split() == ["True", "0"], (value, r.stdout)
+
+
 def _fake_gcc(path, libstdcxx_so):
     """A gcc-like driver script whose -print-file-name=libstdc++.so answers like a toolchain with
     (an absolute path) or without (the bare name) a shared libstdc++."""
@@ -208,6 +226,70 @@ def test_import_loads_neither_dynamo_nor_dcp():
     r = _run(IMPORT_WEIGHT_PROGRAM)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["none"], r.stdout
+
+
+def _buildenv():
+    sys.path.insert(0, ROOT)
+    try:
+        from tools import buildenv
+    finally:
+        sys.path.pop(0)
+    return buildenv
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_a_cuda_home_without_nvcc_is_named(tmp_path, monkeypatch):
+    """torch builds .cu files with $CUDA_HOME/bin/nvcc whenever CUDA_HOME is set: one without it
+    (the build picked the nvcc on PATH, then failed inside torch's build) is named with what to do."""
+    buildenv = _buildenv()
+    monkeypatch.delenv("CUDA_PATH", raising=False)
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path))
+    said = buildenv.bad_cuda_home()
+    assert said.startswith(f"zerofuse: CUDA_HOME={tmp_path} has no bin/nvcc") and "ZEROFUSE_CUDA=0" in said
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "nvcc").write_text("")
+    assert buildenv.bad_cuda_home() is None
+    monkeypatch.delenv("CUDA_HOME")
+    monkeypatch.setenv("CUDA_PATH", "/nonexistent/cuda")
+    assert buildenv.bad_cuda_home().startswith("zerofuse: CUDA_PATH=/nonexistent/cuda has no bin/nvcc")
+
+
+@pytest.mark.parametrize("var,value", [("ZEROFUSE_CUDA", "true"), ("ZEROFUSE_DEBUG", "yes"), ("ZEROFUSE_DEBUG", "")])
+def test_setup_refuses_build_switches_it_would_not_act_on(var, value):
+    """setup.py acted on exactly "0"/"1": ZEROFUSE_CUDA=true meant auto-detect and ZEROFUSE_DEBUG=yes
+    a release build, without a word."""
+    r = subprocess.run([sys.executable, "setup.py", "--name"], cwd=ROOT, env=_clean_env(**{var: value}),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    assert f"zerofuse: {var} must be '0' (" in r.stderr and f"got {value!r}" in r.stderr, r.stderr
+
+
+def _elf_sections(path) -> set[str]:
+    """The section names of an ELF64 little-endian shared object."""
+    import struct
+
+    data = open(path, "rb").read()
+    shoff, = struct.unpack_from("<Q", data, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", data, 0x3A)
+    def header(i):
+        name, = struct.unpack_from("<I", data, shoff + i * shentsize)
+        offset, size = struct.unpack_from("<QQ", data, shoff + i * shentsize + 0x18)
+        return name, offset, size
+    _, str_off, _ = header(shstrndx)
+    return {data[str_off + n:data.index(b"\0", str_off + n)].decode() for n, _, _ in map(header, range(shnum))}
+
+
+@pytest.mark.skipif(os.environ.get("ZEROFUSE_DEBUG") == "1", reason="a debug build keeps its debug info")
+def test_the_release_extension_carries_no_debug_info():
+    """Python's compile flags (-DNDEBUG -g -O2 ...) come before setup.py's: a release build took
+    their -g (36 MB of a 37 MB .so was debug info, and most of the compile time)."""
+    import zerofuse._C as ext
+
+    sections = _elf_sections(ext.__file__)
+    assert ".text" in sections and ".dynsym" in sections  # (the parser reads the real table)
+    assert not {s for s in sections if s.startswith(".debug")}, sorted(sections)
 
 
 def test_opaque_to_compile_breaks_the_graph_as_torch_compiler_disable():

@@ -43,6 +43,34 @@ def find_cuda_home() -> str | None:
     return None
 
 
+def bad_cuda_home() -> str | None:
+    """What is wrong with a CUDA_HOME (or CUDA_PATH) that torch's build would use, or None: torch
+    compiles .cu files with $CUDA_HOME/bin/nvcc when the variable is set, whatever is on PATH (a
+    CUDA_HOME without bin/nvcc made the build pick the nvcc on PATH and then fail inside torch's
+    build with a missing-file error)."""
+    for var in ("CUDA_HOME", "CUDA_PATH"):  # torch reads the first that is set
+        value = os.environ.get(var)
+        if value:
+            if not os.path.exists(os.path.join(value, "bin", "nvcc")):
+                return (f"zerofuse: {var}={value} has no bin/nvcc, and torch builds CUDA sources with "
+                        f"{var}/bin/nvcc: point {var} at the CUDA toolkit (the directory holding bin/nvcc), "
+                        "unset it, or build CPU-only with ZEROFUSE_CUDA=0")
+            return None
+    return None
+
+
+def env(name: str, kind: str, *args, **kwargs):
+    """kernels/env.py's parser of an environment variable (``flag`` or ``number``: a bad value is an
+    error naming the variable), loaded from its file: setup.py runs before zerofuse is installed."""
+    spec = importlib.util.spec_from_file_location("_zerofuse_build_env", os.path.join(ROOT, "kernels", "env.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    try:
+        return getattr(module, kind)(name, *args, **kwargs)
+    except ValueError as e:
+        raise SystemExit(f"zerofuse: {e}") from None
+
+
 def find_nvcc() -> str | None:
     home = find_cuda_home()
     if home and os.path.exists(os.path.join(home, "bin", "nvcc")):

@@ -58,8 +58,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("files", nargs="*", help="CUDA sources to check (default: csrc/**/*.cu)")
     p.add_argument("--arch", action="append", help="compute capability, repeatable (default: 80 and 90a)")
-    p.add_argument("-j", "--jobs", type=int, default=int(os.environ.get("MAX_JOBS", os.cpu_count() or 1)))
+    p.add_argument("-j", "--jobs", type=int, help="parallel nvcc runs (default: MAX_JOBS, else the CPU count)")
     args = p.parse_args(argv)
+    if args.jobs is None:
+        args.jobs = buildenv.env("MAX_JOBS", "number", os.cpu_count() or 1, minimum=1)
 
     nvcc = buildenv.find_nvcc()
     if nvcc is None:
