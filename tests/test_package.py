@@ -256,6 +256,21 @@ def test_a_cuda_home_without_nvcc_is_named(tmp_path, monkeypatch):
     assert buildenv.bad_cuda_home().startswith("zerofuse: CUDA_PATH=/nonexistent/cuda has no bin/nvcc")
 
 
+def test_an_nccl_home_is_used_or_refused(tmp_path, monkeypatch):
+    """NCCL_HOME names the NCCL to build with: one holding none was passed over for the wheel's
+    without a word."""
+    buildenv = _buildenv()
+    monkeypatch.delenv("NCCL_ROOT", raising=False)
+    monkeypatch.setenv("NCCL_HOME", str(tmp_path))
+    with pytest.raises(SystemExit, match=f"NCCL_HOME={tmp_path} holds no NCCL: expected NCCL_HOME/include/nccl.h"):
+        buildenv.find_nccl()
+    (tmp_path / "include").mkdir()
+    (tmp_path / "include" / "nccl.h").write_text("")
+    (tmp_path / "lib64").mkdir()
+    (tmp_path / "lib64" / "libnccl.so.2").write_text("")
+    assert buildenv.find_nccl() == (str(tmp_path / "include"), str(tmp_path / "lib64"))
+
+
 @pytest.mark.parametrize("var,value", [("ZEROFUSE_CUDA", "true"), ("ZEROFUSE_DEBUG", "yes"), ("ZEROFUSE_DEBUG", "")])
 def test_setup_refuses_build_switches_it_would_not_act_on(var, value):
     """setup.py acted on exactly "0"/"1": ZEROFUSE_CUDA=true meant auto-detect and ZEROFUSE_DEBUG=yes

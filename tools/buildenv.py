@@ -81,14 +81,19 @@ def find_nvcc() -> str | None:
 def find_nccl() -> tuple[str, str] | None:
     """(include_dir, lib_dir) of NCCL, or None.
 
-    Order: NCCL_HOME / NCCL_ROOT; the nvidia-nccl-cuXX wheel (the NCCL torch itself is linked
+    Order: NCCL_HOME / NCCL_ROOT when set (refused when it holds none); the nvidia-nccl-cuXX wheel (the NCCL torch itself is linked
     against, installed next to torch); a system install under CUDA_HOME or /usr.
     """
     candidates = []
     for var in ("NCCL_HOME", "NCCL_ROOT"):
-        if os.environ.get(var):
+        if os.environ.get(var):  # asked for: used, or refused (it fell through to the wheel without a word)
             home = os.environ[var]
-            candidates.append((os.path.join(home, "include"), os.path.join(home, "lib")))
+            found = [(os.path.join(home, "include"), os.path.join(home, d)) for d in ("lib", "lib64")]
+            found = [c for c in found if _has_nccl(*c)]
+            if not found:
+                raise SystemExit(f"zerofuse: {var}={home} holds no NCCL: expected {var}/include/nccl.h and "
+                                 f"{var}/lib/libnccl.so* (or lib64); point it at an NCCL install or unset it")
+            return found[0]
     try:
         spec = importlib.util.find_spec("nvidia.nccl")
     except ModuleNotFoundError:
@@ -101,9 +106,13 @@ def find_nccl() -> tuple[str, str] | None:
         candidates.append((os.path.join(cuda, "include"), os.path.join(cuda, "lib64")))
     candidates.append(("/usr/include", "/usr/lib/x86_64-linux-gnu"))
     for inc, lib in candidates:
-        if os.path.exists(os.path.join(inc, "nccl.h")) and glob.glob(os.path.join(lib, "libnccl.so*")):
+        if _has_nccl(inc, lib):
             return inc, lib
     return None
+
+
+def _has_nccl(inc: str, lib: str) -> bool:
+    return os.path.exists(os.path.join(inc, "nccl.h")) and bool(glob.glob(os.path.join(lib, "libnccl.so*")))
 
 
 def nccl_link_name(lib_dir: str) -> str:
