@@ -106,8 +106,19 @@ def selftest(devices: list[torch.device]) -> list[str]:
                 print(f"  FAIL  {name:28s} {str(dev):7s} [{info.kind}]\n{traceback.format_exc()}")
                 continue
             dt = (time.perf_counter() - t0) * 1e3
-            print(f"  ok    {name:28s} {str(dev):7s} [{info.kind}; kernels: {', '.join(keys)}] {dt:.1f} ms")
+            print(f"  ok    {name:28s} {str(dev):7s} [{_ran(info.kind, dev)}; kernels: {', '.join(keys)}] {dt:.1f} ms")
     return failures
+
+
+def _ran(kind: str, device: torch.device) -> str:
+    """What an op's self-test ran on ``device``: its kind ("C++", "Triton", "C++ (CPU), Triton
+    (CUDA)") where that is what runs there; a Triton op's CPU tensors take its CPU path unless
+    ZEROFUSE_TRITON_ON_CPU=1 (the line said "Triton" for them)."""
+    from zerofuse import kernels
+
+    if kind != "Triton" or device.type != "cpu":
+        return kind
+    return "Triton (interpreter)" if kernels.triton_on_cpu() else "CPU path (C++ or torch); Triton on CUDA"
 
 
 HANDLES_FAILED = "launch handles: FAILED"  # bench/run_gpu.sh looks for this line

@@ -1,4 +1,5 @@
 """python -m zerofuse.doctor: reports the build, self-tests every op, fails when one fails."""
+import re
 import subprocess
 import sys
 
@@ -22,6 +23,10 @@ def test_doctor_exits_zero_and_lists_ops(triton_on_cpu):
         assert needle in r.stdout
     for name in ("zerofuse::flatten_into", "zerofuse::unflatten_from"):
         assert f"ok    {name}" in r.stdout
+    # what ran on the cpu is named: a Triton op's CPU path unless the interpreter was asked for
+    # (its line said "Triton" either way)
+    ran = "Triton (interpreter)" if triton_on_cpu == "1" else "CPU path (C++ or torch); Triton on CUDA"
+    assert re.search(r"ok    zerofuse::layer_norm +cpu +\[" + re.escape(ran) + ";", r.stdout), r.stdout
 
 
 @pytest.fixture
