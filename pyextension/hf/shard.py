@@ -16,7 +16,6 @@ same model (same weights: load, or seed, alike).
 """
 from __future__ import annotations
 
-
 import torch
 
 from zerofuse import zero
