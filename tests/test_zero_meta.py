@@ -121,9 +121,61 @@ def _user_init_rank(rank, ws):
 def test_meta_model_takes_a_param_init_fn_and_names_a_module_it_cannot_initialise():
     for r in run_distributed(_user_init_rank, 2, timeout=120):
         for stage in (1, 3):
-            assert "module '' (_NoInit) holds parameters on the meta device and has no reset_parameters(); pass " \
+            assert "module '' (_NoInit) holds parameters or buffers on the meta device and has no reset_parameters(); pass " \
                    "param_init_fn" in r[f"error{stage}"]
             p = r[stage]
             assert torch.equal(p["w"], torch.full((4, 300), 0.5))
             assert torch.equal(p["lin.weight"], torch.full((3, 300), -1.0))
             assert torch.equal(p["lin.bias"], torch.full((3,), 2.0))
+
+
+class _Scale(torch.nn.Module):  # a buffer and no param: its init sets the buffer
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("s", torch.full((8,), 2.0))
+
+    def reset_parameters(self):
+        self.s.fill_(2.0)
+
+    def forward(self, x):
+        return x * self.s
+
+
+class _PartlyFrozen(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 8)
+        self.lin.weight.requires_grad_(False)  # frozen beside a trainable bias
+        self.scale = _Scale()
+        self.frozen = torch.nn.Linear(8, 8).requires_grad_(False)  # no trainable param at all
+        self.head = torch.nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(self.frozen(self.scale(self.lin(x))))
+
+
+def _init_all(m):
+    torch.manual_seed(len(list(m.parameters(recurse=False))) * 7 + len(list(m.buffers(recurse=False))))
+    if hasattr(m, "reset_parameters"):
+        m.reset_parameters()
+
+
+def _frozen_rank(rank, ws, stage):
+    want = _PartlyFrozen()
+    for m in want.modules():
+        _init_all(m)
+    with torch.device("meta"):
+        model = _PartlyFrozen()
+    zerofuse.zero.parallelize(model, stage=stage, param_init_fn=_init_all)
+    with zerofuse.zero.full_params(model):
+        got = {n: t.detach().clone() for n, t in [*model.named_parameters(), *model.named_buffers()]}
+    return {n: torch.equal(t, dict([*want.named_parameters(), *want.named_buffers()])[n]) for n, t in got.items()}
+
+
+@pytest.mark.parametrize("stage", [3, 2])
+def test_frozen_params_and_buffers_of_a_meta_model_are_initialised(stage):
+    """A meta model's frozen params and buffers are written by the init as its trainable params
+    are (they were left as allocated: a frozen weight beside a trainable bias had its init writes
+    dropped, a module without trainable params and a buffer-only module were never initialised)."""
+    for same in run_distributed(_frozen_rank, 2, stage, timeout=120):
+        assert same == dict.fromkeys(same, True) and {"lin.weight", "frozen.weight", "scale.s"} <= set(same), same

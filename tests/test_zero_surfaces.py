@@ -171,3 +171,59 @@ def test_torchs_clip_grad_norm_on_a_zero_model_warns_once_and_a_plain_model_does
         assert float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)) == 0.0
         torch.nn.utils.clip_grad_norm_(list(model.parameters()), 1.0)
     assert len(seen) == 1 and "optimizer.clip_grad_norm_" in str(seen[0].message), [str(w.message) for w in seen]
+
+
+def _stage3_train(rank, ws, extra_forward):
+    model = GPT(GPTConfig(**CFG), seed=0)
+    zerofuse.zero.parallelize(model, stage=3)
+    opt = zerofuse.zero.Optimizer(model, "adamw", lr=1e-2)
+    losses = []
+    for step in range(3):
+        b = _mine(_batch(step), rank, ws)
+        loss = model(b[:, :-1], b[:, 1:])[1]
+        loss.backward()
+        if extra_forward:  # a metric taken with grad enabled, never backpropagated: the root stays gathered
+            model(b[:, :-1], b[:, 1:])
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    with zerofuse.zero.full_params(model):
+        return model, opt, losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _stage3_rank(rank, ws, path):
+    _, _, want_losses, want = _stage3_train(rank, ws, False)
+    model, opt, losses, got = _stage3_train(rank, ws, True)
+    out = dict(losses=losses == want_losses, params=all(torch.equal(got[n], want[n]) for n in want))
+    # the root is gathered again (the last extra forward): an edit inside full_params reaches the shard
+    name = "norm.weight"
+    with zerofuse.zero.full_params(model), torch.no_grad():
+        dict(model.named_parameters())[name].fill_(0.5)
+        state = model.state_dict()
+    for g in opt.param_groups:
+        g["lr"] = 0.0
+    b = _mine(_batch(9), rank, ws)
+    model(b[:, :-1], b[:, 1:])[1].backward()
+    opt.step()
+    with zerofuse.zero.full_params(model):
+        out["edit_kept"] = bool((dict(model.named_parameters())[name] == 0.5).all())
+    # the state dict taken inside full_params outlives it: its tensors own their storage
+    out["state_has_storage"] = all(t.untyped_storage().nbytes() == t.numel() * t.element_size()
+                                   for t in state.values())
+    out["state_value"] = bool((state[name] == 0.5).all())
+    if rank == 0:
+        torch.save(state, path)
+        out["saved"] = torch.equal(torch.load(path, weights_only=True)[name], state[name])
+    return out
+
+
+def test_stage3_params_stay_true_to_the_shards_across_forwards_steps_and_full_params(tmp_path):
+    """Stage 3: a grad-enabled forward no backward follows (between backward and step) left the
+    root unit gathered with the old values: the next steps trained on them; an edit inside
+    full_params to a unit gathered before the block was lost; model.state_dict() inside
+    full_params returned views of buffers its end freed (torch.save wrote no data)."""
+    out = run_distributed(_stage3_rank, 2, str(tmp_path / "state.pt"), timeout=180)
+    for r, o in enumerate(out):
+        assert o["losses"] and o["params"] and o["edit_kept"], (r, o)
+        assert o["state_has_storage"] and o["state_value"], (r, o)
+    assert out[0]["saved"]

@@ -92,8 +92,9 @@ class ZeroEngine(ExpertLayout, Stage3Hooks, WorldOfOne):
         self.stage, self.precision, self.overlap, self.prefetch = stage, precision, overlap, prefetch
         self.reshard_after_forward = reshard_after_forward
         self.dtype = PRECISIONS[precision]
+        rest = ()
         if meta:
-            materialize_rest(model, device, self.dtype)
+            rest = materialize_rest(model, device, self.dtype)
         else:
             model.to(self.dtype)
         self.names = [n for n, _ in named]
@@ -125,11 +126,13 @@ class ZeroEngine(ExpertLayout, Stage3Hooks, WorldOfOne):
         shard_rank, shard_world = (0, 1) if stage == 0 else (self.rank, self.world_size)
         kw = dict(rank=shard_rank, world_size=shard_world, align=ALIGN, stage=stage, dtype=self.dtype,
                   reduce_dtype=self.reduce_dtype, grad_div=1.0 / self.world_size, device=device)
-        self._init = Initializer(model, param_init_fn) if meta else None
+        self._init = Initializer(model, param_init_fn, rest) if meta else None
         if stage == 3:
             self._build_stage3(model, named, wrap, kw)
         else:
             self._build_buckets(named, bucket_mb, kw)
+        if meta:
+            self._init.finish()
         self._init = None
         if offload == "optimizer+params":
             for u in self.units:
@@ -336,7 +339,8 @@ class ZeroEngine(ExpertLayout, Stage3Hooks, WorldOfOne):
         try:
             yield
         finally:
-            written = [u for u in was_free if u.write_back()]
+            # every unit's writes (one gathered before the block too: an edit there was lost)
+            written = [u for u in self.units if u.write_back()]
             for u in was_free:  # units a forward/backward in progress holds stay gathered
                 u.free()
             if written:

@@ -302,6 +302,8 @@ class Optimizer(GradNorms, OptimizerState, torch.optim.Optimizer):
         self._found_inf = None
         if eng.stage != 3:
             eng.start_param_sync()
+        else:
+            eng._refresh_gathered()
         return loss
 
     def _step_group(self, gi, group, mult, found):

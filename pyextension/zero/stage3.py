@@ -4,6 +4,8 @@ pre-hook with the next ``prefetch`` units of the recorded order, freed after its
 again before its backward by hooks on its outputs' grads."""
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from zerofuse.zero.buckets import FREE, Bucket
@@ -22,6 +24,8 @@ class Stage3Hooks:
         # model's (a load written back on exit); keep_vars=True (the Parameters themselves, as
         # zerofuse.checkpoint lists them) stays allowed
         self._hooks.append(model.register_state_dict_pre_hook(self._check_state_dict))
+        # (a function, not the bound method: torch marks its post hooks with an attribute)
+        self._hooks.append(model.register_state_dict_post_hook(functools.partial(Stage3Hooks._own_state_dict, self)))
         self._hooks.append(model.register_load_state_dict_pre_hook(self._refuse_load_state_dict))
         self._hooks.append(model.register_forward_pre_hook(self._root_pre_forward))
         self._hooks.append(model.register_forward_hook(self._root_post_forward))
@@ -106,6 +110,29 @@ class Stage3Hooks:
             raise RuntimeError("zerofuse.zero: model.state_dict() at stage 3 outside zerofuse.zero.full_params(model): "
                                "the params are freed shards there (NaN placeholders); call it inside "
                                "full_params, or save with zerofuse.checkpoint.save")
+
+    def _own_state_dict(self, module, state_dict, prefix, local_metadata) -> None:
+        """The state dict's tensors are the gathered units' buffers' views, which the end of
+        full_params (or the next backward) frees: copies, as torch's full state dicts (they were
+        left with no storage: torch.save wrote no data, reading them crashed). keep_vars=True's
+        Parameters stay themselves."""
+        live = {u.full.untyped_storage().data_ptr() for u in self.units if u.state != FREE}
+        for k, t in state_dict.items():
+            if (isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter)
+                    and t.untyped_storage().data_ptr() in live):
+                state_dict[k] = t.clone()
+
+    def _refresh_gathered(self) -> None:
+        """After a step wrote the shards: units still gathered (a forward with grad that no
+        backward freed, full_params) gathered again, their params keeping their storage: their
+        full values were the last step's (the next forward used them, and full_params wrote them
+        back over the update)."""
+        stale = [u for u in self.units if u.state != FREE]  # (expert companions are units too)
+        for u in stale:
+            u.free()
+            u.start_param_sync(self.comm)
+        for u in stale:
+            u.finish_param_sync(self.comm)
 
     def _refuse_load_state_dict(self, *args) -> None:
         if any(u.state == FREE for u in self.units):
