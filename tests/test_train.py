@@ -409,3 +409,72 @@ def test_launch_environment(monkeypatch):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert train._dist_env()["WORLD_SIZE"] == "2"  # torchrun's variables win
+
+
+def test_slurm_ports_differ_by_job_and_step(monkeypatch):
+    """29500 + job % 1000 gave jobs 1234 and 2234 (and two steps of one job) one port: the second
+    job's rank 0 failed to bind and its rank 1 joined the first job's group and hung."""
+    from zerofuse.train.launch import _slurm_port
+
+    ports = set()
+    for job, step in (("1234", "0"), ("2234", "0"), ("1234", "1"), ("3234", None)):
+        monkeypatch.setenv("SLURM_JOB_ID", job)
+        if step is None:
+            monkeypatch.delenv("SLURM_STEP_ID", raising=False)
+        else:
+            monkeypatch.setenv("SLURM_STEP_ID", step)
+        ports.add(_slurm_port())
+    assert len(ports) == 4 and all(20000 <= p < 30000 for p in ports)
+    monkeypatch.setenv("SLURM_STEP_ID", "batch")  # not a number: no crash
+    assert 20000 <= _slurm_port() < 30000
+
+
+def test_launch_gives_the_ranks_their_grace_and_keeps_its_variables_to_them(monkeypatch):
+    """The launcher's variables reach the ranks only (they stayed set in the calling process: a later
+    in-process run took them for its own); the agent waits --timeout for signalled ranks to save
+    their checkpoint (torch's 30 s killed them mid-save); ranks ended by a stop signal's default
+    action (outside the loop) count as stopped, 128 + signal."""
+    import torch.distributed.launcher.api as api
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from zerofuse.train.launch import launch
+
+    for k in ("ZEROFUSE_TRAIN_LAUNCHED", "ZEROFUSE_TRAIN_T0"):
+        monkeypatch.delenv(k, raising=False)
+    seen = []
+
+    def fake_launch(config, entry):
+        def run(*args):
+            seen.append((config.shutdown_timeout, os.environ.get("ZEROFUSE_TRAIN_LAUNCHED")))
+            if len(seen) == 2:
+                raise ChildFailedError("zerofuse.train", {0: ProcessFailure(0, 1, -15, ""),
+                                                          1: ProcessFailure(1, 2, 143, "")})
+        return run
+
+    monkeypatch.setattr(api, "elastic_launch", fake_launch)
+    assert launch([], 2, timeout=900.0) == 0
+    assert launch([], 2) == 143
+    assert seen == [(900, "1"), (600, "1")]
+    assert "ZEROFUSE_TRAIN_LAUNCHED" not in os.environ and "ZEROFUSE_TRAIN_T0" not in os.environ
+
+
+def test_a_rank_waiting_for_its_peers_stops_at_once_on_a_signal(tmp_path):
+    """Outside the training loop a stop signal takes its default action: a rank waiting for a peer
+    that never comes (here for up to 300 s) ended only when killed; it ignored SIGINT and SIGTERM."""
+    from zerofuse.train.launch import _free_port
+
+    env = _env() | {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2",
+                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    p = subprocess.Popen(_cmd("--steps", 2, "--out", tmp_path), env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(8)  # imported and waiting in the rendezvous
+        assert p.poll() is None
+        t0 = time.monotonic()
+        p.send_signal(signal.SIGTERM)
+        p.wait(timeout=20)
+        assert p.returncode == -signal.SIGTERM and time.monotonic() - t0 < 10
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()

@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
         return EXIT_USAGE
     if env is None and args.nproc > 1:
-        return launch(argv, args.nproc)
+        return launch(argv, args.nproc, args.timeout)
     code = Trainer(args, env).run()
     if code and env is not None:
         # Stopped by a signal: leave now. The launcher signals the ranks still running when one exits

@@ -23,6 +23,13 @@ def _slurm_master() -> str:
     return first.group(1) + (first.group(2) or "") if first else "127.0.0.1"
 
 
+def _slurm_port() -> int:
+    """The rendezvous port of a SLURM job step: from the job id and the step id, over 10000 ports
+    (29500 + job % 1000 gave two jobs whose ids agree mod 1000, and two steps of one job, one port)."""
+    job, step = (int(v) if (v := os.environ.get(k, "")).isdigit() else 0 for k in ("SLURM_JOB_ID", "SLURM_STEP_ID"))
+    return 20000 + (job * 17 + step) % 10000
+
+
 def _dist_env() -> dict | None:
     """torch's launch variables when a launcher started us (torchrun, or SLURM mapped onto them)."""
     env = os.environ
@@ -47,7 +54,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(argv: list[str], nproc: int) -> int:
+def launch(argv: list[str], nproc: int, timeout: float = 600.0) -> int:
     """Start nproc local ranks with torch's elastic launcher, each running ``-m zerofuse.train`` with argv;
     return the exit code of the job."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -55,11 +62,18 @@ def launch(argv: list[str], nproc: int) -> int:
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
     from . import T0  # measured when the package was imported
 
-    os.environ["ZEROFUSE_TRAIN_LAUNCHED"] = "1"  # the ranks die with us (PR_SET_PDEATHSIG)
-    os.environ["ZEROFUSE_TRAIN_T0"] = str(T0)  # the summary's wall time counts the launch
+    # for the ranks only (they inherit our environment; a later in-process main() must not see them)
+    ours = {"ZEROFUSE_TRAIN_LAUNCHED": "1",  # the ranks die with us (PR_SET_PDEATHSIG)
+            "ZEROFUSE_TRAIN_T0": str(T0)}  # the summary's wall time counts the launch
+    before = {k: os.environ.get(k) for k in ours}
+    os.environ.update(ours)
+    # a stopped rank finishes its step, agrees on stopping at the next one and saves a checkpoint:
+    # the agent waits that long (--timeout, the bound of a collective) before it kills the ranks it
+    # signalled (torch's default, 30 s, killed them mid-checkpoint)
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, rdzv_backend="c10d",
                           rdzv_endpoint=f"127.0.0.1:{_free_port()}", run_id=f"zerofuse-{uuid.uuid4().hex[:8]}",
-                          max_restarts=0, monitor_interval=0.1, local_addr="127.0.0.1")
+                          max_restarts=0, monitor_interval=0.1, local_addr="127.0.0.1",
+                          shutdown_timeout=max(30, int(timeout)))
     try:
         elastic_launch(config, sys.executable)("-m", "zerofuse.train", *argv)
     except SignalException as e:  # the launcher got the signal and stopped the ranks with it
@@ -67,12 +81,20 @@ def launch(argv: list[str], nproc: int) -> int:
         return 128 + int(e.sigval)
     except ChildFailedError as e:
         codes = {f.exitcode for f in e.failures.values()}
-        stopped = {128 + int(s) for s in STOP_SIGNALS}
-        if codes <= stopped:  # every failing rank stopped cleanly on a signal
-            return max(codes)
+        # a rank stopped cleanly (128 + signal), or by the signal's default action outside the
+        # training loop (-signal: waiting for its peers, building the model; _StopFlag)
+        stopped = {128 + int(s) for s in STOP_SIGNALS} | {-int(s) for s in STOP_SIGNALS}
+        if codes <= stopped:
+            return max(128 + abs(c) if c < 0 else c for c in codes)
         for rank, f in sorted(e.failures.items()):
             print(f"{PROG}: rank {rank} failed with exit code {f.exitcode}", file=sys.stderr, flush=True)
         return EXIT_USAGE if codes == {EXIT_USAGE} else 1
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     return 0
 
 
@@ -90,13 +112,31 @@ def _die_with_parent() -> None:
 # ---------------------------------------------------------------------------------------------- ranks
 
 class _StopFlag:
-    """The signal a rank got (0: none). Signals only set it: the training loop agrees on stopping at
-    the next step boundary, so a checkpoint is always saved by every rank together."""
+    """The signal a rank got (0: none). While the training loop runs (arm() to restore()), signals
+    only set it: the loop agrees on stopping at the next step boundary, so a checkpoint is always
+    saved by every rank together. Outside it (waiting for the peers, building the model and data;
+    sampling and export after a loop that ended unstopped) they take their default action and end
+    the rank at once: a handler that only set the flag left a rank waiting in the rendezvous or
+    sampling for minutes, until the agent killed it or forever (a blocking wait in C never runs a
+    Python handler, nor raises KeyboardInterrupt, until it returns)."""
 
     def __init__(self):
         self.signum = 0
+        self._before = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+        self.default()
+
+    def arm(self) -> None:
         for s in STOP_SIGNALS:
             signal.signal(s, self._handler)
+
+    def default(self) -> None:
+        for s in STOP_SIGNALS:
+            signal.signal(s, signal.SIG_DFL)
+
+    def restore(self) -> None:
+        """The handlers the process had before (an in-process caller's Ctrl-C)."""
+        for s, h in self._before.items():
+            signal.signal(s, h if h is not None else signal.SIG_DFL)
 
     def _handler(self, signum, _frame):
         self.signum = self.signum or signum
@@ -122,8 +162,7 @@ def _init_distributed(args, env: dict | None):
     else:
         if "SLURM_PROCID" in os.environ and "MASTER_ADDR" not in os.environ:
             os.environ["MASTER_ADDR"] = _slurm_master()
-            os.environ["MASTER_PORT"] = os.environ.get("MASTER_PORT", str(29500 + int(os.environ.get(
-                "SLURM_JOB_ID", "0")) % 1000))
+            os.environ["MASTER_PORT"] = os.environ.get("MASTER_PORT", str(_slurm_port()))
         rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
         dist.init_process_group(backend, store=_rendezvous(rank, world, timeout), rank=rank, world_size=world,
                                 timeout=timeout)
@@ -143,7 +182,11 @@ def _rendezvous(rank: int, world: int, timeout: datetime.timedelta):
 
     start = datetime.timedelta(seconds=max(timeout.total_seconds(), STARTUP_S))
     store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=start))
-    key = f"zerofuse/arrived/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"  # (a restart meets anew)
+    # (a restart meets anew; under SLURM the job and step are in the key: a rank of another job
+    # that reached this store on a shared port waits for its own peers and fails at STARTUP_S
+    # instead of joining this job's group)
+    job = f"{os.environ.get('SLURM_JOB_ID', '')}.{os.environ.get('SLURM_STEP_ID', '')}"
+    key = f"zerofuse/arrived/{job}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
     if store.add(key, 1) == world:
         store.set(key + "/all", "1")
     store.wait([key + "/all"])

@@ -181,6 +181,7 @@ class Trainer:
         self._setup()
         args = self.args
         try:
+            self.stop.arm()  # signals stop the loop at a step boundary (before it: at once)
             val, val_step = self.evaluate(), self.step
             if self.log:
                 self.log.start(val)
@@ -212,6 +213,8 @@ class Trainer:
                     self.save()
                 self.metrics.restart_clock()
             train_s = time.perf_counter() - t_train
+            if not self.stopped:  # (a stopped job skips what follows; it finishes as it was told)
+                self.stop.default()  # sampling, export: a signal ends the rank at once
             if args.export and not self.stopped and dist.get_rank() == 0:  # the final checkpoint is saved
                 from zerofuse.checkpoint import export_hf
                 export_hf(str(self.ckpt), str(Path(args.out) / "hf"),
@@ -226,6 +229,7 @@ class Trainer:
             if self.log:
                 self.log.finish(memory, text, train_s, (val, val_step), self.stopped)
         finally:
+            self.stop.restore()
             self.vote.close()
             if self.log:
                 self.log.close()
