@@ -105,8 +105,11 @@ def main(argv=None) -> int:
         sync()
     trace = os.path.join(out, "trace.json")
     prof.export_chrome_trace(trace)
+    from zerofuse.train.report import graphs_state
     res = {"model": a.model, "params": sum(p.numel() for p in t.model.parameters()), "zero_stage": a.zero_stage,
            "batch": a.batch, "seq_len": t.cfg.seq_len, "precision": args.precision, "extra": a.extra,
+           # what the step ran as (--cuda-graphs may fall back to eager: ZeRO-3, a failed capture)
+           "cuda_graphs": graphs_state(t),
            "wall_ms_per_step": wall * 1e3, "tokens_per_s": tokens / wall,
            "host_ms_per_step_median": statistics.median(host) * 1e3, "host_ms_per_step_max": max(host) * 1e3,
            **read_trace(trace, a.profile_steps),

@@ -14,10 +14,14 @@
 #            first: much GPU code has never run), train ~3.5 min (the step graphed and eager, the
 #            torch-native peer eager and compiled; PEER_COMPILE=0 saves ~1.5 min), profile ~2 min,
 #            the bench suites ~8-10 min in all (attention ~2.5, norms ~1.5, llama_ops ~2,
-#            optimizers ~1.5, hf ~1.5, the rest under 1). So one call covers build to profile and
-#            the benchmarks take what is left; a second call at once (PHASES=bench and the suites
-#            not yet measured in BENCH_SUITES; it keeps to the JIT if the first call's doctor failed
-#            the handles) gets the time left. Each finished benchmark is kept.
+#            optimizers ~1.5, hf ~1.5, the rest under 1). These add up to more than one call (at
+#            most ~545 s of phases): plan two, the second at once so the machine stays warm:
+#              1. PHASES=build,doctor,tests (timeout_s 590)
+#              2. PHASES=train,profile,bench with ZEROFUSE_GPU_DEADLINE_S = status's budget_left_s
+#                 less ~45 s (and the call's timeout_s 30 s above it), BENCH_SUITES the suites
+#                 least measured; it keeps to the JIT if the first call's doctor failed the handles.
+#            Each finished benchmark is kept; suites not started for lack of time are listed in
+#            bench.txt.
 #            Without `build` the extension built by an earlier call is used; when there is none
 #            (the machine went back in between), it is built first anyway.
 # Environment:
@@ -58,7 +62,10 @@ status=0
 want() { [[ "$phases" == *",$1,"* ]]; }
 # Seconds left before the deadline, less a margin for writing the summary.
 left() { echo $(( deadline - $(date +%s) - 15 )); }
-# run_phase NAME CMD...: the command under `timeout` with the time left; 124 means it was cut.
+# run_phase NAME CMD...: the command under `timeout` with the time left. Returns 124 when it was
+# cut at the deadline (also when the INT did not end it and the KILL did: timeout's 137),
+# SKIPPED when there was no time to start it.
+SKIPPED=125
 run_phase() {
   local name=$1 t
   shift
@@ -66,12 +73,17 @@ run_phase() {
   if [ "$t" -le 10 ]; then
     echo "== $name: skipped, no time left before the deadline"
     status=1
-    return 124
+    return $SKIPPED
   fi
   echo "== $name (at most ${t}s)"
   timeout --signal=INT --kill-after=30 "$t" "$@"  # (30 s for pytest to print its summary after the INT)
   local rc=$?
-  [ "$rc" -eq 124 ] && echo "== $name: cut at the deadline"
+  # 137 at the deadline: the INT did not end it within 30 s and the KILL did (2026-11-27's tests
+  # and bench); 137 before it is a kill from elsewhere (out of memory), reported as it is
+  if [ "$rc" -eq 124 ] || { [ "$rc" -eq 137 ] && [ "$(left)" -le 0 ]; }; then
+    echo "== $name: cut at the deadline$([ "$rc" -eq 137 ] && echo ' (killed: the INT did not end it)')"
+    rc=124
+  fi
   return $rc
 }
 
@@ -182,7 +194,10 @@ if want bench; then
   # result is also written the moment it ends (--bench-jsonl), so a suite cut at the deadline
   # loses only the benchmark it was in
   jdir=$(mktemp -d)
-  for suite in ${BENCH_SUITES:-$default_suites}; do
+  # shellcheck disable=SC2206
+  suites=(${BENCH_SUITES:-$default_suites})
+  for i in "${!suites[@]}"; do
+    suite=${suites[$i]}
     name=$(basename "$suite" .py)
     # shellcheck disable=SC2086
     run_phase "bench $name" "$py" -m pytest "$suite" -q -p no:cacheprovider --timeout 300 \
@@ -192,10 +207,14 @@ if want bench; then
     [ "$rc" -eq 0 ] || [ "$rc" -eq 5 ] || status=1
     # a cut suite is marked (pytest-benchmark may still write a .json of its finished benchmarks,
     # which read as the whole suite before); one cut before its .json still has its lines
-    [ "$rc" -eq 124 ] && : > "$jdir/$name.cut"
+    [ "$rc" -eq 124 ] && : > "$jdir/$name.cut"  # (a suite that ran and was cut; not one skipped)
     "$py" bench/summarize.py "$out/bench.json" --merge "$jdir"/*.json "$jdir"/*.jsonl "$jdir"/*.cut 2>/dev/null && \
       "$py" bench/summarize.py "$out/bench.json" --title "zerofuse GPU benchmarks" > "$out/summary.md"
-    [ "$rc" -eq 124 ] && break
+    if [ "$rc" -eq 124 ] || [ "$rc" -eq "$SKIPPED" ]; then  # the deadline: the suites after (or from) this one never start
+      first=$(( i + (rc == 124 ? 1 : 0) ))
+      [ "$first" -lt "${#suites[@]}" ] && echo "== bench: not run for lack of time: ${suites[*]:$first}" | tee -a "$out/bench.txt"
+      break
+    fi
   done
 fi
 
