@@ -183,10 +183,10 @@ def tokenize_cached(text_path, fallback_dir=None) -> Path:
     (every rank under torchrun) wait on a lock for the one that tokenizes."""
     import fcntl
     text_path = Path(text_path)
-    sha = hashlib.sha256()
+    sha, buf = hashlib.sha256(), bytearray(1 << 18)
     with open(text_path, "rb") as f:  # hashed as read: a cache hit holds no copy of the text in memory
-        for block in iter(lambda: f.read(1 << 20), b""):  # (hashlib.file_digest: Python 3.11+)
-            sha.update(block)
+        while n := f.readinto(buf):  # one 256 KiB buffer, as hashlib.file_digest (Python 3.11+)
+            sha.update(memoryview(buf)[:n])
     digest = sha.hexdigest()
     name = f"{text_path.name}.gpt2-{digest[:12]}.bin"
     where = text_path.parent if os.access(text_path.parent, os.W_OK) else Path(fallback_dir or ".")
