@@ -478,3 +478,19 @@ def test_a_rank_waiting_for_its_peers_stops_at_once_on_a_signal(tmp_path):
         if p.poll() is None:
             p.kill()
             p.wait()
+
+
+def test_the_loss_plot_leaves_the_callers_matplotlib_alone(tmp_path):
+    """loss.png is drawn without pyplot: a caller's backend (a notebook's) and its open figures stay
+    as they were (matplotlib.use("Agg") switched the backend of the whole process)."""
+    matplotlib = pytest.importorskip("matplotlib")
+    from zerofuse.train.table import _plot
+    before = matplotlib.get_backend()
+    matplotlib.use("svg")
+    try:
+        history = [{"step": 1, "loss": 3.0}, {"step": 2, "loss": 2.5, "val_loss": 2.7}]
+        _plot(history, tmp_path / "loss.png")
+        assert matplotlib.get_backend() == "svg"
+        assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    finally:
+        matplotlib.use(before)

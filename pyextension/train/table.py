@@ -77,14 +77,15 @@ def _table(s: dict) -> str:
 
 
 def _plot(history: list[dict], path: Path) -> None:
+    """loss.png through matplotlib's object API: no pyplot, so the caller's backend and figures are
+    left alone (matplotlib.use("Agg") here switched a notebook's backend for the whole process)."""
     try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        from matplotlib.figure import Figure
     except ImportError:
         print(f"{PROG}: matplotlib is not installed, no {path.name}", file=sys.stderr)
         return
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig = Figure(figsize=(7, 4))
+    ax = fig.subplots()
     train = [m for m in history if "loss" in m]
     ax.plot([m["step"] for m in train], [m["loss"] for m in train], label="train", linewidth=1)
     val = [(m["step"], m["val_loss"]) for m in history if "val_loss" in m]
@@ -96,4 +97,3 @@ def _plot(history: list[dict], path: Path) -> None:
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
-    plt.close(fig)
