@@ -267,3 +267,50 @@ def test_grouped_mm_with_empty_groups_and_both_paths():
     assert_close(grouped_mm(x, w, counts), want, atol=1e-5, rtol=1e-5)
     assert_close(grouped_mm(x[:, :13].contiguous(), w[:, :13].contiguous(), counts),
                  torch.cat([x[:3, :13] @ w[0, :13], x[3:8, :13] @ w[2, :13], torch.zeros(2, 8)]), atol=1e-5, rtol=1e-5)
+
+
+def test_index_tensors_at_any_strides(kernel_path):
+    """pos and src in another layout give the same bits (the Triton kernels read them as contiguous:
+    a column-major pos combined the wrong rows)."""
+    experts = _routing(13, 3, 5, True)
+    x, w, dout = torch.randn(13, 37), torch.rand(13, 3), torch.randn(13, 37)
+    rows, pos, src, _ = moe_permute(x, experts, 5)
+    pos_t = pos.t().contiguous().t()
+    src_s = torch.stack([src, src], 1)[:, 0]
+    assert not pos_t.is_contiguous() and not src_s.is_contiguous()
+    ops = torch.ops.zerofuse
+    assert torch.equal(moe_unpermute(rows, pos_t, src_s, w), moe_unpermute(rows, pos, src, w))
+    assert torch.equal(ops.moe_permute_backward(rows, pos_t), ops.moe_permute_backward(rows, pos))
+    for a, b in zip(ops.moe_unpermute_backward(dout, rows, src_s, w), ops.moe_unpermute_backward(dout, rows, src, w)):
+        assert torch.equal(a, b)
+
+
+def test_unpermute_refuses_bad_indices(kernel_path):
+    """pos/src not int64 or out of range are refused naming the argument (the Triton path read
+    another row's memory for a pos past y)."""
+    rows, pos, src, _ = moe_permute(torch.randn(4, 8), _routing(4, 2, 3, False), 3)
+    w = torch.rand(4, 2)
+    with pytest.raises(IndexError, match=r"expected pos in \[0, 8\) or -1, got 8"):
+        moe_unpermute(rows, torch.where(pos == 0, 8, pos), src, w)
+    with pytest.raises(IndexError, match=r"expected src in \[0, 8\) or -1, got -2"):
+        moe_unpermute(rows, pos, torch.where(src == 0, -2, src), w)
+    with pytest.raises(RuntimeError, match="expected pos to be int64 .moe_permute's., got torch.float32"):
+        moe_unpermute(rows, pos.float(), src, w)
+    with pytest.raises(RuntimeError, match="expected src to be int64 .moe_permute's., got torch.int32"):
+        moe_unpermute(rows, pos, src.int(), w)
+
+
+def test_float64_weights_take_the_float64_path(kernel_path):
+    """fp32 rows with fp64 weights: z, dy and dweights in fp64 as the fake says (the Triton path
+    returned fp32 dweights, rounding the weights to fp32), equal to the reference in fp64."""
+    experts = _routing(11, 2, 4, True)
+    x = torch.randn(11, 24, dtype=torch.float64)
+    w = torch.rand(11, 2, dtype=torch.float64, requires_grad=True)
+    rows, pos, src, _ = moe_permute(x.float(), experts, 4)
+    y = rows.detach().requires_grad_()
+    z = moe_unpermute(y, pos, src, w)
+    assert z.dtype == torch.float64
+    torch.testing.assert_close(z, reference.moe_unpermute(rows.double(), experts, w.detach(), 4), rtol=1e-12, atol=1e-12)
+    dout = torch.randn(11, 24, dtype=torch.float64)
+    torch.library.opcheck(torch.ops.zerofuse.moe_unpermute_backward.default, (dout, y.detach(), src, w.detach()))
+    torch.library.opcheck(torch.ops.zerofuse.moe_unpermute.default, (y, pos, src, w))

@@ -73,3 +73,18 @@ def test_fused_clip_skips_a_step_with_an_inf_grad(monkeypatch, world_of_one):
     assert float(opt.last_step_skipped) == 1.0
     with zero.full_params(model):
         assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
+
+
+@pytest.mark.parametrize("found", [1.0, 2.0, -1.0, 0.0])
+def test_both_clip_paths_skip_on_any_nonzero_found_inf(found):
+    """found_inf != 0 skips the step, on the fused kernel and on the torch fallback alike (the
+    fallback took max(found_inf, bad): a found_inf of -1 did not skip, 2 gave a flag of 2)."""
+    from zerofuse.ops._optim import Prepared
+    from zerofuse.ops.l2norm import clip_inputs
+
+    grads = [torch.randn(7), torch.randn(3, 5)]
+    flag = torch.tensor([found])
+    _, fused, _ = clip_inputs(grads, 1.0, found_inf=flag, prepared=Prepared())
+    _, general, _ = clip_inputs(grads, 1.0, found_inf=flag)
+    want = float(found != 0)
+    assert fused.item() == want and general.item() == want, (fused, general)

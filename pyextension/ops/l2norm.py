@@ -76,7 +76,8 @@ def clip_inputs(grads: Sequence[torch.Tensor], max_norm: float, grad_scale: torc
         mult = grad_scale.reshape(1).reciprocal()
         norm = norm * mult
     bad = (~torch.isfinite(norm)).float()  # a non-finite norm means an inf/NaN gradient
-    found = bad if found_inf is None else torch.maximum(found_inf.reshape(1).float(), bad)
+    # any found_inf != 0 skips (the kernel's rule): a -1 or 2 was taken as 0 / 2 here
+    found = bad if found_inf is None else torch.maximum((found_inf.reshape(1) != 0).float(), bad)
     if eps is None:
         clip = max_norm / torch.clamp(norm, min=max_norm)
     else:

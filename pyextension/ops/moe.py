@@ -29,8 +29,11 @@ from zerofuse.ops.ids import check_ids
 _P, _U = "zerofuse::moe_permute", "zerofuse::moe_unpermute"
 
 
-def _use_triton(x: Tensor) -> bool:
-    return x.dtype != torch.float64 and (x.is_cuda or (x.device.type == "cpu" and kernels.triton_on_cpu()))
+def _use_triton(x: Tensor, *others) -> bool:
+    """The Triton kernels: x on CUDA (or the interpreter), none of x and ``others`` (tensors or
+    dtypes, None skipped) float64 (the kernels accumulate in fp32; fp64 takes torch's path in fp64)."""
+    dtypes = [x.dtype] + [o if isinstance(o, torch.dtype) else o.dtype for o in others if o is not None]
+    return torch.float64 not in dtypes and (x.is_cuda or (x.device.type == "cpu" and kernels.triton_on_cpu()))
 
 
 def _check_permute(fn: str, x: Tensor, experts: Tensor, num_experts: int) -> None:
@@ -55,6 +58,12 @@ def _check_unpermute(fn: str, y: Tensor, pos: Tensor, src: Tensor, weights: Tens
     if y.shape[0] != pos.numel() or src.shape != (pos.numel(),):
         raise RuntimeError(f"{fn}: expected y and src with tokens * top_k = {pos.numel()} rows (moe_permute's), got "
                            f"y {list(y.shape)}, src {list(src.shape)}")
+    for name, t in (("pos", pos), ("src", src), ("weights", weights)):
+        if t.device != y.device:
+            raise RuntimeError(f"{fn}: expected {name} on y's device {y.device}, got {t.device}")
+    for name, t in (("pos", pos), ("src", src)):
+        if t.dtype != torch.int64:
+            raise RuntimeError(f"{fn}: expected {name} to be int64 (moe_permute's), got {t.dtype}")
 
 
 def routing_indices(experts: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -72,8 +81,8 @@ def routing_indices(experts: Tensor, num_experts: int) -> tuple[Tensor, Tensor, 
 
 
 def _gather(x: Tensor, src: Tensor, k: int) -> Tensor:
-    if _use_triton(x):
-        return K.gather_rows(x.contiguous(), src, k, x.dtype)
+    if _use_triton(x):  # (the kernels read the index tensors as contiguous)
+        return K.gather_rows(x.contiguous(), src.contiguous(), k, x.dtype)
     rows = x.index_select(0, src.clamp(min=0) // k)
     return rows.masked_fill_((src < 0).unsqueeze(1), 0)
 
@@ -83,8 +92,8 @@ def _out_dtype(y: Tensor, weights: Tensor) -> torch.dtype:
 
 
 def _combine(y: Tensor, pos: Tensor, w: Tensor | None, dtype: torch.dtype) -> Tensor:
-    if _use_triton(y):
-        return K.combine_rows(y.contiguous(), pos, None if w is None else w.contiguous(), dtype)
+    if _use_triton(y, w, dtype):
+        return K.combine_rows(y.contiguous(), pos.contiguous(), None if w is None else w.contiguous(), dtype)
     acc = torch.float64 if torch.float64 in (y.dtype, dtype) else torch.float32
     t, k = pos.shape
     rows = y.index_select(0, pos.clamp(min=0).reshape(-1)).view(t, k, y.shape[1]).to(acc)
@@ -147,6 +156,9 @@ def moe_unpermute(y: Tensor, pos: Tensor, src: Tensor, weights: Tensor) -> Tenso
 def _unpermute(y, pos, src, weights):
     """moe_unpermute's body (also EagerUnpermute's forward)."""
     _check_unpermute(_U, y, pos, src, weights)
+    # the values (an index past y read another row's memory on the Triton path)
+    check_ids(_U, "pos", pos, y.shape[0], allowed=-1)
+    check_ids(_U, "src", src, pos.numel(), allowed=-1)
     return _combine(y, pos, weights, _out_dtype(y, weights))
 
 
@@ -163,8 +175,8 @@ def moe_unpermute_backward(dout: Tensor, y: Tensor, src: Tensor, weights: Tensor
 
 
 def _unpermute_bwd(dout, y, src, weights):
-    if _use_triton(y):
-        return K.unpermute_bwd(dout.contiguous(), y.contiguous(), src, weights.contiguous())
+    if _use_triton(y, dout, weights):
+        return K.unpermute_bwd(dout.contiguous(), y.contiguous(), src.contiguous(), weights.contiguous())
     k = weights.shape[1]
     acc = torch.float64 if torch.float64 in (y.dtype, dout.dtype) else torch.float32
     f = src.clamp(min=0)
