@@ -179,3 +179,37 @@ def test_frozen_params_and_buffers_of_a_meta_model_are_initialised(stage):
     dropped, a module without trainable params and a buffer-only module were never initialised)."""
     for same in run_distributed(_frozen_rank, 2, stage, timeout=120):
         assert same == dict.fromkeys(same, True) and {"lin.weight", "frozen.weight", "scale.s"} <= set(same), same
+
+
+def _tp_meta_rank(rank, ws):
+    """One SP step of a TP model built on meta (ZeRO-3) and of the same model built whole (ZeRO-2)."""
+    from zerofuse import tp
+
+    mesh = zerofuse.parallel.init_mesh(dp=1, tp=ws)
+    cfg = GPTConfig(vocab_size=65, seq_len=16, n_layer=2, n_head=4, dim=32, bias=True)
+    out = {}
+    for how in ("meta", "eager"):
+        with torch.device("meta" if how == "meta" else "cpu"):
+            model = GPT(cfg, seed=3, tp_group=mesh.tp_group, sequence_parallel=True)
+        zerofuse.zero.parallelize(model, stage=3 if how == "meta" else 2, group=mesh.dp_group)
+        eng = model._zerofuse_zero
+        opt = zerofuse.zero.Optimizer(model, "adamw", lr=1e-2, max_grad_norm=1.0)
+        idx = torch.randint(0, 65, (2, 16), generator=torch.Generator().manual_seed(5))
+        model(idx, idx)[1].backward()
+        opt.step()
+        out[how] = dict(norm=opt.last_grad_norm.item(), params=_full(model),
+                        specs={n: tp.spec_of(p) is not None for n, p in zip(eng.names, eng.params)})
+    return out
+
+
+def test_a_tensor_parallel_model_built_on_meta_keeps_its_specs_and_replicated_grad_sums():
+    """ZeRO's materialization keeps what zerofuse.tp put on the params (swap_tensors swapped their
+    __dict__ and left the hooks on the old tensor): the TPSpecs (a checkpoint held each rank's slice
+    as the full tensor) and sequence parallelism's sum of the norm weights' grads over the TP group
+    (the grad norm and the step used one rank's partial sums). Equal to the model built whole."""
+    for r in run_distributed(_tp_meta_rank, 2, timeout=240):
+        meta, eager = r["meta"], r["eager"]
+        assert meta["specs"] == eager["specs"] and any(eager["specs"].values())
+        assert meta["norm"] == pytest.approx(eager["norm"], rel=1e-5)
+        for n, p in eager["params"].items():
+            torch.testing.assert_close(meta["params"][n], p, rtol=1e-5, atol=1e-6, msg=n)

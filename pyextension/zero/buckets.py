@@ -68,6 +68,8 @@ import dataclasses
 
 import torch
 
+from zerofuse.zero.materialize import swap_off_meta
+
 FREE, GATHERING, GATHERED = "free", "gathering", "gathered"
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -116,8 +118,7 @@ class Bucket:
                 view = self.full[o:o + p.numel()].view(p.shape)
                 if p.is_meta:  # .data cannot move a tensor off meta: swap in an empty one first (the
                     # param keeps its own version counter, not one shared with ``full``'s other views)
-                    empty = torch.empty(0, dtype=dtype, device=device)
-                    torch.utils.swap_tensors(p, torch.nn.Parameter(empty, requires_grad=p.requires_grad))
+                    swap_off_meta(p, torch.empty(0, dtype=dtype, device=device))
                 else:
                     view.copy_(p.detach())
                 p.data = view

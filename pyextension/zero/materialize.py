@@ -61,6 +61,24 @@ class Initializer:
         self.done.add(id(m))
 
 
+def swap_off_meta(p: torch.nn.Parameter, t: torch.Tensor) -> None:
+    """Give the meta param ``p`` (the same Python object, so the model, the optimizer and the hooks'
+    owners keep it) the tensor ``t``: ``.data`` cannot move a tensor off meta, so swap_tensors,
+    which also swaps the objects' __dict__ and leaves the gradient hooks on the old TensorImpl.
+    What p carries is put back: its attributes (zerofuse.tp's ``_zf_tp`` spec) and its hooks
+    (sequence parallelism's sum of replicated grads over the TP group). Without this a TP model
+    built on meta under ZeRO lost both: its checkpoints held each TP rank's slice as the full
+    tensor, and its norm weights' grads were this rank's partial sums."""
+    attrs, hooks = dict(p.__dict__), p._backward_hooks
+    post = getattr(p, "_post_accumulate_grad_hooks", None)
+    torch.utils.swap_tensors(p, torch.nn.Parameter(t, requires_grad=p.requires_grad))
+    p.__dict__.update(attrs)
+    if hooks:
+        p._backward_hooks = hooks  # (the setter installs them on the new TensorImpl)
+    if post:
+        p._post_accumulate_grad_hooks = post
+
+
 def materialize_rest(model, device, dtype) -> list:
     """A meta model's buffers and frozen params, allocated (uninitialised, as ``Module.to_empty``)
     on ``device``; floating ones in the run's dtype; returns the modules holding them (the
@@ -74,8 +92,7 @@ def materialize_rest(model, device, dtype) -> list:
                 made.append(m)
         for p in m.parameters(recurse=False):
             if p.is_meta and not p.requires_grad:
-                t = torch.empty_like(p, device=device, dtype=dtype if p.is_floating_point() else p.dtype)
-                torch.utils.swap_tensors(p, torch.nn.Parameter(t, requires_grad=False))
+                swap_off_meta(p, torch.empty_like(p, device=device, dtype=dtype if p.is_floating_point() else p.dtype))
                 made.append(m)
         del made[before + 1:]  # once each
     return made
