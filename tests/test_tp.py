@@ -408,3 +408,53 @@ def test_attention_traffic_activation_memory_and_errors():
     assert "partition_sizes" in errs["partition"]
     assert "expected 33 logits of a vocabulary of 65, got 5" in errs["ce_vocab"]
 
+
+
+def _meta_then_real_rank(rank, ws):
+    """RowParallelLinear (SP) and a TP+SP GPT built on meta, then made real by to_empty + load and
+    by load_state_dict(assign=True): specs and replicated-grad sums as the layer built on real tensors."""
+    torch.manual_seed(0)
+    ref = torch.nn.Linear(8, 5)
+    x = torch.randn(2, 4, 8)
+    g = torch.randn(2, 4, 5)
+    ref(x).backward(g)
+    n = 4 // ws
+    out = {}
+    for how in ("real", "to_empty", "assign"):
+        if how == "real":
+            r = tp.RowParallelLinear.from_full(ref.weight, ref.bias, input_is_parallel=False, sequence_parallel=True)
+        else:
+            r = tp.RowParallelLinear(8, 5, input_is_parallel=False, sequence_parallel=True, device="meta")
+            full = {"weight": tp.spec_of(r.weight).slice(ref.weight.detach()), "bias": ref.bias.detach().clone()}
+            if how == "to_empty":
+                r.to_empty(device="cpu")
+                r.load_state_dict(full)
+            else:
+                r.load_state_dict(full, assign=True)
+        r(x).backward(g[:, rank * n:(rank + 1) * n])
+        out[how] = (tp.spec_of(r.weight) is not None, (r.bias.grad - ref.bias.grad).abs().max().item(),
+                    (r.weight.grad - tp.spec_of(r.weight).slice(ref.weight.grad)).abs().max().item())
+    cfg = GPTConfig(**{**CFG, "n_layer": 1})
+    idx = torch.randint(0, 65, (2, 16), generator=torch.Generator().manual_seed(1))
+    real = GPT(cfg, seed=0, tp_group=dist.group.WORLD, sequence_parallel=True)
+    with torch.device("meta"):
+        meta = GPT(cfg, seed=0, tp_group=dist.group.WORLD, sequence_parallel=True)
+    meta.to_empty(device="cpu")
+    meta.load_state_dict(real.state_dict())
+    for m in (real, meta):
+        m(idx, idx)[1].backward()
+    out["gpt"] = [(n, tp.spec_of(p) is not None, tp.spec_of(q) is not None, torch.equal(p.grad, q.grad))
+                  for (n, p), (_, q) in zip(real.named_parameters(), meta.named_parameters())]
+    return out
+
+
+def test_layers_built_on_meta_keep_their_specs_and_grad_sums_through_to_empty_and_assign():
+    """to_empty / load_state_dict(assign=True) replace the Parameter objects: the TPSpecs and the
+    sequence-parallel hooks summing replicated grads (a row-parallel bias, a GPT's norm weights)
+    are carried over (they were lost: the bias grad was this rank's partial sum)."""
+    for out in run_distributed(_meta_then_real_rank, 2, timeout=120):
+        for how in ("real", "to_empty", "assign"):
+            has_spec, bias_err, weight_err = out[how]
+            assert has_spec and bias_err < 1e-6 and weight_err < 1e-6, (how, out[how])
+        for name, spec_real, spec_meta, same_grad in out["gpt"]:
+            assert spec_real == spec_meta and same_grad, name

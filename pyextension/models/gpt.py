@@ -27,6 +27,7 @@ from zerofuse.models import moe as zmoe
 from zerofuse.models import recompute
 from zerofuse.models.presets import PRESETS, GPTConfig, config
 from zerofuse.moe import expert_spec
+from zerofuse.tp.spec import KeepsMarks
 
 
 def _norm(cfg: GPTConfig) -> torch.nn.Module:
@@ -93,7 +94,7 @@ class Block(torch.nn.Module):
         return x, self.mlp(h)
 
 
-class GPT(torch.nn.Module):
+class GPT(KeepsMarks, torch.nn.Module):
     """forward(idx (B, N) int64, targets (B, N) or None) -> (logits (B, N, vocab), loss or None);
     the loss is the mean cross-entropy in fp32 whatever the model's dtype (the fused loss: fp64 for
     an fp64 model), over the targets not ignored (-100; every one ignored: the fused loss is 0,
@@ -119,6 +120,7 @@ class GPT(torch.nn.Module):
     def __init__(self, cfg: GPTConfig, *, seed: int = 0, device=None, tp_group=None, sequence_parallel: bool = False,
                  ep_group=None, edp_group=None, dp_group=None):
         super().__init__()
+        self._keep_marks_on_load()  # TP specs and SP's grad hooks survive to_empty / load(assign=True)
         if cfg.moe_experts and tp_group is not None:
             raise ValueError("zerofuse.models.GPT: Mixture-of-Experts layers (moe_experts > 0) are not supported "
                              "with tensor parallelism yet; expected tp_group=None")

@@ -27,7 +27,7 @@ from torch import Tensor
 from zerofuse.ops.ids import check_ids
 from zerofuse import nn as znn
 from zerofuse.tp import comm as C
-from zerofuse.tp.spec import TPSpec, spec_of, split_range, vocab_range
+from zerofuse.tp.spec import KeepsMarks, TPSpec, spec_of, split_range, vocab_range
 
 
 def _group(group):
@@ -59,8 +59,9 @@ def _sizes_per_rank(spec: TPSpec, who: str, what: str) -> list[int]:
     return sizes
 
 
-class _TPModule(torch.nn.Module):
+class _TPModule(KeepsMarks, torch.nn.Module):
     def _setup(self, group, sequence_parallel: bool):
+        self._keep_marks_on_load()  # the specs and hooks on its params survive to_empty / assign=True
         self.group = _group(group)
         self.comm = C.comm_for(self.group)
         self.tp, self.tp_rank = self.comm.world_size, self.comm.rank

@@ -132,3 +132,55 @@ class TPSpec:
 
 def spec_of(p: torch.Tensor) -> TPSpec | None:
     return getattr(p, "_zf_tp", None)
+
+
+# --------------------------------------------------------------------- marks on the Parameter objects
+# A TPSpec (and sequence parallelism's hook summing a replicated param's grad over the TP group,
+# zerofuse.tp.comm.sync_replicated_grads) lives on the Parameter object. Module.to_empty / .to(device)
+# and load_state_dict(assign=True) replace the object, and torch.utils.swap_tensors (ZeRO's
+# materialization off meta) swaps its __dict__ and leaves its hooks on the old tensor: the spec and
+# the hook were lost (a checkpoint consolidated each rank's slice as the full tensor; the replicated
+# grads stayed each rank's partial sums).
+
+def param_marks(p: torch.Tensor) -> tuple:
+    """What sits on the Parameter object: its attributes and its gradient hooks."""
+    return dict(p.__dict__), p._backward_hooks, getattr(p, "_post_accumulate_grad_hooks", None)
+
+
+def put_marks(p: torch.Tensor, marks: tuple) -> None:
+    """Put param_marks(old) on p (idempotent: the hook setter replaces, never adds)."""
+    attrs, hooks, post = marks
+    p.__dict__.update(attrs)
+    if hooks:
+        p._backward_hooks = hooks  # (the setter installs them on p's TensorImpl)
+    if post:
+        p._post_accumulate_grad_hooks = post
+
+
+class KeepsMarks:
+    """Mixin for a torch.nn.Module whose params (its own or its submodules') carry marks: they
+    survive ``_apply`` (to_empty, to, cuda, ...) and load_state_dict(assign=True). Call
+    ``self._keep_marks_on_load()`` once in __init__."""
+
+    def _apply(self, fn, recurse=True):
+        marks = {n: param_marks(p) for n, p in self.named_parameters(remove_duplicate=False)}
+        out = super()._apply(fn, recurse)
+        self._put_marks(marks)
+        return out
+
+    def _put_marks(self, marks: dict) -> None:
+        for n, p in self.named_parameters(remove_duplicate=False):
+            if n in marks:
+                put_marks(p, marks[n])
+
+    def _keep_marks_on_load(self) -> None:
+        def before(module, *_):
+            module._zf_load_marks = {n: param_marks(p) for n, p in module.named_parameters(remove_duplicate=False)}
+
+        def after(module, _incompatible):
+            marks = module.__dict__.pop("_zf_load_marks", None)
+            if marks is not None:
+                module._put_marks(marks)
+
+        self.register_load_state_dict_pre_hook(before)
+        self.register_load_state_dict_post_hook(after)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from zerofuse.tp.spec import param_marks, put_marks
+
 
 class Initializer:
     """Values for the params of a model built on the meta device, one bucket at a time: each module
@@ -69,14 +71,9 @@ def swap_off_meta(p: torch.nn.Parameter, t: torch.Tensor) -> None:
     (sequence parallelism's sum of replicated grads over the TP group). Without this a TP model
     built on meta under ZeRO lost both: its checkpoints held each TP rank's slice as the full
     tensor, and its norm weights' grads were this rank's partial sums."""
-    attrs, hooks = dict(p.__dict__), p._backward_hooks
-    post = getattr(p, "_post_accumulate_grad_hooks", None)
+    marks = param_marks(p)
     torch.utils.swap_tensors(p, torch.nn.Parameter(t, requires_grad=p.requires_grad))
-    p.__dict__.update(attrs)
-    if hooks:
-        p._backward_hooks = hooks  # (the setter installs them on the new TensorImpl)
-    if post:
-        p._post_accumulate_grad_hooks = post
+    put_marks(p, marks)
 
 
 def materialize_rest(model, device, dtype) -> list:
