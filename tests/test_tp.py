@@ -343,6 +343,8 @@ def _misc_rank(rank, ws):
     for sp in (False, True):
         model = GPT(GPTConfig(**CFG), seed=0, tp_group=dist.group.WORLD, sequence_parallel=sp)
         norms = [m for n, m in model.named_modules() if n.endswith("norm1") or n.endswith("norm2") or n == "norm"]
+        _step_traffic(model, idx)  # (a first step also checks the vocab_size with the group, once)
+        model.zero_grad()
         probe = SavedActivations(norms)
         out[("traffic", sp)] = _step_traffic(model, idx)
         out[("norm_bytes", sp)] = probe.bytes
@@ -406,7 +408,8 @@ def test_attention_traffic_activation_memory_and_errors():
     assert "sequence_parallel=True needs a tp_group" in errs["sp_without_tp"]
     assert "sequence length (7) to divide by the tensor-parallel size 2" in errs["sp_odd_seq"]
     assert "partition_sizes" in errs["partition"]
-    assert "expected 33 logits of a vocabulary of 65, got 5" in errs["ce_vocab"]
+    assert "expected vocab_size to be the TP group's vocabulary, its shards [5, 5] summed (10), got 65" \
+        in errs["ce_vocab"]
 
 
 

@@ -89,6 +89,30 @@ def _bad_rank(rank, ws):
 
 def test_bad_input_names_the_argument():
     errors = run_distributed(_bad_rank, 2, timeout=60)[0]
-    assert "rank 0 of 2 expected 513 weight rows of a vocabulary of 1025, got 10" in errors[0]
+    assert "expected vocab_size to be the TP group's vocabulary, its shards [10, 10] summed (20), got 1025" \
+        in errors[0]
     assert "expected target of shape [2, 12]" in errors[1]
     assert "sequence parallelism takes hidden (b, s/tp, D) and target (b, s)" in errors[2]
+
+
+def _uneven_vocab_rank(rank, ws):
+    """A vocabulary of 10 over 3 ranks (4, 3, 3) given as vocab_size=9 (3, 3, 3): it fits ranks 1
+    and 2's shards, not rank 0's. Then the right size, twice (the second call checks nothing more)."""
+    n = split_range(10, ws, rank)[1] - split_range(10, ws, rank)[0]
+    logits, target = torch.randn(4, n), torch.tensor([0, 1, 2, 3])
+    try:
+        tp.vocab_parallel_cross_entropy(logits, target, vocab_size=9)
+        err = None
+    except ValueError as e:
+        err = str(e)
+    losses = [tp.vocab_parallel_cross_entropy(logits, target, vocab_size=10).item() for _ in range(2)]
+    return err, losses
+
+
+def test_a_wrong_vocab_size_fails_on_every_rank_at_once():
+    """Checked on each rank alone, a wrong vocab_size failed on rank 0 while ranks 1 and 2 waited in
+    the loss's all-reduce for the group's timeout: now every rank raises the same error at once."""
+    out = run_distributed(_uneven_vocab_rank, 3, timeout=60)
+    for err, losses in out:
+        assert err is not None and "its shards [4, 3, 3] summed (10), got 9" in err, err
+        assert losses[0] == losses[1] == out[0][1][0]

@@ -43,23 +43,34 @@ def split_sizes(n: int, tp: int) -> list[int]:
     return [n // tp + (1 if r < n % tp else 0) for r in range(tp)]
 
 
+_AGREED: set = set()  # (comm, n_local, vocab_size) a group has checked together: later calls need no all-reduce
+
+
 def vocab_range(n_local: int, vocab_size: int | None, comm, who: str, device,
                 unit: str = "logits") -> tuple[int, int, int]:
     """(vocab_size, start, end) of this rank's shard of n_local vocabulary entries. vocab_size=None:
     the TP group's shards summed (one small all-reduce; each rank's own guess, n_local x tp, differed
-    between ranks of an uneven split: a wrong loss, or one rank raising while the others hung)."""
+    between ranks of an uneven split: a wrong loss, or one rank raising while the others hung).
+    A given vocab_size is checked against the group's shards at its first use (one all-reduce,
+    then none): checked on each rank alone, a wrong one failed on the ranks whose shard it did not
+    fit, while the others waited in the loss's all-reduce for the group's timeout."""
     from zerofuse.tp import comm as C  # noqa: PLC0415
 
     tp, rank = comm.world_size, comm.rank
-    if vocab_size is None:
+    key = (id(comm), n_local, vocab_size)
+    if vocab_size is None or (key not in _AGREED and not torch.compiler.is_compiling()):
         sizes = torch.zeros(tp, dtype=torch.int64, device=device)
         sizes[rank] = n_local
         C.all_reduce(sizes, comm)
         sizes = sizes.tolist()
+        if vocab_size is not None and vocab_size != sum(sizes):
+            raise ValueError(f"{who}: expected vocab_size to be the TP group's vocabulary, its shards {sizes} summed "
+                             f"({sum(sizes)}), got {vocab_size}")
         vocab_size = sum(sizes)
         if split_sizes(vocab_size, tp) != sizes:
             raise ValueError(f"{who}: the TP group's vocabulary shards {sizes} are not the split of {vocab_size} "
                              f"over {tp} ranks ({split_sizes(vocab_size, tp)}, as ColumnParallelLinear makes it)")
+        _AGREED.add(key)
     start, end = split_range(vocab_size, tp, rank)
     if end - start != n_local:
         raise ValueError(f"{who}: rank {rank} of {tp} expected {end - start} {unit} of a vocabulary of {vocab_size}, "
