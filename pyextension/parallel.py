@@ -74,6 +74,15 @@ def init_mesh(dp: int | None = None, tp: int = 1, pp: int = 1, *, ep: int = 1, b
     if not dist.is_initialized():
         raise RuntimeError(f"{NAME}: torch.distributed is not initialized (call init_process_group first)")
     world, rank = dist.get_world_size(), dist.get_rank()
+    # first, before any check that could fail on some ranks only: the ranks agree on the arguments
+    # (different ones made different groups: one rank got a mesh its peers did not share, the other
+    # a bare "Wait timeout" in new_group)
+    args = f"dp={dp!r}, tp={tp!r}, pp={pp!r}, ep={ep!r}, backend={backend!r}"
+    every = [None] * world
+    dist.all_gather_object(every, args)
+    if any(a != args for a in every):
+        differ = "; ".join(f"rank {r}: {a}" for r, a in enumerate(every) if a != every[0])
+        raise ValueError(f"{NAME}: expected every rank to pass the same arguments, got rank 0: {every[0]}; {differ}")
     for key, n in (("tp", tp), ("pp", pp), ("ep", ep)):
         if not _is_int(n) or n < 1:
             raise ValueError(f"{NAME}: expected {key} to be an int >= 1, got {n!r}")

@@ -227,3 +227,21 @@ def test_pipeline_checkpoint_commits_after_every_stage_wrote_its_meta(tmp_path):
     assert all("meta.json" in listing for listing in out), out
     state = zerofuse.checkpoint.consolidate(str(tmp_path / "ckpt"))
     assert "head.weight" in state["model"] and "wte.weight" in state["model"]
+
+
+def _mismatched_mesh_rank(rank, ws):
+    from zerofuse.parallel import init_mesh
+
+    try:
+        init_mesh(tp=2 if rank == 0 else 1)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_init_mesh_with_arguments_differing_between_ranks_fails_on_every_rank():
+    """Different arguments made different groups (one rank returned a mesh its peer did not share,
+    the other got a bare "Wait timeout"): every rank now names the difference, at once."""
+    for err in run_distributed(_mismatched_mesh_rank, 2, timeout=60):
+        assert err is not None and "expected every rank to pass the same arguments, got rank 0: dp=None, tp=2" in err \
+            and "rank 1: dp=None, tp=1" in err, err
