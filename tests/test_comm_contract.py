@@ -250,3 +250,34 @@ def test_a_timed_wait_inside_coalesce_says_the_group_is_open():
     with pytest.raises(RuntimeError, match="group that is still open"):
         Work(Unlaunched(), Comm()).wait(timeout=3)
     assert time.perf_counter() - t0 < 1.0
+
+
+def _checker_keys_and_equivalent_calls(rank, world_size):
+    comm = Communicator(timeout=20)
+    out = {}
+    t = torch.ones(8)
+    # the same call written two ways: no mismatch (scale 1 against 1.0; reduce_dtype None against
+    # the dtype it defaults to)
+    out["rs"] = error_text(lambda: comm.reduce_scatter_coalesced(
+        [t.clone()], torch.empty(4), op="sum", reduce_dtype=None if rank == 0 else torch.float32).wait())
+    out["ar"] = error_text(lambda: comm.all_reduce_coalesced([t.clone()], op="sum", scale=1 if rank == 0 else 1.0).wait())
+    # a rank giving empty split lists: a mismatch named as such (it was int('') on every rank)
+    x = torch.zeros(4, 3)
+    out["a2a"] = error_text(lambda: comm.all_to_all(torch.zeros(4, 3), x, *(([], []) if rank == 0 else ([2, 2], [2, 2]))))
+    # the store does not grow with the calls (it held a key per rank and call)
+    before = comm.store.num_keys()
+    for _ in range(30):
+        comm.all_reduce_coalesced([torch.ones(4)]).wait()
+        comm.batch_p2p([P2POp("send", torch.ones(2), 1 - rank), P2POp("recv", torch.empty(2), 1 - rank)]).wait()
+    out["grown"] = comm.store.num_keys() - before
+    return out
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_the_checker_keeps_the_store_bounded_and_takes_equivalent_calls_as_equal(monkeypatch):
+    monkeypatch.setenv("ZEROFUSE_CHECK_COLLECTIVES", "1")
+    for out in run_distributed(_checker_keys_and_equivalent_calls, 2):
+        assert out["rs"] == "no error" and out["ar"] == "no error", out
+        assert out["a2a"].startswith("CollectiveMismatch: zerofuse.comm: all_to_all #") and "rank 0 sends None" in \
+            out["a2a"], out["a2a"]
+        assert out["grown"] <= 4, out["grown"]

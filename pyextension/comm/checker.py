@@ -31,6 +31,29 @@ def _signature(name: str, **parts) -> str:
     return f"{name}({', '.join(items)})"
 
 
+def scale_of(scale) -> float | None:
+    """A call's scale as the signature shows it: 1 and 1.0 are one scale (a false mismatch)."""
+    return None if scale is None else float(scale)
+
+
+def one_dtype(tensors) -> torch.dtype | None:
+    """The dtype a call reduces in by default, for the signature: reduce_dtype=None and the same
+    dtype given explicitly are one call (a false mismatch)."""
+    dtypes = {t.dtype for t in tensors}
+    return dtypes.pop() if len(dtypes) == 1 else None
+
+
+def _forget(store, key: str) -> None:
+    try:
+        store.delete_key(key)
+    except (RuntimeError, NotImplementedError):  # a store without deletion keeps it
+        pass
+
+
+def _ints(part: str) -> list[int]:
+    return [int(n) for n in part.split(",") if n]  # ("" is an empty list: its length is then reported)
+
+
 class CollectiveChecker:
     _check_seq = -1  # the number of the last call published (per instance once set)
 
@@ -42,8 +65,7 @@ class CollectiveChecker:
         self.store.set(prefix + str(self.rank), ",".join(map(str, in_s)) + ";" + ",".join(map(str, out_s)))
         keys = [prefix + str(r) for r in range(self.world_size)]
         self.store.wait(keys, datetime.timedelta(seconds=self.timeout))
-        ins, outs = zip(*([[int(n) for n in part.split(",")] for part in self.store.get(k).decode().split(";")]
-                          for k in keys))
+        ins, outs = zip(*([_ints(part) for part in self.store.get(k).decode().split(";")] for k in keys))
         bad = [(s, r) for r in range(self.world_size) for s in range(self.world_size)
                if len(ins[s]) != self.world_size or len(outs[r]) != self.world_size or ins[s][r] != outs[r][s]]
         if bad:
@@ -75,6 +97,7 @@ class CollectiveChecker:
                     f"zerofuse.comm: rank {o.peer} did not post the {other} matching rank {self.rank}'s {o.op} "
                     f"#{n} ({sig}) within {self.timeout:.0f} s") from e
             theirs = self.store.get(key + other).decode()
+            _forget(self.store, key + other)  # (this rank is its only reader)
             if theirs != sig:
                 raise CollectiveMismatch(
                     f"zerofuse.comm: transfer #{n} from rank {src} to rank {dst} differs: rank {self.rank} posted "
@@ -103,4 +126,10 @@ class CollectiveChecker:
                 by_call.setdefault(c, []).append(r)
             detail = "; ".join(f"rank(s) {ranks}: {c}" for c, ranks in by_call.items())
             raise CollectiveMismatch(f"zerofuse.comm: collective #{seq} differs across ranks: {detail}")
+        # every rank has published this call, so every rank is done reading the previous one's keys
+        # (its signature and its all-to-all splits): this rank's go (the store grew by a key per
+        # rank and call over a whole run)
+        if seq > 0:
+            _forget(self.store, f"{self._uid}/check/{seq - 1}/{self.rank}")
+            _forget(self.store, f"{self._uid}/a2a/{seq - 1}/{self.rank}")
         return seq

@@ -55,6 +55,8 @@ from zerofuse import _C
 from zerofuse.comm import local
 from zerofuse.kernels import env
 from zerofuse.comm.checker import CollectiveChecker, CollectiveMismatch  # noqa: F401  (re-exported)
+from zerofuse.comm.checker import one_dtype as _one_dtype
+from zerofuse.comm.checker import scale_of as _scale
 
 # per group name: ranks of a group number their communicators alike whatever other groups they
 # belong to (the store keys of the NCCL id and the checker derive from it). The count restarts
@@ -284,8 +286,8 @@ class Communicator(CollectiveChecker):
         tensors = list(tensors)
         if self._one:
             return local.reduce_scatter_coalesced(tensors, out_shard, op, scale, reduce_dtype)
-        self._checked("reduce_scatter_coalesced", tensors=tensors, out_shard=out_shard, op=op, scale=scale,
-                      reduce_dtype=reduce_dtype)
+        self._checked("reduce_scatter_coalesced", tensors=tensors, out_shard=out_shard, op=op, scale=_scale(scale),
+                      reduce_dtype=reduce_dtype or out_shard.dtype)
         return Work(self._c.reduce_scatter_coalesced(tensors, out_shard, op, scale, reduce_dtype), self)
 
     def all_gather_coalesced(self, shard: torch.Tensor, tensors: Sequence[torch.Tensor]):
@@ -306,7 +308,8 @@ class Communicator(CollectiveChecker):
         tensors = list(tensors)
         if self._one:
             return local.all_reduce_coalesced(tensors, op, scale, reduce_dtype)
-        self._checked("all_reduce_coalesced", tensors=tensors, op=op, scale=scale, reduce_dtype=reduce_dtype)
+        self._checked("all_reduce_coalesced", tensors=tensors, op=op, scale=_scale(scale),
+                      reduce_dtype=reduce_dtype or _one_dtype(tensors))
         return Work(self._c.all_reduce_coalesced(tensors, op, scale, reduce_dtype), self)
 
     def reduce_scatter_fp32_sum(self, flat: torch.Tensor, out_shard: torch.Tensor | None = None, *,
