@@ -254,6 +254,10 @@ def _scatter_to_seq(x):
     return tp.scatter_to_seq(x, tp.comm.comm_for(dist.distributed_c10d._get_default_group()))
 
 
+def _gather_from_seq(x):
+    return tp.comm.gather_from_seq(x, tp.comm.comm_for(dist.distributed_c10d._get_default_group()))
+
+
 TWO_RANKS = [
     Case("2-init_mesh-dp", parallel.init_mesh, tuple, ValueError,
          r"expected pp × dp × tp == world size, got pp=1 × dp=3 × tp=1 = 3 for world size 2", dict(dp=3)),
@@ -280,6 +284,8 @@ TWO_RANKS = [
          dict(vocab_size=12)),
     Case("2-cross_entropy-target", tp.vocab_parallel_cross_entropy, lambda: (r(3, 5), torch.tensor([1, 2, 10])),
          IndexError, r"expected targets in \[0, 10\) or -100, got 10"),
+    Case("2-gather_from_seq-1d", _gather_from_seq, lambda: (r(3),), ValueError,
+         r"all_gather: sequence parallelism takes shards \(b, s/tp, \.\.\.\) with the sequence as dim 1, got shape \[3\]"),
     Case("2-scatter_to_seq-odd", _scatter_to_seq, lambda: (r(1, 3, 4),), ValueError,
          r"sequence length \(dim 1\) to divide by the TP size 2, got shape \[1, 3, 4\]"),
     Case("2-parallelize-models-differ", _rank_model, tuple, ValueError,

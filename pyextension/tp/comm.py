@@ -75,6 +75,9 @@ def seq_all_gather_start(x: torch.Tensor, comm: Communicator):
     """Start gathering the sequence shards x (b, s/tp, h) -> (buffer, work); finish with
     seq_all_gather_finish."""
     tp = comm.world_size
+    if x.dim() < 2:  # (it failed after the all-gather, in seq_all_gather_finish's reshape)
+        raise ValueError(f"zerofuse.tp.all_gather: sequence parallelism takes shards (b, s/tp, ...) with the "
+                         f"sequence as dim 1, got shape {list(x.shape)}")
     shard = x.contiguous()
     buf = torch.empty((tp,) + tuple(shard.shape), dtype=shard.dtype, device=shard.device)
     _count("all_gather", buf)
