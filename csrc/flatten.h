@@ -3,6 +3,7 @@
 
 #include "checks.h"
 
+#include <ATen/MemoryOverlap.h>
 #include <ATen/core/Tensor.h>
 
 #include <algorithm>
@@ -52,7 +53,9 @@ inline void check_flatten_args(at::TensorList tensors,       // n tensors, any s
   }
   std::vector<size_t> order(tensors.size());
   std::iota(order.begin(), order.end(), size_t{0});
-  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return offsets[a] < offsets[b]; });
+  // by offset, then index: the order (and so the message) of the fake impl's check
+  std::sort(order.begin(), order.end(),
+            [&](size_t a, size_t b) { return std::make_pair(offsets[a], a) < std::make_pair(offsets[b], b); });
   int64_t end = 0;
   size_t last = 0;
   bool any = false;
@@ -79,6 +82,33 @@ inline void check_flatten_args(at::TensorList tensors,       // n tensors, any s
                    "flat[", offsets[i], ":", offsets[i] + t.numel(), "], got a ", t.scalar_type(), " tensor of shape ",
                    t.sizes(), " with strides ", t.strides(), " at byte ",
                    static_cast<int64_t>(first - reinterpret_cast<uintptr_t>(flat.data_ptr())), " of flat");
+  }
+}
+
+// unflatten_from writes every tensor: two that share memory (a tied weight listed twice, w and w.t())
+// would be written by two threads at once, or in an order the sequential copy_s it stands for would
+// not use. Refused where torch's overlap test says they overlap (interleaved strided views, which
+// it cannot tell, pass, as they do for Tensor::copy_).
+inline void check_outputs_disjoint(at::TensorList tensors, const char* op, const char* list_name) {
+  std::vector<std::pair<std::pair<uintptr_t, uintptr_t>, size_t>> spans;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    if (tensors[i].numel() > 0) spans.push_back({byte_span(tensors[i]), i});
+  }
+  std::sort(spans.begin(), spans.end());
+  std::vector<size_t> open;  // indices into spans of earlier spans reaching past the current start
+  for (size_t s = 0; s < spans.size(); ++s) {
+    const uintptr_t first = spans[s].first.first;
+    const size_t i = spans[s].second;
+    open.erase(std::remove_if(open.begin(), open.end(), [&](size_t k) { return spans[k].first.second < first; }),
+               open.end());
+    for (size_t k : open) {
+      const size_t j = spans[k].second;
+      const auto status = at::get_overlap_status(tensors[j], tensors[i]);
+      ZF_CHECK_VALUE(status != at::MemOverlapStatus::Full && status != at::MemOverlapStatus::Partial, op,
+                     "expected ", indexed(list_name, std::min(i, j)), " and ", indexed(list_name, std::max(i, j)),
+                     " not to share memory (both are written), got tensors that overlap");
+    }
+    open.push_back(s);
   }
 }
 

@@ -1,5 +1,6 @@
 // Every C++ op schema of zerofuse, in one place. Backend files hold the TORCH_LIBRARY_IMPLs; fake
 // (meta) impls and Python-side validation live in pyextension/ops/.
+#include <torch/csrc/autograd/variable.h>
 #include <torch/library.h>
 
 TORCH_LIBRARY(zerofuse, m) {
@@ -43,4 +44,48 @@ TORCH_LIBRARY(zerofuse, m) {
         "Tensor? grad_mult, Tensor? found_inf) -> ()");
   // 2-norm of all tensors together (0-dim fp32) and, with per_tensor, of each ((n,) fp32; else (0,)).
   m.def("l2norm(Tensor[] tensors, bool per_tensor) -> (Tensor, Tensor)");
+}
+
+// The ops that write their (a!) arguments bump those tensors' version counters, as torch's
+// in-place ops do, so autograd still refuses a backward through a tensor changed after it was
+// saved (the dispatcher's default autograd fallback redispatches past ADInplaceOrView, and torch's
+// autogradNotImplementedInplaceOrViewFallback bumps no Tensor[] argument: unflatten_from into a
+// saved activation gave a silently wrong gradient, and zero/grads.py's check of .grad's version
+// missed a write). Autograd: straight on to ADInplaceOrView (no outputs, nothing to record).
+// The Python launches of the same kernels bump the versions themselves (ops/_optim.py: mutated).
+namespace {
+void to_inplace_or_view(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
+  op.redispatchBoxed(ks & c10::after_autograd_keyset, stack);
+}
+
+void bump_written(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
+  const auto& args = op.schema().arguments();
+  const size_t first = stack->size() - args.size();
+  std::vector<at::Tensor> written;
+  for (size_t i = 0; i < args.size(); ++i) {
+    const auto* alias = args[i].alias_info();
+    if (alias == nullptr || !alias->isWrite()) continue;
+    const c10::IValue& v = (*stack)[first + i];
+    if (v.isTensor()) {
+      written.push_back(v.toTensor());
+    } else if (v.isTensorList()) {
+      for (const at::Tensor& t : v.toTensorList().vec()) written.push_back(t);
+    }
+  }
+  op.redispatchBoxed(ks & c10::after_ADInplaceOrView_keyset, stack);
+  for (const at::Tensor& t : written) {
+    if (t.defined()) torch::autograd::impl::bump_version(t);
+  }
+}
+
+constexpr const char* kWritingOps[] = {"flatten_into", "unflatten_from", "adam_", "lamb_", "lamb_stage1_",
+                                       "lamb_stage2_", "lars_"};
+}  // namespace
+
+TORCH_LIBRARY_IMPL(zerofuse, Autograd, m) {
+  for (const char* op : kWritingOps) m.impl(op, torch::CppFunction::makeFromBoxedFunction<&to_inplace_or_view>());
+}
+
+TORCH_LIBRARY_IMPL(zerofuse, ADInplaceOrView, m) {
+  for (const char* op : kWritingOps) m.impl(op, torch::CppFunction::makeFromBoxedFunction<&bump_written>());
 }

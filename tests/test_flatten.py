@@ -309,3 +309,67 @@ def test_flatten_and_unflatten_in_a_captured_cuda_graph(warm):
     eager = torch.zeros(total, device="cuda")
     zerofuse.flatten_into(ts, eager, offsets)
     assert torch.equal(eager, flat)
+
+
+# ---- what a review reproduced (each failed before its fix) ----
+
+
+def test_writes_bump_version_counters_so_autograd_sees_them():
+    """unflatten_from into a tensor saved for backward: backward refuses, as after torch's copy_ (the
+    op bumped no version: the gradient silently used the new values); flatten_into bumps flat's."""
+    x = torch.randn(5, requires_grad=True)
+    y = x * 1.0
+    z = y.sin()  # saves y
+    zerofuse.unflatten_from(torch.randn(8), [y], [0])
+    assert y._version == 1
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        z.sum().backward()
+    flat = torch.zeros(8)
+    zerofuse.flatten_into([torch.ones(3)], flat, [2])
+    assert flat._version == 1
+
+
+def test_unflatten_from_refuses_outputs_that_share_memory():
+    """Two outputs over the same memory (a tied weight listed twice; w and w.t()) were written by two
+    threads at once or in another order than sequential copy_s: refused, naming both. Interleaved
+    strided views (disjoint elements) still pass."""
+    w = torch.zeros(4, 4)
+    for outs in ([w.t(), w], [w, w]):
+        with pytest.raises(ValueError, match=r"expected tensors\[0\] and tensors\[1\] not to share memory"):
+            zerofuse.unflatten_from(torch.arange(32.0), outs, [0, 16])
+    base = torch.zeros(8)
+    zerofuse.unflatten_from(torch.arange(8.0), [base[0::2], base[1::2]], [0, 4])
+    assert base.tolist() == [0.0, 4.0, 1.0, 5.0, 2.0, 6.0, 3.0, 7.0]
+
+
+@pytest.mark.parametrize("dtype", [torch.uint16, torch.uint32, torch.uint64])
+def test_unsigned_dtypes_convert_as_copy_does(dtype):
+    """A uint16/32/64 tensor into an fp32 flat and back (the converting loop has none of them: it
+    raised "not implemented")."""
+    t = torch.tensor([0, 1, 7, 200], dtype=dtype)
+    flat = torch.full((6,), -1.0)
+    zerofuse.flatten_into([t], flat, [1])
+    assert flat.tolist() == [-1.0, 0.0, 1.0, 7.0, 200.0, -1.0]
+    back = torch.zeros(4, dtype=dtype)
+    zerofuse.unflatten_from(flat, [back], [1])
+    assert back.tolist() == [0, 1, 7, 200]
+
+
+def test_offsets_must_be_ints():
+    """A float offset was truncated (3.9 wrote at 3): refused, naming it."""
+    for bad in (3.9, True):
+        with pytest.raises(TypeError, match=r"expected offsets\[1\] to be an int, got"):
+            zerofuse.flatten_into([torch.ones(2), torch.ones(3)], torch.zeros(8), [0, bad])
+    zerofuse.flatten_into([torch.ones(2), torch.ones(3)], torch.zeros(8), [0, torch.tensor(3)])
+
+
+def test_real_and_fake_name_overlapping_ranges_in_one_order():
+    """Ranges tied on their offset: the fake impl and the kernel name the two tensors in one order."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    args = lambda: ([torch.ones(4), torch.ones(2)], torch.zeros(8), [0, 0])  # noqa: E731
+    with pytest.raises(ValueError) as real:
+        torch.ops.zerofuse.flatten_into(*args())
+    with FakeTensorMode(), pytest.raises(ValueError) as fake:
+        torch.ops.zerofuse.flatten_into(*args())
+    assert str(real.value) == str(fake.value) and "tensors[0] [0, 4) and tensors[1] [0, 2)" in str(real.value)

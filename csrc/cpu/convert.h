@@ -1,5 +1,6 @@
-// fp32 <-> bf16 conversions of whole arrays for the CPU kernels, bit-identical to torch's
-// (round to nearest even, NaN stays a quiet NaN), in loops the compiler vectorises.
+// fp32 <-> bf16 conversions of whole arrays for the CPU kernels, bit-identical to torch's for every
+// number (round to nearest even); a NaN becomes the quiet NaN 0x7FC0 (c10::BFloat16's; torch's
+// vectorised loops write 0xFFFF), in loops the compiler vectorises.
 #pragma once
 
 #include <c10/core/ScalarType.h>

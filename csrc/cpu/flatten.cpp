@@ -29,6 +29,17 @@ constexpr int64_t kParallelBytes = int64_t{1} << 16;
 #define ZF_DISPATCH_COPY_TYPES(TYPE, NAME, ...) \
   AT_DISPATCH_ALL_TYPES_AND2(at::kHalf, at::kBFloat16, TYPE, NAME, __VA_ARGS__)
 
+// The dtypes ZF_DISPATCH_COPY_TYPES takes (a uint16 tensor into an fp32 flat raised "not implemented").
+bool has_convert_loop(at::ScalarType t) {
+  switch (t) {
+    case at::kByte: case at::kChar: case at::kShort: case at::kInt: case at::kLong:
+    case at::kFloat: case at::kDouble: case at::kHalf: case at::kBFloat16:
+      return true;
+    default:
+      return false;
+  }
+}
+
 void convert(const void* src, at::ScalarType src_type, void* dst, at::ScalarType dst_type, int64_t n) {
   if (src_type == at::kBFloat16 && dst_type == at::kFloat) {
     return bf16_to_f32(static_cast<const uint16_t*>(src), static_cast<float*>(dst), n);
@@ -55,7 +66,9 @@ void copy_ranges(at::TensorList tensors, const at::Tensor& flat, at::IntArrayRef
   for (size_t i = 0; i < tensors.size(); ++i) {
     const at::Tensor& t = tensors[i];
     if (t.numel() == 0) continue;
-    if (!t.is_contiguous()) {
+    // strided tensors, and conversions convert() has no loop for (uint16/32/64, ...), take copy_
+    if (!t.is_contiguous() || (t.scalar_type() != flat.scalar_type() &&
+                               !(has_convert_loop(t.scalar_type()) && has_convert_loop(flat.scalar_type())))) {
       strided.push_back(i);
       continue;
     }
@@ -97,6 +110,7 @@ void unflatten_from_cpu(const at::Tensor& flat,  // (N,) contiguous, read
                         at::IntArrayRef offsets  // (n,) element offsets into flat
 ) {
   check_flatten_args(tensors, flat, offsets, "unflatten_from", "tensors");
+  check_outputs_disjoint(tensors, "unflatten_from", "tensors");
   copy_ranges<false>(tensors, flat, offsets);
 }
 

@@ -218,6 +218,7 @@ void unflatten_from_cuda(const at::Tensor& flat,  // (N,) contiguous, read
                          at::IntArrayRef offsets  // (n,) element offsets into flat
 ) {
   check_flatten_args(tensors, flat, offsets, "unflatten_from", "tensors");
+  check_outputs_disjoint(tensors, "unflatten_from", "tensors");
   copy_ranges<false>(tensors, flat, offsets);
 }
 

@@ -64,7 +64,9 @@ def _check(tensors: Sequence[torch.Tensor], flat: torch.Tensor, offsets: Sequenc
             raise ValueError(
                 f"{pre}offsets[{i}] = {off} with tensors[{i}].numel() = {t.numel()} runs outside flat of numel {n_flat}"
             )
-    ranges = sorted((off, off + t.numel(), i) for i, (t, off) in enumerate(zip(tensors, offsets)) if t.numel())
+    # by offset, then index: the C++ check's order (and so its message)
+    ranges = sorted(((off, off + t.numel(), i) for i, (t, off) in enumerate(zip(tensors, offsets)) if t.numel()),
+                    key=lambda r: (r[0], r[2]))
     for (b0, e0, i0), (b1, e1, i1) in zip(ranges, ranges[1:]):
         if b1 < e0:
             raise ValueError(f"{pre}ranges of tensors[{i0}] [{b0}, {e0}) and tensors[{i1}] [{b1}, {e1}) overlap in flat")
@@ -104,12 +106,26 @@ def flatten_into(tensors: Sequence[torch.Tensor], flat: torch.Tensor, offsets: S
     only as the contiguous view of its own range (then it is already in place). One parallel pass on CPU, one kernel
     launch on CUDA for contiguous fp32/fp16/bf16/fp64 tensors.
     """
-    torch.ops.zerofuse.flatten_into(list(tensors), flat, [int(o) for o in offsets])
+    torch.ops.zerofuse.flatten_into(list(tensors), flat, _offsets(offsets, "flatten_into"))
 
 
 def unflatten_from(flat: torch.Tensor, tensors: Sequence[torch.Tensor], offsets: Sequence[int]) -> None:
-    """The reverse of :func:`flatten_into`: ``tensors[i].copy_(flat[offsets[i]:...].view(shape))``, in place."""
-    torch.ops.zerofuse.unflatten_from(flat, list(tensors), [int(o) for o in offsets])
+    """The reverse of :func:`flatten_into`: ``tensors[i].copy_(flat[offsets[i]:...].view(shape))``, in place.
+    The tensors must not share memory with each other (each is written)."""
+    torch.ops.zerofuse.unflatten_from(flat, list(tensors), _offsets(offsets, "unflatten_from"))
+
+
+def _offsets(offsets: Sequence[int], who: str) -> list[int]:
+    """Element offsets as ints; a float (3.9 was taken as 3) or a bool is refused, naming it."""
+    out = []
+    for i, o in enumerate(offsets):
+        try:
+            if isinstance(o, bool):
+                raise TypeError
+            out.append(operator.index(o))
+        except TypeError:
+            raise TypeError(f"zerofuse.ops.{who}: expected offsets[{i}] to be an int, got {o!r}") from None
+    return out
 
 
 def packed_offsets(numels: Sequence[int], align: int = 1) -> tuple[list[int], int]:
