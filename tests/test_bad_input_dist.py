@@ -254,6 +254,12 @@ def _scatter_to_seq(x):
     return tp.scatter_to_seq(x, tp.comm.comm_for(dist.distributed_c10d._get_default_group()))
 
 
+def _dispatch(counts):
+    from zerofuse.comm import Communicator
+    from zerofuse.moe.dispatch import Dispatch
+    return Dispatch(Communicator(), counts)
+
+
 def _gather_from_seq(x):
     return tp.comm.gather_from_seq(x, tp.comm.comm_for(dist.distributed_c10d._get_default_group()))
 
@@ -284,6 +290,9 @@ TWO_RANKS = [
          dict(vocab_size=12)),
     Case("2-cross_entropy-target", tp.vocab_parallel_cross_entropy, lambda: (r(3, 5), torch.tensor([1, 2, 10])),
          IndexError, r"expected targets in \[0, 10\) or -100, got 10"),
+    Case("2-Dispatch-experts-not-dividing", _dispatch, lambda: (torch.tensor([1, 2, 3]),), ValueError,
+         r"Dispatch: expected counts to be an integer tensor \[E\] with E divisible by the ep group's size 2, got "
+         r"torch.int64 \[3\]"),
     Case("2-gather_from_seq-1d", _gather_from_seq, lambda: (r(3),), ValueError,
          r"all_gather: sequence parallelism takes shards \(b, s/tp, \.\.\.\) with the sequence as dim 1, got shape \[3\]"),
     Case("2-scatter_to_seq-odd", _scatter_to_seq, lambda: (r(1, 3, 4),), ValueError,

@@ -77,6 +77,10 @@ class Dispatch:
     def __init__(self, comm: Communicator, counts: Tensor):
         """counts [E]: this rank's kept rows per global expert (moe_permute's)."""
         ep = comm.world_size
+        if counts.dim() != 1 or counts.numel() % ep or counts.is_floating_point():
+            # (a count of experts the group does not divide failed in view(), not naming either)
+            raise ValueError(f"zerofuse.moe.Dispatch: expected counts to be an integer tensor [E] with E divisible "
+                             f"by the ep group's size {ep}, got {counts.dtype} {list(counts.shape)}")
         self.comm = comm
         send = counts.view(ep, -1)  # [destination rank, local expert]
         recv = torch.empty_like(send)
