@@ -153,12 +153,13 @@ def moe_unpermute(y: Tensor, pos: Tensor, src: Tensor, weights: Tensor) -> Tenso
     return _unpermute(y, pos, src, weights)
 
 
-def _unpermute(y, pos, src, weights):
-    """moe_unpermute's body (also EagerUnpermute's forward)."""
+def _unpermute(y, pos, src, weights, values=True):
+    """moe_unpermute's body (also EagerUnpermute's forward: values=False, its pos and src are
+    moe_permute's own, so no check of their values launches on the layer's hot path)."""
     _check_unpermute(_U, y, pos, src, weights)
-    # the values (an index past y read another row's memory on the Triton path)
-    check_ids(_U, "pos", pos, y.shape[0], allowed=-1)
-    check_ids(_U, "src", src, pos.numel(), allowed=-1)
+    if values:  # an index past y read another row's memory on the Triton path
+        check_ids(_U, "pos", pos, y.shape[0], allowed=-1)
+        check_ids(_U, "src", src, pos.numel(), allowed=-1)
     return _combine(y, pos, weights, _out_dtype(y, weights))
 
 
@@ -238,7 +239,7 @@ class EagerUnpermute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y, pos, src, weights):
         ctx.save_for_backward(y, src, weights)
-        return _unpermute(y, pos, src, weights)
+        return _unpermute(y, pos, src, weights, values=False)
 
     @staticmethod
     @first_order
@@ -259,7 +260,8 @@ def permute(x: Tensor, experts: Tensor, num_experts: int) -> tuple[Tensor, Tenso
 
 
 def unpermute(y: Tensor, pos: Tensor, src: Tensor, weights: Tensor) -> Tensor:
-    """moe_unpermute for models, as permute."""
+    """moe_unpermute for models, as permute; pos and src must be moe_permute's (eagerly their values
+    are not checked again; the op checks them)."""
     if torch.compiler.is_compiling():
         return moe_unpermute(y, pos, src, weights)
     return _eager_unpermute(y, pos, src, weights)
