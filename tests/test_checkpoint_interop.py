@@ -159,3 +159,89 @@ def test_each_rank_opens_only_the_files_holding_its_pieces(tmp_path):
     half = run_distributed(_opened_rank, 2, path, 2, timeout=300)
     assert half[0][0] == "common.pt" and "rank3.pt" not in half[0] and "rank0.pt" not in half[1], half
     assert GLOBAL_BATCH % 4 == 0
+
+
+# ------------------------------------------------------------------ what a review reproduced (each failed before)
+
+def _tied():
+    from zerofuse.models import GPT, GPTConfig
+    return GPT(GPTConfig(vocab_size=65, seq_len=16, n_layer=1, n_head=2, dim=32, tie_embeddings=True), seed=1)
+
+
+def _tied_and_lamb_rank(rank, ws, tied_path, lamb_path):
+    from dist_utils import error_text
+
+    model = zerofuse.zero.parallelize(_tied(), stage=2)
+    opt = zerofuse.zero.Optimizer(model, "adamw", lr=1e-2)
+    idx = torch.randint(0, 65, (2, 16), generator=torch.Generator().manual_seed(rank))
+    model(idx, idx)[1].backward()
+    opt.step()
+    zerofuse.checkpoint.save(tied_path, model, opt, format="dcp")
+    lamb = zerofuse.zero.Optimizer(model, "lamb", lr=1e-2)
+    zerofuse.checkpoint.save(lamb_path, model, lamb, format="dcp")
+    return error_text(lambda: zerofuse.checkpoint.load(lamb_path, model, opt))
+
+
+def test_dcp_keeps_a_tied_weights_second_name_and_the_optimizer_kind(tmp_path):
+    """A tied weight's second name (GPT's head.weight) is written as torch's get_state_dict writes it
+    (it was left out: torch's dcp.load into the tied model failed, consolidate had no head.weight,
+    export_hf no tie); LAMB's moments are refused by an AdamW (a DCP checkpoint named no kind)."""
+    tied, lamb = str(tmp_path / "tied"), str(tmp_path / "lamb")
+    for err in run_distributed(_tied_and_lamb_rank, 2, tied, lamb, timeout=240):
+        assert "the checkpoint's optimizer is 'lamb', this one is 'adamw'" in err, err
+    full = zerofuse.checkpoint.consolidate(tied)["model"]
+    assert full["head.weight"] is full["wte.weight"]
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+    model = _tied()
+    msd = get_model_state_dict(model)
+    dcp.load({"model": msd}, checkpoint_id=tied)
+    set_model_state_dict(model, msd)
+    assert torch.equal(model.head.weight, full["wte.weight"]) and model.head.weight is model.wte.weight
+    cfg = json.load(open(zerofuse.checkpoint.export_hf(tied, str(tmp_path / "hf"))[-1]))
+    assert cfg["tie_word_embeddings"] and cfg["zerofuse_tied"] == {"head.weight": "wte.weight"}
+
+
+def test_a_flat_dcp_checkpoint_with_keys_starting_model_dot_is_read_flat(tmp_path):
+    """A Hugging Face model's state dict saved flat (model.layers..., lm_head.weight) was read as
+    torch's nested {"model", "optim"}: consolidate dropped lm_head and stripped the prefixes."""
+    sd = {"model.embed.weight": torch.randn(5, 3), "model.norm.weight": torch.randn(3), "lm_head.weight": torch.randn(5, 3)}
+    dcp.save(sd, checkpoint_id=str(tmp_path / "flat"), no_dist=True)
+    got = zerofuse.checkpoint.consolidate(str(tmp_path / "flat"))["model"]
+    assert got.keys() == sd.keys() and all(torch.equal(got[k], v) for k, v in sd.items())
+
+
+def _load_plain_rank(rank, ws, path):
+    from dist_utils import error_text
+
+    model = zerofuse.zero.parallelize(make_model(), stage=1)
+    opt = zerofuse.zero.Optimizer(model, "adamw", lr=LR, weight_decay=WD)
+    return error_text(lambda: zerofuse.checkpoint.load(path, model, opt))
+
+
+@pytest.mark.parametrize("option", ["maximize", "amsgrad"])
+def test_a_torch_optimizer_option_zero_lacks_is_refused(tmp_path, option):
+    """torch's AdamW(maximize=True) resumed as gradient descent; amsgrad's max_exp_avg_sq was dropped."""
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, **{option: True})
+    _plain_steps(model, opt, batches(1))
+    msd, osd = get_state_dict(model, opt)
+    path = str(tmp_path / option)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path, no_dist=True)
+    for err in run_distributed(_load_plain_rank, 2, path, timeout=240):
+        assert f"was saved by an optimizer with {option}=True (param group 0)" in err, err
+
+
+def test_export_hf_replaces_an_earlier_export_and_names_the_dtype_it_wrote(tmp_path):
+    """A sharded export over a one-file one left model.safetensors (what transformers opens first);
+    dtype= casting the tensors kept the given config's torch_dtype."""
+    native = str(tmp_path / "native")
+    run_distributed(_tied_and_lamb_rank, 2, native + "-dcp", native, timeout=240)
+    out = str(tmp_path / "hf")
+    zerofuse.checkpoint.export_hf(native, out)
+    zerofuse.checkpoint.export_hf(native, out, dtype=torch.bfloat16, max_shard_bytes=4_000,
+                                  config={"torch_dtype": "float32"})
+    names = sorted(os.listdir(out))
+    assert "model.safetensors" not in names and "model.safetensors.index.json" in names, names
+    assert json.load(open(os.path.join(out, "config.json")))["torch_dtype"] == "bfloat16"
+    zerofuse.checkpoint.export_hf(native, out)
+    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]

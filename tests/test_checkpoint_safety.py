@@ -196,3 +196,26 @@ def test_no_moment_without_a_complete_checkpoint(tmp_path):
     print(f"\nkill points ({len(points)}): " + ", ".join(f"{p} -> state {left[p]}" for p in points))
     # the old checkpoint is what loads until the new one has replaced it
     assert left["after meta.json"] == 1 and left["renamed path -> old"] == 2 and left["removed old"] == 1
+
+
+@pytest.mark.parametrize("where", ["parent", "absolute"])
+def test_a_dcp_metadata_naming_files_outside_its_directory_is_refused(tmp_path, where):
+    """DCP joins the directory and each storage file's relative_path: '../x' or an absolute path read
+    another checkpoint's tensors (any torch-saved file on the machine) into the model."""
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"w": torch.full((3,), 42.0)}, checkpoint_id=str(tmp_path / "outside"), no_dist=True)
+    ckpt = tmp_path / "ckpt"
+    dcp.save({"w": torch.zeros(3)}, checkpoint_id=str(ckpt), no_dist=True)
+    with open(ckpt / ".metadata", "rb") as f:
+        md = pickle.load(f)
+    for info in md.storage_data.values():
+        info.relative_path = ("../outside/" + info.relative_path if where == "parent"
+                              else str(tmp_path / "outside" / info.relative_path))
+    with open(ckpt / ".metadata", "wb") as f:
+        pickle.dump(md, f)
+    with pytest.raises(ValueError, match=r"refused to load .*\.metadata.*names the storage file .*expected a file "
+                                         r"of the checkpoint's directory"):
+        zerofuse.checkpoint.consolidate(str(ckpt))

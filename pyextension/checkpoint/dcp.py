@@ -9,15 +9,12 @@ every param as the rectangles its flat range covers (a ShardedTensor's local sha
 shard: nothing is copied or gathered); a load fills the same views, from whatever chunks were
 saved. Params hold the fp32 master where the run keeps one.
 
-Reading never unpickles freely: DCP's ``.metadata`` goes through an unpickler that admits DCP's
-metadata classes only, and non-tensor values (param groups) load with ``weights_only=True``.
+Reading never trusts the files: zerofuse/checkpoint/dcp_read.py.
 """
 from __future__ import annotations
 
-import io
 import math
 import os
-import pickle
 
 import torch
 import torch.distributed as dist
@@ -25,12 +22,12 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
 from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from zerofuse.checkpoint import files
+from zerofuse.checkpoint.dcp_read import SafeLoadPlanner, SafeReader
 from zerofuse.checkpoint.native import _saving_ranks, _table
-from zerofuse.checkpoint.optim_checks import (check_kind, check_optimizer, check_owner, plain_options, restore_scale,
-                                              saved_kind)
+from zerofuse.checkpoint.optim_checks import (check_kind, check_optimizer, check_owner, check_torch_options,
+                                              plain_options, restore_scale, saved_kind)
 from zerofuse.tp.spec import spec_of
 from zerofuse.zero.engine import engine_of
 
@@ -113,10 +110,11 @@ def _state_dict(eng, model, optimizer, loading: bool = False) -> dict:
     for name, p in zip(eng.names, eng.params):
         dtype = torch.float32 if optimizer is not None and "master" in optimizer.unit_states[0] else p.dtype
         model_sd[name] = _sharded(eng, name, p.shape, dtype, mine.get(name, {}).get("value", []), everyone[name])
-    managed = {id(p) for p in eng.params}
     for n, t in model.state_dict(keep_vars=True).items():
-        if id(t) not in managed:
+        if id(t) not in eng.param_index:
             model_sd[n] = t.detach()
+        elif n not in model_sd:  # a tied weight's second name (torch's get_state_dict writes both)
+            model_sd[n] = model_sd[eng.names[eng.param_index[id(t)]]]
     sd = {"model": model_sd}
     if optimizer is not None:
         state = {}
@@ -147,6 +145,35 @@ def _refuse_tp(eng) -> None:
                                   "format (it reshards across ep sizes) and export from a consolidated copy")
 
 
+def _aliases(eng, model) -> dict[str, str]:
+    """A tied weight's second names -> its first (consolidate gives them one tensor, as the native
+    format's; export_hf then records the tie)."""
+    return {n: eng.names[eng.param_index[id(t)]] for n, t in model.state_dict(keep_vars=True).items()
+            if id(t) in eng.param_index and eng.names[eng.param_index[id(t)]] != n}
+
+
+def _meta(root: str) -> dict:
+    """zerofuse's meta.json of a DCP checkpoint ({} for one written by torch)."""
+    file = os.path.join(root, files.META)
+    return files.read_json(file) if os.path.isfile(file) else {}
+
+
+def _is_nested(md, meta: dict, names=None) -> bool:
+    """Whether the checkpoint is torch's {"model": ..., "optim": ...} (keys "model.<fqn>") rather than a
+    model's state dict saved flat. A Hugging Face model's flat keys also start with "model." (it was
+    read as nested: everything else dropped); all of them starting so, the reading holding more of
+    the model's ``names`` wins."""
+    keys = list(md.state_dict_metadata)
+    if meta.get("format") == "dcp" or any(k.startswith("optim.") for k in keys):
+        return True
+    if not keys or not all(k.startswith("model.") for k in keys):
+        return False
+    if names is None:
+        return True
+    return sum(f"model.{n}" in md.state_dict_metadata for n in names) >= sum(n in md.state_dict_metadata
+                                                                               for n in names)
+
+
 def save(path: str, model, optimizer=None, *, extra=None) -> None:
     """Collective, as zerofuse.checkpoint.save; the directory follows [Note: checkpoint commit
     protocol] (a meta.json naming the format is written after DCP's files)."""
@@ -169,69 +196,11 @@ def save(path: str, model, optimizer=None, *, extra=None) -> None:
                                                  "growth_tracker": int(optimizer._growth_tracker.item())}
         files.write_tensors(os.path.join(tmp, "zerofuse_extra.pt"), {"extra": extra} | scale)
         files.fsync_dir(tmp)
-        files.write_json(os.path.join(tmp, files.META), {"format": "dcp", "world_size": eng.world_size,
-                                                         "stage": eng.stage, "precision": eng.precision})
+        files.write_json(os.path.join(tmp, files.META), {
+            "format": "dcp", "world_size": eng.world_size, "stage": eng.stage, "precision": eng.precision,
+            "optimizer": None if optimizer is None else optimizer.kind, "aliases": _aliases(eng, model)})
         files.commit(path)
     dist.barrier(group=group)
-
-
-# Everything DCP's .metadata pickles (torch 2.8-2.13): its metadata dataclasses and torch's own
-# value types. Anything else is refused.
-_ALLOWED = {
-    ("torch.distributed.checkpoint.metadata", n) for n in (
-        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
-        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")} | {
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch.distributed.checkpoint.storage", "_StorageInfo"),
-    ("torch", "Size"), ("torch", "float32"), ("torch", "strided"), ("torch", "contiguous_format"),
-    ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"), ("builtins", "set"),
-    ("pathlib", "PosixPath"), ("enum", "Enum"),
-}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module, name):
-        if (module, name) in _ALLOWED or (module == "torch" and isinstance(getattr(torch, name, None),
-                                                                           (torch.dtype, torch.layout,
-                                                                            torch.memory_format))):
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"{module}.{name} is not a DCP metadata type")
-
-
-class SafeReader(dcp.FileSystemReader):
-    """DCP's reader with a .metadata unpickler limited to DCP's own metadata types."""
-
-    def read_metadata(self, *args, **kwargs):
-        file = os.path.join(str(self.path), DCP_META)
-        try:
-            with open(file, "rb") as f:
-                md = _MetadataUnpickler(f).load()
-        except pickle.UnpicklingError as e:
-            raise ValueError(f"{NAME}: refused to load {file!r}: {e} (loading it could run code)") from None
-        if getattr(md, "storage_meta", None) is None:
-            from torch.distributed.checkpoint.metadata import StorageMeta
-            md.storage_meta = StorageMeta()
-        md.storage_meta.load_id = self.load_id
-        if md.planner_data is None:
-            md.planner_data = {k: (k,) for k in md.state_dict_metadata}  # as DCP's own reader fills it
-        return md
-
-
-class SafeLoadPlanner(DefaultLoadPlanner):
-    """Non-tensor values (param groups, step counts saved as numbers) load with weights_only=True."""
-
-    def load_bytes(self, read_item, value: io.BytesIO) -> None:
-        try:
-            obj = torch.load(value, weights_only=True)
-        except pickle.UnpicklingError as e:
-            raise ValueError(f"{NAME}: refused to load {read_item.dest_index.fqn!r} of a DCP checkpoint: it is not "
-                             f"plain data (loading it could run code): {str(e).splitlines()[0]}") from None
-        fqn = read_item.dest_index.fqn
-        if self.flatten_state_dict:
-            from torch.distributed.checkpoint._nested_dict import set_element  # noqa: PLC0415
-            set_element(self.original_state_dict, self.mappings[fqn], obj)
-        else:
-            self.state_dict[fqn] = obj
 
 
 @torch.no_grad()
@@ -244,7 +213,8 @@ def load(path: str, model, optimizer=None):
     root = files.resolve(os.path.abspath(path)) if not is_dcp(path) else os.path.abspath(path)
     reader = SafeReader(root)
     md = reader.read_metadata()
-    nested = any(k.startswith("model.") for k in md.state_dict_metadata)
+    meta = _meta(root)
+    nested = _is_nested(md, meta, eng.names)
     opt_meta = None
     check_owner(optimizer, eng, who)
     if optimizer is not None:
@@ -281,7 +251,8 @@ def load(path: str, model, optimizer=None):
     if optimizer is not None:  # checked before anything is loaded
         saved_groups = _param_groups(reader, md)
         _check_groups(optimizer, eng, saved_groups, who, root)
-        check_kind(saved_kind(saved_groups), optimizer.kind, who, "zerofuse.zero.Optimizer")
+        check_kind(meta.get("optimizer") or saved_kind(saved_groups), optimizer.kind, who, "zerofuse.zero.Optimizer")
+        check_torch_options(saved_groups, who, root)
         steps = _group_steps(optimizer, eng, _saved_steps(reader, md), who, root)
         for entry in want["optim"]["state"].values():
             entry.pop("step", None)  # one count per group, set below (each param's was written into it)
@@ -370,12 +341,16 @@ def consolidate(path: str) -> dict:
     root = os.path.abspath(path) if is_dcp(path) else files.resolve(os.path.abspath(path))
     reader = SafeReader(root)
     md = reader.read_metadata()
-    nested = any(k.startswith("model.") for k in md.state_dict_metadata)
+    meta = _meta(root)
+    nested = _is_nested(md, meta)
     flat = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in md.state_dict_metadata.items()
             if isinstance(m, TensorStorageMetadata) and (not nested or k.startswith(("model.", "optim.state.")))}
     want = dict(flat)  # DCP's keys: the nested dict's path joined by dots
     dcp.load(want, storage_reader=reader, planner=SafeLoadPlanner(flatten_state_dict=False), no_dist=True)
     model = {k.removeprefix("model.") if nested else k: t for k, t in want.items() if not nested or k.startswith("model.")}
+    for alias, first in meta.get("aliases", {}).items():
+        if first in model:
+            model[alias] = model[first]
     optim = None
     if nested and any(k.startswith("optim.param_groups") for k in md.state_dict_metadata):
         index = {n: i for i, n in enumerate(model)}

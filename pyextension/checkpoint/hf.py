@@ -5,6 +5,7 @@ state_dict keys of the saved model); a tied weight is written once and the tie r
 from __future__ import annotations
 
 import os
+import re
 
 import torch
 
@@ -52,8 +53,18 @@ def export_hf(path: str, out_dir: str, *, config: dict | None = None, dtype: tor
     config = dict(config)
     config["tie_word_embeddings"] = bool(ties)
     config["zerofuse_tied"] = ties
-    config.setdefault("torch_dtype", str(next(iter(tensors.values())).dtype).removeprefix("torch.") if tensors else None)
+    written_dtype = str(next(iter(tensors.values())).dtype).removeprefix("torch.") if tensors else None
+    if dtype is not None:  # the dtype the files hold, whatever the given config said (it kept its own)
+        config["torch_dtype"] = written_dtype
+    else:
+        config.setdefault("torch_dtype", written_dtype)
     os.makedirs(out_dir, exist_ok=True)
+    # an earlier export's weights would stay beside these (transformers opens model.safetensors
+    # before an index: a one-file export under a sharded one was what it loaded)
+    for old in os.listdir(out_dir):
+        if old in ("model.safetensors", "model.safetensors.index.json") or re.fullmatch(
+                r"model-\d{5}-of-\d{5}\.safetensors", old):
+            os.remove(os.path.join(out_dir, old))
     shards, cur, size = [], {}, 0
     for n, t in tensors.items():
         b = t.numel() * t.element_size()

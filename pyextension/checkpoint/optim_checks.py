@@ -56,6 +56,21 @@ def saved_kind(groups: list[dict]) -> str | None:
     return None if len(flags) != 1 else ("adamw" if flags.pop() else "adam")
 
 
+# torch optimizer options that change the update zerofuse's optimizers do not make
+_UNSUPPORTED = ("maximize", "amsgrad", "nesterov")
+
+
+def check_torch_options(groups: list[dict], who: str, root: str) -> None:
+    """A torch optimizer's saved groups with an option zerofuse's optimizer lacks are refused (a run
+    saved with maximize=True resumed as gradient descent, amsgrad's max_exp_avg_sq was dropped)."""
+    for i, g in enumerate(groups):
+        for key in _UNSUPPORTED:
+            if g.get(key):
+                raise ValueError(f"{who}: the checkpoint at {root!r} was saved by an optimizer with {key}={g[key]!r} "
+                                 f"(param group {i}); zerofuse.zero.Optimizer has no {key}: load with optimizer=None "
+                                 "to take the weights only")
+
+
 def check_kind(saved: str | None, mine: str | None, who: str, where: str) -> None:
     """An optimizer given another update rule's state (adamw's moments in an SGD, or in an Adam that
     then applied L2 decay instead of decoupled decay) is refused; unknown on either side passes."""
