@@ -315,10 +315,23 @@ def test_replace_norms_keeps_outputs_gradients_and_parameters(norm, path):
         assert_close(p.grad, grads0[n], atol=1e-5, rtol=1e-4, msg=lambda m: f"{n}: {m}")
 
 
-def test_replace_norms_on_a_bare_norm_returns_the_replacement():
+def test_replace_norms_on_a_bare_norm_returns_it_replaced():
     ln = torch.nn.LayerNorm(8, bias=False)
     new = zerofuse.nn.replace_norms(ln)
-    assert type(new) is zerofuse.nn.LayerNorm and new.weight is ln.weight and new.bias is None
+    assert type(new) is zerofuse.nn.LayerNorm and new is ln and new.bias is None
+
+
+def test_replace_norms_keeps_hooks_and_attributes():
+    """The norm is the same module afterwards (a new one lost its forward hooks, state_dict hooks
+    and attributes: accelerate-style wrappers and user hooks stopped running silently)."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.RMSNorm(8))
+    seen = []
+    model[1].register_forward_pre_hook(lambda m, a: seen.append("pre"))
+    model[1].register_forward_hook(lambda m, a, out: seen.append("post"))
+    model[1].tag = "kept"
+    zerofuse.nn.replace_norms(model)
+    model(torch.randn(2, 8))
+    assert type(model[1]) is zerofuse.nn.RMSNorm and model[1].tag == "kept" and seen == ["pre", "post"]
 
 
 # ---- errors ----

@@ -27,33 +27,26 @@ class RMSNorm(torch.nn.RMSNorm):
         return F.add_rms_norm(input, residual, self.normalized_shape, self.weight, self.eps, input_bias=input_bias)
 
 
-def _swap(mod: torch.nn.Module) -> torch.nn.Module | None:
-    """The zerofuse twin of a torch LayerNorm/RMSNorm, sharing its Parameter objects (so optimizer
-    state and tied references stay valid); None for anything else."""
+def _swap(mod: torch.nn.Module) -> bool:
+    """Make a torch LayerNorm/RMSNorm zerofuse's, in place: its class only changes (the zerofuse
+    norms are subclasses with no state of their own), so its Parameter objects, hooks and
+    attributes stay (a new module lost the forward hooks and state_dict hooks)."""
     if type(mod) is torch.nn.LayerNorm:
-        new = LayerNorm(mod.normalized_shape, mod.eps, mod.elementwise_affine, bias=mod.bias is not None, device="meta")
+        mod.__class__ = LayerNorm
     elif type(mod) is torch.nn.RMSNorm:
-        new = RMSNorm(mod.normalized_shape, mod.eps, mod.elementwise_affine, device="meta")
+        mod.__class__ = RMSNorm
     else:
-        return None
-    for name, p in mod.named_parameters(recurse=False):
-        setattr(new, name, p)
-    new.train(mod.training)
-    return new
+        return False
+    return True
 
 
 def replace_norms(model: torch.nn.Module) -> torch.nn.Module:
     """Swap every torch.nn.LayerNorm / RMSNorm in ``model`` for zerofuse's, in place, keeping weights.
 
-    Returns the model (a new module only if ``model`` itself is a norm). Subclasses of torch's
-    norms are left alone: they may override forward.
+    Returns the model (the same object, also when ``model`` itself is a norm). Each norm keeps its
+    Parameter objects, hooks and attributes. Subclasses of torch's norms are left alone: they may
+    override forward.
     """
-    root = _swap(model)
-    if root is not None:
-        return root
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            new = _swap(child)
-            if new is not None:
-                setattr(parent, name, new)
+    for m in list(model.modules()):
+        _swap(m)
     return model

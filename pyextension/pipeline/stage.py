@@ -33,6 +33,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from zerofuse.tp.spec import swap_keeping_marks
+
 NAME = "zerofuse.pipeline"
 _STAGE = re.compile(r"^(E)?(\d+)?(L)?$")
 
@@ -178,7 +180,7 @@ def _materialize(modules: list[torch.nn.Module], device, init: Callable | None) 
         for sub in module.modules():
             for p in sub.parameters(recurse=False):
                 if p.is_meta:
-                    _swap(p, torch.empty_like(p, device=device))
+                    swap_keeping_marks(p, torch.empty_like(p, device=device))
             for key, b in sub._buffers.items():
                 if b is not None and b.is_meta:
                     sub._buffers[key] = torch.empty_like(b, device=device)
@@ -195,31 +197,12 @@ def _materialize(modules: list[torch.nn.Module], device, init: Callable | None) 
                                      "has no reset_parameters() to initialise them")
 
 
-def _swap(p: torch.nn.Parameter, data: torch.Tensor) -> None:
-    """p takes data's storage in place; the Parameter object and its attributes (e.g. its
-    tensor-parallel spec) stay."""
-    new = torch.nn.Parameter(data, requires_grad=p.requires_grad)
-    new.__dict__.update(p.__dict__)  # swap_tensors swaps the __dict__s too
-    hooks = list((p._backward_hooks or {}).values())  # e.g. sequence parallelism's grad all-reduce
-    post = list((getattr(p, "_post_accumulate_grad_hooks", None) or {}).values())
-    torch.utils.swap_tensors(p, new)
-    # the C++ side of the hooks stays with the old storage: register them again (their old
-    # handles no longer remove them)
-    p._backward_hooks = None
-    for h in hooks:
-        p.register_hook(h)
-    if post:
-        p._post_accumulate_grad_hooks = None
-        for h in post:
-            p.register_post_accumulate_grad_hook(h)
-
-
 def _release(modules: list[torch.nn.Module], keep: set[int]) -> None:
     """Move the params of modules this rank does not hold to meta (frees them; shared ones kept)."""
     for module in modules:
         for p in module.parameters():
             if id(p) not in keep and not p.is_meta:
-                _swap(p, torch.empty_like(p, device="meta"))
+                swap_keeping_marks(p, torch.empty_like(p, device="meta"))
 
 
 def split_gpt(model, num_stages: int, stage_ids: Sequence[int], *, layout=None, device=None) -> list[Stage]:

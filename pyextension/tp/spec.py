@@ -168,6 +168,15 @@ def put_marks(p: torch.Tensor, marks: tuple) -> None:
         p._post_accumulate_grad_hooks = post
 
 
+def swap_keeping_marks(p: torch.nn.Parameter, t: torch.Tensor) -> None:
+    """Give the param ``p`` the tensor ``t`` in place (the same Python object, so the model, the
+    optimizer and the hooks' owners keep it; .data cannot move a tensor on or off meta), with its
+    attributes and gradient hooks (the one mechanism: ZeRO's materialization, a pipeline stage's)."""
+    marks = param_marks(p)
+    torch.utils.swap_tensors(p, torch.nn.Parameter(t, requires_grad=p.requires_grad))
+    put_marks(p, marks)
+
+
 class KeepsMarks:
     """Mixin for a torch.nn.Module whose params (its own or its submodules') carry marks: they
     survive ``_apply`` (to_empty, to, cuda, ...) and load_state_dict(assign=True). Call

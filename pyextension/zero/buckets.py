@@ -68,7 +68,7 @@ import dataclasses
 
 import torch
 
-from zerofuse.zero.materialize import swap_off_meta
+from zerofuse.tp.spec import swap_keeping_marks
 
 FREE, GATHERING, GATHERED = "free", "gathering", "gathered"
 LOW_PRECISION = (torch.bfloat16, torch.float16)
@@ -117,8 +117,10 @@ class Bucket:
             for p, o in zip(self.params, self.offsets):
                 view = self.full[o:o + p.numel()].view(p.shape)
                 if p.is_meta:  # .data cannot move a tensor off meta: swap in an empty one first (the
-                    # param keeps its own version counter, not one shared with ``full``'s other views)
-                    swap_off_meta(p, torch.empty(0, dtype=dtype, device=device))
+                    # param keeps its own version counter, not one shared with ``full``'s other views;
+                    # and its TP spec and SP grad hooks: lost, a checkpoint held each TP rank's slice
+                    # as the full tensor and the replicated grads stayed partial sums)
+                    swap_keeping_marks(p, torch.empty(0, dtype=dtype, device=device))
                 else:
                     view.copy_(p.detach())
                 p.data = view

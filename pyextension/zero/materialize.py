@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from zerofuse.tp.spec import param_marks, put_marks
+from zerofuse.tp.spec import swap_keeping_marks
 
 
 class Initializer:
@@ -63,19 +63,6 @@ class Initializer:
         self.done.add(id(m))
 
 
-def swap_off_meta(p: torch.nn.Parameter, t: torch.Tensor) -> None:
-    """Give the meta param ``p`` (the same Python object, so the model, the optimizer and the hooks'
-    owners keep it) the tensor ``t``: ``.data`` cannot move a tensor off meta, so swap_tensors,
-    which also swaps the objects' __dict__ and leaves the gradient hooks on the old TensorImpl.
-    What p carries is put back: its attributes (zerofuse.tp's ``_zf_tp`` spec) and its hooks
-    (sequence parallelism's sum of replicated grads over the TP group). Without this a TP model
-    built on meta under ZeRO lost both: its checkpoints held each TP rank's slice as the full
-    tensor, and its norm weights' grads were this rank's partial sums."""
-    marks = param_marks(p)
-    torch.utils.swap_tensors(p, torch.nn.Parameter(t, requires_grad=p.requires_grad))
-    put_marks(p, marks)
-
-
 def materialize_rest(model, device, dtype) -> list:
     """A meta model's buffers and frozen params, allocated (uninitialised, as ``Module.to_empty``)
     on ``device``; floating ones in the run's dtype; returns the modules holding them (the
@@ -89,7 +76,8 @@ def materialize_rest(model, device, dtype) -> list:
                 made.append(m)
         for p in m.parameters(recurse=False):
             if p.is_meta and not p.requires_grad:
-                swap_off_meta(p, torch.empty_like(p, device=device, dtype=dtype if p.is_floating_point() else p.dtype))
+                t = torch.empty_like(p, device=device, dtype=dtype if p.is_floating_point() else p.dtype)
+                swap_keeping_marks(p, t)
                 made.append(m)
         del made[before + 1:]  # once each
     return made
