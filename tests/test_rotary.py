@@ -216,3 +216,22 @@ def test_rotate_packed_refuses_what_it_cannot_rotate():
         rope.rotate_packed(torch.randn(1, 9, 48), 2, 16)
     with pytest.raises(ValueError, match=r"rotate_packed: expected qkv \(batch, seq, heads \* 16\) of at least 4 heads"):
         rope.rotate_packed(torch.randn(1, 4, 48), 4, 16)
+
+
+@pytest.mark.parametrize("shape", [(0, 8, 32), (2, 0, 32)], ids=["empty-batch", "empty-sequence"])
+def test_attention_with_rope_takes_an_empty_batch_or_sequence(shape, kernel_path):
+    """As its twin on torch's sdpa (view(b, n, -1, head_dim) of 0 elements was ambiguous: a rank's
+    empty micro-batch raised), forward and backward."""
+    import torch.nn.functional as TF
+
+    from zerofuse.nn import Attention
+
+    torch.manual_seed(0)
+    ours = Attention(32, 4, 2, rope=RotaryEmbedding(8, 16))
+    twin = Attention(32, 4, 2, rope=RotaryEmbedding(8, 16), sdpa=TF.scaled_dot_product_attention)
+    twin.load_state_dict(ours.state_dict())
+    x = torch.randn(shape, requires_grad=True)
+    y, want = ours(x), twin(x)
+    assert y.shape == want.shape == shape
+    y.sum().backward()
+    assert x.grad.shape == shape

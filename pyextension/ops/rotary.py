@@ -173,8 +173,8 @@ def _(q, k, cos, sin, positions, interleaved, inverse):
 
 def _qk_heads(t: Tensor, n_heads: int, head_dim: int) -> Tensor:
     """The first n_heads heads of t (B, N, heads * head_dim) as a (B, n_heads, N, head_dim) view."""
-    b, n = t.shape[:2]
-    return t.view(b, n, -1, head_dim)[:, :, :n_heads].transpose(1, 2)
+    b, n = t.shape[:2]  # (heads spelled out: -1 is ambiguous for an empty batch or sequence)
+    return t.view(b, n, t.shape[-1] // head_dim, head_dim)[:, :, :n_heads].transpose(1, 2)
 
 
 def _rotated_copy(t: Tensor, cos: Tensor, sin: Tensor, n_heads: int, head_dim: int, interleaved: bool,
@@ -184,9 +184,9 @@ def _rotated_copy(t: Tensor, cos: Tensor, sin: Tensor, n_heads: int, head_dim: i
     if _on_triton(t):
         t = t if t.is_contiguous() else t.contiguous()  # (a gradient may come expanded or strided)
         out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
-        b, n = t.shape[:2]
-        x_all = t.view(b, n, -1, head_dim).transpose(1, 2)
-        K.rope(x_all, out.view(b, n, -1, head_dim).transpose(1, 2), cos.contiguous(), sin.contiguous(), None,
+        b, n, h = t.shape[0], t.shape[1], t.shape[-1] // head_dim
+        x_all = t.view(b, n, h, head_dim).transpose(1, 2)
+        K.rope(x_all, out.view(b, n, h, head_dim).transpose(1, 2), cos.contiguous(), sin.contiguous(), None,
                interleaved, inverse, rotate_heads=n_heads)
         return out
     out = t.clone(memory_format=torch.contiguous_format)
