@@ -188,8 +188,15 @@ def test_unsupported_arguments_fall_back_with_one_warning():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         zf_sdpa(q, k, v, attn_mask=mask)  # the second time: no warning
+    # a single key/value head or query head broadcasts without enable_gqa, as torch's does (it was
+    # refused); 2 query heads against 3 key heads do not
+    for args in ((q, k[:, :1], v[:, :1]), (q[:, :1], k, v)):
+        with pytest.warns(UserWarning, match="heads broadcast without enable_gqa"):
+            out = zf_sdpa(*args, is_causal=True)
+        torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(*args, is_causal=True))
+        zerofuse.nn.functional._warned.clear()
     with pytest.raises(ValueError, match="pass enable_gqa=True"):
-        zf_sdpa(q, k[:, :1], v[:, :1])
+        zf_sdpa(q, torch.cat([k, k[:, :1]], 1), torch.cat([v, v[:, :1]], 1))
 
 
 def test_opcheck_and_compile():

@@ -50,13 +50,17 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
     """torch.nn.functional.scaled_dot_product_attention with zerofuse's fused kernel: (B, H, N, D)
     tensors, causal or not, grouped-query attention with enable_gqa=True. What the kernel does not
     take (an attn_mask, dropout_p > 0, other ranks, head_dim > 256, a value head_dim of its own,
-    key/value batches broadcast, float64 on CUDA, an empty query or batch) runs torch's
+    key/value batches broadcast, a single head broadcast without enable_gqa, float64 on CUDA, an
+    empty query or batch) runs torch's
     implementation after a one-time warning: never a silently different result. Query, key and value
     must share a device and a dtype (as for torch's); under autocast they are cast to its dtype first,
     as torch's sdpa's are. No double backward (create_graph=True raises).
     document_ids (B, N) integers, causal only: packed documents, each a run of equal ids along N; a
     query sees only the earlier keys of its own document (varlen attention without unpadding; the
-    kernel skips the key blocks of other documents)."""
+    kernel skips the key blocks of other documents). Their bounds are made once per ids tensor and
+    version (every layer of a forward passes the same ids): refill a reused ids buffer with an op
+    that bumps its version (copy_, indexing), not a torch.distributed collective, ``.data`` or
+    numpy writes, which torch does not count (then pass ``ids.clone()``)."""
     sig = None
     if not torch.compiler.is_compiling():  # a plan for these arguments' signature: no checks, no choices
         sig = signature(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, document_ids,
@@ -72,11 +76,15 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
     docs = None
     if document_ids is not None:
         docs = _documents(query, key, is_causal, document_ids)
-    if query.dim() == 4 and key.dim() == 4 and query.shape[1] != key.shape[1] and not enable_gqa:
+    # heads that differ without enable_gqa: torch broadcasts a single one (refused here before)
+    broadcast = query.dim() == 4 and key.dim() == 4 and query.shape[1] != key.shape[1] and not enable_gqa
+    if broadcast and 1 not in (query.shape[1], key.shape[1]):
         raise ValueError(f"zerofuse.nn.functional.scaled_dot_product_attention: query has {query.shape[1]} heads, "
                          f"key {key.shape[1]}: pass enable_gqa=True for grouped-query attention")
     reason = None
-    if attn_mask is not None:
+    if broadcast:
+        reason = f"heads broadcast without enable_gqa (query {query.shape[1]}, key {key.shape[1]})"
+    elif attn_mask is not None:
         reason = "attn_mask is not supported by the fused kernel"
     elif dropout_p > 0.0:
         reason = "dropout_p > 0 is not supported by the fused kernel"
