@@ -438,6 +438,22 @@ def test_cuda_matches_reference(norm, dtype, hidden):
     _check(norm, (1024 if hidden <= 8192 else 64, hidden), (hidden,), dtype, "cuda", residual=True)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("norm", [torch.nn.LayerNorm, torch.nn.RMSNorm])
+def test_cuda_autocast_runs_the_norms_in_fp32_as_torch_does(norm):
+    """Under torch.autocast("cuda") torch's layer_norm / rms_norm compute and return fp32 for bf16
+    inputs (its fp32 list); the faces returned bf16."""
+    torch.manual_seed(0)
+    ref = norm(96).cuda()
+    ours = {torch.nn.LayerNorm: zerofuse.nn.LayerNorm, torch.nn.RMSNorm: zerofuse.nn.RMSNorm}[norm](96).cuda()
+    ours.load_state_dict(ref.state_dict())
+    x = torch.randn(7, 96, device="cuda", dtype=torch.bfloat16)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        want, got = ref(x), ours(x)
+    assert got.dtype == want.dtype == torch.float32
+    assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 # ---- the C++ CPU kernels directly ----
 
 
