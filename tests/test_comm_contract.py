@@ -281,3 +281,20 @@ def test_the_checker_keeps_the_store_bounded_and_takes_equivalent_calls_as_equal
         assert out["a2a"].startswith("CollectiveMismatch: zerofuse.comm: all_to_all #") and "rank 0 sends None" in \
             out["a2a"], out["a2a"]
         assert out["grown"] <= 4, out["grown"]
+
+
+def _strided_shard_on_one_rank(rank, world_size):
+    comm = Communicator(timeout=20)
+    out = torch.empty(8)[::2] if rank == 1 else torch.empty(4)  # rank 1's shard is refused by the call's checks
+    return error_text(lambda: comm.reduce_scatter_coalesced([torch.ones(8)], out, op="sum").wait())
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_the_checker_sees_a_shard_only_one_rank_would_refuse(monkeypatch):
+    """A strided out_shard on one rank: every rank reports the mismatch at once (rank 1 refused it
+    after publishing a signature equal to rank 0's, which then waited in the collective)."""
+    monkeypatch.setenv("ZEROFUSE_CHECK_COLLECTIVES", "1")
+    t0 = time.monotonic()
+    for err in run_distributed(_strided_shard_on_one_rank, 2, timeout=60):
+        assert err.startswith("CollectiveMismatch") and "(4,):float32:strided" in err, err
+    assert time.monotonic() - t0 < 15

@@ -20,13 +20,21 @@ class CollectiveMismatch(RuntimeError):
     """Ranks issued different collectives at the same point of their sequence."""
 
 
+def _tensor(t: torch.Tensor, layout: bool = False) -> str:
+    """A tensor as a signature shows it: shape, dtype, and (``layout``: a shard, which the
+    collective's own checks refuse unless contiguous) "strided": refused on one rank alone after
+    publishing, its peers entered the collective and waited for the timeout."""
+    strided = layout and not t.is_contiguous()
+    return f"{tuple(t.shape)}:{str(t.dtype).removeprefix('torch.')}" + (":strided" if strided else "")
+
+
 def _signature(name: str, **parts) -> str:
     items = []
     for key, value in parts.items():
         if isinstance(value, torch.Tensor):
-            value = f"{tuple(value.shape)}:{str(value.dtype).removeprefix('torch.')}"
+            value = _tensor(value, layout=True)
         elif isinstance(value, (list, tuple)) and value and isinstance(value[0], torch.Tensor):
-            value = "[" + ", ".join(f"{tuple(t.shape)}:{str(t.dtype).removeprefix('torch.')}" for t in value) + "]"
+            value = "[" + ", ".join(map(_tensor, value)) + "]"
         items.append(f"{key}={value}")
     return f"{name}({', '.join(items)})"
 
