@@ -260,7 +260,7 @@ def bench_moe_permute_unpermute(measure, device, provider, moe_shape, monkeypatc
     if provider == "torch":
         from zerofuse.ops import moe as ops_moe
 
-        monkeypatch.setattr(ops_moe, "_use_triton", lambda _x: False)
+        monkeypatch.setattr(ops_moe, "_use_triton", lambda *_: False)
     elif device.type != "cuda":
         pytest.skip("the Triton kernels run on a GPU (the interpreter is for correctness, not speed)")
     t, d, _, e, k = moe_shape
