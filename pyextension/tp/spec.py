@@ -58,7 +58,9 @@ def vocab_range(n_local: int, vocab_size: int | None, comm, who: str, device,
 
     tp, rank = comm.world_size, comm.rank
     key = (id(comm), n_local, vocab_size)
-    if vocab_size is None or (key not in _AGREED and not torch.compiler.is_compiling()):
+    # (not while tracing or capturing a CUDA graph: the check reads the sizes on the host)
+    capturing = torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing()
+    if vocab_size is None or (key not in _AGREED and not torch.compiler.is_compiling() and not capturing):
         sizes = torch.zeros(tp, dtype=torch.int64, device=device)
         sizes[rank] = n_local
         C.all_reduce(sizes, comm)
