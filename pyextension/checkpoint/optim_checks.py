@@ -86,10 +86,14 @@ def check_optimizer(optimizer, opt_meta, eng, who) -> None:
     if opt_meta is None:
         raise ValueError(f"{who}: the checkpoint holds no optimizer state (saved without an optimizer)")
     check_kind(opt_meta["kind"], optimizer.kind, who, "zerofuse.zero.Optimizer")
-    by_name = {n: i for i, n in enumerate(eng.names)}
     saved_groups = opt_meta["param_groups"]
-    if len(saved_groups) != len(optimizer.param_groups) or any(
-            sorted(by_name[n] for n in saved["params"] if n in by_name) != sorted(eng.param_index[id(p)]
-                                                                                   for p in g["params"])
-            for g, saved in zip(optimizer.param_groups, saved_groups)):
-        raise ValueError(f"{who}: the checkpoint's param groups hold different params than the optimizer's")
+    if len(saved_groups) != len(optimizer.param_groups):
+        raise ValueError(f"{who}: the checkpoint has {len(saved_groups)} param groups, the optimizer "
+                         f"{len(optimizer.param_groups)}")
+    known = set(eng.names)
+    for i, (g, saved) in enumerate(zip(optimizer.param_groups, saved_groups)):
+        mine = {eng.names[eng.param_index[id(p)]] for p in g["params"]}
+        theirs = {n for n in saved["params"] if n in known}
+        if mine != theirs:  # (named: it said only that the groups differ)
+            raise ValueError(f"{who}: the checkpoint's param group {i} holds other params than the optimizer's: "
+                             f"only saved {sorted(theirs - mine)[:5]}, only in the optimizer {sorted(mine - theirs)[:5]}")
