@@ -113,8 +113,8 @@ def _state_dict(eng, model, optimizer, loading: bool = False) -> dict:
     for n, t in model.state_dict(keep_vars=True).items():
         if id(t) not in eng.param_index:
             model_sd[n] = t.detach()
-        elif n not in model_sd:  # a tied weight's second name (torch's get_state_dict writes both)
-            model_sd[n] = model_sd[eng.names[eng.param_index[id(t)]]]
+    for alias, first in _aliases(eng, model).items():  # (torch's get_state_dict writes both names)
+        model_sd[alias] = model_sd[first]
     sd = {"model": model_sd}
     if optimizer is not None:
         state = {}

@@ -85,15 +85,11 @@ def _flat(t: Tensor | None, n: int) -> Tensor | None:
     return t if t is None or t.dim() == 1 else t.reshape(n)
 
 
-def _fp32_under_cuda_autocast(*tensors):
-    """torch runs layer_norm and rms_norm in fp32 under CUDA autocast (its fp32 list: a bf16 input
-    gives an fp32 output); CPU autocast leaves them alone."""
-    return cast_all(torch.float32, *tensors)
-
-
 def _layer_norm(fn, input, residual, normalized_shape, weight, bias, eps, input_bias=None):
+    # torch runs layer_norm and rms_norm in fp32 under CUDA autocast (its fp32 list: a bf16 input gives
+    # an fp32 output); CPU autocast leaves them alone
     if isinstance(input, Tensor) and input.is_cuda and torch.is_autocast_enabled("cuda"):
-        input, residual, weight, bias, input_bias = _fp32_under_cuda_autocast(input, residual, weight, bias, input_bias)
+        input, residual, weight, bias, input_bias = cast_all(torch.float32, input, residual, weight, bias, input_bias)
     if not torch.compiler.is_compiling():  # a plan for these arguments' signature: no checks, no choices
         key = signature(False, input, residual, normalized_shape, weight, bias, eps, input_bias, _kernels.TRITON_ON_CPU,
                         autograd_modes())
@@ -184,7 +180,7 @@ def _as(t: Tensor, like: Tensor) -> Tensor:
 
 def _rms_norm(fn, input, residual, normalized_shape, weight, eps, input_bias=None):
     if isinstance(input, Tensor) and input.is_cuda and torch.is_autocast_enabled("cuda"):
-        input, residual, weight, input_bias = _fp32_under_cuda_autocast(input, residual, weight, input_bias)
+        input, residual, weight, input_bias = cast_all(torch.float32, input, residual, weight, input_bias)
     if not torch.compiler.is_compiling():
         key = signature(True, input, residual, normalized_shape, weight, eps, input_bias, _kernels.TRITON_ON_CPU,
                         autograd_modes())

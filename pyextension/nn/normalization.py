@@ -27,7 +27,7 @@ class RMSNorm(torch.nn.RMSNorm):
         return F.add_rms_norm(input, residual, self.normalized_shape, self.weight, self.eps, input_bias=input_bias)
 
 
-def _swap(mod: torch.nn.Module) -> bool:
+def _swap(mod: torch.nn.Module) -> None:
     """Make a torch LayerNorm/RMSNorm zerofuse's, in place: its class only changes (the zerofuse
     norms are subclasses with no state of their own), so its Parameter objects, hooks and
     attributes stay (a new module lost the forward hooks and state_dict hooks)."""
@@ -35,9 +35,6 @@ def _swap(mod: torch.nn.Module) -> bool:
         mod.__class__ = LayerNorm
     elif type(mod) is torch.nn.RMSNorm:
         mod.__class__ = RMSNorm
-    else:
-        return False
-    return True
 
 
 def replace_norms(model: torch.nn.Module) -> torch.nn.Module:

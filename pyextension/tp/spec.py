@@ -59,8 +59,8 @@ def vocab_range(n_local: int, vocab_size: int | None, comm, who: str, device,
     tp, rank = comm.world_size, comm.rank
     key = (id(comm), n_local, vocab_size)
     # (not while tracing or capturing a CUDA graph: the check reads the sizes on the host)
-    capturing = torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing()
-    if vocab_size is None or (key not in _AGREED and not torch.compiler.is_compiling() and not capturing):
+    if vocab_size is None or (key not in _AGREED and not torch.compiler.is_compiling() and not (
+            torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing())):
         sizes = torch.zeros(tp, dtype=torch.int64, device=device)
         sizes[rank] = n_local
         C.all_reduce(sizes, comm)
