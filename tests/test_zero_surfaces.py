@@ -227,3 +227,70 @@ def test_stage3_params_stay_true_to_the_shards_across_forwards_steps_and_full_pa
         assert o["losses"] and o["params"] and o["edit_kept"], (r, o)
         assert o["state_has_storage"] and o["state_value"], (r, o)
     assert out[0]["saved"]
+
+
+def _small(param_groups=None, precision="fp32"):
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(9, 17), torch.nn.Tanh(), torch.nn.Linear(17, 3))
+    zerofuse.zero.parallelize(m, stage=2, precision=precision)
+    groups = None if param_groups is None else [{"params": list(m[i].parameters())} for i in param_groups]
+    return m, zerofuse.zero.Optimizer(m, "adamw", lr=1e-2, param_groups=groups)
+
+
+def _params(m):
+    with zerofuse.zero.full_params(m):
+        return [p.detach().float().clone() for p in m.parameters()]
+
+
+def _loss(m, scale=1.0):
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(6, 9, generator=g) * 4, torch.randn(6, 3, generator=g)
+    return torch.nn.functional.mse_loss(m(x.to(m[0].weight.dtype)).float(), y * scale)
+
+
+@pytest.mark.parametrize("first", ["nan", "large"])
+def test_a_clip_whose_grads_zero_grad_dropped_does_not_reach_the_next_step(world_of_one, first):
+    """clip_grad_norm_, then the user drops the step (zero_grad: a non-finite or suspicious norm):
+    the next step is the step of a fresh optimizer (before the fix it was skipped after a nan norm,
+    or scaled by the dropped step's clip coefficient)."""
+    m, opt = _small()
+    ref, ref_opt = _small()
+    _loss(m, float("nan") if first == "nan" else 1e6).backward()
+    assert not torch.isfinite(opt.clip_grad_norm_(1.0)) or first == "large"
+    opt.zero_grad()
+    for model, o in ((m, opt), (ref, ref_opt)):
+        _loss(model).backward()
+        o.step()
+    assert opt.last_step_skipped is None and ref_opt.last_step_skipped is None  # no clip asked at the step
+    for a, b in zip(_params(m), _params(ref)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def _stepped(**kw):
+    m, opt = _small(**kw)
+    _loss(m).backward()
+    opt.step()
+    opt.zero_grad()
+    return m, opt
+
+
+@pytest.mark.parametrize("saved,loaded,match", [
+    (dict(), dict(param_groups=[0, 2]), "the state has 1 param groups, this optimizer 2"),
+    (dict(param_groups=[2, 0]), dict(param_groups=[0, 2]), r"state\[0\]\['exp_avg'\]: expected a tensor of shape "
+                                                            r"\(153,\), got shape \(51,\)"),
+    (dict(), dict(precision="bf16"), r"state\[0\]\['master'\]: expected a tensor of shape \(153,\), got no such "
+                                      "state \\(a state of another precision"),
+    (dict(precision="bf16"), dict(), r"state\[0\] holds \['master'\] that this optimizer does not keep"),
+])
+def test_load_state_dict_of_other_groups_or_precision_is_refused_before_anything_is_copied(
+        world_of_one, saved, loaded, match):
+    """torch.optim refuses a state of other param groups; a state of another precision has other
+    keys. Refused with the group, param and key named, and the optimizer left as it was (before:
+    groups were zipped silently, or a bare KeyError after the moments were overwritten)."""
+    _, src = _stepped(**saved)
+    _, opt = _stepped(**loaded)
+    before = [t.clone() for st in opt.state.values() for t in st.values()]
+    with pytest.raises(ValueError, match=match):
+        opt.load_state_dict(src.state_dict())
+    for a, b in zip(before, [t for st in opt.state.values() for t in st.values()]):
+        assert torch.equal(a, b)

@@ -379,6 +379,9 @@ class Optimizer(GradNorms, OptimizerState, torch.optim.Optimizer):
                                "(offload_overlap): call step() before zero_grad(), or build the Optimizer with "
                                "offload_overlap=False to decide after backward")
         self.engine.zero_grad(set_to_none)
+        # a clip_grad_norm_ of the grads dropped here is dropped with them (torch's clipping edits
+        # the grads; ours is applied by step(): a stale one skipped or scaled the next step)
+        self._clip_coef = self._found_inf = None
         if set_to_none and self.engine.stage in (2, 3):  # the shards are freed: so are the plans' views of them
             for plan in self._plans.values():
                 plan.release_grads()

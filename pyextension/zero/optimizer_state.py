@@ -82,6 +82,7 @@ class OptimizerState:
             raise ValueError(f"{NAME}.load_state_dict: the state is for a different layout (world size, rank, stage, "
                              f"optimizer or model): expected {_brief(mine)}, got {_brief(theirs)}; use "
                              "zerofuse.checkpoint to reshard")
+        self._check_loadable(state_dict)
         self.apply_pending()
         params = self._indexed()
         with torch.no_grad():
@@ -98,6 +99,43 @@ class OptimizerState:
             for g, saved in zip(self.param_groups, state_dict["param_groups"]):
                 g.update({k: v for k, v in saved.items() if k != "params"})
             self.write_params()
+
+    def _check_loadable(self, state_dict: dict) -> None:
+        """Everything load_state_dict copies matches before anything is copied (torch.optim refuses
+        other groups too; a mismatch found midway left the optimizer half loaded)."""
+        where = f"{NAME}.load_state_dict"
+        groups, extra = state_dict.get("param_groups"), state_dict["zerofuse"]
+        if not isinstance(groups, list) or len(groups) != len(self.param_groups):
+            got = len(groups) if isinstance(groups, list) else type(groups).__name__
+            raise ValueError(f"{where}: the state has {got} param groups, this optimizer {len(self.param_groups)}")
+        for gi, (g, saved) in enumerate(zip(self.param_groups, groups)):
+            if len(saved.get("params", ())) != len(g["params"]):
+                raise ValueError(f"{where}: param_groups[{gi}] holds {len(saved.get('params', ()))} params in the "
+                                 f"state, {len(g['params'])} in this optimizer")
+        if len(extra.get("steps", ())) != len(self.param_groups):
+            raise ValueError(f"{where}: the state has {len(extra.get('steps', ()))} step counters, this optimizer "
+                             f"{len(self.param_groups)} groups")
+        params = self._indexed()
+        state = state_dict.get("state")
+        ours = {i for i, p in enumerate(params) if p in self.state}
+        theirs = {int(i) for i in state} if isinstance(state, dict) else None
+        if theirs != ours:
+            raise ValueError(f"{where}: the state holds states for params {sorted(theirs or ())}, this optimizer "
+                             f"for {sorted(ours)} (indexed over the param groups)")
+        for i, saved in state.items():
+            for k, t in self.state[params[int(i)]].items():
+                if k == "step":
+                    continue
+                got = saved.get(k) if isinstance(saved, dict) else None
+                if not isinstance(got, torch.Tensor) or got.shape != t.shape:
+                    what = "no such state" if not isinstance(got, torch.Tensor) else f"shape {tuple(got.shape)}"
+                    hint = " (a state of another precision: master weights)" if k == "master" else ""
+                    raise ValueError(f"{where}: state[{i}][{k!r}]: expected a tensor of shape {tuple(t.shape)}, "
+                                     f"got {what}{hint}; zerofuse.checkpoint converts between layouts")
+            extra_keys = set(saved) - set(self.state[params[int(i)]]) if isinstance(saved, dict) else set()
+            if extra_keys:
+                raise ValueError(f"{where}: state[{i}] holds {sorted(extra_keys)} that this optimizer does not keep "
+                                 "(a state of another precision or optimizer)")
 
     @torch.no_grad()
     def read_params(self, units=None, written_only: bool = False) -> None:
