@@ -76,7 +76,7 @@ def ranks_threads(world_size: int) -> int:
 def _context():
     """The forkserver context, its server preloading torch and zerofuse (started at the first use)."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "zerofuse"])
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "zerofuse"])
     return ctx
 
 
