@@ -117,15 +117,20 @@ class StepGraph:
             self.before = torch.cuda.current_stream(t.device)
             self.pool = torch.cuda.graph_pool_handle()  # named: a failed capture's is ended by _give_up
             torch.cuda.synchronize(t.device)
+        body_error = None
         try:
             with _capturing(graph, stream, self.pool):
-                self.outputs = self._outputs(t.step_body(self.batch[0], self.batch[1]))
+                try:
+                    self.outputs = self._outputs(t.step_body(self.batch[0], self.batch[1]))
+                except Exception as e:  # noqa: BLE001
+                    body_error = e
+                    raise
         except Exception as e:  # noqa: BLE001 - whatever the capture refused, the job goes on eagerly
-            self._give_up(e, graph)
+            self._give_up(e, graph, first=body_error)
             return
         self.graph, self.captured_at = graph, t.step
 
-    def _give_up(self, e: Exception, graph=None) -> None:
+    def _give_up(self, e: Exception, graph=None, first: Exception | None = None) -> None:
         t = self.t
         # Kept, never destroyed: its pool's memory is then never handed out again. Tables the
         # capture left behind (csrc/cuda/flatten.cu: device tables keyed by the grads' addresses,
@@ -137,8 +142,9 @@ class StepGraph:
             torch.cuda.set_stream(self.before)
         if self.pool is not None:
             end_allocating_to_pool(t.device, self.pool)
-        # an error inside the capture, then the capture's end failing over it: both, the first first
-        errors = [x for x in (e.__context__, e) if x is not None]
+        # an error inside the capture (first), then the capture's end failing over it: both, the
+        # first first (not e.__context__: any error handled inside the body is one)
+        errors = [first, e] if first is not None and first is not e else [e]
         said = "; then ".join(f"{type(x).__name__}: {_first_line(x)}" for x in errors)
         self.failed = f"capture failed at step {t.step + 1} ({said})"
         if t.device.type == "cuda":
