@@ -381,7 +381,10 @@ class Pipeline(Transfers):
         rec = self._ys.get((a.stage, a.mb), [])
         ys = [y for _, mod_outs in rec for y in mod_outs]
         once = self._once.get(a.stage, [])
-        got = _run_backward(outs, grads, float_in + ys + once, keep_graph=True, accumulate=False)
+        wanted = float_in + ys + once
+        # (nothing to differentiate - a frozen first stage - is no backward: the engine asserts on it)
+        got = (_run_backward(outs, grads, wanted, keep_graph=True, accumulate=False) if outs and wanted
+               else [None] * len(wanted))
         dx, dys, donce = got[:len(float_in)], got[len(float_in):len(float_in) + len(ys)], got[len(float_in) + len(ys):]
         it = iter(dys)
         self._ys[(a.stage, a.mb)] = [(params, [(y, g) for y, g in zip(mod_outs, it) if g is not None])

@@ -17,7 +17,8 @@ transport's poster thread ([Note: gloo p2p poster], process_group_transport.cpp)
 is sent as a detached alias and then deallocated at once (Megatron's deallocate_output_tensor): its
 autograd graph is kept and its backward runs through the engine directly (no shape check against
 the freed tensor). Outputs that autograd saved for backward are kept whole (seen through
-saved_tensors_hooks in a stage's first forward of a micro-batch shape).
+saved_tensors_hooks in a stage's first forward of a micro-batch shape), and so is what the stage
+did not make (an input passed on, a param or buffer returned).
 
 [Note: tied embeddings across stages] When the first stage (the token embedding) and the last (the
 output layer tied to it) are on different ranks, the last holds a mirror of the weight
@@ -94,6 +95,15 @@ class Transfers:
         self.comm.batch_p2p([P2POp("recv", g, last, self._tied_tag("grad"))]).wait()
         w.grad = g if w.grad is None else w.grad.add_(g)
 
+    def _held(self, stage: int, mb: int, t: torch.Tensor) -> bool:
+        """An output the stage did not make: an input passed on (a skip connection; an empty middle
+        stage of split_gpt), or a param or buffer of the stage. Freeing it broke the stage's
+        backward, or emptied the param."""
+        if t.grad_fn is not None:  # made by the stage's forward
+            return False
+        mod = self.stages[stage]
+        return any(t is x for x in (*self._inputs.get((stage, mb), ()), *mod.parameters(), *mod.buffers()))
+
     def _peer(self, a) -> int:
         return a.peer if a.peer >= 0 else stage_to_rank(a.stage + (1 if a.kind.endswith("F") else -1), self.p)
 
@@ -130,7 +140,7 @@ class Transfers:
                     last = stage_to_rank(self.num_stages - 1, self.p)
                     sends.append(P2POp("send", self._tied_source.detach(), last, self._tied_tag("weight")))
                 for t, keep in zip(outs, saved):  # [Note: pipeline transfers] free what autograd does not need
-                    if not keep and t._base is None:
+                    if not keep and t._base is None and not self._held(a.stage, a.mb, t):
                         t.data = torch.empty(0, dtype=t.dtype, device=t.device)
             elif a.kind == "SEND_B":
                 for g in self._grads_in.pop((a.stage, a.mb)):
