@@ -85,14 +85,31 @@ def _pp_rank(rank, ws, schedule, v, n_layer, microbatches, layout=None, recomput
     pipe = Pipeline(stages, schedule=schedule, microbatches=microbatches)
     params = [p for s in stages for p in s.parameters()]
     opt = torch.optim.AdamW(params, lr=1e-2, eps=1e-6)
-    losses, peaks = [], []
+    losses, peaks, transfers, post = [], [], [], pipe.comm.batch_p2p
+
+    def logged(ops):  # each transfer as posted: (send/recv, peer, tag, shape)
+        transfers.extend((o.op, o.peer, o.tag, tuple(o.tensor.shape)) for o in ops)
+        return post(ops)
+
+    pipe.comm.batch_p2p = logged
     for idx, tgt in _batches():
+        transfers.clear()
         losses.append(pipe.step(idx, tgt, document_ids=_documents(idx, documents)).item())
         opt.step()
         opt.zero_grad(set_to_none=True)
         peaks.append(dict(pipe.peak_live))
     named = {n: p.detach().clone() for s in stages for n, p in s.named_parameters()}
-    return losses, named, peaks[-1]
+    return losses, named, peaks[-1], transfers
+
+
+def assert_each_pair_in_order(out):
+    """Every rank posts its sends to a peer in the order the peer posts their receives (the last
+    step's; after the first, no headers): NCCL pairs a pair's transfers by order, not by tag."""
+    for src, (*_, sent) in enumerate(out):
+        for dst, (*_, got) in enumerate(out):
+            sends = [(tag, shape) for op, peer, tag, shape in sent if op == "send" and peer == dst]
+            recvs = [(tag, shape) for op, peer, tag, shape in got if op == "recv" and peer == src]
+            assert sends == recvs, (src, dst, sends, recvs)
 
 
 CASES = [("gpipe", 2, 1), ("1f1b", 2, 1), ("zb", 2, 1), ("interleaved", 2, 2),
@@ -108,8 +125,9 @@ def test_schedule_matches_single_process(schedule, pp, v):
     micro = max(micro, pp) if schedule != "interleaved" else pp * (micro // pp)
     out = run_distributed(_pp_rank, pp, schedule, v, n_layer, micro, timeout=300)
     assert_matches_reference(out, n_layer, micro)
+    assert_each_pair_in_order(out)
     sim = simulate(build_schedule(schedule, pp, micro, v), pp)
-    for rank, (_, _, peak) in enumerate(out):  # live micro-batch activations per stage, as simulated
+    for rank, (_, _, peak, _) in enumerate(out):  # live micro-batch activations per stage, as simulated
         assert peak == {s: sim.peak_live[s] for s in peak}, (rank, peak, sim.peak_live)
 
 
@@ -117,10 +135,14 @@ def test_schedule_matches_single_process(schedule, pp, v):
                                           ("interleaved", 4, 2)])
 def test_tied_embeddings_across_stages_match_single_process(schedule, pp, v):
     """GPT-2's tied embedding and output layer on the first and last stage's ranks: the last stage
-    reads a mirror of the weight, the first trains it on both uses' grads, as one process does."""
+    reads a mirror of the weight, the first trains it on both uses' grads, as one process does.
+    The weight goes out in the order its receiver takes it (interleaved at pp 2 sent it with the
+    first micro-batch's activations, received after the last stage's: NCCL would have paired it
+    with an activation's receive; a review's reproduction, 2026-11-28)."""
     n_layer = 8 if pp * v > 4 else 4
     out = run_distributed(_pp_rank, pp, schedule, v, n_layer, MICRO, None, False, True, timeout=300)
     assert_matches_reference(out, n_layer, MICRO, tied=True)
+    assert_each_pair_in_order(out)
 
 
 @pytest.mark.parametrize("schedule,pp,v,recompute", [("1f1b", 2, 1, True), ("zb", 2, 1, False),

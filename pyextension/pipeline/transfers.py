@@ -24,8 +24,9 @@ did not make (an input passed on, a param or buffer returned).
 output layer tied to it) are on different ranks, the last holds a mirror of the weight
 (zerofuse.pipeline.stage). Each step the first stage sends its weight with its first forward's
 activations (SEND_F of micro-batch 0: after that forward, so a ZeRO-1/2 all-gather of the updated
-weight has been waited for), received into the mirror with RECV_F of micro-batch 0 of the last
-stage, before the mirror is read. At the end of its step the last stage's rank sends the mirror's
+weight has been waited for; where that rank also sends the last stage its input - pp 2,
+interleaved - with that SEND_F of micro-batch 0 instead, the order its receiver takes them in),
+received into the mirror with RECV_F of micro-batch 0 of the last stage, before the mirror is read. At the end of its step the last stage's rank sends the mirror's
 grad (summed over its micro-batches, before any data-parallel reduction); the first stage adds it
 into its weight's .grad just before its last backward of the step, so ZeRO (which reduces during
 that backward) and the grad norm see the weight's whole grad once. Both transfers come after every
@@ -77,6 +78,13 @@ class Transfers:
     def _tied_tag(self, what: str) -> int:
         """Tags after every schedule transfer's ([Note: tied embeddings across stages])."""
         return 4 * self.num_stages * self.m + (what == "grad")
+
+    def _tied_sent_with(self) -> int:
+        """The stage whose first SEND_F carries the tied weight: the first stage's, unless this
+        rank also sends the last stage its input (pp 2, interleaved: stage S-2 is on the first
+        stage's rank), whose receive takes the weight right after that input."""
+        S = self.num_stages
+        return S - 2 if S >= 2 and stage_to_rank(S - 2, self.p) == stage_to_rank(0, self.p) else 0
 
     def _tied_weight_op(self) -> P2POp:
         """The mirror's receive of the first stage's weight (last stage's rank)."""
@@ -136,7 +144,7 @@ class Transfers:
                                      "micro-batch shape and mode; expected the same outputs at every micro-batch")
                 for t in outs:
                     sends.append(P2POp("send", t.detach().contiguous(), peer, self._tag("F", a.stage, a.mb)))
-                if self._tied_source is not None and a.stage == 0 and a.mb == 0:
+                if self._tied_source is not None and a.stage == self._tied_sent_with() and a.mb == 0:
                     last = stage_to_rank(self.num_stages - 1, self.p)
                     sends.append(P2POp("send", self._tied_source.detach(), last, self._tied_tag("weight")))
                 for t, keep in zip(outs, saved):  # [Note: pipeline transfers] free what autograd does not need
