@@ -18,14 +18,14 @@ MICRO = 2
 
 
 class _WithMask(nn.Module):
-    """The first stage's module: its activations and a float mask that needs no grad."""
+    """The first stage's module: its activations and a float (or bool) mask that needs no grad."""
 
-    def __init__(self):
+    def __init__(self, bool_mask=False):
         super().__init__()
-        self.lin = nn.Linear(16, 16)
+        self.lin, self.bool_mask = nn.Linear(16, 16), bool_mask
 
     def forward(self, x):
-        return self.lin(x), (x > 0).float()
+        return self.lin(x), (x > 0) if self.bool_mask else (x > 0).float()
 
 
 class _Masked(nn.Module):
@@ -41,10 +41,10 @@ def _mse(out, target):
     return ((out - target) ** 2).mean()
 
 
-def _modules(mask: bool):
+def _modules(mask):
     torch.manual_seed(0)
     if mask:
-        return [("a", _WithMask()), ("b", _Masked())]
+        return [("a", _WithMask(mask == "bool")), ("b", _Masked())]
     return [("a", nn.Linear(16, 16)), ("b", nn.Linear(16, 16))]
 
 
@@ -53,7 +53,9 @@ def _data():
     return torch.randn(4, 16, generator=g), torch.randn(4, 16, generator=g)
 
 
-AUTOCAST = [False, True, False, True]  # fp32, bf16 autocast, and back, on the same batch shape
+AUTOCAST = [False, True, False, True]
+CASES = ("plain", "mask", "bool_mask", "frozen_first")
+MASKS = {"mask": True, "bool_mask": "bool"}  # a bool mask crossed no boundary before 2026-11-28  # fp32, bf16 autocast, and back, on the same batch shape
 
 
 def _one_process(mask=False, frozen_first=False):
@@ -91,8 +93,9 @@ def _pipe(rank, ws, mask=False, frozen_first=False, schedule="1f1b"):
 def _contract_rank(rank, ws, schedule):
     out = {}
     x, y = _data()
-    for case in ("plain", "mask", "frozen_first"):
-        stages, pipe = _pipe(rank, ws, mask=case == "mask", frozen_first=case == "frozen_first", schedule=schedule)
+    for case in CASES:
+        stages, pipe = _pipe(rank, ws, mask=MASKS.get(case, False), frozen_first=case == "frozen_first",
+                             schedule=schedule)
         losses = []
         for i, amp in enumerate(AUTOCAST):
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
@@ -114,8 +117,8 @@ def test_pipeline_steps_match_one_process_or_refuse_clearly(schedule):
     """(zb: its input-grad backward of a frozen first stage asked autograd for nothing, and torch
     asserted - a review's reproduction, 2026-11-28.)"""
     results = run_distributed(_contract_rank, 2, schedule, timeout=120)
-    for case in ("plain", "mask", "frozen_first"):
-        want_losses, want_grads = _one_process(mask=case == "mask", frozen_first=case == "frozen_first")
+    for case in CASES:
+        want_losses, want_grads = _one_process(mask=MASKS.get(case, False), frozen_first=case == "frozen_first")
         for rank, out in enumerate(results):
             losses, grads = out[case]
             for amp, got, want in zip(AUTOCAST, losses, want_losses):
@@ -193,3 +196,30 @@ def test_a_stage_passing_on_an_input_or_a_param_matches_one_process(schedule):
         assert [shape for shape, _ in got] == [tuple(p.shape) for p in want]
         for (_, g), p in zip(got, want):
             torch.testing.assert_close(g, p.grad, rtol=1e-5, atol=1e-7)
+
+
+class _NoneToo(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.lin(x), None
+
+
+def _none_rank(rank, ws):
+    import zerofuse  # noqa: F401
+    from zerofuse.pipeline import Pipeline, split_modules
+
+    stages = split_modules([("a", _NoneToo()), ("b", nn.Linear(16, 16))], ws, [rank], loss_fn=_mse, device="cpu")
+    pipe = Pipeline(stages, schedule="1f1b", microbatches=MICRO)
+    return error_text(lambda: pipe.step(*_data()))
+
+
+def test_a_stage_output_that_is_no_tensor_is_named():
+    """(It failed in the transfer code: "'NoneType' object has no attribute 'untyped_storage'".)
+    The receiving rank fails as soon as the sender's process is gone."""
+    sender, receiver = run_distributed(_none_rank, 2, timeout=60)
+    assert sender.startswith("ValueError: zerofuse.pipeline: stage 0's output 1 is NoneType; expected the outputs "
+                             "of a stage that is not the last to be tensors"), sender
+    assert receiver.startswith("DistBackendError: zerofuse.comm: batch_p2p") and "from 0" in receiver, receiver

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.bool,
+          torch.uint8, torch.int8, torch.int16]
 HEADER_SLOTS = 64
 
 

@@ -345,6 +345,11 @@ class Pipeline(Transfers):
             self._losses[a.mb] = out.detach()
             self._outputs[(a.stage, a.mb)] = ((out / self.m,), None)
         else:
+            bad = [f"output {i} is {type(t).__name__}" for i, t in enumerate(out) if not isinstance(t, torch.Tensor)]
+            if bad:
+                raise ValueError(f"zerofuse.pipeline: stage {a.stage}'s {', '.join(bad)}; expected the outputs of a "
+                                 "stage that is not the last to be tensors (a tensor or a flat tuple of them: what "
+                                 "crosses a stage boundary)")
             if watch:
                 self._saved_outputs[key] = tuple(t.untyped_storage().data_ptr() in saved for t in out)
             self._outputs[(a.stage, a.mb)] = (tuple(out), self._saved_outputs[key] if sent else (False,) * len(out))
