@@ -154,3 +154,22 @@ def test_rope_on_packed_qkv_takes_a_strided_gradient():
         m(x).backward(grad)
         grads.append(x.grad)
     assert torch.equal(grads[0], grads[1])
+
+
+def test_lse_is_not_differentiable_and_the_backward_op_checks_dtypes():
+    """Both attention ops return lse, whose gradient they do not compute: it is marked so (before, a
+    loss through lse backpropagated a silent zero). The backward op refuses a dout or out of another
+    dtype than qkv, naming itself (the Triton path ran on it; the torch path named another op)."""
+    qkv, dout = _inputs(1, 4, 2, 9, 16, torch.float32)
+    qkv.requires_grad_()
+    out, lse = torch.ops.zerofuse.attention_qkv(qkv, 4, 2, True, 0.3)
+    assert out.requires_grad and not lse.requires_grad
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, h, 9, 16, generator=g).to(DEVICE).requires_grad_() for h in (4, 2, 2))  # (B, H, N, D)
+    out2, lse2 = torch.ops.zerofuse.attention(q, k, v, True, 0.3)
+    assert out2.requires_grad and not lse2.requires_grad
+    with pytest.raises(ValueError, match=r"zerofuse::attention_qkv_backward: expected dout to be a torch.float32 "
+                                         r"tensor \(qkv's dtype\)"):
+        torch.ops.zerofuse.attention_qkv_backward(dout.double(), qkv.detach(), out.detach(), lse, 4, 2, True, 0.3)
+    with pytest.raises(ValueError, match=r"expected out to be a torch.float32 tensor"):
+        torch.ops.zerofuse.attention_qkv_backward(dout, qkv.detach(), out.detach().half(), lse, 4, 2, True, 0.3)

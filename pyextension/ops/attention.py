@@ -188,6 +188,7 @@ def _(dout, q, k, v, out, lse, is_causal, scale, docs=None):
 def _setup_context(ctx, inputs, output):
     q, k, v, is_causal, scale, docs = inputs
     out, lse = output
+    ctx.mark_non_differentiable(lse)  # (its gradient was dropped silently: the op does not differentiate it)
     ctx.save_for_backward(q, k, v, out, lse, docs)
     ctx.is_causal, ctx.scale = is_causal, scale
 

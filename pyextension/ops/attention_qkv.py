@@ -90,9 +90,12 @@ def _check_bwd(dout, qkv, out, lse, hq, hkv, is_causal, docs):
     fn = "zerofuse::attention_qkv_backward"
     d = _check_all(qkv, hq, hkv, is_causal, docs, fn)
     b, n, _ = qkv.shape
-    for name, t, shape in (("dout", dout, (b, n, hq * d)), ("out", out, (b, n, hq * d)), ("lse", lse, (b, hq, n))):
-        if tuple(t.shape) != shape or t.device != qkv.device or not t.is_floating_point():
-            raise ValueError(f"{fn}: expected {name} to be a floating-point tensor of shape {list(shape)} on "
+    for name, t, shape, dtype in (("dout", dout, (b, n, hq * d), qkv.dtype), ("out", out, (b, n, hq * d), qkv.dtype),
+                                  ("lse", lse, (b, hq, n), None)):
+        if (tuple(t.shape) != shape or t.device != qkv.device or not t.is_floating_point()
+                or dtype is not None and t.dtype != dtype):
+            want = f"a {dtype} tensor (qkv's dtype)" if dtype is not None else "a floating-point tensor"
+            raise ValueError(f"{fn}: expected {name} to be {want} of shape {list(shape)} on "
                              f"{qkv.device}, got {t.dtype} {list(t.shape)} on {t.device}")
 
 
@@ -134,6 +137,7 @@ def _(dout, qkv, out, lse, num_heads, num_kv_heads, is_causal, scale, docs=None)
 def _setup_context(ctx, inputs, output):
     qkv, hq, hkv, is_causal, scale, docs = inputs
     out, lse = output
+    ctx.mark_non_differentiable(lse)  # (its gradient was dropped silently: the op does not differentiate it)
     ctx.save_for_backward(qkv, out, lse, docs)
     ctx.args = (hq, hkv, is_causal, scale)
 
