@@ -117,18 +117,29 @@ def test_per_head_norms_get_the_whole_gradient_under_tp(cpu_kernels):
             assert_close(got[n], g, msg=lambda m, n=n: f"{n}: {m}")
 
 
+def _on_meta(arch):
+    with torch.device("meta"):
+        return build(arch)
+
+
 def _refusals_rank(rank, ws):
     out = {}
+    typo_model = zerofuse.patch(build("llama"))
     for name, call in (("gpt2_tp", lambda: zerofuse.shard(build("gpt2"), tp=2)),
                        ("heads", lambda: zerofuse.shard(build("llama", num_key_value_heads=1, num_attention_heads=3,
                                                               head_dim=32), tp=2)),
                        ("stage", lambda: zerofuse.shard(build("llama"), zero_stage=4)),
                        ("arch", lambda: zerofuse.shard(torch.nn.Linear(2, 2))),
-                       ("patch_after", lambda: zerofuse.patch(zerofuse.shard(build("llama"), zero_stage=3)))):
+                       ("patch_after", lambda: zerofuse.patch(zerofuse.shard(build("llama"), zero_stage=3))),
+                       ("meta_tp", lambda: zerofuse.shard(_on_meta("llama"), tp=2)),
+                       ("typo", lambda: zerofuse.shard(typo_model, tp=2, bucket_mbb=1)),
+                       ("bad_value", lambda: zerofuse.shard(typo_model, tp=2, precision="bf17")),
+                       ("retry", lambda: zerofuse.shard(typo_model, tp=2, zero_stage=1) and None),
+                       ("assign", lambda: typo_model.load_state_dict(typo_model.state_dict(), assign=True))):
         try:
             call()
             out[name] = "no error"
-        except (ValueError, RuntimeError) as e:
+        except (ValueError, RuntimeError, TypeError) as e:
             out[name] = str(e)
     return out
 
@@ -140,3 +151,12 @@ def test_shard_refusals():
     assert "expected zero_stage in 0, 1, 2, 3, got 4" in out["stage"]
     assert "known architecture" in out["arch"]
     assert "call zerofuse.patch before zerofuse.shard" in out["patch_after"]
+    # (a meta model's TP layers were left uninitialised: trained on zeros and NaN, a review's
+    # reproduction 2026-11-28)
+    assert "expected the model's weights loaded or initialised before zerofuse.shard, got" in out["meta_tp"]
+    # the options are checked before the model is changed: the corrected call goes through
+    assert "the ZeRO options ['bucket_mbb']" in out["typo"] and "bucket_mbb" in out["typo"]
+    assert "expected precision 'fp32', 'bf16' or 'fp16', got 'bf17'" in out["bad_value"]
+    assert out["retry"] == "no error"
+    # assign=True replaced ZeRO's bucket views (nothing trained after it, or a KeyError in backward)
+    assert "expected load_state_dict(assign=False) on a model made data-parallel" in out["assign"]

@@ -85,6 +85,23 @@ def _tensor_parallel(model, arch, decoder, mesh) -> None:
     # rank's heads from the projections' widths (view(..., -1, head_dim))
 
 
+def _check_zero_options(model, stage, zero_options) -> None:
+    """zero.parallelize's arguments, checked before the TP plan changes the model (a typo left it
+    half tensor-parallel, and a corrected call was refused)."""
+    import inspect
+
+    from zerofuse.zero.options import check_args
+
+    try:
+        bound = inspect.signature(zero.parallelize).bind(model, stage=stage, group=None, tp_group=None, **zero_options)
+    except TypeError as e:
+        raise TypeError(f"{WHO}: the ZeRO options {sorted(zero_options)}: {e}") from None
+    bound.apply_defaults()
+    a = bound.arguments
+    check_args(WHO, **{k: a[k] for k in ("stage", "precision", "reduce_dtype", "bucket_mb", "prefetch", "max_inflight",
+                                         "param_init_fn", "offload", "offload_ratio")})
+
+
 def shard(model, dp: int | None = None, tp: int = 1, zero_stage: int = 0, **zero_options):
     """Shard ``model`` (a Hugging Face causal LM of a known architecture, zerofuse.patch'ed or not)
     over dp × tp ranks of the default process group, in place; returns it. ``zero_options`` go to
@@ -96,8 +113,14 @@ def shard(model, dp: int | None = None, tp: int = 1, zero_stage: int = 0, **zero
     decoder = archs.decoder_of(model, arch, WHO)
     if getattr(model, "_zerofuse_zero", None) is not None:
         raise ValueError(f"{WHO}: this model is sharded already")
+    _check_zero_options(model, zero_stage, zero_options)  # before the model is changed
     mesh = init_mesh(dp, tp)
     if mesh.tp > 1:
+        meta = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
+        if meta:
+            raise ValueError(f"{WHO}: tp > 1 splits each weight as it is: expected the model's weights loaded or "
+                             f"initialised before zerofuse.shard, got {len(meta)} on the meta device ({meta[0]}, ...); "
+                             "a model built on meta is materialized by ZeRO at tp=1 only (param_init_fn)")
         if arch.tp is None:
             have = ", ".join(k for k, a in archs.ARCHS.items() if a.tp)
             raise ValueError(f"{WHO}: no tensor-parallel plan for model_type {model.config.model_type!r} "

@@ -394,9 +394,19 @@ def parallelize(model: torch.nn.Module, *, stage: int, group=None, precision: st
     model._zerofuse_zero = engine
     model.no_sync = engine.no_sync
     model.zero_grad = engine.model_zero_grad
+    model.register_load_state_dict_pre_hook(_refuse_assign)
     if stage != 3:  # loaded params reach the Optimizer's fp32 masters (stage 3 loads inside full_params)
         model.register_load_state_dict_post_hook(lambda _module, _keys: engine.params_loaded())
     return model
+
+
+def _refuse_assign(module, state_dict, prefix, local_metadata, *args) -> None:
+    """load_state_dict(assign=True) put new Parameters in place of the bucket views ZeRO reduces,
+    shards and steps (nothing trained after it, or a KeyError in backward): refused."""
+    if local_metadata.get("assign_to_params_buffers", False):
+        raise ValueError("zerofuse.zero: expected load_state_dict(assign=False) on a model made data-parallel by "
+                         "zerofuse.zero.parallelize (its params are views of zerofuse's buffers, which the load "
+                         "copies into), got assign=True; assign before parallelize (e.g. a model built on meta)")
 
 
 def full_params(model: torch.nn.Module):
