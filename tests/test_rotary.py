@@ -99,6 +99,11 @@ def test_module_makes_fp32_tables_per_device_outside_the_state_dict():
     with torch.device("meta"):
         meta = RotaryEmbedding(16, 40)
     assert not meta.tables("cpu")[0].is_meta  # made where used, not where built
+    # a longer context or a rescaled base after construction: new tables (the old ones were kept)
+    rope.max_positions, rope.base = 64, 500000.0
+    cos2, sin2 = rope.tables("cpu")
+    want = rope_tables(64, 8, 500000.0)
+    assert torch.equal(cos2, want[0]) and torch.equal(sin2, want[1])
 
 
 @pytest.mark.parametrize("call,exc,msg", [

@@ -84,9 +84,15 @@ class RotaryEmbedding(torch.nn.Module):
         rope_tables(1, rotary_dim, base)  # checks the arguments now
         self.max_positions, self.rotary_dim, self.base, self.interleaved = max_positions, rotary_dim, base, interleaved
         self._tables: dict[torch.device, tuple[Tensor, Tensor]] = {}
+        self._made_for = (max_positions, rotary_dim, base)  # what the tables are for
 
     def tables(self, device) -> tuple[Tensor, Tensor]:
+        """The (cos, sin) tables on ``device``, made again after max_positions, rotary_dim or base
+        changed (a longer context, a RoPE base rescaled after construction: the old tables stayed)."""
         device = torch.device(device)
+        made_for = (self.max_positions, self.rotary_dim, self.base)
+        if self._made_for != made_for:
+            self._tables, self._made_for = {}, made_for
         if device not in self._tables:
             self._tables[device] = rope_tables(self.max_positions, self.rotary_dim, self.base, device)
         return self._tables[device]
