@@ -245,3 +245,28 @@ def test_a_param_frozen_at_save_and_trained_at_load_is_named_as_such(tmp_path, w
     zerofuse.zero.parallelize(model, stage=2, bucket_mb=0.05)
     with pytest.raises(ValueError, match=r"trained when saved, frozen in this model: \['blocks.0.attn.qkv.weight'\]"):
         zerofuse.checkpoint.load(str(tmp_path / "trained"), model)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_weights_only_load_reaches_a_live_optimizers_masters(fmt, stage, tmp_path, world_of_one):
+    """Fine-tuning from a checkpoint with a fresh optimizer: load(path, model, None) into a bf16 model
+    whose zero.Optimizer (fp32 masters) exists already. Its first step (lr 0: no change) keeps the
+    loaded weights (it wrote the old masters back over them: a review's reproduction, 2026-11-28)."""
+    src = GPT(GPTConfig(**CFG), seed=0).to(torch.bfloat16)
+    zerofuse.zero.parallelize(src, stage=stage, precision="bf16", bucket_mb=0.05)
+    src_opt = zerofuse.zero.Optimizer(src, "adamw", lr=5e-2)
+    _train(src, src_opt, 2)
+    zerofuse.checkpoint.save(str(tmp_path / "ck"), src, src_opt, format=fmt)
+    with zerofuse.zero.full_params(src):
+        want = {n: p.detach().clone() for n, p in src.named_parameters()}
+    model = GPT(GPTConfig(**CFG), seed=1).to(torch.bfloat16)  # other weights than the checkpoint's
+    zerofuse.zero.parallelize(model, stage=stage, precision="bf16", bucket_mb=0.05)
+    opt = zerofuse.zero.Optimizer(model, "adamw", lr=0.0, weight_decay=0.0)
+    zerofuse.checkpoint.load(str(tmp_path / "ck"), model, None)
+    _train(model, opt, 1)
+    with zerofuse.zero.full_params(model):
+        got = {n: p.detach().clone() for n, p in model.named_parameters()}
+    assert got.keys() == want.keys()
+    for n in want:
+        assert torch.equal(got[n], want[n]), n

@@ -265,9 +265,11 @@ def load(path: str, model, optimizer=None):
         if optimizer.host is not None:  # offload keeps host copies of the step counters (left at 0 before)
             optimizer.host.load_steps()
         optimizer.write_params()
-    elif eng.stage != 3:
-        eng.start_param_sync()
-        eng.finish_param_sync()
+    else:
+        eng.params_loaded()  # weights only: a live zero.Optimizer's fp32 masters follow them (else its step wrote the old back)
+        if eng.stage != 3:
+            eng.start_param_sync()
+            eng.finish_param_sync()
     extra_file = os.path.join(root, "zerofuse_extra.pt")
     ours = files.read_tensors(extra_file) if os.path.isfile(extra_file) else {}
     if optimizer is not None:  # fp16's loss scale (not saved before: the load restarted it from initial_scale)

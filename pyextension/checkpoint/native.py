@@ -234,8 +234,13 @@ def _fill_shards(eng, optimizer, opt_meta, full, src) -> None:
     """This rank's shards (params, masters, optimizer states) from the checkpoint; ``src``: this
     rank's TP part when the TP size is the same, else None (assembled from ``full``)."""
     keys = [VALUE] + ([k for k in opt_meta["state_keys"]] if optimizer is not None else [])
+    # weights only (optimizer=None) into a model whose zero.Optimizer keeps fp32 masters: they take
+    # the loaded values too (its next step wrote the old masters back over the loaded weights)
+    live = optimizer if optimizer is not None else eng.optimizer_ref() if eng.optimizer_ref is not None else None
     for u in eng.units:
         states = optimizer.unit_states[u.index] if optimizer is not None else {}
+        if live is not None and "master" in live.unit_states[u.index]:
+            states = {**states, "master": live.unit_states[u.index]["master"]}
         for s in u.segments:
             name, p = u.names[s.param], u.params[s.param]
             sl = slice(s.shard_offset, s.shard_offset + s.length)
