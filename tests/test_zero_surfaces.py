@@ -4,6 +4,8 @@ with views into the shards, and ``state_dict()`` in torch.optim's layout.
 """
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -294,3 +296,41 @@ def test_load_state_dict_of_other_groups_or_precision_is_refused_before_anything
         opt.load_state_dict(src.state_dict())
     for a, b in zip(before, [t for st in opt.state.values() for t in st.values()]):
         assert torch.equal(a, b)
+
+
+def _stage3_gpt():
+    model = zerofuse.zero.parallelize(GPT(GPTConfig(**CFG), seed=0), stage=3, bucket_mb=0.02)
+    return model, zerofuse.zero.Optimizer(model, "adamw", lr=1e-2)
+
+
+def test_a_forward_or_backward_inside_full_params_frees_nothing_at_stage3(world_of_one):
+    """full_params is where one evaluates or inspects the whole model: a forward inside it freed
+    every unit (the block then read NaN placeholders, state_dict() said it was outside full_params,
+    and the exit failed on a freed buffer, losing an edit made before the forward; a review's
+    reproduction, 2026-11-28)."""
+    x = _batch()
+    plain = GPT(GPTConfig(**CFG), seed=0)
+    with torch.no_grad():
+        plain.norm.weight.fill_(0.5)
+        want = plain(x[:, :-1], x[:, 1:])[1]
+    model, _ = _stage3_gpt()
+    with zerofuse.zero.full_params(model):
+        with torch.no_grad():
+            model.norm.weight.fill_(0.5)  # an edit before the forward
+            got = model(x[:, :-1], x[:, 1:])[1]
+        assert all(torch.isfinite(p).all() for p in model.parameters())
+        assert torch.equal(model.state_dict()["norm.weight"], torch.full_like(model.norm.weight, 0.5))
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    with zerofuse.zero.full_params(model):
+        assert bool((model.norm.weight == 0.5).all())
+    # a training step whose forward and backward ran inside full_params: the step of one outside it
+    steps = []
+    for inside in (False, True):
+        model, opt = _stage3_gpt()
+        with zerofuse.zero.full_params(model) if inside else contextlib.nullcontext():
+            model(x[:, :-1], x[:, 1:])[1].backward()
+        opt.step()
+        with zerofuse.zero.full_params(model):
+            steps.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    for n in steps[0]:
+        assert torch.equal(steps[0][n], steps[1][n]), n

@@ -117,6 +117,7 @@ class ZeroEngine(ExpertLayout, Stage3Hooks, WorldOfOne):
         # stage 3: while True, gathered units stay gathered (a pipeline keeps a stage's units across
         # its micro-batches: one all-gather per unit and step instead of two per micro-batch)
         self.hold_params = False
+        self._in_full_params = 0  # stage 3: inside full_params (nested), where no hook frees a unit
 
         self._init_experts(model, expert_group, stage, name)
 
@@ -212,7 +213,7 @@ class ZeroEngine(ExpertLayout, Stage3Hooks, WorldOfOne):
             if self.sync_grads and self.overlap:
                 self.buckets.start_grad_sync(unit)
                 self.events.append(("reduce_scatter", unit.index, "backward"))
-            if self.stage == 3 and unit is not self.root and not self.hold_params:
+            if self.stage == 3 and unit is not self.root and not self.hold_params and not self._in_full_params:
                 unit.free()
 
     def _end_of_backward(self) -> None:
@@ -230,7 +231,7 @@ class ZeroEngine(ExpertLayout, Stage3Hooks, WorldOfOne):
         for u in self.units:
             u.ready = 0
             u.launched = False
-            if self.stage == 3 and not self.hold_params:
+            if self.stage == 3 and not self.hold_params and not self._in_full_params:
                 u.free()
 
     def grads_ready(self, params) -> None:
@@ -336,9 +337,13 @@ class ZeroEngine(ExpertLayout, Stage3Hooks, WorldOfOne):
             u.start_param_sync(self.comm)
         for u in self.units:
             u.finish_param_sync(self.comm)
+        # a forward (an evaluation) or backward inside the block frees no unit: it freed them all,
+        # the block's later reads saw NaN placeholders and its exit failed on a freed buffer
+        self._in_full_params += 1
         try:
             yield
         finally:
+            self._in_full_params -= 1
             # every unit's writes (one gathered before the block too: an edit there was lost)
             written = [u for u in self.units if u.write_back()]
             for u in was_free:  # units a forward/backward in progress holds stay gathered

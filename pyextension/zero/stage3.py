@@ -46,8 +46,9 @@ class Stage3Hooks:
         if self._fwd_order:
             self._last_order = self._fwd_order
         if not torch.is_grad_enabled() and not self._in_backward:
-            for u in self.units:
-                u.free()
+            if not self._in_full_params:
+                for u in self.units:
+                    u.free()
         elif self.root is not None and not self._in_backward:
             # the root unit stays gathered from this forward to the end of the first backward; a
             # second backward through a retained graph finds it freed: gathered again by these hooks
@@ -81,7 +82,8 @@ class Stage3Hooks:
         def hook(_mod, _args, out):
             if self._in_backward:  # a re-run forward (activation checkpointing): backward needs the params
                 return
-            if (self.reshard_after_forward and not self.hold_params) or not torch.is_grad_enabled():
+            if not self._in_full_params and ((self.reshard_after_forward and not self.hold_params)
+                                             or not torch.is_grad_enabled()):
                 for x in _pair(u):
                     x.free()
             if torch.is_grad_enabled():
