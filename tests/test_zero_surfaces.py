@@ -334,3 +334,28 @@ def test_a_forward_or_backward_inside_full_params_frees_nothing_at_stage3(world_
             steps.append({n: p.detach().clone() for n, p in model.named_parameters()})
     for n in steps[0]:
         assert torch.equal(steps[0][n], steps[1][n]), n
+
+
+@pytest.mark.parametrize("offload", [None, "optimizer"])
+def test_an_optimizer_load_inside_full_params_reaches_the_params_at_stage3(world_of_one, offload):
+    """opt.load_state_dict writes the shards from its masters: inside full_params the gathered
+    params kept the old values and the exit wrote them back over the load (a review's reproduction,
+    2026-11-28)."""
+    x = _batch()
+    results = []
+    for inside in (False, True):
+        model = zerofuse.zero.parallelize(GPT(GPTConfig(**CFG), seed=0).to(torch.bfloat16), stage=3,
+                                          precision="bf16", bucket_mb=0.02, offload=offload)
+        opt = zerofuse.zero.Optimizer(model, "adamw", lr=1e-2)
+        for step in range(3):
+            if step == 1:
+                saved = opt.state_dict()
+            model(x[:, :-1], x[:, 1:])[1].backward()
+            opt.step()
+            opt.zero_grad()
+        with zerofuse.zero.full_params(model) if inside else contextlib.nullcontext():
+            opt.load_state_dict(saved)
+        with zerofuse.zero.full_params(model):
+            results.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    for n in results[0]:
+        assert torch.equal(results[0][n], results[1][n]), n

@@ -274,6 +274,16 @@ class ZeroEngine(ExpertLayout, Stage3Hooks, WorldOfOne):
         if self.optimizer_ref is not None and self.optimizer_ref() is not None:
             self.optimizer_ref().read_params(units, written_only)
 
+    def params_written(self) -> None:
+        """Collective, after the shards were written outside a step (a load, a delayed update
+        applied): the gathered params follow. Stage 3: the units gathered now (inside full_params
+        the old values were written back over the shards on exit)."""
+        if self.stage == 3:
+            self._refresh_gathered()
+        else:
+            self.start_param_sync()
+            self.finish_param_sync()
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget the grads (also those a hookless engine left in .grad): set_to_none=True frees the
         grad shards (nothing held between steps), False fills them with zeros (as torch's)."""

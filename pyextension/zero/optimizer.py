@@ -367,9 +367,8 @@ class Optimizer(GradNorms, OptimizerState, torch.optim.Optimizer):
     def apply_pending(self) -> None:
         """delayed_update: the last step's host update waited for and written to the params (a
         no-op without one); the next step's gradients are then taken at the updated params."""
-        if self.host is not None and self.host.apply_pending() and self.engine.stage != 3:
-            self.engine.start_param_sync()
-            self.engine.finish_param_sync()
+        if self.host is not None and self.host.apply_pending():
+            self.engine.params_written()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """set_to_none=True (torch's default): the grad shards are freed until the next backward;

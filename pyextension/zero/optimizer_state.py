@@ -157,14 +157,13 @@ class OptimizerState:
             master.copy_(u.shard)
 
     def write_params(self) -> None:
-        """Params from the fp32 masters (after a load), then gathered (stage 1/2)."""
+        """Params from the fp32 masters (after a load), then gathered where they are (stages 1/2;
+        stage 3: the units gathered now, as full_params holds them)."""
         eng = self.engine
         for u, st in zip(eng.units, self.unit_states):
             if "master" in st:
                 u.shard.copy_(st["master"])
-        if eng.stage != 3:
-            eng.start_param_sync()
-            eng.finish_param_sync()
+        eng.params_written()
 
 
 def _brief(layout) -> str:
