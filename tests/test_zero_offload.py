@@ -245,3 +245,44 @@ def test_cuda_offload_matches_the_device_step(stage, mode, clip):
                                **tol(torch.bfloat16))
     assert out[mode]["pinned"]
     assert out[mode]["shards"] == ({"cpu"} if mode == "optimizer+params" else {"cuda"})
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_writes_the_running_host_steps_would_miss_are_refused(stage, world_of_one):
+    """offload_overlap: the host steps start during backward. A user's clipping inside full_grads
+    was ignored (or raced the host thread), and an edit inside full_params made the step's update
+    vanish (a review's reproduction, 2026-11-28): both refused; reading changes nothing and the
+    step is the step of a run that did not look."""
+    def trained(look):
+        model = GPT(GPTConfig(**CFG), seed=0)
+        zerofuse.zero.parallelize(model, stage=stage, bucket_mb=0.01, offload="optimizer")
+        opt = zerofuse.zero.Optimizer(model, "adamw", lr=LR)
+        b = batches(1)[0]
+        model(b[:, :-1], b[:, 1:])[1].backward()
+        out = look(model) if look else None
+        opt.step()
+        with zerofuse.zero.full_params(model):
+            return out, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    def clip(model):
+        with pytest.raises(RuntimeError, match="full_grads: the grads were changed while the offloaded"):
+            with zerofuse.zero.full_grads(model):
+                for p in model.parameters():
+                    p.grad.mul_(0.5)
+
+    def edit(model):
+        with pytest.raises(RuntimeError, match="full_params: the params were written while the offloaded"):
+            with zerofuse.zero.full_params(model), torch.no_grad():
+                model.norm.weight.fill_(0.5)
+
+    def read(model):
+        with zerofuse.zero.full_grads(model):
+            g = sum(float(p.grad.square().sum()) for p in model.parameters())
+        with zerofuse.zero.full_params(model):
+            return g + sum(float(p.square().sum()) for p in model.parameters())
+
+    _, want = trained(None)
+    for look in (read, clip):
+        _, got = trained(look)
+        assert all(torch.equal(got[n], want[n]) for n in want), look.__name__
+    trained(edit)

@@ -337,16 +337,20 @@ class ZeroEngine(ExpertLayout, Stage3Hooks, WorldOfOne):
         the next step)."""
         if self.stage != 3:
             self.finish_param_sync()
+            versions = self._versions_if_host_steps()
             try:
                 yield
             finally:
-                self.params_loaded(written_only=True)
+                self._refuse_writes_under_host_steps(versions)
+                if versions is None:  # (else nothing was written, and the masters are the host's to step)
+                    self.params_loaded(written_only=True)
             return
         was_free = [u for u in self.units if u.state == FREE]
         for u in was_free:
             u.start_param_sync(self.comm)
         for u in self.units:
             u.finish_param_sync(self.comm)
+        versions = self._versions_if_host_steps()
         # a forward (an evaluation) or backward inside the block frees no unit: it freed them all,
         # the block's later reads saw NaN placeholders and its exit failed on a freed buffer
         self._in_full_params += 1
@@ -354,12 +358,32 @@ class ZeroEngine(ExpertLayout, Stage3Hooks, WorldOfOne):
             yield
         finally:
             self._in_full_params -= 1
-            # every unit's writes (one gathered before the block too: an edit there was lost)
-            written = [u for u in self.units if u.write_back()]
+            self._refuse_writes_under_host_steps(versions)
+            # every unit's writes (one gathered before the block too: an edit there was lost); none
+            # while the host steps run (the shards may hold their results already)
+            written = [u for u in self.units if u.write_back()] if versions is None else []
             for u in was_free:  # units a forward/backward in progress holds stay gathered
                 u.free()
             if written:
                 self.params_loaded(written)
+
+    def host_steps_started(self) -> bool:
+        """Whether the Optimizer's offloaded host steps of this backward are running already
+        (offload_overlap: they start as each unit's grads arrive)."""
+        opt = self.optimizer_ref() if self.optimizer_ref is not None else None
+        return opt is not None and opt.host is not None and bool(opt.host.futures)
+
+    def _versions_if_host_steps(self):
+        return [p._version for p in self.params] if self.host_steps_started() else None
+
+    def _refuse_writes_under_host_steps(self, versions) -> None:
+        """A write inside full_params after backward started the host steps: they read the params
+        of before it, and the step then put their result over it (the step's update vanished)."""
+        if versions is not None and [p._version for p in self.params] != versions:
+            raise RuntimeError("zerofuse.zero.full_params: the params were written while the offloaded optimizer "
+                               "steps of the last backward were running (offload_overlap): they would not see the "
+                               "write; write before backward or after step(), or build the Optimizer with "
+                               "offload_overlap=False")
 
     def full_grads(self):
         """See zerofuse.zero.full_grads (zerofuse/zero/grads.py)."""

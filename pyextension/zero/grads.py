@@ -64,6 +64,8 @@ def gathered_grads(eng):
             given.append((p.grad, p.grad._version))
         held.append((u, buf, given))
     eng.grads_out = True  # [Note: a world of one]: not taken back as new grads meanwhile
+    running = eng.host_steps_started()
+    refused = False
     try:
         yield
     finally:
@@ -78,10 +80,17 @@ def gathered_grads(eng):
                         buf[o:o + p.numel()].zero_()
                     elif now.data_ptr() != buf[o:].data_ptr():
                         buf[o:o + p.numel()].copy_(now.reshape(-1))
-            if changed and eng.stage != 0:
+            if changed and running:  # the host steps read this shard already: refused, not raced
+                refused = True
+            elif changed and eng.stage != 0:
                 u.gshard.copy_(buf[u.lo:u.hi])
         for p in eng.params:
             p.grad = None
+    if refused:
+        raise RuntimeError("zerofuse.zero.full_grads: the grads were changed while the offloaded optimizer steps "
+                           "of this backward were running (offload_overlap: they start as the grads arrive) and "
+                           "read them; clip with the Optimizer's max_grad_norm, or build it with "
+                           "offload_overlap=False to change grads after backward")
 
 
 def abandon_backward(eng) -> None:
