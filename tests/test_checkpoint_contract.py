@@ -32,7 +32,7 @@ def _train(model, opt, steps, seed=0):
     for _ in range(steps):
         b = torch.randint(0, 65, (4, 17), generator=g)
         _, loss = model(b[:, :-1], b[:, 1:])
-        (opt.scale_loss(loss) if opt.fp16 else loss).backward()
+        (opt.scale_loss(loss) if getattr(opt, "fp16", False) else loss).backward()
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
@@ -270,3 +270,40 @@ def test_a_weights_only_load_reaches_a_live_optimizers_masters(fmt, stage, tmp_p
     assert got.keys() == want.keys()
     for n in want:
         assert torch.equal(got[n], want[n]), n
+
+
+def test_a_plain_model_load_is_checked_whole_before_anything_is_written(tmp_path, world_of_one):
+    """torch's load_state_dict wrote every matching tensor of a bigger model, then refused; an
+    optimizer of other groups was refused after the model was loaded (a review's reproduction,
+    2026-11-28): both refused first, the model as it was."""
+    zerofuse.checkpoint.save(str(tmp_path / "ck"), (m := _zmodel()), zerofuse.zero.Optimizer(m, "adamw"))
+    for n_layer, groups, match in ((3, 1, r"for a different model; missing in the checkpoint: \['blocks.2"),
+                                   (2, 2, "has 1 param groups, the optimizer 2")):
+        plain = GPT(GPTConfig(**CFG | {"n_layer": n_layer}), seed=5)
+        ps = list(plain.parameters())
+        opt = torch.optim.AdamW([{"params": ps[:3]}, {"params": ps[3:]}] if groups == 2 else ps)
+        before = {n: t.clone() for n, t in plain.state_dict().items()}
+        with pytest.raises(ValueError, match=match):
+            zerofuse.checkpoint.load(str(tmp_path / "ck"), plain, opt)
+        assert all(torch.equal(t, before[n]) for n, t in plain.state_dict().items())
+
+
+def test_a_plain_bf16_model_takes_the_saved_fp32_values_as_its_optimizers_masters(tmp_path, world_of_one):
+    """A bf16 ZeRO run (fp32 masters) loaded into a plain bf16 model with a master-weights optimizer:
+    the masters are the saved fp32 values, not rebuilt from the rounded params (a review's
+    reproduction, 2026-11-28: the resumed run's second loss differed from the continued run's)."""
+    from zerofuse.optim import FusedAdamW
+
+    src = GPT(GPTConfig(**CFG), seed=0).to(torch.bfloat16)
+    zerofuse.zero.parallelize(src, stage=1, precision="bf16", bucket_mb=0.05)
+    src_opt = zerofuse.zero.Optimizer(src, "adamw", lr=1e-2)
+    _train(src, src_opt, 2)
+    zerofuse.checkpoint.save(str(tmp_path / "ck"), src, src_opt)
+    saved = zerofuse.checkpoint.consolidate(str(tmp_path / "ck"))["model"]
+    want = _train(src, src_opt, 2, seed=1)
+    plain = GPT(GPTConfig(**CFG), seed=5).to(torch.bfloat16)
+    opt = FusedAdamW(plain.parameters(), lr=1e-2, master_weights=True)
+    zerofuse.checkpoint.load(str(tmp_path / "ck"), plain, opt)
+    for n, p in plain.named_parameters():
+        assert saved[n].dtype == torch.float32 and torch.equal(opt.state[p]["master"], saved[n]), n
+    assert _train(plain, opt, 2, seed=1) == want

@@ -77,6 +77,13 @@ def test_extra_that_would_need_unpickling_is_refused_at_save(tmp_path):
         files.check_plain({"step": 3, "sched": [_Payload("x")]})
     files.check_plain({"step": 3, "rng": torch.zeros(3, dtype=torch.uint8), "betas": (0.9, 0.95), "x": None})
 
+    class Tagged(torch.Tensor):  # a subclass passed as a tensor, and the weights_only load refused it
+        pass
+
+    with pytest.raises(TypeError, match=r"expected extra\['t'\] to hold plain tensors, got a Tagged"):
+        files.check_plain({"t": torch.zeros(2).as_subclass(Tagged)})
+    files.check_plain({"p": torch.nn.Parameter(torch.zeros(2))})
+
 
 # ---------------------------------------------------------------------------------------- kill points
 

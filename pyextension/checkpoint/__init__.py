@@ -73,12 +73,59 @@ def load(path: str, model: torch.nn.Module, optimizer=None):
             kind = optim_checks.saved_kind(full["optimizer"]["param_groups"]) if _is_dcp(path) \
                 else native.Full(path).meta["optimizer"]["kind"]
             optim_checks.check_kind(kind, optim_checks.kind_of(optimizer), f"{NAME}.load", type(optimizer).__name__)
+        _check_plain_load(model, optimizer, full, path)  # before anything is written
+        if optimizer is not None:
+            _give_masters(model, optimizer, full)
         model.load_state_dict(full["model"])
         if optimizer is not None:
             optimizer.load_state_dict(full["optimizer"])
         return full["extra"]
     _apply_pending(optimizer)  # a delayed host step must not write the states while they load
     return (_dcp().load if _is_dcp(path) else native.load)(path, model, optimizer)
+
+
+def _check_plain_load(model, optimizer, full: dict, path: str) -> None:
+    """A plain model's load, checked whole before anything is written (torch's load_state_dict
+    wrote the matching tensors, then refused; the optimizer's refusal came after the model's load)."""
+    who = f"{NAME}.load"
+    mine = model.state_dict()
+    saved = full["model"]
+    parts = []
+    if missing := [n for n in mine if n not in saved]:
+        parts.append(f"missing in the checkpoint: {missing}")
+    if unexpected := [n for n in saved if n not in mine]:
+        parts.append(f"not in the model: {unexpected}")
+    if wrong := [f"{n}: saved {list(saved[n].shape)}, model {list(t.shape)}" for n, t in mine.items()
+                 if n in saved and tuple(saved[n].shape) != tuple(t.shape)]:
+        parts.append(f"shape mismatch: {wrong}")
+    if parts:
+        raise ValueError(f"{who}: the checkpoint at {path!r} is for a different model; " + "; ".join(parts))
+    if optimizer is None:
+        return
+    groups = full["optimizer"]["param_groups"]
+    if len(groups) != len(optimizer.param_groups):
+        raise ValueError(f"{who}: the checkpoint at {path!r} has {len(groups)} param groups, the optimizer "
+                         f"{len(optimizer.param_groups)}")
+    for i, (g, s) in enumerate(zip(optimizer.param_groups, groups)):
+        if len(g["params"]) != len(s["params"]):
+            raise ValueError(f"{who}: param group {i} of the checkpoint at {path!r} holds {len(s['params'])} params, "
+                             f"the optimizer's {len(g['params'])}")
+
+
+def _give_masters(model, optimizer, full: dict) -> None:
+    """A plain bf16/fp16 model whose optimizer keeps fp32 masters (zerofuse.optim, master_weights):
+    the checkpoint's fp32 values (saved from the masters) become the masters; rounded into the
+    model, they were all the optimizer had to rebuild them from."""
+    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    state = full["optimizer"]["state"]
+    for g, s in zip(optimizer.param_groups, full["optimizer"]["param_groups"]):
+        if not g.get("master_weights", False):
+            continue
+        for p, i in zip(g["params"], s["params"]):
+            value = full["model"].get(names.get(id(p)))
+            if (p.dtype in (torch.bfloat16, torch.float16) and isinstance(value, torch.Tensor)
+                    and value.dtype == torch.float32 and isinstance(state.get(i), dict)):
+                state[i] = {**state[i], "master": value}
 
 
 def consolidate(path: str) -> dict:

@@ -68,6 +68,10 @@ _PLAIN = (type(None), bool, int, float, str, torch.Tensor, torch.dtype, torch.de
 
 def check_plain(obj, where: str = "extra") -> None:
     """Raise if ``obj`` holds anything a weights_only load would refuse (so save fails, not load)."""
+    if isinstance(obj, torch.Tensor) and type(obj) not in (torch.Tensor, torch.nn.Parameter):
+        # (a subclass passed as a tensor here, and the weights_only load then refused the checkpoint)
+        raise TypeError(f"{NAME}.save: expected {where} to hold plain tensors, got a {type(obj).__name__} (a tensor "
+                        "subclass a weights_only load refuses); pass torch.Tensor(t) or t.as_subclass(torch.Tensor)")
     if isinstance(obj, _PLAIN):
         return
     if isinstance(obj, (list, tuple)):
