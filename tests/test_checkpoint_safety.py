@@ -32,9 +32,9 @@ class _Payload:
         return os.system, (f"touch {self.marker}",)
 
 
-def _save_small(rank, ws, path, stage=2, fmt="zerofuse"):
+def _save_small(rank, ws, path, stage=2, fmt="zerofuse", bucket_mb=0.05):
     model = make_model(n_layer=2)
-    zerofuse.zero.parallelize(model, stage=stage, bucket_mb=0.05)
+    zerofuse.zero.parallelize(model, stage=stage, bucket_mb=bucket_mb)
     opt = zerofuse.zero.Optimizer(model, "adamw", lr=LR)
     _steps(rank, ws, model, opt, batches(1))
     zerofuse.checkpoint.save(path, model, opt, extra={"n": 1}, format=fmt)
@@ -70,6 +70,41 @@ def test_a_checkpoint_crafted_to_run_code_is_refused(tmp_path, victim):
                for m in msgs), msgs
     assert any("refused to load" in m for m in msgs)
     assert not marker.exists()
+
+
+def _load_untouched(rank, ws, path):
+    """_load_small, and whether the model and optimizer were left as they were by the refusal."""
+    model = make_model(n_layer=2)
+    zerofuse.zero.parallelize(model, stage=2, bucket_mb=0.05)
+    opt = zerofuse.zero.Optimizer(model, "adamw", lr=LR)
+    _steps(rank, ws, model, opt, batches(1))
+    before = [t.clone() for u, st in zip(model._zerofuse_zero.units, opt.unit_states) for t in (u.shard, *st.values())]
+    try:
+        zerofuse.checkpoint.load(path, model, opt)
+        said = "no error"
+    except ValueError as e:
+        said = str(e)
+    after = [t for u, st in zip(model._zerofuse_zero.units, opt.unit_states) for t in (u.shard, *st.values())]
+    return said, all(torch.equal(a, b) for a, b in zip(before, after))
+
+
+def test_a_rank_file_of_another_save_or_cut_short_is_refused_before_anything_is_written(tmp_path):
+    """Read at another world size, a rank's pieces come from several rank files, opened as they were
+    needed: a cut rank1.pt was found after rank0.pt's pieces were written (a half-loaded model), and
+    a rank file of another save failed one rank on a size error while the other waited for it (a
+    review's reproduction, 2026-11-28). Now every file is checked against the tables first."""
+    path, other = str(tmp_path / "ckpt"), str(tmp_path / "other")
+    run_distributed(_save_small, 2, path, timeout=240)
+    run_distributed(_save_small, 2, other, 2, "zerofuse", 0.02, timeout=240)  # other buckets in its rank files
+    shutil.copy(os.path.join(other, "rank1.pt"), os.path.join(path, "rank1.pt"))
+    for said, untouched in run_distributed(_load_untouched, 3, path, timeout=240):
+        assert "rank1.pt: the 'value' of unit" in said and "(a file of another save?)" in said, said
+        assert untouched
+    with open(os.path.join(path, "rank1.pt"), "r+b") as f:
+        f.truncate(os.path.getsize(os.path.join(path, "rank1.pt")) // 2)
+    for said, untouched in run_distributed(_load_untouched, 3, path, timeout=240):
+        assert "cannot read" in said and "rank1.pt" in said, said
+        assert untouched
 
 
 def test_extra_that_would_need_unpickling_is_refused_at_save(tmp_path):

@@ -204,8 +204,10 @@ def load(path: str, model: torch.nn.Module, optimizer=None):
         first = full.common()
         rest = first.get("rest", {})
         check_rest(model, eng, rest, who)  # before anything is written: a mismatch leaves the model as it was
+        keys = [VALUE] + (list(opt_meta["state_keys"]) if optimizer is not None else [])
+        (src or full).check(eng.names, keys)  # (the rank files: as the tables say)
         _fill_shards(eng, optimizer, opt_meta, full, src)
-    except (ValueError, OSError) as e:
+    except Exception as e:  # (any: the other ranks must not wait in a collective this rank never joins)
         agree(group, e, who, eng.units[0].device)
         raise
     agree(group, None, who, eng.units[0].device)

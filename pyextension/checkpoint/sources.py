@@ -59,6 +59,23 @@ class Source:
         if covered != hi - lo:
             raise ValueError(f"{NAME}: the checkpoint's shards cover {covered} of {hi - lo} elements of {name!r}")
 
+    def check(self, names, keys) -> None:
+        """Every piece of ``names``' ``keys`` is where the tables say, before a load writes anything
+        (a rank file of another save, or a cut one, was found midway: a half-loaded model, and a
+        size error on one rank that left its peers waiting)."""
+        for name in names:
+            for r, unit, so, length, po in self.pieces.get(name, ()):
+                units = self.blob(r).get("units")
+                if not isinstance(units, (list, tuple)) or not 0 <= unit < len(units):
+                    raise ValueError(f"{NAME}: {self.dir!r} rank{r}.pt holds no unit {unit} (its table names one)")
+                for key in keys:
+                    t = self._saved(r, unit, key)
+                    if not isinstance(t, torch.Tensor) or t.dim() != 1 or so + length > t.numel():
+                        got = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                        raise ValueError(f"{NAME}: {self.dir!r} rank{r}.pt: the {key!r} of unit {unit} is {got}; its "
+                                         f"table puts {length} elements of {name!r} at offset {so} (a file of "
+                                         "another save?)")
+
     def dtype(self, name: str, key: str) -> torch.dtype:
         r, unit = self.pieces[name][0][:2]
         return self._saved(r, unit, key).dtype
@@ -134,6 +151,13 @@ class Full:
 
     def get(self, name: str, key: str) -> torch.Tensor:
         return self._where[name].get(name, key)
+
+    def check(self, names, keys) -> None:
+        """Source.check over every TP part of the stages holding ``names``."""
+        for st in self.stages:
+            mine = [n for n in names if self._where.get(n) is st]
+            for part in st.parts if mine else ():
+                part.check(mine, keys)
 
     def common(self) -> dict:
         """The first stage's extra, and every stage's buffers and frozen params."""
