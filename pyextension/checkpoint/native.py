@@ -205,9 +205,17 @@ def load(path: str, model: torch.nn.Module, optimizer=None):
         rest = first.get("rest", {})
         check_rest(model, eng, rest, who)  # before anything is written: a mismatch leaves the model as it was
         keys = [VALUE] + (list(opt_meta["state_keys"]) if optimizer is not None else [])
-        (src or full).check(eng.names, keys)  # (the rank files: as the tables say)
-        _fill_shards(eng, optimizer, opt_meta, full, src)
+        if src is not None:  # (the rank files: as the tables say; only those this rank reads)
+            src.check(_wanted(eng), keys)
+        else:
+            full.check(eng.names, keys)
     except Exception as e:  # (any: the other ranks must not wait in a collective this rank never joins)
+        agree(group, e, who, eng.units[0].device)
+        raise
+    agree(group, None, who, eng.units[0].device)  # every rank's files are sound: now each writes
+    try:
+        _fill_shards(eng, optimizer, opt_meta, full, src)
+    except Exception as e:
         agree(group, e, who, eng.units[0].device)
         raise
     agree(group, None, who, eng.units[0].device)
@@ -232,6 +240,23 @@ def _frozen_toggles(model, eng, full) -> str:
             "['model']), or freeze the same params as when saved)")
 
 
+def _param_offset(s, p) -> int:
+    """Where a segment's elements start in the saved flattened param (an expert-parallel param's
+    rank holds a range of the saved [E, ...] tensor)."""
+    ex = expert_spec(p)
+    return s.param_offset + (ex.rank * p.numel() if ex is not None else 0)
+
+
+def _wanted(eng) -> dict:
+    """{name: [(lo, hi), ...]}: the element ranges of each param this rank's shards take."""
+    out: dict[str, list] = {}
+    for u in eng.units:
+        for s in u.segments:
+            lo = _param_offset(s, u.params[s.param])
+            out.setdefault(u.names[s.param], []).append((lo, lo + s.length))
+    return out
+
+
 def _fill_shards(eng, optimizer, opt_meta, full, src) -> None:
     """This rank's shards (params, masters, optimizer states) from the checkpoint; ``src``: this
     rank's TP part when the TP size is the same, else None (assembled from ``full``)."""
@@ -246,8 +271,7 @@ def _fill_shards(eng, optimizer, opt_meta, full, src) -> None:
         for s in u.segments:
             name, p = u.names[s.param], u.params[s.param]
             sl = slice(s.shard_offset, s.shard_offset + s.length)
-            ex = expert_spec(p)  # this rank's experts: a range of the saved [E, ...] tensor
-            param_offset = s.param_offset + (ex.rank * p.numel() if ex is not None else 0)
+            param_offset = _param_offset(s, p)
             for key in keys:
                 dsts = [u.shard[sl]] + ([states["master"][sl]] if "master" in states else []) if key == VALUE \
                     else [states[key][sl]]

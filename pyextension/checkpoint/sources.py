@@ -59,12 +59,15 @@ class Source:
         if covered != hi - lo:
             raise ValueError(f"{NAME}: the checkpoint's shards cover {covered} of {hi - lo} elements of {name!r}")
 
-    def check(self, names, keys) -> None:
-        """Every piece of ``names``' ``keys`` is where the tables say, before a load writes anything
-        (a rank file of another save, or a cut one, was found midway: a half-loaded model, and a
-        size error on one rank that left its peers waiting)."""
-        for name in names:
+    def check(self, wanted: dict, keys) -> None:
+        """The pieces of ``wanted`` ({name: [(lo, hi), ...] element ranges of the flattened param, or
+        None: all of it}) and ``keys`` are where the tables say, before a load writes anything (a
+        rank file of another save, or a cut one, was found midway: a half-loaded model, and a size
+        error on one rank that left its peers waiting). Opens only the rank files holding them."""
+        for name, ranges in wanted.items():
             for r, unit, so, length, po in self.pieces.get(name, ()):
+                if ranges is not None and not any(lo < po + length and po < hi for lo, hi in ranges):
+                    continue
                 units = self.blob(r).get("units")
                 if not isinstance(units, (list, tuple)) or not 0 <= unit < len(units):
                     raise ValueError(f"{NAME}: {self.dir!r} rank{r}.pt holds no unit {unit} (its table names one)")
@@ -153,9 +156,9 @@ class Full:
         return self._where[name].get(name, key)
 
     def check(self, names, keys) -> None:
-        """Source.check over every TP part of the stages holding ``names``."""
+        """Source.check of ``names`` whole, over every TP part of the stages holding them."""
         for st in self.stages:
-            mine = [n for n in names if self._where.get(n) is st]
+            mine = {n: None for n in names if self._where.get(n) is st}
             for part in st.parts if mine else ():
                 part.check(mine, keys)
 
