@@ -227,15 +227,20 @@ def _train_steps(model, opt, batches, dp, dp_rank):
     return losses
 
 
-def _build(dp, tpn, stage, sp=False):
+FROZEN = "blocks.0.attn.qkv.weight"  # a TP-sharded param the checkpoint tests freeze
+
+
+def _build(dp, tpn, stage, sp=False, seed=0, freeze=None):
     mesh = zerofuse.parallel.init_mesh(dp=dp, tp=tpn)
-    model = GPT(GPTConfig(**CFG), seed=0, tp_group=mesh.tp_group if tpn > 1 else None, sequence_parallel=sp)
+    model = GPT(GPTConfig(**CFG), seed=seed, tp_group=mesh.tp_group if tpn > 1 else None, sequence_parallel=sp)
+    if freeze is not None:
+        dict(model.named_parameters())[freeze].requires_grad_(False)
     zerofuse.zero.parallelize(model, stage=stage, group=mesh.dp_group, bucket_mb=0.05)
     return mesh, model, zerofuse.zero.Optimizer(model, "adamw", lr=LR, weight_decay=0.01)
 
 
 def _ckpt_save_rank(rank, ws, path):
-    mesh, model, opt = _build(2, 2, 2, sp=True)
+    mesh, model, opt = _build(2, 2, 2, sp=True, freeze=FROZEN)
     bs = _batches(6)
     _train_steps(model, opt, bs[:3], mesh.dp, mesh.dp_rank)
     zerofuse.checkpoint.save(path, model, opt, extra={"step": 3})
@@ -243,7 +248,7 @@ def _ckpt_save_rank(rank, ws, path):
 
 
 def _ckpt_load_rank(rank, ws, path, dp, tpn, stage):
-    mesh, model, opt = _build(dp, tpn, stage)
+    mesh, model, opt = _build(dp, tpn, stage, seed=1, freeze=FROZEN)  # (other initial values: all loaded)
     extra = zerofuse.checkpoint.load(path, model, opt)
     return extra, _train_steps(model, opt, _batches(6)[3:], mesh.dp, mesh.dp_rank)
 
@@ -251,7 +256,9 @@ def _ckpt_load_rank(rank, ws, path, dp, tpn, stage):
 def test_checkpoint_across_tp_sizes(tmp_path):
     """Saved at dp2 × tp2 (ZeRO-2, sequence parallel), resumed at tp2 × dp1 (ZeRO-1, the TP parts
     read directly), at tp1 × dp2 (ZeRO-3, merged and resliced) and as a plain model from
-    consolidate(): every continuation has the losses of the run that never stopped."""
+    consolidate(): every continuation has the losses of the run that never stopped. A frozen
+    TP-sharded param is saved per TP part with the buffers: each TP rank took TP rank 0's part, and
+    consolidate returned that part as the whole tensor (a review's reproduction, 2026-11-28)."""
     path = str(tmp_path / "ckpt")
     cont = run_distributed(_ckpt_save_rank, 4, path, timeout=300)
     assert sorted(os.listdir(path)) == ["meta.json", "tp0", "tp1"]
@@ -267,8 +274,11 @@ def test_checkpoint_across_tp_sizes(tmp_path):
                                    msg=lambda m: f"dp {dp} tp {tpn}: {m}")
     full = zerofuse.checkpoint.consolidate(path)
     model = GPT(GPTConfig(**CFG), seed=1)
+    dict(model.named_parameters())[FROZEN].requires_grad_(False)
     model.load_state_dict(full["model"])
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
+    torch.testing.assert_close(full["model"][FROZEN], dict(GPT(GPTConfig(**CFG), seed=0).named_parameters())[FROZEN],
+                               rtol=0, atol=0)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=0.01)
     opt.load_state_dict(full["optimizer"])
     losses = []
     for b in _batches(6)[3:]:

@@ -123,7 +123,9 @@ def _save_stage(directory: str, eng, model, optimizer, extra, group) -> None:
         dist.barrier(group=group)
     if eng.rank == 0 and eng.tp_rank == 0:
         if tp:
-            specs = {n: spec.to_json() for n, p in zip(eng.names, eng.params) if (spec := spec_of(p)) is not None}
+            # (and of TP-sharded frozen params, saved per TP part with the buffers in common.pt)
+            specs = {n: spec.to_json() for n, p in (*zip(eng.names, eng.params), *model.state_dict(keep_vars=True).items())
+                     if (spec := spec_of(p)) is not None}
             top = {"format": FORMAT, "tp": eng.tp_comm.world_size, "specs": specs}
         else:
             top = _meta(eng, model, optimizer)
@@ -202,7 +204,7 @@ def load(path: str, model: torch.nn.Module, optimizer=None):
     group = None if eng.tp_comm is not None or eng.pp_comm is not None else eng.comm.group
     try:
         first = full.common()
-        rest = first.get("rest", {})
+        rest = _my_tp_parts(model, first.get("rest", {}))
         check_rest(model, eng, rest, who)  # before anything is written: a mismatch leaves the model as it was
         keys = [VALUE] + (list(opt_meta["state_keys"]) if optimizer is not None else [])
         if src is not None:  # (the rank files: as the tables say; only those this rank reads)
@@ -221,6 +223,14 @@ def load(path: str, model: torch.nn.Module, optimizer=None):
     agree(group, None, who, eng.units[0].device)
     _finish_load(eng, model, optimizer, opt_meta, rest, full.meta["precision"])
     return first.get("extra")
+
+
+def _my_tp_parts(model, rest: dict) -> dict:
+    """The saved buffers and frozen params (TP-sharded ones whole) as this rank's model holds them:
+    a TP-sharded frozen param sliced to this rank's part (each TP rank took TP rank 0's part)."""
+    mine = model.state_dict(keep_vars=True)
+    return {n: spec.slice(t) if n in mine and (spec := spec_of(mine[n])) is not None
+            and tuple(t.shape) == tuple(spec.full_shape) else t for n, t in rest.items()}
 
 
 def _frozen_toggles(model, eng, full) -> str:

@@ -120,6 +120,19 @@ class _StageFull:
         self.shapes = {n: tuple(self.specs[n].full_shape) if n in self.specs else s
                        for n, s in self.parts[0].shapes.items()}
 
+    def rest(self) -> dict:
+        """The buffers and frozen params, TP-sharded frozen params whole (from every TP part: the
+        first part's was taken as the whole tensor)."""
+        out = dict(self.parts[0].common().get("rest", {}))
+        for n, t in out.items():
+            spec = self.specs.get(n)
+            if spec is not None and tuple(t.shape) != tuple(spec.full_shape):
+                whole = torch.empty(spec.full_shape, dtype=t.dtype)
+                for r, part in enumerate(self.parts):
+                    spec.place(whole, part.common()["rest"][n], r)
+                out[n] = whole
+        return out
+
     def get(self, name: str, key: str) -> torch.Tensor:
         spec = self.specs.get(name)
         if spec is None:  # not TP-sharded: every TP part holds it whole
@@ -163,10 +176,9 @@ class Full:
                 part.check(mine, keys)
 
     def common(self) -> dict:
-        """The first stage's extra, and every stage's buffers and frozen params."""
+        """The first stage's extra, and every stage's buffers and frozen params (whole)."""
         out = dict(self.stages[0].parts[0].common())
-        if self.pp > 1:
-            out["rest"] = {n: t for st in self.stages for n, t in st.parts[0].common().get("rest", {}).items()}
+        out["rest"] = {n: t for st in self.stages for n, t in st.rest().items()}
         return out
 
 
