@@ -59,3 +59,46 @@ def test_selective_recompute_under_zero3():
     got = run_distributed(_zero3_rank, 2, "selective", timeout=120)[0]
     for n, g in base.items():
         assert torch.equal(got[n], g), n
+
+
+class _Shared(torch.nn.Module):
+    """A block used twice in one forward (weights shared across depth, as ALBERT), each use under
+    torch's re-entrant checkpointing: its params' grads arrive twice, in two inner backwards."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = torch.nn.Linear(16, 16)
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh())
+                                          for _ in range(3))
+        self.out = torch.nn.Linear(16, 1)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for i in (0, 1, 1, 2):
+            h = h + torch.utils.checkpoint.checkpoint(self.blocks[i], h, use_reentrant=True)
+        return self.out(h).pow(2).mean()
+
+
+def _x():
+    return torch.randn(8, 16, generator=torch.Generator().manual_seed(1)).requires_grad_()
+
+
+def _shared_rank(rank, ws, stage, bucket_mb):
+    model = zerofuse.zero.parallelize(_Shared(), stage=stage, bucket_mb=bucket_mb)
+    zerofuse.zero.Optimizer(model, "adamw")
+    model(_x()[rank * 4:(rank + 1) * 4]).backward()
+    with zerofuse.zero.full_grads(model):
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("stage,bucket_mb", [(1, 1e-9), (2, 1e-9), (3, 25.0)])
+def test_grads_arriving_twice_after_their_reduction_are_reduced_too(stage, bucket_mb):
+    """The second arrival found its unit reduced already: its grads went into a buffer never
+    reduced (silently lost; a review's reproduction, 2026-11-28)."""
+    ref = _Shared()
+    for half in _x().detach().chunk(2):
+        (ref(half) / 2).backward()
+    for got in run_distributed(_shared_rank, 2, stage, bucket_mb, timeout=120):
+        for n, p in ref.named_parameters():
+            torch.testing.assert_close(got[n], p.grad, rtol=1e-5, atol=1e-7, msg=lambda m, n=n: f"{n}: {m}")

@@ -37,6 +37,12 @@ class BucketGroup:
         if self.on_reduced is not None:
             self.on_reduced(b)
 
+    def finish(self, bucket: Bucket) -> None:
+        """Wait for ``bucket``'s reduction if it is in flight."""
+        if any(b is bucket for b in self._inflight):
+            self._inflight = collections.deque(b for b in self._inflight if b is not bucket)
+            self._finish(bucket)
+
     def start_grad_sync(self, bucket: Bucket) -> None:
         self.make_room()
         bucket.start_grad_sync(self.comm)
@@ -44,11 +50,12 @@ class BucketGroup:
 
     def finish_grad_sync(self, launch_rest: bool = False) -> list[Bucket]:
         """Wait for every reduction in flight; with launch_rest, first launch buckets holding
-        unreduced grads (unused params, overlap off). Returns the buckets launched here."""
+        unreduced grads (unused params, overlap off, grads that arrived after their bucket's
+        reduction). Returns the buckets launched here."""
         late = []
         if launch_rest:
             for b in self.buckets:
-                if b.dirty and not b.launched:
+                if b.dirty:
                     self.start_grad_sync(b)
                     late.append(b)
         while self._inflight:

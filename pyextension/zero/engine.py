@@ -200,6 +200,8 @@ class ZeroEngine(ExpertLayout, Stage3Hooks, WorldOfOne):
         unit, i = self.unit_of[id(p)]
         if unit.deferred[i]:  # a second grad in one backward (re-entrant checkpointing): autograd summed it into .grad
             return
+        if unit.launched:  # a second grad after its unit was reduced (a module used twice, re-entrant checkpointing)
+            self._after_reduction(unit)
         unit.ready += 1
         if not self._final_queued:
             self._final_queued = True
@@ -215,6 +217,16 @@ class ZeroEngine(ExpertLayout, Stage3Hooks, WorldOfOne):
                 self.events.append(("reduce_scatter", unit.index, "backward"))
             if self.stage == 3 and unit is not self.root and not self.hold_params and not self._in_full_params:
                 unit.free()
+
+    def _after_reduction(self, unit) -> None:
+        """A grad for a unit whose reduction this backward launched already: that reduction is
+        finished first, the new grads go into a new buffer, reduced (and added) at the end of
+        backward (they were dropped, and the buffer held until zero_grad)."""
+        if self.buckets.on_reduced is not None:
+            raise RuntimeError("zerofuse.zero: a param's grad arrived again in one backward after its unit's host step "
+                               "began (offload; a module used twice under re-entrant activation checkpointing): use "
+                               "torch.utils.checkpoint with use_reentrant=False, or no offload")
+        self.buckets.finish(unit)
 
     def _end_of_backward(self) -> None:
         """Autograd's callback at the end of a hooked backward."""
