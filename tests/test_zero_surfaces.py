@@ -5,6 +5,7 @@ with views into the shards, and ``state_dict()`` in torch.optim's layout.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import pytest
 import torch
@@ -359,3 +360,52 @@ def test_an_optimizer_load_inside_full_params_reaches_the_params_at_stage3(world
             results.append({n: p.detach().clone() for n, p in model.named_parameters()})
     for n in results[0]:
         assert torch.equal(results[0][n], results[1][n]), n
+
+
+@dataclasses.dataclass
+class _Out:
+    hidden: torch.Tensor
+
+
+class _Box:  # an output zerofuse cannot look into
+    def __init__(self, hidden):
+        self.hidden = hidden
+
+
+class _Wrapped(torch.nn.Module):
+    def __init__(self, wrap):
+        super().__init__()
+        self.lin, self.wrap = torch.nn.Linear(16, 16), wrap
+
+    def forward(self, x):
+        return self.wrap(torch.tanh(self.lin(x)) + x)
+
+
+class _Net(torch.nn.Module):
+    def __init__(self, wrap):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList(_Wrapped(wrap) for _ in range(3))
+        self.out = torch.nn.Linear(16, 1)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x).hidden
+        return self.out(x).pow(2).mean()
+
+
+@pytest.mark.parametrize("wrap", [_Out, _Box], ids=["dataclass", "opaque"])
+def test_stage3_blocks_returning_a_dataclass_or_an_opaque_object_train(world_of_one, wrap):
+    """A wrapped block's output is where stage 3 hooks the gather before its backward: in a
+    dataclass (or an object it cannot look into) none was found, the unit was freed, and backward
+    failed on "setStorage ... out of bounds" (a review's reproduction, 2026-11-28). A dataclass is
+    looked into; an opaque output keeps its unit gathered to the end of backward."""
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    ref = _Net(wrap)
+    ref(x).backward()
+    model = zerofuse.zero.parallelize(_Net(wrap), stage=3)
+    zerofuse.zero.Optimizer(model, "adamw")
+    model(x).backward()
+    with zerofuse.zero.full_grads(model):
+        for n, p in ref.named_parameters():
+            torch.testing.assert_close(dict(model.named_parameters())[n].grad, p.grad, rtol=0, atol=0)

@@ -4,6 +4,7 @@ pre-hook with the next ``prefetch`` units of the recorded order, freed after its
 again before its backward by hooks on its outputs' grads."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -82,14 +83,17 @@ class Stage3Hooks:
         def hook(_mod, _args, out):
             if self._in_backward:  # a re-run forward (activation checkpointing): backward needs the params
                 return
-            if not self._in_full_params and ((self.reshard_after_forward and not self.hold_params)
-                                             or not torch.is_grad_enabled()):
+            tensors = list(_tensors(out)) if torch.is_grad_enabled() else []
+            # an output it cannot look into (no tensor found in it): its backward would find the unit
+            # freed with no hook to gather it, so it stays gathered to the end of backward
+            opaque = torch.is_grad_enabled() and out is not None and not tensors
+            if not self._in_full_params and not opaque and ((self.reshard_after_forward and not self.hold_params)
+                                                            or not torch.is_grad_enabled()):
                 for x in _pair(u):
                     x.free()
-            if torch.is_grad_enabled():
-                for t in _tensors(out):
-                    if t.requires_grad:
-                        t.register_hook(self._make_pre_backward(u))
+            for t in tensors:
+                if t.requires_grad:
+                    t.register_hook(self._make_pre_backward(u))
 
         return hook
 
@@ -152,3 +156,6 @@ def _tensors(out):
     elif isinstance(out, dict):
         for o in out.values():
             yield from _tensors(o)
+    elif dataclasses.is_dataclass(out) and not isinstance(out, type):
+        for f in dataclasses.fields(out):
+            yield from _tensors(getattr(out, f.name))
