@@ -286,3 +286,24 @@ def test_writes_the_running_host_steps_would_miss_are_refused(stage, world_of_on
         _, got = trained(look)
         assert all(torch.equal(got[n], want[n]) for n in want), look.__name__
     trained(edit)
+
+
+@pytest.mark.parametrize("stage", [3])  # (stage 2 over one rank reduces in place and keeps the buffer, as DDP)
+def test_offload_holds_no_grad_shard_past_the_step(stage, world_of_one):
+    """On a CPU device the host step reads the grad shards in place: it kept them referenced after
+    step(), so zero_grad(set_to_none=True) freed nothing while memory_report said grads 0 (a
+    review's reproduction, 2026-11-28)."""
+    import gc
+    import weakref
+
+    model = GPT(GPTConfig(**CFG), seed=0)
+    zerofuse.zero.parallelize(model, stage=stage, bucket_mb=0.01, offload="optimizer")
+    opt = zerofuse.zero.Optimizer(model, "adamw", lr=LR)
+    b = batches(1)[0]
+    model(b[:, :-1], b[:, 1:])[1].backward()
+    refs = [weakref.ref(u.grad_shard()) for u in model._zerofuse_zero.units]
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    gc.collect()
+    assert zerofuse.zero.memory_report(model, opt)["grads"] == 0
+    assert [r() is None for r in refs] == [True] * len(refs)

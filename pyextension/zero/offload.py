@@ -242,6 +242,8 @@ class HostSteps:
         finally:
             self.last_log, self.log = self.log, []
             self.reduced = [False] * len(eng.units)
+            if not self.cuda:  # grad shards read in place: not held past the step (zero_grad frees them)
+                self.grads = [None] * len(eng.units)
         if not skip:  # (the device's counters advance in the device step, which runs for every group;
             for s in self.host_steps:  # after the path was chosen: `overlapped` reads them)
                 s += 1.0
