@@ -307,3 +307,20 @@ def test_offload_holds_no_grad_shard_past_the_step(stage, world_of_one):
     gc.collect()
     assert zerofuse.zero.memory_report(model, opt)["grads"] == 0
     assert [r() is None for r in refs] == [True] * len(refs)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_twin_flow_puts_the_units_backward_completes_first_on_the_host(stage, world_of_one):
+    """offload_ratio < 1: the host steps the units whose grads are ready first, overlapping the rest
+    of backward. Stage 3's units are in forward order (the root last): it took the last ready (a
+    review's reproduction, 2026-11-28: reduced [3, 2, 1, 0, 4], host [0, 1, 2])."""
+    model = GPT(GPTConfig(**CFG | {"n_layer": 4}), seed=0)
+    zerofuse.zero.parallelize(model, stage=stage, bucket_mb=0.01, offload="optimizer", offload_ratio=0.5)
+    zerofuse.zero.Optimizer(model, "adamw", lr=LR)
+    eng = model._zerofuse_zero
+    b = batches(1)[0]
+    model(b[:, :-1], b[:, 1:])[1].backward()
+    order = [i for kind, i, when in eng.events if kind == "reduce_scatter"]
+    assert sorted(order) == sorted(u.index for u in eng.units)
+    assert 0 < len(eng.host_units) < len(order)
+    assert set(order[:len(eng.host_units)]) == eng.host_units, (order, eng.host_units)

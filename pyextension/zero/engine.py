@@ -139,7 +139,10 @@ class ZeroEngine(ExpertLayout, Stage3Hooks, WorldOfOne):
             for u in self.units:
                 u.offload_shard()
         self.offload_ratio = auto_ratio(self.device, self.comm.group) if auto else float(offload_ratio)
-        self.host_units = host_units(self.units, self.offload_ratio) if offload else set()
+        # (in the order backward completes them: stage 3's units are in forward order, the root last)
+        ready_order = self.units if stage != 3 else \
+            [u for u in reversed(self.units) if u is not self.root] + ([self.root] if self.root is not None else [])
+        self.host_units = host_units(ready_order, self.offload_ratio) if offload else set()
         check_same_layout(self.units, self.comm, (stage, precision, str(self.reduce_dtype), shapes), name)
         self.buckets = BucketGroup(self.units, self.comm, max_inflight)
         self.unit_of: dict[int, tuple[Bucket, int]] = {}

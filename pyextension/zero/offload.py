@@ -55,7 +55,7 @@ OFFLOAD_MODES = (None, "optimizer", "optimizer+params")
 
 def host_units(units, ratio: float) -> set[int]:
     """Twin flow (parallelize's offload_ratio): the units stepped on the host, the first ready in
-    backward (the units' order) until they hold ``ratio`` of the shard's elements; the rest step
+    backward (``units`` in that order) until they hold ``ratio`` of the shard's elements; the rest step
     on the device with its own kernel, while the host steps the others."""
     total, out, acc = sum(u.shard_numel for u in units), set(), 0
     for u in units:
