@@ -203,3 +203,58 @@ def test_router_loss_figures_are_the_mean_over_forwards():
     assert got["steps"] == 2
     assert got["aux_loss"] == pytest.approx(want[0].item(), rel=1e-6) and want[0] > 0
     assert got["z_loss"] == pytest.approx(want[1].item(), rel=1e-6) and want[1] > 0
+
+
+_BIAS_CFG = dict(vocab_size=65, seq_len=16, n_layer=1, n_head=4, dim=32, mlp="swiglu", mlp_hidden=48, moe_experts=4,
+                 moe_top_k=1, moe_bias_rate=1e-2, moe_aux_loss=1e-2, moe_aux_scope="global")
+
+
+def _bias_rank(rank, ws):
+    model = GPT(GPTConfig(**_BIAS_CFG), seed=0)  # no dp_group given: ZeRO's data-parallel group is used
+    zerofuse.zero.parallelize(model, stage=1)
+    opt = zerofuse.zero.Optimizer(model, "adamw", lr=0.0)  # (the routing changes by the bias only)
+    router = model.moe_layers[0].router
+    for step in range(3):
+        x = torch.randint(0, 65, (2, 17), generator=torch.Generator().manual_seed(10 * step + rank))
+        model(x[:, :-1], x[:, 1:])[1].backward()
+        router.update_bias()
+        opt.step()
+        opt.zero_grad()
+    return router.expert_bias.clone()
+
+
+def test_routers_given_no_group_balance_over_zeros_data_parallel_group():
+    """A GPT built without dp_group, made data-parallel by ZeRO: each rank balanced its own loads
+    and the replicated biases drifted apart (a review's reproduction, 2026-11-28). The biases are
+    one process's over the whole batch."""
+    got = run_distributed(_bias_rank, 2, timeout=120)
+    model = GPT(GPTConfig(**_BIAS_CFG), seed=0)
+    router = model.moe_layers[0].router
+    for step in range(3):
+        for rank in range(2):  # the loads of both ranks' tokens, as the step's forwards
+            x = torch.randint(0, 65, (2, 17), generator=torch.Generator().manual_seed(10 * step + rank))
+            model(x[:, :-1], x[:, 1:])  # (a training forward: its loads count)
+        router.update_bias()
+    for g in got:
+        assert torch.equal(g, got[0]) and torch.equal(g, router.expert_bias), (got, router.expert_bias)
+
+
+def test_the_router_keeps_fp32_bias_and_scores_under_bf16_and_autocast(world_of_one):
+    """ZeRO's precision="bf16" cast the aux-free bias to bf16 (a 1e-3 step of a bias near 0.5 was
+    rounded away); under torch.autocast the router's matmul ran in bf16 although it asks for fp32
+    (4.5% of tokens routed elsewhere; reviews' reproductions, 2026-11-28)."""
+    model = GPT(GPTConfig(**_BIAS_CFG | {"moe_bias_rate": 1e-3}), seed=0)
+    zerofuse.zero.parallelize(model, stage=1, precision="bf16")
+    router = model.moe_layers[0].router
+    assert router.expert_bias.dtype == torch.float32
+    router.expert_bias.fill_(0.5)
+    router._loads = [torch.tensor([9, 1, 1, 1])]
+    router.update_bias()
+    assert router.expert_bias.tolist() == torch.tensor([0.499, 0.501, 0.501, 0.501]).tolist()
+    x = torch.randn(64, 32, generator=torch.Generator().manual_seed(0))
+    router = GPT(GPTConfig(**_BIAS_CFG), seed=0).moe_layers[0].router  # an fp32 model's
+    fp32 = router(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        amp = router(x)
+    assert amp.weights.dtype == torch.float32
+    assert torch.equal(amp.experts, fp32.experts) and torch.equal(amp.weights, fp32.weights)

@@ -57,8 +57,8 @@ def build(cfg, ep_group=None, dp_group=None) -> MoE:
     return MoE(cfg.dim, cfg.moe_hidden or cfg.hidden, cfg.moe_experts, cfg.moe_top_k,
                activation="swiglu" if cfg.mlp == "swiglu" else "gelu", shared_expert=cfg.moe_shared_expert,
                ep_group=ep_group, score=cfg.moe_router, aux_loss_coef=cfg.moe_aux_loss, z_loss_coef=cfg.moe_z_loss,
-               bias_update_rate=cfg.moe_bias_rate, capacity_factor=cfg.moe_capacity, group=dp_group,
-               aux_loss_scope=cfg.moe_aux_scope)
+               bias_update_rate=cfg.moe_bias_rate, capacity_factor=cfg.moe_capacity,
+               aux_loss_scope=cfg.moe_aux_scope, **({"group": dp_group} if dp_group is not None else {}))
 
 
 def layers(model: torch.nn.Module) -> list[MoE]:

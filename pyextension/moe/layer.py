@@ -77,8 +77,10 @@ class MoE(torch.nn.Module):
         # the router's loads (aux-loss-free bias, the global aux loss) sum over the expert-parallel
         # group unless told another (the GPT passes its DP group): left unset, each rank balanced
         # its own loads and its replicated bias drifted from the others'
+        defaulted = "group" not in router_options
         router_options.setdefault("group", ep_group)
         self.router = Router(dim, num_experts, top_k, **router_options)
+        self.router.group_is_default = defaulted
         self.activation, self.hidden = activation, hidden
         self.ep_comm = None
         local = num_experts

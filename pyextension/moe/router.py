@@ -64,12 +64,26 @@ class Router(torch.nn.Module):
         # op that depends on it (a recomputed forward, activation checkpointing, must dispatch the
         # ops of the first; it appends the same load again: every load twice, the same bias step)
         self._loads: list[Tensor] = []
+        self.group_is_default = False  # group taken by default (MoE: its ep group): ZeRO gives its DP group
+
+    def _apply(self, fn, recurse=True):
+        """expert_bias stays fp32 through model.to(bf16) (ZeRO's precision="bf16"): rate-sized steps
+        of a bias near 0.5 were rounded away in bf16, as DeepSeek-V3's and Megatron's keep it."""
+        out = super()._apply(fn, recurse)
+        if self.expert_bias.is_floating_point() and self.expert_bias.dtype != torch.float32:
+            self.expert_bias = self.expert_bias.float()
+        return out
 
     def forward(self, x: Tensor) -> Routing:
         """x [T, dim] -> Routing."""
         if x.dim() != 2 or x.shape[1] != self.weight.shape[1]:
             raise ValueError(f"{NAME}: expected x [tokens, {self.weight.shape[1]}], got {list(x.shape)}")
-        logits = x.float() @ self.weight.float().t()
+        dev = x.device.type
+        if dev in ("cpu", "cuda") and torch.is_autocast_enabled(dev):  # fp32 scores under autocast too
+            with torch.autocast(dev, enabled=False):                   # (autocast ran the matmul in bf16)
+                logits = x.float() @ self.weight.float().t()
+        else:
+            logits = x.float() @ self.weight.float().t()
         scores = torch.softmax(logits, -1) if self.score == "softmax" else torch.sigmoid(logits)
         choice = scores + self.expert_bias if self.bias_update_rate > 0 else scores
         experts = torch.topk(choice.detach(), self.top_k, dim=-1, sorted=True).indices

@@ -13,7 +13,15 @@ from zerofuse.zero.layout import bucket_groups
 
 class ExpertLayout:
     def _init_experts(self, model, expert_group, stage, name) -> None:
-        """expert_group default: ``model.edp_group``; refused where not supported."""
+        """expert_group default: ``model.edp_group``; refused where not supported. MoE routers whose
+        loads no group was given for (aux-loss-free bias, the global aux loss) sum them over this
+        data-parallel group: left to themselves (or to their ep group) the ranks' replicated
+        biases drifted apart."""
+        from zerofuse.moe.router import Router
+
+        for m in model.modules():
+            if isinstance(m, Router) and (m.group is None or m.group_is_default) and self.world_size > 1:
+                m.group, m.group_is_default = self.comm.group, False
         self.expert = [getattr(p, "_zf_ep", None) is not None for p in self.params]
         self.edp_comm = None
         if not any(self.expert):
