@@ -337,6 +337,11 @@ def test_resume_with_another_model_shape_is_refused_before_launch(stopped, capsy
     assert train.main([*flags, "--steps", "1"]) == 2  # below the checkpoint's step: refused before launch too
     err = capsys.readouterr().err
     assert "--steps: expected at least the checkpoint's step 3 to resume, got 1" in err and err.count("\n") == 1, err
+    # another update rule (each rank's load raised, exit code 1; a review's reproduction, 2026-11-28)
+    assert train.main([*flags, "--optimizer", "lamb"]) == 2
+    err = capsys.readouterr().err
+    assert (f"--optimizer: the checkpoint at {tmp_path / 'ckpt'} was trained with adamw, got lamb; expected the "
+            "optimizer of the run that wrote it") in err and err.count("\n") == 1, err
 
 
 def test_resume_without_checkpoint(capsys, tmp_path):

@@ -57,6 +57,10 @@ def test_validation_shards_that_are_training_shards_are_refused(tmp_path):
         _flags("--data", str(tmp_path / "*.bin"), "--val-data", str(tmp_path / "val_000.bin"), "--seq-len", "8")
     assert _flags("--data", str(tmp_path / "train_*.bin"), "--val-data", str(tmp_path / "val_000.bin"),
                   "--seq-len", "8").val_data.endswith("val_000.bin")
+    # without --data (the shipped shards), a --val-data given is kept: it was replaced by the shipped
+    # split, unsaid (a review's reproduction, 2026-11-28)
+    got = _flags("--tokenizer", "gpt2", "--val-data", str(tmp_path / "val_000.bin"), "--seq-len", "8")
+    assert got.val_data == str(tmp_path / "val_000.bin") and got.data.endswith("tinyshakespeare-gpt2-train.bin")
 
 
 def test_non_utf8_text_is_refused_for_the_gpt2_tokenizer(tmp_path):

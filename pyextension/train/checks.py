@@ -145,8 +145,9 @@ def _validate_moe(args) -> None:
 def _validate_data(args) -> None:
     gpt2_model = args.model_name.startswith("gpt2-")
     if args.data is None and (args.tokenizer == "gpt2" or (gpt2_model and args.tokenizer is None)):
-        # the shipped shards (any model with --tokenizer gpt2 tokenized the shipped text into the package before)
-        args.data, args.val_data = (str(p) for p in GPT2_DEFAULT)
+        # the shipped shards (any model with --tokenizer gpt2 tokenized the shipped text into the package
+        # before); a --val-data given stays (it was replaced by the shipped split, unsaid)
+        args.data, args.val_data = str(GPT2_DEFAULT[0]), args.val_data or str(GPT2_DEFAULT[1])
     shards = args.data is not None and tok.is_shard_spec(args.data)
     args.tokenizer = args.tokenizer or ("gpt2" if shards or gpt2_model else "char")
     _check(not shards or args.tokenizer == "gpt2",
@@ -232,6 +233,13 @@ def validate_resume(args, ckpt) -> None:
     step = extra.get("step")
     _check(not isinstance(step, int) or args.steps >= step,
            f"--steps: expected at least the checkpoint's step {step} to resume, got {args.steps}")
+    try:  # (each rank's load refused another update rule with a traceback, exit code 1)
+        kind = (Full(str(ckpt)).meta.get("optimizer") or {}).get("kind")
+    except (ValueError, OSError, KeyError, AttributeError):
+        kind = None
+    _check(kind is None or kind == args.optimizer,
+           f"--optimizer: the checkpoint at {ckpt} was trained with {kind}, got {args.optimizer}; expected the "
+           "optimizer of the run that wrote it")
     saved = extra.get("config")
     if not isinstance(saved, dict):
         return
