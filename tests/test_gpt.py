@@ -45,6 +45,12 @@ def test_tied_embeddings_and_generate():
     model = GPT(GPTConfig(**SMALL, tie_embeddings=True), seed=0)
     assert model.head.weight is model.wte.weight
     assert model.num_params() == sum(p.numel() for p in model.parameters())
+    # MFU's N: no lookup-only table (the learned positions; the token embedding only when untied:
+    # tied, it is the output layer's matmul too)
+    pos = model.wpe.weight.numel() if model.wpe is not None else 0
+    assert model.num_params(matmul=True) == model.num_params() - pos
+    untied = GPT(GPTConfig(**SMALL, tie_embeddings=False), seed=0)
+    assert untied.num_params(matmul=True) == untied.num_params() - pos - untied.wte.weight.numel()
     out = model.generate(torch.zeros((2, 1), dtype=torch.long), 5, top_k=10,
                          generator=torch.Generator().manual_seed(0))
     assert out.shape == (2, 6) and out.dtype == torch.long and int(out.max()) < 65

@@ -203,16 +203,23 @@ class GPT(KeepsMarks, torch.nn.Module):
                     value = spec.slice(value)
             p.copy_(value)
 
-    def num_params(self, active: bool = False) -> int:
+    def num_params(self, active: bool = False, matmul: bool = False) -> int:
         """Parameters of the model (the unsharded count under tensor / expert parallelism);
-        active=True: those one token uses (top_k of the E experts of each MoE layer)."""
+        active=True: those one token uses (top_k of the E experts of each MoE layer); matmul=True:
+        without the lookup-only tables (the position embedding, and the token embedding unless tied
+        to the output layer), the N of MFU's 6 N FLOPs per token, as nanoGPT's."""
         def count(p):
             spec = tp.spec_of(p) or expert_spec(p)
             n = math.prod(spec.full_shape) if spec is not None else p.numel()
             if active and p.dim() == 3 and any(p is m.w1 or p is m.w2 for m in self.moe_layers):
                 n = n * self.config.moe_top_k // self.config.moe_experts
             return n
-        return sum(count(p) for p in self.parameters())
+        lookup = set()
+        if matmul:
+            lookup = {id(p) for m in (self.wpe,) if m is not None for p in m.parameters()}
+            if self.wte.weight is not self.head.weight:
+                lookup.add(id(self.wte.weight))
+        return sum(count(p) for p in self.parameters() if id(p) not in lookup)
 
     def forward(self, idx: Tensor, targets: Tensor | None = None, *,
                 document_ids: Tensor | None = None) -> tuple[Tensor, Tensor | None]:

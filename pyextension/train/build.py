@@ -63,6 +63,7 @@ def setup(t) -> None:
     model.activation_offload = args.activation_offload
     t.n_params = model.num_params()  # unsharded
     t.n_active_params = model.num_params(active=True)
+    t.n_flop_params = model.num_params(active=True, matmul=True)  # MFU's N (no lookup-only tables)
     if args.pp > 1:  # this rank's stages only, ZeRO over the stage's DP group (train/pipeline.py)
         from .pipeline import PipelineJob
         t.pp = PipelineJob(t, model)

@@ -103,8 +103,10 @@ def _parser() -> argparse.ArgumentParser:
     o.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step (default 1)")
     o.add_argument("--steps", type=int, default=250, help="optimizer steps (default 250)")
     o.add_argument("--lr", type=float, help="peak learning rate (default: adamw 6e-3, lamb 1e-2, lars 1.0)")
-    o.add_argument("--min-lr", type=float, help="final learning rate of the cosine decay (default: lr / 10)")
-    o.add_argument("--warmup", type=int, default=20, help="linear warmup steps (default 20)")
+    o.add_argument("--min-lr", type=float, help="the learning rate the cosine decay reaches at --steps (the last step runs just above "
+                   "it; default: lr / 10)")
+    o.add_argument("--warmup", type=int, default=20, help="linear warmup steps, then the cosine decay (default 20; with --steps < --warmup the "
+                   "learning rate never reaches --lr)")
     o.add_argument("--weight-decay", type=float, help="on matrices only (default: adamw 0.1, lamb 0.01, lars 1e-4)")
     o.add_argument("--clip", type=float, default=1.0, help="max global grad norm, 0 = no clipping (default 1.0)")
     o.add_argument("--seed", type=int, default=0)

@@ -191,6 +191,8 @@ class Trainer:
                 if self.launches is None and self.step == self.start_step + 1:  # (the first builds the plans)
                     from .launches import count_step
                     self.launches = count_step(self.train_step, self.model, self.cfg.n_layer)
+                    if self.metrics.pending:  # its time is the counters' too: not a steady step's
+                        self.metrics.pending[-1]["instrumented"] = True
                 else:
                     self.train_step()
                 end = self.step == args.steps or self.stopped
