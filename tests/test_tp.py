@@ -471,3 +471,27 @@ def test_layers_built_on_meta_keep_their_specs_and_grad_sums_through_to_empty_an
             assert has_spec and bias_err < 1e-6 and weight_err < 1e-6, (how, out[how])
         for name, spec_real, spec_meta, same_grad in out["gpt"]:
             assert spec_real == spec_meta and same_grad, name
+
+
+def _autocast_rank(rank, ws, sp):
+    model = GPT(GPTConfig(**CFG), seed=0, tp_group=dist.group.WORLD, sequence_parallel=sp)
+    idx = _batches(1)[0]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, loss = model(idx[:, :-1], idx[:, 1:])
+    loss.backward()
+    return loss.item(), [n for n, p in model.named_parameters() if p.grad is None or not torch.isfinite(p.grad).all()]
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_tensor_parallel_layers_train_under_autocast(sp):
+    """Column/Row parallel linears under torch.autocast: backward (run without autocast) multiplied
+    a bf16 grad by the fp32 weight and failed, so no TP model trained under autocast (a review's
+    reproduction, 2026-11-28). The loss is one process's under autocast, within bf16's rule."""
+    model = GPT(GPTConfig(**CFG), seed=0)
+    idx = _batches(1)[0]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, want = model(idx[:, :-1], idx[:, 1:])
+    for loss, bad in run_distributed(_autocast_rank, 2, sp, timeout=120):
+        from tolerances import tol
+        torch.testing.assert_close(torch.tensor(loss), want.detach().float(), **tol(torch.bfloat16))
+        assert not bad, bad

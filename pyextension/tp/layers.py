@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
+from zerofuse.nn.autocast import autocast_dtype, cast_all
 from zerofuse.ops.ids import check_ids
 from zerofuse import nn as znn
 from zerofuse.tp import comm as C
@@ -191,7 +192,10 @@ class ColumnParallelLinear(_TPModule):
 
     def forward(self, x: Tensor) -> Tensor:
         _check_features("ColumnParallelLinear", x, self.in_features, "in_features", self.sequence_parallel)
-        y = _ColumnLinear.apply(x, self.weight, self.bias, self.comm, self.sequence_parallel)
+        # under autocast: the GEMM's inputs in its dtype, as torch's linear (backward, run without
+        # autocast, multiplied a bf16 grad by the fp32 weight and failed)
+        x, w, b = cast_all(autocast_dtype(x), x, self.weight, self.bias)
+        y = _ColumnLinear.apply(x, w, b, self.comm, self.sequence_parallel)
         return C.gather_last_dim(y, self.comm, self.out_per_rank) if self.gather_output else y
 
     def extra_repr(self) -> str:
@@ -239,10 +243,12 @@ class RowParallelLinear(_TPModule):
             _check_features("RowParallelLinear", x, self.weight.shape[1],
                             f"this rank's slice of in_features {self.in_features} (input_is_parallel=True)",
                             self.sequence_parallel)
-        y = _RowLinear.apply(x, self.weight, self.comm, self.sequence_parallel)
+        dt = autocast_dtype(x)  # (as ColumnParallelLinear's; the bias too: y stays in autocast's dtype)
+        x, w = cast_all(dt, x, self.weight)
+        y = _RowLinear.apply(x, w, self.comm, self.sequence_parallel)
         if self.bias is None:
             return y
-        return y + (self.bias if bias_grad else self.bias.detach())
+        return y + cast_all(dt, self.bias if bias_grad else self.bias.detach())[0]
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features} (this rank {self.weight.shape[1]}), out_features={self.out_features}, "
