@@ -116,3 +116,34 @@ def test_a_wrong_vocab_size_fails_on_every_rank_at_once():
     for err, losses in out:
         assert err is not None and "its shards [4, 3, 3] summed (10), got 9" in err, err
         assert losses[0] == losses[1] == out[0][1][0]
+
+
+def _neg_inf_rank(rank, ws):
+    from zerofuse import kernels
+
+    kernels.TRITON_ON_CPU = False  # (the Triton kernel selects with tl.where: the torch paths multiplied)
+    v, d = 6, 4
+    g = torch.Generator().manual_seed(0)
+    h, w, b = torch.randn(4, d, generator=g), torch.randn(v, d, generator=g), torch.zeros(v)
+    b[0] = float("-inf")  # a masked vocabulary entry
+    target = torch.tensor([1, 2, 4, 5])
+    lo, hi = split_range(v, ws, rank)
+    fused = tp.vocab_parallel_linear_cross_entropy(h, w[lo:hi], target, bias=b[lo:hi], vocab_size=v, reduction="none")
+    plain = tp.vocab_parallel_cross_entropy((h @ w.t() + b)[:, lo:hi], target, reduction="none")
+    return fused, plain
+
+
+def test_a_minus_inf_logit_gives_torchs_finite_loss():
+    """A target on another rank (or ignored) read the local column 0 times 0: a -inf logit there
+    (a masked vocabulary entry, a -inf bias) made NaN, spread to every rank by the all-reduce (a
+    review's reproduction, 2026-11-28). Torch's cross-entropy is finite."""
+    g = torch.Generator().manual_seed(0)
+    h, w, b = torch.randn(4, 4, generator=g), torch.randn(6, 4, generator=g), torch.zeros(6)
+    b[0] = float("-inf")
+    want = torch.nn.functional.cross_entropy(h @ w.t() + b, torch.tensor([1, 2, 4, 5]), reduction="none")
+    for fused, plain in run_distributed(_neg_inf_rank, 2, timeout=120):
+        torch.testing.assert_close(fused, want)
+        torch.testing.assert_close(plain, want)
+    ignored = torch.tensor([1, 2, -100, 5])  # one process: an ignored row's NaN was kept by * valid
+    torch.testing.assert_close(linear_cross_entropy(h, w, ignored, b),
+                               torch.nn.functional.cross_entropy(h @ w.t() + b, ignored))

@@ -102,7 +102,7 @@ def _rows_torch(z, target, scale, lse, tz, sz, *, vocab_start, vocab_total, smoo
     t_col = t_local.masked_fill(~inside, 0).unsqueeze(1)
     if stats:
         lse.copy_(torch.logsumexp(zc, dim=1))
-        tz.copy_(zc.gather(1, t_col).squeeze(1) * inside)
+        tz.copy_(torch.where(inside, zc.gather(1, t_col).squeeze(1), 0.0))  # (not * inside: -inf * 0 is NaN)
         sz.copy_(zc.sum(1))
     if grad:
         row_lse = lse.to(acc).unsqueeze(1)
@@ -207,7 +207,7 @@ def token_losses(lse, tz, sz, valid, *, smoothing, z_loss, vocab_total) -> Tenso
     loss = (lse - tz) if smoothing == 0 else (1 - smoothing) * (lse - tz) + smoothing * (lse - sz / vocab_total)
     if z_loss:
         loss = loss + z_loss * lse * lse
-    return loss * valid
+    return torch.where(valid, loss, 0.0)  # (an ignored row's loss may be NaN: a -inf logit; * valid kept it)
 
 
 def reduce(loss: Tensor, valid: Tensor, reduction: str) -> Tensor:

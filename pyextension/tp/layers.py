@@ -320,7 +320,7 @@ class _VocabParallelCE(torch.autograd.Function):
         n_local = x.shape[-1]
         inside = (targets >= vocab_start) & (targets < vocab_start + n_local)
         local_t = (targets - vocab_start).masked_fill(~inside, 0)
-        tl = x.gather(-1, local_t.unsqueeze(-1)).squeeze(-1) * inside
+        tl = torch.where(inside, x.gather(-1, local_t.unsqueeze(-1)).squeeze(-1), 0.0)  # (-inf * 0 is NaN)
         both = torch.stack([e.sum(-1), tl])
         C.all_reduce(both, comm)
         sumexp, target_logit = both[0], both[1]
