@@ -386,3 +386,81 @@ def test_writes_inside_full_params_at_stages_0_to_2_reach_the_fp32_masters(stage
     plain_run, read_run = _stage3_run("bf16", lambda m, s: None, stage=stage), _stage3_run("bf16", read, stage=stage)
     assert all(torch.equal(read_run[n], plain_run[n]) for n in plain_run)
     assert not all(torch.equal(got[n], plain_run[n]) for n in plain_run)
+
+
+# ---------------------------------------------------------------- what a review reproduced (2026-11-28)
+
+def _bf16_step(opt, p):
+    p.grad = torch.ones_like(p)
+    opt.step()
+
+
+@pytest.mark.parametrize("how", ["copy_", "data"])
+def test_a_write_to_a_bf16_param_between_steps_reaches_its_master(how):
+    """master_weights=True: a write to the param (p.copy_: a load, an EMA swap; p.data = ...) was
+    undone by the next step, which wrote round(old master - update) over it."""
+    p = torch.nn.Parameter(torch.zeros(8, dtype=torch.bfloat16))
+    q = torch.nn.Parameter(torch.zeros(8, dtype=torch.bfloat16))
+    ours, theirs = FusedAdamW([p], lr=1e-3, weight_decay=0.0, master_weights=True), torch.optim.AdamW([q], lr=1e-3)
+    for opt, t in ((ours, p), (theirs, q)):
+        _bf16_step(opt, t)
+        with torch.no_grad():
+            if how == "copy_":
+                t.copy_(torch.full((8,), 5.0))
+            else:
+                t.data = torch.full((8,), 5.0, dtype=torch.bfloat16)
+        _bf16_step(opt, t)
+    assert torch.equal(p, q) and float(p[0]) == 5.0
+
+
+def test_masters_after_a_round_trip_through_torch_and_after_model_bfloat16():
+    """A FusedAdamW state loaded into torch.optim.AdamW and back: torch cast the master to bf16 and
+    the next step refused it (and it was stale); a model converted to bf16 after a step kept a plan
+    without masters (master_weights=True ignored)."""
+    p = torch.nn.Parameter(torch.linspace(-1, 1, 8).bfloat16())
+    opt = FusedAdamW([p], lr=1e-3, master_weights=True)
+    _bf16_step(opt, p)
+    via = torch.optim.AdamW([p], lr=1e-3)
+    via.load_state_dict(opt.state_dict())
+    _bf16_step(via, p)
+    back = FusedAdamW([p], lr=1e-3, master_weights=True)
+    back.load_state_dict(via.state_dict())
+    assert "master" not in back.state[p]  # made again from the param: torch stepped it, not the master
+    _bf16_step(back, p)
+    assert back.state[p]["master"].dtype == torch.float32
+    w = torch.nn.Parameter(torch.ones(8))
+    opt = FusedAdamW([w], lr=1e-4, master_weights=True, weight_decay=0.0)
+    _bf16_step(opt, w)
+    w.data = w.data.bfloat16()  # what model.bfloat16() does: the same Parameter
+    _bf16_step(opt, w)
+    assert opt.state[w]["master"].dtype == torch.float32
+
+
+def test_a_refused_group_option_steps_no_group_and_a_number_found_inf_without_grads():
+    a, b = torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(4))
+    opt = FusedAdam([a], lr=0.1)
+    opt.add_param_group({"params": [b], "amsgrad": True})
+    a.grad, b.grad = torch.ones(4), torch.ones(4)
+    with pytest.raises(ValueError, match="amsgrad=True in a param group is not supported"):
+        opt.step()
+    assert torch.equal(a, torch.zeros(4)) and not opt.state[a]  # (group 0 was stepped before the refusal)
+    c = torch.nn.Parameter(torch.zeros(4))
+    for found in (0.0, 1):  # no param has a grad: nothing to skip ('float' has no attribute 'ne' before)
+        FusedAdamW([c]).step(found_inf=found)
+
+
+def test_load_state_dict_lets_go_of_the_old_states():
+    """torch.optim frees the old moments at load_state_dict; the kept step plans held them until the
+    next step (a rollback into a live optimizer held both sets)."""
+    import gc
+    import weakref
+
+    p = torch.nn.Parameter(torch.zeros(4))
+    opt = FusedAdamW([p])
+    p.grad = torch.ones(4)
+    opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    old = weakref.ref(opt.state[p]["exp_avg"])
+    opt.load_state_dict(saved)
+    gc.collect()
+    assert old() is None

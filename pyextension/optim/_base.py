@@ -42,12 +42,26 @@ class _Part:
     """Params of one group with (or without) fp32 masters, their state dicts, the state tensors
     per key, and the ops' Prepared tables."""
 
-    __slots__ = ("idx", "params", "states", "lists", "prepared")
+    __slots__ = ("idx", "params", "states", "lists", "prepared", "versions")
 
     def __init__(self, idx, params, states, keys):
         self.idx, self.params, self.states = idx, params, states
         self.lists = {k: [s[k] for s in states] for k in keys}
         self.prepared = Prepared()
+        self.versions = None  # with masters: each param's (address, version) after the last step
+
+    def refresh_masters(self) -> None:
+        """A param written since the last step (`p.data = ...`, an in-place copy: a load, an EMA
+        swap, a re-initialised layer) with a value its master does not round to: the master takes
+        it (the step wrote round(old master - update) over the write)."""
+        now = [(p.data_ptr(), p._version) for p in self.params]
+        if self.versions is not None and now != self.versions:
+            for p, m, a, b in zip(self.params, self.lists["master"], now, self.versions):
+                if a != b and not torch.equal(m.to(p.dtype), p.detach()):
+                    m.copy_(p.detach())
+
+    def stepped(self) -> None:
+        self.versions = [(p.data_ptr(), p._version) for p in self.params]
 
     def unchanged(self) -> bool:
         states = self.states
@@ -101,11 +115,19 @@ class FusedOptimizerMixin:
         saved = state_dict.get("state", {})
         ids = [i for g in state_dict.get("param_groups", []) for i in g["params"]]
         super().load_state_dict(state_dict)
+        if (plans := self.__dict__.get("_plans")) is not None:  # (they held the old states until the next step)
+            plans.clear()
+        self._state_seen = None
         for i, p in zip(ids, (p for g in self.param_groups for p in g["params"])):
             for key, value in saved.get(i, {}).items():
                 if (key != "step" and torch.is_tensor(value) and value.dtype == torch.float32
                         and p.dtype in LOW_PRECISION):
                     self.state[p][key] = value.to(p.device, copy=True)
+            master = self.state[p].get("master") if p in self.state else None
+            if torch.is_tensor(master) and master.dtype != torch.float32:
+                # a master that went through torch.optim's load (cast to the param's dtype, and not
+                # stepped there): made again from the param
+                del self.state[p]["master"]
         for group in self.param_groups:
             for key, value in self.defaults.items():
                 group.setdefault(key, value)
@@ -172,7 +194,8 @@ class FusedOptimizerMixin:
     def _plan(self, plans: StepPlans, gi: int, group, grads: list) -> _GroupPlan:
         """The group's plan, rebuilt when anything it holds may have changed; see [Note: step plans]."""
         has_grad = tuple(g is not None for g in grads)
-        key = (id(group), id(self.state), has_grad, group.get("master_weights", False), tuple(map(id, group["params"])))
+        key = (id(group), id(self.state), has_grad, group.get("master_weights", False), tuple(map(id, group["params"])),
+               tuple(p.dtype for p in group["params"]))  # (model.bfloat16() after a step: masters then made)
         return plans.get(gi, key, lambda: self._build_plan(gi, group),
                          valid=lambda plan: all(part.unchanged() for part in plan.parts))
 
@@ -193,8 +216,8 @@ class FusedOptimizerMixin:
     def _amp_inputs(self, device, grads, grad_scale, found_inf, max_grad_norm):
         """(grad multiplier or None, skip flag or None, global grad norm or None) as 1-element
         tensors on the params' device; see [Note: skipped steps]."""
-        if not grads:
-            return None, found_inf, None
+        if not grads:  # nothing to step (a found_inf given as a number was returned as one)
+            return None, None, None
         scale = None
         if grad_scale is not None:
             _check_amp_arg(self._name(), "grad_scale", grad_scale)
@@ -221,6 +244,8 @@ class FusedOptimizerMixin:
         if found_inf is None:
             found_inf = getattr(self, "found_inf", None)
         work, all_grads, devices = [], [], set()
+        for group in self.param_groups:  # every group's options first: a refusal left earlier groups stepped
+            self._check_group(group)
         plans = self._plans_for_state()
         for gi, group in enumerate(self.param_groups):
             grads = [p.grad for p in group["params"]]
@@ -244,9 +269,16 @@ class FusedOptimizerMixin:
                 and bool(found.ne(0).any()):
             return loss  # [Note: skipped steps]
         for group, part, part_grads in work:
+            if "master" in part.lists:
+                part.refresh_masters()
             self._update(group, part.params, part_grads, [part.lists[k] for k in self._STATE_KEYS],
                          part.lists.get("master", []), part.lists.get("step", []), mult, found, part.prepared)
+            if "master" in part.lists:
+                part.stepped()
         return loss
+
+    def _check_group(self, group) -> None:
+        """A group's options the step refuses (before any group is stepped); subclasses add theirs."""
 
     def _max_grad_norm(self):
         """The clipping threshold: every group's 'max_grad_norm' (the norm is global: they must

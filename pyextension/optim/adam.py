@@ -39,10 +39,12 @@ class _FusedAdamBase(FusedOptimizerMixin):
             for group in self.param_groups:
                 group.setdefault(key, value)
 
-    def _update(self, group, params, grads, states, masters, steps, mult, found, prepared):
+    def _check_group(self, group) -> None:
         if group.get("amsgrad"):  # (set in a group or loaded from torch.optim.Adam(amsgrad=True))
             raise ValueError(f"{self._name()}: amsgrad=True in a param group is not supported (no max_exp_avg_sq "
                              f"is kept); use torch.optim.{type(self).__name__[5:]}")
+
+    def _update(self, group, params, grads, states, masters, steps, mult, found, prepared):
         beta1, beta2 = group["betas"]
         decoupled = bool(group.get("decoupled_weight_decay", self._decoupled))  # per group, as torch's
         adam_(params, grads, states[0], states[1], steps, lr=float(group["lr"]), beta1=float(beta1),
