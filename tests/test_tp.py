@@ -495,3 +495,53 @@ def test_tensor_parallel_layers_train_under_autocast(sp):
         from tolerances import tol
         torch.testing.assert_close(torch.tensor(loss), want.detach().float(), **tol(torch.bfloat16))
         assert not bad, bad
+
+
+class _TPNet(torch.nn.Module):
+    def __init__(self, group):
+        super().__init__()
+        self.emb = tp.VocabParallelEmbedding(11, 8, group=group, padding_idx=10)
+        self.fc = tp.ColumnParallelLinear(8, 6, group=group)
+        self.proj = tp.RowParallelLinear(6, 8, group=group)
+
+    def forward(self, idx):
+        return self.proj(self.fc(self.emb(idx)))
+
+
+def _meta_tp_rank(rank, ws):
+    mesh = zerofuse.parallel.init_mesh(dp=1, tp=2)
+    with torch.device("meta"):
+        model = _TPNet(mesh.tp_group)
+    torch.manual_seed(0)  # the same RNG state on every rank: the same full tensors drawn
+    zerofuse.zero.parallelize(model, stage=1, group=mesh.dp_group, tp_group=mesh.tp_group, device="cpu")
+    idx = torch.tensor([[1, 2, 10, 7]])
+    out = model(idx).detach()
+    with zerofuse.zero.full_params(model):
+        return {n: (p.detach().clone(), tp.spec_of(p)) for n, p in model.named_parameters()}, out
+
+
+def test_tp_layers_built_on_meta_materialize_through_reset_parameters():
+    """A model of zerofuse.tp layers built on meta: ZeRO materializes each module by its
+    reset_parameters(), which the TP layers lacked (refused; torch's layers have one; a review's
+    reproduction, 2026-11-28). Each rank writes its slice of torch's initialisation of the full
+    tensor; the model computes as one torch model holding the merged tensors."""
+    results = run_distributed(_meta_tp_rank, 2, timeout=120)
+    full = {}
+    for name, (t, spec) in results[0][0].items():
+        if spec is None:  # replicated (the row bias): the same on both ranks
+            assert torch.equal(t, results[1][0][name][0]), name
+            full[name] = t
+            continue
+        whole = torch.empty(spec.full_shape)
+        for r, (params, _) in enumerate(results):
+            spec.place(whole, params[name][0], r)
+        full[name] = whole
+    assert not torch.equal(results[0][0]["fc.weight"][0], results[1][0]["fc.weight"][0])
+    assert torch.equal(full["emb.weight"][10], torch.zeros(8))  # padding_idx
+    assert full["fc.weight"].abs().max() <= 8 ** -0.5 and full["proj.bias"].abs().max() <= 6 ** -0.5
+    plain = torch.nn.Sequential(torch.nn.Embedding(11, 8), torch.nn.Linear(8, 6), torch.nn.Linear(6, 8))
+    plain.load_state_dict({"0.weight": full["emb.weight"], "1.weight": full["fc.weight"], "1.bias": full["fc.bias"],
+                           "2.weight": full["proj.weight"], "2.bias": full["proj.bias"]})
+    want = plain(torch.tensor([[1, 2, 10, 7]])).detach()
+    for _, out in results:
+        torch.testing.assert_close(out, want)

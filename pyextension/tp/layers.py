@@ -153,6 +153,15 @@ def _init_linear_full(out_features: int, in_features: int, bias: bool, device, d
     return w, b
 
 
+@torch.no_grad()
+def _reset_linear(layer, *, sharded_bias: bool) -> None:
+    w, b = _init_linear_full(layer.out_features, layer.in_features, layer.bias is not None, layer.weight.device,
+                             layer.weight.dtype)
+    layer.weight.copy_(spec_of(layer.weight).slice(w))
+    if layer.bias is not None:
+        layer.bias.copy_(spec_of(layer.bias).slice(b) if sharded_bias else b)
+
+
 class ColumnParallelLinear(_TPModule):
     """y = x A^T + b with A split by rows (output features) over the TP group: each rank computes
     its slice of y. gather_output=True all-gathers y (forward all-gather, backward split);
@@ -189,6 +198,13 @@ class ColumnParallelLinear(_TPModule):
         model's torch.nn.Linear, instead of a fresh initialisation; kwargs as the constructor's."""
         layer = cls(weight.shape[1], weight.shape[0], bias is not None, device="meta", dtype=weight.dtype, **kwargs)
         return _adopt(layer, weight, bias, sharded_bias=True)
+
+    def reset_parameters(self) -> None:
+        """torch.nn.Linear's initialisation of the full weight and bias, this rank's slices written
+        in place (a model built on meta, materialized by zerofuse.zero.parallelize: it had no
+        reset_parameters and was refused). Every TP rank draws the same full tensors: the same RNG
+        state on each, as for the constructor."""
+        _reset_linear(self, sharded_bias=True)
 
     def forward(self, x: Tensor) -> Tensor:
         _check_features("ColumnParallelLinear", x, self.in_features, "in_features", self.sequence_parallel)
@@ -232,6 +248,10 @@ class RowParallelLinear(_TPModule):
         if bias is not None:
             C.sync_replicated_grads([layer.bias], layer.comm, when=lambda: layer.sequence_parallel)
         return layer
+
+    def reset_parameters(self) -> None:
+        """As ColumnParallelLinear.reset_parameters; the bias replicated."""
+        _reset_linear(self, sharded_bias=False)
 
     def forward(self, x: Tensor, bias_grad: bool = True) -> Tensor:
         """bias_grad=False: the bias is added without a gradient path to it (the caller gives it
@@ -289,6 +309,16 @@ class VocabParallelEmbedding(_TPModule):
         """The embedding holding its rows of a given full table (e.g. a loaded torch.nn.Embedding's)."""
         layer = cls(weight.shape[0], weight.shape[1], device="meta", dtype=weight.dtype, **kwargs)
         return _adopt(layer, weight, None, sharded_bias=False)
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """torch.nn.Embedding's initialisation of the full table (the padding row zero), this rank's
+        rows written in place (as ColumnParallelLinear.reset_parameters)."""
+        full = torch.empty(self.num_embeddings, self.embedding_dim, device=self.weight.device, dtype=self.weight.dtype)
+        torch.nn.init.normal_(full)
+        if self.padding_idx is not None:
+            full[self.padding_idx].fill_(0)
+        self.weight.copy_(spec_of(self.weight).slice(full))
 
     def forward(self, idx: Tensor) -> Tensor:
         check_ids("zerofuse.tp.VocabParallelEmbedding", "idx", idx, self.num_embeddings)
