@@ -89,17 +89,8 @@ def _check_plain_load(model, optimizer, full: dict, path: str) -> None:
     wrote the matching tensors, then refused; the optimizer's refusal came after the model's load)."""
     who = f"{NAME}.load"
     mine = model.state_dict()
-    saved = full["model"]
-    parts = []
-    if missing := [n for n in mine if n not in saved]:
-        parts.append(f"missing in the checkpoint: {missing}")
-    if unexpected := [n for n in saved if n not in mine]:
-        parts.append(f"not in the model: {unexpected}")
-    if wrong := [f"{n}: saved {list(saved[n].shape)}, model {list(t.shape)}" for n, t in mine.items()
-                 if n in saved and tuple(saved[n].shape) != tuple(t.shape)]:
-        parts.append(f"shape mismatch: {wrong}")
-    if parts:
-        raise ValueError(f"{who}: the checkpoint at {path!r} is for a different model; " + "; ".join(parts))
+    native.check_model({n: tuple(t.shape) for n, t in full["model"].items()}, list(mine),
+                       [t.shape for t in mine.values()], who)
     if optimizer is None:
         return
     groups = full["optimizer"]["param_groups"]
