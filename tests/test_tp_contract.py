@@ -67,6 +67,17 @@ def _contract_rank(rank, ws):
     emb = tp.VocabParallelEmbedding(8, 4, padding_idx=3)
     ids = torch.arange(8).view(1, 8)
     out["padding"] = torch.equal(emb(ids), ref_emb(ids))
+    # a negative padding_idx counts from the end, as torch.nn.Embedding's (no gradient to that row)
+    torch.manual_seed(0)
+    ref_emb = torch.nn.Embedding(8, 4, padding_idx=-2)
+    torch.manual_seed(0)
+    emb = tp.VocabParallelEmbedding(8, 4, padding_idx=-2)
+    emb(ids).sum().backward()
+    ref_emb(ids).sum().backward()
+    full_grad = [torch.zeros_like(emb.weight.grad) for _ in range(ws)]
+    torch.distributed.all_gather(full_grad, emb.weight.grad.contiguous())
+    out["negative_padding"] = (emb.padding_idx, torch.equal(emb(ids), ref_emb(ids)),
+                               torch.equal(torch.cat(full_grad)[:8], ref_emb.weight.grad))
     # sequence parallelism takes (batch, seq, ...) inputs
     out["sp_errors"] = [
         error_text(lambda: tp.VocabParallelEmbedding(10, 8, sequence_parallel=True)(torch.tensor([1, 2, 3, 4]))),
@@ -89,6 +100,7 @@ def test_tp_surfaces_match_torch_or_refuse_clearly():
             assert got == pytest.approx(want, rel=1e-5), (rank, key, got, want)
         assert out["twice"].startswith("RuntimeError: zerofuse.tp.vocab_parallel_cross_entropy: a second backward")
         assert out["padding"], rank
+        assert out["negative_padding"] == (6, True, True), (rank, out["negative_padding"])
         embedding, column, row = out["sp_errors"]
         assert "VocabParallelEmbedding: with sequence_parallel=True expected idx of shape (batch, seq), got [4]" \
             in embedding

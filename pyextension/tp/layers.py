@@ -287,9 +287,11 @@ class VocabParallelEmbedding(_TPModule):
                  padding_idx: int | None = None, device=None, dtype=None):
         super().__init__()
         self._setup(group, sequence_parallel)
-        if padding_idx is not None and not 0 <= padding_idx < num_embeddings:
-            raise ValueError(f"zerofuse.tp.VocabParallelEmbedding: expected padding_idx in [0, {num_embeddings}) or "
-                             f"None, got {padding_idx}")
+        if padding_idx is not None and not -num_embeddings <= padding_idx < num_embeddings:
+            raise ValueError(f"zerofuse.tp.VocabParallelEmbedding: expected padding_idx in [{-num_embeddings}, "
+                             f"{num_embeddings}) or None, got {padding_idx}")
+        if padding_idx is not None and padding_idx < 0:  # as torch.nn.Embedding: counted from the end
+            padding_idx += num_embeddings
         self.padding_idx = padding_idx  # as torch's: that row gets no gradient
         if num_embeddings < self.tp:
             raise ValueError(f"zerofuse.tp.VocabParallelEmbedding: expected num_embeddings >= the TP size {self.tp}, "
@@ -301,7 +303,7 @@ class VocabParallelEmbedding(_TPModule):
         torch.nn.init.normal_(full)
         if padding_idx is not None:  # as torch.nn.Embedding's reset_parameters
             with torch.no_grad():
-                full[padding_idx].fill_(0)
+                full[self.padding_idx].fill_(0)
         self.weight = _sharded(full, spec)
 
     @classmethod
