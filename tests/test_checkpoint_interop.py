@@ -245,3 +245,30 @@ def test_export_hf_replaces_an_earlier_export_and_names_the_dtype_it_wrote(tmp_p
     assert json.load(open(os.path.join(out, "config.json")))["torch_dtype"] == "bfloat16"
     zerofuse.checkpoint.export_hf(native, out)
     assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
+
+
+def test_export_hf_that_fails_midway_leaves_the_earlier_export_whole(tmp_path, monkeypatch):
+    """The weights were written in place after the earlier export's were deleted: a failure midway
+    (disk full, a kill) left half an export; now the earlier one stays as it was, and no .part file."""
+    import safetensors.torch
+
+    native = str(tmp_path / "native")
+    run_distributed(_tied_and_lamb_rank, 2, native + "-dcp", native, timeout=240)
+    out = str(tmp_path / "hf")
+    zerofuse.checkpoint.export_hf(native, out)
+    before = {n: open(os.path.join(out, n), "rb").read() for n in os.listdir(out)}
+    real, calls = safetensors.torch.save_file, []
+
+    def fail_second(tensors, filename, metadata=None):
+        calls.append(filename)
+        if len(calls) == 2:
+            raise OSError("No space left on device")
+        real(tensors, filename, metadata=metadata)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", fail_second)
+    with pytest.raises(OSError, match="No space left"):
+        zerofuse.checkpoint.export_hf(native, out, dtype=torch.bfloat16, max_shard_bytes=4_000)
+    assert {n: open(os.path.join(out, n), "rb").read() for n in os.listdir(out)} == before
+    monkeypatch.setattr(safetensors.torch, "save_file", real)
+    zerofuse.checkpoint.export_hf(native, out, dtype=torch.bfloat16, max_shard_bytes=4_000)
+    assert "model.safetensors" not in os.listdir(out) and not any(n.endswith(".part") for n in os.listdir(out))

@@ -4,6 +4,7 @@ with ``model.safetensors.index.json`` past ``max_shard_bytes``). Names stay zero
 state_dict keys of the saved model); a tied weight is written once and the tie recorded in the config."""
 from __future__ import annotations
 
+import json
 import os
 import re
 
@@ -59,12 +60,6 @@ def export_hf(path: str, out_dir: str, *, config: dict | None = None, dtype: tor
     else:
         config.setdefault("torch_dtype", written_dtype)
     os.makedirs(out_dir, exist_ok=True)
-    # an earlier export's weights would stay beside these (transformers opens model.safetensors
-    # before an index: a one-file export under a sharded one was what it loaded)
-    for old in os.listdir(out_dir):
-        if old in ("model.safetensors", "model.safetensors.index.json") or re.fullmatch(
-                r"model-\d{5}-of-\d{5}\.safetensors", old):
-            os.remove(os.path.join(out_dir, old))
     shards, cur, size = [], {}, 0
     for n, t in tensors.items():
         b = t.numel() * t.element_size()
@@ -74,19 +69,51 @@ def export_hf(path: str, out_dir: str, *, config: dict | None = None, dtype: tor
         cur[n] = t
         size += b
     shards.append(cur)
-    written = []
     if len(shards) == 1:
         names = ["model.safetensors"]
     else:
         names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    for name, shard in zip(names, shards):
-        save_file(shard, os.path.join(out_dir, name), metadata={"format": "pt"})
-        written.append(name)
-    if len(shards) > 1:
-        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
-                 "weight_map": {n: name for name, shard in zip(names, shards) for n in shard}}
-        files.write_json(os.path.join(out_dir, "model.safetensors.index.json"), index)
-        written.append("model.safetensors.index.json")
-    files.write_json(os.path.join(out_dir, "config.json"), config)
-    written.append("config.json")
+    for old in os.listdir(out_dir):  # a killed export's leftovers
+        if old.endswith(".part") and _ours(old.removesuffix(".part")):
+            os.remove(os.path.join(out_dir, old))
+    # every new file is written whole under a temporary name before an earlier export's file is
+    # touched (a failure midway - disk full, a kill - leaves that export as it was); then renamed in:
+    # the weights, the index, and only then an earlier export's other files removed (transformers opens
+    # model.safetensors before an index: one left under a sharded export was what it loaded)
+    written = list(names)
+    try:
+        for name, shard in zip(names, shards):
+            save_file(shard, os.path.join(out_dir, name + ".part"), metadata={"format": "pt"})
+        if len(shards) > 1:
+            index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
+                     "weight_map": {n: name for name, shard in zip(names, shards) for n in shard}}
+            _dump_json(os.path.join(out_dir, "model.safetensors.index.json.part"), index)
+            written.append("model.safetensors.index.json")
+        _dump_json(os.path.join(out_dir, "config.json.part"), config)
+        written.append("config.json")
+    except BaseException:
+        for name in written + ["model.safetensors.index.json", "config.json"]:
+            if os.path.exists(os.path.join(out_dir, name + ".part")):
+                os.remove(os.path.join(out_dir, name + ".part"))
+        raise
+    for name in written[:-1]:
+        os.replace(os.path.join(out_dir, name + ".part"), os.path.join(out_dir, name))
+    for old in os.listdir(out_dir):
+        if _ours(old) and old not in written:
+            os.remove(os.path.join(out_dir, old))
+    os.replace(os.path.join(out_dir, "config.json.part"), os.path.join(out_dir, "config.json"))
+    files.fsync_dir(out_dir)
     return [os.path.join(out_dir, w) for w in written]
+
+
+def _ours(name: str) -> bool:
+    """A weights file of an export (not the config: every export writes one)."""
+    return name in ("model.safetensors", "model.safetensors.index.json") or bool(
+        re.fullmatch(r"model-\d{5}-of-\d{5}\.safetensors", name))
+
+
+def _dump_json(file: str, obj) -> None:
+    with open(file, "w") as f:
+        json.dump(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
