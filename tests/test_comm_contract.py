@@ -248,8 +248,32 @@ def test_a_timed_wait_inside_coalesce_says_the_group_is_open():
 
     t0 = time.perf_counter()
     with pytest.raises(RuntimeError, match="group that is still open"):
-        Work(Unlaunched(), Comm()).wait(timeout=3)
+        Work(Unlaunched(), Comm(), cuda=True).wait(timeout=3)
     assert time.perf_counter() - t0 < 1.0
+
+
+def _late_peer_inside_coalesce(rank, world_size):
+    """On the ProcessGroup transport a collective inside coalesce() is launched at once: a wait
+    with a timeout there is bounded by it (it waited for the communicator's whole timeout, as the
+    NCCL skip above was taken for every transport). Also: a timedelta timeout for the communicator."""
+    import datetime
+
+    comm = Communicator(timeout=datetime.timedelta(seconds=30))
+    out = {"timeout": comm.timeout}
+    if rank == 1:
+        time.sleep(4)
+    t0 = time.perf_counter()
+    with comm.coalesce():
+        out["error"] = error_text(lambda: comm.all_reduce_coalesced([torch.ones(2)]).wait(timeout=1))
+    out["seconds"] = time.perf_counter() - t0
+    return out
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_a_timed_wait_inside_coalesce_on_gloo_keeps_its_timeout():
+    out = run_distributed(_late_peer_inside_coalesce, 2)[0]
+    assert out["timeout"] == 30.0, out
+    assert "did not finish within the wait's timeout of 1 s" in out["error"] and out["seconds"] < 3, out
 
 
 def _checker_keys_and_equivalent_calls(rank, world_size):

@@ -147,3 +147,74 @@ def _pair_only_rank(rank, ws):
     comm.send(got * 2, peer).wait()
     return torch.equal(got, torch.arange(11.0))
 
+
+
+def _checker_valid_programs_rank(rank, ws):
+    """Programs valid without the checker stay valid with it (it made each send wait for its
+    receive to be posted: these deadlocked until the timeout, then blamed the peer)."""
+    import zerofuse  # noqa: F401
+    from zerofuse.comm import Communicator, P2POp
+
+    comm = Communicator(timeout=20)
+    t0 = time.perf_counter()
+    peer = 1 - rank
+    # each rank sends, then receives, as separate calls
+    got = torch.empty(4)
+    ws_ = [comm.send(torch.full((4,), float(rank)), peer), comm.recv(got, peer)]
+    for w in ws_:
+        w.wait()
+    ring = torch.equal(got, torch.full((4,), float(peer)))
+    # a batch of two sends taken one at a time, the first waited before the second is posted (what
+    # the pipeline's header + activation do)
+    if rank == 0:
+        comm.batch_p2p([P2POp("send", torch.arange(3.0), 1, 1), P2POp("send", torch.arange(5.0), 1, 2)]).wait()
+        one_by_one = True
+    else:
+        a, b = torch.empty(3), torch.empty(5)
+        comm.recv(a, 0, tag=1).wait()
+        comm.recv(b, 0, tag=2).wait()
+        one_by_one = torch.equal(a, torch.arange(3.0)) and torch.equal(b, torch.arange(5.0))
+    # a bad peer is refused at once, before anything is published (it waited for the timeout)
+    t1 = time.perf_counter()
+    bad = []
+    for p in (ws, rank, -1):
+        try:
+            comm.send(torch.zeros(2), p)
+        except ValueError as e:
+            bad.append(str(e))
+    return ring, one_by_one, bad, time.perf_counter() - t1, t1 - t0, comm.store.num_keys()
+
+
+def test_checker_takes_valid_p2p_programs(monkeypatch):
+    monkeypatch.setenv("ZEROFUSE_CHECK_COLLECTIVES", "1")
+    out = run_distributed(_checker_valid_programs_rank, 2, timeout=60)
+    for rank, (ring, one_by_one, bad, bad_seconds, seconds, _) in enumerate(out):
+        assert ring and one_by_one, (rank, ring, one_by_one)
+        assert seconds < 10 and bad_seconds < 2, (seconds, bad_seconds)
+        assert "expected ops[0].peer to be a rank of the group (0 <= peer < 2), got 2" in bad[0], bad
+        assert f"expected ops[0].peer to be another rank than this one ({rank}), got {rank}" in bad[1], bad
+        assert "got -1" in bad[2], bad
+
+
+def _pipeline_rank(rank, ws, schedule, virtual):
+    import zerofuse  # noqa: F401
+    from zerofuse.pipeline import Pipeline, split_modules
+
+    torch.manual_seed(0)
+    layers = [(f"layers.{i}", torch.nn.Linear(8, 8)) for i in range(ws * virtual)]
+    stages = split_modules(layers, ws * virtual, [rank + k * ws for k in range(virtual)],
+                           loss_fn=lambda y, t: (y - t).pow(2).mean())
+    pipe = Pipeline(stages, schedule=schedule, microbatches=4)
+    g = torch.Generator().manual_seed(1)
+    x, t = torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)
+    loss = pipe.step(x, t)
+    return None if loss is None else float(loss)
+
+
+@pytest.mark.parametrize("schedule,virtual", [("1f1b", 1), ("interleaved", 2), ("zb", 1)])
+def test_checker_runs_the_pipeline_schedules(monkeypatch, schedule, virtual):
+    """Every pipeline schedule hung under ZEROFUSE_CHECK_COLLECTIVES=1; now the same loss as without it."""
+    plain = run_distributed(_pipeline_rank, 2, schedule, virtual, timeout=120)
+    monkeypatch.setenv("ZEROFUSE_CHECK_COLLECTIVES", "1")
+    checked = run_distributed(_pipeline_rank, 2, schedule, virtual, timeout=120)
+    assert checked == plain and plain[-1] is not None, (checked, plain)

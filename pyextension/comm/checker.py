@@ -83,10 +83,13 @@ class CollectiveChecker:
                 f"{ins[s][r] if len(ins[s]) > r else None} rows to rank {r}, which expects "
                 f"{outs[r][s] if len(outs[r]) > s else None} (rank pairs (sender, receiver) that differ: {bad})")
 
-    def _checked_p2p(self, ops: list[P2POp]) -> None:
-        """Publish each transfer's signature under its pair's own count, then compare with the
-        peer's: every key is set before any wait, so a batch that sends and receives cannot wait
-        on itself."""
+    def _checked_p2p(self, ops) -> list:
+        """Publish each transfer's signature under its pair's own count and compare it with the
+        peer's where that is published already; returns the comparisons left, which the batch's
+        Work.wait() makes (``finish_p2p_checks``) before waiting for the transfers. Nothing here
+        waits for the peer: a send that waited for its receive to be posted deadlocked valid
+        programs (two ranks each sending, then receiving; a receiver taking a batch's transfers one
+        by one - every pipeline schedule)."""
         counts = self._p2p_counts
         mine = []
         for o in ops:
@@ -95,21 +98,46 @@ class CollectiveChecker:
             key = f"{self._uid}/p2p/{src}-{dst}/{n}/"
             sig = f"{tuple(o.tensor.shape)}:{str(o.tensor.dtype).removeprefix('torch.')} tag {o.tag}"
             self.store.set(key + o.op, sig)
-            mine.append((o, key, sig, n, src, dst))
-        for o, key, sig, n, src, dst in mine:
-            other = "recv" if o.op == "send" else "send"
+            mine.append((o.op, o.peer, key, sig, n, src, dst))
+        left = []
+        for check in mine:  # a mismatch seen now is raised before anything is posted
+            op, key = check[0], check[2]
+            if not self.store.check([key + ("recv" if op == "send" else "send")]):
+                left.append(check)
+                continue
+            self._compare_p2p(check)
+        return left
+
+    def finish_p2p_checks(self, checks: list, limit: float | None) -> None:
+        """The comparisons _checked_p2p left, at the batch's wait(): the peer publishes before it
+        posts its transfer, so waiting for its key waits no longer than the transfer would; a peer
+        that never posts it is named after the timeout. The transfers are in flight then: a
+        mismatch is the communicator's failure ([Note: communicator failure])."""
+        timeout = min(self.timeout, limit) if limit else self.timeout
+        for check in checks:
+            op, peer, key, sig, n = check[:5]
+            other = "recv" if op == "send" else "send"
             try:
-                self.store.wait([key + other], datetime.timedelta(seconds=self.timeout))
+                self.store.wait([key + other], datetime.timedelta(seconds=timeout))
+                self._compare_p2p(check)
+            except CollectiveMismatch as e:
+                self._c.fail(str(e))
+                raise
             except Exception as e:  # noqa: BLE001 - backend-specific timeout types
-                raise CollectiveMismatch(
-                    f"zerofuse.comm: rank {o.peer} did not post the {other} matching rank {self.rank}'s {o.op} "
-                    f"#{n} ({sig}) within {self.timeout:.0f} s") from e
-            theirs = self.store.get(key + other).decode()
-            _forget(self.store, key + other)  # (this rank is its only reader)
-            if theirs != sig:
-                raise CollectiveMismatch(
-                    f"zerofuse.comm: transfer #{n} from rank {src} to rank {dst} differs: rank {self.rank} posted "
-                    f"{o.op} {sig}, rank {o.peer} posted {other} {theirs}")
+                message = (f"zerofuse.comm: rank {peer} did not post the {other} matching rank {self.rank}'s {op} "
+                           f"#{n} ({sig}) within {timeout:.0f} s")
+                self._c.fail(message)
+                raise CollectiveMismatch(message) from e
+
+    def _compare_p2p(self, check) -> None:
+        op, peer, key, sig, n, src, dst = check
+        other = "recv" if op == "send" else "send"
+        theirs = self.store.get(key + other).decode()
+        _forget(self.store, key + other)  # (this rank is its only reader)
+        if theirs != sig:
+            raise CollectiveMismatch(
+                f"zerofuse.comm: transfer #{n} from rank {src} to rank {dst} differs: rank {self.rank} posted "
+                f"{op} {sig}, rank {peer} posted {other} {theirs}")
 
     def _checked(self, name: str, **parts) -> int | None:
         """Publishes and compares this call's signature; returns its number (None: no checker)."""

@@ -113,8 +113,9 @@ def _float_or_nan(value) -> float:
 
 
 def _timeout(value) -> float:
-    """Seconds, > 0 (NaN and <= 0 refused by name), at most MAX_TIMEOUT_S (inf: that)."""
-    t = _float_or_nan(value)
+    """Seconds or a datetime.timedelta, > 0 (NaN and <= 0 refused by name), at most MAX_TIMEOUT_S
+    (inf: that)."""
+    t = value.total_seconds() if isinstance(value, datetime.timedelta) else _float_or_nan(value)
     if not t > 0:
         raise ValueError(f"zerofuse.comm.Communicator: expected timeout > 0 seconds, got {value!r}")
     return min(t, MAX_TIMEOUT_S)
@@ -140,17 +141,21 @@ class Work:
     communicator's own timeout passes ([Note: communicator failure]: a collective in flight cannot
     be withdrawn from its peers)."""
 
-    __slots__ = ("_w", "_comm")
+    __slots__ = ("_w", "_comm", "_cuda", "_checks")
 
-    def __init__(self, work, comm: "Communicator"):
-        self._w, self._comm = work, comm
+    def __init__(self, work, comm: "Communicator", cuda: bool = False, checks: list | None = None):
+        self._w, self._comm, self._cuda, self._checks = work, comm, cuda, checks
 
     def wait(self, timeout=None) -> None:
         limit = wait_timeout(timeout)
         t0 = time.perf_counter()
         try:
-            # (inside coalesce() an NCCL collective is not launched yet: its wait() says so at once)
-            if limit is not None and not self._comm._coalescing and not self._done_within(limit):
+            if self._checks:  # ZEROFUSE_CHECK_COLLECTIVES' comparisons of a batch_p2p left to the wait
+                checks, self._checks = self._checks, None
+                self._comm.finish_p2p_checks(checks, limit)
+            # (inside coalesce() an NCCL collective is not launched yet: its wait() says so at once;
+            # the ProcessGroup transport has launched it)
+            if limit is not None and not (self._cuda and self._comm._coalescing) and not self._done_within(limit):
                 message = f"{self._w.what} did not finish within the wait's timeout of {limit:g} s"
                 self._comm._c.fail(message)
                 raise dist.DistBackendError(f"zerofuse.comm: {message}")
@@ -288,7 +293,8 @@ class Communicator(CollectiveChecker):
             return local.reduce_scatter_coalesced(tensors, out_shard, op, scale, reduce_dtype)
         self._checked("reduce_scatter_coalesced", tensors=tensors, out_shard=out_shard, op=op, scale=_scale(scale),
                       reduce_dtype=reduce_dtype or out_shard.dtype)
-        return Work(self._c.reduce_scatter_coalesced(tensors, out_shard, op, scale, reduce_dtype), self)
+        return Work(self._c.reduce_scatter_coalesced(tensors, out_shard, op, scale, reduce_dtype), self,
+                    out_shard.is_cuda)
 
     def all_gather_coalesced(self, shard: torch.Tensor, tensors: Sequence[torch.Tensor]):
         """Gather every rank's ``shard`` into the concatenation of ``tensors`` (the inverse of
@@ -298,7 +304,7 @@ class Communicator(CollectiveChecker):
         if self._one:
             return local.all_gather_coalesced(shard, tensors)
         self._checked("all_gather_coalesced", shard=shard, tensors=tensors)
-        return Work(self._c.all_gather_coalesced(shard, tensors), self)
+        return Work(self._c.all_gather_coalesced(shard, tensors), self, shard.is_cuda)
 
     def all_reduce_coalesced(self, tensors: Sequence[torch.Tensor], op: str = "sum", scale: float | None = None,
                              reduce_dtype: torch.dtype | None = None):
@@ -310,7 +316,8 @@ class Communicator(CollectiveChecker):
             return local.all_reduce_coalesced(tensors, op, scale, reduce_dtype)
         self._checked("all_reduce_coalesced", tensors=tensors, op=op, scale=_scale(scale),
                       reduce_dtype=reduce_dtype or _one_dtype(tensors))
-        return Work(self._c.all_reduce_coalesced(tensors, op, scale, reduce_dtype), self)
+        return Work(self._c.all_reduce_coalesced(tensors, op, scale, reduce_dtype), self,
+                    any(t.is_cuda for t in tensors))
 
     def reduce_scatter_fp32_sum(self, flat: torch.Tensor, out_shard: torch.Tensor | None = None, *,
                                 all_gather: bool = False) -> "_SummedWork":
@@ -369,9 +376,18 @@ class Communicator(CollectiveChecker):
                     or not _is_int(o.peer) or not _is_int(o.tag):  # (a float peer was truncated to a rank)
                 raise ValueError(f"zerofuse.comm.batch_p2p: expected ops[{i}] to be a P2POp('send'|'recv', tensor, "
                                  f"peer: int, tag: int), got {o!r}")
-        if self.check:
-            self._checked_p2p(ops)
-        return Work(self._c.batch_p2p([(o.op == "send", o.tensor, int(o.peer), int(o.tag)) for o in ops]), self)
+        ws = self.world_size
+        for i, o in enumerate(ops if self.check else ()):  # the C++ call's checks, before the checker publishes
+            if not 0 <= o.peer < ws:
+                raise ValueError(f"zerofuse.comm.batch_p2p: expected ops[{i}].peer to be a rank of the group "
+                                 f"(0 <= peer < {ws}), got {o.peer}")
+            if o.peer == self.rank:
+                raise ValueError(f"zerofuse.comm.batch_p2p: expected ops[{i}].peer to be another rank than this one "
+                                 f"({self.rank}), got {o.peer}")
+        checks = self._checked_p2p(ops) if self.check else None
+        cuda = any(o.tensor.is_cuda for o in ops)
+        return Work(self._c.batch_p2p([(o.op == "send", o.tensor, int(o.peer), int(o.tag)) for o in ops]), self,
+                    cuda, checks)
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor, output_splits: Sequence[int],
                    input_splits: Sequence[int]) -> Work:
@@ -389,7 +405,7 @@ class Communicator(CollectiveChecker):
         if self.check:
             seq = self._checked("all_to_all", dtype=str(input.dtype), row_shape=tuple(input.shape[1:]))
             self._check_splits(seq, in_s, out_s)
-        return Work(self._c.all_to_all(output, input, out_s, in_s), self)
+        return Work(self._c.all_to_all(output, input, out_s, in_s), self, input.is_cuda)
 
     @property
     def buffer_bytes(self) -> int:
