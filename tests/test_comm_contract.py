@@ -322,3 +322,33 @@ def test_the_checker_sees_a_shard_only_one_rank_would_refuse(monkeypatch):
     for err in run_distributed(_strided_shard_on_one_rank, 2, timeout=60):
         assert err.startswith("CollectiveMismatch") and "(4,):float32:strided" in err, err
     assert time.monotonic() - t0 < 15
+
+
+def _bools(rank, world_size):
+    """Bool tensor lists: max / min are any / all, a gather is exact (the flat copy refused bool,
+    naming zerofuse::flatten_into; an all-gather only at wait(), after the collective had run); a
+    sum of bools is refused by name before anything runs."""
+    comm = Communicator(timeout=30)
+    mine = [torch.tensor([rank == 0, True, False]), torch.tensor([[rank == 1], [False]])]
+    anyof = [t.clone() for t in mine]
+    comm.all_reduce_coalesced(anyof, op="max").wait()
+    allof = [t.clone() for t in mine]
+    comm.all_reduce_coalesced(allof, op="min").wait()
+    shard = torch.tensor([rank % 2 == 0, True])
+    gathered = [torch.zeros(world_size, dtype=torch.bool), torch.zeros(world_size, dtype=torch.bool)]
+    comm.all_gather_coalesced(shard, gathered).wait()
+    refused = error_text(lambda: comm.all_reduce_coalesced([torch.ones(2, dtype=torch.bool)] * 2, op="sum"))
+    return [t.tolist() for t in anyof], [t.tolist() for t in allof], torch.cat(gathered).tolist(), refused
+
+
+@pytest.mark.timeout(TIMEOUT)
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_bool_tensor_lists_reduce_as_any_and_all_and_gather(world_size):
+    for out in run_distributed(_bools, world_size):
+        anyof, allof, gathered, refused = out
+        assert anyof == [[True, True, False], [[world_size > 1], [False]]], out
+        assert allof == [[world_size == 1, True, False], [[False], [False]]], out
+        want = [x for r in range(world_size) for x in (r % 2 == 0, True)]
+        assert gathered == want, (gathered, want)
+        assert refused.startswith("ValueError: zerofuse.comm.all_reduce_coalesced: expected no bool tensors for op "
+                                  "'sum'"), refused

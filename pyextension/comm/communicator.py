@@ -221,6 +221,19 @@ class _SummedWork:
         return self._w is None or self._w.is_completed()
 
 
+def _bytes_of_bools(where: str, tensors: list, op: str | None = None, scale=None) -> list:
+    """Bool tensors as uint8 views of themselves (the flat buffers hold no bool; the C++ copy refused
+    them naming its own internals, an all-gather only at wait(), after the collective): exact for a
+    gather and for max / min (any / all). A sum, an average or a scale of bools is no bool: refused."""
+    if not any(isinstance(t, torch.Tensor) and t.dtype == torch.bool for t in tensors):
+        return tensors
+    if op is not None and (op not in ("max", "min") or scale is not None):
+        how = f"op {op!r}" + (" with a scale" if scale is not None else "")
+        raise ValueError(f"zerofuse.comm.{where}: expected no bool tensors for {how} (a bool sum is no bool: cast "
+                         f"them to an integer dtype, or reduce with op 'max' (any) or 'min' (all)), got bool")
+    return [t.view(torch.uint8) if isinstance(t, torch.Tensor) and t.dtype == torch.bool else t for t in tensors]
+
+
 def _is_int(v) -> bool:
     return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
@@ -288,7 +301,8 @@ class Communicator(CollectiveChecker):
         tensor of exactly world_size * shard elements in the reduce dtype is used as the flat
         buffer instead of a copy: leave it alone until ``wait()``, and treat its contents as
         scratch after (on gloo it is all-reduced in place)."""
-        tensors = list(tensors)
+        *tensors, out_shard = _bytes_of_bools("reduce_scatter_coalesced", [*tensors, out_shard], op, scale)
+        reduce_dtype = torch.uint8 if reduce_dtype is torch.bool else reduce_dtype
         if self._one:
             return local.reduce_scatter_coalesced(tensors, out_shard, op, scale, reduce_dtype)
         self._checked("reduce_scatter_coalesced", tensors=tensors, out_shard=out_shard, op=op, scale=_scale(scale),
@@ -300,7 +314,7 @@ class Communicator(CollectiveChecker):
         """Gather every rank's ``shard`` into the concatenation of ``tensors`` (the inverse of
         reduce_scatter_coalesced's layout); the tensors are written at ``wait()`` (a single
         contiguous tensor of exactly world_size * shard elements is gathered into directly)."""
-        tensors = list(tensors)
+        shard, *tensors = _bytes_of_bools("all_gather_coalesced", [shard, *tensors])
         if self._one:
             return local.all_gather_coalesced(shard, tensors)
         self._checked("all_gather_coalesced", shard=shard, tensors=tensors)
@@ -311,7 +325,8 @@ class Communicator(CollectiveChecker):
         """Reduce every tensor over the ranks, in place (at ``wait()``), through one flat buffer.
         A single contiguous tensor in the reduce dtype is reduced in place with no copy: its
         contents are undefined until ``wait()``."""
-        tensors = list(tensors)
+        tensors = _bytes_of_bools("all_reduce_coalesced", list(tensors), op, scale)
+        reduce_dtype = torch.uint8 if reduce_dtype is torch.bool else reduce_dtype
         if self._one:
             return local.all_reduce_coalesced(tensors, op, scale, reduce_dtype)
         self._checked("all_reduce_coalesced", tensors=tensors, op=op, scale=_scale(scale),
