@@ -87,3 +87,25 @@ def test_targets_and_idx_of_other_shapes_are_refused(fused):
             model(idx, torch.randint(0, SMALL["vocab_size"], bad))
     with pytest.raises(ValueError, match=r"expected idx of shape \(batch, sequence\), got \[10\]"):
         model(idx[0])
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_meta_model_materialized_the_torch_way_equals_the_eager_one(tied):
+    """to_empty + reset_parameters (torch's / FSDP's way) raised a bare KeyError(<address>) (the
+    init looked params up by the ids of __init__'s), and to_empty untied the output layer from
+    the embedding (two matrices trained); load_state_dict(assign=True) likewise."""
+    cfg = config("tiny", n_layer=2, n_head=2, dim=16, seq_len=8, vocab_size=11, tie_embeddings=tied)
+    want = GPT(cfg, seed=3).state_dict()
+    with torch.device("meta"):
+        model = GPT(cfg, seed=3)
+    model.to_empty(device="cpu")
+    assert (model.head.weight is model.wte.weight) == tied
+    model.reset_parameters()
+    got = model.state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    other = GPT(cfg, seed=0)
+    other.load_state_dict(GPT(cfg, seed=1).state_dict(), assign=True)
+    assert (other.head.weight is other.wte.weight) == tied
+    other.reset_parameters(seed=3)
+    assert all(torch.equal(other.state_dict()[k], want[k]) for k in want)
+    assert len(list(other.parameters())) == len(list(GPT(cfg, seed=3).parameters()))

@@ -94,6 +94,13 @@ class Block(torch.nn.Module):
         return x, self.mlp(h)
 
 
+def _retie_after_load(model, _incompatible) -> None:
+    """load_state_dict(assign=True) puts a Parameter of its own on each module: a tie the model had
+    before is made again (the output layer otherwise trained apart from the embedding)."""
+    if model.__dict__.pop("_zf_was_tied", False) and not model._tied():
+        model.head.weight = model.wte.weight
+
+
 class GPT(KeepsMarks, torch.nn.Module):
     """forward(idx (B, N) int64, targets (B, N) or None) -> (logits (B, N, vocab), loss or None);
     the loss is the mean cross-entropy in fp32 whatever the model's dtype (the fused loss: fp64 for
@@ -121,6 +128,8 @@ class GPT(KeepsMarks, torch.nn.Module):
                  ep_group=None, edp_group=None, dp_group=None):
         super().__init__()
         self._keep_marks_on_load()  # TP specs and SP's grad hooks survive to_empty / load(assign=True)
+        self.register_load_state_dict_pre_hook(lambda m, *_: setattr(m, "_zf_was_tied", m._tied()))
+        self.register_load_state_dict_post_hook(_retie_after_load)
         if cfg.moe_experts and tp_group is not None:
             raise ValueError("zerofuse.models.GPT: Mixture-of-Experts layers (moe_experts > 0) are not supported "
                              "with tensor parallelism yet; expected tp_group=None")
@@ -176,6 +185,20 @@ class GPT(KeepsMarks, torch.nn.Module):
         if device is not None:
             self.to(device)
 
+    def _tied(self) -> bool:
+        wte, head = getattr(self, "wte", None), getattr(self, "head", None)
+        return wte is not None and head is not None and getattr(head, "weight", None) is getattr(wte, "weight", 0)
+
+    def _apply(self, fn, recurse=True):
+        # torch's _apply gives each module a Parameter of its own where it cannot convert in place
+        # (to_empty from meta): the tied output layer came apart from the embedding (and trained as
+        # a second matrix); load_state_dict(assign=True) likewise (the hooks in __init__)
+        tied = self._tied()
+        out = super()._apply(fn, recurse)
+        if tied and not self._tied():
+            self.head.weight = self.wte.weight
+        return out
+
     @torch.no_grad()
     def reset_parameters(self, seed: int | None = None) -> None:
         if seed is not None:
@@ -187,8 +210,15 @@ class GPT(KeepsMarks, torch.nn.Module):
     def param_init_fn(self, module: torch.nn.Module) -> None:
         """Initialise ``module``'s own params (not its children's) as the GPT-2 scheme above."""
         resid_std = 0.02 / math.sqrt(2 * self.config.n_layer)
+        if any(id(p) not in self._param_names for p in module.parameters(recurse=False)):
+            # params replaced since __init__ (to_empty from meta, load_state_dict(assign=True)): a
+            # bare KeyError(<address>) before
+            self._param_names = {id(p): n for n, p in self.named_parameters()}
         for p in module.parameters(recurse=False):
-            name = self._param_names[id(p)]
+            name = self._param_names.get(id(p))
+            if name is None:
+                raise ValueError(f"zerofuse.models.GPT.param_init_fn: expected a module of this model, got "
+                                 f"{type(module).__name__} whose params are not the model's")
             if name.endswith("norm1.weight") or name.endswith("norm2.weight") or name == "norm.weight":
                 value = torch.ones(p.shape)
             elif name.endswith(".bias"):
