@@ -310,10 +310,12 @@ def _faces():
     return {"sdpa": (torch.randn(1, 2, 5, 8), lambda x: F.scaled_dot_product_attention(x, k, v, is_causal=True)),
             "qkv_attention": (qkv, lambda x: F.qkv_attention(x, 2, is_causal=True)),
             "layer_norm": (torch.randn(3, 8), lambda x: F.layer_norm(x, (8,))),
-            "rms_norm": (torch.randn(3, 8), lambda x: F.rms_norm(x, (8,), torch.ones(8)))}
+            "rms_norm": (torch.randn(3, 8), lambda x: F.rms_norm(x, (8,), torch.ones(8))),
+            "linear_cross_entropy": (torch.randn(3, 8), lambda x: F.linear_cross_entropy(x, torch.randn(11, 8),
+                                                                                         torch.tensor([1, 2, 10])))}
 
 
-@pytest.mark.parametrize("name", ["sdpa", "qkv_attention", "layer_norm", "rms_norm"])
+@pytest.mark.parametrize("name", ["sdpa", "qkv_attention", "layer_norm", "rms_norm", "linear_cross_entropy"])
 def test_forward_ad_is_refused_not_dropped(name):
     """Under forward AD the kernels alone would return outputs without tangents (a silently wrong
     jvp): the faces go through their autograd Functions, which have no jvp and say so, also when a
@@ -351,3 +353,28 @@ def test_qkv_attention_runs_in_the_autocast_dtype():
             out = ZF.qkv_attention(qkv, 2, is_causal=True)
         assert out.dtype == torch.bfloat16
         torch.testing.assert_close(out, ZF.qkv_attention(qkv.bfloat16(), 2, is_causal=True))
+
+
+@pytest.mark.parametrize("which", ["q", "k", "both"])
+def test_rotary_embedding_forward_ad_gives_the_rotated_tangent(kernel_path, which):
+    """RoPE is linear in q and k: its jvp is the tangents rotated. The face sent a dual tensor that
+    did not require grad to the kernels alone (Triton path), which dropped the tangent silently."""
+    import torch.autograd.forward_ad as fwad
+    import zerofuse.nn.functional as F
+    from zerofuse.nn import rope_tables
+
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 3, 5, 8, generator=g), torch.randn(2, 1, 5, 8, generator=g)
+    tq, tk = torch.randn(q.shape, generator=g), torch.randn(k.shape, generator=g)
+    cos, sin = rope_tables(5, 8)
+    F.rotary_embedding(q, k, cos, sin)  # (a plan, where one applies, outside the dual level)
+    with fwad.dual_level():
+        dq = fwad.make_dual(q, tq) if which != "k" else q
+        dk = fwad.make_dual(k, tk) if which != "q" else k
+        oq, ok = F.rotary_embedding(dq, dk, cos, sin)
+        got = fwad.unpack_dual(oq).tangent, fwad.unpack_dual(ok).tangent
+    want = F.rotary_embedding(tq if which != "k" else torch.zeros_like(q), tk if which != "q" else torch.zeros_like(k),
+                              cos, sin)
+    for a, e in zip(got, want):
+        assert a is not None
+        torch.testing.assert_close(a, e)

@@ -58,6 +58,14 @@ def check_face_args(hidden, weight, target, bias, reduction, softcap, chunk_size
         raise ValueError(f"{where}: expected chunk_size to be an int >= 1 or None, got {chunk_size!r}")
 
 
+def refuse_forward_ad(where: str, *tensors) -> None:
+    """The op has no jvp: a dual input is refused (its tangent was dropped silently, the loss's None)."""
+    if torch.autograd.forward_ad._current_level >= 0 and any(
+            t is not None and torch.autograd.forward_ad.unpack_dual(t).tangent is not None for t in tensors):
+        raise NotImplementedError(f"{where}: forward-mode AD is not supported (no jvp); differentiate it with "
+                                  "backward (reverse mode), or use the unfused F.linear + F.cross_entropy")
+
+
 def autocast_inputs(hidden, weight, bias):
     """Under autocast (of hidden's device), as F.linear: (hidden, weight, bias) in the autocast dtype
     and a context with autocast off (the ops' out= GEMMs must not be cast again); else as given."""
@@ -81,6 +89,7 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: T
     logits per chunk as hidden has elements). recompute=True keeps no gradients from the forward
     and recomputes each chunk's logits in backward (one more GEMM; always so for 'none')."""
     check_face_args(hidden, weight, target, bias, reduction, softcap, chunk_size)
+    refuse_forward_ad(_WHERE, hidden, weight, bias)
     hidden, weight, bias, autocast_off = autocast_inputs(hidden, weight, bias)
     grad = reduction != "none" and not recompute and wants_grad(hidden, weight, bias)
     h = hidden.reshape(-1, hidden.shape[-1])

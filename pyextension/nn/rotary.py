@@ -12,6 +12,7 @@ from torch import Tensor
 
 from zerofuse.nn.loss import wants_grad
 from zerofuse.ops import rotary as _ops
+from zerofuse.ops.signatures import needs_autograd
 
 _WHERE = "zerofuse.nn.functional.rotary_embedding"
 
@@ -40,7 +41,7 @@ def rotary_embedding(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, positions: 
         return q, k
     if torch.compiler.is_compiling():
         return _ops.rotary_embedding(q, k, cos, sin, positions, bool(interleaved), False)
-    if wants_grad(q, k):  # the op's autograd without custom_op's Python dispatch
+    if needs_autograd(q, k):  # the op's autograd without custom_op's Python dispatch (forward AD: its jvp)
         return _ops.eager_rope(q, k, cos, sin, positions, bool(interleaved))
     return _ops.rope_pair(q, k, cos, sin, positions, bool(interleaved), False)
 

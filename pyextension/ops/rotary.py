@@ -138,12 +138,32 @@ class EagerRope(torch.autograd.Function):
     def forward(ctx, q, k, cos, sin, positions, interleaved):
         ctx.interleaved = interleaved
         ctx.save_for_backward(cos, sin, positions)
+        if torch.autograd.forward_ad._current_level >= 0:  # (RoPE is linear in q and k: jvp below)
+            ctx.save_for_forward(cos, sin, positions)
+            ctx.like = (q, k)
+            ctx.set_materialize_grads(False)  # (a tangent of the tables is then None unless they are dual)
         return rope_pair(q, k, cos, sin, positions, interleaved, False)
+
+    @staticmethod
+    def jvp(ctx, tq, tk, tcos, tsin, _tpos, _interleaved):
+        """Forward-mode AD: the tangents rotated as q and k are (the face sent a dual tensor to the
+        kernels alone, which dropped its tangent silently)."""
+        if tcos is not None or tsin is not None:
+            raise NotImplementedError(f"{_NAME}: forward-mode AD through the cos/sin tables (constants) is not "
+                                      "supported")
+        cos, sin, positions = ctx.saved_tensors
+        q, k = ctx.like
+        tq = torch.zeros_like(q) if tq is None else tq
+        tk = torch.zeros_like(k) if tk is None else tk
+        return rope_pair(_unit_last(tq), _unit_last(tk), cos, sin, positions, ctx.interleaved, False, checked=True)
 
     @staticmethod
     @first_order
     def backward(ctx, dq, dk):
         cos, sin, positions = ctx.saved_tensors
+        if dq is None or dk is None:  # (grads not materialized: the forward-AD case above)
+            dq = torch.zeros_like(ctx.like[0]) if dq is None else dq
+            dk = torch.zeros_like(ctx.like[1]) if dk is None else dk
         dq, dk = rope_pair(_unit_last(dq), _unit_last(dk), cos, sin, positions, ctx.interleaved, True, checked=True)
         return dq, dk, None, None, None, None
 
