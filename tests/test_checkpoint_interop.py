@@ -272,3 +272,34 @@ def test_export_hf_that_fails_midway_leaves_the_earlier_export_whole(tmp_path, m
     monkeypatch.setattr(safetensors.torch, "save_file", real)
     zerofuse.checkpoint.export_hf(native, out, dtype=torch.bfloat16, max_shard_bytes=4_000)
     assert "model.safetensors" not in os.listdir(out) and not any(n.endswith(".part") for n in os.listdir(out))
+
+
+def _pp_dcp_rank(rank, ws, path):
+    from zerofuse.models import GPT, GPTConfig
+    from zerofuse.pipeline import split_gpt
+
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab_size=65, seq_len=16, n_layer=4, n_head=2, dim=32), seed=0)
+    (stage,) = split_gpt(model, 2, [rank], device="cpu")
+    alone = [torch.distributed.new_group([r]) for r in range(ws)][rank]
+    zerofuse.zero.parallelize(stage, stage=1, group=alone, pp_group=torch.distributed.group.WORLD)
+    out = []
+    for call in (lambda: zerofuse.checkpoint.save(path, stage, format="dcp"),
+                 lambda: zerofuse.checkpoint.load(path, stage)):
+        try:
+            call()
+            out.append("no error")
+        except (NotImplementedError, FileNotFoundError) as e:
+            out.append(f"{type(e).__name__}: {e}")
+    return out
+
+
+def test_dcp_format_refuses_a_pipeline_parallel_model(tmp_path):
+    """Every stage wrote the same DCP directory: a crash (a rename raced), or a checkpoint without
+    the later stages' weights, saved with no error."""
+    path = str(tmp_path / "ck")
+    for save, load in run_distributed(_pp_dcp_rank, 2, path, timeout=120):
+        assert save.startswith("NotImplementedError: zerofuse.checkpoint: format='dcp' does not take "
+                               "pipeline-parallel models yet"), save
+        assert load.startswith("FileNotFoundError"), load
+    assert not os.path.exists(path) and not os.path.exists(path + ".tmp")

@@ -143,6 +143,9 @@ def _refuse_tp(eng) -> None:
     if eng.edp_comm is not None:
         raise NotImplementedError(f"{NAME}: format='dcp' does not take expert-parallel models yet; save in zerofuse's "
                                   "format (it reshards across ep sizes) and export from a consolidated copy")
+    if eng.pp_comm is not None:  # (every stage wrote the same directory: a crash, or stages lost)
+        raise NotImplementedError(f"{NAME}: format='dcp' does not take pipeline-parallel models yet; save in "
+                                  "zerofuse's format (a folder per stage) and export from a consolidated copy")
 
 
 def _aliases(eng, model) -> dict[str, str]:
