@@ -108,6 +108,24 @@ def test_shipped_sample_is_the_shipped_text_in_gpt2_tokens():
 
 
 @needs_bpe
+def test_gpt2_encode_holds_a_group_of_chunks_encodings_at_a_time(monkeypatch):
+    """The tokenizer's Encodings take ~190 bytes per token: the whole text's at once (one
+    encode_batch of every chunk) needed ~50 GB of memory for a 1 GB text."""
+    real, batches = tok.gpt2_tokenizer(), []
+
+    class Recording:
+        def encode_batch(self, chunks):
+            batches.append(len(chunks))
+            return real.encode_batch(chunks)
+
+    monkeypatch.setattr(tok, "gpt2_tokenizer", Recording)
+    monkeypatch.setattr(tok, "_GROUP", 2)
+    ids = tok.gpt2_encode(TEXT_DEFAULT.read_text(encoding="utf-8"))
+    assert batches == [2, 2, 1], batches
+    assert np.array_equal(ids, np.concatenate([tok.read_shard(p) for p in GPT2_DEFAULT]))
+
+
+@needs_bpe
 def test_gpt2_bpe_is_gpt2s():
     assert tok.gpt2_encode("Hello world").tolist() == [15496, 995]  # GPT-2's ids
     text = TEXT_DEFAULT.read_text(encoding="utf-8")[:200_000]

@@ -8,6 +8,8 @@ vocabulary; more shards than the open-file limit."""
 from __future__ import annotations
 
 import resource
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -101,12 +103,28 @@ def test_many_shards_raise_the_open_file_limit(monkeypatch):
     calls = []
     monkeypatch.setattr(resource, "getrlimit", lambda what: (64, 4096))
     monkeypatch.setattr(resource, "setrlimit", lambda what, lim: calls.append(lim))
+    monkeypatch.setattr(D.os, "listdir", lambda path: ["0"] * 10 if path == "/proc/self/fd" else pytest.fail(path))
     D._open_files(1100, "--data")
-    assert calls == [(1356, 4096)]
+    assert calls == [(1366, 4096)]
     monkeypatch.setattr(resource, "getrlimit", lambda what: (64, 512))
-    with pytest.raises(ValueError, match=r"^--data: 1100 token files need about 1356 open files, the limit is 512 "
-                                         r"\(ulimit -n\)"):
+    with pytest.raises(ValueError, match=r"^--data: 1100 token files need about 1366 open files \(10 open already\), "
+                                         r"the limit is 512 \(ulimit -n\)"):
         D._open_files(1100, "--data")
+
+
+def test_train_and_val_shards_count_together_toward_the_open_file_limit(tmp_path):
+    """The limit was raised for each set alone: the --val-data shards were opened while the --data
+    ones were mapped, and ended in a bare "[Errno 24] Too many open files"."""
+    for i in range(300):
+        for kind in ("train", "val"):
+            tok.write_shard(tmp_path / f"{kind}_{i:03d}.bin", np.arange(40, dtype=np.uint16))
+    script = (f"import resource, os; resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir('/proc/self/fd')) + "
+              f"200, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))\n"
+              f"from zerofuse.train.data import Corpus\n"
+              f"c = Corpus.load('{tmp_path}/train_*.bin', 'gpt2', '{tmp_path}/val_*.bin')\n"
+              f"print(len(c.train), len(c.val))")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.split() == ["300", "300"], out.stderr[-2000:]
 
 
 def test_char_tokens_take_a_few_bytes_per_character(tmp_path):

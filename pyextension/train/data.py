@@ -4,6 +4,7 @@ makes a step's batches a pure function of (seed, step)."""
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 
 import numpy as np
@@ -146,11 +147,15 @@ def _open_files(n: int, flag: str) -> None:
     in a bare "[Errno 24] Too many open files"); ValueError naming the flag when even that is short."""
     import resource
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    need = n + 256  # (the process's other files, sockets of the process group)
+    try:  # those open now count: the --val-data shards come while the --data ones are mapped
+        held = len(os.listdir("/proc/self/fd"))
+    except OSError:
+        held = 0
+    need = n + held + 256  # (files opened later, sockets of the process group)
     if soft != resource.RLIM_INFINITY and soft < need:
         if hard != resource.RLIM_INFINITY and hard < need:
-            raise ValueError(f"{flag}: {n} token files need about {need} open files, the limit is {hard} "
-                             "(ulimit -n): raise it, or merge the shards")
+            raise ValueError(f"{flag}: {n} token files need about {need} open files ({held} open already), the "
+                             f"limit is {hard} (ulimit -n): raise it, or merge the shards")
         resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
 
 

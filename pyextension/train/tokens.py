@@ -169,8 +169,16 @@ def _chunks(text: str, size: int = 1 << 20) -> list[str]:
 def gpt2_encode(text: str) -> np.ndarray:
     """GPT-2 token ids of ``text`` (uint16; no special tokens added)."""
     tok = gpt2_tokenizer()
-    ids = [np.asarray(e.ids, dtype=np.uint16) for e in tok.encode_batch(_chunks(text))]
+    chunks, ids = _chunks(text, 1 << 18), []
+    # a group of chunks at a time (encoded in parallel), only their ids kept: the tokenizer's
+    # Encodings take ~190 bytes per token, so the whole text's at once needed ~50 GB for a 1 GB text
+    for i in range(0, len(chunks), _GROUP):
+        ids.extend(np.asarray(e.ids, dtype=np.uint16) for e in tok.encode_batch(chunks[i:i + _GROUP]))
+        chunks[i:i + _GROUP] = [""] * len(chunks[i:i + _GROUP])
     return np.concatenate(ids) if ids else np.zeros(0, dtype=np.uint16)
+
+
+_GROUP = 16  # chunks of 256 Ki characters encoded together: ~1 M tokens, ~200 MB of Encodings at a time
 
 
 def gpt2_decode(ids) -> str:
@@ -206,5 +214,6 @@ def tokenize_cached(text_path, fallback_dir=None) -> Path:
                 raise ValueError(f"--data: {text_path} is not UTF-8 text (byte {e.start}: "
                                  f"{raw[e.start:e.start + 4]!r}); expected UTF-8 for --tokenizer gpt2 "
                                  "(--tokenizer byte reads any file)") from None
+            del raw  # (one copy of the text fewer while it is tokenized)
             write_shard(cache, gpt2_encode(text))
     return cache
