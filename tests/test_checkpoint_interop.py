@@ -231,6 +231,35 @@ def test_a_torch_optimizer_option_zero_lacks_is_refused(tmp_path, option):
         assert f"was saved by an optimizer with {option}=True (param group 0)" in err, err
 
 
+def _load_plain_rank_keeps_weights(rank, ws, path):
+    from dist_utils import error_text
+
+    model = zerofuse.zero.parallelize(make_model(), stage=2)
+    opt = zerofuse.zero.Optimizer(model, "adamw", lr=LR, weight_decay=WD)
+    with zerofuse.zero.full_params(model):
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+    err = error_text(lambda: zerofuse.checkpoint.load(path, model, opt))
+    with zerofuse.zero.full_params(model):
+        return err, [k for k, v in model.state_dict().items() if not torch.equal(v, before[k])]
+
+
+def test_a_torch_checkpoint_without_state_for_a_frozen_param_is_refused_by_name(tmp_path):
+    """A torch AdamW run with wpe frozen saves no moments for it: the load died inside DCP's planner
+    with a CheckpointException (a BaseException: `except Exception` did not catch it)."""
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    model.wpe.weight.requires_grad_(False)
+    _plain_steps(model, opt, batches(1))
+    model.wpe.weight.requires_grad_(True)
+    msd, osd = get_state_dict(model, opt)
+    path = str(tmp_path / "frozen")
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path, no_dist=True)
+    for err, changed in run_distributed(_load_plain_rank_keeps_weights, 2, path, timeout=240):
+        assert err.startswith(f"ValueError: zerofuse.checkpoint.load: the DCP checkpoint at {path!r} holds no "
+                              "optimizer state for ['wpe.weight']"), err
+        assert changed == [], changed
+
+
 def test_export_hf_replaces_an_earlier_export_and_names_the_dtype_it_wrote(tmp_path):
     """A sharded export over a one-file one left model.safetensors (what transformers opens first);
     dtype= casting the tensors kept the given config's torch_dtype."""

@@ -259,6 +259,12 @@ def load(path: str, model, optimizer=None):
         steps = _group_steps(optimizer, eng, _saved_steps(reader, md), who, root)
         for entry in want["optim"]["state"].values():
             entry.pop("step", None)  # one count per group, set below (each param's was written into it)
+        absent = sorted(n for n, entry in want["optim"]["state"].items()
+                        if any(f"optim.state.{n}.{k}" not in md.state_dict_metadata for k in entry))
+        if absent:  # (DCP's planner raised a CheckpointException, a BaseException, midway through the load)
+            raise ValueError(f"{who}: the DCP checkpoint at {root!r} holds no optimizer state for {absent} (frozen or "
+                             "never stepped in the run that saved it); load the model alone (optimizer=None) and "
+                             "start the optimizer afresh")
     dcp.load(want, storage_reader=reader, planner=SafeLoadPlanner(), process_group=eng.comm.group)
     if optimizer is not None:
         for g, saved_g in zip(optimizer.param_groups, saved_groups):
