@@ -72,6 +72,33 @@ def test_a_checkpoint_crafted_to_run_code_is_refused(tmp_path, victim):
     assert not marker.exists()
 
 
+def test_a_dcp_metadata_that_sets_attributes_of_an_admitted_class_is_refused(tmp_path):
+    """BUILD aimed at an admitted class (not an instance) set its attributes for the whole process:
+    a refused file still replaced PosixPath.__truediv__ (every later path join broken)."""
+    import pathlib
+
+    import torch.distributed.checkpoint as dcp
+
+    from zerofuse.checkpoint.dcp_read import SafeReader
+
+    path = str(tmp_path / "ck")
+    dcp.save({"w": torch.zeros(3)}, checkpoint_id=path, no_dist=True)
+    good = open(os.path.join(path, ".metadata"), "rb").read()
+    assert good[:2] == b"\x80\x04"
+    name = b"__truediv__"
+    evil = (b"\x80\x04cpathlib\nPosixPath\nN}X" + len(name).to_bytes(4, "little") + name +
+            b"ctorch.serialization\n_get_layout\ns\x86b0" + good[2:])
+    with open(os.path.join(path, ".metadata"), "wb") as f:
+        f.write(evil)
+    before = pathlib.PosixPath.__truediv__
+    try:
+        with pytest.raises(ValueError, match=r"refused to load .*a BUILD of the class PosixPath"):
+            SafeReader(path).read_metadata()
+        assert pathlib.PosixPath.__truediv__ is before
+    finally:
+        pathlib.PosixPath.__truediv__ = before
+
+
 def _load_untouched(rank, ws, path):
     """_load_small, and whether the model and optimizer were left as they were by the refusal."""
     model = make_model(n_layer=2)

@@ -31,13 +31,25 @@ _ALLOWED = {
 }
 
 
-class _MetadataUnpickler(pickle.Unpickler):
+class _MetadataUnpickler(pickle._Unpickler):  # (the Python one: its BUILD can be checked)
     def find_class(self, module, name):
         if (module, name) in _ALLOWED or (module == "torch" and isinstance(getattr(torch, name, None),
                                                                            (torch.dtype, torch.layout,
                                                                             torch.memory_format))):
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"{module}.{name} is not a DCP metadata type")
+
+    def load_build(self):
+        """BUILD sets the state of the object below it: aimed at an admitted class itself (not an
+        instance) it set class attributes for the whole process (PosixPath.__truediv__ replaced:
+        every later path join, the job's saves included, broken by a file that was refused)."""
+        if isinstance(self.stack[-2], type):
+            raise pickle.UnpicklingError(f"a BUILD of the class {self.stack[-2].__qualname__} (setting its "
+                                         "attributes) is not DCP metadata")
+        super().load_build()
+
+    dispatch = dict(pickle._Unpickler.dispatch)
+    dispatch[pickle.BUILD[0]] = load_build
 
 
 class SafeReader(dcp.FileSystemReader):
