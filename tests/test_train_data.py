@@ -176,6 +176,8 @@ def test_flags_gpt2_defaults_and_errors(tmp_path):
     assert _flags("--model", "gpt2-124m", "--tokenizer", "char").data.endswith("tinyshakespeare.txt")
     bad = _raw(tmp_path / "bad.bin", [1, 2, 50_400, 3] * 100)
     short = _raw(tmp_path / "short.bin", range(50))
+    _raw(tmp_path / "part_0.bin", range(5000))
+    _raw(tmp_path / "part_1.bin", range(50))
     for argv, message in (
         (("--data", str(bad), "--seq-len", "8"), r"^--data: .*bad.bin: expected GPT-2 token ids below 50257, found 50400"),
         (("--data", str(GPT2_DEFAULT[1]), "--tokenizer", "char"),
@@ -183,7 +185,11 @@ def test_flags_gpt2_defaults_and_errors(tmp_path):
         (("--val-data", str(GPT2_DEFAULT[1])), r"^--val-data: expected GPT-2 tokens .*got --tokenizer char"),
         (("--data", str(tmp_path / "none_*.bin")), r"^--data: expected the pattern .* to match token files"),
         (("--data", str(GPT2_DEFAULT[0]), "--val-data", str(short)),
-         r"^--val-data: expected a val shard of at least 65 tokens for --seq-len 64, got at most 50"),
+         r"^--val-data: expected a val shard of at least 65 tokens for --seq-len 64, got at most 50$"),
+        # a short last shard of a glob: where validation comes from, and the way out
+        (("--data", str(tmp_path / "part_*.bin"), "--seq-len", "32"),
+         r"^--data: expected a val shard of at least 33 tokens for --seq-len 32, got at most 5 \(without --val-data, "
+         r"validation is the last 10% of the last --data file in sorted order: name a validation file with --val-data\)"),
     ):
         with pytest.raises(train.UsageError, match=message):
             _flags(*argv)

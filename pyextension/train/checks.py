@@ -204,8 +204,10 @@ def _validate_tokens(args, shards: bool, need: int) -> None:
             except ValueError as e:
                 raise UsageError(str(e)) from None
         longest = max(len(a) for a in getattr(corpus, part))
+        split = (" (without --val-data, validation is the last 10% of the last --data file in sorted order: "
+                 "name a validation file with --val-data)") if part == "val" and not args.val_data else ""
         _check(longest >= need, f"{flag}: expected a {part} shard of at least {need} tokens for --seq-len {seq}, "
-                                f"got at most {longest}")
+                                f"got at most {longest}{split}")
 
 
 # GPTConfig fields that shape the params, with the flag that sets each (the others: --model's preset)
