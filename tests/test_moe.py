@@ -269,6 +269,24 @@ def test_grouped_mm_with_empty_groups_and_both_paths():
                  torch.cat([x[:3, :13] @ w[0, :13], x[3:8, :13] @ w[2, :13], torch.zeros(2, 8)]), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_mm_gradients_of_rows_outside_the_groups_are_zero(dtype):
+    """torch._grouped_mm's backward leaves the input gradient of rows past sum(counts) undefined:
+    x.grad there was whatever memory held (1e36 or NaN in bf16)."""
+    g = torch.Generator().manual_seed(0)
+    counts = torch.tensor([3, 0, 5, 0])
+    for _ in range(5):
+        x = torch.randn(10, 16, generator=g).to(dtype).requires_grad_()
+        w = torch.randn(4, 16, 8, generator=g).to(dtype).requires_grad_()
+        dy = torch.randn(10, 8, generator=g).to(dtype)
+        grouped_mm(x, w, counts).backward(dy)
+        xr, wr = x.detach().float().requires_grad_(), w.detach().float().requires_grad_()
+        torch.cat([xr[:3] @ wr[0], xr[3:8] @ wr[2], xr[8:] @ wr[0] * 0]).backward(dy.float())
+        assert torch.equal(x.grad[8:], torch.zeros_like(x.grad[8:]))
+        assert_close(x.grad, xr.grad)
+        assert_close(w.grad, wr.grad)
+
+
 def test_index_tensors_at_any_strides(kernel_path):
     """pos and src in another layout give the same bits (the Triton kernels read them as contiguous:
     a column-major pos combined the wrong rows)."""

@@ -42,6 +42,20 @@ def _aligned(*tensors: Tensor) -> bool:
     return all(t.stride(-2) * t.element_size() % 16 == 0 and t.stride(-1) == 1 for t in tensors)
 
 
+class _ZeroGradOutside(torch.autograd.Function):
+    """x as it is; its gradient zero on the rows where ``inside`` is False."""
+
+    @staticmethod
+    def forward(ctx, x, inside):
+        ctx.save_for_backward(inside)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        (inside,) = ctx.saved_tensors
+        return torch.where(inside, g, 0), None
+
+
 def grouped_mm(x: Tensor, w: Tensor, counts: Tensor, *, full: bool = False) -> Tensor:
     """x [R, a] whose first counts[0] rows go to w[0], the next counts[1] to w[1], ... (rows past
     sum(counts) are zeros in the output); w [E, a, b] -> [R, b]. full=True: the caller knows
@@ -53,11 +67,13 @@ def grouped_mm(x: Tensor, w: Tensor, counts: Tensor, *, full: bool = False) -> T
     fp32_ok = x.dtype == torch.float32 and not torch.compiler.is_compiling()
     if hasattr(torch, "_grouped_mm") and (x.dtype == torch.bfloat16 or fp32_ok) and _aligned(x, w):
         offs = counts.cumsum(0).to(torch.int32)
-        out = torch._grouped_mm(x, w, offs=offs)
         if full:
-            return out
-        rows = torch.arange(x.shape[0], device=x.device)
-        return torch.where((rows < offs[-1]).unsqueeze(1), out, 0)  # rows past the groups are undefined there
+            return torch._grouped_mm(x, w, offs=offs)
+        inside = (torch.arange(x.shape[0], device=x.device) < offs[-1]).unsqueeze(1)
+        # rows past the groups are undefined in _grouped_mm's output and in its input gradient
+        # (whatever memory held: x.grad of such rows was garbage, 1e36 or NaN in bf16)
+        out = torch._grouped_mm(_ZeroGradOutside.apply(x, inside) if x.requires_grad else x, w, offs=offs)
+        return torch.where(inside, out, 0)
     out, start = x.new_zeros(x.shape[0], w.shape[2]), 0
     for e, n in enumerate(counts.tolist()):
         if n:
