@@ -106,6 +106,23 @@ def test_module_makes_fp32_tables_per_device_outside_the_state_dict():
     assert torch.equal(cos2, want[0]) and torch.equal(sin2, want[1])
 
 
+def test_tables_first_made_under_inference_mode_still_train(kernel_path):
+    """The module's first call under inference_mode cached inference tensors as its tables: every
+    later forward with autograd raised "Inference tensors cannot be saved for backward"."""
+    rope = RotaryEmbedding(16, 40)
+    q, k = _inputs(torch.float32, n=10, d=16)
+    with torch.inference_mode():
+        want = rope(q, k)
+    assert not rope.tables("cpu")[0].is_inference()
+    qg = q.clone().requires_grad_()
+    got = rope(qg, k)
+    got[0].sum().backward()
+    assert torch.equal(got[0].detach(), want[0]) and qg.grad is not None
+    packed = torch.randn(2, 10, 3 * 16, requires_grad=True)
+    rope.rotate_packed(packed, 2, 16).sum().backward()
+    assert packed.grad is not None
+
+
 @pytest.mark.parametrize("call,exc,msg", [
     (lambda q, k, c, s: rotary_embedding(q, k[:, :, :5], c, s), RuntimeError, r"expected k of q's batch, seq"),
     (lambda q, k, c, s: rotary_embedding(q, k, c[:, :3], s), RuntimeError, r"expected cos and sin to be"),

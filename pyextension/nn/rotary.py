@@ -95,7 +95,10 @@ class RotaryEmbedding(torch.nn.Module):
         if self._made_for != made_for:
             self._tables, self._made_for = {}, made_for
         if device not in self._tables:
-            self._tables[device] = rope_tables(self.max_positions, self.rotary_dim, self.base, device)
+            # (made under inference_mode they were inference tensors, kept: every later forward with
+            # autograd raised "Inference tensors cannot be saved for backward")
+            with torch.inference_mode(False):
+                self._tables[device] = rope_tables(self.max_positions, self.rotary_dim, self.base, device)
         return self._tables[device]
 
     def forward(self, q: Tensor, k: Tensor, positions: Tensor | None = None) -> tuple[Tensor, Tensor]:
