@@ -244,9 +244,11 @@ def test_the_router_keeps_fp32_bias_and_scores_under_bf16_and_autocast(world_of_
     rounded away); under torch.autocast the router's matmul ran in bf16 although it asks for fp32
     (4.5% of tokens routed elsewhere; reviews' reproductions, 2026-11-28)."""
     model = GPT(GPTConfig(**_BIAS_CFG | {"moe_bias_rate": 1e-3}), seed=0)
+    trained = torch.tensor([0.5012, -0.3007, 0.0013, 1.2345])  # a trained model's bias: kept to the bit
+    model.moe_layers[0].router.expert_bias.copy_(trained)  # (it was rounded to bf16, then made fp32 again)
     zerofuse.zero.parallelize(model, stage=1, precision="bf16")
     router = model.moe_layers[0].router
-    assert router.expert_bias.dtype == torch.float32
+    assert router.expert_bias.dtype == torch.float32 and torch.equal(router.expert_bias, trained)
     router.expert_bias.fill_(0.5)
     router._loads = [torch.tensor([9, 1, 1, 1])]
     router.update_bias()

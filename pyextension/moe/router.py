@@ -69,9 +69,11 @@ class Router(torch.nn.Module):
     def _apply(self, fn, recurse=True):
         """expert_bias stays fp32 through model.to(bf16) (ZeRO's precision="bf16"): rate-sized steps
         of a bias near 0.5 were rounded away in bf16, as DeepSeek-V3's and Megatron's keep it."""
+        before = self.expert_bias
         out = super()._apply(fn, recurse)
         if self.expert_bias.is_floating_point() and self.expert_bias.dtype != torch.float32:
-            self.expert_bias = self.expert_bias.float()
+            # from the values before the cast (the cast's rounded ones, made fp32 again, lost them)
+            self.expert_bias = before.to(self.expert_bias.device, torch.float32)
         return out
 
     def forward(self, x: Tensor) -> Routing:
