@@ -26,7 +26,7 @@ def _inputs(shape, dtype, seed=0):
     return x, b, dy
 
 
-@pytest.mark.parametrize("shape", [(97, 123), (2, 5, 1025), (3,), (0, 7), (1, 3072)])
+@pytest.mark.parametrize("shape", [(97, 123), (2, 5, 1025), (3,), (0, 7), (7, 0), (1, 3072)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_matches_float64_reference_within_the_peer_rule(dtype, shape, kernel_path):
     x, b, dy = _inputs(shape, dtype)

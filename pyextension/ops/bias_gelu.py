@@ -52,7 +52,8 @@ def _bwd(dy, x, bias):
         return K.bias_gelu_bwd(dy.contiguous(), x.contiguous(), bias.contiguous())
     acc = _acc(x)
     dh = torch.ops.aten.gelu_backward(dy.to(acc), x.to(acc) + bias.to(acc), approximate="tanh")
-    return dh.to(x.dtype).contiguous(), dh.reshape(-1, x.shape[-1]).sum(0).to(bias.dtype)
+    # (reshape(-1, 0) of an empty last dim is ambiguous: it raised)
+    return dh.to(x.dtype).contiguous(), dh.reshape(math.prod(x.shape[:-1]), x.shape[-1]).sum(0).to(bias.dtype)
 
 
 @torch.library.custom_op(_NAME, mutates_args=())
