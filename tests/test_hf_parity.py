@@ -6,6 +6,7 @@ a packed batch with the default KV cache, attention sinks and a v head dim of it
 from __future__ import annotations
 
 import copy
+import importlib
 import inspect
 import types
 
@@ -109,6 +110,16 @@ def test_logits_to_keep_and_autocast_in_the_loss_pass():
     k = 6
     want = _loss(stock, ids, labels=ids[:, -k:], logits_to_keep=k)
     torch.testing.assert_close(_loss(patched, ids, labels=ids[:, -k:], logits_to_keep=k), want, **tol(torch.float32))
+    # transformers' 2-D forms: (batch, k) positions per sample; a bool (batch, seq) mask, flattened
+    # (indexed as 1-D positions before: a (B, B, K, D) tensor refused; an IndexError)
+    if hasattr(importlib.import_module("transformers.modeling_utils"), "slice_logits_to_keep"):
+        at = torch.stack([torch.randperm(ids.shape[1], generator=torch.Generator().manual_seed(r))[:3]
+                          for r in range(ids.shape[0])])
+        mask = torch.zeros(ids.shape, dtype=torch.bool)
+        mask[0, [2, 4, 8]] = mask[-1, [1, 6, 7]] = True
+        for keep, labels in ((at, torch.gather(ids, 1, at)), (mask, ids[mask])):
+            torch.testing.assert_close(_loss(patched, ids, labels=labels, logits_to_keep=keep),
+                                       _loss(stock, ids, labels=labels, logits_to_keep=keep), **tol(torch.float32))
     ref = _loss(copy.deepcopy(stock).double(), ids, labels=ids)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         a, b = _loss(stock, ids, labels=ids), _loss(patched, ids, labels=ids)

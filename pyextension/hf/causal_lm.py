@@ -73,6 +73,18 @@ def _shifted(labels, shift_labels, ignore_index: int):
     return F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
 
 
+def _kept(hidden, logits_to_keep):
+    """transformers' slice_logits_to_keep (an int, a 1-D tensor of positions; since transformers 5.x
+    also a 2-D one: (batch, k) positions per sample, or a bool (batch, seq) mask, flattened): the
+    2-D forms were indexed as 1-D ones (a (B, B, K, D) tensor; an IndexError)."""
+    try:
+        from transformers.modeling_utils import slice_logits_to_keep  # noqa: PLC0415
+    except ImportError:  # (older transformers: the int and 1-D forms only)
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        return hidden[:, keep, :]
+    return slice_logits_to_keep(hidden, logits_to_keep)
+
+
 def _fused_head_ready(model) -> bool:
     """Whether lm_head is the fused head; an nn.Linear put there since the patch (transformers'
     resize_token_embeddings makes a new one) is swapped again."""
@@ -113,8 +125,7 @@ def lm_forward(self, input_ids=None, *args, labels=None, shift_labels=None, num_
     decoder = getattr(self, arch.decoder)
     out = decoder(input_ids=input_ids, return_dict=True, **kwargs)  # as the stock forward: every kwarg
     hidden = out[0]
-    keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-    hidden = hidden[:, keep, :]  # the positions whose logits the stock forward would make
+    hidden = _kept(hidden, logits_to_keep)  # the positions whose logits the stock forward would make
     ignore_index = int(kwargs.get("ignore_index", IGNORE_INDEX))
     target = _shifted(labels, shift_labels, ignore_index).to(hidden.device)
     softcap = getattr(self.config, arch.final_softcap, None) if arch.final_softcap else None
