@@ -176,3 +176,29 @@ def test_attention_sinks_and_a_v_head_dim_of_its_own_do_not_run_fused(monkeypatc
     want = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.2, enable_gqa=True).transpose(1, 2)
     torch.testing.assert_close(out, want, **tol(torch.float32))
     assert zerofuse.hf.attention_calls()["fallback"] == before["fallback"] + 1
+
+
+def test_gemma2_under_the_zerofuse_implementation_is_eagers():
+    """Gemma 2's logit softcap made every forward under attn_implementation="zerofuse" fall back to
+    sdpa, which refuses a softcap; the model's eager function takes it, but this implementation's
+    masks are sdpa's (bool, None for a causal batch): made the additive ones eager reads (added as
+    they were, a causal batch attended to the future). Sliding-window layers (window 8 < 19) and
+    left padding included."""
+    zerofuse.hf.register_attention()
+    eager = build("gemma2").eval()
+    ours = copy.deepcopy(eager)
+    ours.config._attn_implementation = "zerofuse"
+    zerofuse.patch(ours)
+    ids = batch()
+    pad = torch.ones_like(ids)
+    pad[0, :5] = 0
+    for mask in (None, pad):
+        want = eager(ids, attention_mask=mask).logits
+        got = ours(ids, attention_mask=mask).logits
+        keep = mask.bool() if mask is not None else torch.ones(ids.shape, dtype=torch.bool)
+        torch.testing.assert_close(got[keep], want[keep], **tol(torch.float32))
+    unpatched = copy.deepcopy(eager)
+    unpatched.config._attn_implementation = "zerofuse"
+    with pytest.raises(ValueError, match=r"a logit softcap needs the model's eager attention, which Gemma2Attention "
+                                         r"did not hand over"):
+        unpatched(ids)

@@ -39,23 +39,45 @@ def attention_calls() -> dict:
 
 def _fallback_impl(module, default, kwargs=None):
     """What the module's configured implementation would run (sdpa where that is zerofuse's; the
-    model's eager function where attention sinks need it)."""
+    model's eager function where attention sinks or a softcap need it)."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # noqa: PLC0415
 
     impl = getattr(getattr(module, "config", None), "_attn_implementation", None) or "sdpa"
     if impl == NAME:
         impl = "sdpa"
-        if (kwargs or {}).get("s_aux") is not None:  # sdpa would drop the sinks: a different result
+        # what sdpa cannot do: attention sinks (it would drop them: a different result), Gemma 2's
+        # logit softcap (transformers' sdpa refuses it: every forward of such a model raised)
+        need = [what for k, what in (("s_aux", "attention sinks (s_aux)"), ("softcap", "a logit softcap"))
+                if (kwargs or {}).get(k) is not None]
+        if need:
             if default is None:
-                raise ValueError(f"zerofuse attention: attention sinks (s_aux) need the model's eager attention, which "
+                verb = "needs" if need == ["a logit softcap"] else "need"
+                raise ValueError(f"zerofuse attention: {' and '.join(need)} {verb} the model's eager attention, which "
                                  f"{type(module).__name__} did not hand over: load the model with "
                                  f"attn_implementation='eager' (zerofuse.patch it to fuse what it can)")
-            impl = "eager"
+            # the masks of this implementation are sdpa's (registered with sdpa_mask): made the
+            # additive ones eager reads (it added a bool mask to the scores, and a causal batch's
+            # None attended to the future)
+            return functools.partial(_eager_with_sdpa_mask, default)
     if impl == "eager" and default is not None:
         return default
     if impl == "eager":  # selected by name with no model default at hand: transformers' sdpa
         impl = "sdpa"
     return ALL_ATTENTION_FUNCTIONS.get_interface(impl, default)
+
+
+def _eager_with_sdpa_mask(eager, module, query, key, value, attention_mask, *args, is_causal=None, **kwargs):
+    """The model's eager attention given the mask sdpa_mask made: bool (True: attend) or None (causal
+    by sdpa's is_causal, or no mask), as the float mask eager adds to the scores."""
+    if attention_mask is None or attention_mask.dtype == torch.bool:
+        causal = (is_causal if is_causal is not None else getattr(module, "is_causal", True)) and query.shape[2] > 1
+        n, m = query.shape[2], key.shape[2]
+        if attention_mask is None and causal:  # (sdpa_mask gives None for queries and keys of one length)
+            attention_mask = torch.ones(n, m, dtype=torch.bool, device=query.device).tril(m - n)[None, None]
+        if attention_mask is not None:
+            attention_mask = torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device).masked_fill(
+                ~attention_mask, torch.finfo(query.dtype).min)
+    return eager(module, query, key, value, attention_mask, *args, is_causal=is_causal, **kwargs)
 
 
 def _runs_fused(query, key, value, attention_mask, dropout, kwargs) -> bool:
