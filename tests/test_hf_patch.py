@@ -139,6 +139,27 @@ def test_patch_is_per_instance_and_idempotent(cpu_kernels):
     assert zerofuse.hf.attention_calls()["fused"] == calls + 3
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma"])
+def test_a_model_built_on_meta_gets_its_norms_patched(arch, cpu_kernels):
+    """The norm probe runs the module: on meta weights it cannot, and every RMSNorm was left unpatched
+    with no word (the rest patched). Probed on a CPU copy now; materialized, it computes as stock."""
+    from hf_models import config
+
+    with torch.device("meta"):
+        meta = transformers.AutoModelForCausalLM.from_config(config(arch))
+    zerofuse.patch(meta)
+    want = zerofuse.hf.patched(zerofuse.patch(build(arch)))
+    assert zerofuse.hf.patched(meta) == want and want["rms_norm"] == 7, want
+    stock = build(arch)
+    meta.to_empty(device="cpu")
+    meta.load_state_dict(stock.state_dict())
+    with torch.no_grad():  # (the non-persistent ones too: RoPE's inv_freq)
+        for b, sb in zip(meta.buffers(), stock.buffers(), strict=True):
+            b.copy_(sb)
+    ids = batch()
+    torch.testing.assert_close(meta(ids).logits, stock(ids).logits, **tol(torch.float32))
+
+
 def test_selected_ops_only(cpu_kernels):
     m = zerofuse.patch(build("qwen3"), rms_norm=False, attention=False, linear_cross_entropy=False)
     assert zerofuse.hf.patched(m) == {"rms_norm": 0, "attention": 0, "rope": 3, "swiglu": 3, "linear_cross_entropy": 0}

@@ -11,6 +11,7 @@ transformers release is still patched or is left alone, never patched wrongly:
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 
@@ -74,8 +75,13 @@ def norm_kind(mod) -> str | None:
         return "layer" if mod.elementwise_affine else None
     w = getattr(mod, "weight", None)
     eps = norm_eps(mod)
-    if not isinstance(w, torch.nn.Parameter) or w.dim() != 1 or eps is None or w.device.type == "meta":
+    if not isinstance(w, torch.nn.Parameter) or w.dim() != 1 or eps is None:
         return None
+    if w.device.type == "meta":  # (a model built on meta: probed on a CPU copy; it was left unpatched, silently)
+        try:
+            return norm_kind(copy.deepcopy(mod).to_empty(device="cpu"))
+        except Exception:  # noqa: BLE001 - as below: a module that cannot be probed is not a norm we know
+            return None
     n = w.shape[0]
     x = _probe(n)
     w64 = torch.linspace(-0.5, 0.5, n, dtype=torch.float64)
