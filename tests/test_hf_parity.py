@@ -202,3 +202,17 @@ def test_gemma2_under_the_zerofuse_implementation_is_eagers():
     with pytest.raises(ValueError, match=r"a logit softcap needs the model's eager attention, which Gemma2Attention "
                                          r"did not hand over"):
         unpatched(ids)
+
+
+def test_eval_mode_with_labels_returns_the_logits_and_the_loss():
+    """The Trainer's evaluate() calls model.eval() then the forward with labels, and compute_metrics
+    needs the logits: the fused pass returned None for them (training mode keeps the fused pass)."""
+    stock, patched = _pair("llama")
+    ids = batch()
+    stock.eval(), patched.eval()
+    want, got = stock(ids, labels=ids), patched(ids, labels=ids)
+    assert got.logits is not None
+    torch.testing.assert_close(got.logits, want.logits, **tol(torch.float32))
+    torch.testing.assert_close(got.loss, want.loss, **tol(torch.float32))
+    patched.train()
+    assert patched(ids, labels=ids).logits is None

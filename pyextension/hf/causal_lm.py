@@ -2,10 +2,11 @@
 
 ``lm_head`` becomes a zerofuse LinearCrossEntropyHead holding the same weight Parameter (a tie
 to the input embedding stays a tie; state_dict keys unchanged), and the instance's forward, when
-given ``labels`` (or ``shift_labels``), runs the decoder and computes the loss in the head's own
-forward: ZeRO's hooks gather the head's weight first (Liger-Kernel#1048 read it raw), the
-(tokens, vocab) logits never exist, and the returned ``logits`` is None. Without labels it is the
-model's own forward (logits for evaluation and generation), and so is a model whose
+given ``labels`` (or ``shift_labels``) in training mode, runs the decoder and computes the loss in
+the head's own forward: ZeRO's hooks gather the head's weight first (Liger-Kernel#1048 read it
+raw), the (tokens, vocab) logits never exist, and the returned ``logits`` is None. Without labels,
+or in eval mode (``model.eval()``: the Trainer's evaluate() wants logits for compute_metrics, as
+Liger-Kernel decides), it is the model's own forward (logits and loss), and so is a model whose
 ``loss_function`` is not transformers' ForCausalLMLoss (set by the user or by ``loss_type``). Loss
 semantics are ForCausalLMLoss's: labels shifted left by one with ``ignore_index`` (a kwarg, -100 by
 default) appended, the mean over non-ignored targets (NaN when there are none), or with
@@ -112,7 +113,10 @@ def _stock_loss(model) -> bool:
 def lm_forward(self, input_ids=None, *args, labels=None, shift_labels=None, num_items_in_batch=None,
                logits_to_keep=0, return_dict=None, **kwargs):
     """The patched forward; see the module doc."""
-    if (labels is None and shift_labels is None) or args or not _stock_loss(self) or not _fused_head_ready(self):
+    # in eval mode the stock forward (as Liger-Kernel's): the Trainer's evaluate() with compute_metrics
+    # needs the logits with the loss (it got None)
+    if (labels is None and shift_labels is None) or not self.training or args or not _stock_loss(self) \
+            or not _fused_head_ready(self):
         kw = {} if labels is None else {"labels": labels}
         if shift_labels is not None:
             kw["shift_labels"] = shift_labels
