@@ -225,8 +225,9 @@ def test_the_world_of_one_takes_the_same_timeouts(world_of_one):
 
 def test_a_timed_wait_inside_coalesce_says_the_group_is_open():
     """Inside coalesce() an NCCL collective is launched at the block's end: its wait() says so at
-    once. A wait with a timeout polled it for the whole timeout, then failed the communicator.
-    (NCCL-only; here with a stand-in for the C++ Work of an open group.)"""
+    once, a usage error that leaves the communicator usable. A wait with a timeout polled it for the
+    whole timeout, then failed the communicator; one without reached the C++ wait, whose refusal
+    failed it too. (NCCL-only; here with a stand-in for the C++ Work of an open group.)"""
     from zerofuse.comm.communicator import Work
 
     class Unlaunched:
@@ -235,8 +236,8 @@ def test_a_timed_wait_inside_coalesce_says_the_group_is_open():
         def is_completed(self):
             return False
 
-        def wait(self):
-            raise RuntimeError("wait() on a collective of a group that is still open: end the group first")
+        def wait(self):  # (the C++ wait's refusal failed the communicator: every collective of the group refused)
+            raise AssertionError("the C++ wait was called: it fails the communicator for good")
 
     class Comm:
         _coalescing = 1
@@ -247,8 +248,10 @@ def test_a_timed_wait_inside_coalesce_says_the_group_is_open():
                 raise AssertionError(f"the communicator was failed: {message}")
 
     t0 = time.perf_counter()
-    with pytest.raises(RuntimeError, match="group that is still open"):
-        Work(Unlaunched(), Comm(), cuda=True).wait(timeout=3)
+    for timeout in (3, None):
+        with pytest.raises(RuntimeError, match=r"wait\(\) on all_reduce_coalesced #0, a collective of a group that "
+                                               r"is still open: end the coalesce\(\) block first"):
+            Work(Unlaunched(), Comm(), cuda=True).wait(timeout=timeout)
     assert time.perf_counter() - t0 < 1.0
 
 

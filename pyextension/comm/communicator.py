@@ -148,6 +148,10 @@ class Work:
 
     def wait(self, timeout=None) -> None:
         limit = wait_timeout(timeout)
+        if self._cuda and self._comm._coalescing:  # a usage error, not the communicator's failure (the
+            # C++ wait's refusal failed it for good: every collective of the open group refused at its end)
+            raise RuntimeError(f"zerofuse.comm: wait() on {self._w.what}, a collective of a group that is still "
+                               "open: end the coalesce() block first (NCCL launches its collectives there)")
         t0 = time.perf_counter()
         try:
             if self._checks:  # ZEROFUSE_CHECK_COLLECTIVES' comparisons of a batch_p2p left to the wait
