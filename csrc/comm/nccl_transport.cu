@@ -64,6 +64,7 @@ ncclDataType_t nccl_type(at::ScalarType t) {
     case at::kLong: return ncclInt64;
     case at::kByte: return ncclUint8;
     case at::kChar: return ncclInt8;
+    case at::kBool: return ncclUint8;  // one byte each (as gloo's): transfers exact, max / min are any / all
     default: TORCH_CHECK(false, "zerofuse.comm (NCCL): unsupported dtype ", t);
   }
 }
