@@ -63,7 +63,10 @@ def _ce_kernel(
                 sz_vec += tl.where(mask, z, 0.0)
             z = tl.where(mask, z, -float("inf"))
             m_new = tl.maximum(m, tl.max(z, axis=0))
-            s_vec = s_vec * tl.exp(m - m_new) + tl.exp(z - m_new)
+            # (every logit so far -inf: exp(-inf - -inf) was NaN; a -inf block then a finite one is a
+            # -inf-masked vocabulary's first 4096 ids, or a TP shard's; an all -inf row: lse -inf)
+            m_use = tl.where(m_new == -float("inf"), 0.0, m_new)
+            s_vec = s_vec * tl.exp(m - m_use) + tl.exp(z - m_use)
             m = m_new
         lse = m + tl.log(tl.sum(s_vec, axis=0))
         t_in = (t_local >= 0) & (t_local < V)  # the target in this shard's columns (never an ignored one)

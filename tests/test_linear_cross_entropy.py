@@ -380,3 +380,22 @@ def test_row_kernel_compiles_for_an_h100_to_one_reduction_a_block():
         assert grad_loop["barriers"] == 0, r
         assert r["loads"].get("v4.b32", 0) > 0 and r["stores"].get("v4.b32", 0) > 0, r
         assert r["spill_stores"] == 0 and r["spill_loads"] == 0, r
+
+
+@pytest.mark.parametrize("block", [None, 1024], ids=["one_block", "5_blocks"])
+def test_row_statistics_of_rows_led_by_minus_infinity(monkeypatch, block):
+    """-inf logits (a vocabulary masked by a -inf bias, a TP shard's columns) in the first block(s):
+    the online rescale computed exp(-inf - -inf), NaN, so the loss and every gradient were NaN (on a
+    GPU where the first 4096 ids were masked); a row all -inf has lse -inf, as torch's logsumexp."""
+    if block:
+        monkeypatch.setattr(K, "_block_v", lambda v: block)
+    g = torch.Generator().manual_seed(4)
+    z = torch.randn(3, 5000, generator=g) * 4
+    z[0, :2000] = z[2, :4500] = z[1] = float("-inf")
+    target = torch.tensor([2500, 3, 4999])
+    lse, tz, sz = (torch.empty(3) for _ in range(3))
+    K.ce_rows(z.clone(), target, None, lse, tz, sz, vocab_start=0, vocab_total=5000, smoothing=0.0, z_loss=0.0,
+              softcap=0.0, stats=True, grad=False)
+    want = torch.logsumexp(z.double(), 1)
+    assert lse[1] == float("-inf")
+    assert_close(lse[[0, 2]], want[[0, 2]])
