@@ -5,6 +5,7 @@ with views into the shards, and ``state_dict()`` in torch.optim's layout.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 
 import pytest
@@ -409,3 +410,41 @@ def test_stage3_blocks_returning_a_dataclass_or_an_opaque_object_train(world_of_
     with zerofuse.zero.full_grads(model):
         for n, p in ref.named_parameters():
             torch.testing.assert_close(dict(model.named_parameters())[n].grad, p.grad, rtol=0, atol=0)
+
+
+def _clip_rank(rank, ws, case):
+    """Two clips in one step, or a clip plus the Optimizer's max_grad_norm, against torch's clipping of
+    the same grads (the global batch over the ranks)."""
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(9, 17), torch.nn.Tanh(), torch.nn.Linear(17, 3))
+    model = zerofuse.zero.parallelize(copy.deepcopy(ref), stage=2, bucket_mb=1e-4)
+    max_grad_norm, clips = {"log_then_max": (0.05, [float("inf")]), "tight_then_loose": (None, [0.05, 1.0]),
+                            "loose_then_tight": (None, [1.0, 0.05])}[case]
+    opt = zerofuse.zero.Optimizer(model, "adamw", lr=3e-2, max_grad_norm=max_grad_norm)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-2)
+    g = torch.Generator().manual_seed(1)
+    got, want = [], []
+    for _ in range(3):
+        x, y = torch.randn(6 * ws, 9, generator=g) * 4, torch.randn(6 * ws, 3, generator=g)
+        torch.nn.functional.mse_loss(model(x[rank * 6:(rank + 1) * 6]), y[rank * 6:(rank + 1) * 6]).backward()
+        got.append([float(opt.clip_grad_norm_(c)) for c in clips])
+        opt.step()
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(ref(x), y).backward()
+        want.append([float(torch.nn.utils.clip_grad_norm_(ref.parameters(), c)) for c in clips])
+        if max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), max_grad_norm)
+        ref_opt.step()
+        ref_opt.zero_grad()
+    with zerofuse.zero.full_params(model):
+        err = max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))
+    return got, want, err
+
+
+@pytest.mark.parametrize("case", ["log_then_max", "tight_then_loose", "loose_then_tight"])
+def test_clips_compose_as_torchs_do(case):
+    """A clip_grad_norm_(inf) to log the norm switched the Optimizer's max_grad_norm off for that step
+    (LAMB clips by default); a second clip replaced the first (0.05 then 1.0 clipped to 1.0)."""
+    for got, want, err in run_distributed(_clip_rank, 2, case, timeout=120):
+        assert sum(got, []) == pytest.approx(sum(want, []), rel=1e-5), (got, want)
+        assert err < 1e-5, err

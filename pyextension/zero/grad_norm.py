@@ -84,8 +84,16 @@ class GradNorms:
                                "start during backward, before this call could clip them: pass max_grad_norm to the "
                                "Optimizer instead (or offload_overlap=False)")
         norm = self._grad_norm()
-        self._clip_coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        self._found_inf = (~torch.isfinite(norm)).float()
+        found = (~torch.isfinite(norm)).float()
+        if self._clip_coef is not None:  # clipped already for this step: as torch's second call, on the
+            # clipped grads (it replaced the first clip: a clip_grad_norm_(inf) to log the norm undid
+            # it, and the Optimizer's max_grad_norm was skipped)
+            norm = norm * self._clip_coef
+            found = torch.maximum(found, self._found_inf)
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        self._clip_coef = coef if self._clip_coef is None else self._clip_coef * coef
+        self._clipped_norm = norm * coef  # the norm the step's grads have now (max_grad_norm clips that)
+        self._found_inf = found
         self.last_grad_norm = norm
         return norm
 

@@ -289,6 +289,9 @@ class Optimizer(GradNorms, OptimizerState, torch.optim.Optimizer):
                 found = (~torch.isfinite(norm)).float()
                 if self.max_grad_norm is not None:
                     self._clip_coef = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
+            elif self._clip_coef is not None and self.max_grad_norm is not None:  # on top of the caller's clip
+                self._clip_coef = self._clip_coef * torch.clamp(self.max_grad_norm / (self._clipped_norm + 1e-6),
+                                                                max=1.0)
             if self._clip_coef is not None:
                 mult = mult * self._clip_coef
         for gi, group in enumerate(self.param_groups):  # (advances the step counters, offload or not)
