@@ -448,3 +448,74 @@ def test_clips_compose_as_torchs_do(case):
     for got, want, err in run_distributed(_clip_rank, 2, case, timeout=120):
         assert sum(got, []) == pytest.approx(sum(want, []), rel=1e-5), (got, want)
         assert err < 1e-5, err
+
+
+class _Boom(torch.autograd.Function):
+    armed = False
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        if _Boom.armed:
+            raise RuntimeError("boom")
+        return g
+
+
+class _BoomNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = torch.nn.Linear(9, 17), torch.nn.Linear(17, 17), torch.nn.Linear(17, 3)
+
+    def forward(self, x):
+        return self.c(torch.tanh(self.b(_Boom.apply(torch.tanh(self.a(x))))))
+
+
+def _failed_backward_rank(rank, ws, stage, zero_grad_after):
+    """A backward raises midway at step 1 (b's and c's grads made, a's not); the loop catches it and
+    goes on, with zero_grad() or without (torch keeps the partial grads in .grad then)."""
+    torch.manual_seed(0)
+    ref = _BoomNet()
+    kw = dict(wrap=[torch.nn.Linear]) if stage == 3 else {}
+    model = zerofuse.zero.parallelize(copy.deepcopy(ref), stage=stage, bucket_mb=1e-4, **kw)
+    opt = zerofuse.zero.Optimizer(model, "adamw", lr=3e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-2)
+    g = torch.Generator().manual_seed(1)
+    norms = []
+    for step in range(4):
+        x, y = torch.randn(4 * ws, 9, generator=g), torch.randn(4 * ws, 3, generator=g)
+        _Boom.armed = step == 1
+        failed = False
+        for net, o, mine in ((model, opt, slice(rank * 4, rank * 4 + 4)), (ref, ref_opt, slice(None))):
+            loss = torch.nn.functional.mse_loss(net(x[mine]), y[mine])
+            try:
+                loss.backward()
+            except RuntimeError as e:
+                assert "boom" in str(e)
+                failed = True
+                if zero_grad_after:
+                    o.zero_grad()
+        if failed:
+            continue
+        norms.append((float(opt.clip_grad_norm_(float("inf"))),
+                      float(torch.nn.utils.clip_grad_norm_(ref.parameters(), float("inf")))))
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    _Boom.armed = False
+    with zerofuse.zero.full_params(model):
+        err = max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))
+    return norms, err
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("zero_grad_after", [True, False], ids=["zero_grad", "no_zero_grad"])
+def test_a_caught_failed_backward_does_not_stop_gradient_sync(stage, zero_grad_after):
+    """The failed backward's end-of-backward callback never ran: it stayed queued, so no later backward
+    queued one again and every later step reduced nothing (partial or zero grads, no error). Now the
+    next forward finds it (or zero_grad resets it): the run goes on as torch's."""
+    for norms, err in run_distributed(_failed_backward_rank, 2, stage, zero_grad_after, timeout=120):
+        assert len(norms) == 3 and all(a == pytest.approx(b, rel=1e-5) for a, b in norms), norms
+        assert err < 1e-5, err

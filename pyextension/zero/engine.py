@@ -28,6 +28,7 @@ for a bucket's buffers and [Note: bucket buffers] for their lifetimes.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import torch.distributed as dist
@@ -37,7 +38,7 @@ from zerofuse.tp.spec import tp_group_of
 from zerofuse.zero.bucket_group import BucketGroup
 from zerofuse.zero.buckets import FREE, Bucket
 from zerofuse.zero.fixed_layout import TrainableCheck, guard_conversions
-from zerofuse.zero.grads import SHARDED, gathered_grads, install_clip_warning
+from zerofuse.zero.grads import SHARDED, close_dead_backward, gathered_grads, install_clip_warning, reset_backward
 from zerofuse.zero.layout import bucket_groups, check_same_layout, unit_groups
 from zerofuse.zero.experts import ExpertLayout
 from zerofuse.zero.materialize import Initializer, materialize_rest
@@ -303,6 +304,7 @@ class ZeroEngine(ExpertLayout, Stage3Hooks, WorldOfOne):
         """Forget the grads (also those a hookless engine left in .grad): set_to_none=True frees the
         grad shards (nothing held between steps), False fills them with zeros (as torch's)."""
         self.buckets.finish_grad_sync()
+        reset_backward(self)  # (a backward that raised left its counters: zero_grad starts afresh)
         for u in self.units:
             u.zero_grad(set_to_none)
         for p in self.params:
@@ -323,6 +325,7 @@ class ZeroEngine(ExpertLayout, Stage3Hooks, WorldOfOne):
         self.buckets.finish_param_sync()
 
     def _install_param_wait_hooks(self, model) -> None:
+        self._hooks.append(model.register_forward_pre_hook(functools.partial(close_dead_backward, self)))
         for m in model.modules():
             units = []
             for p in m.parameters(recurse=False):

@@ -93,15 +93,37 @@ def gathered_grads(eng):
                            "offload_overlap=False to change grads after backward")
 
 
+def close_dead_backward(eng, _module=None, _args=None) -> None:
+    """A forward pre-hook of the model: a backward that raised before its end (an OOM, a check the
+    caller caught and went on from) never ran its end-of-backward callback, so it stayed queued and
+    no later backward queued one again (each later step reduced nothing: partial or zero grads,
+    silently). Found at the next forward outside any backward: its grads are kept (as torch keeps a
+    failed backward's in .grad; zero_grad drops them), the reductions it launched waited, the
+    counters restarted."""
+    if not eng._final_queued or torch._C._current_graph_task_id() != -1:
+        return
+    for u in eng.units:
+        u.add_deferred()
+    eng.buckets.finish_grad_sync()
+    reset_backward(eng)
+
+
+def reset_backward(eng) -> None:
+    """The per-backward bookkeeping as before a backward."""
+    eng._final_queued = eng._in_backward = False
+    for u in eng.units:
+        u.ready, u.launched = 0, False
+
+
 def abandon_backward(eng) -> None:
     """Forget a backward that began but did not finish (a failed CUDA graph capture runs none of its
     kernels, and autograd drops the end-of-backward callback it queued): the units' counters, the
     reductions in flight (over one rank they completed when launched) and every grad, so that the
     next backward starts as after zero_grad."""
-    eng._final_queued = eng._in_backward = False
+    reset_backward(eng)
     eng.buckets._inflight.clear()
     for u in eng.units:
-        u.ready, u.launched, u.rs_work, u.rs_out = 0, False, None, None
+        u.rs_work, u.rs_out = None, None
         u.zero_grad(True)
     for p in eng.params:
         p.grad = None

@@ -10,6 +10,7 @@ import functools
 import torch
 
 from zerofuse.zero.buckets import FREE, Bucket
+from zerofuse.zero.grads import close_dead_backward
 
 
 def _pair(u: Bucket):
@@ -36,6 +37,7 @@ class Stage3Hooks:
             self._hooks.append(m.register_forward_hook(self._make_post_forward(u)))
 
     def _root_pre_forward(self, _mod, _args) -> None:
+        close_dead_backward(self)
         if self.root is not None:
             for x in _pair(self.root):
                 x.finish_param_sync(self.comm)
