@@ -69,7 +69,8 @@ def setup(t) -> None:
         t.pp = PipelineJob(t, model)
         t.model = t.pp.module
     else:
-        t.model = zero.parallelize(model, stage=args.zero_stage, group=t.mesh.dp_group,
+        # (its GPT reads each param only in the forward of a module holding it: the gathers overlap it)
+        t.model = zero.parallelize(model, stage=args.zero_stage, group=t.mesh.dp_group, param_gather="module",
                                    precision=args.precision, device=t.device,
                                    offload=None if args.offload == "none" else args.offload,
                                    **({"offload_ratio": args.offload_ratio} if args.offload != "none" else {}))

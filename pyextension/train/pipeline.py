@@ -20,7 +20,7 @@ class PipelineJob:
         self.stages = split_gpt(model, p * v, ids, layout=args.pp_layout, device=device)
         self.module = self.stages[0] if v == 1 else merge_stages(self.stages)
         zero.parallelize(self.module, stage=args.zero_stage, group=mesh.dp_group, precision=args.precision,
-                         device=trainer.device, pp_group=mesh.pp_group,
+                         device=trainer.device, pp_group=mesh.pp_group, param_gather="module",
                          param_init_fn=model.param_init_fn)
         self.pipe = Pipeline(self.stages, schedule=args.pp_schedule, microbatches=args.microbatches,
                              group=mesh.pp_group, zero_module=None if v == 1 else self.module)

@@ -12,8 +12,9 @@ for a bucket's buffers and [Note: bucket buffers] for their lifetimes.
   goes on, after waiting for the oldest one when max_inflight are in flight. The first hook of a backward queues an end-of-backward callback that launches what is
   left (units with unused params), waits for every reduce-scatter and, stage 3, frees the root.
   Inside ``no_sync()`` grads accumulate in gflat and nothing is launched.
-- stage 1/2 params: the optimizer's step all-gathers updated shards; a forward pre-hook on each
-  module waits only for the units its own params live in, so the gathers overlap the forward.
+- stage 1/2 params: the optimizer's step all-gathers updated shards and waits for them
+  (param_gather="step"), or (param_gather="module") a forward pre-hook on each module waits only
+  for the units its own params live in, so the gathers overlap the forward.
 - stage 3 params: the root is gathered by the model's forward pre-hook and kept until the end of
   backward. A unit is gathered by its forward pre-hook (which also starts gathering the next
   ``prefetch`` units in the forward order recorded last step) and freed by its forward post-hook
@@ -54,11 +55,12 @@ class ZeroEngine(ExpertLayout, Stage3Hooks, WorldOfOne):
 
     def __init__(self, model, *, stage, group, precision, reduce_dtype, bucket_mb, overlap, prefetch, wrap,
                  reshard_after_forward=True, tp_group=None, max_inflight=2, device=None, param_init_fn=None,
-                 pp_group=None, expert_group=None, offload=None, offload_ratio=1.0):
+                 pp_group=None, expert_group=None, offload=None, offload_ratio=1.0, param_gather="step"):
         name = "zerofuse.zero.parallelize"
         check_args(name, stage=stage, precision=precision, reduce_dtype=reduce_dtype, bucket_mb=bucket_mb,
                    prefetch=prefetch, max_inflight=max_inflight, param_init_fn=param_init_fn, offload=offload,
-                   offload_ratio=offload_ratio)
+                   offload_ratio=offload_ratio, param_gather=param_gather)
+        self.param_gather = param_gather
         auto = offload_ratio == "auto"
         self.offload = offload
         if getattr(model, "_zerofuse_zero", None) is not None:
@@ -318,7 +320,7 @@ class ZeroEngine(ExpertLayout, Stage3Hooks, WorldOfOne):
         if self.stage == 0:  # every rank stepped the whole buffer
             return
         self.buckets.start_param_sync()
-        if not self.overlap:
+        if not self.overlap or self.param_gather == "step":
             self.finish_param_sync()
 
     def finish_param_sync(self) -> None:
@@ -326,6 +328,10 @@ class ZeroEngine(ExpertLayout, Stage3Hooks, WorldOfOne):
 
     def _install_param_wait_hooks(self, model) -> None:
         self._hooks.append(model.register_forward_pre_hook(functools.partial(close_dead_backward, self)))
+        if self.param_gather != "module" or self.stage == 0:  # (whole when the step returns)
+            return
+        # param_gather="module": a state_dict (torch.save after a step) waits for every gather too
+        self._hooks.append(model.register_state_dict_pre_hook(lambda *_: self.finish_param_sync()))
         for m in model.modules():
             units = []
             for p in m.parameters(recurse=False):
@@ -412,7 +418,8 @@ def parallelize(model: torch.nn.Module, *, stage: int, group=None, precision: st
                 reduce_dtype: torch.dtype | None = None, bucket_mb: float = 25.0, overlap: bool = True,
                 prefetch: int = 1, wrap=None, reshard_after_forward: bool = True,
                 tp_group=None, max_inflight: int = 2, device=None, param_init_fn=None,
-                pp_group=None, expert_group=None, offload=None, offload_ratio: float | str = 1.0) -> torch.nn.Module:
+                pp_group=None, expert_group=None, offload=None, offload_ratio: float | str = 1.0,
+                param_gather: str = "step") -> torch.nn.Module:
     """Make ``model`` ZeRO data-parallel over ``group`` (None: the default group), in place, and
     return it. stage 0 is plain data parallelism (grads all-reduced in buckets during backward,
     every rank keeps and steps everything); 1/2/3 shard optimizer states / + grads / + params.
@@ -432,6 +439,13 @@ def parallelize(model: torch.nn.Module, *, stage: int, group=None, precision: st
     once); averages are pre-divided by the world size before the reduction. max_inflight: gradient
     reductions in flight at once during backward (the next launch waits for the oldest), which
     bounds backward's gradient memory to about grad shard + (max_inflight + 1) buckets/units.
+    param_gather (stages 1/2): "step" (default) - step() returns with every param whole again (the
+    updated shards all-gathered, as DeepSpeed's); "module" - the all-gathers run on while the next
+    forward starts, each module's forward waiting for those of its own params (they overlap the
+    forward; state_dict() waits for all): every param must then be read only in the forward of a
+    module that holds it (``F.linear(h, self.wte.weight)`` from another module, an EMA update or a
+    norm logged right after step() read other ranks' old values, silently); zerofuse's own models
+    and zerofuse-train keep that rule.
 
     A model built under ``torch.device("meta")`` is materialized bucket by bucket on ``device``
     (default: the current CUDA device, else the CPU): each bucket (stage 3: each unit) is allocated
@@ -447,7 +461,8 @@ def parallelize(model: torch.nn.Module, *, stage: int, group=None, precision: st
                         bucket_mb=bucket_mb, overlap=overlap, prefetch=prefetch, wrap=wrap,
                         reshard_after_forward=reshard_after_forward, tp_group=tp_group,
                         max_inflight=max_inflight, device=device, param_init_fn=param_init_fn, pp_group=pp_group,
-                        expert_group=expert_group, offload=offload, offload_ratio=offload_ratio)
+                        expert_group=expert_group, offload=offload, offload_ratio=offload_ratio,
+                        param_gather=param_gather)
     model._zerofuse_zero = engine
     model.no_sync = engine.no_sync
     model.zero_grad = engine.model_zero_grad

@@ -82,7 +82,7 @@ def check_scaler(initial_scale, growth_factor, backoff_factor, growth_interval) 
 
 
 def check_args(name, *, stage, precision, reduce_dtype, bucket_mb, prefetch, max_inflight, param_init_fn, offload,
-               offload_ratio) -> None:
+               offload_ratio, param_gather="step") -> None:
     """parallelize's arguments, checked before anything is built (each error names the argument,
     the expectation and the value)."""
     from zerofuse.zero.offload import OFFLOAD_MODES  # (offload.py imports this module)
@@ -100,6 +100,8 @@ def check_args(name, *, stage, precision, reduce_dtype, bucket_mb, prefetch, max
                          f"offload='optimizer', got {offload!r}")
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"{name}: expected stage 0, 1, 2 or 3, got {stage!r}")
+    if param_gather not in ("step", "module"):
+        raise ValueError(f"{name}: expected param_gather 'step' or 'module', got {param_gather!r}")
     if precision not in PRECISIONS:
         raise ValueError(f"{name}: expected precision 'fp32', 'bf16' or 'fp16', got {precision!r}")
     if reduce_dtype is not None and reduce_dtype not in REDUCE_DTYPES:
