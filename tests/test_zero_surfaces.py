@@ -566,3 +566,32 @@ def test_params_are_whole_when_the_step_returns(monkeypatch, stage):
         assert max(after_step) < 1e-5 and max(saved) < 1e-5, (after_step, saved)
     for after_step, saved in run_distributed(_param_gather_rank, 2, stage, "module", timeout=120):
         assert max(saved) < 1e-5, saved
+
+
+class _TwoBranches(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+
+    def forward(self, x, which):
+        return (self.a if which == 0 else self.b)(x)
+
+
+def _branch_rank(rank, ws, stage):
+    from dist_utils import error_text
+
+    model = zerofuse.zero.parallelize(_TwoBranches(), stage=stage, bucket_mb=1e-6)
+    opt = zerofuse.zero.Optimizer(model, "adam", lr=0.1)
+    return error_text(lambda: (model(torch.ones(2, 16), rank % 2).sum().backward(), opt.step()))
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_the_checker_names_buckets_reduced_in_different_orders(monkeypatch, stage):
+    """Ranks taking different branches launch their buckets' reductions in different orders: buckets of
+    one size were reduced together on gloo, silently (a's grads with b's), and the checker saw
+    nothing (same op, shape and dtype). The bucket's name is part of the compared call now."""
+    monkeypatch.setenv("ZEROFUSE_CHECK_COLLECTIVES", "1")
+    for err in run_distributed(_branch_rank, 2, stage, timeout=120):
+        assert err.startswith("CollectiveMismatch: zerofuse.comm: collective #0 differs across ranks") and \
+            "tag=bucket" in err, err

@@ -298,19 +298,22 @@ class Communicator(CollectiveChecker):
     # ------------------------------------------------------------------ collectives
 
     def reduce_scatter_coalesced(self, tensors: Sequence[torch.Tensor], out_shard: torch.Tensor, op: str = "avg",
-                                 scale: float | None = None, reduce_dtype: torch.dtype | None = None):
+                                 scale: float | None = None, reduce_dtype: torch.dtype | None = None,
+                                 tag: str | None = None):
         """Reduce the concatenation of ``tensors`` (padded with zeros to world_size * shard) over
         the ranks and write this rank's shard, times ``scale``, into ``out_shard``. Reduced in
         ``reduce_dtype`` (default out_shard's dtype), e.g. bf16 grads in fp32. A single contiguous
         tensor of exactly world_size * shard elements in the reduce dtype is used as the flat
         buffer instead of a copy: leave it alone until ``wait()``, and treat its contents as
-        scratch after (on gloo it is all-reduced in place)."""
+        scratch after (on gloo it is all-reduced in place). ``tag``: a name ZEROFUSE_CHECK_COLLECTIVES
+        compares too (ZeRO's bucket: two buckets of one size launched in different orders on two ranks
+        were reduced together, silently)."""
         *tensors, out_shard = _bytes_of_bools("reduce_scatter_coalesced", [*tensors, out_shard], op, scale)
         reduce_dtype = torch.uint8 if reduce_dtype is torch.bool else reduce_dtype
         if self._one:
             return local.reduce_scatter_coalesced(tensors, out_shard, op, scale, reduce_dtype)
         self._checked("reduce_scatter_coalesced", tensors=tensors, out_shard=out_shard, op=op, scale=_scale(scale),
-                      reduce_dtype=reduce_dtype or out_shard.dtype)
+                      reduce_dtype=reduce_dtype or out_shard.dtype, **({"tag": tag} if tag else {}))
         return Work(self._c.reduce_scatter_coalesced(tensors, out_shard, op, scale, reduce_dtype), self,
                     out_shard.is_cuda)
 
@@ -325,16 +328,16 @@ class Communicator(CollectiveChecker):
         return Work(self._c.all_gather_coalesced(shard, tensors), self, shard.is_cuda)
 
     def all_reduce_coalesced(self, tensors: Sequence[torch.Tensor], op: str = "sum", scale: float | None = None,
-                             reduce_dtype: torch.dtype | None = None):
+                             reduce_dtype: torch.dtype | None = None, tag: str | None = None):
         """Reduce every tensor over the ranks, in place (at ``wait()``), through one flat buffer.
         A single contiguous tensor in the reduce dtype is reduced in place with no copy: its
-        contents are undefined until ``wait()``."""
+        contents are undefined until ``wait()``. ``tag``: as reduce_scatter_coalesced's."""
         tensors = _bytes_of_bools("all_reduce_coalesced", list(tensors), op, scale)
         reduce_dtype = torch.uint8 if reduce_dtype is torch.bool else reduce_dtype
         if self._one:
             return local.all_reduce_coalesced(tensors, op, scale, reduce_dtype)
         self._checked("all_reduce_coalesced", tensors=tensors, op=op, scale=_scale(scale),
-                      reduce_dtype=reduce_dtype or _one_dtype(tensors))
+                      reduce_dtype=reduce_dtype or _one_dtype(tensors), **({"tag": tag} if tag else {}))
         return Work(self._c.all_reduce_coalesced(tensors, op, scale, reduce_dtype), self,
                     any(t.is_cuda for t in tensors))
 

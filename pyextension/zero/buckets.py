@@ -323,7 +323,7 @@ class Bucket:
         if self.inplace:  # every rank keeps the whole sum
             self.rs_out = self.gflat
             self.rs_work = (comm.reduce_scatter_fp32_sum(self.gflat, all_gather=True) if low
-                            else comm.all_reduce_coalesced([self.gflat], op="sum"))
+                            else comm.all_reduce_coalesced([self.gflat], op="sum", tag=self.name))
         else:
             if self.stage == 1 or not self.gshard_fresh:
                 self.rs_out = torch.empty(self.shard_numel, dtype=self.reduce_dtype, device=self.device)
@@ -332,7 +332,7 @@ class Bucket:
                     self.gshard = torch.empty(self.shard_numel, dtype=self.reduce_dtype, device=self.device)
                 self.rs_out = self.gshard
             self.rs_work = (comm.reduce_scatter_fp32_sum(self.gflat, self.rs_out) if low
-                            else comm.reduce_scatter_coalesced([self.gflat], self.rs_out, op="sum"))
+                            else comm.reduce_scatter_coalesced([self.gflat], self.rs_out, op="sum", tag=self.name))
         self.launched = True
         self.dirty = False
         if self.stage != 1:  # [Note: bucket buffers]: the Work holds gflat until it is waited
