@@ -595,3 +595,32 @@ def test_the_checker_names_buckets_reduced_in_different_orders(monkeypatch, stag
     for err in run_distributed(_branch_rank, 2, stage, timeout=120):
         assert err.startswith("CollectiveMismatch: zerofuse.comm: collective #0 differs across ranks") and \
             "tag=bucket" in err, err
+
+
+def _ignored_grads_rank(rank, ws, stage):
+    from dist_utils import error_text
+
+    torch.manual_seed(0)
+    model = zerofuse.zero.parallelize(torch.nn.Linear(8, 3), stage=stage)
+    opt = zerofuse.zero.Optimizer(model, "adamw", lr=0.1)
+    x = torch.randn(4, 8)
+    grads = torch.autograd.grad(model(x).sum(), list(model.parameters()))
+    for p, g in zip(model.parameters(), grads):
+        p.grad = g
+    manual = error_text(opt.step)
+    opt.zero_grad()
+    with model.no_sync():
+        model(x).sum().backward()
+    only_no_sync = error_text(opt.step)
+    return manual, only_no_sync
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_grads_a_step_would_not_use_are_refused(stage):
+    """Over several ranks a .grad set by hand (torch.autograd.grad's results assigned) moved nothing,
+    and a step after backwards run only inside no_sync() stepped on zeros: both silently."""
+    for manual, only_no_sync in run_distributed(_ignored_grads_rank, 2, stage, timeout=120):
+        assert manual.startswith("RuntimeError: zerofuse.zero.Optimizer.step: .grad was set outside autograd's "
+                                 "backward on ['weight', 'bias']"), manual
+        assert only_no_sync.startswith("RuntimeError: zerofuse.zero.Optimizer.step: the grads of the last backward "
+                                       "passes were never reduced"), only_no_sync

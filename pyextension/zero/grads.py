@@ -108,6 +108,22 @@ def close_dead_backward(eng, _module=None, _args=None) -> None:
     reset_backward(eng)
 
 
+def check_step_grads(eng, who: str) -> None:
+    """Before a step of a hooked engine (world size > 1): grads it would silently not use are refused.
+    A .grad set by the caller (torch.autograd.grad's results assigned) no hook took: the step moved
+    nothing; grads of backwards run only inside no_sync(), never reduced: it stepped on zeros."""
+    if eng.hookless:
+        return
+    if any(u.dirty for u in eng.units):
+        raise RuntimeError(f"{who}: the grads of the last backward passes were never reduced (each ran inside "
+                           "no_sync()): run the last micro-batch's backward outside no_sync(), then step()")
+    own = [n for n, p in zip(eng.names, eng.params) if p.grad is not None]
+    if own:
+        raise RuntimeError(f"{who}: .grad was set outside autograd's backward on {own[:3]}{' ...' if len(own) > 3 else ''}"
+                           f" (zerofuse's grads live in its shards, filled by the backward's hooks): compute them "
+                           "with loss.backward(), or set them inside zerofuse.zero.full_grads(model)")
+
+
 def reset_backward(eng) -> None:
     """The per-backward bookkeeping as before a backward."""
     eng._final_queued = eng._in_backward = False

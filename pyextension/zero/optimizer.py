@@ -34,6 +34,7 @@ from zerofuse.kernels.common import upload
 from zerofuse.ops._optim import Prepared, StepPlans
 from zerofuse.zero.engine import engine_of
 from zerofuse.zero.grad_norm import GradNorms
+from zerofuse.zero.grads import check_step_grads
 from zerofuse.zero.options import DEFAULTS, NAME, STATE_KEYS, check_group_keys, check_options, check_scaler
 from zerofuse.zero.optimizer_state import OptimizerState
 
@@ -275,6 +276,7 @@ class Optimizer(GradNorms, OptimizerState, torch.optim.Optimizer):
         eng = self.engine
         eng.check_trainable()
         eng.finish_grad_sync()
+        check_step_grads(eng, f"{NAME}.step")
         found = self._found_inf
         fused = None
         if self._clip_coef is None and self.max_grad_norm is not None:
