@@ -71,6 +71,9 @@ def bench_hf_llama_step(measure, benchmark, device, smoke, provider):
     step()  # optimizer states and kernel caches outside the timing
     tokens = ids.numel()
     params = sum(p.numel() for p in model.parameters())
+    emb, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    if emb is not head:  # a lookup, no matmul (as the job's MFU counts N: GPT.num_params(matmul=True))
+        params -= emb.numel()
     cfg = model.config
     # 6 N T for the weights + the causal attention's 6 * L * N^2 * d per sequence (half of the square)
     attn = 6 * cfg.num_hidden_layers * ids.shape[0] * ids.shape[1] ** 2 * cfg.hidden_size

@@ -277,6 +277,9 @@ def bench_moe_permute_unpermute(measure, device, provider, moe_shape, monkeypatc
 
     run()
     row = d * x.element_size()
-    moved = 2 * (2 * t * k * row)  # forward: t*k rows read and written by each op; backward alike
+    # the rows each op must move at least: permute reads and writes t*k; unpermute reads t*k, writes t;
+    # their backwards: the rows' grad (dz gathered, t*k read and written) and dw (the t*k rows read),
+    # then dx (t*k read, t written): 7 t k + 2 t rows (4 t k before: not what the ops move)
+    moved = (7 * t * k + 2 * t) * row
     measure(run, case=f"moe_permute_unpermute/fwd+bwd/{dtype}/{t}x{d}/E{e}k{k}", provider=provider,
             bytes_moved=moved)

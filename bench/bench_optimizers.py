@@ -124,7 +124,7 @@ def bench_adamw_interleaved(benchmark, device, smoke, size, peer):
     def pair():  # each round in the other order, so neither runs first (after the other's writes) always
         order.reverse()
         for name in order:
-            times[name].append(timed(opts[name].step, device))
+            times[name].append(timed(opts[name].step, device, cold=True))  # (as bench_adamw_step's: L2 flushed)
 
     rounds = 1 if smoke else (10 if size == "100M" else 30)
     benchmark.pedantic(pair, rounds=rounds, warmup_rounds=0 if smoke else 2)

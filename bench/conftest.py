@@ -88,10 +88,14 @@ def sync(device):
     return lambda: synchronize(device)
 
 
-def timed(fn, device: torch.device) -> float:
+def timed(fn, device: torch.device, cold: bool = False) -> float:
     """Seconds of one call of fn, for suites that time by hand (interleaved pairs): on a GPU its
-    device time, by CUDA events around it once the queue is empty; on a CPU its wall time."""
+    device time, by CUDA events around it once the queue is empty (cold=True: as device_ms times,
+    the L2 flushed and the stream held while the host queues fn, so neither a warm L2 nor the host's
+    gaps between launches count); on a CPU its wall time."""
     synchronize(device)
+    if device.type == "cuda" and cold:
+        return device_ms(fn, None, device, rounds=1) / 1e3
     if device.type == "cuda":
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()

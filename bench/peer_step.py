@@ -79,7 +79,8 @@ def main(argv=None) -> int:
     dev = torch.device(a.device)
     torch.manual_seed(0)
     model = GPT(a.vocab, a.seq, a.dim, a.layers, a.heads).to(dev)
-    n_params = sum(p.numel() for p in model.parameters())  # (tied: once) as zerofuse's GPT.num_params
+    # (tied: once) without the position table, a lookup: as zerofuse's GPT.num_params(matmul=True), MFU's N
+    n_params = sum(p.numel() for p in model.parameters()) - model.wpe.weight.numel()
     decay = [p for p in model.parameters() if p.dim() >= 2]
     other = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],
