@@ -255,14 +255,16 @@ def bench_moe_layer_ep(benchmark, registry, device, smoke, ep, provider, moe_sha
 
 
 @pytest.mark.parametrize("provider", ["torch", "zerofuse"])
-def bench_moe_permute_unpermute(measure, device, provider, moe_shape, monkeypatch):
+def bench_moe_permute_unpermute(measure, device, smoke, provider, moe_shape, monkeypatch):
     """permute + unpermute forward and backward; provider torch: the op's torch index path."""
+    from zerofuse import kernels
+
     if provider == "torch":
         from zerofuse.ops import moe as ops_moe
 
         monkeypatch.setattr(ops_moe, "_use_triton", lambda *_: False)
-    elif device.type != "cuda":
-        pytest.skip("the Triton kernels run on a GPU (the interpreter is for correctness, not speed)")
+    elif device.type != "cuda" and not (smoke and kernels.interpreted()):
+        pytest.skip("the Triton kernels run on a GPU (or the interpreter at the smoke size: correctness, not speed)")
     t, d, _, e, k = moe_shape
     g = torch.Generator().manual_seed(0)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
