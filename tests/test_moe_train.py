@@ -260,3 +260,26 @@ def test_the_router_keeps_fp32_bias_and_scores_under_bf16_and_autocast(world_of_
         amp = router(x)
     assert amp.weights.dtype == torch.float32
     assert torch.equal(amp.experts, fp32.experts) and torch.equal(amp.weights, fp32.weights)
+
+
+def _meta_stage3_rank(rank, ws, precision):
+    from zerofuse.moe import MoE
+
+    with torch.device("meta"):
+        model = GPT(GPTConfig(**_BIAS_CFG), seed=0)
+    zerofuse.zero.parallelize(model, stage=3, precision=precision)
+    router = model.moe_layers[0].router
+    got = (router.expert_bias.dtype, router.expert_bias.tolist())
+    with torch.device("meta"):  # a model of zerofuse.moe.MoE layers, its own init (reset_parameters)
+        layer = torch.nn.Sequential(MoE(16, 24, 4, 2, bias_update_rate=1e-2))
+    zerofuse.zero.parallelize(layer, stage=3, precision=precision)
+    return got, (layer[0].router.expert_bias.dtype, layer[0].router.expert_bias.tolist())
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_meta_moe_model_materialized_by_zero3_starts_with_a_zero_fp32_bias(precision):
+    """The aux-free bias is a buffer: ZeRO-3's materialization of a meta model allocated it and no
+    init wrote it (4e9 on some experts: every token routed to two of them), in the run's dtype."""
+    for gpt, layer in run_distributed(_meta_stage3_rank, 2, precision, timeout=120):
+        for dtype, values in (gpt, layer):
+            assert dtype == torch.float32 and values == [0.0] * 4, (gpt, layer)

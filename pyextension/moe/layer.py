@@ -109,8 +109,7 @@ class MoE(torch.nn.Module):
         gated = activation != "gelu"
         self.w1 = torch.nn.Parameter(torch.empty(local, dim, hidden * (2 if gated else 1)))
         self.w2 = torch.nn.Parameter(torch.empty(local, hidden, dim))
-        torch.nn.init.normal_(self.w1, std=0.02)
-        torch.nn.init.normal_(self.w2, std=0.02)
+        self.reset_parameters()
         if self.ep_comm is not None:
             for p in (self.w1, self.w2):
                 p._zf_ep = TPSpec(0, (num_experts,), (num_experts, *p.shape[1:]), self.ep_comm.world_size,
@@ -132,6 +131,14 @@ class MoE(torch.nn.Module):
             gate, up = h.split(self.hidden, dim=1)  # backward: one cat (slices would zero-fill twice)
             h = (swiglu if self.activation == "swiglu" else geglu)(gate, up)
         return grouped_mm(h.contiguous(), self.w2.to(rows.dtype), counts, full=full)
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """The experts' weights N(0, 0.02) (this rank's, as built); the router and a shared expert have
+        their own (ZeRO-3 materializing a meta model calls each module's: MoE had none, refused)."""
+        for p in (self.w1, self.w2):
+            if not p.is_meta:
+                torch.nn.init.normal_(p, std=0.02)
 
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape

@@ -35,6 +35,8 @@ class Routing(NamedTuple):
 
 
 class Router(torch.nn.Module):
+    fp32_buffers = ("expert_bias",)  # (zero/materialize.py keeps it fp32 as _apply does)
+
     def __init__(self, dim: int, num_experts: int, top_k: int, *, score: str = "softmax", normalize: bool = True,
                  aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0, bias_update_rate: float = 0.0,
                  capacity_factor: float = 0.0, group=None, aux_loss_scope: str = "local"):
@@ -56,8 +58,8 @@ class Router(torch.nn.Module):
         self.aux_loss_coef, self.z_loss_coef = float(aux_loss_coef), float(z_loss_coef)
         self.bias_update_rate, self.capacity_factor, self.group = float(bias_update_rate), float(capacity_factor), group
         self.weight = torch.nn.Parameter(torch.empty(num_experts, dim))
-        torch.nn.init.normal_(self.weight, std=0.02)
         self.register_buffer("expert_bias", torch.zeros(num_experts), persistent=bias_update_rate > 0)
+        self.reset_parameters()
         self.last_load: Tensor | None = None  # choices per expert in the last forward (before dropping)
         self.last_dropped: Tensor | None = None
         # the loads of the forwards since the last update_bias(): a list, so that a forward adds no
@@ -65,6 +67,15 @@ class Router(torch.nn.Module):
         # ops of the first; it appends the same load again: every load twice, the same bias step)
         self._loads: list[Tensor] = []
         self.group_is_default = False  # group taken by default (MoE: its ep group): ZeRO gives its DP group
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """The gate's weight N(0, 0.02) and the aux-free bias zero (a model built on meta and
+        materialized by ZeRO-3 left the bias as allocated: 4e9 routed every token to two experts)."""
+        if not self.weight.is_meta:
+            torch.nn.init.normal_(self.weight, std=0.02)
+        if not self.expert_bias.is_meta:
+            self.expert_bias.zero_()
 
     def _apply(self, fn, recurse=True):
         """expert_bias stays fp32 through model.to(bf16) (ZeRO's precision="bf16"): rate-sized steps

@@ -70,9 +70,11 @@ def materialize_rest(model, device, dtype) -> list:
     made = []
     for m in model.modules():
         before = len(made)
+        fp32 = getattr(m, "fp32_buffers", ())  # kept fp32 whatever the run's dtype (moe.Router's expert_bias)
         for key, b in m._buffers.items():
             if b is not None and b.is_meta:
-                m._buffers[key] = torch.empty_like(b, device=device, dtype=dtype if b.is_floating_point() else b.dtype)
+                keep = not b.is_floating_point() or key in fp32
+                m._buffers[key] = torch.empty_like(b, device=device, dtype=b.dtype if keep else dtype)
                 made.append(m)
         for p in m.parameters(recurse=False):
             if p.is_meta and not p.requires_grad:
