@@ -13,10 +13,11 @@ STEPS = 10
 BATCH, SEQ, MICRO = 8, 16, 4
 
 
-def _cfg(n_layer=4, tied=False):
+def _cfg(n_layer=4, tied=False, bias=False):
     from zerofuse.models import GPTConfig
 
-    return GPTConfig(vocab_size=61, seq_len=SEQ, n_layer=n_layer, n_head=2, dim=32, mlp_ratio=2.0, tie_embeddings=tied)
+    return GPTConfig(vocab_size=61, seq_len=SEQ, n_layer=n_layer, n_head=2, dim=32, mlp_ratio=2.0, tie_embeddings=tied,
+                     bias=bias)
 
 
 def _batches(steps=STEPS, batch=BATCH):
@@ -30,7 +31,7 @@ def _documents(idx, on: bool):
     return (idx % 7 == 0).cumsum(1) if on else None
 
 
-def _reference(n_layer, steps=STEPS, batch=BATCH, split=1, tied=False, documents=False):
+def _reference(n_layer, steps=STEPS, batch=BATCH, split=1, tied=False, documents=False, bias=False):
     """Single-process training on the whole batch (split > 1: the same batch as that many
     accumulated micro-batches, the equally valid reordering assert_close_training allows for):
     losses and final params by name."""
@@ -38,7 +39,7 @@ def _reference(n_layer, steps=STEPS, batch=BATCH, split=1, tied=False, documents
     from zerofuse.models import GPT
 
     torch.manual_seed(0)
-    model = GPT(_cfg(n_layer, tied), seed=0)
+    model = GPT(_cfg(n_layer, tied, bias), seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6)
     losses = []
     for idx, tgt in _batches(steps, batch):
@@ -53,16 +54,16 @@ def _reference(n_layer, steps=STEPS, batch=BATCH, split=1, tied=False, documents
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def assert_matches_reference(out, n_layer, micro, tied=False, documents=False):
+def assert_matches_reference(out, n_layer, micro, tied=False, documents=False, bias=False):
     """Each rank's losses (rtol 1e-5) and params (the training-parity rule) against single-process
     training; every param of the model on exactly one rank."""
     from tolerances import assert_close_training
 
-    ref_losses, ref_params = _reference(n_layer, tied=tied, documents=documents)
+    ref_losses, ref_params = _reference(n_layer, tied=tied, documents=documents, bias=bias)
     # tied: the weight's grad is also summed in another order (its two uses' grads on two ranks),
     # so the reordering allowance takes the batch split several ways (tolerances.assert_close_training)
     splits = sorted({micro, 2, BATCH}) if tied else [micro]
-    alts = [_reference(n_layer, split=k, tied=tied, documents=documents)[1] for k in splits]
+    alts = [_reference(n_layer, split=k, tied=tied, documents=documents, bias=bias)[1] for k in splits]
     for rank, (losses, named, *_rest) in enumerate(out):
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
         for name, p in named.items():
@@ -72,14 +73,14 @@ def assert_matches_reference(out, n_layer, micro, tied=False, documents=False):
 
 
 def _pp_rank(rank, ws, schedule, v, n_layer, microbatches, layout=None, recompute=False, tied=False,
-             documents=False):
+             documents=False, bias=False):
     import zerofuse  # noqa: F401
     from zerofuse.models import GPT
     from zerofuse.pipeline import Pipeline, split_gpt
 
     torch.manual_seed(0)
     with torch.device("meta"):
-        model = GPT(_cfg(n_layer, tied), seed=0)
+        model = GPT(_cfg(n_layer, tied, bias), seed=0)
     model.activation_checkpointing = recompute  # the stages run the model's blocks: recomputed in backward
     stages = split_gpt(model, ws * v, [rank + k * ws for k in range(v)], layout=layout, device="cpu")
     pipe = Pipeline(stages, schedule=schedule, microbatches=microbatches)
@@ -114,6 +115,14 @@ def assert_each_pair_in_order(out):
 
 CASES = [("gpipe", 2, 1), ("1f1b", 2, 1), ("zb", 2, 1), ("interleaved", 2, 2),
          ("gpipe", 4, 1), ("1f1b", 4, 1), ("zb", 4, 1), ("interleaved", 4, 2)]
+
+
+@pytest.mark.parametrize("schedule", ["zb", "1f1b"])
+def test_biased_blocks_train_every_param_under_each_schedule(schedule):
+    """GPT blocks with biases fold attn.proj's bias into norm2: zb's W pass asks each module's outputs
+    for its own params, so that bias got no grad under zb and never trained (GPT-2 presets)."""
+    out = run_distributed(_pp_rank, 2, schedule, 1, 4, MICRO, bias=True, timeout=300)
+    assert_matches_reference(out, 4, MICRO, bias=True)
 
 
 @pytest.mark.parametrize("schedule,pp,v", CASES)

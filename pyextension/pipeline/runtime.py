@@ -138,6 +138,11 @@ class Pipeline(Transfers):
         if self._split:
             for s in stages:
                 for mod in s.modules():
+                    # W asks each module's outputs for its own params' grads: a param another module
+                    # applies gets none. zerofuse's GPT blocks fold attn.proj's bias into norm2 (one add
+                    # fewer): unfolded here (that bias never trained under zb)
+                    if getattr(mod, "fold_attn_bias", False):
+                        mod.fold_attn_bias = False
                     own = [p for p in mod.parameters(recurse=False) if p.requires_grad]
                     if not own:
                         continue
