@@ -314,3 +314,33 @@ def test_bad_layouts_are_refused(layout, message):
         model = GPT(_cfg(4), seed=0)
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         split_gpt(model, len(layout.split(",")), [0], layout=layout)
+
+
+def _zb_zero1_rank(rank, ws):
+    import zerofuse
+    from zerofuse.models import GPT
+    from zerofuse.pipeline import Pipeline, split_gpt
+
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = GPT(_cfg(2), seed=0)
+    (stage,) = split_gpt(model, 2, [rank], device="cpu")
+    alone = [torch.distributed.new_group([r]) for r in range(ws)][rank]
+    zerofuse.zero.parallelize(stage, stage=1, group=alone, pp_group=torch.distributed.group.WORLD)
+    opt = zerofuse.zero.Optimizer(stage, "adamw", lr=1e-2)
+    pipe = Pipeline([stage], schedule="zb", microbatches=2)
+    losses = []
+    for idx, tgt in _batches(2):
+        losses.append(float(pipe.step(idx, tgt)))
+        with_history = [u.name for u in stage._zerofuse_zero.units if u.gflat is not None and u.gflat.requires_grad]
+        opt.step()
+        opt.zero_grad()
+    return losses, with_history
+
+
+def test_zero_bubble_hands_zero_its_fused_heads_grads_without_history():
+    """autograd.grad gives the fused loss head's saved grads back with their autograd history (a
+    backward's AccumulateGrad detaches them): copied into ZeRO's flat buffer the history went with
+    them, and ZeRO-1's in-place copy raised "a leaf Variable that requires grad" (timing-dependent)."""
+    out = run_distributed(_zb_zero1_rank, 2, timeout=120)
+    assert out[0][0] == out[1][0] and all(not h for _, h in out), out

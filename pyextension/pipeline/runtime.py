@@ -408,6 +408,10 @@ class Pipeline(Transfers):
         done = []
         for p, g in zip(params, grads):
             if g is not None:
+                # (autograd.grad hands back a fused loss's saved grads with their history, where
+                # backward's AccumulateGrad detaches: copied into ZeRO's buffer, the history made
+                # stage 1's in-place copy raise "a leaf Variable that requires grad")
+                g = g.detach()
                 p.grad = g if p.grad is None else p.grad + g
                 if p is not self._tied_mirror:  # the mirror is no param of any optimizer or ZeRO stage
                     done.append(p)
