@@ -142,6 +142,10 @@ def test_document_masking_at_pp2_matches_the_unsplit_job(tmp_path):
      "--microbatches: expected >= 1, got 0"),
     (["--nproc", 2, "--pp", 2, "--layers", 4, "--pp-layout", "E,4,L"], "--pp-layout: expected 2 stages"),
     (["--nproc", 2, "--pp", 2, "--layers", 4, "--pp-layout", "E3,2L"], "--pp-layout: "),
+    (["--nproc", 4, "--pp", 4, "--layers", 2, "--pp-layout", "E1,0,0,1L"],  # (ZeRO refused the empty stages)
+     "--pp-layout: expected every stage to hold something (a block, E or L), got stage(s) [1, 2] empty"),
+    (["--nproc", 2, "--pp", 2, "--pp-schedule", "interleaved", "--virtual-stages", 2, "--microbatches", 2,
+      "--layers", 2, "--pp-layout", "E1,0,1,L"], "stage(s) [1] empty"),  # (its grads were never reduced)
     (["--nproc", 2, "--pp", 2, "--model", "gpt2-124m", "--zero-stage", 3], "--zero-stage: the gpt2-124m model ties"),
     (["--nproc", 2, "--microbatches", 4], "--microbatches/--virtual-stages/--pp-layout: expected --pp > 1"),
     (["--nproc", 8, "--pp", 8, "--layers", 4], "--pp: expected at most 6 stages for 4 layers"),

@@ -103,6 +103,10 @@ def _validate_model(args) -> None:
                 raise UsageError(f"--pp-layout: {e}") from None
             _check(len(plan) == stages, f"--pp-layout: expected {stages} stages (pp × virtual stages), got "
                                         f"{len(plan)} in {args.pp_layout!r}")
+            empty = [i for i, (e, n, ell) in enumerate(plan) if not (e or n or ell)]
+            # (an empty one passed: ZeRO refused its rank's param-less stage, or its grads were never reduced)
+            _check(not empty, f"--pp-layout: expected every stage to hold something (a block, E or L), got "
+                              f"stage(s) {empty} empty in {args.pp_layout!r}")
     args.model_name, args.model_shape = name, shape
 
 
