@@ -27,7 +27,18 @@ from zerofuse.ops import flatten_into, packed_offsets, unflatten_from  # noqa: E
 
 __version__ = "0.1.0"
 
-__all__ = ["ops", "nn", "optim", "comm", "zero", "models", "checkpoint", "hf", "patch", "shard", "flatten_into", "unflatten_from", "packed_offsets", "build_info", "__version__"]
+__all__ = ["ops", "nn", "optim", "comm", "zero", "tp", "parallel", "models", "moe", "pipeline", "checkpoint", "hf",
+           "train", "patch", "shard", "flatten_into", "unflatten_from", "packed_offsets", "build_info", "__version__"]
+
+_LAZY = ("pipeline", "train")  # imported on first use (zerofuse.pipeline.Pipeline raised AttributeError)
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return importlib.import_module(f"zerofuse.{name}")
+    raise AttributeError(f"module 'zerofuse' has no attribute {name!r}")
 
 
 def build_info() -> dict:

@@ -340,3 +340,12 @@ def test_opaque_to_compile_breaks_the_graph_as_torch_compiler_disable():
         with pytest.raises(Exception, match="torch.compiler.disable|skipped"):
             torch._dynamo.reset()
             torch.compile(f, backend="eager", fullgraph=True)(x)
+
+
+def test_every_name_in_all_resolves_after_import_zerofuse_alone():
+    """zerofuse.pipeline after `import zerofuse` raised AttributeError (nothing imported it), and
+    __all__ left out tp, parallel, moe and pipeline."""
+    code = ("import zerofuse; missing = [n for n in zerofuse.__all__ if getattr(zerofuse, n, None) is None]; "
+            "print(missing, zerofuse.pipeline.Pipeline.__name__, zerofuse.train.main.__name__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.split() == ["[]", "Pipeline", "main"], out.stderr[-2000:]
