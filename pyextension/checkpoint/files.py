@@ -99,10 +99,8 @@ def fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
-def _write(file: str, mode: str, dump) -> None:
-    """Written under a temporary name and renamed: a dump that fails halfway (a value JSON cannot
-    hold) leaves no file, where it left a cut-off meta.json that made the directory count as complete."""
-    kill_point(f"before {os.path.basename(file)}")
+def write_part(file: str, mode: str, dump) -> str:
+    """dump(f) into ``<file>.part``, synced; returns that name (no .part left when dump fails)."""
     part = file + ".part"
     try:
         with open(part, mode) as f:
@@ -113,7 +111,14 @@ def _write(file: str, mode: str, dump) -> None:
         if os.path.exists(part):
             os.unlink(part)
         raise
-    os.replace(part, file)
+    return part
+
+
+def _write(file: str, mode: str, dump) -> None:
+    """Written under a temporary name and renamed: a dump that fails halfway (a value JSON cannot
+    hold) leaves no file, where it left a cut-off meta.json that made the directory count as complete."""
+    kill_point(f"before {os.path.basename(file)}")
+    os.replace(write_part(file, mode, dump), file)
     kill_point(f"after {os.path.basename(file)}")
 
 

@@ -87,9 +87,9 @@ def export_hf(path: str, out_dir: str, *, config: dict | None = None, dtype: tor
         if len(shards) > 1:
             index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
                      "weight_map": {n: name for name, shard in zip(names, shards) for n in shard}}
-            _dump_json(os.path.join(out_dir, "model.safetensors.index.json.part"), index)
+            files.write_part(os.path.join(out_dir, "model.safetensors.index.json"), "w", lambda f: json.dump(index, f))
             written.append("model.safetensors.index.json")
-        _dump_json(os.path.join(out_dir, "config.json.part"), config)
+        files.write_part(os.path.join(out_dir, "config.json"), "w", lambda f: json.dump(config, f))
         written.append("config.json")
     except BaseException:
         for name in written + ["model.safetensors.index.json", "config.json"]:
@@ -110,10 +110,3 @@ def _ours(name: str) -> bool:
     """A weights file of an export (not the config: every export writes one)."""
     return name in ("model.safetensors", "model.safetensors.index.json") or bool(
         re.fullmatch(r"model-\d{5}-of-\d{5}\.safetensors", name))
-
-
-def _dump_json(file: str, obj) -> None:
-    with open(file, "w") as f:
-        json.dump(obj, f)
-        f.flush()
-        os.fsync(f.fileno())

@@ -58,6 +58,11 @@ def _forget(store, key: str) -> None:
         pass
 
 
+def _other(op: str) -> str:
+    """The peer's side of a transfer this rank posts as ``op``."""
+    return "recv" if op == "send" else "send"
+
+
 def _ints(part: str) -> list[int]:
     return [int(n) for n in part.split(",") if n]  # ("" is an empty list: its length is then reported)
 
@@ -102,7 +107,7 @@ class CollectiveChecker:
         left = []
         for check in mine:  # a mismatch seen now is raised before anything is posted
             op, key = check[0], check[2]
-            if not self.store.check([key + ("recv" if op == "send" else "send")]):
+            if not self.store.check([key + _other(op)]):
                 left.append(check)
                 continue
             self._compare_p2p(check)
@@ -116,7 +121,7 @@ class CollectiveChecker:
         timeout = min(self.timeout, limit) if limit else self.timeout
         for check in checks:
             op, peer, key, sig, n = check[:5]
-            other = "recv" if op == "send" else "send"
+            other = _other(op)
             try:
                 self.store.wait([key + other], datetime.timedelta(seconds=timeout))
                 self._compare_p2p(check)
@@ -131,7 +136,7 @@ class CollectiveChecker:
 
     def _compare_p2p(self, check) -> None:
         op, peer, key, sig, n, src, dst = check
-        other = "recv" if op == "send" else "send"
+        other = _other(op)
         theirs = self.store.get(key + other).decode()
         _forget(self.store, key + other)  # (this rank is its only reader)
         if theirs != sig:

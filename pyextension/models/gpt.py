@@ -232,9 +232,8 @@ class GPT(KeepsMarks, torch.nn.Module):
                 if spec is not None:
                     value = spec.slice(value)
             p.copy_(value)
-        bias = getattr(module, "expert_bias", None)  # a router's aux-free bias starts at zero (a meta model's
-        if isinstance(bias, Tensor) and not bias.is_meta:  # materialized by ZeRO-3 kept it as allocated)
-            bias.zero_()
+        if hasattr(module, "reset_buffers"):  # a router's aux-free bias starts at zero (a meta model's
+            module.reset_buffers()  # materialized by ZeRO-3 kept it as allocated)
 
     def num_params(self, active: bool = False, matmul: bool = False) -> int:
         """Parameters of the model (the unsharded count under tensor / expert parallelism);

@@ -74,6 +74,11 @@ class Router(torch.nn.Module):
         materialized by ZeRO-3 left the bias as allocated: 4e9 routed every token to two experts)."""
         if not self.weight.is_meta:
             torch.nn.init.normal_(self.weight, std=0.02)
+        self.reset_buffers()
+
+    @torch.no_grad()
+    def reset_buffers(self) -> None:
+        """The aux-free bias zero (also what a model's own param_init_fn calls: zerofuse.models.GPT's)."""
         if not self.expert_bias.is_meta:
             self.expert_bias.zero_()
 
