@@ -153,6 +153,7 @@ class Bucket:
         self.pending: list[int] = []
         self.dirty = False  # gflat holds local grads not reduced yet
         self.launched = False
+        self.complete = False  # every grad of this backward in, launched in order ([Note: launch order])
         self.rs_work = None
         self.rs_out: torch.Tensor | None = None
 
@@ -315,6 +316,7 @@ class Bucket:
         """Reduce-scatter (sum of pre-divided grads) gflat into this rank's shard; stage 0
         all-reduces in place. The result lands at finish_grad_sync."""
         comm = self.comm or comm
+        self._make_gflat()  # (no grad on this rank: it reduces zeros, [Note: launch order])
         for i, done in enumerate(self.written):  # params that got no grad
             if not done:
                 o = self.offsets[i]

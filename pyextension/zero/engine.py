@@ -147,7 +147,7 @@ class ZeroEngine(ExpertLayout, Stage3Hooks, WorldOfOne):
             [u for u in reversed(self.units) if u is not self.root] + ([self.root] if self.root is not None else [])
         self.host_units = host_units(ready_order, self.offload_ratio) if offload else set()
         check_same_layout(self.units, self.comm, (stage, precision, str(self.reduce_dtype), shapes), name)
-        self.buckets = BucketGroup(self.units, self.comm, max_inflight)
+        self.buckets = BucketGroup(self.units, self.comm, max_inflight, order=ready_order)
         self.unit_of: dict[int, tuple[Bucket, int]] = {}
         for u in self.units:
             for i, p in enumerate(u.params):
@@ -219,8 +219,8 @@ class ZeroEngine(ExpertLayout, Stage3Hooks, WorldOfOne):
         unit.add_deferred(also=i)  # with the deferred ones: one multi-tensor copy into gflat
         if unit.ready == len(unit.params):
             if self.sync_grads and self.overlap:
-                self.buckets.start_grad_sync(unit)
-                self.events.append(("reduce_scatter", unit.index, "backward"))
+                for u in self.buckets.ready(unit):  # in the ranks' common order ([Note: launch order])
+                    self.events.append(("reduce_scatter", u.index, "backward"))
             if self.stage == 3 and unit is not self.root and not self.hold_params and not self._in_full_params:
                 unit.free()
 
@@ -246,9 +246,9 @@ class ZeroEngine(ExpertLayout, Stage3Hooks, WorldOfOne):
         # units with unused params, or all of them without overlap, are launched here
         for u in self.buckets.finish_grad_sync(launch_rest=self.sync_grads):
             self.events.append(("reduce_scatter", u.index, "end"))
+        self.buckets.restart()
         for u in self.units:
             u.ready = 0
-            u.launched = False
             if self.stage == 3 and not self.hold_params and not self._in_full_params:
                 u.free()
 

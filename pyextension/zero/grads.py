@@ -127,8 +127,9 @@ def check_step_grads(eng, who: str) -> None:
 def reset_backward(eng) -> None:
     """The per-backward bookkeeping as before a backward."""
     eng._final_queued = eng._in_backward = False
+    eng.buckets.restart()
     for u in eng.units:
-        u.ready, u.launched = 0, False
+        u.ready = 0
 
 
 def abandon_backward(eng) -> None:
