@@ -325,7 +325,7 @@ def _stage3_run(precision, edit, stage=3):
     model = zerofuse.zero.parallelize(_model(), stage=stage, precision=precision)
     opt = zerofuse.zero.Optimizer(model, "adamw", lr=1e-2)
     for step in range(3):
-        edit(model, step)
+        edit(model, step, opt)
         _train(model, opt, 1, start=step)
     with zerofuse.zero.full_params(model):
         return {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -337,25 +337,25 @@ def test_stage3_writes_inside_full_params_reach_the_shards(precision, world_of_o
     silently dropped at exit (and load_state_dict refused). Now each rank's part is written back and
     the fp32 masters of bf16 params refreshed: the same run as stage 0 loading the same weights. A
     block that only reads changes nothing, bit for bit (the masters are not rounded to bf16)."""
-    def halve(model, step):
+    def halve(model, step, _opt):
         if step == 1:
             with zerofuse.zero.full_params(model), torch.no_grad():
                 model[0].weight.mul_(0.5)
                 model.load_state_dict({**model.state_dict(), "2.bias": torch.ones(4)})
 
-    def halve_at_stage0(model, step):
+    def halve_at_stage0(model, step, _opt):
         if step == 1:
             state = model.state_dict()
             model.load_state_dict({**state, "0.weight": state["0.weight"] * 0.5, "2.bias": torch.ones(4)})
 
-    def read(model, step):
+    def read(model, step, _opt):
         with zerofuse.zero.full_params(model):
             assert all(torch.isfinite(p).all() for p in model.parameters())
 
     got, want = _stage3_run(precision, halve), _stage3_run(precision, halve_at_stage0, stage=0)
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=0, atol=0, msg=name)
-    plain_run, read_run = _stage3_run(precision, lambda m, s: None), _stage3_run(precision, read)
+    plain_run, read_run = _stage3_run(precision, lambda *_: None), _stage3_run(precision, read)
     assert all(torch.equal(read_run[n], plain_run[n]) for n in plain_run)
     assert not all(torch.equal(got[n], plain_run[n]) for n in plain_run)
 
@@ -364,26 +364,29 @@ def test_stage3_writes_inside_full_params_reach_the_shards(precision, world_of_o
 def test_writes_inside_full_params_at_stages_0_to_2_reach_the_fp32_masters(stage, world_of_one):
     """bf16 params keep fp32 masters in the Optimizer: an in-place edit of a param (an init, weight
     surgery) was overwritten by its old master at the next step. Inside full_params, as at stage 3,
-    the masters of what was written are refreshed on exit: the run of stage 0 loading the same
-    weights; a block that only reads changes nothing, bit for bit."""
-    def halve(model, step):
+    the masters of the elements written are refreshed on exit, the others keep their fp32 bits (a
+    whole bucket's masters were replaced by their bf16 rounding before 2026-12-06): the run of stage 0
+    editing the param and its master by hand; a block that only reads changes nothing, bit for bit."""
+    def halve(model, step, _opt):
         if step == 1:
             with zerofuse.zero.full_params(model), torch.no_grad():
                 model[0].weight.mul_(0.5)
 
-    def halve_by_loading(model, step):
+    def halve_by_hand(model, step, opt):
         if step == 1:
-            state = model.state_dict()
-            model.load_state_dict({**state, "0.weight": state["0.weight"] * 0.5})
+            with torch.no_grad():
+                w = model[0].weight
+                w.mul_(0.5)  # (a power of two: no element of w is left as it was but its zeros)
+                opt.state[w]["master"].copy_(w.reshape(-1))
 
-    def read(model, step):
+    def read(model, step, _opt):
         with zerofuse.zero.full_params(model):
             assert all(torch.isfinite(p).all() for p in model.parameters())
 
-    got, want = _stage3_run("bf16", halve, stage=stage), _stage3_run("bf16", halve_by_loading, stage=0)
+    got, want = _stage3_run("bf16", halve, stage=stage), _stage3_run("bf16", halve_by_hand, stage=0)
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=0, atol=0, msg=name)
-    plain_run, read_run = _stage3_run("bf16", lambda m, s: None, stage=stage), _stage3_run("bf16", read, stage=stage)
+    plain_run, read_run = _stage3_run("bf16", lambda *_: None, stage=stage), _stage3_run("bf16", read, stage=stage)
     assert all(torch.equal(read_run[n], plain_run[n]) for n in plain_run)
     assert not all(torch.equal(got[n], plain_run[n]) for n in plain_run)
 

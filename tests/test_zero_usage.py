@@ -250,3 +250,44 @@ def test_grads_a_step_would_not_use_are_refused(stage):
                                  "backward on ['weight', 'bias']"), manual
         assert only_no_sync.startswith("RuntimeError: zerofuse.zero.Optimizer.step: the grads of the last backward "
                                        "passes were never reduced"), only_no_sync
+
+
+C = 2.0 ** -7  # (a bf16 value: the clamp's bound is exact)
+
+
+def _edit_one_rank(rank, ws, stage, offload):
+    torch.manual_seed(0)
+    model = zerofuse.zero.parallelize(torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(),
+                                                          torch.nn.Linear(32, 16)), stage=stage, precision="bf16",
+                                      offload=offload, bucket_mb=25)
+    opt = zerofuse.zero.Optimizer(model, "adamw", lr=1e-2, weight_decay=0.1)
+    for s in range(2):
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(s + rank))
+        model(x.bfloat16()).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    kept, edited = model[0].weight, model[2].bias
+    before = {p: opt.state[p]["master"].clone() for p in (kept, edited) if p in opt.state}
+    with zerofuse.zero.full_params(model):
+        edited.data.clamp_(-C, C)
+        new_bias = edited.detach().float().clone()
+    out = []
+    for p, old in before.items():
+        now = opt.state[p]["master"]
+        if p is kept:
+            out.append(("kept", torch.equal(now, old)))
+        else:  # this rank's piece of the bias: the clamped values, from fp32 bits where the clamp left them
+            want = torch.where(old.bfloat16().float().abs() > C, old.clamp(-C, C), old)
+            out.append(("edited", torch.equal(now, want)))
+    return out, new_bias.abs().max().item()
+
+
+@pytest.mark.parametrize("stage, offload", [(1, None), (2, "optimizer"), (3, None)])
+def test_an_edit_inside_full_params_keeps_the_other_params_fp32_masters(stage, offload):
+    """bf16 params train from fp32 masters; leaving full_params after an edit of one param (a clamp, a
+    re-init of a head) set every master of that bucket (stage 3: unit) to its param's bf16 rounding:
+    the other params lost their fp32 progress, and an edit every step stalled their small updates."""
+    for out, bias_max in run_distributed(_edit_one_rank, 2, stage, offload, timeout=120):
+        assert bias_max <= C, bias_max
+        assert ("kept", True) in out or stage == 3 and not any(k == "kept" for k, _ in out), out
+        assert all(ok for _, ok in out), out

@@ -121,6 +121,7 @@ class ZeroEngine(ExpertLayout, Stage3Hooks, WorldOfOne):
         # its micro-batches: one all-gather per unit and step instead of two per micro-batch)
         self.hold_params = False
         self._in_full_params = 0  # stage 3: inside full_params (nested), where no hook frees a unit
+        self._loaded_in_full_params = False  # stage 3: a model.load_state_dict ran inside full_params
 
         self._init_experts(model, expert_group, stage, name)
 
@@ -388,8 +389,11 @@ class ZeroEngine(ExpertLayout, Stage3Hooks, WorldOfOne):
             written = [u for u in self.units if u.write_back()] if versions is None else []
             for u in was_free:  # units a forward/backward in progress holds stay gathered
                 u.free()
-            if written:
-                self.params_loaded(written)
+            if self._loaded_in_full_params and not self._in_full_params:  # the masters of a load: from the params
+                self._loaded_in_full_params = False
+                self.params_loaded()
+            elif written:  # of an edit: of the elements it changed
+                self.params_loaded(written, written_only=True)
 
     def host_steps_started(self) -> bool:
         """Whether the Optimizer's offloaded host steps of this backward are running already

@@ -141,20 +141,24 @@ class OptimizerState:
     def read_params(self, units=None, written_only: bool = False) -> None:
         """fp32 masters from the params (after model.load_state_dict wrote them: stages 0-2 call this
         from the model's load hook; without it the next step wrote the old masters back over the
-        loaded weights - a review's reproduction, 2026-11-27), of ``units`` only where given (stage
-        3: those full_params wrote back); ``written_only``: of the units whose params differ bit for
-        bit from their master's rounding (stages 0-2 leaving full_params: a master of params only
-        read keeps its fp32 bits)."""
+        loaded weights - a review's reproduction, 2026-11-27), of ``units`` only where given;
+        ``written_only`` (leaving full_params): only the elements that differ bit for bit from their
+        master's rounding, the others keep their fp32 bits (a whole unit's masters were replaced by
+        their rounding when one of its params was edited: a clamp of one param each step stalled
+        every other param of its bucket, a review's reproduction, 2026-12-06)."""
         for u, st in zip(self.engine.units, self.unit_states):
             if "master" not in st or (units is not None and not any(u is w for w in units)):
                 continue
             master = st["master"]
-            if written_only:
-                rounded = master.to(device=u.shard.device, dtype=u.shard.dtype)
-                bits = INT_OF_SIZE[rounded.element_size()]
-                if torch.equal(rounded.view(bits), u.shard.view(bits)):
-                    continue
-            master.copy_(u.shard)
+            if not written_only:
+                master.copy_(u.shard)
+                continue
+            rounded = master.to(device=u.shard.device, dtype=u.shard.dtype)
+            bits = INT_OF_SIZE[rounded.element_size()]
+            changed = rounded.view(bits) != u.shard.view(bits)
+            if changed.any():
+                new = u.shard.to(device=master.device, dtype=master.dtype)
+                master.copy_(torch.where(changed.to(master.device), new, master))
 
     def write_params(self) -> None:
         """Params from the fp32 masters (after a load), then gathered where they are (stages 1/2;

@@ -147,6 +147,7 @@ class Stage3Hooks:
             raise RuntimeError("zerofuse.zero: model.load_state_dict() at stage 3 outside zerofuse.zero.full_params"
                                "(model): the params are freed shards there; call it inside full_params (written "
                                "back to the shards on exit), or load with zerofuse.checkpoint.load")
+        self._loaded_in_full_params = True  # its exit sets every master from the params, as a load at stages 0-2
 
 
 def _tensors(out):
