@@ -183,6 +183,6 @@ def test_bad_input_is_refused_clearly():
     assert "multiple of p" in errors[1], errors[1]
     assert "expected 2 (pipeline size) x 1 (stages on this rank) = 2 stages in the model, got a split into 4" in errors[2]
     assert "rank 0 of 2 must hold stages [0] (stage s on rank s % p), got [1]" in errors[3]
-    assert "expected the batch size (3) to divide by the number of micro-batches (2)" in errors[4]
+    assert "expected the batch size (3) to be a positive multiple of the number of micro-batches (2)" in errors[4]
     assert "expected targets with the batch's 4 rows (the last stage computes the loss" in errors[5], errors[5]
     assert "schedule 'zb' needs the stage's weights whole until its W pass" in errors[6] and "got ZeRO-3" in errors[6]

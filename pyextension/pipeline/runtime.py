@@ -20,7 +20,8 @@ the stage inputs and of those outputs (graph kept); W asks autograd, module by m
 grads of that module's own params from its outputs' saved grads: the engine runs only the edges
 that lead to those params (the weight GEMMs, no input grad again). The grads are added to .grad
 and handed to a ZeRO stage as one backward's (ZeroEngine.grads_ready). A fused loss head, whose
-grads are made in its forward and backward once, gets its weight grads in I.
+grads are made in its forward and backward once, gets its weight grads in I, and so does every
+param W would not give its whole grad ([Note: zero-bubble coverage] in zerofuse/pipeline/zb.py).
 
 ZeRO: a stage made data-parallel by zerofuse.zero.parallelize accumulates its grads over the
 micro-batches under no_sync() and reduces them during its last backward (the action before the
@@ -37,7 +38,7 @@ import torch.distributed as dist
 from zerofuse.comm import Communicator
 from zerofuse.pipeline.schedules import build_schedule, stage_to_rank
 from zerofuse.pipeline.transfers import Transfers
-from zerofuse.zero.stage3 import _tensors
+from zerofuse.pipeline.zb import ZeroBubble
 
 NAME = "zerofuse.pipeline.Pipeline"
 
@@ -78,6 +79,8 @@ class Pipeline(Transfers):
         per unit and micro-batch) or "step" (a unit gathered at its first use stays gathered until
         the stage's last backward of the step: 1 all-gather per unit and step, the stage's params
         whole for the step, as torchtitan does under PP)."""
+        if isinstance(stages, torch.nn.Module):  # one stage (torch.distributed.pipelining's schedules take one)
+            stages = [stages]
         stages = list(stages)
         if not stages:
             raise ValueError(f"{NAME}: expected at least one stage, got none")
@@ -133,26 +136,8 @@ class Pipeline(Transfers):
         self._saved_outputs: dict = {}  # (stage, micro-batch shape, mode, training) -> per output: saved by autograd
         self._mode: tuple = ()  # what an output's dtype and flags depend on besides the shape (_set_batch)
         self._split = schedule == "zb"
-        self._hooks = []
-        self._once: dict[int, list] = {}  # stage -> params whose grads come in I ([Note: zero-bubble split])
-        if self._split:
-            for s in stages:
-                for mod in s.modules():
-                    # W asks each module's outputs for its own params' grads: a param another module
-                    # applies gets none. zerofuse's GPT blocks fold attn.proj's bias into norm2 (one add
-                    # fewer): unfolded here (that bias never trained under zb)
-                    if getattr(mod, "fold_attn_bias", False):
-                        mod.fold_attn_bias = False
-                    own = [p for p in mod.parameters(recurse=False) if p.requires_grad]
-                    if not own:
-                        continue
-                    if getattr(mod, "backward_once", False):  # a fused loss: grads made in forward
-                        self._once.setdefault(s.index, []).extend(own)
-                        continue
-                    self._hooks.append(mod.register_forward_hook(self._record_output))
-            if self._tied_mirror is not None:  # the fused head's mirror weight: its grads come in I
-                self._once.setdefault(num - 1, []).append(self._tied_mirror)
-        self._recording: list | None = None
+        # [Note: zero-bubble coverage] (pipeline/zb.py): which params W gives grads to
+        self._zb = ZeroBubble(stages, self._tied_mirror, num) if self._split else None
         # per step, measured: seconds of compute (F/B/I/W) and of the whole step, live activations
         self.compute_seconds = 0.0
         self.step_seconds = 0.0
@@ -175,24 +160,22 @@ class Pipeline(Transfers):
                                  "module, or refused by selective checkpointing); expected activation_checkpointing "
                                  "'none' with 'zb', or schedule '1f1b' or 'interleaved' with checkpointing")
 
-    def _record_output(self, mod, _args, out):
-        if self._recording is not None:
-            outs = [t for t in _tensors(out) if t.requires_grad]
-            if outs:
-                self._recording.append(([p for p in mod.parameters(recurse=False) if p.requires_grad], outs))
-
     # ------------------------------------------------------------------ the step
 
     def step(self, idx: torch.Tensor, targets: torch.Tensor, *, document_ids: torch.Tensor | None = None) -> torch.Tensor:
         t_step = time.perf_counter()
         m = self.m
+        for what, t in (("idx", idx), ("targets", targets)):
+            if (t is not None or what == "idx") and not isinstance(t, torch.Tensor):
+                raise ValueError(f"{NAME}.step: expected {what} as a tensor (the whole batch, every rank passes it), "
+                                 f"got {type(t).__name__}")
         if targets is None or targets.shape[0] != idx.shape[0]:
             raise ValueError(f"{NAME}.step: expected targets with the batch's {idx.shape[0]} rows (the last stage "
                              f"computes the loss, every rank passes them), got "
                              f"{None if targets is None else list(targets.shape)}")
-        if idx.shape[0] % m:
-            raise ValueError(f"{NAME}.step: expected the batch size ({idx.shape[0]}) to divide by the number of "
-                             f"micro-batches ({m})")
+        if idx.shape[0] % m or not idx.shape[0]:
+            raise ValueError(f"{NAME}.step: expected the batch size ({idx.shape[0]}) to be a positive multiple of the "
+                             f"number of micro-batches ({m})")
         if not torch.is_grad_enabled():
             raise RuntimeError(f"{NAME}.step trains (forward and backward): called with grad disabled "
                                "(torch.no_grad()); evaluate with forward_only")
@@ -324,7 +307,8 @@ class Pipeline(Transfers):
         self._inputs[(a.stage, a.mb)] = inputs
         record = self._split and torch.is_grad_enabled()
         if record:
-            self._recording = []
+            zb_key = self._zb.key(a.stage, (self._mb_shape, self._mode, stage.training))
+            self._zb.begin(zb_key)
         saved: set[int] = set()
 
         def pack(t):
@@ -336,17 +320,28 @@ class Pipeline(Transfers):
         # seen once through saved_tensors_hooks (a Python call per saved tensor: measured 4% of the
         # interleaved pp 2 step when paid on every forward) and remembered.
         sent = not stage.is_last and a.stage + 1 not in self.stages and torch.is_grad_enabled()
-        key = (a.stage, self._mb_shape, self._mode, stage.training)
+        # (which params require grad decides what autograd saves: unfrozen, a param's use saved an output)
+        key = (a.stage, self._mb_shape, self._mode, stage.training, tuple(p.requires_grad for p in stage.parameters()))
         watch = sent and key not in self._saved_outputs
         try:
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if watch else contextlib.nullcontext():
                 out = stage(*inputs, targets=tgts[a.mb] if stage.is_last else None,
                             document_ids=None if docs is None else docs[a.mb])
-        finally:
+        except BaseException:
             if record:
-                self._ys[(a.stage, a.mb)] = self._recording
-                self._recording = None
+                self._zb.recording = None
+            raise
+        if isinstance(out, torch.Tensor) and not stage.is_last:
+            out = (out,)  # one tensor crosses the boundary (iterated, it was split into its rows)
+        if record:
+            self._ys[(a.stage, a.mb)] = (zb_key, self._zb.end(zb_key, a.stage, out))
         if stage.is_last:
+            if not isinstance(out, torch.Tensor) or out.dim() != 0 or not out.is_floating_point():
+                got = (f"a tensor of shape {list(out.shape)}" if isinstance(out, torch.Tensor) and out.dim()
+                       else f"a {out.dtype} tensor" if isinstance(out, torch.Tensor) else type(out).__name__)
+                raise ValueError(f"{NAME}: the last stage ({a.stage}) returned {got}; expected the micro-batch's loss "
+                                 "as a floating scalar tensor (a reduced loss: loss_fn(output, targets) -> mean or "
+                                 "sum; a non-scalar loss trained on its sum while its mean was reported)")
             self._losses[a.mb] = out.detach()
             self._outputs[(a.stage, a.mb)] = ((out / self.m,), None)
         else:
@@ -388,9 +383,9 @@ class Pipeline(Transfers):
         outs, grads = self._output_grads(a)
         inputs = self._inputs[(a.stage, a.mb)]
         float_in = [t for t in inputs if t.is_floating_point() and t.requires_grad]
-        rec = self._ys.get((a.stage, a.mb), [])
+        zb_key, rec = self._ys[(a.stage, a.mb)]
         ys = [y for _, mod_outs in rec for y in mod_outs]
-        once = self._once.get(a.stage, [])
+        once = self._zb.in_I(zb_key, a.stage)  # [Note: zero-bubble coverage]
         wanted = float_in + ys + once
         # (nothing to differentiate - a frozen first stage - is no backward: the engine asserts on it)
         got = (_run_backward(outs, grads, wanted, keep_graph=True, accumulate=False) if outs and wanted
@@ -439,6 +434,5 @@ class Pipeline(Transfers):
         return loss
 
     def remove_hooks(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
+        if self._zb is not None:
+            self._zb.remove()

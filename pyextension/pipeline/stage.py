@@ -211,6 +211,11 @@ def split_gpt(model, num_stages: int, stage_ids: Sequence[int], *, layout=None, 
     cfg = model.config
     if not isinstance(num_stages, int) or num_stages < 1:
         raise ValueError(f"{NAME}: expected the number of stages to be an int >= 1, got {num_stages!r}")
+    if num_stages > 1 and getattr(model, "moe_layers", None):
+        raise ValueError(f"{NAME}: the model has {len(model.moe_layers)} MoE layers, whose routers' aux and z losses "
+                         "the last stage adds to the loss: not supported over several pipeline stages yet (the "
+                         "last stage read the other stages' layers' losses: a TypeError); expected a dense model "
+                         f"or num_stages 1, got num_stages {num_stages}")
     if layout is None:
         per_block = sum(p.numel() for p in model.blocks[0].parameters())
         first = sum(p.numel() for m in (model.wte, model.wpe) if m is not None for p in m.parameters())

@@ -140,8 +140,10 @@ class Transfers:
                     sends.append(P2POp("send", head, peer, self._tag("F", a.stage, a.mb, True)))
                 elif agreed != spec_of(outs):
                     raise ValueError(f"zerofuse.pipeline: stage {a.stage}'s outputs (shape, dtype, requires_grad) "
-                                     f"{spec_of(outs)} differ from {agreed}, agreed with the next stage for this "
-                                     "micro-batch shape and mode; expected the same outputs at every micro-batch")
+                                     f"{spec_of(outs)} differ from {agreed}, agreed with the next stage at the first "
+                                     "micro-batch of this shape and mode; expected the same outputs at every "
+                                     "micro-batch and step (a param frozen or unfrozen since changes which outputs "
+                                     "require grad: build the Pipeline again on every rank after such a change)")
                 for t in outs:
                     sends.append(P2POp("send", t.detach().contiguous(), peer, self._tag("F", a.stage, a.mb)))
                 if self._tied_source is not None and a.stage == self._tied_sent_with() and a.mb == 0:

@@ -1,0 +1,204 @@
+"""zerofuse.pipeline under usage patterns a torch.distributed.pipelining / Megatron user tries, against
+one process on the same micro-batches: torch's own layers under the zero-bubble split, a module
+unfrozen or frozen after the Pipeline was built, an embedding tied to a fused head on one stage, a
+stage returning a plain tensor, a loss that is not a scalar. Each test failed before its fix
+(2026-12-06)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dist_utils import run_distributed
+
+pytestmark = pytest.mark.usefixtures("native_kernels")
+
+
+def _mse(out, t):
+    return ((out - t) ** 2).mean()
+
+
+def _data(rows=4, width=16, seq=None):
+    g = torch.Generator().manual_seed(1)
+    shape = (rows, seq, width) if seq else (rows, width)
+    return torch.randn(*shape, generator=g), torch.randn(*shape, generator=g)
+
+
+def _reference_grads(model, x, t, m=2):
+    for xi, ti in zip(x.chunk(m), t.chunk(m)):
+        (_mse(model(xi), ti) / m).backward()
+    return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _encoders():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+                                 for _ in range(2)])
+
+
+def _grads_rank(rank, ws, schedule, build, change):
+    from zerofuse.pipeline import Pipeline, split_modules
+
+    stages = split_modules(build(), ws, [rank], loss_fn=_mse)
+    if change == "unfreeze":  # frozen when the Pipeline is built, trained from the first step
+        stages[0].requires_grad_(False)
+    pipe = Pipeline(stages, schedule=schedule, microbatches=2)
+    if change == "unfreeze":
+        stages[0].requires_grad_(True)
+    elif change == "freeze_first":
+        stages[0].get_submodule(next(n for n, _ in stages[0].named_children())).requires_grad_(False)
+    x, t = _data(seq=5) if build is _encoders else _data()
+    pipe.step(x, t)
+    return {n: p.grad.clone() for n, p in stages[0].named_parameters() if p.grad is not None}
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(4)])
+
+
+@pytest.mark.parametrize("build, change", [(_encoders, None), (_mlp, "unfreeze"), (_mlp, "freeze_first")])
+def test_zero_bubble_gives_every_param_its_whole_grad(build, change):
+    """'zb' asked each module's outputs for that module's own params: nn.MultiheadAttention applies
+    out_proj with F.multi_head_attention_forward (out_proj's forward never runs): its weight and
+    bias got no grad; a module unfrozen after the Pipeline was built never trained; one frozen after
+    it failed in an internal assert. Now zb gives every param what 1f1b and one process give."""
+    model = build()
+    if change == "freeze_first":
+        for i in (0, 2):  # the first module of each stage
+            model[i].requires_grad_(False)
+    x, t = _data(seq=5) if build is _encoders else _data()
+    want = _reference_grads(model, x, t)
+    for schedule in ("1f1b", "zb"):
+        got = {}
+        for part in run_distributed(_grads_rank, 2, schedule, build, change, timeout=120):
+            got.update(part)
+        assert sorted(got) == sorted(want), (schedule, sorted(set(want) - set(got)), sorted(set(got) - set(want)))
+        for n in want:
+            torch.testing.assert_close(got[n], want[n], rtol=1e-5, atol=1e-6, msg=f"{schedule} {n}")
+
+
+def _tied_rank(rank, ws, schedule):
+    from zerofuse.models import GPT, GPTConfig
+    from zerofuse.pipeline import Pipeline, split_gpt
+
+    cfg = GPTConfig(vocab_size=61, seq_len=16, n_layer=2, n_head=2, dim=32, mlp_ratio=2.0, tie_embeddings=True)
+    stages = split_gpt(GPT(cfg, seed=0), 1, [0])
+    g = torch.Generator().manual_seed(7)
+    Pipeline(stages, schedule=schedule, microbatches=2).step(torch.randint(0, 61, (4, 16), generator=g),
+                                                            torch.randint(0, 61, (4, 16), generator=g))
+    return stages[0].get_parameter("wte.weight").grad.clone()
+
+
+def test_zero_bubble_counts_a_tied_embedding_once():
+    """One stage holding the embedding and the fused head tied to it: I gave the weight its whole
+    grad (the head's and, through the graph, the embedding's), and W added the embedding's again."""
+    (ref,) = run_distributed(_tied_rank, 1, "1f1b", timeout=120)
+    (got,) = run_distributed(_tied_rank, 1, "zb", timeout=120)
+    torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-7)
+
+
+class _Scale(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.s = torch.nn.Linear(16, 16), torch.nn.Parameter(torch.full((16,), 0.5))
+
+    def forward(self, x):
+        y = self.lin(x)
+        return y, y * self.s
+
+
+class _Join(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+
+    def forward(self, y, z):
+        return self.lin(y + z)
+
+
+def _outputs_model(case):
+    torch.manual_seed(0)
+    if case == "unfreeze_between_steps":
+        return torch.nn.Sequential(_Scale(), _Join())
+    return torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 16))
+
+
+def _outputs_rank(rank, ws, case):
+    from zerofuse.pipeline import Pipeline, Stage, split_modules
+
+    model = _outputs_model(case)
+    if case == "rows":  # a Stage of one's own whose run returns one tensor
+        run = (lambda x, targets=None: model[0](x)) if rank == 0 else (lambda h, targets=None: _mse(model[1](h), targets))
+        stages = [Stage([(str(rank), model[rank])], run, rank, 2)]
+    else:
+        stages = split_modules(model, ws, [rank], loss_fn=_mse)
+    pipe = Pipeline(stages, schedule="1f1b", microbatches=2)
+    x, t = _data()
+    if case == "unfreeze_between_steps":  # frozen in the first step: the product saved no output
+        model[0].s.requires_grad_(False)
+        pipe.step(x, t)
+        model[0].s.requires_grad_(True)
+        model.zero_grad()
+    return float(pipe.step(x, t)), {n: p.grad.clone()
+                                    for n, p in stages[0].named_parameters()}
+
+
+@pytest.mark.parametrize("case", ["rows", "unfreeze_between_steps"])
+def test_stage_outputs_cross_whole(case):
+    """A stage returning one tensor (not a tuple) was iterated: sent as its rows (a (2, 16) output as
+    two (16,) tensors: a wrong loss, silently). A param unfrozen between steps made autograd save an
+    output the first step's forward had not saved: it was freed after its send (a size error)."""
+    model = _outputs_model(case)
+    x, t = _data()
+    run = (lambda xi: model[1](*model[0](xi))) if case == "unfreeze_between_steps" else model
+    losses = []
+    for xi, ti in zip(x.chunk(2), t.chunk(2)):
+        loss = _mse(run(xi), ti)
+        (loss / 2).backward()
+        losses.append(loss.item())
+    want = {n: p.grad for n, p in model.named_parameters()}
+    got, reported = {}, []
+    for loss, grads in run_distributed(_outputs_rank, 2, case, timeout=120):
+        reported.append(loss)
+        got.update(grads)
+    assert reported == pytest.approx([sum(losses) / 2] * 2, rel=1e-6)
+    assert sorted(got) == sorted(want)
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=1e-5, atol=1e-6, msg=n)
+
+
+def _bad_loss_rank(rank, ws, case):
+    from dist_utils import error_text
+    from zerofuse.pipeline import Pipeline, split_modules
+
+    loss_fn = {"elementwise": lambda o, t: (o - t) ** 2, "with_metrics": lambda o, t: (_mse(o, t), {"n": 1})}[case]
+    pipe = Pipeline(split_modules(_mlp(), 1, [0], loss_fn=loss_fn), schedule="1f1b", microbatches=2)
+    x, t = _data()
+    return error_text(lambda: pipe.step(x, t)), error_text(lambda: pipe.step(list(x), t)), \
+        error_text(lambda: pipe.step(x[:0], t[:0]))
+
+
+@pytest.mark.parametrize("case", ["elementwise", "with_metrics"])
+def test_a_loss_that_is_no_scalar_is_refused(case):
+    """An unreduced loss trained on its sum while its mean was reported (grads 16x, no error); a loss
+    returned with metrics failed on 'tuple has no attribute detach'; a list batch on '.shape'."""
+    (bad_loss, listed, empty), = run_distributed(_bad_loss_rank, 1, case, timeout=120)
+    what = "a tensor of shape [2, 16]" if case == "elementwise" else "tuple"
+    assert bad_loss.startswith(f"ValueError: zerofuse.pipeline.Pipeline: the last stage (0) returned {what}; expected "
+                               "the micro-batch's loss as a floating scalar tensor"), bad_loss
+    assert listed == "ValueError: zerofuse.pipeline.Pipeline.step: expected idx as a tensor (the whole batch, every " \
+                     "rank passes it), got list", listed
+    assert "expected the batch size (0) to be a positive multiple of the number of micro-batches (2)" in empty, empty
+
+
+def test_split_gpt_refuses_moe_layers_over_several_stages():
+    """The last stage summed the routers' losses of every MoE layer, the other stages' too (None
+    there): a TypeError in the last stage's forward, the other ranks then waiting for it."""
+    from zerofuse.models import GPT, GPTConfig
+    from zerofuse.pipeline import split_gpt
+
+    model = GPT(GPTConfig(vocab_size=61, seq_len=16, n_layer=2, n_head=2, dim=32, moe_experts=4), seed=0)
+    with pytest.raises(ValueError, match="the model has 2 MoE layers.*expected a dense model or num_stages 1, got "
+                                         "num_stages 2"):
+        split_gpt(model, 2, [0])
+    assert len(split_gpt(model, 1, [0])) == 1
