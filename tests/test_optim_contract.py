@@ -416,6 +416,55 @@ def test_a_write_to_a_bf16_param_between_steps_reaches_its_master(how):
     assert torch.equal(p, q) and float(p[0]) == 5.0
 
 
+@pytest.mark.parametrize("cls", [FusedAdam, FusedAdamW, FusedLAMB, zerofuse.optim.FusedLARS])
+@pytest.mark.parametrize("case", ["other_param_without_grad", "frozen_while_written"])
+def test_a_write_reaches_its_master_when_the_step_plan_was_rebuilt(cls, case, kernel_path):
+    """The versions telling a written param lived in the step plan, rebuilt whenever the set of
+    params with a grad changed (another param's grad None, the written one frozen meanwhile): the
+    write was undone by the next step, silently (found by a review, 2026-12-06)."""
+    p, q = (torch.nn.Parameter(torch.zeros(8, dtype=torch.bfloat16)) for _ in range(2))
+    opt = cls([p, q], lr=1e-3, weight_decay=0.0, master_weights=True)
+    p.grad, q.grad = torch.ones_like(p), torch.ones_like(q)
+    opt.step()
+    with torch.no_grad():
+        p.copy_(torch.full((8,), 5.0))
+    p.grad = torch.zeros_like(p)  # (a zero grad: the step moves p by at most lr)
+    q.grad = None if case == "other_param_without_grad" else q.grad
+    if case == "frozen_while_written":
+        p.grad = None
+        opt.step()
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    assert (p.float() - 5.0).abs().max() < 0.05, p
+
+
+def test_fused_adam_steps_after_deepcopy_and_pickle():
+    """FusedAdam set its decoupled flag on the instance only: a deepcopied or unpickled optimizer
+    (torch's __getstate__ keeps defaults, state and groups) raised AttributeError at its step."""
+    import pickle
+
+    p = torch.nn.Parameter(torch.ones(4))
+    opt = FusedAdam([p], lr=0.1, weight_decay=0.1)
+    p.grad = torch.ones(4)
+    for other in (copy.deepcopy(opt), pickle.loads(pickle.dumps(opt))):
+        q = other.param_groups[0]["params"][0]
+        q.grad = torch.ones(4)
+        other.step()
+        assert 0.85 < float(q[0]) < 0.95, q  # moved by ~lr, not stepped twice, not refused
+
+
+def test_a_sparse_grad_after_the_first_step_is_refused_clearly(kernel_path):
+    """The sparse check ran when a step plan was built: a sparse grad at a later step with a kept plan
+    failed in torch's contiguous() ('unsupported memory format option')."""
+    p = torch.nn.Parameter(torch.ones(4, 3))
+    opt = FusedAdamW([p], lr=0.1)
+    p.grad = torch.ones(4, 3)
+    opt.step()
+    p.grad = torch.ones(4, 3).to_sparse()
+    with pytest.raises(RuntimeError, match="zerofuse.optim.FusedAdamW: sparse gradients are not supported"):
+        opt.step()
+
+
 def test_masters_after_a_round_trip_through_torch_and_after_model_bfloat16():
     """A FusedAdamW state loaded into torch.optim.AdamW and back: torch cast the master to bf16 and
     the next step refused it (and it was stale); a model converted to bf16 after a step kept a plan

@@ -42,26 +42,27 @@ class _Part:
     """Params of one group with (or without) fp32 masters, their state dicts, the state tensors
     per key, and the ops' Prepared tables."""
 
-    __slots__ = ("idx", "params", "states", "lists", "prepared", "versions")
+    __slots__ = ("idx", "params", "states", "lists", "prepared")
 
     def __init__(self, idx, params, states, keys):
         self.idx, self.params, self.states = idx, params, states
         self.lists = {k: [s[k] for s in states] for k in keys}
         self.prepared = Prepared()
-        self.versions = None  # with masters: each param's (address, version) after the last step
 
-    def refresh_masters(self) -> None:
-        """A param written since the last step (`p.data = ...`, an in-place copy: a load, an EMA
+    def refresh_masters(self, versions: dict) -> None:
+        """A param written since its last step (`p.data = ...`, an in-place copy: a load, an EMA
         swap, a re-initialised layer) with a value its master does not round to: the master takes
-        it (the step wrote round(old master - update) over the write)."""
-        now = [(p.data_ptr(), p._version) for p in self.params]
-        if self.versions is not None and now != self.versions:
-            for p, m, a, b in zip(self.params, self.lists["master"], now, self.versions):
-                if a != b and not torch.equal(m.to(p.dtype), p.detach()):
-                    m.copy_(p.detach())
+        it (the step wrote round(old master - update) over the write). ``versions``: the optimizer's
+        id(param) -> (address, version) after the param's last step, kept across plans (kept in the
+        part, a plan rebuilt because another param's grad was None lost them: the write was undone)."""
+        for p, m in zip(self.params, self.lists["master"]):
+            was = versions.get(id(p))
+            if was is not None and was != (p.data_ptr(), p._version) and not torch.equal(m.to(p.dtype), p.detach()):
+                m.copy_(p.detach())
 
-    def stepped(self) -> None:
-        self.versions = [(p.data_ptr(), p._version) for p in self.params]
+    def stepped(self, versions: dict) -> None:
+        for p in self.params:
+            versions[id(p)] = (p.data_ptr(), p._version)
 
     def unchanged(self) -> bool:
         states = self.states
@@ -254,6 +255,8 @@ class FusedOptimizerMixin:
             for part in plan.parts:
                 part_grads = [grads[i] for i in part.idx]
                 if not all(map(_CONTIGUOUS, part_grads)):  # the kernels read grads as flat arrays
+                    if any(g.layout != torch.strided for g in part_grads):  # (a kept plan checked no layout)
+                        raise RuntimeError(f"{self._name()}: sparse gradients are not supported")
                     part_grads = [g if g.is_contiguous() else g.contiguous() for g in part_grads]
                 work.append((group, part, part_grads))
                 all_grads += part_grads
@@ -268,13 +271,14 @@ class FusedOptimizerMixin:
         if (device is None or device.type == "cpu") and found is not None and not use_triton(all_grads) \
                 and bool(found.ne(0).any()):
             return loss  # [Note: skipped steps]
+        versions = self.__dict__.setdefault("_master_versions", {})
         for group, part, part_grads in work:
             if "master" in part.lists:
-                part.refresh_masters()
+                part.refresh_masters(versions)
             self._update(group, part.params, part_grads, [part.lists[k] for k in self._STATE_KEYS],
                          part.lists.get("master", []), part.lists.get("step", []), mult, found, part.prepared)
             if "master" in part.lists:
-                part.stepped()
+                part.stepped(versions)
         return loss
 
     def _check_group(self, group) -> None:

@@ -56,6 +56,8 @@ class FusedAdam(_FusedAdamBase, torch.optim.Adam):
     """torch.optim.Adam (L2 weight decay; decoupled_weight_decay=True makes it AdamW) with a fused
     step; extra keywords: master_weights, max_grad_norm."""
 
+    _decoupled = False  # (a class default: a deepcopied or unpickled optimizer keeps no instance attribute)
+
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0, amsgrad=False, *,
                  foreach=None, maximize=False, capturable=False, differentiable=False, fused=None,
                  decoupled_weight_decay=False, master_weights=False, max_grad_norm=None):
