@@ -136,6 +136,29 @@ def test_a_rank_file_of_another_save_or_cut_short_is_refused_before_anything_is_
     assert all(("cannot read" in said or peer in said) and untouched for said, untouched in out), out
 
 
+@pytest.mark.parametrize("ws", [2, 3])
+def test_tables_that_miss_a_piece_are_refused_before_anything_is_written(tmp_path, ws):
+    """A meta.json whose tables miss a param's piece (a row dropped) was found by the copy of that
+    param, after the others were written: a half-loaded model (a review's reproduction, 2026-12-06).
+    Loaded at the save's world size (each rank its own tables) and at another."""
+    import json
+
+    path = str(tmp_path / "ckpt")
+    run_distributed(_save_small, 2, path, timeout=240)
+    meta_path = os.path.join(path, files.META)
+    with open(meta_path) as f:
+        meta = json.load(f)
+    name = meta["tables"][1][-1][0]
+    meta["tables"][1] = meta["tables"][1][:-1]
+    with open(meta_path, "w") as f:
+        json.dump(meta, f)
+    peer = "of the group could not read their part of the checkpoint"
+    out = run_distributed(_load_untouched, ws, path, timeout=240)
+    assert any("the checkpoint's shards cover" in said and f"of {name!r}" in said and "a row missing" in said
+               for said, _ in out), out
+    assert all(("a row missing" in said or peer in said) and untouched for said, untouched in out), out
+
+
 def test_extra_that_would_need_unpickling_is_refused_at_save(tmp_path):
     with pytest.raises(TypeError, match=r"extra\['sched'\]\[0\] to hold only tensors.*got .*_Payload"):
         files.check_plain({"step": 3, "sched": [_Payload("x")]})

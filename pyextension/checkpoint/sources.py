@@ -3,6 +3,7 @@ checkpoint's full tensors one param at a time across TP parts (Full) and across 
 (each stage saved its own params into ``pp{s}/``, with its own ZeRO/TP layout inside)."""
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -65,7 +66,14 @@ class Source:
         rank file of another save, or a cut one, was found midway: a half-loaded model, and a size
         error on one rank that left its peers waiting). Opens only the rank files holding them."""
         for name, ranges in wanted.items():
-            for r, unit, so, length, po in self.pieces.get(name, ()):
+            pieces = self.pieces.get(name, ())
+            for lo, hi in ranges if ranges is not None else [(0, math.prod(self.shapes.get(name, ())))]:
+                got = sum(max(0, min(hi, po + length) - max(lo, po)) for *_, length, po in pieces)
+                if got != hi - lo:  # (found by fill, midway through the load, before: a half-loaded model)
+                    raise ValueError(f"{NAME}: the checkpoint's shards cover {got} of {hi - lo} elements "
+                                     f"[{lo}, {hi}) of {name!r} ({self.dir!r} {files.META}'s tables: a row missing, "
+                                     "or a file of another save)")
+            for r, unit, so, length, po in pieces:
                 if ranges is not None and not any(lo < po + length and po < hi for lo, hi in ranges):
                     continue
                 units = self.blob(r).get("units")

@@ -215,6 +215,8 @@ class Trainer:
                     self.save()
                 self.metrics.restart_clock()
             train_s = time.perf_counter() - t_train
+            if not self.stopped:  # a signal during the last log point: the job stops as told
+                self.stopped = self.vote.final(self.stop.signum)
             if not self.stopped:  # (a stopped job skips what follows; it finishes as it was told)
                 self.stop.default()  # sampling, export: a signal ends the rank at once
             if args.export and not self.stopped and dist.get_rank() == 0:  # the final checkpoint is saved

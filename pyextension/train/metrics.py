@@ -110,6 +110,17 @@ class StopVote:
         hits = [s for s, v in zip(STOP_SIGNALS, agreed.tolist()) if v > 0]
         return int(hits[0]) if hits else 0
 
+    def final(self, signum: int) -> int:
+        """After the loop, on every rank: a signal got since the last step's vote (during the last
+        log point: the final evaluation, checkpoint) agreed on too, waited for (it was dropped: the
+        job sampled and exported and exited 0 after a SIGTERM, a review's reproduction, 2026-12-06)."""
+        agreed = self.vote(signum)
+        if self.world == 1 or agreed:
+            return agreed
+        self.close()
+        hits = [s for s, v in zip(STOP_SIGNALS, self.flags.tolist()) if v > 0]
+        return int(hits[0]) if hits else 0
+
     def close(self) -> None:
         if self.work is not None:
             self.work.wait()

@@ -28,9 +28,8 @@ class RankZeroLog:
         self.out = Path(self.args.out)
         self.out.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.out / "metrics.jsonl"
-        self._trim_metrics(trainer.step)
+        self.history = self._trim_metrics(trainer.step)
         self.metrics = open(self.metrics_path, "a")
-        self.history = [json.loads(line) for line in self.metrics_path.read_text().splitlines() if line.strip()]
         try:
             from tqdm import tqdm
         except ImportError:  # a machine installed with --no-deps: progress lines only
@@ -42,13 +41,29 @@ class RankZeroLog:
         self.tb = _tensorboard(self.out)
         self.initial_val = None
 
-    def _trim_metrics(self, step: int) -> None:
-        """Drop lines past the checkpoint we resume from (a stopped run may have logged beyond it)."""
-        if not self.metrics_path.exists():
-            return
+    def _trim_metrics(self, step: int) -> list[dict]:
+        """Drop lines past the checkpoint we resume from (a stopped run may have logged beyond it);
+        returns the records kept. A last line cut short (a kill or a full disk during its write) is
+        past the checkpoint too: dropped (json.loads of it crashed the resumed job); a line that does
+        not parse before the last is refused, by file and line."""
+        if not self.metrics_path.exists() or not self.args.resume:
+            self.metrics_path.write_text("")
+            return []
         lines = [ln for ln in self.metrics_path.read_text().splitlines() if ln.strip()]
-        keep = [ln for ln in lines if json.loads(ln)["step"] <= step] if self.args.resume else []
-        self.metrics_path.write_text("".join(ln + "\n" for ln in keep))
+        keep = []
+        for i, ln in enumerate(lines):
+            try:
+                rec = json.loads(ln)
+                at = rec["step"]
+            except (ValueError, TypeError, KeyError) as e:
+                if i == len(lines) - 1:
+                    break
+                raise RuntimeError(f"{PROG}: {self.metrics_path} line {i + 1} is no metrics record ({e}); expected "
+                                   "one JSON object with a 'step' per line (as zerofuse-train writes them)") from None
+            if at <= step:
+                keep.append((ln, rec))
+        self.metrics_path.write_text("".join(ln + "\n" for ln, _ in keep))
+        return [rec for _, rec in keep]
 
     def write(self, line: str) -> None:
         self.bar.write(line, file=sys.stdout)

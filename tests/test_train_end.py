@@ -1,0 +1,74 @@
+"""zerofuse-train at the end of a job and at a resume, in process (one rank): a signal during the last
+log point, a metrics.jsonl whose last line a kill cut short. Each test failed before its fix
+(2026-12-06)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pytest
+
+from common import tiny_job_args
+
+pytestmark = pytest.mark.usefixtures("native_kernels")
+
+
+def test_a_signal_during_the_last_log_point_stops_the_job(tmp_path, monkeypatch):
+    """A SIGTERM after the last step's stop vote (during the final evaluation or checkpoint) was
+    recorded and never read: the job sampled, exported and exited 0."""
+    from zerofuse.train.loop import Trainer
+
+    evaluate = Trainer.evaluate
+
+    def evaluate_then_signal(self):
+        if self.step == self.args.steps:  # the final evaluation
+            os.kill(os.getpid(), signal.SIGTERM)
+        return evaluate(self)
+
+    monkeypatch.setattr(Trainer, "evaluate", evaluate_then_signal)
+    args = tiny_job_args(tmp_path, "--steps", "2", "--eval-every", "2", "--sample-tokens", "8", "--export")
+    assert Trainer(args, None).run() == 128 + signal.SIGTERM
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["stopped_by"] == "SIGTERM" and summary["steps_done"] == 2
+    assert (tmp_path / "ckpt" / "meta.json").is_file() and not (tmp_path / "hf").exists()
+
+
+def test_a_resume_drops_a_metrics_line_cut_short(tmp_path):
+    """A kill during a metrics write leaves a partial last line: the resume crashed on it
+    (json.decoder.JSONDecodeError) although the checkpoint was whole."""
+    from zerofuse.train.loop import Trainer
+
+    flags = ("--ckpt-every", "1", "--log-every", "1")
+    assert Trainer(tiny_job_args(tmp_path, "--steps", "2", *flags), None).run() == 0
+    path = tmp_path / "metrics.jsonl"
+    whole = path.read_text()
+    path.write_text(whole + whole.splitlines()[-1][:25])
+    assert Trainer(tiny_job_args(tmp_path, "--steps", "3", "--resume", *flags), None).run() == 0
+    assert [json.loads(ln)["step"] for ln in path.read_text().splitlines()] == [1, 2, 3]
+    path.write_text("{oops\n" + path.read_text())  # not the last line: refused by file and line
+    with pytest.raises(RuntimeError, match=r"metrics.jsonl line 1 is no metrics record"):
+        Trainer(tiny_job_args(tmp_path, "--steps", "4", "--resume", *flags), None).run()
+
+
+def _final_vote_rank(rank, ws, last_step_signal):
+    import torch
+
+    from zerofuse.train.metrics import StopVote
+
+    vote = StopVote(ws, torch.device("cpu"))
+    vote.vote(0)
+    got = vote.vote(signal.SIGTERM if last_step_signal and rank == 1 else 0)  # the last step's vote
+    final = vote.final(signal.SIGINT if not last_step_signal and rank == 0 else 0)
+    vote.close()
+    return got, final
+
+
+@pytest.mark.parametrize("last_step_signal", [True, False])
+def test_the_final_vote_agrees_on_a_signal_one_rank_got(last_step_signal):
+    """After the loop every rank agrees on a signal got at the last step (its vote was never read)
+    or after it, by one rank only: all stop, none goes on sampling alone."""
+    from dist_utils import run_distributed
+
+    want = signal.SIGTERM if last_step_signal else signal.SIGINT
+    assert run_distributed(_final_vote_rank, 2, last_step_signal, timeout=60) == [(0, want), (0, want)]
