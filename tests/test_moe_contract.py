@@ -9,6 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import zerofuse
+
 from dist_utils import run_distributed
 
 pytestmark = pytest.mark.usefixtures("native_kernels")
@@ -79,3 +81,35 @@ def test_moe_permute_refuses_expert_ids_out_of_range():
         moe_permute(x, torch.tensor([[0], [-3], [1]]), 2)
     _, pos, _, counts = moe_permute(x, torch.tensor([[0], [-1], [1]]), 2)  # -1: dropped
     assert counts.tolist() == [1, 1] and pos[1, 0].item() == -1
+
+
+def _eval_alone_rank(rank, ws):
+    router = zerofuse.moe.Router(8, 4, 2, aux_loss_coef=0.01, group=torch.distributed.group.WORLD,
+                                 aux_loss_scope="global")
+    local = zerofuse.moe.Router(8, 4, 2, aux_loss_coef=0.01)
+    local.load_state_dict(router.state_dict())
+    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(0))
+    if rank != 0:
+        return None
+    with torch.no_grad():  # an evaluation on rank 0 alone
+        return float(router(x).aux_loss), float(local(x).aux_loss)
+
+
+def test_a_global_scope_router_evaluates_on_one_rank_without_a_collective():
+    """aux_loss_scope='global' all-reduced its loads at every forward, evaluation under no_grad
+    too: rank 0 evaluating alone waited for ranks that never came (or paired the all-reduce with
+    their training's collectives). Without grad no backward reads the loss: its own figures."""
+    got, local = run_distributed(_eval_alone_rank, 2, timeout=60)[0]
+    assert got == local > 0
+
+
+def test_the_routers_bias_is_fp32_under_a_bf16_default_dtype():
+    """Built under torch.set_default_dtype(torch.bfloat16) the aux-loss-free bias was bf16: its
+    rate-sized steps (1e-3 at 0.5) were rounded away, balancing stalled silently."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        router = zerofuse.moe.Router(8, 4, 1, bias_update_rate=1e-3)
+    finally:
+        torch.set_default_dtype(before)
+    assert router.expert_bias.dtype == torch.float32

@@ -58,7 +58,10 @@ class Router(torch.nn.Module):
         self.aux_loss_coef, self.z_loss_coef = float(aux_loss_coef), float(z_loss_coef)
         self.bias_update_rate, self.capacity_factor, self.group = float(bias_update_rate), float(capacity_factor), group
         self.weight = torch.nn.Parameter(torch.empty(num_experts, dim))
-        self.register_buffer("expert_bias", torch.zeros(num_experts), persistent=bias_update_rate > 0)
+        # fp32 whatever the default dtype (built under torch.set_default_dtype(torch.bfloat16), the
+        # rate-sized steps were rounded away)
+        self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32),
+                             persistent=bias_update_rate > 0)
         self.reset_parameters()
         self.last_load: Tensor | None = None  # choices per expert in the last forward (before dropping)
         self.last_dropped: Tensor | None = None
@@ -136,7 +139,11 @@ class Router(torch.nn.Module):
         ranks given other token counts weighed as one process does), so the mean of the ranks' aux
         losses is one process's over the batch."""
         choices = tokens * self.top_k
-        if self.aux_loss_scope == "local" or self.group is None or dist.get_world_size(self.group) == 1:
+        # without grad (an evaluation, maybe on one rank only: it waited in this all-reduce for ranks
+        # that never came, or paired it with their training's collectives) no backward reads the
+        # loss: this rank's figures, no collective
+        if self.aux_loss_scope == "local" or self.group is None or dist.get_world_size(self.group) == 1 \
+                or not torch.is_grad_enabled():
             return load.float() / max(choices, 1), 1.0 / max(tokens, 1)
         counts = torch.cat([load, load.new_full((1,), choices)]).float()
         dist.all_reduce(counts, group=self.group)
