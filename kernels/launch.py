@@ -25,7 +25,8 @@ Without a hook the launcher gets None for the hooks and their metadata; the JIT 
 3.6's empty hook chains, which the launcher then calls, after building the metadata dict.
 
 ``MODE`` ("handles" by default; ``ZEROFUSE_TRITON_LAUNCH=jit`` launches every call through the
-JIT) has not yet run on a GPU: no GPU was lent since it was written. The argument lists are
+JIT) ran on one H200 (2026-11-27: the doctor's every op through the handles, ok; its per-call host
+time not measured on a GPU yet). The argument lists are
 checked on CPU for every launch site against Triton's binder; tests/test_launch.py's GPU test
 compares the outputs bit for bit with the JIT's, and bench/profile_host.py times both on CUDA.
 A handle also ignores later changes of ``triton.knobs.runtime.debug`` and

@@ -12,18 +12,25 @@ from zerofuse._loader import load_extension
 
 _C = load_extension()
 
-from zerofuse import ops  # noqa: E402
-from zerofuse import nn  # noqa: E402
-from zerofuse import optim  # noqa: E402
-from zerofuse import comm  # noqa: E402
-from zerofuse import zero  # noqa: E402
-from zerofuse import tp  # noqa: E402
-from zerofuse import parallel  # noqa: E402
-from zerofuse import models  # noqa: E402
-from zerofuse import checkpoint  # noqa: E402
-from zerofuse import hf  # noqa: E402
-from zerofuse.hf import patch, shard  # noqa: E402
-from zerofuse.ops import flatten_into, packed_offsets, unflatten_from  # noqa: E402
+try:
+    from zerofuse import ops  # noqa: E402
+    from zerofuse import nn  # noqa: E402
+    from zerofuse import optim  # noqa: E402
+    from zerofuse import comm  # noqa: E402
+    from zerofuse import zero  # noqa: E402
+    from zerofuse import tp  # noqa: E402
+    from zerofuse import parallel  # noqa: E402
+    from zerofuse import models  # noqa: E402
+    from zerofuse import checkpoint  # noqa: E402
+    from zerofuse import hf  # noqa: E402
+    from zerofuse.hf import patch, shard  # noqa: E402
+    from zerofuse.ops import flatten_into, packed_offsets, unflatten_from  # noqa: E402
+except ImportError as _e:  # a name the sources import from zerofuse._C that the built one lacks
+    if "zerofuse._C" not in str(_e):
+        raise
+    raise ImportError(f"zerofuse: {_e}: the compiled extension is older than the Python sources (a git pull or "
+                      "checkout without a rebuild?); rebuild it with `pip install --no-build-isolation -e .` "
+                      "(see README.md)") from _e
 
 __version__ = "0.1.0"
 

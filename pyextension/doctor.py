@@ -112,13 +112,16 @@ def selftest(devices: list[torch.device]) -> list[str]:
 
 def _ran(kind: str, device: torch.device) -> str:
     """What an op's self-test ran on ``device``: its kind ("C++", "Triton", "C++ (CPU), Triton
-    (CUDA)") where that is what runs there; a Triton op's CPU tensors take its CPU path unless
-    ZEROFUSE_TRITON_ON_CPU=1 (the line said "Triton" for them)."""
+    (CUDA)") where that is what runs there; an op with a Triton kernel takes it for CPU tensors
+    in the interpreter with ZEROFUSE_TRITON_ON_CPU=1, its CPU path otherwise (the optimizers' lines
+    said "C++ (CPU)" in the interpreter: a review's count of launches, 2026-12-06)."""
     from zerofuse import kernels
 
-    if kind != "Triton" or device.type != "cpu":
+    if "Triton" not in kind or device.type != "cpu":
         return kind
-    return "Triton (interpreter)" if kernels.triton_on_cpu() else "CPU path (C++ or torch); Triton on CUDA"
+    if kernels.triton_on_cpu():
+        return "Triton (interpreter)"
+    return "C++ (CPU)" if kind.startswith("C++") else "CPU path (C++ or torch); Triton on CUDA"
 
 
 HANDLES_FAILED = "launch handles: FAILED"  # bench/run_gpu.sh looks for this line

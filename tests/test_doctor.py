@@ -27,6 +27,11 @@ def test_doctor_exits_zero_and_lists_ops(triton_on_cpu):
     # (its line said "Triton" either way)
     ran = "Triton (interpreter)" if triton_on_cpu == "1" else "CPU path (C++ or torch); Triton on CUDA"
     assert re.search(r"ok    zerofuse::layer_norm +cpu +\[" + re.escape(ran) + ";", r.stdout), r.stdout
+    # the optimizers' kernels: C++ on the cpu, Triton in the interpreter when asked for (the line
+    # said "C++ (CPU), Triton (CUDA)" in both)
+    ran = "Triton (interpreter)" if triton_on_cpu == "1" else "C++ (CPU)"
+    for name in ("adam_", "l2norm", "lamb_", "lars_"):
+        assert re.search(rf"ok    zerofuse::{name} +cpu +\[" + re.escape(ran) + ";", r.stdout), r.stdout
 
 
 @pytest.fixture

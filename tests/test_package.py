@@ -349,3 +349,23 @@ def test_every_name_in_all_resolves_after_import_zerofuse_alone():
             "print(missing, zerofuse.pipeline.Pipeline.__name__, zerofuse.train.main.__name__)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.split() == ["[]", "Pipeline", "main"], out.stderr[-2000:]
+
+
+def test_an_extension_older_than_the_sources_is_named_at_import():
+    """After a git pull without a rebuild the old zerofuse._C loaded and the first name it lacked
+    failed deep in an ops module ("cannot import name 'signature' from 'zerofuse._C'"), no hint to
+    rebuild (a review, 2026-12-06). Simulated: the built extension with one name removed."""
+    code = textwrap.dedent(f"""
+        import importlib.util, sys
+        import torch
+        spec = importlib.util.spec_from_file_location("zerofuse._C", {zerofuse._C.__file__!r})
+        m = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(m)
+        del m.signature
+        sys.modules["zerofuse._C"] = m
+        import zerofuse
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    last = r.stderr.strip().splitlines()[-1]
+    assert r.returncode != 0 and "cannot import name 'signature' from 'zerofuse._C'" in last, r.stderr
+    assert "the compiled extension is older than the Python sources" in last and "pip install" in last, last

@@ -287,7 +287,9 @@ def main(argv=None) -> int:
     for name, (_, what) in modes.items():
         parser.add_argument("--" + name.replace("_", "-"), action="store_true", help=f"{what} instead")
     args = parser.parse_args(argv)
-    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+    from zerofuse import kernels
+
+    if kernels.interpreted():  # (any value Triton takes for it: 1, true, on, yes)
         sys.exit("tools/kernel_asm.py: unset TRITON_INTERPRET (interpreted kernels cannot be compiled)")
     for name, (run, _) in modes.items():
         if getattr(args, name):
