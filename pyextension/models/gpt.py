@@ -105,7 +105,8 @@ class GPT(KeepsMarks, torch.nn.Module):
     """forward(idx (B, N) int64, targets (B, N) or None) -> (logits (B, N, vocab), loss or None);
     the loss is the mean cross-entropy in fp32 whatever the model's dtype (the fused loss: fp64 for
     an fp64 model), over the targets not ignored (-100; every one ignored: the fused loss is 0,
-    the unfused one NaN as torch's cross_entropy). With targets and
+    the unfused one NaN as torch's cross_entropy, 0 with tp_group, as
+    zerofuse.tp.vocab_parallel_cross_entropy documents). With targets and
     ``cfg.fused_loss`` (the default) the loss comes from zerofuse's fused output layer +
     cross-entropy, which never forms the logits: (None, loss).
 
