@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import zerofuse.nn.functional as ZF
-from conftest import import_peer  # bench/conftest.py
+from conftest import import_peer, timed  # bench/conftest.py
 
 GPU_N = [int(n) for n in os.environ.get("ZEROFUSE_BENCH_ATTENTION_N", "1024,4096,16384").split(",")]
 GPU_TOKENS = 16384
@@ -48,23 +48,13 @@ def pytest_generate_tests(metafunc):
 def matmul_peak(device, smoke) -> float:
     """Measured matmul TFLOP/s (bf16 on CUDA, fp32 on CPU): the compute roofline."""
     import statistics
-    import time
-
-    def seconds(fn):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return time.perf_counter() - t0
 
     n = 256 if smoke else (8192 if device.type == "cuda" else 1024)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     a @ b
-    t = statistics.median(seconds(lambda: a @ b) for _ in range(3 if smoke else 20))
+    t = statistics.median(timed(lambda: a @ b, device) for _ in range(3 if smoke else 20))
     return 2 * n ** 3 / t / 1e12
 
 

@@ -26,12 +26,15 @@ import multiprocessing as mp
 import os
 import statistics
 import tempfile
-import time
 import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
+
+from timing import timed  # bench/timing.py (the ranks import this suite by name)
+
+CPU = torch.device("cpu")  # the ranks run on gloo
 
 WORLD_SIZES = [2, 4]
 BUCKET_MB = [1, 5, 25, 100]
@@ -139,9 +142,7 @@ class _Workload:
             def rotate():
                 for name, sub in self.subs.items():
                     dist.barrier()
-                    t0 = time.perf_counter()
-                    sub.op()
-                    self.times[name].append(time.perf_counter() - t0)
+                    self.times[name].append(timed(sub.op, CPU))
 
             self.op = rotate
         elif suite == "overlap":

@@ -36,12 +36,12 @@ for a core, not only compute and gloo).
 import math
 import os
 import statistics
-import time
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from timing import timed  # bench/timing.py (the ranks import this suite by name)
 from zerofuse.moe import MoE
 from zerofuse.ops.moe import moe_permute, moe_unpermute
 
@@ -184,11 +184,17 @@ def _ep_rank(rank: int, ws: int, shape: tuple, providers: list[str], rounds: int
             prov = providers[(i + j) % len(providers)]
             fn, params = fns[prov]
             dist.barrier()
-            t0 = time.perf_counter()
-            loss = fn(x).float().pow(2).sum()
-            torch.autograd.grad(loss, params)
-            out[prov].append((time.perf_counter() - t0, loss.item()))
+            losses = []
+            seconds = timed(lambda: losses.append(_forward_backward(fn, x, params)), x.device)
+            out[prov].append((seconds, losses[0].item()))
     return out
+
+
+def _forward_backward(fn, x, params) -> torch.Tensor:
+    """The timed unit of an iteration: forward, a scalar of it, the grads of the inputs and params."""
+    loss = fn(x).float().pow(2).sum()
+    torch.autograd.grad(loss, params)
+    return loss
 
 
 def _report_times(benchmark, times: list[float]) -> None:

@@ -9,16 +9,18 @@
   the same session on the same case (parametrise providers with zerofuse last); on a GPU all of
   them from the device time (CUDA events, L2 flushed), the wall time per call beside it, except
   for whole training steps, timed by wall (``timing="wall"``).
-- :func:`timed`: one call's device time (GPU) or wall time (CPU), for suites that time by hand.
+- bench/timing.py (re-exported here): ``timed``, one call's device time (GPU) or wall time (CPU),
+  the only clock of the suites that time by hand; ``device_ms``, ``setup_then_sync``.
 """
 from __future__ import annotations
 
 import os
 import statistics
-import time
 
 import pytest
 import torch
+
+from timing import device_ms, setup_then_sync, synchronize, timed  # noqa: F401  (bench/timing.py; suites import them here too)
 
 
 # torch.compile peers: a suite compiles the same functions for many shapes and dtypes, which
@@ -77,35 +79,10 @@ def import_peer(module: str):
                     allow_module_level=True)
 
 
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 @pytest.fixture
 def sync(device):
     """synchronize() bound to the benchmark device, for suites that time by hand."""
     return lambda: synchronize(device)
-
-
-def timed(fn, device: torch.device, cold: bool = False) -> float:
-    """Seconds of one call of fn, for suites that time by hand (interleaved pairs): on a GPU its
-    device time, by CUDA events around it once the queue is empty (cold=True: as device_ms times,
-    the L2 flushed and the stream held while the host queues fn, so neither a warm L2 nor the host's
-    gaps between launches count); on a CPU its wall time."""
-    synchronize(device)
-    if device.type == "cuda" and cold:
-        return device_ms(fn, None, device, rounds=1) / 1e3
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
 
 
 def _median_seconds(fn, device, rounds: int) -> float:
@@ -133,44 +110,6 @@ def _versions(device: torch.device) -> dict:
     out = {"torch": torch.__version__, "triton": triton.__version__}
     out["device_name"] = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return out
-
-
-def setup_then_sync(setup, device):
-    """pytest-benchmark's pedantic setup: setup() (e.g. the forward whose backward is timed), then a
-    device synchronize, so the setup's queued kernels finish before the timer starts (without it,
-    each "bwd" time on a GPU included the forward: bench/results/h100-2026-11-23's bwd rows)."""
-    def run():
-        args = setup()
-        synchronize(device)
-        return args, {}
-
-    return run
-
-
-def device_ms(fn, setup, device: torch.device, rounds: int, flush_bytes: int = 256 << 20,
-              hold_ms: float = 1.0) -> float:
-    """CUDA: the median device time of fn(*setup()) in ms, by CUDA events, the L2 flushed (a write of
-    flush_bytes, more than an H100's 50 MB or an H200's 60 MB of L2) before each round and the
-    stream held by a sleep kernel (about hold_ms) while the host queues the flush, the start event,
-    fn's launches and the end event, so host time between launches is not counted (the wall time
-    the benchmark records counts it: the difference is the host's share per call). The hold must
-    outlast the queueing: measure() passes twice the call's wall time (at most 50 ms). A call that
-    synchronizes inside (a host read) is timed with its host time whatever the hold. setup runs
-    untimed."""
-    flush = torch.empty(flush_bytes, dtype=torch.int8, device=device)
-    times = []
-    for _ in range(rounds):
-        args = setup()[0] if setup else ()
-        synchronize(device)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(int(hold_ms * 2_000_000))  # cycles: ~hold_ms at 2 GHz
-        flush.zero_()
-        start.record()
-        fn(*args)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 class _Registry:
