@@ -37,8 +37,9 @@ import torch.distributed as dist
 from zerofuse.comm import Communicator
 from zerofuse.tp.spec import tp_group_of
 from zerofuse.zero.bucket_group import BucketGroup
-from zerofuse.zero.buckets import FREE, Bucket
+from zerofuse.zero.buckets import Bucket
 from zerofuse.zero.fixed_layout import TrainableCheck, guard_conversions
+from zerofuse.zero.full_params import FullParams
 from zerofuse.zero.grads import SHARDED, close_dead_backward, gathered_grads, install_clip_warning, reset_backward
 from zerofuse.zero.layout import bucket_groups, check_same_layout, unit_groups
 from zerofuse.zero.experts import ExpertLayout
@@ -51,7 +52,7 @@ from zerofuse.zero.world_of_one import WorldOfOne
 ALIGN = 128
 
 
-class ZeroEngine(ExpertLayout, Stage3Hooks, WorldOfOne):
+class ZeroEngine(ExpertLayout, FullParams, Stage3Hooks, WorldOfOne):
 
     def __init__(self, model, *, stage, group, precision, reduce_dtype, bucket_mb, overlap, prefetch, wrap,
                  reshard_after_forward=True, tp_group=None, max_inflight=2, device=None, param_init_fn=None,
@@ -349,69 +350,6 @@ class ZeroEngine(ExpertLayout, Stage3Hooks, WorldOfOne):
         return hook
 
     # ------------------------------------------------------------------ state
-
-    @contextlib.contextmanager
-    def full_params(self):
-        """Every param holds its full value inside the block (stage 3 gathers and frees after;
-        stage 1/2 wait for a pending all-gather). Stage 3: what the block wrote into the params it
-        gathered (an init, weight surgery, model.load_state_dict) is written back to each rank's
-        shard on exit, and the Optimizer's fp32 masters of those units refreshed, as FSDP's
-        summon_full_params(writeback=True); each rank keeps its own part of what it wrote. Stages
-        0-2 hold the params whole already: what the block wrote into a param with an fp32 master
-        (bf16/fp16, offload) refreshes that master on exit (it was written back over the edit at
-        the next step)."""
-        if self.stage != 3:
-            self.finish_param_sync()
-            versions = self._versions_if_host_steps()
-            try:
-                yield
-            finally:
-                self._refuse_writes_under_host_steps(versions)
-                if versions is None:  # (else nothing was written, and the masters are the host's to step)
-                    self.params_loaded(written_only=True)
-            return
-        was_free = [u for u in self.units if u.state == FREE]
-        for u in was_free:
-            u.start_param_sync(self.comm)
-        for u in self.units:
-            u.finish_param_sync(self.comm)
-        versions = self._versions_if_host_steps()
-        # a forward (an evaluation) or backward inside the block frees no unit: it freed them all,
-        # the block's later reads saw NaN placeholders and its exit failed on a freed buffer
-        self._in_full_params += 1
-        try:
-            yield
-        finally:
-            self._in_full_params -= 1
-            self._refuse_writes_under_host_steps(versions)
-            # every unit's writes (one gathered before the block too: an edit there was lost); none
-            # while the host steps run (the shards may hold their results already)
-            written = [u for u in self.units if u.write_back()] if versions is None else []
-            for u in was_free:  # units a forward/backward in progress holds stay gathered
-                u.free()
-            if self._loaded_in_full_params and not self._in_full_params:  # the masters of a load: from the params
-                self._loaded_in_full_params = False
-                self.params_loaded()
-            elif written:  # of an edit: of the elements it changed
-                self.params_loaded(written, written_only=True)
-
-    def host_steps_started(self) -> bool:
-        """Whether the Optimizer's offloaded host steps of this backward are running already
-        (offload_overlap: they start as each unit's grads arrive)."""
-        opt = self.optimizer_ref() if self.optimizer_ref is not None else None
-        return opt is not None and opt.host is not None and bool(opt.host.futures)
-
-    def _versions_if_host_steps(self):
-        return [p._version for p in self.params] if self.host_steps_started() else None
-
-    def _refuse_writes_under_host_steps(self, versions) -> None:
-        """A write inside full_params after backward started the host steps: they read the params
-        of before it, and the step then put their result over it (the step's update vanished)."""
-        if versions is not None and [p._version for p in self.params] != versions:
-            raise RuntimeError("zerofuse.zero.full_params: the params were written while the offloaded optimizer "
-                               "steps of the last backward were running (offload_overlap): they would not see the "
-                               "write; write before backward or after step(), or build the Optimizer with "
-                               "offload_overlap=False")
 
     def full_grads(self):
         """See zerofuse.zero.full_grads (zerofuse/zero/grads.py)."""
