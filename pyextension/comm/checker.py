@@ -12,6 +12,7 @@ the collective alone)."""
 from __future__ import annotations
 
 import datetime
+import functools
 
 import torch
 
@@ -40,15 +41,17 @@ def _signature(name: str, **parts) -> str:
 
 
 def scale_of(scale) -> float | None:
-    """A call's scale as the signature shows it: 1 and 1.0 are one scale (a false mismatch)."""
-    return None if scale is None else float(scale)
+    """A call's scale as the signature shows it: 1 and 1.0 are one scale, and so are None and 1 (the
+    C++ call multiplies by neither: false mismatches)."""
+    return None if scale is None or float(scale) == 1.0 else float(scale)
 
 
 def one_dtype(tensors) -> torch.dtype | None:
-    """The dtype a call reduces in by default, for the signature: reduce_dtype=None and the same
-    dtype given explicitly are one call (a false mismatch)."""
-    dtypes = {t.dtype for t in tensors}
-    return dtypes.pop() if len(dtypes) == 1 else None
+    """The dtype a call reduces in by default, for the signature: the tensors' dtypes promoted, as
+    the C++ call does (reduce_dtype=None and the same dtype given explicitly are one call; a
+    mixed list showed None, a false mismatch)."""
+    dtypes = [t.dtype for t in tensors]
+    return functools.reduce(torch.promote_types, dtypes) if dtypes else None
 
 
 def _forget(store, key: str) -> None:

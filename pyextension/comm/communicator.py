@@ -40,7 +40,6 @@ with ``ZEROFUSE_CHECK_COLLECTIVES=1`` to find such a mismatch (tests/test_bad_in
 from __future__ import annotations
 
 import contextlib
-import datetime
 import itertools
 import numbers
 import time
@@ -57,6 +56,9 @@ from zerofuse.kernels import env
 from zerofuse.comm.checker import CollectiveChecker, CollectiveMismatch  # noqa: F401  (re-exported)
 from zerofuse.comm.checker import one_dtype as _one_dtype
 from zerofuse.comm.checker import scale_of as _scale
+from zerofuse.comm.fp32_sum import _SummedWork
+from zerofuse.comm.lists import _bytes_of_bools, _checked_list
+from zerofuse.comm.waits import MAX_TIMEOUT_S, _timeout, _waited, group_timeout, wait_seconds, wait_timeout  # noqa: F401  (re-exported)
 
 # per group name: ranks of a group number their communicators alike whatever other groups they
 # belong to (the store keys of the NCCL id and the checker derive from it). The count restarts
@@ -75,62 +77,14 @@ def _next_uid(name: str, group: dist.ProcessGroup, store, rank: int) -> str:
     return f"zerofuse/{name}/{entry[1]}/{next(entry[2])}"
 
 
-_waited = [0.0]  # seconds this process has spent blocked in Work.wait(), every communicator
-
-
-def wait_seconds() -> float:
-    """Seconds this process has spent blocked in ``Work.wait()`` of any Communicator: on CPU the
-    communication that was not hidden behind compute (exposed communication). CUDA waits only
-    order streams, so on GPU this stays near 0 and exposed time must be measured with events."""
-    return _waited[0]
-
-
-def group_timeout(group: dist.ProcessGroup) -> float:
-    """Seconds: the timeout ``group`` was created with (``init_process_group`` / ``new_group``'s
-    ``timeout``, torch's default for its backend otherwise)."""
-    for device in ("cpu", "cuda"):
-        try:
-            return group._get_backend(torch.device(device)).options._timeout.total_seconds()
-        except (RuntimeError, AttributeError):  # no backend for that device, or one without options
-            continue
-    return dist.default_pg_timeout.total_seconds()
+def _is_int(v) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
 def _group_label(group: dist.ProcessGroup) -> str:
     """As the C++ side names a group in messages (csrc/comm/communicator.cpp, group_label)."""
     desc = getattr(group, "group_desc", "")
     return f"group {group.group_name}" + (f" ({desc})" if desc and desc != "undefined" else "")
-
-
-MAX_TIMEOUT_S = 1e8  # (~3 years) as csrc/comm/communicator.cpp: longer ones overflowed into 1 ms
-
-
-def _float_or_nan(value) -> float:
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return float("nan")
-
-
-def _timeout(value) -> float:
-    """Seconds or a datetime.timedelta, > 0 (NaN and <= 0 refused by name), at most MAX_TIMEOUT_S
-    (inf: that)."""
-    t = value.total_seconds() if isinstance(value, datetime.timedelta) else _float_or_nan(value)
-    if not t > 0:
-        raise ValueError(f"zerofuse.comm.Communicator: expected timeout > 0 seconds, got {value!r}")
-    return min(t, MAX_TIMEOUT_S)
-
-
-def wait_timeout(value) -> float | None:
-    """Work.wait's ``timeout``: seconds, or a datetime.timedelta; None or 0 (torch's default,
-    timedelta(0)): no bound but the communicator's. Negative or NaN values are refused by name."""
-    if value is None:
-        return None
-    t = value.total_seconds() if isinstance(value, datetime.timedelta) else _float_or_nan(value)
-    if not t >= 0:
-        raise ValueError(f"zerofuse.comm.Work.wait: expected timeout >= 0 seconds or a timedelta (0: the "
-                         f"communicator's), got {value!r}")
-    return None if t == 0 else min(t, MAX_TIMEOUT_S)
 
 
 class Work:
@@ -181,67 +135,6 @@ class Work:
         return self._w.is_completed()
 
 
-class _SummedWork:
-    """Work of Communicator.reduce_scatter_fp32_sum: wait() finishes the all-to-all and sums. A
-    failure is the communicator's, as for the C++ Works ([Note: communicator failure]): this wait
-    and every later one raise it, and so does every later call of the communicator (a second wait
-    returned with out_shard unwritten, and the next collective waited for a timeout again)."""
-
-    __slots__ = ("_comm", "_w", "_recv", "_flat", "_out", "_gather", "_what", "_error")
-
-    def __init__(self, comm, work, recv, flat, out, gather, what):
-        self._comm, self._w, self._recv, self._flat, self._out, self._gather = comm, work, recv, flat, out, gather
-        self._what, self._error = what, None
-
-    def wait(self, timeout=None) -> None:
-        limit = wait_timeout(timeout)
-        if self._error is not None:
-            raise dist.DistBackendError(self._error)
-        if self._w is None:
-            return
-        t0 = time.perf_counter()
-        comm = self._comm
-        timeout = datetime.timedelta(seconds=min(comm.timeout, limit or comm.timeout))
-        try:
-            self._w.wait(timeout)
-            ws = comm.world_size
-            total = torch.sum(self._recv.view(ws, -1), dim=0, dtype=torch.float32)
-            self._recv = None
-            if self._out is not None:
-                self._out.copy_(total)
-            if self._gather:
-                mine = total.to(self._flat.dtype)
-                dist.all_gather_into_tensor(self._flat, mine, group=comm.group, async_op=True).wait(timeout)
-        except RuntimeError as e:  # c10d names neither the collective nor the group
-            message = f"{self._what} failed (timeout {timeout.total_seconds():g} s): {e}"
-            comm._c.fail(message)
-            self._error = f"zerofuse.comm: {message}"
-            raise dist.DistBackendError(self._error) from e
-        finally:
-            self._w = self._flat = self._out = None
-            _waited[0] += time.perf_counter() - t0
-
-    def is_completed(self) -> bool:
-        return self._w is None or self._w.is_completed()
-
-
-def _bytes_of_bools(where: str, tensors: list, op: str | None = None, scale=None) -> list:
-    """Bool tensors as uint8 views of themselves (the flat buffers hold no bool; the C++ copy refused
-    them naming its own internals, an all-gather only at wait(), after the collective): exact for a
-    gather and for max / min (any / all). A sum, an average or a scale of bools is no bool: refused."""
-    if not any(isinstance(t, torch.Tensor) and t.dtype == torch.bool for t in tensors):
-        return tensors
-    if op is not None and (op not in ("max", "min") or scale is not None):
-        how = f"op {op!r}" + (" with a scale" if scale is not None else "")
-        raise ValueError(f"zerofuse.comm.{where}: expected no bool tensors for {how} (a bool sum is no bool: cast "
-                         f"them to an integer dtype, or reduce with op 'max' (any) or 'min' (all)), got bool")
-    return [t.view(torch.uint8) if isinstance(t, torch.Tensor) and t.dtype == torch.bool else t for t in tensors]
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
-
-
 class P2POp(NamedTuple):
     """One transfer of :meth:`Communicator.batch_p2p`: ``op`` "send" or "recv", a contiguous
     ``tensor`` (written at ``wait()`` for a receive), ``peer`` a rank of the communicator's group,
@@ -278,6 +171,7 @@ class Communicator(CollectiveChecker):
         self._p2p_counts: dict[tuple[int, int], int] = {}  # (src, dst) -> transfers checked (_checked_p2p)
         self._one = self._c.world_size == 1  # collectives done in place on the current stream (comm/local.py)
         self._coalescing = 0  # depth of coalesce() blocks (a Work of an open NCCL group is not launched yet)
+        self._gathers: list[_SummedWork] = []  # reduce_scatter_fp32_sum(all_gather=True) not advanced yet
 
     @property
     def rank(self) -> int:
@@ -297,6 +191,13 @@ class Communicator(CollectiveChecker):
 
     # ------------------------------------------------------------------ collectives
 
+    def _in_order(self) -> None:
+        """Before a collective: the all-gathers of earlier reduce_scatter_fp32_sum calls launched
+        first (_SummedWork), so the group pairs every collective in the order it was called."""
+        while self._gathers:
+            w = self._gathers.pop(0)
+            w._advance(w._timeout())
+
     def reduce_scatter_coalesced(self, tensors: Sequence[torch.Tensor], out_shard: torch.Tensor, op: str = "avg",
                                  scale: float | None = None, reduce_dtype: torch.dtype | None = None,
                                  tag: str | None = None):
@@ -309,9 +210,11 @@ class Communicator(CollectiveChecker):
         compares too (ZeRO's bucket: two buckets of one size launched in different orders on two ranks
         were reduced together, silently)."""
         *tensors, out_shard = _bytes_of_bools("reduce_scatter_coalesced", [*tensors, out_shard], op, scale)
+        tensors = _checked_list("reduce_scatter_coalesced", "tensors", tensors, written=False)
         reduce_dtype = torch.uint8 if reduce_dtype is torch.bool else reduce_dtype
         if self._one:
             return local.reduce_scatter_coalesced(tensors, out_shard, op, scale, reduce_dtype)
+        self._in_order()
         self._checked("reduce_scatter_coalesced", tensors=tensors, out_shard=out_shard, op=op, scale=_scale(scale),
                       reduce_dtype=reduce_dtype or out_shard.dtype, **({"tag": tag} if tag else {}))
         return Work(self._c.reduce_scatter_coalesced(tensors, out_shard, op, scale, reduce_dtype), self,
@@ -322,8 +225,10 @@ class Communicator(CollectiveChecker):
         reduce_scatter_coalesced's layout); the tensors are written at ``wait()`` (a single
         contiguous tensor of exactly world_size * shard elements is gathered into directly)."""
         shard, *tensors = _bytes_of_bools("all_gather_coalesced", [shard, *tensors])
+        tensors = _checked_list("all_gather_coalesced", "tensors", tensors, written=True)
         if self._one:
             return local.all_gather_coalesced(shard, tensors)
+        self._in_order()
         self._checked("all_gather_coalesced", shard=shard, tensors=tensors)
         return Work(self._c.all_gather_coalesced(shard, tensors), self, shard.is_cuda)
 
@@ -333,9 +238,11 @@ class Communicator(CollectiveChecker):
         A single contiguous tensor in the reduce dtype is reduced in place with no copy: its
         contents are undefined until ``wait()``. ``tag``: as reduce_scatter_coalesced's."""
         tensors = _bytes_of_bools("all_reduce_coalesced", list(tensors), op, scale)
+        tensors = _checked_list("all_reduce_coalesced", "tensors", tensors, written=True, promoted=reduce_dtype is None)
         reduce_dtype = torch.uint8 if reduce_dtype is torch.bool else reduce_dtype
         if self._one:
             return local.all_reduce_coalesced(tensors, op, scale, reduce_dtype)
+        self._in_order()
         self._checked("all_reduce_coalesced", tensors=tensors, op=op, scale=_scale(scale),
                       reduce_dtype=reduce_dtype or _one_dtype(tensors), **({"tag": tag} if tag else {}))
         return Work(self._c.all_reduce_coalesced(tensors, op, scale, reduce_dtype), self,
@@ -372,9 +279,13 @@ class Communicator(CollectiveChecker):
         what = (f"reduce_scatter_fp32_sum #{next(self._fp32_sums)} on rank {self.rank} of {ws} in "
                 f"{_group_label(self.group)}")
         self._c.check_usable(what)  # [Note: communicator failure]
+        self._in_order()
         recv = torch.empty_like(flat)
         work = dist.all_to_all_single(recv, flat, group=self.group, async_op=True)
-        return _SummedWork(self, work, recv, flat if all_gather else None, out_shard, all_gather, what)
+        summed = _SummedWork(self, work, recv, flat if all_gather else None, out_shard, all_gather, what)
+        if all_gather:
+            self._gathers.append(summed)
+        return summed
 
     # ------------------------------------------------------------------ point-to-point
 
@@ -400,6 +311,12 @@ class Communicator(CollectiveChecker):
                                  f"peer: int, tag: int), got {o!r}")
         ws = self.world_size
         for i, o in enumerate(ops if self.check else ()):  # the C++ call's checks, before the checker publishes
+            # (a call refused after it counted the pair's transfer: the next one was compared with
+            # the peer's previous, a false mismatch that failed the communicator)
+            if not o.tensor.is_contiguous() or o.tensor.device != ops[0].tensor.device or o.tag < 0:
+                raise ValueError(f"zerofuse.comm.batch_p2p: expected ops[{i}].tensor contiguous on "
+                                 f"{ops[0].tensor.device} and ops[{i}].tag >= 0, got strides "
+                                 f"{list(o.tensor.stride())} on {o.tensor.device}, tag {o.tag}")
             if not 0 <= o.peer < ws:
                 raise ValueError(f"zerofuse.comm.batch_p2p: expected ops[{i}].peer to be a rank of the group "
                                  f"(0 <= peer < {ws}), got {o.peer}")
@@ -424,6 +341,7 @@ class Communicator(CollectiveChecker):
                                  f"{list(given)}")
         if self._one:
             return local.all_to_all(output, input, out_s, in_s)
+        self._in_order()
         if self.check:
             seq = self._checked("all_to_all", dtype=str(input.dtype), row_shape=tuple(input.shape[1:]))
             self._check_splits(seq, in_s, out_s)

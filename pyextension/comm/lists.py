@@ -1,0 +1,52 @@
+"""The tensor lists of the Communicator's collectives (zerofuse/comm/communicator.py), checked and
+adapted before the C++ call: bools as bytes, refusals the C++ side made only after the collective."""
+from __future__ import annotations
+
+import torch
+
+
+def _checked_list(where: str, name: str, tensors: list, *, written: bool, promoted: bool = False) -> list:
+    """Refusals at the call that the C++ side made at wait(), after the collective (or in its own
+    op's terms): complex tensors, integer and floating tensors reduced in one promoted dtype (an int64
+    count past 2**24 or an int32 counter beside bf16 grads came back rounded), written tensors that
+    share memory (contiguous ones: the flat copy-back refused them after the collective). Returns
+    the tensors detached (a param that requires grad taken as the flat buffer: the in-place scaling
+    raised after the collective, in autograd's words)."""
+    kinds = set()
+    for i, t in enumerate(tensors):
+        if isinstance(t, torch.Tensor) and t.is_complex() and (len(tensors) > 1 or not t.is_contiguous()):
+            raise ValueError(f"zerofuse.comm.{where}: expected {name}[{i}] of a real dtype (a complex tensor is "
+                             f"taken alone and contiguous only, as the flat buffer), got {t.dtype} (pass "
+                             "torch.view_as_real of it)")
+        if isinstance(t, torch.Tensor):
+            kinds.add(t.is_floating_point())
+    if promoted and len(kinds) == 2:
+        got = sorted({str(t.dtype) for t in tensors})
+        raise ValueError(f"zerofuse.comm.{where}: expected {name} all integer or all floating without a reduce_dtype "
+                         f"(they reduce in one promoted dtype: integers beside floats come back rounded), got {got}; "
+                         "reduce them in two calls")
+    if written and len(tensors) > 1:
+        spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), i)
+                       for i, t in enumerate(tensors) if isinstance(t, torch.Tensor) and t.numel() and t.is_contiguous())
+        end, owner = 0, -1
+        for lo, hi, i in spans:
+            if lo < end:
+                raise ValueError(f"zerofuse.comm.{where}: expected {name}[{min(i, owner)}] and {name}[{max(i, owner)}] "
+                                 "not to share memory (both are written), got tensors that overlap")
+            if hi > end:
+                end, owner = hi, i
+    return [t.detach() if isinstance(t, torch.Tensor) and t.requires_grad else t for t in tensors]
+
+
+def _bytes_of_bools(where: str, tensors: list, op: str | None = None, scale=None) -> list:
+    """Bool tensors as uint8 views of themselves (the flat buffers hold no bool; the C++ copy refused
+    them naming its own internals, an all-gather only at wait(), after the collective): exact for a
+    gather and for max / min (any / all). A sum, an average or a scale of bools is no bool: refused."""
+    if not any(isinstance(t, torch.Tensor) and t.dtype == torch.bool for t in tensors):
+        return tensors
+    if op is not None and (op not in ("max", "min") or scale is not None):
+        how = f"op {op!r}" + (" with a scale" if scale is not None else "")
+        raise ValueError(f"zerofuse.comm.{where}: expected no bool tensors for {how} (a bool sum is no bool: cast "
+                         f"them to an integer dtype, or reduce with op 'max' (any) or 'min' (all)), got bool")
+    return [t.view(torch.uint8) if isinstance(t, torch.Tensor) and t.dtype == torch.bool else t for t in tensors]
+
