@@ -191,6 +191,34 @@ def test_wide_fp32_rows_on_the_cpp_path(norm, hidden, cpu_kernels):
     past the fp32 tolerance at 65537 on AVX2 (csrc/cpu/norms.cpp sums in double since)."""
     _check(norm, (2, hidden), (hidden,), torch.float32, "cpu", residual=True)
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("norm", ["layer", "rms"])
+def test_outputs_changed_in_place_backpropagate_as_torchs(norm, dtype, path):
+    """y.mul_(2) on a norm's output: the CPU path returned views made inside its autograd Function,
+    and autograd refused the in-place change (torch's norms allow it); 2026-12-06. (h is saved for
+    the backward, by torch's norm as by the fused one: an in-place change of it is refused by both.)"""
+    g = torch.Generator().manual_seed(0)
+    x0, r0 = torch.randn(3, 5, 8, generator=g, dtype=dtype), torch.randn(3, 5, 8, generator=g, dtype=dtype)
+    w0 = torch.randn(8, generator=g, dtype=dtype)
+    ours = ZF.add_layer_norm if norm == "layer" else ZF.add_rms_norm
+    theirs = torch.nn.functional.layer_norm if norm == "layer" else torch.nn.functional.rms_norm
+    grads = []
+    for fused in (True, False):  # (torch's in fp64: the reference of the tolerance rule)
+        x, r, w = (t.clone() if fused else t.double() for t in (x0, r0, w0))
+        for t in (x, r, w):
+            t.requires_grad_()
+        if fused:
+            y, h = ours(x, r, (8,), w)
+        else:
+            h = x + r
+            y = theirs(h, (8,), w)
+        y.mul_(2)
+        (y * 3 + h).float().sum().backward()
+        grads.append([t.grad for t in (x, r, w)])
+    for a, b, name in zip(*grads, ("x", "residual", "weight")):
+        assert_close(a, b, op="norm_param_grad" if name == "weight" else None, msg=lambda m: f"d{name}: {m}")
+
+
 
 @pytest.mark.parametrize("norm", ["layer", "rms"])
 def test_multi_dim_normalized_shape_and_eps(norm, path):

@@ -101,6 +101,14 @@ def _contiguous(t: Tensor | None) -> Tensor | None:
     return t if t is None or t.is_contiguous() else t.contiguous()
 
 
+def _shaped(t: Tensor, shape) -> Tensor:
+    """``t`` (a fresh 2-D output) in ``shape``, as a tensor of its own rather than a view: a view made
+    inside the eager autograd Function made an in-place change of y or h (y.mul_(2), h += ...)
+    raise where torch's norms allow it (a review's reproduction, 2026-12-06; the Triton path
+    returns x's shape directly)."""
+    return torch.ops.aten._unsafe_view(t, shape)
+
+
 def _norm_fwd(x, weight, bias, residual, eps, is_rms, stats=True):
     """(y, h or None without a residual, mean or None, rstd): y and h shaped like x. stats=False
     (nothing to differentiate): the Triton kernels store no mean/rstd (None); the others may."""
@@ -110,7 +118,8 @@ def _norm_fwd(x, weight, bias, residual, eps, is_rms, stats=True):
         return K.norm_fwd(_contiguous(x), w, b, _contiguous(residual), eps, is_rms, stats)
     if _cpu_kernel(x, residual, w, b):
         y, h, mean, rstd = torch.ops.zerofuse.norm_fwd_cpu(_2d(x, n), w, b, _2d(residual, n), eps, is_rms)
-        return y.view(x.shape), (h.view(x.shape) if residual is not None else None), (None if is_rms else mean), rstd
+        return _shaped(y, x.shape), (_shaped(h, x.shape) if residual is not None else None), \
+            (None if is_rms else mean), rstd
     # float64, a residual of a wider dtype on the CPU, and rows wider than the Triton kernel on CUDA:
     # torch's native kernels. h contiguous and the stats in _stat_dtype(x), as on the other paths and
     # in the fake (h took a transposed x's strides and a float64 residual made float64 stats: a
@@ -123,7 +132,7 @@ def _norm_fwd(x, weight, bias, residual, eps, is_rms, stats=True):
     else:
         y, mean, rstd = torch.ops.aten.native_layer_norm(h2, [n], w, b, eps)
         mean = mean.view(-1).to(_stat_dtype(x))
-    return y.view(h.shape), (h if residual is not None else None), mean, rstd.view(-1).to(_stat_dtype(x))
+    return _shaped(y, h.shape), (h if residual is not None else None), mean, rstd.view(-1).to(_stat_dtype(x))
 
 
 @torch.library.custom_op("zerofuse::layer_norm", mutates_args=())
