@@ -252,6 +252,17 @@ def test_bad_input_errors_name_the_argument(override, exc, msg):
         linear_cross_entropy(**args)
 
 
+@pytest.mark.parametrize("transform", ["grad", "vmap"])
+def test_torch_func_transforms_are_refused_by_name(transform):
+    """Under torch.func.grad / vmap the face failed in its own storage check ("Cannot access storage of
+    TensorWrapper"), naming neither itself nor the transform (a review, 2026-12-06)."""
+    h, w, t = torch.randn(2, 3, 8), torch.randn(11, 8), torch.randint(0, 11, (2, 3))
+    fn = (torch.func.grad(lambda h: linear_cross_entropy(h, w, t)) if transform == "grad"
+          else torch.func.vmap(lambda h, t: linear_cross_entropy(h, w, t)))
+    with pytest.raises(RuntimeError, match="linear_cross_entropy does not support torch.func transforms"):
+        fn(h) if transform == "grad" else fn(h, t)
+
+
 def test_opcheck_forward_and_backward_ops():
     leaves, target = _inputs(torch.float32, t=13, v=37, bias=True)
     h, w, b = (x.requires_grad_() for x in leaves)

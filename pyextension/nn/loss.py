@@ -33,6 +33,9 @@ _WHERE = "zerofuse.nn.functional.linear_cross_entropy"
 
 def check_face_args(hidden, weight, target, bias, reduction, softcap, chunk_size, where: str = _WHERE) -> None:
     """The face's checks (also zerofuse.tp.vocab_parallel_linear_cross_entropy's), named for ``where``."""
+    if torch._C._are_functorch_transforms_active():  # (the storage check below failed on its wrappers)
+        raise RuntimeError(f"{where} does not support torch.func transforms (grad, vmap, jacrev): its fused "
+                           "backward is made in the forward; use torch.autograd, or F.cross_entropy of the logits")
     for name, t in (("hidden", hidden), ("weight", weight), ("bias", bias)):
         if t is None and name == "bias":
             continue
