@@ -196,3 +196,30 @@ def test_zerofuses_own_implementation_reads_the_offsets_or_says_why_not(cpu_kern
     # a call the kernel cannot run (a window shorter than the sequence): sdpa would drop the offsets
     with pytest.raises(ValueError, match=r"cu_seq_lens_q/_k \(packed documents\) given to a call the fused kernel"):
         H.attention_forward(attn, q, kv, kv, None, scaling=0.2, sliding_window=5, **kw)
+
+
+@pytest.mark.parametrize("arch, over", [("gemma2", {}), ("mistral", {"sliding_window": 6})])
+def test_a_layer_that_cannot_fuse_falls_back_on_the_collators_packed_mask(arch, over, cpu_kernels):
+    """DataCollatorWithFlattening(return_flash_attn_kwargs=True) sends position_ids beside the offsets,
+    from which transformers builds the packed block-diagonal mask: a layer the kernel cannot run
+    (Gemma 2's softcap, a window shorter than the batch) falls back exact on it; it was refused as if
+    the fallback ignored the documents (a review, 2026-12-06). The stock model's loss and grads."""
+    from transformers import DataCollatorWithFlattening
+
+    from hf_models import VOCAB
+
+    g = torch.Generator().manual_seed(3)
+    feats = [{"input_ids": torch.randint(0, VOCAB, (n,), generator=g).tolist()} for n in (5, 9, 4)]
+    b = DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_position_ids=True)(feats)
+    b = {k: torch.as_tensor(v) for k, v in b.items()}
+    stock = build(arch, **over)
+    zf = zerofuse.patch(copy.deepcopy(stock))
+    zf.config._attn_implementation = "zerofuse"
+    losses = []
+    for m in (stock, zf):
+        loss = m(**b, use_cache=False).loss
+        loss.backward()
+        losses.append(loss.item())
+    assert losses[1] == pytest.approx(losses[0], rel=1e-5)
+    for (n, p), q in zip(stock.named_parameters(), zf.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, **tol(torch.float32), msg=n)

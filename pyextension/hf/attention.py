@@ -233,6 +233,24 @@ def _kwargs_documents(query, kwargs, flash: bool):
     return _cached_ids((pos,), (b, n), make)
 
 
+def _mask_keeps_documents(mask, docs) -> bool:
+    """Whether the fallback's attention mask keeps every query within its document (ids (B, N) from
+    cu_seq_lens; None: one document a row): transformers builds the packed block-diagonal mask from
+    the position_ids a packing collator sends beside the flash kwargs, and the fallback applying it
+    is exact (it was refused: Gemma 2's softcap, a sliding window, dropout; a review, 2026-12-06).
+    A mask that lets a query see another document (or none at all) is not."""
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 4 or docs is _NOT_SAME:
+        return False
+    if docs is None:
+        return True
+    allowed = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
+    same = docs[:, None, :, None] == docs[:, None, None, :]
+    n = allowed.shape[-1]
+    if allowed.shape[-2] != docs.shape[1] or n != docs.shape[1]:
+        return False
+    return not bool((allowed & ~same).any())
+
+
 def attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
                       is_causal=None, *, default=None, **kwargs):
     """transformers' attention-function signature: (B, H, N, D) q, k, v -> ((B, N, H, D), None).
@@ -245,7 +263,8 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
         else:
             docs = _flash_documents(module, query, kwargs, causal)
     if docs is _NOT_SAME or not _runs_fused(query, key, value, attention_mask if docs is None else None, dropout, kwargs):
-        if _implementation(module) == NAME and all(kwargs.get(k) is not None for k in _VARLEN):
+        if _implementation(module) == NAME and all(kwargs.get(k) is not None for k in _VARLEN) \
+                and not _mask_keeps_documents(attention_mask, _kwargs_documents(query, kwargs, False)):
             raise ValueError("zerofuse attention: cu_seq_lens_q/_k (packed documents) given to a call the fused kernel "
                              "cannot run (an attention mask, e.g. a sliding window's or padding, dropout, a softcap, "
                              "sinks, attention weights asked for, or queries and keys of different lengths), and "

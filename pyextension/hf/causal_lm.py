@@ -132,6 +132,8 @@ def lm_forward(self, input_ids=None, *args, labels=None, shift_labels=None, num_
     hidden = _kept(hidden, logits_to_keep)  # the positions whose logits the stock forward would make
     ignore_index = int(kwargs.get("ignore_index", IGNORE_INDEX))
     target = _shifted(labels, shift_labels, ignore_index).to(hidden.device)
+    if target.shape != hidden.shape[:-1] and target.numel() == hidden[..., 0].numel():
+        target = target.reshape(hidden.shape[:-1])  # (1-D labels of a batch of one: the stock loss flattens both)
     softcap = getattr(self.config, arch.final_softcap, None) if arch.final_softcap else None
     reduction = "mean" if num_items_in_batch is None else "sum"
     loss = self.lm_head(hidden, target, ignore_index=ignore_index, reduction=reduction, softcap=softcap)
