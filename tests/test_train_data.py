@@ -213,3 +213,50 @@ def test_end_to_end_on_the_gpt2_sample(tmp_path):
     losses = [json.loads(line)["loss"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert abs(losses[0] - math.log(50304)) < 0.3 and losses[-1] < losses[0] - 0.3, losses
     assert "gpt2 tokens" in p.stdout
+
+
+def test_an_llmc_file_without_the_bin_suffix_is_read_as_tokens(tmp_path):
+    """--data naming one llm.c token file not ending in .bin was read as text: its bytes trained on
+    (vocabulary 256), silently; through a glob it was read as tokens (a review, 2026-12-06)."""
+    shard = tmp_path / "train_shard"
+    shard.write_bytes(GPT2_DEFAULT[0].read_bytes())
+    assert tok.is_shard_spec(str(shard))
+    text = tmp_path / "notes.txt"
+    text.write_text("plain text, not tokens\n")
+    assert not tok.is_shard_spec(str(text))
+    args = _flags("--data", str(shard))
+    assert args.tokenizer == "gpt2"
+
+
+@needs_bpe
+def test_crlf_text_is_cut_into_pieces_with_the_whole_texts_tokens():
+    """Windows line ends were never cut (the piece rule wanted a non-space before the newline: \r is
+    one), so a large CRLF text was pre-tokenized whole at once (~1.1 GiB more for 6.7 MB, growing with
+    the text). Cut between \r and \n now, where GPT-2's pre-tokenizer cuts too."""
+    text = TEXT_DEFAULT.read_text(encoding="utf-8")[:100_000].replace("\n", "\r\n")
+    pieces = tok._chunks(text, 997)
+    assert len(pieces) > 80 and "".join(pieces) == text
+    assert np.concatenate([tok.gpt2_encode(p) for p in pieces]).tolist() == tok.gpt2_tokenizer().encode(text).ids
+
+
+@needs_bpe
+def test_a_bad_validation_text_is_named_by_its_flag(tmp_path):
+    bad = tmp_path / "val.txt"
+    bad.write_bytes(b"ok \xff\xfe no")
+    from zerofuse.train.data import Corpus
+    with pytest.raises(ValueError, match=r"^--val-data: .*val.txt is not UTF-8 text"):
+        Corpus.load(str(GPT2_DEFAULT[0]), "gpt2", str(bad))
+
+
+def test_notes_print_once_under_slurm(monkeypatch, capsys):
+    """srun sets SLURM_PROCID, not RANK: every task printed each note."""
+    from zerofuse.train import checks
+    for k in ("RANK", "WORLD_SIZE", "ZEROFUSE_TRAIN_LAUNCHED"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("SLURM_NTASKS", "2")
+    printed = []
+    for rank in ("0", "1"):
+        monkeypatch.setenv("SLURM_PROCID", rank)
+        checks.note("hello")
+        printed.append(capsys.readouterr().err)
+    assert printed == ["zerofuse-train: note: hello\n", ""]

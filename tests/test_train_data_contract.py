@@ -85,7 +85,7 @@ def test_document_masking_on_data_without_documents_says_so(capsys):
 
 
 @pytest.mark.timeout(300)
-def test_resume_on_another_vocabulary_is_refused_before_launch(tmp_path, capsys):
+def test_resume_on_another_vocabulary_is_refused_before_launch(tmp_path, capsys, monkeypatch):
     """A checkpoint of one text's characters resumed on another text: one line (each rank raised a
     shape mismatch of its own)."""
     text = tmp_path / "small.txt"
@@ -97,6 +97,14 @@ def test_resume_on_another_vocabulary_is_refused_before_launch(tmp_path, capsys)
     err = capsys.readouterr().err
     assert (f"--resume: the checkpoint at {out / 'ckpt'} was trained on another vocabulary (char tokens, 65 symbols) "
             f"than --data {text} (char tokens, 22 symbols)") in err and "Traceback" not in err
+    # a text too large to read in the checks (64 MiB): another tokenizer's kind is still refused there (each
+    # rank failed in its load on the embedding's shape, with a traceback, exit code 1; 2026-12-06)
+    from zerofuse.train import checks
+    monkeypatch.setattr(checks, "READ_HERE_BYTES", 0)
+    assert train.main(["--device", "cpu", "--nproc", "1", "--model", "tiny", "--steps", "2", "--out", str(out),
+                       "--resume", "--tokenizer", "byte"]) == 2
+    err = capsys.readouterr().err
+    assert "was trained on another vocabulary (char tokens, 65 symbols) than --data" in err and "(byte tokens)" in err
 
 
 def test_many_shards_raise_the_open_file_limit(monkeypatch):

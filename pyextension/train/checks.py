@@ -30,7 +30,11 @@ def note(message: str) -> None:
     """A one-line note on the flags, printed once a job: by the process that checks them first (the
     --nproc launcher, or one process alone), not again by each rank it starts (a torchrun job: by
     rank 0)."""
-    if os.environ.get("ZEROFUSE_TRAIN_LAUNCHED") != "1" and os.environ.get("RANK", "0") == "0":
+    from .launch import _dist_env  # (launch imports this module's neighbours)
+
+    rank = os.environ.get("RANK") or (_dist_env() or {}).get("RANK", "0")  # torchrun's, or SLURM's (srun sets
+    # no RANK: every task printed the note)
+    if os.environ.get("ZEROFUSE_TRAIN_LAUNCHED") != "1" and rank == "0":
         print(f"zerofuse-train: note: {message}", file=sys.stderr)
 
 
@@ -146,6 +150,9 @@ def _validate_moe(args) -> None:
                                                  f"rank's experts differs from one process's), got {args.optimizer}")
 
 
+READ_HERE_BYTES = 64 << 20  # a text below this is tokenized by the checks (split sizes, vocabulary)
+
+
 def _validate_data(args) -> None:
     gpt2_model = args.model_name.startswith("gpt2-")
     if args.data is None and (args.tokenizer == "gpt2" or (gpt2_model and args.tokenizer is None)):
@@ -168,7 +175,7 @@ def _validate_data(args) -> None:
     _check(os.access(path, os.R_OK), f"--data: expected a readable text file, got {str(path)!r} (not readable)")
     args.data = str(path)
     size = path.stat().st_size
-    if size < 64 * 2 ** 20:  # small enough to tokenise here: check the exact split sizes
+    if size < READ_HERE_BYTES:  # small enough to tokenise here: check the exact split sizes
         corpus = Corpus.load(path, args.tokenizer)
         ok, got = len(corpus.val[0]) >= need, f"{len(corpus.val[0])} validation tokens"
         args.corpus_identity = corpus.identity()
@@ -250,6 +257,11 @@ def validate_resume(args, ckpt) -> None:
     if not isinstance(saved, dict):
         return
     vocab, want = getattr(args, "corpus_identity", None), extra.get("tokenizer")
+    # a text too large to read here: its kind alone (--tokenizer char reads a text that is not UTF-8 as
+    # bytes); the rank's load failed on the embedding's shape with a traceback, exit code 1, before
+    kinds = {"char": ("char", "byte")}.get(args.tokenizer, (args.tokenizer,))
+    if vocab is None and isinstance(want, dict) and want.get("kind") not in kinds:
+        vocab = {"kind": args.tokenizer, "chars": None}
     _check(vocab is None or want is None or vocab == want,
            f"--resume: the checkpoint at {ckpt} was trained on another vocabulary ({_vocab_text(want)}) than "
            f"--data {args.data} ({_vocab_text(vocab)}); expected the data of the run that wrote it")

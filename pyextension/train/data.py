@@ -78,7 +78,7 @@ class Corpus:
         """GPT-2 tokens; a text file (not .bin) is tokenized into its cache first."""
         def files(s, flag):
             if not tok.is_shard_spec(str(s)):
-                s = tok.tokenize_cached(s)
+                s = tok.tokenize_cached(s, flag=flag)
             return tok.expand(str(s), flag)
 
         def shards(paths, flag):

@@ -42,8 +42,10 @@ def _is_pattern(spec: str) -> bool:
 
 
 def is_shard_spec(spec: str) -> bool:
-    """--data names token shards (not a text file) when it ends in .bin or is a glob pattern."""
-    return spec.endswith(".bin") or _is_pattern(spec)
+    """--data names token shards (not a text file) when it ends in .bin, is a glob pattern, or is a
+    file that starts with llm.c's header (one named otherwise was read as text, its bytes trained
+    on, silently: a review's reproduction, 2026-12-06)."""
+    return spec.endswith(".bin") or _is_pattern(spec) or (Path(spec).is_file() and _is_token_file(Path(spec)))
 
 
 def _is_token_file(path: Path) -> bool:
@@ -151,16 +153,32 @@ def gpt2_tokenizer():
     return _TOKENIZER
 
 
+def _cut_at(text: str, i: int) -> int | None:
+    """Where a piece may end at the newline text[i] with GPT-2's pre-tokenizer cutting there too, or
+    None: after it in "x\nY" (a lone newline between two non-space characters), between the \r and
+    the \n in "x\r\nY" (the pre-tokens there are "\r", "\n": a piece ending in "\r\n" would make one
+    of them; CRLF text was never cut, and its whole pre-tokenized text held at once, before)."""
+    if i + 1 >= len(text) or text[i + 1].isspace():
+        return None
+    if i >= 1 and not text[i - 1].isspace():
+        return i + 1
+    if i >= 2 and text[i - 1] == "\r" and not text[i - 2].isspace():
+        return i
+    return None
+
+
 def _chunks(text: str, size: int = 1 << 20) -> list[str]:
-    """Pieces of about ``size`` characters cut only after a lone newline between two non-space
-    characters: GPT-2's pre-tokenizer ends a pre-token there, so tokenizing the pieces (in
-    parallel) gives exactly the tokens of the whole text."""
+    """Pieces of about ``size`` characters cut only where GPT-2's pre-tokenizer ends a pre-token too
+    (_cut_at), so tokenizing the pieces (in parallel) gives exactly the tokens of the whole text."""
     out, start = [], 0
     while start < len(text):
-        cut = start + size
-        while cut < len(text) and not (text[cut - 1] == "\n" and not text[cut].isspace()
-                                       and cut >= 2 and not text[cut - 2].isspace()):
-            cut = text.find("\n", cut) + 1 or len(text)
+        cut, i = len(text), text.find("\n", start + size - 1)
+        while i != -1:
+            c = _cut_at(text, i)
+            if c is not None and c > start:
+                cut = c
+                break
+            i = text.find("\n", i + 1)
         out.append(text[start:cut])
         start = cut
     return out
@@ -185,7 +203,7 @@ def gpt2_decode(ids) -> str:
     return gpt2_tokenizer().decode([int(i) for i in ids if int(i) < GPT2_VOCAB])
 
 
-def tokenize_cached(text_path, fallback_dir=None) -> Path:
+def tokenize_cached(text_path, fallback_dir=None, flag: str = "--data") -> Path:
     """The GPT-2 shard of a text file: ``<name>.gpt2-<sha256[:12]>.bin`` next to it (or in
     ``fallback_dir`` when that directory is not writable), tokenized on first use. Concurrent callers
     (every rank under torchrun) wait on a lock for the one that tokenizes."""
@@ -207,11 +225,11 @@ def tokenize_cached(text_path, fallback_dir=None) -> Path:
         if not cache.is_file():
             raw = text_path.read_bytes()
             if hashlib.sha256(raw).hexdigest() != digest:  # (the cache's name would not be its text's)
-                raise ValueError(f"--data: {text_path} changed while it was read; expected a text that stays put")
+                raise ValueError(f"{flag}: {text_path} changed while it was read; expected a text that stays put")
             try:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError as e:  # (decoded with replacement characters, silently, before)
-                raise ValueError(f"--data: {text_path} is not UTF-8 text (byte {e.start}: "
+                raise ValueError(f"{flag}: {text_path} is not UTF-8 text (byte {e.start}: "
                                  f"{raw[e.start:e.start + 4]!r}); expected UTF-8 for --tokenizer gpt2 "
                                  "(--tokenizer byte reads any file)") from None
             del raw  # (one copy of the text fewer while it is tokenized)
