@@ -45,7 +45,12 @@ def is_shard_spec(spec: str) -> bool:
     """--data names token shards (not a text file) when it ends in .bin, is a glob pattern, or is a
     file that starts with llm.c's header (one named otherwise was read as text, its bytes trained
     on, silently: a review's reproduction, 2026-12-06)."""
-    return spec.endswith(".bin") or _is_pattern(spec) or (Path(spec).is_file() and _is_token_file(Path(spec)))
+    if spec.endswith(".bin") or _is_pattern(spec):
+        return True
+    try:
+        return Path(spec).is_file() and _is_token_file(Path(spec))
+    except OSError:  # (unreadable: the data checks say so by flag)
+        return False
 
 
 def _is_token_file(path: Path) -> bool:
