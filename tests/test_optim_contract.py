@@ -438,6 +438,22 @@ def test_a_write_reaches_its_master_when_the_step_plan_was_rebuilt(cls, case, ke
     assert (p.float() - 5.0).abs().max() < 0.05, p
 
 
+def test_a_write_after_loading_the_optimizer_reaches_its_master(kernel_path):
+    """A fresh optimizer given a state_dict (its masters), then weights written into the params (not
+    the checkpoint's), then a step: the write was undone (no versions to compare yet)."""
+    p = torch.nn.Parameter(torch.full((8,), 0.5, dtype=torch.bfloat16))
+    first = FusedAdamW([p], lr=1e-3, weight_decay=0.0, master_weights=True)
+    _bf16_step(first, p)
+    q = torch.nn.Parameter(p.detach().clone())
+    opt = FusedAdamW([q], lr=1e-3, weight_decay=0.0, master_weights=True)
+    opt.load_state_dict(first.state_dict())
+    with torch.no_grad():
+        q.fill_(-1.0)
+    q.grad = torch.zeros_like(q)
+    opt.step()
+    assert (q.float() + 1.0).abs().max() < 0.01, q
+
+
 def test_fused_adam_steps_after_deepcopy_and_pickle():
     """FusedAdam set its decoupled flag on the instance only: a deepcopied or unpickled optimizer
     (torch's __getstate__ keeps defaults, state and groups) raised AttributeError at its step."""

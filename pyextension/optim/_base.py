@@ -132,6 +132,10 @@ class FusedOptimizerMixin:
         for group in self.param_groups:
             for key, value in self.defaults.items():
                 group.setdefault(key, value)
+        # the loaded masters stand for the params as they are now: a write after this (weights
+        # other than the checkpoint's) reaches its master at the next step (a fresh optimizer had
+        # no versions to compare: the write was undone; a review, 2026-12-06)
+        self._master_versions = {id(p): (p.data_ptr(), p._version) for g in self.param_groups for p in g["params"]}
 
     def _state(self, p: torch.Tensor, master_weights: bool) -> dict:
         state = self.state[p]

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 
 import torch
 import torch.distributed as dist
@@ -37,7 +38,7 @@ import torch.distributed as dist
 from zerofuse.comm import Communicator
 from zerofuse.tp.spec import tp_group_of
 from zerofuse.zero.bucket_group import BucketGroup
-from zerofuse.zero.buckets import Bucket
+from zerofuse.zero.buckets import LOW_PRECISION, Bucket
 from zerofuse.zero.fixed_layout import TrainableCheck, guard_conversions
 from zerofuse.zero.full_params import FullParams
 from zerofuse.zero.grads import SHARDED, close_dead_backward, gathered_grads, install_clip_warning, reset_backward
@@ -130,7 +131,10 @@ class ZeroEngine(ExpertLayout, FullParams, Stage3Hooks, WorldOfOne):
         self.wrap_units: dict[int, Bucket] = {}  # id(module) -> unit
         # stage 0 replicates everything: buckets are laid out as for a single rank
         shard_rank, shard_world = (0, 1) if stage == 0 else (self.rank, self.world_size)
-        kw = dict(rank=shard_rank, world_size=shard_world, align=ALIGN, stage=stage, dtype=self.dtype,
+        # (stage 0 over a low-precision wire: reduce_scatter_fp32_sum splits each buffer over the
+        # ranks; padded to 128 alone it failed at world sizes 128 does not divide by: 3, 5, 6, ...)
+        align = math.lcm(ALIGN, self.world_size) if stage == 0 and self.reduce_dtype in LOW_PRECISION else ALIGN
+        kw = dict(rank=shard_rank, world_size=shard_world, align=align, stage=stage, dtype=self.dtype,
                   reduce_dtype=self.reduce_dtype, grad_div=1.0 / self.world_size, device=device)
         self._init = Initializer(model, param_init_fn, rest) if meta else None
         if stage == 3:
