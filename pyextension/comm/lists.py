@@ -49,4 +49,3 @@ def _bytes_of_bools(where: str, tensors: list, op: str | None = None, scale=None
         raise ValueError(f"zerofuse.comm.{where}: expected no bool tensors for {how} (a bool sum is no bool: cast "
                          f"them to an integer dtype, or reduce with op 'max' (any) or 'min' (all)), got bool")
     return [t.view(torch.uint8) if isinstance(t, torch.Tensor) and t.dtype == torch.bool else t for t in tensors]
-

@@ -243,11 +243,10 @@ def _mask_keeps_documents(mask, docs) -> bool:
         return False
     if docs is None:
         return True
+    if mask.shape[-2:] != (docs.shape[1], docs.shape[1]):
+        return False
     allowed = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
     same = docs[:, None, :, None] == docs[:, None, None, :]
-    n = allowed.shape[-1]
-    if allowed.shape[-2] != docs.shape[1] or n != docs.shape[1]:
-        return False
     return not bool((allowed & ~same).any())
 
 

@@ -305,10 +305,13 @@ class Pipeline(Transfers):
             if a.stage - 1 not in self.stages:  # received: flagged as the header says (passed locally: already)
                 inputs = tuple(t.requires_grad_(grad) for t, (_, _, grad) in zip(inputs, self._spec(a.stage - 1)))
         self._inputs[(a.stage, a.mb)] = inputs
+        # what the stage's graph depends on besides its code: the micro-batch shape, mode, training
+        # flag, and which params require grad (unfrozen, a param's use saved an output; [Note:
+        # zero-bubble coverage]). One key for the saved outputs below and zb's analysis.
+        key = (a.stage, self._mb_shape, self._mode, stage.training, tuple(p.requires_grad for p in stage.parameters()))
         record = self._split and torch.is_grad_enabled()
         if record:
-            zb_key = self._zb.key(a.stage, (self._mb_shape, self._mode, stage.training))
-            self._zb.begin(zb_key)
+            self._zb.begin(key)
         saved: set[int] = set()
 
         def pack(t):
@@ -320,8 +323,6 @@ class Pipeline(Transfers):
         # seen once through saved_tensors_hooks (a Python call per saved tensor: measured 4% of the
         # interleaved pp 2 step when paid on every forward) and remembered.
         sent = not stage.is_last and a.stage + 1 not in self.stages and torch.is_grad_enabled()
-        # (which params require grad decides what autograd saves: unfrozen, a param's use saved an output)
-        key = (a.stage, self._mb_shape, self._mode, stage.training, tuple(p.requires_grad for p in stage.parameters()))
         watch = sent and key not in self._saved_outputs
         try:
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if watch else contextlib.nullcontext():
@@ -334,7 +335,7 @@ class Pipeline(Transfers):
         if isinstance(out, torch.Tensor) and not stage.is_last:
             out = (out,)  # one tensor crosses the boundary (iterated, it was split into its rows)
         if record:
-            self._ys[(a.stage, a.mb)] = (zb_key, self._zb.end(zb_key, a.stage, out))
+            self._ys[(a.stage, a.mb)] = (key, self._zb.end(key, a.stage, out))
         if stage.is_last:
             if not isinstance(out, torch.Tensor) or out.dim() != 0 or not out.is_floating_point():
                 got = (f"a tensor of shape {list(out.shape)}" if isinstance(out, torch.Tensor) and out.dim()

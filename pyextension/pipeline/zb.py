@@ -31,6 +31,27 @@ def _sequence_number() -> int:
         return (torch.zeros((), requires_grad=True) * 1).grad_fn._sequence_nr() + 1
 
 
+def _walk(starts, follow=lambda node: True) -> tuple[set, dict, dict]:
+    """The autograd nodes reachable from ``starts`` through the nodes ``follow`` takes: (those nodes,
+    id(param) -> the edges from them into the param's AccumulateGrad, node -> the nodes using it)."""
+    seen, stack, edges, parents = set(), [n for n in starts if follow(n)], {}, {}
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        for nxt, _ in node.next_functions:
+            if nxt is None:
+                continue
+            var = getattr(nxt, "variable", None)
+            if var is not None:
+                edges[id(var)] = edges.get(id(var), 0) + 1
+            elif follow(nxt):
+                parents.setdefault(nxt, []).append(node)
+                stack.append(nxt)
+    return seen, edges, parents
+
+
 class ZeroBubble:
     """The modules' forward hooks and, per micro-batch, what they recorded; the analysis of
     [Note: zero-bubble coverage] cached by key."""
@@ -67,11 +88,9 @@ class ZeroBubble:
 
     # ------------------------------------------------------------------ forward
 
-    def key(self, stage: int, batch_key) -> tuple:
-        return (stage, batch_key, tuple(p.requires_grad for p in self.params[stage]))
-
     def begin(self, key) -> None:
-        """Before a micro-batch's forward (grad enabled)."""
+        """Before a micro-batch's forward (grad enabled); ``key``: the Pipeline's, (stage, micro-batch
+        shape, mode, training, which params require grad): what the stage's graph depends on."""
         self.recording = []
         self._analysing = key not in self._plans
 
@@ -111,40 +130,12 @@ class ZeroBubble:
 
     def _analyse(self, stage: int, rec, outputs) -> tuple[set, list]:
         roots = [t.grad_fn for t in _tensors(outputs) if t.requires_grad and t.grad_fn is not None]
-        edges: dict[int, int] = {}  # id(param) -> edges into its AccumulateGrad
-        parents: dict = {}  # node -> the nodes that use it
-        seen, stack = set(roots), list(roots)
-        while stack:
-            node = stack.pop()
-            for nxt, _ in node.next_functions:
-                if nxt is None:
-                    continue
-                var = getattr(nxt, "variable", None)
-                if var is not None:
-                    edges[id(var)] = edges.get(id(var), 0) + 1
-                    continue
-                parents.setdefault(nxt, []).append(node)
-                if nxt not in seen:
-                    seen.add(nxt)
-                    stack.append(nxt)
+        _, edges, parents = _walk(roots)
         covered: set[int] = set()
         for params, outs, (lo, hi) in rec:
             inside = lambda n: lo <= n._sequence_nr() < hi  # noqa: E731 (an op of this module's forward)
             out_nodes = {t.grad_fn for t in outs if t.grad_fn is not None}
-            region, stack, mine = set(), [n for n in out_nodes if inside(n)], {}
-            while stack:
-                node = stack.pop()
-                if node in region:
-                    continue
-                region.add(node)
-                for nxt, _ in node.next_functions:
-                    if nxt is None:
-                        continue
-                    var = getattr(nxt, "variable", None)
-                    if var is not None:
-                        mine[id(var)] = mine.get(id(var), 0) + 1
-                    elif inside(nxt):
-                        stack.append(nxt)
+            region, mine, _ = _walk(out_nodes, inside)
             # an op of the forward used outside it but through an output: its params are not W's
             leaks = any(n not in out_nodes and any(not inside(q) for q in parents.get(n, ())) for n in region)
             if not leaks:
