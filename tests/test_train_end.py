@@ -49,6 +49,8 @@ def test_a_resume_drops_a_metrics_line_cut_short(tmp_path):
     path.write_text("{oops\n" + path.read_text())  # not the last line: refused by file and line
     with pytest.raises(RuntimeError, match=r"metrics.jsonl line 1 is no metrics record"):
         Trainer(tiny_job_args(tmp_path, "--steps", "4", "--resume", *flags), None).run()
+    import torch.distributed as dist
+    assert not dist.is_initialized()  # a run refused in its setup leaves no process group behind
 
 
 def _final_vote_rank(rank, ws, last_step_signal):

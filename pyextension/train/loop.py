@@ -178,7 +178,15 @@ class Trainer:
 
     def run(self) -> int:
         import torch.distributed as dist
-        self._setup()
+        try:
+            self._setup()
+        except BaseException:  # (a refusal after the process group began: it and the signal handlers
+            # outlived the failed run, and the caller's next Trainer failed to initialize it again)
+            if getattr(self, "stop", None) is not None:
+                self.stop.restore()
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            raise
         args = self.args
         try:
             self.stop.arm()  # signals stop the loop at a step boundary (before it: at once)
