@@ -61,9 +61,12 @@ def _count(kind: str, t: torch.Tensor, factor: int = 1) -> None:
 
 @opaque_to_compile  # the Communicator is opaque to dynamo: no retracing per shape
 def all_reduce(x: torch.Tensor, comm: Communicator, op: str = "sum", wait: bool = True):
-    """In place on a contiguous x; returns the Work when wait=False."""
+    """In place on a contiguous x; returns the Work when wait=False. x's version counter is bumped
+    (the communicator writes outside the dispatcher): autograd or a selective-checkpoint cache that
+    kept x refuses it as modified in place instead of using the reduced values unknowingly."""
     _count("all_reduce", x)
     work = comm.all_reduce_coalesced([x], op=op)
+    torch.autograd.graph.increment_version(x)
     if wait:
         work.wait()
         return x

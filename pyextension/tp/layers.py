@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from zerofuse.nn.autocast import autocast_dtype, cast_all
 from zerofuse.ops.ids import check_ids
@@ -120,7 +121,14 @@ class _RowLinear(torch.autograd.Function):
         partial = F.linear(x, weight)
         ctx.save_for_backward(x, weight)
         ctx.comm, ctx.sp = comm, sp
-        return C.seq_reduce_scatter(partial, comm) if sp else C.all_reduce(partial.contiguous(), comm)
+        if sp:
+            return C.seq_reduce_scatter(partial, comm)
+        # [Note: an in-place all-reduce under a dispatch mode] a TorchDispatchMode may keep the
+        # matmul's output: torch's selective checkpoint caches mm outputs (zerofuse's "selective"
+        # too), and its recompute returned the already-reduced output, reduced again (grads ~5% off
+        # at tp 2 without SP, 2026-12-06). Under any mode the all-reduce takes a copy.
+        partial = partial.contiguous()
+        return C.all_reduce(partial.clone() if _get_current_dispatch_mode_stack() else partial, comm)
 
     @staticmethod
     def backward(ctx, g):
