@@ -87,10 +87,33 @@ def _extension():
 # not as an undeclared namespace package, which it warns it will stop including)
 packages = ["zerofuse"] + ["zerofuse." + p for p in find_packages("pyextension")] + ["zerofuse.kernels", "zerofuse.data"]
 
+def _load_stamp():
+    """pyextension/_stamp.py, loaded by path (the zerofuse package cannot be imported mid-build)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_zerofuse_stamp", os.path.join(ROOT, "pyextension", "_stamp.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+class _BuildExt(BuildExtension.with_options(use_ninja=True)):
+    """torch's BuildExtension, then the build stamp next to the extension (pyextension/_stamp.py):
+    the sources' hashes taken before the build, written only once it succeeded."""
+
+    def run(self):
+        stamp = _load_stamp()
+        hashes = stamp.source_hashes(os.path.join(ROOT, "csrc"))
+        super().run()
+        for ext in self.extensions:
+            print(f"zerofuse: build stamp {stamp.write(os.path.dirname(self.get_ext_fullpath(ext.name)), hashes)}",
+                  file=sys.stderr)
+
+
 setup(
     packages=packages,
     package_dir={"zerofuse": "pyextension", "zerofuse.kernels": "kernels"},
     package_data={"zerofuse.data": ["*.txt", "*.bin"]},
     ext_modules=[_extension()],
-    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+    cmdclass={"build_ext": _BuildExt},
 )

@@ -2,6 +2,8 @@
 
 CUDA builds link libnccl from the nvidia-nccl wheel with an rpath; if the loader still cannot find
 it (a relocated environment, say), the wheel's libnccl is preloaded and the import retried.
+In a source checkout, an extension built from other C++ sources than csrc/ holds now warns
+(StaleBuildWarning, pyextension/_stamp.py).
 """
 from __future__ import annotations
 
@@ -10,6 +12,13 @@ import glob
 import importlib
 import importlib.util
 import os
+import warnings
+
+from zerofuse import _stamp
+
+
+class StaleBuildWarning(UserWarning):
+    """zerofuse._C was built from other C++ sources than the checkout holds ([_stamp])."""
 
 
 def _preload_nccl() -> bool:
@@ -26,11 +35,23 @@ def _preload_nccl() -> bool:
 
 def load_extension():
     try:
-        return importlib.import_module("zerofuse._C")
+        ext = importlib.import_module("zerofuse._C")
     except ImportError as e:
-        if "libnccl" in str(e) and _preload_nccl():
-            return importlib.import_module("zerofuse._C")
-        raise ImportError(
-            f"zerofuse: the compiled extension zerofuse._C did not load ({e}). Build it with "
-            "`pip install --no-build-isolation -e .` (see README.md)."
-        ) from e
+        if not ("libnccl" in str(e) and _preload_nccl()):
+            raise ImportError(
+                f"zerofuse: the compiled extension zerofuse._C did not load ({e}). Build it with "
+                "`pip install --no-build-isolation -e .` (see README.md)."
+            ) from e
+        ext = importlib.import_module("zerofuse._C")
+    warn_if_stale()
+    return ext
+
+
+def warn_if_stale() -> str | None:
+    """Warns (StaleBuildWarning) when the extension's build stamp does not match csrc/; returns why."""
+    why = _stamp.stale(os.path.dirname(os.path.abspath(__file__)))
+    if why:
+        warnings.warn(f"zerofuse: the compiled extension zerofuse._C is stale: {why}. Its kernels are the old "
+                      "ones; rebuild it with `pip install --no-build-isolation -e .` (see README.md).",
+                      StaleBuildWarning, stacklevel=2)
+    return why

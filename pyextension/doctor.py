@@ -3,7 +3,8 @@
 Prints the zerofuse, torch, triton and NCCL versions, the backends compiled into zerofuse._C, the
 visible devices and how Triton runs (natively on a GPU or in the interpreter), then runs each
 registered op's self-test on every available device against zerofuse.reference. Exits 1 if any
-self-test fails or an op registered with torch has no self-test.
+self-test fails, an op registered with torch has no self-test, or the extension was built from
+other sources than csrc/ holds (a stale build: pyextension/_stamp.py).
 """
 from __future__ import annotations
 
@@ -217,6 +218,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     for line in report():
         print(line)
+    import zerofuse
+    from zerofuse import _stamp
+
+    stale = _stamp.stale(os.path.dirname(os.path.abspath(zerofuse.__file__)))
+    print(f"build      STALE: {stale}" if stale else "build      the extension matches the sources (or no csrc/ here)")
     if args.no_selftest:
         return 0
     from zerofuse.kernels.attention import pinned_config
@@ -225,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
         if not failures:  # a failure through the JIT would fail again here: not the handles'
             failures += handles_selftest(_devices())
     failures += comm_selftest(_devices())
+    if stale:  # the self-tests ran the old kernels
+        failures.append(f"stale build: {stale}")
     if failures:
         print(f"doctor: {len(failures)} self-test(s) failed", file=sys.stderr)
         return 1

@@ -1,0 +1,67 @@
+"""The build stamp: which C++/CUDA sources zerofuse._C was built from.
+
+setup.py's build_ext writes ``_C.stamp.json`` next to the extension it built, after the build
+succeeded (a failed build leaves the old extension and its old stamp). In a source checkout
+(``csrc/`` next to the package: an editable install) the loader compares the stamp with what
+``csrc/`` holds now and warns, naming the files, when they differ: an edited or pulled ``csrc/``
+without a rebuild otherwise runs the old kernels without a word (a missing symbol was the only
+sign, and only when the Python side imported one). An installed wheel has no ``csrc/``: no check.
+
+This file imports nothing from zerofuse: setup.py loads it by path before the package exists.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+SUFFIXES = (".cpp", ".cu", ".h", ".cuh")
+STAMP = "_C.stamp.json"
+
+
+def source_hashes(csrc: str) -> dict[str, str]:
+    """sha256 of every source under ``csrc`` (the suffixes above), by path relative to it."""
+    out = {}
+    for root, dirs, files in os.walk(csrc):
+        dirs.sort()
+        for name in sorted(files):
+            if name.endswith(SUFFIXES):
+                path = os.path.join(root, name)
+                with open(path, "rb") as f:
+                    out[os.path.relpath(path, csrc).replace(os.sep, "/")] = hashlib.sha256(f.read()).hexdigest()
+    return out
+
+
+def write(ext_dir: str, hashes: dict[str, str]) -> str:
+    """Writes the stamp (``hashes``: source_hashes taken before the build began, so an edit made
+    during it counts as a change) into ``ext_dir``, atomically; returns its path."""
+    path = os.path.join(ext_dir, STAMP)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump({"sources": hashes}, f, indent=0, sort_keys=True)
+    os.replace(tmp, path)
+    return path
+
+
+def stale(pkg_dir: str) -> str | None:
+    """Why the extension in ``pkg_dir`` does not match the checkout's ``csrc/``; None when it does,
+    or when there is nothing to compare (no stamp: built before stamps or by other means; no csrc/)."""
+    stamp = os.path.join(pkg_dir, STAMP)
+    csrc = os.path.join(os.path.dirname(os.path.abspath(pkg_dir)), "csrc")
+    if not (os.path.isfile(stamp) and os.path.isdir(csrc)):
+        return None
+    try:
+        with open(stamp) as f:
+            built = json.load(f)["sources"]
+        if not isinstance(built, dict):
+            raise TypeError(type(built).__name__)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"its build stamp {stamp} is unreadable ({type(e).__name__}: {e})"
+    now = source_hashes(csrc)
+    changed = sorted(k for k in now.keys() | built.keys() if now.get(k) != built.get(k))
+    if not changed:
+        return None
+    how = {k: "new" if k not in built else "removed" if k not in now else "changed" for k in changed}
+    listed = ", ".join(f"csrc/{k} ({how[k]})" for k in changed[:6])
+    more = f" and {len(changed) - 6} more" if len(changed) > 6 else ""
+    return f"it was built from other sources than {csrc} holds now: {listed}{more}"

@@ -1,0 +1,71 @@
+"""The build stamp (zerofuse/_stamp.py): an extension built from other C++ sources than csrc/
+holds now is named at import (StaleBuildWarning) and by the doctor. Before it, an edited or pulled
+csrc/ without a rebuild ran the old kernels without a word (a missing symbol was the only sign)."""
+import os
+
+import pytest
+
+import zerofuse
+from zerofuse import _loader, _stamp, doctor
+
+PKG = os.path.dirname(os.path.abspath(zerofuse.__file__))
+CSRC = os.path.join(os.path.dirname(PKG), "csrc")
+
+
+@pytest.mark.skipif(not os.path.isdir(CSRC), reason="an installed wheel: no csrc/ to compare with")
+def test_the_checkouts_extension_was_stamped_with_its_sources():
+    """setup.py's build_ext wrote the stamp where the editable install put the extension."""
+    assert os.path.isfile(os.path.join(PKG, _stamp.STAMP))
+    assert _stamp.stale(PKG) is None
+
+
+def _tree(tmp_path):
+    pkg, csrc = tmp_path / "pkg", tmp_path / "csrc"
+    (csrc / "cpu").mkdir(parents=True)
+    pkg.mkdir()
+    (csrc / "a.cpp").write_text("int a;")
+    (csrc / "cpu" / "b.h").write_text("int b;")
+    (csrc / "notes.txt").write_text("not a source")
+    return str(pkg), csrc
+
+
+def test_changed_new_and_removed_sources_are_named(tmp_path):
+    pkg, csrc = _tree(tmp_path)
+    assert _stamp.stale(pkg) is None  # no stamp (built before stamps): nothing to compare
+    _stamp.write(pkg, _stamp.source_hashes(str(csrc)))
+    assert _stamp.stale(pkg) is None
+    (csrc / "notes.txt").write_text("edited")  # not a source
+    assert _stamp.stale(pkg) is None
+    (csrc / "a.cpp").write_text("int a = 1;")
+    (csrc / "cpu" / "c.cu").write_text("")
+    (csrc / "cpu" / "b.h").unlink()
+    why = _stamp.stale(pkg)
+    assert why.endswith("csrc/a.cpp (changed), csrc/cpu/b.h (removed), csrc/cpu/c.cu (new)"), why
+
+
+def test_an_unreadable_stamp_is_named(tmp_path):
+    pkg, _ = _tree(tmp_path)
+    with open(os.path.join(pkg, _stamp.STAMP), "w") as f:
+        f.write('{"sources": [')
+    assert "build stamp" in _stamp.stale(pkg) and "unreadable" in _stamp.stale(pkg)
+
+
+def test_a_stale_extension_warns_when_loaded(monkeypatch):
+    if not os.path.isdir(CSRC):
+        pytest.skip("an installed wheel: no csrc/ to compare with")
+    real = _stamp.source_hashes
+    monkeypatch.setattr(_stamp, "source_hashes", lambda csrc: {**real(csrc), "cpu/new_kernel.cpp": "0"})
+    with pytest.warns(_loader.StaleBuildWarning, match=r"csrc/cpu/new_kernel.cpp \(new\).*pip install"):
+        assert _loader.load_extension() is zerofuse._C
+
+
+def test_the_doctor_names_a_stale_build_and_fails(monkeypatch, capsys):
+    monkeypatch.setattr(_stamp, "stale", lambda pkg_dir: "it was built from other sources: csrc/x.cpp (changed)")
+    monkeypatch.setattr(doctor, "selftest", lambda devices: [])
+    monkeypatch.setattr(doctor, "handles_selftest", lambda devices: [])
+    monkeypatch.setattr(doctor, "comm_selftest", lambda devices: [])
+    assert doctor.main(["--no-selftest"]) == 0  # the report only: says it, fails nothing
+    assert "build      STALE: it was built from other sources: csrc/x.cpp (changed)" in capsys.readouterr().out
+    assert doctor.main([]) == 1
+    monkeypatch.setattr(_stamp, "stale", lambda pkg_dir: None)
+    assert doctor.main([]) == 0
