@@ -240,23 +240,27 @@ def test_gradient_accumulation_matches_one_big_batch():
         assert_close_params(r["params"], ref_params, alt_params, str(key))
 
 
-def _other_optimizers_rank(rank, ws, kind, stage, steps):
+def _other_optimizers_rank(rank, ws, kind, stage, steps, hp):
     model = make_model()
     zerofuse.zero.parallelize(model, stage=stage, bucket_mb=0.25)
     if kind == "lamb":
-        opt = zerofuse.zero.Optimizer(model, "lamb", lr=LR, weight_decay=WD)
+        opt = zerofuse.zero.Optimizer(model, "lamb", lr=LR, weight_decay=WD, **hp)
     else:
         opt = zerofuse.zero.Optimizer(model, "lars", lr=0.1, momentum=0.9, weight_decay=1e-4)
     losses, _ = _train(rank, ws, model, opt, steps, clip=False)
     return losses, full_state(model)
 
 
-@pytest.mark.parametrize("kind,stage,ws", [("lamb", 0, 2), ("lamb", 2, 2), ("lamb", 3, 3), ("lars", 1, 3), ("lars", 3, 2)])
-def test_lamb_and_lars_on_shards(kind, stage, ws):
-    """Per-param trust ratios need norms of params split across ranks: summed over the ranks."""
+@pytest.mark.parametrize("kind,stage,ws,hp", [("lamb", 0, 2, {}), ("lamb", 2, 2, {}), ("lamb", 3, 3, {}),
+                                               ("lamb", 2, 2, dict(max_grad_norm=0)), ("lars", 1, 3, {}),
+                                               ("lars", 3, 2, {})])
+def test_lamb_and_lars_on_shards(kind, stage, ws, hp):
+    """Per-param trust ratios need norms of params split across ranks: summed over the ranks.
+    LAMB's max_grad_norm=0 is no clipping, as FusedLAMB's (it clipped at the default 1.0:
+    zerofuse-train --optimizer lamb --clip 0, a review's reproduction, 2026-12-06)."""
     steps = 5
-    ref_losses, _, ref_params, alt_params = reference_pair(steps, ws, kind=kind)
-    losses, params = run_distributed(_other_optimizers_rank, ws, kind, stage, steps, timeout=240)[0]
+    ref_losses, _, ref_params, alt_params = reference_pair(steps, ws, kind=kind, **hp)
+    losses, params = run_distributed(_other_optimizers_rank, ws, kind, stage, steps, hp, timeout=240)[0]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
     assert_close_params(params, ref_params, alt_params)
 

@@ -86,7 +86,7 @@ def setup(t) -> None:
                 block.forward = torch.compile(block.forward)
             t.compiled = "each transformer block"
     t.opt = zero.Optimizer(t.model, args.optimizer, param_groups=param_groups(t.model),
-                           max_grad_norm=args.clip or None, **hyper(args),
+                           max_grad_norm=args.clip, **hyper(args),
                            delayed_update=args.offload_delayed_update is not None,
                            delayed_update_warmup=args.offload_delayed_update or 0)
     t.sched = torch.optim.lr_scheduler.LambdaLR(t.opt, lr_lambda(args))

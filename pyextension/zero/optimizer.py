@@ -74,8 +74,8 @@ class Optimizer(GradNorms, OptimizerState, torch.optim.Optimizer):
     delayed_update=False, delayed_update_warmup=0, **hyperparameters).
 
     param_groups: None (one group) or torch-style dicts {"params": [model params], **overrides},
-    e.g. no weight decay for norms and biases. max_grad_norm: clip every step (LAMB defaults to
-    1.0, as Apex); or call clip_grad_norm_ before step. lr schedulers work unchanged.
+    e.g. no weight decay for norms and biases. max_grad_norm: clip every step (None or 0: no clipping;
+    LAMB's None is 1.0, as Apex); or call clip_grad_norm_ before step. lr schedulers work unchanged.
     offload_overlap (a model parallelized with offload): True steps each unit on the host during
     backward when nothing global stands in the way (no max_grad_norm, no fp16); False always waits
     for step() (e.g. to call clip_grad_norm_ on some steps) ([Note: offloaded steps]).
@@ -102,11 +102,12 @@ class Optimizer(GradNorms, OptimizerState, torch.optim.Optimizer):
             raise ValueError(f"{NAME}: expected optimizer 'adamw' or 'adam' with offload={eng.offload!r} (the host "
                              f"steps run unit by unit; {optimizer}'s trust ratios need every unit's norms), got "
                              f"{optimizer!r}")
-        if optimizer == "lamb" and max_grad_norm is None:
-            max_grad_norm = 1.0
+        if optimizer == "lamb" and max_grad_norm is None:  # as Apex; 0 turns it off (zerofuse-train --clip 0
+            max_grad_norm = 1.0  # with LAMB clipped at 1.0 when 0 was taken as "not given")
         check_options(defaults, "")
-        if max_grad_norm is not None and not max_grad_norm > 0:
-            raise ValueError(f"{NAME}: expected max_grad_norm > 0 or None, got {max_grad_norm}")
+        if max_grad_norm is not None and not max_grad_norm >= 0:
+            raise ValueError(f"{NAME}: expected max_grad_norm >= 0 or None (0: no clipping), got {max_grad_norm}")
+        max_grad_norm = max_grad_norm or None
         check_scaler(initial_scale, growth_factor, backoff_factor, growth_interval)
         self.engine, self.kind, self.max_grad_norm = eng, optimizer, max_grad_norm
         eng.optimizer_ref = weakref.ref(self)
