@@ -79,6 +79,8 @@ def test_graphed_step_plumbing_equals_the_eager_job(tmp_path, monkeypatch):
     assert t.run() == 0
     assert len(made) == 1 and made[0].captures == 1 and made[0].replays == 8 - graphs.WARMUP
     assert t.graphs.captured_at == graphs.WARMUP
+    # the capture's step is marked: no steady step (the summary's step time counted it, 2026-12-06)
+    assert [r.get("graph_capture", False) for r in _rows(graphed)] == [i == graphs.WARMUP for i in range(8)]
     a, b = _rows(eager), _rows(graphed)
     assert [r["lr"] for r in a] == [r["lr"] for r in b] and len({r["lr"] for r in a}) > 4  # the lr changes
     assert [(r["loss"], r["grad_norm"]) for r in a] == [(r["loss"], r["grad_norm"]) for r in b]

@@ -100,8 +100,10 @@ class Trainer:
         t0, w0 = time.perf_counter(), comm.wait_seconds()
         both = self._batch(self.step)
         lr = opt.param_groups[0]["lr"]
+        capture = self.graphs is not None and self.graphs.graph is None
         if self.graphs is not None:
             mean_loss, norm, skipped = self.graphs.step(both)
+            capture = capture and self.graphs.graph is not None  # captured in this step: no steady one
         else:
             if not cpu:
                 both = both.to(self.device, non_blocking=True)
@@ -111,6 +113,8 @@ class Trainer:
         self.step += 1
         host = {"step": self.step, "lr": lr, "comm_time": comm.wait_seconds() - w0 if cpu else None,
                 "step_time": time.perf_counter() - t0 if cpu else None}  # CUDA: timed between log points
+        if capture:
+            host["graph_capture"] = True
         self.metrics.record(host, mean_loss, norm, skipped, copy=self.graphs is not None)
         stop_after = args.stop_after is not None and self.step >= args.stop_after  # the same on every rank
         self.stopped = self.vote.vote(self.stop.signum) or (signal.SIGTERM if stop_after else 0)

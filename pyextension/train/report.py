@@ -202,14 +202,18 @@ def _mean(xs):
 def steady_step_time(runs: list[dict]) -> float | None:
     """Mean step time without the warm-up (compilation, autotuning, caches): without the first step
     where each step was timed (CPU), without the first log window where a window's wall time was
-    shared by its steps (CUDA: records with a log_window), unless nothing else was run."""
+    shared by its steps (CUDA: records with a log_window), without the step that counted launches
+    and the step that captured the CUDA graph (and their windows), unless nothing else was run."""
     first = runs[0].get("log_window") if runs else None
-    runs = [m for m in runs if not m.get("instrumented")] or runs  # the launch-counting step: ~2.4x slower
+    # the launch-counting step (~2.4x slower) and the CUDA-graph capture's are no steady steps; where
+    # windows are timed, their window's steps share their time: the window is left out
+    odd = [m for m in runs if m.get("instrumented") or m.get("graph_capture")]
     if first is None:
-        steady = runs[1:] or runs
+        steady = [m for m in runs[1:] if not any(m is o for o in odd)]
     else:
-        steady = [m for m in runs if m.get("log_window") != first] or runs
-    return _mean([m["step_time"] for m in steady])
+        left_out = {first} | {m.get("log_window") for m in odd}
+        steady = [m for m in runs if m.get("log_window") not in left_out]
+    return _mean([m["step_time"] for m in (steady or runs)])
 
 
 def _mfu(t: Trainer, tok_s: float | None) -> float | None:
