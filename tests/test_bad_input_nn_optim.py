@@ -144,15 +144,15 @@ def _optimizer_rows(cls) -> list[Case]:
         Case(f"{n}-found_inf-str", _step, lambda: (cls, [P(3)], [r(3)]), TypeError,
              r"expected found_inf to be a number or a 1-element tensor, got str", dict(found_inf="yes")),
         Case(f"{n}-lr-negative", cls, lambda: ([P(3)],), ValueError,
-             r"(Invalid learning rate|expected lr >= 0, got)[: ]*-1.0", dict(lr=-1.0)),
+             r"(Invalid learning rate|expected lr finite and >= 0, got)[: ]*-1.0", dict(lr=-1.0)),
         Case(f"{n}-lr-nan", cls, lambda: ([P(3)],), ValueError,
-             r"(Invalid learning rate|expected lr >= 0, got)[: ]*nan", dict(lr=NAN)),
+             r"(Invalid learning rate|expected lr finite and >= 0, got)[: ]*nan", dict(lr=NAN)),
         Case(f"{n}-weight_decay-negative", cls, lambda: ([P(3)],), ValueError,
-             r"(Invalid weight_decay value|expected weight_decay >= 0, got)[: ]*-1.0", dict(weight_decay=-1.0)),
+             r"(Invalid weight_decay value|expected weight_decay finite and >= 0, got)[: ]*-1.0", dict(weight_decay=-1.0)),
         Case(f"{n}-max_grad_norm-negative", cls, lambda: ([P(3)],), ValueError,
-             rf"{n}: expected max_grad_norm >?=? 0 or None, got -1.0", dict(max_grad_norm=-1.0)),
+             rf"{n}: expected max_grad_norm >= 0 or None( \(0: no clipping\))?, got -1.0", dict(max_grad_norm=-1.0)),
         Case(f"{n}-max_grad_norm-nan", cls, lambda: ([P(3)],), ValueError,
-             rf"{n}: expected max_grad_norm >?=? 0 or None, got nan", dict(max_grad_norm=NAN)),
+             rf"{n}: expected max_grad_norm >= 0 or None( \(0: no clipping\))?, got nan", dict(max_grad_norm=NAN)),
     ]
     if cls is not FusedLARS:
         rows += [
@@ -161,7 +161,7 @@ def _optimizer_rows(cls) -> list[Case]:
             Case(f"{n}-betas-above-1", cls, lambda: ([P(3)],), ValueError,
                  rf"{n}: expected betas to be a pair .*got \(1.5, 0.9\)", dict(betas=(1.5, 0.9))),
             Case(f"{n}-eps-negative", cls, lambda: ([P(3)],), ValueError,
-                 r"(Invalid epsilon value|expected eps >= 0, got)[: ]*-1.0", dict(eps=-1.0)),
+                 r"(Invalid epsilon value|expected eps finite and >= 0, got)[: ]*-1.0", dict(eps=-1.0)),
         ]
     return rows
 
@@ -187,10 +187,14 @@ OPTIM = [row for cls in (FusedAdamW, FusedAdam, FusedLAMB, FusedLARS) for row in
          r"FusedLAMB: expected mode 'paper' or 'nvlamb', got 'lars'", dict(mode="lars")),
     Case("FusedLAMB-trust-range", FusedLAMB, lambda: ([P(3)],), ValueError,
          r"expected 0 <= min_trust <= max_trust, got 2.0, 1.0", dict(min_trust=2.0, max_trust=1.0)),
+    Case("FusedLAMB-lr-inf", FusedLAMB, lambda: ([P(3)],), ValueError, r"FusedLAMB: expected lr finite and >= 0, got inf",
+         dict(lr=float("inf"))),
+    Case("FusedLARS-trust_coefficient-inf", FusedLARS, lambda: ([P(3)],), ValueError,
+         r"FusedLARS: expected trust_coefficient finite and >= 0, got inf", dict(trust_coefficient=float("inf"))),
     Case("FusedLARS-momentum-negative", FusedLARS, lambda: ([P(3)],), ValueError,
-         r"FusedLARS: expected momentum >= 0, got -0.1", dict(momentum=-0.1)),
+         r"FusedLARS: expected momentum finite and >= 0, got -0.1", dict(momentum=-0.1)),
     Case("FusedLARS-trust_coefficient-negative", FusedLARS, lambda: ([P(3)],), ValueError,
-         r"FusedLARS: expected trust_coefficient >= 0, got -1", dict(trust_coefficient=-1)),
+         r"FusedLARS: expected trust_coefficient finite and >= 0, got -1", dict(trust_coefficient=-1)),
     Case("FusedAdamW-loaded-state-of-another-shape", _load_short_state, tuple, ValueError,
          r"expected exp_avgs\[0\] to have 4 elements like params\[0\], got 3"),
 ]

@@ -789,10 +789,10 @@ def test_lamb_on_shards_with_all_reduced_norms_equals_unsharded(world_size, cpu_
     [
         (lambda p: FusedAdamW([p], amsgrad=True), ValueError, r"FusedAdamW: amsgrad=True is not supported \(use torch.optim.AdamW\)"),
         (lambda p: FusedAdam([p], differentiable=True), ValueError, r"FusedAdam: differentiable=True is not supported"),
-        (lambda p: FusedAdamW([p], max_grad_norm=-1.0), ValueError, r"FusedAdamW: expected max_grad_norm > 0 or None, got -1.0"),
+        (lambda p: FusedAdamW([p], max_grad_norm=-1.0), ValueError, r"FusedAdamW: expected max_grad_norm >= 0 or None \(0: no clipping\), got -1.0"),
         (lambda p: FusedLAMB([p], mode="lars"), ValueError, r"FusedLAMB: expected mode 'paper' or 'nvlamb', got 'lars'"),
         (lambda p: FusedLAMB([p], min_trust=2.0, max_trust=1.0), ValueError, r"expected 0 <= min_trust <= max_trust"),
-        (lambda p: FusedLARS([p], momentum=-0.1), ValueError, r"FusedLARS: expected momentum >= 0, got -0.1"),
+        (lambda p: FusedLARS([p], momentum=-0.1), ValueError, r"FusedLARS: expected momentum finite and >= 0, got -0.1"),
     ],
 )
 def test_bad_options_raise(make, exc, msg):

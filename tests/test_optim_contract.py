@@ -142,6 +142,27 @@ def test_zero_optimizer_refuses_what_it_would_ignore(world_of_one):
     opt.param_groups[0]["maximize"] = True  # set after construction (or loaded): refused at the step
     with pytest.raises(TypeError, match="'maximize'] = True is not supported"):
         _train(model, opt, 1)
+    opt.param_groups[0]["maximize"] = False
+    for key, value in (("lr", -1.0), ("betas", (1.5, 0.9)), ("eps", float("inf"))):  # (these were stepped with)
+        opt.param_groups[0][key], before = value, opt.param_groups[0][key]
+        with pytest.raises(ValueError, match=rf"param_groups\[0\]\['?{key}'?\]"):
+            _train(model, opt, 1)
+        opt.param_groups[0][key] = before
+    _train(model, opt, 1)
+
+
+def test_fused_adam_takes_max_grad_norm_0_as_no_clipping():
+    """0 is no clipping for every optimizer (FusedAdam/W refused it, FusedLAMB/LARS and a group's
+    value took it so: a review, 2026-12-06)."""
+    got = []
+    for mgn in (0, None):
+        model = _model()
+        opt = FusedAdamW(model.parameters(), lr=1e-2, max_grad_norm=mgn)
+        _train(model, opt, 3)
+        got.append([p.detach().clone() for p in model.parameters()])
+        assert opt.last_grad_norm is None
+    for a, b in zip(*got):
+        assert torch.equal(a, b)
 
 
 def test_zero_optimizer_sync_lr_follows_a_tensor_lr_updated_in_place(world_of_one):

@@ -32,8 +32,9 @@ class _FusedAdamBase(FusedOptimizerMixin):
     _decoupled: bool
 
     def _extra_defaults(self, master_weights, max_grad_norm):
-        if max_grad_norm is not None and not max_grad_norm > 0:
-            raise ValueError(f"{self._name()}: expected max_grad_norm > 0 or None, got {max_grad_norm}")
+        if max_grad_norm is not None and not max_grad_norm >= 0:  # 0: no clipping, as the other optimizers'
+            raise ValueError(f"{self._name()}: expected max_grad_norm >= 0 or None (0: no clipping), got "
+                             f"{max_grad_norm}")
         for key, value in (("master_weights", master_weights), ("max_grad_norm", max_grad_norm)):
             self.defaults[key] = value
             for group in self.param_groups:

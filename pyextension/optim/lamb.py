@@ -9,6 +9,8 @@ global norm of max_grad_norm (None or 0: no clipping). State keys 'step', 'exp_a
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from zerofuse.ops import lamb_
@@ -22,12 +24,10 @@ class FusedLAMB(FusedOptimizerMixin, torch.optim.Optimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01, *, bias_correction=True,
                  max_grad_norm=1.0, mode="nvlamb", min_trust=0.0, max_trust=10.0, master_weights=False):
         name = "zerofuse.optim.FusedLAMB"
-        if not lr >= 0:
-            raise ValueError(f"{name}: expected lr >= 0, got {lr}")
         check_betas("FusedLAMB", betas)
-        for arg, value in (("eps", eps), ("weight_decay", weight_decay)):
-            if not value >= 0:
-                raise ValueError(f"{name}: expected {arg} >= 0, got {value}")
+        for arg, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)):
+            if not (value >= 0 and math.isfinite(value)):  # inf: NaN params
+                raise ValueError(f"{name}: expected {arg} finite and >= 0, got {value}")
         if mode not in TRUST_MODES:
             raise ValueError(f"{name}: expected mode 'paper' or 'nvlamb', got {mode!r}")
         if not 0 <= min_trust <= max_trust:

@@ -8,6 +8,8 @@ master_weights. The math is zerofuse.reference.lars_step.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from zerofuse.ops import lars_
@@ -23,8 +25,8 @@ class FusedLARS(FusedOptimizerMixin, torch.optim.Optimizer):
         name = "zerofuse.optim.FusedLARS"
         for arg, value in (("lr", lr), ("momentum", momentum), ("weight_decay", weight_decay),
                            ("trust_coefficient", trust_coefficient), ("eps", eps)):
-            if not value >= 0:
-                raise ValueError(f"{name}: expected {arg} >= 0, got {value}")
+            if not (value >= 0 and math.isfinite(value)):  # inf: NaN params
+                raise ValueError(f"{name}: expected {arg} finite and >= 0, got {value}")
         if max_grad_norm is not None and not max_grad_norm >= 0:  # 0: no clipping
             raise ValueError(f"{name}: expected max_grad_norm >= 0 or None, got {max_grad_norm}")
         defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, trust_coefficient=trust_coefficient,

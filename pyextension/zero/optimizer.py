@@ -274,6 +274,7 @@ class Optimizer(GradNorms, OptimizerState, torch.optim.Optimizer):
                 loss = closure()
         for gi, g in enumerate(self.param_groups):  # options set on a group since (or loaded): as at construction
             check_group_keys(g, self.kind, f"param_groups[{gi}]")
+            check_options(g, f"param_groups[{gi}]")
         eng = self.engine
         eng.check_trainable()
         eng.finish_grad_sync()

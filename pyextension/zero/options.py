@@ -3,6 +3,8 @@ the checks of hyperparameters and loss-scaler settings, and the checks of parall
 (before anything is built)."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 from zerofuse.ops.lamb import TRUST_MODES
@@ -35,8 +37,10 @@ def check_options(opts: dict, where: str) -> None:
         value = opts[arg]
         if not isinstance(value, (int, float)) or isinstance(value, bool):
             raise TypeError(f"{NAME}: expected {name(arg)} to be a number, got {type(value).__name__}")
-        if not value >= 0:
-            raise ValueError(f"{NAME}: expected {name(arg)} >= 0, got {value}")
+        if not value >= 0 or (arg != "max_trust" and not math.isfinite(value)):  # inf: NaN params (lr, wd, ...)
+            raise ValueError(f"{NAME}: expected {name(arg)} finite and >= 0, got {value}")
+    if "bias_correction" in opts and not isinstance(opts["bias_correction"], bool):  # ("no" was True)
+        raise TypeError(f"{NAME}: expected {name('bias_correction')} True or False, got {opts['bias_correction']!r}")
     if "betas" in opts:
         b = opts["betas"]
         if not (isinstance(b, (tuple, list)) and len(b) == 2 and all(isinstance(x, (int, float)) and 0 <= x < 1
