@@ -47,7 +47,7 @@ def _compose_rank(rank, ws, dp, tp, zero_stage, schedule, micro, reshard="microb
         opt = torch.optim.AdamW([p for s in stages for p in s.parameters()], **hp)
     else:
         for s in stages:
-            zero.parallelize(s, stage=zero_stage, group=mesh.dp_group)
+            zero.parallelize(s, stage=zero_stage, group=mesh.dp_group, pp_group=mesh.pp_group)
         opt = zero.Optimizer(stages[0], "adamw", **hp)
     pipe = Pipeline(stages, schedule=schedule, microbatches=micro, group=mesh.pp_group, zero3_reshard=reshard)
     gathers = []
@@ -188,6 +188,30 @@ def test_tied_embeddings_across_stages_refuse_zero3():
     for msg in run_distributed(_tied_zero3_rank, 4, timeout=120):
         assert "tied embeddings split over two pipeline ranks need the first stage's weight whole" in msg, msg
         assert "got ZeRO-3" in msg, msg
+
+
+def _no_pp_group_rank(rank, ws):
+    import zerofuse  # noqa: F401
+    from zerofuse import zero
+    from zerofuse.models import GPT
+    from zerofuse.pipeline import Pipeline, split_gpt
+
+    (stage,) = split_gpt(GPT(_cfg(4), seed=0), 2, [rank], device="cpu")
+    alone = [torch.distributed.new_group([r]) for r in range(ws)][rank]
+    zero.parallelize(stage, stage=1, group=alone)
+    try:
+        Pipeline([stage], schedule="1f1b", microbatches=2)
+    except ValueError as e:
+        return str(e)
+    return "accepted"
+
+
+def test_stages_parallelized_without_the_pipeline_group_are_refused():
+    """Each stage clipped by its own grad norm (pp 2 x dp 2, ZeRO-2, clipping at 0.3: params 5.5e-3
+    off single-process training after 3 steps; a review's reproduction, 2026-12-06)."""
+    for msg in run_distributed(_no_pp_group_rank, 2, timeout=120):
+        assert "expected the stages made data-parallel with the pipeline group" in msg, msg
+        assert "pipeline group of 1 rank(s) in a pipeline of 2" in msg, msg
 
 
 def _slow_meta_rank(rank, ws, path):

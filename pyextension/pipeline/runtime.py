@@ -132,6 +132,13 @@ class Pipeline(Transfers):
             raise ValueError(f"{NAME}: tied embeddings split over two pipeline ranks need the first stage's weight "
                              "whole to send it; expected ZeRO stage 0, 1 or 2, got ZeRO-3 (or untie them: "
                              "GPTConfig(tie_embeddings=False))")
+        for e in engines:  # (the norm of a stage alone clipped each stage by its own: a review's reproduction)
+            if e is not None and e.pp_size != p:
+                raise ValueError(f"{NAME}: expected the stages made data-parallel with the pipeline group, "
+                                 "zerofuse.zero.parallelize(stage, ..., pp_group=<the pipeline group>): the grad "
+                                 "norm (clipping), LAMB/LARS trust ratios and the fp16 overflow check span every "
+                                 f"stage; got a stage parallelized with a pipeline group of {e.pp_size} rank(s) in "
+                                 f"a pipeline of {p}")
         self._specs: dict = {}  # (stage, micro-batch shape, mode) -> [(shape, dtype, requires_grad)] of its output
         self._saved_outputs: dict = {}  # (stage, micro-batch shape, mode, training) -> per output: saved by autograd
         self._mode: tuple = ()  # what an output's dtype and flags depend on besides the shape (_set_batch)
