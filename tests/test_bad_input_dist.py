@@ -305,6 +305,12 @@ TWO_RANKS = [
          r"sequence length \(dim 1\) to divide by the TP size 2, got shape \[1, 3, 4\]"),
     Case("2-parallelize-models-differ", _rank_model, tuple, ValueError,
          r"expected the same model and settings on every rank of the group, got layouts that differ"),
+    Case("2-parallelize-group-holds-the-tp-peers", lambda: zero.parallelize(
+        tp.ColumnParallelLinear(4, 8), stage=2), tuple, ValueError,
+         r"expected group \(ZeRO's data-parallel group\) to share no rank but this one with tp_group, got rank\(s\) "
+         r"\[\d\] in both \(with zerofuse.parallel.init_mesh: group=mesh.dp_group\)"),
+    Case("2-parallelize-group-holds-the-pp-peers", lambda: zero.parallelize(M(), stage=1, pp_group=dist.group.WORLD),
+         tuple, ValueError, r"share no rank but this one with pp_group, got rank\(s\) \[\d\] in both"),
     Case("2-parallelize-bucket_mb-differs", lambda: Z(bucket_mb=(1e-5, 1e-4)[dist.get_rank()]), tuple, ValueError,
          r"expected the same model and settings on every rank .*rank 0: 3 units .*rank 1: 1 units"),
     Case("2-parallelize-stage-differs", lambda: Z(stage=1 + dist.get_rank()), tuple, ValueError,

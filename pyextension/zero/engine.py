@@ -42,7 +42,7 @@ from zerofuse.zero.buckets import LOW_PRECISION, Bucket
 from zerofuse.zero.fixed_layout import TrainableCheck, guard_conversions
 from zerofuse.zero.full_params import FullParams
 from zerofuse.zero.grads import SHARDED, close_dead_backward, gathered_grads, install_clip_warning, reset_backward
-from zerofuse.zero.layout import bucket_groups, check_same_layout, unit_groups
+from zerofuse.zero.layout import bucket_groups, check_groups_disjoint, check_same_layout, unit_groups
 from zerofuse.zero.experts import ExpertLayout
 from zerofuse.zero.materialize import Initializer, materialize_rest
 from zerofuse.zero.offload import auto_ratio, host_units
@@ -111,6 +111,7 @@ class ZeroEngine(ExpertLayout, FullParams, Stage3Hooks, WorldOfOne):
         # tensor parallelism: params marked by zerofuse.tp hold a slice of a larger tensor (their
         # norms add up over the TP group); the others are replicated on every TP rank
         tp_group = tp_group_of(model, tp_group, name)
+        check_groups_disjoint(name, group, {"tp_group": tp_group, "pp_group": pp_group})
         self.tp_comm = Communicator(tp_group) if tp_group is not None and dist.get_world_size(tp_group) > 1 else None
         self.tp_rank = self.tp_comm.rank if self.tp_comm is not None else 0
         self.tp_sharded = [getattr(p, "_zf_tp", None) is not None for p in self.params]

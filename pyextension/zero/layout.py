@@ -100,3 +100,19 @@ def check_same_layout(units, comm, settings: tuple, who: str) -> None:
         seen = "; ".join(f"rank {r}: {n} units of {e} elements, digest {d:014x}" for r, (d, n, e) in enumerate(rows))
         raise ValueError(f"{who}: expected the same model and settings on every rank of the group, got layouts that "
                          f"differ ({seen})")
+
+
+def check_groups_disjoint(who: str, group, others: dict) -> None:
+    """ZeRO's group (data-parallel) shares no rank but this one with the model's tensor- or
+    pipeline-parallel group: the whole world as ZeRO's group of a TP model failed later with
+    'layouts that differ', never saying why (a review, 2026-12-06)."""
+    mine = set(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+    me = dist.get_rank()
+    for arg, other in others.items():
+        if other is None:
+            continue
+        shared = sorted((mine & set(dist.get_process_group_ranks(other))) - {me})
+        if shared:
+            raise ValueError(f"{who}: expected group (ZeRO's data-parallel group) to share no rank but this one with "
+                             f"{arg}, got rank(s) {shared} in both (with zerofuse.parallel.init_mesh: "
+                             "group=mesh.dp_group)")
