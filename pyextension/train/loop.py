@@ -136,7 +136,8 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> float:
         """Mean loss over the validation set: --eval-batches fixed batches of --batch sequences (the
-        same whatever the layout), dealt round-robin to the DP ranks. Every rank runs the same
+        same whatever the DP/TP/PP layout; another --batch, another set: compare runs at equal
+        --batch), dealt round-robin to the DP ranks. Every rank runs the same
         number of forwards (ZeRO-3's forward is collective); a rank's spare ones count zero."""
         import torch.distributed as dist
         args = self.args
