@@ -179,3 +179,45 @@ def test_loading_at_another_tp_size_holds_one_param_at_a_time(tmp_path):
               f"full state {r['state_bytes'] / 2**20:.1f} MiB")
         assert r["peak"] <= 1.5 * r["param_bytes"] + (64 << 10), r
         assert r["state_bytes"] > 10 * r["param_bytes"]  # the bound is far below a full consolidation
+
+
+_SMALL = dict(vocab_size=65, seq_len=32, n_head=4, dim=64)
+
+
+def _deeper_save_rank(rank, ws, path):
+    model = GPT(GPTConfig(n_layer=4, **_SMALL), seed=0)
+    zerofuse.zero.parallelize(model, stage=1)
+    zerofuse.checkpoint.save(path, model, zerofuse.zero.Optimizer(model, "adamw"))
+
+
+def _stages_load_rank(rank, ws, path, buffer):
+    from zerofuse.pipeline import split_gpt
+
+    with torch.device("meta"):
+        model = GPT(GPTConfig(n_layer=2 if buffer is None else 4, **_SMALL), seed=0)
+    (stage,) = split_gpt(model, 2, [rank], device="cpu")
+    if buffer is not None and rank == 1:  # a buffer of the last stage's the checkpoint lacks
+        stage.register_buffer(buffer, torch.zeros(3))
+    alone = [dist.new_group([r]) for r in range(ws)][rank]
+    zerofuse.zero.parallelize(stage, stage=1, group=alone, pp_group=dist.group.WORLD)
+    try:
+        zerofuse.checkpoint.load(path, stage, zerofuse.zero.Optimizer(stage, "adamw"))
+    except ValueError as e:
+        return str(e)
+    return "loaded"
+
+
+@pytest.mark.parametrize("buffer", [None, "extra_buffer"])
+def test_pipeline_stages_refuse_a_checkpoint_of_another_model(tmp_path, buffer):
+    """Each stage checked only its own params: a 4-layer model's checkpoint loaded into 2-layer
+    stages, blocks 2 and 3 dropped, and a stage's buffer the checkpoint lacks was left as it was,
+    without a word (a review's reproduction, 2026-12-06). Every stage refuses (none waits for another)."""
+    path = str(tmp_path / "ckpt")
+    run_distributed(_deeper_save_rank, 2, path, timeout=120)
+    out = run_distributed(_stages_load_rank, 2, path, buffer, timeout=120)
+    if buffer is None:
+        for msg in out:
+            assert "the checkpoint is for a different model; not in the model: ['blocks.2.norm1.weight'" in msg, msg
+    else:
+        assert "buffers or frozen params missing in the checkpoint: ['extra_buffer']" in out[1], out
+        assert "rank(s) [1] of the group could not read their part of the checkpoint" in out[0], out

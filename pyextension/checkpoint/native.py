@@ -168,10 +168,12 @@ def _meta(eng, model, optimizer) -> dict:
     }
 
 
-def check_model(saved: dict, names, shapes, who, subset: bool = False) -> None:
+def check_model(saved: dict, names, shapes, who, everywhere=None) -> None:
+    """names/shapes: the model's; everywhere: the names every pipeline stage of it holds (a stage
+    holds some of the saved params), None: the model's names."""
     mine = dict(zip(names, (tuple(s) for s in shapes)))
     missing = [n for n in mine if n not in saved]
-    unexpected = [] if subset else [n for n in saved if n not in mine]
+    unexpected = [n for n in saved if n not in (mine if everywhere is None else everywhere)]
     wrong = [f"{n}: saved {list(saved[n])}, model {list(mine[n])}" for n in mine if n in saved and saved[n] != mine[n]]
     if missing or unexpected or wrong:
         parts = []
@@ -194,18 +196,22 @@ def load(path: str, model: torch.nn.Module, optimizer=None):
     same_tp = full.tp == model_tp and full.parts is not None  # the fast path: this rank's own TP part
     src = full.parts[eng.tp_rank] if same_tp else None
     shapes = [_saved_shape(p) if same_tp or (spec := spec_of(p)) is None else spec.full_shape for p in eng.params]
-    # a pipeline stage holds some of the saved params (the other stages load the rest)
-    try:
-        check_model(src.shapes if same_tp else full.shapes, eng.names, shapes, who, subset=eng.pp_comm is not None)
-    except ValueError as e:
-        raise ValueError(f"{e}{_frozen_toggles(model, eng, full)}") from None
+    # a pipeline stage holds some of the saved params and buffers (the other stages load the rest):
+    # what no stage holds is checked against the names of every stage (a checkpoint of a deeper
+    # model loaded into pipeline stages without a word before: a review's reproduction, 2026-12-06)
+    everywhere = _stage_names(model, eng)
     opt_meta = full.meta["optimizer"]
-    check_optimizer(optimizer, opt_meta, eng, who)
     group = None if eng.tp_comm is not None or eng.pp_comm is not None else eng.comm.group
-    try:
+    try:  # (every check: a stage's mismatch must not leave the other stages waiting in agree)
+        try:
+            check_model(src.shapes if same_tp else full.shapes, eng.names, shapes, who,
+                        None if everywhere is None else everywhere[0])
+        except ValueError as e:
+            raise ValueError(f"{e}{_frozen_toggles(model, eng, full)}") from None
+        check_optimizer(optimizer, opt_meta, eng, who)
         first = full.common()
         rest = _my_tp_parts(model, first.get("rest", {}))
-        check_rest(model, eng, rest, who)  # before anything is written: a mismatch leaves the model as it was
+        check_rest(model, eng, rest, who, None if everywhere is None else everywhere[1])  # nothing written yet
         keys = [VALUE] + (list(opt_meta["state_keys"]) if optimizer is not None else [])
         if src is not None:  # (the rank files: as the tables say; only those this rank reads)
             src.check(_wanted(eng), keys)
@@ -310,19 +316,33 @@ def agree(group, error, who, device) -> None:
                          "(their errors say why)")
 
 
-def check_rest(model, eng, rest: dict, who) -> None:
+def _rest_names(model, eng) -> list[str]:
+    return [n for n, t in model.state_dict(keep_vars=True).items() if id(t) not in eng.param_index]
+
+
+def _stage_names(model, eng):
+    """Collective over the pipeline group: (trained params, buffers and frozen params) of every
+    stage, as sets; None without pipeline stages."""
+    if eng.pp_comm is None:
+        return None
+    every = [None] * eng.pp_comm.world_size
+    dist.all_gather_object(every, (list(eng.names), _rest_names(model, eng)), group=eng.pp_comm.group)
+    return {n for names, _ in every for n in names}, {n for _, rest in every for n in rest}
+
+
+def check_rest(model, eng, rest: dict, who, everywhere=None) -> None:
     """The buffers and frozen params (``rest``, in common.pt) against the model's: names and shapes
     (a [1] buffer loaded into a [4] one broadcast silently; a wrong size failed halfway through
-    the load). A pipeline stage holds only some of them: shapes only."""
-    mine = {n: t for n, t in model.state_dict(keep_vars=True).items() if id(t) not in eng.param_index}
+    the load). everywhere: those of every pipeline stage (a stage holds only some of them)."""
+    sd = model.state_dict(keep_vars=True)
+    mine = {n: sd[n] for n in _rest_names(model, eng)}
     wrong = [f"{n}: saved {list(t.shape)}, model {list(mine[n].shape)}" for n, t in rest.items()
              if n in mine and tuple(t.shape) != tuple(mine[n].shape)]
     parts = [f"shape mismatch: {wrong}"] if wrong else []
-    if eng.pp_comm is None:
-        if missing := [n for n in mine if n not in rest]:
-            parts.append(f"buffers or frozen params missing in the checkpoint: {missing}")
-        if unexpected := [n for n in rest if n not in mine]:
-            parts.append(f"not buffers or frozen params of the model: {unexpected}")
+    if missing := [n for n in mine if n not in rest]:
+        parts.append(f"buffers or frozen params missing in the checkpoint: {missing}")
+    if unexpected := [n for n in rest if n not in (mine if everywhere is None else everywhere)]:
+        parts.append(f"not buffers or frozen params of the model: {unexpected}")
     if parts:
         raise ValueError(f"{who}: the checkpoint is for a different model; " + "; ".join(parts))
 
