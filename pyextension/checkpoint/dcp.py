@@ -85,10 +85,14 @@ def _sharded(eng, name: str, shape, dtype, mine: list[tuple[torch.Tensor, int]],
 _TORCH_OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam}
 
 
-def _state_dict(eng, model, optimizer, loading: bool = False) -> dict:
+def _state_dict(eng, model, optimizer, loading: bool = False, live=None) -> dict:
     """The torch-shaped state dict whose tensors view this rank's shards (what save writes and load
     fills). ``everyone``: every rank's pieces, for the ShardedTensors' global metadata (stage 0 saves
-    rank 0's replica; loading at stage 0, each rank fills its own replica)."""
+    rank 0's replica; loading at stage 0, each rank fills its own replica). live (a weights-only
+    load, optimizer None): a zero.Optimizer whose fp32 masters take the values (as the native
+    load's: read into the param dtype, a bf16 model's masters were the saved ones rounded)."""
+    masters = optimizer if optimizer is not None else live
+    masters = masters if masters is not None and masters.unit_states and "master" in masters.unit_states[0] else None
     ranks = _saving_ranks(eng)
     everyone: dict[str, list] = {}
     for r in ([eng.rank] if loading and eng.stage == 0 else range(ranks)):
@@ -98,17 +102,17 @@ def _state_dict(eng, model, optimizer, loading: bool = False) -> dict:
     if loading or eng.rank < ranks:
         for u in eng.units:
             states = optimizer.unit_states[u.index] if optimizer is not None else {}
+            value = masters.unit_states[u.index]["master"] if masters is not None else u.shard
             for s in u.segments:
                 sl = slice(s.shard_offset, s.shard_offset + s.length)
                 got = mine.setdefault(u.names[s.param], {})
-                got.setdefault("value", []).append(((states["master"] if "master" in states else u.shard)[sl],
-                                                    s.param_offset))
+                got.setdefault("value", []).append((value[sl], s.param_offset))
                 for key, t in states.items():
                     if key != "master":
                         got.setdefault(key, []).append((t[sl], s.param_offset))
     model_sd = {}
     for name, p in zip(eng.names, eng.params):
-        dtype = torch.float32 if optimizer is not None and "master" in optimizer.unit_states[0] else p.dtype
+        dtype = torch.float32 if masters is not None else p.dtype
         model_sd[name] = _sharded(eng, name, p.shape, dtype, mine.get(name, {}).get("value", []), everyone[name])
     for n, t in model.state_dict(keep_vars=True).items():
         if id(t) not in eng.param_index:
@@ -230,7 +234,8 @@ def load(path: str, model, optimizer=None):
                                                                           for p in g["params"]]}
                                                                for g in optimizer.param_groups]}
     check_optimizer(optimizer, opt_meta, eng, who)
-    sd = _state_dict(eng, model, optimizer, loading=True)
+    live = eng.optimizer_ref() if optimizer is None and eng.optimizer_ref is not None else None
+    sd = _state_dict(eng, model, optimizer, loading=True, live=live)
     if optimizer is not None:  # loaded on their own below, by their flat keys
         del sd["optim"]["param_groups"]
     want = sd if nested else sd["model"]
@@ -246,9 +251,14 @@ def load(path: str, model, optimizer=None):
     if unexpected := sorted(set(saved) - set(model.state_dict(keep_vars=True))):  # (a bigger model's: loaded before)
         raise ValueError(f"{who}: the DCP checkpoint at {root!r} is for a different model; not in the model: "
                          f"{unexpected}")
-    for n in list(want.get("model", want)):
-        if n not in saved:
-            del (want["model"] if nested else want)[n]  # buffers the checkpoint does not hold keep their values
+    rest = {n: t for n, t in model.state_dict(keep_vars=True).items() if id(t) not in eng.param_index}
+    if absent := [n for n in rest if n not in saved]:  # (kept their values, silently: a frozen param its init)
+        raise ValueError(f"{who}: the DCP checkpoint at {root!r} is for a different model; buffers or frozen params "
+                         f"missing: {absent}")
+    if wrong := [f"{n}: saved {list(getattr(md.state_dict_metadata[('model.' if nested else '') + n], 'size', []))}, "
+                 f"model {list(t.shape)}" for n, t in rest.items()
+                 if tuple(getattr(md.state_dict_metadata[('model.' if nested else '') + n], "size", ())) != tuple(t.shape)]:
+        raise ValueError(f"{who}: the DCP checkpoint at {root!r} is for a different model; shape mismatch: {wrong}")
     if optimizer is not None and not nested:
         raise ValueError(f"{who}: the DCP checkpoint at {root!r} holds no optimizer state ('optim')")
     if optimizer is not None:  # checked before anything is loaded
@@ -274,6 +284,8 @@ def load(path: str, model, optimizer=None):
         if optimizer.host is not None:  # offload keeps host copies of the step counters (left at 0 before)
             optimizer.host.load_steps()
         optimizer.write_params()
+    elif live is not None and live.unit_states and "master" in live.unit_states[0]:
+        live.write_params()  # weights only into a live optimizer's fp32 masters: the params from them
     else:
         eng.params_loaded()  # weights only: a live zero.Optimizer's fp32 masters follow them (else its step wrote the old back)
         if eng.stage != 3:
