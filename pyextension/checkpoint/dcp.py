@@ -241,9 +241,11 @@ def load(path: str, model, optimizer=None):
     want = sd if nested else sd["model"]
     saved = {k.split(".", 1)[1] if nested else k for k in md.state_dict_metadata if not nested or k.startswith("model.")}
     missing = [n for n in eng.names if n not in saved]
-    wrong = [f"{n}: saved {list(md.state_dict_metadata[('model.' if nested else '') + n].size)}, model {list(p.shape)}"
-             for n, p in zip(eng.names, eng.params) if n in saved and
-             tuple(getattr(md.state_dict_metadata[('model.' if nested else '') + n], "size", ())) != tuple(p.shape)]
+    def size(n):
+        return tuple(getattr(md.state_dict_metadata[("model." if nested else "") + n], "size", ()))
+
+    wrong = [f"{n}: saved {list(size(n))}, model {list(p.shape)}" for n, p in zip(eng.names, eng.params)
+             if n in saved and size(n) != tuple(p.shape)]
     if wrong:
         raise ValueError(f"{who}: the DCP checkpoint at {root!r} is for a different model; shape mismatch: {wrong}")
     if missing:
@@ -255,9 +257,8 @@ def load(path: str, model, optimizer=None):
     if absent := [n for n in rest if n not in saved]:  # (kept their values, silently: a frozen param its init)
         raise ValueError(f"{who}: the DCP checkpoint at {root!r} is for a different model; buffers or frozen params "
                          f"missing: {absent}")
-    if wrong := [f"{n}: saved {list(getattr(md.state_dict_metadata[('model.' if nested else '') + n], 'size', []))}, "
-                 f"model {list(t.shape)}" for n, t in rest.items()
-                 if tuple(getattr(md.state_dict_metadata[('model.' if nested else '') + n], "size", ())) != tuple(t.shape)]:
+    if wrong := [f"{n}: saved {list(size(n))}, model {list(t.shape)}" for n, t in rest.items()
+                 if size(n) != tuple(t.shape)]:
         raise ValueError(f"{who}: the DCP checkpoint at {root!r} is for a different model; shape mismatch: {wrong}")
     if optimizer is not None and not nested:
         raise ValueError(f"{who}: the DCP checkpoint at {root!r} holds no optimizer state ('optim')")
