@@ -160,6 +160,23 @@ def test_a_model_built_on_meta_gets_its_norms_patched(arch, cpu_kernels):
     torch.testing.assert_close(meta(ids).logits, stock(ids).logits, **tol(torch.float32))
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_norms_kept_in_fp32_in_a_bf16_model_compute_as_stock(arch, cpu_kernels):
+    """A bf16 model with fp32 norms (PEFT's k-bit preparation): HF's RMSNorm returns fp32 there; the
+    patched one returned bf16, 2.3e-2 off (a review's reproduction, 2026-12-06)."""
+    stock = build(arch, torch.bfloat16)
+    for mod in stock.modules():
+        if "RMSNorm" in type(mod).__name__:
+            mod.float()
+            with torch.no_grad():
+                mod.weight.normal_(generator=torch.Generator().manual_seed(0))
+    patched = zerofuse.patch(copy.deepcopy(stock))
+    x = torch.randn(2, 5, stock.config.hidden_size, dtype=torch.bfloat16)
+    want, got = stock.model.norm(x), patched.model.norm(x)
+    assert got.dtype == want.dtype == torch.float32 and torch.equal(got, want)
+    assert zerofuse.hf.patched(patched)["rms_norm"] > 0  # patched, and bf16 inputs to bf16 weights use the kernel
+
+
 def test_selected_ops_only(cpu_kernels):
     m = zerofuse.patch(build("qwen3"), rms_norm=False, attention=False, linear_cross_entropy=False)
     assert zerofuse.hf.patched(m) == {"rms_norm": 0, "attention": 0, "rope": 3, "swiglu": 3, "linear_cross_entropy": 0}

@@ -16,6 +16,10 @@ WHO = "zerofuse.patch"
 
 
 def _rms_forward(self, x):
+    if x.dtype != self.weight.dtype:  # fp32 norms in a bf16 model (PEFT's k-bit preparation,
+        # _keep_in_fp32_modules): HF's weight * x.to(input_dtype) promotes to the weight's dtype, the
+        # kernel returned x's (bf16, one more rounding; a review's reproduction, 2026-12-06): stock
+        return type(self).forward(self, x)
     return zF.rms_norm(x, self.weight.shape, self.weight, self._zerofuse_eps)
 
 
