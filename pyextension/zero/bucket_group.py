@@ -12,10 +12,29 @@ rank's launches to the end of backward but pairs every collective with the same 
 other ranks; launched as each bucket completed, the ranks' collectives differed: the step hung or,
 where the buckets paired up had one size, reduced one bucket's grads with another's, silently.
 Buckets over different communicators (the expert buckets' group) keep one order per communicator
-(a lane): none waits for another lane's. Collectives over different groups need no common order."""
+(a lane): none waits for another lane's, and each lane has its own ``max_inflight`` window (one
+window over both made a dense launch wait for an expert reduction: a rank whose dense lane was held
+back waited, at its end of backward, for an expert reduction the other ranks launched only after the
+dense one it held: a hang, 2026-12-06). Collectives over different groups need no common order.
+
+A bucket that got a param's grad twice in one backward (a module used twice under re-entrant
+checkpointing) is reduced again at the end of backward on every rank, with the grads that arrived
+after its first reduction or zeros: whether its first launch came before the second grad depends on
+how far the rank's lane got, so deciding by that made one rank launch it once and the others twice.
+
+Limit: a rank whose lane is held back by a param without a grad launches the rest at its end of
+backward, while the other ranks block once ``max_inflight`` reductions are in flight: a collective
+the held-back rank runs later in its backward (MoE's all-to-all, tensor parallelism's all-reduce)
+then waits for ranks that wait for it, until the communicator's timeout fails the step. Such a
+model needs every param to get a grad on every rank (DDP's find_unused_parameters marks them ready
+when backward starts instead; not done here)."""
 from __future__ import annotations
 
 import collections
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from zerofuse.zero.buckets import Bucket
 
 
 class BucketGroup:
@@ -27,7 +46,6 @@ class BucketGroup:
 
     def __init__(self, buckets: list[Bucket], comm, max_inflight: int, order: list[Bucket] | None = None):
         self.buckets, self.comm, self.max_inflight = buckets, comm, max_inflight
-        self._inflight: collections.deque[Bucket] = collections.deque()
         self.on_reduced = None  # callable(bucket) once a bucket's reduction completed (offload: [Note: offloaded steps])
         lanes: dict[int, list[Bucket]] = {}  # [Note: launch order]: one per communicator
         for b in (order if order is not None else buckets):
@@ -35,6 +53,7 @@ class BucketGroup:
         self._lanes = list(lanes.values())
         self._lane_of = {id(b): i for i, lane in enumerate(self._lanes) for b in lane}
         self._cursor = [0] * len(self._lanes)  # per lane: the buckets before it are launched
+        self._inflight: list[collections.deque[Bucket]] = [collections.deque() for _ in self._lanes]  # per lane
 
     def __iter__(self):
         return iter(self.buckets)
@@ -45,10 +64,12 @@ class BucketGroup:
     def __getitem__(self, i):
         return self.buckets[i]
 
-    def make_room(self) -> None:
-        """Waits for the oldest reductions until fewer than max_inflight are in flight."""
-        while len(self._inflight) >= self.max_inflight:
-            self._finish(self._inflight.popleft())
+    def make_room(self, bucket: Bucket) -> None:
+        """Waits for the oldest reductions of ``bucket``'s lane until fewer than max_inflight are in
+        flight there."""
+        window = self._inflight[self._lane_of[id(bucket)]]
+        while len(window) >= self.max_inflight:
+            self._finish(window.popleft())
 
     def _finish(self, b: Bucket) -> None:
         b.finish_grad_sync()
@@ -57,14 +78,20 @@ class BucketGroup:
 
     def finish(self, bucket: Bucket) -> None:
         """Wait for ``bucket``'s reduction if it is in flight."""
-        if any(b is bucket for b in self._inflight):
-            self._inflight = collections.deque(b for b in self._inflight if b is not bucket)
+        li = self._lane_of[id(bucket)]
+        if any(b is bucket for b in self._inflight[li]):
+            self._inflight[li] = collections.deque(b for b in self._inflight[li] if b is not bucket)
             self._finish(bucket)
 
     def start_grad_sync(self, bucket: Bucket) -> None:
-        self.make_room()
+        self.make_room(bucket)
         bucket.start_grad_sync(self.comm)
-        self._inflight.append(bucket)
+        self._inflight[self._lane_of[id(bucket)]].append(bucket)
+
+    def clear_inflight(self) -> None:
+        """Forget the reductions in flight (an abandoned backward: grads.abandon_backward)."""
+        for window in self._inflight:
+            window.clear()
 
     def ready(self, bucket: Bucket) -> list[Bucket]:
         """``bucket``'s grads of this backward are all in: launched once every bucket ahead of it in
@@ -85,7 +112,8 @@ class BucketGroup:
         """A new backward: every lane's order starts again."""
         self._cursor = [0] * len(self._lanes)
         for b in self.buckets:
-            b.launched = b.complete = False
+            b.launched = b.complete = b.twice = False
+            b.arrived = [False] * len(b.params)
 
     def finish_grad_sync(self, launch_rest: bool = False) -> list[Bucket]:
         """Wait for every reduction in flight; with launch_rest (the end of a synced backward), first
@@ -94,7 +122,7 @@ class BucketGroup:
         arrived after their bucket's reduction. Returns the buckets launched here."""
         late = []
         if launch_rest:
-            again = [b for b in self.buckets if b.launched and b.dirty]
+            again = [b for b in self.buckets if b.twice]  # (the same on every rank: see the note)
             for li, lane in enumerate(self._lanes):
                 for b in lane[self._cursor[li]:]:
                     if not b.launched:
@@ -102,10 +130,12 @@ class BucketGroup:
                         late.append(b)
                 self._cursor[li] = len(lane)
             for b in again:
+                self.finish(b)  # (launched just above on a rank that got both grads before its launch)
                 self.start_grad_sync(b)
                 late.append(b)
-        while self._inflight:
-            self._finish(self._inflight.popleft())
+        for window in self._inflight:
+            while window:
+                self._finish(window.popleft())
         return late
 
     def start_param_sync(self) -> None:

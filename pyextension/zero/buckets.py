@@ -40,9 +40,10 @@ fp32 sum, not by a ring that rounds at every hop.
   162.9 -> 158.1 MiB, of stage 2 with 25 MiB buckets 190.0 -> 164.6 MiB). A grad arriving again
   for a deferred param (re-entrant backward) was summed into .grad by autograd: nothing to do.
   Stage 0/1 keep their buffers between steps and add each grad as it arrives.
-- At most ``max_inflight`` gradient collectives are in flight: launching one more first waits for
-  the oldest (FSDP2's rule), and so does making a gflat (``make_room``). So during backward at
-  most max_inflight + 1 full-size gradient buffers exist (the in-flight ones and the one filling),
+- At most ``max_inflight`` gradient collectives are in flight per lane ([Note: launch order]; one
+  lane unless expert params have their own group): launching one more first waits for the oldest
+  (FSDP2's rule), and so does making a gflat (``make_room``). So during backward at most
+  max_inflight + 1 full-size gradient buffers per lane exist (the in-flight ones and the one filling),
   plus, at stage 2/3, the autograd grads of the one bucket whose backward is running.
 - Stage 2/3 reduce straight into gshard when it holds nothing yet; otherwise (accumulation over
   several syncs) into a shard-sized temporary added at finish.
@@ -154,6 +155,8 @@ class Bucket:
         self.dirty = False  # gflat holds local grads not reduced yet
         self.launched = False
         self.complete = False  # every grad of this backward in, launched in order ([Note: launch order])
+        self.arrived = [False] * len(self.params)  # params whose grad arrived in this backward
+        self.twice = False  # a param's grad arrived twice in this backward: reduced again at its end
         self.rs_work = None
         self.rs_out: torch.Tensor | None = None
 

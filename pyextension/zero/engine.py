@@ -211,6 +211,11 @@ class ZeroEngine(ExpertLayout, FullParams, Stage3Hooks, WorldOfOne):
         if p.grad is None:
             return
         unit, i = self.unit_of[id(p)]
+        if unit.arrived[i]:  # a second grad in one backward: reduced again at its end, on every rank alike
+            unit.twice = True
+            if self.buckets.on_reduced is not None:  # (on every rank alike too, before its first launch or after)
+                self._twice_under_offload()
+        unit.arrived[i] = True
         if unit.deferred[i]:  # a second grad in one backward (re-entrant checkpointing): autograd summed it into .grad
             return
         if unit.launched:  # a second grad after its unit was reduced (a module used twice, re-entrant checkpointing)
@@ -222,7 +227,7 @@ class ZeroEngine(ExpertLayout, FullParams, Stage3Hooks, WorldOfOne):
         if unit.defer_grad(i):
             return
         if unit.gflat is None and self.sync_grads and self.overlap:
-            self.buckets.make_room()  # the buffer about to be made counts in the window ([Note: bucket buffers])
+            self.buckets.make_room(unit)  # the buffer about to be made counts in the window ([Note: bucket buffers])
         unit.add_deferred(also=i)  # with the deferred ones: one multi-tensor copy into gflat
         if unit.ready == len(unit.params):
             if self.sync_grads and self.overlap:
@@ -235,11 +240,13 @@ class ZeroEngine(ExpertLayout, FullParams, Stage3Hooks, WorldOfOne):
         """A grad for a unit whose reduction this backward launched already: that reduction is
         finished first, the new grads go into a new buffer, reduced (and added) at the end of
         backward (they were dropped, and the buffer held until zero_grad)."""
-        if self.buckets.on_reduced is not None:
-            raise RuntimeError("zerofuse.zero: a param's grad arrived again in one backward after its unit's host step "
-                               "began (offload; a module used twice under re-entrant activation checkpointing): use "
-                               "torch.utils.checkpoint with use_reentrant=False, or no offload")
         self.buckets.finish(unit)
+
+    @staticmethod
+    def _twice_under_offload() -> None:
+        raise RuntimeError("zerofuse.zero: a param's grad arrived twice in one backward (a module used twice under "
+                           "re-entrant activation checkpointing) under offload, whose host steps run unit by unit "
+                           "once each: use torch.utils.checkpoint with use_reentrant=False, or no offload")
 
     def _end_of_backward(self) -> None:
         """Autograd's callback at the end of a hooked backward."""
