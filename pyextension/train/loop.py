@@ -159,10 +159,15 @@ class Trainer:
         from zerofuse.zero import memory_report
         rep = memory_report(self.model, self.opt)
         mem = {k: rep[k] for k in ("params", "grads", "optimizer", "total", "optimizer_host", "params_host") if k in rep}
-        mem["max_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        return mem | self._peaks()
+
+    def _peaks(self) -> dict:
+        """The process's peaks so far (read again at the end of the job: read at the first step
+        only, they left out the later steps, evaluation, checkpoints, a CUDA graph's capture)."""
+        peaks = {"max_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
         if self.device.type == "cuda":
-            mem["cuda_max_allocated"] = torch.cuda.max_memory_allocated(self.device)
-        return mem
+            peaks["cuda_max_allocated"] = torch.cuda.max_memory_allocated(self.device)
+        return peaks
 
     def save(self) -> None:
         from zerofuse import checkpoint
@@ -206,6 +211,8 @@ class Trainer:
                     self.launches = count_step(self.train_step, self.model, self.cfg.n_layer)
                     if self.metrics.pending:  # its time is the counters' too: not a steady step's
                         self.metrics.pending[-1]["instrumented"] = True
+                    if self.pp is not None and self.pp.idle:  # nor its pipeline bubble
+                        self.pp.idle[-1] = None
                 else:
                     self.train_step()
                 end = self.step == args.steps or self.stopped
@@ -241,7 +248,7 @@ class Trainer:
             # sampling runs the whole model on every rank: not with the model split into stages
             text = self.sample() if args.sample_tokens and not self.stopped and self.pp is None else None
             memory = [None] * self.world
-            dist.all_gather_object(memory, self.memory)
+            dist.all_gather_object(memory, self.memory | self._peaks())
             self.pipeline_report = self.pp.report(self.world) if self.pp is not None else None
             if self.log:
                 self.log.finish(memory, text, train_s, (val, val_step), self.stopped)

@@ -39,12 +39,13 @@ class PipelineJob:
 
     def report(self, world: int) -> dict:
         """Gathered on every rank (collective): each rank's measured idle fraction (mean over the
-        steps after the first) beside the schedule's formula."""
+        steps after the first, without the launch-counting one: None in ``idle``) beside the
+        schedule's formula."""
         import torch.distributed as dist
         from zerofuse.pipeline import bubble_fraction, build_schedule, simulate
 
         pipe = self.pipe
-        steady = self.idle[1:] or self.idle
+        steady = [f for f in self.idle[1:] if f is not None] or [f for f in self.idle if f is not None]
         mine = sum(steady) / len(steady) if steady else None
         every = [None] * world
         dist.all_gather_object(every, mine)

@@ -17,7 +17,10 @@ from .table import _plot, _plural, _table
 if TYPE_CHECKING:
     from .loop import Trainer
 
-PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense bf16 tensor-core peaks
+# dense bf16 tensor-core peaks, the first name found in the device's name (PCIe and NVL before SXM:
+# "NVIDIA H100 PCIe" matched "H100", 989 for its 756, MFU 1.31x too low; a review, 2026-12-06)
+PEAK_FLOPS = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12, "H200": 989e12,
+              "A100": 312e12}
 
 
 class RankZeroLog:
@@ -131,8 +134,10 @@ class RankZeroLog:
     def _summary(self, memory, train_s, final_val, signum) -> dict:
         t, a = self.t, self.args
         runs = [m for m in self.history if m["step"] > t.start_step]
-        step_time = steady_step_time(runs)
-        comm = _mean([m["comm_time"] for m in runs[1:] or runs if m["comm_time"] is not None]) if t.device.type == "cpu" else None
+        steady = steady_runs(runs)
+        step_time = _mean([m["step_time"] for m in steady])
+        # (over the step time's records: the launch-counting step was in this mean only, 2026-12-06)
+        comm = _mean([m["comm_time"] for m in steady if m["comm_time"] is not None]) if t.device.type == "cpu" else None
         tokens = a.dp * a.batch * a.grad_accum * t.cfg.seq_len
         tok_s = tokens / step_time if step_time else None
         return {
@@ -200,10 +205,16 @@ def _mean(xs):
 
 
 def steady_step_time(runs: list[dict]) -> float | None:
-    """Mean step time without the warm-up (compilation, autotuning, caches): without the first step
+    """Mean step time of the steady records (steady_runs)."""
+    return _mean([m["step_time"] for m in steady_runs(runs)])
+
+
+def steady_runs(runs: list[dict]) -> list[dict]:
+    """The records without the warm-up (compilation, autotuning, caches): without the first step
     where each step was timed (CPU), without the first log window where a window's wall time was
     shared by its steps (CUDA: records with a log_window), without the step that counted launches
-    and the step that captured the CUDA graph (and their windows), unless nothing else was run."""
+    and the step that captured the CUDA graph (and their windows), unless nothing else was run.
+    Every steady figure (step time, its communication part) is a mean over these same records."""
     first = runs[0].get("log_window") if runs else None
     # the launch-counting step (~2.4x slower) and the CUDA-graph capture's are no steady steps; where
     # windows are timed, their window's steps share their time: the window is left out
@@ -213,7 +224,7 @@ def steady_step_time(runs: list[dict]) -> float | None:
     else:
         left_out = {first} | {m.get("log_window") for m in odd}
         steady = [m for m in runs if m.get("log_window") not in left_out]
-    return _mean([m["step_time"] for m in (steady or runs)])
+    return steady or runs
 
 
 def _mfu(t: Trainer, tok_s: float | None) -> float | None:
@@ -240,7 +251,8 @@ def _moe_summary(t: Trainer, runs: list[dict]) -> dict | None:
     if not figs:
         return None
     last = figs[-1]
-    a2a = [f["a2a_exposed_s_per_step"] for f in figs[1:] or figs if f["a2a_exposed_s_per_step"] is not None]
+    counted = [m["moe"] for m in runs if m.get("moe") and not m.get("instrumented")]  # (the launch counting's)
+    a2a = [f["a2a_exposed_s_per_step"] for f in counted[1:] or counted if f["a2a_exposed_s_per_step"] is not None]
     c = t.cfg
     return {"experts": c.moe_experts, "top_k": c.moe_top_k, "ep": t.args.ep, "layers": len(last["max_over_mean_load"]),
             "max_over_mean_load": last["max_over_mean_load"], "window_steps": last["steps"],
