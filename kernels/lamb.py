@@ -185,6 +185,9 @@ def _lamb_fused_kernel(META, OWN, SCHED, CONSTS, n, MULT, FOUND, PART, NORMS, SY
                                  bc1, bc2, HAS_MULT, BLOCK)
             tl.store(PART + 2 * b, pp)
             tl.store(PART + 2 * b + 1, uu)
+            # every thread's stores (moments, sums) before the count (colsum._arrive's order: the
+            # atomic is one thread's; the barrier the compiler placed here was not the source's)
+            tl.debug_barrier()
             # acq_rel: the sums (and moments) above are seen by whoever sees the count
             done = tl.atomic_add(SYNC + 1 + t, 1)
             b1 = tl.load(META + t + 1).to(tl.int32)
