@@ -103,11 +103,13 @@ class _BuildExt(BuildExtension.with_options(use_ninja=True)):
 
     def run(self):
         stamp = _load_stamp()
-        hashes = stamp.source_hashes(os.path.join(ROOT, "csrc"))
+        cuda = any(src.endswith(".cu") for ext in self.extensions for src in ext.sources)
+        suffixes = stamp.SUFFIXES if cuda else stamp.CPU_SUFFIXES
+        hashes = stamp.source_hashes(os.path.join(ROOT, "csrc"), suffixes)
         super().run()
         for ext in self.extensions:
-            print(f"zerofuse: build stamp {stamp.write(os.path.dirname(self.get_ext_fullpath(ext.name)), hashes)}",
-                  file=sys.stderr)
+            path = stamp.write(os.path.dirname(self.get_ext_fullpath(ext.name)), hashes, suffixes)
+            print(f"zerofuse: build stamp {path}", file=sys.stderr)
 
 
 setup(

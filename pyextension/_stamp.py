@@ -15,30 +15,32 @@ import hashlib
 import json
 import os
 
-SUFFIXES = (".cpp", ".cu", ".h", ".cuh")
+SUFFIXES = (".cpp", ".cu", ".h", ".cuh")  # a CUDA build's; a CPU-only build compiles CPU_SUFFIXES only
+CPU_SUFFIXES = (".cpp", ".h")
 STAMP = "_C.stamp.json"
 
 
-def source_hashes(csrc: str) -> dict[str, str]:
-    """sha256 of every source under ``csrc`` (the suffixes above), by path relative to it."""
+def source_hashes(csrc: str, suffixes: tuple[str, ...] = SUFFIXES) -> dict[str, str]:
+    """sha256 of every source under ``csrc`` with one of ``suffixes``, by path relative to it."""
     out = {}
     for root, dirs, files in os.walk(csrc):
         dirs.sort()
         for name in sorted(files):
-            if name.endswith(SUFFIXES):
+            if name.endswith(tuple(suffixes)):
                 path = os.path.join(root, name)
                 with open(path, "rb") as f:
                     out[os.path.relpath(path, csrc).replace(os.sep, "/")] = hashlib.sha256(f.read()).hexdigest()
     return out
 
 
-def write(ext_dir: str, hashes: dict[str, str]) -> str:
-    """Writes the stamp (``hashes``: source_hashes taken before the build began, so an edit made
-    during it counts as a change) into ``ext_dir``, atomically; returns its path."""
+def write(ext_dir: str, hashes: dict[str, str], suffixes: tuple[str, ...] = SUFFIXES) -> str:
+    """Writes the stamp (``hashes``: source_hashes of ``suffixes``, the kinds of file the build
+    compiled, taken before it began, so an edit made during it counts as a change) into
+    ``ext_dir``, atomically; returns its path."""
     path = os.path.join(ext_dir, STAMP)
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
-        json.dump({"sources": hashes}, f, indent=0, sort_keys=True)
+        json.dump({"sources": hashes, "suffixes": list(suffixes)}, f, indent=0, sort_keys=True)
     os.replace(tmp, path)
     return path
 
@@ -52,12 +54,13 @@ def stale(pkg_dir: str) -> str | None:
         return None
     try:
         with open(stamp) as f:
-            built = json.load(f)["sources"]
+            saved = json.load(f)
+        built, suffixes = saved["sources"], tuple(saved.get("suffixes", SUFFIXES))
         if not isinstance(built, dict):
             raise TypeError(type(built).__name__)
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         return f"its build stamp {stamp} is unreadable ({type(e).__name__}: {e})"
-    now = source_hashes(csrc)
+    now = source_hashes(csrc, suffixes)  # (a CPU-only build: a .cu edit changes nothing it holds)
     changed = sorted(k for k in now.keys() | built.keys() if now.get(k) != built.get(k))
     if not changed:
         return None

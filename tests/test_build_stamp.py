@@ -41,6 +41,13 @@ def test_changed_new_and_removed_sources_are_named(tmp_path):
     (csrc / "cpu" / "b.h").unlink()
     why = _stamp.stale(pkg)
     assert why.endswith("csrc/a.cpp (changed), csrc/cpu/b.h (removed), csrc/cpu/c.cu (new)"), why
+    # a CPU-only build compiled no .cu: a CUDA file's edit leaves it as it was
+    _stamp.write(pkg, _stamp.source_hashes(str(csrc), _stamp.CPU_SUFFIXES), _stamp.CPU_SUFFIXES)
+    assert _stamp.stale(pkg) is None
+    (csrc / "cpu" / "c.cu").write_text("edited")
+    assert _stamp.stale(pkg) is None
+    (csrc / "a.cpp").write_text("int a = 2;")
+    assert _stamp.stale(pkg).endswith("csrc/a.cpp (changed)")
 
 
 def test_an_unreadable_stamp_is_named(tmp_path):
@@ -54,7 +61,7 @@ def test_a_stale_extension_warns_when_loaded(monkeypatch):
     if not os.path.isdir(CSRC):
         pytest.skip("an installed wheel: no csrc/ to compare with")
     real = _stamp.source_hashes
-    monkeypatch.setattr(_stamp, "source_hashes", lambda csrc: {**real(csrc), "cpu/new_kernel.cpp": "0"})
+    monkeypatch.setattr(_stamp, "source_hashes", lambda csrc, *a: {**real(csrc, *a), "cpu/new_kernel.cpp": "0"})
     with pytest.warns(_loader.StaleBuildWarning, match=r"csrc/cpu/new_kernel.cpp \(new\).*pip install"):
         assert _loader.load_extension() is zerofuse._C
 

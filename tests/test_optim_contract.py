@@ -143,6 +143,9 @@ def test_zero_optimizer_refuses_what_it_would_ignore(world_of_one):
     with pytest.raises(TypeError, match="'maximize'] = True is not supported"):
         _train(model, opt, 1)
     opt.param_groups[0]["maximize"] = False
+    import numpy as np  # a scheduler's table of numpy floats (accepted before the per-step check; torch takes them)
+    opt.param_groups[0]["lr"], opt.param_groups[0]["betas"] = np.float32(1e-3), (np.float32(0.9), np.float64(0.99))
+    _train(model, opt, 1)
     for key, value in (("lr", -1.0), ("betas", (1.5, 0.9)), ("eps", float("inf"))):  # (these were stepped with)
         opt.param_groups[0][key], before = value, opt.param_groups[0][key]
         with pytest.raises(ValueError, match=rf"param_groups\[0\]\['?{key}'?\]"):

@@ -122,3 +122,24 @@ def test_a_tp_group_of_another_size_than_the_layers_is_refused():
     for message in run_distributed(_groups_rank, 2, timeout=120):
         assert "holds tensor-parallel slices of a TP size [2], expected tp_group to be a group of that size, " \
                "got a group of 1" in message, message
+
+
+def _counted_rank(rank, ws):
+    import torch.distributed as dist
+
+    from zerofuse.tp.layers import RowParallelLinear
+    from zerofuse.train.launches import CountLaunches
+
+    torch.manual_seed(0)
+    lin = RowParallelLinear(16, 8, bias=False, group=dist.group.WORLD)
+    x = torch.randn(2, 3, 8)
+    with CountLaunches() as counted:
+        y = lin(x)
+    return dict(counted.names), torch.equal(y, lin(x))
+
+
+def test_the_launch_counter_sees_the_row_parallel_step_as_it_runs():
+    """The all-reduce takes a copy under a dispatch mode that may keep the matmul's output (selective
+    checkpointing); zerofuse-train's launch counter keeps nothing: it counted a clone no step runs."""
+    for names, same in run_distributed(_counted_rank, 2, timeout=60):
+        assert names == {"mm": 1} and same, names

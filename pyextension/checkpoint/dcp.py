@@ -92,7 +92,9 @@ def _state_dict(eng, model, optimizer, loading: bool = False, live=None) -> dict
     load, optimizer None): a zero.Optimizer whose fp32 masters take the values (as the native
     load's: read into the param dtype, a bf16 model's masters were the saved ones rounded)."""
     masters = optimizer if optimizer is not None else live
-    masters = masters if masters is not None and masters.unit_states and "master" in masters.unit_states[0] else None
+    # (per unit: with twin-flow offload only the host units keep fp32 masters)
+    master_of = {u.index: masters.unit_states[u.index]["master"] for u in eng.units
+                 if masters is not None and "master" in masters.unit_states[u.index]}
     ranks = _saving_ranks(eng)
     everyone: dict[str, list] = {}
     for r in ([eng.rank] if loading and eng.stage == 0 else range(ranks)):
@@ -102,7 +104,7 @@ def _state_dict(eng, model, optimizer, loading: bool = False, live=None) -> dict
     if loading or eng.rank < ranks:
         for u in eng.units:
             states = optimizer.unit_states[u.index] if optimizer is not None else {}
-            value = masters.unit_states[u.index]["master"] if masters is not None else u.shard
+            value = master_of.get(u.index, u.shard)
             for s in u.segments:
                 sl = slice(s.shard_offset, s.shard_offset + s.length)
                 got = mine.setdefault(u.names[s.param], {})
@@ -112,7 +114,7 @@ def _state_dict(eng, model, optimizer, loading: bool = False, live=None) -> dict
                         got.setdefault(key, []).append((t[sl], s.param_offset))
     model_sd = {}
     for name, p in zip(eng.names, eng.params):
-        dtype = torch.float32 if masters is not None else p.dtype
+        dtype = torch.float32 if master_of and p.dtype != torch.float32 else p.dtype
         model_sd[name] = _sharded(eng, name, p.shape, dtype, mine.get(name, {}).get("value", []), everyone[name])
     for n, t in model.state_dict(keep_vars=True).items():
         if id(t) not in eng.param_index:
@@ -285,7 +287,7 @@ def load(path: str, model, optimizer=None):
         if optimizer.host is not None:  # offload keeps host copies of the step counters (left at 0 before)
             optimizer.host.load_steps()
         optimizer.write_params()
-    elif live is not None and live.unit_states and "master" in live.unit_states[0]:
+    elif live is not None and any("master" in st for st in live.unit_states):
         live.write_params()  # weights only into a live optimizer's fp32 masters: the params from them
     else:
         eng.params_loaded()  # weights only: a live zero.Optimizer's fp32 masters follow them (else its step wrote the old back)

@@ -23,9 +23,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
-from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from zerofuse.nn.autocast import autocast_dtype, cast_all
+from zerofuse.ops._optim import _only_counting_modes
 from zerofuse.ops.ids import check_ids
 from zerofuse import nn as znn
 from zerofuse.tp import comm as C
@@ -128,7 +128,8 @@ class _RowLinear(torch.autograd.Function):
         # too), and its recompute returned the already-reduced output, reduced again (grads ~5% off
         # at tp 2 without SP, 2026-12-06). Under any mode the all-reduce takes a copy.
         partial = partial.contiguous()
-        return C.all_reduce(partial.clone() if _get_current_dispatch_mode_stack() else partial, comm)
+        keeps = torch._C._len_torch_dispatch_stack() > 0 and not _only_counting_modes()  # (counters keep nothing)
+        return C.all_reduce(partial.clone() if keeps else partial, comm)
 
     @staticmethod
     def backward(ctx, g):

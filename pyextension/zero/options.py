@@ -4,6 +4,7 @@ the checks of hyperparameters and loss-scaler settings, and the checks of parall
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
@@ -35,7 +36,7 @@ def check_options(opts: dict, where: str) -> None:
         if arg not in opts or torch.is_tensor(opts[arg]):
             continue
         value = opts[arg]
-        if not isinstance(value, (int, float)) or isinstance(value, bool):
+        if not isinstance(value, numbers.Real) or isinstance(value, bool):  # (numpy floats are: a scheduler's)
             raise TypeError(f"{NAME}: expected {name(arg)} to be a number, got {type(value).__name__}")
         if not value >= 0 or (arg != "max_trust" and not math.isfinite(value)):  # inf: NaN params (lr, wd, ...)
             raise ValueError(f"{NAME}: expected {name(arg)} finite and >= 0, got {value}")
@@ -43,7 +44,7 @@ def check_options(opts: dict, where: str) -> None:
         raise TypeError(f"{NAME}: expected {name('bias_correction')} True or False, got {opts['bias_correction']!r}")
     if "betas" in opts:
         b = opts["betas"]
-        if not (isinstance(b, (tuple, list)) and len(b) == 2 and all(isinstance(x, (int, float)) and 0 <= x < 1
+        if not (isinstance(b, (tuple, list)) and len(b) == 2 and all(isinstance(x, numbers.Real) and 0 <= x < 1
                                                                       for x in b)):
             raise ValueError(f"{NAME}: expected {name('betas')} to be a pair (beta1, beta2) in [0, 1), got {b!r}")
     if "mode" in opts and opts["mode"] not in TRUST_MODES:
