@@ -143,3 +143,29 @@ def test_the_launch_counter_sees_the_row_parallel_step_as_it_runs():
     checkpointing); zerofuse-train's launch counter keeps nothing: it counted a clone no step runs."""
     for names, same in run_distributed(_counted_rank, 2, timeout=60):
         assert names == {"mm": 1} and same, names
+
+
+def _documents_rank(rank, ws, differ):
+    import zerofuse
+    from zerofuse.models import GPT, GPTConfig
+
+    mesh = zerofuse.parallel.init_mesh(dp=1, tp=ws)
+    x = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(0))
+    docs = (torch.arange(16) // 5).expand(2, 16).clone()
+    if differ and rank == 1:
+        docs.zero_()
+    model = GPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=1, n_head=4, dim=32), seed=0, tp_group=mesh.tp_group,
+                sequence_parallel=True)
+    return error_text(lambda: model(x[:, :-1], x[:, 1:], document_ids=docs))
+
+
+@pytest.mark.parametrize("differ", [True, False])
+def test_the_checker_names_document_ids_differing_between_tp_ranks(monkeypatch, differ):
+    """Document ids differing by TP rank trained each rank's heads on other masks: a loss matching
+    neither run, silently (a review's reproduction, 2026-12-06). The collective checker compares them."""
+    monkeypatch.setenv("ZEROFUSE_CHECK_COLLECTIVES", "1")
+    for err in run_distributed(_documents_rank, 2, differ, timeout=90):
+        if differ:
+            assert "expected the same ['document_ids'] on every rank of the tensor-parallel group" in err, err
+        else:
+            assert err == "no error", err

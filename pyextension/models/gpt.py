@@ -258,6 +258,9 @@ class GPT(KeepsMarks, torch.nn.Module):
                 document_ids: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
         """document_ids (B, N): packed documents (each a run of equal ids, e.g. (idx == EOT).cumsum(1)):
         a token attends only to the earlier tokens of its own document; positions are not reset."""
+        if self.tp_group is not None:  # (under ZEROFUSE_CHECK_COLLECTIVES=1 only)
+            tp.comm.check_same_inputs(self._tp_comm, "zerofuse.models.GPT", idx=idx, targets=targets,
+                                      document_ids=document_ids)
         x, delta = self.embed(idx), None
         for block in self.blocks:
             x, delta = self.run_block(block, x, delta, document_ids)

@@ -218,3 +218,29 @@ def sync_replicated_grads(params, comm: Communicator, when=lambda: True) -> list
         return all_reduce(g.contiguous().clone(), comm) if when() else g
 
     return [p.register_hook(hook) for p in params]
+
+
+def check_same_inputs(comm: Communicator, who: str, **tensors) -> None:
+    """Under the collective checker (ZEROFUSE_CHECK_COLLECTIVES=1): every TP rank got the same
+    integer inputs (tokens, targets, document ids; None for absent), compared by a fingerprint
+    (shape, sum, position-weighted sum) over the group. Ranks given different ones (document ids
+    differing by rank trained each rank's heads on other masks, silently: a review's reproduction,
+    2026-12-06) raise a ValueError on every rank naming the inputs that differ."""
+    if not comm.check or comm.world_size == 1:
+        return
+    rows = []
+    for t in tensors.values():
+        if t is None:
+            rows.append([-1, 0, 0, 0])
+            continue
+        flat = t.detach().reshape(-1).long()
+        pos = torch.arange(1, flat.numel() + 1, device=flat.device, dtype=torch.long)
+        rows.append([t.dim(), flat.numel(), int(flat.sum()), int((flat * pos).sum())])
+    device = next(t.device for t in tensors.values() if t is not None)  # (NCCL gathers device tensors)
+    mine = torch.tensor(rows, dtype=torch.long, device=device)
+    every = [torch.empty_like(mine) for _ in range(comm.world_size)]
+    dist.all_gather(every, mine, group=comm.group)
+    differ = [name for i, name in enumerate(tensors) if any(not torch.equal(e[i], every[0][i]) for e in every)]
+    if differ:
+        raise ValueError(f"{who}: expected the same {differ} on every rank of the tensor-parallel group (each rank "
+                         "computes part of the same layers), got inputs that differ between ranks")
