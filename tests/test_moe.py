@@ -212,6 +212,30 @@ def test_aux_free_bias_balances_a_skewed_router():
     assert before > 3.0 and after <= 1.2, (before, after)
 
 
+@pytest.mark.parametrize("score", ["softmax", "sigmoid"])
+def test_the_aux_loss_counts_the_routers_own_choices_not_the_biased_ones(score):
+    """With the balancing bias on, the aux loss's f_e came from the bias-steered top-k: a bias sending
+    every token to expert 3 made the loss push the router away from it (gradient cosine -0.36 to
+    Megatron's; a review's reproduction, 2026-12-06). f_e counts the top-k of the scores alone
+    (Megatron-Core, DeepSeek-V3 eq. 18); the bias still decides the routing."""
+    torch.manual_seed(0)
+    e, t, k = 4, 32, 2
+    r = Router(8, e, k, score=score, aux_loss_coef=1.0, bias_update_rate=1e-3)
+    with torch.no_grad():
+        r.expert_bias.copy_(torch.tensor([0.0, 0.0, 0.0, 5.0]))
+    x = torch.randn(t, 8)
+    out = r(x)
+    assert (out.experts == 3).any(dim=-1).all()  # the bias routes
+    w = r.weight.detach().clone().requires_grad_()
+    logits = x @ w.t()
+    s = torch.softmax(logits, -1) if score == "softmax" else torch.sigmoid(logits)
+    p = s if score == "softmax" else s / s.sum(-1, keepdim=True)
+    own = torch.bincount(s.detach().topk(k).indices.reshape(-1), minlength=e).float()
+    want = e * (p.sum(0) * own).sum() / (t * t * k)
+    torch.testing.assert_close(out.aux_loss, want)
+    torch.testing.assert_close(torch.autograd.grad(out.aux_loss, r.weight)[0], torch.autograd.grad(want, w)[0])
+
+
 @pytest.mark.parametrize("kwargs", [dict(num_experts=1, top_k=1), dict(num_experts=4, top_k=5),
                                     dict(num_experts=4, top_k=2, capacity_factor=-1.0),
                                     dict(num_experts=4, top_k=2, score="relu"),

@@ -118,7 +118,12 @@ class Router(torch.nn.Module):
         tokens = x.shape[0]
         if self.aux_loss_coef > 0:
             p = scores if self.score == "softmax" else scores / scores.sum(-1, keepdim=True)
-            frac, per_token = self._load_fraction(load, tokens)
+            # f_e counts the router's own choices, without the balancing bias (Megatron-Core's
+            # compute_routing_scores_for_aux_loss, DeepSeek-V3 eq. 18): counted after the bias,
+            # the loss pushed against it (a review's reproduction, 2026-12-06)
+            own = load if self.bias_update_rate <= 0 else torch.bincount(
+                torch.topk(scores.detach(), self.top_k, dim=-1).indices.reshape(-1), minlength=e)
+            frac, per_token = self._load_fraction(own, tokens)
             aux = self.aux_loss_coef * e * (frac * p.sum(0) * per_token).sum()
         # (sums over max(T, 1): a rank given no tokens has losses of 0, not NaN)
         z = self.z_loss_coef * torch.logsumexp(logits, -1).pow(2).sum() / max(tokens, 1) if self.z_loss_coef > 0 \
