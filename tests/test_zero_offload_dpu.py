@@ -211,3 +211,69 @@ def test_the_job_offloads_with_a_measured_ratio_and_a_delayed_update(tmp_path):
     import json
     summary = json.loads((tmp_path / "dpu" / "summary.json").read_text())
     assert summary["offload"] == "optimizer" and summary["final_val_loss"] < summary["initial_val_loss"]
+
+
+def _clip_peek_load_rank(rank, ws, stage):
+    import threading
+
+    out = {}
+    # the caller's clip_grad_norm_ reaches the delayed update as max_grad_norm does (it was dropped)
+    runs = []
+    for caller in (False, True):
+        model, opt = _build(stage, "optimizer", 0, clip=not caller)
+        per = GLOBAL_BATCH // ws
+        for b in batches(3):
+            mine = b[rank * per:(rank + 1) * per]
+            model(mine[:, :-1], mine[:, 1:])[1].backward()
+            if caller:
+                opt.clip_grad_norm_(MAX_NORM)
+            opt.step()
+            opt.zero_grad()
+        opt.apply_pending()
+        with zerofuse.zero.full_params(model):
+            runs.append([p.detach().clone() for p in model.parameters()])
+    out["clip"] = all(torch.equal(a, b) for a, b in zip(*runs))
+    # a read-only full_params between steps leaves the pending update alone (it undid it: no training)
+    runs = []
+    for peek in (False, True):
+        model, opt = _build(stage, "optimizer", 0, False)
+        for t in range(3):
+            _train(rank, ws, model, opt, 1, first=t)
+            if peek:
+                with zerofuse.zero.full_params(model):
+                    sum(p.norm() for p in model.parameters())
+        opt.apply_pending()
+        with zerofuse.zero.full_params(model):
+            runs.append([p.detach().clone() for p in model.parameters()])
+    out["peek"] = all(torch.equal(a, b) for a, b in zip(*runs))
+    # a write inside it with an update pending is refused (the update would land on it)
+    _train(rank, ws, model, opt, 1)  # (a step: its update pending again)
+    try:
+        with zerofuse.zero.full_params(model), torch.no_grad():
+            next(model.parameters()).add_(1.0)
+        out["write"] = "accepted"
+    except RuntimeError as e:
+        out["write"] = str(e)
+    if stage != 3:  # a model load waits for the pending update first (its result depended on the thread's timing)
+        model, opt = _build(stage, "optimizer", 0, False)
+        other = GPT(GPTConfig(**CFG), seed=5).state_dict()
+        gate = threading.Event()
+        opt.host.pool.submit(gate.wait)  # a slow host step, done 0.3 s later
+        threading.Timer(0.3, gate.set).start()
+        _train(rank, ws, model, opt, 1)
+        model.load_state_dict(other)
+        opt.apply_pending()
+        with zerofuse.zero.full_params(model):
+            out["load"] = all(torch.equal(p, other[n]) for n, p in model.named_parameters())
+    return out
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_clipping_reads_and_loads_between_delayed_steps(stage):
+    """Three reviews' reproductions (2026-12-06): the caller's clip_grad_norm_ was ignored by the delayed
+    update, a read-only full_params between steps reset the masters to the params (the model never
+    trained), a model.load_state_dict raced the pending host step."""
+    for out in run_distributed(_clip_peek_load_rank, 2, stage, timeout=240):
+        assert out["clip"] and out["peek"], out
+        assert "a delayed update was pending" in out["write"], out
+        assert out.get("load", True), out

@@ -80,7 +80,11 @@ def load(path: str, model: torch.nn.Module, optimizer=None):
         if optimizer is not None:
             optimizer.load_state_dict(full["optimizer"])
         return full["extra"]
-    _apply_pending(optimizer)  # a delayed host step must not write the states while they load
+    # a delayed host step must not write the states (or a live optimizer's masters, a weights-only
+    # load) while they load
+    eng = getattr(model, "_zerofuse_zero", None)
+    live = eng.optimizer_ref() if optimizer is None and eng is not None and eng.optimizer_ref is not None else None
+    _apply_pending(optimizer if optimizer is not None else live)
     return (_dcp().load if _is_dcp(path) else native.load)(path, model, optimizer)
 
 

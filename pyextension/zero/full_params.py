@@ -55,10 +55,18 @@ class FullParams:
                 self.params_loaded(written, written_only=True)
 
     def host_steps_started(self) -> bool:
-        """Whether the Optimizer's offloaded host steps of this backward are running already
-        (offload_overlap: they start as each unit's grads arrive)."""
+        """Whether the Optimizer's offloaded host steps are running already (offload_overlap: they
+        start as each unit's grads arrive) or a delayed update is pending (its masters hold the next
+        params, the shards the current ones: a refresh from the shards undid the update, a review's
+        reproduction, 2026-12-06)."""
         opt = self.optimizer_ref() if self.optimizer_ref is not None else None
-        return opt is not None and opt.host is not None and bool(opt.host.futures)
+        return opt is not None and opt.host is not None and bool(opt.host.futures or opt.host.pending)
+
+    def apply_pending_update(self) -> None:
+        """The Optimizer's pending delayed update applied (before a load writes the params)."""
+        opt = self.optimizer_ref() if self.optimizer_ref is not None else None
+        if opt is not None:
+            opt.apply_pending()
 
     def _versions_if_host_steps(self):
         return [p._version for p in self.params] if self.host_steps_started() else None
@@ -68,6 +76,6 @@ class FullParams:
         of before it, and the step then put their result over it (the step's update vanished)."""
         if versions is not None and [p._version for p in self.params] != versions:
             raise RuntimeError("zerofuse.zero.full_params: the params were written while the offloaded optimizer "
-                               "steps of the last backward were running (offload_overlap): they would not see the "
-                               "write; write before backward or after step(), or build the Optimizer with "
-                               "offload_overlap=False")
+                               "steps of the last backward were running (offload_overlap) or a delayed update was "
+                               "pending (delayed_update): they would not see the write; write before backward or "
+                               "after opt.apply_pending(), or build the Optimizer with offload_overlap=False")

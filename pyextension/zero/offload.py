@@ -277,8 +277,9 @@ class HostSteps:
         for u in self.units:
             self._to_host(u)
         if not skip:
-            self._queue_all(mult.to("cpu", torch.float32).reshape(1) if self.opt.max_grad_norm or self.opt.fp16
-                            else None)
+            # (always the multiplier: the caller's clip_grad_norm_ is in it too; dropped without
+            # max_grad_norm or fp16, the run was the unclipped one: a review's reproduction, 2026-12-06)
+            self._queue_all(mult.to("cpu", torch.float32).reshape(1))
             for s in self.host_steps:
                 s += 1.0
         if self.cuda:  # the next backward may write the grad buffers the side stream is copying
