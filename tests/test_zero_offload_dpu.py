@@ -254,6 +254,19 @@ def _clip_peek_load_rank(rank, ws, stage):
         out["write"] = "accepted"
     except RuntimeError as e:
         out["write"] = str(e)
+    # the grads of the next backward may be changed while the update is pending (its host step read others)
+    per = GLOBAL_BATCH // ws
+    b = batches(1, seed=3)[0][rank * per:(rank + 1) * per]
+    model(b[:, :-1], b[:, 1:])[1].backward()
+    try:
+        with zerofuse.zero.full_grads(model):
+            for p in model.parameters():
+                p.grad.mul_(0.5)
+        out["grads"] = "ok"
+    except RuntimeError as e:
+        out["grads"] = str(e)
+    opt.step()
+    opt.zero_grad()
     if stage != 3:  # a model load waits for the pending update first (its result depended on the thread's timing)
         model, opt = _build(stage, "optimizer", 0, False)
         other = GPT(GPTConfig(**CFG), seed=5).state_dict()
@@ -276,4 +289,4 @@ def test_clipping_reads_and_loads_between_delayed_steps(stage):
     for out in run_distributed(_clip_peek_load_rank, 2, stage, timeout=240):
         assert out["clip"] and out["peek"], out
         assert "a delayed update was pending" in out["write"], out
-        assert out.get("load", True), out
+        assert out.get("load", True) and out["grads"] == "ok", out

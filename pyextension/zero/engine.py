@@ -421,8 +421,9 @@ def parallelize(model: torch.nn.Module, *, stage: int, group=None, precision: st
     model.no_sync = engine.no_sync
     model.zero_grad = engine.model_zero_grad
     model.register_load_state_dict_pre_hook(_refuse_assign)
-    if stage != 3:  # a pending delayed update first (its host step wrote the loaded masters, or not, by timing)
-        model.register_load_state_dict_pre_hook(lambda *_a: engine.apply_pending_update())  # loaded params reach the Optimizer's fp32 masters (stage 3 loads inside full_params)
+    if stage != 3:  # loaded params reach the Optimizer's fp32 masters (stage 3 loads inside full_params),
+        # after a pending delayed update (its host step wrote over the loaded masters or not, by timing)
+        model.register_load_state_dict_pre_hook(lambda *_a: engine.apply_pending_update())
         model.register_load_state_dict_post_hook(lambda _module, _keys: engine.params_loaded())
     return model
 

@@ -54,13 +54,14 @@ class FullParams:
             elif written:  # of an edit: of the elements it changed
                 self.params_loaded(written, written_only=True)
 
-    def host_steps_started(self) -> bool:
-        """Whether the Optimizer's offloaded host steps are running already (offload_overlap: they
-        start as each unit's grads arrive) or a delayed update is pending (its masters hold the next
-        params, the shards the current ones: a refresh from the shards undid the update, a review's
-        reproduction, 2026-12-06)."""
+    def host_steps_started(self, pending_too: bool = False) -> bool:
+        """Whether the Optimizer's offloaded host steps of this backward are running already
+        (offload_overlap: they start as each unit's grads arrive); pending_too: or a delayed update
+        is pending (its masters hold the next params, the shards the current ones: full_params'
+        refresh from the shards undid the update, a review's reproduction, 2026-12-06)."""
         opt = self.optimizer_ref() if self.optimizer_ref is not None else None
-        return opt is not None and opt.host is not None and bool(opt.host.futures or opt.host.pending)
+        return opt is not None and opt.host is not None and bool(opt.host.futures or
+                                                                 (pending_too and opt.host.pending))
 
     def apply_pending_update(self) -> None:
         """The Optimizer's pending delayed update applied (before a load writes the params)."""
@@ -69,7 +70,7 @@ class FullParams:
             opt.apply_pending()
 
     def _versions_if_host_steps(self):
-        return [p._version for p in self.params] if self.host_steps_started() else None
+        return [p._version for p in self.params] if self.host_steps_started(pending_too=True) else None
 
     def _refuse_writes_under_host_steps(self, versions) -> None:
         """A write inside full_params after backward started the host steps: they read the params
