@@ -83,8 +83,7 @@ def load(path: str, model: torch.nn.Module, optimizer=None):
     # a delayed host step must not write the states (or a live optimizer's masters, a weights-only
     # load) while they load
     eng = getattr(model, "_zerofuse_zero", None)
-    live = eng.optimizer_ref() if optimizer is None and eng is not None and eng.optimizer_ref is not None else None
-    _apply_pending(optimizer if optimizer is not None else live)
+    _apply_pending(optimizer if optimizer is not None or eng is None else eng.live_optimizer())
     return (_dcp().load if _is_dcp(path) else native.load)(path, model, optimizer)
 
 

@@ -236,7 +236,7 @@ def load(path: str, model, optimizer=None):
                                                                           for p in g["params"]]}
                                                                for g in optimizer.param_groups]}
     check_optimizer(optimizer, opt_meta, eng, who)
-    live = eng.optimizer_ref() if optimizer is None and eng.optimizer_ref is not None else None
+    live = eng.live_optimizer() if optimizer is None else None
     sd = _state_dict(eng, model, optimizer, loading=True, live=live)
     if optimizer is not None:  # loaded on their own below, by their flat keys
         del sd["optim"]["param_groups"]

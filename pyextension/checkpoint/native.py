@@ -279,7 +279,7 @@ def _fill_shards(eng, optimizer, opt_meta, full, src) -> None:
     keys = [VALUE] + ([k for k in opt_meta["state_keys"]] if optimizer is not None else [])
     # weights only (optimizer=None) into a model whose zero.Optimizer keeps fp32 masters: they take
     # the loaded values too (its next step wrote the old masters back over the loaded weights)
-    live = optimizer if optimizer is not None else eng.optimizer_ref() if eng.optimizer_ref is not None else None
+    live = optimizer if optimizer is not None else eng.live_optimizer()
     for u in eng.units:
         states = optimizer.unit_states[u.index] if optimizer is not None else {}
         if live is not None and "master" in live.unit_states[u.index]:
@@ -316,8 +316,9 @@ def agree(group, error, who, device) -> None:
                          "(their errors say why)")
 
 
-def _rest_names(model, eng) -> list[str]:
-    return [n for n, t in model.state_dict(keep_vars=True).items() if id(t) not in eng.param_index]
+def _rest(model, eng) -> dict:
+    """The model's buffers and frozen params by name (what ZeRO does not shard)."""
+    return {n: t for n, t in model.state_dict(keep_vars=True).items() if id(t) not in eng.param_index}
 
 
 def _stage_names(model, eng):
@@ -326,7 +327,7 @@ def _stage_names(model, eng):
     if eng.pp_comm is None:
         return None
     every = [None] * eng.pp_comm.world_size
-    dist.all_gather_object(every, (list(eng.names), _rest_names(model, eng)), group=eng.pp_comm.group)
+    dist.all_gather_object(every, (list(eng.names), list(_rest(model, eng))), group=eng.pp_comm.group)
     return {n for names, _ in every for n in names}, {n for _, rest in every for n in rest}
 
 
@@ -334,8 +335,7 @@ def check_rest(model, eng, rest: dict, who, everywhere=None) -> None:
     """The buffers and frozen params (``rest``, in common.pt) against the model's: names and shapes
     (a [1] buffer loaded into a [4] one broadcast silently; a wrong size failed halfway through
     the load). everywhere: those of every pipeline stage (a stage holds only some of them)."""
-    sd = model.state_dict(keep_vars=True)
-    mine = {n: sd[n] for n in _rest_names(model, eng)}
+    mine = _rest(model, eng)
     wrong = [f"{n}: saved {list(t.shape)}, model {list(mine[n].shape)}" for n, t in rest.items()
              if n in mine and tuple(t.shape) != tuple(mine[n].shape)]
     parts = [f"shape mismatch: {wrong}"] if wrong else []

@@ -228,16 +228,17 @@ def check_same_inputs(comm: Communicator, who: str, **tensors) -> None:
     2026-12-06) raise a ValueError on every rank naming the inputs that differ."""
     if not comm.check or comm.world_size == 1:
         return
+    device = next(t.device for t in tensors.values() if t is not None)  # (NCCL gathers device tensors)
     rows = []
-    for t in tensors.values():
+    for t in tensors.values():  # on the device: no host read per input
         if t is None:
-            rows.append([-1, 0, 0, 0])
+            rows.append(torch.tensor([-1, 0, 0, 0], device=device))
             continue
         flat = t.detach().reshape(-1).long()
         pos = torch.arange(1, flat.numel() + 1, device=flat.device, dtype=torch.long)
-        rows.append([t.dim(), flat.numel(), int(flat.sum()), int((flat * pos).sum())])
-    device = next(t.device for t in tensors.values() if t is not None)  # (NCCL gathers device tensors)
-    mine = torch.tensor(rows, dtype=torch.long, device=device)
+        rows.append(torch.stack([torch.tensor(t.dim(), device=device), torch.tensor(flat.numel(), device=device),
+                                 flat.sum(), (flat * pos).sum()]))
+    mine = torch.stack(rows)
     every = [torch.empty_like(mine) for _ in range(comm.world_size)]
     dist.all_gather(every, mine, group=comm.group)
     differ = [name for i, name in enumerate(tensors) if any(not torch.equal(e[i], every[0][i]) for e in every)]

@@ -220,7 +220,8 @@ def steady_runs(runs: list[dict]) -> list[dict]:
     # windows are timed, their window's steps share their time: the window is left out
     odd = [m for m in runs if m.get("instrumented") or m.get("graph_capture")]
     if first is None:
-        steady = [m for m in runs[1:] if not any(m is o for o in odd)]
+        odd_ids = {id(m) for m in odd}
+        steady = [m for m in runs[1:] if id(m) not in odd_ids]
     else:
         left_out = {first} | {m.get("log_window") for m in odd}
         steady = [m for m in runs if m.get("log_window") not in left_out]

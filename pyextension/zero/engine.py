@@ -299,12 +299,12 @@ class ZeroEngine(ExpertLayout, FullParams, Stage3Hooks, WorldOfOne):
     def model_zero_grad(self, set_to_none: bool = True) -> None:
         """model.zero_grad(): the Optimizer's (the grads live in the units' shards; Module.zero_grad
         cleared only .grad, so later steps added every earlier grad). params_loaded: its masters."""
-        opt = self.optimizer_ref() if self.optimizer_ref is not None else None
+        opt = self.live_optimizer()
         (opt.zero_grad if opt is not None else self.zero_grad)(set_to_none)
 
     def params_loaded(self, units=None, written_only: bool = False) -> None:
-        if self.optimizer_ref is not None and self.optimizer_ref() is not None:
-            self.optimizer_ref().read_params(units, written_only)
+        if (opt := self.live_optimizer()) is not None:
+            opt.read_params(units, written_only)
 
     def params_written(self) -> None:
         """Collective, after the shards were written outside a step (a load, a delayed update

@@ -54,18 +54,22 @@ class FullParams:
             elif written:  # of an edit: of the elements it changed
                 self.params_loaded(written, written_only=True)
 
+    def live_optimizer(self):
+        """The zero.Optimizer built on this engine, while it lives (None otherwise)."""
+        return self.optimizer_ref() if self.optimizer_ref is not None else None
+
     def host_steps_started(self, pending_too: bool = False) -> bool:
         """Whether the Optimizer's offloaded host steps of this backward are running already
         (offload_overlap: they start as each unit's grads arrive); pending_too: or a delayed update
         is pending (its masters hold the next params, the shards the current ones: full_params'
         refresh from the shards undid the update, a review's reproduction, 2026-12-06)."""
-        opt = self.optimizer_ref() if self.optimizer_ref is not None else None
+        opt = self.live_optimizer()
         return opt is not None and opt.host is not None and bool(opt.host.futures or
                                                                  (pending_too and opt.host.pending))
 
     def apply_pending_update(self) -> None:
         """The Optimizer's pending delayed update applied (before a load writes the params)."""
-        opt = self.optimizer_ref() if self.optimizer_ref is not None else None
+        opt = self.live_optimizer()
         if opt is not None:
             opt.apply_pending()
 
