@@ -3,7 +3,7 @@ kernels: ``parallelize(model, stage=...)`` shards, ``Optimizer(model, ...)`` ste
 shard, ``memory_report`` measures what each rank holds, ``peak_memory`` the peak during a region.
 Gradients live in the shards: ``.grad`` is None after backward; ``full_grads(model)`` hands out full
 ``.grad`` tensors inside a block."""
-from zerofuse.zero.engine import full_grads, full_params, parallelize
+from zerofuse.zero.api import full_grads, full_params, parallelize
 from zerofuse.zero.memory import memory_report, peak_memory
 from zerofuse.zero.optimizer import Optimizer
 

@@ -26,8 +26,8 @@ Limit: a rank whose lane is held back by a param without a grad launches the res
 backward, while the other ranks block once ``max_inflight`` reductions are in flight: a collective
 the held-back rank runs later in its backward (MoE's all-to-all, tensor parallelism's all-reduce)
 then waits for ranks that wait for it, until the communicator's timeout fails the step. Such a
-model needs every param to get a grad on every rank (DDP's find_unused_parameters marks them ready
-when backward starts instead; not done here)."""
+model needs parallelize(find_unused_parameters=True), which marks them ready when backward starts
+([Note: unused params] in zero/unused.py), or every param to get a grad on every rank."""
 from __future__ import annotations
 
 import collections

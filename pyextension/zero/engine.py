@@ -1,4 +1,5 @@
-"""``zerofuse.zero.parallelize``: make a module ZeRO data-parallel in place (stage 0, 1, 2 or 3).
+"""The engine behind ``zerofuse.zero.parallelize`` (zero/api.py): a module made ZeRO data-parallel in
+place (stage 0, 1, 2 or 3).
 
 Stage 0/1/2: trainable params are grouped, in reverse registration order (the order their grads
 become ready), into units of about ``bucket_mb``; stage 3: one unit per wrap module (default: each
@@ -48,20 +49,24 @@ from zerofuse.zero.materialize import Initializer, materialize_rest
 from zerofuse.zero.offload import auto_ratio, host_units
 from zerofuse.zero.options import PRECISIONS, check_args
 from zerofuse.zero.stage3 import Stage3Hooks
+from zerofuse.zero.unused import FindUnused
 from zerofuse.zero.world_of_one import WorldOfOne
 
 ALIGN = 128
 
 
-class ZeroEngine(ExpertLayout, FullParams, Stage3Hooks, WorldOfOne):
+class ZeroEngine(ExpertLayout, FindUnused, FullParams, Stage3Hooks, WorldOfOne):
 
     def __init__(self, model, *, stage, group, precision, reduce_dtype, bucket_mb, overlap, prefetch, wrap,
                  reshard_after_forward=True, tp_group=None, max_inflight=2, device=None, param_init_fn=None,
-                 pp_group=None, expert_group=None, offload=None, offload_ratio=1.0, param_gather="step"):
+                 pp_group=None, expert_group=None, offload=None, offload_ratio=1.0, param_gather="step",
+                 find_unused_parameters=False):
         name = "zerofuse.zero.parallelize"
         check_args(name, stage=stage, precision=precision, reduce_dtype=reduce_dtype, bucket_mb=bucket_mb,
                    prefetch=prefetch, max_inflight=max_inflight, param_init_fn=param_init_fn, offload=offload,
                    offload_ratio=offload_ratio, param_gather=param_gather)
+        if not isinstance(find_unused_parameters, bool):
+            raise TypeError(f"{name}: expected find_unused_parameters to be a bool, got {find_unused_parameters!r}")
         self.param_gather = param_gather
         auto = offload_ratio == "auto"
         self.offload = offload
@@ -176,6 +181,8 @@ class ZeroEngine(ExpertLayout, FullParams, Stage3Hooks, WorldOfOne):
         install_clip_warning()
         guard_conversions(model, self.param_index.keys())  # (zero/fixed_layout.py)
         self.check_trainable = TrainableCheck(model, self.param_index.keys())
+        if find_unused_parameters and not self.hookless:
+            self._install_find_unused(model)  # (before the stage 3 hooks: the walk sees the forward's output)
         if stage == 3:
             self._install_stage3_hooks(model)
         elif self.comm.world_size > 1 or any(u.comm is not None and u.comm.world_size > 1 for u in self.units):
@@ -210,6 +217,12 @@ class ZeroEngine(ExpertLayout, FullParams, Stage3Hooks, WorldOfOne):
     def _grad_ready(self, p: torch.Tensor) -> None:
         if p.grad is None:
             return
+        if not self._final_queued:
+            self._final_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            self._start_backward()
+        if self.find_unused:
+            self._check_not_unused(p)
         unit, i = self.unit_of[id(p)]
         if unit.arrived[i]:  # a second grad in one backward: reduced again at its end, on every rank alike
             unit.twice = True
@@ -221,20 +234,26 @@ class ZeroEngine(ExpertLayout, FullParams, Stage3Hooks, WorldOfOne):
         if unit.launched:  # a second grad after its unit was reduced (a module used twice, re-entrant checkpointing)
             self._after_reduction(unit)
         unit.ready += 1
-        if not self._final_queued:
-            self._final_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
         if unit.defer_grad(i):
             return
         if unit.gflat is None and self.sync_grads and self.overlap:
             self.buckets.make_room(unit)  # the buffer about to be made counts in the window ([Note: bucket buffers])
         unit.add_deferred(also=i)  # with the deferred ones: one multi-tensor copy into gflat
         if unit.ready == len(unit.params):
-            if self.sync_grads and self.overlap:
-                for u in self.buckets.ready(unit):  # in the ranks' common order ([Note: launch order])
-                    self.events.append(("reduce_scatter", u.index, "backward"))
-            if self.stage == 3 and unit is not self.root and not self.hold_params and not self._in_full_params:
-                unit.free()
+            self._unit_complete(unit)
+
+    def _start_backward(self) -> None:
+        """The first grad of a backward (or of grads_ready's pass)."""
+        if self.find_unused and self.sync_grads:
+            self._mark_unused()  # [Note: unused params]
+
+    def _unit_complete(self, unit) -> None:
+        """Every grad of ``unit`` in this backward is in (or marked unused)."""
+        if self.sync_grads and self.overlap:
+            for u in self.buckets.ready(unit):  # in the ranks' common order ([Note: launch order])
+                self.events.append(("reduce_scatter", u.index, "backward"))
+        if self.stage == 3 and unit is not self.root and not self.hold_params and not self._in_full_params:
+            unit.free()
 
     def _after_reduction(self, unit) -> None:
         """A grad for a unit whose reduction this backward launched already: that reduction is
@@ -257,6 +276,7 @@ class ZeroEngine(ExpertLayout, FullParams, Stage3Hooks, WorldOfOne):
             u.add_deferred()
         self._final_queued = False
         self._in_backward = False
+        self._forget_walk()
         # units with unused params, or all of them without overlap, are launched here
         for u in self.buckets.finish_grad_sync(launch_rest=self.sync_grads):
             self.events.append(("reduce_scatter", u.index, "end"))
@@ -272,6 +292,7 @@ class ZeroEngine(ExpertLayout, FullParams, Stage3Hooks, WorldOfOne):
         no_sync: accumulated)."""
         if not self._final_queued:
             self._final_queued = True  # ended below, not by an autograd callback
+            self._start_backward()
             for p in params:
                 self._grad_ready(p)
             self._end_of_backward()
@@ -366,90 +387,6 @@ class ZeroEngine(ExpertLayout, FullParams, Stage3Hooks, WorldOfOne):
     def full_grads(self):
         """See zerofuse.zero.full_grads (zerofuse/zero/grads.py)."""
         return gathered_grads(self)
-
-
-def parallelize(model: torch.nn.Module, *, stage: int, group=None, precision: str = "fp32",
-                reduce_dtype: torch.dtype | None = None, bucket_mb: float = 25.0, overlap: bool = True,
-                prefetch: int = 1, wrap=None, reshard_after_forward: bool = True,
-                tp_group=None, max_inflight: int = 2, device=None, param_init_fn=None,
-                pp_group=None, expert_group=None, offload=None, offload_ratio: float | str = 1.0,
-                param_gather: str = "step") -> torch.nn.Module:
-    """Make ``model`` ZeRO data-parallel over ``group`` (None: the default group), in place, and
-    return it. stage 0 is plain data parallelism (grads all-reduced in buckets during backward,
-    every rank keeps and steps everything); 1/2/3 shard optimizer states / + grads / + params.
-    tp_group (default: ``model.tp_group``, set by tensor-parallel zerofuse models): the
-    tensor-parallel group, so that grad norms (clipping, LAMB/LARS trust ratios, fp16 overflow)
-    cover the whole model; pp_group: the pipeline-parallel group when ``model`` is one pipeline
-    stage (zerofuse.pipeline), for the same reason and for per-stage checkpoints; expert_group
-    (default ``model.edp_group``): with expert-parallel MoE layers, the ranks holding the same
-    experts, over which expert params reduce and shard (ZeroEngine._init_experts); offload="optimizer":
-    the optimizer's fp32 masters and states of this rank's shards in host memory, stepped there by
-    the C++ CPU kernel as each unit's grads arrive ([Note: offloaded steps] in zero/offload.py);
-    offload_ratio < 1 (twin flow): only the units first ready in backward, that fraction of the
-    shard, are stepped on the host, the rest on the device ("auto": the fraction whose host and
-    device steps take equal time, measured once, zero/offload.py auto_ratio). precision: the dtype params and grads are kept in (fp32 masters live
-    in the optimizer); reduce_dtype: the dtype grads are accumulated and reduced in (default fp32;
-    bf16/fp16 put half the bytes on the wire and are summed in fp32 after an all-to-all, rounding
-    once); averages are pre-divided by the world size before the reduction. max_inflight: gradient
-    reductions in flight at once during backward (the next launch waits for the oldest), which
-    bounds backward's gradient memory to about grad shard + (max_inflight + 1) buckets/units.
-    param_gather (stages 1/2): "step" (default) - step() returns with every param whole again (the
-    updated shards all-gathered, as DeepSpeed's); "module" - the all-gathers run on while the next
-    forward starts, each module's forward waiting for those of its own params (they overlap the
-    forward; state_dict() waits for all): every param must then be read only in the forward of a
-    module that holds it (``F.linear(h, self.wte.weight)`` from another module, an EMA update or a
-    norm logged right after step() read other ranks' old values, silently); zerofuse's own models
-    and zerofuse-train keep that rule.
-
-    A model built under ``torch.device("meta")`` is materialized bucket by bucket on ``device``
-    (default: the current CUDA device, else the CPU): each bucket (stage 3: each unit) is allocated
-    whole once, initialised by ``param_init_fn(module)`` (default: the model's ``param_init_fn``
-    method, else each module's ``reset_parameters()``) and, at stage 3, cut to this rank's shard,
-    so the full model never exists on one rank. stage 3: ``wrap`` picks the units (None: each child of the main ModuleList; a list
-    of module classes; a list of submodules; a callable(module) -> bool) and ``prefetch`` how many
-    units are gathered ahead, ``reshard_after_forward=False`` keeps each unit gathered from its
-    forward to the end of its backward (FSDP2's option: less communication, more memory).
-    ``model.no_sync()`` then skips communication in backward, for
-    gradient accumulation. Build ``zerofuse.zero.Optimizer(model, ...)`` to train."""
-    engine = ZeroEngine(model, stage=stage, group=group, precision=precision, reduce_dtype=reduce_dtype,
-                        bucket_mb=bucket_mb, overlap=overlap, prefetch=prefetch, wrap=wrap,
-                        reshard_after_forward=reshard_after_forward, tp_group=tp_group,
-                        max_inflight=max_inflight, device=device, param_init_fn=param_init_fn, pp_group=pp_group,
-                        expert_group=expert_group, offload=offload, offload_ratio=offload_ratio,
-                        param_gather=param_gather)
-    model._zerofuse_zero = engine
-    model.no_sync = engine.no_sync
-    model.zero_grad = engine.model_zero_grad
-    model.register_load_state_dict_pre_hook(_refuse_assign)
-    if stage != 3:  # loaded params reach the Optimizer's fp32 masters (stage 3 loads inside full_params),
-        # after a pending delayed update (its host step wrote over the loaded masters or not, by timing)
-        model.register_load_state_dict_pre_hook(lambda *_a: engine.apply_pending_update())
-        model.register_load_state_dict_post_hook(lambda _module, _keys: engine.params_loaded())
-    return model
-
-
-def _refuse_assign(module, state_dict, prefix, local_metadata, *args) -> None:
-    """load_state_dict(assign=True) put new Parameters in place of the bucket views ZeRO reduces,
-    shards and steps (nothing trained after it, or a KeyError in backward): refused."""
-    if local_metadata.get("assign_to_params_buffers", False):
-        raise ValueError("zerofuse.zero: expected load_state_dict(assign=False) on a model made data-parallel by "
-                         "zerofuse.zero.parallelize (its params are views of zerofuse's buffers, which the load "
-                         "copies into), got assign=True; assign before parallelize (e.g. a model built on meta)")
-
-
-def full_params(model: torch.nn.Module):
-    """Context manager: the model's params hold their full values inside (e.g. to export, evaluate,
-    initialise or load outside the hooks; stage 3 writes what was written back to the shards on
-    exit); see ZeroEngine.full_params."""
-    return engine_of(model, "zerofuse.zero.full_params").full_params()
-
-
-def full_grads(model: torch.nn.Module):
-    """Context manager: every param of a ZeRO model holds its full gradient as ``.grad`` inside
-    (for inspection, logging or a user's own clipping, written back on exit); outside it the grads
-    live in zerofuse's shards (clip with ``zerofuse.zero.Optimizer.clip_grad_norm_``), and ``.grad``
-    is None, or over one rank autograd's until the next step takes it ([Note: a world of one])."""
-    return engine_of(model, "zerofuse.zero.full_grads").full_grads()
 
 
 def engine_of(model: torch.nn.Module, who: str) -> ZeroEngine:
