@@ -269,3 +269,37 @@ def test_init_mesh_with_arguments_differing_between_ranks_fails_on_every_rank():
     for err in run_distributed(_mismatched_mesh_rank, 2, timeout=60):
         assert err is not None and "expected every rank to pass the same arguments, got rank 0: dp=None, tp=2" in err \
             and "rank 1: dp=None, tp=1" in err, err
+
+
+def _fp16_rank(rank, ws):
+    from zerofuse import zero
+    from zerofuse.models import GPT
+    from zerofuse.parallel import init_mesh
+    from zerofuse.pipeline import Pipeline, split_gpt
+
+    mesh = init_mesh(dp=1, tp=1, pp=2)
+    stages = split_gpt(GPT(_cfg(4), seed=0), 2, [mesh.pp_rank], device="cpu")
+    for s in stages:
+        zero.parallelize(s, stage=1, group=mesh.dp_group, pp_group=mesh.pp_group, precision="fp16")
+    opt = zero.Optimizer(stages[0], "adamw", lr=1e-2, initial_scale=1024.0)
+    idx, tgt = _batches(1)[0]
+    Pipeline(stages, schedule="1f1b", microbatches=2, group=mesh.pp_group).step(idx, tgt)
+    opt.step()
+    return float(opt.last_grad_norm), opt.loss_scale
+
+
+def test_fp16_stages_backward_the_scaled_loss():
+    """The pipeline seeded its backward with 1 while the fp16 step divided the grads by the loss
+    scale: every grad (and the grad norm, so clipping) 1/scale too small (a review's reproduction,
+    2026-12-06)."""
+    from tolerances import assert_close
+    from zerofuse.models import GPT
+
+    ref = GPT(_cfg(4), seed=0).half()
+    idx, tgt = _batches(1)[0]
+    _, loss = ref(idx, tgt)
+    (loss.float() * 1024).backward()
+    want = torch.cat([p.grad.float().reshape(-1) for p in ref.parameters()]).norm() / 1024
+    for norm, scale in run_distributed(_fp16_rank, 2, timeout=120):
+        assert scale == 1024.0
+        assert_close(torch.tensor(norm, dtype=torch.float16), want)

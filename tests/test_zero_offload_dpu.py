@@ -290,3 +290,19 @@ def test_clipping_reads_and_loads_between_delayed_steps(stage):
         assert out["clip"] and out["peek"], out
         assert "a delayed update was pending" in out["write"], out
         assert out.get("load", True) and out["grads"] == "ok", out
+
+
+@pytest.mark.timeout(300)
+def test_an_evaluation_mid_run_scores_the_applied_update(tmp_path):
+    """--offload-delayed-update with --eval-every: an evaluation before the end scored the params
+    one update behind (the pending one was applied at the end only), so the validation loss at a
+    step depended on whether the run stopped there (a review's reproduction, 2026-12-06)."""
+    from test_train import _ok, metrics, run
+
+    flags = ["--nproc", 2, "--zero-stage", 2, "--steps", 4, "--eval-every", 2, "--sample-tokens", 0,
+             "--offload", "optimizer", "--offload-delayed-update", 1]
+    _ok(run(*flags, "--out", tmp_path / "straight"))
+    _ok(run(*flags, "--stop-after", 2, "--out", tmp_path / "stopped"), 143)  # (stopped as on SIGTERM)
+    straight, stopped = ([m for m in metrics(tmp_path / d) if m["step"] == 2] for d in ("straight", "stopped"))
+    assert straight[0]["loss"] == stopped[0]["loss"]
+    assert straight[0]["val_loss"] == stopped[0]["val_loss"]

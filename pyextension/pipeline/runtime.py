@@ -351,7 +351,11 @@ class Pipeline(Transfers):
                                  "as a floating scalar tensor (a reduced loss: loss_fn(output, targets) -> mean or "
                                  "sum; a non-scalar loss trained on its sum while its mean was reported)")
             self._losses[a.mb] = out.detach()
-            self._outputs[(a.stage, a.mb)] = ((out / self.m,), None)
+            loss = out / self.m
+            opt = self._optimizer_of(a.stage)
+            if opt is not None and opt.fp16:  # the backward seeded with the dynamic loss scale, which the step
+                loss = opt.scale_loss(loss)  # divides out (unscaled, the grads reached it 1/scale too small)
+            self._outputs[(a.stage, a.mb)] = ((loss,), None)
         else:
             bad = [f"output {i} is {type(t).__name__}" for i, t in enumerate(out) if not isinstance(t, torch.Tensor)]
             if bad:
@@ -363,6 +367,11 @@ class Pipeline(Transfers):
             self._outputs[(a.stage, a.mb)] = (tuple(out), self._saved_outputs[key] if sent else (False,) * len(out))
             if a.stage + 1 in self.stages:  # the next stage on this rank (p == 1): passed locally
                 self._recv[("F", a.stage + 1, a.mb)] = tuple(t.detach().requires_grad_(t.requires_grad) for t in out)
+
+    def _optimizer_of(self, stage: int):
+        """The zero.Optimizer stepping ``stage``'s params (None: none built, or a plain model)."""
+        eng = self._engine if self._engine is not None else getattr(self.stages[stage], "_zerofuse_zero", None)
+        return eng.live_optimizer() if eng is not None else None
 
     def _output_grads(self, a):
         outs, _ = self._outputs.pop((a.stage, a.mb))

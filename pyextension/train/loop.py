@@ -12,6 +12,7 @@ import torch
 
 from . import build
 from .build import lr_lambda  # noqa: F401  (zerofuse.train.lr_lambda)
+from .metrics import check_not_stuck
 
 
 class Trainer:
@@ -220,9 +221,10 @@ class Trainer:
                 save = (args.ckpt_every and self.step % args.ckpt_every == 0) or end
                 if not (end or evaluate or save or self.step % self.log_every == 0):
                     continue
-                if end:  # a delayed host step (--offload-delayed-update) reaches the params
-                    self.opt.apply_pending()
+                if end or evaluate:  # a delayed host step (--offload-delayed-update) reaches the params (an
+                    self.opt.apply_pending()  # evaluation scored them one update behind, but not at the end)
                 records = self.metrics.flush()  # the log point: the device is read here only
+                check_not_stuck(self.opt, records)
                 if self.moe is not None:  # collective over the DP group, like the flush
                     records[-1]["moe"] = self.moe_figures()
                 if evaluate:

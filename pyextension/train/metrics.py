@@ -125,3 +125,16 @@ class StopVote:
         if self.work is not None:
             self.work.wait()
             self.work = None
+
+
+def check_not_stuck(opt, records: list[dict]) -> None:
+    """At a log point: every step of the window skipped (fp16 overflow, a non-finite grad norm) with
+    the loss scale at its floor is a diverged run, stopped with an error (it went on skipping every
+    step, the params never moving, and finished as a success)."""
+    if not records or not all(m.get("skipped") for m in records) or not getattr(opt, "fp16", False):
+        return
+    scale = opt.loss_scale
+    if scale <= opt.min_scale:
+        raise RuntimeError(f"zerofuse-train: every step since the last log point ({records[0]['step']}-"
+                           f"{records[-1]['step']}) was skipped for a non-finite gradient with the fp16 loss scale at "
+                           f"its minimum ({scale:g}): the run diverged (lower the learning rate, or train in bf16)")

@@ -70,12 +70,15 @@ class _Lists:
 
 class Optimizer(GradNorms, OptimizerState, torch.optim.Optimizer):
     """Optimizer(model, optimizer="adamw"|"adam"|"lamb"|"lars", *, param_groups=None,
-    max_grad_norm=None, initial_scale=2**16, growth_interval=1000, offload_overlap=True,
+    max_grad_norm=None, initial_scale=2**16, growth_interval=1000, min_scale=1.0, offload_overlap=True,
     delayed_update=False, delayed_update_warmup=0, **hyperparameters).
 
     param_groups: None (one group) or torch-style dicts {"params": [model params], **overrides},
     e.g. no weight decay for norms and biases. max_grad_norm: clip every step (None or 0: no clipping;
     LAMB's None is 1.0, as Apex); or call clip_grad_norm_ before step. lr schedulers work unchanged.
+    fp16's dynamic loss scale: as torch.amp.GradScaler's (initial_scale, growth_factor, backoff_factor,
+    growth_interval), never below min_scale (DeepSpeed's min_loss_scale; zerofuse-train stops with an
+    error when every step of a log window was skipped at it).
     offload_overlap (a model parallelized with offload): True steps each unit on the host during
     backward when nothing global stands in the way (no max_grad_norm, no fp16); False always waits
     for step() (e.g. to call clip_grad_norm_ on some steps) ([Note: offloaded steps]).
@@ -84,8 +87,8 @@ class Optimizer(GradNorms, OptimizerState, torch.optim.Optimizer):
 
     def __init__(self, model: torch.nn.Module, optimizer: str = "adamw", *, param_groups=None, max_grad_norm=None,
                  initial_scale: float = 2.0 ** 16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
-                 growth_interval: int = 1000, offload_overlap: bool = True, delayed_update: bool = False,
-                 delayed_update_warmup: int = 0, **hyperparameters):
+                 growth_interval: int = 1000, min_scale: float = 1.0, offload_overlap: bool = True,
+                 delayed_update: bool = False, delayed_update_warmup: int = 0, **hyperparameters):
         eng = engine_of(model, NAME)
         if optimizer not in DEFAULTS:
             raise ValueError(f"{NAME}: expected optimizer 'adamw', 'adam', 'lamb' or 'lars', got {optimizer!r}")
@@ -108,7 +111,7 @@ class Optimizer(GradNorms, OptimizerState, torch.optim.Optimizer):
         if max_grad_norm is not None and not max_grad_norm >= 0:
             raise ValueError(f"{NAME}: expected max_grad_norm >= 0 or None (0: no clipping), got {max_grad_norm}")
         max_grad_norm = max_grad_norm or None
-        check_scaler(initial_scale, growth_factor, backoff_factor, growth_interval)
+        check_scaler(initial_scale, growth_factor, backoff_factor, growth_interval, min_scale)
         self.engine, self.kind, self.max_grad_norm = eng, optimizer, max_grad_norm
         eng.optimizer_ref = weakref.ref(self)
         groups = self._groups(eng, param_groups)
@@ -132,6 +135,7 @@ class Optimizer(GradNorms, OptimizerState, torch.optim.Optimizer):
         self.scale = torch.full((1,), float(initial_scale) if self.fp16 else 1.0, dtype=torch.float32, device=dev)
         self._growth_tracker = torch.zeros(1, dtype=torch.int32, device=dev)
         self._scaler_cfg = (float(growth_factor), float(backoff_factor), int(growth_interval))
+        self.min_scale = float(min_scale)
         self._found_inf: torch.Tensor | None = None
         self.last_step_skipped: torch.Tensor | None = None  # found_inf of the last step (fp16 / clipping)
         self.host = None
@@ -247,7 +251,9 @@ class Optimizer(GradNorms, OptimizerState, torch.optim.Optimizer):
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """loss times the dynamic loss scale (fp16; 1 otherwise): call backward on this."""
-        return loss * self.scale.to(loss.dtype) if self.fp16 else loss
+        # (in fp32, as GradScaler's: cast to an fp16 loss the default scale 2**16 was inf, every first
+        # step skipped and the scale held below 2**16)
+        return (loss * self.scale).reshape(loss.shape) if self.fp16 else loss
 
     def abandon_step(self) -> None:
         """Forget a step begun and not finished (a failed CUDA graph capture, which ran nothing):
@@ -304,6 +310,7 @@ class Optimizer(GradNorms, OptimizerState, torch.optim.Optimizer):
             self.host.step(mult, found)
         if self.fp16:
             torch._amp_update_scale_(self.scale, self._growth_tracker, found, *self._scaler_cfg)
+            self.scale.clamp_(min=self.min_scale)  # (backed off without a floor it reached 0: every later step skipped)
         self.last_step_skipped = found
         self._clip_coef = None
         self._found_inf = None

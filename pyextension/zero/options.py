@@ -74,14 +74,15 @@ def check_group_keys(group: dict, optimizer: str, where: str) -> None:
         raise TypeError(f"{NAME}: {where}['max_grad_norm']: clipping is global, pass max_grad_norm= to the Optimizer")
 
 
-def check_scaler(initial_scale, growth_factor, backoff_factor, growth_interval) -> None:
+def check_scaler(initial_scale, growth_factor, backoff_factor, growth_interval, min_scale=1.0) -> None:
     """The dynamic loss scale's settings (fp16), as torch.amp.GradScaler takes them."""
     int_interval = isinstance(growth_interval, int) and not isinstance(growth_interval, bool)
     for arg, value, ok, want in (
             ("initial_scale", initial_scale, 0 < initial_scale < float("inf"), "finite and > 0"),
             ("growth_factor", growth_factor, growth_factor >= 1, ">= 1"),
             ("backoff_factor", backoff_factor, 0 < backoff_factor <= 1, "in (0, 1]"),
-            ("growth_interval", growth_interval, int_interval and growth_interval >= 1, "an int >= 1")):
+            ("growth_interval", growth_interval, int_interval and growth_interval >= 1, "an int >= 1"),
+            ("min_scale", min_scale, 0 < min_scale <= initial_scale, f"in (0, initial_scale={initial_scale!r}]")):
         if not ok:
             raise ValueError(f"{NAME}: expected {arg} {want}, got {value!r}")
 
