@@ -43,3 +43,34 @@ def test_compile_takes_the_whole_model_in_a_world_of_one(tmp_path, monkeypatch, 
             for p in (eager_out, comp_out)]
     torch.testing.assert_close(rows[1], rows[0], rtol=1e-5, atol=1e-6)
     assert json.loads((comp_out / "summary.json").read_text())["compiled"] == "the whole model"
+
+
+def _compiled_zero_rank(rank, ws, stage, backend):
+    import zerofuse
+    from zerofuse.models import GPT, GPTConfig
+
+    model = zerofuse.zero.parallelize(GPT(GPTConfig(vocab_size=61, seq_len=32, n_layer=2, n_head=2, dim=32), seed=1),
+                                      stage=stage)
+    opt = zerofuse.zero.Optimizer(model, "adamw", lr=1e-2)
+    fwd = torch.compile(model, backend=backend) if backend else model
+    losses = []
+    for step in range(3):
+        idx = torch.randint(0, 61, (2, 17), generator=torch.Generator().manual_seed(10 * step + rank))
+        _, loss = fwd(idx, idx)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.timeout(600)
+def test_a_user_compiled_zero3_model_trains_as_the_eager_one(native_kernels):
+    """torch.compile(model) over a ZeRO-3 model of 2 ranks: the unit hooks' param swaps, traced, bumped
+    the params' versions inside the compiled forward and its first backward failed ("modified by an
+    inplace operation"); the hooks run opaque to dynamo now (a review's reproduction, 2026-12-06)."""
+    from dist_utils import run_distributed
+
+    eager = run_distributed(_compiled_zero_rank, 2, 3, None, timeout=300)
+    compiled = run_distributed(_compiled_zero_rank, 2, 3, "aot_eager", timeout=300)
+    assert compiled == eager

@@ -30,12 +30,23 @@ class _CollectiveInBackward(torch.autograd.Function):
         return g, None
 
 
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(D, D)
+        self.gate = torch.nn.Parameter(torch.rand(D) + 0.5)  # used by the last block on some ranks only
+
+    def forward(self, h, use_gate=False):
+        h = self.lin(h)
+        return h * self.gate if use_gate else h
+
+
 class _Model(torch.nn.Module):
     def __init__(self):
         super().__init__()
         torch.manual_seed(0)
         self.lin0 = torch.nn.Linear(D, D)
-        self.mid = torch.nn.ModuleList(torch.nn.Linear(D, D) for _ in range(6))
+        self.mid = torch.nn.ModuleList(_Block() for _ in range(6))  # (stage 3: a unit each)
         self.extra = torch.nn.Linear(D, D)  # registered last: first in the launch order
         self.group = None
         self.reentrant = False
@@ -44,8 +55,9 @@ class _Model(torch.nn.Module):
         h = self.lin0(x)
         if self.group is not None:
             h = _CollectiveInBackward.apply(h, self.group)
-        for m in self.mid:
-            h = checkpoint(m, h, use_reentrant=True) if self.reentrant else m(h)
+        for i, m in enumerate(self.mid):
+            use_gate = use_extra and i == len(self.mid) - 1  # (first in stage 3's launch order)
+            h = checkpoint(m, h, use_gate, use_reentrant=True) if self.reentrant else m(h, use_gate)
             h = torch.tanh(h)
         return (self.extra(h) if use_extra else h).pow(2).mean()
 
@@ -85,8 +97,8 @@ def _rank(rank, ws, stage, micro):
 
 @pytest.mark.parametrize("stage,ws,micro", [(0, 2, 1), (1, 3, 1), (2, 3, 1), (2, 4, 2), (3, 3, 1)])
 def test_unused_params_do_not_hold_back_a_rank_with_collectives_in_backward(stage, ws, micro):
-    """Rank 1 (and, accumulating, another each micro-batch) leaves `extra` without a grad; every
-    rank's grads equal the single-process mean."""
+    """Rank 1 (and, accumulating, another each micro-batch) leaves `extra` and the last block's gate
+    without a grad; every rank's grads equal the single-process mean."""
     for got in run_distributed(_rank, ws, stage, micro, timeout=60):
         for n, g, want in got:
             assert_close(g, want, msg=lambda m, n=n: f"{n}: {m}")
@@ -97,7 +109,7 @@ def _outside_rank(rank, ws):
 
     m = _Model()
     zerofuse.zero.parallelize(m, stage=2, bucket_mb=1e-6, find_unused_parameters=True)
-    h = torch.tanh(m.mid[0](m.lin0(_x(rank))))  # a forward that never reaches `extra`...
+    h = torch.tanh(m.mid[0].lin(m.lin0(_x(rank))))  # a forward that never reaches `extra`...
     out = m(_x(rank), use_extra=False)
     try:
         (out + m.extra(h).sum()).backward()  # ...then a loss term from outside it

@@ -217,11 +217,11 @@ class ZeroEngine(ExpertLayout, FindUnused, FullParams, Stage3Hooks, WorldOfOne):
     def _grad_ready(self, p: torch.Tensor) -> None:
         if p.grad is None:
             return
-        if not self._final_queued:
+        if not self._final_queued:  # (stage 3: a pre-backward hook may have queued it)
             self._final_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-            self._start_backward()
-        if self.find_unused:
+        if self.find_unused:  # [Note: unused params]
+            self._mark_unused_once()
             self._check_not_unused(p)
         unit, i = self.unit_of[id(p)]
         if unit.arrived[i]:  # a second grad in one backward: reduced again at its end, on every rank alike
@@ -241,11 +241,6 @@ class ZeroEngine(ExpertLayout, FindUnused, FullParams, Stage3Hooks, WorldOfOne):
         unit.add_deferred(also=i)  # with the deferred ones: one multi-tensor copy into gflat
         if unit.ready == len(unit.params):
             self._unit_complete(unit)
-
-    def _start_backward(self) -> None:
-        """The first grad of a backward (or of grads_ready's pass)."""
-        if self.find_unused and self.sync_grads:
-            self._mark_unused()  # [Note: unused params]
 
     def _unit_complete(self, unit) -> None:
         """Every grad of ``unit`` in this backward is in (or marked unused)."""
@@ -292,7 +287,6 @@ class ZeroEngine(ExpertLayout, FindUnused, FullParams, Stage3Hooks, WorldOfOne):
         no_sync: accumulated)."""
         if not self._final_queued:
             self._final_queued = True  # ended below, not by an autograd callback
-            self._start_backward()
             for p in params:
                 self._grad_ready(p)
             self._end_of_backward()

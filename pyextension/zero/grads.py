@@ -128,7 +128,7 @@ def reset_backward(eng) -> None:
     """The per-backward bookkeeping as before a backward."""
     eng._final_queued = eng._in_backward = False
     if eng.find_unused:
-        eng._marked = set()  # (what the forwards reached stays: [Note: unused params])
+        eng._marked, eng._marked_done = set(), False  # (what the forwards reached stays: [Note: unused params])
     eng.buckets.restart()
     for u in eng.units:
         u.ready = 0

@@ -9,6 +9,7 @@ import functools
 
 import torch
 
+from zerofuse._compile import opaque_to_compile
 from zerofuse.zero.buckets import FREE, Bucket
 from zerofuse.zero.grads import close_dead_backward
 
@@ -36,6 +37,11 @@ class Stage3Hooks:
             self._hooks.append(m.register_forward_pre_hook(self._make_pre_forward(u)))
             self._hooks.append(m.register_forward_hook(self._make_post_forward(u)))
 
+    # The forward hooks are opaque to torch.compile: traced, their p.data swaps (gather, free) bumped
+    # the params' version counters inside the compiled region after AOT autograd saved them, and the
+    # first backward of torch.compile(model) failed ("modified by an inplace operation"; a review's
+    # reproduction, 2026-12-06). Each unit's forward compiles on its own, as zerofuse-train's.
+    @opaque_to_compile
     def _root_pre_forward(self, _mod, _args) -> None:
         close_dead_backward(self)
         if self.root is not None:
@@ -45,6 +51,7 @@ class Stage3Hooks:
             self._fwd_order = []
             self._prefetch(self._last_order[: self.prefetch])
 
+    @opaque_to_compile
     def _root_post_forward(self, _mod, _args, out) -> None:
         if self._fwd_order:
             self._last_order = self._fwd_order
@@ -72,6 +79,7 @@ class Stage3Hooks:
         return []
 
     def _make_pre_forward(self, u: Bucket):
+        @opaque_to_compile
         def hook(_mod, _args):
             for x in _pair(u):
                 x.finish_param_sync(self.comm)
@@ -82,6 +90,7 @@ class Stage3Hooks:
         return hook
 
     def _make_post_forward(self, u: Bucket):
+        @opaque_to_compile
         def hook(_mod, _args, out):
             if self._in_backward:  # a re-run forward (activation checkpointing): backward needs the params
                 return

@@ -25,12 +25,14 @@ from __future__ import annotations
 import torch
 from torch.utils._pytree import tree_leaves
 
+from zerofuse._compile import opaque_to_compile
+
 NAME = "zerofuse.zero.parallelize(find_unused_parameters=True)"
 
 
 class FindUnused:
-    """The engine's part: ``_install_find_unused(model)`` at build, ``_mark_unused()`` from the first
-    grad hook of a synced backward, ``_check_not_unused(p)`` for each arriving grad."""
+    """The engine's part: ``_install_find_unused(model)`` at build, ``_mark_unused_once()`` and
+    ``_check_not_unused(p)`` from each grad hook."""
 
     find_unused = False
 
@@ -39,8 +41,10 @@ class FindUnused:
         self._reached: set[int] = set()  # ids of the params the forwards since the last backward reached
         self._walked = False  # a grad-enabled forward was walked since then
         self._marked: set[int] = set()  # ids of the params marked arrived, unused, in this backward
+        self._marked_done = False  # this backward's first grad marked them
         self._hooks.append(model.register_forward_hook(self._walk_outputs))
 
+    @opaque_to_compile  # (a graph walk is not for dynamo to trace: run as it is on the compiled forward's output)
     def _walk_outputs(self, _module, _args, out) -> None:
         if not torch.is_grad_enabled():
             return
@@ -67,11 +71,16 @@ class FindUnused:
             stack.extend(f for f, _ in fn.next_functions if f is not None)
         self._walked = True
 
-    def _mark_unused(self) -> None:
+    def _mark_unused_once(self) -> None:
         """At the first grad of a synced backward: every param no walked forward reached is arrived,
         and the units it completes are launched in the common order."""
-        if not self._walked:
+        if self._marked_done:
             return
+        self._marked_done = True
+        if self._walked and self.sync_grads:
+            self._mark_unused()
+
+    def _mark_unused(self) -> None:
         done = []
         for p in self.params:
             if id(p) in self._reached:
@@ -101,3 +110,4 @@ class FindUnused:
             self._reached = set()
             self._walked = False
             self._marked = set()
+            self._marked_done = False
