@@ -61,6 +61,27 @@ def test_differentiating_a_faces_gradients_raises_not_drops_the_second_order_ter
     assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in leaves)
 
 
+@pytest.mark.parametrize("face", list(_faces()))
+@pytest.mark.parametrize("ask", ["grad", "backward_inputs"])
+def test_a_penalty_differentiated_for_a_param_upstream_of_a_face_raises(face, ask, kernel_path):
+    """x -> Linear -> face, g = d(y^2)/dx with create_graph=True, then d|g|^2 / d linear.weight: the
+    raising node hung off detached copies of the gradients, on no path to the Linear, so
+    torch.autograd.grad(penalty, linear.weight) and penalty.backward(inputs=[...]) returned a
+    gradient without the face's second-order term (layer_norm: 2093 off torch's; a review's
+    reproduction, 2026-12-06)."""
+    inputs, fn = _faces()[face]
+    lin = torch.nn.Linear(inputs[0].shape[-1], inputs[0].shape[-1])
+    x = inputs[0].clone().requires_grad_()
+    y = fn(lin(x), *inputs[1:])
+    g, = torch.autograd.grad((y * y).sum(), x, create_graph=True)
+    penalty = (g * g).sum()
+    with pytest.raises(RuntimeError, match="has no double backward"):
+        if ask == "grad":
+            torch.autograd.grad(penalty, lin.weight)
+        else:
+            penalty.backward(inputs=[lin.weight])
+
+
 def test_sdpa_under_autocast_and_on_inputs_the_kernel_does_not_take_is_torchs(kernel_path):
     """Under autocast torch's sdpa computes in the autocast dtype (fp32 inputs: a bf16 output; mixed
     dtypes accepted): zerofuse returned fp32 and refused the mix. A value head dim other than query's

@@ -42,6 +42,22 @@ def eager_apply(cls: type[torch.autograd.Function]) -> Callable:
     return apply
 
 
+class _Unpacked:
+    """A backward's ctx whose saved tensors were unpacked already; every other attribute is ctx's."""
+
+    __slots__ = ("_ctx", "saved_tensors")
+
+    def __init__(self, ctx, saved):
+        object.__setattr__(self, "_ctx", ctx)
+        object.__setattr__(self, "saved_tensors", saved)
+
+    def __getattr__(self, name):
+        return getattr(self._ctx, name)
+
+    def __setattr__(self, name, value):
+        setattr(self._ctx, name, value)
+
+
 def first_order(backward: Callable | None = None, *, name: str | None = None) -> Callable:
     """For the backward of an autograd Function whose gradients carry no graph (the Eager* ones, the
     fused loss's): under create_graph=True (a gradient penalty, a Hessian-vector product) its
@@ -59,13 +75,20 @@ def first_order(backward: Callable | None = None, *, name: str | None = None) ->
     def run(ctx, *grads):
         if not torch.is_grad_enabled() or torch.compiler.is_compiling():  # (traced backwards: the compiler's)
             return backward(ctx, *grads)
+        saved = ctx.saved_tensors  # (unpacked once: a second unpack raises under non-reentrant checkpointing)
         with torch.no_grad():
-            out = backward(ctx, *grads)
+            out = backward(_Unpacked(ctx, saved), *grads)
         outs = out if isinstance(out, tuple) else (out,)
         fake = [t.detach().requires_grad_() if isinstance(t, torch.Tensor) and t.is_floating_point() else t
                 for t in outs]
-        wrapped = torch._C._functions.DelayedError(message, len(fake))(*fake)
-        wrapped = wrapped if isinstance(wrapped, tuple) else (wrapped,)
+        # the raising node's inputs: the gradients, and what they were computed from that has a graph
+        # (the incoming gradients, the saved inputs): differentiated with respect to a param upstream
+        # (torch.autograd.grad(penalty, linear.weight)), a path from the gradients to it ran through
+        # no node of this one, and the second-order term was silently missing (a review's
+        # reproduction, 2026-12-06: every first-order face, e.g. LayerNorm's 2093 off torch's)
+        anchors = [t for t in (*grads, *saved) if isinstance(t, torch.Tensor) and t.requires_grad]
+        wrapped = torch._C._functions.DelayedError(message, len(fake) + len(anchors))(*fake, *anchors)
+        wrapped = (wrapped if isinstance(wrapped, tuple) else (wrapped,))[:len(fake)]
         return wrapped if isinstance(out, tuple) else wrapped[0]
 
     run.__name__, run.__qualname__, run.__doc__ = backward.__name__, backward.__qualname__, backward.__doc__
