@@ -165,3 +165,28 @@ def test_bad_pipeline_flags_exit_2(argv, message, tmp_path, capsys, monkeypatch)
     err = capsys.readouterr().err
     assert message in err, err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_a_layout_whose_stages_have_different_param_groups_resumes(tmp_path):
+    """--pp-layout E,4L: the first stage holds the embeddings only, so it has no no-decay group while
+    the other stage has one. The stages' groups were merged by position (the second stage's no-decay
+    group lost) and a group count compared: the checkpoint resumed in no layout (not even its own)
+    and consolidate raised StopIteration (a review's reproduction, 2026-12-06)."""
+    flags = ["--layers", "4", "--steps", "4", "--ckpt-every", "2", "--eval-every", "0", "--sample-tokens", "0"]
+    pp = ["--nproc", 2, "--pp", 2, "--pp-layout", "E,4L", "--microbatches", 2]
+    _ok(run(*pp, *flags, "--out", tmp_path / "straight"))
+    _ok(run(*pp, *flags, "--stop-after", 2, "--out", tmp_path / "pp2"), 128 + signal.SIGTERM)
+    shutil.copytree(tmp_path / "pp2", tmp_path / "pp1")
+    state = zerofuse.checkpoint.consolidate(str(tmp_path / "pp2" / "ckpt"))
+    decay = [g for g in state["optimizer"]["param_groups"] if g["weight_decay"] != 0.0]
+    assert len(state["optimizer"]["param_groups"]) == 2 and len(decay) == 1
+    names = list(state["model"])
+    assert all(names[i].endswith(".weight") and "norm" not in names[i] for i in decay[0]["params"])
+    _ok(run(*pp, *flags, "--out", tmp_path / "pp2", "--resume"))
+    _ok(run("--nproc", 1, "--grad-accum", 2, *flags, "--out", tmp_path / "pp1", "--resume"))
+    want = _losses(metrics(tmp_path / "straight"))
+    for name in ("pp2", "pp1"):
+        got = _losses(metrics(tmp_path / name))
+        assert sorted(got) == [1, 2, 3, 4], (name, got)
+        for step in want:
+            assert got[step] == pytest.approx(want[step], rel=1e-5), (name, step)

@@ -208,7 +208,7 @@ def load(path: str, model: torch.nn.Module, optimizer=None):
                         None if everywhere is None else everywhere[0])
         except ValueError as e:
             raise ValueError(f"{e}{_frozen_toggles(model, eng, full)}") from None
-        check_optimizer(optimizer, opt_meta, eng, who)
+        match = check_optimizer(optimizer, opt_meta, eng, who)
         first = full.common()
         rest = _my_tp_parts(model, first.get("rest", {}))
         check_rest(model, eng, rest, who, None if everywhere is None else everywhere[1])  # nothing written yet
@@ -227,7 +227,7 @@ def load(path: str, model: torch.nn.Module, optimizer=None):
         agree(group, e, who, eng.units[0].device)
         raise
     agree(group, None, who, eng.units[0].device)
-    _finish_load(eng, model, optimizer, opt_meta, rest, full.meta["precision"])
+    _finish_load(eng, model, optimizer, opt_meta, rest, full.meta["precision"], match)
     return first.get("extra")
 
 
@@ -347,12 +347,14 @@ def check_rest(model, eng, rest: dict, who, everywhere=None) -> None:
         raise ValueError(f"{who}: the checkpoint is for a different model; " + "; ".join(parts))
 
 
-def _finish_load(eng, model, optimizer, opt_meta, rest, saved_precision: str) -> None:
+def _finish_load(eng, model, optimizer, opt_meta, rest, saved_precision: str, match: list) -> None:
     if optimizer is not None:
-        for g, saved in zip(optimizer.param_groups, opt_meta["param_groups"]):
+        for g, s, j in zip(optimizer.param_groups, optimizer._steps, match):  # (the saved group of its params)
+            if j is None:  # an empty group
+                continue
+            saved = opt_meta["param_groups"][j]
             g.update({k: (tuple(v) if isinstance(v, list) else v) for k, v in saved.items() if k != "params"})
-        for s, step in zip(optimizer._steps, opt_meta["steps"]):
-            s.fill_(step)
+            s.fill_(opt_meta["steps"][j])
         if optimizer.host is not None:  # offload keeps host copies of the counters
             optimizer.host.load_steps()
         restore_scale(optimizer, saved_precision, opt_meta["scale"], opt_meta["growth_tracker"])
@@ -380,7 +382,10 @@ def consolidate(path: str) -> dict:
         model[name] = full.get(name, VALUE)
         if opt_meta is not None:
             st = {key: full.get(name, key) for key in opt_meta["state_keys"]}
-            gi = next(j for j, g in enumerate(opt_meta["param_groups"]) if name in g["params"])
+            gi = next((j for j, g in enumerate(opt_meta["param_groups"]) if name in g["params"]), None)
+            if gi is None:
+                raise ValueError(f"zerofuse.checkpoint.consolidate: the checkpoint at {path!r} has optimizer state "
+                                 f"for {name!r} but no param group holding it (a damaged meta.json)")
             if opt_meta["kind"] in ("adam", "adamw", "lamb"):
                 st["step"] = torch.tensor(opt_meta["steps"][gi])
             opt_state[i] = st

@@ -79,21 +79,45 @@ def check_kind(saved: str | None, mine: str | None, who: str, where: str) -> Non
                          "load with optimizer=None to take the weights only")
 
 
-def check_optimizer(optimizer, opt_meta, eng, who) -> None:
+def check_optimizer(optimizer, opt_meta, eng, who) -> list[int] | None:
     if optimizer is None:
         return
     check_owner(optimizer, eng, who)
     if opt_meta is None:
         raise ValueError(f"{who}: the checkpoint holds no optimizer state (saved without an optimizer)")
     check_kind(opt_meta["kind"], optimizer.kind, who, "zerofuse.zero.Optimizer")
-    saved_groups = opt_meta["param_groups"]
-    if len(saved_groups) != len(optimizer.param_groups):
-        raise ValueError(f"{who}: the checkpoint has {len(saved_groups)} param groups, the optimizer "
-                         f"{len(optimizer.param_groups)}")
+    return group_match(optimizer, opt_meta["param_groups"], eng, who)
+
+
+def group_match(optimizer, saved_groups: list[dict], eng, who) -> list[int]:
+    """For each of the optimizer's param groups, the saved group holding the same params (by name;
+    the saved group may hold other pipeline stages' params too: a stage without norms has no
+    no-decay group, the others have, so the groups are matched by their params, not their
+    position - by position one stage's checkpoint could not be resumed, a review's reproduction,
+    2026-12-06)."""
     known = set(eng.names)
-    for i, (g, saved) in enumerate(zip(optimizer.param_groups, saved_groups)):
+    where = {n: j for j, saved in enumerate(saved_groups) for n in saved["params"] if n in known}
+    match = []
+    for i, g in enumerate(optimizer.param_groups):
         mine = {eng.names[eng.param_index[id(p)]] for p in g["params"]}
-        theirs = {n for n in saved["params"] if n in known}
+        js = {where.get(n) for n in mine}
+        j = next(iter(js)) if len(js) == 1 else None
+        theirs = {n for n in saved_groups[j]["params"] if n in known} if j is not None else set()
+        if None in js:
+            raise ValueError(f"{who}: the optimizer's param group {i} holds params in no param group of the "
+                             f"checkpoint: {sorted(n for n in mine if n not in where)[:5]}")
+        if len(js) > 1:
+            raise ValueError(f"{who}: the optimizer's param group {i} holds params of the checkpoint's param groups "
+                             f"{sorted(js)} (one group each saved): a checkpoint of other param groups")
         if mine != theirs:  # (named: it said only that the groups differ)
-            raise ValueError(f"{who}: the checkpoint's param group {i} holds other params than the optimizer's: "
-                             f"only saved {sorted(theirs - mine)[:5]}, only in the optimizer {sorted(mine - theirs)[:5]}")
+            raise ValueError(f"{who}: the checkpoint's param group {j} holds other params than the optimizer's param "
+                             f"group {i}: only saved {sorted(theirs - mine)[:5]}, only in the optimizer "
+                             f"{sorted(mine - theirs)[:5]}")
+        match.append(j)
+    left = set(where.values()) - set(match)
+    if left:
+        j = min(left)
+        names = sorted(n for n in saved_groups[j]["params"] if n in known)
+        raise ValueError(f"{who}: the checkpoint's param group {j} holds params {names[:5]} in no param group of "
+                         f"the optimizer")
+    return match

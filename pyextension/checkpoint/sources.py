@@ -201,10 +201,21 @@ def _merged_meta(metas: list[dict]) -> dict:
     out["aliases"] = {a: n for m in metas for a, n in m.get("aliases", {}).items()}
     opts = [m["optimizer"] for m in metas]
     if opts[0] is not None:
-        groups = [dict(g) for g in opts[0]["param_groups"]]
-        for opt in opts[1:]:
-            for g, other in zip(groups, opt["param_groups"]):
-                g["params"] = g["params"] + other["params"]
-        out["optimizer"] = {**opts[0], "param_groups": groups}
+        groups, steps = [], []
+        for opt in opts:  # a stage's group joins the one of equal options (a stage may lack a group: a
+            used = set()  # first stage of embeddings only has no no-decay group; zipped by position, the
+            for k, (g, step) in enumerate(zip(opt["param_groups"], opt["steps"])):  # others' second was lost)
+                options = {key: v for key, v in g.items() if key != "params"}
+                same = [j for j, m in enumerate(groups) if j not in used
+                        and {key: v for key, v in m.items() if key != "params"} == options]
+                if same:
+                    j = k if k in same else same[0]
+                    groups[j]["params"] = groups[j]["params"] + list(g["params"])
+                else:
+                    j = len(groups)
+                    groups.append(dict(g, params=list(g["params"])))
+                    steps.append(step)
+                used.add(j)
+        out["optimizer"] = {**opts[0], "param_groups": groups, "steps": steps}
     return out
 
