@@ -355,3 +355,27 @@ def test_bool_tensor_lists_reduce_as_any_and_all_and_gather(world_size):
         assert gathered == want, (gathered, want)
         assert refused.startswith("ValueError: zerofuse.comm.all_reduce_coalesced: expected no bool tensors for op "
                                   "'sum'"), refused
+
+
+def test_the_fp32_sum_waits_on_the_stream_alone_for_cuda_tensors():
+    """c10d's NCCL wait with a timeout blocks the host until the GPU is done: the fp32 sum's waits
+    passed one always, so each bucket's launch (which advances the last one) waited on the host
+    for the last all-to-all (a review's reading, 2026-12-06). CUDA: no timeout; gloo: the timeout."""
+    import types
+
+    from zerofuse.comm.fp32_sum import _SummedWork
+
+    class Work:
+        def __init__(self):
+            self.calls = []
+
+        def wait(self, *args):
+            self.calls.append(args)
+
+    for cuda in (True, False):
+        comm = types.SimpleNamespace(world_size=1, timeout=30.0)
+        work = Work()
+        summed = _SummedWork(comm, work, torch.ones(4), None, torch.zeros(4), False, "test")
+        summed._cuda = cuda  # (what a CUDA recv buffer sets)
+        summed.wait()
+        assert len(work.calls) == 1 and (work.calls[0] == () if cuda else len(work.calls[0]) == 1), (cuda, work.calls)

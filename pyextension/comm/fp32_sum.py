@@ -22,11 +22,23 @@ class _SummedWork:
     communicator (a second wait returned with out_shard unwritten, and the next collective waited
     for a timeout again)."""
 
-    __slots__ = ("_comm", "_w", "_recv", "_flat", "_out", "_gather", "_what", "_error", "_gw")
+    __slots__ = ("_comm", "_w", "_recv", "_flat", "_out", "_gather", "_what", "_error", "_gw", "_cuda")
 
     def __init__(self, comm, work, recv, flat, out, gather, what):
         self._comm, self._w, self._recv, self._flat, self._out, self._gather = comm, work, recv, flat, out, gather
         self._what, self._error, self._gw = what, None, None
+        self._cuda = recv.is_cuda
+
+    def _wait_work(self, work, timeout: datetime.timedelta, host: bool) -> None:
+        """c10d's NCCL wait with a timeout blocks the host until the GPU finished (WorkNCCL::wait:
+        "blockingWait_ || timeout != kNoTimeout"): on CUDA the stream waits alone, the watchdog
+        and the group's timeout catch a hang (a review's reading, 2026-12-06: every bucket's launch
+        waited on the host for the last one's all-to-all, no overlap left); host: the caller gave
+        wait() a timeout, which blocks the host as the C++ Works' does."""
+        if self._cuda and not host:
+            work.wait()
+        else:
+            work.wait(timeout)
 
     def _timeout(self, timeout=None) -> datetime.timedelta:
         limit = wait_timeout(timeout)
@@ -38,12 +50,12 @@ class _SummedWork:
         self._error = f"zerofuse.comm: {message}"
         raise dist.DistBackendError(self._error) from e
 
-    def _advance(self, timeout: datetime.timedelta) -> None:
+    def _advance(self, timeout: datetime.timedelta, host: bool = False) -> None:
         """The all-to-all waited for and summed in fp32, the all-gather (all_gather=True) launched."""
         if self._w is None:
             return
         try:
-            self._w.wait(timeout)
+            self._wait_work(self._w, timeout, host)
             ws = self._comm.world_size
             total = torch.sum(self._recv.view(ws, -1), dim=0, dtype=torch.float32)
             if self._out is not None:
@@ -64,11 +76,11 @@ class _SummedWork:
         t0 = time.perf_counter()
         limit = self._timeout(timeout)
         try:
-            self._advance(limit)
+            self._advance(limit, timeout is not None)
             if self._gw is not None:
                 gw, self._gw = self._gw, None
                 try:
-                    gw.wait(limit)
+                    self._wait_work(gw, limit, timeout is not None)
                 except RuntimeError as e:
                     self._fail(e, limit)
         finally:
