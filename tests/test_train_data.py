@@ -58,6 +58,19 @@ def test_bad_shards_name_the_file_and_the_fault(tmp_path, damage, message):
         tok.read_shard(path)
 
 
+def test_raw_uint32_tokens_are_refused(tmp_path):
+    """GPT-2 ids written as a raw uint32 array read as uint16 (id, 0) pairs, every id below the
+    vocabulary: the job trained on them silently (a review's reproduction, 2026-12-06)."""
+    ids = np.random.default_rng(0).integers(1, tok.GPT2_VOCAB, 5000)
+    path = tmp_path / "u32.bin"
+    ids.astype(np.uint32).tofile(path)
+    with pytest.raises(ValueError, match=r"u32.bin: every second uint16 of this raw token file is 0: it looks like "
+                                         r"uint32 tokens"):
+        tok.read_shard(path)
+    assert np.array_equal(tok.read_shard(_raw(tmp_path / "u16.bin", ids)), ids)  # (its uint16 form reads)
+    assert tok.read_shard(_raw(tmp_path / "zeros.bin", np.zeros(100))).tolist() == [0] * 100
+
+
 def test_glob_expands_sorted_and_missing_pattern_fails(tmp_path):
     for name in ("s_02.bin", "s_00.bin", "s_01.bin"):
         _raw(tmp_path / name, [1, 2, 3])

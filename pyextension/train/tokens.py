@@ -105,7 +105,18 @@ def read_shard(path, flag: str = "--data") -> np.ndarray:
         count, offset = size // 2, 0
     if count == 0:
         return np.zeros(0, dtype=np.uint16)
-    return np.memmap(path, dtype=np.uint16, mode="r", offset=offset, shape=(count,))
+    tokens = np.memmap(path, dtype=np.uint16, mode="r", offset=offset, shape=(count,))
+    if offset == 0 and _looks_uint32(tokens[:1 << 16]):
+        raise ValueError(f"{flag}: {path}: every second uint16 of this raw token file is 0: it looks like uint32 "
+                         "tokens (read as uint16 they trained on (id, 0) pairs, silently); expected uint16 tokens "
+                         "(write them with zerofuse.train.tokens.write_shard, or np.uint16)")
+    return tokens
+
+
+def _looks_uint32(head: np.ndarray) -> bool:
+    """Small little-endian uint32 ids read as uint16: (id, 0) pairs. A uint16 stream with token 0
+    ('!' in GPT-2) at every odd position of its first 64+ tokens is not text."""
+    return len(head) >= 64 and not head[1::2].any() and bool(head[0::2].any())
 
 
 def check_ids(tokens: np.ndarray, path, vocab: int = GPT2_VOCAB, flag: str = "--data", sample: int = 1 << 20) -> None:
