@@ -121,9 +121,10 @@ def _norm_fwd(x, weight, bias, residual, eps, is_rms, stats=True):
         return _shaped(y, x.shape), (_shaped(h, x.shape) if residual is not None else None), \
             (None if is_rms else mean), rstd
     # float64, a residual of a wider dtype on the CPU, and rows wider than the Triton kernel on CUDA:
-    # torch's native kernels. h contiguous and the stats in _stat_dtype(x), as on the other paths and
-    # in the fake (h took a transposed x's strides and a float64 residual made float64 stats: a
-    # compiled call failed on the fake's promise)
+    # torch's native kernels. h contiguous and the stats in _stat_dtype(h), as on the other paths and
+    # in the fake (h took a transposed x's strides: a compiled call failed on the fake's promise; the
+    # stats of a float64 h rounded to fp32 put fp32 error into its float64 grads: a review's
+    # reproduction, 2026-12-06)
     h = (x + residual).contiguous() if residual is not None else x
     h2 = h.reshape(-1, n)
     if is_rms:
@@ -131,8 +132,8 @@ def _norm_fwd(x, weight, bias, residual, eps, is_rms, stats=True):
         mean = None
     else:
         y, mean, rstd = torch.ops.aten.native_layer_norm(h2, [n], w, b, eps)
-        mean = mean.view(-1).to(_stat_dtype(x))
-    return _shaped(y, h.shape), (h if residual is not None else None), mean, rstd.view(-1).to(_stat_dtype(x))
+        mean = mean.view(-1).to(_stat_dtype(h))
+    return _shaped(y, h.shape), (h if residual is not None else None), mean, rstd.view(-1).to(_stat_dtype(h))
 
 
 @torch.library.custom_op("zerofuse::layer_norm", mutates_args=())
@@ -156,7 +157,7 @@ def _fake_fwd(x, residual):
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     y = x.new_empty(x.shape, dtype=dtype)
     h = x.new_empty(x.shape, dtype=dtype) if residual is not None else _empty(x)
-    return y, h, x.new_empty(rows, dtype=_stat_dtype(x))
+    return y, h, x.new_empty(rows, dtype=_stat_dtype(y))  # (y: h's dtype)
 
 
 @layer_norm.register_fake
