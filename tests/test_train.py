@@ -118,15 +118,17 @@ def test_stop_and_resume_gives_identical_losses(straight, stopped, tmp_path):
 
 @pytest.mark.timeout(TIMEOUT)
 def test_resume_at_another_layout(stopped, tmp_path):
-    """A 2-rank ZeRO-2 checkpoint continues in one process with ZeRO-3 (resharded on load)."""
+    """A 2-rank ZeRO-2 checkpoint continues in one process with ZeRO-3 (resharded on load), with the
+    same global batch (one rank of --batch 8 for two of 4)."""
     src, p = stopped
     _ok(p, 128 + signal.SIGTERM)
     shutil.copytree(src / "ckpt", tmp_path / "ckpt")
-    p = run("--nproc", 1, "--zero-stage", 3, "--steps", 5, "--eval-every", 3, "--out", tmp_path, "--resume")
+    p = run("--nproc", 1, "--zero-stage", 3, "--steps", 5, "--eval-every", 3, "--out", tmp_path, "--resume",
+            "--batch", 8)
     _ok(p)
     rows = metrics(tmp_path)
     assert [r["step"] for r in rows] == [4, 5] and all(math.isfinite(r["loss"]) for r in rows)
-    # the validation set does not depend on the layout: the loaded model scores what it scored
+    # the validation set is the same for the same dp x --batch: the loaded model scores what it scored
     start_val = float(p.stdout.split("resumed at step 3: val loss ")[1].split()[0])
     assert start_val == pytest.approx(metrics(src)[2]["val_loss"], abs=1e-4)
 

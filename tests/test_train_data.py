@@ -273,3 +273,25 @@ def test_notes_print_once_under_slurm(monkeypatch, capsys):
         checks.note("hello")
         printed.append(capsys.readouterr().err)
     assert printed == ["zerofuse-train: note: hello\n", ""]
+
+
+def test_the_validation_set_is_the_same_for_the_same_dp_times_batch():
+    """The validation windows over every DP rank: one set for dp 1 x batch 8, 2 x 4 and 4 x 2 (it was
+    --eval-batches batches of the per-rank batch: spreading one global batch over more ranks
+    validated on fewer, other windows; a review's reproduction, 2026-12-06); each rank's batches
+    are its own (no window twice unless drawn twice)."""
+    from zerofuse.train.data import Sampler, Validation
+
+    tokens = np.arange(5000) % 50000
+    sampler = Sampler([tokens], 16, 1, 1, 1, 0, seed=3)
+
+    def windows(dp, batch):
+        sets = [Validation(sampler, 3, batch, dp, r, seed=3) for r in range(dp)]
+        assert all(len(v) == 3 for v in sets)
+        rows = [v.get(k)[0] for v in sets for k in range(3)]
+        assert all(r.shape == (batch, 16) for r in rows)
+        return sorted(tuple(row.tolist()) for r in rows for row in r)
+
+    want = windows(1, 8)
+    assert windows(2, 4) == want and windows(4, 2) == want and len(want) == 24
+    assert windows(1, 4) != want[:12]  # (another dp x batch: another set)

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from .cli import PROG
-from .data import Corpus, Sampler
+from .data import Corpus, Sampler, Validation
 from .launch import _die_with_parent, _init_distributed, _StopFlag
 from .metrics import StepMetrics, StopVote
 from .report import RankZeroLog
@@ -97,8 +97,9 @@ def setup(t) -> None:
     vocab = t.corpus.vocab_size
     t.train_data = Sampler(t.corpus.train, seq, args.batch, args.grad_accum, args.dp, t.mesh.dp_rank, args.seed,
                            vocab=vocab)
-    t.val_data = Sampler(t.corpus.val, seq, args.batch, 1, 1, 0, args.seed, vocab=vocab,
-                         flag="--val-data" if args.val_data else "--data")
+    t.val_data = Validation(Sampler(t.corpus.val, seq, args.batch, 1, 1, 0, args.seed, vocab=vocab,
+                                    flag="--val-data" if args.val_data else "--data"),
+                            args.eval_batches, args.batch, args.dp, t.mesh.dp_rank, args.seed)
     t.out = Path(args.out)
     t.ckpt = t.out / "ckpt"
     t.step = resume(t) if args.resume else 0

@@ -128,7 +128,8 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--export", action="store_true",
                    help="at the end, write the model as safetensors + config.json into --out/hf (needs safetensors)")
     d.add_argument("--eval-every", type=int, default=50, help="validate every N steps (0: only at start and end)")
-    d.add_argument("--eval-batches", type=int, default=10, help="batches per validation (default 10)")
+    d.add_argument("--eval-batches", type=int, default=10, help="batches of dp x --batch sequences per validation (default 10; the same set for the "
+                   "same dp x --batch)")
     d.add_argument("--log-every", type=int,
                    help="read the steps' metrics from the device every N steps (the only host sync between "
                         "them) and, without a terminal, print a progress line (default: steps / 20)")

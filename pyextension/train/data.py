@@ -194,7 +194,11 @@ class Sampler:
         """(inputs, targets), each (accum, batch, seq_len) int64."""
         g = torch.Generator().manual_seed(_mix(self.seed, stream, step))
         starts = torch.randint(0, int(self.ends[-1]), (self.accum, self.dp, self.batch), generator=g)[:, self.dp_rank]
-        starts = starts.numpy()
+        return self.read(starts.numpy(), f"step {step}")
+
+    def read(self, starts: np.ndarray, where: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets) of the windows starting at ``starts`` (window indices over all shards),
+        each starts.shape + (seq_len,) int64."""
         shard = np.searchsorted(self.ends, starts, side="right")
         local = starts - self.firsts[shard]
         chunk = np.empty(starts.shape + (self.seq_len + 1,), dtype=np.int64)
@@ -204,7 +208,28 @@ class Sampler:
         if self.vocab is not None and chunk.max() >= self.vocab:  # one max over the batch
             row = np.unravel_index(int(chunk.argmax()), chunk.shape)[:-1]
             raise ValueError(f"{self.flag}: shard {int(shard[row])} holds token id {int(chunk.max())} at or past the "
-                             f"vocabulary ({self.vocab}) in a window read at step {step}; expected GPT-2 token ids "
+                             f"vocabulary ({self.vocab}) in a window read at {where}; expected GPT-2 token ids "
                              f"(the start checks read the first and last 2^20 tokens of each shard)")
         chunk = torch.from_numpy(chunk)
         return chunk[..., :-1], chunk[..., 1:]
+
+
+class Validation:
+    """The validation set: ``batches`` × ``dp`` × ``batch`` windows drawn once from (seed), the same
+    set for every layout of the same dp × batch (as training's data), dealt to the DP ranks: rank r
+    evaluates its ``batch`` windows of each of the ``batches`` batches (every rank runs as many
+    forwards: ZeRO-3's are collective). Another dp × batch: another set. (It was --eval-batches
+    batches of the per-rank --batch: spreading one global batch over more ranks validated on fewer,
+    other windows, silently; a review's reproduction, 2026-12-06.)"""
+
+    def __init__(self, sampler: Sampler, batches: int, batch: int, dp: int, dp_rank: int, seed: int):
+        self.sampler = sampler
+        g = torch.Generator().manual_seed(_mix(seed, 1, 0))
+        self.starts = torch.randint(0, int(sampler.ends[-1]), (batches, dp, batch), generator=g)[:, dp_rank].numpy()
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def get(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's (inputs, targets) of validation batch k, each (batch, seq_len)."""
+        return self.sampler.read(self.starts[k], f"validation batch {k}")

@@ -136,20 +136,14 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Mean loss over the validation set: --eval-batches fixed batches of --batch sequences (the
-        same whatever the DP/TP/PP layout; another --batch, another set: compare runs at equal
-        --batch), dealt round-robin to the DP ranks. Every rank runs the same
-        number of forwards (ZeRO-3's forward is collective); a rank's spare ones count zero."""
+        """Mean loss over the validation set: --eval-batches batches of dp × --batch windows, the same
+        for every layout of the same dp × --batch (data.Validation), each rank evaluating its part."""
         import torch.distributed as dist
-        args = self.args
-        dp, r = args.dp, self.mesh.dp_rank
         acc = torch.zeros(2, dtype=torch.float64, device=self.device)  # (loss sum, batches)
-        for k in range(-(-args.eval_batches // dp)):
-            i = k * dp + r
-            x, y = self.val_data.get(min(i, args.eval_batches - 1), stream=1)
-            loss = self._forward(x[0].to(self.device), y[0].to(self.device)).double()
-            if i < args.eval_batches:
-                acc += torch.stack([loss, torch.ones_like(loss)])
+        for k in range(len(self.val_data)):
+            x, y = self.val_data.get(k)
+            loss = self._forward(x.to(self.device), y.to(self.device)).double()
+            acc += torch.stack([loss, torch.ones_like(loss)])
         dist.all_reduce(acc, group=self.mesh.dp_group)
         if self.moe is not None:  # evaluation's all-to-alls are not the steps'
             from zerofuse.moe.dispatch import exposed_seconds, sent_bytes
