@@ -267,11 +267,14 @@ def test_export_hf_replaces_an_earlier_export_and_names_the_dtype_it_wrote(tmp_p
     run_distributed(_tied_and_lamb_rank, 2, native + "-dcp", native, timeout=240)
     out = str(tmp_path / "hf")
     zerofuse.checkpoint.export_hf(native, out)
+    # (transformers 5 writes and reads "dtype" first: the file dtype goes under both keys; only the
+    # legacy key was written, and a bf16 model's config exported in fp32 loaded back in bf16)
     zerofuse.checkpoint.export_hf(native, out, dtype=torch.bfloat16, max_shard_bytes=4_000,
-                                  config={"torch_dtype": "float32"})
+                                  config={"torch_dtype": "float32", "dtype": "float32"})
     names = sorted(os.listdir(out))
     assert "model.safetensors" not in names and "model.safetensors.index.json" in names, names
-    assert json.load(open(os.path.join(out, "config.json")))["torch_dtype"] == "bfloat16"
+    written = json.load(open(os.path.join(out, "config.json")))
+    assert written["torch_dtype"] == written["dtype"] == "bfloat16"
     zerofuse.checkpoint.export_hf(native, out)
     assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
 

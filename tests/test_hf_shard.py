@@ -92,6 +92,41 @@ def test_sharded_patched_model_trains_as_one_process(arch, dp, tpn, stage, cpu_k
         assert all(s is None for n, s in specs.items() if "norm" in n)
 
 
+def _frozen_rank(rank, ws):
+    from zerofuse import kernels
+
+    kernels.TRITON_ON_CPU = False
+    model = zerofuse.patch(build("llama"))
+    frozen = {n for n, p in model.named_parameters() if "embed_tokens" in n or "layers.0.self_attn.q_proj" in n}
+    for n, p in model.named_parameters():
+        p.requires_grad_(n not in frozen)
+    model = zerofuse.shard(model, tp=2, zero_stage=1)
+    flags = {n: p.requires_grad for n, p in model.named_parameters()}
+    with zerofuse.zero.full_params(model):
+        before = {n: p.detach().clone() for n, p in model.named_parameters() if n in frozen}
+    opt = zerofuse.zero.Optimizer(model, "adamw", lr=LR)
+    ids = _batches()[0]
+    model(ids, labels=ids).loss.backward()
+    opt.step()
+    with zerofuse.zero.full_params(model):
+        moved = [n for n, p in model.named_parameters() if n in frozen and not torch.equal(p, before[n])]
+        try:  # (it wrote this rank's slices under the full names: a review's reproduction, 2026-12-06)
+            model.save_pretrained("/nonexistent/never-written")
+            refused = ""
+        except RuntimeError as e:
+            refused = str(e)
+    return frozen, flags, moved, refused
+
+
+def test_frozen_params_stay_frozen_under_tp(cpu_kernels):
+    """The TP plan's new Parameters required grad: a frozen embedding or projection of a model sharded
+    at tp=2 trained (a review's reproduction, 2026-12-06); save_pretrained is refused, naming the way."""
+    for frozen, flags, moved, refused in run_distributed(_frozen_rank, 2, timeout=120):
+        assert frozen and {n for n, f in flags.items() if not f} == frozen
+        assert moved == []
+        assert "save_pretrained on a model tensor-parallel over 2 ranks" in refused and "export_hf" in refused
+
+
 def _qk_norm_grads_rank(rank, ws):
     from zerofuse import kernels
 

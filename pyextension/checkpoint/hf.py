@@ -55,10 +55,14 @@ def export_hf(path: str, out_dir: str, *, config: dict | None = None, dtype: tor
     config["tie_word_embeddings"] = bool(ties)
     config["zerofuse_tied"] = ties
     written_dtype = str(next(iter(tensors.values())).dtype).removeprefix("torch.") if tensors else None
-    if dtype is not None:  # the dtype the files hold, whatever the given config said (it kept its own)
-        config["torch_dtype"] = written_dtype
+    # the dtype the files hold under both keys (transformers 5 reads "dtype" before the legacy
+    # "torch_dtype": a config of a bf16 model exported in fp32 loaded back in bf16; a review's
+    # reproduction, 2026-12-06), whatever the given config said, when dtype= is given
+    if dtype is not None:
+        config["torch_dtype"] = config["dtype"] = written_dtype
     else:
-        config.setdefault("torch_dtype", written_dtype)
+        given = config.get("dtype") or config.get("torch_dtype") or written_dtype
+        config["torch_dtype"] = config["dtype"] = given
     os.makedirs(out_dir, exist_ok=True)
     shards, cur, size = [], {}, 0
     for n, t in tensors.items():

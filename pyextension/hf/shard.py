@@ -16,6 +16,8 @@ same model (same weights: load, or seed, alike).
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from zerofuse import zero
@@ -129,4 +131,16 @@ def shard(model, dp: int | None = None, tp: int = 1, zero_stage: int = 0, **zero
     zero.parallelize(model, stage=zero_stage, group=mesh.dp_group, tp_group=mesh.tp_group if mesh.tp > 1 else None,
                      **zero_options)
     model.zerofuse_mesh = mesh
+    if mesh.tp > 1:  # (ZeRO alone: inside zerofuse.zero.full_params it writes the whole params)
+        model.save_pretrained = functools.partial(_refuse_save_pretrained, mesh.tp)
     return model
+
+
+def _refuse_save_pretrained(tp: int, *_args, **_kwargs):
+    """save_pretrained on a sharded model wrote this rank's TP slices under the full model's names
+    (from_pretrained then refused every split weight, or re-initialised it with
+    ignore_mismatched_sizes; a review's reproduction, 2026-12-06)."""
+    raise RuntimeError(f"{WHO}: save_pretrained on a model tensor-parallel over {tp} ranks would write this "
+                       "rank's slices under the full model's names; save with zerofuse.checkpoint.save(dir, "
+                       "model, optimizer) on every rank, then zerofuse.checkpoint.export_hf(dir, out_dir) writes the "
+                       "Hugging Face files (one process)")

@@ -213,11 +213,12 @@ def sync_replicated_grads(params, comm: Communicator, when=lambda: True) -> list
     """Sequence parallelism: params replicated over the TP group but applied to a sequence shard
     (norm weights, position embeddings, row-parallel biases) get partial grads on each rank; a hook
     sums them over the group (while ``when()``) before they are accumulated into .grad (so before
-    any post-accumulate-grad hook, e.g. ZeRO's). Returns the hook handles."""
+    any post-accumulate-grad hook, e.g. ZeRO's). Returns the hook handles. A frozen param gets no
+    hook (it has no grad; torch refuses a hook on it): one unfrozen later is not summed."""
     def hook(g):
         return all_reduce(g.contiguous().clone(), comm) if when() else g
 
-    return [p.register_hook(hook) for p in params]
+    return [p.register_hook(hook) for p in params if p.requires_grad]
 
 
 def check_same_inputs(comm: Communicator, who: str, **tensors) -> None:

@@ -38,19 +38,21 @@ def _group(group):
     return group if group is not None else dist.distributed_c10d._get_default_group()
 
 
-def _sharded(full: Tensor, spec: TPSpec) -> torch.nn.Parameter:
+def _sharded(full: Tensor, spec: TPSpec, requires_grad: bool = True) -> torch.nn.Parameter:
     """This rank's slice of ``full`` as a Parameter that carries its spec."""
-    p = torch.nn.Parameter(spec.slice(full))
+    p = torch.nn.Parameter(spec.slice(full), requires_grad=requires_grad)
     p._zf_tp = spec
     return p
 
 
 def _adopt(layer, weight: Tensor, bias: Tensor | None, *, sharded_bias: bool):
-    """Give a layer built on the meta device its slices of real full tensors (same specs)."""
-    layer.weight = _sharded(weight.detach(), spec_of(layer.weight))
+    """Give a layer built on the meta device its slices of real full tensors (same specs), frozen
+    where those are (new Parameters required grad: a frozen embedding or projection of a model
+    sharded by zerofuse.shard trained; a review's reproduction, 2026-12-06)."""
+    layer.weight = _sharded(weight.detach(), spec_of(layer.weight), weight.requires_grad)
     if bias is not None:
-        layer.bias = (_sharded(bias.detach(), spec_of(layer.bias)) if sharded_bias
-                      else torch.nn.Parameter(bias.detach().clone()))
+        layer.bias = (_sharded(bias.detach(), spec_of(layer.bias), bias.requires_grad) if sharded_bias
+                      else torch.nn.Parameter(bias.detach().clone(), requires_grad=bias.requires_grad))
     return layer
 
 
