@@ -283,3 +283,20 @@ def test_a_meta_moe_model_materialized_by_zero3_starts_with_a_zero_fp32_bias(pre
     for gpt, layer in run_distributed(_meta_stage3_rank, 2, precision, timeout=120):
         for dtype, values in (gpt, layer):
             assert dtype == torch.float32 and values == [0.0] * 4, (gpt, layer)
+
+
+def test_resume_refuses_switching_the_balancing_bias(tmp_path, cpu_kernels):
+    """The router's bias is saved only with --bias-rate > 0: a resume switching it on or off failed in
+    every rank's load on a missing (or unexpected) buffer, with tracebacks; refused at the flags now,
+    naming --bias-rate (a review's reproduction, 2026-12-06)."""
+    from zerofuse.train.checks import UsageError
+    from zerofuse.train.loop import Trainer
+
+    from common import tiny_job_args
+
+    moe = ("--experts", "4", "--steps", "2", "--ckpt-every", "2")
+    assert Trainer(tiny_job_args(tmp_path, *moe), None).run() == 0
+    with pytest.raises(UsageError, match=r"--bias-rate: the checkpoint at .* was trained without aux-loss-free "
+                                         r"balancing \(--bias-rate 0\), got 0.01"):
+        tiny_job_args(tmp_path, *moe, "--steps", "4", "--resume", "--bias-rate", "1e-2")
+    assert tiny_job_args(tmp_path, *moe, "--steps", "4", "--resume").resume

@@ -273,3 +273,10 @@ def validate_resume(args, ckpt) -> None:
         f"{_SHAPE_FLAGS[f]} {mine[f]} (the checkpoint's: {saved[f]})" if f in _SHAPE_FLAGS
         else f"{f} {mine[f]!r} (the checkpoint's: {saved[f]!r}; --model {args.model_name})" for f in diff)
         + "; expected the flags of the run that wrote it")
+    # the router's balancing bias is a buffer of the model only with --bias-rate > 0: switched on or off
+    # at a resume, each rank's load failed on a missing or unexpected buffer (a review's reproduction)
+    if mine.get("moe_experts") and "moe_bias_rate" in saved:
+        had, has = saved["moe_bias_rate"] > 0, mine["moe_bias_rate"] > 0
+        _check(had == has, f"--bias-rate: the checkpoint at {ckpt} was trained {'with' if had else 'without'} "
+               f"aux-loss-free balancing (--bias-rate {saved['moe_bias_rate']:g}), got {mine['moe_bias_rate']:g}; "
+               "expected a rate > 0 on both or on neither (the bias is saved only when it is updated)")

@@ -88,8 +88,9 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--ep", type=int, default=1, help="expert-parallel size: experts split over --ep of the dp ranks "
                                                     "(default 1)")
     e.add_argument("--moe-every", type=int, help="an MoE layer in every N-th block (default: the preset's, else 1)")
-    e.add_argument("--capacity", type=float, help="capacity factor: choices past an expert's capacity are dropped "
-                                                  "(0: dropless, the default)")
+    e.add_argument("--capacity", type=float, help="capacity factor: choices past an expert's capacity (per rank and "
+                                                  "micro-batch: results depend on --dp) are dropped (0: dropless, "
+                                                  "the default)")
     e.add_argument("--router", choices=("softmax", "sigmoid"), help="router scores (default softmax)")
     e.add_argument("--aux-loss", type=float, help="load-balancing aux loss coefficient (default 1e-2)")
     e.add_argument("--aux-scope", choices=("local", "global"),
