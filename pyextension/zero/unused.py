@@ -12,14 +12,17 @@ reaches are the AccumulateGrad nodes' variables) and the first grad hook of the 
 marks every param not reached as arrived, so each bucket launches as soon as its used params'
 grads are in, in the common order, with zeros in the unused params' regions.
 
-Reached: the union over the grad-enabled forwards since the last backward ended (one loss summed over
-several forwards counts them all; gradient accumulation walks each micro-batch's forward afresh). Forwards
-interleaved with backwards of earlier ones (F1 F2 B1 B2) give B1 the union of both and B2 none: no
-param is marked there, and an unused one holds the order back as without the option. A grad that arrives for a param marked unused (a loss term computed from
-outside the forward's outputs, e.g. a module attribute added to the loss afterwards) is an error
-naming the param: its bucket may have been reduced without it on this rank. Re-entrant activation
-checkpointing hides the params inside it from the walk: refused at the forward. The walk is Python
-over the graph's nodes, once per forward (DDP's costs the same): off by default."""
+Reached: the union over the grad-enabled forwards since the last backward ended (one loss summed
+over several forwards counts them all; gradient accumulation walks each micro-batch's forward
+afresh). Forwards interleaved with backwards of earlier ones (F1 F2 B1 B2) give B1 the union of
+both and B2 none: no param is marked there, and an unused one holds the order back as without the
+option. A grad that arrives for a param marked unused (a loss term computed from outside the
+forward's outputs, e.g. a module attribute added to the loss afterwards) is an error naming the
+param: its bucket may have been reduced without it on this rank. An output with no tensor that
+requires grad found in it (an object pytree cannot look into) marks nothing: that forward counts as
+not walked. Re-entrant activation checkpointing hides the params inside it from the walk: refused
+at the forward. The walk is Python over the graph's nodes, once per forward (0.32 ms for GPT-2
+124M on this project's CPU; DDP's costs the same): off by default."""
 from __future__ import annotations
 
 import torch
@@ -48,13 +51,16 @@ class FindUnused:
     def _walk_outputs(self, _module, _args, out) -> None:
         if not torch.is_grad_enabled():
             return
-        stack, seen = [], set()
+        stack, seen, found = [], set(), False
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.requires_grad:
+                found = True
                 if t.grad_fn is None:
                     self._reached.add(id(t))  # a param returned as it is
                 else:
                     stack.append(t.grad_fn)
+        if not found:  # an output it cannot look into (or one without a graph): no param marked
+            return
         while stack:
             fn = stack.pop()
             if fn in seen:
