@@ -147,3 +147,35 @@ def test_find_unused_parameters_must_be_a_bool(world_of_one):
 
     with pytest.raises(TypeError, match="find_unused_parameters"):
         zerofuse.zero.parallelize(_Model(), stage=1, find_unused_parameters=1)
+
+
+class _Opaque:
+    def __init__(self, loss):
+        self.loss = loss
+
+
+def _opaque_rank(rank, ws):
+    import zerofuse
+
+    m = _Model()
+    forward = m.forward
+    m.forward = lambda x, use: _Opaque(forward(x, use))  # an output pytree cannot look into
+    zerofuse.zero.parallelize(m, stage=2, bucket_mb=1e-6, find_unused_parameters=True)
+    m(_x(rank), True).loss.backward()
+    with zerofuse.zero.full_grads(m):
+        return {n: p.grad.clone() for n, p in m.named_parameters()}
+
+
+def test_an_output_the_walk_cannot_look_into_marks_nothing():
+    """No tensor found in the output: every param was marked unused, and every grad refused."""
+    want = {n: g for n, g, _ in _reference_named(2)}
+    for got in run_distributed(_opaque_rank, 2, timeout=60):
+        for n, g in got.items():
+            assert_close(g, want[n], msg=lambda m, n=n: f"{n}: {m}")
+
+
+def _reference_named(ws):
+    ref = _Model()
+    for r in range(ws):
+        (ref(_x(r), True) / ws).backward()
+    return [(n, p.grad if p.grad is not None else torch.zeros_like(p), None) for n, p in ref.named_parameters()]
