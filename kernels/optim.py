@@ -39,8 +39,8 @@ def _adam_block(P, G, M, V, W, offs, mask, MULT, step_size, bc2_sqrt, w1, w2, b1
     p = _ld(W, offs, mask, MASKED, STREAM) if HAS_MASTER else _ld(P, offs, mask, MASKED, STREAM)
     if DECOUPLED:
         p = p * decay
-    else:
-        g = g + wd * p
+    else:  # (no term at wd 0, as torch and the C++ kernel: 0 * inf made an inf param NaN, its moments too)
+        g = tl.where(wd != 0, g + wd * p, g)
     m = _ld(M, offs, mask, MASKED, STREAM)
     v = _ld(V, offs, mask, MASKED, STREAM)
     # torch's lerp for weights < 0.5 (1 - beta1 for any usual beta1): m + w * (g - m)

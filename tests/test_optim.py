@@ -932,3 +932,59 @@ def test_launch_constants_are_written_in_place_when_the_lr_changes():
     lamb = launch.consts((0.9, 0.95, 1e-8, 0.1))  # another kind of launch keeps its own tensor
     assert lamb is not first and lamb.tolist() == [0.9, 0.95, 1e-8, 0.1]
     assert launch.consts((1e-4, 0.9, 0.95, 1e-8, 0.1)) is first and first[0].item() == 1e-4
+
+
+def test_a_grad_of_another_dtype_at_the_same_address_is_read_as_its_dtype(path):
+    """The kept launch table fixed the grads' dtype: a bf16 grad at the fp32 grad's old address was
+    read as fp32 bits (the update, and a clipping norm, wrong; a review's reproduction, 2026-12-06)."""
+    results = []
+    for same in (False, True):
+        p = torch.nn.Parameter(torch.ones(8, device=path))
+        p.grad_dtype = None  # (torch takes a grad of another dtype only so)
+        opt = FusedAdamW([p], lr=0.1, weight_decay=0.0, max_grad_norm=100.0)
+        buf = torch.ones(8, device=path)
+        p.grad = buf
+        opt.step()
+        g16 = buf.view(torch.bfloat16)[:8] if same else torch.empty(8, dtype=torch.bfloat16, device=path)
+        g16.fill_(-1.0)
+        p.grad = g16
+        opt.step()
+        results.append((p.detach().clone(), float(opt.last_grad_norm)))
+    assert torch.equal(results[0][0], results[1][0]) and results[0][1] == results[1][1] == pytest.approx(8 ** 0.5)
+
+
+def test_l2_decay_of_zero_leaves_non_finite_params_as_torch(path):
+    """FusedAdam's L2 term at weight_decay 0: the Triton kernel added 0 * p, NaN for an inf param (its
+    moments NaN too), where torch and the C++ kernel add nothing (a review's reproduction, 2026-12-06)."""
+    def run(cls):
+        p = torch.nn.Parameter(torch.tensor([1.0, float("inf"), float("-inf")], device=path))
+        opt = cls([p], lr=0.1)
+        p.grad = torch.ones_like(p)
+        opt.step()
+        return p.detach().cpu(), opt.state[p]["exp_avg"].cpu()
+
+    for got, want in zip(run(FusedAdam), run(torch.optim.Adam)):
+        torch.testing.assert_close(got, want)
+
+
+def test_an_apex_state_dict_loads_with_its_step_count():
+    """Apex keeps one step count per param group and none per param: torch's Adam raised KeyError
+    'step', FusedLAMB too; each param takes its group's count now (a review's reproduction,
+    2026-12-06), and Apex options without an equivalent are refused."""
+    ps = [torch.nn.Parameter(torch.randn(7)), torch.nn.Parameter(torch.randn(3))]
+    moments = {i: {"exp_avg": torch.full((n,), 0.1), "exp_avg_sq": torch.full((n,), 0.01)}
+               for i, n in enumerate((7, 3))}
+    group = {"lr": 1e-3, "bias_correction": True, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01,
+             "step": 1000, "params": [0, 1]}
+    for cls, extra in ((FusedAdamW, {}), (FusedLAMB, {"grad_averaging": True, "max_grad_norm": 1.0})):
+        opt = cls(ps)
+        opt.load_state_dict({"state": copy.deepcopy(moments), "param_groups": [group | extra]})
+        assert all(float(opt.state[p]["step"]) == 1000 for p in ps) and "step" not in opt.param_groups[0]
+        for p in ps:
+            p.grad = torch.ones_like(p)
+        opt.step()
+        assert all(float(opt.state[p]["step"]) == 1001 for p in ps)
+    for cls, bad, match in ((FusedAdamW, {"bias_correction": False}, "bias_correction=False"),
+                            (FusedLAMB, {"grad_averaging": False}, "grad_averaging=False")):
+        with pytest.raises(ValueError, match=rf"param_groups\[0\] of an Apex state dict has {match}"):
+            cls(ps).load_state_dict({"state": copy.deepcopy(moments), "param_groups": [group | bad]})

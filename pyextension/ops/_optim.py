@@ -4,6 +4,8 @@ for the paths that do not go through C++ (CUDA, Triton on CPU, fake tensors).
 """
 from __future__ import annotations
 
+import operator
+
 from collections.abc import Sequence
 
 import torch
@@ -50,6 +52,7 @@ def _only_counting_modes() -> bool:
 
 
 _DATA_PTR = torch.Tensor.data_ptr
+_DTYPE = operator.attrgetter("dtype")
 
 
 def lr_arg(lr):
@@ -73,7 +76,11 @@ class Prepared:
         self._launches: dict[str, tuple[tuple, object]] = {}
 
     def launch(self, name: str, params, grads, build):
-        key = (tuple(map(_DATA_PTR, params)), tuple(map(_DATA_PTR, grads)) if grads else ())
+        # (the dtypes too: a launch fixes them, and a grad of another dtype at the same address was
+        # read as the old one, bf16 bits as fp32 - the update and l2norm's clipping norm, whose
+        # tensors come as ``params``; a review's reproduction, 2026-12-06)
+        key = (tuple(map(_DATA_PTR, params)), tuple(map(_DTYPE, params)),
+               (tuple(map(_DATA_PTR, grads)), tuple(map(_DTYPE, grads))) if grads else ())
         hit = self._launches.get(name)
         if hit is not None and hit[0] == key:
             return hit[1]

@@ -108,11 +108,12 @@ class FusedOptimizerMixin:
                                  f"param_groups[{len(self.param_groups)}] the same tensor as params[{j}]")
 
     def load_state_dict(self, state_dict):
-        """Also takes torch.optim's (and Apex's) state dicts: missing group options get defaults.
+        """Also takes torch.optim's and Apex's state dicts (_from_apex): missing group options get defaults.
         States saved in fp32 (masters, moments of bf16/fp16 params) load in fp32: torch's own
         load_state_dict casts every floating state to its param's dtype (a bf16 run then resumed
         from its own state_dict with rounded moments, and with masters the kernel refused)."""
         self._checked = set()
+        state_dict = self._from_apex(state_dict)
         saved = state_dict.get("state", {})
         ids = [i for g in state_dict.get("param_groups", []) for i in g["params"]]
         super().load_state_dict(state_dict)
@@ -136,6 +137,35 @@ class FusedOptimizerMixin:
         # other than the checkpoint's) reaches its master at the next step (a fresh optimizer had
         # no versions to compare: the write was undone; a review, 2026-12-06)
         self._master_versions = {id(p): (p.data_ptr(), p._version) for g in self.param_groups for p in g["params"]}
+
+    def _from_apex(self, state_dict):
+        """Apex's format: one step count per param group (group['step']), none per param (torch's
+        Adam refused it with a KeyError; a review's reproduction, 2026-12-06): each param with state
+        takes its group's count (its bias correction continues, not restarted at step 1). Apex's
+        options without an equivalent here are refused: grad_averaging=False, and bias_correction=
+        False where this optimizer always corrects (Adam/AdamW). Apex's adam_w_mode is not saved:
+        load into FusedAdamW what Apex ran with adam_w_mode=True (its default)."""
+        groups = state_dict.get("param_groups", [])
+        if not any("step" in g for g in groups):
+            return state_dict
+        who = f"{self._name()}.load_state_dict"
+        corrects = "bias_correction" not in self.defaults
+        state = {k: dict(v) for k, v in state_dict.get("state", {}).items()}
+        out = []
+        for gi, g in enumerate(groups):
+            g = dict(g)
+            step = g.pop("step", None)
+            if g.pop("grad_averaging", True) is not True:
+                raise ValueError(f"{who}: param_groups[{gi}] of an Apex state dict has grad_averaging=False; "
+                                 f"expected True ({self._name()} averages the gradient into the first moment)")
+            if corrects and g.pop("bias_correction", True) is not True:
+                raise ValueError(f"{who}: param_groups[{gi}] of an Apex state dict has bias_correction=False; "
+                                 f"expected True ({self._name()} always corrects the moments' bias)")
+            for i in g.get("params", []):
+                if i in state and "step" not in state[i] and step is not None:
+                    state[i]["step"] = torch.tensor(float(step))
+            out.append(g)
+        return {**state_dict, "state": state, "param_groups": out}
 
     def _state(self, p: torch.Tensor, master_weights: bool) -> dict:
         state = self.state[p]
