@@ -14,5 +14,8 @@ bool cpu_memory_counter_installed();
 int64_t cpu_memory_counter_current();  // bytes allocated through the counter and not yet freed
 int64_t cpu_memory_counter_peak();     // the most of them at once since the last reset
 void cpu_memory_counter_reset_peak();  // peak := current
+// a region starts: blocks allocated before it are not subtracted when freed (current only errs
+// high), and peak := current
+void cpu_memory_counter_begin();
 
 }  // namespace zerofuse

@@ -133,6 +133,21 @@ def test_backward_peak_is_at_most_fsdp2s(stage):
         assert z_peak <= f_peak, (rank, z_peak / MiB, f_peak / MiB)
 
 
+def test_a_block_freed_from_an_earlier_region_does_not_lower_the_peak():
+    """The counter kept tracking blocks an earlier peak_memory region allocated: freed inside a later
+    one they were subtracted, and a 16 MiB tensor made there read a peak of 0 (also when the
+    collector frees an earlier model's reference cycle in the region; a review's reproduction,
+    2026-12-06). Blocks from before a region are freed uncounted: the figure errs high, never low."""
+    n = 1 << 20
+    with zerofuse.zero.peak_memory():
+        keep = torch.ones(n)
+    with zerofuse.zero.peak_memory() as mem:
+        del keep
+        y = torch.ones(n)
+        del y
+    assert mem.peak == 4 * n
+
+
 def test_cpu_peak_counts_the_block_and_takes_onednn_scratch():
     """peak_memory on CPU wraps torch's CPU allocator: a 1000-float tensor made and freed in the
     block is a peak of 4000 bytes; a bf16 / fp16 matmul (oneDNN takes scratch through

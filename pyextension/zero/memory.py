@@ -133,7 +133,9 @@ def peak_memory(device=None):
     ``torch.cuda.max_memory_allocated`` (the peak counter is reset at entry). CPU: a counting
     wrapper around torch's CPU allocator (zerofuse._C, csrc/memory_counter.h), installed for the
     block: exact for every thread (gloo's included). Blocks allocated before the block and freed
-    inside it are not subtracted, so the figure errs high, never low."""
+    inside it (an earlier block's, a reference cycle the collector frees in it) are not subtracted,
+    so the figure errs high, never low (an earlier block's were subtracted: a 16 MiB tensor made
+    in a block that freed one read 0; a review's reproduction, 2026-12-06)."""
     device = torch.device(device) if device is not None else torch.device("cpu")
     out = Peak(device)
     installed = False
@@ -144,6 +146,7 @@ def peak_memory(device=None):
         if not _C.cpu_memory_counter_installed():
             _C.cpu_memory_counter_install(True)
             installed = True
+        _C.cpu_memory_counter_begin()  # (blocks from before the block: freed uncounted)
         out._start = _C.cpu_memory_counter_current()
     out._reset()
     _OPEN.append(out)
