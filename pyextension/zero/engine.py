@@ -333,7 +333,8 @@ class ZeroEngine(ExpertLayout, FindUnused, FullParams, Stage3Hooks, WorldOfOne):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget the grads (also those a hookless engine left in .grad): set_to_none=True frees the
-        grad shards (nothing held between steps), False fills them with zeros (as torch's)."""
+        grad shards (except the buffers stage 0, and stage 2 over one rank, keep at a fixed address:
+        Optimizer.zero_grad), False fills them with zeros (as torch's)."""
         self.buckets.finish_grad_sync()
         reset_backward(self)  # (a backward that raised left its counters: zero_grad starts afresh)
         for u in self.units:

@@ -385,8 +385,11 @@ class Optimizer(GradNorms, OptimizerState, torch.optim.Optimizer):
             self.engine.params_written()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """set_to_none=True (torch's default): the grad shards are freed until the next backward;
-        False: they are filled with zeros."""
+        """set_to_none=True (torch's default): the grad shards are freed until the next backward
+        (except where a bucket keeps its buffer at a fixed address: stage 0, and stage 2 over one
+        rank, as DDP keeps its buckets; over one rank without hooks autograd's .grad then lives
+        beside it during backward: two copies of the grads, [Note: a world of one]); False: they
+        are filled with zeros."""
         if self.host is not None and self.host.futures:
             raise RuntimeError(f"{NAME}.zero_grad: with offload the last backward already started its host steps "
                                "(offload_overlap): call step() before zero_grad(), or build the Optimizer with "
