@@ -6,20 +6,25 @@
 #
 # Usage: bash bench/run_gpu.sh [OUT_DIR] [PHASES]
 #   OUT_DIR  default: $OUT, else bench/out
-#   PHASES   comma-separated, run in this order: build,doctor,tests,train,profile,bench (default:
-#            all). A lease's device time is 15 minutes (machine start included), a call at most
-#            10, and the machine stays warm only 30 s after one. Estimates (an H200 on 2026-11-26
-#            and 2026-11-27): build+doctor ~2-4 min (the doctor's first attention call autotuned:
-#            44-78 s; it runs one pinned tile config since 2026-11-27, unmeasured), tests ~3.5-5 min (correctness
-#            first: much GPU code has never run), train ~3.5 min (the step graphed and eager, the
-#            torch-native peer eager and compiled; PEER_COMPILE=0 saves ~1.5 min), profile ~2 min,
-#            the bench suites ~8-10 min in all (attention ~2.5, norms ~1.5, llama_ops ~2,
-#            optimizers ~1.5, hf ~1.5, the rest under 1). These add up to more than one call (at
-#            most ~545 s of phases): plan two, the second at once so the machine stays warm:
+#   PHASES   comma-separated, a subset of build,doctor,tests,train,profile,bench (default: all);
+#            they always run in that order, whatever order PHASES lists them in. A lease's device
+#            time is 15 minutes (machine start included: ~2-4 min), a call at most 10, and the
+#            machine stays warm only 30 s after one. Estimates (an H200 on 2026-11-26 and
+#            2026-11-27): build+doctor ~2-4 min (the doctor's first attention call autotuned:
+#            44-78 s; it runs one pinned tile config since 2026-11-27, unmeasured), tests ~3.5-5 min
+#            (correctness first: much GPU code has never run), train ~3.5 min (the step graphed and
+#            eager, the torch-native peer eager and compiled; PEER_COMPILE=0 saves ~1.5 min, a
+#            single TRAIN_MODES ~1 min), profile ~2 min, the bench suites ~8-10 min in all (attention
+#            ~2.5, norms ~1.5, llama_ops ~2, optimizers ~1.5, hf ~1.5, the rest under 1).
+#            One lease fits a start, call 1 and ~2-6 min of call 2: not train, profile and bench
+#            (a review added it up, 2026-12-06: bench got 0-55 s). Plan two calls, the second at once
+#            so the machine stays warm, with ONE goal for the second:
 #              1. PHASES=build,doctor,tests (timeout_s 590)
-#              2. PHASES=train,profile,bench with ZEROFUSE_GPU_DEADLINE_S = status's budget_left_s
-#                 less ~45 s (and the call's timeout_s 30 s above it), BENCH_SUITES the suites
-#                 least measured; it keeps to the JIT if the first call's doctor failed the handles.
+#              2. with D = min(status's budget_left_s - 45, 570): ZEROFUSE_GPU_DEADLINE_S=D, timeout_s
+#                 D + 30, and either PHASES=train TRAIN_MODES=--cuda-graphs PEER_COMPILE=0 (issue 23's
+#                 tokens/s) or PHASES=bench BENCH_SUITES="<the suites least measured>" (bench_llama_ops,
+#                 bench_moe, bench_offload and bench_hf have no GPU results yet); it keeps to the
+#                 JIT if the first call's doctor failed the handles.
 #            Each finished benchmark is kept; suites not started for lack of time are listed in
 #            bench.txt.
 #            Without `build` the extension built by an earlier call is used; when there is none
@@ -29,8 +34,9 @@
 #                            under `timeout` with what is left, so a slow phase is cut and the
 #                            files of the phases before it still come back (a phase cut at
 #                            it gets 30 s more to end: give the device call's timeout that margin)
-#   BENCH_SUITES             bench files to run (default: every bench/bench_*.py, the least
-#                            measured first: attention, norms, llama ops, moe, offload, optimizers)
+#   BENCH_SUITES             bench files to run (default: the GPU suites below, default_suites:
+#                            attention, norms, llama ops, moe, offload, optimizers, flatten,
+#                            comm_gpu, hf; not collectives, pipeline, tp, zero: CPU/gloo suites)
 #   TRAIN_ARGS               extra zerofuse-train flags (default: 60 steps of gpt2-124m, bf16)
 #   TRAIN_MODES              the step's modes to train (default: "--cuda-graphs --no-cuda-graphs")
 #   PEER_ARGS                flags for bench/peer_step.py, the torch-native peer (default: GPT-2 small, batch 16)

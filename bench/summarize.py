@@ -100,8 +100,8 @@ def merge(out: str, parts: list[str]) -> None:
         if got:
             lines += got
             partial.append(os.path.basename(path)[: -len(".jsonl")])
-    if merged is None and lines:
-        merged = {"machine_info": {}, "commit_info": {}, "benchmarks": []}
+    if merged is None and lines:  # (only cut suites: labelled here, on the machine and tree that ran them;
+        merged = _labels()  # left empty, the summary read "date: ?, commit: ?": a review, 2026-12-06)
     if merged is None:
         raise SystemExit("summarize --merge: no readable results")
     merged["benchmarks"] += lines
@@ -109,6 +109,26 @@ def merge(out: str, parts: list[str]) -> None:
         merged["partial_suites"] = sorted(set(merged.get("partial_suites", [])) | set(partial))
     with open(out, "w") as f:
         json.dump(merged, f)
+
+
+def _labels() -> dict:
+    """pytest-benchmark's header fields for results that came without its JSON: now, this host, the
+    git commit of the working tree (dirty or not)."""
+    import datetime
+    import platform
+    import subprocess
+
+    def git(*args) -> str:
+        try:
+            return subprocess.run(["git", *args], capture_output=True, text=True, timeout=30).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    return {"datetime": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+            "machine_info": {"node": platform.node(), "python_version": platform.python_version(),
+                             "cpu": {"brand_raw": platform.processor() or platform.machine()}},
+            "commit_info": {"id": git("rev-parse", "HEAD") or "?", "dirty": bool(git("status", "--porcelain"))},
+            "benchmarks": []}
 
 
 def main() -> None:

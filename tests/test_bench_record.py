@@ -66,3 +66,6 @@ def test_a_suite_killed_midway_keeps_its_finished_benchmarks(tmp_path):
     assert [b["name"] for b in merged["benchmarks"]] == [b["name"] for b in got]
     assert merged["partial_suites"] == ["bench_flatten"]
     assert "Cut before their end" in S.render(merged, "t") and got[0]["name"] in S.render(merged, "t")
+    # labelled with the date, commit and host where it was merged (they read "?": a review, 2026-12-06)
+    head = S.render(merged, "t")
+    assert "date: ?" not in head and "commit: ?" not in head and "machine: ?" not in head, head
