@@ -46,6 +46,16 @@ def _file(text: str) -> str:
     return path
 
 
+def _out_with(name: str) -> str:
+    """A fresh --out folder holding a user's file at ``name`` (a relative path)."""
+    out = tempfile.mkdtemp(dir=".")
+    path = os.path.join(out, name)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        f.write("mine")
+    return out
+
+
 U = train.UsageError
 TRAIN = [
     Case("flag-lr-inf", _flags, lambda: ("--lr", "inf"), U, r"^--lr: expected a finite number, got inf"),
@@ -118,6 +128,21 @@ TRAIN = [
          r"^--out: expected a directory, got '.*\.txt' \(a file\)"),
     Case("flag-out-inside-a-file", lambda: _flags("--out", os.path.join(_file("x"), "sub")), tuple, U,
          r"^--out: expected a directory, got '.*\.txt/sub' \(inside the file '.*\.txt'\)"),
+    # (a review's reproductions, 2026-12-06: a user's ckpt folder deleted at the first save; a ckpt or hf
+    # file, a seed past 64 bits, or RANK without MASTER_ADDR: a traceback on every rank after training)
+    Case("flag-out-ckpt-is-a-users-folder", lambda: _flags("--out", _out_with("ckpt/notes.txt")), tuple, U,
+         r"^--out: expected .*/ckpt to be a zerofuse checkpoint or absent \(the job replaces it\), got a folder "
+         r"without meta.json"),
+    Case("flag-out-ckpt-is-a-file", lambda: _flags("--out", _out_with("ckpt")), tuple, U,
+         r"^--out: expected .*/ckpt to be a zerofuse checkpoint or absent .* got a file"),
+    Case("flag-export-hf-is-a-file", lambda: _flags("--export", "--out", _out_with("hf")), tuple, U,
+         r"^--export: expected .*/hf to be a folder or absent, got a file"),
+    Case("flag-out-empty", _flags, lambda: ("--out", ""), U, r"^--out: expected a directory, got an empty path"),
+    Case("flag-seed-past-64-bits", _flags, lambda: ("--seed", str(2 ** 64)), U,
+         r"^--seed: expected a 64-bit integer, got 18446744073709551616"),
+    Case("env-rank-without-master", lambda: _flags(env={"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "",
+                                                        "MASTER_PORT": ""}), tuple, U,
+         r"^environment: RANK and WORLD_SIZE are set \(a launcher's\), but not MASTER_ADDR and MASTER_PORT"),
     Case("flag-resume-without-checkpoint", _flags, lambda: ("--resume", "--out", "fresh"), U,
          r"^--resume: expected a complete checkpoint at fresh/ckpt, found none"),
     Case("flag-offload-with-lamb", _flags, lambda: ("--offload", "optimizer", "--optimizer", "lamb"), U,

@@ -205,12 +205,24 @@ def validate(args) -> None:
     _check(not args.document_masking or args.tokenizer == "gpt2",
            f"--document-masking: expected GPT-2 tokens (--tokenizer gpt2 or token shards: documents start at "
            f"<|endoftext|>), got --tokenizer {args.tokenizer}")
+    _check(-2 ** 63 <= args.seed < 2 ** 63, f"--seed: expected a 64-bit integer, got {args.seed}")
+    _check(str(args.out).strip() != "", "--out: expected a directory, got an empty path")
     _validate_out(Path(args.out))
     ckpt = Path(args.out) / "ckpt"
+    # what the job replaces there must be its own: a user's file or folder at <out>/ckpt was renamed
+    # and deleted at the first save (a file: after training, a traceback on every rank; a review,
+    # 2026-12-06)
+    for path in (Path(f"{ckpt}{s}") for s in ("", ".tmp", ".old")):
+        _check(not path.exists() or (path.is_dir() and (not any(path.iterdir()) or (path / "meta.json").is_file()
+                                                         or path.name != "ckpt")),
+               f"--out: expected {path} to be a zerofuse checkpoint or absent (the job replaces it), got "
+               f"{'a file' if not path.is_dir() else 'a folder without meta.json'}; move it or choose another --out")
     if args.export:
         import importlib.util
         _check(importlib.util.find_spec("safetensors") is not None,
                "--export: expected the safetensors package to be installed (pip install safetensors), found none")
+        hf = Path(args.out) / "hf"
+        _check(not hf.exists() or hf.is_dir(), f"--export: expected {hf} to be a folder or absent, got a file")
     saved = any((Path(f"{ckpt}{s}") / "meta.json").is_file() for s in ("", ".tmp", ".old"))
     _check(not args.resume or saved, f"--resume: expected a complete checkpoint at {ckpt}, found none")
     if args.resume:
@@ -218,6 +230,13 @@ def validate(args) -> None:
     if saved and not args.resume:  # (its metrics.jsonl was emptied without a word before)
         note(f"--out {args.out} holds a checkpoint: this run starts over, replacing it and its metrics (--resume "
              "continues it)")
+    # RANK and WORLD_SIZE (a launcher's) without the rendezvous address: torch's env:// raised its own
+    # traceback on every rank (a review's reproduction, 2026-12-06); SLURM's are filled in by launch.py
+    missing = [v for v in ("MASTER_ADDR", "MASTER_PORT")
+               if "RANK" in os.environ and "WORLD_SIZE" in os.environ and "SLURM_PROCID" not in os.environ
+               and not os.environ.get(v)]
+    _check(not missing, f"environment: RANK and WORLD_SIZE are set (a launcher's), but not {' and '.join(missing)}; "
+                        "set them, or unset RANK/WORLD_SIZE and let --nproc launch the ranks here")
 
 
 def _validate_out(out: Path) -> None:

@@ -215,8 +215,11 @@ class Trainer:
                 save = (args.ckpt_every and self.step % args.ckpt_every == 0) or end
                 if not (end or evaluate or save or self.step % self.log_every == 0):
                     continue
-                if end or evaluate:  # a delayed host step (--offload-delayed-update) reaches the params (an
-                    self.opt.apply_pending()  # evaluation scored them one update behind, but not at the end)
+                # a delayed host step (--offload-delayed-update) reaches the params at the end only: a
+                # mid-run evaluation scores them one update behind (applied there, the next step's grad
+                # was taken undelayed: the evaluation cadence changed the losses; a review, 2026-12-06)
+                if end:
+                    self.opt.apply_pending()
                 records = self.metrics.flush()  # the log point: the device is read here only
                 check_not_stuck(self.opt, records)
                 if self.moe is not None:  # collective over the DP group, like the flush
