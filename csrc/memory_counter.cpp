@@ -95,9 +95,8 @@ int64_t cpu_memory_counter_peak() { return counter.peak.load(); }
 
 void cpu_memory_counter_reset_peak() { counter.peak.store(counter.current.load()); }
 
-void cpu_memory_counter_begin() {
-  counter.region_seq.store(counter.next_seq.load());
-  counter.peak.store(counter.current.load());
-}
+int64_t cpu_memory_counter_begin() { return counter.region_seq.exchange(counter.next_seq.load()); }
+
+void cpu_memory_counter_end(int64_t previous) { counter.region_seq.store(previous); }
 
 }  // namespace zerofuse

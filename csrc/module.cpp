@@ -74,6 +74,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("cpu_memory_counter_peak", &zerofuse::cpu_memory_counter_peak);
   m.def("cpu_memory_counter_reset_peak", &zerofuse::cpu_memory_counter_reset_peak);
   m.def("cpu_memory_counter_begin", &zerofuse::cpu_memory_counter_begin);
+  m.def("cpu_memory_counter_end", &zerofuse::cpu_memory_counter_end, py::arg("previous"));
   // csrc/cpu/vector_isa.h: 2 AVX-512, 1 AVX2, 0 baseline (the CPU kernels' loops in use)
   m.def("cpu_vector_isa", &zerofuse::vector_isa);
   m.def("launch_key", &zerofuse::launch_key, py::arg("args"));

@@ -16,13 +16,24 @@ def _model_and_opt(**kw):
 
 
 def test_an_fp16_loss_is_scaled_in_fp32():
-    """The scale was cast to the loss's dtype: 2**16 in fp16 is inf, so every first step was skipped
-    and the scale never stayed above 2**15."""
+    """The scale was cast to the loss's dtype: 2**16 in fp16 is inf, so the scaled loss was inf (its
+    backward still seeds an fp16 loss with 2**16, inf in fp16, as GradScaler's does: that first
+    step is skipped either way; an fp32 loss is not)."""
     model, opt = _model_and_opt()
     loss = model(torch.randn(3, 8).half()).float().pow(2).mean().half()
     scaled = opt.scale_loss(loss)
     assert scaled.dtype == torch.float32 and scaled.shape == loss.shape
     assert torch.isfinite(scaled) and scaled.item() == pytest.approx(loss.item() * 2 ** 16, rel=1e-6)
+    opt.scale_loss(model(torch.randn(3, 8).half()).float().pow(2).mean()).backward()  # an fp32 loss
+    opt.step()
+    assert not bool(opt.last_step_skipped) and opt.loss_scale == 2 ** 16
+
+
+def test_an_initial_scale_below_one_is_its_own_floor():
+    """min_scale's default 1 refused initial_scale=0.5 (fp16 or not) after min_scale came in (a
+    review's reproduction, 2026-12-06): the floor is the lower of the two."""
+    _, opt = _model_and_opt(initial_scale=0.5)
+    assert opt.min_scale == 0.5 and opt.loss_scale == 0.5
 
 
 def test_the_scale_stops_at_min_scale():

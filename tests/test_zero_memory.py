@@ -148,6 +148,19 @@ def test_a_block_freed_from_an_earlier_region_does_not_lower_the_peak():
     assert mem.peak == 4 * n
 
 
+def test_nested_blocks_keep_the_outer_peak():
+    """A block opened inside another reset the counter's peak before the outer one had read it: the
+    outer block's 16 MiB peak read 4 (a review's reproduction, 2026-12-06)."""
+    n = 1 << 20
+    with zerofuse.zero.peak_memory() as outer:
+        x = torch.ones(4 * n)
+        del x
+        with zerofuse.zero.peak_memory() as inner:
+            y = torch.ones(n)
+            del y
+    assert outer.peak == 16 * n and inner.peak == 4 * n
+
+
 def test_cpu_peak_counts_the_block_and_takes_onednn_scratch():
     """peak_memory on CPU wraps torch's CPU allocator: a 1000-float tensor made and freed in the
     block is a peak of 4000 bytes; a bf16 / fp16 matmul (oneDNN takes scratch through

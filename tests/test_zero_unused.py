@@ -2,6 +2,8 @@
 grad on some ranks in a model that runs a collective during backward. Without the option the rank
 holding it reached the backward collective while the others waited for reductions it had held back:
 a hang until the timeout (the limit documented in [Note: launch order])."""
+import dataclasses
+
 import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -152,6 +154,35 @@ def test_find_unused_parameters_must_be_a_bool(world_of_one):
 class _Opaque:
     def __init__(self, loss):
         self.loss = loss
+
+
+@dataclasses.dataclass
+class _Aux:
+    loss: torch.Tensor
+
+
+def _dataclass_rank(rank, ws):
+    import zerofuse
+
+    m = _Model()
+    forward = m.forward
+    # (h, a dataclass holding a loss of its own): the walk took only h and refused extra's grad
+    m.forward = lambda x, use: (forward(x, False), _Aux(m.extra(torch.ones(2, D)).pow(2).mean()))
+    zerofuse.zero.parallelize(m, stage=2, bucket_mb=1e-6, find_unused_parameters=True)
+    h, aux = m(_x(rank), False)
+    (h + aux.loss).backward()
+    with zerofuse.zero.full_grads(m):
+        return m.extra.weight.grad.clone()
+
+
+def test_an_output_dataclass_is_walked():
+    """DDP looks into dataclasses in the output, stage 3's hooks too; the walk (torch's tree_leaves)
+    did not: a loss held in one was 'not reached' and its params' grads refused (a review's
+    reproduction, 2026-12-06)."""
+    ref = _Model()
+    ref.extra(torch.ones(2, D)).pow(2).mean().backward()
+    for got in run_distributed(_dataclass_rank, 2, timeout=60):
+        assert_close(got, ref.extra.weight.grad)
 
 
 def _opaque_rank(rank, ws):

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from zerofuse.zero.stage3 import _tensors
+from zerofuse.zero.grads import output_tensors as _tensors
 
 
 def _sequence_number() -> int:

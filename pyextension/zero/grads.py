@@ -3,6 +3,7 @@ grads live in the buckets' shards and ``.grad`` is None by design."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import warnings
 
@@ -146,3 +147,32 @@ def abandon_backward(eng) -> None:
         u.zero_grad(True)
     for p in eng.params:
         p.grad = None
+
+
+def output_tensors(out, objects: bool = False, _seen=None):
+    """The tensors in a module's output: inside tuples, lists, dicts (a Hugging Face ModelOutput)
+    and dataclasses; objects=True: also inside other objects' attributes (a model's own result
+    class, a cache), each object once."""
+    if isinstance(out, torch.Tensor):
+        yield out
+    elif isinstance(out, (str, bytes, int, float, complex, bool, type(None), type)):
+        return
+    else:
+        if objects:
+            _seen = set() if _seen is None else _seen
+            if id(out) in _seen:
+                return
+            _seen.add(id(out))
+        if isinstance(out, (list, tuple)):
+            items = out
+        elif isinstance(out, dict):
+            items = out.values()
+        elif dataclasses.is_dataclass(out):
+            items = [getattr(out, f.name) for f in dataclasses.fields(out)]
+        elif objects and hasattr(out, "__dict__") and not isinstance(out, torch.nn.Module):
+            items = vars(out).values()
+        else:
+            return
+        for o in items:
+            yield from output_tensors(o, objects, _seen)
+

@@ -138,7 +138,7 @@ def peak_memory(device=None):
     in a block that freed one read 0; a review's reproduction, 2026-12-06)."""
     device = torch.device(device) if device is not None else torch.device("cpu")
     out = Peak(device)
-    installed = False
+    installed, enclosing = False, None
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         out._start = torch.cuda.memory_allocated(device)
@@ -146,7 +146,7 @@ def peak_memory(device=None):
         if not _C.cpu_memory_counter_installed():
             _C.cpu_memory_counter_install(True)
             installed = True
-        _C.cpu_memory_counter_begin()  # (blocks from before the block: freed uncounted)
+        enclosing = _C.cpu_memory_counter_begin()  # (blocks from before the block: freed uncounted)
         out._start = _C.cpu_memory_counter_current()
     out._reset()
     _OPEN.append(out)
@@ -155,5 +155,7 @@ def peak_memory(device=None):
         out.end, _ = out._close()
     finally:
         _OPEN.remove(out)
+        if enclosing is not None:  # (an enclosing block's own blocks count again when freed)
+            _C.cpu_memory_counter_end(enclosing)
         if installed:
             _C.cpu_memory_counter_install(False)

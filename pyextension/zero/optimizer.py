@@ -70,15 +70,16 @@ class _Lists:
 
 class Optimizer(GradNorms, OptimizerState, torch.optim.Optimizer):
     """Optimizer(model, optimizer="adamw"|"adam"|"lamb"|"lars", *, param_groups=None,
-    max_grad_norm=None, initial_scale=2**16, growth_interval=1000, min_scale=1.0, offload_overlap=True,
+    max_grad_norm=None, initial_scale=2**16, growth_interval=1000, min_scale=None, offload_overlap=True,
     delayed_update=False, delayed_update_warmup=0, **hyperparameters).
 
     param_groups: None (one group) or torch-style dicts {"params": [model params], **overrides},
     e.g. no weight decay for norms and biases. max_grad_norm: clip every step (None or 0: no clipping;
     LAMB's None is 1.0, as Apex); or call clip_grad_norm_ before step. lr schedulers work unchanged.
     fp16's dynamic loss scale: as torch.amp.GradScaler's (initial_scale, growth_factor, backoff_factor,
-    growth_interval), never below min_scale (DeepSpeed's min_loss_scale; zerofuse-train stops with an
-    error when every step of a log window was skipped at it).
+    growth_interval), never below min_scale (default 1, DeepSpeed's min_loss_scale, or initial_scale
+    when that is lower; zerofuse-train stops with an error when every step of a log window was
+    skipped at it).
     offload_overlap (a model parallelized with offload): True steps each unit on the host during
     backward when nothing global stands in the way (no max_grad_norm, no fp16); False always waits
     for step() (e.g. to call clip_grad_norm_ on some steps) ([Note: offloaded steps]).
@@ -87,7 +88,7 @@ class Optimizer(GradNorms, OptimizerState, torch.optim.Optimizer):
 
     def __init__(self, model: torch.nn.Module, optimizer: str = "adamw", *, param_groups=None, max_grad_norm=None,
                  initial_scale: float = 2.0 ** 16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
-                 growth_interval: int = 1000, min_scale: float = 1.0, offload_overlap: bool = True,
+                 growth_interval: int = 1000, min_scale: float | None = None, offload_overlap: bool = True,
                  delayed_update: bool = False, delayed_update_warmup: int = 0, **hyperparameters):
         eng = engine_of(model, NAME)
         if optimizer not in DEFAULTS:
@@ -111,6 +112,8 @@ class Optimizer(GradNorms, OptimizerState, torch.optim.Optimizer):
         if max_grad_norm is not None and not max_grad_norm >= 0:
             raise ValueError(f"{NAME}: expected max_grad_norm >= 0 or None (0: no clipping), got {max_grad_norm}")
         max_grad_norm = max_grad_norm or None
+        if min_scale is None:  # (1, DeepSpeed's min_loss_scale; an initial scale below it is its own floor)
+            min_scale = min(1.0, initial_scale) if isinstance(initial_scale, (int, float)) else 1.0
         check_scaler(initial_scale, growth_factor, backoff_factor, growth_interval, min_scale)
         self.engine, self.kind, self.max_grad_norm = eng, optimizer, max_grad_norm
         eng.optimizer_ref = weakref.ref(self)
@@ -251,8 +254,10 @@ class Optimizer(GradNorms, OptimizerState, torch.optim.Optimizer):
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """loss times the dynamic loss scale (fp16; 1 otherwise): call backward on this."""
-        # (in fp32, as GradScaler's: cast to an fp16 loss the default scale 2**16 was inf, every first
-        # step skipped and the scale held below 2**16)
+        # (the product in fp32, as GradScaler's: cast to an fp16 loss the scale 2**16 made the scaled
+        # loss inf. Its backward still hands an fp16 loss the scale as its gradient, inf in fp16 at
+        # 2**16, as GradScaler's does: a loss computed in fp16 skips steps until the scale is 2**15
+        # or less; compute the loss in fp32, as zerofuse's models do)
         return (loss * self.scale).reshape(loss.shape) if self.fp16 else loss
 
     def abandon_step(self) -> None:

@@ -4,14 +4,13 @@ pre-hook with the next ``prefetch`` units of the recorded order, freed after its
 again before its backward by hooks on its outputs' grads."""
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import torch
 
 from zerofuse._compile import opaque_to_compile
 from zerofuse.zero.buckets import FREE, Bucket
-from zerofuse.zero.grads import close_dead_backward
+from zerofuse.zero.grads import close_dead_backward, output_tensors
 
 
 def _pair(u: Bucket):
@@ -63,7 +62,7 @@ class Stage3Hooks:
             # the root unit stays gathered from this forward to the end of the first backward; a
             # second backward through a retained graph finds it freed: gathered again by these hooks
             # (it failed in the head's backward: "setStorage ... out of bounds for storage of size 0")
-            for t in _tensors(out):
+            for t in output_tensors(out):
                 if t.requires_grad:
                     t.register_hook(self._make_pre_backward(self.root))
 
@@ -94,7 +93,7 @@ class Stage3Hooks:
         def hook(_mod, _args, out):
             if self._in_backward:  # a re-run forward (activation checkpointing): backward needs the params
                 return
-            tensors = list(_tensors(out)) if torch.is_grad_enabled() else []
+            tensors = list(output_tensors(out)) if torch.is_grad_enabled() else []
             # an output it cannot look into (no tensor found in it): its backward would find the unit
             # freed with no hook to gather it, so it stays gathered to the end of backward
             opaque = torch.is_grad_enabled() and out is not None and not tensors
@@ -158,16 +157,3 @@ class Stage3Hooks:
                                "back to the shards on exit), or load with zerofuse.checkpoint.load")
         self._loaded_in_full_params = True  # its exit sets every master from the params, as a load at stages 0-2
 
-
-def _tensors(out):
-    if isinstance(out, torch.Tensor):
-        yield out
-    elif isinstance(out, (list, tuple)):
-        for o in out:
-            yield from _tensors(o)
-    elif isinstance(out, dict):
-        for o in out.values():
-            yield from _tensors(o)
-    elif dataclasses.is_dataclass(out) and not isinstance(out, type):
-        for f in dataclasses.fields(out):
-            yield from _tensors(getattr(out, f.name))
