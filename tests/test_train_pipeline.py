@@ -35,6 +35,16 @@ def _losses(rows):
     return {r["step"]: r["loss"] for r in rows}
 
 
+def _assert_same_losses(tmp_path, reference: str, names) -> None:
+    """Each run's losses at steps 1-4 are the reference run's (rtol 1e-5)."""
+    want = _losses(metrics(tmp_path / reference))
+    for name in names:
+        got = _losses(metrics(tmp_path / name))
+        assert sorted(got) == [1, 2, 3, 4], (name, got)
+        for step in want:
+            assert got[step] == pytest.approx(want[step], rel=1e-5), (name, step)
+
+
 @pytest.mark.parametrize("schedule,extra", [("1f1b", ()), ("zb", ()), ("1f1b", ("--zero-stage", 3)),
                                             ("interleaved", ("--virtual-stages", 2, "--zero-stage", 1))])
 def test_pp2_job_matches_the_unsplit_job(unsplit, schedule, extra, tmp_path):
@@ -101,12 +111,7 @@ def test_tied_gpt2_job_at_pp2_matches_resumes_and_consolidates(tmp_path):
         128 + signal.SIGTERM)
     state = zerofuse.checkpoint.consolidate(str(tmp_path / "resumed" / "ckpt"))
     _ok(run("--nproc", 1, "--grad-accum", 2, *TIED, "--out", tmp_path / "resumed", "--resume"))
-    want = _losses(metrics(tmp_path / "unsplit"))
-    for name in ("pp2", "resumed"):
-        got = _losses(metrics(tmp_path / name))
-        assert sorted(got) == [1, 2, 3, 4], (name, got)
-        for step in want:
-            assert got[step] == pytest.approx(want[step], rel=1e-5), (name, step)
+    _assert_same_losses(tmp_path, "unsplit", ("pp2", "resumed"))
     model = GPT(config("gpt2-124m", **state["extra"]["config"]))
     assert sorted(state["model"]) == sorted(model.state_dict())
     model.load_state_dict(state["model"])
@@ -184,9 +189,4 @@ def test_a_layout_whose_stages_have_different_param_groups_resumes(tmp_path):
     assert all(names[i].endswith(".weight") and "norm" not in names[i] for i in decay[0]["params"])
     _ok(run(*pp, *flags, "--out", tmp_path / "pp2", "--resume"))
     _ok(run("--nproc", 1, "--grad-accum", 2, *flags, "--out", tmp_path / "pp1", "--resume"))
-    want = _losses(metrics(tmp_path / "straight"))
-    for name in ("pp2", "pp1"):
-        got = _losses(metrics(tmp_path / name))
-        assert sorted(got) == [1, 2, 3, 4], (name, got)
-        for step in want:
-            assert got[step] == pytest.approx(want[step], rel=1e-5), (name, step)
+    _assert_same_losses(tmp_path, "straight", ("pp2", "pp1"))

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from zerofuse.zero.grads import output_tensors as _tensors
+from zerofuse.zero.grads import output_tensors
 
 
 def _sequence_number() -> int:
@@ -103,7 +103,7 @@ class ZeroBubble:
             return
         span = (self._starts.pop(), _sequence_number()) if self._analysing else None
         params = [p for p in mod.parameters(recurse=False) if p.requires_grad]
-        outs = [t for t in _tensors(out) if t.requires_grad]
+        outs = [t for t in output_tensors(out) if t.requires_grad]
         if params and (outs or span):
             self.recording.append((params, outs, span))
 
@@ -129,7 +129,7 @@ class ZeroBubble:
     # ------------------------------------------------------------------ the analysis
 
     def _analyse(self, stage: int, rec, outputs) -> tuple[set, list]:
-        roots = [t.grad_fn for t in _tensors(outputs) if t.requires_grad and t.grad_fn is not None]
+        roots = [t.grad_fn for t in output_tensors(outputs) if t.requires_grad and t.grad_fn is not None]
         _, edges, parents = _walk(roots)
         covered: set[int] = set()
         for params, outs, (lo, hi) in rec:
