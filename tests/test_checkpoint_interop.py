@@ -118,6 +118,10 @@ def test_export_hf_writes_safetensors_that_load_file_reads(tmp_path):
     written = zerofuse.checkpoint.export_hf(native, out2, dtype=torch.bfloat16, max_shard_bytes=20_000)
     index = json.load(open(os.path.join(out2, "model.safetensors.index.json")))
     assert len(written) > 3
+    mask = os.umask(0o022)
+    os.umask(mask)
+    for w in written:  # readable as any new file (safetensors created them 0600)
+        assert os.stat(w).st_mode & 0o777 == 0o666 & ~mask, w
     for n, f in index["weight_map"].items():
         t = safetensors_torch.load_file(os.path.join(out2, f))[n]
         assert t.dtype == torch.bfloat16 and torch.equal(t, ref["model"][n].to(torch.bfloat16))

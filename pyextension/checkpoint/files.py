@@ -99,6 +99,23 @@ def fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
+def _new_file_mode() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+def seal(file: str) -> None:
+    """A file another library wrote (safetensors' save_file creates it 0600 and does not sync it):
+    given the mode ``open`` gives a new file (0666 less the umask: an export others read), synced."""
+    os.chmod(file, _new_file_mode())
+    fd = os.open(file, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def write_part(file: str, mode: str, dump) -> str:
     """dump(f) into ``<file>.part``, synced; returns that name (no .part left when dump fails)."""
     part = file + ".part"

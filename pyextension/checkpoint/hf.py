@@ -88,6 +88,7 @@ def export_hf(path: str, out_dir: str, *, config: dict | None = None, dtype: tor
     try:
         for name, shard in zip(names, shards):
             save_file(shard, os.path.join(out_dir, name + ".part"), metadata={"format": "pt"})
+            files.seal(os.path.join(out_dir, name + ".part"))
         if len(shards) > 1:
             index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
                      "weight_map": {n: name for name, shard in zip(names, shards) for n in shard}}
