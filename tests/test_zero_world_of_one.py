@@ -12,13 +12,14 @@ from zerofuse.zero.engine import ZeroEngine
 pytestmark = pytest.mark.usefixtures("cpu_kernels")
 
 
-def _train(hookless, stage, precision, monkeypatch, accum=2, steps=3, window="each"):
+def _train(hookless, stage, precision, monkeypatch, accum=2, steps=3, window="each", **kw):
     """window: how the accumulating backwards meet no_sync(): "each" in its own window, "one" all
-    in one window, "none" not at all (each backward reduces, as a world of several ranks would)."""
+    in one window, "none" not at all (each backward reduces, as a world of several ranks would).
+    kw: more of parallelize's arguments."""
     monkeypatch.setattr(ZeroEngine, "HOOKLESS", hookless)
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=61, seq_len=16, n_layer=2, n_head=2, dim=32), seed=0)
-    zm = zero.parallelize(model, stage=stage, precision=precision, bucket_mb=0.02)
+    zm = zero.parallelize(model, stage=stage, precision=precision, bucket_mb=0.02, **kw)
     eng = zm._zerofuse_zero
     assert eng.hookless == hookless
     assert any(p._post_accumulate_grad_hooks for p in zm.parameters()) != hookless

@@ -12,7 +12,8 @@ def parallelize(model: torch.nn.Module, *, stage: int, group=None, precision: st
                 prefetch: int = 1, wrap=None, reshard_after_forward: bool = True,
                 tp_group=None, max_inflight: int = 2, device=None, param_init_fn=None,
                 pp_group=None, expert_group=None, offload=None, offload_ratio: float | str = 1.0,
-                param_gather: str = "step", find_unused_parameters: bool = False) -> torch.nn.Module:
+                param_gather: str = "step", find_unused_parameters: bool = False,
+                gradient_as_bucket_view: bool = False) -> torch.nn.Module:
     """Make ``model`` ZeRO data-parallel over ``group`` (None: the default group), in place, and
     return it. stage 0 is plain data parallelism (grads all-reduced in buckets during backward,
     every rank keeps and steps everything); 1/2/3 shard optimizer states / + grads / + params.
@@ -42,7 +43,14 @@ def parallelize(model: torch.nn.Module, *, stage: int, group=None, precision: st
     graph is walked, and the params it does not reach are marked ready when the next backward
     starts, so a param with no grad on some ranks does not hold that rank's reductions back to its
     end of backward (needed where the model runs collectives during backward: MoE's all-to-all,
-    tensor parallelism; [Note: unused params] in zero/unused.py).
+    tensor parallelism; [Note: unused params] in zero/unused.py). gradient_as_bucket_view=True (as
+    DDP's): over one rank (stages 0-2, where no hooks run) each param's ``.grad`` is a view of its
+    bucket's buffer, which autograd accumulates into, so backward holds the grads once, not in
+    .grad and the buffer ([Note: a world of one]); zero_grad then fills them with zeros (they
+    stay views: ``.grad`` is never None), and a ``.grad`` replaced by another tensor is copied in
+    (or, set to None, zeroed) at the next sync point. It needs grads in the params' dtype
+    (reduce_dtype equal to precision's: a ValueError otherwise); over several ranks, at stage 3
+    and with offload the hooks already move each grad into its bucket as it arrives: no effect.
 
     A model built under ``torch.device("meta")`` is materialized bucket by bucket on ``device``
     (default: the current CUDA device, else the CPU): each bucket (stage 3: each unit) is allocated
@@ -59,7 +67,8 @@ def parallelize(model: torch.nn.Module, *, stage: int, group=None, precision: st
                         reshard_after_forward=reshard_after_forward, tp_group=tp_group,
                         max_inflight=max_inflight, device=device, param_init_fn=param_init_fn, pp_group=pp_group,
                         expert_group=expert_group, offload=offload, offload_ratio=offload_ratio,
-                        param_gather=param_gather, find_unused_parameters=find_unused_parameters)
+                        param_gather=param_gather, find_unused_parameters=find_unused_parameters,
+                        gradient_as_bucket_view=gradient_as_bucket_view)
     model._zerofuse_zero = engine
     model.no_sync = engine.no_sync
     model.zero_grad = engine.model_zero_grad
@@ -91,5 +100,6 @@ def full_grads(model: torch.nn.Module):
     """Context manager: every param of a ZeRO model holds its full gradient as ``.grad`` inside
     (for inspection, logging or a user's own clipping, written back on exit); outside it the grads
     live in zerofuse's shards (clip with ``zerofuse.zero.Optimizer.clip_grad_norm_``), and ``.grad``
-    is None, or over one rank autograd's until the next step takes it ([Note: a world of one])."""
+    is None, or over one rank autograd's until the next step takes it, or with
+    gradient_as_bucket_view a view of the buffer ([Note: a world of one])."""
     return engine_of(model, "zerofuse.zero.full_grads").full_grads()

@@ -138,6 +138,8 @@ class Bucket:
         # gflat reduced in place and kept as the grad: stage 0, and stage 2 over one rank (its shard
         # is the whole buffer: a reduce-scatter into a separate gshard would be a copy)
         self.inplace = stage == 0 or (stage == 2 and world_size == 1)
+        self.kept = stage == 1  # gflat kept between steps, zero where it holds no grad (_stage1_buffers)
+        self.views = False  # gflat's regions are the params' .grad (hold_grads_as_views)
         self.host_shard = False  # stage 3, offload="optimizer+params": shard in host memory (offload_shard)
         self._staged: torch.Tensor | None = None  # its device copy while a gather reads it
         if stage == 3 and not self.meta:
@@ -288,7 +290,7 @@ class Bucket:
                 p.grad = None
 
     def _make_gflat(self) -> None:
-        if self.gflat is None and self.stage == 1:
+        if self.gflat is None and self.kept:
             self._stage1_buffers()
         if self.gflat is None:  # stage 0/2/3: per backward, not zero-filled (each region is written once)
             if self.inplace and self.gshard_fresh and self.gshard is not None:
@@ -340,7 +342,7 @@ class Bucket:
                             else comm.reduce_scatter_coalesced([self.gflat], self.rs_out, op="sum", tag=self.name))
         self.launched = True
         self.dirty = False
-        if self.stage != 1:  # [Note: bucket buffers]: the Work holds gflat until it is waited
+        if not self.kept:  # [Note: bucket buffers]: the Work holds gflat until it is waited
             self.gflat = None
             self.written = [False] * len(self.params)
 
@@ -349,7 +351,9 @@ class Bucket:
             return
         self.rs_work.wait()
         self.rs_work = None
-        if self.stage == 1:
+        if self.views:
+            pass  # reduced in place: gshard is gflat
+        elif self.stage == 1:
             # gflat held the local sums (and, in the own region, the reduced sums of earlier
             # syncs): after the sync only the own region is non-zero and holds the total
             self.gflat.zero_()
@@ -368,11 +372,21 @@ class Bucket:
         self.written = [True] * len(self.params)
         self.gshard = self.gflat[self.lo:self.hi]
 
+    def hold_grads_as_views(self) -> list[torch.Tensor]:
+        """gradient_as_bucket_view over one rank ([Note: a world of one]): gflat kept, zeros, and
+        reduced in place; returns each param's region of it, viewed in its shape (its .grad)."""
+        self.views = self.kept = self.inplace = True
+        self._stage1_buffers()
+        self.gshard, self.gshard_fresh = self.gflat, False
+        return [self.gflat[o:o + p.numel()].view(p.shape) for p, o in zip(self.params, self.offsets)]
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         if set_to_none and self.stage in (2, 3) and not self.inplace:  # [Note: bucket buffers]: nothing held
             self.gflat = self.gshard = None
             self.written = [False] * len(self.params)
             self.gshard_fresh = True
+        elif self.views:  # the .grad views stay, zeroed (whatever wrote them: autograd does not say)
+            self.gflat.zero_()
         elif self.stage == 1:
             if self.gflat is None:
                 pass
@@ -403,7 +417,7 @@ class Bucket:
             else:
                 self.gshard = torch.zeros(self.shard_numel, dtype=self.reduce_dtype, device=self.device)
             self.gshard_fresh = False
-        elif self.gshard_fresh and self.stage != 1:
+        elif self.gshard_fresh and not self.kept:
             if self.gshard is self.gflat:  # stage 0 between no_sync backwards: the buffer holds local grads
                 self.gshard = torch.zeros_like(self.gflat)
             else:

@@ -60,7 +60,7 @@ class ZeroEngine(ExpertLayout, FindUnused, FullParams, Stage3Hooks, WorldOfOne):
     def __init__(self, model, *, stage, group, precision, reduce_dtype, bucket_mb, overlap, prefetch, wrap,
                  reshard_after_forward=True, tp_group=None, max_inflight=2, device=None, param_init_fn=None,
                  pp_group=None, expert_group=None, offload=None, offload_ratio=1.0, param_gather="step",
-                 find_unused_parameters=False):
+                 find_unused_parameters=False, gradient_as_bucket_view=False):
         name = "zerofuse.zero.parallelize"
         check_args(name, stage=stage, precision=precision, reduce_dtype=reduce_dtype, bucket_mb=bucket_mb,
                    prefetch=prefetch, max_inflight=max_inflight, param_init_fn=param_init_fn, offload=offload,
@@ -102,6 +102,10 @@ class ZeroEngine(ExpertLayout, FindUnused, FullParams, Stage3Hooks, WorldOfOne):
         self.stage, self.precision, self.overlap, self.prefetch = stage, precision, overlap, prefetch
         self.reshard_after_forward = reshard_after_forward
         self.dtype = PRECISIONS[precision]
+        # grads accumulate and reduce in fp32 unless a low-precision wire is asked for
+        self.reduce_dtype = reduce_dtype or (torch.float32 if self.dtype in (torch.bfloat16, torch.float16)
+                                             else self.dtype)
+        self._check_grad_views(gradient_as_bucket_view, name)  # (before the model is touched)
         rest = ()
         if meta:
             rest = materialize_rest(model, device, self.dtype)
@@ -110,9 +114,6 @@ class ZeroEngine(ExpertLayout, FindUnused, FullParams, Stage3Hooks, WorldOfOne):
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
         self.param_index = {id(p): i for i, p in enumerate(self.params)}
-        # grads accumulate and reduce in fp32 unless a low-precision wire is asked for
-        self.reduce_dtype = reduce_dtype or (torch.float32 if self.dtype in (torch.bfloat16, torch.float16)
-                                             else self.dtype)
         # tensor parallelism: params marked by zerofuse.tp hold a slice of a larger tensor (their
         # norms add up over the TP group); the others are replicated on every TP rank
         tp_group = tp_group_of(model, tp_group, name)
@@ -174,6 +175,7 @@ class ZeroEngine(ExpertLayout, FindUnused, FullParams, Stage3Hooks, WorldOfOne):
         self._fwd_order: list[Bucket] = []
         self._last_order: list[Bucket] = [self.wrap_units[id(m)] for m in self._wrap_mods] if stage == 3 else []
         self.hookless = self._hookless(model, offload)
+        self._grad_views(gradient_as_bucket_view)
         for p in self.params:
             if not self.hookless:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_ready))
@@ -339,8 +341,7 @@ class ZeroEngine(ExpertLayout, FindUnused, FullParams, Stage3Hooks, WorldOfOne):
         reset_backward(self)  # (a backward that raised left its counters: zero_grad starts afresh)
         for u in self.units:
             u.zero_grad(set_to_none)
-        for p in self.params:
-            p.grad = None
+        self.release_grads()
 
     # ------------------------------------------------------------------ params, stage 1/2
 

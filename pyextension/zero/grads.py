@@ -85,8 +85,7 @@ def gathered_grads(eng):
                 refused = True
             elif changed and eng.stage != 0:
                 u.gshard.copy_(buf[u.lo:u.hi])
-        for p in eng.params:
-            p.grad = None
+        eng.release_grads()
     if refused:
         raise RuntimeError("zerofuse.zero.full_grads: the grads were changed while the offloaded optimizer steps "
                            "of this backward were running (offload_overlap: they start as the grads arrive) and "
@@ -145,8 +144,7 @@ def abandon_backward(eng) -> None:
     for u in eng.units:
         u.rs_work, u.rs_out = None, None
         u.zero_grad(True)
-    for p in eng.params:
-        p.grad = None
+    eng.release_grads()
 
 
 def output_tensors(out, objects: bool = False, _seen=None):

@@ -45,7 +45,7 @@ def memory_report(model: torch.nn.Module, optimizer=None) -> dict:
             grads += u.gflat.untyped_storage().nbytes()
         if eng.stage != 1 and u.gshard is not None and u.gshard is not u.gflat:  # stage 0 accumulates into last step's gshard
             grads += _bytes(u.gshard)
-    grads += sum(_bytes(p.grad) for p in eng.params)
+    grads += sum(_bytes(p.grad) for p in eng.params if not eng.is_grad_view(p))  # (views: counted in gflat)
     opt = opt_host = 0
     k = 0
     on_host = eng.host_units if optimizer is not None and optimizer.host is not None else set()

@@ -16,8 +16,15 @@ backward at a sync point, removes the hook (``backwards_end_at_sync_points``): i
 Inside ``full_grads`` (grads handed out as .grad) nothing is taken. Memory: a unit that keeps its
 buffer between steps (stage 0, stage 1, stage 2 over one rank: fixed addresses for the kernel tables
 and a captured step) holds it while autograd fills .grad, so backward holds the grads twice (a
-review measured a 4-layer GPT's three steps at 61.9 MiB against plain torch AdamW's 51.8, 2026-12-06);
-DDP's gradient_as_bucket_view (.grad a view of the buffer) is what would hold them once: not done.
+review measured a 4-layer GPT's three steps at 61.9 MiB against plain torch AdamW's 51.8, 2026-12-06).
+parallelize(gradient_as_bucket_view=True), as DDP's, holds them once: every unit keeps its buffer,
+zeros, as stage 1 does (``Bucket.hold_grads_as_views``), each param's .grad is its region of it,
+always (zero_grad zeroes the buffers), and autograd's AccumulateGrad adds each backward's grad into
+that view in place. Nothing tells the engine which views autograd wrote: the buffers' version
+counters do (bumped by every in-place write through a view), read at each sync point; a .grad
+replaced meanwhile (create_graph=True's out-of-place sum, a tensor the caller assigned, None) is
+copied into its region (None: zeros), as torch's step would read it, and the view put back.
+zerofuse-train turns it on over one rank (tests/test_zero_grad_views.py measures the peaks).
 """
 from __future__ import annotations
 
@@ -57,6 +64,9 @@ class WorldOfOne:
         unit one zerofuse::flatten_into of the empty regions, adds for the others), .grad dropped."""
         if self.grads_out:  # full_grads handed the units' grads out as .grad: they are not new ones
             return
+        if self._views is not None:
+            self._take_views()
+            return
         pending = False
         for p in self.params:
             if p.grad is not None:
@@ -66,6 +76,58 @@ class WorldOfOne:
         if pending:
             self._final_queued = True  # ended here, not by an autograd callback
             self._close_backward()
+
+    def _check_grad_views(self, wanted, name: str) -> None:
+        if not isinstance(wanted, bool):
+            raise TypeError(f"{name}: expected gradient_as_bucket_view to be a bool, got {wanted!r}")
+        if wanted and self.dtype != self.reduce_dtype:
+            raise ValueError(f"{name}: gradient_as_bucket_view=True makes each .grad a view of its bucket's buffer, "
+                             f"so the grads must be in the params' dtype: expected reduce_dtype equal to "
+                             f"{self.dtype} (precision={self.precision!r}), got reduce_dtype={self.reduce_dtype}")
+
+    def _grad_views(self, wanted: bool) -> None:
+        """parallelize(gradient_as_bucket_view=...): the units' buffers as the params' .grad."""
+        self._views = None
+        if not wanted or not self.hookless:  # the hooks move each grad into its bucket as it arrives: held once already
+            return
+        views = {}
+        for u in self.units:
+            views.update(zip(map(id, u.params), u.hold_grads_as_views()))
+        self._views = [views[id(p)] for p in self.params]
+        self.release_grads()
+
+    def release_grads(self) -> None:
+        """The params' .grad as after zero_grad: None, or the units' (zeroed) views."""
+        if self._views is None:
+            for p in self.params:
+                p.grad = None
+            return
+        for p, v in zip(self.params, self._views):
+            if p.grad is not v:
+                p.grad = v
+        for u in self.units:
+            u.seen = u.gflat._version
+
+    def is_grad_view(self, p) -> bool:
+        return self._views is not None and p.grad is self._views[self.param_index[id(p)]]
+
+    @torch.no_grad()
+    def _take_views(self) -> None:
+        """take_grads with gradient_as_bucket_view: a .grad that is no longer its view copied in
+        (None: zeros), then, where any buffer was written since the last sync point, one backward
+        ended (as take_grads')."""
+        for p, v in zip(self.params, self._views):
+            g = p.grad
+            if g is not v:
+                v.zero_() if g is None else v.copy_(g)
+                p.grad = v
+        if any(u.gflat._version != u.seen for u in self.units):
+            for u in self.units:
+                u.dirty = True
+            self._final_queued = True
+            self._close_backward()
+            for u in self.units:
+                u.seen = u.gflat._version
 
     @opaque_to_compile
     def _take_after_backward(self, module, args, output) -> None:
