@@ -26,7 +26,7 @@ def _llama_reference(model: GPT, idx: torch.Tensor) -> torch.Tensor:
     cfg = model.config
     p = {n: t.detach().double() for n, t in model.named_parameters()}
     hq, hkv, d = cfg.n_head, cfg.n_kv_head, cfg.dim // cfg.n_head
-    cos, sin = rope_tables(cfg.seq_len, d, cfg.rope_base)
+    cos, sin = rope_tables(cfg.seq_len, d, cfg.rope_base, scaling=cfg.rope_scaling)
     b, n = idx.shape
     x = p["wte.weight"][idx]
     for i in range(cfg.n_layer):
@@ -48,10 +48,16 @@ def _llama_reference(model: GPT, idx: torch.Tensor) -> torch.Tensor:
     return h @ p.get("head.weight", p["wte.weight"]).T  # tied: one param, named wte.weight
 
 
-@pytest.mark.parametrize("tie", [False, True])
-def test_forward_and_loss_match_llama_written_out(tie):
+# Llama 3's frequency scaling at this size: head_dim 12, base 500 -> wavelengths 6.3 (kept: under
+# 32 / 4), 17.7 (interpolated), 50 and more (divided by the factor: over 32 / 1)
+SCALED = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 32}
+
+
+@pytest.mark.parametrize("tie,scaling", [(False, None), (True, None), (False, SCALED)])
+def test_forward_and_loss_match_llama_written_out(tie, scaling):
     torch.manual_seed(0)
-    model = GPT(GPTConfig(**CFG, tie_embeddings=tie), seed=3)
+    model = GPT(GPTConfig(**CFG, tie_embeddings=tie, rope_scaling=scaling), seed=3)
     with torch.no_grad():  # non-trivial norm weights
         for name, prm in model.named_parameters():
             if "norm" in name:
@@ -90,8 +96,36 @@ def test_preset_parameter_counts():
     assert counts["llama-tiny"] == 755_072
 
 
+LLAMA32 = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+           "original_max_position_embeddings": 8192}
+
+
+@pytest.mark.parametrize("head_dim,base,scaling", [(12, 500.0, SCALED), (64, 500000.0, LLAMA32),
+                                                   (128, 500000.0, {**LLAMA32, "factor": 8.0})])  # (Llama 3.1's)
+def test_llama3_rope_scaling_is_transformers(head_dim, base, scaling):
+    """The frequencies against transformers' llama3 rope init (fp32 there, float64 here); the
+    llama3-1b preset is Llama 3.2 1B's (its config.json's rope_scaling), llama3-8b Llama 3's (none)."""
+    from zerofuse.nn.rotary import rope_frequencies
+
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    hf = transformers.LlamaConfig(hidden_size=2 * head_dim, num_attention_heads=2, head_dim=head_dim, rope_theta=base,
+                                  max_position_embeddings=131072, rope_scaling=dict(scaling))
+    want, attention_factor = ROPE_INIT_FUNCTIONS["llama3"](hf, "cpu")
+    got, plain = rope_frequencies(head_dim, base, scaling), rope_frequencies(head_dim, base)
+    assert attention_factor == 1.0 and (got != plain).any()
+    torch.testing.assert_close(got.float(), want, rtol=2e-6, atol=0)
+    assert config("llama3-1b").rope_scaling == LLAMA32
+    assert config("llama3-8b").rope_scaling is None
+
+
 @pytest.mark.parametrize("bad,msg", [(dict(pos="alibi"), "expected pos one of"), (dict(mlp="relu"), "expected mlp one of"),
-                                     (dict(pos="rope", dim=36, n_head=4, n_kv_head=4), "rope needs an even head_dim")])
+                                     (dict(pos="rope", dim=36, n_head=4, n_kv_head=4), "rope needs an even head_dim"),
+                                     (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "no other kind is implemented"),
+                                     (dict(rope_scaling={**SCALED, "factor": 0}), "expected rope_scaling"),
+                                     (dict(rope_scaling={**SCALED, "high_freq_factor": 1.0}), "low_freq_factor < high"),
+                                     (dict(rope_scaling=SCALED, pos="learned"), "rope_scaling is for pos='rope'")])
 def test_bad_config(bad, msg):
     with pytest.raises(ValueError, match=msg):
         GPTConfig(**{**CFG, **bad})

@@ -155,7 +155,7 @@ class GPT(KeepsMarks, torch.nn.Module):
         self.wpe = torch.nn.Embedding(cfg.seq_len, cfg.dim) if cfg.pos == "learned" else None
         rope = None
         if cfg.pos == "rope":
-            rope = znn.RotaryEmbedding(cfg.dim // cfg.n_head, cfg.seq_len, base=cfg.rope_base)
+            rope = znn.RotaryEmbedding(cfg.dim // cfg.n_head, cfg.seq_len, base=cfg.rope_base, scaling=cfg.rope_scaling)
         self.blocks = torch.nn.ModuleList(
             Block(cfg, tp_kw, rope, zmoe.build(cfg, ep_group, dp_group) if zmoe.is_moe_block(cfg, i) else None)
             for i in range(cfg.n_layer))

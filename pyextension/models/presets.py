@@ -6,6 +6,7 @@ import dataclasses
 import math
 
 from zerofuse.models import moe as zmoe
+from zerofuse.nn.rotary import check_rope_scaling
 
 
 @dataclasses.dataclass
@@ -24,6 +25,7 @@ class GPTConfig:
     attention: str = "zerofuse"  # or "torch": torch.nn.functional.scaled_dot_product_attention
     pos: str = "learned"  # or "rope": rotary embeddings of q and k (half-split pairs, as Llama)
     rope_base: float = 10000.0
+    rope_scaling: dict | None = None  # Llama 3's frequency scaling (zerofuse.nn.rotary.check_rope_scaling)
     mlp: str = "gelu"  # or "swiglu": proj(silu(gate) * up), gate and up one fc of 2 x hidden
     mlp_hidden: int | None = None  # None: mlp_ratio * dim
     # the loss by zerofuse's fused output layer + cross-entropy (chunks of tokens: no (tokens, vocab)
@@ -69,6 +71,9 @@ class GPTConfig:
                              f"{self.mlp_ratio} x dim {self.dim} = {self.hidden}")
         if not 0 < self.rope_base < math.inf:  # (0 or less: NaN rope tables, which attention absorbs silently)
             raise ValueError(f"{name}: expected a finite rope_base > 0, got {self.rope_base}")
+        check_rope_scaling(self.rope_scaling, name)
+        if self.rope_scaling is not None and self.pos != "rope":
+            raise ValueError(f"{name}: rope_scaling is for pos='rope', got pos={self.pos!r}")
         zmoe.check_config(self)
 
     @property
@@ -93,12 +98,15 @@ PRESETS.update({
 
 # Llama-style (Touvron et al. 2023; Llama 3): RMSNorm, rotary positions, SwiGLU, no biases,
 # grouped-query attention. llama-tiny runs on a CPU (char vocabulary); the llama3-* shapes are Llama
-# 3.2 1B and Llama 3 8B's (vocab 128256, rope base 500000; the context here 2048 / 8192 positions).
+# 3.2 1B and Llama 3 8B's (vocab 128256, rope base 500000; the context here 2048 / 8192 positions),
+# with their rotary frequencies: Llama 3.2's scaled (factor 32, as its config.json), Llama 3's not.
 _LLAMA = dict(norm="rmsnorm", norm_eps=1e-5, pos="rope", mlp="swiglu", bias=False)
 PRESETS.update({
     "llama-tiny": dict(n_layer=4, n_head=4, n_kv_head=2, dim=128, mlp_hidden=352, seq_len=128, **_LLAMA),
     "llama3-1b": dict(n_layer=16, n_head=32, n_kv_head=8, dim=2048, mlp_hidden=8192, seq_len=2048, vocab_size=128256,
-                      rope_base=500000.0, tie_embeddings=True, **_LLAMA),
+                      rope_base=500000.0, tie_embeddings=True, **_LLAMA,
+                      rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
     "llama3-8b": dict(n_layer=32, n_head=32, n_kv_head=8, dim=4096, mlp_hidden=14336, seq_len=8192,
                       vocab_size=128256, rope_base=500000.0, **_LLAMA),
 })

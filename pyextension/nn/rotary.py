@@ -5,6 +5,7 @@ heads: grouped-query attention), the tables (positions, rotary_dim / 2); pairs a
 rotary). Triton on CUDA, torch ops on the cpu; the tables get no gradient."""
 from __future__ import annotations
 
+import math
 import operator
 
 import torch
@@ -56,18 +57,58 @@ def _count(name: str, v, what: str) -> int:
         raise TypeError(f"zerofuse.nn.rope_tables: expected {name} to be an int ({what}), got {got}") from None
 
 
-def rope_tables(positions: int, rotary_dim: int, base: float = 10000.0, device=None) -> tuple[Tensor, Tensor]:
+_LLAMA3 = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def check_rope_scaling(scaling, who: str) -> tuple | None:
+    """None, or Llama 3's frequency scaling in Hugging Face's form: {"rope_type": "llama3", "factor",
+    "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"} (Llama 3.1/3.2's
+    checkpoints: 8, 1, 4, 8192 / 32, 1, 4, 8192); returned as a tuple of those four numbers."""
+    if scaling is None:
+        return None
+    want = {"rope_type": "llama3", **dict.fromkeys(_LLAMA3, "a finite number > 0")}
+    if not isinstance(scaling, dict) or scaling.get("rope_type", scaling.get("type")) != "llama3":
+        raise ValueError(f"{who}: expected rope_scaling None or {want} (Llama 3's; no other kind is "
+                         f"implemented), got {scaling!r}")
+    extra = set(scaling) - set(want) - {"type"}
+    vals = tuple(scaling.get(k) for k in _LLAMA3)
+    if extra or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf for v in vals):
+        raise ValueError(f"{who}: expected rope_scaling {want}, got {scaling!r}")
+    if vals[1] >= vals[2]:  # (equal: Hugging Face's smoothing divides by zero)
+        raise ValueError(f"{who}: expected rope_scaling's low_freq_factor < high_freq_factor, got {scaling!r}")
+    return tuple(float(v) for v in vals)
+
+
+def rope_tables(positions: int, rotary_dim: int, base: float = 10000.0, device=None,
+                scaling: dict | None = None) -> tuple[Tensor, Tensor]:
     """cos/sin (positions, rotary_dim / 2) in fp32, angle p * base^(-2i / rotary_dim) (the original
     RoPE frequencies, as Llama's and GPT-NeoX's), computed in float64 then rounded. positions: how
-    many (the table's rows 0..positions-1; rotary_embedding's positions= then index it)."""
+    many (the table's rows 0..positions-1; rotary_embedding's positions= then index it). scaling:
+    Llama 3's (check_rope_scaling): frequencies whose wavelength exceeds original / low_freq_factor
+    divided by factor, those under original / high_freq_factor kept, the ones between interpolated
+    (transformers' _compute_llama3_parameters, in float64)."""
     positions = _count("positions", positions, "the number of positions in the table")
     rotary_dim = _count("rotary_dim", rotary_dim, "the number of rotated dims")
     if rotary_dim < 2 or rotary_dim % 2 or positions < 1:
         raise ValueError(f"zerofuse.nn.rope_tables: expected an even rotary_dim >= 2 and positions >= 1, got "
                          f"rotary_dim={rotary_dim}, positions={positions}")
-    inv = base ** (-torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
+    inv = rope_frequencies(rotary_dim, base, scaling)
     ang = torch.arange(positions, dtype=torch.float64)[:, None] * inv[None, :]
     return ang.cos().float().to(device), ang.sin().float().to(device)
+
+
+def rope_frequencies(rotary_dim: int, base: float = 10000.0, scaling: dict | None = None) -> Tensor:
+    """The rotary_dim / 2 angular frequencies of rope_tables, float64."""
+    scale = check_rope_scaling(scaling, "zerofuse.nn.rope_tables")
+    inv = base ** (-torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
+    if scale is None:
+        return inv
+    factor, low, high, old = scale
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > old / low, inv / factor, inv)
+    smooth = (old / wavelen - low) / (high - low)
+    between = (wavelen >= old / high) & (wavelen <= old / low)
+    return torch.where(between, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
 
 
 class RotaryEmbedding(torch.nn.Module):
@@ -77,28 +118,33 @@ class RotaryEmbedding(torch.nn.Module):
     rotates with exact fp32 tables."""
 
     def __init__(self, head_dim: int, max_positions: int, base: float = 10000.0, rotary_dim: int | None = None,
-                 interleaved: bool = False):
+                 interleaved: bool = False, scaling: dict | None = None):
         super().__init__()
         rotary_dim = head_dim if rotary_dim is None else rotary_dim
         if rotary_dim > head_dim:
             raise ValueError(f"zerofuse.nn.RotaryEmbedding: rotary_dim {rotary_dim} exceeds head_dim {head_dim}")
-        rope_tables(1, rotary_dim, base)  # checks the arguments now
+        rope_tables(1, rotary_dim, base, scaling=scaling)  # checks the arguments now
         self.max_positions, self.rotary_dim, self.base, self.interleaved = max_positions, rotary_dim, base, interleaved
+        self.scaling = dict(scaling) if scaling is not None else None
         self._tables: dict[torch.device, tuple[Tensor, Tensor]] = {}
-        self._made_for = (max_positions, rotary_dim, base)  # what the tables are for
+        self._made_for = self._key()  # what the tables are for
+
+    def _key(self):
+        return self.max_positions, self.rotary_dim, self.base, check_rope_scaling(self.scaling, "RotaryEmbedding")
 
     def tables(self, device) -> tuple[Tensor, Tensor]:
         """The (cos, sin) tables on ``device``, made again after max_positions, rotary_dim or base
         changed (a longer context, a RoPE base rescaled after construction: the old tables stayed)."""
         device = torch.device(device)
-        made_for = (self.max_positions, self.rotary_dim, self.base)
+        made_for = self._key()
         if self._made_for != made_for:
             self._tables, self._made_for = {}, made_for
         if device not in self._tables:
             # (made under inference_mode they were inference tensors, kept: every later forward with
             # autograd raised "Inference tensors cannot be saved for backward")
             with torch.inference_mode(False):
-                self._tables[device] = rope_tables(self.max_positions, self.rotary_dim, self.base, device)
+                self._tables[device] = rope_tables(self.max_positions, self.rotary_dim, self.base, device,
+                                                   self.scaling)
         return self._tables[device]
 
     def forward(self, q: Tensor, k: Tensor, positions: Tensor | None = None) -> tuple[Tensor, Tensor]:
@@ -120,4 +166,4 @@ class RotaryEmbedding(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return (f"rotary_dim={self.rotary_dim}, max_positions={self.max_positions}, base={self.base}, "
-                f"interleaved={self.interleaved}")
+                f"interleaved={self.interleaved}" + (f", scaling={self.scaling}" if self.scaling else ""))

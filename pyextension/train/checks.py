@@ -224,7 +224,8 @@ def _validate_tokens(args, shards: bool, need: int) -> None:
 # GPTConfig fields that shape the params, with the flag that sets each (the others: --model's preset)
 _SHAPE_FLAGS = {"n_layer": "--layers", "n_head": "--heads", "n_kv_head": "--kv-heads", "dim": "--dim",
                 "seq_len": "--seq-len", "moe_experts": "--experts", "moe_every": "--moe-every"}
-_SHAPE_FIELDS = (*_SHAPE_FLAGS, "mlp_ratio", "mlp_hidden", "mlp", "norm", "bias", "tie_embeddings", "pos")
+_SHAPE_FIELDS = (*_SHAPE_FLAGS, "mlp_ratio", "mlp_hidden", "mlp", "norm", "bias", "tie_embeddings", "pos", "rope_base",
+                 "rope_scaling")
 
 
 def _vocab_text(identity: dict | None) -> str:
