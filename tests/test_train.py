@@ -206,6 +206,11 @@ def test_sigterm_to_launcher_checkpoints_and_exits(tmp_path):
             time.sleep(0.1)
         ranks = _children(proc.pid)
         assert len(ranks) == 2
+        # a second job on the same --out is refused before it writes there (it deleted the running
+        # job's checkpoint in the making and mixed its lines into metrics.jsonl before)
+        second = run("--steps", 3, "--ckpt-every", 1, "--eval-every", 0, "--out", tmp_path)
+        assert second.returncode == 2 and f"another zerofuse-train job (pid {proc.pid}) is writing into" in \
+            second.stderr, second.stderr
         proc.send_signal(signal.SIGTERM)
         output, _ = proc.communicate(timeout=60)
     finally:

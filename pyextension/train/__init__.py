@@ -11,12 +11,16 @@ Bad flags are rejected before any process starts (exit code 2, one line naming t
 
 Determinism: a step's batches are a pure function of (seed, step) (the global batch is drawn from one
 generator, each DP rank takes its slice), the LR schedule is restored from the checkpoint, so
-``--resume`` continues with the losses an uninterrupted run would have had. A signal on any rank
+``--resume`` continues with the losses an uninterrupted run would have had (with
+--offload-delayed-update: one that checkpointed at the same steps, a checkpoint applying the pending
+host update: --ckpt-every is part of that recipe, README's offload section). A signal on any rank
 stops every rank at the next step boundary (the stop flags are all-reduced with the step's loss),
 which then saves a checkpoint and exits 128 + signal number.
 
 Outputs in --out: metrics.jsonl (one line per step), summary.json, loss.png, TensorBoard events
-(when tensorboard is installed), ckpt/ (the latest checkpoint, zerofuse.checkpoint format).
+(when tensorboard is installed), ckpt/ (the latest checkpoint, zerofuse.checkpoint format). One job
+at a time: the job holds an exclusive lock on <out>/.zerofuse-train.lock (launch.out_lock); a second
+job on the same --out exits 2 before it writes anything.
 """
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ import time
 
 T0 = time.time()  # the job's start for the summary's wall time (before torch's import)
 
+import contextlib  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
 
@@ -31,7 +36,7 @@ import sys  # noqa: E402
 from .cli import (DEFAULT_MODEL, EXIT_USAGE, OPT_DEFAULTS, PRESET_NAMES, PROG, UsageError,  # noqa: E402
                   _parser, validate)
 from .data import VAL_FRACTION, Corpus, Sampler  # noqa: E402
-from .launch import STOP_SIGNALS, _dist_env, _slurm_master, launch  # noqa: E402, F401
+from .launch import STOP_SIGNALS, _dist_env, _slurm_master, launch, out_lock, takes_out_lock  # noqa: E402, F401
 from .loop import Trainer, lr_lambda  # noqa: E402
 from .report import PEAK_FLOPS, RankZeroLog  # noqa: E402
 
@@ -44,15 +49,18 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
     env = _dist_env()
-    try:
-        validate(args)
-    except UsageError as e:
-        if env is None or env["RANK"] == "0":
-            print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
-        return EXIT_USAGE
-    if env is None and args.nproc > 1:
-        return launch(argv, args.nproc, args.timeout)
-    code = Trainer(args, env).run()
+    with contextlib.ExitStack() as held:
+        try:
+            validate(args)
+            if takes_out_lock(env):
+                held.enter_context(out_lock(args.out))
+        except UsageError as e:
+            if env is None or env["RANK"] == "0":
+                print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
+            return EXIT_USAGE
+        if env is None and args.nproc > 1:
+            return launch(argv, args.nproc, args.timeout)
+        code = Trainer(args, env).run()
     if code and env is not None:
         # Stopped by a signal: leave now. The launcher signals the ranks still running when one exits
         # non-zero, and interpreter shutdown restores the default handlers, which would kill a rank

@@ -51,7 +51,8 @@ def _parser() -> argparse.ArgumentParser:
                         "device (twin flow; default 1); auto: measured so that both take equal time")
     g.add_argument("--offload-delayed-update", type=int, metavar="WARMUP",
                    help="with --offload: apply each host step one step late, overlapping the next forward and "
-                        "backward (ZeRO-Offload's DPU), after WARMUP undelayed steps")
+                        "backward (ZeRO-Offload's DPU), after WARMUP undelayed steps; a checkpoint applies the "
+                        "pending update, so --ckpt-every is part of the run's recipe")
     g.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (default 1)")
     g.add_argument("--pp-schedule", choices=("gpipe", "1f1b", "interleaved", "zb"), default="1f1b",
                    help="pipeline schedule (default 1f1b; zb: zero-bubble ZB-H1)")

@@ -2,7 +2,9 @@
 launcher started us, the process group of a rank, and the signals that stop the job cleanly."""
 from __future__ import annotations
 
+import contextlib
 import datetime
+import fcntl
 import os
 import re
 import signal
@@ -12,7 +14,7 @@ import uuid
 
 import torch
 
-from .cli import EXIT_USAGE, PROG
+from .cli import EXIT_USAGE, PROG, UsageError
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)  # the elastic agent's
 
@@ -46,6 +48,39 @@ def _dist_env() -> dict | None:
 def _launcher_world() -> int | None:
     env = _dist_env()
     return None if env is None else int(env["WORLD_SIZE"])
+
+
+LOCK = ".zerofuse-train.lock"
+
+
+def takes_out_lock(env: dict | None) -> bool:
+    """Whether this process holds --out for the job: the process a user started (it launches the
+    ranks, or is the world of one), or rank 0 under torchrun / SLURM; not a rank our launcher started."""
+    return env is None or (env["RANK"] == "0" and os.environ.get("ZEROFUSE_TRAIN_LAUNCHED") != "1")
+
+
+@contextlib.contextmanager
+def out_lock(out: str):
+    """--out for one job at a time: an exclusive flock on <out>/.zerofuse-train.lock for the job's
+    life (the kernel drops it when the process ends, however it ends). Two jobs on one --out deleted
+    each other's checkpoint in the making (a traceback mid-run) and mixed their metrics.jsonl
+    lines (a review's reproduction, 2026-12-06); the second is now refused before it writes anything."""
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, LOCK)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise UsageError(f"--out: another {PROG} job (pid {holder}) is writing into {out} (it holds {path}); "
+                         "expected an --out no running job uses") from None
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)
 
 
 def _free_port() -> int:
