@@ -117,6 +117,9 @@ def test_llama3_rope_scaling_is_transformers(head_dim, base, scaling):
     assert attention_factor == 1.0 and (got != plain).any()
     torch.testing.assert_close(got.float(), want, rtol=2e-6, atol=0)
     assert config("llama3-1b").rope_scaling == LLAMA32
+    mine = config("llama3-1b")  # each config its own dict: an edit reached the preset and every config made
+    mine.rope_scaling["factor"] = 8.0
+    assert config("llama3-1b").rope_scaling == LLAMA32 and config("llama3-1b").rope_scaling is not mine.rope_scaling
     assert config("llama3-8b").rope_scaling is None
 
 

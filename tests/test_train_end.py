@@ -74,3 +74,26 @@ def test_the_final_vote_agrees_on_a_signal_one_rank_got(last_step_signal):
 
     want = signal.SIGTERM if last_step_signal else signal.SIGINT
     assert run_distributed(_final_vote_rank, 2, last_step_signal, timeout=60) == [(0, want), (0, want)]
+
+
+def test_a_checkpoint_from_before_rope_scaling_is_another_model(tmp_path):
+    """A config saved before GPTConfig had rope_scaling has no such key: --resume skipped the field and
+    a plain-RoPE llama3-1b run went on under Llama 3.2's scaled frequencies, silently (a review's
+    reproduction, 2026-12-06). Now compared as None: refused, naming the field."""
+    import torch
+
+    from zerofuse import train
+    from zerofuse.train.loop import Trainer
+
+    flags = ["--model", "llama3-1b", "--heads", "2", "--kv-heads", "1", "--layers", "1", "--dim", "32",
+             "--seq-len", "16", "--ckpt-every", "2", "--warmup", "1"]
+    assert Trainer(tiny_job_args(tmp_path, *flags, "--steps", "2"), None).run() == 0
+    common = tmp_path / "ckpt" / "common.pt"
+    saved = torch.load(common, weights_only=True)
+    assert saved["extra"]["config"]["rope_scaling"]["factor"] == 32.0
+    tiny_job_args(tmp_path, *flags, "--steps", "3", "--resume")  # (as saved: accepted)
+    del saved["extra"]["config"]["rope_scaling"]
+    torch.save(saved, common)
+    with pytest.raises(train.UsageError, match=r"holds another model: rope_scaling \{'rope_type': 'llama3'.*"
+                                               r"\(the checkpoint's: None; --model llama3-1b\)"):
+        tiny_job_args(tmp_path, *flags, "--steps", "3", "--resume")

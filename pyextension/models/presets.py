@@ -72,6 +72,8 @@ class GPTConfig:
         if not 0 < self.rope_base < math.inf:  # (0 or less: NaN rope tables, which attention absorbs silently)
             raise ValueError(f"{name}: expected a finite rope_base > 0, got {self.rope_base}")
         check_rope_scaling(self.rope_scaling, name)
+        if self.rope_scaling is not None:  # its own copy: the presets' dict was shared by every config made from it
+            self.rope_scaling = dict(self.rope_scaling)
         if self.rope_scaling is not None and self.pos != "rope":
             raise ValueError(f"{name}: rope_scaling is for pos='rope', got pos={self.pos!r}")
         zmoe.check_config(self)

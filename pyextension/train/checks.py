@@ -257,6 +257,9 @@ def validate_resume(args, ckpt) -> None:
     saved = extra.get("config")
     if not isinstance(saved, dict):
         return
+    # a config saved before GPTConfig had rope_scaling (2026-12-06) had none: compared as None (a plain
+    # llama3-1b run resumed silently under the scaled frequencies the preset now has; a review's reproduction)
+    saved = {"rope_scaling": None, **saved}
     vocab, want = getattr(args, "corpus_identity", None), extra.get("tokenizer")
     # a text too large to read here: its kind alone (--tokenizer char reads a text that is not UTF-8 as
     # bytes); the rank's load failed on the embedding's shape with a traceback, exit code 1, before
