@@ -321,3 +321,43 @@ def test_a_plain_bf16_model_takes_the_saved_fp32_values_as_its_optimizers_master
     for n, p in plain.named_parameters():
         assert saved[n].dtype == torch.float32 and torch.equal(opt.state[p]["master"], saved[n]), n
     assert _train(plain, opt, 2, seed=1) == want
+
+
+def test_a_plain_optimizer_gets_each_params_state_by_name(tmp_path, world_of_one):
+    """torch's load_state_dict hands saved states out by position: an optimizer listing the params
+    in another order got other params' moments (silently where two shapes agreed; a review's
+    reproduction, 2026-12-06). Now renumbered by name; a group over other params is refused."""
+    for fmt in FORMATS:
+        path = str(tmp_path / fmt)
+        model = _zmodel()
+        opt = zerofuse.zero.Optimizer(model, "adamw", lr=1e-3)
+        _train(model, opt, 2)
+        zerofuse.checkpoint.save(path, model, opt, format=fmt)
+        want = {n: {k: opt.state[p][k].reshape(p.shape) for k in ("exp_avg", "exp_avg_sq")}
+                for n, p in model.named_parameters()}  # (one rank: its pieces are whole)
+        plain = GPT(GPTConfig(**CFG), seed=5)
+        named = list(plain.named_parameters())[::-1]  # (reversed: same-shaped params trade places too)
+        torch_opt = torch.optim.AdamW([p for _, p in named], lr=1e-3)
+        zerofuse.checkpoint.load(path, plain, torch_opt)
+        for n, p in named:
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(torch_opt.state[p][key], want[n][key]), (fmt, n, key)
+        fresh = GPT(GPTConfig(**CFG), seed=5)  # the group's size, one of its params not the model's
+        other = torch.nn.Parameter(torch.zeros(3))
+        with pytest.raises(ValueError, match="param group 0 of the optimizer holds 'a tensor that is not a param"):
+            zerofuse.checkpoint.load(path, fresh, torch.optim.AdamW(list(fresh.parameters())[:-1] + [other]))
+
+
+def test_a_lamb_or_lars_dcp_checkpoint_is_refused_by_a_plain_optimizer_of_another_rule(tmp_path, world_of_one):
+    """A DCP checkpoint carries no torch option saying LAMB or LARS: the kind came from
+    decoupled_weight_decay alone and a LAMB state loaded into AdamW or SGD silently (a review's
+    reproduction, 2026-12-06); zerofuse's meta.json names it."""
+    for kind in ("lamb", "lars"):
+        model = _zmodel()
+        opt = zerofuse.zero.Optimizer(model, kind, lr=1e-3)
+        _train(model, opt, 1)
+        zerofuse.checkpoint.save(str(tmp_path / kind), model, opt, format="dcp")
+        for make, name in ((torch.optim.AdamW, "adamw"), (lambda ps: torch.optim.SGD(ps, lr=0.1), "sgd")):
+            plain = GPT(GPTConfig(**CFG), seed=5)
+            with pytest.raises(ValueError, match=f"optimizer is '{kind}', this one is '{name}'"):
+                zerofuse.checkpoint.load(str(tmp_path / kind), plain, make(plain.parameters()))

@@ -290,6 +290,45 @@ def test_writes_the_running_host_steps_would_miss_are_refused(stage, world_of_on
     trained(edit)
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_checkpoint_between_backward_and_step_is_refused(stage, tmp_path, world_of_one):
+    """offload_overlap: the host steps of a backward move the masters and moments to the next step
+    before step() advances the count. A save there wrote the new values under the old count (a
+    resume applied the update twice), a load was overwritten by them and counted a step it never
+    took (a review's reproduction, 2026-12-06): refused, nothing changed; after step() both run."""
+    def build():
+        model = GPT(GPTConfig(**CFG), seed=0)
+        zerofuse.zero.parallelize(model, stage=stage, bucket_mb=0.01, offload="optimizer")
+        return model, zerofuse.zero.Optimizer(model, "adamw", lr=LR)
+
+    def params(model):
+        with zerofuse.zero.full_params(model):
+            return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    b = batches(2)
+    want_model, want_opt = build()
+    for x in b:
+        want_model(x[:, :-1], x[:, 1:])[1].backward()
+        want_opt.step()
+        want_opt.zero_grad()
+    model, opt = build()
+    path = str(tmp_path / "ck")
+    zerofuse.checkpoint.save(path, model, opt)
+    for x in b:
+        model(x[:, :-1], x[:, 1:])[1].backward()
+        for what in (lambda: zerofuse.checkpoint.save(str(tmp_path / "other"), model, opt),
+                     lambda: zerofuse.checkpoint.load(path, model, opt), opt.state_dict):
+            with pytest.raises(RuntimeError, match=r"offloaded host steps \(offload_overlap\) and step\(\) has not "
+                                                   r"run: call step\(\) first"):
+                what()
+        opt.step()
+        opt.zero_grad()
+    got, want = params(model), params(want_model)
+    assert all(torch.equal(got[n], want[n]) for n in want)
+    zerofuse.checkpoint.save(str(tmp_path / "after"), model, opt)  # (between steps: as before)
+    assert int(zerofuse.checkpoint.consolidate(str(tmp_path / "after"))["optimizer"]["state"][0]["step"]) == 2
+
+
 @pytest.mark.parametrize("stage", [3])  # (stage 2 over one rank reduces in place and keeps the buffer, as DDP)
 def test_offload_holds_no_grad_shard_past_the_step(stage, world_of_one):
     """On a CPU device the host step reads the grad shards in place: it kept them referenced after

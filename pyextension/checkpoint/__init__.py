@@ -37,10 +37,13 @@ def _dcp():
     return dcp
 
 
-def _apply_pending(optimizer) -> None:
-    """A zero.Optimizer's delayed update applied first ([Note: delayed parameter update])."""
+def _apply_pending(optimizer, who: str) -> None:
+    """A zero.Optimizer's delayed update applied first ([Note: delayed parameter update]); refused
+    while the last backward's offloaded host steps run (offload_overlap): they had moved the masters
+    and moments to the next step already (a save wrote them under the old step count, a load was
+    overwritten by them or counted a step it never took: a review's reproduction, 2026-12-06)."""
     if hasattr(optimizer, "apply_pending"):
-        optimizer.apply_pending()
+        optimizer.apply_pending(who)
 
 
 def save(path: str, model: torch.nn.Module, optimizer=None, *, extra=None, format: str = "zerofuse") -> None:
@@ -48,7 +51,7 @@ def save(path: str, model: torch.nn.Module, optimizer=None, *, extra=None, forma
     the world, i.e. of the dp × tp mesh)."""
     if format not in FORMATS:
         raise ValueError(f"{NAME}.save: expected format to be one of {FORMATS}, got {format!r}")
-    _apply_pending(optimizer)
+    _apply_pending(optimizer, f"{NAME}.save")
     (native.save if format == "zerofuse" else _dcp().save)(path, model, optimizer, extra=extra)
 
 
@@ -70,11 +73,14 @@ def load(path: str, model: torch.nn.Module, optimizer=None):
             if full["optimizer"] is None:
                 raise ValueError(f"{NAME}.load: the checkpoint at {path!r} holds no optimizer state (saved without "
                                  "an optimizer); pass optimizer=None")
-            kind = optim_checks.saved_kind(full["optimizer"]["param_groups"]) if _is_dcp(path) \
-                else native.Full(path).meta["optimizer"]["kind"]
+            # (a DCP checkpoint zerofuse wrote names its optimizer in meta.json: torch's option says
+            # adam or adamw only, a LAMB/LARS one loaded silently into another rule)
+            kind = (_dcp().saved_meta(path).get("optimizer") or optim_checks.saved_kind(full["optimizer"]["param_groups"])
+                    if _is_dcp(path) else native.Full(path).meta["optimizer"]["kind"])
             optim_checks.check_kind(kind, optim_checks.kind_of(optimizer), f"{NAME}.load", type(optimizer).__name__)
         _check_plain_load(model, optimizer, full, path)  # before anything is written
         if optimizer is not None:
+            full["optimizer"] = optim_checks.by_name(model, optimizer, full, f"{NAME}.load", path)
             _give_masters(model, optimizer, full)
         model.load_state_dict(full["model"])
         if optimizer is not None:
@@ -83,7 +89,7 @@ def load(path: str, model: torch.nn.Module, optimizer=None):
     # a delayed host step must not write the states (or a live optimizer's masters, a weights-only
     # load) while they load
     eng = getattr(model, "_zerofuse_zero", None)
-    _apply_pending(optimizer if optimizer is not None or eng is None else eng.live_optimizer())
+    _apply_pending(optimizer if optimizer is not None or eng is None else eng.live_optimizer(), f"{NAME}.load")
     return (_dcp().load if _is_dcp(path) else native.load)(path, model, optimizer)
 
 
@@ -125,7 +131,8 @@ def _give_masters(model, optimizer, full: dict) -> None:
 def consolidate(path: str) -> dict:
     """{'model': a plain state_dict (full tensors; fp32 from the masters when the run kept them),
     'optimizer': torch.optim-format state (params numbered in the saved order) or None,
-    'extra': what save() was given}. One process, no process group needed."""
+    'extra': what save() was given, 'optimizer_names': the name of each param number (None without
+    an optimizer)}. One process, no process group needed."""
     return _dcp().consolidate(path) if _is_dcp(path) else native.consolidate(path)
 
 

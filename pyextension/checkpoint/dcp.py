@@ -161,6 +161,11 @@ def _aliases(eng, model) -> dict[str, str]:
             if id(t) in eng.param_index and eng.names[eng.param_index[id(t)]] != n}
 
 
+def saved_meta(path: str) -> dict:
+    """The meta.json of the DCP checkpoint at ``path`` (or its .tmp/.old: files.resolve)."""
+    return _meta(os.path.abspath(path) if is_dcp(path) else files.resolve(os.path.abspath(path)))
+
+
 def _meta(root: str) -> dict:
     """zerofuse's meta.json of a DCP checkpoint ({} for one written by torch)."""
     file = os.path.join(root, files.META)
@@ -389,4 +394,5 @@ def consolidate(path: str) -> dict:
         optim = {"state": state, "param_groups": groups}
     extra_file = os.path.join(root, "zerofuse_extra.pt")
     extra = files.read_tensors(extra_file)["extra"] if os.path.isfile(extra_file) else None
-    return {"model": model, "optimizer": optim, "extra": extra}
+    return {"model": model, "optimizer": optim, "extra": extra,
+            "optimizer_names": list(model) if optim is not None else None}  # (index's order)

@@ -399,4 +399,5 @@ def consolidate(path: str) -> dict:
         groups = [{k: (tuple(v) if isinstance(v, list) else v) for k, v in g.items() if k != "params"}
                   | {"params": [index[n] for n in g["params"]]} for g in opt_meta["param_groups"]]
         optim = {"state": opt_state, "param_groups": groups}
-    return {"model": model, "optimizer": optim, "extra": first.get("extra")}
+    return {"model": model, "optimizer": optim, "extra": first.get("extra"),
+            "optimizer_names": list(meta["names"]) if optim is not None else None}

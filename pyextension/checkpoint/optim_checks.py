@@ -121,3 +121,35 @@ def group_match(optimizer, saved_groups: list[dict], eng, who) -> list[int]:
         raise ValueError(f"{who}: the checkpoint's param group {j} holds params {names[:5]} in no param group of "
                          f"the optimizer")
     return match
+
+
+def by_name(model, optimizer, full: dict, who: str, path: str) -> dict:
+    """The consolidated optimizer state renumbered for ``optimizer``'s own param order, matched by
+    name (torch's load_state_dict hands saved states out by position: an optimizer listing the
+    same params in another order got other params' moments, silently where shapes agreed; a
+    review's reproduction, 2026-12-06). Each group must hold the params of the saved group at its
+    position (its options go with it)."""
+    names = full.get("optimizer_names")
+    saved = full["optimizer"]
+    if names is None:
+        return saved
+    mine: dict[int, set[str]] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        mine.setdefault(id(p), set()).add(n)
+    state, groups, k = {}, [], 0
+    for gi, (g, s) in enumerate(zip(optimizer.param_groups, saved["param_groups"])):
+        index = {names[i]: i for i in s["params"]}
+        params = []
+        for p in g["params"]:
+            hit = sorted(mine.get(id(p), set()) & index.keys())
+            if not hit:
+                got = sorted(mine.get(id(p), ())) or ["a tensor that is not a param of the model"]
+                raise ValueError(f"{who}: param group {gi} of the optimizer holds {got[0]!r}, which the checkpoint at "
+                                 f"{path!r} has in no param group {gi} (it holds {sorted(index)[:4]}"
+                                 f"{' ...' if len(index) > 4 else ''}); expected the groups of the run that saved it")
+            if index[hit[0]] in saved["state"]:
+                state[k] = saved["state"][index[hit[0]]]
+            params.append(k)
+            k += 1
+        groups.append({**s, "params": params})
+    return {**saved, "state": state, "param_groups": groups}

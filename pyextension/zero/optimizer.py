@@ -383,9 +383,18 @@ class Optimizer(GradNorms, OptimizerState, torch.optim.Optimizer):
               prepared=lists.prepared)
 
     @torch.no_grad()
-    def apply_pending(self) -> None:
+    def apply_pending(self, who: str | None = None) -> None:
         """delayed_update: the last step's host update waited for and written to the params (a
-        no-op without one); the next step's gradients are then taken at the updated params."""
+        no-op without one); the next step's gradients are then taken at the updated params. Run
+        before anything reads or writes the masters and states whole (state_dict, a load, a
+        checkpoint): refused while the last backward's offloaded host steps run (offload_overlap:
+        they are moving the masters and moments to the next step, whose count step() advances; a
+        checkpoint saved then held the new values under the old count, a load was written over by
+        them, or counted a step it never took: a review's reproduction, 2026-12-06)."""
+        if self.host is not None and self.host.futures:
+            raise RuntimeError(f"{who or NAME + '.Optimizer.apply_pending'}: the last backward started this step's "
+                               "offloaded host steps (offload_overlap) and step() has not run: call step() first, or "
+                               "build the Optimizer with offload_overlap=False to save or load between backward and step")
         if self.host is not None and self.host.apply_pending():
             self.engine.params_written()
 

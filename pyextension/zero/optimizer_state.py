@@ -63,7 +63,7 @@ class OptimizerState:
         ``param_groups`` the options with param indices; ``zerofuse`` names the layout (world size,
         rank, stage, optimizer, buckets) and holds the fp16 loss scale. Load it back at the same
         layout; zerofuse.checkpoint saves and reshards across world sizes and stages."""
-        self.apply_pending()
+        self.apply_pending(f"{NAME}.Optimizer.state_dict")
         params = self._indexed()
         state = {i: {k: t.clone() for k, t in self.state[p].items()} for i, p in enumerate(params) if p in self.state}
         groups, i = [], 0
@@ -83,7 +83,7 @@ class OptimizerState:
                              f"optimizer or model): expected {_brief(mine)}, got {_brief(theirs)}; use "
                              "zerofuse.checkpoint to reshard")
         self._check_loadable(state_dict)
-        self.apply_pending()
+        self.apply_pending(f"{NAME}.Optimizer.load_state_dict")
         params = self._indexed()
         with torch.no_grad():
             for i, saved in state_dict["state"].items():
