@@ -63,7 +63,9 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--pp-layout", help="blocks per stage, e.g. 'E,4,4,4,L' (default: balanced by parameters)")
     g.add_argument("--precision", choices=("fp32", "bf16", "fp16"), help="default: fp32 on CPU, bf16 on CUDA")
     g.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when available")
-    g.add_argument("--compile", action="store_true", help="torch.compile each transformer block's forward")
+    g.add_argument("--compile", action="store_true",
+                   help="torch.compile the model (one rank, ZeRO 0-2, no activation checkpointing) or else each "
+                        "transformer block's forward (selective checkpointing then recomputes the matmuls too)")
     g.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction,
                    help="capture the whole step in a CUDA graph and replay it (default: on where it can be: CUDA, "
                         "one rank, ZeRO 0-2, no offload, MoE, fp16 or activation checkpointing; else the reason is "
