@@ -506,3 +506,25 @@ def test_the_loss_plot_leaves_the_callers_matplotlib_alone(tmp_path):
         assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     finally:
         matplotlib.use(before)
+
+
+def test_the_out_lock_on_a_filesystem_without_locks(tmp_path, monkeypatch, capsys):
+    """--out's lock (one job per --out): a second holder is refused naming the first's pid; on a
+    filesystem without flock (ENOLCK) the job runs unguarded with a note, not a traceback."""
+    import errno
+    import fcntl
+
+    from zerofuse.train.launch import out_lock
+
+    with out_lock(str(tmp_path)):
+        with pytest.raises(train.UsageError, match=f"another zerofuse-train job \\(pid {os.getpid()}\\)"):
+            with out_lock(str(tmp_path)):
+                pass
+
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    with out_lock(str(tmp_path)):
+        pass
+    assert "does not support file locks (No locks available)" in capsys.readouterr().err

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import errno
 import fcntl
 import os
 import re
@@ -70,14 +71,23 @@ def out_lock(out: str):
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        locked = True
     except BlockingIOError:
         holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
         os.close(fd)
         raise UsageError(f"--out: another {PROG} job (pid {holder}) is writing into {out} (it holds {path}); "
                          "expected an --out no running job uses") from None
+    except OSError as e:
+        if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+            os.close(fd)
+            raise
+        locked = False  # a filesystem without locks: the job runs unguarded, as before
+        print(f"{PROG}: note: --out {out} does not support file locks ({e.strerror}): nothing stops a second "
+              "job from writing there", file=sys.stderr, flush=True)
     try:
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        if locked:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         yield
     finally:
         os.close(fd)
