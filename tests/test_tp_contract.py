@@ -169,3 +169,39 @@ def test_the_checker_names_document_ids_differing_between_tp_ranks(monkeypatch, 
             assert "expected the same ['document_ids'] on every rank of the tensor-parallel group" in err, err
         else:
             assert err == "no error", err
+
+
+def _lamb_rank(rank, ws):
+    import torch.distributed as dist
+
+    from zerofuse.models import GPT, GPTConfig
+
+    mesh = zerofuse.parallel.init_mesh(dp=2, tp=2)
+    cfg = GPTConfig(vocab_size=67, seq_len=32, n_layer=2, n_head=4, dim=48, bias=True, tie_embeddings=True)
+    model = GPT(cfg, seed=0, tp_group=mesh.tp_group, sequence_parallel=True)
+    zerofuse.zero.parallelize(model, stage=3, group=mesh.dp_group, bucket_mb=0.05)
+    opt = zerofuse.zero.Optimizer(model, "lamb", lr=1e-2, max_grad_norm=0.5)
+    g = torch.Generator().manual_seed(123)
+    for _ in range(4):
+        b = torch.randint(0, 67, (4, 17), generator=g)[2 * mesh.dp_rank:2 * mesh.dp_rank + 2]
+        model(b[:, :-1], b[:, 1:])[1].backward()
+        opt.step()
+        opt.zero_grad()
+    with zerofuse.zero.full_params(model):
+        mine = {n: p.detach().clone() for n, p in model.named_parameters() if tp.spec_of(p) is None}
+    out = [None] * ws
+    dist.all_gather_object(out, (mesh.tp_rank, mine))
+    return out
+
+
+def test_lamb_keeps_replicated_params_equal_on_every_tp_rank():
+    """vocab 67 over tp 2 cuts the TP ranks' buffers into DP pieces at other places: the per-param
+    norms of LAMB's trust ratios, summed over the DP group in another order, moved a replicated
+    param (wpe) apart across the TP ranks (a review's reproduction, 2026-12-06)."""
+    ranks = run_distributed(_lamb_rank, 4, timeout=240)[0]
+    by_tp = {}
+    for tp_rank, params in ranks:
+        by_tp.setdefault(tp_rank, params)
+    assert "wpe.weight" in by_tp[0]
+    for n, t in by_tp[0].items():
+        assert torch.equal(t, by_tp[1][n]), n

@@ -105,11 +105,16 @@ class GradNorms:
         if idx is not None:
             full.index_add_(0, idx, sums)
         self._global_sumsq(full.reshape(-1))
-        if eng.tp_comm is not None:  # a TP-sharded param's norm adds up over its slices
+        if eng.tp_comm is not None:
+            # a TP-sharded param's norm adds up over its slices; a replicated one's is TP rank 0's on
+            # every TP rank: the TP ranks' buffers are cut into DP pieces at other places where an
+            # embedding's rows split unevenly (vocab 67 over tp 2), so the DP sums above add in other
+            # orders there, and LAMB's trust ratios then moved a replicated param apart across the TP
+            # ranks by an ulp a step (a review's reproduction, 2026-12-06)
             mask = self.__dict__.get("_tp_mask")
             if mask is None:  # made once
                 mask = self._tp_mask = upload(torch.tensor(eng.tp_sharded), full.device).unsqueeze(1)
-            part = full * mask
-            eng.tp_comm.all_reduce_coalesced([part], op="sum").wait()
-            full = torch.where(mask, part, full)
+            if eng.tp_rank != 0:
+                full = full * mask
+            eng.tp_comm.all_reduce_coalesced([full], op="sum").wait()
         return full[idx] if idx is not None else sums
