@@ -25,16 +25,20 @@ def kernel_asm(*flags: str) -> list[dict]:
     return [json.loads(line) for line in out.splitlines()]
 
 
+def tiny_job_argv(tmp_path, *argv) -> list[str]:
+    """zerofuse-train's command line for a tiny job on the CPU (one rank, 2 layers of dim 32, no
+    evaluation, samples or checkpoints, outputs in tmp_path); argv adds flags or overrides these
+    (the last one given wins)."""
+    return ["--device", "cpu", "--nproc", "1", "--layers", "2", "--heads", "2", "--dim", "32", "--seq-len", "16",
+            "--batch", "2", "--eval-every", "0", "--eval-batches", "1", "--sample-tokens", "0", "--ckpt-every", "0",
+            "--out", str(tmp_path), *map(str, argv)]
+
+
 def tiny_job_args(tmp_path, *argv):
-    """zerofuse-train's checked flags for a tiny in-process job on the CPU (one rank, 2 layers of dim
-    32, no evaluation, samples or checkpoints, outputs in tmp_path); argv adds flags or overrides
-    these (the last one given wins)."""
+    """tiny_job_argv's flags, parsed and checked, for an in-process job."""
     from zerofuse import train
 
-    args = train._parser().parse_args(
-        ["--device", "cpu", "--nproc", "1", "--layers", "2", "--heads", "2", "--dim", "32", "--seq-len", "16",
-         "--batch", "2", "--eval-every", "0", "--eval-batches", "1", "--sample-tokens", "0", "--ckpt-every", "0",
-         "--out", str(tmp_path), *argv])
+    args = train._parser().parse_args(tiny_job_argv(tmp_path, *argv))
     train.validate(args)
     return args
 

@@ -65,6 +65,9 @@ def test_pp2_job_matches_the_unsplit_job(unsplit, schedule, extra, tmp_path):
     # each rank holds its stage only: half the params of the unsplit model (within one block's share)
     mem = summary["memory_per_rank"]
     assert mem[0]["params"] < 0.75 * sum(m["params"] for m in mem)
+    # launches per layer of rank 0's own 2 blocks (over the model's 4 it read half the truth; a review)
+    lc = summary["launches"]
+    assert lc["per_layer"] == pytest.approx(lc["launches"] / 2) and lc["step"] == 2
 
 
 @pytest.mark.parametrize("layout", [["--nproc", 1, "--grad-accum", 4], ["--nproc", 4, "--pp", 4, "--microbatches", 4]])

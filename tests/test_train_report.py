@@ -9,7 +9,7 @@ import types
 import pytest
 import torch
 
-from common import tiny_job_args
+from common import tiny_job_args, tiny_job_argv
 
 pytestmark = pytest.mark.usefixtures("native_kernels")
 
@@ -68,3 +68,25 @@ def test_mfu_takes_the_devices_own_peak(monkeypatch, name, peak):
     peer = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(peer)
     assert peer.PEAK_BF16 == report.PEAK_FLOPS
+
+
+def test_wall_time_counts_from_the_process_start_and_the_launch_row_names_its_step(tmp_path):
+    """wall_s started when zerofuse.train was imported, after torch and the extension: ~2 s of a
+    7 s job left out; the table's launch row said "(step 2)" after a resume that counted step 5
+    (a review's reproductions, 2026-12-06)."""
+    import subprocess
+    import sys
+    import time
+
+    from zerofuse.train.table import _table
+
+    out = tmp_path / "job"
+    cmd = [sys.executable, "-m", "zerofuse.train", *tiny_job_argv(out), "--steps", "2"]
+    t0 = time.time()
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    started = (out / "summary.json").stat().st_mtime - summary["wall_s"]  # the job's idea of its start
+    assert t0 - 0.1 < started < t0 + 0.5, started - t0  # (from the package's import: ~1.5 s late here)
+    summary["launches"]["step"] = 5
+    assert "Python hooks (step 5)" in _table(summary)

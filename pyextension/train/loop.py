@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from zerofuse.models.gpt import Block
+
 from . import build
 from .build import lr_lambda  # noqa: F401  (zerofuse.train.lr_lambda)
 from .metrics import check_not_stuck
@@ -203,7 +205,10 @@ class Trainer:
             while self.step < args.steps and not self.stopped:
                 if self.launches is None and self.step == self.start_step + 1:  # (the first builds the plans)
                     from .launches import count_step
-                    self.launches = count_step(self.train_step, self.model, self.cfg.n_layer)
+                    # (per layer of this rank's blocks: a pipeline stage's count over the whole model's
+                    # layers was 1/pp of the truth; a review, 2026-12-06)
+                    here = sum(isinstance(m, Block) for m in self.model.modules()) or self.cfg.n_layer
+                    self.launches = count_step(self.train_step, self.model, here, self.step + 1)
                     if self.metrics.pending:  # its time is the counters' too: not a steady step's
                         self.metrics.pending[-1]["instrumented"] = True
                     if self.pp is not None and self.pp.idle:  # nor its pipeline bubble
