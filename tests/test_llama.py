@@ -113,6 +113,12 @@ def test_llama3_rope_scaling_is_transformers(head_dim, base, scaling):
     hf = transformers.LlamaConfig(hidden_size=2 * head_dim, num_attention_heads=2, head_dim=head_dim, rope_theta=base,
                                   max_position_embeddings=131072, rope_scaling=dict(scaling))
     want, attention_factor = ROPE_INIT_FUNCTIONS["llama3"](hf, "cpu")
+    # the dict transformers 5 keeps (the base added as rope_theta) is taken as it is, checked against rope_base
+    given = dict(hf.rope_scaling)
+    assert given.get("rope_theta") == base
+    assert GPTConfig(**{**CFG, "rope_base": base, "rope_scaling": given}).rope_scaling == given
+    with pytest.raises(ValueError, match=f"rope_scaling's rope_theta {base} differs from rope_base 1.0"):
+        GPTConfig(**{**CFG, "rope_base": 1.0, "rope_scaling": given})
     got, plain = rope_frequencies(head_dim, base, scaling), rope_frequencies(head_dim, base)
     assert attention_factor == 1.0 and (got != plain).any()
     torch.testing.assert_close(got.float(), want, rtol=2e-6, atol=0)

@@ -182,7 +182,10 @@ def test_a_layout_whose_stages_have_different_param_groups_resumes(tmp_path):
     and consolidate raised StopIteration (a review's reproduction, 2026-12-06)."""
     flags = ["--layers", "4", "--steps", "4", "--ckpt-every", "2", "--eval-every", "0", "--sample-tokens", "0"]
     pp = ["--nproc", 2, "--pp", 2, "--pp-layout", "E,4L", "--microbatches", 2]
-    _ok(run(*pp, *flags, "--out", tmp_path / "straight"))
+    p = run(*pp, *flags, "--out", tmp_path / "straight")
+    _ok(p)  # (rank 0 runs no block: no launches per layer, not its count over the model's layers)
+    assert "(no layer on this rank:" in p.stdout
+    assert __import__("json").loads((tmp_path / "straight" / "summary.json").read_text())["launches"]["per_layer"] is None
     _ok(run(*pp, *flags, "--stop-after", 2, "--out", tmp_path / "pp2"), 128 + signal.SIGTERM)
     shutil.copytree(tmp_path / "pp2", tmp_path / "pp1")
     state = zerofuse.checkpoint.consolidate(str(tmp_path / "pp2" / "ckpt"))

@@ -74,6 +74,9 @@ class GPTConfig:
         check_rope_scaling(self.rope_scaling, name)
         if self.rope_scaling is not None:  # its own copy: the presets' dict was shared by every config made from it
             self.rope_scaling = dict(self.rope_scaling)
+            theta = self.rope_scaling.get("rope_theta")  # (a transformers 5 config's dict carries the base)
+            if theta is not None and theta != self.rope_base:
+                raise ValueError(f"{name}: rope_scaling's rope_theta {theta} differs from rope_base {self.rope_base}")
         if self.rope_scaling is not None and self.pos != "rope":
             raise ValueError(f"{name}: rope_scaling is for pos='rope', got pos={self.pos!r}")
         zmoe.check_config(self)

@@ -70,7 +70,7 @@ def check_rope_scaling(scaling, who: str) -> tuple | None:
     if not isinstance(scaling, dict) or scaling.get("rope_type", scaling.get("type")) != "llama3":
         raise ValueError(f"{who}: expected rope_scaling None or {want} (Llama 3's; no other kind is "
                          f"implemented), got {scaling!r}")
-    extra = set(scaling) - set(want) - {"type"}
+    extra = set(scaling) - set(want) - {"type", "rope_theta"}  # (transformers 5 adds the base: rope_base's)
     vals = tuple(scaling.get(k) for k in _LLAMA3)
     if extra or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf for v in vals):
         raise ValueError(f"{who}: expected rope_scaling {want}, got {scaling!r}")

@@ -69,11 +69,9 @@ def setup(t) -> None:
         t.pp = PipelineJob(t, model)
         t.model = t.pp.module
     else:
-        # (its GPT reads each param only in the forward of a module holding it: the gathers overlap it;
-        # fp32 grads as views of the buckets: held once over one rank, [Note: a world of one])
+        # (its GPT reads each param only in the forward of a module holding it: the gathers overlap it)
         t.model = zero.parallelize(model, stage=args.zero_stage, group=t.mesh.dp_group, param_gather="module",
                                    precision=args.precision, device=t.device,
-                                   gradient_as_bucket_view=args.precision == "fp32",
                                    offload=None if args.offload == "none" else args.offload,
                                    **({"offload_ratio": args.offload_ratio} if args.offload != "none" else {}))
         t.model._zerofuse_zero.backwards_end_at_sync_points()  # (loop.py: a no_sync() window per micro-batch)

@@ -106,12 +106,12 @@ def count_hooks(model, counter: dict):
 
 def count_step(step, model, n_layer: int, at: int) -> dict:
     """Runs step() once with every counter on: {launches, per_layer, triton, aten, hooks, top_aten,
-    step}. n_layer: the transformer blocks this rank runs (a pipeline stage's, not the model's); at:
-    the step it is."""
+    step}. n_layer: the transformer blocks this rank runs (a pipeline stage's, not the model's; 0:
+    per_layer None); at: the step it is."""
     counter: dict = {}
     with CountLaunches() as aten, count_triton(counter), count_hooks(model, counter):
         step()
     total = counter.get("triton", 0) + aten.count
-    return {"launches": total, "per_layer": total / max(n_layer, 1), "triton": counter.get("triton", 0),
+    return {"launches": total, "per_layer": total / n_layer if n_layer else None, "triton": counter.get("triton", 0),
             "aten": aten.count, "hooks": counter.get("hooks", 0),
             "top_aten": sorted(aten.names.items(), key=lambda kv: -kv[1])[:8], "step": at}

@@ -207,7 +207,7 @@ class Trainer:
                     from .launches import count_step
                     # (per layer of this rank's blocks: a pipeline stage's count over the whole model's
                     # layers was 1/pp of the truth; a review, 2026-12-06)
-                    here = sum(isinstance(m, Block) for m in self.model.modules()) or self.cfg.n_layer
+                    here = sum(isinstance(m, Block) for m in self.model.modules())  # (0: an embedding-only stage)
                     self.launches = count_step(self.train_step, self.model, here, self.step + 1)
                     if self.metrics.pending:  # its time is the counters' too: not a steady step's
                         self.metrics.pending[-1]["instrumented"] = True

@@ -41,7 +41,8 @@ def _table(s: dict) -> str:
     ]
     if (lc := s["launches"]) is not None:
         what = "kernel launches" if s["kernels"] != "cpu" else "kernel calls (the CPU kernels)"
-        rows.append(("launches", f"{lc['launches']} {what} per step ({lc['per_layer']:.1f} per layer: {lc['triton']} "
+        per = "no layer on this rank" if lc["per_layer"] is None else f"{lc['per_layer']:.1f} per layer"
+        rows.append(("launches", f"{lc['launches']} {what} per step ({per}: {lc['triton']} "
                                  f"Triton, {lc['aten']} aten/C++), {lc['hooks']} Python hooks (step {lc.get('step', 2)})"))
     if s["device"] == "cuda":
         rows.append(("cuda graphs", s["cuda_graphs"]))

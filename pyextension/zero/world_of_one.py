@@ -24,7 +24,9 @@ that view in place. Nothing tells the engine which views autograd wrote: the buf
 counters do (bumped by every in-place write through a view), read at each sync point; a .grad
 replaced meanwhile (create_graph=True's out-of-place sum, a tensor the caller assigned, None) is
 copied into its region (None: zeros), as torch's step would read it, and the view put back.
-zerofuse-train turns it on over one rank (tests/test_zero_grad_views.py measures the peaks).
+The cost: autograd adds each grad into its view (a kernel per param and backward) where it took the
+tensor it made: zerofuse-train leaves it off (its GPT-2 step, tests/test_step_launches.py: 25 -> 37
+launches per layer with it); tests/test_zero_grad_views.py measures the peaks.
 """
 from __future__ import annotations
 
