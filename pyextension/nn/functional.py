@@ -27,7 +27,7 @@ from zerofuse import kernels as _kernels
 from zerofuse.kernels.norms import FwdLaunch
 from zerofuse.nn.autocast import cast_all
 from zerofuse.ops import norms as _ops
-from zerofuse.ops.signatures import Plans, autograd_modes, needs_autograd, signature
+from zerofuse.ops.signatures import Plans, autograd_modes, needs_autograd, signature, torch_only
 from zerofuse.reference import default_rms_eps
 
 _ShapeLike = int | Sequence[int] | torch.Size
@@ -85,7 +85,25 @@ def _flat(t: Tensor | None, n: int) -> Tensor | None:
     return t if t is None or t.dim() == 1 else t.reshape(n)
 
 
+def _torch_norm(fn, is_rms, input, residual, normalized_shape, weight, bias, eps, input_bias):
+    """The norm by torch's ops (torch_only: torch.func transforms, jit.trace): (y, h), input_bias
+    given its gradient by a zero-valued add."""
+    shape = _shape(normalized_shape)
+    _check(fn, input, shape, weight, bias, residual, input_bias)
+    if is_rms and eps is None:
+        eps = default_rms_eps(input.dtype)
+    _check_eps(fn, eps)
+    h = input if residual is None else input + residual
+    x = h if input_bias is None else h + (input_bias - input_bias.detach())
+    F = torch.nn.functional
+    return (F.rms_norm(x, shape, weight, eps) if is_rms else F.layer_norm(x, shape, weight, bias, eps)), h
+
+
 def _layer_norm(fn, input, residual, normalized_shape, weight, bias, eps, input_bias=None):
+    if isinstance(eps, Tensor):  # (torch's takes a 0-dim tensor: its value; the Triton kernel failed on it)
+        eps = float(eps)
+    if torch_only():
+        return _torch_norm(fn, False, input, residual, normalized_shape, weight, bias, eps, input_bias)
     # torch runs layer_norm and rms_norm in fp32 under CUDA autocast (its fp32 list: a bf16 input gives
     # an fp32 output); CPU autocast leaves them alone
     if isinstance(input, Tensor) and input.is_cuda and torch.is_autocast_enabled("cuda"):
@@ -179,6 +197,10 @@ def _as(t: Tensor, like: Tensor) -> Tensor:
 
 
 def _rms_norm(fn, input, residual, normalized_shape, weight, eps, input_bias=None):
+    if isinstance(eps, Tensor):
+        eps = float(eps)
+    if torch_only():
+        return _torch_norm(fn, True, input, residual, normalized_shape, weight, None, eps, input_bias)
     if isinstance(input, Tensor) and input.is_cuda and torch.is_autocast_enabled("cuda"):
         input, residual, weight, input_bias = cast_all(torch.float32, input, residual, weight, input_bias)
     if not torch.compiler.is_compiling():

@@ -13,6 +13,17 @@ from torch import Tensor
 
 from zerofuse.ops import bias_gelu as _bias_gelu_ops
 from zerofuse.ops import swiglu as _ops
+from zerofuse.ops.signatures import torch_only
+
+_F = torch.nn.functional
+
+
+def _torch_glu(gate: Tensor, up: Tensor, activation: str) -> Tensor:
+    """act(gate) * up by torch's ops in fp32 (float64 in float64), rounded once as the fused op (torch_only)."""
+    acc = torch.promote_types(gate.dtype, torch.float32)
+    g = gate.to(acc)
+    act = _F.silu(g) if activation == "silu" else _F.gelu(g, approximate="tanh")
+    return (act * up.to(acc)).to(gate.dtype)
 
 
 def _check(fn: str, gate, up) -> None:
@@ -29,10 +40,14 @@ def _check(fn: str, gate, up) -> None:
 def _glu(fn: str, gate: Tensor, up: Tensor | None, activation: str) -> Tensor:
     if up is None:  # gate is [gate | up]: a fused projection's output
         _check_packed(fn, gate)
+        if torch_only():
+            return _torch_glu(*gate.chunk(2, dim=-1), activation)
         if torch.compiler.is_compiling():
             return _ops.swiglu_packed(gate, activation)
         return _ops.eager_swiglu_packed(gate, activation)
     _check(fn, gate, up)
+    if torch_only():
+        return _torch_glu(gate, up, activation)
     if torch.compiler.is_compiling():
         return _ops.swiglu(gate, up, activation)
     return _ops.eager_swiglu(gate, up, activation)
@@ -72,6 +87,9 @@ def bias_gelu(input: Tensor, bias: Tensor) -> Tensor:
         raise ValueError(f"{where}: expected bias of shape [input.shape[-1]] and input's dtype and device (input "
                          f"{list(input.shape)}, {input.dtype}, {input.device}), got {list(bias.shape)}, {bias.dtype}, "
                          f"{bias.device}")
+    if torch_only():
+        acc = torch.promote_types(input.dtype, torch.float32)
+        return _F.gelu(input.to(acc) + bias.to(acc), approximate="tanh").to(input.dtype)
     if torch.compiler.is_compiling():
         return _bias_gelu_ops.bias_gelu(input, bias)
     return _bias_gelu_ops.eager_bias_gelu(input, bias)

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from zerofuse.nn.loss import wants_grad
 from zerofuse.ops import rotary as _ops
-from zerofuse.ops.signatures import needs_autograd
+from zerofuse.ops.signatures import needs_autograd, torch_only
 
 _WHERE = "zerofuse.nn.functional.rotary_embedding"
 
@@ -23,6 +23,19 @@ def rotary_embedding(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, positions: 
     """(RoPE(q), RoPE(k)). positions: None (row n at position n), (seq,) or (batch, seq) integer
     positions into the tables (offsets, packed sequences). inplace=True rotates q and k themselves
     (and returns them): no autograd through it."""
+    if torch_only():  # torch.func transforms, jit.trace: the reference's torch ops
+        if q.dim() != 4 or k.dim() != 4:
+            raise RuntimeError(f"{_WHERE}: under torch.func transforms (vmap over the batch) expected 4-D q and k "
+                               f"(batch, heads, seq, head_dim), got {q.dim()}-D and {k.dim()}-D")
+        from zerofuse import reference  # noqa: PLC0415
+
+        if positions is not None and positions.dim() == 1:
+            positions = positions.expand(q.shape[0], q.shape[2])
+        rq, rk = (reference.rotary_embedding(t, cos, sin, positions, interleaved) for t in (q, k))
+        if inplace:
+            with torch.no_grad():
+                return q.copy_(rq), k.copy_(rk)
+        return rq, rk
     for name, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
         if not isinstance(t, Tensor) or not t.is_floating_point():
             got = t.dtype if isinstance(t, Tensor) else type(t).__name__

@@ -15,7 +15,7 @@ from zerofuse.nn.autocast import autocast_dtype, autocast_on, cast_all
 from zerofuse.nn.functional import _needs_grad
 from zerofuse.ops import attention as _attn
 from zerofuse.ops import attention_qkv as _qkv
-from zerofuse.ops.signatures import Plans, autograd_modes, signature
+from zerofuse.ops.signatures import Plans, autograd_modes, signature, torch_only
 
 _warned: set[str] = set()
 
@@ -61,6 +61,13 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
     version (every layer of a forward passes the same ids): refill a reused ids buffer with an op
     that bumps its version (copy_, indexing), not a torch.distributed collective, ``.data`` or
     numpy writes, which torch does not count (then pass ``ids.clone()``)."""
+    if torch_only():  # (torch.func transforms, jit.trace: torch's own)
+        if document_ids is not None:
+            raise RuntimeError("zerofuse.nn.functional.scaled_dot_product_attention: document_ids is not supported "
+                               "under torch.func transforms or torch.jit.trace; pass an attn_mask of the documents")
+        kw = {"enable_gqa": enable_gqa} if enable_gqa else {}
+        return torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal,
+                                                                scale=scale, **kw)
     sig = None
     if not torch.compiler.is_compiling():  # a plan for these arguments' signature: no checks, no choices
         sig = signature(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, document_ids,
@@ -197,7 +204,8 @@ def qkv_attention(qkv: Tensor, num_heads: int, num_kv_heads: int | None = None, 
     the split heads. document_ids (B, N): packed documents, as scaled_dot_product_attention's. Under
     autocast qkv is cast to its dtype first (as torch's sdpa's inputs are)."""
     sig = None
-    if not torch.compiler.is_compiling():  # a plan for these arguments' signature: no checks, no choices
+    native = torch_only()  # (torch.func transforms, jit.trace: the split heads through torch's sdpa)
+    if not torch.compiler.is_compiling() and not native:  # a plan for these arguments' signature: no checks, no choices
         sig = signature(qkv, num_heads, num_kv_heads, is_causal, scale, document_ids, _kernels.TRITON_ON_CPU,
                         autocast_on(qkv), autograd_modes())
         plan = _QKV_PLANS.get(sig)
@@ -210,7 +218,7 @@ def qkv_attention(qkv: Tensor, num_heads: int, num_kv_heads: int | None = None, 
     scale = d ** -0.5 if scale is None else float(scale)
     cast = autocast_dtype(qkv)  # under autocast, as scaled_dot_product_attention's inputs (torch's sdpa's)
     qkv = cast_all(cast, qkv)[0]
-    if (d > _attn.MAX_HEAD_DIM or (qkv.is_cuda and qkv.dtype not in (torch.float32, torch.float16, torch.bfloat16))
+    if (native or d > _attn.MAX_HEAD_DIM or (qkv.is_cuda and qkv.dtype not in (torch.float32, torch.float16, torch.bfloat16))
             or max(qkv.shape[0], num_heads) > _attn.MAX_GRID_YZ):
         q, k, v = _qkv.heads(qkv, num_heads, num_kv_heads, d)
         out = scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale,

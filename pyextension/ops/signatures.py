@@ -28,6 +28,17 @@ from zerofuse._C import signature
 __all__ = ["Plans", "autograd_modes", "clear_plans", "needs_autograd", "signature"]
 
 
+def torch_only() -> bool:
+    """Whether a face computes with torch's own ops: under torch.func transforms (grad, vmap, jacrev,
+    functional_call) and torch.jit.trace. zerofuse's autograd Functions have no functorch rules and
+    its Triton kernels read storage the transforms' wrappers lack (both raised); a jit trace baked
+    the shape its outputs were viewed to into the graph (another input's shape came back wrong; a
+    review's reproductions, 2026-12-06)."""
+    if torch.compiler.is_compiling():  # (dynamo: the compiled ops; nothing for it to trace here)
+        return False
+    return torch._C._are_functorch_transforms_active() or torch._C._get_tracing_state() is not None
+
+
 def autograd_modes() -> int:
     """What decides, besides grad mode and requires_grad, whether a face's call records autograd:
     forward AD's dual level (-1 outside ``forward_ad.dual_level()``) and inference mode. The faces

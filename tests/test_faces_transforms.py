@@ -1,0 +1,73 @@
+"""The faces under torch.func transforms (vmap, grad) and torch.jit.trace compute with torch's own
+ops (zerofuse.ops.signatures.torch_only): on the Triton path vmap raised "Cannot access storage of
+BatchedTensorImpl", every grad transform raised on the autograd Functions' missing setup_context,
+and a jit trace of a norm baked its traced shape (another input's shape came back wrong, silently;
+a review's reproductions, 2026-12-06). Compared with torch's functions under the same transform."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.func import grad, vmap
+
+import zerofuse.nn as zn
+from zerofuse import reference
+from zerofuse.nn import functional as ZF
+
+from tolerances import assert_close
+
+
+def _faces(w, b):
+    """(zerofuse's, torch's) of each face on x (..., 8)."""
+    return [
+        (lambda x: ZF.layer_norm(x, (8,), w, b), lambda x: F.layer_norm(x, (8,), w, b)),
+        (lambda x: ZF.rms_norm(x, (8,), w), lambda x: F.rms_norm(x, (8,), w)),
+        (lambda x: ZF.add_layer_norm(x, x * 2, (8,), w, b)[0], lambda x: F.layer_norm(x + x * 2, (8,), w, b)),
+        (lambda x: ZF.swiglu(x, x.flip(-1)), lambda x: F.silu(x) * x.flip(-1)),
+        (lambda x: ZF.geglu(x), lambda x: F.gelu(x[..., :4], approximate="tanh") * x[..., 4:]),
+        (lambda x: ZF.bias_gelu(x, b), lambda x: F.gelu(x + b, approximate="tanh")),
+    ]
+
+
+def test_vmap_and_grad_of_the_faces_are_torchs(kernel_path):
+    torch.manual_seed(0)
+    x = torch.randn(3, 5, 8, dtype=torch.float64)
+    w, b = torch.randn(8, dtype=torch.float64), torch.randn(8, dtype=torch.float64)
+    faces = _faces(w, b)
+    for i, (ours, theirs) in enumerate(faces):
+        assert_close(vmap(ours)(x), vmap(theirs)(x), msg=f"vmap {i}")
+        assert_close(grad(lambda x: ours(x).square().sum())(x), grad(lambda x: theirs(x).square().sum())(x),
+                     msg=f"grad {i}")
+    q, k, v = (torch.randn(2, 4, 6, 8, dtype=torch.float64) for _ in range(3))
+    for causal in (False, True):
+        ours = vmap(lambda q, k, v: ZF.scaled_dot_product_attention(q, k, v, is_causal=causal))(q, k, v)
+        theirs = vmap(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal))(q, k, v)
+        assert_close(ours, theirs, msg=f"sdpa causal={causal}")
+    qkv = torch.randn(3, 2, 6, 3 * 16, dtype=torch.float64)  # (vmapped over 3; 2 heads of 8)
+    for causal in (False, True):
+        ours = vmap(lambda t: ZF.qkv_attention(t, 2, is_causal=causal))(qkv)
+        theirs = vmap(lambda t: F.scaled_dot_product_attention(
+            *(h.unflatten(-1, (2, 8)).transpose(1, 2) for h in t.chunk(3, -1)), is_causal=causal
+        ).transpose(1, 2).flatten(-2))(qkv)
+        assert_close(ours, theirs, msg=f"qkv causal={causal}")
+    cos, sin = zn.rope_tables(6, 8)
+    got = grad(lambda q: ZF.rotary_embedding(q, k, cos, sin)[0].square().sum())(q)
+    want = grad(lambda q: reference.rotary_embedding(q, cos, sin).square().sum())(q)
+    assert_close(got, want, msg="rope")
+
+
+def test_a_jit_trace_of_a_norm_takes_other_shapes(kernel_path):
+    m, t = zn.LayerNorm(8).eval(), torch.nn.LayerNorm(8).eval()
+    with torch.no_grad():
+        traced = torch.jit.trace(m, torch.randn(2, 3, 8))
+        for shape in ((3, 2, 8), (6, 8), (4, 3, 8)):
+            x = torch.randn(shape)
+            assert traced(x).shape == x.shape
+            assert_close(traced(x), t(x), msg=str(shape))
+
+
+def test_a_tensor_eps_is_its_value(kernel_path):
+    x, w = torch.randn(4, 8), torch.randn(8)
+    assert_close(ZF.layer_norm(x, (8,), w, None, torch.tensor(1e-3)), ZF.layer_norm(x, (8,), w, None, 1e-3),
+                 msg="layer_norm")
+    assert_close(ZF.rms_norm(x, (8,), w, torch.tensor(1e-3)), ZF.rms_norm(x, (8,), w, 1e-3), msg="rms")
