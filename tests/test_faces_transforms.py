@@ -5,7 +5,6 @@ and a jit trace of a norm baked its traced shape (another input's shape came bac
 a review's reproductions, 2026-12-06). Compared with torch's functions under the same transform."""
 from __future__ import annotations
 
-import pytest
 import torch
 import torch.nn.functional as F
 from torch.func import grad, vmap
