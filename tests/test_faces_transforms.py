@@ -70,3 +70,44 @@ def test_a_tensor_eps_is_its_value(kernel_path):
     assert_close(ZF.layer_norm(x, (8,), w, None, torch.tensor(1e-3)), ZF.layer_norm(x, (8,), w, None, 1e-3),
                  msg="layer_norm")
     assert_close(ZF.rms_norm(x, (8,), w, torch.tensor(1e-3)), ZF.rms_norm(x, (8,), w, 1e-3), msg="rms")
+
+
+def test_the_fallbacks_keep_the_faces_semantics(kernel_path):
+    """A review of the fallbacks (2026-12-06): input_bias got no gradient through h; an fp32 h (a
+    bf16 input plus an fp32 residual) with bf16 params raised in torch's layer_norm; RoPE in place
+    under grad returned the identity's gradient where eager refuses; Attention's packed RoPE still
+    hit the autograd Function; the bf16 RoPE fallback rounded several times."""
+    import pytest
+
+    torch.manual_seed(1)
+    x, r = (torch.randn(4, 8, dtype=torch.float64) for _ in range(2))
+    w, b, ib = (torch.randn(8, dtype=torch.float64) for _ in range(3))
+
+    def loss(ib):
+        y, h = ZF.add_layer_norm(x, r, (8,), w, b, input_bias=ib)
+        return y.sin().sum() + (h * h).sum()
+
+    eager_ib = ib.clone().requires_grad_()
+    loss(eager_ib).backward()
+    assert_close(grad(loss)(ib), eager_ib.grad, msg="input_bias")
+    xb, wb = x.bfloat16(), w.bfloat16()
+    y, h = vmap(lambda x, r: ZF.add_layer_norm(x, r, (8,), wb, wb))(xb.unsqueeze(1), r.float().unsqueeze(1))
+    want, _ = ZF.add_layer_norm(xb, r.float(), (8,), wb, wb)
+    assert y.dtype == h.dtype == torch.float32
+    assert_close(y.squeeze(1), want, msg="promoted h")
+    q, k = torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8)
+    cos, sin = zn.rope_tables(5, 8)
+    with pytest.raises(ValueError, match="inplace=True has no autograd"):
+        grad(lambda q: ZF.rotary_embedding(q, k, cos, sin, inplace=True)[0].sum())(q)
+    qb, kb = q.bfloat16(), k.bfloat16()
+    eager = ZF.rotary_embedding(qb, kb, cos, sin)
+    traced = vmap(lambda q, k: ZF.rotary_embedding(q, k, cos, sin))(qb.unsqueeze(0), kb.unsqueeze(0))
+    for a, e in zip((t.squeeze(0) for t in traced), eager):
+        assert_close(a, e, msg="bf16 rope")
+    attn = zn.Attention(16, 2, rope=zn.RotaryEmbedding(8, 5)).double()
+    xs = torch.randn(2, 5, 16, dtype=torch.float64)
+    params = dict(attn.named_parameters())
+    got = grad(lambda p: torch.func.functional_call(attn, p, (xs,)).square().sum())(params)
+    attn(xs).square().sum().backward()
+    for n, p in attn.named_parameters():
+        assert_close(got[n], p.grad, msg=n)

@@ -7,6 +7,7 @@ from torch import Tensor
 
 from zerofuse.nn.functional import qkv_attention, scaled_dot_product_attention
 from zerofuse.nn.rotary import RotaryEmbedding
+from zerofuse.ops.signatures import torch_only
 
 
 class _OutProjection(torch.nn.Linear):
@@ -62,7 +63,8 @@ class Attention(torch.nn.Module):
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv(x)
         b, n = qkv.shape[:2]  # not x's: a sequence-parallel projection gathers the sequence
-        rope_packed = isinstance(self.rope, RotaryEmbedding) and not torch.compiler.is_compiling()
+        # (under torch.func transforms and jit.trace the heads go through the faces' torch fallbacks)
+        rope_packed = isinstance(self.rope, RotaryEmbedding) and not torch.compiler.is_compiling() and not torch_only()
         if self.sdpa is scaled_dot_product_attention and (self.rope is None or rope_packed):
             # straight from the projection: no copy of the heads, the output or the gradients (RoPE
             # rotates the q and k heads of a copy of the packed qkv, ops.rotary.EagerRopeQKV)

@@ -93,10 +93,18 @@ def _torch_norm(fn, is_rms, input, residual, normalized_shape, weight, bias, eps
     if is_rms and eps is None:
         eps = default_rms_eps(input.dtype)
     _check_eps(fn, eps)
+    if input_bias is not None:  # (a zero-valued add: its gradient is input's, through y and h, as eager's)
+        input = input + (input_bias - input_bias.detach())
     h = input if residual is None else input + residual
-    x = h if input_bias is None else h + (input_bias - input_bias.detach())
     F = torch.nn.functional
-    return (F.rms_norm(x, shape, weight, eps) if is_rms else F.layer_norm(x, shape, weight, bias, eps)), h
+    if is_rms:
+        return F.rms_norm(h, shape, weight, eps), h
+    # y in h's dtype, as eager's: params cast up to it where torch's CPU layer_norm would refuse them
+    # (it takes fp32 params with a bf16/fp16 input, not bf16 params with an fp32 h a residual promoted)
+    mixed = h.dtype in (torch.bfloat16, torch.float16)
+    w, b = (t.to(h.dtype) if t is not None and t.dtype != h.dtype and not (mixed and t.dtype == torch.float32)
+            else t for t in (weight, bias))
+    return F.layer_norm(h, shape, w, b, eps), h
 
 
 def _layer_norm(fn, input, residual, normalized_shape, weight, bias, eps, input_bias=None):

@@ -24,18 +24,7 @@ def rotary_embedding(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, positions: 
     positions into the tables (offsets, packed sequences). inplace=True rotates q and k themselves
     (and returns them): no autograd through it."""
     if torch_only():  # torch.func transforms, jit.trace: the reference's torch ops
-        if q.dim() != 4 or k.dim() != 4:
-            raise RuntimeError(f"{_WHERE}: under torch.func transforms (vmap over the batch) expected 4-D q and k "
-                               f"(batch, heads, seq, head_dim), got {q.dim()}-D and {k.dim()}-D")
-        from zerofuse import reference  # noqa: PLC0415
-
-        if positions is not None and positions.dim() == 1:
-            positions = positions.expand(q.shape[0], q.shape[2])
-        rq, rk = (reference.rotary_embedding(t, cos, sin, positions, interleaved) for t in (q, k))
-        if inplace:
-            with torch.no_grad():
-                return q.copy_(rq), k.copy_(rk)
-        return rq, rk
+        return _torch_rope(q, k, cos, sin, positions, interleaved, inplace)
     for name, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
         if not isinstance(t, Tensor) or not t.is_floating_point():
             got = t.dtype if isinstance(t, Tensor) else type(t).__name__
@@ -58,6 +47,27 @@ def rotary_embedding(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, positions: 
     if needs_autograd(q, k):  # the op's autograd without custom_op's Python dispatch (forward AD: its jvp)
         return _ops.eager_rope(q, k, cos, sin, positions, bool(interleaved))
     return _ops.rope_pair(q, k, cos, sin, positions, bool(interleaved), False)
+
+
+def _torch_rope(q, k, cos, sin, positions, interleaved, inplace):
+    """rotary_embedding by the reference's torch ops, in fp32 (float64 in float64), rounded once as
+    the kernel (torch_only: torch.func transforms, jit.trace)."""
+    if q.dim() != 4 or k.dim() != 4:
+        raise RuntimeError(f"{_WHERE}: under torch.func transforms (vmap over the batch) expected 4-D q and k "
+                           f"(batch, heads, seq, head_dim), got {q.dim()}-D and {k.dim()}-D")
+    if inplace and wants_grad(q, k):
+        raise ValueError(f"{_WHERE}: inplace=True has no autograd; use inplace=False where gradients flow")
+    from zerofuse import reference  # noqa: PLC0415
+
+    if positions is not None and positions.dim() == 1:
+        positions = positions.expand(q.shape[0], q.shape[2])
+    acc = torch.promote_types(q.dtype, torch.float32)
+    rq, rk = (reference.rotary_embedding(t.to(acc), cos.to(acc), sin.to(acc), positions, interleaved).to(t.dtype)
+              for t in (q, k))
+    if inplace:
+        with torch.no_grad():
+            return q.copy_(rq), k.copy_(rk)
+    return rq, rk
 
 
 def _count(name: str, v, what: str) -> int:
