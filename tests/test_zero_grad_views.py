@@ -6,8 +6,8 @@ import warnings
 import pytest
 import torch
 
-import zerofuse
 from dist_utils import run_distributed
+from test_zero_memory import three_steps
 from test_zero_world_of_one import _train
 from zerofuse import zero
 from zerofuse.models import GPT, GPTConfig
@@ -33,16 +33,8 @@ def _peaks(build):
     or None), counted from before the model is built. A batch of one short sequence: the grads, not
     the activations, make the peak."""
     x = torch.randint(0, 65, (1, 9), generator=torch.Generator().manual_seed(0))
-    with zerofuse.zero.peak_memory() as mem:
-        model, opt = build()
-        for i in range(3):
-            _, loss = model(x[:, :-1], x[:, 1:])
-            mem.mark(f"backward{i}")
-            loss.backward()
-            mem.mark(f"step{i}")
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        report = zero.memory_report(model)["grads"] if hasattr(model, "_zerofuse_zero") else None
+    mem, model = three_steps(build, x)
+    report = zero.memory_report(model)["grads"] if hasattr(model, "_zerofuse_zero") else None
     return mem.phases["backward2"][1], mem.peak, report
 
 

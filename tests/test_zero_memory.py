@@ -77,9 +77,9 @@ def test_backward_gradient_memory_is_bounded_by_the_inflight_window(stage):
     assert r["grad_bytes"] > bound
 
 
-def _absolute_peaks(build, x):
-    """(bytes at the step's start, peak during backward) of the third of three training steps,
-    counted from before the model is built (params, grads, optimizer states, activations, buffers)."""
+def three_steps(build, x):
+    """(the peak_memory record, model) of three training steps of build()'s (model, optimizer) on x,
+    counted from before the model is built; phases forward{i}, backward{i}, step{i}, end."""
     with zerofuse.zero.peak_memory() as mem:
         model, opt = build()
         for i in range(3):
@@ -91,6 +91,13 @@ def _absolute_peaks(build, x):
             opt.step()
             opt.zero_grad(set_to_none=True)
         mem.mark("end")
+    return mem, model
+
+
+def _absolute_peaks(build, x):
+    """(bytes at the step's start, peak during backward) of the third of three training steps
+    (params, grads, optimizer states, activations, buffers)."""
+    mem, _ = three_steps(build, x)
     return mem.phases["forward2"][0], mem.phases["backward2"][1]
 
 

@@ -153,7 +153,9 @@ class RotaryEmbedding(torch.nn.Module):
         self._made_for = self._key()  # what the tables are for
 
     def _key(self):
-        return self.max_positions, self.rotary_dim, self.base, check_rope_scaling(self.scaling, "RotaryEmbedding")
+        # (every forward reads it: the scaling's items, checked only when rope_tables remakes the tables)
+        scaling = None if self.scaling is None else tuple(self.scaling.items())
+        return self.max_positions, self.rotary_dim, self.base, scaling
 
     def tables(self, device) -> tuple[Tensor, Tensor]:
         """The (cos, sin) tables on ``device``, made again after max_positions, rotary_dim or base
