@@ -97,3 +97,48 @@ def test_a_checkpoint_from_before_rope_scaling_is_another_model(tmp_path):
     with pytest.raises(train.UsageError, match=r"holds another model: rope_scaling \{'rope_type': 'llama3'.*"
                                                r"\(the checkpoint's: None; --model llama3-1b\)"):
         tiny_job_args(tmp_path, *flags, "--steps", "3", "--resume")
+
+
+class _Writer:
+    """torch.utils.tensorboard's SummaryWriter, recording (tensorboard is not installed for tests)."""
+    made: list = []
+
+    def __init__(self, log_dir, purge_step=None):
+        self.purge_step, self.scalars = purge_step, []
+        _Writer.made.append(self)
+
+    def add_scalar(self, tag, value, step):
+        self.scalars.append((tag, step))
+
+    def close(self):
+        pass
+
+
+def test_a_resume_keeps_the_first_val_loss_and_purges_the_stopped_runs_events(tmp_path, monkeypatch):
+    """A resumed run's summary had no initial val loss and its loss.png neither that point nor the
+    resume's val; its TensorBoard events past the checkpoint showed twice (the stopped run's and its
+    own). The run here saved its last checkpoint at step 2 and logged to step 3 (as a kill leaves it)."""
+    import sys
+    import types
+
+    from zerofuse.train import report
+    from zerofuse.train.loop import Trainer
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", types.SimpleNamespace(SummaryWriter=_Writer))
+    _Writer.made.clear()
+    plotted = []
+    monkeypatch.setattr(report, "_plot", lambda history, path: plotted.append(history))
+    save = Trainer.save
+    monkeypatch.setattr(Trainer, "save", lambda self: save(self) if self.step <= 2 else None)
+    flags = ("--ckpt-every", "1", "--log-every", "1")
+    assert Trainer(tiny_job_args(tmp_path, "--steps", "3", *flags), None).run() == 0
+    first = json.loads((tmp_path / "summary.json").read_text())["initial_val_loss"]
+    assert first is not None and _Writer.made[0].purge_step is None
+    assert Trainer(tiny_job_args(tmp_path, "--steps", "4", "--resume", *flags), None).run() == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["start_step"] == 2 and summary["initial_val_loss"] == first
+    writer = _Writer.made[1]
+    assert writer.purge_step == 3  # TensorBoard drops the first run's events from step 3 on
+    assert [s for tag, s in writer.scalars if tag == "loss/val"] == [2, 4]
+    vals = [(m["step"], m["val_loss"]) for m in plotted[1] if "val_loss" in m]
+    assert sorted(s for s, _ in vals) == [0, 2, 4] and (0, first) in vals

@@ -105,6 +105,7 @@ def setup(t) -> None:
                             args.eval_batches, args.batch, args.dp, t.mesh.dp_rank, args.seed)
     t.out = Path(args.out)
     t.ckpt = t.out / "ckpt"
+    t.initial_val_loss = None  # the run's step-0 val loss (a resume carries it in the checkpoint's extra)
     t.step = resume(t) if args.resume else 0
     t.start_step = t.step
     t.memory = None
@@ -148,6 +149,7 @@ def resume(t) -> int:
         raise ValueError(f"{PROG}: --resume: the checkpoint at {t.ckpt} was trained on a different vocabulary "
                          f"({extra['tokenizer']['kind']} tokenizer) than --data {t.args.data}")
     step, args = int(extra["step"]), t.args
+    t.initial_val_loss = extra.get("initial_val_loss")  # (None from a checkpoint saved before it was kept)
     if args.steps < step:  # (== : resumed at the end, nothing to train)
         raise ValueError(f"{PROG}: --steps: expected at least the checkpoint's step {step} to resume, got {args.steps}")
     t.sched.load_state_dict(extra["scheduler"])

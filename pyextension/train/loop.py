@@ -169,7 +169,8 @@ class Trainer:
     def save(self) -> None:
         from zerofuse import checkpoint
         extra = {"step": self.step, "scheduler": self.sched.state_dict(), "tokenizer": self.corpus.identity(),
-                 "config": dataclasses.asdict(self.cfg), "seed": self.args.seed}
+                 "config": dataclasses.asdict(self.cfg), "seed": self.args.seed,
+                 "initial_val_loss": self.initial_val_loss}
         checkpoint.save(str(self.ckpt), self.model, self.opt, extra=extra)
 
     def sample(self) -> str:
@@ -198,6 +199,8 @@ class Trainer:
         try:
             self.stop.arm()  # signals stop the loop at a step boundary (before it: at once)
             val, val_step = self.evaluate(), self.step
+            if self.start_step == 0:
+                self.initial_val_loss = val
             if self.log:
                 self.log.start(val)
             t_train = time.perf_counter()

@@ -41,8 +41,10 @@ class RankZeroLog:
         self.every = trainer.log_every
         self.bar = tqdm(total=self.args.steps, initial=trainer.step, disable=not self.tty, dynamic_ncols=True,
                         desc="train", unit="step")
-        self.tb = _tensorboard(self.out)
-        self.initial_val = None
+        # (a resumed run's events past the checkpoint's step are the stopped run's: TensorBoard drops
+        # them at this run's first event, as metrics.jsonl's are trimmed; they showed twice before)
+        self.tb = _tensorboard(self.out, trainer.step + 1 if self.args.resume and trainer.step else None)
+        self.resume_val = None  # (step, val loss) at a resume, when the kept records lack it
 
     def _trim_metrics(self, step: int) -> list[dict]:
         """Drop lines past the checkpoint we resume from (a stopped run may have logged beyond it);
@@ -74,7 +76,8 @@ class RankZeroLog:
 
     def start(self, val: float) -> None:
         t, a = self.t, self.args
-        self.initial_val = val
+        if t.step and not any(m["step"] == t.step and "val_loss" in m for m in self.history):
+            self.resume_val = {"step": t.step, "val_loss": val}
         sp = ", sequence parallel" if a.sequence_parallel else ""
         pp = f"pp {a.pp} ({a.pp_schedule}, {a.microbatches} micro-batches) × " if a.pp > 1 else ""
         self.write(f"{PROG}: {_plural(t.world, 'rank')} ({pp}dp {a.dp} × tp {a.tp}{sp}), "
@@ -95,7 +98,7 @@ class RankZeroLog:
             self.write(note)
         where = f"resumed at step {t.step}" if t.step else "step 0"
         self.write(f"{where}: val loss {val:.4f}")
-        if self.tb:
+        if self.tb and (t.step == 0 or self.resume_val):
             self.tb.add_scalar("loss/val", val, t.step)
 
     def step(self, m: dict) -> None:
@@ -133,8 +136,10 @@ class RankZeroLog:
         elif self.args.sample_tokens and self.args.pp > 1 and not signum:  # (it was skipped without a word)
             print(f"{PROG}: note: no sample with --pp {self.args.pp} (each stage holds part of the model; "
                   f"zerofuse.checkpoint.consolidate('{self.t.ckpt}') gives the whole one)", flush=True)
-        start = [{"step": 0, "val_loss": self.initial_val}] if self.t.start_step == 0 else []
-        _plot(start + self.history, self.out / "loss.png")
+        # (the step-0 val and the resume's: a resumed run's plot had neither, 2026-12-07)
+        first = self.t.initial_val_loss
+        points = ([{"step": 0, "val_loss": first}] if first is not None else []) + self.history
+        _plot(points + ([self.resume_val] if self.resume_val else []), self.out / "loss.png")
 
     def _summary(self, memory, train_s, final_val, signum) -> dict:
         t, a = self.t, self.args
@@ -158,7 +163,7 @@ class RankZeroLog:
             "step_time_s": step_time, "comm_time_s": comm,
             "compute_time_s": step_time - comm if comm is not None and step_time else None,
             "mfu": _mfu(t, tok_s), "memory_per_rank": memory,
-            "initial_val_loss": self.initial_val if t.start_step == 0 else None,
+            "initial_val_loss": t.initial_val_loss,  # (the step-0 one, a resumed run's too)
             "final_train_loss": runs[-1]["loss"] if runs else None,
             "skipped_steps": sum(1 for m in runs if m.get("skipped")),
             "final_val_loss": final_val[0], "final_val_step": final_val[1],
@@ -273,9 +278,11 @@ def _moe_summary(t: Trainer, runs: list[dict]) -> dict | None:
             "a2a_exposed_ms_per_step": 1e3 * _mean(a2a) if a2a else None}
 
 
-def _tensorboard(out: Path):
+def _tensorboard(out: Path, purge_step: int | None):
+    """A SummaryWriter on out/tensorboard; purge_step: TensorBoard drops the events already written at
+    or past it (a resume's, past its checkpoint)."""
     try:
         from torch.utils.tensorboard import SummaryWriter
     except Exception:  # tensorboard not installed: optional
         return None
-    return SummaryWriter(str(out / "tensorboard"))
+    return SummaryWriter(str(out / "tensorboard"), purge_step=purge_step)

@@ -89,7 +89,7 @@ def _plot(history: list[dict], path: Path) -> None:
     ax = fig.subplots()
     train = [m for m in history if "loss" in m]
     ax.plot([m["step"] for m in train], [m["loss"] for m in train], label="train", linewidth=1)
-    val = [(m["step"], m["val_loss"]) for m in history if "val_loss" in m]
+    val = sorted((m["step"], m["val_loss"]) for m in history if "val_loss" in m)
     if val:
         ax.plot(*zip(*val), "o-", label="val")
     ax.set_xlabel("step")
