@@ -5,6 +5,7 @@ and a jit trace of a norm baked its traced shape (another input's shape came bac
 a review's reproductions, 2026-12-06). Compared with torch's functions under the same transform."""
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch.func import grad, vmap
@@ -111,3 +112,68 @@ def test_the_fallbacks_keep_the_faces_semantics(kernel_path):
     attn(xs).square().sum().backward()
     for n, p in attn.named_parameters():
         assert_close(got[n], p.grad, msg=n)
+
+
+def _batched_backwards(ours, theirs, inputs, how):
+    """The gradients of ours(*inputs) and theirs(*inputs) for 3 grad outputs at once: autograd.grad's
+    is_grads_batched, or torch.func.vmap over autograd.grad of a graph built outside it."""
+    grads = []
+    for f in (ours, theirs):
+        xs = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in inputs]
+        y = f(*xs)
+        wrt = [t for t in xs if t.requires_grad]
+        v = torch.randn(3, *y.shape, generator=torch.Generator().manual_seed(1))
+        if how == "is_grads_batched":
+            grads.append(torch.autograd.grad(y, wrt, v, is_grads_batched=True))
+        else:
+            grads.append(vmap(lambda g: torch.autograd.grad(y, wrt, g, retain_graph=True))(v))
+    return grads
+
+
+def _backward_faces():
+    g = torch.Generator().manual_seed(0)
+    x, r = torch.randn(4, 16, generator=g), torch.randn(4, 16, generator=g)
+    w, b = torch.randn(16, generator=g), torch.randn(16, generator=g)
+    q, k, v = (torch.randn(2, 2, 5, 8, generator=g) for _ in range(3))
+    h, W, t = torch.randn(6, 16, generator=g), torch.randn(11, 16, generator=g), torch.randint(0, 11, (6,), generator=g)
+    eps = torch.finfo(torch.float32).eps
+    cos, sin = zn.rope_tables(5, 8)
+    qkv = torch.randn(2, 5, 3 * 16, generator=g)
+    return {
+        "layer_norm": (lambda x, w, b: ZF.layer_norm(x, (16,), w, b), lambda x, w, b: F.layer_norm(x, (16,), w, b),
+                       (x, w, b)),
+        "add_rms_norm": (lambda x, r, w: ZF.add_rms_norm(x, r, (16,), w)[0],
+                         lambda x, r, w: F.rms_norm(x + r, (16,), w, eps=eps), (x, r, w)),
+        "swiglu": (lambda a, c: ZF.swiglu(a, c), lambda a, c: F.silu(a) * c, (x, r)),
+        "geglu packed": (lambda a: ZF.geglu(a), lambda a: F.gelu(a[:, :8], approximate="tanh") * a[:, 8:], (x,)),
+        "bias_gelu": (lambda a, c: ZF.bias_gelu(a, c), lambda a, c: F.gelu(a + c, approximate="tanh"), (x, b)),
+        "sdpa": (lambda q, k, v: ZF.scaled_dot_product_attention(q, k, v, is_causal=True),
+                 lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), (q, k, v)),
+        "linear_cross_entropy": (lambda h, W, t: ZF.linear_cross_entropy(h, W, t),
+                                 lambda h, W, t: F.cross_entropy(h @ W.T, t), (h, W, t)),
+        "rotary_embedding": (lambda q, k: torch.cat(ZF.rotary_embedding(q, k, cos, sin)),
+                             lambda q, k: torch.cat([reference.rotary_embedding(t, cos, sin) for t in (q, k)]), (q, k)),
+        "qkv_attention": (lambda t: ZF.qkv_attention(t, 2, is_causal=True),
+                          lambda t: F.scaled_dot_product_attention(
+                              *(h.unflatten(-1, (2, 8)).transpose(1, 2) for h in t.chunk(3, -1)), is_causal=True
+                          ).transpose(1, 2).flatten(-2), (qkv,)),
+    }
+
+
+@pytest.mark.parametrize("how", ["is_grads_batched", "vmap"])
+def test_a_batched_backward_through_the_faces(how, kernel_path):
+    """jacobian(vectorize=True) / is_grads_batched / vmap over a backward hand the faces' backwards
+    batched gradients: the CPU path's swiglu (an in-place mul_) and the fused loss (_foreach_mul_)
+    raised torch's batching errors, and the Triton path read the batched tensors' storage
+    ("Cannot access storage of BatchedTensorImpl"). Now the CPU path gives torch's gradients and the
+    Triton path refuses by name, except the loss whose gradients were made in its forward (scaled
+    only: no kernel)."""
+    for name, (ours, theirs, inputs) in _backward_faces().items():
+        if kernel_path == "triton" and name != "linear_cross_entropy":
+            with pytest.raises(NotImplementedError, match="backward has no batched rule for its Triton kernels"):
+                _batched_backwards(ours, theirs, inputs, how)
+            continue
+        got, want = _batched_backwards(ours, theirs, inputs, how)
+        for i, (a, e) in enumerate(zip(got, want)):
+            assert a.shape == e.shape
+            assert_close(a, e, msg=f"{name} grad {i} ({how})")

@@ -58,21 +58,30 @@ class _Unpacked:
         setattr(self._ctx, name, value)
 
 
-def first_order(backward: Callable | None = None, *, name: str | None = None) -> Callable:
+def first_order(backward: Callable | None = None, *, name: str | None = None,
+                batched_ok: Callable | None = None) -> Callable:
     """For the backward of an autograd Function whose gradients carry no graph (the Eager* ones, the
     fused loss's): under create_graph=True (a gradient penalty, a Hessian-vector product) its
     gradients come out with a graph node that raises when they are differentiated, instead of
     gradients whose own second-order term would be silently missing (a penalty on d(loss)/dx of a
     norm was 137 off torch's: a review's reproduction, 2026-11-27). Used only as values they are
     fine. torch's once_differentiable does this only when the incoming gradients require grad,
-    which a penalty's do not."""
+    which a penalty's do not. Batched incoming gradients (is_grads_batched=True, vmap over a
+    backward) are refused on the Triton path unless ``batched_ok(ctx)`` says this backward runs no
+    kernel; the CPU's C++/aten path takes them."""
     if backward is None:
-        return lambda fn: first_order(fn, name=name)
+        return lambda fn: first_order(fn, name=name, batched_ok=batched_ok)
     label = name or backward.__qualname__.split(".")[0]
     message = (f"zerofuse: {label} has no double backward: differentiating its gradients (create_graph=True) "
                f"would miss their second-order term; compute that part with torch's ops").encode()
 
     def run(ctx, *grads):
+        if any(map(batched, grads)) and _on_triton(grads) and not (batched_ok and batched_ok(ctx)):
+            raise NotImplementedError(
+                f"zerofuse: {label}'s backward has no batched rule for its Triton kernels: it was given batched "
+                "gradients (torch.autograd.grad(..., is_grads_batched=True), jacobian(vectorize=True), or "
+                "torch.func.vmap over a backward); loop over the gradient outputs instead, or apply torch.func's "
+                "transforms to the whole forward (zerofuse's faces compute with torch's ops under them)")
         if not torch.is_grad_enabled() or torch.compiler.is_compiling():  # (traced backwards: the compiler's)
             return backward(ctx, *grads)
         saved = ctx.saved_tensors  # (unpacked once: a second unpack raises under non-reentrant checkpointing)
@@ -93,6 +102,15 @@ def first_order(backward: Callable | None = None, *, name: str | None = None) ->
 
     run.__name__, run.__qualname__, run.__doc__ = backward.__name__, backward.__qualname__, backward.__doc__
     return run
+
+
+def _on_triton(grads) -> bool:
+    """Whether a backward given these gradients runs Triton kernels: on CUDA, and on the CPU in the
+    interpreter (ZEROFUSE_TRITON_ON_CPU=1); the CPU's C++/aten path runs batched tensors through
+    the dispatcher's batching rules and fallbacks."""
+    from zerofuse import kernels
+    device = next((g.device for g in grads if isinstance(g, torch.Tensor)), None)
+    return device is not None and (device.type == "cuda" or (device.type == "cpu" and kernels.triton_on_cpu()))
 
 
 def layout_strides(t: torch.Tensor) -> tuple[int, ...]:
@@ -142,6 +160,7 @@ def registered_in_torch() -> list[str]:
     )
 
 
+from zerofuse.ops.signatures import batched  # noqa: E402
 from zerofuse.ops.flatten import flatten_into, packed_offsets, unflatten_from  # noqa: E402
 from zerofuse.ops import norms  # noqa: E402,F401
 from zerofuse.ops import attention  # noqa: E402,F401

@@ -30,6 +30,7 @@ from torch import Tensor
 from zerofuse import kernels, reference
 from zerofuse.kernels import cross_entropy as K
 from zerofuse.ops import first_order, register
+from zerofuse.ops.signatures import batched
 from zerofuse.ops.ids import check_ids
 
 _NAME = "zerofuse::linear_cross_entropy"
@@ -306,7 +307,8 @@ def scale_saved_grads(ctx, dloss: Tensor) -> tuple[Tensor, Tensor, Tensor]:
                            "this graph; to backward more than once, pass recompute=True")
     ctx.consumed = True
     grads = ctx.saved_tensors
-    if type(dloss) is not torch.Tensor:  # traced (torch.compile, opcheck): functional tensors, out of place
+    if type(dloss) is not torch.Tensor or batched(dloss):  # traced (torch.compile, opcheck): functional
+        # tensors; batched (is_grads_batched=True, vmap over the backward): a batch of scalars. Out of place
         return tuple(g * dloss if g is not None else None for g in grads)
     # one multi-tensor launch (dloss: a 0-dim fp32 tensor read on the device; the gradients keep their
     # dtypes); empty ones (no bias) skipped
@@ -338,7 +340,9 @@ def _backward(ctx, dloss, _dlse, _ddh, _ddw, _ddb):
     return dh, dw, None, (db if ctx.has_bias else None), None, None, None, None, None, None, None
 
 
-linear_cross_entropy.register_autograd(first_order(_backward, name="linear_cross_entropy"), setup_context=_setup)
+# (gradients made in forward: the backward scales them, no kernel; batched gradients are fine there)
+linear_cross_entropy.register_autograd(first_order(_backward, name="linear_cross_entropy",
+                                                   batched_ok=lambda ctx: ctx.grad), setup_context=_setup)
 
 
 # ---------------------------------------------------------------- self-test (doctor)

@@ -14,6 +14,7 @@ from torch import Tensor
 from zerofuse import kernels, reference
 from zerofuse.kernels import rotary as K
 from zerofuse.ops import eager_apply, first_order, empty_in_layout, register
+from zerofuse.ops.signatures import batched
 
 _NAME = "zerofuse::rotary_embedding"
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -69,7 +70,9 @@ def _rope(x, out, cos, sin, positions, interleaved, inverse) -> None:
 
 
 def _out_of_place(x, cos, sin, positions, interleaved, inverse) -> Tensor:
-    out = empty_in_layout(x)  # [Note: outputs follow their inputs' layout]
+    # [Note: outputs follow their inputs' layout]; a batched x (a batched backward's gradient) gets a
+    # batched out: an unbatched one could not take the batched values (aten::copy_ raised)
+    out = torch.empty_like(x) if batched(x) else empty_in_layout(x)
     if 2 * cos.shape[1] < x.shape[-1]:  # partial rotary: the other dims as they are
         out.copy_(x)
     _rope(x, out, cos, sin, positions, interleaved, inverse)

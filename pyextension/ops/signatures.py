@@ -39,6 +39,15 @@ def torch_only() -> bool:
     return torch._C._are_functorch_transforms_active() or torch._C._get_tracing_state() is not None
 
 
+def batched(t) -> bool:
+    """Whether t is a functorch-wrapped tensor (vmap's, grad's) or a legacy batched one: what a
+    backward gets under ``torch.autograd.grad(..., is_grads_batched=True)`` (jacobian(vectorize=True))
+    or torch.func.vmap over a vjp of a graph built outside it. Such tensors have no storage for a
+    kernel to read and no in-place op may write a batched operand into an unbatched one."""
+    from torch._C import _functorch as ft
+    return isinstance(t, torch.Tensor) and (ft.is_legacy_batchedtensor(t) or ft.is_functorch_wrapped_tensor(t))
+
+
 def autograd_modes() -> int:
     """What decides, besides grad mode and requires_grad, whether a face's call records autograd:
     forward AD's dual level (-1 outside ``forward_ad.dual_level()``) and inference mode. The faces

@@ -65,7 +65,8 @@ def _bwd(dy, gate, up, activation):
     acc = _acc(gate)
     dyf, g = dy.to(acc), gate.to(acc)
     dg = _act_backward(dyf * up.to(acc), g, activation)
-    return dg.to(gate.dtype).contiguous(), _act(g, activation).mul_(dyf).to(up.dtype).contiguous()
+    # (out of place: under a batched backward dy is batched and gate not; mul_ into act(gate) raised)
+    return dg.to(gate.dtype).contiguous(), (_act(g, activation) * dyf).to(up.dtype).contiguous()
 
 
 @torch.library.custom_op(_NAME, mutates_args=())

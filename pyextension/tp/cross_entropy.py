@@ -58,7 +58,7 @@ class _VocabParallelLCE(torch.autograd.Function):
         return loss
 
     @staticmethod
-    @first_order(name="vocab_parallel_linear_cross_entropy")
+    @first_order(name="vocab_parallel_linear_cross_entropy", batched_ok=lambda ctx: ctx.grad)
     def backward(ctx, dloss):
         if ctx.grad:
             dh, dw, db = ops.scale_saved_grads(ctx, dloss)
