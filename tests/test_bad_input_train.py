@@ -123,7 +123,7 @@ TRAIN = [
     Case("flag-val-data-with-char-tokens", _flags, lambda: ("--val-data", "v.bin"), U,
          r"^--val-data: expected GPT-2 tokens \(--tokenizer gpt2 or token shards\), got --tokenizer char"),
     Case("flag-tokenizer-char-on-shards", _flags, lambda: ("--data", "t.bin", "--tokenizer", "byte"), U,
-         r"^--tokenizer: --data 't.bin' holds GPT-2 token ids, expected gpt2 \(or no --tokenizer\), got byte"),
+         r"^--tokenizer: --data 't.bin' holds GPT-2 token ids, expected --tokenizer gpt2 \(or none\), got byte"),
     Case("flag-out-is-a-file", lambda: _flags("--out", _file("x")), tuple, U,
          r"^--out: expected a directory, got '.*\.txt' \(a file\)"),
     Case("flag-out-inside-a-file", lambda: _flags("--out", os.path.join(_file("x"), "sub")), tuple, U,

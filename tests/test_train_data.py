@@ -154,7 +154,7 @@ def test_tokenize_cached_once_next_to_the_text(tmp_path, monkeypatch):
     text = tmp_path / "t.txt"
     text.write_text("To be, or not to be: that is the question.\n" * 20)
     cache = tok.tokenize_cached(text)
-    assert cache.parent == tmp_path and cache.name.startswith("t.txt.gpt2-") and cache.suffix == ".bin"
+    assert cache.parent == tmp_path and cache.name.startswith(".t.txt.gpt2-") and cache.suffix == ".bin"
     assert tok.read_shard(cache).tolist() == tok.gpt2_encode(text.read_text()).tolist()
     monkeypatch.setattr(tok, "gpt2_encode", lambda s: pytest.fail("tokenized twice"))
     assert tok.tokenize_cached(text) == cache
@@ -194,7 +194,7 @@ def test_flags_gpt2_defaults_and_errors(tmp_path):
     for argv, message in (
         (("--data", str(bad), "--seq-len", "8"), r"^--data: .*bad.bin: expected GPT-2 token ids below 50257, found 50400"),
         (("--data", str(GPT2_DEFAULT[1]), "--tokenizer", "char"),
-         r"^--tokenizer: --data '.*' holds GPT-2 token ids, expected gpt2 \(or no --tokenizer\), got char"),
+         r"^--tokenizer: --data '.*' holds GPT-2 token ids, expected --tokenizer gpt2 \(or none\), got char"),
         (("--val-data", str(GPT2_DEFAULT[1])), r"^--val-data: expected GPT-2 tokens .*got --tokenizer char"),
         (("--data", str(tmp_path / "none_*.bin")), r"^--data: expected the pattern .* to match token files"),
         (("--data", str(GPT2_DEFAULT[0]), "--val-data", str(short)),

@@ -193,3 +193,62 @@ def test_a_note_is_printed_once_a_job(capsys, monkeypatch):
                 m.setenv(k, v)
             note("something")
         assert (capsys.readouterr().err == "zerofuse-train: note: something\n") == printed, env
+
+
+def _read_only(monkeypatch, folder: Path) -> None:
+    """folder as a read-only one for tokenize_cached (the tests run as root, which writes anywhere)."""
+    access = tok.os.access
+    monkeypatch.setattr(tok.os, "access", lambda p, mode: access(p, mode) and not (
+        mode == tok.os.W_OK and Path(p).resolve() == folder.resolve()))
+
+
+@pytest.mark.skipif(not tok.gpt2_available(), reason=f"GPT-2 BPE not installed: {tok.GPT2_INSTALL}")
+def test_a_validation_text_is_cached_as_the_training_text(tmp_path, monkeypatch):
+    """--val-data's text was tokenized by the ranks with no fallback folder: from a read-only folder
+    its cache went to the working directory, so a text given as both --data and --val-data trained
+    and validated on the same tokens unrefused (two caches, two files); and a cache next to shards
+    was matched by the folder's --data glob (taken as training data, or refused at the next run)."""
+    ro, out = tmp_path / "ro", tmp_path / "out"
+    ro.mkdir()
+    (ro / "train.txt").write_text("To be, or not to be, that is the question. " * 300)
+    (ro / "val.txt").write_text("Whether 'tis nobler in the mind to suffer. " * 300)
+    _read_only(monkeypatch, ro)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(train.UsageError, match=r"^--val-data: expected a text that is not --data's"):
+        _flags("--data", str(ro / "train.txt"), "--val-data", str(ro / "train.txt"), "--tokenizer", "gpt2",
+               "--seq-len", "8", "--out", str(out))
+    got = _flags("--data", str(ro / "train.txt"), "--val-data", str(ro / "val.txt"), "--tokenizer", "gpt2",
+                 "--seq-len", "8", "--out", str(out))
+    assert Path(got.val_data).parent == out and Path(got.data).parent == out
+    assert not list(tmp_path.glob("*.bin")) and not list(tmp_path.glob(".*.bin"))  # nothing in the working dir
+    monkeypatch.undo()
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    for name in ("s_000.bin", "s_001.bin"):
+        tok.write_shard(shards / name, range(3000))
+    (shards / "val.txt").write_text("Whether 'tis nobler in the mind to suffer. " * 300)
+    for _ in range(2):  # (the second run found the first one's cache in the glob)
+        got = _flags("--data", str(shards / "*.bin"), "--val-data", str(shards / "val.txt"), "--seq-len", "8")
+        assert Path(got.val_data).parent == shards
+    assert [p.name for p in tok.expand(str(shards / "*.bin"))] == ["s_000.bin", "s_001.bin"]
+
+
+def test_shard_faults_name_the_file_and_the_flag(tmp_path):
+    """An unreadable shard printed "[Errno 13] Permission denied" with no flag; an id past the
+    vocabulary found mid-run named "shard 1", a place in the sorted glob; a glob of texts with
+    --tokenizer char said the texts held GPT-2 token ids."""
+    (tmp_path / "adir.bin").mkdir()
+    with pytest.raises(ValueError, match=r"^--val-data: .*adir.bin: expected a readable token file"):
+        tok.read_shard(tmp_path / "adir.bin", "--val-data")
+    ids = np.zeros(100_000, dtype=np.uint16)
+    ids[50_000:50_100] = 50_300
+    tok.write_shard(tmp_path / "a.bin", range(3000))
+    tok.write_shard(tmp_path / "b.bin", ids)
+    sampler = D.Sampler([tok.read_shard(tmp_path / n) for n in ("a.bin", "b.bin")], 64, 8, 1, 1, 0, seed=0,
+                        vocab=tok.GPT2_VOCAB)
+    with pytest.raises(ValueError, match=r"^--data: .*b.bin holds token id 50300 at or past the vocabulary"):
+        for step in range(5000):
+            sampler.get(step)
+    (tmp_path / "t.txt").write_text("hello " * 100)
+    with pytest.raises(train.UsageError, match=r"is a glob pattern: it names GPT-2 token shards .* got char"):
+        _flags("--data", str(tmp_path / "*.txt"), "--tokenizer", "char", "--seq-len", "8")

@@ -8,6 +8,7 @@ import dataclasses
 import math
 import os
 import sys
+from pathlib import Path
 
 from . import tokens as tok
 from .data import GPT2_DEFAULT, Corpus, _data_path
@@ -162,8 +163,9 @@ def _validate_data(args) -> None:
     shards = args.data is not None and tok.is_shard_spec(args.data)
     args.tokenizer = args.tokenizer or ("gpt2" if shards or gpt2_model else "char")
     _check(not shards or args.tokenizer == "gpt2",
-           f"--tokenizer: --data {args.data!r} holds GPT-2 token ids, expected gpt2 (or no --tokenizer), "
-           f"got {args.tokenizer}")
+           f"--tokenizer: --data {args.data!r} " + ("is a glob pattern: it names GPT-2 token shards (.bin)"
+                                                    if shards and tok._is_pattern(args.data) else "holds GPT-2 token ids")
+           + f", expected --tokenizer gpt2 (or none), got {args.tokenizer} (char and byte read one text file)")
     _check(args.val_data is None or args.tokenizer == "gpt2",
            f"--val-data: expected GPT-2 tokens (--tokenizer gpt2 or token shards), got --tokenizer {args.tokenizer}")
     need = args.model_shape["seq_len"] + 1  # one window of inputs and targets (data.Sampler)
@@ -198,6 +200,22 @@ def _validate_tokens(args, shards: bool, need: int) -> None:
             args.data = str(tok.tokenize_cached(path, fallback_dir=args.out))
         except ValueError as e:
             raise UsageError(str(e)) from None
+    if args.val_data is not None and not tok.is_shard_spec(args.val_data):
+        # a --val-data text as --data's: its cache in --out when its folder is not writable (it went to
+        # the working directory, and a read-only text given as both was trained and validated on
+        # unrefused: the two caches were different files; a review's reproduction, 2026-12-07)
+        val = Path(args.val_data)
+        _check(val.is_file() and os.access(val, os.R_OK),
+               f"--val-data: expected a readable text file or token shards (.bin), got {str(val)!r}")
+        _check(tok.gpt2_available(), f"--tokenizer gpt2: expected the GPT-2 BPE to be installed ({tok.GPT2_INSTALL})")
+        try:
+            cache = tok.tokenize_cached(val, fallback_dir=args.out, flag="--val-data")
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        if not shards:  # the same text (by content: the caches' names hold its hash) on both flags
+            _check(cache.name.rsplit(".gpt2-", 1)[1] != Path(args.data).name.rsplit(".gpt2-", 1)[1],
+                   f"--val-data: expected a text that is not --data's, got {str(val)!r} (the same text as --data)")
+        args.val_data = str(cache)
     try:
         corpus = Corpus.load(args.data, "gpt2", args.val_data)
     except (ValueError, OSError) as e:

@@ -207,7 +207,9 @@ class Sampler:
             chunk[at] = self.shards[s][local[at][:, None] + self._window]
         if self.vocab is not None and chunk.max() >= self.vocab:  # one max over the batch
             row = np.unravel_index(int(chunk.argmax()), chunk.shape)[:-1]
-            raise ValueError(f"{self.flag}: shard {int(shard[row])} holds token id {int(chunk.max())} at or past the "
+            k = int(shard[row])  # (by file: "shard 1" was a place in the sorted glob, a val split's "shard 0")
+            name = getattr(self.shards[k], "filename", None) or f"shard {k}"
+            raise ValueError(f"{self.flag}: {name} holds token id {int(chunk.max())} at or past the "
                              f"vocabulary ({self.vocab}) in a window read at {where}; expected GPT-2 token ids "
                              f"(the start checks read the first and last 2^20 tokens of each shard)")
         chunk = torch.from_numpy(chunk)

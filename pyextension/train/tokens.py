@@ -85,9 +85,12 @@ def expand(spec: str, flag: str = "--data") -> list[Path]:
 def read_shard(path, flag: str = "--data") -> np.ndarray:
     """The tokens of one shard as a read-only uint16 memory map (llm.c header or raw array)."""
     path = Path(path)
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        raw = f.read(HEADER_BYTES)
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            raw = f.read(HEADER_BYTES)
+    except OSError as e:  # (the bare "[Errno 13] Permission denied" named no flag)
+        raise ValueError(f"{flag}: {path}: expected a readable token file, got: {e.strerror}") from None
     head = np.frombuffer(raw[:len(raw) // 4 * 4], dtype=np.int32)
     if len(head) >= 3 and head[0] == MAGIC:
         if head[1] != VERSION:
@@ -220,9 +223,11 @@ def gpt2_decode(ids) -> str:
 
 
 def tokenize_cached(text_path, fallback_dir=None, flag: str = "--data") -> Path:
-    """The GPT-2 shard of a text file: ``<name>.gpt2-<sha256[:12]>.bin`` next to it (or in
+    """The GPT-2 shard of a text file: ``.<name>.gpt2-<sha256[:12]>.bin`` next to it (or in
     ``fallback_dir`` when that directory is not writable), tokenized on first use. Concurrent callers
-    (every rank under torchrun) wait on a lock for the one that tokenizes."""
+    (every rank under torchrun) wait on a lock for the one that tokenizes. A dotfile: a --data glob
+    of the folder's shards (``*.bin``) does not match it (a visible cache was taken as training data,
+    or refused as --val-data's text also matched by --data; a review's reproduction, 2026-12-07)."""
     import fcntl
     text_path = Path(text_path)
     sha, buf = hashlib.sha256(), bytearray(1 << 18)
@@ -230,13 +235,13 @@ def tokenize_cached(text_path, fallback_dir=None, flag: str = "--data") -> Path:
         while n := f.readinto(buf):  # one 256 KiB buffer, as hashlib.file_digest (Python 3.11+)
             sha.update(memoryview(buf)[:n])
     digest = sha.hexdigest()
-    name = f"{text_path.name}.gpt2-{digest[:12]}.bin"
+    name = f".{text_path.name}.gpt2-{digest[:12]}.bin"
     where = text_path.parent if os.access(text_path.parent, os.W_OK) else Path(fallback_dir or ".")
     where.mkdir(parents=True, exist_ok=True)
     cache = where / name
     if cache.is_file():
         return cache
-    with open(where / f".{name}.lock", "w") as lock:
+    with open(where / f"{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not cache.is_file():
             raw = text_path.read_bytes()
