@@ -196,3 +196,16 @@ def test_a_layout_whose_stages_have_different_param_groups_resumes(tmp_path):
     _ok(run(*pp, *flags, "--out", tmp_path / "pp2", "--resume"))
     _ok(run("--nproc", 1, "--grad-accum", 2, *flags, "--out", tmp_path / "pp1", "--resume"))
     _assert_same_losses(tmp_path, "straight", ("pp2", "pp1"))
+
+
+def test_fp16_is_accepted_with_pp(tmp_path):
+    """--precision fp16 with --pp was refused as "the pipeline's backward applies no loss scale"; the
+    pipeline seeds its backward with the ZeRO optimizer's loss scale (test_pipeline_compose's
+    test_fp16_stages_backward_the_scaled_loss). The job's fp16 is CUDA-only: the flag check alone here."""
+    from common import tiny_job_args
+    from zerofuse.train import checks
+
+    args = tiny_job_args(tmp_path, "--nproc", "2", "--pp", "2")
+    args.precision, args.grad_accum, args.microbatches = "fp16", 1, None  # (as the flags give them, on a GPU)
+    checks._validate_pipeline(args)
+    assert args.microbatches == 4

@@ -119,12 +119,15 @@ class Pipeline(Transfers, Backwards):
             raise ValueError(f"{NAME}: expected zero3_reshard 'microbatch' or 'step', got {zero3_reshard!r}")
         self._hold = [e for e in engines if e is not None and e.stage == 3] if zero3_reshard == "step" else []
         # tied embeddings over two ranks ([Note: tied embeddings across stages], transfers.py)
-        tied = {s.tied[0]: s.tied[1] for s in stages if getattr(s, "tied", None) is not None}
+        tied = {s.tied[0]: (s.tied_mirror() if s.tied[0] == "mirror" else s.tied[1])
+                for s in stages if getattr(s, "tied", None) is not None}
         self._tied_source, self._tied_mirror = tied.get("source"), tied.get("mirror")
         if tied and any(e is not None and e.stage == 3 for e in engines):
             raise ValueError(f"{NAME}: tied embeddings split over two pipeline ranks need the first stage's weight "
                              "whole to send it; expected ZeRO stage 0, 1 or 2, got ZeRO-3 (or untie them: "
                              "GPTConfig(tie_embeddings=False))")
+        if tied:
+            self._agree_tied()
         for e in engines:  # (the norm of a stage alone clipped each stage by its own: a review's reproduction)
             if e is not None and e.pp_size != p:
                 raise ValueError(f"{NAME}: expected the stages made data-parallel with the pipeline group, "

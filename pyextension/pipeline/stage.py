@@ -61,9 +61,24 @@ class Stage(torch.nn.Module):
         # tied embeddings split over two ranks (see the module docstring): the first stage's real
         # weight ("source") or the last stage's mirror of it ("mirror"), else None
         self.tied: tuple[str, torch.Tensor] | None = None
+        self.tied_at: tuple[torch.nn.Module, str] | None = None  # the mirror's module and buffer name
         # state_dict names of the unsplit model that a param here also goes by (its tied uses held
         # elsewhere): checkpoints record them, so the consolidated state_dict is the unsplit model's
         self.state_dict_aliases: dict[str, str] = {}
+
+    def tied_mirror(self) -> torch.Tensor:
+        """The mirror as the stage's module holds it now. A cast or move of the module after the split
+        (zerofuse.zero.parallelize's precision, Module.to) replaced the buffer by a converted copy, a
+        non-leaf of the split's tensor: the weight was received into the old tensor while the head
+        read the copy (stale), and a bf16 weight landed in an fp32 buffer (a review's reproduction,
+        2026-12-07). The converted copy becomes the mirror, a leaf of its own."""
+        module, name = self.tied_at
+        buf = module._buffers[name]
+        if buf.grad_fn is not None:
+            buf = buf.detach().requires_grad_(buf.requires_grad)
+            module._buffers[name] = buf
+        self.tied = ("mirror", buf)
+        return buf
 
     @property
     def is_first(self) -> bool:
@@ -253,6 +268,7 @@ def split_gpt(model, num_stages: int, stage_ids: Sequence[int], *, layout=None, 
             stage.state_dict_aliases["head.weight"] = "wte.weight"
         else:
             stage.tied = ("mirror", _mirror(model.head, "weight"))
+            stage.tied_at = (model.head, "weight")
             kept.discard(id(model.wte.weight))
     _release([model], kept)
     return stages

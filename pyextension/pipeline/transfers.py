@@ -77,7 +77,7 @@ class Transfers:
 
     def _tied_tag(self, what: str) -> int:
         """Tags after every schedule transfer's ([Note: tied embeddings across stages])."""
-        return 4 * self.num_stages * self.m + (what == "grad")
+        return 4 * self.num_stages * self.m + ("weight", "grad", "spec").index(what)
 
     def _tied_sent_with(self) -> int:
         """The stage whose first SEND_F carries the tied weight: the first stage's, unless this
@@ -90,6 +90,28 @@ class Transfers:
         """The mirror's receive of the first stage's weight (last stage's rank)."""
         return P2POp("recv", self._tied_mirror.detach(), stage_to_rank(0, self.p), self._tied_tag("weight"))
 
+    def _agree_tied(self) -> None:
+        """At construction, the first and last stages' ranks swap their halves' (dtype, shape,
+        requires_grad): a dtype or shape apart is refused on both ranks (gloo aborted the process on
+        the grad's byte count, after a weight received short had been used), and the mirror takes
+        the weight's requires_grad (a frozen embedding got the mirror's grad and trained; a review's
+        reproduction, 2026-12-07). Freezing or casting either afterwards: build the Pipeline again."""
+        mine = self._tied_source if self._tied_source is not None else self._tied_mirror
+        source = self._tied_source is not None
+        peer = stage_to_rank(self.num_stages - 1 if source else 0, self.p)
+        theirs = torch.empty(HEADER_SLOTS, dtype=torch.int64, device=mine.device)
+        self.comm.batch_p2p([P2POp("send", header([mine], 0).to(mine.device), peer, self._tied_tag("spec")),
+                             P2POp("recv", theirs, peer, self._tied_tag("spec"))]).wait()
+        (other,) = parse_header(theirs)
+        weight, mirror = (spec_of([mine])[0], other) if source else (other, spec_of([mine])[0])
+        if weight[:2] != mirror[:2]:
+            raise ValueError(f"zerofuse.pipeline.Pipeline: the tied embedding's weight on the first stage is {weight[1]} of shape "
+                             f"{list(weight[0])}, its mirror on the last stage {mirror[1]} of shape {list(mirror[0])}; "
+                             "expected the same dtype and shape (cast or move both stages alike, e.g. by "
+                             "zerofuse.zero.parallelize's precision on every rank, before building the Pipeline)")
+        if not source:
+            self._tied_mirror.requires_grad_(weight[2])
+
     def _send_tied_grad(self) -> None:
         g = self._tied_mirror.grad
         g = torch.zeros_like(self._tied_mirror) if g is None else g.contiguous()
@@ -101,7 +123,8 @@ class Transfers:
         g = torch.empty_like(w, memory_format=torch.contiguous_format)
         last = stage_to_rank(self.num_stages - 1, self.p)
         self.comm.batch_p2p([P2POp("recv", g, last, self._tied_tag("grad"))]).wait()
-        w.grad = g if w.grad is None else w.grad.add_(g)
+        if w.requires_grad:  # (frozen since the Pipeline was built: received to keep the pair's order, dropped)
+            w.grad = g if w.grad is None else w.grad.add_(g)
 
     def _held(self, stage: int, mb: int, t: torch.Tensor) -> bool:
         """An output the stage did not make: an input passed on (a skip connection; an empty middle

@@ -56,8 +56,6 @@ def _validate_pipeline(args) -> None:
         return
     _check(args.grad_accum == 1, f"--grad-accum: expected 1 with --pp {args.pp} (--microbatches takes its place), "
                                  f"got {args.grad_accum}")
-    _check(args.precision != "fp16", "--precision fp16: expected bf16 or fp32 with --pp > 1 (the pipeline's "
-                                     "backward applies no loss scale)")
     args.microbatches = args.microbatches if args.microbatches is not None else 2 * args.pp
     _check(args.microbatches >= 1, f"--microbatches: expected >= 1, got {args.microbatches}")
     _check(v == 1 or args.zero_stage != 3, f"--virtual-stages {v}: expected --zero-stage 0, 1 or 2 (ZeRO-3 shards "
