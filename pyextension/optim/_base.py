@@ -173,6 +173,9 @@ class FusedOptimizerMixin:
         if id(p) in checked:  # states made or converted here already (per-step cost: ~1 us a param)
             return state
         checked.add(id(p))
+        for key in self._STATE_KEYS:  # (an SGD state saved by older torch holds momentum_buffer None:
+            if key in state and state[key] is None:  # torch's SGD starts it anew, as here; it raised)
+                state[key] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
         if not state:
             if self._USES_STEP:
                 state["step"] = torch.zeros((), dtype=torch.float32, device=p.device if p.is_cuda else "cpu")

@@ -23,21 +23,32 @@ class FusedLAMB(FusedOptimizerMixin, torch.optim.Optimizer):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01, *, bias_correction=True,
                  max_grad_norm=1.0, mode="nvlamb", min_trust=0.0, max_trust=10.0, master_weights=False):
-        name = "zerofuse.optim.FusedLAMB"
-        check_betas("FusedLAMB", betas)
-        for arg, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)):
-            if not (value >= 0 and math.isfinite(value)):  # inf: NaN params
-                raise ValueError(f"{name}: expected {arg} finite and >= 0, got {value}")
-        if mode not in TRUST_MODES:
-            raise ValueError(f"{name}: expected mode 'paper' or 'nvlamb', got {mode!r}")
-        if not 0 <= min_trust <= max_trust:
-            raise ValueError(f"{name}: expected 0 <= min_trust <= max_trust, got {min_trust}, {max_trust}")
         if max_grad_norm is not None and not max_grad_norm >= 0:
-            raise ValueError(f"{name}: expected max_grad_norm >= 0 or None, got {max_grad_norm}")
+            raise ValueError(f"zerofuse.optim.FusedLAMB: expected max_grad_norm >= 0 or None, got {max_grad_norm}")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, bias_correction=bias_correction,
                         max_grad_norm=max_grad_norm, mode=mode, min_trust=min_trust, max_trust=max_trust,
                         master_weights=master_weights)
+        self._check_group(defaults)
         super().__init__(params, defaults)
+
+    def _check_group(self, group) -> None:
+        """The constructor's checks, on every group before any is stepped: a group added or edited
+        with mode="nvLAMB" was refused inside the kernel call after the groups before it had stepped,
+        and min_trust > max_trust or a beta2 of 1.5 ran (a review's reproduction, 2026-12-07)."""
+        name = "zerofuse.optim.FusedLAMB"
+        check_betas("FusedLAMB", group["betas"])
+        for arg in ("eps", "weight_decay"):
+            value = group[arg]
+            if not (value >= 0 and math.isfinite(value)):  # inf: NaN params
+                raise ValueError(f"{name}: expected {arg} finite and >= 0, got {value}")
+        lr = group["lr"]
+        if not torch.is_tensor(lr) and not (lr >= 0 and math.isfinite(lr)):
+            raise ValueError(f"{name}: expected lr finite and >= 0, got {lr}")
+        if group["mode"] not in TRUST_MODES:
+            raise ValueError(f"{name}: expected mode 'paper' or 'nvlamb', got {group['mode']!r}")
+        if not 0 <= group["min_trust"] <= group["max_trust"]:
+            raise ValueError(f"{name}: expected 0 <= min_trust <= max_trust, got {group['min_trust']}, "
+                             f"{group['max_trust']}")
 
     def _update(self, group, params, grads, states, masters, steps, mult, found, prepared):
         beta1, beta2 = group["betas"]
