@@ -38,12 +38,14 @@ TORCH_LIBRARY(zerofuse, m) {
   m.def("lamb_stage2_(Tensor(a!)[] params, Tensor[] exp_avgs, Tensor[] exp_avg_sqs, Tensor(b!)[] masters, "
         "Tensor[] steps, Tensor norms, float lr, float beta1, float beta2, float eps, float weight_decay, "
         "bool bias_correction, int trust_mode, float min_trust, float max_trust, Tensor? found_inf) -> ()");
-  // LARS with momentum; norms (2n,) fp32: |p_i| then |grad_i| (from l2norm).
+  // LARS with momentum; norms (2n,) fp32: |p_i| then |grad_i * grad_mult| (from l2norm with mult).
   m.def("lars_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] momentum_buffers, Tensor(c!)[] masters, "
         "Tensor norms, float lr, float momentum, float weight_decay, float trust_coefficient, float eps, "
         "Tensor? grad_mult, Tensor? found_inf) -> ()");
-  // 2-norm of all tensors together (0-dim fp32) and, with per_tensor, of each ((n,) fp32; else (0,)).
-  m.def("l2norm(Tensor[] tensors, bool per_tensor) -> (Tensor, Tensor)");
+  // 2-norm of all tensors together (0-dim fp32) and, with per_tensor, of each ((n,) fp32; else (0,));
+  // mult (1 element): tensors[mult_from:] multiplied by it before they are squared (unscaled norms of
+  // loss-scaled grads without the squares' fp32 overflow).
+  m.def("l2norm(Tensor[] tensors, bool per_tensor, Tensor? mult=None, int mult_from=0) -> (Tensor, Tensor)");
 }
 
 // The ops that write their (a!) arguments bump those tensors' version counters, as torch's

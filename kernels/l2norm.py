@@ -40,9 +40,17 @@ def _segment_sum_kernel(META, n, PART, OUT, FOUND, HAS_FOUND: tl.constexpr, WIDT
 
 
 @triton.jit
-def _sum_squares_kernel(META, OWN, n, nblocks, PART, X_TY: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
+def _sum_squares_kernel(META, OWN, n, nblocks, PART, MULT, mult_from, X_TY: tl.constexpr, ALIGNED: tl.constexpr,
+                        BLOCK: tl.constexpr, HAS_MULT: tl.constexpr, INVERT: tl.constexpr):
     """PART[b] = the sum of squares of block b (the grads of a clipped step: read again by the
-    step, so left in L2 with the default policy)."""
+    step, so left in L2 with the default policy). HAS_MULT: the tensors from index mult_from on
+    are multiplied by MULT[0] (1 / MULT[0] with INVERT) before they are squared: a loss-scaled
+    grad's squares overflowed fp32 where the unscaled grad's did not."""
+    m = tl.full((), 1.0, tl.float32)
+    if HAS_MULT:
+        m = tl.load(MULT)
+        if INVERT:
+            m = tl.div_rn(tl.full((), 1.0, tl.float32), m)
     first, stride, t_next = _blocks(OWN, nblocks)
     for i in range(first, nblocks, stride):
         b, t, t_next, start, numel = _visit(META, OWN, n, i, stride, nblocks, t_next, BLOCK, False)
@@ -52,21 +60,23 @@ def _sum_squares_kernel(META, OWN, n, nblocks, PART, X_TY: tl.constexpr, ALIGNED
             x = _ld(X, offs, offs < numel, False, KEEP)
         else:
             x = _ld(X, offs, offs < numel, True, KEEP)
+        if HAS_MULT:
+            x = x * tl.where(tl.load(META + 2 * (n + 1) + t) >= mult_from, m, 1.0)
         tl.store(PART + b, tl.sum(x * x, axis=0))
 
 
 @triton.jit
 def _clip_kernel(PART, nblocks, OUT, SCALE, FOUND, max_norm, eps, HAS_SCALE: tl.constexpr, HAS_FOUND: tl.constexpr,
                  TORCH_RULE: tl.constexpr, BLOCK_P: tl.constexpr):
-    """One program: OUT = (norm, found, mult) from the per-block sums of squares of the grads, in
-    a fixed order. norm = sqrt(sum) / scale; found = 1 when norm is not finite or FOUND != 0;
+    """One program: OUT = (norm, found, mult) from the per-block sums of squares of the grads
+    divided by the scale (_sum_squares_kernel's INVERT), in a fixed order. norm = sqrt(sum); found
+    = 1 when norm is not finite or FOUND != 0;
     mult = (1 / scale) * max_norm / max(norm, max_norm): the grad multiplier of the update; with
     TORCH_RULE torch.nn.utils.clip_grad_norm_'s coefficient min(max_norm / (norm + eps), 1) instead."""
     norm = tl.sqrt_rn(_sum_blocks(PART, 0, nblocks, 0, 1, BLOCK_P))
     inv = tl.full((), 1.0, tl.float32)
     if HAS_SCALE:
         inv = tl.div_rn(inv, tl.load(SCALE))
-        norm = norm * inv
     bad = ~(norm < float("inf"))  # inf or NaN (a NaN compares false)
     if HAS_FOUND:
         bad = bad | (tl.load(FOUND) != 0)
@@ -89,10 +99,13 @@ def segment_sums(table: _Table, part: torch.Tensor, out: torch.Tensor, found: to
                       HAS_FOUND=found is not None, WIDTH=part.shape[1], BLOCK_P=1024, num_warps=table.warps)
 
 
-def block_sums(launch: Launch) -> tuple[torch.Tensor, list[torch.Tensor], int]:
+def block_sums(launch: Launch, mult: torch.Tensor | None = None, mult_from: int = 0,
+               invert: bool = False) -> tuple[torch.Tensor, list[torch.Tensor], int]:
     """Per-block sums of squares of every group's tensors of a norm_launch, in one buffer (at least
     one entry, kept on the launch between calls): (buffer, each group's (blocks, 1) view of it,
-    number of blocks). l2norm sums the views per tensor, clip_inputs the whole buffer."""
+    number of blocks). l2norm sums the views per tensor, clip_inputs the whole buffer. mult: a
+    1-element fp32 tensor on the device the tensors from index mult_from on are multiplied by
+    (divided by, with invert) before they are squared."""
     if launch.block_sum_buf is None:
         total = sum(table.blocks for table, _, _ in launch.groups)
         flat = torch.empty(max(1, total), device=launch.device, dtype=torch.float32)
@@ -105,7 +118,8 @@ def block_sums(launch: Launch) -> tuple[torch.Tensor, list[torch.Tensor], int]:
     for (table, x_ty, _), part in zip(launch.groups, views):
         if table.blocks:
             launch_triton(_sum_squares_kernel, (table.programs,), table.meta, table.own, table.n, table.blocks, part,
-                          X_TY=x_ty, ALIGNED=table.aligned, BLOCK=table.block, num_warps=table.warps)
+                          mult, int(mult_from), X_TY=x_ty, ALIGNED=table.aligned, BLOCK=table.block,
+                          HAS_MULT=mult is not None, INVERT=invert, num_warps=table.warps)
     return flat, views, total
 
 
@@ -114,11 +128,11 @@ def norm_launch(tensors) -> Launch:
     return Launch(tensors, None, [])
 
 
-def l2norm(launch: Launch, per_tensor: bool):
-    """(norm of all, (n,) norms or (0,)), fp32 on the tensors' device."""
+def l2norm(launch: Launch, per_tensor: bool, mult: torch.Tensor | None = None, mult_from: int = 0):
+    """(norm of all, (n,) norms or (0,)), fp32 on the tensors' device; mult: block_sums'."""
     device = launch.device
     sums = torch.zeros(launch.n, device=device, dtype=torch.float32)
-    for (table, _, _), part in zip(launch.groups, block_sums(launch)[1]):
+    for (table, _, _), part in zip(launch.groups, block_sums(launch, flag(mult, "mult", device), mult_from)[1]):
         if table.blocks:
             segment_sums(table, part, sums, None)
     total = sums.sum().sqrt()
@@ -133,7 +147,7 @@ def clip_inputs(launch: Launch, max_norm: float, grad_scale: torch.Tensor | None
     group and one single-program launch, no host sync."""
     device = launch.device
     scale, found = flag(grad_scale, "grad_scale", device), flag(found_inf, "found_inf", device)
-    flat, _, nblocks = block_sums(launch)
+    flat, _, nblocks = block_sums(launch, scale, 0, invert=True)  # (the grads unscaled before their squares)
     out = torch.empty(3, device=device, dtype=torch.float32)
     launch_triton(_clip_kernel, (1,), flat, nblocks, out, scale, found, float(max_norm), float(eps or 0.0),
            HAS_SCALE=scale is not None, HAS_FOUND=found is not None, TORCH_RULE=eps is not None, BLOCK_P=1024,

@@ -109,9 +109,7 @@ def _lars_kernel(META, OWN, CONSTS, n, nblocks, PNORMS, GNORMS, MULT, FOUND, P_T
             b, t, t_next, start, numel = _visit(META, OWN, n, i, stride, nblocks, t_next, BLOCK, False)
             row = tl.load(META + 2 * (n + 1) + t)
             pn = tl.load(PNORMS + row).to(tl.float64)
-            gn = tl.load(GNORMS + row).to(tl.float64)
-            if HAS_MULT:
-                gn = gn * tl.abs(tl.load(MULT).to(tl.float64))
+            gn = tl.load(GNORMS + row).to(tl.float64)  # |grad * grad_mult| (l2norm's mult, before the squares)
             local = tl.where((pn > 0) & (gn > 0), tc * pn / (gn + wd * pn + eps), 1.0)
             step = (lr * local).to(tl.float32)
             P = _ptr(META, 3, n, t, P_TY, ALIGNED)
@@ -161,7 +159,7 @@ def lars_launch(params, grads, momentum_buffers, masters) -> Launch:
 
 def lars(launch: Launch, norms: torch.Tensor, *, lr, momentum, weight_decay, trust_coefficient, eps, has_master,
          grad_mult, found_inf):
-    """norms: (2n,) fp32, the norms of the params (or masters) then of the grads."""
+    """norms: (2n,) fp32, the norms of the params (or masters) then of the grads times grad_mult."""
     if not launch.n:
         return
     device = launch.device

@@ -666,7 +666,8 @@ def test_kernel_tables_promise_16_byte_alignment_only_when_every_address_has_it(
 
 # fp32 arrays each kernel loads and stores per element on its unmasked (full-block) path
 # (arrays read, arrays written) by a full block; the one-launch LAMB has both stages' code paths
-_FP32_ARRAYS = {"adam": (4, 3), "lamb_stage1": (4, 2), "lamb_stage2": (3, 1), "lamb_fused": (7, 3), "lars": (3, 2), "sum_squares": (1, 0)}
+_FP32_ARRAYS = {"adam": (4, 3), "lamb_stage1": (4, 2), "lamb_stage2": (3, 1), "lamb_fused": (7, 3), "lars": (3, 2), "sum_squares": (1, 0),
+                "sum_squares_scaled": (1, 0)}
 
 
 def test_full_blocks_compile_to_16_byte_accesses_for_an_h100():

@@ -194,7 +194,7 @@ def test_streaming_kernels_stay_resident_and_run_no_float64_power_chain():
     budget = 65536 // (MT.PROGRAMS_PER_SM * 32 * MT._NUM_WARPS)
     streaming = [r for r in rows if r["aligned"] is not None]
     assert {r["kernel"] for r in streaming} >= {"adam", "adam_bf16_master", "lamb_stage1", "lamb_stage2", "lars",
-                                               "sum_squares"}
+                                               "sum_squares", "sum_squares_scaled"}
     for r in streaming:
         assert r["registers"] <= budget and r["spill_stores"] == r["spill_loads"] == 0, r
         assert r["f64"] < 25, r
@@ -203,5 +203,5 @@ def test_streaming_kernels_stay_resident_and_run_no_float64_power_chain():
     for r in streaming:
         if r["kernel"] in ("adam", "adam_bf16_master", "lars"):
             assert r["hints"].get("evict_first", 0) > 0, r
-        if r["kernel"] == "sum_squares":
+        if r["kernel"] in ("sum_squares", "sum_squares_scaled"):
             assert r["hints"] == {}, r

@@ -47,14 +47,17 @@ def _variants():
                                                    BIAS_CORRECTION=True, PAPER=False, EMULATE_RNE=False,
                                                    BLOCK_P=1024, **fp32)
     yield "lars", K._lars_kernel, dict(HAS_MASTER=False, HAS_MULT=True, HAS_FOUND=True, EMULATE_RNE=False, **fp32)
-    yield "sum_squares", K._sum_squares_kernel, dict(X_TY=tl.float32)
+    yield "sum_squares", K._sum_squares_kernel, dict(X_TY=tl.float32, HAS_MULT=False, INVERT=False)
+    # the clipping pass of a loss-scaled step: the grads unscaled before their squares
+    yield "sum_squares_scaled", K._sum_squares_kernel, dict(X_TY=tl.float32, HAS_MULT=True, INVERT=True)
     yield "steps", K._steps_kernel, dict(B1_AT=1, LR_AT=0, ADVANCE=True, HAS_FOUND=True, BLOCK_K=128)
     # small kernels without an alignment variant (aligned: null in the output): compiled, counted
     yield "segment_sum", K._segment_sum_kernel, dict(HAS_FOUND=True, WIDTH=2, BLOCK_P=1024)
     yield "clip", K._clip_kernel, dict(HAS_SCALE=True, HAS_FOUND=True, TORCH_RULE=True, BLOCK_P=1024)
 
 
-_TYPES = {"STEPS": "*i64", "k": "i32", "META": "*i64", "OWN": "*i32", "SCHED": "*i32", "SYNC": "*i32", "CONSTS": "*fp64", "n": "i32", "nblocks": "i32", "max_norm": "fp32", "eps": "fp32"}
+_TYPES = {"STEPS": "*i64", "k": "i32", "META": "*i64", "OWN": "*i32", "SCHED": "*i32", "SYNC": "*i32", "CONSTS": "*fp64", "n": "i32", "nblocks": "i32", "max_norm": "fp32", "eps": "fp32",
+          "mult_from": "i32"}
 
 
 def compile_ptx(kernel, constexprs: dict, arch: int, num_warps: int) -> str:

@@ -3,7 +3,8 @@
 //              NVIDIA's LARC does, so zero-initialised tensors still move)
 //   buf = momentum * buf + lr * local_lr * (g + wd * p);  p -= buf
 // per element in fp32 with g = grad * grad_mult. The per-tensor norms come in as an argument
-// (zerofuse::l2norm over params then grads, one launch), |g| multiplied by grad_mult here.
+// (zerofuse::l2norm over params then grads with mult=grad_mult on the grads, one launch): |g| is
+// the norm of grad * grad_mult (a loss-scaled grad's norm taken before unscaling overflowed).
 #include "optim.h"
 #include "vector_isa.h"
 
@@ -34,7 +35,7 @@ void lars_cpu(at::TensorList params,            // n tensors, fp32/bf16/fp16, up
               at::TensorList grads,             // n tensors like params
               at::TensorList momentum_buffers,  // n fp32, updated
               at::TensorList masters,           // empty or n fp32 masters, updated
-              const at::Tensor& norms,          // (2n,) fp32: |p_i| (of the masters if any) then |grad_i|
+              const at::Tensor& norms,          // (2n,) fp32: |p_i| (of the masters if any) then |grad_i * grad_mult|
               double lr, double momentum, double weight_decay, double trust_coefficient, double eps,
               const c10::optional<at::Tensor>& grad_mult,   // (1,) or None
               const c10::optional<at::Tensor>& found_inf) {  // (1,) nonzero: nothing changes
@@ -51,7 +52,7 @@ void lars_cpu(at::TensorList params,            // n tensors, fp32/bf16/fp16, up
   const float* nrm = norms.data_ptr<float>();
   std::vector<LarsConsts> consts(n);
   for (int64_t i = 0; i < n; ++i) {
-    const double pn = nrm[i], gn = nrm[n + i] * std::abs(mult);
+    const double pn = nrm[i], gn = nrm[n + i];  // (|grad * grad_mult|: l2norm's mult, before the squares)
     const double local = pn > 0 && gn > 0 ? trust_coefficient * pn / (gn + weight_decay * pn + eps) : 1.0;
     consts[i] = LarsConsts{static_cast<float>(momentum), static_cast<float>(weight_decay), static_cast<float>(mult),
                            static_cast<float>(lr * local)};

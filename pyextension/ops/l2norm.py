@@ -17,15 +17,15 @@ from zerofuse.ops._optim import LIB, Prepared, check_param_lists, direct, use_tr
 
 
 @torch.library.register_fake("zerofuse::l2norm")
-def _l2norm_fake(tensors, per_tensor):
+def _l2norm_fake(tensors, per_tensor, mult=None, mult_from=0):
     check_param_lists("l2norm", tensors, {}, {}, params_name="tensors")
     device = tensors[0].device if tensors else torch.device("cpu")
     return (torch.empty((), device=device, dtype=torch.float32),
             torch.empty(len(tensors) if per_tensor else 0, device=device, dtype=torch.float32))
 
 
-def _l2norm_triton(tensors, per_tensor):
-    return K.l2norm(_launch(tensors), per_tensor)
+def _l2norm_triton(tensors, per_tensor, mult=None, mult_from=0):
+    return K.l2norm(_launch(tensors), per_tensor, mult, mult_from)
 
 
 LIB.impl("l2norm", _l2norm_triton, "CUDA")
@@ -36,19 +36,22 @@ def _launch(tensors):
     return K.norm_launch(tensors)
 
 
-def l2norm(tensors: Sequence[torch.Tensor], per_tensor: bool = False,
-           prepared: Prepared | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def l2norm(tensors: Sequence[torch.Tensor], per_tensor: bool = False, prepared: Prepared | None = None,
+           mult: torch.Tensor | None = None, mult_from: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """(norm of all tensors together, 0-dim fp32; (n,) fp32 norms of each, or (0,)), on the
     tensors' device; contiguous fp32/bf16/fp16 tensors. prepared: launch tables kept between
-    calls (zerofuse.ops._optim.Prepared)."""
+    calls (zerofuse.ops._optim.Prepared). mult: a 1-element tensor on the tensors' device that
+    tensors[mult_from:] are multiplied by before they are squared (1 / a loss scale: the unscaled
+    norm, where the scaled grads' squares overflow fp32 at |grad| > 1.8e19)."""
     tensors = list(tensors)
     if not tensors:  # no tensor to dispatch on
         return torch.zeros((), dtype=torch.float32), torch.empty(0, dtype=torch.float32)
     if prepared is not None and direct(tensors):
-        return K.l2norm(prepared.launch("l2norm", tensors, None, lambda: _launch(tensors)), per_tensor)
+        return K.l2norm(prepared.launch("l2norm", tensors, None, lambda: _launch(tensors)), per_tensor, mult,
+                        mult_from)
     if use_triton(tensors) and not tensors[0].is_cuda:
-        return _l2norm_triton(tensors, per_tensor)
-    return torch.ops.zerofuse.l2norm(tensors, per_tensor)
+        return _l2norm_triton(tensors, per_tensor, mult, mult_from)
+    return torch.ops.zerofuse.l2norm(tensors, per_tensor, mult, mult_from)
 
 
 def clip_inputs(grads: Sequence[torch.Tensor], max_norm: float, grad_scale: torch.Tensor | None = None,
@@ -69,12 +72,9 @@ def clip_inputs(grads: Sequence[torch.Tensor], max_norm: float, grad_scale: torc
     if grads and prepared is not None and direct(grads):
         return K.clip_inputs(prepared.launch("l2norm", grads, None, lambda: _launch(grads)), max_norm, grad_scale,
                              found_inf, eps)
-    norm, _ = l2norm(grads, prepared=prepared)
+    mult = None if grad_scale is None else grad_scale.reshape(1).reciprocal()
+    norm, _ = l2norm(grads, prepared=prepared, mult=mult)  # (unscaled before the squares)
     norm = norm.reshape(1)
-    mult = None
-    if grad_scale is not None:
-        mult = grad_scale.reshape(1).reciprocal()
-        norm = norm * mult
     bad = (~torch.isfinite(norm)).float()  # a non-finite norm means an inf/NaN gradient
     # any found_inf != 0 skips (the kernel's rule): a -1 or 2 was taken as 0 / 2 here
     found = bad if found_inf is None else torch.maximum((found_inf.reshape(1) != 0).float(), bad)

@@ -50,13 +50,16 @@ def lars_(params, grads, momentum_buffers, *, lr, momentum, weight_decay, trust_
           grad_mult=None, found_inf=None, norms: torch.Tensor | None = None,
           prepared: Prepared | None = None) -> None:
     """One LARS step for every tensor. norms: (2n,) fp32, the norms of the params (their masters
-    if given) then of the grads, e.g. summed over the ranks that hold pieces of the same params
-    (ZeRO); None: computed here in one pass. prepared: as in adam_."""
+    if given) then of the grads times grad_mult, e.g. summed over the ranks that hold pieces of the
+    same params (ZeRO); None: computed here in one pass (l2norm's mult: a loss-scaled grad is
+    unscaled before it is squared, where its squares overflowed fp32 and froze the tensor: a
+    review's reproduction, 2026-12-07). prepared: as in adam_."""
     if not params:  # nothing to update (and no tensor to dispatch on)
         return
     params, grads, masters = list(params), list(grads), list(masters)
     if norms is None:
-        _, norms = l2norm((masters or params) + grads, per_tensor=True, prepared=prepared)
+        _, norms = l2norm((masters or params) + grads, per_tensor=True, prepared=prepared, mult=grad_mult,
+                          mult_from=len(params))
     if prepared is not None and direct(params):
         bufs = list(momentum_buffers)
         launch = prepared.launch("lars", params, grads, lambda: _launch(params, grads, bufs, masters, norms))

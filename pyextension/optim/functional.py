@@ -79,8 +79,9 @@ def grad_norm(grads: Sequence[torch.Tensor], grad_scale=None) -> tuple[torch.Ten
     device, from one fused pass and without a host sync: found_inf is 1.0 when any grad holds an
     inf or NaN. Pass them to an optimizer's step (found_inf=...) or use the norm for clipping."""
     grads = [g if g.is_contiguous() else g.contiguous() for g in grads]
-    norm, _ = l2norm(grads)
+    mult = None
+    if grad_scale is not None and grads:  # unscaled before the squares (l2norm's mult)
+        mult = torch.as_tensor(grad_scale, dtype=torch.float32, device=grads[0].device).reshape(1).reciprocal()
+    norm, _ = l2norm(grads, mult=mult)
     norm = norm.reshape(1)
-    if grad_scale is not None:
-        norm = norm / torch.as_tensor(grad_scale, dtype=torch.float32, device=norm.device)
     return norm, (~torch.isfinite(norm)).float()

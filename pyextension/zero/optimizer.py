@@ -370,7 +370,8 @@ class Optimizer(GradNorms, OptimizerState, torch.optim.Optimizer):
         params, grads, masters = v["param"], v["grad"], v["master"]
         n = len(pieces)
         if n:
-            _, each = l2norm((masters or params) + grads, per_tensor=True, prepared=lists.prepared)
+            _, each = l2norm((masters or params) + grads, per_tensor=True, prepared=lists.prepared, mult=mult,
+                             mult_from=n)  # (the grads' norms times grad_mult: lars_'s norms)
             sums = (each.float() ** 2).reshape(2, n).t().contiguous()
         else:
             sums = torch.zeros((0, 2), dtype=torch.float32, device=self.scale.device)
