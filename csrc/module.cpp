@@ -4,6 +4,8 @@
 // zerofuse.comm, and the CPU memory counter (memory_counter.h) behind zerofuse.zero.peak_memory.
 #include <torch/extension.h>
 
+#include <cmath>
+
 #include "comm/communicator.h"
 #include "cpu/vector_isa.h"
 #include "host_keys.h"
@@ -84,6 +86,13 @@ PYBIND11_MODULE(_C, m) {
       .def("wait", &Work::wait, py::call_guard<py::gil_scoped_release>(),
            "CPU: block until the collective is done (bounded by the communicator's timeout); CUDA: make the "
            "current stream wait for it. Then copy the result out (once).")
+      .def("wait_within",
+           [](Work& w, double seconds) {
+             w.wait_within(std::chrono::milliseconds(static_cast<int64_t>(std::ceil(seconds * 1000.0))));
+           },
+           py::arg("seconds"), py::call_guard<py::gil_scoped_release>(),
+           "wait(), bounded by `seconds` where that is below the communicator's timeout (the ProcessGroup "
+           "transport; past it the communicator fails)")
       .def("is_completed", &Work::is_completed)
       .def_property_readonly("what", &Work::what);
 

@@ -152,7 +152,9 @@ void Work::wait() {
   } catch (const std::exception& e) {
     const auto* c10_error = dynamic_cast<const c10::Error*>(&e);
     const std::string cause = c10_error ? c10_error->what_without_backtrace() : e.what();
-    const std::string message = what_ + " failed (timeout " + seconds(timeout_) + "): " + cause;
+    const std::string message =
+        limited_ ? what_ + " did not finish within the wait's timeout of " + seconds(limit_) + ": " + cause
+                 : what_ + " failed (timeout " + seconds(timeout_) + "): " + cause;
     if (failure_) failure_->raise(message);
     C10_THROW_ERROR(DistBackendError, "zerofuse.comm: " + message);
   }
@@ -163,6 +165,25 @@ void Work::wait() {
   finished_ = true;
   keep_.clear();
   release_transport();
+}
+
+void Work::wait_within(std::chrono::milliseconds limit) {
+  const auto saved = timeout_;
+  if (limit < timeout_) {
+    // (+1 ms: c10d's timed waits may return a fraction of a millisecond early: never before the limit)
+    timeout_ = limit + std::chrono::milliseconds(1);
+    limit_ = limit;
+    limited_ = true;
+  }
+  try {
+    wait();
+  } catch (...) {
+    timeout_ = saved;
+    limited_ = false;
+    throw;
+  }
+  timeout_ = saved;
+  limited_ = false;
 }
 
 // true once wait() would not block: done, or failed (then wait() raises)

@@ -80,6 +80,11 @@ class Work {
   Work(std::string what, std::chrono::milliseconds timeout) : what_(std::move(what)), timeout_(timeout) {}
   virtual ~Work() = default;
   void wait();
+  // wait() bounded by `limit` where it is below the communicator's timeout (Work.wait(timeout=) on
+  // the ProcessGroup transport: gloo's send/recv Works report no completion before their wait, so
+  // polling is_completed() failed every timed point-to-point wait; a review's reproduction,
+  // 2026-12-07). Past it, the communicator's failure, as its own timeout.
+  void wait_within(std::chrono::milliseconds limit);
   bool is_completed();
   const std::string& what() const { return what_; }
   // runs after the collective, in wait() (on the current stream for CUDA tensors)
@@ -101,6 +106,8 @@ class Work {
   std::vector<at::Tensor> keep_;
   std::shared_ptr<Failure> failure_;
   bool finished_ = false;
+  bool limited_ = false;  // timeout_ is a wait_within limit (its message names the wait's timeout)
+  std::chrono::milliseconds limit_{0};  // that limit, as given
 };
 
 // A Work that is complete at creation (empty lists: no collective runs).

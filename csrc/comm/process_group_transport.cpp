@@ -49,11 +49,17 @@ class PgWork : public Work {
 
  protected:
   void wait_transport() override {
+    // one deadline for all of the Work's pieces (each waited up to the whole timeout before)
+    const auto deadline = std::chrono::steady_clock::now() + timeout_;
+    const auto left = [&] {
+      return std::max(std::chrono::milliseconds(1), std::chrono::duration_cast<std::chrono::milliseconds>(
+                                                        deadline - std::chrono::steady_clock::now()));
+    };
     for (auto& f : futs_) {
-      if (f.wait_for(timeout_) != std::future_status::ready) {
+      if (f.wait_for(left()) != std::future_status::ready) {
         TORCH_CHECK(false, "timed out after ", timeout_.count(), " ms before the collective was launched");
       }
-      f.get()->wait(timeout_);
+      f.get()->wait(left());
     }
   }
   void release_transport() override {

@@ -100,10 +100,15 @@ class CollectiveChecker:
         by one - every pipeline schedule)."""
         counts = self._p2p_counts
         mine = []
+        # c10d (gloo) pairs a pair's transfers by tag, NCCL by order: counted per (pair, tag) there (by
+        # pair only, two tagged transfers posted in other orders on the two ranks were a false
+        # mismatch that failed the communicator; a review's reproduction, 2026-12-07)
+        by_tag = not (ops and ops[0].tensor.is_cuda and self.transport != "process_group")
         for o in ops:
             src, dst = (self.rank, o.peer) if o.op == "send" else (o.peer, self.rank)
-            n = counts[(src, dst)] = counts.get((src, dst), -1) + 1
-            key = f"{self._uid}/p2p/{src}-{dst}/{n}/"
+            pair = (src, dst, o.tag) if by_tag else (src, dst)
+            n = counts[pair] = counts.get(pair, -1) + 1
+            key = f"{self._uid}/p2p/{src}-{dst}/" + (f"t{o.tag}/" if by_tag else "") + f"{n}/"
             sig = f"{tuple(o.tensor.shape)}:{str(o.tensor.dtype).removeprefix('torch.')} tag {o.tag}"
             self.store.set(key + o.op, sig)
             mine.append((o.op, o.peer, key, sig, n, src, dst))

@@ -111,9 +111,11 @@ class Work:
             if self._checks:  # ZEROFUSE_CHECK_COLLECTIVES' comparisons of a batch_p2p left to the wait
                 checks, self._checks = self._checks, None
                 self._comm.finish_p2p_checks(checks, limit)
-            # (inside coalesce() an NCCL collective is not launched yet: its wait() says so at once;
-            # the ProcessGroup transport has launched it)
-            if limit is not None and not (self._cuda and self._comm._coalescing) and not self._done_within(limit):
+            if limit is not None and not self._cuda:  # the ProcessGroup transport: a timed C++ wait (polling
+                # is_completed() never saw a gloo send/recv done: every timed p2p wait failed; 2026-12-07)
+                self._w.wait_within(limit)
+                return
+            if limit is not None and not self._done_within(limit):  # (NCCL: its events' completion)
                 message = f"{self._w.what} did not finish within the wait's timeout of {limit:g} s"
                 self._comm._c.fail(message)
                 raise dist.DistBackendError(f"zerofuse.comm: {message}")
@@ -168,7 +170,7 @@ class Communicator(CollectiveChecker):
         self._c = _C._Communicator(self.group, self.store, transport, f"{self._uid}/nccl_id", self.timeout,
                                    float(debug_delay_ms))
         self.check = env.flag("ZEROFUSE_CHECK_COLLECTIVES", False, "calls compared across ranks", "off")
-        self._p2p_counts: dict[tuple[int, int], int] = {}  # (src, dst) -> transfers checked (_checked_p2p)
+        self._p2p_counts: dict[tuple, int] = {}  # (src, dst[, tag]) -> transfers checked (_checked_p2p)
         self._one = self._c.world_size == 1  # collectives done in place on the current stream (comm/local.py)
         self._coalescing = 0  # depth of coalesce() blocks (a Work of an open NCCL group is not launched yet)
         self._gathers: list[_SummedWork] = []  # reduce_scatter_fp32_sum(all_gather=True) not advanced yet
@@ -194,9 +196,12 @@ class Communicator(CollectiveChecker):
     def _in_order(self) -> None:
         """Before a collective: the all-gathers of earlier reduce_scatter_fp32_sum calls launched
         first (_SummedWork), so the group pairs every collective in the order it was called."""
+        t0 = time.perf_counter() if self._gathers else None
         while self._gathers:
             w = self._gathers.pop(0)
             w._advance(w._timeout())
+        if t0 is not None:  # (time blocked on an all-to-all here is communication the step waited for)
+            _waited[0] += time.perf_counter() - t0
 
     def reduce_scatter_coalesced(self, tensors: Sequence[torch.Tensor], out_shard: torch.Tensor, op: str = "avg",
                                  scale: float | None = None, reduce_dtype: torch.dtype | None = None,
@@ -341,6 +346,7 @@ class Communicator(CollectiveChecker):
                                  f"{list(given)}")
         if self._one:
             return local.all_to_all(output, input, out_s, in_s)
+        local.check_all_to_all(output, input, out_s, in_s, self.world_size, lengths=False)
         self._in_order()
         if self.check:
             seq = self._checked("all_to_all", dtype=str(input.dtype), row_shape=tuple(input.shape[1:]))

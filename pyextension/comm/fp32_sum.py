@@ -61,7 +61,8 @@ class _SummedWork:
             if self._out is not None:
                 self._out.copy_(total)
             if self._gather:
-                self._gw = dist.all_gather_into_tensor(self._flat, total.to(self._flat.dtype),
+                # (into flat as 1-D: a 2-D flat was gloo's "invalid tensor size", on every rank)
+                self._gw = dist.all_gather_into_tensor(self._flat.view(-1), total.to(self._flat.dtype),
                                                        group=self._comm.group, async_op=True)
         except RuntimeError as e:  # c10d names neither the collective nor the group
             self._fail(e, timeout)
@@ -88,4 +89,16 @@ class _SummedWork:
             _waited[0] += time.perf_counter() - t0
 
     def is_completed(self) -> bool:
-        return self._w is None and (self._gw is None or self._gw.is_completed())
+        """Done: the all-to-all summed and, with all_gather, the gather done. A finished all-to-all is
+        advanced here (its gather launched): no collective was called since, or _in_order would have
+        (it stayed False until wait(): a polling loop never ended; 2026-12-07)."""
+        if self._error is not None:
+            return True  # (wait() raises)
+        if self._w is not None:
+            if not self._w.is_completed():
+                return False
+            try:
+                self._advance(self._timeout())
+            except dist.DistBackendError:  # recorded: wait() raises it
+                return True
+        return self._gw is None or self._gw.is_completed()

@@ -25,6 +25,12 @@ def _checked_list(where: str, name: str, tensors: list, *, written: bool, promot
         raise ValueError(f"zerofuse.comm.{where}: expected {name} all integer or all floating without a reduce_dtype "
                          f"(they reduce in one promoted dtype: integers beside floats come back rounded), got {got}; "
                          "reduce them in two calls")
+    for i, t in enumerate(tensors if written else ()):  # (an expanded tensor: torch's copy-back refused it at
+        # wait(), after the collective had run; 2026-12-07)
+        if isinstance(t, torch.Tensor) and any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape)):
+            raise ValueError(f"zerofuse.comm.{where}: expected {name}[{i}] to hold each element once (it is "
+                             f"written), got a tensor whose elements share memory (strides {list(t.stride())}, "
+                             f"shape {list(t.shape)}: expanded); pass a tensor of its own, e.g. .clone()")
     if written and len(tensors) > 1:
         spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), i)
                        for i, t in enumerate(tensors) if isinstance(t, torch.Tensor) and t.numel() and t.is_contiguous())

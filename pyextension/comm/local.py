@@ -151,13 +151,20 @@ def all_reduce_coalesced(tensors: Sequence[torch.Tensor], op: str, scale: float 
     return DONE
 
 
-def all_to_all(output: torch.Tensor, input: torch.Tensor, output_splits: Sequence[int],
-               input_splits: Sequence[int]) -> DoneWork:
-    fn = "zerofuse::comm.all_to_all"  # the transport's checks (csrc/comm/all_to_all.cpp), its messages
-    for name, splits in (("out_splits", output_splits), ("in_splits", input_splits)):
-        if len(splits) != 1:
-            raise ValueError(f"{fn}: expected {name} to hold 1 row counts (one per rank), got {len(splits)}")
-        if splits[0] < 0:
+def check_all_to_all(output: torch.Tensor, input: torch.Tensor, output_splits: Sequence[int],
+                     input_splits: Sequence[int], world_size: int, lengths: bool = True) -> None:
+    """The transport's checks (csrc/comm/all_to_all.cpp, its messages), in Python before the call
+    publishes anything to ZEROFUSE_CHECK_COLLECTIVES' store (a rank refused by the C++ checks after
+    publishing left the others waiting out the timeout with no word of why; a review's
+    reproduction, 2026-12-07), and an out that shares memory with input, refused on every world
+    size (over several ranks the rows arrived while others were still being sent from the same
+    memory: wrong rows, silently). lengths=False: split lists of another length than the world size
+    are left to the checker, which names the ranks that differ, and to the C++ checks."""
+    fn = "zerofuse::comm.all_to_all"
+    for name, splits in (("out_splits", output_splits), ("in_splits", input_splits)) if lengths else ():
+        if len(splits) != world_size:
+            raise ValueError(f"{fn}: expected {name} to hold {world_size} row counts (one per rank), got {len(splits)}")
+        if any(n < 0 for n in splits):
             raise ValueError(f"{fn}: expected {name} >= 0, got {list(splits)}")
     if not (input.is_contiguous() and output.is_contiguous()):
         raise RuntimeError(f"{fn}: expected contiguous input and out")
@@ -167,14 +174,28 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, output_splits: Sequenc
     if input.dim() < 1 or output.dim() != input.dim() or input.shape[1:] != output.shape[1:]:
         raise RuntimeError(f"{fn}: expected input and out of one row shape, got {list(input.shape)} and "
                            f"{list(output.shape)}")
-    if input_splits[0] != input.shape[0]:
-        raise ValueError(f"{fn}: expected in_splits to sum to input's {input.shape[0]} rows, got {list(input_splits)}")
-    if output_splits[0] != output.shape[0]:
-        raise ValueError(f"{fn}: expected out_splits to sum to out's {output.shape[0]} rows, got {list(output_splits)}")
+    if len(input_splits) == len(output_splits) == world_size:
+        if sum(input_splits) != input.shape[0]:
+            raise ValueError(f"{fn}: expected in_splits to sum to input's {input.shape[0]} rows, got "
+                             f"{list(input_splits)}")
+        if sum(output_splits) != output.shape[0]:
+            raise ValueError(f"{fn}: expected out_splits to sum to out's {output.shape[0]} rows, got "
+                             f"{list(output_splits)}")
+    if input.numel() and output.numel():
+        size = input.element_size()
+        if input.data_ptr() < output.data_ptr() + output.numel() * size and \
+                output.data_ptr() < input.data_ptr() + input.numel() * size:
+            raise ValueError(f"{fn}: expected out not to share memory with input (the rows arrive while others are "
+                             "still sent from it), got tensors that overlap; receive into another tensor")
+
+
+def all_to_all(output: torch.Tensor, input: torch.Tensor, output_splits: Sequence[int],
+               input_splits: Sequence[int]) -> DoneWork:
+    fn = "zerofuse::comm.all_to_all"
+    check_all_to_all(output, input, output_splits, input_splits, 1)
     if output_splits[0] != input_splits[0]:
         raise ValueError(f"{fn}: over one rank the input goes to the output whole: expected equal splits, got "
                          f"in_splits {list(input_splits)}, out_splits {list(output_splits)}")
     with torch.no_grad():
-        if output.data_ptr() != input.data_ptr():
-            output.copy_(input)
+        output.copy_(input)
     return DONE

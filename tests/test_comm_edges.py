@@ -1,0 +1,93 @@
+"""The communicator on gloo where a review (2026-12-07) reproduced a failure, each test failing
+before its fix: a timed wait of a point-to-point batch (gloo's send/recv report no completion
+before their wait: every timed p2p wait failed the communicator); reduce_scatter_fp32_sum's gather
+into a 2-D flat; its Work's is_completed() (False until wait(): a polling loop never ended); the
+time blocked on its all-to-all at the next call, missing from wait_seconds(); all_to_all into its
+own input (wrong rows, silently); an expanded tensor to be written (refused only after the
+collective); the collective checker's count of a pair's transfers by order where gloo pairs them
+by tag (a false mismatch)."""
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+from dist_utils import error_text, run_distributed
+
+pytestmark = pytest.mark.usefixtures("native_kernels")
+
+
+def _edges(rank, ws):
+    from zerofuse.comm import Communicator, P2POp, wait_seconds
+
+    comm = Communicator(timeout=30)
+    out = {}
+    nxt, prv = (rank + 1) % ws, (rank - 1) % ws
+    got = torch.empty(4)
+    t0 = time.perf_counter()
+    comm.batch_p2p([P2POp("send", torch.arange(4.0) + rank, nxt), P2POp("recv", got, prv)]).wait(timeout=5)
+    out["p2p"], out["p2p_s"] = got.tolist(), time.perf_counter() - t0
+    flat = torch.ones(2 * ws, 3, dtype=torch.bfloat16) * (rank + 1)
+    w = comm.reduce_scatter_fp32_sum(flat, all_gather=True)
+    deadline = time.monotonic() + 20
+    while not w.is_completed() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    out["polled"] = w.is_completed()
+    w.wait()
+    out["fp32 2-D"] = flat.float().unique().tolist()
+    x = torch.arange(2.0 * ws).reshape(ws, 2)
+    out["a2a in place"] = error_text(lambda: comm.all_to_all(x, x, [1] * ws, [1] * ws))
+    out["expanded"] = error_text(lambda: comm.all_reduce_coalesced([torch.ones(1).expand(4), torch.ones(3)]))
+    if rank == 1:
+        time.sleep(1.0)  # late for the fp32 sum's all-to-all: rank 0 blocks at its next call
+    w0 = wait_seconds()
+    a = comm.reduce_scatter_fp32_sum(torch.ones(2 * ws, dtype=torch.bfloat16), all_gather=True)
+    b = comm.all_reduce_coalesced([torch.ones(2)])
+    out["blocked_s"] = wait_seconds() - w0  # before any wait(): the time blocked launching b
+    a.wait()
+    b.wait()
+    out["after"] = error_text(lambda: comm.all_reduce_coalesced([torch.ones(1)]).wait(timeout=5))
+    return out
+
+
+def test_communicator_edges_on_gloo():
+    for rank, r in enumerate(run_distributed(_edges, 3, timeout=120)):
+        ws, prv = 3, (rank - 1) % 3
+        assert r["p2p"] == [float(i + prv) for i in range(4)] and r["p2p_s"] < 4, r
+        assert r["polled"] and r["fp32 2-D"] == [6.0], r
+        assert r["a2a in place"].startswith("ValueError: zerofuse::comm.all_to_all: expected out not to share memory "
+                                            "with input"), r
+        assert r["expanded"].startswith("ValueError: zerofuse.comm.all_reduce_coalesced: expected tensors[0] to "
+                                        "hold each element once"), r
+        if rank == 0:
+            assert r["blocked_s"] > 0.5, r
+        assert r["after"] == "no error", r
+
+
+def test_all_to_all_into_its_input_is_refused_over_one_rank_too(world_of_one):
+    from zerofuse.comm import Communicator
+
+    x = torch.arange(4.0).reshape(2, 2)
+    assert error_text(lambda: Communicator().all_to_all(x, x, [2], [2])).startswith(
+        "ValueError: zerofuse::comm.all_to_all: expected out not to share memory with input")
+
+
+def _tags_in_other_orders(rank, ws):
+    os.environ["ZEROFUSE_CHECK_COLLECTIVES"] = "1"
+    from zerofuse.comm import Communicator, P2POp
+
+    comm = Communicator(timeout=20)
+    nxt, prv = (rank + 1) % ws, (rank - 1) % ws
+    a, b = torch.empty(2), torch.empty(3)
+    comm.batch_p2p([P2POp("send", torch.full((2,), float(rank)), nxt, 1),
+                    P2POp("send", torch.full((3,), 10.0 + rank), nxt, 2),
+                    P2POp("recv", b, prv, 2), P2POp("recv", a, prv, 1)]).wait()
+    return a.tolist() + b.tolist()
+
+
+def test_the_checker_pairs_gloo_transfers_by_tag():
+    for rank, got in enumerate(run_distributed(_tags_in_other_orders, 3, timeout=120)):
+        prv = (rank - 1) % 3
+        assert got == [float(prv)] * 2 + [10.0 + prv] * 3
