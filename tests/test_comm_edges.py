@@ -54,7 +54,7 @@ def _edges(rank, ws):
 
 def test_communicator_edges_on_gloo():
     for rank, r in enumerate(run_distributed(_edges, 3, timeout=120)):
-        ws, prv = 3, (rank - 1) % 3
+        prv = (rank - 1) % 3
         assert r["p2p"] == [float(i + prv) for i in range(4)] and r["p2p_s"] < 4, r
         assert r["polled"] and r["fp32 2-D"] == [6.0], r
         assert r["a2a in place"].startswith("ValueError: zerofuse::comm.all_to_all: expected out not to share memory "
