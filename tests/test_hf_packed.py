@@ -223,3 +223,39 @@ def test_a_layer_that_cannot_fuse_falls_back_on_the_collators_packed_mask(arch, 
     assert losses[1] == pytest.approx(losses[0], rel=1e-5)
     for (n, p), q in zip(stock.named_parameters(), zf.parameters()):
         torch.testing.assert_close(q.grad, p.grad, **tol(torch.float32), msg=n)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_an_eager_configured_model_runs_fused(arch, cpu_kernels):
+    """attn_implementation="eager" hands every layer an additive float mask (0 seen, the minimum
+    elsewhere), padding or not: such a model never ran the fused kernel (a review's reproduction,
+    2026-12-07). A causal batch and a packed one run fused with stock eager's logits and gradients."""
+    stock = build(arch, _attn_implementation="eager")
+    patched = zerofuse.patch(copy.deepcopy(stock))
+    ids = batch(2, 19)
+    _assert_fused_as_stock(patched, stock, ids, _positions([[7, 1, 11], [19]]))
+    before = zerofuse.hf.attention_calls()
+    logits, grads = _loss_and_grads(patched, ids)  # one causal sequence a row
+    assert zerofuse.hf.attention_calls()["fused"] - before["fused"] == LAYERS
+    want, want_grads = _loss_and_grads(stock, ids)
+    torch.testing.assert_close(logits, want, **tol(torch.float32))
+    for name, g in grads.items():
+        torch.testing.assert_close(g, want_grads[name], rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+def test_an_additive_mask_with_values_besides_its_two_falls_back(cpu_kernels):
+    """An additive mask that adds anything but 0 where a query sees a key (a bias) is no mask of
+    documents: the model's implementation runs."""
+    from zerofuse.hf import attention as H
+
+    patched = zerofuse.patch(build("llama", _attn_implementation="eager"))
+    attn = patched.model.layers[0].self_attn
+    q, kv = torch.randn(1, 4, 9, 24), torch.randn(1, 2, 9, 24)
+    causal = torch.ones(9, 9, dtype=torch.bool).tril()
+    mask = torch.zeros(9, 9).masked_fill(~causal, torch.finfo(torch.float32).min)[None, None]
+    before = zerofuse.hf.attention_calls()
+    H.attention_forward(attn, q, kv, kv, mask, scaling=0.2, position_ids=torch.arange(9)[None])
+    mid = zerofuse.hf.attention_calls()
+    assert mid["fused"] == before["fused"] + 1
+    H.attention_forward(attn, q, kv, kv, mask + 0.5 * causal, scaling=0.2, position_ids=torch.arange(9)[None])
+    assert zerofuse.hf.attention_calls()["fallback"] == mid["fallback"] + 1

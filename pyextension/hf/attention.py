@@ -133,11 +133,15 @@ def _cached_ids(tensors, shape, make):
 
 def _packed_documents(query, attention_mask, kwargs):
     """Document ids (B, N) when attention_mask is exactly the packed-sequence mask of the layer's
-    position_ids, else None."""
+    position_ids (one document a row: the causal mask), else None. A bool mask (sdpa's) or an
+    additive float one (eager's: 0 where a query sees a key, the dtype's minimum elsewhere; a model
+    configured for eager attention never ran fused before: its mask function hands every layer that
+    mask, padding or not; a review's reproduction, 2026-12-07)."""
     pos = kwargs.get("position_ids")
     b, n = query.shape[0], query.shape[2]
     if (not isinstance(pos, torch.Tensor) or not isinstance(attention_mask, torch.Tensor)
-            or attention_mask.dtype != torch.bool or attention_mask.dim() != 4 or attention_mask.shape[0] not in (1, b)
+            or not (attention_mask.dtype == torch.bool or attention_mask.is_floating_point())
+            or attention_mask.dim() != 4 or attention_mask.shape[0] not in (1, b)
             or tuple(attention_mask.shape[1:]) != (1, n, n) or pos.dim() != 2 or pos.shape[0] not in (1, b)
             or pos.shape[1] != n or pos.is_floating_point() or pos.device != query.device
             or _unsyncable(attention_mask, pos)):
@@ -149,7 +153,11 @@ def _packed_documents(query, attention_mask, kwargs):
         restart = torch.ones_like(pos, dtype=torch.bool)
         restart[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
         ids = restart.cumsum(1).expand(b, n)
-        return ids if torch.equal(attention_mask.expand(b, 1, n, n), document_mask(document_bounds(ids))) else None
+        want = document_mask(document_bounds(ids))
+        mask = attention_mask.expand(b, 1, n, n)
+        if mask.dtype != torch.bool:  # additive: exactly 0 where seen and the minimum elsewhere (no bias)
+            mask = torch.where(mask == 0, True, torch.where(mask == torch.finfo(mask.dtype).min, False, ~want))
+        return ids if torch.equal(mask, want) else None
 
     return _cached_ids((attention_mask, pos), (b, n), make)
 
