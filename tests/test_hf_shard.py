@@ -125,6 +125,7 @@ def test_frozen_params_stay_frozen_under_tp(cpu_kernels):
         assert frozen and {n for n, f in flags.items() if not f} == frozen
         assert moved == []
         assert "save_pretrained on a model tensor-parallel over 2 ranks" in refused and "export_hf" in refused
+        assert "extra={'config': model.config.to_dict()}" in refused  # (from_pretrained needs its model_type)
 
 
 def _qk_norm_grads_rank(rank, ws):

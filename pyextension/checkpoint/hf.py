@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import warnings
 
 import torch
 
@@ -52,6 +53,10 @@ def export_hf(path: str, out_dir: str, *, config: dict | None = None, dtype: tor
     if config is None:
         config = dict(extra["config"]) if isinstance(extra, dict) and isinstance(extra.get("config"), dict) else {}
     config = dict(config)
+    if "model_type" not in config:  # (the files loaded nowhere, silently: a review's reproduction, 2026-12-07)
+        warnings.warn(f"{NAME}.export_hf: the config written to {out_dir}/config.json has no 'model_type': "
+                      "transformers' from_pretrained refuses it; pass config=model.config.to_dict(), or save the "
+                      "checkpoint with extra={'config': model.config.to_dict()}", stacklevel=2)
     config["tie_word_embeddings"] = bool(ties)
     config["zerofuse_tied"] = ties
     written_dtype = str(next(iter(tensors.values())).dtype).removeprefix("torch.") if tensors else None

@@ -142,5 +142,6 @@ def _refuse_save_pretrained(tp: int, *_args, **_kwargs):
     ignore_mismatched_sizes; a review's reproduction, 2026-12-06)."""
     raise RuntimeError(f"{WHO}: save_pretrained on a model tensor-parallel over {tp} ranks would write this "
                        "rank's slices under the full model's names; save with zerofuse.checkpoint.save(dir, "
-                       "model, optimizer) on every rank, then zerofuse.checkpoint.export_hf(dir, out_dir) writes the "
-                       "Hugging Face files (one process)")
+                       "model, optimizer, extra={'config': model.config.to_dict()}) on every rank, then "
+                       "zerofuse.checkpoint.export_hf(dir, out_dir) writes the Hugging Face files (one process; the "
+                       "config is what from_pretrained reads the model_type from)")
