@@ -72,6 +72,13 @@ class ZeroEngine(ExpertLayout, FindUnused, FullParams, Stage3Hooks, WorldOfOne):
         self.offload = offload
         if getattr(model, "_zerofuse_zero", None) is not None:
             raise ValueError(f"{name}: the model is already parallelized")
+        # (a model holding a parallelized submodule, or one inside a parallelized model: two engines'
+        # hooks and buffers over the same params trained NaN, silently; a review's reproduction, 2026-12-07)
+        inner = next((n for n, m in model.named_modules() if getattr(m, "_zerofuse_zero", None) is not None), None)
+        if inner is not None or any(getattr(p, SHARDED, False) for p in model.parameters()):
+            what = f"its submodule {inner!r} is" if inner else "its parameters are"
+            raise ValueError(f"{name}: {what} already parallelized by another zerofuse.zero.parallelize call; "
+                             "expected one call over the whole model (wrap= names the modules that shard on their own)")
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         shapes = [(n, tuple(p.shape)) for n, p in named]  # before stage 3 / meta swap the params
         if not named:

@@ -29,13 +29,13 @@ def unit_groups(model, named, wrap) -> tuple[list, list]:
     mods = _wrap_modules(model, wrap)
     mod_names = {id(m): n for n, m in model.named_modules()}
     owner: dict[int, set[int]] = {}  # id(param) -> the units (wrap index, -1 root) of modules holding it
-    unit_of_mod = {}
-    for i, m in enumerate(mods):
-        for s in m.modules():
-            unit_of_mod[id(s)] = i
+    units_of_mod: dict[int, set[int]] = {}  # a submodule held by several wrapped modules is in each of their
+    for i, m in enumerate(mods):  # units (one module object shared across blocks, ALBERT's layers: its params
+        for s in m.modules():  # went to the last block's unit, and the earlier blocks read them freed, NaN;
+            units_of_mod.setdefault(id(s), set()).add(i)  # a review's reproduction, 2026-12-07)
     for m in model.modules():
         for p in m.parameters(recurse=False):
-            owner.setdefault(id(p), set()).add(unit_of_mod.get(id(m), -1))
+            owner.setdefault(id(p), set()).update(units_of_mod.get(id(m), {-1}))
     groups: dict[int, list] = {i: [] for i in range(-1, len(mods))}
     for n, p in named:
         units = owner[id(p)]

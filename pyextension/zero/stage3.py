@@ -109,11 +109,20 @@ class Stage3Hooks:
 
     def _make_pre_backward(self, u: Bucket):
         def hook(_grad):
+            if torch.is_grad_enabled() and not self.hold_params and not self._in_full_params:  # create_graph=True
+                raise RuntimeError(
+                    "zerofuse.zero: a backward with create_graph=True (a gradient penalty, a double backward) "
+                    "through a ZeRO-3 model: each unit's params are freed after its backward, and the "
+                    "second-order graph reads them later without a hook to gather them (it crashed in "
+                    "torch's setStorage); use ZeRO stage 1 or 2 for it")
             self._in_backward = True
             if not self._final_queued:
                 self._final_queued = True
                 torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-            waiting = [x for x in _pair(u) if x.ready < len(x.params)]
+            # a unit freed already in this backward is gathered again: a re-entrant checkpoint inside
+            # a module called twice completed the unit's grads in its first recompute's backward, and
+            # the second recompute read the freed params, NaN (a review's reproduction, 2026-12-07)
+            waiting = [x for x in _pair(u) if x.ready < len(x.params) or x.state == FREE]
             for x in waiting:
                 x.finish_param_sync(self.comm)
             if waiting:
