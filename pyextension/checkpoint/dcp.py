@@ -198,6 +198,7 @@ def save(path: str, model, optimizer=None, *, extra=None) -> None:
     if eng.stage != 3:
         eng.finish_param_sync()
     path = os.path.abspath(path)
+    files.check_target(path, f"{NAME}.save")
     group = eng.comm.group
     if eng.rank == 0:
         files.begin(path)

@@ -21,6 +21,7 @@ where a rank copies from them), everything else from JSON. What save is given to
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import pickle
@@ -152,8 +153,13 @@ def complete(directory: str) -> bool:
 
 
 def remove(directory: str) -> None:
-    """Delete a checkpoint directory, marking it incomplete first (meta.json goes first)."""
+    """Delete a checkpoint directory, marking it incomplete first (meta.json goes first). A link is
+    unlinked, never followed (its target's meta.json went, and the older checkpoint with it)."""
     if not os.path.lexists(directory):
+        return
+    if os.path.islink(directory):
+        os.unlink(directory)
+        fsync_dir(os.path.dirname(directory))
         return
     meta = os.path.join(directory, META)
     if os.path.isfile(meta):
@@ -185,10 +191,60 @@ def recover(path: str) -> None:
             return
 
 
+def check_target(path: str, who: str) -> None:
+    """Every rank, before a save's first collective (a leader's refusal left the others waiting in
+    its barrier): ``path`` is new, an empty directory or a checkpoint (ours, or one a crash
+    mid-commit left beside it), which the save replaces. A directory of other files was deleted
+    whole, a link's target lost its meta.json, a file was renamed aside (a review's reproductions,
+    2026-12-07)."""
+    if os.path.islink(path):
+        raise ValueError(f"{who}: expected path to be a directory, not a symbolic link, got {path!r} -> "
+                         f"{os.readlink(path)!r} (a save replaces the directory at path: pass the link's target, "
+                         "or a new path, and point the link there after)")
+    if not os.path.lexists(path):
+        return
+    if not os.path.isdir(path):
+        raise ValueError(f"{who}: expected path to be a new or checkpoint directory, got {path!r}, a file")
+    if complete(path) or not os.listdir(path) or any(complete(side) for side in (path + ".tmp", path + ".old")):
+        return
+    raise ValueError(f"{who}: expected path to be a new or empty directory or a checkpoint (a save replaces it "
+                     f"whole), got {path!r}, a directory of other files ({sorted(os.listdir(path))[:5]}); pass "
+                     "a directory of its own")
+
+
+_locks: dict[str, int] = {}  # path -> the fd of its save lock, held from begin to commit by the leader
+
+
+def _lock(path: str) -> None:
+    """An exclusive lock on ``.<name>.lock`` beside ``path`` until commit (or the next save of it in
+    this process): two saves to one path at once each used ``<path>.tmp``, and the committed
+    checkpoint mixed the two saves' files, loading as if whole (a review's reproduction,
+    2026-12-07). A second save waits for the first."""
+    import fcntl  # noqa: PLC0415 - POSIX only
+
+    _unlock(path)
+    fd = os.open(os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    except OSError as e:
+        if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):  # (a filesystem without locks: unguarded)
+            os.close(fd)
+            raise
+    _locks[path] = fd
+
+
+def _unlock(path: str) -> None:
+    fd = _locks.pop(path, None)
+    if fd is not None:
+        os.close(fd)
+
+
 def begin(path: str) -> str:
-    """Leader: a fresh, empty ``<path>.tmp`` (after recovering a crashed commit)."""
+    """Leader: a fresh, empty ``<path>.tmp`` (after recovering a crashed commit), under the path's
+    save lock."""
     parent = os.path.dirname(path)
     os.makedirs(parent, exist_ok=True)
+    _lock(path)
     recover(path)
     tmp = path + ".tmp"
     remove(tmp)
@@ -209,6 +265,7 @@ def commit(path: str) -> None:
     _rename(tmp, path)
     remove(old)
     kill_point("removed old after commit")
+    _unlock(path)
 
 
 def resolve(path: str) -> str:

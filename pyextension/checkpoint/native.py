@@ -79,6 +79,7 @@ def save(path: str, model: torch.nn.Module, optimizer=None, *, extra=None) -> No
     if eng.stage != 3:
         eng.finish_param_sync()
     path = os.path.abspath(path)
+    files.check_target(path, f"{NAME}.save")
     tp, pp = eng.tp_comm is not None, eng.pp_comm is not None
     # who coordinates: the ZeRO group's rank 0, or with TP / PP the world's (one ZeRO group per
     # TP rank and pipeline stage), with barriers over every rank

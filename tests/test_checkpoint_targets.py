@@ -1,0 +1,66 @@
+"""Where zerofuse.checkpoint.save writes (a review's reproductions, 2026-12-07; each test failed
+before its fix): a directory of other files was deleted whole, a link's target lost its meta.json
+(the older checkpoint with it), a file was renamed aside; two saves to one path at once committed a
+checkpoint mixing their files. Refused on every rank before the first collective; a second save
+waits for the first."""
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+import torch
+
+import zerofuse
+from zerofuse.checkpoint import files
+from zerofuse.models import GPT, GPTConfig
+
+pytestmark = pytest.mark.usefixtures("native_kernels")
+FORMATS = ["zerofuse", "dcp"]
+
+
+def _zmodel():
+    model = GPT(GPTConfig(vocab_size=65, seq_len=16, n_layer=1, n_head=2, dim=16), seed=0)
+    return zerofuse.zero.parallelize(model, stage=2)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_path_that_is_no_checkpoint_is_refused_and_left_alone(fmt, tmp_path, world_of_one):
+    model = _zmodel()
+    opt = zerofuse.zero.Optimizer(model, "adamw", lr=1e-3)
+    mine = tmp_path / "mine"
+    (mine / "data").mkdir(parents=True)
+    (mine / "train.log").write_text("keep me")
+    with pytest.raises(ValueError, match=r"expected path to be a new or empty directory or a checkpoint .* a "
+                                         r"directory of other files \(\['data', 'train.log'\]\)"):
+        zerofuse.checkpoint.save(str(mine), model, opt, format=fmt)
+    assert (mine / "train.log").read_text() == "keep me" and (mine / "data").is_dir()
+    step1 = tmp_path / "step_1"
+    zerofuse.checkpoint.save(str(step1), model, opt, extra={"step": 1}, format=fmt)
+    (tmp_path / "latest").symlink_to("step_1")
+    with pytest.raises(ValueError, match=r"expected path to be a directory, not a symbolic link"):
+        zerofuse.checkpoint.save(str(tmp_path / "latest"), model, opt, format=fmt)
+    assert zerofuse.checkpoint.load(str(step1), model, opt) == {"step": 1}
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(ValueError, match=r"got '.*afile', a file"):
+        zerofuse.checkpoint.save(str(tmp_path / "afile"), model, opt, format=fmt)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    zerofuse.checkpoint.save(str(empty), model, opt, extra={"step": 2}, format=fmt)  # new or empty: saved
+    zerofuse.checkpoint.save(str(empty), model, opt, extra={"step": 3}, format=fmt)  # a checkpoint: replaced
+    assert zerofuse.checkpoint.load(str(empty), model, opt) == {"step": 3}
+
+
+def test_a_second_save_to_a_path_waits_for_the_first(tmp_path):
+    path = str(tmp_path / "ckpt")
+    files.begin(path)  # the first save, between begin and commit
+    first = files._locks.pop(path)  # (held by its fd; the second begin below opens its own)
+    began = threading.Event()
+    other = threading.Thread(target=lambda: (files.begin(path), began.set()), daemon=True)
+    other.start()
+    other.join(0.5)
+    assert not began.is_set()  # waits on the first save's lock
+    os.close(first)  # the first save's commit releases it
+    other.join(10)
+    assert began.is_set()
+    files._unlock(path)
