@@ -9,7 +9,6 @@ import os
 import threading
 
 import pytest
-import torch
 
 import zerofuse
 from zerofuse.checkpoint import files
