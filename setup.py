@@ -41,6 +41,7 @@ def _want_cuda() -> bool:
 
 
 def _extension():
+    buildenv.check_compiler()
     note = buildenv.pick_host_compilers()
     if note:
         print(f"zerofuse: {note}", file=sys.stderr)
@@ -108,7 +109,7 @@ class _BuildExt(BuildExtension.with_options(use_ninja=True)):
         hashes = stamp.source_hashes(os.path.join(ROOT, "csrc"), suffixes)
         super().run()
         for ext in self.extensions:
-            path = stamp.write(os.path.dirname(self.get_ext_fullpath(ext.name)), hashes, suffixes)
+            path = stamp.write(os.path.dirname(self.get_ext_fullpath(ext.name)), hashes, suffixes, torch.__version__)
             print(f"zerofuse: build stamp {path}", file=sys.stderr)
 
 

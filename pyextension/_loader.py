@@ -33,15 +33,31 @@ def _preload_nccl() -> bool:
     return False
 
 
+def _rebuild_advice() -> str:
+    """How to rebuild: in a source checkout (csrc/ beside the package) the editable build; an
+    installed wheel has no sources to build from (the advice named the checkout's command)."""
+    pkg = os.path.dirname(os.path.abspath(__file__))
+    if os.path.isdir(os.path.join(os.path.dirname(pkg), "csrc")):
+        return "rebuild it with `pip install --no-build-isolation -e .` in the checkout (see README.md)"
+    return ("reinstall zerofuse from its source for this torch (`pip install --no-build-isolation --force-reinstall "
+            "<zerofuse source or sdist>`; see README.md)")
+
+
 def load_extension():
+    import torch
+
+    pkg = os.path.dirname(os.path.abspath(__file__))
+    built = _stamp.built_torch(pkg)
+    if _stamp.torch_mismatch(built, torch.__version__):  # (it imported, then every collective failed on
+        # pybind's "incompatible constructor arguments": a review's reproduction, 2026-12-07)
+        raise ImportError(f"zerofuse: the compiled extension zerofuse._C was built against torch {built}, this is "
+                          f"torch {torch.__version__}; {_rebuild_advice()}")
     try:
         ext = importlib.import_module("zerofuse._C")
     except ImportError as e:
         if not ("libnccl" in str(e) and _preload_nccl()):
-            raise ImportError(
-                f"zerofuse: the compiled extension zerofuse._C did not load ({e}). Build it with "
-                "`pip install --no-build-isolation -e .` (see README.md)."
-            ) from e
+            raise ImportError(f"zerofuse: the compiled extension zerofuse._C did not load ({e}); "
+                              f"{_rebuild_advice()}") from e
         ext = importlib.import_module("zerofuse._C")
     warn_if_stale()
     return ext

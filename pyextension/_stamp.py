@@ -33,14 +33,16 @@ def source_hashes(csrc: str, suffixes: tuple[str, ...] = SUFFIXES) -> dict[str, 
     return out
 
 
-def write(ext_dir: str, hashes: dict[str, str], suffixes: tuple[str, ...] = SUFFIXES) -> str:
+def write(ext_dir: str, hashes: dict[str, str], suffixes: tuple[str, ...] = SUFFIXES,
+          torch_version: str | None = None) -> str:
     """Writes the stamp (``hashes``: source_hashes of ``suffixes``, the kinds of file the build
-    compiled, taken before it began, so an edit made during it counts as a change) into
-    ``ext_dir``, atomically; returns its path."""
+    compiled, taken before it began, so an edit made during it counts as a change; the torch it was
+    built against) into ``ext_dir``, atomically; returns its path."""
     path = os.path.join(ext_dir, STAMP)
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
-        json.dump({"sources": hashes, "suffixes": list(suffixes)}, f, indent=0, sort_keys=True)
+        json.dump({"sources": hashes, "suffixes": list(suffixes), "torch": torch_version}, f, indent=0,
+                  sort_keys=True)
     os.replace(tmp, path)
     return path
 
@@ -68,3 +70,26 @@ def stale(pkg_dir: str) -> str | None:
     listed = ", ".join(f"csrc/{k} ({how[k]})" for k in changed[:6])
     more = f" and {len(changed) - 6} more" if len(changed) > 6 else ""
     return f"it was built from other sources than {csrc} holds now: {listed}{more}"
+
+
+def built_torch(pkg_dir: str) -> str | None:
+    """The torch version the extension in ``pkg_dir`` was built against (None: no stamp, or one
+    written before it was recorded)."""
+    try:
+        with open(os.path.join(pkg_dir, STAMP)) as f:
+            version = json.load(f).get("torch")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return version if isinstance(version, str) else None
+
+
+def torch_mismatch(built: str | None, running: str) -> bool:
+    """Whether an extension built against torch ``built`` cannot run under ``running``: another
+    major.minor or another build variant (the +cpu / +cu130 tag); a patch release is the same ABI."""
+    if built is None:
+        return False
+
+    def key(v: str) -> tuple:
+        base, _, local = v.partition("+")
+        return tuple(base.split(".")[:2]), local
+    return key(built) != key(running)

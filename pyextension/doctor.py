@@ -223,8 +223,12 @@ def main(argv: list[str] | None = None) -> int:
 
     stale = _stamp.stale(os.path.dirname(os.path.abspath(zerofuse.__file__)))
     print(f"build      STALE: {stale}" if stale else "build      the extension matches the sources (or no csrc/ here)")
-    if args.no_selftest:
-        return 0
+    built = _stamp.built_torch(os.path.dirname(os.path.abspath(zerofuse.__file__)))
+    print(f"built for  torch {built or 'unknown (no stamp)'}")
+    if args.no_selftest:  # (a stale build exited 0 here; the docstring and README say it fails)
+        if stale:
+            print(f"doctor: stale build: {stale}", file=sys.stderr)
+        return 1 if stale else 0
     from zerofuse.kernels.attention import pinned_config
     with pinned_config():  # results are checked, not speed: no autotuning (44-78 s of an H200's time)
         failures = selftest(_devices())
@@ -234,7 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     if stale:  # the self-tests ran the old kernels
         failures.append(f"stale build: {stale}")
     if failures:
-        print(f"doctor: {len(failures)} self-test(s) failed", file=sys.stderr)
+        named = "; ".join(f.splitlines()[0] for f in failures)  # (a count alone named none of them)
+        print(f"doctor: {len(failures)} check(s) failed: {named}", file=sys.stderr)
         return 1
     print("doctor: all self-tests passed")
     return 0

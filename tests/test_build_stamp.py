@@ -2,6 +2,7 @@
 holds now is named at import (StaleBuildWarning) and by the doctor. Before it, an edited or pulled
 csrc/ without a rebuild ran the old kernels without a word (a missing symbol was the only sign)."""
 import os
+import re
 
 import pytest
 
@@ -71,8 +72,29 @@ def test_the_doctor_names_a_stale_build_and_fails(monkeypatch, capsys):
     monkeypatch.setattr(doctor, "selftest", lambda devices: [])
     monkeypatch.setattr(doctor, "handles_selftest", lambda devices: [])
     monkeypatch.setattr(doctor, "comm_selftest", lambda devices: [])
-    assert doctor.main(["--no-selftest"]) == 0  # the report only: says it, fails nothing
-    assert "build      STALE: it was built from other sources: csrc/x.cpp (changed)" in capsys.readouterr().out
+    # the report only fails it too (it exited 0 there: the docstring and README say a stale build
+    # fails the doctor; a review, 2026-12-07)
+    assert doctor.main(["--no-selftest"]) == 1
+    out = capsys.readouterr()
+    assert "build      STALE: it was built from other sources: csrc/x.cpp (changed)" in out.out
+    assert "doctor: stale build:" in out.err
     assert doctor.main([]) == 1
+    assert "1 check(s) failed: stale build: it was built from other sources" in capsys.readouterr().err
     monkeypatch.setattr(_stamp, "stale", lambda pkg_dir: None)
     assert doctor.main([]) == 0
+
+
+def test_the_stamp_records_the_torch_it_was_built_against(monkeypatch):
+    """A wheel built against one torch imported under another, then every collective failed on
+    pybind's "incompatible constructor arguments" (a review's reproduction, 2026-12-07): refused at
+    import, naming both versions; a patch release is the same ABI."""
+    import torch
+
+    if os.path.isfile(os.path.join(PKG, _stamp.STAMP)):
+        assert _stamp.built_torch(PKG) == torch.__version__
+    assert not _stamp.torch_mismatch("2.13.0+cpu", "2.13.1+cpu") and not _stamp.torch_mismatch(None, "2.14.0")
+    assert _stamp.torch_mismatch("2.13.0+cpu", "2.14.1") and _stamp.torch_mismatch("2.13.0+cpu", "2.13.0+cu130")
+    monkeypatch.setattr(_stamp, "built_torch", lambda pkg_dir: "2.99.0+cpu")
+    running = re.escape(torch.__version__)
+    with pytest.raises(ImportError, match=rf"built against torch 2.99.0\+cpu, this is torch {running}; (rebuild|reinstall)"):
+        _loader.load_extension()

@@ -191,6 +191,21 @@ def test_build_replaces_a_compiler_that_links_libstdcxx_statically(tmp_path, mon
         buildenv.pick_host_compilers()
 
 
+def test_a_missing_compiler_is_named_before_the_build(monkeypatch):
+    """With no compiler the build printed torch's 16 failed compile lines and "Error compiling
+    objects" (a review's reproduction, 2026-12-07)."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        from tools import buildenv
+    finally:
+        sys.path.pop(0)
+    monkeypatch.setenv("CXX", "/nonexistent/g++")
+    with pytest.raises(SystemExit, match=r"no working C\+\+ compiler \(CXX='/nonexistent/g\+\+'.*g\+\+ 10"):
+        buildenv.check_compiler()
+    monkeypatch.delenv("CXX")
+    buildenv.check_compiler()  # this machine's c++
+
+
 def _vector_isa(capability: str | None) -> int:
     env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
     if capability is not None:

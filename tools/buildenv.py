@@ -146,6 +146,23 @@ def _shared_libstdcxx(compiler: str) -> bool:
     return os.path.isabs(out) and os.path.exists(out)
 
 
+def check_compiler() -> None:
+    """Refuses the build, by name, when the C++ compiler torch will use (CXX, else c++) does not run:
+    torch's build printed 16 failed compile lines and "Error compiling objects" (a review's
+    reproduction, 2026-12-07)."""
+    cxx = os.environ.get("CXX") or "c++"
+    try:
+        argv = shlex.split(cxx)
+        ok = bool(argv) and shutil.which(argv[0]) is not None and subprocess.run(
+            [*argv, "--version"], capture_output=True, timeout=30).returncode == 0
+    except (OSError, ValueError, subprocess.SubprocessError):
+        ok = False
+    if not ok:
+        raise SystemExit(f"zerofuse: no working C++ compiler (CXX={os.environ.get('CXX')!r}, else `c++` on PATH): "
+                         "zerofuse._C is a C++20 extension; install g++ 10 or newer (e.g. `apt install g++`) or "
+                         "set CXX to one")
+
+
 def pick_host_compilers() -> str | None:
     """Makes CC/CXX name a toolchain that links libstdc++ dynamically; returns a note when it changed them.
 
