@@ -34,7 +34,7 @@ def _skew(full, e, ws):
         full.router.weight[: e // ws, 0] += 5.0
 
 
-def _ep_rank(rank, ws, e, k, activation, per_rank, skew):
+def _ep_rank(rank, ws, e, k, activation, per_rank, skew, autocast=False):
     import zerofuse  # noqa: F401
     from zerofuse.moe import MoE
 
@@ -52,8 +52,9 @@ def _ep_rank(rank, ws, e, k, activation, per_rank, skew):
 
     x = xs[rank].clone().requires_grad_()
     before = sent_bytes()
-    y = m(x)
-    (y * dys[rank]).sum().backward()
+    with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+        y = m(x)
+    (y.float() * dys[rank]).sum().backward()
     router_grad = m.router.weight.grad.clone()
     torch.distributed.all_reduce(router_grad)
     return y.detach(), x.grad, m.w1.grad, m.w2.grad, router_grad, sent_bytes() - before
@@ -138,3 +139,23 @@ def test_all_to_all_with_per_rank_row_counts(check):
             continue
         assert any("expected out_splits to hold 3 row counts (one per rank), got 2" in e for e in errors), errors
         assert any("expected in_splits to sum to input's" in e for e in errors), errors
+
+
+def test_expert_parallel_under_autocast_with_a_rank_receiving_no_rows():
+    """CPU autocast ran an empty expert batch's matmul in bf16 while the other ranks' grouped matmuls
+    stayed fp32: the return all-to-all's byte counts differed and gloo aborted the process (a
+    review's reproduction, 2026-12-07). The experts' outputs go back in the rows' dtype."""
+    ws, e, per_rank = 2, 4, (6, 6)
+    out = run_distributed(_ep_rank, ws, e, 1, "swiglu", per_rank, True, True, timeout=120)
+    full = _full(e, 1, "swiglu")
+    _skew(full, e, ws)  # every token to rank 0's experts: rank 1's receive none
+    xs, dys = _tokens(ws, per_rank, True)
+    x = torch.cat(xs).requires_grad_()
+    with torch.autocast("cpu", torch.bfloat16):
+        y = full(x)
+    (y.float() * torch.cat(dys)).sum().backward()
+    for r, (got, dx, *_rest) in enumerate(out):
+        rows = slice(sum(per_rank[:r]), sum(per_rank[:r + 1]))
+        assert got.dtype == y.dtype
+        assert_close(got, y[rows].detach(), msg=f"rank {r} outputs")
+        assert_close(dx, x.grad[rows], msg=f"rank {r} input grads")

@@ -97,12 +97,16 @@ class Dispatch:
     def send(self, rows: Tensor) -> Tensor:
         """This rank's kept rows (grouped by global expert) -> the rows for this rank's experts,
         grouped by local expert."""
+        self.dtype = rows.dtype  # (the same on every rank: the layer's input's)
         got = all_to_all(rows[:sum(self.in_splits)], self.comm, self.out_splits, self.in_splits)
         return got.index_select(0, self.group_order)
 
     def receive(self, out: Tensor, total_rows: int) -> Tensor:
         """The experts' outputs (grouped by local expert) -> this rank's rows back in moe_permute's
         order, total_rows of them (the dropped rows past the kept ones are zeros)."""
+        # back in the rows' dtype: under autocast an expert's matmuls may come out another (bf16 on a rank
+        # whose experts got no rows, fp32 on the others: gloo aborted on the byte counts; 2026-12-07)
+        out = out.to(getattr(self, "dtype", out.dtype))
         ungrouped = torch.empty_like(out).index_copy(0, self.group_order, out) if out.shape[0] else out
         back = all_to_all(ungrouped, self.comm, self.in_splits, self.out_splits)
         pad = total_rows - back.shape[0]

@@ -60,8 +60,8 @@ def grouped_mm(x: Tensor, w: Tensor, counts: Tensor, *, full: bool = False) -> T
     """x [R, a] whose first counts[0] rows go to w[0], the next counts[1] to w[1], ... (rows past
     sum(counts) are zeros in the output); w [E, a, b] -> [R, b]. full=True: the caller knows
     sum(counts) == R (dropless routing), so no rows are masked."""
-    if x.shape[0] == 0:  # no rows (an expert-parallel rank that received none): w still in the graph
-        return x @ w[0]
+    if x.shape[0] == 0:  # no rows (an expert-parallel rank that received none): w still in the graph,
+        return (x @ w[0]).to(x.dtype)  # in x's dtype as the other paths (autocast made it bf16 here)
     # fp32: torch's eager CPU kernel takes it, its fake (meta) kernel takes bf16 only, so a compiled
     # model failed to trace ("Expected inputs of BF16 type"): the per-expert loop there
     fp32_ok = x.dtype == torch.float32 and not torch.compiler.is_compiling()
