@@ -41,7 +41,6 @@ def _want_cuda() -> bool:
 
 
 def _extension():
-    buildenv.check_compiler()
     note = buildenv.pick_host_compilers()
     if note:
         print(f"zerofuse: {note}", file=sys.stderr)
@@ -103,6 +102,7 @@ class _BuildExt(BuildExtension.with_options(use_ninja=True)):
     the sources' hashes taken before the build, written only once it succeeded."""
 
     def run(self):
+        buildenv.check_compiler()  # (here, not at load: --version and sdist compile nothing)
         stamp = _load_stamp()
         cuda = any(src.endswith(".cu") for ext in self.extensions for src in ext.sources)
         suffixes = stamp.SUFFIXES if cuda else stamp.CPU_SUFFIXES

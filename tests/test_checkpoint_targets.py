@@ -5,8 +5,9 @@ checkpoint mixing their files. Refused on every rank before the first collective
 waits for the first."""
 from __future__ import annotations
 
-import os
-import threading
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -50,16 +51,39 @@ def test_a_path_that_is_no_checkpoint_is_refused_and_left_alone(fmt, tmp_path, w
     assert zerofuse.checkpoint.load(str(empty), model, opt) == {"step": 3}
 
 
-def test_a_second_save_to_a_path_waits_for_the_first(tmp_path):
+def test_saves_to_one_path_take_turns(tmp_path, monkeypatch, world_of_one):
+    """Another process's save waits for this one's commit; a second save in this process is refused
+    (it took the first one's lock and deleted its files); a save that failed lets the lock go (it
+    held it for the process's life: every other save of the path waited forever)."""
     path = str(tmp_path / "ckpt")
-    files.begin(path)  # the first save, between begin and commit
-    first = files._locks.pop(path)  # (held by its fd; the second begin below opens its own)
-    began = threading.Event()
-    other = threading.Thread(target=lambda: (files.begin(path), began.set()), daemon=True)
-    other.start()
-    other.join(0.5)
-    assert not began.is_set()  # waits on the first save's lock
-    os.close(first)  # the first save's commit releases it
-    other.join(10)
-    assert began.is_set()
-    files._unlock(path)
+    files.begin(path)
+    with pytest.raises(RuntimeError, match=r"another save to .* is in progress in this process"):
+        files.begin(path)
+    ready, began = tmp_path / "ready", tmp_path / "began"
+    code = (f"import pathlib; from zerofuse.checkpoint import files; pathlib.Path({str(ready)!r}).touch(); "
+            f"files.begin({path!r}); pathlib.Path({str(began)!r}).touch()")
+    other = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        deadline = time.monotonic() + 120
+        while not ready.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(1.0)
+        assert ready.exists() and not began.exists()  # waits on this save's lock
+        files.release(path)  # (what commit does)
+        assert other.wait(60) == 0 and began.exists()
+    finally:
+        other.kill()
+    model = _zmodel()
+    opt = zerofuse.zero.Optimizer(model, "adamw", lr=1e-3)
+
+    def fail(point):
+        if point == "made tmp":
+            raise OSError("disk full")
+
+    monkeypatch.setattr(files, "kill_point", fail)
+    with pytest.raises(OSError, match="disk full"):
+        zerofuse.checkpoint.save(path, model, opt)
+    monkeypatch.undo()
+    assert path not in files._locks
+    zerofuse.checkpoint.save(path, model, opt, extra={"step": 1})
+    assert zerofuse.checkpoint.load(path, model, opt) == {"step": 1}

@@ -31,6 +31,8 @@ def test_l2norm_multiplies_before_it_squares(kernel_path):
     assert torch.isfinite(total) and torch.isfinite(each).all()
     assert_close(total, plain_total, msg="total")
     assert_close(each, plain_each, msg="per tensor")
+    with pytest.raises(RuntimeError, match=r"expected mult_from >= 0, got -1"):  # (Triton: scaled all, unsaid)
+        l2norm(scaled, mult=torch.tensor([1 / SCALE]), mult_from=-1)
 
 
 @pytest.mark.parametrize("make", [lambda ps: FusedAdamW(ps, lr=1e-2, max_grad_norm=1.0), lambda ps: FusedLAMB(ps),

@@ -200,21 +200,27 @@ def save(path: str, model, optimizer=None, *, extra=None) -> None:
     path = os.path.abspath(path)
     files.check_target(path, f"{NAME}.save")
     group = eng.comm.group
-    if eng.rank == 0:
-        files.begin(path)
-    dist.barrier(group=group)
-    tmp = path + ".tmp"
-    dcp.save(_state_dict(eng, model, optimizer), storage_writer=dcp.FileSystemWriter(tmp, sync_files=True),
-             process_group=group)
-    if eng.rank == 0:
-        scale = {} if optimizer is None else {"scale": float(optimizer.scale.item()),
-                                                 "growth_tracker": int(optimizer._growth_tracker.item())}
-        files.write_tensors(os.path.join(tmp, "zerofuse_extra.pt"), {"extra": extra} | scale)
-        files.fsync_dir(tmp)
-        files.write_json(os.path.join(tmp, files.META), {
-            "format": "dcp", "world_size": eng.world_size, "stage": eng.stage, "precision": eng.precision,
-            "optimizer": None if optimizer is None else optimizer.kind, "aliases": _aliases(eng, model)})
-        files.commit(path)
+    locked = False
+    try:
+        if eng.rank == 0:
+            files.begin(path)
+            locked = True
+        dist.barrier(group=group)
+        tmp = path + ".tmp"
+        dcp.save(_state_dict(eng, model, optimizer), storage_writer=dcp.FileSystemWriter(tmp, sync_files=True),
+                 process_group=group)
+        if eng.rank == 0:
+            scale = {} if optimizer is None else {"scale": float(optimizer.scale.item()),
+                                                     "growth_tracker": int(optimizer._growth_tracker.item())}
+            files.write_tensors(os.path.join(tmp, "zerofuse_extra.pt"), {"extra": extra} | scale)
+            files.fsync_dir(tmp)
+            files.write_json(os.path.join(tmp, files.META), {
+                "format": "dcp", "world_size": eng.world_size, "stage": eng.stage, "precision": eng.precision,
+                "optimizer": None if optimizer is None else optimizer.kind, "aliases": _aliases(eng, model)})
+            files.commit(path)
+    finally:  # (a save failed mid-way held the path's lock for the process's life)
+        if locked:
+            files.release(path)
     dist.barrier(group=group)
 
 

@@ -222,7 +222,9 @@ def _lock(path: str) -> None:
     2026-12-07). A second save waits for the first."""
     import fcntl  # noqa: PLC0415 - POSIX only
 
-    _unlock(path)
+    if path in _locks:  # (closing it let a second save in this process delete the first one's files)
+        raise RuntimeError(f"{NAME}.save: another save to {path!r} is in progress in this process; expected one "
+                           "save of a path at a time")
     fd = os.open(os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.lock"), os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
@@ -231,6 +233,11 @@ def _lock(path: str) -> None:
             os.close(fd)
             raise
     _locks[path] = fd
+
+
+def release(path: str) -> None:
+    """The path's save lock let go (commit does; a save that failed before it, in its finally)."""
+    _unlock(path)
 
 
 def _unlock(path: str) -> None:
@@ -245,12 +252,16 @@ def begin(path: str) -> str:
     parent = os.path.dirname(path)
     os.makedirs(parent, exist_ok=True)
     _lock(path)
-    recover(path)
-    tmp = path + ".tmp"
-    remove(tmp)
-    os.makedirs(tmp)
-    fsync_dir(parent)
-    kill_point("made tmp")
+    try:
+        recover(path)
+        tmp = path + ".tmp"
+        remove(tmp)
+        os.makedirs(tmp)
+        fsync_dir(parent)
+        kill_point("made tmp")
+    except BaseException:
+        _unlock(path)
+        raise
     return tmp
 
 

@@ -86,22 +86,28 @@ def save(path: str, model: torch.nn.Module, optimizer=None, *, extra=None) -> No
     group = None if tp or pp else eng.comm.group
     leader = dist.get_rank() == 0 if group is None else eng.rank == 0
     tmp = path + ".tmp"
-    if leader:
-        files.begin(path)
-    dist.barrier(group=group)
-    stage_dir = os.path.join(tmp, f"pp{eng.pp_rank}") if pp else tmp  # each pipeline stage's own layout
-    if pp and eng.rank == 0 and eng.tp_rank == 0:
-        os.makedirs(stage_dir)
-        files.fsync_dir(tmp)
-    dist.barrier(group=group)
-    _save_stage(stage_dir, eng, model, optimizer, extra, group)
-    if pp:  # every stage's leader writes its meta.json last in _save_stage: all of them before the commit
+    locked = False
+    try:
+        if leader:
+            files.begin(path)
+            locked = True
         dist.barrier(group=group)
-    if leader:
-        if pp:
+        stage_dir = os.path.join(tmp, f"pp{eng.pp_rank}") if pp else tmp  # each pipeline stage's own layout
+        if pp and eng.rank == 0 and eng.tp_rank == 0:
+            os.makedirs(stage_dir)
             files.fsync_dir(tmp)
-            files.write_json(os.path.join(tmp, files.META), {"format": FORMAT, "pp": eng.pp_size})
-        files.commit(path)
+        dist.barrier(group=group)
+        _save_stage(stage_dir, eng, model, optimizer, extra, group)
+        if pp:  # every stage's leader writes its meta.json last in _save_stage: all of them before the commit
+            dist.barrier(group=group)
+        if leader:
+            if pp:
+                files.fsync_dir(tmp)
+                files.write_json(os.path.join(tmp, files.META), {"format": FORMAT, "pp": eng.pp_size})
+            files.commit(path)
+    finally:  # (a save failed mid-way held the path's lock for the process's life: other saves waited forever)
+        if locked:
+            files.release(path)
     dist.barrier(group=group)
 
 

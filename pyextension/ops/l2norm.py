@@ -16,15 +16,22 @@ from zerofuse.ops import register
 from zerofuse.ops._optim import LIB, Prepared, check_param_lists, direct, use_triton
 
 
+def _check_mult_from(mult_from: int) -> None:
+    if mult_from < 0:
+        raise RuntimeError(f"zerofuse::l2norm: expected mult_from >= 0, got {mult_from}")
+
+
 @torch.library.register_fake("zerofuse::l2norm")
 def _l2norm_fake(tensors, per_tensor, mult=None, mult_from=0):
     check_param_lists("l2norm", tensors, {}, {}, params_name="tensors")
+    _check_mult_from(mult_from)
     device = tensors[0].device if tensors else torch.device("cpu")
     return (torch.empty((), device=device, dtype=torch.float32),
             torch.empty(len(tensors) if per_tensor else 0, device=device, dtype=torch.float32))
 
 
 def _l2norm_triton(tensors, per_tensor, mult=None, mult_from=0):
+    _check_mult_from(mult_from)
     return K.l2norm(_launch(tensors), per_tensor, mult, mult_from)
 
 
@@ -44,6 +51,7 @@ def l2norm(tensors: Sequence[torch.Tensor], per_tensor: bool = False, prepared: 
     tensors[mult_from:] are multiplied by before they are squared (1 / a loss scale: the unscaled
     norm, where the scaled grads' squares overflow fp32 at |grad| > 1.8e19)."""
     tensors = list(tensors)
+    _check_mult_from(mult_from)  # (the Triton paths scaled every tensor at a negative one; C++ refused it)
     if not tensors:  # no tensor to dispatch on
         return torch.zeros((), dtype=torch.float32), torch.empty(0, dtype=torch.float32)
     if prepared is not None and direct(tensors):
