@@ -92,3 +92,45 @@ def test_a_user_compiled_zero3_model_trains_as_the_eager_one(native_kernels):
     eager = run_distributed(_compiled_zero_rank, 2, 3, None, timeout=300)
     compiled = run_distributed(_compiled_zero_rank, 2, 3, "aot_eager", timeout=300)
     assert compiled == eager
+
+
+def _pp_job_rank(rank, ws, out, compile_):
+    """The job's Trainer on this rank at --pp 2 with the embedding alone on stage 0 (layout E,2L)."""
+    import os
+    import socket
+
+    import torch.distributed as dist
+
+    port = [None]
+    if rank == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port[0] = s.getsockname()[1]
+    dist.broadcast_object_list(port)
+    dist.destroy_process_group()  # (the job makes its own)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port[0]))
+    real = torch.compile
+    torch.compile = lambda fn, **kw: real(fn, backend="aot_eager")
+    argv = ["--nproc", "2", "--pp", "2", "--pp-layout", "E,2L", "--microbatches", "2", "--steps", "3",
+            "--log-every", "1", *(["--compile"] if compile_ else [])]
+    t = Trainer(tiny_job_args(out, *argv), {"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
+                                           "LOCAL_WORLD_SIZE": "2"})
+    code = t.run()
+    return code, t.compiled
+
+
+@pytest.mark.timeout(600)
+def test_compile_with_a_stage_holding_no_block(tmp_path):
+    """--compile --pp with a stage holding the embedding (or the head) alone raised AttributeError
+    ('Stage' object has no attribute 'blocks') on that rank (a review's reproduction, 2026-12-07;
+    --pp 4 on 2 layers does it with the default layout): the blocks are found by type."""
+    from dist_utils import run_distributed
+
+    eager = run_distributed(_pp_job_rank, 2, str(tmp_path / "eager"), False, timeout=300)
+    compiled = run_distributed(_pp_job_rank, 2, str(tmp_path / "compiled"), True, timeout=300)
+    assert [c for c, _ in eager] == [c for c, _ in compiled] == [0, 0]
+    assert [w for _, w in compiled] == ["nothing (this rank's stage has no transformer block)",
+                                        "each transformer block"]
+    rows = [[json.loads(line)["loss"] for line in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
+            for d in ("eager", "compiled")]
+    torch.testing.assert_close(rows[1], rows[0], rtol=1e-5, atol=1e-6)

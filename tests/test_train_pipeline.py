@@ -155,7 +155,7 @@ def test_document_masking_at_pp2_matches_the_unsplit_job(tmp_path):
     (["--nproc", 2, "--pp", 2, "--pp-schedule", "interleaved", "--virtual-stages", 2, "--microbatches", 2,
       "--layers", 2, "--pp-layout", "E1,0,1,L"], "stage(s) [1] empty"),  # (its grads were never reduced)
     (["--nproc", 2, "--pp", 2, "--model", "gpt2-124m", "--zero-stage", 3], "--zero-stage: the gpt2-124m model ties"),
-    (["--nproc", 2, "--microbatches", 4], "--microbatches/--virtual-stages/--pp-layout: expected --pp > 1"),
+    (["--nproc", 2, "--microbatches", 4], "--microbatches/--virtual-stages/--pp-layout/--pp-schedule: expected --pp > 1"),
     (["--nproc", 8, "--pp", 8, "--layers", 4], "--pp: expected at most 6 stages for 4 layers"),
 ])
 def test_bad_pipeline_flags_exit_2(argv, message, tmp_path, capsys, monkeypatch):
@@ -209,3 +209,17 @@ def test_fp16_is_accepted_with_pp(tmp_path):
     args.precision, args.grad_accum, args.microbatches = "fp16", 1, None  # (as the flags give them, on a GPU)
     checks._validate_pipeline(args)
     assert args.microbatches == 4
+
+
+def test_pipeline_flags_at_pp_1_are_refused_not_ignored(tmp_path):
+    """--pp-schedule at --pp 1 ran with no pipeline, unsaid (its siblings were refused), and zb's
+    checkpointing rule refused a run that had no pipeline (a review's reproduction, 2026-12-07)."""
+    from common import tiny_job_args
+    from zerofuse import train
+
+    with pytest.raises(train.UsageError, match=r"--pp-schedule: expected --pp > 1, got --pp 1"):
+        tiny_job_args(tmp_path, "--pp-schedule", "interleaved")
+    with pytest.raises(train.UsageError, match=r"--pp-schedule: expected --pp > 1"):
+        tiny_job_args(tmp_path, "--pp-schedule", "zb", "--activation-checkpointing", "full")
+    assert tiny_job_args(tmp_path, "--activation-checkpointing", "full").pp_schedule == "1f1b"
+    assert tiny_job_args(tmp_path, "--nproc", "2", "--pp", "2").pp_schedule == "1f1b"

@@ -83,11 +83,12 @@ def setup(t) -> None:
         if t.world == 1 and args.zero_stage != 3 and args.activation_checkpointing == "none":
             t.model.compile()
             t.compiled = "the whole model"
-        else:
-            blocks = t.model.blocks
-            for block in (blocks.values() if isinstance(blocks, torch.nn.ModuleDict) else blocks):
+        else:  # (by type: a pipeline stage with the embedding or the head alone has no .blocks; it raised)
+            from zerofuse.models.gpt import Block
+            blocks = [m for m in t.model.modules() if isinstance(m, Block)]
+            for block in blocks:
                 block.forward = torch.compile(block.forward)
-            t.compiled = "each transformer block"
+            t.compiled = "each transformer block" if blocks else "nothing (this rank's stage has no transformer block)"
     t.opt = zero.Optimizer(t.model, args.optimizer, param_groups=param_groups(t.model),
                            max_grad_norm=args.clip, **hyper(args),
                            delayed_update=args.offload_delayed_update is not None,

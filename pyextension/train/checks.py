@@ -44,16 +44,19 @@ def _validate_pipeline(args) -> None:
     from zerofuse.pipeline.schedules import build_schedule
     v = args.virtual_stages
     _check(v >= 1, f"--virtual-stages: expected >= 1, got {v}")
+    if args.pp == 1:  # (a --pp-schedule given at pp 1 was ignored unsaid, and zb's rule refused a run with none)
+        _check(args.microbatches is None and v == 1 and args.pp_layout is None and args.pp_schedule is None,
+               "--microbatches/--virtual-stages/--pp-layout/--pp-schedule: expected --pp > 1, got --pp 1 "
+               "(use --grad-accum)")
+        args.pp_schedule = "1f1b"
+        return
+    args.pp_schedule = args.pp_schedule or "1f1b"
     _check(args.pp_schedule != "zb" or args.activation_checkpointing == "none",
            f"--pp-schedule zb: expected --activation-checkpointing none (its weight-grad pass is a second backward "
            f"through each block: recomputed once per module, or refused by selective), got "
            f"{args.activation_checkpointing}; use --pp-schedule 1f1b or interleaved with checkpointing")
     _check(v == 1 or args.pp_schedule == "interleaved",
            f"--virtual-stages: expected 1 with --pp-schedule {args.pp_schedule} (only interleaved runs several), got {v}")
-    if args.pp == 1:
-        _check(args.microbatches is None and v == 1 and args.pp_layout is None,
-               "--microbatches/--virtual-stages/--pp-layout: expected --pp > 1, got --pp 1 (use --grad-accum)")
-        return
     _check(args.grad_accum == 1, f"--grad-accum: expected 1 with --pp {args.pp} (--microbatches takes its place), "
                                  f"got {args.grad_accum}")
     args.microbatches = args.microbatches if args.microbatches is not None else 2 * args.pp

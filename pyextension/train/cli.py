@@ -54,7 +54,7 @@ def _parser() -> argparse.ArgumentParser:
                         "backward (ZeRO-Offload's DPU), after WARMUP undelayed steps; a checkpoint applies the "
                         "pending update, so --ckpt-every is part of the run's recipe")
     g.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (default 1)")
-    g.add_argument("--pp-schedule", choices=("gpipe", "1f1b", "interleaved", "zb"), default="1f1b",
+    g.add_argument("--pp-schedule", choices=("gpipe", "1f1b", "interleaved", "zb"),
                    help="pipeline schedule (default 1f1b; zb: zero-bubble ZB-H1)")
     g.add_argument("--microbatches", type=int,
                    help="micro-batches per step with --pp > 1 (default 2 x pp); global batch = dp x M x --batch")
