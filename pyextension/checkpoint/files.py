@@ -205,10 +205,11 @@ def check_target(path: str, who: str) -> None:
         return
     if not os.path.isdir(path):
         raise ValueError(f"{who}: expected path to be a new or checkpoint directory, got {path!r}, a file")
-    if complete(path) or not os.listdir(path) or any(complete(side) for side in (path + ".tmp", path + ".old")):
+    held = os.listdir(path)
+    if complete(path) or not held or any(complete(side) for side in (path + ".tmp", path + ".old")):
         return
     raise ValueError(f"{who}: expected path to be a new or empty directory or a checkpoint (a save replaces it "
-                     f"whole), got {path!r}, a directory of other files ({sorted(os.listdir(path))[:5]}); pass "
+                     f"whole), got {path!r}, a directory of other files ({sorted(held)[:5]}); pass "
                      "a directory of its own")
 
 
@@ -237,10 +238,6 @@ def _lock(path: str) -> None:
 
 def release(path: str) -> None:
     """The path's save lock let go (commit does; a save that failed before it, in its finally)."""
-    _unlock(path)
-
-
-def _unlock(path: str) -> None:
     fd = _locks.pop(path, None)
     if fd is not None:
         os.close(fd)
@@ -260,7 +257,7 @@ def begin(path: str) -> str:
         fsync_dir(parent)
         kill_point("made tmp")
     except BaseException:
-        _unlock(path)
+        release(path)
         raise
     return tmp
 
@@ -276,7 +273,7 @@ def commit(path: str) -> None:
     _rename(tmp, path)
     remove(old)
     kill_point("removed old after commit")
-    _unlock(path)
+    release(path)
 
 
 def resolve(path: str) -> str:

@@ -58,7 +58,7 @@ def l2norm(tensors: Sequence[torch.Tensor], per_tensor: bool = False, prepared: 
         return K.l2norm(prepared.launch("l2norm", tensors, None, lambda: _launch(tensors)), per_tensor, mult,
                         mult_from)
     if use_triton(tensors) and not tensors[0].is_cuda:
-        return _l2norm_triton(tensors, per_tensor, mult, mult_from)
+        return K.l2norm(_launch(tensors), per_tensor, mult, mult_from)  # (mult_from checked above)
     return torch.ops.zerofuse.l2norm(tensors, per_tensor, mult, mult_from)
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 import torch.autograd.forward_ad as _forward_ad
+from torch._C import _functorch as _ft
 
 from zerofuse._C import signature
 
@@ -44,8 +45,7 @@ def batched(t) -> bool:
     backward gets under ``torch.autograd.grad(..., is_grads_batched=True)`` (jacobian(vectorize=True))
     or torch.func.vmap over a vjp of a graph built outside it. Such tensors have no storage for a
     kernel to read and no in-place op may write a batched operand into an unbatched one."""
-    from torch._C import _functorch as ft
-    return isinstance(t, torch.Tensor) and (ft.is_legacy_batchedtensor(t) or ft.is_functorch_wrapped_tensor(t))
+    return isinstance(t, torch.Tensor) and (_ft.is_legacy_batchedtensor(t) or _ft.is_functorch_wrapped_tensor(t))
 
 
 def autograd_modes() -> int:
