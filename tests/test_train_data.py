@@ -163,6 +163,22 @@ def test_tokenize_cached_once_next_to_the_text(tmp_path, monkeypatch):
     assert tok.tokenize_cached(text) != cache
 
 
+@needs_bpe
+def test_tokenize_cached_on_a_filesystem_without_locks(tmp_path, monkeypatch):
+    """The token cache's lock is the package's one flock helper: on a filesystem without flock
+    (ENOLCK, some NFS mounts) the text is tokenized unguarded, not refused with an OSError."""
+    import errno
+    import fcntl
+
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    text = tmp_path / "t.txt"
+    text.write_text("All the world's a stage.\n" * 10)
+    assert tok.read_shard(tok.tokenize_cached(text)).tolist() == tok.gpt2_encode(text.read_text()).tolist()
+
+
 def test_gpt2_presets_are_gpt2():
     for name, layers, heads, dim, params in (("gpt2-124m", 12, 12, 768, 124_475_904),
                                               ("gpt2-350m", 24, 16, 1024, 354_871_296),

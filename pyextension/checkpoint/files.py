@@ -216,24 +216,34 @@ def check_target(path: str, who: str) -> None:
 _locks: dict[str, int] = {}  # path -> the fd of its save lock, held from begin to commit by the leader
 
 
+def flock(path: str, *, wait: bool = True) -> tuple[int, bool]:
+    """An exclusive flock on the file ``path`` (created): ``(fd, locked)``, held until ``fd`` is closed
+    (the kernel drops it when the process ends, however it ends). ``locked`` is False on a filesystem
+    without locks (the caller runs unguarded). ``wait=False``: BlockingIOError (``fd`` closed) while
+    another process holds it. The one lock of the package: checkpoint saves, zerofuse-train's --out,
+    the GPT-2 token cache."""
+    import fcntl  # noqa: PLC0415 - POSIX only
+
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+    except OSError as e:
+        if isinstance(e, BlockingIOError) or e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+            os.close(fd)
+            raise
+        return fd, False
+    return fd, True
+
+
 def _lock(path: str) -> None:
     """An exclusive lock on ``.<name>.lock`` beside ``path`` until commit (or the next save of it in
     this process): two saves to one path at once each used ``<path>.tmp``, and the committed
     checkpoint mixed the two saves' files, loading as if whole (a review's reproduction,
     2026-12-07). A second save waits for the first."""
-    import fcntl  # noqa: PLC0415 - POSIX only
-
     if path in _locks:  # (closing it let a second save in this process delete the first one's files)
         raise RuntimeError(f"{NAME}.save: another save to {path!r} is in progress in this process; expected one "
                            "save of a path at a time")
-    fd = os.open(os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.lock"), os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-    except OSError as e:
-        if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):  # (a filesystem without locks: unguarded)
-            os.close(fd)
-            raise
-    _locks[path] = fd
+    _locks[path], _ = flock(os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.lock"))
 
 
 def release(path: str) -> None:

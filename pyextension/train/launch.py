@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import errno
-import fcntl
 import os
 import re
 import signal
@@ -15,6 +13,7 @@ import uuid
 
 import torch
 
+from ..checkpoint import files
 from .cli import EXIT_USAGE, PROG, UsageError
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)  # the elastic agent's
@@ -68,21 +67,15 @@ def out_lock(out: str):
     lines (a review's reproduction, 2026-12-06); the second is now refused before it writes anything."""
     os.makedirs(out, exist_ok=True)
     path = os.path.join(out, LOCK)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        locked = True
+        fd, locked = files.flock(path, wait=False)
     except BlockingIOError:
-        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-        os.close(fd)
+        with open(path, errors="replace") as f:
+            holder = f.read(32).strip() or "unknown"
         raise UsageError(f"--out: another {PROG} job (pid {holder}) is writing into {out} (it holds {path}); "
                          "expected an --out no running job uses") from None
-    except OSError as e:
-        if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
-            os.close(fd)
-            raise
-        locked = False  # a filesystem without locks: the job runs unguarded, as before
-        print(f"{PROG}: note: --out {out} does not support file locks ({e.strerror}): nothing stops a second "
+    if not locked:  # a filesystem without locks: the job runs unguarded, as before
+        print(f"{PROG}: note: --out {out} does not support file locks: nothing stops a second "
               "job from writing there", file=sys.stderr, flush=True)
     try:
         if locked:

@@ -228,7 +228,7 @@ def tokenize_cached(text_path, fallback_dir=None, flag: str = "--data") -> Path:
     (every rank under torchrun) wait on a lock for the one that tokenizes. A dotfile: a --data glob
     of the folder's shards (``*.bin``) does not match it (a visible cache was taken as training data,
     or refused as --val-data's text also matched by --data; a review's reproduction, 2026-12-07)."""
-    import fcntl
+    from ..checkpoint.files import flock  # noqa: PLC0415
     text_path = Path(text_path)
     sha, buf = hashlib.sha256(), bytearray(1 << 18)
     with open(text_path, "rb") as f:  # hashed as read: a cache hit holds no copy of the text in memory
@@ -241,8 +241,8 @@ def tokenize_cached(text_path, fallback_dir=None, flag: str = "--data") -> Path:
     cache = where / name
     if cache.is_file():
         return cache
-    with open(where / f"{name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    fd, _ = flock(str(where / f"{name}.lock"))
+    try:
         if not cache.is_file():
             raw = text_path.read_bytes()
             if hashlib.sha256(raw).hexdigest() != digest:  # (the cache's name would not be its text's)
@@ -255,4 +255,6 @@ def tokenize_cached(text_path, fallback_dir=None, flag: str = "--data") -> Path:
                                  "(--tokenizer byte reads any file)") from None
             del raw  # (one copy of the text fewer while it is tokenized)
             write_shard(cache, gpt2_encode(text))
+    finally:
+        os.close(fd)
     return cache
