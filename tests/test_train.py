@@ -2,6 +2,7 @@
 its pieces in process (flag checks, data, sampler, schedule, launch environment)."""
 import json
 import math
+import re
 import os
 import shutil
 import signal
@@ -137,7 +138,8 @@ def test_resume_at_another_layout(stopped, tmp_path):
 def test_resume_follows_this_runs_schedule_flags(straight, stopped, tmp_path):
     """--resume with a new --lr ran the checkpoint's base lr (with the new --min-lr floor: 10x what
     was asked) and its first step at the old schedule's last lr; a new --seed changed the data
-    without a word; a new --weight-decay was ignored (the checkpoint's kept); --steps below the checkpoint's step exited 0 having done nothing."""
+    without a word; a new --weight-decay was ignored (the checkpoint's kept); --steps below the checkpoint's step exited 0 having done nothing; a new --precision or batch layout
+    went unsaid."""
     from types import SimpleNamespace
 
     from zerofuse.train.build import lr_lambda
@@ -148,7 +150,8 @@ def test_resume_follows_this_runs_schedule_flags(straight, stopped, tmp_path):
     _ok(p, 128 + signal.SIGTERM)
     shutil.copytree(src / "ckpt", tmp_path / "ckpt")
     p = run("--nproc", 1, "--zero-stage", 2, "--steps", 6, "--eval-every", 0, "--out", tmp_path, "--resume",
-            "--lr", "5e-3", "--min-lr", "5e-4", "--seed", "5", "--weight-decay", "0.5")
+            "--lr", "5e-3", "--min-lr", "5e-4", "--seed", "5", "--weight-decay", "0.5", "--precision", "bf16",
+            "--batch", 3)
     _ok(p)
     new = lr_lambda(SimpleNamespace(lr=5e-3, min_lr=5e-4, warmup=2, steps=6))
     rows = metrics(tmp_path)
@@ -156,6 +159,9 @@ def test_resume_follows_this_runs_schedule_flags(straight, stopped, tmp_path):
     assert [r["lr"] for r in rows] == pytest.approx([5e-3 * new(s - 1) for s in (4, 5, 6)], rel=1e-6)
     assert "--resume: --lr 0.005 (the checkpoint's run: 0.01) from step 3" in p.stdout
     assert "--resume: --seed 5 differs from the checkpoint's run (0)" in p.stdout
+    assert "--resume: --precision bf16 (the checkpoint's run: fp32) from step 3" in p.stdout
+    assert re.search(r"--resume: --grad-accum 1 x dp 1 x --batch 3 \(the checkpoint's run: 1 x 2 x \d+\) from "
+                     "step 3: its batches", p.stdout)
     # a new --weight-decay applies from the resumed step (the load restored the checkpoint's 0.1)
     assert "--resume: --weight-decay 0.5 (the checkpoint's run: 0.1) from step 3" in p.stdout
     groups = json.loads((tmp_path / "ckpt" / "meta.json").read_text())["optimizer"]["param_groups"]

@@ -176,4 +176,13 @@ def resume(t) -> int:
     if extra.get("seed") is not None and extra["seed"] != args.seed:
         t.notes.append(f"--resume: --seed {args.seed} differs from the checkpoint's run ({extra['seed']}): its "
                        "batches and validation set are not those the run would have had")
+    if extra.get("precision") not in (None, args.precision):  # (bf16's rounding from here on: not a resume)
+        t.notes.append(f"--resume: --precision {args.precision} (the checkpoint's run: {extra['precision']}) from "
+                       f"step {step}")
+    # the sampler draws (accum, dp x batch) window starts per step: the same data at any dp x batch split
+    was = extra.get("batch")
+    if was is not None and (was[0], was[1] * was[2]) != (args.grad_accum, args.dp * args.batch):
+        t.notes.append(f"--resume: --grad-accum {args.grad_accum} x dp {args.dp} x --batch {args.batch} (the "
+                       f"checkpoint's run: {was[0]} x {was[1]} x {was[2]}) from step {step}: its batches are not "
+                       "those the run would have had")
     return step

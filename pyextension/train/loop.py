@@ -170,7 +170,8 @@ class Trainer:
         from zerofuse import checkpoint
         extra = {"step": self.step, "scheduler": self.sched.state_dict(), "tokenizer": self.corpus.identity(),
                  "config": dataclasses.asdict(self.cfg), "seed": self.args.seed,
-                 "initial_val_loss": self.initial_val_loss}
+                 "initial_val_loss": self.initial_val_loss, "precision": self.args.precision,
+                 "batch": [self.args.grad_accum, self.args.dp, self.args.batch]}
         checkpoint.save(str(self.ckpt), self.model, self.opt, extra=extra)
 
     def sample(self) -> str:
