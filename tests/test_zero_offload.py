@@ -187,6 +187,7 @@ def _misuse_rank(rank, ws):
     expect(lambda: zerofuse.zero.parallelize(model, stage=2, offload="params"))
     expect(lambda: zerofuse.zero.parallelize(model, stage=2, offload="optimizer+params"))
     expect(lambda: zerofuse.zero.parallelize(model, stage=2, offload="optimizer", offload_ratio=1.5))
+    expect(lambda: zerofuse.zero.parallelize(model, stage=2, offload="optimizer", offload_ratio=False))
     expect(lambda: zerofuse.zero.parallelize(model, stage=3, offload="optimizer+params", offload_ratio=0.5))
     zerofuse.zero.parallelize(model, stage=2, offload="optimizer")
     expect(lambda: zerofuse.zero.Optimizer(model, "lamb"))
@@ -205,6 +206,7 @@ def test_misuse_is_refused():
              r"offload='optimizer\+params' keeps the param shards in host memory: expected stage "
              r"3, got 2",
              r"expected offload_ratio in \[0, 1\] or .auto., got 1.5",
+             r"expected offload_ratio in \[0, 1\] or .auto., got False",  # (ran as ratio 0: nothing offloaded)
              r"offload_ratio < 1 splits the optimizer step between host and device: expected "
              r"offload='optimizer', got 'optimizer\+params'",
              r"expected optimizer 'adamw' or 'adam' with offload='optimizer'.*got 'lamb'",

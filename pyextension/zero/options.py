@@ -99,7 +99,8 @@ def check_args(name, *, stage, precision, reduce_dtype, bucket_mb, prefetch, max
         raise ValueError(f"{name}: offload='optimizer+params' keeps the param shards in host memory: expected "
                          f"stage 3, got {stage}")
     auto = offload_ratio == "auto"
-    if not (auto or isinstance(offload_ratio, (int, float)) and 0.0 <= offload_ratio <= 1.0):
+    if not (auto or isinstance(offload_ratio, (int, float)) and not isinstance(offload_ratio, bool)
+            and 0.0 <= offload_ratio <= 1.0):  # (False ran as ratio 0: nothing offloaded, unsaid)
         raise ValueError(f"{name}: expected offload_ratio in [0, 1] or 'auto', got {offload_ratio!r}")
     if (auto or offload_ratio < 1.0) and offload != "optimizer":
         raise ValueError(f"{name}: offload_ratio < 1 splits the optimizer step between host and device: expected "
