@@ -49,18 +49,23 @@ def test_compile_takes_the_whole_model_in_a_world_of_one(tmp_path, monkeypatch, 
 def test_compile_takes_each_block_under_activation_checkpointing(tmp_path, monkeypatch, capsys):
     """A whole compiled GPT's "full" recompute held more memory than no checkpointing (a review's
     measurement, 2026-12-06: 181.8 against 152.4 MiB; per block 61.7): with checkpointing a world of
-    one compiles each block, trains as the eager job, and says what selective becomes there."""
+    one compiles each block and trains as the eager job; selective stays selective (the checkpoint
+    inside the compiled forward: recompute.compile_block), but not with --activation-offload, which says so."""
     real = torch.compile
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, backend="aot_eager"))
     eager_out, comp_out = tmp_path / "eager", tmp_path / "compiled"
     flags = ("--activation-checkpointing", "selective")
     assert Trainer(_args(eager_out, *flags), None).run() == 0
     t = Trainer(_args(comp_out, *flags, "--compile"), None)
-    assert t.run() == 0 and t.compiled == "each transformer block"
-    assert "selective recomputes the matmuls too under per-block compile" in capsys.readouterr().out
+    assert t.run() == 0 and t.compiled == "each transformer block" and t.recompute_compiled == "selective"
+    assert "selective recomputes the matmuls too" not in capsys.readouterr().out
     rows = [[json.loads(line)["loss"] for line in (p / "metrics.jsonl").read_text().splitlines()]
             for p in (eager_out, comp_out)]
     torch.testing.assert_close(rows[1], rows[0], rtol=1e-5, atol=1e-6)
+    t = Trainer(_args(tmp_path / "offload", *flags, "--activation-offload", "--compile"), None)
+    assert t.run() == 0 and t.recompute_compiled == "full"
+    assert "selective recomputes the matmuls too under per-block compile with --activation-offload" in \
+        capsys.readouterr().out
 
 
 def _compiled_zero_rank(rank, ws, stage, backend):

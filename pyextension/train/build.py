@@ -84,10 +84,12 @@ def setup(t) -> None:
             t.model.compile()
             t.compiled = "the whole model"
         else:  # (by type: a pipeline stage with the embedding or the head alone has no .blocks; it raised)
+            from zerofuse.models import recompute
             from zerofuse.models.gpt import Block
             blocks = [m for m in t.model.modules() if isinstance(m, Block)]
-            for block in blocks:
-                block.forward = torch.compile(block.forward)
+            for block in blocks:  # (selective: the checkpoint inside the compiled forward; recompute.py)
+                t.recompute_compiled = recompute.compile_block(block, args.activation_checkpointing,
+                                                               args.activation_offload)
             t.compiled = "each transformer block" if blocks else "nothing (this rank's stage has no transformer block)"
     t.opt = zero.Optimizer(t.model, args.optimizer, param_groups=param_groups(t.model),
                            max_grad_norm=args.clip, **hyper(args),

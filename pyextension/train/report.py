@@ -89,11 +89,11 @@ class RankZeroLog:
             self.write(f"cuda graphs: {graphs_state(t)}")
         if t.compiled:
             self.write(f"torch.compile: {t.compiled} (compiled at its first call: the first log window)")
-            if t.compiled == "each transformer block" and a.activation_checkpointing == "selective":
-                # (the compiled blocks call inductor's out= matmuls, which the policy must not cache: a
-                # cached out= result leaves the replay's out buffer unwritten; a review, 2026-12-06)
+            if a.activation_checkpointing == "selective" and getattr(t, "recompute_compiled", None) == "full":
+                # (with --activation-offload the checkpoint stays eager around the compiled forward, where
+                # the policy sees inductor's out= matmuls, which it must not cache; recompute.compile_block)
                 self.write("activation checkpointing: selective recomputes the matmuls too under per-block "
-                           "compile (full's memory and recompute)")
+                           "compile with --activation-offload (full's memory and recompute)")
         for note in getattr(t, "notes", []):
             self.write(note)
         where = f"resumed at step {t.step}" if t.step else "step 0"
