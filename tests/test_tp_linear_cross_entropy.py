@@ -147,3 +147,56 @@ def test_a_minus_inf_logit_gives_torchs_finite_loss():
     ignored = torch.tensor([1, 2, -100, 5])  # one process: an ignored row's NaN was kept by * valid
     torch.testing.assert_close(linear_cross_entropy(h, w, ignored, b),
                                torch.nn.functional.cross_entropy(h @ w.t() + b, ignored))
+
+
+def _masked_mean(loss, target):
+    """Per-sequence mean of reduction='none' losses, 0 for an all-ignored sequence (torch.where's
+    backward sends its masked branch's 0/0 = NaN to that sequence's rows)."""
+    count = (target != -100).sum(-1)
+    total = loss.sum(-1)
+    return torch.where(count > 0, total / count, torch.zeros_like(total)).sum()
+
+
+def _ignored_nan_rank(rank, ws):
+    v, d = 7, 4
+    g = torch.Generator().manual_seed(0)
+    h, w, logits = torch.randn(2, 3, d, generator=g), torch.randn(v, d, generator=g), torch.randn(2, 3, v, generator=g)
+    target = torch.tensor([[1, 4, 6], [-100, -100, -100]])
+    lo, hi = split_range(v, ws, rank)
+    out = []
+    shard = logits[..., lo:hi].clone().requires_grad_()
+    _masked_mean(tp.vocab_parallel_cross_entropy(shard, target, reduction="none"), target).backward()
+    out.append(shard.grad)
+    for recompute in (False, True):
+        hs, ws_ = h.clone().requires_grad_(), w[lo:hi].clone().requires_grad_()
+        _masked_mean(tp.vocab_parallel_linear_cross_entropy(hs, ws_, target, vocab_size=v, reduction="none",
+                                                             recompute=recompute), target).backward()
+        out += [hs.grad, ws_.grad]
+    return out
+
+
+def test_an_ignored_rows_nan_gradient_stays_out():
+    """An ignored row's incoming gradient was multiplied by 0: a NaN there (the masked per-sequence
+    mean's 0/0) made every grad NaN where F.cross_entropy gives those rows 0 (a review's reproduction,
+    2026-12-07). tp 2 and 3 against torch's grads, and the one-process fused loss."""
+    v = 7
+    g = torch.Generator().manual_seed(0)
+    h, w, logits = torch.randn(2, 3, 4, generator=g), torch.randn(v, 4, generator=g), torch.randn(2, 3, v, generator=g)
+    target = torch.tensor([[1, 4, 6], [-100, -100, -100]])
+    ce = torch.nn.functional.cross_entropy
+    full = logits.clone().requires_grad_()
+    _masked_mean(ce(full.flatten(0, 1), target.flatten(), reduction="none").view(2, 3), target).backward()
+    hf, wf = h.clone().requires_grad_(), w.clone().requires_grad_()
+    _masked_mean(ce((hf @ wf.t()).flatten(0, 1), target.flatten(), reduction="none").view(2, 3), target).backward()
+    for ws in (2, 3):
+        for rank, got in enumerate(run_distributed(_ignored_nan_rank, ws, timeout=120)):
+            lo, hi = split_range(v, ws, rank)
+            torch.testing.assert_close(got[0], full.grad[..., lo:hi])
+            for dh, dw in (got[1:3], got[3:5]):
+                torch.testing.assert_close(dh, hf.grad)
+                torch.testing.assert_close(dw, wf.grad[lo:hi])
+    for recompute in (False, True):
+        h1, w1 = h.clone().requires_grad_(), w.clone().requires_grad_()
+        _masked_mean(linear_cross_entropy(h1, w1, target, reduction="none", recompute=recompute), target).backward()
+        torch.testing.assert_close(h1.grad, hf.grad)
+        torch.testing.assert_close(w1.grad, wf.grad)

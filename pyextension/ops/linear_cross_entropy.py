@@ -224,7 +224,9 @@ def row_scale(valid: Tensor, reduction: str, dtype: torch.dtype, dloss: Tensor |
     scale = valid.to(torch.float64 if dtype == torch.float64 else torch.float32)
     if reduction == "mean":
         scale = scale / valid.sum().clamp(min=1)
-    return scale if dloss is None else scale * dloss.to(scale.dtype)
+    # (a select, not * 0: an ignored token's incoming NaN/inf, e.g. a masked per-sequence mean's 0/0,
+    # stays out of the grads as F.cross_entropy keeps it; a review's reproduction, 2026-12-07)
+    return scale if dloss is None else torch.where(valid, scale * dloss.to(scale.dtype), 0)
 
 
 # ---------------------------------------------------------------- the ops

@@ -385,7 +385,9 @@ class _VocabParallelCE(torch.autograd.Function):
         softmax, local_t, inside, ignored = ctx.saved_tensors
         grad = softmax
         grad.scatter_add_(-1, local_t.unsqueeze(-1), -inside.to(grad.dtype).unsqueeze(-1))
-        grad.mul_((g * ~ignored).unsqueeze(-1))
+        # (a select, not * 0: an ignored row's incoming NaN/inf, e.g. a masked per-sequence mean's
+        # 0/0, stays out of the logits' grad as F.cross_entropy keeps it; a review's reproduction)
+        grad.mul_(torch.where(ignored, 0, g).unsqueeze(-1))
         return grad.to(ctx.dtype), None, None, None, None
 
 
