@@ -302,7 +302,14 @@ TWO_RANKS = [
     Case("2-gather_from_seq-1d", _gather_from_seq, lambda: (r(3),), ValueError,
          r"all_gather: sequence parallelism takes shards \(b, s/tp, \.\.\.\) with the sequence as dim 1, got shape \[3\]"),
     Case("2-scatter_to_seq-odd", _scatter_to_seq, lambda: (r(1, 3, 4),), ValueError,
-         r"sequence length \(dim 1\) to divide by the TP size 2, got shape \[1, 3, 4\]"),
+         r"sequence length \(dim 1\) to divide by the TP size 2, got the input of shape \[1, 3, 4\]"),
+    # (named "reduce_scatter" and the matmul output's shape before; a review's reproduction, 2026-12-07)
+    Case("2-RowParallelLinear-sp-odd", lambda x: tp.RowParallelLinear(8, 4, sequence_parallel=True)(x),
+         lambda: (r(1, 5, 4),), ValueError, r"zerofuse.tp.RowParallelLinear: sequence parallelism needs the sequence "
+         r"length \(dim 1\) to divide by the TP size 2, got x of shape \[1, 5, 4\]"),
+    Case("2-VocabParallelEmbedding-sp-odd", lambda i: tp.VocabParallelEmbedding(6, 4, sequence_parallel=True)(i),
+         lambda: (torch.zeros(2, 5, dtype=torch.long),), ValueError, r"zerofuse.tp.VocabParallelEmbedding: sequence "
+         r"parallelism needs the sequence length \(dim 1\) to divide by the TP size 2, got idx of shape \[2, 5\]"),
     Case("2-parallelize-models-differ", _rank_model, tuple, ValueError,
          r"expected the same model and settings on every rank of the group, got layouts that differ"),
     Case("2-parallelize-group-holds-the-tp-peers", lambda: zero.parallelize(

@@ -98,10 +98,12 @@ def seq_all_gather(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
     return seq_all_gather_finish(*seq_all_gather_start(x, comm))
 
 
-def _check_seq(x: torch.Tensor, tp: int, who: str) -> None:
+def check_seq(x: torch.Tensor, tp: int, who: str, name: str = "the input") -> None:
+    """The sequence (dim 1) of x splits evenly over the TP group; who/name: the layer and argument
+    an error names (the layers check their input before the matmul that leads to the scatter)."""
     if x.dim() < 2 or x.shape[1] % tp:
         raise ValueError(f"zerofuse.tp.{who}: sequence parallelism needs the sequence length (dim 1) to divide by "
-                         f"the TP size {tp}, got shape {list(x.shape)}")
+                         f"the TP size {tp}, got {name} of shape {list(x.shape)}")
 
 
 @opaque_to_compile  # the Communicator is opaque to dynamo: no retracing per shape
@@ -109,7 +111,7 @@ def seq_reduce_scatter_start(x: torch.Tensor, comm: Communicator):
     """Start reduce-scattering x (b, s, h) (sum) into this rank's sequence shard (b, s/tp, h) ->
     (shard, work); the shard holds the result after work.wait()."""
     tp = comm.world_size
-    _check_seq(x, tp, "reduce_scatter")
+    check_seq(x, tp, "reduce_scatter")
     b, s = x.shape[0], x.shape[1]
     rank_major = x.reshape((b, tp, s // tp) + tuple(x.shape[2:])).transpose(0, 1).contiguous()
     out = torch.empty((b, s // tp) + tuple(x.shape[2:]), dtype=x.dtype, device=x.device)
@@ -125,7 +127,7 @@ def seq_reduce_scatter(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
 
 def seq_shard(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
     tp = comm.world_size
-    _check_seq(x, tp, "seq_shard")
+    check_seq(x, tp, "seq_shard")
     n = x.shape[1] // tp
     return x[:, comm.rank * n:(comm.rank + 1) * n].contiguous()
 

@@ -274,6 +274,8 @@ class RowParallelLinear(_TPModule):
             _check_features("RowParallelLinear", x, self.weight.shape[1],
                             f"this rank's slice of in_features {self.in_features} (input_is_parallel=True)",
                             self.sequence_parallel)
+        if self.sequence_parallel:  # (named by the op it reached before: "reduce_scatter", the matmul's shape)
+            C.check_seq(x, self.tp, "RowParallelLinear", "x")
         dt = autocast_dtype(x)  # (as ColumnParallelLinear's; the bias too: y stays in autocast's dtype)
         x, w = cast_all(dt, x, self.weight)
         y = _RowLinear.apply(x, w, self.comm, self.sequence_parallel)
@@ -338,6 +340,8 @@ class VocabParallelEmbedding(_TPModule):
         if self.sequence_parallel and idx.dim() != 2:
             raise ValueError(f"zerofuse.tp.VocabParallelEmbedding: with sequence_parallel=True expected idx of shape "
                              f"(batch, seq), got {list(idx.shape)}")
+        if self.sequence_parallel:
+            C.check_seq(idx, self.tp, "VocabParallelEmbedding", "idx")
         outside = (idx < self.vocab_start) | (idx >= self.vocab_end)
         local = (idx - self.vocab_start).masked_fill(outside, 0)
         pad = self.padding_idx
