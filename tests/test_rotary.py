@@ -230,6 +230,47 @@ def test_cuda_matches_reference(dtype):
             assert_within_peer_rule(got.cpu(), want, peer.cpu())
 
 
+def test_the_module_keeps_to_its_head_dim_and_base(kernel_path):
+    """A RotaryEmbedding of another head_dim rotated across heads (V's too) in Attention's packed path
+    and the rest of a wider head left unrotated in forward, silently; a base <= 0 or NaN made NaN
+    tables; max_positions 0 or 16.5 was refused at the first forward only, under another name
+    (a review's reproductions, 2026-12-07)."""
+    from zerofuse.nn import Attention, RotaryEmbedding
+
+    with pytest.raises(ValueError, match=r"Attention: expected rope for head_dim 8 \(embed_dim 32 / num_heads 4\), "
+                                         r"got a RotaryEmbedding of head_dim 16"):
+        Attention(32, 4, rope=RotaryEmbedding(16, 64))
+    rope = RotaryEmbedding(8, 16)
+    q = torch.randn(1, 2, 4, 16)
+    with pytest.raises(ValueError, match=r"RotaryEmbedding: expected q of head_dim 8 .*got head_dim 16"):
+        rope(q, q)
+    with pytest.raises(ValueError, match=r"RotaryEmbedding: expected an attention of head_dim 8 .*got head_dim 16"):
+        rope.rotate_packed(torch.randn(1, 4, 48), 2, 16)
+    for base in (0.0, -1.0, float("nan"), float("inf"), True):
+        with pytest.raises(ValueError, match=r"rope_tables: expected base to be a finite number > 0, got"):
+            RotaryEmbedding(8, 16, base=base)
+    with pytest.raises(ValueError, match=r"RotaryEmbedding: expected max_positions >= 1, got 0"):
+        RotaryEmbedding(8, 0)
+    with pytest.raises(TypeError, match=r"RotaryEmbedding: expected max_positions to be an int .*got 16.5"):
+        RotaryEmbedding(8, 16.5)
+
+
+def test_hugging_face_positions_and_a_strided_head_dim(kernel_path):
+    """position_ids (1, seq) as Hugging Face passes them (refused: expected (batch, seq)), and q/k whose
+    head_dim is not the unit-stride dim (refused; sdpa's face copies such inputs): the rotation of
+    (batch, seq) positions and of contiguous copies."""
+    cos, sin = rope_tables(16, 8)
+    q, k = torch.randn(2, 3, 9, 8), torch.randn(2, 1, 9, 8)
+    pos = torch.arange(3, 12)
+    want = rotary_embedding(q, k, cos, sin, pos.expand(2, 9))
+    for got, w in zip(rotary_embedding(q, k, cos, sin, pos[None]), want):
+        assert torch.equal(got, w)
+    qs, ks = (t.transpose(-1, -2).contiguous().transpose(-1, -2) for t in (q, k))
+    assert qs.stride(-1) != 1
+    for got, w in zip(rotary_embedding(qs, ks, cos, sin, pos[None]), want):
+        assert torch.equal(got, w)
+
+
 def test_rotate_packed_refuses_what_it_cannot_rotate():
     from zerofuse.nn import RotaryEmbedding
 

@@ -48,6 +48,9 @@ class Attention(torch.nn.Module):
         kw = dict(bias=bias, device=device, dtype=dtype)
         self.qkv = torch.nn.Linear(embed_dim, (num_heads + 2 * num_kv_heads) * self.head_dim, **kw)
         self.proj = _OutProjection(embed_dim, embed_dim, **kw)
+        if isinstance(rope, RotaryEmbedding) and rope.head_dim != self.head_dim:  # (rotated across heads before)
+            raise ValueError(f"zerofuse.nn.Attention: expected rope for head_dim {self.head_dim} (embed_dim "
+                             f"{embed_dim} / num_heads {num_heads}), got a RotaryEmbedding of head_dim {rope.head_dim}")
         self.rope = rope
 
     def forward(self, x: Tensor, *, proj_bias_grad: bool = True, document_ids: Tensor | None = None) -> Tensor:

@@ -37,6 +37,8 @@ def rotary_embedding(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, positions: 
                              f"{getattr(positions, 'shape', type(positions).__name__)}")
         if q.dim() == 4 and positions.dim() == 1 and positions.shape[0] == q.shape[2]:
             positions = positions.expand(q.shape[0], q.shape[2])
+        elif q.dim() == 4 and positions.dim() == 2 and positions.shape[0] == 1 and positions.shape[1] == q.shape[2]:
+            positions = positions.expand(q.shape[0], q.shape[2])  # (Hugging Face's position_ids (1, seq))
     if inplace:
         if wants_grad(q, k):
             raise ValueError(f"{_WHERE}: inplace=True has no autograd; use inplace=False where gradients flow")
@@ -44,6 +46,9 @@ def rotary_embedding(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, positions: 
         return q, k
     if torch.compiler.is_compiling():
         return _ops.rotary_embedding(q, k, cos, sin, positions, bool(interleaved), False)
+    # out of place: a head_dim of non-unit stride (a transposed layout) read through a copy, as sdpa's
+    # face does (the kernels take unit-stride rows; inplace=True must write q and k themselves)
+    q, k = (t.contiguous() if t.dim() == 4 and t.numel() and t.stride(-1) != 1 else t for t in (q, k))
     if needs_autograd(q, k):  # the op's autograd without custom_op's Python dispatch (forward AD: its jvp)
         return _ops.eager_rope(q, k, cos, sin, positions, bool(interleaved))
     return _ops.rope_pair(q, k, cos, sin, positions, bool(interleaved), False)
@@ -70,14 +75,14 @@ def _torch_rope(q, k, cos, sin, positions, interleaved, inplace):
     return rq, rk
 
 
-def _count(name: str, v, what: str) -> int:
+def _count(name: str, v, what: str, who: str = "zerofuse.nn.rope_tables") -> int:
     try:
         if isinstance(v, bool):
             raise TypeError
         return operator.index(v)
     except TypeError:
         got = f"a tensor of shape {list(v.shape)}" if isinstance(v, Tensor) else repr(v)
-        raise TypeError(f"zerofuse.nn.rope_tables: expected {name} to be an int ({what}), got {got}") from None
+        raise TypeError(f"{who}: expected {name} to be an int ({what}), got {got}") from None
 
 
 _LLAMA3 = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -123,6 +128,8 @@ def rope_tables(positions: int, rotary_dim: int, base: float = 10000.0, device=N
 def rope_frequencies(rotary_dim: int, base: float = 10000.0, scaling: dict | None = None) -> Tensor:
     """The rotary_dim / 2 angular frequencies of rope_tables, float64."""
     scale = check_rope_scaling(scaling, "zerofuse.nn.rope_tables")
+    if isinstance(base, bool) or not isinstance(base, (int, float)) or not 0 < base < math.inf:
+        raise ValueError(f"zerofuse.nn.rope_tables: expected base to be a finite number > 0, got {base!r}")  # (NaN tables)
     inv = base ** (-torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
     if scale is None:
         return inv
@@ -143,10 +150,14 @@ class RotaryEmbedding(torch.nn.Module):
     def __init__(self, head_dim: int, max_positions: int, base: float = 10000.0, rotary_dim: int | None = None,
                  interleaved: bool = False, scaling: dict | None = None):
         super().__init__()
+        head_dim = _count("head_dim", head_dim, "each head's size", "zerofuse.nn.RotaryEmbedding")
         rotary_dim = head_dim if rotary_dim is None else rotary_dim
         if rotary_dim > head_dim:
             raise ValueError(f"zerofuse.nn.RotaryEmbedding: rotary_dim {rotary_dim} exceeds head_dim {head_dim}")
+        if _count("max_positions", max_positions, "the positions of the tables", "zerofuse.nn.RotaryEmbedding") < 1:  # (refused at the first forward)
+            raise ValueError(f"zerofuse.nn.RotaryEmbedding: expected max_positions >= 1, got {max_positions}")
         rope_tables(1, rotary_dim, base, scaling=scaling)  # checks the arguments now
+        self.head_dim = head_dim  # (a q of another head_dim was rotated in part, or across heads, silently)
         self.max_positions, self.rotary_dim, self.base, self.interleaved = max_positions, rotary_dim, base, interleaved
         self.scaling = dict(scaling) if scaling is not None else None
         self._tables: dict[torch.device, tuple[Tensor, Tensor]] = {}
@@ -172,7 +183,15 @@ class RotaryEmbedding(torch.nn.Module):
                                                    self.scaling)
         return self._tables[device]
 
+    def _check_head_dim(self, got: int, what: str) -> None:
+        if got != self.head_dim:
+            raise ValueError(f"zerofuse.nn.RotaryEmbedding: expected {what} of head_dim {self.head_dim} (the module's; "
+                             f"rotary_dim={self.rotary_dim} of it rotated), got head_dim {got}")
+
     def forward(self, q: Tensor, k: Tensor, positions: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        for name, t in (("q", q), ("k", k)):
+            if isinstance(t, Tensor) and t.dim():
+                self._check_head_dim(t.shape[-1], name)
         cos, sin = self.tables(q.device)
         return rotary_embedding(q, k, cos, sin, positions, interleaved=self.interleaved)
 
@@ -180,6 +199,7 @@ class RotaryEmbedding(torch.nn.Module):
         """qkv (B, N, heads * head_dim) with its first n_heads heads rotated at positions 0..N-1 and the
         rest as they are, in qkv's layout (a fused QKV projection's output: n_heads = Hq + Hkv), eagerly
         (ops.rotary.EagerRopeQKV)."""
+        self._check_head_dim(head_dim, "an attention")
         cos, sin = self.tables(qkv.device)
         if qkv.dim() != 3 or qkv.shape[-1] % head_dim or n_heads * head_dim > qkv.shape[-1]:
             raise ValueError(f"zerofuse.nn.RotaryEmbedding.rotate_packed: expected qkv (batch, seq, heads * {head_dim}) of at least "
@@ -190,5 +210,5 @@ class RotaryEmbedding(torch.nn.Module):
         return _ops.eager_rope_qkv(qkv, cos, sin, n_heads, head_dim, self.interleaved)
 
     def extra_repr(self) -> str:
-        return (f"rotary_dim={self.rotary_dim}, max_positions={self.max_positions}, base={self.base}, "
+        return (f"head_dim={self.head_dim}, rotary_dim={self.rotary_dim}, max_positions={self.max_positions}, base={self.base}, "
                 f"interleaved={self.interleaved}" + (f", scaling={self.scaling}" if self.scaling else ""))
