@@ -18,6 +18,7 @@ arguments once per call signature ([Note: call signatures], zerofuse/ops/signatu
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 
 import torch
@@ -33,8 +34,17 @@ from zerofuse.reference import default_rms_eps
 _ShapeLike = int | Sequence[int] | torch.Size
 
 
-def _shape(normalized_shape: _ShapeLike) -> tuple[int, ...]:
-    return (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+def _shape(normalized_shape: _ShapeLike, fn: str = "layer_norm") -> tuple[int, ...]:
+    if isinstance(normalized_shape, int):
+        return (normalized_shape,)
+    try:
+        shape = tuple(normalized_shape)
+        if all(isinstance(n, int) for n in shape):
+            return shape
+    except TypeError:
+        pass
+    raise TypeError(f"zerofuse.nn.functional.{fn}: expected normalized_shape to be an int or a sequence of ints, got "
+                    f"{normalized_shape!r}")
 
 
 def _check(fn, input, shape, weight, bias, residual, input_bias=None) -> None:
@@ -57,6 +67,8 @@ def _check(fn, input, shape, weight, bias, residual, input_bias=None) -> None:
         _check_param(fn, "input_bias", input_bias, shape, device)
     if residual is not None:
         where = f"zerofuse.nn.functional.{fn}"
+        if not isinstance(residual, Tensor):
+            raise TypeError(f"{where}: expected residual to be a tensor, got {type(residual).__name__}")
         if residual.shape != input.shape:
             raise ValueError(f"{where}: expected residual of the input's shape {list(input.shape)}, got {list(residual.shape)}")
         if not residual.is_floating_point() or residual.device != device:
@@ -67,6 +79,8 @@ def _check(fn, input, shape, weight, bias, residual, input_bias=None) -> None:
 
 
 def _check_param(fn, name, p, shape, device) -> None:
+    if not isinstance(p, Tensor):
+        raise TypeError(f"zerofuse.nn.functional.{fn}: expected {name} to be a tensor or None, got {type(p).__name__}")
     if p.shape != shape:
         raise ValueError(f"zerofuse.nn.functional.{fn}: expected {name} of shape {list(shape)} (normalized_shape), "
                          f"got {list(p.shape)}")
@@ -77,6 +91,8 @@ def _check_param(fn, name, p, shape, device) -> None:
 
 
 def _check_eps(fn, eps) -> None:
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
+        raise TypeError(f"zerofuse.nn.functional.{fn}: expected eps to be a float, got {eps!r}")
     if not eps >= 0:  # a negative eps makes rows of small variance NaN; NaN fails this too
         raise ValueError(f"zerofuse.nn.functional.{fn}: expected eps >= 0, got {eps}")
 
@@ -88,7 +104,7 @@ def _flat(t: Tensor | None, n: int) -> Tensor | None:
 def _torch_norm(fn, is_rms, input, residual, normalized_shape, weight, bias, eps, input_bias):
     """The norm by torch's ops (torch_only: torch.func transforms, jit.trace): (y, h), input_bias
     given its gradient by a zero-valued add."""
-    shape = _shape(normalized_shape)
+    shape = _shape(normalized_shape, fn)
     _check(fn, input, shape, weight, bias, residual, input_bias)
     if is_rms and eps is None:
         eps = default_rms_eps(input.dtype)
@@ -122,7 +138,7 @@ def _layer_norm(fn, input, residual, normalized_shape, weight, bias, eps, input_
         plan = _PLANS.get(key)
         if plan is not None:
             return plan(input, residual, weight, bias, input_bias)
-    shape = _shape(normalized_shape)
+    shape = _shape(normalized_shape, fn)
     _check(fn, input, shape, weight, bias, residual, input_bias)
     _check_eps(fn, eps)
     input, input_bias = _bias_grad_carrier(input, input_bias)
@@ -217,7 +233,7 @@ def _rms_norm(fn, input, residual, normalized_shape, weight, eps, input_bias=Non
         plan = _PLANS.get(key)
         if plan is not None:
             return plan(input, residual, weight, None, input_bias)
-    shape = _shape(normalized_shape)
+    shape = _shape(normalized_shape, fn)
     _check(fn, input, shape, weight, None, residual, input_bias)
     input, input_bias = _bias_grad_carrier(input, input_bias)
     if eps is None:  # torch's: the epsilon of the dtype it computes in (fp32 for bf16/fp16 inputs)

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+import numbers
+import operator
 
 import torch
 from torch import Tensor
@@ -31,8 +33,24 @@ from zerofuse.ops import linear_cross_entropy as _ops
 _WHERE = "zerofuse.nn.functional.linear_cross_entropy"
 
 
-def check_face_args(hidden, weight, target, bias, reduction, softcap, chunk_size, where: str = _WHERE) -> None:
+def check_loss_options(where: str, ignore_index=-100, label_smoothing=0.0, z_loss=0.0) -> None:
+    """ignore_index an int, label_smoothing / z_loss real numbers, as torch's cross_entropy takes them
+    (ignore_index=1.5 was taken as 1, ignoring class 1; label_smoothing="0.1" was parsed)."""
+    try:
+        if isinstance(ignore_index, bool):
+            raise TypeError
+        operator.index(ignore_index)  # (an int, numpy's too)
+    except TypeError:
+        raise TypeError(f"{where}: expected ignore_index to be an int, got {ignore_index!r}") from None
+    for name, v in (("label_smoothing", label_smoothing), ("z_loss", z_loss)):
+        if isinstance(v, bool) or not isinstance(v, numbers.Real):
+            raise TypeError(f"{where}: expected {name} to be a float, got {v!r}")
+
+
+def check_face_args(hidden, weight, target, bias, reduction, softcap, chunk_size, where: str = _WHERE,
+                    ignore_index=-100, label_smoothing=0.0, z_loss=0.0) -> None:
     """The face's checks (also zerofuse.tp.vocab_parallel_linear_cross_entropy's), named for ``where``."""
+    check_loss_options(where, ignore_index, label_smoothing, z_loss)
     if torch._C._are_functorch_transforms_active():  # (the storage check below failed on its wrappers)
         raise RuntimeError(f"{where} does not support torch.func transforms (grad, vmap, jacrev): its fused "
                            "backward is made in the forward; use torch.autograd, or F.cross_entropy of the logits")
@@ -91,7 +109,8 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: T
     reduction 'none' returns target's shape. chunk_size: tokens per chunk (default: about as many
     logits per chunk as hidden has elements). recompute=True keeps no gradients from the forward
     and recomputes each chunk's logits in backward (one more GEMM; always so for 'none')."""
-    check_face_args(hidden, weight, target, bias, reduction, softcap, chunk_size)
+    check_face_args(hidden, weight, target, bias, reduction, softcap, chunk_size, _WHERE, ignore_index, label_smoothing,
+                    z_loss)
     refuse_forward_ad(_WHERE, hidden, weight, bias)
     hidden, weight, bias, autocast_off = autocast_inputs(hidden, weight, bias)
     grad = reduction != "none" and not recompute and wants_grad(hidden, weight, bias)

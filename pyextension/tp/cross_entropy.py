@@ -97,7 +97,8 @@ def vocab_parallel_linear_cross_entropy(hidden: Tensor, weight: Tensor, target: 
         h = C.gather_from_seq(hidden, comm)
     else:
         h = C.copy_to_tp(hidden, comm) if isinstance(hidden, Tensor) else hidden
-    check_face_args(h, weight, target, bias, reduction, softcap, chunk_size, _WHERE)
+    check_face_args(h, weight, target, bias, reduction, softcap, chunk_size, _WHERE, ignore_index, label_smoothing,
+                    z_loss)
     h, weight, bias, autocast_off = autocast_inputs(h, weight, bias)  # (before the dtype checks: as F.linear)
     ops.check_args(_WHERE, h.reshape(-1, h.shape[-1]), weight, target.reshape(-1), bias, label_smoothing, z_loss,
                    float(softcap or 0.0), reduction, 0)

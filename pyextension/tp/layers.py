@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from zerofuse.nn.autocast import autocast_dtype, cast_all
+from zerofuse.nn.loss import check_loss_options
 from zerofuse.ops._optim import _only_counting_modes
 from zerofuse.ops.ids import check_ids
 from zerofuse import nn as znn
@@ -410,6 +411,7 @@ def vocab_parallel_cross_entropy(logits_shard: Tensor, targets: Tensor, group=No
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"zerofuse.tp.vocab_parallel_cross_entropy: expected reduction 'mean', 'sum' or 'none', "
                          f"got {reduction!r}")
+    check_loss_options("zerofuse.tp.vocab_parallel_cross_entropy", ignore_index)
     check_ids("zerofuse.tp.vocab_parallel_cross_entropy", "targets", targets, vocab_size, ignore_index)
     loss = _VocabParallelCE.apply(logits_shard, targets, comm, start, ignore_index)
     if reduction == "none":
