@@ -66,6 +66,28 @@ def test_a_jit_trace_of_a_norm_takes_other_shapes(kernel_path):
             assert_close(traced(x), t(x), msg=str(shape))
 
 
+def test_torch_fx_traces_the_faces_as_calls(kernel_path):
+    """torch.fx.symbolic_trace of a model holding zerofuse norms (not leaves, as torch.nn's are) handed
+    the faces Proxies: "expected input to be a floating-point tensor, got Proxy". The faces are
+    recorded as calls (torch.fx.wrap), and the traced module computes what the model does."""
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln, self.rms, self.lin = zn.LayerNorm(8), zn.RMSNorm(8), torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            y, h = self.ln(x, x * 2)
+            return ZF.swiglu(self.lin(self.rms(y)), h) + ZF.bias_gelu(h, self.lin.bias)
+
+    net = Net()
+    traced = torch.fx.symbolic_trace(net)
+    called = {n.target.__name__ for n in traced.graph.nodes if n.op == "call_function"}
+    assert {"add_layer_norm", "rms_norm", "swiglu", "bias_gelu"} <= called, called
+    for shape in ((3, 8), (2, 5, 8)):
+        x = torch.randn(shape)
+        assert torch.equal(traced(x), net(x))
+
+
 def test_a_tensor_eps_is_its_value(kernel_path):
     x, w = torch.randn(4, 8), torch.randn(8)
     assert_close(ZF.layer_norm(x, (8,), w, None, torch.tensor(1e-3)), ZF.layer_norm(x, (8,), w, None, 1e-3),

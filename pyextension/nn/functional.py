@@ -285,3 +285,12 @@ from zerofuse.nn.loss import linear_cross_entropy  # noqa: E402,F401  (its own m
 from zerofuse.nn.mlp import bias_gelu, geglu, swiglu  # noqa: E402,F401  (MLP activations)
 from zerofuse.nn.rotary import rotary_embedding  # noqa: E402,F401  (RoPE)
 from zerofuse.nn.sdpa import _warned, qkv_attention, scaled_dot_product_attention  # noqa: E402,F401  (attention)
+
+# torch.fx: symbolic tracing records these as calls (leaves), as it records torch.nn.functional's:
+# a traced zerofuse norm module (not a leaf as torch.nn's are) handed them Proxies, refused as "not a
+# floating-point tensor". fx patches these names in this module's namespace while it traces, so the
+# modules' ``F.layer_norm(...)`` lookups find the recording wrapper; no cost outside tracing.
+for _name in ("layer_norm", "rms_norm", "add_layer_norm", "add_rms_norm", "linear_cross_entropy", "swiglu",
+              "geglu", "bias_gelu", "rotary_embedding", "scaled_dot_product_attention"):
+    torch.fx.wrap(_name)
+del _name
