@@ -74,6 +74,50 @@ def test_config_errors():
                      (dict(rope_base=-5.0), r"expected a finite rope_base > 0, got -5.0")):
         with pytest.raises(ValueError, match=msg):
             GPTConfig(**{**SMALL, **bad})
+    # wrongly typed fields (a review's reproductions, 2026-12-07): dim=128.0 failed in torch.empty at
+    # build, moe_every=1.5 made one block of four MoE, bias="no" was True, norm_eps -1 failed at the
+    # first forward naming rms_norm's eps
+    for bad, exc, msg in ((dict(dim=128.0), TypeError, r"expected dim to be an int, got 128.0"),
+                          (dict(mlp_hidden=10.5), TypeError, r"expected mlp_hidden to be an int, got 10.5"),
+                          (dict(moe_experts=4, moe_every=1.5), TypeError, r"expected moe_every to be an int, got 1.5"),
+                          (dict(moe_experts=True), TypeError, r"expected moe_experts to be an int, got True"),
+                          (dict(bias="no"), TypeError, r"expected bias to be True or False, got 'no'"),
+                          (dict(norm_eps=-1.0), ValueError, r"expected norm_eps to be a finite number >= 0 or None"),
+                          (dict(norm_eps=float("nan")), ValueError, r"expected norm_eps to be a finite number"),
+                          (dict(mlp_ratio=float("nan")), ValueError, r"expected mlp_ratio to be a finite number")):
+        with pytest.raises(exc, match=msg):
+            GPTConfig(**{**SMALL, **bad})
+
+
+def test_generate_greedy_and_its_arguments():
+    """temperature=0 divided the logits by 1e-6: a coin flip between logits a few ulps apart, not the
+    argmax; bad arguments failed deep in torch (top_k=0, an empty prompt) or ran silently
+    (temperature=-1 as greedy, max_new_tokens=-3 as 0; a review's reproductions, 2026-12-07)."""
+    model = GPT(GPTConfig(**SMALL), seed=0)
+    idx = torch.randint(0, 65, (3, 4), generator=torch.Generator().manual_seed(1))
+    out = model.generate(idx, 6, temperature=0.0)
+    want = idx
+    for _ in range(6):
+        want = torch.cat([want, model(want)[0][:, -1].argmax(-1, keepdim=True)], 1)
+    assert torch.equal(out, want)
+    assert torch.equal(model.generate(idx, 6, temperature=0.0, generator=torch.Generator().manual_seed(5)), want)
+    one = torch.tensor(1.0)
+    near = torch.zeros(1, 1, 65)
+    near[..., 3], near[..., 7] = one, torch.nextafter(torch.nextafter(one, one + 1), one + 1)  # 2 ulps apart
+    model.forward = lambda i, *a, **k: (near.expand(i.shape[0], i.shape[1], 65), None)
+    picks = {int(model.generate(idx[:1], 1, temperature=0.0, generator=torch.Generator().manual_seed(s))[0, -1])
+             for s in range(40)}
+    assert picks == {7}
+    del model.forward
+    for bad, msg in ((dict(temperature=-1.0), r"expected temperature to be a finite number >= 0 \(0: greedy\), got -1.0"),
+                     (dict(temperature=float("nan")), r"expected temperature .*got nan"),
+                     (dict(top_k=0), r"expected top_k to be an int >= 1 or None, got 0"),
+                     (dict(max_new_tokens=-3), r"expected max_new_tokens to be an int >= 0, got -3"),
+                     (dict(idx=idx[:, :0]), r"expected idx to be token ids \(batch, seq >= 1\), got torch.int64 \[3, 0\]"),
+                     (dict(idx=idx[0]), r"expected idx to be token ids \(batch, seq >= 1\), got torch.int64 \[4\]")):
+        kw = {"idx": idx, "max_new_tokens": 2, **bad}
+        with pytest.raises(ValueError, match=msg):
+            model.generate(kw.pop("idx"), kw.pop("max_new_tokens"), **kw)
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused_loss", "unfused_loss"])

@@ -87,14 +87,21 @@ def test_end_to_end_zero2(straight):
     assert all(m["optimizer"] > 0 and m["max_rss"] > 0 for m in summary["memory_per_rank"])
     assert (out / "loss.png").stat().st_size > 0
     assert (out / "ckpt" / "meta.json").is_file() and ckpt_step(out) == 6
-    # --export: the final weights as safetensors, read by safetensors' own loader
-    from safetensors.torch import load_file
-    exported = load_file(out / "hf" / "model.safetensors")
+    # --export: the final weights as transformers' GPT-2 (the default model's shape), whose logits are
+    # the GPT's with the checkpoint's weights (zerofuse's names and model_type "zerofuse-gpt" before)
+    import transformers
+
+    from zerofuse.models import GPT, GPTConfig
+
     cfg = json.loads((out / "hf" / "config.json").read_text())
-    final = zerofuse.checkpoint.consolidate(str(out / "ckpt"))["model"]
-    for n, t in final.items():
-        assert torch.equal(exported[cfg["zerofuse_tied"].get(n, n)], t), n
-    assert cfg["model_type"] == "zerofuse-gpt" and cfg["n_layer"] >= 1
+    assert cfg["model_type"] == "gpt2" and cfg["n_layer"] >= 1
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out / "hf").eval()
+    saved = zerofuse.checkpoint.consolidate(str(out / "ckpt"))
+    gpt = GPT(GPTConfig(**saved["extra"]["config"]))
+    gpt.load_state_dict(saved["model"])
+    idx = torch.randint(0, gpt.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(idx).logits, gpt.eval()(idx)[0], rtol=1e-4, atol=1e-4)
     assert "zerofuse-train summary" in p.stdout and "exposed comm" in p.stdout and "--- sample" in p.stdout
 
 

@@ -1,7 +1,8 @@
 """``export_hf``: a checkpoint's consolidated weights as safetensors files plus a config JSON, the
 layout Hugging Face tooling reads (``model.safetensors``, or ``model-0000i-of-0000n.safetensors``
-with ``model.safetensors.index.json`` past ``max_shard_bytes``). Names stay zerofuse's (the
-state_dict keys of the saved model); a tied weight is written once and the tie recorded in the config."""
+with ``model.safetensors.index.json`` past ``max_shard_bytes``). Names are the saved model's
+state_dict keys, or what ``rename`` makes of them (zerofuse.models.hf_names: a zerofuse GPT as
+transformers' GPT-2 / Llama); a tied weight is written once and the tie recorded in the config."""
 from __future__ import annotations
 
 import json
@@ -26,10 +27,13 @@ def _safetensors():
 
 
 def export_hf(path: str, out_dir: str, *, config: dict | None = None, dtype: torch.dtype | None = None,
-              max_shard_bytes: int = 5 << 30) -> list[str]:
+              max_shard_bytes: int = 5 << 30, rename=None) -> list[str]:
     """Write ``path``'s model (zerofuse or DCP format, any layout) to ``out_dir``; returns the files
     written. ``config``: the model's config (default: ``extra["config"]`` when the run saved one,
-    as zerofuse-train does); ``dtype``: cast floating tensors (default: as saved, fp32 from masters)."""
+    as zerofuse-train does); ``dtype``: cast floating tensors (default: as saved, fp32 from masters);
+    ``rename``: the consolidated state_dict -> the one written (e.g. a zerofuse GPT's under
+    transformers' names: ``functools.partial(zerofuse.models.hf_names.to_hf, cfg)`` with
+    ``config=hf_names.hf_config(cfg)``; a tied weight: the same tensor under both names)."""
     from zerofuse.checkpoint import consolidate  # noqa: PLC0415 - the package imports this module
 
     save_file = _safetensors()
@@ -38,8 +42,9 @@ def export_hf(path: str, out_dir: str, *, config: dict | None = None, dtype: tor
     if not isinstance(max_shard_bytes, int) or max_shard_bytes <= 0:
         raise ValueError(f"{NAME}.export_hf: expected max_shard_bytes to be a positive int, got {max_shard_bytes!r}")
     full = consolidate(path)
+    model = full["model"] if rename is None else rename(full["model"])
     tensors, ties, seen = {}, {}, {}
-    for n, t in full["model"].items():
+    for n, t in model.items():
         key = (t.data_ptr(), t.shape, t.dtype) if t.numel() else None
         if key is not None and key in seen:  # safetensors stores no shared tensors: write a tie once
             ties[n] = seen[key]

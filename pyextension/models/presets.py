@@ -48,6 +48,23 @@ class GPTConfig:
         name = "zerofuse.models.GPTConfig"
         if self.n_kv_head is None:
             self.n_kv_head = self.n_head
+        # types first (dim=128.0 failed in torch.empty at build, moe_every=1.5 made one block of four
+        # MoE, bias="no" was True, a negative or NaN norm_eps failed at the first forward unnamed)
+        for key in ("vocab_size", "seq_len", "n_layer", "n_head", "n_kv_head", "dim", "mlp_hidden", "moe_experts",
+                    "moe_top_k", "moe_every", "moe_hidden"):
+            v = getattr(self, key)
+            if (v is not None or key not in ("mlp_hidden", "moe_hidden")) and (isinstance(v, bool)
+                                                                               or not isinstance(v, int)):
+                raise TypeError(f"{name}: expected {key} to be an int, got {v!r}")
+        for key in ("bias", "tie_embeddings", "fused_loss", "moe_shared_expert"):
+            if not isinstance(getattr(self, key), bool):
+                raise TypeError(f"{name}: expected {key} to be True or False, got {getattr(self, key)!r}")
+        for key in ("mlp_ratio", "norm_eps"):
+            v = getattr(self, key)
+            if (v is not None or key != "norm_eps") and (isinstance(v, bool) or not isinstance(v, (int, float))
+                                                         or not 0 <= v < math.inf):
+                raise ValueError(f"{name}: expected {key} to be a finite number >= 0"
+                                 f"{' or None' if key == 'norm_eps' else ''}, got {v!r}")
         for key in ("vocab_size", "seq_len", "n_layer", "n_head", "n_kv_head", "dim"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{name}: expected {key} >= 1, got {getattr(self, key)}")
@@ -117,7 +134,8 @@ PRESETS.update({
 })
 # Mixture of Experts: moe-tiny (CPU) is llama-tiny with 8 SwiGLU experts, top-2, in every other
 # block; moe-1b-8x (GPU) llama3-1b's shape with 8 experts of a quarter the dense hidden size in
-# every block (a Mixtral-like layout at ~2.6B total / ~1.3B active parameters)
+# every block (a Mixtral-like layout at ~2.0B total / ~0.83B active parameters: num_params
+# 2,041,382,912 / 833,423,360)
 _MOE = dict(moe_experts=8, moe_top_k=2, moe_aux_loss=1e-2, moe_z_loss=1e-3)
 PRESETS.update({
     "moe-tiny": dict(PRESETS["llama-tiny"], moe_every=2, mlp_hidden=256, **_MOE),

@@ -226,6 +226,12 @@ def validate(args) -> None:
                "--export: expected the safetensors package to be installed (pip install safetensors), found none")
         hf = Path(args.out) / "hf"
         _check(not hf.exists() or hf.is_dir(), f"--export: expected {hf} to be a folder or absent, got a file")
+        from zerofuse.models import config as model_config
+        from zerofuse.models.hf_names import representable
+        why = representable(model_config(args.model_name, **args.model_shape))
+        if why:  # (GPT-2 and Llama shapes are written as transformers' GPT2LMHeadModel / LlamaForCausalLM)
+            note(f"--export: no transformers model computes this model ({why}): {hf} keeps zerofuse's parameter "
+                 "names under model_type 'zerofuse-gpt'")
     saved = any((Path(f"{ckpt}{s}") / "meta.json").is_file() for s in ("", ".tmp", ".old"))
     _check(not args.resume or saved, f"--resume: expected a complete checkpoint at {ckpt}, found none")
     if args.resume:

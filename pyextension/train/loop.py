@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import resource
 import signal
 import time
@@ -249,8 +250,13 @@ class Trainer:
                 self.stop.default()  # sampling, export: a signal ends the rank at once
             if args.export and not self.stopped and dist.get_rank() == 0:  # the final checkpoint is saved
                 from zerofuse.checkpoint import export_hf
-                export_hf(str(self.ckpt), str(Path(args.out) / "hf"),
-                          config={"model_type": "zerofuse-gpt", **dataclasses.asdict(self.cfg)})
+                from zerofuse.models import hf_names
+                if hf_names.representable(self.cfg) is None:  # transformers' GPT-2 or Llama (the CLI noted if not)
+                    export_hf(str(self.ckpt), str(Path(args.out) / "hf"), config=hf_names.hf_config(self.cfg),
+                              rename=functools.partial(hf_names.to_hf, self.cfg))
+                else:
+                    export_hf(str(self.ckpt), str(Path(args.out) / "hf"),
+                              config={"model_type": "zerofuse-gpt", **dataclasses.asdict(self.cfg)})
             if self.memory is None:  # resumed at the end: nothing trained
                 self.memory = self._memory()
             # sampling runs the whole model on every rank: not with the model split into stages
