@@ -60,8 +60,10 @@ def export_hf(path: str, out_dir: str, *, config: dict | None = None, dtype: tor
     config = dict(config)
     if "model_type" not in config:  # (the files loaded nowhere, silently: a review's reproduction, 2026-12-07)
         warnings.warn(f"{NAME}.export_hf: the config written to {out_dir}/config.json has no 'model_type': "
-                      "transformers' from_pretrained refuses it; pass config=model.config.to_dict(), or save the "
-                      "checkpoint with extra={'config': model.config.to_dict()}", stacklevel=2)
+                      "transformers' from_pretrained refuses it; pass config=model.config.to_dict() (a transformers "
+                      "model's; a zerofuse GPT's: config=zerofuse.models.hf_names.hf_config(cfg) with rename="
+                      "functools.partial(hf_names.to_hf, cfg)), or save the checkpoint with extra={'config': ...}",
+                      stacklevel=2)
     config["tie_word_embeddings"] = bool(ties)
     config["zerofuse_tied"] = ties
     written_dtype = str(next(iter(tensors.values())).dtype).removeprefix("torch.") if tensors else None
