@@ -216,17 +216,17 @@ def check_target(path: str, who: str) -> None:
 _locks: dict[str, int] = {}  # path -> the fd of its save lock, held from begin to commit by the leader
 
 
-def flock(path: str, *, wait: bool = True) -> tuple[int, bool]:
+def flock(path: str, *, wait: bool = True, shared: bool = False) -> tuple[int, bool]:
     """An exclusive flock on the file ``path`` (created): ``(fd, locked)``, held until ``fd`` is closed
     (the kernel drops it when the process ends, however it ends). ``locked`` is False on a filesystem
     without locks (the caller runs unguarded). ``wait=False``: BlockingIOError (``fd`` closed) while
-    another process holds it. The one lock of the package: checkpoint saves, zerofuse-train's --out,
-    the GPT-2 token cache."""
+    another process holds it; ``shared``: a shared lock (many holders, no exclusive one). The one lock
+    of the package: checkpoint saves, zerofuse-train's --out (and its ranks'), the GPT-2 token cache."""
     import fcntl  # noqa: PLC0415 - POSIX only
 
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | (0 if wait else fcntl.LOCK_NB))
     except OSError as e:
         if isinstance(e, BlockingIOError) or e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
             os.close(fd)

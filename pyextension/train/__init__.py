@@ -36,7 +36,8 @@ import sys  # noqa: E402
 from .cli import (DEFAULT_MODEL, EXIT_USAGE, OPT_DEFAULTS, PRESET_NAMES, PROG, UsageError,  # noqa: E402
                   _parser, validate)
 from .data import VAL_FRACTION, Corpus, Sampler  # noqa: E402
-from .launch import STOP_SIGNALS, _dist_env, _slurm_master, launch, out_lock, takes_out_lock  # noqa: E402, F401
+from .launch import (STOP_SIGNALS, _dist_env, _slurm_master, abort_rendezvous, check_dist_env,  # noqa: E402, F401
+                     die_with_parent, launch, out_lock, rank_lock, takes_out_lock)
 from .loop import Trainer, lr_lambda  # noqa: E402
 from .report import PEAK_FLOPS, RankZeroLog  # noqa: E402
 
@@ -63,17 +64,28 @@ def main(argv: list[str] | None = None) -> int:
     global T0
     if argv is None:  # the command line's job (zerofuse-train, python -m): timed from the process's start
         T0 = min(T0, _process_start() or T0)
+    die_with_parent()  # (a rank our launcher started: before anything that waits)
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
     env = _dist_env()
+    try:
+        check_dist_env(env)
+    except UsageError as e:  # (each process's own environment: every one says so)
+        print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
+        return EXIT_USAGE
     with contextlib.ExitStack() as held:
+        locking = False
         try:
             validate(args)
             if takes_out_lock(env):
+                locking = True
                 held.enter_context(out_lock(args.out))
+            held.enter_context(rank_lock(args.out))  # (a rank our launcher started: --out's while it lives)
         except UsageError as e:
-            if env is None or env["RANK"] == "0":
+            if env is None or env.get("RANK") == "0":
                 print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
+                if locking and env is not None:  # the others would wait for rank 0 at the rendezvous
+                    abort_rendezvous(env)
             return EXIT_USAGE
         if env is None and args.nproc > 1:
             return launch(argv, args.nproc, args.timeout)

@@ -12,7 +12,7 @@ import torch
 
 from .cli import PROG
 from .data import Corpus, Sampler, Validation
-from .launch import _die_with_parent, _init_distributed, _StopFlag
+from .launch import _init_distributed, _StopFlag
 from .metrics import StepMetrics, StopVote
 from .report import RankZeroLog
 
@@ -41,7 +41,6 @@ def setup(t) -> None:
 
     args = t.args
     t.t_start = float(os.environ.get("ZEROFUSE_TRAIN_T0", T0))
-    _die_with_parent()
     t.stop = _StopFlag()
     t.device = _init_distributed(args, t.env)
     t.rank, t.world = dist.get_rank(), dist.get_world_size()

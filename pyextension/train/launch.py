@@ -37,12 +37,30 @@ def _dist_env() -> dict | None:
     env = os.environ
     if "RANK" in env and "WORLD_SIZE" in env:
         return {k: env.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
-    if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
-        world = int(env["SLURM_NTASKS"])
-        nodes = int(env.get("SLURM_NNODES", "1"))
-        return {"RANK": env["SLURM_PROCID"], "WORLD_SIZE": str(world), "LOCAL_RANK": env.get("SLURM_LOCALID", "0"),
-                "LOCAL_WORLD_SIZE": str(max(1, world // nodes))}
+    if "SLURM_PROCID" in env and env.get("SLURM_NTASKS", "1") != "1":  # (check_dist_env: SLURM_NTASKS=abc)
+        world, nodes = env.get("SLURM_NTASKS", ""), env.get("SLURM_NNODES", "1")
+        per_node = str(max(1, int(world) // int(nodes))) if world.isdigit() and nodes.isdigit() and int(nodes) else world
+        return {"RANK": env["SLURM_PROCID"], "WORLD_SIZE": world, "LOCAL_RANK": env.get("SLURM_LOCALID", "0"),
+                "LOCAL_WORLD_SIZE": per_node}
     return None
+
+
+def check_dist_env(env: dict | None) -> None:
+    """The launcher's variables are whole numbers with 0 <= RANK < WORLD_SIZE, named as set (torch's
+    int() traceback before; RANK=3 of WORLD_SIZE=2 waited STARTUP_S in the rendezvous for peers that
+    never come, WORLD_SIZE=0 blamed --nproc; a review's reproductions, 2026-12-07)."""
+    if env is None:
+        return
+    slurm = not ("RANK" in os.environ and "WORLD_SIZE" in os.environ)  # (_dist_env mapped SLURM's onto them)
+    names = ({"RANK": "SLURM_PROCID", "WORLD_SIZE": "SLURM_NTASKS", "LOCAL_RANK": "SLURM_LOCALID",
+              "LOCAL_WORLD_SIZE": "SLURM_NTASKS / SLURM_NNODES"} if slurm else {k: k for k in env})
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        v = env.get(key)
+        if v is not None and not (v.isascii() and v.isdigit()):
+            raise UsageError(f"environment: {names[key]}={v!r}: expected a whole number (set by the launcher)")
+    if int(env["WORLD_SIZE"]) < 1 or int(env["RANK"]) >= int(env["WORLD_SIZE"]):
+        raise UsageError(f"environment: {names['RANK']}={env['RANK']} of {names['WORLD_SIZE']}={env['WORLD_SIZE']}: "
+                         "expected 0 <= rank < world size >= 1")
 
 
 def _launcher_world() -> int | None:
@@ -57,6 +75,37 @@ def takes_out_lock(env: dict | None) -> bool:
     """Whether this process holds --out for the job: the process a user started (it launches the
     ranks, or is the world of one), or rank 0 under torchrun / SLURM; not a rank our launcher started."""
     return env is None or (env["RANK"] == "0" and os.environ.get("ZEROFUSE_TRAIN_LAUNCHED") != "1")
+
+
+RANKS_LOCK = ".zerofuse-train.ranks.lock"  # shared by the ranks our launcher starts, for their lives
+
+
+def _check_no_ranks_left(out: str) -> None:
+    """No rank of an earlier job still writes into ``out``: the ranks our launcher started hold
+    RANKS_LOCK shared (rank_lock), so it outlives a launcher that exited first (a third Ctrl-C,
+    SIGUSR1, kill -9: its ranks got SIGTERM and were still saving their checkpoint when a second
+    job took --out and replaced it; a review's reproduction, 2026-12-07)."""
+    path = os.path.join(out, RANKS_LOCK)
+    try:
+        fd, _ = files.flock(path, wait=False)
+    except BlockingIOError:
+        raise UsageError(f"--out: ranks of an earlier {PROG} job are still running in {out} (they hold {path}; "
+                         "stopped, they finish a checkpoint first); expected an --out no running job uses") from None
+    os.close(fd)
+
+
+@contextlib.contextmanager
+def rank_lock(out: str):
+    """A rank our launcher started: RANKS_LOCK held shared for the rank's life (_check_no_ranks_left)."""
+    if os.environ.get("ZEROFUSE_TRAIN_LAUNCHED") != "1":
+        yield
+        return
+    os.makedirs(out, exist_ok=True)
+    fd, _ = files.flock(os.path.join(out, RANKS_LOCK), shared=True)  # (an instant's wait: another job's check)
+    try:
+        yield
+    finally:
+        os.close(fd)
 
 
 @contextlib.contextmanager
@@ -77,6 +126,12 @@ def out_lock(out: str):
     if not locked:  # a filesystem without locks: the job runs unguarded, as before
         print(f"{PROG}: note: --out {out} does not support file locks: nothing stops a second "
               "job from writing there", file=sys.stderr, flush=True)
+    else:
+        try:
+            _check_no_ranks_left(out)
+        except UsageError:
+            os.close(fd)
+            raise
     try:
         if locked:
             os.ftruncate(fd, 0)
@@ -102,6 +157,7 @@ def launch(argv: list[str], nproc: int, timeout: float = 600.0) -> int:
 
     # for the ranks only (they inherit our environment; a later in-process main() must not see them)
     ours = {"ZEROFUSE_TRAIN_LAUNCHED": "1",  # the ranks die with us (PR_SET_PDEATHSIG)
+            "ZEROFUSE_TRAIN_LAUNCHER": str(os.getpid()),  # (and check we are alive: die_with_parent)
             "ZEROFUSE_TRAIN_T0": str(T0)}  # the summary's wall time counts the launch
     before = {k: os.environ.get(k) for k in ours}
     os.environ.update(ours)
@@ -136,8 +192,10 @@ def launch(argv: list[str], nproc: int, timeout: float = 600.0) -> int:
     return 0
 
 
-def _die_with_parent() -> None:
-    """Ranks started by launch(): SIGTERM (a clean stop) when the launcher dies, however it died."""
+def die_with_parent() -> None:
+    """Ranks started by launch(): SIGTERM (a clean stop) when the launcher dies, however it died;
+    armed first thing in main(), and a rank whose launcher died before that (during the imports)
+    ends at once (it waited STARTUP_S in the rendezvous, orphaned; a review's reproduction)."""
     if os.environ.get("ZEROFUSE_TRAIN_LAUNCHED") != "1" or not sys.platform.startswith("linux"):
         return
     import ctypes
@@ -145,6 +203,9 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
     except OSError:
         pass
+    launcher = os.environ.get("ZEROFUSE_TRAIN_LAUNCHER", "")
+    if launcher.isdigit() and os.getppid() != int(launcher):
+        os._exit(128 + int(signal.SIGTERM))
 
 
 # ---------------------------------------------------------------------------------------------- ranks
@@ -198,13 +259,19 @@ def _init_distributed(args, env: dict | None):
     if env is None:  # a world of one in this process: ZeRO still goes through a process group
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     else:
-        if "SLURM_PROCID" in os.environ and "MASTER_ADDR" not in os.environ:
-            os.environ["MASTER_ADDR"] = _slurm_master()
-            os.environ["MASTER_PORT"] = os.environ.get("MASTER_PORT", str(_slurm_port()))
+        _slurm_endpoint()
         rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
         dist.init_process_group(backend, store=_rendezvous(rank, world, timeout), rank=rank, world_size=world,
                                 timeout=timeout)
     return device
+
+
+def _slurm_endpoint() -> None:
+    """Under SLURM: MASTER_ADDR and MASTER_PORT from the job where not set (each on its own: an
+    exported MASTER_ADDR without a port failed in torch's env:// with a traceback)."""
+    if "SLURM_PROCID" in os.environ:
+        os.environ.setdefault("MASTER_ADDR", _slurm_master())
+        os.environ.setdefault("MASTER_PORT", str(_slurm_port()))
 
 
 STARTUP_S = 300.0  # how far apart the ranks may start, whatever --timeout
@@ -215,18 +282,58 @@ def _rendezvous(rank: int, world: int, timeout: datetime.timedelta):
     reached it. --timeout bounds the collectives, but a group's connection also waits for its
     peers within it, and ranks start seconds apart (the interpreter and imports on a loaded
     machine: a 3 s --timeout failed in connectFullMesh in CI, 2026-11-27). So the ranks first meet
-    on the store, allowing STARTUP_S; then the store and the group take --timeout."""
+    on the store, allowing STARTUP_S; then the store and the group take --timeout. A rank 0 refused
+    at its start (abort_rendezvous) has left word there: the others exit 2 at once."""
     import torch.distributed as dist
 
     start = datetime.timedelta(seconds=max(timeout.total_seconds(), STARTUP_S))
     store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=start))
+    key = _arrival_key()
+    if store.add(key, 1) == world:
+        store.set(key + "/all", "1")
+    store.wait([key + "/all"])
+    if store.check([key + "/abort"]):  # (rank 0 printed why)
+        store.add(key + "/abort_seen", 1)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(EXIT_USAGE)
+    store.set_timeout(timeout)
+    return store
+
+
+def _arrival_key() -> str:
     # (a restart meets anew; under SLURM the job and step are in the key: a rank of another job
     # that reached this store on a shared port waits for its own peers and fails at STARTUP_S
     # instead of joining this job's group)
     job = f"{os.environ.get('SLURM_JOB_ID', '')}.{os.environ.get('SLURM_STEP_ID', '')}"
-    key = f"zerofuse/arrived/{job}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-    if store.add(key, 1) == world:
-        store.set(key + "/all", "1")
-    store.wait([key + "/all"])
-    store.set_timeout(timeout)
-    return store
+    return f"zerofuse/arrived/{job}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+
+ABORT_WAIT_S = 60.0  # how long a refused rank 0 waits for its peers to hear it
+
+
+def abort_rendezvous(env: dict) -> None:
+    """Rank 0 of a torchrun/SLURM job refused at its start (--out held by another job): meet the
+    others at the rendezvous and tell them to exit too (under srun without --kill-on-bad-exit they
+    waited STARTUP_S for a rank 0 that had gone; a review's reproduction, 2026-12-07). Best effort:
+    peers that do not come within ABORT_WAIT_S are left to their own rendezvous timeout."""
+    import time
+
+    import torch.distributed as dist
+
+    world = int(env["WORLD_SIZE"])
+    if world < 2:
+        return
+    _slurm_endpoint()
+    try:
+        wait = datetime.timedelta(seconds=ABORT_WAIT_S)
+        store, _, _ = next(dist.rendezvous("env://", 0, world, timeout=wait))
+        key = _arrival_key()
+        store.set(key + "/abort", "1")
+        if store.add(key, 1) == world:
+            store.set(key + "/all", "1")
+        deadline = time.monotonic() + ABORT_WAIT_S
+        while store.add(key + "/abort_seen", 0) < world - 1 and time.monotonic() < deadline:
+            time.sleep(0.05)  # (the store lives in this process: it stays until they have read it)
+    except Exception:  # noqa: BLE001 - (the refusal was printed; nothing more to tell)
+        pass

@@ -1,0 +1,84 @@
+"""zerofuse-train's start under a launcher (a review's reproductions, 2026-12-07): the launcher's
+variables checked and named; a rank whose --nproc launcher died before it armed PR_SET_PDEATHSIG
+ends at once; ranks left running by a launcher that exited first keep --out from a second job;
+under SLURM a rank 0 refused --out tells the other ranks at the rendezvous."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from zerofuse import train
+from zerofuse.train.launch import out_lock, rank_lock
+
+from common import tiny_job_argv
+
+pytestmark = pytest.mark.usefixtures("cpu_kernels")
+
+
+@pytest.mark.parametrize("env,msg", [
+    (dict(RANK="0", WORLD_SIZE="abc"), "environment: WORLD_SIZE='abc': expected a whole number"),
+    (dict(RANK="x", WORLD_SIZE="2"), "environment: RANK='x': expected a whole number"),
+    (dict(RANK="3", WORLD_SIZE="2"), r"environment: RANK=3 of WORLD_SIZE=2: expected 0 <= rank < world size >= 1"),
+    (dict(RANK="0", WORLD_SIZE="0"), r"environment: RANK=0 of WORLD_SIZE=0"),
+    (dict(SLURM_PROCID="0", SLURM_NTASKS="abc"), "environment: SLURM_NTASKS='abc': expected a whole number"),
+    (dict(SLURM_PROCID="5", SLURM_NTASKS="2"), "environment: SLURM_PROCID=5 of SLURM_NTASKS=2"),
+], ids=["world-abc", "rank-x", "rank-past-world", "world-0", "slurm-ntasks-abc", "slurm-procid-past"])
+def test_the_launchers_variables_are_checked_by_name(tmp_path, monkeypatch, capsys, env, msg):
+    """int() tracebacks before; RANK=3 of 2 waited STARTUP_S for peers; WORLD_SIZE=0 blamed --nproc."""
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert train.main(tiny_job_argv(tmp_path, "--steps", "1")) == 2
+    import re
+    assert re.search(msg, capsys.readouterr().err)
+
+
+def test_ranks_left_running_keep_out_a_second_job(tmp_path, monkeypatch):
+    """A launcher that exits first (a third Ctrl-C, kill -9) left its ranks saving a checkpoint while
+    a second job took --out and replaced it: the ranks hold RANKS_LOCK shared while they live."""
+    monkeypatch.setenv("ZEROFUSE_TRAIN_LAUNCHED", "1")
+    with rank_lock(str(tmp_path)):  # a rank of the first job, its launcher gone
+        monkeypatch.delenv("ZEROFUSE_TRAIN_LAUNCHED")
+        with pytest.raises(train.UsageError, match=r"--out: ranks of an earlier zerofuse-train job are still running"):
+            with out_lock(str(tmp_path)):
+                pass
+    with out_lock(str(tmp_path)):  # they have ended: free
+        pass
+
+
+def test_a_rank_whose_launcher_died_during_its_start_ends_at_once(tmp_path):
+    """PR_SET_PDEATHSIG was armed after the imports: a launcher killed before left its ranks waiting
+    in the rendezvous for minutes. The rank checks its launcher is its parent when it arms it."""
+    env = dict(os.environ, ZEROFUSE_TRAIN_LAUNCHED="1", ZEROFUSE_TRAIN_LAUNCHER="1",  # (pid 1: not our parent)
+               RANK="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, "-m", "zerofuse.train", *tiny_job_argv(tmp_path)], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 143 and time.monotonic() - t0 < 60, (p.returncode, p.stderr[-2000:])
+
+
+@pytest.mark.timeout(300)
+def test_slurm_rank0_refused_its_out_tells_the_others(tmp_path):
+    """srun without --kill-on-bad-exit: rank 0 refused --out (another job holds it) exited 2 and rank
+    1 waited STARTUP_S (300 s) at the rendezvous; now it exits 2 as soon as it gets there."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    base = dict(os.environ, SLURM_NTASKS="2", SLURM_JOB_ID="4242", SLURM_STEP_ID="0", SLURM_JOB_NODELIST="127.0.0.1",
+                MASTER_PORT=str(port))
+    argv = [sys.executable, "-m", "zerofuse.train", *tiny_job_argv(tmp_path, "--steps", "2", "--nproc", "2")]
+    with out_lock(str(tmp_path)):  # the other job
+        t0 = time.monotonic()
+        ranks = [subprocess.Popen(argv, env=dict(base, SLURM_PROCID=str(r), SLURM_LOCALID=str(r)),
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (1, 0)]
+        outs = [p.communicate(timeout=200) for p in ranks]
+    assert [p.returncode for p in ranks] == [2, 2], outs
+    assert "--out: another zerofuse-train job" in outs[1][1] and outs[0][1].strip() == "", outs
+    assert time.monotonic() - t0 < 120
