@@ -145,6 +145,7 @@ void Failure::raise(const std::string& message) {
 }
 
 void Work::wait() {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
   if (finished_) return;
   if (failure_) failure_->check(what_);
   try {
@@ -160,6 +161,7 @@ void Work::wait() {
   }
   if (finish_) {
     finish_();  // (when it raises, the next wait() runs it again and raises again: never "done" unwritten)
+    after_finish();
     finish_ = nullptr;  // drops the buffers it holds: a waited Work kept by the caller pins nothing
   }
   finished_ = true;
@@ -168,6 +170,7 @@ void Work::wait() {
 }
 
 void Work::wait_within(std::chrono::milliseconds limit) {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
   const auto saved = timeout_;
   if (limit < timeout_) {
     // (+1 ms: c10d's timed waits may return a fraction of a millisecond early: never before the limit)
@@ -187,7 +190,12 @@ void Work::wait_within(std::chrono::milliseconds limit) {
 }
 
 // true once wait() would not block: done, or failed (then wait() raises)
-bool Work::is_completed() { return finished_ || (failure_ && failure_->failed()) || transport_done(); }
+bool Work::is_completed() {
+  if (finished_) return true;
+  std::unique_lock<std::recursive_mutex> lock(mu_, std::try_to_lock);
+  if (!lock.owns_lock()) return finished_;  // another thread is in wait(): not done until it says so
+  return finished_ || (failure_ && failure_->failed()) || transport_done();
+}
 
 #ifndef ZEROFUSE_WITH_NCCL
 std::unique_ptr<Transport> make_nccl_transport(const c10::intrusive_ptr<c10d::ProcessGroup>&,

@@ -96,16 +96,22 @@ class Work {
  protected:
   virtual void wait_transport() = 0;
   virtual bool transport_done() = 0;
+  // after the copy-out (finish_) was queued, before the buffers it read are dropped
+  virtual void after_finish() {}
   // after wait(): drop the transport's handles (a c10d Work holds its tensors until destroyed)
   virtual void release_transport() {}
   std::string what_;
   std::chrono::milliseconds timeout_;
 
  private:
+  // wait(), wait_within() and is_completed() from several threads at once (the bindings release the
+  // GIL): two waits ran finish_ and cleared keep_ together, a segfault (a review's reproduction,
+  // 2026-12-07). A wait holds it throughout; is_completed() only tries it (a poll never blocks).
+  std::recursive_mutex mu_;
   std::function<void()> finish_;
   std::vector<at::Tensor> keep_;
   std::shared_ptr<Failure> failure_;
-  bool finished_ = false;
+  std::atomic<bool> finished_{false};
   bool limited_ = false;  // timeout_ is a wait_within limit (its message names the wait's timeout)
   std::chrono::milliseconds limit_{0};  // that limit, as given
 };

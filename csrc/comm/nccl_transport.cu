@@ -9,7 +9,7 @@
 // caller's current stream wait on it (no host block) before the copy-out is queued there.
 // Buffers are allocated on the caller's stream: the caching allocator reuses a freed block only
 // for that stream, which waits on the done event once wait() was called (wait() on another stream
-// makes both streams wait); a Work dropped
+// makes both streams wait, and the launch stream waits for the copy-out too: after_finish); a Work dropped
 // without wait() stays in the in-flight list (keeping its buffers) until its done event fires
 // ([Note: Work lifetimes] in communicator.h).
 //
@@ -117,6 +117,20 @@ class NcclWork : public Work {
     C10_CUDA_CHECK(r);
     return true;
   }
+  // The copy-out was queued on the waiting stream; the buffers it reads go back to the launch
+  // stream's pool when wait() drops them: the launch stream is ordered after the copy-out, or a
+  // later allocation there could overwrite them before it ran (a review's reading, 2026-12-07).
+  void after_finish() override {
+    const auto stream = c10::cuda::getCurrentCUDAStream(device_);
+    if (launch_stream_ == stream) return;
+    c10::cuda::CUDAGuard guard(device_);
+    CudaEvent copied;
+    C10_CUDA_CHECK(cudaEventRecord(copied.event, stream.stream()));
+    C10_CUDA_CHECK(cudaStreamWaitEvent(launch_stream_.stream(), copied.event, 0));
+  }
+
+ public:
+  const c10::cuda::CUDAStream& launch_stream() const { return launch_stream_; }
 
  private:
   std::shared_ptr<CudaEvent> done_;
@@ -130,6 +144,10 @@ struct Pending {
   Collective run;
   std::shared_ptr<NcclWork> work;
   std::string what;
+  // recorded on the caller's stream at the call (its copy-in): a grouped call's stream may not be
+  // the one current at group_end (a stream switch inside coalesce(): NCCL read a half-written
+  // buffer; a review's reading, 2026-12-07). Null: the current stream at run_group is the call's.
+  std::shared_ptr<CudaEvent> ready;
 };
 
 class NcclTransport : public Transport {
@@ -301,7 +319,11 @@ class NcclTransport : public Transport {
   }
 
   // From the watchdog's thread: never waits for a launch that holds comm_mu_ (it is polled again).
+  // A failure recorded from Python (a timed Work.wait() that expired: Communicator::fail) counts
+  // too, so the watchdog aborts NCCL: the stuck collective held the streams, and every later host
+  // sync, until the watchdog's own timeout (a review's reading, 2026-12-07).
   std::string async_error() {
+    if (failure_->failed()) return "the communicator failed: " + failure_->message();
     std::unique_lock<std::mutex> lock(comm_mu_, std::try_to_lock);
     if (!lock.owns_lock() || !comm_) return "";
     ncclResult_t state = ncclSuccess;
@@ -367,12 +389,21 @@ class NcclTransport : public Transport {
                         ": expected tensors on cuda:", static_cast<int>(device_),
                         " (the device the communicator was created on), got a tensor on ", b.device());
     }
-    auto work = std::make_shared<NcclWork>(what, timeout_, device_, c10::cuda::getCurrentCUDAStream(device_));
+    const auto current = c10::cuda::getCurrentCUDAStream(device_);
+    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+    C10_CUDA_CHECK(cudaStreamIsCapturing(current.stream(), &capturing));
+    // (captured, its events fail the watchdog's queries: the communicator was aborted as failed)
+    TORCH_CHECK(capturing == cudaStreamCaptureStatusNone, "zerofuse.comm (NCCL): ", what,
+                " during CUDA graph capture: the communicator's collectives are not capturable (their events "
+                "and watchdog run outside the graph); launch them outside torch.cuda.graph");
+    auto work = std::make_shared<NcclWork>(what, timeout_, device_, current);
     work->keep_alive(std::move(buffers));
     // kept (with its buffers) until its done event fires, waited for or not ([Note: Work lifetimes])
     inflight_.push_back(work);
     if (grouping_) {
-      pending_.push_back({std::move(collective), work, what});
+      auto ready = std::make_shared<CudaEvent>();
+      C10_CUDA_CHECK(cudaEventRecord(ready->event, current.stream()));
+      pending_.push_back({std::move(collective), work, what, std::move(ready)});
     } else {
       run_group(comm_stream, {{std::move(collective), work, what}});
     }
@@ -392,6 +423,9 @@ class NcclTransport : public Transport {
       CudaEvent ready;
       C10_CUDA_CHECK(cudaEventRecord(ready.event, c10::cuda::getCurrentCUDAStream(device_).stream()));
       C10_CUDA_CHECK(cudaStreamWaitEvent(comm_stream.stream(), ready.event, 0));
+      for (const auto& p : group) {
+        if (p.ready) C10_CUDA_CHECK(cudaStreamWaitEvent(comm_stream.stream(), p.ready->event, 0));
+      }
       // [Note: NCCL watchdog]
       auto started = std::make_shared<CudaEvent>();
       C10_CUDA_CHECK(cudaEventRecord(started->event, comm_stream.stream()));
@@ -415,7 +449,18 @@ class NcclTransport : public Transport {
       for (const auto& p : group) p.work->set_done(done);
       watchdog_->watch(std::move(started), std::move(done), what);
     } catch (...) {
-      // never launched: out of the in-flight list, whose clean-up would stop at it for good
+      // never launched: out of the in-flight list, whose clean-up would stop at it for good. A group
+      // that failed past ncclGroupEnd may have queued kernels (aborted, draining) that touch its
+      // buffers: their launch streams are ordered after the comm stream before the buffers go back
+      // to those streams' pools (best effort: the device may be failing)
+      try {
+        CudaEvent drained;
+        if (cudaEventRecord(drained.event, comm_stream.stream()) == cudaSuccess) {
+          for (const auto& p : group) (void)cudaStreamWaitEvent(p.work->launch_stream().stream(), drained.event, 0);
+        }
+        (void)cudaGetLastError();
+      } catch (...) {
+      }
       for (const auto& p : group) inflight_.erase(std::remove(inflight_.begin(), inflight_.end(), p.work), inflight_.end());
       throw;
     }

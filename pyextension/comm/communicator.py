@@ -134,6 +134,9 @@ class Work:
         return True
 
     def is_completed(self) -> bool:
+        """True once wait() would not block (done, or failed: then wait() raises). A point-to-point
+        Work on gloo stays False until wait(): gloo's send/recv report completion only in their wait
+        (poll with ``wait(timeout=)`` there instead of looping on this)."""
         return self._w.is_completed()
 
 
@@ -216,6 +219,8 @@ class Communicator(CollectiveChecker):
         were reduced together, silently)."""
         *tensors, out_shard = _bytes_of_bools("reduce_scatter_coalesced", [*tensors, out_shard], op, scale)
         tensors = _checked_list("reduce_scatter_coalesced", "tensors", tensors, written=False)
+        if isinstance(out_shard, torch.Tensor):  # written, not differentiated (a leaf requiring grad: every
+            out_shard = out_shard.detach()       # wait() raised after the collective ran; one rank wrote it)
         reduce_dtype = torch.uint8 if reduce_dtype is torch.bool else reduce_dtype
         if self._one:
             return local.reduce_scatter_coalesced(tensors, out_shard, op, scale, reduce_dtype)
@@ -277,6 +282,7 @@ class Communicator(CollectiveChecker):
         if out_shard is not None and out_shard.numel() != shard:
             raise ValueError(f"zerofuse.comm.reduce_scatter_fp32_sum: expected out_shard of {shard} elements, got "
                              f"{out_shard.numel()}")
+        flat, out_shard = flat.detach(), None if out_shard is None else out_shard.detach()  # (written: as above)
         if self._one:  # the sum over one rank in fp32 is the input; the gather writes it back unchanged
             if out_shard is not None:
                 out_shard.copy_(flat.float())
