@@ -62,6 +62,9 @@ OZ = "zerofuse.zero.Optimizer: "
 WORLD1 = [
     Case("parallelize-stage-4", Z, lambda: (4,), ValueError, PZ + r"expected stage 0, 1, 2 or 3, got 4"),
     Case("parallelize-stage-str", Z, lambda: ("1",), ValueError, PZ + r"expected stage 0, 1, 2 or 3, got '1'"),
+    Case("parallelize-stage-bool", Z, lambda: (True,), ValueError, PZ + r"expected stage 0, 1, 2 or 3, got True"),
+    Case("parallelize-overlap-str", Z, tuple, TypeError, PZ + r"expected overlap to be a bool, got 'no'",
+         dict(overlap="no")),  # (ran with overlap on)
     Case("parallelize-precision", Z, tuple, ValueError, PZ + r"expected precision 'fp32', 'bf16' or 'fp16', got 'fp64'",
          dict(precision="fp64")),
     Case("parallelize-reduce_dtype", Z, tuple, ValueError, PZ + r"expected reduce_dtype .*got torch.float64",
@@ -142,9 +145,11 @@ WORLD1 = [
     Case("Optimizer-group-weight_decay-str", _groups, lambda: (lambda ps: [{"params": ps, "weight_decay": "x"}],),
          TypeError, OZ + r"expected param_groups\[0\]\['weight_decay'\] to be a number, got str"),
     Case("clip_grad_norm_-0", lambda: _opt().clip_grad_norm_(0), tuple, ValueError,
-         r"clip_grad_norm_: expected max_norm > 0, got 0"),
+         r"clip_grad_norm_: expected max_norm to be a number > 0, got 0"),
+    Case("clip_grad_norm_-str", lambda: _opt().clip_grad_norm_("1.0"), tuple, ValueError,  # (a '>' TypeError before)
+         r"clip_grad_norm_: expected max_norm to be a number > 0, got '1.0'"),
     Case("clip_grad_norm_-nan", lambda: _opt().clip_grad_norm_(math.nan), tuple, ValueError,
-         r"clip_grad_norm_: expected max_norm > 0, got nan"),
+         r"clip_grad_norm_: expected max_norm to be a number > 0, got nan"),
     Case("Optimizer-load-foreign-state", lambda: _opt().load_state_dict({"state": {}, "param_groups": []}), tuple,
          ValueError, r"load_state_dict: the state is for a different layout .*expected world_size=1, .*got None"),
     Case("Optimizer-load-other-optimizer", lambda: _opt("adam").load_state_dict(_opt("lars").state_dict()), tuple,

@@ -76,7 +76,10 @@ def parallelize(model: torch.nn.Module, *, stage: int, group=None, precision: st
     if stage != 3:  # loaded params reach the Optimizer's fp32 masters (stage 3 loads inside full_params),
         # after a pending delayed update (its host step wrote over the loaded masters or not, by timing)
         model.register_load_state_dict_pre_hook(lambda *_a: engine.apply_pending_update())
-        model.register_load_state_dict_post_hook(lambda _module, _keys: engine.params_loaded())
+        # (of the elements the load changed: a master whose rounding is the loaded value keeps its fp32
+        # bits, so an optimizer state loaded first - its masters - survives the model's load; every
+        # master was reset to its bf16 rounding before: the resumed run drifted; a review's reproduction)
+        model.register_load_state_dict_post_hook(lambda _module, _keys: engine.params_loaded(written_only=True))
     return model
 
 

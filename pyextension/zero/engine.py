@@ -65,8 +65,9 @@ class ZeroEngine(ExpertLayout, FindUnused, FullParams, Stage3Hooks, WorldOfOne):
         check_args(name, stage=stage, precision=precision, reduce_dtype=reduce_dtype, bucket_mb=bucket_mb,
                    prefetch=prefetch, max_inflight=max_inflight, param_init_fn=param_init_fn, offload=offload,
                    offload_ratio=offload_ratio, param_gather=param_gather)
-        if not isinstance(find_unused_parameters, bool):
-            raise TypeError(f"{name}: expected find_unused_parameters to be a bool, got {find_unused_parameters!r}")
+        for arg, v in (("find_unused_parameters", find_unused_parameters), ("overlap", overlap)):
+            if not isinstance(v, bool):  # (overlap="no" ran with overlap on)
+                raise TypeError(f"{name}: expected {arg} to be a bool, got {v!r}")
         self.param_gather = param_gather
         auto = offload_ratio == "auto"
         self.offload = offload

@@ -4,6 +4,8 @@ rank's squares summed over the data-parallel ranks, and over the tensor-parallel
 TP shards). A mixin: it reads the optimizer's engine, scale and kept launch tables."""
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from zerofuse.ops import l2norm
@@ -77,8 +79,10 @@ class GradNorms:
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip the gradient of the coming step to global norm max_norm (fused into the step) and
         return the global norm before clipping, the same on every rank."""
-        if not max_norm > 0:
-            raise ValueError(f"{NAME}.clip_grad_norm_: expected max_norm > 0, got {max_norm}")
+        if isinstance(max_norm, torch.Tensor) and max_norm.numel() == 1:  # (torch's clip takes one too)
+            max_norm = float(max_norm)
+        if isinstance(max_norm, bool) or not isinstance(max_norm, numbers.Real) or not max_norm > 0:
+            raise ValueError(f"{NAME}.clip_grad_norm_: expected max_norm to be a number > 0, got {max_norm!r}")
         if self.host is not None and self.host.overlapped:
             raise RuntimeError(f"{NAME}.clip_grad_norm_: with offload='optimizer' and no max_grad_norm the host steps "
                                "start during backward, before this call could clip them: pass max_grad_norm to the "

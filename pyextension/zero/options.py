@@ -105,7 +105,7 @@ def check_args(name, *, stage, precision, reduce_dtype, bucket_mb, prefetch, max
     if (auto or offload_ratio < 1.0) and offload != "optimizer":
         raise ValueError(f"{name}: offload_ratio < 1 splits the optimizer step between host and device: expected "
                          f"offload='optimizer', got {offload!r}")
-    if stage not in (0, 1, 2, 3):
+    if isinstance(stage, bool) or stage not in (0, 1, 2, 3):  # (True ran as stage 1)
         raise ValueError(f"{name}: expected stage 0, 1, 2 or 3, got {stage!r}")
     if param_gather not in ("step", "module"):
         raise ValueError(f"{name}: expected param_gather 'step' or 'module', got {param_gather!r}")
