@@ -86,6 +86,13 @@ def test_torch_fx_traces_the_faces_as_calls(kernel_path):
     for shape in ((3, 8), (2, 5, 8)):
         x = torch.randn(shape)
         assert torch.equal(traced(x), net(x))
+    # the modules that call the faces by their own module's names (a review: they got Proxies still)
+    for module, args in ((zn.LinearGELU(8, 8), (torch.randn(3, 8),)), (zn.GatedMLP(8, 16), (torch.randn(3, 8),)),
+                         (zn.RotaryEmbedding(8, 16), (torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8))),
+                         (zn.LinearCrossEntropyLoss(), (torch.randn(4, 8), torch.randn(10, 8), torch.tensor([1, 2, 3, 1])))):
+        traced = torch.fx.symbolic_trace(module)
+        for got, want in zip(torch.utils._pytree.tree_leaves(traced(*args)), torch.utils._pytree.tree_leaves(module(*args))):
+            assert torch.equal(got, want), type(module).__name__
 
 
 def test_a_tensor_eps_is_its_value(kernel_path):
@@ -93,6 +100,10 @@ def test_a_tensor_eps_is_its_value(kernel_path):
     assert_close(ZF.layer_norm(x, (8,), w, None, torch.tensor(1e-3)), ZF.layer_norm(x, (8,), w, None, 1e-3),
                  msg="layer_norm")
     assert_close(ZF.rms_norm(x, (8,), w, torch.tensor(1e-3)), ZF.rms_norm(x, (8,), w, 1e-3), msg="rms")
+    import numpy as np  # numpy's numbers as torch's faces take them (refused by the first type checks)
+
+    assert torch.equal(ZF.layer_norm(x, [np.int64(8)], w, None, np.float32(1e-3)), ZF.layer_norm(x, (8,), w, None,
+                                                                                               float(np.float32(1e-3))))
 
 
 def test_the_fallbacks_keep_the_faces_semantics(kernel_path):

@@ -87,6 +87,10 @@ def test_config_errors():
                           (dict(mlp_ratio=float("nan")), ValueError, r"expected mlp_ratio to be a finite number")):
         with pytest.raises(exc, match=msg):
             GPTConfig(**{**SMALL, **bad})
+    import numpy as np  # numpy's numbers are numbers (a review: the type checks refused them at first)
+
+    cfg = GPTConfig(**{**SMALL, "dim": np.int64(128), "mlp_ratio": np.float32(4.0), "norm_eps": np.float32(1e-5)})
+    assert type(cfg.dim) is int and cfg.hidden == 512 and type(cfg.norm_eps) is float
 
 
 def test_generate_greedy_and_its_arguments():
@@ -109,6 +113,9 @@ def test_generate_greedy_and_its_arguments():
              for s in range(40)}
     assert picks == {7}
     del model.forward
+    import numpy as np
+
+    assert model.generate(idx, np.int64(2), temperature=np.float32(0.5), top_k=np.int64(5)).shape == (3, 6)
     for bad, msg in ((dict(temperature=-1.0), r"expected temperature to be a finite number >= 0 \(0: greedy\), got -1.0"),
                      (dict(temperature=float("nan")), r"expected temperature .*got nan"),
                      (dict(top_k=0), r"expected top_k to be an int >= 1 or None, got 0"),

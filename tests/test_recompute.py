@@ -37,13 +37,10 @@ def test_recomputed_grads_are_the_same_bits_and_the_peak_drops(moe):
     assert peaks[True] == peaks["full"]
 
 
-@pytest.mark.parametrize("mode", ["none", "full", "selective"])
-def test_compiled_blocks_keep_the_mode(mode):
-    """recompute.compile_block: under "selective" the checkpoint goes inside the compiled forward, so
-    the policy holds there (an eager checkpoint around a compiled block re-ran the whole compiled
-    forward in backward: full's recompute and memory, 2026-12-06's note). Counted on the graphs
-    AOTAutograd hands the backend: each compiled forward runs once per block, and the backward graph
-    holds two matmuls per forward matmul (none recomputed); "full" re-runs each forward."""
+def _compiled_step(mode):
+    """One step of a 2-block GPT whose blocks recompute.compile_block compiled, counted on the graphs
+    AOTAutograd hands the backend: (forward graph runs, each forward graph's matmuls and saved
+    tensors, each backward graph's matmuls, the model)."""
     from torch._dynamo.backends.common import aot_autograd
 
     from zerofuse.models import recompute
@@ -53,10 +50,11 @@ def test_compiled_blocks_keep_the_mode(mode):
         return sum(n.op == "call_function" and getattr(n.target, "__name__", "").split(".")[0] in ("mm", "addmm", "bmm")
                    for n in gm.graph.nodes)
 
-    runs, fwd_mm, bwd_mm = [0], [], []
+    runs, fwd_mm, saved, bwd_mm = [0], [], [], []
 
     def fw(gm, example):
         fwd_mm.append(mms(gm))
+        saved.append(len(next(n for n in gm.graph.nodes if n.op == "output").args[0]))
 
         def run(*args):
             runs[0] += 1
@@ -68,17 +66,32 @@ def test_compiled_blocks_keep_the_mode(mode):
         return gm
 
     x = torch.randint(0, 65, (2, 33), generator=torch.Generator().manual_seed(0))
-    ref = GPT(GPTConfig(**dict(CFG, n_layer=2)), seed=0)
-    ref.activation_checkpointing = mode
-    ref(x[:, :-1], x[:, 1:])[1].backward()
     model = GPT(GPTConfig(**dict(CFG, n_layer=2)), seed=0)
     model.activation_checkpointing = mode
     blocks = [m for m in model.modules() if isinstance(m, Block)]
     kept = {recompute.compile_block(b, mode, backend=aot_autograd(fw_compiler=fw, bw_compiler=bw)) for b in blocks}
     assert kept == {mode}
     model(x[:, :-1], x[:, 1:])[1].backward()
-    assert runs[0] == len(blocks) * (2 if mode == "full" else 1)
+    return runs[0], fwd_mm, saved, bwd_mm, model
+
+
+@pytest.mark.parametrize("mode", ["none", "full", "selective"])
+def test_compiled_blocks_keep_the_mode(mode):
+    """recompute.compile_block: under "selective" the checkpoint goes inside the compiled forward, so
+    the policy holds there (an eager checkpoint around a compiled block re-ran the whole compiled
+    forward in backward: full's recompute and memory, 2026-12-06's note). Each compiled forward runs
+    once per block, its backward graph holds two matmuls per forward matmul (none recomputed), and
+    the forward saves fewer tensors than without checkpointing (the rest recomputed); "full" re-runs
+    each forward. The grads are those of the eager model."""
+    runs, fwd_mm, saved, bwd_mm, model = _compiled_step(mode)
+    assert runs == 2 * (2 if mode == "full" else 1)
     assert fwd_mm and all(n > 0 for n in fwd_mm) and bwd_mm == [2 * n for n in fwd_mm], (fwd_mm, bwd_mm)
+    if mode == "selective":  # (without the checkpoint inside, selective's graphs were none's)
+        assert sum(saved) < sum(_compiled_step("none")[2]), saved
+    x = torch.randint(0, 65, (2, 33), generator=torch.Generator().manual_seed(0))
+    ref = GPT(GPTConfig(**dict(CFG, n_layer=2)), seed=0)
+    ref.activation_checkpointing = mode
+    ref(x[:, :-1], x[:, 1:])[1].backward()
     for (n, p), q in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=n)
 

@@ -253,6 +253,10 @@ def test_the_module_keeps_to_its_head_dim_and_base(kernel_path):
         RotaryEmbedding(8, 0)
     with pytest.raises(TypeError, match=r"RotaryEmbedding: expected max_positions to be an int .*got 16.5"):
         RotaryEmbedding(8, 16.5)
+    import numpy as np  # (numpy's numbers pass, as before the checks)
+
+    assert torch.equal(RotaryEmbedding(8, 16, base=np.float32(500.0)).tables("cpu")[0],
+                       RotaryEmbedding(8, 16, base=500.0).tables("cpu")[0])
 
 
 def test_hugging_face_positions_and_a_strided_head_dim(kernel_path):

@@ -389,6 +389,7 @@ class NcclTransport : public Transport {
                         ": expected tensors on cuda:", static_cast<int>(device_),
                         " (the device the communicator was created on), got a tensor on ", b.device());
     }
+    c10::cuda::CUDAGuard guard(device_);  // (the ready event below is made on the device of its stream)
     const auto current = c10::cuda::getCurrentCUDAStream(device_);
     cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
     C10_CUDA_CHECK(cudaStreamIsCapturing(current.stream(), &capturing));
@@ -396,13 +397,16 @@ class NcclTransport : public Transport {
     TORCH_CHECK(capturing == cudaStreamCaptureStatusNone, "zerofuse.comm (NCCL): ", what,
                 " during CUDA graph capture: the communicator's collectives are not capturable (their events "
                 "and watchdog run outside the graph); launch them outside torch.cuda.graph");
+    std::shared_ptr<CudaEvent> ready;  // (made before the Work is in flight: a throw leaves nothing there)
+    if (grouping_) {
+      ready = std::make_shared<CudaEvent>();
+      C10_CUDA_CHECK(cudaEventRecord(ready->event, current.stream()));
+    }
     auto work = std::make_shared<NcclWork>(what, timeout_, device_, current);
     work->keep_alive(std::move(buffers));
     // kept (with its buffers) until its done event fires, waited for or not ([Note: Work lifetimes])
     inflight_.push_back(work);
     if (grouping_) {
-      auto ready = std::make_shared<CudaEvent>();
-      C10_CUDA_CHECK(cudaEventRecord(ready->event, current.stream()));
       pending_.push_back({std::move(collective), work, what, std::move(ready)});
     } else {
       run_group(comm_stream, {{std::move(collective), work, what}});

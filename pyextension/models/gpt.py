@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import numbers
 import zlib
 
 import torch
@@ -373,10 +374,11 @@ def _check_generate(idx, max_new_tokens, temperature, top_k) -> None:
         got = f"{idx.dtype} {list(idx.shape)}" if isinstance(idx, Tensor) else type(idx).__name__
         raise ValueError(f"{who}: expected idx to be token ids (batch, seq >= 1), got {got}")
     for name, v, low in (("max_new_tokens", max_new_tokens, 0), ("top_k", top_k, 1)):
-        if (v is not None or name != "top_k") and (isinstance(v, bool) or not isinstance(v, int) or v < low):
+        if (v is not None or name != "top_k") and (isinstance(v, bool) or not isinstance(v, numbers.Integral)
+                                                   or v < low):
             raise ValueError(f"{who}: expected {name} to be an int >= {low}{' or None' if name == 'top_k' else ''}, "
                              f"got {v!r}")
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 <= temperature < math.inf:
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not 0 <= temperature < math.inf:
         raise ValueError(f"{who}: expected temperature to be a finite number >= 0 (0: greedy), got {temperature!r}")
 
 

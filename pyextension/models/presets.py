@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 
 from zerofuse.models import moe as zmoe
 from zerofuse.nn.rotary import check_rope_scaling
@@ -53,18 +54,22 @@ class GPTConfig:
         for key in ("vocab_size", "seq_len", "n_layer", "n_head", "n_kv_head", "dim", "mlp_hidden", "moe_experts",
                     "moe_top_k", "moe_every", "moe_hidden"):
             v = getattr(self, key)
-            if (v is not None or key not in ("mlp_hidden", "moe_hidden")) and (isinstance(v, bool)
-                                                                               or not isinstance(v, int)):
+            if v is None and key in ("mlp_hidden", "moe_hidden"):
+                continue
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral):
                 raise TypeError(f"{name}: expected {key} to be an int, got {v!r}")
+            setattr(self, key, int(v))  # (numpy's ints: plain ones, as torch's sizes want)
         for key in ("bias", "tie_embeddings", "fused_loss", "moe_shared_expert"):
             if not isinstance(getattr(self, key), bool):
                 raise TypeError(f"{name}: expected {key} to be True or False, got {getattr(self, key)!r}")
         for key in ("mlp_ratio", "norm_eps"):
             v = getattr(self, key)
-            if (v is not None or key != "norm_eps") and (isinstance(v, bool) or not isinstance(v, (int, float))
-                                                         or not 0 <= v < math.inf):
+            if v is None and key == "norm_eps":
+                continue
+            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not 0 <= v < math.inf:
                 raise ValueError(f"{name}: expected {key} to be a finite number >= 0"
                                  f"{' or None' if key == 'norm_eps' else ''}, got {v!r}")
+            setattr(self, key, float(v))
         for key in ("vocab_size", "seq_len", "n_layer", "n_head", "n_kv_head", "dim"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{name}: expected {key} >= 1, got {getattr(self, key)}")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import operator
 from collections.abc import Sequence
 
 import torch
@@ -38,9 +39,7 @@ def _shape(normalized_shape: _ShapeLike, fn: str = "layer_norm") -> tuple[int, .
     if isinstance(normalized_shape, int):
         return (normalized_shape,)
     try:
-        shape = tuple(normalized_shape)
-        if all(isinstance(n, int) for n in shape):
-            return shape
+        return tuple(operator.index(n) for n in normalized_shape)  # (numpy's ints too, as torch's)
     except TypeError:
         pass
     raise TypeError(f"zerofuse.nn.functional.{fn}: expected normalized_shape to be an int or a sequence of ints, got "
@@ -124,8 +123,9 @@ def _torch_norm(fn, is_rms, input, residual, normalized_shape, weight, bias, eps
 
 
 def _layer_norm(fn, input, residual, normalized_shape, weight, bias, eps, input_bias=None):
-    if isinstance(eps, Tensor):  # (torch's takes a 0-dim tensor: its value; the Triton kernel failed on it)
-        eps = float(eps)
+    if eps is not None and type(eps) is not float and (isinstance(eps, Tensor) or isinstance(eps, numbers.Real)
+                                   and not isinstance(eps, bool)):  # (torch's takes a 0-dim tensor, numpy's
+        eps = float(eps)  # numbers: their values; the Triton kernel failed on them)
     if torch_only():
         return _torch_norm(fn, False, input, residual, normalized_shape, weight, bias, eps, input_bias)
     # torch runs layer_norm and rms_norm in fp32 under CUDA autocast (its fp32 list: a bf16 input gives
@@ -221,7 +221,8 @@ def _as(t: Tensor, like: Tensor) -> Tensor:
 
 
 def _rms_norm(fn, input, residual, normalized_shape, weight, eps, input_bias=None):
-    if isinstance(eps, Tensor):
+    if eps is not None and type(eps) is not float and (isinstance(eps, Tensor) or isinstance(eps, numbers.Real)
+                                   and not isinstance(eps, bool)):  # (as _layer_norm's)
         eps = float(eps)
     if torch_only():
         return _torch_norm(fn, True, input, residual, normalized_shape, weight, None, eps, input_bias)

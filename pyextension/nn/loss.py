@@ -155,3 +155,10 @@ class LinearCrossEntropyHead(torch.nn.Linear):
         if target is None:
             return super().forward(input)
         return linear_cross_entropy(input, self.weight, target, self.bias, **loss_options)
+
+
+# torch.fx records these as calls when it traces LinearCrossEntropyLoss / Head, as zerofuse.nn.functional's
+# (fx patches a name in the namespace of the module that calls it)
+for _name in ("linear_cross_entropy",):
+    torch.fx.wrap(_name)
+del _name

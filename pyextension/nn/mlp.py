@@ -126,3 +126,10 @@ class GatedMLP(torch.nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down_proj(_glu("GatedMLP", self.gate_proj(x), self.up_proj(x), self.activation))
+
+
+# torch.fx records these as calls when it traces the modules here (LinearGELU, GatedMLP), as zerofuse.nn.functional's
+# (fx patches a name in the namespace of the module that calls it)
+for _name in ("bias_gelu", "_glu",):
+    torch.fx.wrap(_name)
+del _name

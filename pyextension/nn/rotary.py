@@ -6,6 +6,7 @@ rotary). Triton on CUDA, torch ops on the cpu; the tables get no gradient."""
 from __future__ import annotations
 
 import math
+import numbers
 import operator
 
 import torch
@@ -128,7 +129,7 @@ def rope_tables(positions: int, rotary_dim: int, base: float = 10000.0, device=N
 def rope_frequencies(rotary_dim: int, base: float = 10000.0, scaling: dict | None = None) -> Tensor:
     """The rotary_dim / 2 angular frequencies of rope_tables, float64."""
     scale = check_rope_scaling(scaling, "zerofuse.nn.rope_tables")
-    if isinstance(base, bool) or not isinstance(base, (int, float)) or not 0 < base < math.inf:
+    if isinstance(base, bool) or not isinstance(base, numbers.Real) or not 0 < base < math.inf:
         raise ValueError(f"zerofuse.nn.rope_tables: expected base to be a finite number > 0, got {base!r}")  # (NaN tables)
     inv = base ** (-torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
     if scale is None:
@@ -212,3 +213,10 @@ class RotaryEmbedding(torch.nn.Module):
     def extra_repr(self) -> str:
         return (f"head_dim={self.head_dim}, rotary_dim={self.rotary_dim}, max_positions={self.max_positions}, base={self.base}, "
                 f"interleaved={self.interleaved}" + (f", scaling={self.scaling}" if self.scaling else ""))
+
+
+# torch.fx records these as calls when it traces RotaryEmbedding, as zerofuse.nn.functional's
+# (fx patches a name in the namespace of the module that calls it)
+for _name in ("rotary_embedding",):
+    torch.fx.wrap(_name)
+del _name
