@@ -248,6 +248,29 @@ def test_padding_falls_back_and_matches_stock(cpu_kernels):
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_requested_attention_weights_fall_back_and_match_stock(arch, cpu_kernels):
+    """Attention weights asked for by config.output_attentions (and by the kwarg on GPT-2, whose
+    attention does not hand it on) ran the fused kernel, which has none: outputs.attentions came back
+    empty, silently (a review's reproduction, 2026-12-07). They fall back; without them, fused."""
+    stock = build(arch).eval()
+    patched = zerofuse.patch(copy.deepcopy(stock))
+    ids = batch()
+    for how in ("config", "kwarg"):
+        for m in (stock, patched):
+            m.config._attn_implementation = "eager"
+            m.config.output_attentions = how == "config"
+        kw = {"output_attentions": True} if how == "kwarg" else {}
+        want, got = stock(ids, **kw).attentions, patched(ids, **kw).attentions
+        assert len(got) == len(want) == 3, (how, len(got))
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, **tol(torch.float32))
+    patched.config.output_attentions = False
+    before = zerofuse.hf.attention_calls()["fused"]
+    assert patched(ids).attentions is None
+    assert zerofuse.hf.attention_calls()["fused"] == before + 3
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_generate_matches_stock(arch, cpu_kernels):
     stock = build(arch).eval()
     patched = zerofuse.patch(copy.deepcopy(stock))

@@ -86,7 +86,31 @@ def _runs_fused(query, key, value, attention_mask, dropout, kwargs) -> bool:
             and kwargs.get("s_aux") is None and value.shape[-1] == query.shape[-1]  # (sinks; MLA's v head dim)
             and (window is None or window >= key.shape[2]) and not kwargs.get("output_attentions")
             and kwargs.get("position_bias") is None and query.shape[2] == key.shape[2]
-            and query.shape[1] % key.shape[1] == 0)
+            and query.shape[1] % key.shape[1] == 0 and not _attentions_recorded())
+
+
+def _attentions_recorded() -> bool:
+    """Whether transformers records this forward's attention weights: its output collector (5.x's
+    capture_outputs) asks for them from config.output_attentions as well as the kwarg, and GPT-2's
+    attention takes the kwarg without handing it on: the fused kernel (no weights) ran and
+    outputs.attentions came back empty, silently (a review's reproduction, 2026-12-07)."""
+    collector = _COLLECTOR[0]
+    if collector is None:
+        try:
+            from transformers.utils.output_capturing import _active_collector  # noqa: PLC0415
+        except ImportError:  # (an older transformers: the kwarg is what it hands the layer)
+            _active_collector = False
+        collector = _COLLECTOR[0] = _active_collector
+    if collector is False:
+        return False
+    try:
+        active = collector.get()
+    except LookupError:
+        return False
+    return bool(active) and "attentions" in active
+
+
+_COLLECTOR: list = [None]  # transformers' active output collector (a context variable), looked up once
 
 
 # [Note: packed sequences in transformers] Packed training batches (several documents in one row,
