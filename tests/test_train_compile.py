@@ -68,6 +68,24 @@ def test_compile_takes_each_block_under_activation_checkpointing(tmp_path, monke
         capsys.readouterr().out
 
 
+@pytest.mark.timeout(600)
+def test_compile_leaves_moe_blocks_eager_under_checkpointing(tmp_path, monkeypatch):
+    """--compile --activation-checkpointing full on an MoE model raised CheckpointError in the first
+    backward (the MoE dispatch breaks the graph: the recomputed forward traced other graphs; a
+    review's reproduction, 2026-12-07): MoE blocks stay eager, said so, and the job trains as eager."""
+    real = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, backend="aot_eager"))
+    eager_out, comp_out = tmp_path / "eager", tmp_path / "compiled"
+    flags = ("--model", "moe-tiny", "--layers", "2", "--activation-checkpointing", "full")
+    assert Trainer(_args(eager_out, *flags), None).run() == 0
+    t = Trainer(_args(comp_out, *flags, "--compile"), None)
+    assert t.run() == 0
+    assert t.compiled == "each dense transformer block (MoE blocks run eagerly under activation checkpointing)"
+    rows = [[json.loads(line)["loss"] for line in (p / "metrics.jsonl").read_text().splitlines()]
+            for p in (eager_out, comp_out)]
+    torch.testing.assert_close(rows[1], rows[0], rtol=1e-5, atol=1e-6)
+
+
 def _compiled_zero_rank(rank, ws, stage, backend):
     import zerofuse
     from zerofuse.models import GPT, GPTConfig

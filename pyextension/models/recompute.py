@@ -166,7 +166,7 @@ def run(block, mode: str, *args, offload: bool = False):
 
 
 def compile_block(block: torch.nn.Module, mode: str, offload: bool = False, **compile_kwargs) -> str:
-    """``block.forward`` compiled (torch.compile) for ``run`` under ``mode``; what selective becomes.
+    """``block.forward`` compiled (torch.compile) for ``run`` under ``mode``; what the mode becomes.
 
     "selective" without offload: the checkpoint goes inside the compiled forward, where AOTAutograd's
     partitioner applies the policy (the graph's matmul outputs saved, the rest recomputed in the
@@ -175,7 +175,14 @@ def compile_block(block: torch.nn.Module, mode: str, offload: bool = False, **co
     replay's buffer unwritten): everything was recomputed, full's memory and FLOPs (small preset,
     8 x 128 tokens, CPU inductor: selective 61.7 MiB as full, inside the compiled forward 102.1 MiB
     against eager selective's 111.9). "full", and offload (its saved-tensor hooks run eagerly), keep the
-    eager checkpoint around the compiled forward. The block's hooks (ZeRO's gathers) stay eager."""
+    eager checkpoint around the compiled forward. The block's hooks (ZeRO's gathers) stay eager.
+    A block with an MoE layer under checkpointing is left eager ("eager"): its dispatch breaks the
+    graph, so the compiled forward recomputed in backward traced other graphs than the forward's
+    (CheckpointError under "full"), and dynamo ran "selective"'s checkpoint eagerly anyway."""
+    from zerofuse.moe import MoE  # noqa: PLC0415 - (models.moe imports this module's users)
+
+    if mode != "none" and any(isinstance(m, MoE) for m in block.modules()):
+        return "eager"
     if mode == "selective" and not offload:
         forward = block.forward
 

@@ -86,10 +86,17 @@ def setup(t) -> None:
             from zerofuse.models import recompute
             from zerofuse.models.gpt import Block
             blocks = [m for m in t.model.modules() if isinstance(m, Block)]
-            for block in blocks:  # (selective: the checkpoint inside the compiled forward; recompute.py)
-                t.recompute_compiled = recompute.compile_block(block, args.activation_checkpointing,
-                                                               args.activation_offload)
-            t.compiled = "each transformer block" if blocks else "nothing (this rank's stage has no transformer block)"
+            kept = [recompute.compile_block(block, args.activation_checkpointing, args.activation_offload)
+                    for block in blocks]  # (selective: the checkpoint inside the compiled forward; recompute.py)
+            t.recompute_compiled = next((k for k in kept if k != "eager"), None)
+            if not blocks:
+                t.compiled = "nothing (this rank's stage has no transformer block)"
+            elif "eager" in kept:  # (MoE blocks under checkpointing: recompute.compile_block)
+                t.compiled = ("each dense transformer block (MoE blocks run eagerly under activation checkpointing)"
+                              if t.recompute_compiled else "nothing (MoE blocks run eagerly under activation "
+                                                           "checkpointing)")
+            else:
+                t.compiled = "each transformer block"
     t.opt = zero.Optimizer(t.model, args.optimizer, param_groups=param_groups(t.model),
                            max_grad_norm=args.clip, **hyper(args),
                            delayed_update=args.offload_delayed_update is not None,
