@@ -49,8 +49,8 @@ class FullParams:
             for u in was_free:  # units a forward/backward in progress holds stay gathered
                 u.free()
             if self._loaded_in_full_params and not self._in_full_params:  # the masters of a load: from the params
-                self._loaded_in_full_params = False
-                self.params_loaded()
+                self._loaded_in_full_params = False  # (of the elements it changed, as stages 0-2's load hook)
+                self.params_loaded(written_only=True)
             elif written:  # of an edit: of the elements it changed
                 self.params_loaded(written, written_only=True)
 
