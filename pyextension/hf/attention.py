@@ -94,14 +94,8 @@ def _attentions_recorded() -> bool:
     capture_outputs) asks for them from config.output_attentions as well as the kwarg, and GPT-2's
     attention takes the kwarg without handing it on: the fused kernel (no weights) ran and
     outputs.attentions came back empty, silently (a review's reproduction, 2026-12-07)."""
-    collector = _COLLECTOR[0]
+    collector = _output_collector()
     if collector is None:
-        try:
-            from transformers.utils.output_capturing import _active_collector  # noqa: PLC0415
-        except ImportError:  # (an older transformers: the kwarg is what it hands the layer)
-            _active_collector = False
-        collector = _COLLECTOR[0] = _active_collector
-    if collector is False:
         return False
     try:
         active = collector.get()
@@ -110,7 +104,15 @@ def _attentions_recorded() -> bool:
     return bool(active) and "attentions" in active
 
 
-_COLLECTOR: list = [None]  # transformers' active output collector (a context variable), looked up once
+@functools.cache
+def _output_collector():
+    """transformers' active output collector (a context variable), or None (an older transformers:
+    the kwarg is what it hands the layer)."""
+    try:
+        from transformers.utils.output_capturing import _active_collector  # noqa: PLC0415
+    except ImportError:
+        return None
+    return _active_collector
 
 
 # [Note: packed sequences in transformers] Packed training batches (several documents in one row,

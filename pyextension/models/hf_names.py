@@ -23,6 +23,14 @@ from zerofuse.models.presets import GPTConfig
 
 NAME = "zerofuse.models.hf_names"
 
+# per block (ours, GPT-2's): the LayerNorms, and the Linears that are Conv1D there ((in, out) weights)
+_GPT2_NORMS = (("norm1", "ln_1"), ("norm2", "ln_2"))
+_GPT2_CONV1D = (("attn.qkv", "attn.c_attn"), ("attn.proj", "attn.c_proj"), ("mlp.fc", "mlp.c_fc"),
+                ("mlp.proj", "mlp.c_proj"))
+# per block (ours, Llama's), as they are; qkv (q, k, v) and fc ([gate | up]) are split / joined
+_LLAMA_NORMS = (("norm1", "input_layernorm"), ("norm2", "post_attention_layernorm"))
+_LLAMA_LINEARS = (("attn.proj", "self_attn.o_proj"), ("mlp.proj", "mlp.down_proj"))
+
 
 def _kind(cfg: GPTConfig) -> tuple[str | None, list[str]]:
     """("gpt2" | "llama" | None, what keeps cfg from the other architectures)."""
@@ -83,11 +91,10 @@ def to_hf(cfg: GPTConfig, state: dict) -> dict:
         out["transformer.wpe.weight"] = state["wpe.weight"]
         for i in range(cfg.n_layer):
             p, q = f"blocks.{i}.", f"transformer.h.{i}."
-            for ours, theirs in (("norm1", "ln_1"), ("norm2", "ln_2")):
+            for ours, theirs in _GPT2_NORMS:
                 out[q + theirs + ".weight"] = state[p + ours + ".weight"]
                 out[q + theirs + ".bias"] = bias(p + ours + ".bias", cfg.dim)
-            for ours, theirs in (("attn.qkv", "attn.c_attn"), ("attn.proj", "attn.c_proj"), ("mlp.fc", "mlp.c_fc"),
-                                 ("mlp.proj", "mlp.c_proj")):
+            for ours, theirs in _GPT2_CONV1D:
                 w = state[p + ours + ".weight"]
                 out[q + theirs + ".weight"] = w.t().contiguous()  # (Conv1D: (in, out))
                 out[q + theirs + ".bias"] = bias(p + ours + ".bias", w.shape[0])
@@ -98,16 +105,16 @@ def to_hf(cfg: GPTConfig, state: dict) -> dict:
     out["model.embed_tokens.weight"] = state["wte.weight"]
     for i in range(cfg.n_layer):
         p, q = f"blocks.{i}.", f"model.layers.{i}."
-        out[q + "input_layernorm.weight"] = state[p + "norm1.weight"]
-        out[q + "post_attention_layernorm.weight"] = state[p + "norm2.weight"]
+        for ours, theirs in _LLAMA_NORMS:
+            out[q + theirs + ".weight"] = state[p + ours + ".weight"]
         for suffix in (".weight", ".bias") if cfg.bias else (".weight",):
             qkv = state[p + "attn.qkv" + suffix]
             for name, part in zip(("q_proj", "k_proj", "v_proj"), (qkv[:hq], qkv[hq:hq + hkv], qkv[hq + hkv:])):
                 out[q + "self_attn." + name + suffix] = part
-            out[q + "self_attn.o_proj" + suffix] = state[p + "attn.proj" + suffix]
             fc = state[p + "mlp.fc" + suffix]  # [gate | up]
             out[q + "mlp.gate_proj" + suffix], out[q + "mlp.up_proj" + suffix] = fc[:cfg.hidden], fc[cfg.hidden:]
-            out[q + "mlp.down_proj" + suffix] = state[p + "mlp.proj" + suffix]
+            for ours, theirs in _LLAMA_LINEARS:
+                out[q + theirs + suffix] = state[p + ours + suffix]
     out["model.norm.weight"] = state["norm.weight"]
     out["lm_head.weight"] = state["head.weight"]
     return out
@@ -199,10 +206,9 @@ def _from_hf_state(cfg: GPTConfig, theirs: dict) -> dict:
         out["wte.weight"], out["wpe.weight"] = theirs["transformer.wte.weight"], theirs["transformer.wpe.weight"]
         for i in range(cfg.n_layer):
             p, q = f"blocks.{i}.", f"transformer.h.{i}."
-            for ours, t in (("norm1", "ln_1"), ("norm2", "ln_2")):
+            for ours, t in _GPT2_NORMS:
                 out[p + ours + ".weight"], out[p + ours + ".bias"] = theirs[q + t + ".weight"], theirs[q + t + ".bias"]
-            for ours, t in (("attn.qkv", "attn.c_attn"), ("attn.proj", "attn.c_proj"), ("mlp.fc", "mlp.c_fc"),
-                            ("mlp.proj", "mlp.c_proj")):
+            for ours, t in _GPT2_CONV1D:
                 out[p + ours + ".weight"] = theirs[q + t + ".weight"].t().contiguous()
                 out[p + ours + ".bias"] = theirs[q + t + ".bias"]
         out["norm.weight"], out["norm.bias"] = theirs["transformer.ln_f.weight"], theirs["transformer.ln_f.bias"]
@@ -210,14 +216,14 @@ def _from_hf_state(cfg: GPTConfig, theirs: dict) -> dict:
         out["wte.weight"] = theirs["model.embed_tokens.weight"]
         for i in range(cfg.n_layer):
             p, q = f"blocks.{i}.", f"model.layers.{i}."
-            out[p + "norm1.weight"] = theirs[q + "input_layernorm.weight"]
-            out[p + "norm2.weight"] = theirs[q + "post_attention_layernorm.weight"]
+            for ours, t in _LLAMA_NORMS:
+                out[p + ours + ".weight"] = theirs[q + t + ".weight"]
             for suffix in (".weight", ".bias") if cfg.bias else (".weight",):
                 out[p + "attn.qkv" + suffix] = torch.cat([theirs[q + f"self_attn.{n}_proj" + suffix] for n in "qkv"])
-                out[p + "attn.proj" + suffix] = theirs[q + "self_attn.o_proj" + suffix]
                 out[p + "mlp.fc" + suffix] = torch.cat([theirs[q + "mlp.gate_proj" + suffix],
                                                         theirs[q + "mlp.up_proj" + suffix]])
-                out[p + "mlp.proj" + suffix] = theirs[q + "mlp.down_proj" + suffix]
+                for ours, t in _LLAMA_LINEARS:
+                    out[p + ours + suffix] = theirs[q + t + suffix]
         out["norm.weight"] = theirs["model.norm.weight"]
     out["head.weight"] = theirs.get("lm_head.weight", out["wte.weight"]) if not cfg.tie_embeddings else out["wte.weight"]
     return out
