@@ -361,3 +361,53 @@ def test_a_lamb_or_lars_dcp_checkpoint_is_refused_by_a_plain_optimizer_of_anothe
             plain = GPT(GPTConfig(**CFG), seed=5)
             with pytest.raises(ValueError, match=f"optimizer is '{kind}', this one is '{name}'"):
                 zerofuse.checkpoint.load(str(tmp_path / kind), plain, make(plain.parameters()))
+
+
+# ------------------------------------------------- checkpoints inside full_params (a review, 2026-12-07)
+
+@pytest.mark.parametrize("stage,precision", [(3, "fp32"), (3, "bf16"), (1, "bf16")])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_save_inside_full_params_holds_the_blocks_writes(stage, precision, fmt, tmp_path, world_of_one):
+    """The shards (stage 3) and fp32 masters (bf16) take the block's writes at its exit: a save
+    inside it wrote those of before the edit while the live model held the edit."""
+    model = zerofuse.zero.parallelize(GPT(GPTConfig(**CFG), seed=0), stage=stage, precision=precision)
+    opt = zerofuse.zero.Optimizer(model, "adamw", lr=1e-2)
+    _train(model, opt, 1)
+    with zerofuse.zero.full_params(model):
+        with torch.no_grad():
+            model.wte.weight.fill_(0.5)
+        zerofuse.checkpoint.save(str(tmp_path / "ck"), model, opt, format=fmt)
+    saved = zerofuse.checkpoint.consolidate(str(tmp_path / "ck"))["model"]["wte.weight"]
+    assert torch.equal(saved, torch.full_like(saved, 0.5)), saved
+
+
+@pytest.mark.parametrize("with_optimizer", [True, False])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_stage3_load_inside_full_params_or_after_a_lone_forward_is_kept(fmt, with_optimizer, tmp_path,
+                                                                         world_of_one):
+    """The units gathered at the load (inside full_params, where the stage-3 load_state_dict error
+    sends users, or left gathered by a forward with grad and no backward) kept their old values,
+    and the block's exit (or the next forward) wrote or read those over the load."""
+    src = zerofuse.zero.parallelize(GPT(GPTConfig(**CFG), seed=0), stage=3)
+    src_opt = zerofuse.zero.Optimizer(src, "adamw", lr=1e-2)
+    _train(src, src_opt, 3)
+    path = str(tmp_path / "ck")
+    zerofuse.checkpoint.save(path, src, src_opt, format=fmt)
+    want = zerofuse.checkpoint.consolidate(path)["model"]
+    idx = torch.randint(0, 65, (2, 9), generator=torch.Generator().manual_seed(1))
+    for where in ("full_params", "after_forward"):
+        model = zerofuse.zero.parallelize(GPT(GPTConfig(**CFG), seed=1), stage=3)
+        opt = zerofuse.zero.Optimizer(model, "adamw", lr=1e-2)
+        if where == "full_params":
+            with zerofuse.zero.full_params(model):
+                zerofuse.checkpoint.load(path, model, opt if with_optimizer else None)
+        else:
+            model(idx[:, :-1], idx[:, 1:])  # (a NaN loss, say: no backward, a rollback)
+            zerofuse.checkpoint.load(path, model, opt if with_optimizer else None)
+            loss = model(idx[:, :-1], idx[:, 1:])[1]
+            plain = GPT(GPTConfig(**CFG), seed=1)
+            plain.load_state_dict(want)
+            assert loss.item() == pytest.approx(plain(idx[:, :-1], idx[:, 1:])[1].item(), rel=1e-6), where
+        with zerofuse.zero.full_params(model):
+            for name, p in model.named_parameters():
+                assert torch.equal(p.detach(), want[name]), (where, name)

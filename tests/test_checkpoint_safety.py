@@ -292,7 +292,7 @@ def test_no_moment_without_a_complete_checkpoint(tmp_path):
     assert left["after meta.json"] == 1 and left["renamed path -> old"] == 2 and left["removed old"] == 1
 
 
-@pytest.mark.parametrize("where", ["parent", "absolute"])
+@pytest.mark.parametrize("where", ["parent", "absolute", "posixpath_shown_otherwise"])
 def test_a_dcp_metadata_naming_files_outside_its_directory_is_refused(tmp_path, where):
     """DCP joins the directory and each storage file's relative_path: '../x' or an absolute path read
     another checkpoint's tensors (any torch-saved file on the machine) into the model."""
@@ -305,11 +305,71 @@ def test_a_dcp_metadata_naming_files_outside_its_directory_is_refused(tmp_path, 
     dcp.save({"w": torch.zeros(3)}, checkpoint_id=str(ckpt), no_dist=True)
     with open(ckpt / ".metadata", "rb") as f:
         md = pickle.load(f)
+    class Shown:  # a PosixPath of the outside file whose BUILD sets its cached string to the innocent name
+        def __init__(self, target, shown):  # (a review's reproduction, 2026-12-07: checked by the
+            self.target, self.shown = target, shown  # string, opened by the parts)
+
+        def __reduce__(self):
+            import pathlib
+            return pathlib.PosixPath, (self.target,), (None, {"_str": self.shown})
+
     for info in md.storage_data.values():
         info.relative_path = ("../outside/" + info.relative_path if where == "parent"
-                              else str(tmp_path / "outside" / info.relative_path))
+                              else str(tmp_path / "outside" / info.relative_path) if where == "absolute"
+                              else Shown(str(tmp_path / "outside" / info.relative_path), info.relative_path))
     with open(ckpt / ".metadata", "wb") as f:
         pickle.dump(md, f)
-    with pytest.raises(ValueError, match=r"refused to load .*\.metadata.*names the storage file .*expected a file "
-                                         r"of the checkpoint's directory"):
+    message = (r"a BUILD of a PosixPath \(setting its state\) is not DCP metadata" if where.startswith("posix")
+               else r"names the storage file .*expected a file of the checkpoint's directory")
+    with pytest.raises(ValueError, match=r"refused to load .*\.metadata.*" + message):
         zerofuse.checkpoint.consolidate(str(ckpt))
+
+
+_SAVER = """
+import sys, torch, torch.distributed as dist, zerofuse
+from zerofuse.models import GPT, GPTConfig
+dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=0, world_size=1)
+model = zerofuse.zero.parallelize(GPT(GPTConfig(vocab_size=65, seq_len=16, n_layer=1, n_head=2, dim=16), seed=5), stage=2)
+print("saving", flush=True)
+zerofuse.checkpoint.save(sys.argv[1], model, extra={"step": 5})
+print("saved", flush=True)
+"""
+
+
+def test_a_save_waits_for_a_reader_of_the_same_path(tmp_path, world_of_one, monkeypatch):
+    """A reader opens the rank files one by one after meta.json: a save committed to the same path
+    meanwhile (a training job saving while an evaluation loads --out/ckpt) gave it the old tables
+    with the new tensors, silently (a review's reproduction, 2026-12-07). The reader holds the
+    path's lock shared; the save waits for it, then replaces the checkpoint."""
+    import subprocess
+    import sys
+    import time
+
+    from zerofuse.models import GPT, GPTConfig
+
+    cfg = GPTConfig(vocab_size=65, seq_len=16, n_layer=1, n_head=2, dim=16)
+    path = str(tmp_path / "ck")
+    zerofuse.checkpoint.save(path, zerofuse.zero.parallelize(GPT(cfg, seed=0), stage=2), extra={"step": 1})
+    script = tmp_path / "saver.py"
+    script.write_text(_SAVER)
+    real, saver = files.read_tensors, []
+
+    def read_tensors(file):
+        if not saver:  # meta.json read, no rank file yet: another process saves now
+            saver.append(subprocess.Popen([sys.executable, str(script), path, str(tmp_path / "init2")],
+                                          stdout=subprocess.PIPE, text=True))
+            assert saver[0].stdout.readline().strip() == "saving"
+            time.sleep(2.0)
+            assert saver[0].poll() is None, "the save did not wait for the reader"
+        return real(file)
+
+    monkeypatch.setattr(files, "read_tensors", read_tensors)
+    model = zerofuse.zero.parallelize(GPT(cfg, seed=9), stage=2)
+    assert zerofuse.checkpoint.load(path, model) == {"step": 1}
+    monkeypatch.setattr(files, "read_tensors", real)
+    out, _ = saver[0].communicate(timeout=120)
+    assert saver[0].returncode == 0 and out.strip() == "saved"
+    mine, first = dict(model.named_parameters()), GPT(cfg, seed=0)
+    for name, p in first.named_parameters():
+        assert torch.equal(mine[name].detach(), p.detach()), name
+    assert zerofuse.checkpoint.consolidate(path)["extra"] == {"step": 5}

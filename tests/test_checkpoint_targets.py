@@ -87,3 +87,51 @@ def test_saves_to_one_path_take_turns(tmp_path, monkeypatch, world_of_one):
     assert path not in files._locks
     zerofuse.checkpoint.save(path, model, opt, extra={"step": 1})
     assert zerofuse.checkpoint.load(path, model, opt) == {"step": 1}
+
+
+def _leader_fails_rank(rank, ws, path, fmt, where):
+    import time as _time
+
+    model = _zmodel()
+    opt = zerofuse.zero.Optimizer(model, "adamw", lr=1e-3)
+    if rank == 0 and where == "begin":  # (a lock or .tmp that cannot be made: past check_target)
+        files.begin = lambda p: (_ for _ in ()).throw(PermissionError(f"cannot write {p}"))
+    if rank == 1 and where == "shards":
+        from zerofuse.checkpoint import native
+        native._write_shards = lambda *a: (_ for _ in ()).throw(OSError("disk full"))
+    t0 = _time.monotonic()
+    try:
+        zerofuse.checkpoint.save(path, model, opt, format=fmt)
+    except Exception as e:
+        return f"{type(e).__name__}: {e}", _time.monotonic() - t0
+    return None, _time.monotonic() - t0
+
+
+@pytest.mark.parametrize("fmt,where", [("zerofuse", "begin"), ("dcp", "begin"), ("zerofuse", "shards")])
+def test_a_save_failing_on_one_rank_fails_on_every_rank_at_once(fmt, where, tmp_path):
+    """The leader's begin failing (or one rank's shard writes) left the other ranks waiting in a
+    barrier for the process group's timeout (a review's reproduction, 2026-12-07)."""
+    from dist_utils import run_distributed
+
+    out = run_distributed(_leader_fails_rank, 2, str(tmp_path / "ck"), fmt, where, timeout=120)
+    failed, other = (0, 1) if where == "begin" else (1, 0)
+    assert out[failed][0] in ("PermissionError: cannot write " + str(tmp_path / "ck"), "OSError: disk full"), out
+    what = "could not begin the save" if where == "begin" else "could not write their part of the checkpoint"
+    assert out[other][0] == f"ValueError: zerofuse.checkpoint.save: rank(s) [{failed}] of the group {what} (their " \
+                            "errors say why)", out
+    assert all(seconds < 30 for _, seconds in out), out
+    assert not (tmp_path / "ck").exists()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_path_under_a_file_is_refused_by_name(fmt, tmp_path, world_of_one):
+    model = _zmodel()
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(ValueError, match=r"save: expected path's parent to be a directory \(or new\), got "
+                                         r"'.*afile/sub/ck', under '.*afile', a file"):
+        zerofuse.checkpoint.save(str(tmp_path / "afile" / "sub" / "ck"), model, format=fmt)
+    zerofuse.checkpoint.save(str(tmp_path / "ck"), model, format=fmt)
+    for out in (tmp_path / "afile", tmp_path / "afile" / "hf"):
+        with pytest.raises(ValueError, match=r"export_hf: expected out_dir to be a directory \(or new\), got "
+                                             r"'.*afile(/hf)?', (under '.*afile', )?a file"):
+            zerofuse.checkpoint.export_hf(str(tmp_path / "ck"), str(out), config={"model_type": "gpt2"})

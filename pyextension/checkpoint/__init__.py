@@ -67,6 +67,11 @@ def _is_dcp(path: str) -> bool:
 
 def load(path: str, model: torch.nn.Module, optimizer=None):
     """Returns the ``extra`` given to save (None for a DCP checkpoint written by plain torch)."""
+    with files.reading(path):  # (a save of the path meanwhile waits)
+        return _load(path, model, optimizer)
+
+
+def _load(path: str, model: torch.nn.Module, optimizer=None):
     if getattr(model, "_zerofuse_zero", None) is None:
         full = consolidate(path)
         if optimizer is not None:  # (checked before the model is loaded)
@@ -133,7 +138,8 @@ def consolidate(path: str) -> dict:
     'optimizer': torch.optim-format state (params numbered in the saved order) or None,
     'extra': what save() was given, 'optimizer_names': the name of each param number (None without
     an optimizer)}. One process, no process group needed."""
-    return _dcp().consolidate(path) if _is_dcp(path) else native.consolidate(path)
+    with files.reading(path):  # (a save of the path meanwhile waits)
+        return _dcp().consolidate(path) if _is_dcp(path) else native.consolidate(path)
 
 
 __all__ = ["save", "load", "consolidate", "export_hf", "FORMATS"]

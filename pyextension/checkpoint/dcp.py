@@ -25,7 +25,7 @@ from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
 
 from zerofuse.checkpoint import files
 from zerofuse.checkpoint.dcp_read import SafeLoadPlanner, SafeReader
-from zerofuse.checkpoint.native import _saving_ranks, _table
+from zerofuse.checkpoint.native import _saving_ranks, _table, begin_save
 from zerofuse.checkpoint.optim_checks import (check_kind, check_optimizer, check_owner, check_torch_options,
                                               plain_options, restore_scale, saved_kind)
 from zerofuse.tp.spec import spec_of
@@ -197,15 +197,14 @@ def save(path: str, model, optimizer=None, *, extra=None) -> None:
     _refuse_tp(eng)
     if eng.stage != 3:
         eng.finish_param_sync()
+    eng.flush_full_params()  # (inside full_params: the block's writes so far are what is saved)
     path = os.path.abspath(path)
     files.check_target(path, f"{NAME}.save")
     group = eng.comm.group
     locked = False
     try:
-        if eng.rank == 0:
-            files.begin(path)
-            locked = True
-        dist.barrier(group=group)
+        locked = begin_save(path, eng.rank == 0, group, eng.units[0].device if eng.units else
+                                   torch.device("cpu"))
         tmp = path + ".tmp"
         dcp.save(_state_dict(eng, model, optimizer), storage_writer=dcp.FileSystemWriter(tmp, sync_files=True),
                  process_group=group)
@@ -303,9 +302,7 @@ def load(path: str, model, optimizer=None):
         live.write_params()  # weights only into a live optimizer's fp32 masters: the params from them
     else:
         eng.params_loaded()  # weights only: a live zero.Optimizer's fp32 masters follow them (else its step wrote the old back)
-        if eng.stage != 3:
-            eng.start_param_sync()
-            eng.finish_param_sync()
+        eng.params_written()  # (stage 3 inside full_params: the gathered units too)
     extra_file = os.path.join(root, "zerofuse_extra.pt")
     ours = files.read_tensors(extra_file) if os.path.isfile(extra_file) else {}
     if optimizer is not None:  # fp16's loss scale (not saved before: the load restarted it from initial_scale)

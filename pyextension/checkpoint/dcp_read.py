@@ -43,9 +43,16 @@ class _MetadataUnpickler(pickle._Unpickler):  # (the Python one: its BUILD can b
         """BUILD sets the state of the object below it: aimed at an admitted class itself (not an
         instance) it set class attributes for the whole process (PosixPath.__truediv__ replaced:
         every later path join, the job's saves included, broken by a file that was refused)."""
-        if isinstance(self.stack[-2], type):
-            raise pickle.UnpicklingError(f"a BUILD of the class {self.stack[-2].__qualname__} (setting its "
+        target = self.stack[-2]
+        if isinstance(target, type):
+            raise pickle.UnpicklingError(f"a BUILD of the class {target.__qualname__} (setting its "
                                          "attributes) is not DCP metadata")
+        # only DCP's own metadata objects take a state: a PosixPath's set its cached string apart from
+        # its parts, the name checked below other than the file DCP opened (a review's reproduction,
+        # 2026-12-07: another checkpoint's file read into the model)
+        if not type(target).__module__.startswith("torch.distributed.checkpoint."):
+            raise pickle.UnpicklingError(f"a BUILD of a {type(target).__qualname__} (setting its state) is not "
+                                         "DCP metadata")
         super().load_build()
 
     dispatch = dict(pickle._Unpickler.dispatch)
@@ -84,6 +91,7 @@ def _check_storage_paths(md, root: str, file: str) -> None:
                 or os.path.dirname(target) != real_root:
             raise ValueError(f"{NAME}: refused to load {file!r}: it names the storage file {rel!r} for "
                              f"{getattr(index, 'fqn', index)!r}, expected a file of the checkpoint's directory")
+        object.__setattr__(info, "relative_path", rel)  # the name checked is the one DCP joins
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):

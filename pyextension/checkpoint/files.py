@@ -21,6 +21,7 @@ where a rank copies from them), everything else from JSON. What save is given to
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -191,12 +192,24 @@ def recover(path: str) -> None:
             return
 
 
+def check_directory_path(directory: str, who: str, arg: str, given: str) -> None:
+    """``directory`` is a directory, or new under one (os.makedirs raised a bare FileExistsError
+    naming neither the argument nor the expectation: a review's reproduction, 2026-12-07)."""
+    above = os.path.abspath(directory)
+    while not os.path.lexists(above) and os.path.dirname(above) != above:
+        above = os.path.dirname(above)
+    if not os.path.isdir(above):
+        raise ValueError(f"{who}: expected {arg} to be a directory (or new), got {given!r}, "
+                         + ("" if above == os.path.abspath(directory) else f"under {above!r}, ") + "a file")
+
+
 def check_target(path: str, who: str) -> None:
     """Every rank, before a save's first collective (a leader's refusal left the others waiting in
     its barrier): ``path`` is new, an empty directory or a checkpoint (ours, or one a crash
     mid-commit left beside it), which the save replaces. A directory of other files was deleted
     whole, a link's target lost its meta.json, a file was renamed aside (a review's reproductions,
     2026-12-07)."""
+    check_directory_path(os.path.dirname(path), who, "path's parent", path)
     if os.path.islink(path):
         raise ValueError(f"{who}: expected path to be a directory, not a symbolic link, got {path!r} -> "
                          f"{os.readlink(path)!r} (a save replaces the directory at path: pass the link's target, "
@@ -244,6 +257,25 @@ def _lock(path: str) -> None:
         raise RuntimeError(f"{NAME}.save: another save to {path!r} is in progress in this process; expected one "
                            "save of a path at a time")
     _locks[path], _ = flock(os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.lock"))
+
+
+@contextlib.contextmanager
+def reading(path: str):
+    """A shared lock on ``path``'s save lock while a reader reads its files (opened one by one,
+    lazily): a save committed meanwhile renamed a new checkpoint into the name, and the reader took
+    the old meta.json's tables with the new save's tensors, silently (a review's reproduction,
+    2026-12-07). A save waits for the readers, a reader for a save in progress. Unguarded where no
+    lock file can be made (a read-only directory)."""
+    path = os.path.abspath(path)
+    try:
+        fd, _ = flock(os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.lock"), shared=True)
+    except OSError:  # (no write access to the directory, or it does not exist: the read says so)
+        fd = None
+    try:
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)
 
 
 def release(path: str) -> None:

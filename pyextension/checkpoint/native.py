@@ -78,6 +78,7 @@ def save(path: str, model: torch.nn.Module, optimizer=None, *, extra=None) -> No
     files.check_plain(extra)
     if eng.stage != 3:
         eng.finish_param_sync()
+    eng.flush_full_params()  # (inside full_params: the block's writes so far are what is saved)
     path = os.path.abspath(path)
     files.check_target(path, f"{NAME}.save")
     tp, pp = eng.tp_comm is not None, eng.pp_comm is not None
@@ -87,17 +88,15 @@ def save(path: str, model: torch.nn.Module, optimizer=None, *, extra=None) -> No
     leader = dist.get_rank() == 0 if group is None else eng.rank == 0
     tmp = path + ".tmp"
     locked = False
+    device = eng.units[0].device if eng.units else torch.device("cpu")
     try:
-        if leader:
-            files.begin(path)
-            locked = True
-        dist.barrier(group=group)
+        locked = begin_save(path, leader, group, device)
         stage_dir = os.path.join(tmp, f"pp{eng.pp_rank}") if pp else tmp  # each pipeline stage's own layout
         if pp and eng.rank == 0 and eng.tp_rank == 0:
             os.makedirs(stage_dir)
             files.fsync_dir(tmp)
         dist.barrier(group=group)
-        _save_stage(stage_dir, eng, model, optimizer, extra, group)
+        _save_stage(stage_dir, eng, model, optimizer, extra, group, device)
         if pp:  # every stage's leader writes its meta.json last in _save_stage: all of them before the commit
             dist.barrier(group=group)
         if leader:
@@ -111,7 +110,23 @@ def save(path: str, model: torch.nn.Module, optimizer=None, *, extra=None) -> No
     dist.barrier(group=group)
 
 
-def _save_stage(directory: str, eng, model, optimizer, extra, group) -> None:
+def begin_save(path: str, leader: bool, group, device) -> bool:
+    """Collective: the leader's files.begin (the save's lock and fresh .tmp), its failure raised on
+    every rank (the peers waited for it in a barrier until the timeout: a review's reproduction,
+    2026-12-07); whether this rank holds the lock."""
+    error = None
+    if leader:
+        try:
+            files.begin(path)
+        except Exception as e:
+            error = e
+    agree(group, error, f"{NAME}.save", device, "could not begin the save")
+    if error is not None:
+        raise error
+    return leader
+
+
+def _save_stage(directory: str, eng, model, optimizer, extra, group, device) -> None:
     """The ZeRO (and TP) layout of ``model``'s params into ``directory``, its meta.json last."""
     tp = eng.tp_comm is not None
     sub = os.path.join(directory, f"tp{eng.tp_rank}") if tp else directory
@@ -119,9 +134,15 @@ def _save_stage(directory: str, eng, model, optimizer, extra, group) -> None:
         os.makedirs(sub)
         files.fsync_dir(directory)
     dist.barrier(group=group)
+    error = None
     if eng.rank < _saving_ranks(eng):
-        _write_shards(sub, eng, model, optimizer, extra)
-    dist.barrier(group=group)
+        try:
+            _write_shards(sub, eng, model, optimizer, extra)
+        except Exception as e:  # (a full disk on one rank: the others went on into the next barrier)
+            error = e
+    agree(group, error, f"{NAME}.save", device, "could not write their part of the checkpoint")
+    if error is not None:
+        raise error
     if tp and eng.rank == 0:
         files.fsync_dir(sub)
         files.write_json(os.path.join(sub, files.META), _meta(eng, model, optimizer))
@@ -302,25 +323,27 @@ def _fill_shards(eng, optimizer, opt_meta, full, src) -> None:
                     for dst in dsts:
                         src.fill(dst, name, param_offset, key)
                     continue
-                # another TP layout: this param's full tensor, sliced to this rank's TP part
+                # another TP or pipeline layout: this param's full tensor, sliced to this rank's TP part
+                # (an expert-parallel param's range of the whole [E, ...]: param_offset; it read the
+                # first experts on every ep rank, a checkpoint of pipeline stages, 2026-12-07)
                 spec = spec_of(p)
                 t = full.get(name, key)
-                mine = (spec.slice(t) if spec is not None else t).reshape(-1)[s.param_offset:s.param_offset + s.length]
+                mine = (spec.slice(t) if spec is not None else t).reshape(-1)[param_offset:param_offset + s.length]
                 for dst in dsts:
                     dst.copy_(mine)
                 del t, mine  # before the next one is assembled: one full tensor at a time
 
 
-def agree(group, error, who, device) -> None:
-    """Collective: raise on every rank if reading failed on any (a rank reads only its own files,
-    so one bad file fails one rank; the others must not go on into a collective it never joins)."""
+def agree(group, error, who, device, what: str = "could not read their part of the checkpoint") -> None:
+    """Collective: raise on every rank if reading (or writing: ``what``) failed on any (a rank
+    reads only its own files, so one bad file fails one rank; the others must not go on into a
+    collective it never joins). The failed rank raises its own error after."""
     flag = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=device)
     failed = [torch.zeros_like(flag) for _ in range(dist.get_world_size(group))]
     dist.all_gather(failed, flag, group=group)
     ranks = [r for r, f in enumerate(failed) if f.item()]
     if ranks and error is None:
-        raise ValueError(f"{who}: rank(s) {ranks} of the group could not read their part of the checkpoint "
-                         "(their errors say why)")
+        raise ValueError(f"{who}: rank(s) {ranks} of the group {what} (their errors say why)")
 
 
 def _rest(model, eng) -> dict:
@@ -370,9 +393,9 @@ def _finish_load(eng, model, optimizer, opt_meta, rest, saved_precision: str, ma
         for n, t in rest.items():
             if n in sd:
                 sd[n].data.copy_(t)
-    if eng.stage != 3:
-        eng.start_param_sync()
-        eng.finish_param_sync()
+    # the gathered params follow (stage 3 inside full_params: the units gathered, whose old values
+    # the block's exit wrote back over the load: a review's reproduction, 2026-12-07)
+    eng.params_written()
 
 
 @torch.no_grad()

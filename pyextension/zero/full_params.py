@@ -22,9 +22,11 @@ class FullParams:
         if self.stage != 3:
             self.finish_param_sync()
             versions = self._versions_if_host_steps()
+            self._in_full_params += 1
             try:
                 yield
             finally:
+                self._in_full_params -= 1
                 self._refuse_writes_under_host_steps(versions)
                 if versions is None:  # (else nothing was written, and the masters are the host's to step)
                     self.params_loaded(written_only=True)
@@ -53,6 +55,23 @@ class FullParams:
                 self.params_loaded(written_only=True)
             elif written:  # of an edit: of the elements it changed
                 self.params_loaded(written, written_only=True)
+
+    def flush_full_params(self) -> None:
+        """Inside full_params (collective): what the block wrote so far reaches the shards (stage 3)
+        and the fp32 masters of the elements it changed, as the block's exit does, the params
+        staying whole (a checkpoint saved inside the block wrote the shards and masters of before
+        the edit: a review's reproduction, 2026-12-07). Nothing outside the block, or while the
+        offloaded host steps run (the exit refuses their writes)."""
+        if not self._in_full_params or self.host_steps_started(pending_too=True):
+            return
+        if self.stage != 3:
+            self.params_loaded(written_only=True)
+            return
+        written = [u for u in self.units if u.write_back()]
+        if self._loaded_in_full_params:
+            self.params_loaded(written_only=True)
+        elif written:
+            self.params_loaded(written, written_only=True)
 
     def live_optimizer(self):
         """The zero.Optimizer built on this engine, while it lives (None otherwise)."""
