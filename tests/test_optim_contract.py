@@ -440,6 +440,30 @@ def test_a_write_to_a_bf16_param_between_steps_reaches_its_master(how):
     assert torch.equal(p, q) and float(p[0]) == 5.0
 
 
+def test_a_partial_write_keeps_the_other_elements_masters_and_data_writes_are_told():
+    """A write to some elements refreshes only their masters (the others kept their fp32 bits:
+    the whole master was set to the bf16 param before, a 1-ulp jump for every unwritten element);
+    an in-place op on p.data moves no version counter: params_written() hands it to the masters
+    (the next step undid it, silently: a review's reproduction, 2026-12-07)."""
+    runs = {}
+    for case in ("none", "partial", "data"):
+        p = torch.nn.Parameter(torch.ones(8, dtype=torch.bfloat16))
+        opt = FusedAdamW([p], lr=1e-3, weight_decay=0.0, master_weights=True)
+        _bf16_step(opt, p)
+        if case == "partial":
+            with torch.no_grad():
+                p[:2] = 5.0
+        elif case == "data":
+            p.data[:2].fill_(5.0)
+            opt.params_written()
+        _bf16_step(opt, p)
+        runs[case] = (p.detach().float().clone(), opt.state[p]["master"].clone())
+    for case in ("partial", "data"):
+        got, master = runs[case]
+        assert (got[:2] - 5.0).abs().max() < 0.05, (case, got)  # (the step moves it by at most lr)
+        assert torch.equal(master[2:], runs["none"][1][2:]), (case, master, runs["none"][1])
+
+
 @pytest.mark.parametrize("cls", [FusedAdam, FusedAdamW, FusedLAMB, zerofuse.optim.FusedLARS])
 @pytest.mark.parametrize("case", ["other_param_without_grad", "frozen_while_written"])
 def test_a_write_reaches_its_master_when_the_step_plan_was_rebuilt(cls, case, kernel_path):

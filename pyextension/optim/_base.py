@@ -38,6 +38,12 @@ _CONTIGUOUS = torch.Tensor.is_contiguous
 # order, every step). A rebuilt plan re-checks its params' states (dtype, device, layout).
 
 
+def refresh_master(master: torch.Tensor, p: torch.Tensor) -> None:
+    """master <- p where p is not master's rounding (no host sync)."""
+    p = p.detach()
+    torch.where(master.to(p.dtype) == p, master, p.float(), out=master)
+
+
 class _Part:
     """Params of one group with (or without) fp32 masters, their state dicts, the state tensors
     per key, and the ops' Prepared tables."""
@@ -50,15 +56,17 @@ class _Part:
         self.prepared = Prepared()
 
     def refresh_masters(self, versions: dict) -> None:
-        """A param written since its last step (`p.data = ...`, an in-place copy: a load, an EMA
-        swap, a re-initialised layer) with a value its master does not round to: the master takes
-        it (the step wrote round(old master - update) over the write). ``versions``: the optimizer's
+        """A param written since its last step (`p.data = ...`, an in-place copy under no_grad or
+        through detach(): a load, an EMA swap, a re-initialised layer): the master takes the elements
+        it does not round to (the step wrote round(old master - update) over the write), keeping its
+        fp32 bits where the param still holds their rounding. ``versions``: the optimizer's
         id(param) -> (address, version) after the param's last step, kept across plans (kept in the
-        part, a plan rebuilt because another param's grad was None lost them: the write was undone)."""
+        part, a plan rebuilt because another param's grad was None lost them: the write was undone).
+        An in-place op on ``p.data`` moves no version counter: Optimizer.params_written() then."""
         for p, m in zip(self.params, self.lists["master"]):
             was = versions.get(id(p))
-            if was is not None and was != (p.data_ptr(), p._version) and not torch.equal(m.to(p.dtype), p.detach()):
-                m.copy_(p.detach())
+            if was is not None and was != (p.data_ptr(), p._version):
+                refresh_master(m, p)
 
     def stepped(self, versions: dict) -> None:
         for p in self.params:
@@ -93,6 +101,17 @@ class FusedOptimizerMixin:
 
     def _name(self) -> str:
         return f"zerofuse.optim.{type(self).__name__}"
+
+    @torch.no_grad()
+    def params_written(self) -> None:
+        """After writing params where no version counter sees it (an in-place op on ``p.data``:
+        ``p.data.copy_(ema)``, ``p.data.normal_()``): with ``master_weights=True`` each fp32 master
+        takes the elements of its param it does not round to, as a write through ``p.copy_`` under
+        no_grad or ``p.detach()`` is taken at the next step by itself (without this call, the next
+        step wrote round(old master - update) over the write)."""
+        for p, state in self.state.items():
+            if isinstance(state, dict) and isinstance(state.get("master"), torch.Tensor):
+                refresh_master(state["master"], p)
 
     def add_param_group(self, param_group):
         """torch's, refusing a param listed twice in the group (torch warns and updates it twice)."""
