@@ -205,3 +205,44 @@ def test_lamb_keeps_replicated_params_equal_on_every_tp_rank():
     assert "wpe.weight" in by_tp[0]
     for n, t in by_tp[0].items():
         assert torch.equal(t, by_tp[1][n]), n
+
+
+def _seq_scatter_rank(rank, ws):
+    import torch.distributed as dist
+
+    from zerofuse.models import recompute
+    from zerofuse.tp.comm import comm_for
+
+    comm = comm_for(dist.group.WORLD)
+    out = {}
+    for b in (1, 2):
+        x = torch.full((b, 4, 2), float(rank + 1))
+        tp.reduce_scatter_to_seq(x, comm)
+        out[f"input kept b={b}"] = torch.equal(x, torch.full((b, 4, 2), float(rank + 1)))
+    xs = torch.ones(1, 2, 2, requires_grad=True)  # autograd hands the gather's backward the grad r's takes
+    r0 = torch.zeros(1, 4, 2, requires_grad=True)
+    r = r0 * 1.0
+    ((tp.gather_from_seq(xs, comm) + r) * (rank + 1)).sum().backward()
+    out["r0.grad"], out["xs.grad"] = r0.grad.unique().tolist(), xs.grad.unique().tolist()
+    torch.manual_seed(0)
+    layer = tp.RowParallelLinear(16, 8, sequence_parallel=True)
+    block = torch.nn.Sequential(layer, torch.nn.GELU())
+    x = torch.randn(1, 4, 16 // ws, generator=torch.Generator().manual_seed(rank))
+    grads = {}
+    for mode in ("none", "selective"):
+        layer.weight.grad = None
+        recompute.run(block, mode, x).sum().backward()
+        grads[mode] = layer.weight.grad.clone()
+    out["selective = none"] = torch.equal(grads["none"], grads["selective"])
+    return out
+
+
+def test_the_sequence_reduce_scatter_never_writes_its_input():
+    """At batch 1 the rank-major view of x was x itself, which gloo's reduce-scatter sums in place:
+    x held every rank's sum after (a review's reproduction, 2026-12-07), so selective recompute's
+    kept matmul output was reduced twice (wrong weight grads) and a grad autograd shared with another
+    branch came back summed over the ranks."""
+    for rank, got in enumerate(run_distributed(_seq_scatter_rank, 2, timeout=120)):
+        assert got["input kept b=1"] and got["input kept b=2"], got
+        assert got["r0.grad"] == [rank + 1.0] and got["xs.grad"] == [3.0], got
+        assert got["selective = none"], got

@@ -114,6 +114,9 @@ def seq_reduce_scatter_start(x: torch.Tensor, comm: Communicator):
     check_seq(x, tp, "reduce_scatter")
     b, s = x.shape[0], x.shape[1]
     rank_major = x.reshape((b, tp, s // tp) + tuple(x.shape[2:])).transpose(0, 1).contiguous()
+    if rank_major.data_ptr() == x.data_ptr():  # a batch of 1: a view of x, which gloo's reduce-scatter
+        rank_major = rank_major.clone()  # sums in place (x held every rank's sum after: selective
+        # recompute's kept matmul output reduced twice; a review's reproduction, 2026-12-07)
     out = torch.empty((b, s // tp) + tuple(x.shape[2:]), dtype=x.dtype, device=x.device)
     _count("reduce_scatter", rank_major)
     return out, comm.reduce_scatter_coalesced([rank_major.reshape(-1)], out.reshape(-1), op="sum")
