@@ -167,6 +167,37 @@ def test_the_world_of_one_says_the_same(world_of_one):
         "got shape [1, 2] with strides [2, 1]")
 
 
+def test_arguments_of_the_wrong_type_are_named(world_of_one):
+    """None, a float or a string where a tensor, a number or a dtype goes failed inside the call
+    (AttributeError, pybind's overload list); a NaN scale made every result NaN (a review's
+    reproduction, 2026-12-07). Checked before the world-of-one shortcut: every world says the same."""
+    comm, one = Communicator(), torch.ones(2)
+    rows = torch.ones(1, 2)
+    cases = {
+        "all_reduce_coalesced: expected tensors[1] to be a tensor, got float": lambda: comm.all_reduce_coalesced([one, 3.0]),
+        "all_reduce_coalesced: expected tensors to be a list of tensors, got Tensor": lambda: comm.all_reduce_coalesced(one),
+        "all_reduce_coalesced: expected scale to be a finite number or None, got nan":
+            lambda: comm.all_reduce_coalesced([one], scale=float("nan")),
+        "all_reduce_coalesced: expected scale to be a finite number or None, got '0.5'":
+            lambda: comm.all_reduce_coalesced([one], scale="0.5"),
+        "all_reduce_coalesced: expected reduce_dtype to be a torch.dtype or None, got 'float32'":
+            lambda: comm.all_reduce_coalesced([one], reduce_dtype="float32"),
+        "reduce_scatter_coalesced: expected out_shard to be a tensor, got NoneType":
+            lambda: comm.reduce_scatter_coalesced([one], None),
+        "all_gather_coalesced: expected shard to be a tensor, got list": lambda: comm.all_gather_coalesced([one], [one]),
+        "reduce_scatter_fp32_sum: expected out_shard to be a tensor, got list":
+            lambda: comm.reduce_scatter_fp32_sum(one.bfloat16(), [one]),
+        ":comm.all_to_all: expected output_splits to be a list of row counts, got NoneType":
+            lambda: comm.all_to_all(rows, rows, None, [1]),
+    }
+    for message, call in cases.items():
+        got = error_text(call)
+        assert got.startswith("ValueError: zerofuse") and got.endswith(message), (message, got)
+    work = comm.all_reduce_coalesced([one], scale=2)  # (an int scale: a number)
+    work.wait()
+    assert one.tolist() == [2.0, 2.0]
+
+
 
 def _wait_timeouts(rank, world_size):
     import datetime

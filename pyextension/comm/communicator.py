@@ -57,7 +57,7 @@ from zerofuse.comm.checker import CollectiveChecker, CollectiveMismatch  # noqa:
 from zerofuse.comm.checker import one_dtype as _one_dtype
 from zerofuse.comm.checker import scale_of as _scale
 from zerofuse.comm.fp32_sum import _SummedWork
-from zerofuse.comm.lists import _bytes_of_bools, _checked_list
+from zerofuse.comm.lists import _bytes_of_bools, _checked_list, check_args
 from zerofuse.comm.waits import MAX_TIMEOUT_S, _timeout, _waited, group_timeout, wait_seconds, wait_timeout  # noqa: F401  (re-exported)
 
 # per group name: ranks of a group number their communicators alike whatever other groups they
@@ -217,6 +217,7 @@ class Communicator(CollectiveChecker):
         scratch after (on gloo it is all-reduced in place). ``tag``: a name ZEROFUSE_CHECK_COLLECTIVES
         compares too (ZeRO's bucket: two buckets of one size launched in different orders on two ranks
         were reduced together, silently)."""
+        check_args("reduce_scatter_coalesced", tensors, scale=scale, reduce_dtype=reduce_dtype, out_shard=out_shard)
         *tensors, out_shard = _bytes_of_bools("reduce_scatter_coalesced", [*tensors, out_shard], op, scale)
         tensors = _checked_list("reduce_scatter_coalesced", "tensors", tensors, written=False)
         if isinstance(out_shard, torch.Tensor):  # written, not differentiated (a leaf requiring grad: every
@@ -234,6 +235,7 @@ class Communicator(CollectiveChecker):
         """Gather every rank's ``shard`` into the concatenation of ``tensors`` (the inverse of
         reduce_scatter_coalesced's layout); the tensors are written at ``wait()`` (a single
         contiguous tensor of exactly world_size * shard elements is gathered into directly)."""
+        check_args("all_gather_coalesced", tensors, shard=shard)
         shard, *tensors = _bytes_of_bools("all_gather_coalesced", [shard, *tensors])
         tensors = _checked_list("all_gather_coalesced", "tensors", tensors, written=True)
         if self._one:
@@ -247,6 +249,7 @@ class Communicator(CollectiveChecker):
         """Reduce every tensor over the ranks, in place (at ``wait()``), through one flat buffer.
         A single contiguous tensor in the reduce dtype is reduced in place with no copy: its
         contents are undefined until ``wait()``. ``tag``: as reduce_scatter_coalesced's."""
+        check_args("all_reduce_coalesced", tensors, scale=scale, reduce_dtype=reduce_dtype)
         tensors = _bytes_of_bools("all_reduce_coalesced", list(tensors), op, scale)
         tensors = _checked_list("all_reduce_coalesced", "tensors", tensors, written=True, promoted=reduce_dtype is None)
         reduce_dtype = torch.uint8 if reduce_dtype is torch.bool else reduce_dtype
@@ -274,6 +277,8 @@ class Communicator(CollectiveChecker):
                              f"multiple of world_size ({ws}) elements, got {list(flat.shape)} "
                              f"(contiguous={flat.is_contiguous()})")
         shard = flat.numel() // ws
+        if out_shard is not None:
+            check_args("reduce_scatter_fp32_sum", out_shard=out_shard)
         if out_shard is not None and (out_shard.dim() != 1 or not out_shard.is_contiguous()
                                       or not out_shard.is_floating_point() or out_shard.device != flat.device):
             raise ValueError(f"zerofuse.comm.reduce_scatter_fp32_sum: expected out_shard as a 1-D contiguous "
@@ -345,6 +350,11 @@ class Communicator(CollectiveChecker):
         ``output_splits[r]`` rows from each rank r into ``output`` (written at ``wait()``); both
         contiguous, of one row shape and dtype. A collective: every rank calls it in the same order.
         ZEROFUSE_CHECK_COLLECTIVES=1 also checks that each rank receives what the others send."""
+        check_args("all_to_all", output=output, input=input)
+        for name, given in (("input_splits", input_splits), ("output_splits", output_splits)):
+            if isinstance(given, torch.Tensor) or not isinstance(given, Sequence):
+                raise ValueError(f"zerofuse::comm.all_to_all: expected {name} to be a list of row counts, got "
+                                 f"{type(given).__name__}")
         in_s, out_s = [int(n) for n in input_splits], [int(n) for n in output_splits]
         for name, given, got in (("input_splits", input_splits, in_s), ("output_splits", output_splits, out_s)):
             if any(isinstance(n, bool) or n != m for n, m in zip(given, got)):  # (1.7 rows were taken as 1)

@@ -2,6 +2,9 @@
 adapted before the C++ call: bools as bytes, refusals the C++ side made only after the collective."""
 from __future__ import annotations
 
+import math
+import numbers
+
 import torch
 
 
@@ -42,6 +45,28 @@ def _checked_list(where: str, name: str, tensors: list, *, written: bool, promot
             if hi > end:
                 end, owner = hi, i
     return [t.detach() if isinstance(t, torch.Tensor) and t.requires_grad else t for t in tensors]
+
+
+def check_args(where: str, tensors=None, name: str = "tensors", *, scale=None, reduce_dtype=None, **single) -> None:
+    """The argument types of a collective, by name (None, a float or a dtype given as a string failed
+    inside the call with AttributeError, or pybind's list of overloads; a NaN scale made every
+    result NaN: a review's reproduction, 2026-12-07)."""
+    if tensors is not None:
+        if isinstance(tensors, torch.Tensor) or not isinstance(tensors, (list, tuple)):
+            raise ValueError(f"zerofuse.comm.{where}: expected {name} to be a list of tensors, got "
+                             f"{type(tensors).__name__}")
+        for i, t in enumerate(tensors):
+            if not isinstance(t, torch.Tensor):
+                raise ValueError(f"zerofuse.comm.{where}: expected {name}[{i}] to be a tensor, got {type(t).__name__}")
+    for key, t in single.items():
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"zerofuse.comm.{where}: expected {key} to be a tensor, got {type(t).__name__}")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)
+                              or not math.isfinite(scale)):
+        raise ValueError(f"zerofuse.comm.{where}: expected scale to be a finite number or None, got {scale!r}")
+    if reduce_dtype is not None and not isinstance(reduce_dtype, torch.dtype):
+        raise ValueError(f"zerofuse.comm.{where}: expected reduce_dtype to be a torch.dtype or None, got "
+                         f"{reduce_dtype!r}")
 
 
 def _bytes_of_bools(where: str, tensors: list, op: str | None = None, scale=None) -> list:
