@@ -189,16 +189,3 @@ def test_a_loss_that_is_no_scalar_is_refused(case):
     assert listed == "ValueError: zerofuse.pipeline.Pipeline.step: expected idx as a tensor (the whole batch, every " \
                      "rank passes it), got list", listed
     assert "expected the batch size (0) to be a positive multiple of the number of micro-batches (2)" in empty, empty
-
-
-def test_split_gpt_refuses_moe_layers_over_several_stages():
-    """The last stage summed the routers' losses of every MoE layer, the other stages' too (None
-    there): a TypeError in the last stage's forward, the other ranks then waiting for it."""
-    from zerofuse.models import GPT, GPTConfig
-    from zerofuse.pipeline import split_gpt
-
-    model = GPT(GPTConfig(vocab_size=61, seq_len=16, n_layer=2, n_head=2, dim=32, moe_experts=4), seed=0)
-    with pytest.raises(ValueError, match="the model has 2 MoE layers.*expected a dense model or num_stages 1, got "
-                                         "num_stages 2"):
-        split_gpt(model, 2, [0])
-    assert len(split_gpt(model, 1, [0])) == 1

@@ -223,3 +223,32 @@ def test_pipeline_flags_at_pp_1_are_refused_not_ignored(tmp_path):
         tiny_job_args(tmp_path, "--pp-schedule", "zb", "--activation-checkpointing", "full")
     assert tiny_job_args(tmp_path, "--activation-checkpointing", "full").pp_schedule == "1f1b"
     assert tiny_job_args(tmp_path, "--nproc", "2", "--pp", "2").pp_schedule == "1f1b"
+
+
+MOE = ["--experts", 4, "--top-k", 2, "--moe-every", 2, "--bias-rate", 1e-3, "--aux-loss", 1e-2, "--z-loss", 1e-3]
+
+
+def test_moe_job_at_pp2_matches_the_unsplit_job_and_resumes_unsplit(tmp_path):
+    """pp 2 x dp 2 with ep 2 (ZeRO-2 over each stage's DP group, experts over its ep groups): the
+    losses and the routers' figures of the unsplit job with as many accumulated micro-batches (each
+    stage's router losses train through what it sends; each rank records its stages' layers, read
+    over every rank); its checkpoint resumes unsplit with the losses of the run that never stopped
+    (the experts of a pipeline checkpoint loaded at another layout were the first E/ep on every ep
+    rank: 2026-12-07)."""
+    _ok(run("--nproc", 2, "--ep", 2, "--grad-accum", 4, *MOE, *PP, "--out", tmp_path / "unsplit"))
+    _ok(run("--nproc", 4, "--pp", 2, "--ep", 2, "--microbatches", 4, *MOE, *PP, "--stop-after", 3,
+            "--out", tmp_path / "pp"), 128 + signal.SIGTERM)
+    want, got = metrics(tmp_path / "unsplit"), metrics(tmp_path / "pp")
+    assert [r["step"] for r in got] == [1, 2, 3]
+    for a, b in zip(got, want):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5), (a, b)
+        for key in ("aux_loss", "z_loss"):
+            assert a["moe"][key] == pytest.approx(b["moe"][key], rel=1e-4) and a["moe"][key] > 0, (key, a, b)
+        assert a["moe"]["max_over_mean_load"] == pytest.approx(b["moe"]["max_over_mean_load"], rel=1e-6)
+        assert len(a["moe"]["max_over_mean_load"]) == 2 and a["moe"]["dropped"] == b["moe"]["dropped"]
+    shutil.copytree(tmp_path / "pp" / "ckpt", tmp_path / "resumed" / "ckpt")
+    _ok(run("--nproc", 2, "--ep", 2, "--grad-accum", 4, *MOE, *PP, "--out", tmp_path / "resumed", "--resume"))
+    resumed = _losses(metrics(tmp_path / "resumed"))
+    assert sorted(resumed) == [4, 5, 6]
+    for step, loss in resumed.items():
+        assert loss == pytest.approx(_losses(want)[step], rel=1e-5), step

@@ -294,11 +294,14 @@ class GPT(KeepsMarks, torch.nn.Module):
         return recompute.run(block, recompute.mode_of(self.activation_checkpointing), *args,
                              offload=self.activation_offload)
 
-    def final(self, x: Tensor, delta: Tensor | None, targets: Tensor | None) -> tuple[Tensor | None, Tensor | None]:
-        """The final norm of x + delta, then the head: (logits, loss) as forward returns them."""
+    def final(self, x: Tensor, delta: Tensor | None, targets: Tensor | None,
+              router_losses: bool = True) -> tuple[Tensor | None, Tensor | None]:
+        """The final norm of x + delta, then the head: (logits, loss) as forward returns them;
+        router_losses=False: the cross-entropy alone (a pipeline stage trains its MoE layers' router
+        losses itself: zerofuse.pipeline.split_gpt)."""
         h = self.norm(delta, x)[0] if delta is not None else self.norm(x)
         logits, loss = self._head(h, targets)
-        if self.moe_layers and loss is not None:
+        if self.moe_layers and loss is not None and router_losses:
             losses = zmoe.router_losses(self.moe_layers)
             self.router_losses = losses.detach()
             if torch.is_grad_enabled():

@@ -18,6 +18,7 @@ import math
 
 import torch
 
+from zerofuse.kernels.common import upload
 from zerofuse.moe import MoE
 
 NAME = "zerofuse.models.GPTConfig"
@@ -70,53 +71,100 @@ def router_losses(moes: list[MoE]) -> torch.Tensor:
     return torch.stack([torch.stack(m.router_losses) for m in moes]).sum(0)
 
 
+class _AttachLoss(torch.autograd.Function):
+    """x unchanged; its backward also starts ``loss``'s, from ``weight`` (None: x's own incoming
+    gradient, for a scalar x that is itself a loss)."""
+
+    @staticmethod
+    def forward(ctx, x, loss, weight):
+        ctx.weight, ctx.dtype = weight, loss.dtype
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        w = grad if ctx.weight is None else ctx.weight
+        if isinstance(w, torch.Tensor):  # (a copy: never one tensor handed to two inputs)
+            return grad, w.detach().to(ctx.dtype, copy=True).reshape(()), None
+        return grad, torch.full((), w, dtype=ctx.dtype, device=grad.device), None
+
+
+def attach_loss(x: torch.Tensor, loss: torch.Tensor, weight=None) -> torch.Tensor:
+    """x, through whose backward ``loss`` (a scalar) is trained too, at gradient ``weight`` (a float or a
+    device scalar; None: x's incoming gradient, x a scalar loss). A pipeline stage's MoE layers'
+    router losses ride on the activations it sends (Megatron-Core's MoEAuxLossAutoScaler): the
+    last stage's loss cannot add them, they are computed on other ranks."""
+    if loss.dim() != 0 or (weight is None and x.dim() != 0):
+        raise ValueError(f"zerofuse.models.moe.attach_loss: expected a scalar loss (and a scalar x without a weight), "
+                         f"got loss of shape {list(loss.shape)}, x of shape {list(x.shape)}")
+    return _AttachLoss.apply(x, loss, weight)
+
+
 class Stats:
     """The routers' per-step figures, kept on the device and read at the job's log points: expert
     loads (choices per expert, before dropping) summed over the steps, dropped choices, aux and z
     losses; ``read()`` gives max/mean load per layer (1.0: perfectly balanced), summed over the
-    data-parallel group."""
+    data-parallel group. Under pipeline parallelism each rank records the layers of its stages
+    (``record(only=...)``) and ``read`` sums over every rank: the other layers' rows are zero here."""
 
-    def __init__(self, moes: list[MoE]):
+    def __init__(self, moes: list[MoE], device=None):
         self.moes = moes
+        self.device = device  # where a rank that recorded nothing builds its zeros for read()
         self.load = None  # [layers, E] int64
         self.dropped = None
         self.losses = None  # [aux, z] summed over the steps' forwards
         self.forwards = 0  # the forwards whose losses were recorded (grad accumulation: several a step)
         self.steps = 0
+        self._index: dict[tuple, torch.Tensor] = {}  # record(only=...)'s rows on the device
 
-    def record(self, losses: torch.Tensor | None = None) -> None:
+    def record(self, losses: torch.Tensor | None = None, only: list[int] | None = None, forward: bool = True) -> None:
         """After a step's forward(s): the routers' last loads (every micro-batch's, when the job
-        calls it per micro-batch) and the losses (detached)."""
-        load = torch.stack([m.router.last_load for m in self.moes])
-        dropped = torch.stack([m.router.last_dropped for m in self.moes]).sum()
+        calls it per micro-batch) and the losses (detached). only: the indices (into the layers
+        given) of the layers that forward ran (a pipeline stage's), else all; forward: count it as
+        one forward of the model (a pipeline's stages: False, and the first stage counts each
+        micro-batch's forward with count_forward())."""
+        layers = [self.moes[i] for i in only] if only is not None else self.moes
+        load = torch.stack([m.router.last_load for m in layers])
+        dropped = torch.stack([m.router.last_dropped for m in layers]).sum()
+        if only is not None:
+            rows = self._index.get(tuple(only))
+            if rows is None:
+                rows = self._index[tuple(only)] = upload(torch.tensor(only), load.device)
+            load = load.new_zeros((len(self.moes), load.shape[1])).index_add_(0, rows, load)
         self.load = load if self.load is None else self.load + load
         self.dropped = dropped if self.dropped is None else self.dropped + dropped
         if losses is not None:
             self.losses = losses.detach() if self.losses is None else self.losses + losses.detach()
-            self.forwards += 1
+            self.forwards += forward
+
+    def count_forward(self) -> None:
+        self.forwards += 1
 
     def end_step(self) -> None:
         self.steps += 1
 
     def read(self, group=None, sent_bytes: float = 0.0) -> dict | None:
-        """Collective over ``group`` (None: the default group): the figures since the last read;
-        ``sent_bytes``: this rank's all-to-all bytes since then (summed over the group, per step)."""
+        """Collective over ``group`` (None: the default group) once a step has ended: the figures
+        since the last read; ``sent_bytes``: this rank's all-to-all bytes since then (summed over the
+        group, per step). The aux and z losses: their sum over the group's forwards over the count."""
         import torch.distributed as dist
-        if self.load is None:
+        if self.steps == 0:  # (the same on every rank: each ends every step)
             return None
-        flat = torch.cat([self.load.double().reshape(-1), self.dropped.double().reshape(1),
-                          torch.tensor([float(sent_bytes)], dtype=torch.float64, device=self.load.device),
-                          (self.losses if self.losses is not None else self.load.new_zeros(2)).double()])
+        device = self.load.device if self.load is not None else self.device
+        n, e = len(self.moes), self.moes[0].router.num_experts
+        zeros = (lambda *shape: torch.zeros(shape, dtype=torch.float64, device=device))
+        flat = torch.cat([self.load.double().reshape(-1) if self.load is not None else zeros(n * e),
+                          self.dropped.double().reshape(1) if self.dropped is not None else zeros(1),
+                          torch.tensor([float(sent_bytes), float(self.forwards)], dtype=torch.float64, device=device),
+                          self.losses.double() if self.losses is not None else zeros(2)])
         if dist.is_initialized() and dist.get_world_size(group) > 1:
             dist.all_reduce(flat, group=group)
-            flat[-2:] /= dist.get_world_size(group)  # losses: the mean over the ranks
-        n, e = self.load.shape
         load = flat[:n * e].view(n, e)
         vals = flat.cpu().tolist()
+        forwards = max(vals[n * e + 2], 1)
         out = {"max_over_mean_load": (load.max(1).values / load.mean(1).clamp_min(1e-12)).cpu().tolist(),
-               "dropped": int(vals[n * e]), "a2a_bytes_per_step": vals[n * e + 1] / max(self.steps, 1),
-               "aux_loss": vals[-2] / max(self.forwards, 1),  # the mean over forwards: what a step trained on
-               "z_loss": vals[-1] / max(self.forwards, 1), "steps": self.steps}
+               "dropped": int(vals[n * e]), "a2a_bytes_per_step": vals[n * e + 1] / self.steps,
+               "aux_loss": vals[-2] / forwards,  # the mean over forwards: what a step trained on
+               "z_loss": vals[-1] / forwards, "steps": self.steps}
         self.load = self.dropped = self.losses = None
         self.steps = self.forwards = 0
         return out

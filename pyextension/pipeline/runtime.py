@@ -186,6 +186,11 @@ class Pipeline(Transfers, Backwards):
             self._check_no_recompute()
         mbs, tgts, docs = idx.chunk(m), targets.chunk(m), self._documents(idx, document_ids, m)
         self._set_batch(mbs[0])
+        for k, stage in self.stages.items():  # the gradient of the last stage's loss, for the MoE router
+            if stage.moe_layers:  # losses other stages train through their outputs (stage.py)
+                opt = self._optimizer_of(k)
+                stage.loss_weight = opt.scale_loss(torch.full((), 1.0 / m, device=self._device)) \
+                    if opt is not None and opt.fp16 else 1.0 / m
         self._inputs, self._outputs, self._grads_in, self._ys, self._losses = {}, {}, {}, {}, {}
         self._recv, self._sends, self._posted = {}, [], {}
         early = idx.device.type == "cpu"  # gloo: receives may be posted ahead ([Note: pipeline transfers])

@@ -65,6 +65,13 @@ class Stage(torch.nn.Module):
         # state_dict names of the unsplit model that a param here also goes by (its tied uses held
         # elsewhere): checkpoints record them, so the consolidated state_dict is the unsplit model's
         self.state_dict_aliases: dict[str, str] = {}
+        # MoE layers (split_gpt's stages): their router losses are trained through the stage's
+        # outputs at loss_weight, the gradient zerofuse.pipeline.Pipeline seeds the last stage's loss
+        # with (1 / micro-batches, times the fp16 loss scale; it sets it each step), and are not in the
+        # loss the last stage returns (the cross-entropy); router_losses: [aux, z] of the last forward
+        self.moe_layers: list = []
+        self.loss_weight: float | torch.Tensor = 1.0
+        self.router_losses: torch.Tensor | None = None
 
     def tied_mirror(self) -> torch.Tensor:
         """The mirror as the stage's module holds it now. A cast or move of the module after the split
@@ -226,11 +233,6 @@ def split_gpt(model, num_stages: int, stage_ids: Sequence[int], *, layout=None, 
     cfg = model.config
     if not isinstance(num_stages, int) or num_stages < 1:
         raise ValueError(f"{NAME}: expected the number of stages to be an int >= 1, got {num_stages!r}")
-    if num_stages > 1 and getattr(model, "moe_layers", None):
-        raise ValueError(f"{NAME}: the model has {len(model.moe_layers)} MoE layers, whose routers' aux and z losses "
-                         "the last stage adds to the loss: not supported over several pipeline stages yet (the "
-                         "last stage read the other stages' layers' losses: a TypeError); expected a dense model "
-                         f"or num_stages 1, got num_stages {num_stages}")
     if layout is None:
         per_block = sum(p.numel() for p in model.blocks[0].parameters())
         first = sum(p.numel() for m in (model.wte, model.wpe) if m is not None for p in m.parameters())
@@ -256,8 +258,10 @@ def split_gpt(model, num_stages: int, stage_ids: Sequence[int], *, layout=None, 
             parts += [("norm", model.norm), ("head", model.head)]
         _materialize([m for _, m in parts], device, getattr(model, "param_init_fn", None))
         kept.update(id(p) for _, m in parts for p in m.parameters())
-        stages.append(Stage(parts, _gpt_runner(model, emb, [model.blocks[i] for i in blocks], head), s, num_stages,
-                            takes_documents=True))
+        stage = Stage(parts, None, s, num_stages, takes_documents=True)
+        stage._run = _gpt_runner(model, emb, [model.blocks[i] for i in blocks], head, stage)
+        stage.edp_group = getattr(model, "edp_group", None)  # (ZeRO's expert group: zero/experts.py)
+        stages.append(stage)
         stages[-1].checkpointing = lambda: model.activation_checkpointing  # (read by Pipeline.step for 'zb')
     ends = [i for i in (0, num_stages - 1) if i in stage_ids]
     if cfg.tie_embeddings and num_stages > 1 and len(ends) == 1:  # the two uses on two ranks
@@ -283,7 +287,12 @@ def _mirror(module: torch.nn.Module, name: str) -> torch.Tensor:
     return mirror
 
 
-def _gpt_runner(model, emb: bool, blocks: list, head: bool) -> Callable:
+def _gpt_runner(model, emb: bool, blocks: list, head: bool, stage: Stage) -> Callable:
+    from zerofuse.models import moe as zmoe
+
+    moes = zmoe.layers(torch.nn.ModuleList(blocks))
+    stage.moe_layers = moes
+
     def run(*inputs, targets=None, document_ids=None):
         if emb:
             x, delta = model.embed(inputs[0]), None
@@ -291,9 +300,18 @@ def _gpt_runner(model, emb: bool, blocks: list, head: bool) -> Callable:
             x, delta = inputs if len(inputs) == 2 else (inputs[0], None)
         for block in blocks:
             x, delta = model.run_block(block, x, delta, document_ids)
+        losses = zmoe.router_losses(moes) if moes else None
+        if losses is not None:
+            stage.router_losses = losses.detach()
+            if not torch.is_grad_enabled():
+                losses = None
         if head:
-            logits, loss = model.final(x, delta, targets)
-            return loss if targets is not None else logits
+            logits, loss = model.final(x, delta, targets, router_losses=False)
+            if targets is None:
+                return logits
+            return loss if losses is None else zmoe.attach_loss(loss, losses.sum())
+        if losses is not None:  # trained at the weight the pipeline gives the last stage's loss
+            x = zmoe.attach_loss(x, losses.sum(), stage.loss_weight)
         return (x,) if delta is None else (x, delta)
 
     return run

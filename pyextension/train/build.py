@@ -127,8 +127,11 @@ def setup(t) -> None:
     t.moe = None
     t._a2a_last, t._a2a_bytes_last = 0.0, 0  # the all-to-all counters at the last log point
     if t.cfg.moe_experts:
-        from zerofuse.models.moe import Stats
-        t.moe = Stats(t.model.moe_layers)
+        from zerofuse.models.moe import Stats, layers
+        t.moe = Stats(model.moe_layers, t.device)  # (the whole GPT's: a pipeline stage records its own)
+        t.moe_routers = [m.router for m in layers(t.model)]  # this rank's
+        if t.pp is not None:
+            t.pp.record_moe(t.moe, model.moe_layers)
     t.log = RankZeroLog(t) if t.rank == 0 else None
 
 

@@ -73,8 +73,8 @@ class Trainer:
             mean_loss = total if args.grad_accum == 1 else total / args.grad_accum  # (no launch for a / 1)
         if self.moe is not None:
             self.moe.end_step()
-            for m in self.model.moe_layers:  # aux-loss-free balancing: before the step (collective over DP)
-                m.router.update_bias()
+            for router in self.moe_routers:  # aux-loss-free balancing: before the step (collective over DP)
+                router.update_bias()
         opt.step()
         if on_stepped is not None:
             on_stepped()
@@ -129,7 +129,8 @@ class Trainer:
         from zerofuse.moe.dispatch import exposed_seconds, sent_bytes
         steps = self.moe.steps
         sent = sent_bytes()
-        out = self.moe.read(self.mesh.dp_group, sent - self._a2a_bytes_last)
+        # (over every rank under pipeline parallelism: each stage records its own layers)
+        out = self.moe.read(self.mesh.dp_group if self.pp is None else None, sent - self._a2a_bytes_last)
         self._a2a_bytes_last = sent
         a2a = exposed_seconds()
         out["a2a_exposed_s_per_step"] = ((a2a - self._a2a_last) / max(steps, 1)

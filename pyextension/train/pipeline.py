@@ -34,6 +34,23 @@ class PipelineJob:
         self.idle.append(1.0 - self.pipe.compute_seconds / max(self.pipe.step_seconds, 1e-9))
         return loss
 
+    def record_moe(self, stats, layers: list) -> None:
+        """Each training forward of a stage records its MoE layers' loads and router losses into
+        stats (zerofuse.models.moe.Stats over the whole model's ``layers``); the first stage counts
+        the micro-batches' forwards."""
+        index = {id(m): i for i, m in enumerate(layers)}
+
+        def hook(stage, _args, _out):
+            if not torch.is_grad_enabled():  # (evaluation's forwards are not the steps')
+                return
+            if stage.moe_layers:
+                stats.record(stage.router_losses, [index[id(m)] for m in stage.moe_layers], forward=False)
+            if stage.is_first:
+                stats.count_forward()
+
+        for s in self.stages:
+            s.register_forward_hook(hook)
+
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
         return self.pipe.forward_only(x, y, document_ids=document_ids)
 
