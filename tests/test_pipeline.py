@@ -1,6 +1,7 @@
 """zerofuse.pipeline on real gloo ranks: every schedule at pp 2 and 4 (interleaved also with 2
 virtual stages per rank) trains a GPT for 10 steps with the losses and final params of
 single-process training on the same global batch; stage splitting; bad input."""
+import dataclasses
 import math
 
 import pytest
@@ -222,13 +223,13 @@ def test_document_ids_are_refused_where_they_cannot_apply():
             assert "expected document_ids as an integer tensor of the batch's shape [8, 16]" in e, e
 
 
-def _dealloc_rank(rank, ws, steps):
+def _dealloc_rank(rank, ws, steps, moe=False):
     import zerofuse  # noqa: F401
     from zerofuse.models import GPT
     from zerofuse.pipeline import Pipeline, split_gpt
 
     with torch.device("meta"):
-        model = GPT(_cfg(), seed=0)
+        model = GPT(dataclasses.replace(_cfg(), moe_experts=4 if moe else 0), seed=0)
     (stage,) = split_gpt(model, ws, [rank], device="cpu")
     pipe = Pipeline([stage], schedule="1f1b", microbatches=MICRO)
     hooks, freed, saved_freed = [0], [], []
@@ -255,12 +256,14 @@ def _dealloc_rank(rank, ws, steps):
     return hooks[0], freed, saved_freed
 
 
-def test_sent_outputs_are_freed_and_saved_ones_looked_up_once():
+@pytest.mark.parametrize("moe", [False, True])
+def test_sent_outputs_are_freed_and_saved_ones_looked_up_once(moe):
     """The first stage frees each sent output autograd did not save (Megatron's
     deallocate_output_tensor) and keeps those it saved; which ones autograd saves is seen through
-    saved_tensors_hooks in the stage's first forward only, not in every micro-batch's."""
+    saved_tensors_hooks in the stage's first forward only, not in every micro-batch's. An MoE
+    block's output delta is a view of its layer's output: freed with it (kept before 2026-12-07)."""
     steps = 3
-    (hooks0, freed, saved_freed), (hooks1, freed1, _) = run_distributed(_dealloc_rank, 2, steps, timeout=120)
+    (hooks0, freed, saved_freed), (hooks1, freed1, _) = run_distributed(_dealloc_rank, 2, steps, moe, timeout=120)
     assert hooks0 == 1 and hooks1 == 0, (hooks0, hooks1)
     assert len(freed) == steps * MICRO and min(freed) >= 1, freed  # the block output delta at least
     assert max(saved_freed) == 0, saved_freed

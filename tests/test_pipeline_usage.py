@@ -189,3 +189,94 @@ def test_a_loss_that_is_no_scalar_is_refused(case):
     assert listed == "ValueError: zerofuse.pipeline.Pipeline.step: expected idx as a tensor (the whole batch, every " \
                      "rank passes it), got list", listed
     assert "expected the batch size (0) to be a positive multiple of the number of micro-batches (2)" in empty, empty
+
+
+def _shared_twice():
+    torch.manual_seed(0)
+    shared = torch.nn.Linear(16, 16)
+    return torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(), shared, torch.nn.Tanh(), shared)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb"])
+def test_a_module_used_twice_in_a_sequential_runs_twice(schedule):
+    """named_children() skips a module's second use: the pipeline trained a model without it, its loss
+    and every grad wrong, silently (a review's reproduction, 2026-12-07)."""
+    x, t = _data()
+    want = _reference_grads(_shared_twice(), x, t)
+    (got,) = run_distributed(_grads_rank, 1, schedule, _shared_twice, None, timeout=120)
+    assert sorted(got) == sorted(want)
+    for n, g in want.items():
+        torch.testing.assert_close(got[n], g, rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
+
+
+def test_a_module_on_two_stages_and_bad_stage_ids_are_refused():
+    """A module (or param) on two stages was two copies on two ranks, each trained on its stage's
+    part of the grad; a stage id past the stages raised IndexError, -1 gave a stage numbered -1."""
+    from zerofuse.pipeline import split_modules
+
+    with pytest.raises(ValueError, match=r"'4' is also '2', on stage 0: expected each module and param on one stage "
+                                         r".* got it on stages 0 and 1"):
+        split_modules(_shared_twice(), 2, [0], layout=[3, 2])
+    for ids, n in (([2], 2), ([-1], 2), ([0, 0], 2), ([0], 0)):
+        with pytest.raises(ValueError, match=r"expected (stage_ids to be distinct ints in \[0, 2\) \(num_stages 2\), "
+                                             r"got \[|the number of stages to be an int >= 1, got 0)"):
+            split_modules(_mlp(), n, ids)
+    assert [s.parts for s in split_modules(_shared_twice(), 2, [1], layout=[1, 4])] == [["1", "2", "3", "4"]]
+
+
+def _raise_once_rank(rank, ws):
+    import time
+
+    from zerofuse.comm import Communicator
+    from zerofuse.pipeline import Pipeline, split_modules
+
+    calls = [0]
+
+    def loss(out, t):
+        calls[0] += 1
+        if calls[0] == 3:  # the second step's first micro-batch, on the last stage only
+            raise ValueError("bad targets in this micro-batch")
+        return _mse(out, t)
+
+    stages = split_modules(_mlp(), ws, [rank], loss_fn=loss)
+    pipe = Pipeline(stages, schedule="1f1b", microbatches=2, comm=Communicator(None, timeout=4))
+    x, t = _data()
+    log = []
+    for _ in range(3):  # a job that logs a failed step and goes on
+        t0 = time.monotonic()
+        try:
+            pipe.step(x, t)
+            log.append(("ok", time.monotonic() - t0))
+        except Exception as e:
+            log.append((f"{type(e).__name__}: {e}", time.monotonic() - t0))
+    return log
+
+
+def test_a_step_that_raised_on_one_rank_is_not_run_again_there():
+    """The other ranks are left inside the step (they fail at the communicator's timeout): the next
+    step on the rank that raised paired its transfers with theirs, waiting for the timeout too, or
+    mixing micro-batches. It is refused at once, naming the first error."""
+    first, last = run_distributed(_raise_once_rank, 2, timeout=120)
+    assert last[0][0] == "ok" and last[1][0] == "ValueError: bad targets in this micro-batch", last
+    assert last[2][0].startswith("RuntimeError: zerofuse.pipeline.Pipeline.step: an earlier step raised on this rank "
+                                 "midway (ValueError: bad targets in this micro-batch)") and last[2][1] < 1.0, last
+    assert first[0][0] == "ok" and first[1][0].startswith("DistBackendError") and first[1][1] < 30, first
+
+
+def _inplace_rank(rank, ws):
+    from dist_utils import error_text
+    from zerofuse.pipeline import Pipeline, split_modules
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(inplace=True), torch.nn.Linear(16, 16))
+    pipe = Pipeline(split_modules(model, ws, [rank], loss_fn=_mse, layout=[1, 2]), schedule="1f1b", microbatches=2)
+    return error_text(lambda: pipe.step(*_data()))
+
+
+def test_an_in_place_op_on_a_received_input_names_the_stage():
+    """torch's bare 'a leaf Variable that requires grad is being used in an in-place operation'
+    named neither the stage nor its input."""
+    _, second = run_distributed(_inplace_rank, 2, timeout=120)
+    assert second.startswith("RuntimeError: zerofuse.pipeline.Pipeline: stage 1 wrote one of its inputs in place "
+                             "(a leaf Variable that requires grad"), second
+    assert "expected no in-place op on a stage's inputs" in second, second

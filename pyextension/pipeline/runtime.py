@@ -91,6 +91,7 @@ class Pipeline(Transfers, Backwards):
                              f"{[s.index for s in stages]}")
         self.stages = {s.index: s for s in stages}
         self.p, self.v, self.m, self.num_stages, self.rank = p, v, microbatches, num, r
+        self._broken: str | None = None  # the error of a step that raised midway (_refuse_broken)
         self.schedule = schedule
         self.actions = build_schedule(schedule, p, microbatches, v)[r]
         last = {}
@@ -185,6 +186,15 @@ class Pipeline(Transfers, Backwards):
         if self._split:
             self._check_no_recompute()
         mbs, tgts, docs = idx.chunk(m), targets.chunk(m), self._documents(idx, document_ids, m)
+        self._refuse_broken("step")
+        try:
+            return self._step(mbs, tgts, docs, idx.device, t_step)
+        except BaseException as e:  # the other ranks are left inside the step: its transfers no longer pair
+            self._mark_broken(e)
+            raise
+
+    def _step(self, mbs, tgts, docs, device, t_step) -> torch.Tensor:
+        m = self.m
         self._set_batch(mbs[0])
         for k, stage in self.stages.items():  # the gradient of the last stage's loss, for the MoE router
             if stage.moe_layers:  # losses other stages train through their outputs (stage.py)
@@ -193,7 +203,7 @@ class Pipeline(Transfers, Backwards):
                     if opt is not None and opt.fp16 else 1.0 / m
         self._inputs, self._outputs, self._grads_in, self._ys, self._losses = {}, {}, {}, {}, {}
         self._recv, self._sends, self._posted = {}, [], {}
-        early = idx.device.type == "cpu"  # gloo: receives may be posted ahead ([Note: pipeline transfers])
+        early = device.type == "cpu"  # gloo: receives may be posted ahead ([Note: pipeline transfers])
         self.timeline = []  # (action, start, end) in seconds from the step's start: this rank's compute
         for eng in self._hold:
             eng.hold_params = True
@@ -270,8 +280,9 @@ class Pipeline(Transfers, Backwards):
             raise ValueError(f"{NAME}.forward_only: expected targets with the batch's {idx.shape[0]} rows (the loss "
                              f"is what it returns; every rank passes them), got "
                              f"{None if targets is None else list(getattr(targets, 'shape', []))}")
-        self._set_batch(idx)
         docs = self._documents(idx, document_ids, 1)
+        self._refuse_broken("forward_only")
+        self._set_batch(idx)
         self._inputs, self._outputs, self._losses, self._recv, self._sends, self._posted = {}, {}, {}, {}, [], {}
         m, self.m = self.m, 1
         try:
@@ -285,9 +296,25 @@ class Pipeline(Transfers, Backwards):
                 w.wait()
             self._sends = []
             return self._mean_loss()
+        except BaseException as e:  # (as step's)
+            self._mark_broken(e)
+            raise
         finally:
             self.m = m
             self._inputs, self._outputs = {}, {}
+
+    def _mark_broken(self, e: BaseException) -> None:
+        if self.p > 1:  # (one rank: no peer is left waiting; the next step starts afresh)
+            self._broken = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+    def _refuse_broken(self, what: str) -> None:
+        """A step that raised on this rank midway left the other ranks inside it, waiting for
+        transfers that will not come (they raise at the communicator's timeout): the next step here
+        would pair its transfers with theirs, hang or mix micro-batches. Refused at once."""
+        if self._broken is not None:
+            raise RuntimeError(f"{NAME}.{what}: an earlier step raised on this rank midway ({self._broken}); the "
+                               "other ranks' steps wait for it until the communicator's timeout. Expected a new "
+                               "Pipeline (and process group) on every rank after an error in a step")
 
     def _documents(self, idx, document_ids, m):
         """document_ids (the batch's shape) checked and chunked into m micro-batches, or None."""
@@ -336,9 +363,13 @@ class Pipeline(Transfers, Backwards):
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if watch else contextlib.nullcontext():
                 out = stage(*inputs, targets=tgts[a.mb] if stage.is_last else None,
                             document_ids=None if docs is None else docs[a.mb])
-        except BaseException:
+        except BaseException as e:
             if record:
                 self._zb.recording = None
+            if isinstance(e, RuntimeError) and not stage.is_first and "leaf Variable that requires grad" in str(e):
+                raise RuntimeError(f"{NAME}: stage {a.stage} wrote one of its inputs in place ({e}): what a stage "
+                                   "receives is a leaf whose grad goes back to the previous stage; expected no in-place "
+                                   "op on a stage's inputs (e.g. no ReLU(inplace=True) first in a stage)") from e
             raise
         if isinstance(out, torch.Tensor) and not stage.is_last:
             out = (out,)  # one tensor crosses the boundary (iterated, it was split into its rows)

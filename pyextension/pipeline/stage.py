@@ -28,6 +28,7 @@ whole model.
 """
 from __future__ import annotations
 
+import numbers
 import re
 from collections.abc import Callable, Sequence
 
@@ -231,8 +232,7 @@ def split_gpt(model, num_stages: int, stage_ids: Sequence[int], *, layout=None, 
     """The stages ``stage_ids`` (of ``num_stages``) of a ``zerofuse.models.GPT``. layout: None
     (balanced by parameters), a string like "E,4,4,4,L" or a list of per-stage items."""
     cfg = model.config
-    if not isinstance(num_stages, int) or num_stages < 1:
-        raise ValueError(f"{NAME}: expected the number of stages to be an int >= 1, got {num_stages!r}")
+    _check_ids(stage_ids, num_stages)
     if layout is None:
         per_block = sum(p.numel() for p in model.blocks[0].parameters())
         first = sum(p.numel() for m in (model.wte, model.wpe) if m is not None for p in m.parameters())
@@ -323,9 +323,10 @@ def split_modules(modules, num_stages: int, stage_ids: Sequence[int], *, loss_fn
     each module takes the previous one's output (a tensor or a tuple of tensors); the last stage
     applies ``loss_fn(output, targets)`` when targets are given. layout: modules per stage
     (default: balanced by parameters, at least one module per stage)."""
-    if isinstance(modules, torch.nn.Sequential):
-        modules = list(modules.named_children())
+    if isinstance(modules, torch.nn.Sequential):  # (named_children() skips a module's second use: it
+        modules = list(modules._modules.items())  # trained another model, silently; 2026-12-07)
     modules = list(modules)
+    _check_ids(stage_ids, num_stages)
     if not modules or not all(isinstance(m, tuple) and len(m) == 2 and isinstance(m[1], torch.nn.Module)
                               for m in modules):
         raise ValueError(f"{NAME}: expected modules to be an nn.Sequential or a non-empty list of (name, module), got "
@@ -339,6 +340,7 @@ def split_modules(modules, num_stages: int, stage_ids: Sequence[int], *, loss_fn
             raise ValueError(f"{NAME}: expected layout to give {num_stages} stages of >= 1 module summing to "
                              f"{len(modules)}, got {list(layout)}")
     starts = [sum(counts[:s]) for s in range(num_stages)]
+    _check_shared(modules, starts, counts)
     stages, kept = [], set()
     for s in stage_ids:
         parts = modules[starts[s]:starts[s] + counts[s]]
@@ -348,6 +350,33 @@ def split_modules(modules, num_stages: int, stage_ids: Sequence[int], *, loss_fn
                             s, num_stages))
     _release([m for _, m in modules], kept)
     return stages
+
+
+def _check_shared(modules, starts, counts) -> None:
+    """A module or param used by two stages would be two copies on two ranks, each trained on its
+    own stage's part of the grad (they drifted apart, silently: a review's reproduction, 2026-12-07)."""
+    where: dict[int, tuple[int, str]] = {}
+    for s, (start, n) in enumerate(zip(starts, counts)):
+        for name, module in modules[start:start + n]:
+            for key, what in [(id(module), name)] + [(id(p), f"{name}.{pn}") for pn, p in module.named_parameters()]:
+                seen = where.setdefault(key, (s, what))
+                if seen[0] != s:
+                    raise ValueError(f"{NAME}: {what!r} is also {seen[1]!r}, on stage {seen[0]}: expected each module "
+                                     f"and param on one stage (split_modules keeps no copies in step; split_gpt "
+                                     f"ties its embeddings), got it on stages {seen[0]} and {s}; pass a layout "
+                                     "that keeps its uses on one stage")
+
+
+def _check_ids(stage_ids, num_stages: int) -> None:
+    """num_stages an int >= 1, stage_ids distinct stages of it (an id past it raised IndexError; -1
+    made a stage of the last stage's modules numbered -1)."""
+    if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
+        raise ValueError(f"{NAME}: expected the number of stages to be an int >= 1, got {num_stages!r}")
+    ids = list(stage_ids) if isinstance(stage_ids, Sequence) else None
+    if not ids or any(isinstance(i, bool) or not isinstance(i, numbers.Integral) or not 0 <= i < num_stages
+                      for i in ids) or len(set(ids)) != len(ids):
+        raise ValueError(f"{NAME}: expected stage_ids to be distinct ints in [0, {num_stages}) (num_stages "
+                         f"{num_stages}), got {ids}")
 
 
 def _balance_counts(sizes: list[int], num_stages: int) -> list[int]:

@@ -173,8 +173,17 @@ class Transfers:
                     last = stage_to_rank(self.num_stages - 1, self.p)
                     sends.append(P2POp("send", self._tied_source.detach(), last, self._tied_tag("weight")))
                 for t, keep in zip(outs, saved):  # [Note: pipeline transfers] free what autograd does not need
-                    if not keep and t._base is None and not self._held(a.stage, a.mb, t):
-                        t.data = torch.empty(0, dtype=t.dtype, device=t.device)
+                    if keep or self._held(a.stage, a.mb, t):
+                        continue
+                    # a view spanning the whole of a tensor the forward made (an MoE layer's
+                    # reshaped output: kept whole on every MoE stage before 2026-12-07) frees its base
+                    base = t._base  # (a leaf requiring grad is a param or an input: never freed)
+                    if base is not None and (base.numel() != t.numel() or (base.grad_fn is None and base.requires_grad)
+                                             or self._held(a.stage, a.mb, base)):
+                        continue
+                    t.data = torch.empty(0, dtype=t.dtype, device=t.device)
+                    if base is not None:
+                        base.data = torch.empty(0, dtype=base.dtype, device=base.device)
             elif a.kind == "SEND_B":
                 for g in self._grads_in.pop((a.stage, a.mb)):
                     sends.append(P2POp("send", g.contiguous(), peer, self._tag("B", a.stage, a.mb)))
