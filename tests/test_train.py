@@ -208,6 +208,66 @@ def _children(pid: int) -> list[int]:
 
 
 @pytest.mark.timeout(TIMEOUT)
+def test_sigterm_to_launcher_with_a_failing_save_is_no_clean_stop(tmp_path):
+    """The ranks' stop-time save failed (a full disk, injected here) and the launcher still returned
+    128 + SIGTERM, "stopped", with no checkpoint: a requeue took it for a clean stop (a review's
+    reproduction, 2026-12-07). It returns 1 and says the ranks did not finish cleanly."""
+    inject = tmp_path / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(
+        "import os\n"
+        "if os.environ.get('RANK') is not None:\n"
+        "    from zerofuse.checkpoint import files\n"
+        "    def begin(path):\n"
+        "        raise OSError(28, 'No space left on device (injected)')\n"
+        "    files.begin = begin\n")
+    env = dict(_env(), PYTHONPATH=os.pathsep.join(filter(None, [str(inject), os.environ.get("PYTHONPATH")])))
+    out = tmp_path / "out"
+    proc = subprocess.Popen(_cmd("--nproc", 2, "--steps", 100000, "--eval-every", 0, "--ckpt-every", 0, "--out", out),
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + TIMEOUT - 30
+        path = out / "metrics.jsonl"
+        while not (path.exists() and len(path.read_text().splitlines()) >= 2):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() else ""
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        output, _ = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, output[-3000:]
+    assert "stopped by SIGTERM, but the ranks did not finish cleanly" in output, output[-3000:]
+    assert "No space left on device (injected)" in output and not (out / "ckpt").exists()
+
+
+@pytest.mark.timeout(TIMEOUT)
+@pytest.mark.parametrize("to", ["launcher", "rank1"])
+def test_sigusr1_stops_with_a_checkpoint(tmp_path, to):
+    """SLURM's --signal=USR1@<s> (to the batch script's launcher, or srun's to each task): a rank's
+    default action ended it with no checkpoint, and the launcher's ended it before its ranks (a
+    review's reproduction, 2026-12-07). Now a stop signal like SIGTERM: every rank saves at one step."""
+    proc = subprocess.Popen(_cmd("--nproc", 2, "--steps", 100000, "--eval-every", 0, "--out", tmp_path),
+                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + TIMEOUT - 30
+        path = tmp_path / "metrics.jsonl"
+        while not (path.exists() and len(path.read_text().splitlines()) >= 2):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() else ""
+            time.sleep(0.1)
+        ranks = sorted(_children(proc.pid))
+        target = proc.pid if to == "launcher" else max(ranks)
+        os.kill(target, signal.SIGUSR1)
+        output, _ = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGUSR1, output[-3000:]
+    steps = [r["step"] for r in metrics(tmp_path)]
+    assert ckpt_step(tmp_path) == steps[-1] and (tmp_path / "summary.json").exists() and (tmp_path / "loss.png").exists()
+
+
+@pytest.mark.timeout(TIMEOUT)
 def test_sigterm_to_launcher_checkpoints_and_exits(tmp_path):
     proc = subprocess.Popen(_cmd("--nproc", 2, "--steps", 100000, "--eval-every", 0, "--out", tmp_path),
                             env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

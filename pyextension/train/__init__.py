@@ -74,21 +74,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
         return EXIT_USAGE
     with contextlib.ExitStack() as held:
-        locking = False
         try:
             validate(args)
             if takes_out_lock(env):
-                locking = True
                 held.enter_context(out_lock(args.out))
             held.enter_context(rank_lock(args.out))  # (a rank our launcher started: --out's while it lives)
         except UsageError as e:
             if env is None or env.get("RANK") == "0":
                 print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
-                if locking and env is not None:  # the others would wait for rank 0 at the rendezvous
-                    abort_rendezvous(env)
+            else:  # (each rank its own: a --data missing on one node was said nowhere)
+                print(f"{PROG}: error: rank {env['RANK']}: {e}", file=sys.stderr, flush=True)
+            if env is not None and os.environ.get("ZEROFUSE_TRAIN_LAUNCHED") != "1":  # torchrun / SLURM: the
+                abort_rendezvous(env)  # others would wait for this rank at the rendezvous (our launcher's
+                # agent stops them itself)
             return EXIT_USAGE
         if env is None and args.nproc > 1:
-            return launch(argv, args.nproc, args.timeout)
+            return launch(argv, args.nproc, args.timeout, args.out)
         code = Trainer(args, env).run()
     if code and env is not None:
         # Stopped by a signal: leave now. The launcher signals the ranks still running when one exits

@@ -16,7 +16,10 @@ import torch
 from ..checkpoint import files
 from .cli import EXIT_USAGE, PROG, UsageError
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)  # the elastic agent's
+# the elastic agent's, and SLURM's --signal=USR1@<s> / B:USR2 (a rank's default action ended it with no
+# checkpoint; the launcher's, before its ranks: a review's reproduction, 2026-12-07)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+_AGENT_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)  # the agent handles these itself
 
 
 def _slurm_master() -> str:
@@ -147,9 +150,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(argv: list[str], nproc: int, timeout: float = 600.0) -> int:
+def launch(argv: list[str], nproc: int, timeout: float = 600.0, out: str | None = None) -> int:
     """Start nproc local ranks with torch's elastic launcher, each running ``-m zerofuse.train`` with argv;
-    return the exit code of the job."""
+    return the exit code of the job (``out``: the job's --out, where a clean stop writes summary.json)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -168,9 +171,22 @@ def launch(argv: list[str], nproc: int, timeout: float = 600.0) -> int:
                           rdzv_endpoint=f"127.0.0.1:{_free_port()}", run_id=f"zerofuse-{uuid.uuid4().hex[:8]}",
                           max_restarts=0, monitor_interval=0.1, local_addr="127.0.0.1",
                           shutdown_timeout=max(30, int(timeout)))
+    def as_agent_signal(signum, _frame):  # the others: the agent stops the ranks with them as with its own
+        raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
+
+    before_handlers = {s: signal.signal(s, as_agent_signal) for s in STOP_SIGNALS if s not in _AGENT_SIGNALS}
     try:
         elastic_launch(config, sys.executable)("-m", "zerofuse.train", *argv)
     except SignalException as e:  # the launcher got the signal and stopped the ranks with it
+        # (the agent has waited for them: a clean stop saved and wrote the summary; ranks that failed
+        # meanwhile, a full disk at the stop's save, returned 143 as a clean stop before: a requeue
+        # took it for one; a review's reproduction, 2026-12-07)
+        if out is not None and _since(os.path.join(out, "metrics.jsonl"), T0) \
+                and not _since(os.path.join(out, "summary.json"), T0):  # (stopped in its start: no step, no summary)
+            print(f"{PROG}: stopped by {e.sigval.name}, but the ranks did not finish cleanly (no summary.json "
+                  "written: their errors above say why; --resume takes the last complete checkpoint)",
+                  file=sys.stderr, flush=True)
+            return 1
         print(f"{PROG}: stopped by {e.sigval.name}", file=sys.stderr, flush=True)
         return 128 + int(e.sigval)
     except ChildFailedError as e:
@@ -184,12 +200,22 @@ def launch(argv: list[str], nproc: int, timeout: float = 600.0) -> int:
             print(f"{PROG}: rank {rank} failed with exit code {f.exitcode}", file=sys.stderr, flush=True)
         return EXIT_USAGE if codes == {EXIT_USAGE} else 1
     finally:
+        for s, h in before_handlers.items():
+            signal.signal(s, h if h is not None else signal.SIG_DFL)
         for k, v in before.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
     return 0
+
+
+def _since(path: str, t0: float) -> bool:
+    """Whether ``path`` was written since ``t0`` (time.time())."""
+    try:
+        return os.path.getmtime(path) >= t0
+    except OSError:
+        return False
 
 
 def die_with_parent() -> None:
@@ -292,8 +318,12 @@ def _rendezvous(rank: int, world: int, timeout: datetime.timedelta):
     if store.add(key, 1) == world:
         store.set(key + "/all", "1")
     store.wait([key + "/all"])
-    if store.check([key + "/abort"]):  # (rank 0 printed why)
+    if store.check([key + "/abort"]):  # (the refused rank printed why)
         store.add(key + "/abort_seen", 1)
+        if rank == 0:
+            who = store.get(key + "/abort").decode()
+            print(f"{PROG}: error: rank {who} was refused at its start (its error says why); every rank stops",
+                  file=sys.stderr, flush=True)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(EXIT_USAGE)
@@ -313,27 +343,30 @@ ABORT_WAIT_S = 60.0  # how long a refused rank 0 waits for its peers to hear it
 
 
 def abort_rendezvous(env: dict) -> None:
-    """Rank 0 of a torchrun/SLURM job refused at its start (--out held by another job): meet the
-    others at the rendezvous and tell them to exit too (under srun without --kill-on-bad-exit they
-    waited STARTUP_S for a rank 0 that had gone; a review's reproduction, 2026-12-07). Best effort:
-    peers that do not come within ABORT_WAIT_S are left to their own rendezvous timeout."""
+    """A rank of a torchrun/SLURM job refused at its start (--out held by another job; a --data
+    missing on its node): meet the others at the rendezvous and tell them to exit too (under srun
+    without --kill-on-bad-exit they waited STARTUP_S for a rank 0 that had gone; a rank other than 0
+    left silently and rank 0 waited 600 s: reviews' reproductions, 2026-12-07). Best effort: peers
+    that do not come within ABORT_WAIT_S are left to their own rendezvous timeout."""
     import time
 
     import torch.distributed as dist
 
-    world = int(env["WORLD_SIZE"])
+    world, rank = int(env["WORLD_SIZE"]), int(env["RANK"])
     if world < 2:
         return
     _slurm_endpoint()
     try:
         wait = datetime.timedelta(seconds=ABORT_WAIT_S)
-        store, _, _ = next(dist.rendezvous("env://", 0, world, timeout=wait))
+        store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=wait))
         key = _arrival_key()
-        store.set(key + "/abort", "1")
+        store.set(key + "/abort", str(rank))
+        if rank != 0:  # (rank 0 hosts the store: it waits for every other rank to have read it)
+            store.add(key + "/abort_seen", 1)
         if store.add(key, 1) == world:
             store.set(key + "/all", "1")
         deadline = time.monotonic() + ABORT_WAIT_S
-        while store.add(key + "/abort_seen", 0) < world - 1 and time.monotonic() < deadline:
+        while rank == 0 and store.add(key + "/abort_seen", 0) < world - 1 and time.monotonic() < deadline:
             time.sleep(0.05)  # (the store lives in this process: it stays until they have read it)
     except Exception:  # noqa: BLE001 - (the refusal was printed; nothing more to tell)
         pass
