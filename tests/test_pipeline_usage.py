@@ -210,13 +210,17 @@ def test_a_module_used_twice_in_a_sequential_runs_twice(schedule):
 
 
 def test_a_module_on_two_stages_and_bad_stage_ids_are_refused():
-    """A module (or param) on two stages was two copies on two ranks, each trained on its stage's
-    part of the grad; a stage id past the stages raised IndexError, -1 gave a stage numbered -1."""
+    """A param (or buffer) on two stages was two copies on two ranks, each trained on its stage's
+    part of the grad; a stage id past the stages raised IndexError, -1 gave a stage numbered -1. A
+    module of neither, an activation, may be on two."""
     from zerofuse.pipeline import split_modules
 
-    with pytest.raises(ValueError, match=r"'4' is also '2', on stage 0: expected each module and param on one stage "
-                                         r".* got it on stages 0 and 1"):
+    with pytest.raises(ValueError, match=r"'4.weight' is also '2.weight', on stage 0: expected each param and buffer "
+                                         r"on one stage .* got it on stages 0 and 1"):
         split_modules(_shared_twice(), 2, [0], layout=[3, 2])
+    act = torch.nn.GELU()  # a module of no param or buffer may run on two stages
+    free = torch.nn.Sequential(torch.nn.Linear(16, 16), act, torch.nn.Linear(16, 16), act)
+    assert [s.parts for s in split_modules(free, 2, [1], layout=[2, 2])] == [["2", "3"]]
     for ids, n in (([2], 2), ([-1], 2), ([0, 0], 2), ([0], 0)):
         with pytest.raises(ValueError, match=r"expected (stage_ids to be distinct ints in \[0, 2\) \(num_stages 2\), "
                                              r"got \[|the number of stages to be an int >= 1, got 0)"):
@@ -277,6 +281,6 @@ def test_an_in_place_op_on_a_received_input_names_the_stage():
     """torch's bare 'a leaf Variable that requires grad is being used in an in-place operation'
     named neither the stage nor its input."""
     _, second = run_distributed(_inplace_rank, 2, timeout=120)
-    assert second.startswith("RuntimeError: zerofuse.pipeline.Pipeline: stage 1 wrote one of its inputs in place "
-                             "(a leaf Variable that requires grad"), second
+    assert second.startswith("RuntimeError: zerofuse.pipeline.Pipeline: stage 1 wrote a leaf in place, one of its "
+                             "inputs or a param (a leaf Variable that requires grad"), second
     assert "expected no in-place op on a stage's inputs" in second, second

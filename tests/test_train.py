@@ -1,5 +1,6 @@
 """zerofuse-train: the training job end to end (subprocesses on the C++ CPU kernels, tiny dims) and
 its pieces in process (flag checks, data, sampler, schedule, launch environment)."""
+import contextlib
 import json
 import math
 import re
@@ -207,6 +208,24 @@ def _children(pid: int) -> list[int]:
     return kids
 
 
+@contextlib.contextmanager
+def _running_job(out, *flags, env=None):
+    """A --nproc 2 job of 100000 steps into out, yielded once it has logged two steps (killed if
+    still running after)."""
+    proc = subprocess.Popen(_cmd("--nproc", 2, "--steps", 100000, "--eval-every", 0, *flags, "--out", out),
+                            env=env or _env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + TIMEOUT - 30
+        path = Path(out) / "metrics.jsonl"
+        while not (path.exists() and len(path.read_text().splitlines()) >= 2):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() else ""
+            time.sleep(0.1)
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
 @pytest.mark.timeout(TIMEOUT)
 def test_sigterm_to_launcher_with_a_failing_save_is_no_clean_stop(tmp_path):
     """The ranks' stop-time save failed (a full disk, injected here) and the launcher still returned
@@ -223,19 +242,9 @@ def test_sigterm_to_launcher_with_a_failing_save_is_no_clean_stop(tmp_path):
         "    files.begin = begin\n")
     env = dict(_env(), PYTHONPATH=os.pathsep.join(filter(None, [str(inject), os.environ.get("PYTHONPATH")])))
     out = tmp_path / "out"
-    proc = subprocess.Popen(_cmd("--nproc", 2, "--steps", 100000, "--eval-every", 0, "--ckpt-every", 0, "--out", out),
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        deadline = time.monotonic() + TIMEOUT - 30
-        path = out / "metrics.jsonl"
-        while not (path.exists() and len(path.read_text().splitlines()) >= 2):
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() else ""
-            time.sleep(0.1)
+    with _running_job(out, "--ckpt-every", 0, env=env) as proc:
         proc.send_signal(signal.SIGTERM)
         output, _ = proc.communicate(timeout=90)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
     assert proc.returncode == 1, output[-3000:]
     assert "stopped by SIGTERM, but the ranks did not finish cleanly" in output, output[-3000:]
     assert "No space left on device (injected)" in output and not (out / "ckpt").exists()
@@ -247,21 +256,9 @@ def test_sigusr1_stops_with_a_checkpoint(tmp_path, to):
     """SLURM's --signal=USR1@<s> (to the batch script's launcher, or srun's to each task): a rank's
     default action ended it with no checkpoint, and the launcher's ended it before its ranks (a
     review's reproduction, 2026-12-07). Now a stop signal like SIGTERM: every rank saves at one step."""
-    proc = subprocess.Popen(_cmd("--nproc", 2, "--steps", 100000, "--eval-every", 0, "--out", tmp_path),
-                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        deadline = time.monotonic() + TIMEOUT - 30
-        path = tmp_path / "metrics.jsonl"
-        while not (path.exists() and len(path.read_text().splitlines()) >= 2):
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() else ""
-            time.sleep(0.1)
-        ranks = sorted(_children(proc.pid))
-        target = proc.pid if to == "launcher" else max(ranks)
-        os.kill(target, signal.SIGUSR1)
+    with _running_job(tmp_path) as proc:
+        os.kill(proc.pid if to == "launcher" else max(_children(proc.pid)), signal.SIGUSR1)
         output, _ = proc.communicate(timeout=90)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
     assert proc.returncode == 128 + signal.SIGUSR1, output[-3000:]
     steps = [r["step"] for r in metrics(tmp_path)]
     assert ckpt_step(tmp_path) == steps[-1] and (tmp_path / "summary.json").exists() and (tmp_path / "loss.png").exists()
@@ -269,14 +266,7 @@ def test_sigusr1_stops_with_a_checkpoint(tmp_path, to):
 
 @pytest.mark.timeout(TIMEOUT)
 def test_sigterm_to_launcher_checkpoints_and_exits(tmp_path):
-    proc = subprocess.Popen(_cmd("--nproc", 2, "--steps", 100000, "--eval-every", 0, "--out", tmp_path),
-                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        deadline = time.monotonic() + TIMEOUT - 30
-        path = tmp_path / "metrics.jsonl"
-        while not (path.exists() and len(path.read_text().splitlines()) >= 2):
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() else ""
-            time.sleep(0.1)
+    with _running_job(tmp_path) as proc:
         ranks = _children(proc.pid)
         assert len(ranks) == 2
         # a second job on the same --out is refused before it writes there (it deleted the running
@@ -286,9 +276,6 @@ def test_sigterm_to_launcher_checkpoints_and_exits(tmp_path):
             second.stderr, second.stderr
         proc.send_signal(signal.SIGTERM)
         output, _ = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
     assert proc.returncode == 128 + signal.SIGTERM, output
     steps = [r["step"] for r in metrics(tmp_path)]
     assert ckpt_step(tmp_path) == steps[-1] and steps == list(range(1, len(steps) + 1))
@@ -512,6 +499,45 @@ def test_slurm_ports_differ_by_job_and_step(monkeypatch):
     assert len(ports) == 4 and all(20000 <= p < 30000 for p in ports)
     monkeypatch.setenv("SLURM_STEP_ID", "batch")  # not a number: no crash
     assert 20000 <= _slurm_port() < 30000
+
+
+def test_launch_judges_a_stop_by_this_launch_s_files_and_runs_off_the_main_thread(monkeypatch, tmp_path):
+    """A signalled launch is a clean stop only if this launch's ranks wrote summary.json (a second
+    in-process launch into the same --out took the first one's summary for its own: 143); launch()
+    from another thread raised installing its signal handlers and left the ranks' variables set
+    (reviews' reproductions, 2026-12-07)."""
+    import threading
+
+    import torch.distributed.launcher.api as api
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from zerofuse.train.launch import launch
+
+    for k in ("ZEROFUSE_TRAIN_LAUNCHED", "ZEROFUSE_TRAIN_T0"):
+        monkeypatch.delenv(k, raising=False)
+    plan = []
+
+    def fake_launch(config, entry):
+        def run(*args):
+            writes, stop = plan.pop(0)
+            for name in writes:
+                (tmp_path / name).write_text("{}")
+            if stop:
+                raise SignalException("stop", sigval=signal.SIGTERM)
+        return run
+
+    monkeypatch.setattr(api, "elastic_launch", fake_launch)
+    plan[:] = [(("metrics.jsonl", "summary.json"), False), (("metrics.jsonl",), True),
+               (("metrics.jsonl", "summary.json"), True), ((), True)]
+    assert launch([], 2, out=str(tmp_path)) == 0
+    time.sleep(0.05)  # (a later mtime for the next launch's writes)
+    assert launch([], 2, out=str(tmp_path)) == 1  # trained, no summary of its own: not a clean stop
+    assert launch([], 2, out=str(tmp_path)) == 143
+    got = []
+    thread = threading.Thread(target=lambda: got.append(launch([], 2, out=str(tmp_path / "new"))))
+    thread.start()
+    thread.join(60)
+    assert got == [143] and "ZEROFUSE_TRAIN_LAUNCHED" not in os.environ  # (stopped in its start: no step)
 
 
 def test_launch_gives_the_ranks_their_grace_and_keeps_its_variables_to_them(monkeypatch):

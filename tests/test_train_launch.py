@@ -62,14 +62,14 @@ def test_a_rank_whose_launcher_died_during_its_start_ends_at_once(tmp_path):
     assert p.returncode == 143 and time.monotonic() - t0 < 60, (p.returncode, p.stderr[-2000:])
 
 
-def _slurm_env():
+def _slurm_env(tasks=2):
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    return dict(os.environ, SLURM_NTASKS="2", SLURM_JOB_ID="4242", SLURM_STEP_ID="0", SLURM_JOB_NODELIST="127.0.0.1",
-                MASTER_PORT=str(port))
+    return dict(os.environ, SLURM_NTASKS=str(tasks), SLURM_JOB_ID="4242", SLURM_STEP_ID="0",
+                SLURM_JOB_NODELIST="127.0.0.1", MASTER_PORT=str(port))
 
 
 @pytest.mark.timeout(300)
@@ -89,23 +89,25 @@ def test_slurm_rank0_refused_its_out_tells_the_others(tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_slurm_rank1_refused_says_why_and_tells_rank0(tmp_path):
+@pytest.mark.parametrize("tasks", [2, 3])
+def test_slurm_rank1_refused_says_why_and_tells_rank0(tmp_path, tasks):
     """A --data missing on rank 1's node: rank 1 exited 2 without a word (only rank 0 printed its
     refusals) and rank 0 waited max(--timeout, STARTUP_S) at the rendezvous, then failed with
-    torch's store timeout (a review's reproduction, 2026-12-07)."""
-    base = _slurm_env()
+    torch's store timeout (a review's reproduction, 2026-12-07). With a third rank, rank 0 (the
+    store's host) waits until it has read the abort too (it left at once: rank 2's read failed)."""
+    base = _slurm_env(tasks)
     here, there = tmp_path / "node0", tmp_path / "node1"
     here.mkdir()
     there.mkdir()
     (here / "data.txt").write_text("the quick brown fox jumps over the lazy dog. " * 400)
-    argv = [sys.executable, "-m", "zerofuse.train", *tiny_job_argv(tmp_path / "out", "--steps", "2", "--nproc", "2",
-                                                                  "--data", "data.txt")]
+    argv = [sys.executable, "-m", "zerofuse.train", *tiny_job_argv(tmp_path / "out", "--steps", "2", "--nproc",
+                                                                  str(tasks), "--data", "data.txt")]
     t0 = time.monotonic()
     ranks = [subprocess.Popen(argv, env=dict(base, SLURM_PROCID=str(r), SLURM_LOCALID=str(r)), cwd=str(d),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for r, d in ((1, there), (0, here))]
+             for r, d in ((1, there), (0, here), (2, here))[:tasks]]
     outs = [p.communicate(timeout=200) for p in ranks]
-    assert [p.returncode for p in ranks] == [2, 2], outs
+    assert [p.returncode for p in ranks] == [2] * tasks, outs
     assert outs[0][1].startswith("zerofuse-train: error: rank 1: --data:"), outs
     assert "zerofuse-train: error: rank 1 was refused at its start (its error says why)" in outs[1][1], outs
     assert time.monotonic() - t0 < 120

@@ -25,7 +25,8 @@ from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
 
 from zerofuse.checkpoint import files
 from zerofuse.checkpoint.dcp_read import SafeLoadPlanner, SafeReader
-from zerofuse.checkpoint.native import _saving_ranks, _table, begin_save
+from zerofuse.checkpoint.collective import begin_save
+from zerofuse.checkpoint.native import _saving_ranks, _table
 from zerofuse.checkpoint.optim_checks import (check_kind, check_optimizer, check_owner, check_torch_options,
                                               plain_options, restore_scale, saved_kind)
 from zerofuse.tp.spec import spec_of

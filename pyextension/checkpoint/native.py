@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from zerofuse.checkpoint import files
+from zerofuse.checkpoint.collective import agree, begin_save
 from zerofuse.checkpoint.optim_checks import check_optimizer, check_owner, plain_options, restore_scale
 from zerofuse.checkpoint.sources import FORMAT, VALUE, Full
 from zerofuse.moe import expert_spec
@@ -108,22 +109,6 @@ def save(path: str, model: torch.nn.Module, optimizer=None, *, extra=None) -> No
         if locked:
             files.release(path)
     dist.barrier(group=group)
-
-
-def begin_save(path: str, leader: bool, group, device) -> bool:
-    """Collective: the leader's files.begin (the save's lock and fresh .tmp), its failure raised on
-    every rank (the peers waited for it in a barrier until the timeout: a review's reproduction,
-    2026-12-07); whether this rank holds the lock."""
-    error = None
-    if leader:
-        try:
-            files.begin(path)
-        except Exception as e:
-            error = e
-    agree(group, error, f"{NAME}.save", device, "could not begin the save")
-    if error is not None:
-        raise error
-    return leader
 
 
 def _save_stage(directory: str, eng, model, optimizer, extra, group, device) -> None:
@@ -332,18 +317,6 @@ def _fill_shards(eng, optimizer, opt_meta, full, src) -> None:
                 for dst in dsts:
                     dst.copy_(mine)
                 del t, mine  # before the next one is assembled: one full tensor at a time
-
-
-def agree(group, error, who, device, what: str = "could not read their part of the checkpoint") -> None:
-    """Collective: raise on every rank if reading (or writing: ``what``) failed on any (a rank
-    reads only its own files, so one bad file fails one rank; the others must not go on into a
-    collective it never joins). The failed rank raises its own error after."""
-    flag = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=device)
-    failed = [torch.zeros_like(flag) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(failed, flag, group=group)
-    ranks = [r for r, f in enumerate(failed) if f.item()]
-    if ranks and error is None:
-        raise ValueError(f"{who}: rank(s) {ranks} of the group {what} (their errors say why)")
 
 
 def _rest(model, eng) -> dict:

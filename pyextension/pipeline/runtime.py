@@ -367,9 +367,10 @@ class Pipeline(Transfers, Backwards):
             if record:
                 self._zb.recording = None
             if isinstance(e, RuntimeError) and not stage.is_first and "leaf Variable that requires grad" in str(e):
-                raise RuntimeError(f"{NAME}: stage {a.stage} wrote one of its inputs in place ({e}): what a stage "
-                                   "receives is a leaf whose grad goes back to the previous stage; expected no in-place "
-                                   "op on a stage's inputs (e.g. no ReLU(inplace=True) first in a stage)") from e
+                raise RuntimeError(f"{NAME}: stage {a.stage} wrote a leaf in place, one of its inputs or a param "
+                                   f"({e}): what a stage receives is a leaf whose grad goes back to the previous "
+                                   "stage; expected no in-place op on a stage's inputs (e.g. no ReLU(inplace=True) "
+                                   "first in a stage) or params") from e
             raise
         if isinstance(out, torch.Tensor) and not stage.is_last:
             out = (out,)  # one tensor crosses the boundary (iterated, it was split into its rows)

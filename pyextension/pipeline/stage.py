@@ -9,9 +9,9 @@ ids) and returns a tuple of tensors for the next stage, or, on the last stage, t
 - :func:`split_gpt`: a ``zerofuse.models.GPT`` by layer counts (balanced by parameters, or an
   explicit layout such as ``"E,4,4,4,L"``); its stages run the model's own ``embed``, blocks and
   ``final``, and take the micro-batch's ``document_ids`` (packed documents) for their blocks.
-- :func:`split_modules`: any model given as an ordered list of ``(name, module)`` (or an
-  ``nn.Sequential``), each module called on the previous one's output, and a ``loss_fn(output,
-  targets)`` on the last stage.
+- ``split_modules`` (zerofuse/pipeline/modules.py): any model given as an ordered list of
+  ``(name, module)`` (or an ``nn.Sequential``), each module called on the previous one's output,
+  and a ``loss_fn(output, targets)`` on the last stage.
 
 Tied embeddings (``GPTConfig(tie_embeddings=True)``, the gpt2-* presets): when the last stage is
 on another rank than the first, its output layer reads a *mirror* of ``wte.weight``: a
@@ -317,56 +317,6 @@ def _gpt_runner(model, emb: bool, blocks: list, head: bool, stage: Stage) -> Cal
     return run
 
 
-def split_modules(modules, num_stages: int, stage_ids: Sequence[int], *, loss_fn: Callable | None = None,
-                  layout: Sequence[int] | None = None, device=None) -> list[Stage]:
-    """Stages of a model given as an ordered list of (name, module) or an ``nn.Sequential``:
-    each module takes the previous one's output (a tensor or a tuple of tensors); the last stage
-    applies ``loss_fn(output, targets)`` when targets are given. layout: modules per stage
-    (default: balanced by parameters, at least one module per stage)."""
-    if isinstance(modules, torch.nn.Sequential):  # (named_children() skips a module's second use: it
-        modules = list(modules._modules.items())  # trained another model, silently; 2026-12-07)
-    modules = list(modules)
-    _check_ids(stage_ids, num_stages)
-    if not modules or not all(isinstance(m, tuple) and len(m) == 2 and isinstance(m[1], torch.nn.Module)
-                              for m in modules):
-        raise ValueError(f"{NAME}: expected modules to be an nn.Sequential or a non-empty list of (name, module), got "
-                         f"{type(modules).__name__}")
-    if layout is None:
-        sizes = [sum(p.numel() for p in m.parameters()) or 1 for _, m in modules]
-        counts = _balance_counts(sizes, num_stages)
-    else:
-        counts = [int(c) for c in layout]
-        if len(counts) != num_stages or sum(counts) != len(modules) or min(counts) < 1:
-            raise ValueError(f"{NAME}: expected layout to give {num_stages} stages of >= 1 module summing to "
-                             f"{len(modules)}, got {list(layout)}")
-    starts = [sum(counts[:s]) for s in range(num_stages)]
-    _check_shared(modules, starts, counts)
-    stages, kept = [], set()
-    for s in stage_ids:
-        parts = modules[starts[s]:starts[s] + counts[s]]
-        _materialize([m for _, m in parts], device, None)
-        kept.update(id(p) for _, m in parts for p in m.parameters())
-        stages.append(Stage(parts, _chain_runner([m for _, m in parts], loss_fn if s == num_stages - 1 else None),
-                            s, num_stages))
-    _release([m for _, m in modules], kept)
-    return stages
-
-
-def _check_shared(modules, starts, counts) -> None:
-    """A module or param used by two stages would be two copies on two ranks, each trained on its
-    own stage's part of the grad (they drifted apart, silently: a review's reproduction, 2026-12-07)."""
-    where: dict[int, tuple[int, str]] = {}
-    for s, (start, n) in enumerate(zip(starts, counts)):
-        for name, module in modules[start:start + n]:
-            for key, what in [(id(module), name)] + [(id(p), f"{name}.{pn}") for pn, p in module.named_parameters()]:
-                seen = where.setdefault(key, (s, what))
-                if seen[0] != s:
-                    raise ValueError(f"{NAME}: {what!r} is also {seen[1]!r}, on stage {seen[0]}: expected each module "
-                                     f"and param on one stage (split_modules keeps no copies in step; split_gpt "
-                                     f"ties its embeddings), got it on stages {seen[0]} and {s}; pass a layout "
-                                     "that keeps its uses on one stage")
-
-
 def _check_ids(stage_ids, num_stages: int) -> None:
     """num_stages an int >= 1, stage_ids distinct stages of it (an id past it raised IndexError; -1
     made a stage of the last stage's modules numbered -1)."""
@@ -377,46 +327,3 @@ def _check_ids(stage_ids, num_stages: int) -> None:
                       for i in ids) or len(set(ids)) != len(ids):
         raise ValueError(f"{NAME}: expected stage_ids to be distinct ints in [0, {num_stages}) (num_stages "
                          f"{num_stages}), got {ids}")
-
-
-def _balance_counts(sizes: list[int], num_stages: int) -> list[int]:
-    n = len(sizes)
-    if num_stages > n:
-        raise ValueError(f"{NAME}: cannot split {n} modules into {num_stages} stages")
-    # binary search on the largest stage size, greedy fill
-    lo, hi = max(sizes), sum(sizes)
-
-    def fits(cap):
-        counts, acc = [0], 0
-        for i, x in enumerate(sizes):
-            left_modules, left_stages = n - i, num_stages - len(counts) + 1
-            if counts[-1] and (acc + x > cap or left_modules < left_stages):
-                counts.append(0)
-                acc = 0
-            counts[-1] += 1
-            acc += x
-        return counts if len(counts) <= num_stages else None
-
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if fits(mid):
-            hi = mid
-        else:
-            lo = mid + 1
-    counts = fits(lo)
-    while len(counts) < num_stages:  # split the largest count to reach num_stages
-        i = max(range(len(counts)), key=lambda k: counts[k])
-        counts[i:i + 1] = [counts[i] - counts[i] // 2, counts[i] // 2]
-    return counts
-
-
-def _chain_runner(modules: list, loss_fn: Callable | None) -> Callable:
-    def run(*inputs, targets=None):
-        out = inputs if len(inputs) > 1 else inputs[0]
-        for m in modules:
-            out = m(*out) if isinstance(out, tuple) else m(out)
-        if loss_fn is not None and targets is not None:
-            return loss_fn(out, targets)
-        return out if isinstance(out, tuple) else (out,)
-
-    return run

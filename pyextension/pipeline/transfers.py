@@ -177,8 +177,9 @@ class Transfers:
                         continue
                     # a view spanning the whole of a tensor the forward made (an MoE layer's
                     # reshaped output: kept whole on every MoE stage before 2026-12-07) frees its base
-                    base = t._base  # (a leaf requiring grad is a param or an input: never freed)
-                    if base is not None and (base.numel() != t.numel() or (base.grad_fn is None and base.requires_grad)
+                    base = t._base  # (made by the forward under autograd; a leaf requiring grad is a param or
+                    if base is not None and (t.grad_fn is None or base.numel() != t.numel()  # an input: kept)
+                                             or (base.grad_fn is None and base.requires_grad)
                                              or self._held(a.stage, a.mb, base)):
                         continue
                     t.data = torch.empty(0, dtype=t.dtype, device=t.device)

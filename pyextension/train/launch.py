@@ -9,6 +9,8 @@ import re
 import signal
 import socket
 import sys
+import threading
+import time
 import uuid
 
 import torch
@@ -162,6 +164,7 @@ def launch(argv: list[str], nproc: int, timeout: float = 600.0, out: str | None 
     ours = {"ZEROFUSE_TRAIN_LAUNCHED": "1",  # the ranks die with us (PR_SET_PDEATHSIG)
             "ZEROFUSE_TRAIN_LAUNCHER": str(os.getpid()),  # (and check we are alive: die_with_parent)
             "ZEROFUSE_TRAIN_T0": str(T0)}  # the summary's wall time counts the launch
+    t_launch = time.time()  # (summary.json written since: a clean stop; T0 is the package's import in-process)
     before = {k: os.environ.get(k) for k in ours}
     os.environ.update(ours)
     # a stopped rank finishes its step, agrees on stopping at the next one and saves a checkpoint:
@@ -174,15 +177,17 @@ def launch(argv: list[str], nproc: int, timeout: float = 600.0, out: str | None 
     def as_agent_signal(signum, _frame):  # the others: the agent stops the ranks with them as with its own
         raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
 
-    before_handlers = {s: signal.signal(s, as_agent_signal) for s in STOP_SIGNALS if s not in _AGENT_SIGNALS}
+    before_handlers = {}
     try:
+        if threading.current_thread() is threading.main_thread():  # (signal handlers: the main thread's only)
+            before_handlers = {s: signal.signal(s, as_agent_signal) for s in STOP_SIGNALS if s not in _AGENT_SIGNALS}
         elastic_launch(config, sys.executable)("-m", "zerofuse.train", *argv)
     except SignalException as e:  # the launcher got the signal and stopped the ranks with it
         # (the agent has waited for them: a clean stop saved and wrote the summary; ranks that failed
         # meanwhile, a full disk at the stop's save, returned 143 as a clean stop before: a requeue
         # took it for one; a review's reproduction, 2026-12-07)
-        if out is not None and _since(os.path.join(out, "metrics.jsonl"), T0) \
-                and not _since(os.path.join(out, "summary.json"), T0):  # (stopped in its start: no step, no summary)
+        if out is not None and _since(os.path.join(out, "metrics.jsonl"), t_launch) \
+                and not _since(os.path.join(out, "summary.json"), t_launch):  # (stopped in its start: no step, no summary)
             print(f"{PROG}: stopped by {e.sigval.name}, but the ranks did not finish cleanly (no summary.json "
                   "written: their errors above say why; --resume takes the last complete checkpoint)",
                   file=sys.stderr, flush=True)
@@ -308,7 +313,7 @@ def _rendezvous(rank: int, world: int, timeout: datetime.timedelta):
     reached it. --timeout bounds the collectives, but a group's connection also waits for its
     peers within it, and ranks start seconds apart (the interpreter and imports on a loaded
     machine: a 3 s --timeout failed in connectFullMesh in CI, 2026-11-27). So the ranks first meet
-    on the store, allowing STARTUP_S; then the store and the group take --timeout. A rank 0 refused
+    on the store, allowing STARTUP_S; then the store and the group take --timeout. A rank refused
     at its start (abort_rendezvous) has left word there: the others exit 2 at once."""
     import torch.distributed as dist
 
@@ -319,11 +324,13 @@ def _rendezvous(rank: int, world: int, timeout: datetime.timedelta):
         store.set(key + "/all", "1")
     store.wait([key + "/all"])
     if store.check([key + "/abort"]):  # (the refused rank printed why)
-        store.add(key + "/abort_seen", 1)
         if rank == 0:
             who = store.get(key + "/abort").decode()
             print(f"{PROG}: error: rank {who} was refused at its start (its error says why); every rank stops",
                   file=sys.stderr, flush=True)
+            _wait_abort_seen(store, key, world)  # (the store lives in this process: a third rank's read of the
+        else:  # flag failed with a closed connection when rank 0 left at once: a review's reproduction)
+            store.add(key + "/abort_seen", 1)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(EXIT_USAGE)
@@ -339,7 +346,16 @@ def _arrival_key() -> str:
     return f"zerofuse/arrived/{job}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 
 
-ABORT_WAIT_S = 60.0  # how long a refused rank 0 waits for its peers to hear it
+ABORT_WAIT_S = 60.0  # how long rank 0 (the store's host) waits for its peers to hear of a refused rank
+
+
+def _wait_abort_seen(store, key: str, world: int) -> None:
+    """Rank 0, the store's host: until every other rank has read the abort (or ABORT_WAIT_S)."""
+    import time
+
+    deadline = time.monotonic() + ABORT_WAIT_S
+    while store.add(key + "/abort_seen", 0) < world - 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def abort_rendezvous(env: dict) -> None:
@@ -348,8 +364,6 @@ def abort_rendezvous(env: dict) -> None:
     without --kill-on-bad-exit they waited STARTUP_S for a rank 0 that had gone; a rank other than 0
     left silently and rank 0 waited 600 s: reviews' reproductions, 2026-12-07). Best effort: peers
     that do not come within ABORT_WAIT_S are left to their own rendezvous timeout."""
-    import time
-
     import torch.distributed as dist
 
     world, rank = int(env["WORLD_SIZE"]), int(env["RANK"])
@@ -365,8 +379,7 @@ def abort_rendezvous(env: dict) -> None:
             store.add(key + "/abort_seen", 1)
         if store.add(key, 1) == world:
             store.set(key + "/all", "1")
-        deadline = time.monotonic() + ABORT_WAIT_S
-        while rank == 0 and store.add(key + "/abort_seen", 0) < world - 1 and time.monotonic() < deadline:
-            time.sleep(0.05)  # (the store lives in this process: it stays until they have read it)
+        if rank == 0:  # (the store lives in this process: it stays until they have read it)
+            _wait_abort_seen(store, key, world)
     except Exception:  # noqa: BLE001 - (the refusal was printed; nothing more to tell)
         pass

@@ -233,7 +233,7 @@ class Trainer:
                     self.opt.apply_pending()
                 records = self.metrics.flush()  # the log point: the device is read here only
                 check_not_stuck(self.opt, records)
-                if self.moe is not None:  # collective over the DP group, like the flush
+                if self.moe is not None:  # collective over the DP group (every rank under --pp), like the flush
                     records[-1]["moe"] = self.moe_figures()
                 if evaluate:
                     records[-1]["val_loss"] = val = self.evaluate()

@@ -1,0 +1,44 @@
+"""The checkpoint's collective steps where one rank's failure must fail every rank at once (a
+rank reads or writes only its own files, so one bad file or full disk fails one rank; the others
+must not go on into a collective it never joins): ``agree`` and the save's ``begin_save``."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from zerofuse.checkpoint import files
+
+NAME = files.NAME
+
+
+def agree(group, error, who, device, what: str = "could not read their part of the checkpoint") -> None:
+    """Collective: raise on every rank if reading (or writing: ``what``) failed on any (a rank
+    reads only its own files, so one bad file fails one rank; the others must not go on into a
+    collective it never joins). The failed rank raises its own error after."""
+    flag = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=device)
+    failed = [torch.zeros_like(flag) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(failed, flag, group=group)
+    ranks = [r for r, f in enumerate(failed) if f.item()]
+    if ranks and error is None:
+        raise ValueError(f"{who}: rank(s) {ranks} of the group {what} (their errors say why)")
+
+
+def begin_save(path: str, leader: bool, group, device) -> bool:
+    """Collective: the leader's files.begin (the save's lock and fresh .tmp), its failure raised on
+    every rank (the peers waited for it in a barrier until the timeout: a review's reproduction,
+    2026-12-07); whether this rank holds the lock."""
+    error = None
+    if leader:
+        try:
+            files.begin(path)
+        except Exception as e:
+            error = e
+    try:
+        agree(group, error, f"{NAME}.save", device, "could not begin the save")
+    except BaseException:
+        if leader and error is None:  # (a failed collective: the lock held for the process's life)
+            files.release(path)
+        raise
+    if error is not None:
+        raise error
+    return leader
