@@ -123,6 +123,13 @@ def merge_stages(stages: Sequence[Stage]) -> Stage:
     merged = Stage(parts, run, -1, stages[0].num_stages)
     for s in stages:
         merged.state_dict_aliases.update(s.state_dict_aliases)
+    # ZeRO's expert group (zero/experts.py), the same on every stage of a rank (it was lost: interleaved
+    # stages with expert parallelism refused at parallelize; a review's reproduction, 2026-12-07)
+    groups = {id(g): g for s in stages if (g := getattr(s, "edp_group", None)) is not None}
+    if len(groups) > 1:
+        raise ValueError(f"{NAME}: the stages hold {len(groups)} expert-data-parallel groups; expected one (a rank's "
+                         "stages are split from one model)")
+    merged.edp_group = next(iter(groups.values()), None)
     return merged
 
 
