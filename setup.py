@@ -107,9 +107,11 @@ class _BuildExt(BuildExtension.with_options(use_ninja=True)):
         cuda = any(src.endswith(".cu") for ext in self.extensions for src in ext.sources)
         suffixes = stamp.SUFFIXES if cuda else stamp.CPU_SUFFIXES
         hashes = stamp.source_hashes(os.path.join(ROOT, "csrc"), suffixes)
+        build = stamp.build_hashes(ROOT)
         super().run()
         for ext in self.extensions:
-            path = stamp.write(os.path.dirname(self.get_ext_fullpath(ext.name)), hashes, suffixes, torch.__version__)
+            full = self.get_ext_fullpath(ext.name)
+            path = stamp.write(os.path.dirname(full), hashes, suffixes, torch.__version__, os.path.basename(full), build)
             print(f"zerofuse: build stamp {path}", file=sys.stderr)
 
 

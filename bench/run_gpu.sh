@@ -113,8 +113,10 @@ fi
     || echo "liger-kernel: not installed (bench/fetch_gpu_wheels.sh, carry .whl)"
 } >> "$out/env.txt" 2>&1
 
-if ! want build && ! "$py" -c "import zerofuse._C" 2>/dev/null; then
-  echo "== no built extension here (a fresh machine?): building first"
+# (a stale extension imports too, with a warning: a second call's train or bench measured the old
+# kernels under the new commit's env.txt; a review's reproduction, 2026-12-07)
+if ! want build && ! "$py" -W ignore -c "import sys, zerofuse; from zerofuse import _loader; sys.exit(1 if _loader.warn_if_stale() else 0)" 2>/dev/null; then
+  echo "== no built extension here (a fresh machine?), or a stale one: building first"
   phases="$phases,build,"
 fi
 

@@ -12,6 +12,7 @@ import glob
 import importlib
 import importlib.util
 import os
+import sys
 import warnings
 
 from zerofuse import _stamp
@@ -55,17 +56,28 @@ def load_extension():
     try:
         ext = importlib.import_module("zerofuse._C")
     except ImportError as e:
-        if not ("libnccl" in str(e) and _preload_nccl()):
-            raise ImportError(f"zerofuse: the compiled extension zerofuse._C did not load ({e}); "
-                              f"{_rebuild_advice()}") from e
-        ext = importlib.import_module("zerofuse._C")
-    warn_if_stale()
+        nccl = "libnccl" in str(e)
+        advice = ("install the NCCL wheel matching this torch (`pip install nvidia-nccl-cu12` or -cu13, as torch's "
+                  "own requirements name it) or put libnccl.so.2 on LD_LIBRARY_PATH / NCCL_HOME" if nccl
+                  else _rebuild_advice())
+        if not (nccl and _preload_nccl()):
+            raise ImportError(f"zerofuse: the compiled extension zerofuse._C did not load ({e}); {advice}") from e
+        try:
+            ext = importlib.import_module("zerofuse._C")
+        except ImportError as again:  # (the preloaded library did not serve: said, not a bare linker error)
+            raise ImportError(f"zerofuse: the compiled extension zerofuse._C did not load ({again}); {advice}") \
+                from again
+    warn_if_stale(getattr(ext, "__file__", None))
     return ext
 
 
-def warn_if_stale() -> str | None:
-    """Warns (StaleBuildWarning) when the extension's build stamp does not match csrc/; returns why."""
-    why = _stamp.stale(os.path.dirname(os.path.abspath(__file__)))
+def warn_if_stale(extension: str | None = None) -> str | None:
+    """Warns (StaleBuildWarning) when the extension's build stamp does not match csrc/ and the build
+    files (or names another extension file than ``extension``, the one loaded); returns why."""
+    if extension is None:
+        ext = sys.modules.get("zerofuse._C")
+        extension = getattr(ext, "__file__", None)
+    why = _stamp.stale(os.path.dirname(os.path.abspath(__file__)), extension)
     if why:
         warnings.warn(f"zerofuse: the compiled extension zerofuse._C is stale: {why}. Its kernels are the old "
                       "ones; rebuild it with `pip install --no-build-isolation -e .` (see README.md).",

@@ -18,6 +18,20 @@ import os
 SUFFIXES = (".cpp", ".cu", ".h", ".cuh")  # a CUDA build's; a CPU-only build compiles CPU_SUFFIXES only
 CPU_SUFFIXES = (".cpp", ".h")
 STAMP = "_C.stamp.json"
+# the files that set the build's flags (-fopenmp, -O3, the CUDA arches), relative to the checkout: an
+# edit there changed the compiled code with no source changed (a review's reproduction, 2026-12-07)
+BUILD_FILES = ("setup.py", "tools/buildenv.py")
+
+
+def build_hashes(root: str) -> dict[str, str]:
+    """sha256 of each of BUILD_FILES under the checkout ``root`` that exists."""
+    out = {}
+    for rel in BUILD_FILES:
+        path = os.path.join(root, rel)
+        if os.path.isfile(path):
+            with open(path, "rb") as f:
+                out[rel] = hashlib.sha256(f.read()).hexdigest()
+    return out
 
 
 def source_hashes(csrc: str, suffixes: tuple[str, ...] = SUFFIXES) -> dict[str, str]:
@@ -34,24 +48,28 @@ def source_hashes(csrc: str, suffixes: tuple[str, ...] = SUFFIXES) -> dict[str, 
 
 
 def write(ext_dir: str, hashes: dict[str, str], suffixes: tuple[str, ...] = SUFFIXES,
-          torch_version: str | None = None) -> str:
+          torch_version: str | None = None, extension: str | None = None, build: dict | None = None) -> str:
     """Writes the stamp (``hashes``: source_hashes of ``suffixes``, the kinds of file the build
     compiled, taken before it began, so an edit made during it counts as a change; the torch it was
-    built against) into ``ext_dir``, atomically; returns its path."""
+    built against; ``extension``: the file name of the extension built, e.g.
+    _C.cpython-311-x86_64-linux-gnu.so; ``build``: build_hashes) into ``ext_dir``, atomically;
+    returns its path."""
     path = os.path.join(ext_dir, STAMP)
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
-        json.dump({"sources": hashes, "suffixes": list(suffixes), "torch": torch_version}, f, indent=0,
-                  sort_keys=True)
+        json.dump({"sources": hashes, "suffixes": list(suffixes), "torch": torch_version, "extension": extension,
+                   "build": build}, f, indent=0, sort_keys=True)
     os.replace(tmp, path)
     return path
 
 
-def stale(pkg_dir: str) -> str | None:
-    """Why the extension in ``pkg_dir`` does not match the checkout's ``csrc/``; None when it does,
-    or when there is nothing to compare (no stamp: built before stamps or by other means; no csrc/)."""
+def stale(pkg_dir: str, extension: str | None = None) -> str | None:
+    """Why the extension in ``pkg_dir`` (``extension``: the file loaded, when known) does not match
+    the checkout's ``csrc/`` and build files; None when it does, or when there is nothing to compare
+    (no stamp: built before stamps or by other means; no csrc/)."""
     stamp = os.path.join(pkg_dir, STAMP)
-    csrc = os.path.join(os.path.dirname(os.path.abspath(pkg_dir)), "csrc")
+    root = os.path.dirname(os.path.abspath(pkg_dir))
+    csrc = os.path.join(root, "csrc")
     if not (os.path.isfile(stamp) and os.path.isdir(csrc)):
         return None
     try:
@@ -62,6 +80,15 @@ def stale(pkg_dir: str) -> str | None:
             raise TypeError(type(built).__name__)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         return f"its build stamp {stamp} is unreadable ({type(e).__name__}: {e})"
+    stamped = saved.get("extension")  # (one stamp a folder, an extension per Python: another's stamp
+    if extension is not None and isinstance(stamped, str) and os.path.basename(extension) != stamped:  # vouched)
+        return (f"its build stamp describes {stamped}, not the {os.path.basename(extension)} loaded (built "
+                "by another Python, from sources the stamp does not record)")
+    build = saved.get("build")
+    if isinstance(build, dict):  # (stamps before 2026-12-07 hold none)
+        flags = sorted(k for k, v in build_hashes(root).items() if build.get(k) not in (None, v))
+        if flags:
+            return f"its build files changed since it was built: {', '.join(flags)} (the compiler flags)"
     now = source_hashes(csrc, suffixes)  # (a CPU-only build: a .cu edit changes nothing it holds)
     changed = sorted(k for k in now.keys() | built.keys() if now.get(k) != built.get(k))
     if not changed:

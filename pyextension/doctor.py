@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     import zerofuse
     from zerofuse import _stamp
 
-    stale = _stamp.stale(os.path.dirname(os.path.abspath(zerofuse.__file__)))
+    stale = _stamp.stale(os.path.dirname(os.path.abspath(zerofuse.__file__)), getattr(zerofuse._C, "__file__", None))
     print(f"build      STALE: {stale}" if stale else "build      the extension matches the sources (or no csrc/ here)")
     built = _stamp.built_torch(os.path.dirname(os.path.abspath(zerofuse.__file__)))
     print(f"built for  torch {built or 'unknown (no stamp)'}")
@@ -229,6 +229,10 @@ def main(argv: list[str] | None = None) -> int:
         if stale:
             print(f"doctor: stale build: {stale}", file=sys.stderr)
         return 1 if stale else 0
+    if zerofuse.build_info()["cuda"] and not torch.cuda.is_available():  # (it passed on the CPU checks alone)
+        print("doctor: a CUDA build, but no CUDA device is visible here (driver, CUDA_VISIBLE_DEVICES?): its CUDA "
+              "and NCCL self-tests cannot run", file=sys.stderr)
+        return 1
     from zerofuse.kernels.attention import pinned_config
     with pinned_config():  # results are checked, not speed: no autotuning (44-78 s of an H200's time)
         failures = selftest(_devices())

@@ -51,6 +51,43 @@ def test_changed_new_and_removed_sources_are_named(tmp_path):
     assert _stamp.stale(pkg).endswith("csrc/a.cpp (changed)")
 
 
+def test_another_pythons_extension_and_changed_build_flags_are_stale(tmp_path):
+    """One stamp a folder, an extension per Python: a build by another Python stamped the folder and
+    the old .so loaded under the new stamp; an edit of setup.py / tools/buildenv.py (the flags:
+    -fopenmp, -O3) changed the code with no source changed; neither was seen (a review's
+    reproductions, 2026-12-07). A stamp from before either was recorded is taken as it is."""
+    pkg, csrc = _tree(tmp_path)
+    (tmp_path / "tools").mkdir()
+    (tmp_path / "setup.py").write_text("flags = ['-O3', '-fopenmp']")
+    (tmp_path / "tools" / "buildenv.py").write_text("nvcc = ['-O3']")
+    ours = "_C.cpython-311-x86_64-linux-gnu.so"
+    _stamp.write(pkg, _stamp.source_hashes(str(csrc)), extension=ours, build=_stamp.build_hashes(str(tmp_path)))
+    assert _stamp.stale(pkg, os.path.join(pkg, ours)) is None and _stamp.stale(pkg) is None
+    why = _stamp.stale(pkg, os.path.join(pkg, "_C.cpython-312-x86_64-linux-gnu.so"))
+    assert why.startswith(f"its build stamp describes {ours}, not the _C.cpython-312-x86_64-linux-gnu.so loaded"), why
+    (tmp_path / "tools" / "buildenv.py").write_text("nvcc = ['-O1']")
+    assert _stamp.stale(pkg, os.path.join(pkg, ours)) == ("its build files changed since it was built: "
+                                                          "tools/buildenv.py (the compiler flags)")
+    _stamp.write(pkg, _stamp.source_hashes(str(csrc)))  # (an older stamp: neither recorded)
+    assert _stamp.stale(pkg, os.path.join(pkg, "_C.other.so")) is None
+
+
+def test_the_doctor_fails_a_cuda_build_with_no_device(monkeypatch, capsys):
+    """A CUDA build on a machine whose GPU is not visible passed on the CPU checks alone, its CUDA and
+    NCCL self-tests skipped unsaid (a review's reproduction, 2026-12-07)."""
+    import torch
+
+    monkeypatch.setattr(_stamp, "stale", lambda pkg_dir, *a: None)
+    monkeypatch.setattr(zerofuse, "build_info", lambda: {"cuda": True, "nccl": True, "nccl_compiled_version": 0,
+                                                         "nccl_runtime_version": 0})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(doctor, "selftest", lambda devices: [])
+    monkeypatch.setattr(doctor, "handles_selftest", lambda devices: [])
+    monkeypatch.setattr(doctor, "comm_selftest", lambda devices: [])
+    assert doctor.main([]) == 1
+    assert "a CUDA build, but no CUDA device is visible here" in capsys.readouterr().err
+
+
 def test_an_unreadable_stamp_is_named(tmp_path):
     pkg, _ = _tree(tmp_path)
     with open(os.path.join(pkg, _stamp.STAMP), "w") as f:
@@ -68,7 +105,7 @@ def test_a_stale_extension_warns_when_loaded(monkeypatch):
 
 
 def test_the_doctor_names_a_stale_build_and_fails(monkeypatch, capsys):
-    monkeypatch.setattr(_stamp, "stale", lambda pkg_dir: "it was built from other sources: csrc/x.cpp (changed)")
+    monkeypatch.setattr(_stamp, "stale", lambda pkg_dir, *a: "it was built from other sources: csrc/x.cpp (changed)")
     monkeypatch.setattr(doctor, "selftest", lambda devices: [])
     monkeypatch.setattr(doctor, "handles_selftest", lambda devices: [])
     monkeypatch.setattr(doctor, "comm_selftest", lambda devices: [])
@@ -80,7 +117,7 @@ def test_the_doctor_names_a_stale_build_and_fails(monkeypatch, capsys):
     assert "doctor: stale build:" in out.err
     assert doctor.main([]) == 1
     assert "1 check(s) failed: stale build: it was built from other sources" in capsys.readouterr().err
-    monkeypatch.setattr(_stamp, "stale", lambda pkg_dir: None)
+    monkeypatch.setattr(_stamp, "stale", lambda pkg_dir, *a: None)
     assert doctor.main([]) == 0
 
 

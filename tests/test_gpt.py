@@ -71,7 +71,10 @@ def test_config_errors():
                      (dict(mlp_hidden=-3), r"expected mlp_hidden >= 1 or None"),
                      (dict(mlp_ratio=0.001), r"expected mlp_ratio \* dim >= 1 .*got mlp_ratio 0.001 x dim 128 = 0"),
                      (dict(pos="rope", rope_base=0.0), r"expected a finite rope_base > 0, got 0.0"),
-                     (dict(rope_base=-5.0), r"expected a finite rope_base > 0, got -5.0")):
+                     (dict(rope_base=-5.0), r"expected a finite rope_base > 0, got -5.0"),
+                     (dict(rope_base="10000"), r"expected a finite rope_base > 0, got '10000'"),  # (a bare TypeError,
+                     (dict(rope_base=True), r"expected a finite rope_base > 0, got True"),  # True as 1: 2026-12-07)
+                     (dict(moe_experts=4, moe_aux_loss=True), r"expected moe_aux_loss >= 0, got True")):
         with pytest.raises(ValueError, match=msg):
             GPTConfig(**{**SMALL, **bad})
     # wrongly typed fields (a review's reproductions, 2026-12-07): dim=128.0 failed in torch.empty at

@@ -42,7 +42,7 @@ def check_config(cfg) -> None:
         raise ValueError(f"{NAME}: expected moe_router one of {ROUTERS}, got {cfg.moe_router!r}")
     for key in ("moe_capacity", "moe_aux_loss", "moe_z_loss", "moe_bias_rate"):
         v = getattr(cfg, key)
-        if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+        if isinstance(v, bool) or not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):  # (True as 1.0)
             raise ValueError(f"{NAME}: expected {key} >= 0, got {v!r}")
     if cfg.moe_hidden is not None and cfg.moe_hidden < 1:
         raise ValueError(f"{NAME}: expected moe_hidden >= 1 or None, got {cfg.moe_hidden}")

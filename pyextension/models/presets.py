@@ -91,8 +91,10 @@ class GPTConfig:
         if self.hidden < 1:
             raise ValueError(f"{name}: expected mlp_ratio * dim >= 1 (the MLP's hidden size), got mlp_ratio "
                              f"{self.mlp_ratio} x dim {self.dim} = {self.hidden}")
-        if not 0 < self.rope_base < math.inf:  # (0 or less: NaN rope tables, which attention absorbs silently)
-            raise ValueError(f"{name}: expected a finite rope_base > 0, got {self.rope_base}")
+        if isinstance(self.rope_base, bool) or not isinstance(self.rope_base, numbers.Real) \
+                or not 0 < self.rope_base < math.inf:  # (0 or less: NaN rope tables, which attention absorbs
+            raise ValueError(f"{name}: expected a finite rope_base > 0, got {self.rope_base!r}")  # silently; '1e4' a
+            # bare TypeError, True taken as 1: a review's reproduction, 2026-12-07)
         check_rope_scaling(self.rope_scaling, name)
         if self.rope_scaling is not None:  # its own copy: the presets' dict was shared by every config made from it
             self.rope_scaling = dict(self.rope_scaling)
