@@ -28,7 +28,8 @@
 #            Each finished benchmark is kept; suites not started for lack of time are listed in
 #            bench.txt.
 #            Without `build` the extension built by an earlier call is used; when there is none
-#            (the machine went back in between), it is built first anyway.
+#            (the machine went back in between) or it is stale (sources or build files changed),
+#            it is built first anyway.
 # Environment:
 #   ZEROFUSE_GPU_DEADLINE_S  seconds the whole script may take (default 560); every phase runs
 #                            under `timeout` with what is left, so a slow phase is cut and the

@@ -13,6 +13,7 @@ import importlib
 import importlib.util
 import os
 import sys
+import sysconfig
 import warnings
 
 from zerofuse import _stamp
@@ -49,7 +50,9 @@ def load_extension():
 
     pkg = os.path.dirname(os.path.abspath(__file__))
     built = _stamp.built_torch(pkg)
-    if _stamp.torch_mismatch(built, torch.__version__):  # (it imported, then every collective failed on
+    ours = "_C" + (sysconfig.get_config_var("EXT_SUFFIX") or "")
+    # (a stamp of another Python's build speaks for its own .so, not ours: the stale check names it)
+    if _stamp.stamped_extension(pkg) in (None, ours) and _stamp.torch_mismatch(built, torch.__version__):  # (it imported, then every collective failed on
         # pybind's "incompatible constructor arguments": a review's reproduction, 2026-12-07)
         raise ImportError(f"zerofuse: the compiled extension zerofuse._C was built against torch {built}, this is "
                           f"torch {torch.__version__}; {_rebuild_advice()}")

@@ -1,4 +1,5 @@
-"""The build stamp: which C++/CUDA sources zerofuse._C was built from.
+"""The build stamp: which C++/CUDA sources (and build-flag files, setup.py and tools/buildenv.py)
+zerofuse._C was built from, against which torch, into which extension file.
 
 setup.py's build_ext writes ``_C.stamp.json`` next to the extension it built, after the build
 succeeded (a failed build leaves the old extension and its old stamp). In a source checkout
@@ -18,8 +19,9 @@ import os
 SUFFIXES = (".cpp", ".cu", ".h", ".cuh")  # a CUDA build's; a CPU-only build compiles CPU_SUFFIXES only
 CPU_SUFFIXES = (".cpp", ".h")
 STAMP = "_C.stamp.json"
-# the files that set the build's flags (-fopenmp, -O3, the CUDA arches), relative to the checkout: an
-# edit there changed the compiled code with no source changed (a review's reproduction, 2026-12-07)
+# the files that set the build's flags (-fopenmp, -O3), relative to the checkout: an edit there changed the
+# compiled code with no source changed (a review's reproduction, 2026-12-07). Not recorded: the environment's
+# (ZEROFUSE_DEBUG's -O0, TORCH_CUDA_ARCH_LIST)
 BUILD_FILES = ("setup.py", "tools/buildenv.py")
 
 
@@ -80,10 +82,13 @@ def stale(pkg_dir: str, extension: str | None = None) -> str | None:
             raise TypeError(type(built).__name__)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         return f"its build stamp {stamp} is unreadable ({type(e).__name__}: {e})"
-    stamped = saved.get("extension")  # (one stamp a folder, an extension per Python: another's stamp
-    if extension is not None and isinstance(stamped, str) and os.path.basename(extension) != stamped:  # vouched)
-        return (f"its build stamp describes {stamped}, not the {os.path.basename(extension)} loaded (built "
-                "by another Python, from sources the stamp does not record)")
+    # one stamp a folder, an extension per Python: another's stamp vouched for ours (or for another folder's)
+    stamped = saved.get("extension")
+    here = extension is None or (os.path.basename(extension) == stamped
+                                 and os.path.dirname(os.path.abspath(extension)) == os.path.abspath(pkg_dir))
+    if isinstance(stamped, str) and not here:
+        return (f"its build stamp describes {stamped} in {pkg_dir}, not the {extension} loaded (built by another "
+                "Python, or elsewhere, from sources the stamp does not record)")
     build = saved.get("build")
     if isinstance(build, dict):  # (stamps before 2026-12-07 hold none)
         flags = sorted(k for k, v in build_hashes(root).items() if build.get(k) not in (None, v))
@@ -97,6 +102,16 @@ def stale(pkg_dir: str, extension: str | None = None) -> str | None:
     listed = ", ".join(f"csrc/{k} ({how[k]})" for k in changed[:6])
     more = f" and {len(changed) - 6} more" if len(changed) > 6 else ""
     return f"it was built from other sources than {csrc} holds now: {listed}{more}"
+
+
+def stamped_extension(pkg_dir: str) -> str | None:
+    """The extension file name the stamp in ``pkg_dir`` was written for (None: none recorded)."""
+    try:
+        with open(os.path.join(pkg_dir, STAMP)) as f:
+            name = json.load(f).get("extension")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return name if isinstance(name, str) else None
 
 
 def built_torch(pkg_dir: str) -> str | None:

@@ -3,8 +3,9 @@
 Prints the zerofuse, torch, triton and NCCL versions, the backends compiled into zerofuse._C, the
 visible devices and how Triton runs (natively on a GPU or in the interpreter), then runs each
 registered op's self-test on every available device against zerofuse.reference. Exits 1 if any
-self-test fails, an op registered with torch has no self-test, or the extension was built from
-other sources than csrc/ holds (a stale build: pyextension/_stamp.py).
+self-test fails, an op registered with torch has no self-test, the extension was built from
+other sources than csrc/ holds (a stale build: pyextension/_stamp.py), or it is a CUDA build and no
+CUDA device is visible (its CUDA and NCCL self-tests cannot run).
 """
 from __future__ import annotations
 

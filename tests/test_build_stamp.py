@@ -64,7 +64,10 @@ def test_another_pythons_extension_and_changed_build_flags_are_stale(tmp_path):
     _stamp.write(pkg, _stamp.source_hashes(str(csrc)), extension=ours, build=_stamp.build_hashes(str(tmp_path)))
     assert _stamp.stale(pkg, os.path.join(pkg, ours)) is None and _stamp.stale(pkg) is None
     why = _stamp.stale(pkg, os.path.join(pkg, "_C.cpython-312-x86_64-linux-gnu.so"))
-    assert why.startswith(f"its build stamp describes {ours}, not the _C.cpython-312-x86_64-linux-gnu.so loaded"), why
+    assert why.startswith(f"its build stamp describes {ours} in {pkg}, not the "), why
+    assert "_C.cpython-312-x86_64-linux-gnu.so loaded (built by another Python" in why, why
+    assert "built by another Python" in _stamp.stale(pkg, os.path.join(str(tmp_path), ours))  # (another folder)
+    assert _stamp.stamped_extension(pkg) == ours
     (tmp_path / "tools" / "buildenv.py").write_text("nvcc = ['-O1']")
     assert _stamp.stale(pkg, os.path.join(pkg, ours)) == ("its build files changed since it was built: "
                                                           "tools/buildenv.py (the compiler flags)")
@@ -105,6 +108,8 @@ def test_a_stale_extension_warns_when_loaded(monkeypatch):
 
 
 def test_the_doctor_names_a_stale_build_and_fails(monkeypatch, capsys):
+    monkeypatch.setattr(zerofuse, "build_info", lambda: {"cuda": False, "nccl": False, "nccl_compiled_version": 0,
+                                                         "nccl_runtime_version": 0})  # (a CUDA build, no GPU: fails)
     monkeypatch.setattr(_stamp, "stale", lambda pkg_dir, *a: "it was built from other sources: csrc/x.cpp (changed)")
     monkeypatch.setattr(doctor, "selftest", lambda devices: [])
     monkeypatch.setattr(doctor, "handles_selftest", lambda devices: [])
@@ -135,3 +140,7 @@ def test_the_stamp_records_the_torch_it_was_built_against(monkeypatch):
     running = re.escape(torch.__version__)
     with pytest.raises(ImportError, match=rf"built against torch 2.99.0\+cpu, this is torch {running}; (rebuild|reinstall)"):
         _loader.load_extension()
+    # a stamp another Python's build wrote speaks for its own .so: the stale check names that, not torch
+    monkeypatch.setattr(_stamp, "stamped_extension", lambda pkg_dir: "_C.cpython-399-x86_64-linux-gnu.so")
+    monkeypatch.setattr(_loader, "warn_if_stale", lambda *a: "its build stamp describes another extension")
+    assert _loader.load_extension() is zerofuse._C

@@ -22,18 +22,19 @@ def _batches():
     return [torch.randint(0, 65, (BATCH, CFG["seq_len"] + 1), generator=g) for _ in range(STEPS)]
 
 
-def _reference(micro: int, over=None, flip=False):
+def _reference(micro: int, flip=False, order=None):
     """One process, the batch in ``micro`` micro-batches: (cross-entropy per step, params); flip:
     each micro-batch's rows in reverse order (the same losses, summed in another order: the
-    training-parity rule's alternative)."""
+    training-parity rule's alternative); order: the batch's rows reordered first (the DP ranks'
+    k-th micro-batches together, as the global aux loss sees them)."""
     from zerofuse.models import GPT, GPTConfig
 
-    model = GPT(GPTConfig(**{**CFG, **(over or {})}), seed=0)
+    model = GPT(GPTConfig(**CFG), seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     losses = []
     for b in _batches():
         ce = 0.0
-        for part in b.chunk(micro):
+        for part in (b if order is None else b[order]).chunk(micro):
             part = part.flip(0) if flip else part
             loss = model(part[:, :-1], part[:, 1:])[1]
             (loss / micro).backward()
@@ -44,7 +45,7 @@ def _reference(micro: int, over=None, flip=False):
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _pp_rank(rank, ws, dp, ep, zero_stage, schedule, v, micro, over=None):
+def _pp_rank(rank, ws, dp, ep, zero_stage, schedule, v, micro):
     import zerofuse  # noqa: F401
     from zerofuse import zero
     from zerofuse.models import GPT, GPTConfig
@@ -54,7 +55,7 @@ def _pp_rank(rank, ws, dp, ep, zero_stage, schedule, v, micro, over=None):
     pp = ws // dp
     mesh = init_mesh(dp=dp, pp=pp, ep=ep)
     with torch.device("meta"):
-        model = GPT(GPTConfig(**{**CFG, **(over or {})}), seed=0, ep_group=mesh.ep_group, edp_group=mesh.edp_group,
+        model = GPT(GPTConfig(**CFG), seed=0, ep_group=mesh.ep_group, edp_group=mesh.edp_group,
                     dp_group=mesh.dp_group)
     stages = split_gpt(model, pp * v, [mesh.pp_rank + k * pp for k in range(v)], device="cpu")
     held = stages[0] if v == 1 else merge_stages(stages)
@@ -82,20 +83,20 @@ def _pp_rank(rank, ws, dp, ep, zero_stage, schedule, v, micro, over=None):
     return losses, named
 
 
-# interleaved at dp 2: 2 micro-batches of a rank's half batch, not the rows one process's 2 micro-batches
-# hold, so without the aux loss (whose load fractions those rows set; CE and z are means over equal counts)
-NO_AUX = {"moe_aux_loss": 0.0}
+# interleaved at dp 2: micro-batch k of each rank's half batch, rows 2k, 2k+1 and 4+2k, 5+2k together
+RANKS_MICRO = [0, 1, 4, 5, 2, 3, 6, 7]
 
 
-@pytest.mark.parametrize("ws,dp,ep,zero_stage,schedule,v,micro,over", [
+@pytest.mark.parametrize("ws,dp,ep,zero_stage,schedule,v,micro,order", [
     (2, 1, 1, 1, "1f1b", 1, 2, None), (2, 1, 1, 2, "zb", 1, 2, None), (2, 1, 1, 1, "interleaved", 2, 2, None),
-    (4, 2, 2, 2, "1f1b", 1, 1, None), (4, 2, 2, 3, "1f1b", 1, 1, None), (4, 2, 2, 1, "interleaved", 2, 2, NO_AUX)])
-def test_moe_through_pipeline_stages_matches_one_process(ws, dp, ep, zero_stage, schedule, v, micro, over):
+    (4, 2, 2, 2, "1f1b", 1, 1, None), (4, 2, 2, 3, "1f1b", 1, 1, None),
+    (4, 2, 2, 1, "interleaved", 2, 2, RANKS_MICRO)])
+def test_moe_through_pipeline_stages_matches_one_process(ws, dp, ep, zero_stage, schedule, v, micro, order):
     # the aux loss's load fractions are over the DP group's micro-batch (scope "global"): one
     # process's micro-batches are the ranks' together
-    ref_losses, ref_params = _reference(micro, over)
-    alt_params = _reference(micro, over, flip=True)[1]
-    out = run_distributed(_pp_rank, ws, dp, ep, zero_stage, schedule, v, micro, over, timeout=300)
+    ref_losses, ref_params = _reference(micro, order=order)
+    alt_params = _reference(micro, flip=True, order=order)[1]
+    out = run_distributed(_pp_rank, ws, dp, ep, zero_stage, schedule, v, micro, timeout=300)
     for losses, _ in out:  # the cross-entropy, on every rank
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
     params = {n: t for _, named in out for n, t in named.items()}
