@@ -104,25 +104,25 @@ def stale(pkg_dir: str, extension: str | None = None) -> str | None:
     return f"it was built from other sources than {csrc} holds now: {listed}{more}"
 
 
-def stamped_extension(pkg_dir: str) -> str | None:
-    """The extension file name the stamp in ``pkg_dir`` was written for (None: none recorded)."""
+def _recorded(pkg_dir: str, key: str) -> str | None:
+    """The stamp's ``key`` in ``pkg_dir`` (None: no stamp, or one written before it was recorded)."""
     try:
         with open(os.path.join(pkg_dir, STAMP)) as f:
-            name = json.load(f).get("extension")
+            value = json.load(f).get(key)
     except (OSError, ValueError, AttributeError):
         return None
-    return name if isinstance(name, str) else None
+    return value if isinstance(value, str) else None
+
+
+def stamped_extension(pkg_dir: str) -> str | None:
+    """The extension file name the stamp in ``pkg_dir`` was written for (None: none recorded)."""
+    return _recorded(pkg_dir, "extension")
 
 
 def built_torch(pkg_dir: str) -> str | None:
     """The torch version the extension in ``pkg_dir`` was built against (None: no stamp, or one
     written before it was recorded)."""
-    try:
-        with open(os.path.join(pkg_dir, STAMP)) as f:
-            version = json.load(f).get("torch")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return version if isinstance(version, str) else None
+    return _recorded(pkg_dir, "torch")
 
 
 def torch_mismatch(built: str | None, running: str) -> bool:
