@@ -252,3 +252,20 @@ def test_moe_job_at_pp2_matches_the_unsplit_job_and_resumes_unsplit(tmp_path):
     assert sorted(resumed) == [4, 5, 6]
     for step, loss in resumed.items():
         assert loss == pytest.approx(_losses(want)[step], rel=1e-5), step
+
+
+@pytest.mark.parametrize("flags", [("--offload", "optimizer", "--clip", "0.5"),
+                                   ("--offload", "optimizer+params", "--zero-stage", "3")])
+def test_offload_at_pp2_trains_as_without(flags, tmp_path):
+    """ZeRO-Offload under --pp (the job refused it; the library trained it bit for bit as without
+    offload, per a review, 2026-12-07): the losses of the same run with the states on the device."""
+    plain = [f for f in flags if f not in ("--offload", "optimizer", "optimizer+params")]
+    _ok(run("--nproc", 2, "--pp", 2, "--microbatches", 4, *plain, *PP, "--out", tmp_path / "device"))
+    _ok(run("--nproc", 2, "--pp", 2, "--microbatches", 4, *flags, *PP, "--out", tmp_path / "host"))
+    want, got = _losses(metrics(tmp_path / "device")), _losses(metrics(tmp_path / "host"))
+    assert sorted(got) == sorted(want) == list(range(1, 7))
+    for step in want:
+        assert got[step] == pytest.approx(want[step], rel=1e-6), step
+    import json
+    for mem in json.loads((tmp_path / "host" / "summary.json").read_text())["memory_per_rank"]:
+        assert mem["optimizer"] == 0 and mem["optimizer_host"] > 0, mem  # (the states on the host: offloaded)

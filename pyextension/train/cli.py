@@ -44,7 +44,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=2, help="ZeRO stage (default 2)")
     g.add_argument("--offload", choices=("none", "optimizer", "optimizer+params"), default="none",
                    help="optimizer: fp32 masters and Adam states in host memory, stepped there by the C++ CPU "
-                        "kernel as each bucket's grads arrive (ZeRO-Offload; adamw, --pp 1); optimizer+params: "
+                        "kernel as each bucket's grads arrive (ZeRO-Offload; adamw); optimizer+params: "
                         "also the param shards (--zero-stage 3), copied up for each gather")
     g.add_argument("--offload-ratio", type=_ratio, default=1.0,
                    help="with --offload optimizer: the fraction of the shard stepped on the host, the rest on the "
@@ -186,9 +186,9 @@ def validate(args) -> None:
         _check(value is None or math.isfinite(value),
                f"--{flag.replace('_', '-')}: expected a finite number, got {value}")
     _validate_optimizer(args)
-    _check(args.offload == "none" or (args.optimizer == "adamw" and args.pp == 1),
-           f"--offload {args.offload}: expected --optimizer adamw and --pp 1, got --optimizer {args.optimizer} "
-           f"--pp {args.pp}")
+    _check(args.offload == "none" or args.optimizer == "adamw",  # (the host steps run unit by unit: no trust
+           f"--offload {args.offload}: expected --optimizer adamw (LAMB/LARS trust ratios need every unit's "  # ratios;
+           f"norms), got --optimizer {args.optimizer}")  # --pp was refused too before 2026-12-07)
     _check(args.offload_ratio == "auto" or 0.0 <= args.offload_ratio <= 1.0,
            f"--offload-ratio: expected a number in [0, 1] or auto, got {args.offload_ratio}")
     dpu = args.offload_delayed_update

@@ -19,9 +19,10 @@ class PipelineJob:
         device = "meta" if args.zero_stage == 3 else trainer.device  # ZeRO-3 materializes its shards itself
         self.stages = split_gpt(model, p * v, ids, layout=args.pp_layout, device=device)
         self.module = self.stages[0] if v == 1 else merge_stages(self.stages)
+        offload = {} if args.offload == "none" else {"offload": args.offload, "offload_ratio": args.offload_ratio}
         zero.parallelize(self.module, stage=args.zero_stage, group=mesh.dp_group, precision=args.precision,
                          device=trainer.device, pp_group=mesh.pp_group, param_gather="module",
-                         param_init_fn=model.param_init_fn)
+                         param_init_fn=model.param_init_fn, **offload)
         self.pipe = Pipeline(self.stages, schedule=args.pp_schedule, microbatches=args.microbatches,
                              group=mesh.pp_group, zero_module=None if v == 1 else self.module)
         self.idle: list[float] = []  # per step: 1 - compute / step time on this rank
