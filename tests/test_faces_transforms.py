@@ -210,3 +210,28 @@ def test_a_batched_backward_through_the_faces(how, kernel_path):
         for i, (a, e) in enumerate(zip(got, want)):
             assert a.shape == e.shape
             assert_close(a, e, msg=f"{name} grad {i} ({how})")
+
+
+def test_rope_under_torch_func_checks_as_eager_and_sdpa_fallbacks_compile_fullgraph(kernel_path):
+    """Under torch.func the rope face skipped every check: position -1 rotated by the table's last
+    row, silently; sdpa's fallback warning (attn_mask, dropout, ...) is untraceable: fullgraph
+    compile failed (other modes broke the graph) until the warning had been given once eagerly (a
+    review's reproductions, 2026-12-07)."""
+    cos, sin = zn.rope_tables(8, 8)
+    q, k = torch.randn(1, 1, 2, 8), torch.randn(1, 1, 2, 8)
+    bad = torch.tensor([[-1, 0]])
+    with pytest.raises(IndexError, match=r"expected positions in \[0, 8\), got -1"):
+        grad(lambda a: ZF.rotary_embedding(a, k, cos, sin, bad)[0].sum())(q)
+    ok = torch.tensor([[3, 0]])
+    got = grad(lambda a: (ZF.rotary_embedding(a, k, cos, sin, ok)[0] * k).sum())(q)
+    want = grad(lambda a: (reference.rotary_embedding(a, cos, sin, ok) * k).sum())(q)
+    assert_close(got, want)
+    from zerofuse.nn import sdpa
+
+    sdpa._warned.clear()
+    torch._dynamo.reset()
+    qa, ka, va = (torch.randn(1, 2, 5, 8) for _ in range(3))
+    mask = torch.ones(5, 5, dtype=torch.bool).tril()
+    fn = torch.compile(lambda a, b, c: ZF.scaled_dot_product_attention(a, b, c, attn_mask=mask), fullgraph=True,
+                       backend="aot_eager")
+    assert_close(fn(qa, ka, va), F.scaled_dot_product_attention(qa, ka, va, attn_mask=mask))

@@ -63,6 +63,13 @@ def _torch_rope(q, k, cos, sin, positions, interleaved, inplace):
                            f"(batch, heads, seq, head_dim), got {q.dim()}-D and {k.dim()}-D")
     if inplace and wants_grad(q, k):
         raise ValueError(f"{_WHERE}: inplace=True has no autograd; use inplace=False where gradients flow")
+    # the eager checks (a position past the tables wrapped round to another row, -1 to the last,
+    # silently: a review's reproduction, 2026-12-07); the values where they can be read here (not a
+    # tensor vmap batches, nor a trace, which would bake them in)
+    _ops.check_args(_WHERE, q, k, cos, sin, positions)
+    if positions is not None and not torch.jit.is_tracing() \
+            and not torch._C._functorch.is_functorch_wrapped_tensor(positions):
+        _ops._check_values(_WHERE, cos, positions)
     from zerofuse import reference  # noqa: PLC0415
 
     if positions is not None and positions.dim() == 1:

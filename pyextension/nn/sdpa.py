@@ -21,7 +21,9 @@ _warned: set[str] = set()
 
 
 def _fallback_warning(reason: str) -> None:
-    if reason not in _warned:
+    # (under torch.compile the warning is untraceable: fullgraph failed, other modes broke the graph,
+    # on every fallback torch's own sdpa compiles; a review's reproduction, 2026-12-07)
+    if reason not in _warned and not torch.compiler.is_compiling():
         _warned.add(reason)
         import warnings
 
