@@ -248,6 +248,11 @@ def flock(path: str, *, wait: bool = True, shared: bool = False) -> tuple[int, b
     return fd, True
 
 
+def _lock_file(path: str) -> str:
+    """The save lock's file of the checkpoint ``path`` (absolute): ``.<name>.lock`` beside it."""
+    return os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.lock")
+
+
 def _lock(path: str) -> None:
     """An exclusive lock on ``.<name>.lock`` beside ``path`` until commit (or the next save of it in
     this process): two saves to one path at once each used ``<path>.tmp``, and the committed
@@ -256,7 +261,7 @@ def _lock(path: str) -> None:
     if path in _locks:  # (closing it let a second save in this process delete the first one's files)
         raise RuntimeError(f"{NAME}.save: another save to {path!r} is in progress in this process; expected one "
                            "save of a path at a time")
-    _locks[path], _ = flock(os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.lock"))
+    _locks[path], _ = flock(_lock_file(path))
 
 
 @contextlib.contextmanager
@@ -268,7 +273,7 @@ def reading(path: str):
     lock file can be made (a read-only directory)."""
     path = os.path.abspath(path)
     try:
-        fd, _ = flock(os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.lock"), shared=True)
+        fd, _ = flock(_lock_file(path), shared=True)
     except OSError:  # (no write access to the directory, or it does not exist: the read says so)
         fd = None
     try:

@@ -351,8 +351,6 @@ ABORT_WAIT_S = 60.0  # how long rank 0 (the store's host) waits for its peers to
 
 def _wait_abort_seen(store, key: str, world: int) -> None:
     """Rank 0, the store's host: until every other rank has read the abort (or ABORT_WAIT_S)."""
-    import time
-
     deadline = time.monotonic() + ABORT_WAIT_S
     while store.add(key + "/abort_seen", 0) < world - 1 and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -40,12 +40,13 @@ class PipelineJob:
         stats (zerofuse.models.moe.Stats over the whole model's ``layers``); the first stage counts
         the micro-batches' forwards."""
         index = {id(m): i for i, m in enumerate(layers)}
+        rows = {id(s): [index[id(m)] for m in s.moe_layers] for s in self.stages}  # (once, not per forward)
 
         def hook(stage, _args, _out):
             if not torch.is_grad_enabled():  # (evaluation's forwards are not the steps')
                 return
             if stage.moe_layers:
-                stats.record(stage.router_losses, [index[id(m)] for m in stage.moe_layers], forward=False)
+                stats.record(stage.router_losses, rows[id(stage)], forward=False)
             if stage.is_first:
                 stats.count_forward()
 

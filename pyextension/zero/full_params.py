@@ -50,11 +50,18 @@ class FullParams:
             written = [u for u in self.units if u.write_back()] if versions is None else []
             for u in was_free:  # units a forward/backward in progress holds stay gathered
                 u.free()
-            if self._loaded_in_full_params and not self._in_full_params:  # the masters of a load: from the params
-                self._loaded_in_full_params = False  # (of the elements it changed, as stages 0-2's load hook)
-                self.params_loaded(written_only=True)
-            elif written:  # of an edit: of the elements it changed
-                self.params_loaded(written, written_only=True)
+            self._masters_of_writes(written, outermost=not self._in_full_params, exiting=True)
+
+    def _masters_of_writes(self, written, outermost: bool, exiting: bool) -> None:
+        """Stage 3: the fp32 masters of what the block wrote (``written``: the units written back),
+        of the elements it changed: of a load's (model.load_state_dict inside the outermost block,
+        from every param, as stages 0-2's load hook), else of an edit's units."""
+        if self._loaded_in_full_params and outermost:
+            if exiting:
+                self._loaded_in_full_params = False
+            self.params_loaded(written_only=True)
+        elif written:
+            self.params_loaded(written, written_only=True)
 
     def flush_full_params(self) -> None:
         """Inside full_params (collective): what the block wrote so far reaches the shards (stage 3)
@@ -67,11 +74,7 @@ class FullParams:
         if self.stage != 3:
             self.params_loaded(written_only=True)
             return
-        written = [u for u in self.units if u.write_back()]
-        if self._loaded_in_full_params:
-            self.params_loaded(written_only=True)
-        elif written:
-            self.params_loaded(written, written_only=True)
+        self._masters_of_writes([u for u in self.units if u.write_back()], outermost=True, exiting=False)
 
     def live_optimizer(self):
         """The zero.Optimizer built on this engine, while it lives (None otherwise)."""
