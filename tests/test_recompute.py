@@ -97,6 +97,20 @@ def test_compiled_blocks_keep_the_mode(mode):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=n)
 
 
+def test_offload_on_a_block_compiled_without_it_is_refused():
+    """A block compile_block compiled for "selective" checkpoints inside its compiled forward: turning
+    activation_offload on afterwards offloaded nothing, silently (a review, 2026-12-07)."""
+    from zerofuse.models import recompute
+
+    model = GPT(GPTConfig(**dict(CFG, n_layer=1)), seed=0)
+    model.activation_checkpointing = "selective"
+    assert recompute.compile_block(model.blocks[0], "selective", backend="eager") == "selective"
+    model.activation_offload = True
+    with pytest.raises(ValueError, match=r"compile_block compiled for activation_checkpointing 'selective' without "
+                                         r"offload, expected activation_offload=False, got True"):
+        model(torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long))
+
+
 def test_bad_mode_is_refused():
     model = GPT(GPTConfig(**CFG), seed=0)
     model.activation_checkpointing = "some"

@@ -16,7 +16,8 @@ on every rank in the same order.
 runs, as offloading every activation is not its intent) also moves what checkpointing keeps to host
 memory until backward: the block inputs (through torch.autograd.graph.saved_tensors_hooks around
 the checkpoint, as torch's ``save_on_cpu``) and, under "selective", the kept matmul outputs (through
-the selective-checkpoint cache). On CUDA each tensor is copied to pinned memory on a side stream
+the selective-checkpoint cache, one entry late: a block's last kept output that is the block's
+output is not copied, ``_OffloadStorage``). On CUDA each tensor is copied to pinned memory on a side stream
 after an event of the current one (forward is not blocked; the device memory is released once the
 copy is done) and copied back on the backward stream after the copy's event. On CPU the host copy is
 still made (the same path, testable). Tensors under MIN_NUMEL elements, non-float ones and params
@@ -29,7 +30,7 @@ import collections
 import functools
 
 import torch
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 MODES = ("none", "full", "selective")
@@ -120,10 +121,18 @@ class _HostCache(dict):
     """One op's slots of torch's selective-checkpoint cache, the kept outputs on the host. Torch
     2.13 numbers an op's calls (cache[idx] = entry, cache.get(idx)); torch releases before that
     per-call index kept a list per op (append in forward, pop(0) in recompute): both are served
-    (pyproject takes torch >= 2.8, the GPU image has 2.11; only 2.13's layout runs in CI)."""
+    (pyproject takes torch >= 2.8, the GPU image has 2.11; only 2.13's layout runs in CI). The
+    latest entry of the region waits (``_OffloadStorage``) until the next one or the region's end."""
+
+    storage = None  # its _OffloadStorage (none: each entry goes to the host as it comes)
 
     def __setitem__(self, idx, entry):
-        super().__setitem__(idx, tree_map(_pack_kept, entry))
+        if self.storage is None:
+            entry = tree_map(_pack_kept, entry)
+        super().__setitem__(idx, entry)
+        if self.storage is not None and any(isinstance(getattr(e, "val", None), torch.Tensor)
+                                            for e in _leaves(entry)):  # (not torch's marks of recomputed ops)
+            self.storage.wait(self, idx)
 
     def get(self, idx, default=None):
         return tree_map(_unpack_kept, super().get(idx, default))
@@ -141,10 +150,58 @@ class _HostCache(dict):
         return tree_map(_unpack_kept, super().pop(min(self)))
 
 
-def _selective_contexts(offload: bool):
+class _OffloadStorage(collections.defaultdict):
+    """A selective checkpoint region's cache (op -> _HostCache) whose kept outputs go to the host one
+    entry late: each when the next is kept, the last at the region's end (``end(outputs)``), where
+    one that is (a view of) the region's output is not copied but marked for recomputation: backward
+    does not read it (recomputation stops before it) and its memory lives on as the output, so its
+    copy was transfer and host memory spent for nothing (each block's MLP down projection: 3 of
+    17 copies of a 3-block GPT, per a review, 2026-12-07)."""
+
+    def __init__(self):
+        super().__init__()
+        self.pending = None  # (cache, idx) of the entry not yet copied
+
+    def __missing__(self, key):
+        cache = self[key] = _HostCache()
+        cache.storage = self
+        return cache
+
+    def wait(self, cache, idx) -> None:
+        """(cache, idx) holds a kept output: the one before it goes to the host."""
+        self._pack_pending()
+        self.pending = (cache, idx)
+
+    def _pack_pending(self) -> None:
+        if self.pending is not None:
+            cache, idx = self.pending
+            self.pending = None
+            dict.__setitem__(cache, idx, tree_map(_pack_kept, dict.__getitem__(cache, idx)))
+
+    def end(self, outputs) -> None:
+        recompute_entry = getattr(torch.utils.checkpoint, "_RECOMPUTE", None)  # (torch >= 2.13's: an op's
+        if self.pending is not None and recompute_entry is not None:  # own entry; before, a copy as ever)
+            cache, idx = self.pending
+            out = {t.untyped_storage().data_ptr() for t in _tensors(outputs)}
+            vals = [getattr(e, "val", None) for e in _leaves(dict.__getitem__(cache, idx))]
+            if vals and all(isinstance(v, torch.Tensor) and v.untyped_storage().data_ptr() in out for v in vals):
+                dict.__setitem__(cache, idx, recompute_entry)
+                self.pending = None
+        self._pack_pending()
+
+
+def _leaves(tree) -> list:
+    return tree_leaves(tree, is_leaf=lambda x: hasattr(x, "val"))
+
+
+def _tensors(tree) -> list:
+    return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
+
+def _selective_contexts(offload: bool, storage=None):
     fwd, rec = create_selective_checkpoint_contexts(_policy)
     if offload:  # both modes share the cache (op -> {call index: entry}): give them one that offloads
-        fwd.storage = rec.storage = collections.defaultdict(_HostCache)
+        fwd.storage = rec.storage = storage if storage is not None else _OffloadStorage()
     return fwd, rec
 
 
@@ -156,13 +213,22 @@ def run(block, mode: str, *args, offload: bool = False):
         raise ValueError("zerofuse.models.GPT: expected activation_offload with activation_checkpointing 'full' or "
                          "'selective' (it offloads what checkpointing keeps), got activation_offload=True with "
                          "activation_checkpointing 'none'")
-    if mode == "none" or not torch.is_grad_enabled() or getattr(block, "_zerofuse_checkpointed", None) == mode:
-        return block(*args)  # (a block compile_block checkpoints inside its compiled forward)
-    context_fn = {} if mode == "full" else dict(context_fn=functools.partial(_selective_contexts, offload))
+    inside = getattr(block, "_zerofuse_checkpointed", None) == mode  # compile_block checkpoints it inside
+    if inside and offload:  # (its compiled forward's own checkpoint: nothing was offloaded, silently)
+        raise ValueError("zerofuse.models.GPT: a block compile_block compiled for activation_checkpointing "
+                         f"{mode!r} without offload, expected activation_offload=False, got True: compile the "
+                         "blocks with offload=True (the offload's hooks run eagerly around the compiled forward)")
+    if mode == "none" or not torch.is_grad_enabled() or inside:
+        return block(*args)
+    storage = _OffloadStorage() if offload and mode == "selective" else None
+    context_fn = {} if mode == "full" else dict(context_fn=functools.partial(_selective_contexts, offload, storage))
     if not offload:
         return checkpoint(block, *args, use_reentrant=False, **context_fn)
     with torch.autograd.graph.saved_tensors_hooks(_to_host, _from_host):  # the inputs checkpoint saves
-        return checkpoint(block, *args, use_reentrant=False, **context_fn)
+        out = checkpoint(block, *args, use_reentrant=False, **context_fn)
+    if storage is not None:
+        storage.end(out)
+    return out
 
 
 def compile_block(block: torch.nn.Module, mode: str, offload: bool = False, **compile_kwargs) -> str:

@@ -65,7 +65,8 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when available")
     g.add_argument("--compile", action="store_true",
                    help="torch.compile the model (one rank, ZeRO 0-2, no activation checkpointing) or else each "
-                        "transformer block's forward (selective checkpointing then recomputes the matmuls too)")
+                        "transformer block's forward (with --activation-offload, selective checkpointing then "
+                        "recomputes the matmuls too)")
     g.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction,
                    help="capture the whole step in a CUDA graph and replay it (default: on where it can be: CUDA, "
                         "one rank, ZeRO 0-2, no offload, MoE, fp16 or activation checkpointing; else the reason is "
