@@ -275,7 +275,19 @@ def _gather_from_seq(x):
     return tp.comm.gather_from_seq(x, tp.comm.comm_for(dist.distributed_c10d._get_default_group()))
 
 
+def _gpt_targets(sp):
+    """A TP GPT (fused loss) given targets of another shape than idx's."""
+    from zerofuse.models import GPT, GPTConfig
+    model = GPT(GPTConfig(vocab_size=16, seq_len=8, n_layer=1, n_head=2, dim=8),
+                tp_group=dist.distributed_c10d._get_default_group(), sequence_parallel=sp)
+    model(torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 2, dtype=torch.long))
+
+
 TWO_RANKS = [
+    Case("2-GPT-targets-shape-sp", _gpt_targets, lambda: (True,), ValueError,
+         r"^zerofuse.models.GPT: expected targets of idx's shape \[1, 4\], got \[1, 2\]$"),
+    Case("2-GPT-targets-shape", _gpt_targets, lambda: (False,), ValueError,
+         r"^zerofuse.models.GPT: expected targets of idx's shape \[1, 4\], got \[1, 2\]$"),
     Case("2-init_mesh-dp", parallel.init_mesh, tuple, ValueError,
          r"expected pp × dp × tp == world size, got pp=1 × dp=3 × tp=1 = 3 for world size 2", dict(dp=3)),
     Case("2-init_mesh-tp", parallel.init_mesh, tuple, ValueError, r"expected tp × pp \(3 × 1\) to divide the world size \(2\)",

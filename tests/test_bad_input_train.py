@@ -173,8 +173,9 @@ TRAIN = [
          r"^--capacity: expected a finite number >= 0, got -1.0"),
     Case("flag-ep-without-experts", _flags, lambda: ("--ep", "2"), U,
          r"^--ep/--top-k/.*: expected --experts > 0 \(or an MoE --model such as moe-tiny\)"),
-    Case("flag-experts-with-tp", _flags, lambda: ("--nproc", "2", "--tp", "2", "--experts", "4"), U,
-         r"^--tp: MoE models run data-, expert- and pipeline-parallel: expected --tp 1, got --tp 2"),
+    Case("flag-ep-with-tp-not-dividing-dp", _flags,
+         lambda: ("--nproc", "4", "--tp", "2", "--experts", "4", "--ep", "4"), U,
+         r"^--ep: expected a divisor of the data-parallel size 2 \(--dp\), got 4"),
     Case("flag-ep-with-lamb", _flags, lambda: ("--model", "moe-tiny", "--ep", "2", "--optimizer", "lamb"), U,
          r"^--optimizer: expected adamw with --ep > 1 .*got lamb"),
 ]

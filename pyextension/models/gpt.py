@@ -124,7 +124,12 @@ class GPT(KeepsMarks, torch.nn.Module):
     travel by all-to-all; ``edp_group`` (the ranks holding the same experts) is what ZeRO reduces
     expert grads over; ``dp_group`` sums the routers' loads for aux-loss-free balancing. With
     targets, the loss returned under autograd includes the routers' aux and z losses
-    (``self.router_losses``: [aux, z] of that forward); under no_grad it is the cross-entropy."""
+    (``self.router_losses``: [aux, z] of that forward); under no_grad it is the cross-entropy.
+    With ``tp_group`` the MoE layers are whole on every TP rank (experts split over ep_group only,
+    Megatron's expert-tensor-parallel size 1): without sequence parallelism every TP rank runs them
+    on the same tokens; with it each routes its shard of the sequence, the routers balance over the
+    whole sequence (zerofuse.moe.Router's seq_group) and the MoE params' grads sum over the TP group
+    as the norms'. The losses are one process's either way."""
 
     def __init__(self, cfg: GPTConfig, *, seed: int = 0, device=None, tp_group=None, sequence_parallel: bool = False,
                  ep_group=None, edp_group=None, dp_group=None):
@@ -132,9 +137,6 @@ class GPT(KeepsMarks, torch.nn.Module):
         self._keep_marks_on_load()  # TP specs and SP's grad hooks survive to_empty / load(assign=True)
         self.register_load_state_dict_pre_hook(lambda m, *_: setattr(m, "_zf_was_tied", m._tied()))
         self.register_load_state_dict_post_hook(_retie_after_load)
-        if cfg.moe_experts and tp_group is not None:
-            raise ValueError("zerofuse.models.GPT: Mixture-of-Experts layers (moe_experts > 0) are not supported "
-                             "with tensor parallelism yet; expected tp_group=None")
         self.edp_group = edp_group
         self.config = cfg
         self.tp_group = tp_group
@@ -158,7 +160,8 @@ class GPT(KeepsMarks, torch.nn.Module):
         if cfg.pos == "rope":
             rope = znn.RotaryEmbedding(cfg.dim // cfg.n_head, cfg.seq_len, base=cfg.rope_base, scaling=cfg.rope_scaling)
         self.blocks = torch.nn.ModuleList(
-            Block(cfg, tp_kw, rope, zmoe.build(cfg, ep_group, dp_group) if zmoe.is_moe_block(cfg, i) else None)
+            Block(cfg, tp_kw, rope, zmoe.build(cfg, ep_group, dp_group, tp_group if sequence_parallel else None)
+                  if zmoe.is_moe_block(cfg, i) else None)
             for i in range(cfg.n_layer))
         self.moe_layers = zmoe.layers(self.blocks)
         self.router_losses: Tensor | None = None
@@ -168,9 +171,10 @@ class GPT(KeepsMarks, torch.nn.Module):
         else:
             self.head = tp.VocabParallelLinearCrossEntropyHead(cfg.dim, cfg.vocab_size, bias=False, **tp_kw)
             self._tp_comm = tp.comm.comm_for(tp_group)
-            # replicated params applied to a sequence shard: grads summed over the TP group
+            # replicated params applied to a sequence shard: grads summed over the TP group (MoE
+            # layers: whole on every TP rank, each routing its shard of the sequence)
             norms = [self.norm] + [n for b in self.blocks for n in (b.norm1, b.norm2)]
-            replicated = [p for m in [self.wpe] + norms if m is not None for p in m.parameters()]
+            replicated = [p for m in [self.wpe] + norms + self.moe_layers if m is not None for p in m.parameters()]
             tp.sync_replicated_grads(replicated, self._tp_comm, when=lambda: self.sequence_parallel)
         self.sequence_parallel = sequence_parallel
         if cfg.tie_embeddings:
@@ -259,6 +263,11 @@ class GPT(KeepsMarks, torch.nn.Module):
                 document_ids: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
         """document_ids (B, N): packed documents (each a run of equal ids, e.g. (idx == EOT).cumsum(1)):
         a token attends only to the earlier tokens of its own document; positions are not reset."""
+        if targets is not None and (not isinstance(targets, Tensor) or tuple(targets.shape) != tuple(idx.shape)):
+            # (the fused loss's own check named its inputs: "hidden", under sequence parallelism this
+            # rank's shard, which the caller never passed)
+            got = list(targets.shape) if isinstance(targets, Tensor) else type(targets).__name__
+            raise ValueError(f"zerofuse.models.GPT: expected targets of idx's shape {list(idx.shape)}, got {got}")
         if self.tp_group is not None:  # (under ZEROFUSE_CHECK_COLLECTIVES=1 only)
             tp.comm.check_same_inputs(self._tp_comm, "zerofuse.models.GPT", idx=idx, targets=targets,
                                       document_ids=document_ids)
@@ -303,6 +312,8 @@ class GPT(KeepsMarks, torch.nn.Module):
         logits, loss = self._head(h, targets)
         if self.moe_layers and loss is not None and router_losses:
             losses = zmoe.router_losses(self.moe_layers)
+            if self.sequence_parallel:  # each rank's share of the sequence's: summed (backward: its own)
+                losses = tp.reduce_from_tp(losses, self._tp_comm)
             self.router_losses = losses.detach()
             if torch.is_grad_enabled():
                 loss = loss + losses.sum()
@@ -333,7 +344,7 @@ class GPT(KeepsMarks, torch.nn.Module):
 
     @contextlib.contextmanager
     def _sequence_parallel_off(self):
-        mods = [self] + tp.tp_modules(self)
+        mods = [self] + tp.tp_modules(self) + [m.router for m in self.moe_layers]
         saved = [m.sequence_parallel for m in mods]
         for m in mods:
             m.sequence_parallel = False

@@ -52,14 +52,16 @@ def is_moe_block(cfg, i: int) -> bool:
     return cfg.moe_experts > 0 and (i + 1) % cfg.moe_every == 0
 
 
-def build(cfg, ep_group=None, dp_group=None) -> MoE:
+def build(cfg, ep_group=None, dp_group=None, seq_group=None) -> MoE:
     """One block's MoE layer: experts split over ep_group (None: all here), the routers' loads for
-    aux-loss-free balancing summed over dp_group (the ranks whose tokens the model trains on)."""
+    aux-loss-free balancing summed over dp_group (the ranks whose tokens the model trains on) and
+    seq_group (sequence parallelism: the TP group, whose ranks route shards of one sequence)."""
     return MoE(cfg.dim, cfg.moe_hidden or cfg.hidden, cfg.moe_experts, cfg.moe_top_k,
                activation="swiglu" if cfg.mlp == "swiglu" else "gelu", shared_expert=cfg.moe_shared_expert,
                ep_group=ep_group, score=cfg.moe_router, aux_loss_coef=cfg.moe_aux_loss, z_loss_coef=cfg.moe_z_loss,
                bias_update_rate=cfg.moe_bias_rate, capacity_factor=cfg.moe_capacity,
-               aux_loss_scope=cfg.moe_aux_scope, **({"group": dp_group} if dp_group is not None else {}))
+               aux_loss_scope=cfg.moe_aux_scope, seq_group=seq_group,
+               **({"group": dp_group} if dp_group is not None else {}))
 
 
 def layers(model: torch.nn.Module) -> list[MoE]:
@@ -104,11 +106,15 @@ class Stats:
     loads (choices per expert, before dropping) summed over the steps, dropped choices, aux and z
     losses; ``read()`` gives max/mean load per layer (1.0: perfectly balanced), summed over the
     data-parallel group. Under pipeline parallelism each rank records the layers of its stages
-    (``record(only=...)``) and ``read`` sums over every rank: the other layers' rows are zero here."""
+    (``record(only=...)``) and ``read`` sums over every rank: the other layers' rows are zero here.
+    Under tensor parallelism ``read`` sums over every rank too (sequence parallelism: each TP rank
+    routed its shard); ``replicas``: the TP ranks that route the same tokens (tp without sequence
+    parallelism, else 1), whose loads and drops count once."""
 
-    def __init__(self, moes: list[MoE], device=None):
+    def __init__(self, moes: list[MoE], device=None, replicas: int = 1):
         self.moes = moes
         self.device = device  # where a rank that recorded nothing builds its zeros for read()
+        self.replicas = replicas
         self.load = None  # [layers, E] int64
         self.dropped = None
         self.losses = None  # [aux, z] summed over the steps' forwards
@@ -158,6 +164,8 @@ class Stats:
                           self.losses.double() if self.losses is not None else zeros(2)])
         if dist.is_initialized() and dist.get_world_size(group) > 1:
             dist.all_reduce(flat, group=group)
+        if self.replicas > 1:  # (integers times replicas: exact)
+            flat[:n * e + 1] /= self.replicas
         load = flat[:n * e].view(n, e)
         vals = flat.cpu().tolist()
         forwards = max(vals[n * e + 2], 1)

@@ -13,6 +13,12 @@ Switch's: normalised it would be 1 and the router would get no gradient from the
 - capacity: capacity_factor > 0 keeps at most ceil(cf * T * k / E) choices per expert, the first
   in token order, and drops the rest (expert -1: zerofuse.ops.moe skips them); 0: dropless.
 
+Sequence parallelism (``seq_group``, the tensor-parallel group, while ``sequence_parallel``): each
+rank routes its shard of the sequence, and the balancing terms are those of the whole sequence
+(Megatron-Core's tp-cp reduction of the loads): the loads and token counts sum over seq_group
+before f_e and the bias update, P_e and the z-loss's mean divide by the sequence's token count,
+so each rank's aux and z losses are its share and their sum over seq_group is one process's.
+
 Per-step statistics stay on the device (``last_load``: choices per expert, ``last_dropped``).
 """
 from __future__ import annotations
@@ -39,7 +45,7 @@ class Router(torch.nn.Module):
 
     def __init__(self, dim: int, num_experts: int, top_k: int, *, score: str = "softmax", normalize: bool = True,
                  aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0, bias_update_rate: float = 0.0,
-                 capacity_factor: float = 0.0, group=None, aux_loss_scope: str = "local"):
+                 capacity_factor: float = 0.0, group=None, aux_loss_scope: str = "local", seq_group=None):
         super().__init__()
         if num_experts < 1:
             raise ValueError(f"{NAME}: expected num_experts >= 1, got {num_experts}")
@@ -70,6 +76,12 @@ class Router(torch.nn.Module):
         # ops of the first; it appends the same load again: every load twice, the same bias step)
         self._loads: list[Tensor] = []
         self.group_is_default = False  # group taken by default (MoE: its ep group): ZeRO gives its DP group
+        self.seq_group = seq_group  # the ranks holding shards of one sequence (sequence parallelism)
+        self.sequence_parallel = seq_group is not None  # (off while a TP model generates: whole sequences)
+
+    def _seq_world(self) -> int:
+        on = self.sequence_parallel and self.seq_group is not None
+        return dist.get_world_size(self.seq_group) if on else 1
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -125,9 +137,10 @@ class Router(torch.nn.Module):
                 torch.topk(scores.detach(), self.top_k, dim=-1).indices.reshape(-1), minlength=e)
             frac, per_token = self._load_fraction(own, tokens)
             aux = self.aux_loss_coef * e * (frac * p.sum(0) * per_token).sum()
-        # (sums over max(T, 1): a rank given no tokens has losses of 0, not NaN)
-        z = self.z_loss_coef * torch.logsumexp(logits, -1).pow(2).sum() / max(tokens, 1) if self.z_loss_coef > 0 \
-            else zero
+        # (sums over max(T, 1): a rank given no tokens has losses of 0, not NaN; sequence parallel:
+        # over the sequence's tokens, every shard holding as many)
+        z = self.z_loss_coef * torch.logsumexp(logits, -1).pow(2).sum() / max(tokens * self._seq_world(), 1) \
+            if self.z_loss_coef > 0 else zero
         dropped = torch.zeros((), dtype=torch.int64, device=x.device)
         if self.capacity_factor > 0:
             experts, dropped = self._drop(experts)
@@ -142,18 +155,25 @@ class Router(torch.nn.Module):
         the whole batch of ``group`` (Megatron's global-batch balancing: an all-reduce of E + 1
         counts per layer call), P_e as this rank's share (world / all tokens, not 1 / its tokens:
         ranks given other token counts weighed as one process does), so the mean of the ranks' aux
-        losses is one process's over the batch."""
+        losses is one process's over the batch. Sequence parallel: the counts sum over seq_group
+        first and P_e divides by the sequence's tokens (this rank's share of the sequence's loss)."""
         choices = tokens * self.top_k
+        seq = self._seq_world() > 1  # (every rank of a sequence runs this forward, grad or not)
         # without grad (an evaluation, maybe on one rank only: it waited in this all-reduce for ranks
         # that never came, or paired it with their training's collectives) no backward reads the
-        # loss: this rank's figures, no collective
-        if self.aux_loss_scope == "local" or self.group is None or dist.get_world_size(self.group) == 1 \
-                or not torch.is_grad_enabled():
+        # loss: the global scope's figures are this rank's, no collective over ``group``
+        scope_group = self.aux_loss_scope == "global" and self.group is not None \
+            and dist.get_world_size(self.group) > 1 and torch.is_grad_enabled()
+        if not (seq or scope_group):
             return load.float() / max(choices, 1), 1.0 / max(tokens, 1)
         counts = torch.cat([load, load.new_full((1,), choices)]).float()
-        dist.all_reduce(counts, group=self.group)
+        if seq:  # the whole sequence's loads first
+            dist.all_reduce(counts, group=self.seq_group)
+        if scope_group:
+            dist.all_reduce(counts, group=self.group)
         all_tokens = counts[-1] / self.top_k
-        return counts[:-1] / counts[-1].clamp_min(1), dist.get_world_size(self.group) / all_tokens.clamp_min(1)
+        share = dist.get_world_size(self.group) if scope_group else 1
+        return counts[:-1] / counts[-1].clamp_min(1), share / all_tokens.clamp_min(1)
 
     def capacity(self, tokens: int) -> int:
         return math.ceil(self.capacity_factor * tokens * self.top_k / self.num_experts)
@@ -175,6 +195,8 @@ class Router(torch.nn.Module):
         if self.bias_update_rate <= 0 or not self._loads:
             return
         load = torch.stack(self._loads).sum(0).float()
+        if self._seq_world() > 1:  # the whole sequence's loads: the same bias on every shard's rank
+            dist.all_reduce(load, group=self.seq_group)
         if self.group is not None and dist.get_world_size(self.group) > 1:
             dist.all_reduce(load, group=self.group)
         self.expert_bias.add_(self.bias_update_rate * torch.sign(load.mean() - load))

@@ -128,10 +128,12 @@ def setup(t) -> None:
     t._a2a_last, t._a2a_bytes_last = 0.0, 0  # the all-to-all counters at the last log point
     if t.cfg.moe_experts:
         from zerofuse.models.moe import Stats, layers
-        t.moe = Stats(model.moe_layers, t.device)  # (the whole GPT's: a pipeline stage records its own)
+        # (the whole GPT's: a pipeline stage records its own; tp without sequence parallelism: every
+        # TP rank routes the same tokens)
+        t.moe = Stats(model.moe_layers, t.device, replicas=1 if args.sequence_parallel else args.tp)
         t.moe_routers = [m.router for m in layers(t.model)]  # this rank's
         if t.pp is not None:
-            t.pp.record_moe(t.moe, model.moe_layers)
+            t.pp.record_moe(t.moe, model.moe_layers, count=not args.sequence_parallel or t.mesh.tp_rank == 0)
     t.log = RankZeroLog(t) if t.rank == 0 else None
 
 

@@ -146,8 +146,6 @@ def _validate_moe(args) -> None:
     _check(ep >= 1, f"--ep: expected >= 1, got {ep}")
     _check(args.dp % ep == 0, f"--ep: expected a divisor of the data-parallel size {args.dp} (--dp), got {ep}")
     _check(experts % ep == 0, f"--ep: expected a divisor of the expert count {experts} (--experts), got {ep}")
-    _check(args.tp == 1, f"--tp: MoE models run data-, expert- and pipeline-parallel: expected --tp 1, got --tp "
-                         f"{args.tp}")
     _check(ep == 1 or args.optimizer == "adamw", f"--optimizer: expected adamw with --ep > 1 (a trust ratio over a "
                                                  f"rank's experts differs from one process's), got {args.optimizer}")
 

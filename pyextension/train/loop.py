@@ -129,8 +129,10 @@ class Trainer:
         from zerofuse.moe.dispatch import exposed_seconds, sent_bytes
         steps = self.moe.steps
         sent = sent_bytes()
-        # (over every rank under pipeline parallelism: each stage records its own layers)
-        out = self.moe.read(self.mesh.dp_group if self.pp is None else None, sent - self._a2a_bytes_last)
+        # (over every rank under pipeline parallelism, each stage recording its own layers, and under
+        # tensor parallelism, each TP rank its own tokens or (Stats.replicas) the same ones)
+        every = self.pp is not None or self.mesh.tp > 1
+        out = self.moe.read(None if every else self.mesh.dp_group, sent - self._a2a_bytes_last)
         self._a2a_bytes_last = sent
         a2a = exposed_seconds()
         out["a2a_exposed_s_per_step"] = ((a2a - self._a2a_last) / max(steps, 1)
@@ -233,7 +235,7 @@ class Trainer:
                     self.opt.apply_pending()
                 records = self.metrics.flush()  # the log point: the device is read here only
                 check_not_stuck(self.opt, records)
-                if self.moe is not None:  # collective over the DP group (every rank under --pp), like the flush
+                if self.moe is not None:  # collective over the DP group (every rank under --pp or --tp), like the flush
                     records[-1]["moe"] = self.moe_figures()
                 if evaluate:
                     records[-1]["val_loss"] = val = self.evaluate()

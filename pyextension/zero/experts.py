@@ -37,9 +37,6 @@ class ExpertLayout:
         if self.edp_comm.world_size * ep != self.world_size:
             raise ValueError(f"{name}: expected the expert-data-parallel group ({self.edp_comm.world_size} ranks) "
                              f"times the expert-parallel size ({ep}) to be the data-parallel size {self.world_size}")
-        if self.tp_comm is not None:
-            raise ValueError(f"{name}: expert-parallel params (ep {ep}) are not supported with tensor parallelism "
-                             "yet; expected them without tp")
 
     def _build_expert_buckets(self, named, bucket_mb, kw) -> None:
         """Stages 0-2: the expert params' buckets, over the expert-DP group."""

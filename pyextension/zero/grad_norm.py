@@ -28,30 +28,38 @@ class GradNorms:
         replicated ones count once."""
         eng = self.engine
         eng.finish_grad_sync()
-        kept = self.__dict__.setdefault("_norm_prepared", (Prepared(), Prepared()))
-        if eng.tp_comm is None and eng.stage == 0 and eng.edp_comm is not None:
-            # stage 0 with expert parallelism: the dense grads are whole on every rank, each expert
-            # grad on its edp group's ranks: those count once per edp group
-            parts = [[u.grad_shard() for u in eng.units if u.comm is c] for c in (None, eng.edp_comm)]
-            sums = torch.stack([l2norm(ts, prepared=pr)[0].to(torch.float32) ** 2 for ts, pr in zip(parts, kept)])
-            expert = sums[1:] / eng.edp_comm.world_size
-            eng.comm.all_reduce_coalesced([expert], op="sum").wait()
-            sq = sums[:1] + expert
-        elif eng.tp_comm is None:
+        kept = self.__dict__.setdefault("_norm_prepared", (Prepared(), Prepared(), Prepared()))
+        if eng.tp_comm is None and eng.edp_comm is None:
             total, _ = l2norm([u.grad_shard() for u in eng.units], prepared=kept[0])
             sq = self._global_sumsq(total.reshape(1).to(torch.float32) ** 2)
         else:
-            parts: tuple[list, list] = ([], [])  # (replicated, sharded) grad pieces
+            parts: tuple[list, list, list] = ([], [], [])  # (replicated over TP, TP-sharded, expert) pieces
             for u in eng.units:
                 g = u.grad_shard()
+                if eng.edp_comm is not None and u.comm is eng.edp_comm:  # (experts: never TP-sharded)
+                    parts[2].append(g)
+                    continue
+                if eng.tp_comm is None:
+                    parts[0].append(g)
+                    continue
                 for s in u.segments:
                     sharded = eng.tp_sharded[eng.param_index[id(u.params[s.param])]]
                     parts[sharded].append(g.narrow(0, s.shard_offset, s.length))
-            sums = torch.stack([l2norm(ts, prepared=pr)[0].to(torch.float32) ** 2
+            sums = torch.stack([l2norm(ts, prepared=pr)[0].to(torch.float32) ** 2 if ts else
+                                torch.zeros((), dtype=torch.float32, device=self.scale.device)
                                 for ts, pr in zip(parts, kept)]).to(self.scale.device)
-            sums = self._global_sumsq(sums)
-            sq = (sums[1] + (sums[0] if eng.tp_rank == 0 else 0.0)).reshape(1)
-            eng.tp_comm.all_reduce_coalesced([sq], op="sum").wait()
+            if eng.stage != 0:  # each rank's shards; the DP group's sum also adds up the ep ranks' experts
+                eng.comm.all_reduce_coalesced([sums], op="sum").wait()
+            elif eng.edp_comm is not None:
+                # stage 0: dense grads whole on every rank; an expert grad on each rank of its edp
+                # group: summed over the DP group, each counts edp times
+                expert = sums[2:] / eng.edp_comm.world_size
+                eng.comm.all_reduce_coalesced([expert], op="sum").wait()
+                sums = torch.cat([sums[:2], expert])
+            # TP-sharded pieces add up over the TP group; the replicated ones (experts too) count once
+            sq = (sums[1] + (sums[0] + sums[2] if eng.tp_rank == 0 else 0.0)).reshape(1)
+            if eng.tp_comm is not None:
+                eng.tp_comm.all_reduce_coalesced([sq], op="sum").wait()
         if eng.pp_comm is not None:  # pipeline stages hold disjoint params
             sq = sq.reshape(1).clone()
             eng.pp_comm.all_reduce_coalesced([sq], op="sum").wait()
@@ -72,7 +80,7 @@ class GradNorms:
         grads = [u.grad_shard() for u in eng.units]
         if not grads or not direct(grads):
             return None
-        kept = self.__dict__.setdefault("_norm_prepared", (Prepared(), Prepared()))
+        kept = self.__dict__.setdefault("_norm_prepared", (Prepared(), Prepared(), Prepared()))
         return clip_inputs(grads, max_norm, self.scale if self.fp16 else None, None, prepared=kept[0], eps=1e-6)
 
     @torch.no_grad()
