@@ -339,6 +339,7 @@ def bench_backward_overlap(benchmark, group, provider):
 def _interleaved(benchmark, group, suite, case, names, rounds, warmup=2):
     """Runs the named workloads of suite in turn every round; per-name times after warmup (s)."""
     work = group.run(benchmark, ("interleaved", f"{suite}/{case}", "+".join(names)), rounds=rounds, warmup=warmup)
+    benchmark.extra_info["timing"] = "rounds"  # (the timed unit is a round of every workload: summarize.py)
     return {name: ts[work.warmup:] for name, ts in work.times.items()}
 
 

@@ -101,7 +101,8 @@ def bench_offload_host_step_interleaved(benchmark, device, smoke, size, peer):
 
     warm = 0 if smoke else 2
     benchmark.pedantic(pair, rounds=1 if smoke else 15, warmup_rounds=warm)
-    benchmark.extra_info.update(case=f"offload_host_adamw_interleaved/{size}", provider=f"zerofuse+{peer}")
+    benchmark.extra_info.update(case=f"offload_host_adamw_interleaved/{size}", provider=f"zerofuse+{peer}",
+                                timing="rounds")
     if benchmark.stats is not None:
         z, p = times["zerofuse"][warm:], times[peer][warm:]
         benchmark.extra_info[f"speedup_vs_{peer}"] = round(statistics.median(a / b for a, b in zip(p, z)), 3)

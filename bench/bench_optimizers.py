@@ -130,7 +130,8 @@ def bench_adamw_interleaved(benchmark, device, smoke, size, peer):
     benchmark.pedantic(pair, rounds=rounds, warmup_rounds=0 if smoke else 2)
     warm = 0 if smoke else 2
     ratios = [p / z for p, z in zip(times[peer][warm:], times["zerofuse"][warm:])]
-    benchmark.extra_info.update(case=f"adamw_interleaved/{size}", provider=f"zerofuse+{peer}", device=str(device))
+    benchmark.extra_info.update(case=f"adamw_interleaved/{size}", provider=f"zerofuse+{peer}", device=str(device),
+                                timing="rounds")
     if benchmark.stats is not None:
         benchmark.extra_info[f"speedup_vs_{peer}"] = round(statistics.median(ratios), 3)
         benchmark.extra_info["zerofuse_median_ms"] = round(statistics.median(times["zerofuse"][warm:]) * 1e3, 3)

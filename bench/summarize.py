@@ -37,10 +37,14 @@ def render(data: dict, title: str) -> str:
     lines += ["", "| benchmark | time (ms) | GB/s | TFLOP/s | roofline ratio "
                   "| speedups (zerofuse vs peer); other results |",
               "|---|---:|---:|---:|---:|---|"]
-    timings = set()
+    timings, failed = set(), []
     for b in data.get("benchmarks", []):
         e = b.get("extra_info", {})
         timings.add(e.get("timing", "wall"))
+        if e.get("failed"):  # (its test failed after timing it: no figure of it is a result)
+            failed.append(b["name"])
+            lines.append(f"| {b['name']} | | | | | FAILED its test: not a result |")
+            continue
         speedups = ", ".join(f"{k[len('speedup_vs_'):]} {v:.2f}x" for k, v in e.items() if k.startswith("speedup_vs_"))
         # every other number a benchmark recorded (memory peaks and their ratios, tokens/s, bubbles,
         # per-provider medians, ...): the columns' own keys and the run's constants left out
@@ -49,20 +53,31 @@ def render(data: dict, title: str) -> str:
                            and isinstance(v, (int, float)) and not isinstance(v, bool))
         results = "; ".join(x for x in (speedups, others) if x)
         seconds = e["time_ms"] / 1e3 if isinstance(e.get("time_ms"), (int, float)) else b["stats"]["median"]
+        # rounds of several providers in turn: no one provider's time (their medians are among the results)
+        shown = "" if e.get("timing") == "rounds" else f"{seconds * 1e3:.3f}"
         lines.append(
-            f"| {b['name']} | {seconds * 1e3:.3f} | {e.get('GB/s', '')} | {e.get('TFLOP/s', '')} "
+            f"| {b['name']} | {shown} | {e.get('GB/s', '')} | {e.get('TFLOP/s', '')} "
             f"| {e.get('roofline_ratio', e.get('peak_ratio', ''))} | {results} |"
         )
     if "device" in timings:
         lines += ["", "Time: the device time by CUDA events with the L2 flushed where the row's timing is device "
                       "(GB/s, TFLOP/s, ratios and speedups from it; wall_ms is the wall time per call, host "
                       "included); the wall median elsewhere (CPU rows, whole training steps)."]
+    if "rounds" in timings:
+        lines += ["", "Rows without a time ran their providers in turn within each round: their speedups are the "
+                      "median over rounds of the per-round ratios, each provider's median time among the results."]
+    if failed:
+        lines += ["", f"Failed their test after timing (not results): {', '.join(failed)}."]
     if data.get("partial_suites"):
         lines += ["", f"Cut before their end (the results of their finished benchmarks only): "
                       f"{', '.join(data['partial_suites'])}."]
     roof = next((b["extra_info"].get("roofline_GB/s") for b in data.get("benchmarks", []) if "roofline_GB/s" in b.get("extra_info", {})), None)
     if roof:
         lines += ["", f"Roofline: measured device bandwidth {roof} GB/s (bytes read + written; the better of a copy and an in-place scale)."]
+    peak = next((b["extra_info"].get("matmul_peak_TFLOP/s") for b in data.get("benchmarks", [])
+                 if "matmul_peak_TFLOP/s" in b.get("extra_info", {})), None)
+    if peak:  # (the rows' ratio column is against this where they have no bandwidth roofline: attention)
+        lines += ["", f"Peak: measured bf16 matmul {peak} TFLOP/s; rows with TFLOP/s and no GB/s show their ratio to it."]
     return "\n".join(lines) + "\n"
 
 
@@ -70,12 +85,16 @@ def merge(out: str, parts: list[str]) -> None:
     """The benchmarks of several pytest-benchmark JSON files in one (the first readable file's
     machine and commit info); files that are missing or unreadable (a suite cut before it wrote
     its file) are left out. A part ending in .jsonl holds one benchmark a line (conftest.py's
-    --bench-jsonl, written as each ends): read only when the .json of the same name is not
-    readable, its suite is listed under "partial_suites" (cut before its end)."""
+    --bench-jsonl, written as each ends): read when the .json of the same name is not readable
+    or its suite was cut (a .cut beside it: pytest-benchmark's JSON then also holds the benchmark
+    the cut interrupted, partly timed, which looked like any other row before 2026-12-07), its
+    suite listed under "partial_suites" (cut before its end)."""
     merged, lines = None, []
     readable = set()
     # PART.cut: run_gpu.sh's mark of a suite cut at the deadline, whatever it managed to write
-    partial = [os.path.basename(p)[: -len(".cut")] for p in parts if p.endswith(".cut") and os.path.exists(p)]
+    cut = [p[: -len(".cut")] for p in parts if p.endswith(".cut") and os.path.exists(p)]
+    partial = [os.path.basename(p) for p in cut]
+    lines_instead = {p for p in cut if os.path.exists(p + ".jsonl")}  # (finished benchmarks only)
     for path in parts:
         if path.endswith((".jsonl", ".cut")):
             continue
@@ -84,7 +103,10 @@ def merge(out: str, parts: list[str]) -> None:
                 data = json.load(f)
         except (OSError, ValueError):
             continue
-        readable.add(path)
+        if path.endswith(".json") and path[: -len(".json")] in lines_instead:
+            data["benchmarks"] = []  # (its header only)
+        else:
+            readable.add(path)
         if merged is None:
             merged = data
         else:

@@ -158,6 +158,23 @@ def test_the_summary_shows_every_result_and_what_its_time_is():
     assert "device time by CUDA events" in text
 
 
+def test_rows_of_rounds_show_no_single_time_and_the_matmul_peak_is_named():
+    """Interleaved rows time a round of every provider (no one provider's time: their column is
+    blank, a footer says why); attention's ratio is to the measured matmul peak, which the summary
+    now prints (it printed only the bandwidth roofline: a review, 2026-12-07)."""
+    from test_bench_record import _summarize
+
+    rows = [{"name": "bench_pair[1M]", "stats": {"median": 0.0023},
+             "extra_info": {"timing": "rounds", "speedup_vs_torch": 1.2, "zerofuse_median_ms": 0.1}},
+            {"name": "bench_attn[zerofuse]", "stats": {"median": 1.0},
+             "extra_info": {"time_ms": 1.0, "timing": "device", "TFLOP/s": 400.0, "peak_ratio": 0.6,
+                            "matmul_peak_TFLOP/s": 667.0}}]
+    text = _summarize().render({"benchmarks": rows}, "t")
+    pair = next(line for line in text.splitlines() if "bench_pair" in line)
+    assert pair.startswith("| bench_pair[1M] |  |") and "torch 1.20x" in pair and "zerofuse_median_ms 0.1" in pair
+    assert "in turn within each round" in text and "measured bf16 matmul 667.0 TFLOP/s" in text
+
+
 def test_a_suite_cut_after_writing_its_json_is_listed_as_cut(tmp_path):
     """A suite cut by the deadline's SIGINT between two benchmarks still gets its .json from
     pytest-benchmark, which read as the whole suite; run_gpu.sh marks it (NAME.cut) and merge lists it."""
