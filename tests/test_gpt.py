@@ -163,3 +163,23 @@ def test_a_meta_model_materialized_the_torch_way_equals_the_eager_one(tied):
     other.reset_parameters(seed=3)
     assert all(torch.equal(other.state_dict()[k], want[k]) for k in want)
     assert len(list(other.parameters())) == len(list(GPT(cfg, seed=3).parameters()))
+
+
+def test_a_whole_model_saves_and_loads_with_torch_save():
+    """torch.save(model) (the whole module pickled, as users of nanoGPT-style scripts do) failed on
+    the load hooks, local functions ("Can't pickle local object"); the loaded model gives the same
+    loss, keeps its tie, and its hooks still re-tie after a load_state_dict."""
+    import io
+
+    for cfg in (GPTConfig(n_layer=1), GPTConfig(n_layer=2, moe_experts=4, moe_bias_rate=1e-3, tie_embeddings=True,
+                                                pos="rope", mlp="swiglu")):
+        model = GPT(cfg, seed=3)
+        buf = io.BytesIO()
+        torch.save(model, buf)
+        buf.seek(0)
+        loaded = torch.load(buf, weights_only=False)
+        x = torch.randint(0, 65, (2, 9), generator=torch.Generator().manual_seed(0))
+        assert torch.equal(loaded(x[:, :-1], x[:, 1:])[1], model(x[:, :-1], x[:, 1:])[1])
+        assert loaded._tied() == cfg.tie_embeddings
+        loaded.load_state_dict(model.state_dict(), assign=True)
+        assert loaded._tied() == cfg.tie_embeddings

@@ -102,6 +102,10 @@ def _retie_after_load(model, _incompatible) -> None:
         model.head.weight = model.wte.weight
 
 
+def _note_tied_before_load(model, *_):
+    model._zf_was_tied = model._tied()
+
+
 class GPT(KeepsMarks, torch.nn.Module):
     """forward(idx (B, N) int64, targets (B, N) or None) -> (logits (B, N, vocab), loss or None);
     the loss is the mean cross-entropy in fp32 whatever the model's dtype (the fused loss: fp64 for
@@ -135,7 +139,7 @@ class GPT(KeepsMarks, torch.nn.Module):
                  ep_group=None, edp_group=None, dp_group=None):
         super().__init__()
         self._keep_marks_on_load()  # TP specs and SP's grad hooks survive to_empty / load(assign=True)
-        self.register_load_state_dict_pre_hook(lambda m, *_: setattr(m, "_zf_was_tied", m._tied()))
+        self.register_load_state_dict_pre_hook(_note_tied_before_load)
         self.register_load_state_dict_post_hook(_retie_after_load)
         self.edp_group = edp_group
         self.config = cfg

@@ -196,13 +196,16 @@ class KeepsMarks:
                 put_marks(p, marks[n])
 
     def _keep_marks_on_load(self) -> None:
-        def before(module, *_):
-            module._zf_load_marks = {n: param_marks(p) for n, p in module.named_parameters(remove_duplicate=False)}
+        # (module-level hooks: local ones made the module unpicklable, torch.save(model) failed)
+        self.register_load_state_dict_pre_hook(_marks_before_load)
+        self.register_load_state_dict_post_hook(_marks_after_load)
 
-        def after(module, _incompatible):
-            marks = module.__dict__.pop("_zf_load_marks", None)
-            if marks is not None:
-                module._put_marks(marks)
 
-        self.register_load_state_dict_pre_hook(before)
-        self.register_load_state_dict_post_hook(after)
+def _marks_before_load(module, *_):
+    module._zf_load_marks = {n: param_marks(p) for n, p in module.named_parameters(remove_duplicate=False)}
+
+
+def _marks_after_load(module, _incompatible):
+    marks = module.__dict__.pop("_zf_load_marks", None)
+    if marks is not None:
+        module._put_marks(marks)
