@@ -1,0 +1,41 @@
+"""zerofuse.models.GPT.generate's sampling loop and argument checks."""
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+from torch import Tensor
+
+
+def sample(model, idx, max_new_tokens, temperature, top_k, generator):
+    """The sampling loop of GPT.generate (its arguments checked by check_generate)."""
+    for _ in range(max_new_tokens):
+        logits, _ = model(idx[:, -model.config.seq_len:])
+        logits = model.gather_logits(logits[:, -1, :].contiguous()).float()
+        if temperature == 0:  # (logits / 1e-6 before: a coin flip between logits a few ulps apart)
+            idx = torch.cat([idx, logits.argmax(-1, keepdim=True)], dim=1)
+            continue
+        logits = logits / temperature
+        if top_k is not None:
+            kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+        nxt = torch.multinomial(probs.cpu(), 1, generator=generator).to(idx.device)
+        idx = torch.cat([idx, nxt], dim=1)
+    return idx
+
+
+def check_generate(idx, max_new_tokens, temperature, top_k) -> None:
+    """generate's arguments (torch's errors deep in the loop before, or a silent greedy/no-op run)."""
+    who = "zerofuse.models.GPT.generate"
+    if not isinstance(idx, Tensor) or idx.dim() != 2 or idx.shape[1] < 1 or idx.is_floating_point():
+        got = f"{idx.dtype} {list(idx.shape)}" if isinstance(idx, Tensor) else type(idx).__name__
+        raise ValueError(f"{who}: expected idx to be token ids (batch, seq >= 1), got {got}")
+    for name, v, low in (("max_new_tokens", max_new_tokens, 0), ("top_k", top_k, 1)):
+        if (v is not None or name != "top_k") and (isinstance(v, bool) or not isinstance(v, numbers.Integral)
+                                                   or v < low):
+            raise ValueError(f"{who}: expected {name} to be an int >= {low}{' or None' if name == 'top_k' else ''}, "
+                             f"got {v!r}")
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not 0 <= temperature < math.inf:
+        raise ValueError(f"{who}: expected temperature to be a finite number >= 0 (0: greedy), got {temperature!r}")
