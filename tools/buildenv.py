@@ -31,6 +31,18 @@ def cuda_sources() -> list[str]:
     return _sources("*.cu")
 
 
+def cuda_guarded_sources() -> list[str]:
+    """The .cpp files (built everywhere) with blocks only a CUDA build compiles (#ifdef
+    ZEROFUSE_WITH_CUDA / ZEROFUSE_WITH_NCCL): the NCCL communicator's, the module's bindings."""
+    out = []
+    for rel in cpp_sources():
+        with open(os.path.join(ROOT, rel), encoding="utf-8") as f:
+            text = f.read()
+        if "ZEROFUSE_WITH_CUDA" in text or "ZEROFUSE_WITH_NCCL" in text:
+            out.append(rel)
+    return out
+
+
 def find_cuda_home() -> str | None:
     for var in ("CUDA_HOME", "CUDA_PATH"):
         if os.environ.get(var) and os.path.isdir(os.environ[var]):

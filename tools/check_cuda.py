@@ -2,10 +2,12 @@
 
     python -m tools.check_cuda [FILE.cu ...] [--arch 80 --arch 90a] [-j N]
 
-Compiles every csrc/**/*.cu (or the files given) with nvcc for sm_80 and sm_90a against the
-installed torch's headers and the NCCL headers of the nvidia-nccl wheel, with the defines that make
-c10's CUDA headers usable without a CUDA torch (DESIGN.md §4). Nothing is linked or run. Exits
-non-zero if any file fails, printing nvcc's errors.
+Compiles every csrc/**/*.cu, and every .cpp with blocks only a CUDA build compiles (#ifdef
+ZEROFUSE_WITH_CUDA / ZEROFUSE_WITH_NCCL: the NCCL communicator, the bindings; the CPU build never
+saw those blocks, so only a GPU machine's build found their errors before 2026-12-07), or the files
+given, with nvcc for sm_80 and sm_90a against the installed torch's headers and the NCCL headers of
+the nvidia-nccl wheel, with the defines that make c10's CUDA headers usable without a CUDA torch
+(DESIGN.md §4). Nothing is linked or run. Exits non-zero if any file fails, printing nvcc's errors.
 """
 from __future__ import annotations
 
@@ -72,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
         print("check_cuda: NCCL headers not found; install the nvidia-nccl-cu13 wheel "
               "(pip install -c constraints-cpu.txt nvidia-nccl-cu13) or set NCCL_HOME", file=sys.stderr)
         return 2
-    files = [os.path.abspath(f) for f in args.files] or [os.path.join(buildenv.ROOT, f) for f in buildenv.cuda_sources()]
+    files = [os.path.abspath(f) for f in args.files] or [
+        os.path.join(buildenv.ROOT, f) for f in buildenv.cuda_sources() + buildenv.cuda_guarded_sources()]
     archs = args.arch or ["80", "90a"]
     print(f"check_cuda: {len(files)} file(s), sm_{' sm_'.join(archs)}, {nvcc}, NCCL headers {nccl[0]}")
 
