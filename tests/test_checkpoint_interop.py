@@ -340,3 +340,38 @@ def test_dcp_format_refuses_a_pipeline_parallel_model(tmp_path):
                                "pipeline-parallel models yet"), save
         assert load.startswith("FileNotFoundError"), load
     assert not os.path.exists(path) and not os.path.exists(path + ".tmp")
+
+
+def _adamw_save(rank, ws, path, fmt):
+    model = make_model()
+    zerofuse.zero.parallelize(model, stage=2)
+    opt = zerofuse.zero.Optimizer(model, "adamw", lr=LR, weight_decay=WD)
+    _steps(rank, ws, model, opt, batches(1))
+    zerofuse.checkpoint.save(path, model, opt, format=fmt)
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+@pytest.mark.parametrize("fmt", ["zerofuse", "dcp"])
+def test_export_hf_reads_the_model_only(tmp_path, fmt):
+    """export_hf consolidated the optimizer's states too (AdamW's m and v: twice the fp32 model) only
+    to drop them: its peak was 3x the model's bytes (36.6 MiB for a 12.2 MiB GPT, measured
+    2026-12-07). consolidate(optimizer=False) reads the model alone: the peak is the model's bytes
+    (zerofuse's format; DCP's reader 1.22x)."""
+    path = str(tmp_path / "ckpt")
+    model_bytes = run_distributed(_adamw_save, 2, path, fmt, timeout=300)[0]
+    with zerofuse.zero.peak_memory() as full:
+        whole = zerofuse.checkpoint.consolidate(path)
+    with zerofuse.zero.peak_memory() as lean:
+        model_only = zerofuse.checkpoint.consolidate(path, optimizer=False)
+    assert whole["optimizer"] is not None and model_only["optimizer"] is None
+    assert model_only["model"].keys() == whole["model"].keys()
+    for n, t in whole["model"].items():
+        assert torch.equal(model_only["model"][n], t), n
+    # (DCP's reader holds some of what it reads twice: 1.22x the model's bytes for the model alone)
+    limit = (1.05 if fmt == "zerofuse" else 1.3) * model_bytes
+    assert full.peak >= 2.5 * model_bytes and lean.peak <= limit, (full.peak, lean.peak, model_bytes)
+    with zerofuse.zero.peak_memory() as export:
+        zerofuse.checkpoint.export_hf(path, str(tmp_path / "hf"), config={"model_type": "zerofuse-gpt"})
+    assert export.peak <= limit, (export.peak, model_bytes)
+    with pytest.raises(TypeError, match=r"consolidate: expected optimizer True or False, got 'no'"):
+        zerofuse.checkpoint.consolidate(path, optimizer="no")

@@ -405,3 +405,48 @@ def test_a_patched_model_pickles_whole_with_its_patches(arch, cpu_kernels, tmp_p
     loss, calls, swiglu = r.stdout.split()
     assert int(calls) == fused and int(swiglu) == 3
     torch.testing.assert_close(torch.tensor(float(loss)), want.detach(), **tol(torch.float32))
+
+
+def _hook_like_accelerate(module, calls):
+    """accelerate.hooks.add_hook_to_module's layout (a model loaded with device_map): the instance's
+    forward a wrapper that runs the hook, then ``module._old_forward`` (accelerate is not installed
+    here; its structure, as of accelerate 1.x, rebuilt)."""
+    import functools
+
+    class Hook:
+        def pre_forward(self, module, *args, **kwargs):
+            calls.append(type(module).__name__)
+            return args, kwargs
+
+        def post_forward(self, module, output):
+            return output
+
+    def new_forward(module, *args, **kwargs):
+        args, kwargs = module._hf_hook.pre_forward(module, *args, **kwargs)
+        return module._hf_hook.post_forward(module, module._old_forward(*args, **kwargs))
+
+    module._old_forward = module.forward
+    module.forward = functools.update_wrapper(functools.partial(new_forward, module), module._old_forward)
+    module._hf_hook = Hook()
+
+
+def test_modules_under_accelerate_hooks_are_patched_under_the_hook(cpu_kernels):
+    """A model loaded with device_map has accelerate's hook on its modules (an instance forward):
+    patch took every such module as patched already and left its norms and MLPs stock, silently.
+    Now the patch goes under the hook (``_old_forward``): the same counts as an unhooked model's,
+    the hooks still run, the logits those of the stock model."""
+    ids = batch()
+    stock = build("llama")
+    want = stock(ids).logits.detach()
+    counts = zerofuse.hf.patched(zerofuse.patch(build("llama")))
+    hooked, calls = build("llama"), []
+    for m in hooked.model.layers.modules():
+        if type(m).__name__ in ("LlamaRMSNorm", "LlamaMLP"):
+            _hook_like_accelerate(m, calls)
+    zerofuse.patch(hooked)
+    assert zerofuse.hf.patched(hooked) == counts and counts["rms_norm"] > 0 and counts["swiglu"] > 0
+    norm = hooked.model.layers[0].input_layernorm
+    assert isinstance(vars(norm)["_old_forward"], zerofuse.hf.bound.Bound)
+    assert torch.allclose(hooked(ids).logits, want, rtol=1e-5, atol=1e-6)
+    assert "LlamaRMSNorm" in calls and "LlamaMLP" in calls
+    assert zerofuse.patch(hooked) is hooked and zerofuse.hf.patched(hooked) == counts  # (idempotent)

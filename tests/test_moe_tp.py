@@ -163,13 +163,17 @@ JOB = ["--layers", "4", "--steps", "4", "--sample-tokens", "0", "--experts", 4, 
 
 @pytest.mark.parametrize("split,unsplit", [
     (("--nproc", 4, "--tp", 2, "--sequence-parallel", "--ep", 2), ("--nproc", 2, "--ep", 2)),
-    (("--nproc", 2, "--tp", 2, "--capacity", 1.0), ("--nproc", 1, "--capacity", 1.0)),
+    (("--nproc", 4, "--tp", 2, "--ep", 2, "--capacity", 1.0), ("--nproc", 2, "--ep", 2, "--capacity", 1.0)),
     (("--nproc", 4, "--pp", 2, "--tp", 2, "--sequence-parallel", "--microbatches", 4), ("--nproc", 1, "--grad-accum", 4)),
-], ids=["tp2-sp-ep2", "tp2-capacity", "pp2-tp2-sp"])
+], ids=["tp2-sp-ep2", "tp2-ep2-capacity", "pp2-tp2-sp"])
 def test_moe_job_with_tp_logs_the_unsplit_jobs_losses_and_router_figures(tmp_path, split, unsplit):
     """zerofuse-train --tp with MoE (refused before 2026-12-07): the losses and the routers' figures
     (aux and z losses, loads, drops) of the job without tp, read over the TP ranks (sequence
-    parallel: each routed its shard; without: the same tokens, counted once)."""
+    parallel: each routed its shard; without: the same tokens, counted once; under --pp each stage's
+    router losses are the sequence's on every TP rank). The all-to-all bytes are at most the summary's
+    dropless count (without sequence parallelism every TP rank sends its copy: the count was tp x short)."""
+    import json
+
     from test_train import _ok, metrics, run
 
     _ok(run(*unsplit, *JOB, "--out", tmp_path / "unsplit"))
@@ -184,3 +188,6 @@ def test_moe_job_with_tp_logs_the_unsplit_jobs_losses_and_router_figures(tmp_pat
         assert a["moe"]["dropped"] == b["moe"]["dropped"], (a, b)
     if "--capacity" in split:
         assert any(r["moe"]["dropped"] > 0 for r in got)
+    moe = json.loads((tmp_path / "split" / "summary.json").read_text())["moe"]
+    if "--ep" in split:
+        assert 0 < moe["a2a_bytes_per_step"] <= moe["a2a_bytes_per_step_analytic"], moe

@@ -133,13 +133,16 @@ def _give_masters(model, optimizer, full: dict) -> None:
                 state[i] = {**state[i], "master": value}
 
 
-def consolidate(path: str) -> dict:
+def consolidate(path: str, *, optimizer: bool = True) -> dict:
     """{'model': a plain state_dict (full tensors; fp32 from the masters when the run kept them),
     'optimizer': torch.optim-format state (params numbered in the saved order) or None,
     'extra': what save() was given, 'optimizer_names': the name of each param number (None without
-    an optimizer)}. One process, no process group needed."""
+    an optimizer)}. One process, no process group needed. optimizer=False: the model only (the
+    optimizer's states, twice the fp32 model for Adam, are not read: 'optimizer' None)."""
+    if not isinstance(optimizer, bool):
+        raise TypeError(f"{NAME}.consolidate: expected optimizer True or False, got {optimizer!r}")
     with files.reading(path):  # (a save of the path meanwhile waits)
-        return _dcp().consolidate(path) if _is_dcp(path) else native.consolidate(path)
+        return _dcp().consolidate(path, optimizer) if _is_dcp(path) else native.consolidate(path, optimizer)
 
 
 __all__ = ["save", "load", "consolidate", "export_hf", "FORMATS"]

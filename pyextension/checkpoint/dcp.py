@@ -371,7 +371,7 @@ def _param_groups(reader, md) -> list[dict]:
 
 
 @torch.no_grad()
-def consolidate(path: str) -> dict:
+def consolidate(path: str, optimizer: bool = True) -> dict:
     """A DCP checkpoint as zerofuse.checkpoint.consolidate gives it: full tensors in one process."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata  # noqa: PLC0415
     root = os.path.abspath(path) if is_dcp(path) else files.resolve(os.path.abspath(path))
@@ -380,7 +380,8 @@ def consolidate(path: str) -> dict:
     meta = _meta(root)
     nested = _is_nested(md, meta)
     flat = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in md.state_dict_metadata.items()
-            if isinstance(m, TensorStorageMetadata) and (not nested or k.startswith(("model.", "optim.state.")))}
+            if isinstance(m, TensorStorageMetadata)
+            and (not nested or k.startswith(("model.", "optim.state.") if optimizer else "model."))}
     want = dict(flat)  # DCP's keys: the nested dict's path joined by dots
     dcp.load(want, storage_reader=reader, planner=SafeLoadPlanner(flatten_state_dict=False), no_dist=True)
     model = {k.removeprefix("model.") if nested else k: t for k, t in want.items() if not nested or k.startswith("model.")}
@@ -388,7 +389,7 @@ def consolidate(path: str) -> dict:
         if first in model:
             model[alias] = model[first]
     optim = None
-    if nested and any(k.startswith("optim.param_groups") for k in md.state_dict_metadata):
+    if optimizer and nested and any(k.startswith("optim.param_groups") for k in md.state_dict_metadata):
         index = {n: i for i, n in enumerate(model)}
         state: dict[int, dict] = {}
         for k, t in want.items():

@@ -42,7 +42,7 @@ def export_hf(path: str, out_dir: str, *, config: dict | None = None, dtype: tor
     if not isinstance(max_shard_bytes, int) or max_shard_bytes <= 0:
         raise ValueError(f"{NAME}.export_hf: expected max_shard_bytes to be a positive int, got {max_shard_bytes!r}")
     files.check_directory_path(out_dir, f"{NAME}.export_hf", "out_dir", out_dir)  # (before the consolidation)
-    full = consolidate(path)
+    full = consolidate(path, optimizer=False)  # (Adam's states: twice the fp32 model, never written here)
     model = full["model"] if rename is None else rename(full["model"])
     tensors, ties, seen = {}, {}, {}
     for n, t in model.items():

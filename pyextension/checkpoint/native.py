@@ -372,14 +372,14 @@ def _finish_load(eng, model, optimizer, opt_meta, rest, saved_precision: str, ma
 
 
 @torch.no_grad()
-def consolidate(path: str) -> dict:
+def consolidate(path: str, optimizer: bool = True) -> dict:
     """{'model': a plain state_dict (full tensors; fp32 from the masters when the run kept them),
     'optimizer': torch.optim-format state (params numbered in the saved order) or None,
     'extra': what save() was given}. Runs in one process, no process group needed; tensor-parallel
     checkpoints are merged into the unsharded model's tensors."""
     full = Full(path)
     meta = full.meta
-    opt_meta = meta["optimizer"]
+    opt_meta = meta["optimizer"] if optimizer else None
     model, opt_state = {}, {}
     for i, name in enumerate(meta["names"]):
         model[name] = full.get(name, VALUE)

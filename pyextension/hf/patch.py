@@ -39,18 +39,29 @@ def _glu_forward(self, x):
     return self.down_proj(glu(self.gate_proj(x), self.up_proj(x)))
 
 
+def _slot(mod) -> str:
+    """Where the module's own forward is: accelerate's hooks (a model loaded with device_map, or
+    offloaded) replace the instance's forward by a wrapper that moves the inputs, then calls
+    ``_old_forward``: the patch goes there, under the hook (every such module was taken as patched
+    already and left as stock, silently)."""
+    return "_old_forward" if "_hf_hook" in vars(mod) and "_old_forward" in vars(mod) else "forward"
+
+
 def _patched(mod) -> bool:
-    return "forward" in vars(mod)
+    slot = _slot(mod)
+    own = vars(mod).get(slot)
+    # (another instance forward than accelerate's: left alone, as its owner made it)
+    return isinstance(own, Bound) if slot == "_old_forward" else own is not None
 
 
 def _attach_norm(mod, kind) -> None:
     mod._zerofuse_norm, mod._zerofuse_eps = kind, archs.norm_eps(mod)
-    mod.forward = Bound(mod, _NORMS[kind])
+    setattr(mod, _slot(mod), Bound(mod, _NORMS[kind]))
 
 
 def _attach_glu(mod, act) -> None:
     mod._zerofuse_glu = act
-    mod.forward = Bound(mod, _glu_forward)
+    setattr(mod, _slot(mod), Bound(mod, _glu_forward))
 
 
 def _patch_modules(model, detect, attach) -> int:

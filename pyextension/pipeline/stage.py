@@ -309,7 +309,11 @@ def _gpt_runner(model, emb: bool, blocks: list, head: bool, stage: Stage) -> Cal
             x, delta = model.run_block(block, x, delta, document_ids)
         losses = zmoe.router_losses(moes) if moes else None
         if losses is not None:
-            stage.router_losses = losses.detach()
+            shown = losses.detach()
+            if model.sequence_parallel:  # each TP rank's share of the sequence's: summed, as GPT.router_losses
+                from zerofuse.tp.comm import all_reduce  # noqa: PLC0415
+                shown = all_reduce(shown.clone(), model._tp_comm)
+            stage.router_losses = shown
             if not torch.is_grad_enabled():
                 losses = None
         if head:

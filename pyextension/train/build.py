@@ -133,7 +133,7 @@ def setup(t) -> None:
         t.moe = Stats(model.moe_layers, t.device, replicas=1 if args.sequence_parallel else args.tp)
         t.moe_routers = [m.router for m in layers(t.model)]  # this rank's
         if t.pp is not None:
-            t.pp.record_moe(t.moe, model.moe_layers, count=not args.sequence_parallel or t.mesh.tp_rank == 0)
+            t.pp.record_moe(t.moe, model.moe_layers)
     t.log = RankZeroLog(t) if t.rank == 0 else None
 
 

@@ -35,12 +35,10 @@ class PipelineJob:
         self.idle.append(1.0 - self.pipe.compute_seconds / max(self.pipe.step_seconds, 1e-9))
         return loss
 
-    def record_moe(self, stats, layers: list, count: bool = True) -> None:
+    def record_moe(self, stats, layers: list) -> None:
         """Each training forward of a stage records its MoE layers' loads and router losses into
         stats (zerofuse.models.moe.Stats over the whole model's ``layers``); the first stage counts
-        the micro-batches' forwards where ``count`` (sequence parallelism: a stage's router losses
-        are each TP rank's share of the sequence's, summed over the ranks by Stats.read, so one TP
-        rank counts the forwards)."""
+        the micro-batches' forwards."""
         index = {id(m): i for i, m in enumerate(layers)}
         rows = {id(s): [index[id(m)] for m in s.moe_layers] for s in self.stages}  # (once, not per forward)
 
@@ -49,7 +47,7 @@ class PipelineJob:
                 return
             if stage.moe_layers:
                 stats.record(stage.router_losses, rows[id(stage)], forward=False)
-            if stage.is_first and count:
+            if stage.is_first:
                 stats.count_forward()
 
         for s in self.stages:
