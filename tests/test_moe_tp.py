@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import zerofuse
 from zerofuse import tp
 from zerofuse.models import GPT, GPTConfig
 from zerofuse.moe import expert_spec
 
+import test_moe_train as moe_train
 from dist_utils import run_distributed
+from test_moe_train import LR, WD
 from tolerances import assert_close_training
 
 pytestmark = pytest.mark.usefixtures("native_kernels")
@@ -24,35 +25,13 @@ pytestmark = pytest.mark.usefixtures("native_kernels")
 CFG = dict(vocab_size=65, seq_len=16, n_layer=2, n_head=4, dim=32, mlp="swiglu", mlp_hidden=48, moe_experts=4,
            moe_top_k=2, moe_aux_loss=1e-2, moe_z_loss=1e-3, moe_bias_rate=1e-3)
 GLOBAL = dict(moe_aux_scope="global")  # dp > 1: the aux loss's loads over the batch, as one process's
-GLOBAL_BATCH, SEQ, STEPS = 8, 16, 6
-LR, WD, MAX_NORM = 3e-3, 0.01, 0.5
-
-
-def batches(steps, seed=7):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 65, (GLOBAL_BATCH, SEQ + 1), generator=g) for _ in range(steps)]
+STEPS = 6
 
 
 def reference_run(over, micro=1):
     """One process: losses (CE + aux + z over the global batch), grad norms (before clipping, every
-    odd step), params."""
-    model = GPT(GPTConfig(**CFG | over), seed=0)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
-    losses, norms = [], []
-    for i, b in enumerate(batches(STEPS)):
-        total = 0.0
-        for part in b.chunk(micro):
-            loss = model(part[:, :-1], part[:, 1:])[1]
-            (loss / micro).backward()
-            total += loss.item() / micro
-        losses.append(total)
-        for m in model.moe_layers:
-            m.router.update_bias()
-        if i % 2:
-            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).item())
-        opt.step()
-        opt.zero_grad()
-    return losses, norms, {n: p.detach().clone() for n, p in model.named_parameters()}
+    odd step), params (test_moe_train's, with the aux loss on)."""
+    return moe_train.reference_run(micro, over, cfg=CFG, steps=STEPS)
 
 
 def _build(mesh, stage, sp, over):
@@ -63,22 +42,7 @@ def _build(mesh, stage, sp, over):
 
 
 def _train(mesh, model, opt, steps=STEPS, start=0):
-    per = GLOBAL_BATCH // mesh.dp
-    losses, norms = [], []
-    for i, b in enumerate(batches(start + steps)[start:]):
-        mine = b[mesh.dp_rank * per:(mesh.dp_rank + 1) * per]
-        loss = model(mine[:, :-1], mine[:, 1:])[1]
-        loss.backward()
-        t = loss.detach().clone()
-        dist.all_reduce(t, group=mesh.dp_group)
-        losses.append(t.item() / mesh.dp)
-        for m in model.moe_layers:
-            m.router.update_bias()
-        if i % 2:
-            norms.append(opt.clip_grad_norm_(MAX_NORM).item())
-        opt.step()
-        opt.zero_grad()
-    return losses, norms
+    return moe_train._train(mesh.dp_rank, mesh.dp, model, opt, steps, group=mesh.dp_group, start=start)
 
 
 def _slices(model) -> dict:

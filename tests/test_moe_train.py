@@ -32,13 +32,13 @@ def batches(steps, seed=7):
     return [torch.randint(0, 65, (GLOBAL_BATCH, SEQ + 1), generator=g) for _ in range(steps)]
 
 
-def reference_run(micro=1, over=None):
+def reference_run(micro=1, over=None, cfg=CFG, steps=STEPS):
     """One process: losses (CE + z over the global batch), grad norms (before clipping, every odd
     step), params."""
-    model = GPT(GPTConfig(**{**CFG, **(over or {})}), seed=0)
+    model = GPT(GPTConfig(**{**cfg, **(over or {})}), seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
     losses, norms = [], []
-    for i, b in enumerate(batches(STEPS)):
+    for i, b in enumerate(batches(steps)):
         total = 0.0
         for part in b.chunk(micro):
             loss = model(part[:, :-1], part[:, 1:])[1]
@@ -75,15 +75,17 @@ def _build(mesh, stage, offload=None, over=None):  # offload: the host steps wai
                                           **(dict(offload_overlap=False) if offload else {}))
 
 
-def _train(rank, ws, model, opt, steps=STEPS):
+def _train(rank, ws, model, opt, steps=STEPS, group=None, start=0):
+    """steps from batch ``start``; rank, ws: this rank's place in the data-parallel group (group; None:
+    every rank)."""
     per = GLOBAL_BATCH // ws
     losses, norms = [], []
-    for i, b in enumerate(batches(steps)):
+    for i, b in enumerate(batches(start + steps)[start:]):
         mine = b[rank * per:(rank + 1) * per]
         loss = model(mine[:, :-1], mine[:, 1:])[1]
         loss.backward()
         t = loss.detach().clone()
-        dist.all_reduce(t)
+        dist.all_reduce(t, group=group)
         losses.append(t.item() / ws)
         for m in model.moe_layers:
             m.router.update_bias()
