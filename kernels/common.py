@@ -43,6 +43,9 @@ def _cast(x, dtype: tl.constexpr, EMULATE_RNE: tl.constexpr):
     if EMULATE_RNE and dtype == tl.bfloat16:
         u = x.to(tl.uint32, bitcast=True)
         u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+        # a NaN stays one: the rounding carried a payload of low bits only into inf (0x7F800001) or
+        # through the sign into -0.0 (0x7FFFFFFF)
+        u = tl.where(x != x, 0x7FC00000, u)
         return u.to(tl.float32, bitcast=True).to(dtype)
     else:
         return x.to(dtype)

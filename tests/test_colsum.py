@@ -6,10 +6,13 @@ import os
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from zerofuse import kernels
 from zerofuse.kernels import colsum
 from zerofuse.kernels import norms as KN
+from zerofuse.kernels.common import _cast
 
 interp = pytest.mark.skipif(not kernels.triton_on_cpu(), reason="interpreter tests (ZEROFUSE_TRITON_ON_CPU=1)")
 
@@ -196,3 +199,23 @@ def test_the_one_launch_threshold_is_set_by_the_environment():
     env = dict(os.environ, ZEROFUSE_ONE_LAUNCH_FLOATS="0")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True, timeout=120)
     assert out.stdout.split() == ["0", "False", "132"]
+
+
+@triton.jit
+def _cast_kernel(X, Y, N, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(Y + offs, _cast(tl.load(X + offs, mask=offs < N), Y.dtype.element_ty, True), mask=offs < N)
+
+
+@interp
+def test_the_interpreters_bf16_rounding_keeps_every_nan_a_nan():
+    """kernels.common._cast's round-to-nearest-even on the bits (the interpreter truncates) carried
+    a NaN whose payload sits in the low 16 bits into inf (0x7F800001) or, through the sign, into
+    -0.0 (0x7FFFFFFF); finite values still round as torch's cast (a review, 2026-12-07)."""
+    bits = torch.tensor([0x7F800001, 0x7FFFFFFF, 0x7FC00000, 0xFFC00001, 0x3F808000, 0x3F818000, 0x7F7FFFFF],
+                        dtype=torch.int64).to(torch.int32)
+    x = bits.view(torch.float32)
+    y = torch.empty(x.shape, dtype=torch.bfloat16)
+    _cast_kernel[(1,)](x, y, x.numel(), BLOCK=8)
+    assert y[:4].isnan().all(), y
+    torch.testing.assert_close(y[4:], x[4:].to(torch.bfloat16), rtol=0, atol=0)
