@@ -185,7 +185,8 @@ def test_shard_refusals():
     assert "no tensor-parallel plan for model_type 'gpt2'" in out["gpt2_tp"]
     assert "expected the TP size 2 to divide config.num_attention_heads (3)" in out["heads"]
     assert "expected zero_stage in 0, 1, 2, 3, got 4" in out["stage"]
-    assert "known architecture" in out["arch"]
+    assert "known architecture" in out["arch"]  # (and where ZeRO alone takes any module)
+    assert "ZeRO alone (tp=1) shards any torch.nn.Module: zerofuse.zero.parallelize(model, stage=0)" in out["arch"]
     assert "call zerofuse.patch before zerofuse.shard" in out["patch_after"]
     # (a meta model's TP layers were left uninitialised: trained on zeros and NaN, a review's
     # reproduction 2026-11-28)

@@ -111,7 +111,11 @@ def shard(model, dp: int | None = None, tp: int = 1, zero_stage: int = 0, **zero
     ``zerofuse.zero.Optimizer(model, ...)``; ``model.zerofuse_mesh`` holds the process groups."""
     if not isinstance(zero_stage, int) or isinstance(zero_stage, bool) or zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"{WHO}: expected zero_stage in 0, 1, 2, 3, got {zero_stage!r}")
-    _, arch = archs.arch_of(model, WHO)
+    try:
+        _, arch = archs.arch_of(model, WHO)
+    except ValueError as e:  # (ZeRO alone takes any module: say where)
+        raise ValueError(f"{e}. ZeRO alone (tp=1) shards any torch.nn.Module: "
+                         f"zerofuse.zero.parallelize(model, stage={zero_stage})") from None
     decoder = archs.decoder_of(model, arch, WHO)
     if getattr(model, "_zerofuse_zero", None) is not None:
         raise ValueError(f"{WHO}: this model is sharded already")
