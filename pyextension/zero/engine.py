@@ -369,8 +369,10 @@ class ZeroEngine(ExpertLayout, FindUnused, FullParams, Stage3Hooks, WorldOfOne):
         self._hooks.append(model.register_forward_pre_hook(functools.partial(close_dead_backward, self)))
         if self.param_gather != "module" or self.stage == 0:  # (whole when the step returns)
             return
-        # param_gather="module": a state_dict (torch.save after a step) waits for every gather too
+        # param_gather="module": a state_dict (torch.save after a step) waits for every gather too, and
+        # so does a load (the gathers landed on top of the loaded values: ranks apart, silently)
         self._hooks.append(model.register_state_dict_pre_hook(lambda *_: self.finish_param_sync()))
+        self._hooks.append(model.register_load_state_dict_pre_hook(lambda *_: self.finish_param_sync()))
         for m in model.modules():
             units = []
             for p in m.parameters(recurse=False):
