@@ -25,6 +25,7 @@ r = torch.randn
 
 
 def M():
+    torch.manual_seed(0)  # (the same weights on every rank, whatever the rows before drew: ZeRO checks)
     return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
 
 

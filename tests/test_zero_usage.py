@@ -345,3 +345,23 @@ def test_stage0_over_a_bf16_wire_at_any_world_size(ws):
     rounding of the grads of torch's step."""
     for err in run_distributed(_stage0_low_wire_rank, ws, timeout=120):
         assert err < 2e-3, err
+
+
+def _seeded_by_rank(rank, ws, stage):
+    torch.manual_seed(100 + rank)  # (a per-rank seed before the model: a common slip)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    try:
+        zerofuse.zero.parallelize(model, stage=stage)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_ranks_starting_from_different_weights_are_refused(stage):
+    """Ranks that built the model under different seeds trained apart, silently (stage 0: replicas
+    0.5 apart forever; stages 1-3 from a first step on other weights; a review's reproduction,
+    2026-12-07): refused at parallelize on every rank, naming the params."""
+    for msg in run_distributed(_seeded_by_rank, 2, stage, timeout=120):
+        assert "expected every rank of the group to start from the same weights, got params ['0.weight', " \
+               "'0.bias', '1.weight', '1.bias'] (4 of 4) whose values differ between rank 0 and rank(s) [1]" in msg, msg

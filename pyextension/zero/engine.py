@@ -43,7 +43,8 @@ from zerofuse.zero.buckets import LOW_PRECISION, Bucket
 from zerofuse.zero.fixed_layout import TrainableCheck, guard_conversions
 from zerofuse.zero.full_params import FullParams
 from zerofuse.zero.grads import SHARDED, close_dead_backward, gathered_grads, install_clip_warning, reset_backward
-from zerofuse.zero.layout import bucket_groups, check_groups_disjoint, check_same_layout, unit_groups
+from zerofuse.zero.layout import (bucket_groups, check_groups_disjoint, check_same_layout, check_same_values,
+                                  unit_groups, values_digest)
 from zerofuse.zero.experts import ExpertLayout
 from zerofuse.zero.materialize import Initializer, materialize_rest
 from zerofuse.zero.offload import auto_ratio, host_units
@@ -141,6 +142,8 @@ class ZeroEngine(ExpertLayout, FindUnused, FullParams, Stage3Hooks, WorldOfOne):
         self._loaded_in_full_params = False  # stage 3: a model.load_state_dict ran inside full_params
 
         self._init_experts(model, expert_group, stage, name)
+        # (the values before any is sharded; compared once the layouts are known to agree)
+        digest = values_digest(self.params, self.expert) if self.world_size > 1 else None
 
         self.units: list[Bucket] = []
         self.wrap_units: dict[int, Bucket] = {}  # id(module) -> unit
@@ -168,6 +171,8 @@ class ZeroEngine(ExpertLayout, FindUnused, FullParams, Stage3Hooks, WorldOfOne):
             [u for u in reversed(self.units) if u is not self.root] + ([self.root] if self.root is not None else [])
         self.host_units = host_units(ready_order, self.offload_ratio) if offload else set()
         check_same_layout(self.units, self.comm, (stage, precision, str(self.reduce_dtype), shapes), name)
+        if digest is not None:
+            check_same_values(digest, self.names, self.comm, name)
         self.buckets = BucketGroup(self.units, self.comm, max_inflight, order=ready_order)
         self.unit_of: dict[int, tuple[Bucket, int]] = {}
         for u in self.units:

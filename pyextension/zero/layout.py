@@ -102,6 +102,43 @@ def check_same_layout(units, comm, settings: tuple, who: str) -> None:
                          f"differ ({seen})")
 
 
+def values_digest(params, skip) -> torch.Tensor:
+    """(params, 2) fp64: each param's sum and 2-norm (accumulated in fp64 without a copy), zeros for
+    the params ``skip`` flags (meta, expert-parallel: those differ by rank by design)."""
+    rows = [None if s or p.is_meta else torch.stack([p.detach().sum(dtype=torch.float64),
+                                                      torch.linalg.vector_norm(p.detach(), dtype=torch.float64)])
+            for p, s in zip(params, skip)]
+    device = next((r.device for r in rows if r is not None), torch.device("cpu"))
+    out = [r.to(device) if r is not None else torch.zeros(2, dtype=torch.float64, device=device) for r in rows]
+    return torch.stack(out).cpu() if out else torch.zeros(0, 2, dtype=torch.float64)  # (one host read)
+
+
+def check_same_values(digest: torch.Tensor, names, comm, who: str) -> None:
+    """Every rank of the group starts from the same values (values_digest's, taken before the params
+    were sharded): ranks that built the model under different seeds trained apart, silently (stage
+    0 replicas forever; stages 1-3 from a first step whose grads came from other weights; a
+    review's reproduction, 2026-12-07). DDP broadcasts rank 0's at construction; ZeRO refuses, naming
+    the params. One all-gather, at setup."""
+    if comm.world_size == 1 or digest.numel() == 0:
+        return
+    nccl = str(dist.get_backend(comm.group)) == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    mine = digest.reshape(-1).to(device)
+    every = torch.empty(comm.world_size * mine.numel(), dtype=torch.float64, device=device)
+    work = dist.all_gather_into_tensor(every, mine, group=comm.group, async_op=True)
+    work.wait(timeout=datetime.timedelta(seconds=comm.timeout))
+    every = every.cpu().view(comm.world_size, *digest.shape)
+    same = (every == every[0]) | (every.isnan() & every[0].isnan())
+    differ = [names[i] for i in range(len(names)) if not bool(same[:, i].all())]
+    if differ:
+        ranks = [r for r in range(comm.world_size) if not bool(same[r].all())]
+        raise ValueError(f"{who}: expected every rank of the group to start from the same weights, got params "
+                         f"{differ[:5]}{' ...' if len(differ) > 5 else ''} ({len(differ)} of {len(names)}) whose values "
+                         f"differ between rank 0 and rank(s) {ranks}: build the model under the same seed on every "
+                         "rank (torch.manual_seed before constructing it), or load the same weights, before "
+                         "zerofuse.zero.parallelize (torch DDP copies rank 0's; ZeRO does not)")
+
+
 def check_groups_disjoint(who: str, group, others: dict) -> None:
     """ZeRO's group (data-parallel) shares no rank but this one with the model's tensor- or
     pipeline-parallel group: the whole world as ZeRO's group of a TP model failed later with
