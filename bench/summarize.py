@@ -94,7 +94,7 @@ def merge(out: str, parts: list[str]) -> None:
     # PART.cut: run_gpu.sh's mark of a suite cut at the deadline, whatever it managed to write
     cut = [p[: -len(".cut")] for p in parts if p.endswith(".cut") and os.path.exists(p)]
     partial = [os.path.basename(p) for p in cut]
-    lines_instead = {p for p in cut if os.path.exists(p + ".jsonl")}  # (finished benchmarks only)
+    lines_instead = set(cut)  # (finished benchmarks only: none where it was cut in its first, no lines yet)
     for path in parts:
         if path.endswith((".jsonl", ".cut")):
             continue

@@ -231,3 +231,22 @@ def test_the_host_cache_serves_the_list_layout_of_older_torch():
     new = recompute._HostCache()
     new[0], new[1] = _VersionWrapper(a), _VersionWrapper(b)
     assert torch.equal(new.get(1).val, b) and torch.equal(new.get(0).val, a)
+
+
+def test_a_kept_output_changed_in_place_before_its_copy_is_refused():
+    """Selective offload copies each kept output once the next is kept (the block's output: never):
+    an in-place op on it in between went into the copy, and recompute applied it twice (grads 11
+    off, silently: a review's reproduction, 2026-12-07). Refused, as torch refuses it without
+    offload."""
+    g = torch.Generator().manual_seed(0)
+    w1, w2 = (torch.randn(64, 64, generator=g).requires_grad_() for _ in range(2))
+
+    def block(x):
+        return (torch.nn.functional.silu(x @ w1, inplace=True) @ w2).sin()
+
+    x = torch.randn(32, 64, generator=g)
+    with pytest.raises(RuntimeError, match="cached during selective activation checkpoint has been mutated"):
+        recompute.run(block, "selective", x, offload=False).sum().backward()
+    with pytest.raises(RuntimeError, match="zerofuse.models.recompute: a tensor kept by selective activation "
+                                           "checkpointing was changed in place before it went to the host"):
+        recompute.run(block, "selective", x, offload=True).sum().backward()

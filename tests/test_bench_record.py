@@ -85,6 +85,11 @@ def test_a_cut_suite_keeps_only_its_finished_benchmarks(tmp_path):
     merged = json.loads(out.read_text())
     assert [b["name"] for b in merged["benchmarks"]] == ["bench_done"] and merged["partial_suites"] == ["bench_x"]
     assert merged["datetime"] == "d"  # (the JSON's header still labels it)
+    # cut inside its first benchmark: no lines yet, and none of the JSON's rows is a result
+    (tmp_path / "bench_x.jsonl").unlink()
+    _summarize().merge(str(out), [str(tmp_path / n) for n in ("bench_x.json", "bench_x.jsonl", "bench_x.cut")])
+    merged = json.loads(out.read_text())
+    assert merged["benchmarks"] == [] and merged["partial_suites"] == ["bench_x"]
 
 
 def test_a_benchmark_whose_test_failed_is_marked_and_not_shown_as_a_result(tmp_path):

@@ -176,8 +176,9 @@ def test_rows_of_rounds_show_no_single_time_and_the_matmul_peak_is_named():
 
 
 def test_a_suite_cut_after_writing_its_json_is_listed_as_cut(tmp_path):
-    """A suite cut by the deadline's SIGINT between two benchmarks still gets its .json from
-    pytest-benchmark, which read as the whole suite; run_gpu.sh marks it (NAME.cut) and merge lists it."""
+    """A suite cut by the deadline's SIGINT still gets its .json from pytest-benchmark, which read as
+    the whole suite; run_gpu.sh marks it (NAME.cut) and merge lists it. Without its lines (cut in its
+    first benchmark) none of its JSON's rows is a finished one: left out (2026-12-07)."""
     import json
 
     from test_bench_record import _summarize
@@ -190,7 +191,7 @@ def test_a_suite_cut_after_writing_its_json_is_listed_as_cut(tmp_path):
     out = tmp_path / "merged.json"
     S.merge(str(out), [str(tmp_path / n) for n in ("bench_x.json", "bench_y.json", "bench_x.cut", "bench_z.cut")])
     merged = json.loads(out.read_text())
-    assert len(merged["benchmarks"]) == 2 and merged["partial_suites"] == ["bench_x"]
+    assert len(merged["benchmarks"]) == 1 and merged["partial_suites"] == ["bench_x"]
 
 
 def test_timed_starts_its_clock_after_the_setup_finished(monkeypatch):

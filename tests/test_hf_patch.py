@@ -431,22 +431,36 @@ def _hook_like_accelerate(module, calls):
 
 
 def test_modules_under_accelerate_hooks_are_patched_under_the_hook(cpu_kernels):
-    """A model loaded with device_map has accelerate's hook on its modules (an instance forward):
-    patch took every such module as patched already and left its norms and MLPs stock, silently.
-    Now the patch goes under the hook (``_old_forward``): the same counts as an unhooked model's,
-    the hooks still run, the logits those of the stock model."""
+    """A model loaded with device_map has accelerate's hooks on its modules and on the model (an
+    instance forward): patch took every hooked norm and MLP as patched already and left it stock,
+    and replaced the hooks of the attention and the model by its own forwards, silently. Now every
+    patch goes under the hook (``_old_forward``): the same counts as an unhooked model's, every hook
+    still runs, the loss and logits those of the stock model, and the patches stay when the hooks
+    are removed (accelerate's remove_hook_from_module puts _old_forward back as forward)."""
     ids = batch()
     stock = build("llama")
-    want = stock(ids).logits.detach()
+    want = stock(ids, labels=ids).loss.detach()
+    want_logits = stock(ids).logits.detach()
     counts = zerofuse.hf.patched(zerofuse.patch(build("llama")))
     hooked, calls = build("llama"), []
-    for m in hooked.model.layers.modules():
-        if type(m).__name__ in ("LlamaRMSNorm", "LlamaMLP"):
+    for m in hooked.modules():
+        if type(m).__name__ in ("LlamaRMSNorm", "LlamaMLP", "LlamaAttention", "LlamaForCausalLM"):
             _hook_like_accelerate(m, calls)
     zerofuse.patch(hooked)
-    assert zerofuse.hf.patched(hooked) == counts and counts["rms_norm"] > 0 and counts["swiglu"] > 0
-    norm = hooked.model.layers[0].input_layernorm
-    assert isinstance(vars(norm)["_old_forward"], zerofuse.hf.bound.Bound)
-    assert torch.allclose(hooked(ids).logits, want, rtol=1e-5, atol=1e-6)
-    assert "LlamaRMSNorm" in calls and "LlamaMLP" in calls
+    assert zerofuse.hf.patched(hooked) == counts and all(counts[k] > 0 for k in ("rms_norm", "swiglu", "attention"))
+    for m in (hooked, hooked.model.layers[0].input_layernorm, hooked.model.layers[0].self_attn):
+        assert isinstance(vars(m)["_old_forward"], zerofuse.hf.bound.Bound), type(m).__name__
+    fused = zerofuse.hf.attention_calls()["fused"]
+    loss = hooked(ids, labels=ids).loss
+    assert torch.allclose(loss, want, rtol=1e-5, atol=1e-6)
+    assert zerofuse.hf.attention_calls()["fused"] > fused
+    assert {"LlamaRMSNorm", "LlamaMLP", "LlamaAttention", "LlamaForCausalLM"} <= set(calls)
     assert zerofuse.patch(hooked) is hooked and zerofuse.hf.patched(hooked) == counts  # (idempotent)
+    for m in hooked.modules():  # accelerate's remove_hook_from_module
+        if "_hf_hook" in vars(m):
+            m.forward = m._old_forward
+            del m._hf_hook, m._old_forward
+    fused = zerofuse.hf.attention_calls()["fused"]
+    assert torch.allclose(hooked(ids).logits, want_logits, rtol=1e-5, atol=1e-6)
+    assert zerofuse.hf.attention_calls()["fused"] > fused
+    assert isinstance(vars(hooked.model.layers[0].mlp)["forward"], zerofuse.hf.bound.Bound)

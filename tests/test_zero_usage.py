@@ -365,3 +365,18 @@ def test_ranks_starting_from_different_weights_are_refused(stage):
     for msg in run_distributed(_seeded_by_rank, 2, stage, timeout=120):
         assert "expected every rank of the group to start from the same weights, got params ['0.weight', " \
                "'0.bias', '1.weight', '1.bias'] (4 of 4) whose values differ between rank 0 and rank(s) [1]" in msg, msg
+
+
+def _same_weights_other_threads(rank, ws):
+    torch.set_num_threads(1 + rank)  # (ranks on hosts of other core counts)
+    model = torch.nn.Module()
+    model.w = torch.nn.Parameter(torch.randn(10**6, generator=torch.Generator().manual_seed(10**6)))
+    zerofuse.zero.parallelize(model, stage=1)
+    return "ok"
+
+
+def test_the_same_weights_pass_the_check_whatever_the_thread_count():
+    """The check's digest summed the values in fp64, whose order (so its last bits) followed the CPU
+    thread count: identical weights on ranks of 1 and 2 threads were refused (a review's
+    reproduction, 2026-12-07). It sums the bit patterns as integers now."""
+    assert run_distributed(_same_weights_other_threads, 2, timeout=120) == ["ok", "ok"]

@@ -24,7 +24,7 @@ import weakref
 
 import torch
 
-from zerofuse.hf.bound import Bound
+from zerofuse.hf.bound import Bound, forward_slot
 from zerofuse.nn import functional as zF
 
 NAME = "zerofuse"
@@ -427,7 +427,7 @@ def patch_attention(module, rope: bool, attention: bool) -> set[str]:
     want = (attention_names(module) & asked) | done
     if want == done:
         return set()
-    module.forward = Bound(module, _rebound_forward, type(module), frozenset(want))
+    setattr(module, forward_slot(module), Bound(module, _rebound_forward, type(module), frozenset(want)))
     module._zerofuse_attention = tuple(sorted(want))
     return want - done
 

@@ -24,3 +24,11 @@ class Bound(functools.partial):
 
     def __reduce__(self):
         return (type(self), (self.args[0], *self._recipe))
+
+
+def forward_slot(mod) -> str:
+    """Where the module's own forward is: accelerate's hooks (a model loaded with device_map, or
+    offloaded) replace the instance's forward by a wrapper that moves the inputs, then calls
+    ``_old_forward``: a patch goes there, under the hook (every such module was taken as patched
+    already and left stock, silently; the attention and the LM forward replaced the hook)."""
+    return "_old_forward" if "_hf_hook" in vars(mod) and "_old_forward" in vars(mod) else "forward"

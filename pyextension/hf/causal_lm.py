@@ -26,7 +26,7 @@ import inspect
 import torch
 import torch.nn.functional as F
 
-from zerofuse.hf.bound import Bound
+from zerofuse.hf.bound import Bound, forward_slot
 from zerofuse.nn.loss import LinearCrossEntropyHead
 from zerofuse.tp.cross_entropy import VocabParallelLinearCrossEntropyHead
 
@@ -176,6 +176,6 @@ def patch_lm(model, arch) -> bool:
     model._zerofuse_arch = arch
     cls = _output_class(model)  # once, not per forward
     model._zerofuse_output = (cls, frozenset(f.name for f in dataclasses.fields(cls)))
-    model.forward = Bound(model, _forward_of, type(model))
+    setattr(model, forward_slot(model), Bound(model, _forward_of, type(model)))
     model._zerofuse_lce = True
     return True

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from zerofuse.hf import archs
 from zerofuse.hf.attention import patch_attention, register
-from zerofuse.hf.bound import Bound
+from zerofuse.hf.bound import Bound, forward_slot
 from zerofuse.hf.causal_lm import check_fusable_head, patch_lm
 from zerofuse.nn import functional as zF
 
@@ -39,16 +39,8 @@ def _glu_forward(self, x):
     return self.down_proj(glu(self.gate_proj(x), self.up_proj(x)))
 
 
-def _slot(mod) -> str:
-    """Where the module's own forward is: accelerate's hooks (a model loaded with device_map, or
-    offloaded) replace the instance's forward by a wrapper that moves the inputs, then calls
-    ``_old_forward``: the patch goes there, under the hook (every such module was taken as patched
-    already and left as stock, silently)."""
-    return "_old_forward" if "_hf_hook" in vars(mod) and "_old_forward" in vars(mod) else "forward"
-
-
 def _patched(mod) -> bool:
-    slot = _slot(mod)
+    slot = forward_slot(mod)
     own = vars(mod).get(slot)
     # (another instance forward than accelerate's: left alone, as its owner made it)
     return isinstance(own, Bound) if slot == "_old_forward" else own is not None
@@ -56,12 +48,12 @@ def _patched(mod) -> bool:
 
 def _attach_norm(mod, kind) -> None:
     mod._zerofuse_norm, mod._zerofuse_eps = kind, archs.norm_eps(mod)
-    setattr(mod, _slot(mod), Bound(mod, _NORMS[kind]))
+    setattr(mod, forward_slot(mod), Bound(mod, _NORMS[kind]))
 
 
 def _attach_glu(mod, act) -> None:
     mod._zerofuse_glu = act
-    setattr(mod, _slot(mod), Bound(mod, _glu_forward))
+    setattr(mod, forward_slot(mod), Bound(mod, _glu_forward))
 
 
 def _patch_modules(model, detect, attach) -> int:

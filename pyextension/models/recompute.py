@@ -176,11 +176,21 @@ class _OffloadStorage(collections.defaultdict):
         if self.pending is not None:
             cache, idx = self.pending
             self.pending = None
-            dict.__setitem__(cache, idx, tree_map(_pack_kept, dict.__getitem__(cache, idx)))
+            entry = dict.__getitem__(cache, idx)
+            for e in _leaves(entry):  # (copied late: an in-place change since it was kept would be in the copy)
+                if isinstance(getattr(e, "val", None), torch.Tensor) and getattr(e, "version", None) is not None \
+                        and e.val._version != e.version:
+                    raise RuntimeError("zerofuse.models.recompute: a tensor kept by selective activation checkpointing "
+                                       "was changed in place before it went to the host (torch refuses the same "
+                                       "without offload: 'Tensor cached during selective activation checkpoint has "
+                                       "been mutated'); make the op after the matmul out of place")
+            dict.__setitem__(cache, idx, tree_map(_pack_kept, entry))
 
     def end(self, outputs) -> None:
-        recompute_entry = getattr(torch.utils.checkpoint, "_RECOMPUTE", None)  # (torch >= 2.13's: an op's
-        if self.pending is not None and recompute_entry is not None:  # own entry; before, a copy as ever)
+        # torch 2.13's entry "recompute this op" (its caches numbered per call; a list layout, before,
+        # had none: a copy as ever)
+        recompute_entry = getattr(torch.utils.checkpoint, "_RECOMPUTE", None)
+        if self.pending is not None and recompute_entry is not None and not self.pending[0].appended:
             cache, idx = self.pending
             out = {t.untyped_storage().data_ptr() for t in _tensors(outputs)}
             vals = [getattr(e, "val", None) for e in _leaves(dict.__getitem__(cache, idx))]

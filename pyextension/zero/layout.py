@@ -102,15 +102,31 @@ def check_same_layout(units, comm, settings: tuple, who: str) -> None:
                          f"differ ({seen})")
 
 
+_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_CHUNK = 1 << 22  # elements per int64 conversion: the digest's temporary memory stays 32 MiB
+
+
+def _bits_digest(p: torch.Tensor) -> torch.Tensor:
+    """[sum of the bit patterns, sum of their squares], int64 wrapping: integer sums do not depend
+    on the order (float sums did, with the CPU's thread count: identical weights read as different)."""
+    flat = p.detach().reshape(-1)
+    bits = flat.view(_BITS[flat.element_size()]) if flat.element_size() in _BITS and not flat.is_complex() else None
+    if bits is None:  # (no integer view: the raw bytes)
+        bits = flat.contiguous().view(torch.uint8)
+    out = torch.zeros(2, dtype=torch.int64, device=p.device)
+    for chunk in bits.split(_CHUNK):
+        c = chunk.to(torch.int64)
+        out += torch.stack([c.sum(), (c * c).sum()])
+    return out
+
+
 def values_digest(params, skip) -> torch.Tensor:
-    """(params, 2) fp64: each param's sum and 2-norm (accumulated in fp64 without a copy), zeros for
-    the params ``skip`` flags (meta, expert-parallel: those differ by rank by design)."""
-    rows = [None if s or p.is_meta else torch.stack([p.detach().sum(dtype=torch.float64),
-                                                      torch.linalg.vector_norm(p.detach(), dtype=torch.float64)])
-            for p, s in zip(params, skip)]
+    """(params, 2) int64: each param's bit patterns summed (and their squares), zeros for the params
+    ``skip`` flags (meta, expert-parallel: those differ by rank by design)."""
+    rows = [None if s or p.is_meta else _bits_digest(p) for p, s in zip(params, skip)]
     device = next((r.device for r in rows if r is not None), torch.device("cpu"))
-    out = [r.to(device) if r is not None else torch.zeros(2, dtype=torch.float64, device=device) for r in rows]
-    return torch.stack(out).cpu() if out else torch.zeros(0, 2, dtype=torch.float64)  # (one host read)
+    out = [r.to(device) if r is not None else torch.zeros(2, dtype=torch.int64, device=device) for r in rows]
+    return torch.stack(out).cpu() if out else torch.zeros(0, 2, dtype=torch.int64)  # (one host read)
 
 
 def check_same_values(digest: torch.Tensor, names, comm, who: str) -> None:
@@ -124,11 +140,11 @@ def check_same_values(digest: torch.Tensor, names, comm, who: str) -> None:
     nccl = str(dist.get_backend(comm.group)) == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
     mine = digest.reshape(-1).to(device)
-    every = torch.empty(comm.world_size * mine.numel(), dtype=torch.float64, device=device)
+    every = torch.empty(comm.world_size * mine.numel(), dtype=torch.int64, device=device)
     work = dist.all_gather_into_tensor(every, mine, group=comm.group, async_op=True)
     work.wait(timeout=datetime.timedelta(seconds=comm.timeout))
     every = every.cpu().view(comm.world_size, *digest.shape)
-    same = (every == every[0]) | (every.isnan() & every[0].isnan())
+    same = every == every[0]
     differ = [names[i] for i in range(len(names)) if not bool(same[:, i].all())]
     if differ:
         ranks = [r for r in range(comm.world_size) if not bool(same[r].all())]
