@@ -208,10 +208,11 @@ def _tensors(tree) -> list:
     return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
 
 
-def _selective_contexts(offload: bool, storage=None):
+def _selective_contexts(storage=None):
+    """storage: an _OffloadStorage (offload), else torch's own device-resident cache."""
     fwd, rec = create_selective_checkpoint_contexts(_policy)
-    if offload:  # both modes share the cache (op -> {call index: entry}): give them one that offloads
-        fwd.storage = rec.storage = storage if storage is not None else _OffloadStorage()
+    if storage is not None:  # both modes share the cache (op -> {call index: entry}): give them one that offloads
+        fwd.storage = rec.storage = storage
     return fwd, rec
 
 
@@ -231,7 +232,7 @@ def run(block, mode: str, *args, offload: bool = False):
     if mode == "none" or not torch.is_grad_enabled() or inside:
         return block(*args)
     storage = _OffloadStorage() if offload and mode == "selective" else None
-    context_fn = {} if mode == "full" else dict(context_fn=functools.partial(_selective_contexts, offload, storage))
+    context_fn = {} if mode == "full" else dict(context_fn=functools.partial(_selective_contexts, storage))
     if not offload:
         return checkpoint(block, *args, use_reentrant=False, **context_fn)
     with torch.autograd.graph.saved_tensors_hooks(_to_host, _from_host):  # the inputs checkpoint saves
@@ -266,7 +267,7 @@ def compile_block(block: torch.nn.Module, mode: str, offload: bool = False, **co
             if not torch.is_grad_enabled():
                 return forward(*args)
             return checkpoint(forward, *args, use_reentrant=False,
-                              context_fn=functools.partial(_selective_contexts, False))
+                              context_fn=_selective_contexts)
 
         block.forward = torch.compile(checkpointed, **compile_kwargs)
         block._zerofuse_checkpointed = mode

@@ -270,10 +270,10 @@ def _moe_summary(t: Trainer, runs: list[dict]) -> dict | None:
             "dropped": sum(f["dropped"] for f in figs), "aux_loss": last["aux_loss"], "z_loss": last["z_loss"],
             "a2a_bytes_per_step": last["a2a_bytes_per_step"] if t.args.ep > 1 else 0,
             # dispatch, combine and their backward: every (token, choice) row once each, dropless;
-            # activation checkpointing runs the forward's two again in backward (6, not 4); tp
-            # without sequence parallelism: every TP rank routes (and sends) the same tokens
+            # activation checkpointing runs the forward's two again in backward (6, not 4); each TP
+            # rank that routes the same tokens (Stats.replicas) sends them too
             "a2a_bytes_per_step_analytic": ((4 if t.args.activation_checkpointing == "none" else 6) * t.args.dp
-                                            * (1 if t.args.sequence_parallel else t.args.tp)
+                                            * t.moe.replicas
                                             * t.args.batch * t.args.grad_accum * c.seq_len * c.moe_top_k
                                             * c.dim * PRECISIONS[t.args.precision].itemsize
                                             * len(last["max_over_mean_load"]) if t.args.ep > 1 else 0),

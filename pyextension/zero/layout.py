@@ -89,17 +89,22 @@ def check_same_layout(units, comm, settings: tuple, who: str) -> None:
     sig = repr(([(u.names, u.padded) for u in units], settings)).encode()
     digest = int.from_bytes(hashlib.blake2b(sig, digest_size=7).digest(), "little")  # exact in int64
     numel = sum(u.padded for u in units)
-    nccl = str(dist.get_backend(comm.group)) == "nccl"
-    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-    mine = torch.tensor([digest, len(units), numel], dtype=torch.int64, device=device)
-    every = torch.empty(comm.world_size * 3, dtype=torch.int64, device=device)
-    work = dist.all_gather_into_tensor(every, mine, group=comm.group, async_op=True)
-    work.wait(timeout=datetime.timedelta(seconds=comm.timeout))
-    rows = every.view(-1, 3).tolist()
+    rows = _gather_rows(torch.tensor([digest, len(units), numel], dtype=torch.int64), comm).tolist()
     if any(row != rows[0] for row in rows):
         seen = "; ".join(f"rank {r}: {n} units of {e} elements, digest {d:014x}" for r, (d, n, e) in enumerate(rows))
         raise ValueError(f"{who}: expected the same model and settings on every rank of the group, got layouts that "
                          f"differ ({seen})")
+
+
+def _gather_rows(mine: torch.Tensor, comm) -> torch.Tensor:
+    """Every rank's int64 tensor ``mine`` (the same shape on each) over comm's group: (world, *shape)
+    on the CPU; one all-gather on the group's device (NCCL's: the current CUDA device)."""
+    nccl = str(dist.get_backend(comm.group)) == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    every = torch.empty(comm.world_size * mine.numel(), dtype=torch.int64, device=device)
+    work = dist.all_gather_into_tensor(every, mine.reshape(-1).to(device), group=comm.group, async_op=True)
+    work.wait(timeout=datetime.timedelta(seconds=comm.timeout))
+    return every.cpu().view(comm.world_size, *mine.shape)
 
 
 _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -137,13 +142,7 @@ def check_same_values(digest: torch.Tensor, names, comm, who: str) -> None:
     the params. One all-gather, at setup."""
     if comm.world_size == 1 or digest.numel() == 0:
         return
-    nccl = str(dist.get_backend(comm.group)) == "nccl"
-    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-    mine = digest.reshape(-1).to(device)
-    every = torch.empty(comm.world_size * mine.numel(), dtype=torch.int64, device=device)
-    work = dist.all_gather_into_tensor(every, mine, group=comm.group, async_op=True)
-    work.wait(timeout=datetime.timedelta(seconds=comm.timeout))
-    every = every.cpu().view(comm.world_size, *digest.shape)
+    every = _gather_rows(digest, comm)
     same = every == every[0]
     differ = [names[i] for i in range(len(names)) if not bool(same[:, i].all())]
     if differ:
