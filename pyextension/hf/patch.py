@@ -7,9 +7,10 @@ parameters and state_dict keys are unchanged, and patching twice changes nothing
 from __future__ import annotations
 
 from zerofuse.hf import archs
-from zerofuse.hf.attention import patch_attention, register
+from zerofuse.hf.attention import register
 from zerofuse.hf.bound import Bound, forward_slot
 from zerofuse.hf.causal_lm import check_fusable_head, patch_lm
+from zerofuse.hf.rebind import patch_attention
 from zerofuse.nn import functional as zF
 
 WHO = "zerofuse.patch"

@@ -25,12 +25,11 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from zerofuse.nn.autocast import autocast_dtype, cast_all
-from zerofuse.nn.loss import check_loss_options
 from zerofuse.ops._optim import _only_counting_modes
 from zerofuse.ops.ids import check_ids
 from zerofuse import nn as znn
 from zerofuse.tp import comm as C
-from zerofuse.tp.spec import KeepsMarks, TPSpec, spec_of, split_range, vocab_range
+from zerofuse.tp.spec import KeepsMarks, TPSpec, spec_of, split_range
 
 
 def _group(group):
@@ -353,72 +352,6 @@ class VocabParallelEmbedding(_TPModule):
     def extra_repr(self) -> str:
         return (f"{self.num_embeddings}, {self.embedding_dim}, this rank [{self.vocab_start}, {self.vocab_end}), "
                 f"tp={self.tp}")
-
-
-class _VocabParallelCE(torch.autograd.Function):
-    """Per-token cross-entropy from vocabulary-sharded logits: a max all-reduce, then one
-    all-reduce of (sum of exp, target logit); the full-vocabulary logits never exist anywhere."""
-
-    @staticmethod
-    def forward(ctx, logits, targets, comm, vocab_start, ignore_index):
-        x = logits.float()
-        m = x.max(dim=-1).values
-        C.all_reduce(m, comm, op="max")
-        e = torch.exp(x - m.unsqueeze(-1))
-        n_local = x.shape[-1]
-        inside = (targets >= vocab_start) & (targets < vocab_start + n_local)
-        local_t = (targets - vocab_start).masked_fill(~inside, 0)
-        tl = torch.where(inside, x.gather(-1, local_t.unsqueeze(-1)).squeeze(-1), 0.0)  # (-inf * 0 is NaN)
-        both = torch.stack([e.sum(-1), tl])
-        C.all_reduce(both, comm)
-        sumexp, target_logit = both[0], both[1]
-        loss = torch.log(sumexp) + m - target_logit
-        ignored = targets == ignore_index
-        loss = loss.masked_fill(ignored, 0.0)
-        e.div_(sumexp.unsqueeze(-1))  # softmax, kept for backward
-        ctx.save_for_backward(e, local_t, inside, ignored)
-        ctx.dtype = logits.dtype
-        return loss
-
-    @staticmethod
-    def backward(ctx, g):
-        if getattr(ctx, "used", False):  # (an obscure "modified by an inplace operation" error before)
-            raise RuntimeError("zerofuse.tp.vocab_parallel_cross_entropy: a second backward through the same graph "
-                               "(retain_graph=True) is not supported: the first one turned the saved softmax into "
-                               "the gradient in place (no second vocabulary-sized buffer); compute the loss again")
-        ctx.used = True
-        softmax, local_t, inside, ignored = ctx.saved_tensors
-        grad = softmax
-        grad.scatter_add_(-1, local_t.unsqueeze(-1), -inside.to(grad.dtype).unsqueeze(-1))
-        # (a select, not * 0: an ignored row's incoming NaN/inf, e.g. a masked per-sequence mean's
-        # 0/0, stays out of the logits' grad as F.cross_entropy keeps it; a review's reproduction)
-        grad.mul_(torch.where(ignored, 0, g).unsqueeze(-1))
-        return grad.to(ctx.dtype), None, None, None, None
-
-
-def vocab_parallel_cross_entropy(logits_shard: Tensor, targets: Tensor, group=None, *, vocab_size: int | None = None,
-                                 ignore_index: int = -100, reduction: str = "mean") -> Tensor:
-    """F.cross_entropy(full_logits, targets) from this rank's vocabulary shard (..., V_r) of the
-    logits, split over the TP group as ColumnParallelLinear / VocabParallelEmbedding split it
-    (vocab_size: the full vocabulary; default: the group's shards summed, one small all-reduce
-    more). reduction: 'mean' (over targets != ignore_index), 'sum' or 'none'."""
-    comm = C.comm_for(_group(group))
-    vocab_size, start, _ = vocab_range(logits_shard.shape[-1], vocab_size, comm,
-                                       "zerofuse.tp.vocab_parallel_cross_entropy", logits_shard.device)
-    if targets.shape != logits_shard.shape[:-1]:
-        raise ValueError(f"zerofuse.tp.vocab_parallel_cross_entropy: expected targets of shape "
-                         f"{list(logits_shard.shape[:-1])}, got {list(targets.shape)}")
-    if reduction not in ("mean", "sum", "none"):
-        raise ValueError(f"zerofuse.tp.vocab_parallel_cross_entropy: expected reduction 'mean', 'sum' or 'none', "
-                         f"got {reduction!r}")
-    check_loss_options("zerofuse.tp.vocab_parallel_cross_entropy", ignore_index)
-    check_ids("zerofuse.tp.vocab_parallel_cross_entropy", "targets", targets, vocab_size, ignore_index)
-    loss = _VocabParallelCE.apply(logits_shard, targets, comm, start, ignore_index)
-    if reduction == "none":
-        return loss
-    if reduction == "sum":
-        return loss.sum()
-    return loss.sum() / (targets != ignore_index).sum().clamp(min=1)
 
 
 # ---------------------------------------------------------------------------- attention, MLP
