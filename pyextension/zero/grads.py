@@ -66,6 +66,8 @@ def gathered_grads(eng):
         held.append((u, buf, given))
     eng.grads_out = True  # [Note: a world of one]: not taken back as new grads meanwhile
     running = eng.host_steps_started()
+    opt = eng.live_optimizer()
+    host = opt.host if opt is not None else None
     refused = False
     try:
         yield
@@ -85,6 +87,8 @@ def gathered_grads(eng):
                 refused = True
             elif changed and eng.stage != 0:
                 u.gshard.copy_(buf[u.lo:u.hi])
+                if host is not None:  # its host copy, taken at the reduction, is taken again
+                    host.grads_changed(u)
         eng.release_grads()
     if refused:
         raise RuntimeError("zerofuse.zero.full_grads: the grads were changed while the offloaded optimizer steps "

@@ -23,7 +23,8 @@ the shard up first; the host step writes it in place).
 - One reduction per unit and step: a second backward outside ``no_sync()`` before ``step()`` would
   add grads to a unit already stepped, and is refused; so is ``zero_grad()`` between such a
   backward and ``step()`` (the backward has committed the step: discarding it needs
-  offload_overlap=False).
+  offload_overlap=False; then zero_grad drops the grads and their reductions, and a grad changed in
+  ``full_grads`` is copied to the host again).
 - Step counters advance once per step (each unit's kernel call advances a copy).
 
 [Note: delayed parameter update]
@@ -184,6 +185,23 @@ class HostSteps:
             g.record_stream(self.stream)  # the shard may be freed (zero_grad) while the copy runs
             self.events[u.index] = self.stream.record_event()
 
+    def grads_changed(self, u) -> None:
+        """full_grads wrote unit u's grad shard after its reduction (the caller's clipping; no host
+        step has started: the caller checked): the host copy taken then is taken again (the copy of
+        before the edit was stepped: a review's reproduction, 2026-12-07)."""
+        if self.reduced[u.index] and self.grads[u.index] is not None and not self.delayed:
+            self._to_host(u)
+
+    def discard(self) -> None:
+        """zero_grad before step() with no host step started: this backward's grads are dropped, its
+        reductions forgotten (they were stepped, and a next backward refused as a second one)."""
+        self.reduced = [False] * len(self.eng.units)
+        self.log = []
+        # (the pinned buffers stay for the next copies, ordered on the copy stream; a pending delayed
+        # update's host steps read its copies still)
+        if not self.cuda and not self.pending:
+            self.grads = [None] * len(self.eng.units)
+
     def _submit(self, u, mult: torch.Tensor | None, when: str = "step", units=None) -> None:
         """Unit u's host step (or, with ``units``, theirs in one kernel call per group) queued on
         the offload thread; its future is u's."""
@@ -296,13 +314,22 @@ class HostSteps:
         return bool(pending)
 
     def _write_back(self, u) -> None:
+        """The unit's updated params from its masters. On CUDA after the work queued so far: a delayed
+        update is written back while the next backward's kernels may still read the params, and its
+        gathers copy host shards up (stage 3, "optimizer+params") (found by reading, 2026-12-07)."""
         master = self.opt.unit_states[u.index]["master"]
-        if not self.cuda or u.host_shard:  # stage-3 parameter offload: the shard is host memory too
+        if not self.cuda:
+            u.shard.copy_(master)
+            return
+        current = torch.cuda.current_stream(self.eng.device)
+        if u.host_shard:  # stage-3 parameter offload: the shard is host memory an upload may be reading
+            current.synchronize()
             u.shard.copy_(master)
             return
         with torch.cuda.stream(self.stream):
+            self.stream.wait_stream(current)
             u.shard.copy_(master, non_blocking=True)
-        torch.cuda.current_stream(self.eng.device).wait_stream(self.stream)
+        current.wait_stream(self.stream)
 
     def load_steps(self) -> None:
         """After the device step counters were set (a checkpoint load)."""

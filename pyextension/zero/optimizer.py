@@ -409,6 +409,8 @@ class Optimizer(GradNorms, OptimizerState, torch.optim.Optimizer):
             raise RuntimeError(f"{NAME}.zero_grad: with offload the last backward already started its host steps "
                                "(offload_overlap): call step() before zero_grad(), or build the Optimizer with "
                                "offload_overlap=False to decide after backward")
+        if self.host is not None:
+            self.host.discard()
         self.engine.zero_grad(set_to_none)
         # a clip_grad_norm_ of the grads dropped here is dropped with them (torch's clipping edits
         # the grads; ours is applied by step(): a stale one skipped or scaled the next step)
