@@ -130,6 +130,7 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("p2p_sequence", &Communicator::p2p_sequence)
       .def("fail", &Communicator::fail, py::arg("message"))
       .def("check_usable", &Communicator::check_usable, py::arg("what"))
+      .def("wait_launched", &Communicator::wait_launched, py::call_guard<py::gil_scoped_release>())
       .def(
           "batch_p2p",
           [](Communicator& c, const std::vector<std::tuple<bool, at::Tensor, int, int>>& ops) {

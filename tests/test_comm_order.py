@@ -92,6 +92,9 @@ def _checked_calls(rank, ws):
     comm.all_reduce_coalesced(mixed, reduce_dtype=None if rank == 0 else torch.float32).wait()
     comm.all_reduce_coalesced([torch.ones(2)], scale=None if rank == 0 else 1.0).wait()
     out["mixed"] = [m.tolist() for m in mixed]
+    ints = torch.arange(3, dtype=torch.int64) + rank  # (a scale of 1.0 on integers: the signature took it as
+    out["ints"] = error_text(lambda: comm.all_reduce_coalesced([ints], scale=None if rank == 0 else 1.0).wait())
+    out["ints"] += f" {ints.tolist()}"  # none, the C++ check refused it: one rank entered alone; 2026-12-07)
     return out
 
 
@@ -100,3 +103,57 @@ def test_the_checker_publishes_no_refused_call_and_takes_equivalent_calls_as_equ
     outs = run_distributed(_checked_calls, 2, timeout=TIMEOUT)
     assert outs[0]["refused"].startswith("ValueError: zerofuse.comm.batch_p2p: expected ops[0].tensor contiguous"), outs
     assert [o["received"] for o in outs] == [0.0, 0.0] and all(o["mixed"] == [[2.0] * 2] * 2 for o in outs), outs
+    assert [o["ints"] for o in outs] == ["no error [1, 3, 5]"] * 2, outs
+
+
+def _factors(rank, ws):
+    comm = Communicator(timeout=30)
+    out = {}
+    for dtype in (torch.bfloat16, torch.float16):
+        for how in ("avg", "scale"):
+            x = torch.tensor([-14.0, 5.0, 7.0, 100.0], dtype=dtype) * (rank == 0)
+            kw = dict(op="avg") if how == "avg" else dict(op="sum", scale=0.1)
+            comm.all_reduce_coalesced([x], **kw).wait()
+            shard = torch.empty(2, dtype=dtype)
+            comm.reduce_scatter_coalesced([torch.tensor([-14.0, 5.0, 7.0, 100.0] * ws, dtype=dtype)[:2 * ws] *
+                                           (rank == 0)], shard, **kw).wait()
+            out[(str(dtype), how)] = (x.tolist(), shard.tolist())
+    return out
+
+
+def test_averages_and_scales_round_once_in_low_precision():
+    """An average over 3 ranks or a scale of 0.1 multiplied bf16/fp16 by the factor rounded to the
+    dtype first (aten's mul_(Scalar): bf16(1/3) = 0.334): -14 averaged to -4.6875 where one rank's
+    path and torch's x * (1 / 3) give -4.65625 (a review's reproduction, 2026-12-07). Only rank 0's
+    values are non-zero: the sum is exact and the result is x times the factor, rounded once."""
+    ws = 3
+    outs = run_distributed(_factors, ws, timeout=TIMEOUT)
+    for dtype in (torch.bfloat16, torch.float16):
+        for how, factor in (("avg", 1 / ws), ("scale", 0.1)):
+            x = torch.tensor([-14.0, 5.0, 7.0, 100.0], dtype=dtype)
+            want = (x * factor).tolist()
+            per_rank = torch.tensor([-14.0, 5.0, 7.0, 100.0] * ws, dtype=dtype)[:2 * ws].view(ws, 2)
+            for rank, out in enumerate(outs):
+                assert out[(str(dtype), how)] == (want, (per_rank[rank] * factor).tolist()), (dtype, how, rank, out)
+
+
+def _delayed_then_direct(rank, ws):
+    import time
+
+    comm = Communicator(timeout=20, debug_delay_ms=100)
+    x = torch.full((4,), float(rank + 1))
+    first = comm.all_reduce_coalesced([x])
+    if rank == 1:
+        time.sleep(0.3)
+    out = torch.empty(2)
+    summed = comm.reduce_scatter_fp32_sum(torch.full((2 * ws,), 10.0 * (rank + 1), dtype=torch.bfloat16), out)
+    first.wait()
+    summed.wait()
+    return x.tolist(), out.tolist()
+
+
+def test_a_fp32_sum_waits_for_the_test_delays_earlier_launches():
+    """With ZEROFUSE_COMM_DELAY_MS (the tests' launch delay) the fp32-sum all-to-all, launched on the
+    c10d group directly, overtook an earlier call still in the delay's chain: the ranks paired them
+    differently and both timed out (a review's reproduction, 2026-12-07)."""
+    assert run_distributed(_delayed_then_direct, 2, timeout=TIMEOUT) == [([3.0] * 4, [30.0] * 2)] * 2

@@ -3,6 +3,7 @@
 
 #include "../checks.h"
 
+#include <ATen/ScalarOps.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/util/Exception.h>
 
@@ -70,6 +71,14 @@ struct ReducePlan {
   double before, after;
 };
 
+// t *= factor, the factor kept in double (the product in the dtype's opmath, as torch's t.mul_(1 / 3)):
+// aten's mul_(Scalar) rounds the factor to t's dtype first (bf16(1/3) = 0.334, fp16(0.1) = 0.09998: an
+// average over 3 ranks or a scale of 0.1 was off by an ulp against one rank's path; a review's
+// reproduction, 2026-12-07).
+void scale_in_place(at::Tensor t, double factor) {
+  if (factor != 1.0) t.mul_(at::native::wrapped_scalar_tensor(at::Scalar(factor)));
+}
+
 ReducePlan plan_reduce(Reduce op, const Transport& transport, std::optional<double> scale, int world_size,
                        at::ScalarType dtype) {
   const bool avg_here = op == Reduce::kAvg && !transport.native_avg();
@@ -81,7 +90,8 @@ ReducePlan plan_reduce(Reduce op, const Transport& transport, std::optional<doub
 // An integer reduction cannot be multiplied by a fraction: refused before anything runs (it raised
 // in wait(), after the collective, and a second wait() returned with the tensors unwritten).
 void check_reduce_dtype(Reduce op, std::optional<double> scale, at::ScalarType dtype, const char* fn) {
-  ZF_COMM_CHECK_VALUE(at::isFloatingType(dtype) || (op != Reduce::kAvg && !scale), fn,
+  // (a scale of 1.0 is none: the collective checker's signature, zerofuse/comm/checker.py, takes it so)
+  ZF_COMM_CHECK_VALUE(at::isFloatingType(dtype) || (op != Reduce::kAvg && (!scale || *scale == 1.0)), fn,
                       "expected a floating dtype with op 'avg' or a scale (the result is multiplied by a fraction), "
                       "got ", dtype, op == Reduce::kAvg ? " with op 'avg'" : " with a scale");
 }
@@ -353,14 +363,14 @@ std::shared_ptr<Work> Communicator::reduce_scatter_coalesced(at::TensorList tens
     if (shard * world_size_ > total) flat.narrow(0, total, shard * world_size_ - total).zero_();
     flatten_into(tensors, flat, offsets);
   }
-  if (plan.before != 1.0) flat.mul_(plan.before);
+  scale_in_place(flat, plan.before);
   const double factor = plan.after;
   if (transport.reduce_scatter_via_all_reduce()) {
     auto work = watched(transport.all_reduce(flat, plan.op, what));
     const int64_t lo = rank_ * shard;
     work->set_finish([flat, out_shard, lo, shard, factor]() mutable {
       at::Tensor mine = flat.narrow(0, lo, shard);
-      if (factor != 1.0) mine.mul_(factor);
+      scale_in_place(mine, factor);
       out_shard.copy_(mine);
     });
     work->keep_alive({flat, out_shard});
@@ -370,7 +380,7 @@ std::shared_ptr<Work> Communicator::reduce_scatter_coalesced(at::TensorList tens
   at::Tensor out = direct ? out_shard : at::empty({shard}, flat.options());
   auto work = watched(transport.reduce_scatter(out, flat, plan.op, what));
   work->set_finish([out, out_shard, direct, factor]() mutable {
-    if (factor != 1.0) out.mul_(factor);
+    scale_in_place(out, factor);
     if (!direct) out_shard.copy_(out);
   });
   work->keep_alive({flat, out, out_shard});
@@ -435,13 +445,13 @@ std::shared_ptr<Work> Communicator::all_reduce_coalesced(at::TensorList tensors,
     flat = staging(total, tensors[0].options().dtype(dtype));
     flatten_into(tensors, flat, offsets);
   }
-  if (plan.before != 1.0) flat.mul_(plan.before);
+  scale_in_place(flat, plan.before);
   const double factor = plan.after;
   auto work = watched(transport.all_reduce(flat, plan.op, what));
   std::vector<at::Tensor> outs;
   if (!in_place) outs.assign(tensors.begin(), tensors.end());
   work->set_finish([flat, outs, offsets, factor]() mutable {
-    if (factor != 1.0) flat.mul_(factor);
+    scale_in_place(flat, factor);
     if (!outs.empty()) unflatten_from(flat, outs, offsets);
   });
   work->keep_alive({flat});

@@ -162,6 +162,9 @@ class Transport {
   // one ncclGroupStart/End, one done event); the ProcessGroup transport launches them at once.
   virtual void group_start() {}
   virtual void group_end() {}
+  // The collectives of earlier calls launched on the group (a test delay's chain launches them
+  // later): before a caller launches on the c10d group itself, which gloo pairs by order.
+  virtual void wait_launched() {}
 };
 
 // csrc/comm/process_group_transport.cpp
@@ -213,6 +216,10 @@ class Communicator {
   // (reduce_scatter_fp32_sum) refuse once it is set, and set it when they fail.
   void fail(const std::string& message) { failure_->set(message); }
   void check_usable(const std::string& what) const { failure_->check(what); }
+  // Before such a collective: this communicator's earlier ones launched on the group first (with
+  // ZEROFUSE_COMM_DELAY_MS the fp32-sum all-to-all overtook them: both ranks' calls timed out,
+  // a review's reproduction, 2026-12-07).
+  void wait_launched() { pg_transport_->wait_launched(); }
   // All-to-all with per-rank row counts (csrc/comm/all_to_all.cpp): a collective (every rank of
   // the group calls it, in the same order as the others), e.g. MoE's token dispatch and combine.
   std::shared_ptr<Work> all_to_all(const at::Tensor& out,  // [sum(out_splits), ...] contiguous, written at wait()

@@ -277,6 +277,10 @@ class ProcessGroupTransport : public Transport {
     return std::make_shared<PgWork>(what, timeout_, std::move(futs), gloo_);
   }
 
+  void wait_launched() override {
+    if (last_.valid()) last_.wait();
+  }
+
  private:
   // Without a delay the collectives are launched here. With one (tests), launches go through a
   // chain of futures: each waits for the previous launch, sleeps, then launches, so the order of

@@ -28,9 +28,11 @@ only its own, and comparing them would be a collective of its own before every c
 long as a small all-reduce). On gloo such a call aborts the process of a rank that receives more
 than it posted (gloo's enforce, in its transport thread: std::terminate, no Python exception), and
 the ranks left raise ``DistBackendError``; the abort cannot tear a checkpoint (files.py writes
-each one aside and renames it into place), and no all-reduce or reduce-scatter of different
-sizes returns on any rank with a mix of data, except for the rare sizes of [Note: piece size]
-(process_group_transport.cpp). Ranks that differ only in dtype, with equal element sizes (bf16 and
+each one aside and renames it into place). But gloo also takes a message shorter than the receive:
+a rank whose size is smaller than a peer's can return without an error holding a mix of data or its
+own values unreduced (measured at 3 ranks sizes [2, 2, 4]: ranks 0 and 1 returned [6, 6] and [9, 9],
+rank 2 timed out; at 2 ranks [4, 2]: rank 1 returned its own [1, 1]; a review's reproduction,
+2026-12-07), besides the rare sizes of [Note: piece size] (process_group_transport.cpp). Ranks that differ only in dtype, with equal element sizes (bf16 and
 fp16, fp32 and int32), are not detected by the transports either: the bytes are reduced as the
 receiving rank's dtype and every rank returns garbage (as torch's own gloo collectives).
 ``all_gather_coalesced`` is a broadcast per rank on gloo, which takes a message shorter than the
@@ -297,6 +299,7 @@ class Communicator(CollectiveChecker):
         self._c.check_usable(what)  # [Note: communicator failure]
         self._in_order()
         recv = torch.empty_like(flat)
+        self._c.wait_launched()  # (the c10d group's order is the calls' order)
         work = dist.all_to_all_single(recv, flat, group=self.group, async_op=True)
         summed = _SummedWork(self, work, recv, flat if all_gather else None, out_shard, all_gather, what)
         if all_gather:
@@ -318,7 +321,9 @@ class Communicator(CollectiveChecker):
         ncclGroupStart/End on the p2p stream; c10d: isend/irecv). Shapes and dtypes are not sent:
         both ranks must post the same shape and dtype for a transfer (a pipeline agrees them once
         per schedule); ZEROFUSE_CHECK_COLLECTIVES=1 compares them through the store and raises
-        CollectiveMismatch on both ranks of a pair that differ."""
+        CollectiveMismatch on both ranks of a pair that differ. wait() for the Work before dropping
+        it: on gloo a send or receive destroyed before it completed breaks the pair's connection (as
+        torch's own isend/irecv do), and the group's next collectives time out (measured 2026-12-07)."""
         ops = list(ops)
         for i, o in enumerate(ops):
             if not isinstance(o, P2POp) or o.op not in ("send", "recv") or not isinstance(o.tensor, torch.Tensor) \

@@ -62,6 +62,7 @@ class _SummedWork:
                 self._out.copy_(total)
             if self._gather:
                 # (into flat as 1-D: a 2-D flat was gloo's "invalid tensor size", on every rank)
+                self._comm._c.wait_launched()
                 self._gw = dist.all_gather_into_tensor(self._flat.view(-1), total.to(self._flat.dtype),
                                                        group=self._comm.group, async_op=True)
         except RuntimeError as e:  # c10d names neither the collective nor the group

@@ -75,8 +75,9 @@ def _bytes_of_bools(where: str, tensors: list, op: str | None = None, scale=None
     gather and for max / min (any / all). A sum, an average or a scale of bools is no bool: refused."""
     if not any(isinstance(t, torch.Tensor) and t.dtype == torch.bool for t in tensors):
         return tensors
-    if op is not None and (op not in ("max", "min") or scale is not None):
-        how = f"op {op!r}" + (" with a scale" if scale is not None else "")
+    scaled = scale is not None and float(scale) != 1.0  # (1.0 is none, as the collective checker's signature)
+    if op is not None and (op not in ("max", "min") or scaled):
+        how = f"op {op!r}" + (" with a scale" if scaled else "")
         raise ValueError(f"zerofuse.comm.{where}: expected no bool tensors for {how} (a bool sum is no bool: cast "
                          f"them to an integer dtype, or reduce with op 'max' (any) or 'min' (all)), got bool")
     return [t.view(torch.uint8) if isinstance(t, torch.Tensor) and t.dtype == torch.bool else t for t in tensors]

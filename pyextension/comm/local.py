@@ -43,8 +43,10 @@ def _check_op(op: str, fn: str) -> None:
 
 def _check_reduce_dtype(op: str, scale: float | None, dtype: torch.dtype, fn: str) -> None:
     """As the C++ transports (communicator.cpp, check_reduce_dtype): avg or a scale on integers is
-    refused on any world size (over one rank avg divides by 1: it was accepted here only)."""
-    if not (dtype.is_floating_point or (op != "avg" and scale is None)):
+    refused on any world size (over one rank avg divides by 1: it was accepted here only); a scale of
+    1.0 is none."""
+    if not (dtype.is_floating_point or (op != "avg" and (scale is None or float(scale) == 1.0))):  # (1.0: none,
+        # as the collective checker's signature takes it: one rank refused, the other entered alone)
         name = torch.empty(0, dtype=dtype).type().removeprefix("torch.").removesuffix("Tensor")  # c10's: Long, Int
         how = " with op 'avg'" if op == "avg" else " with a scale"
         raise ValueError(f"zerofuse::comm{fn}: expected a floating dtype with op 'avg' or a scale (the result is "
