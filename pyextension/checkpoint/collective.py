@@ -1,6 +1,6 @@
 """The checkpoint's collective steps where one rank's failure must fail every rank at once (a
 rank reads or writes only its own files, so one bad file or full disk fails one rank; the others
-must not go on into a collective it never joins): ``agree`` and the save's ``begin_save``."""
+must not go on into a collective it never joins): ``agree``, ``on_one`` and the save's ``begin_save``."""
 from __future__ import annotations
 
 import torch
@@ -23,16 +23,34 @@ def agree(group, error, who, device, what: str = "could not read their part of t
         raise ValueError(f"{who}: rank(s) {ranks} of the group {what} (their errors say why)")
 
 
-def begin_save(path: str, leader: bool, group, device) -> bool:
-    """Collective: the leader's files.begin (the save's lock and fresh .tmp), its failure raised on
-    every rank (the peers waited for it in a barrier until the timeout: a review's reproduction,
-    2026-12-07); whether this rank holds the lock."""
+def on_one(cond: bool, fn, group, device, what: str) -> None:
+    """Collective: ``fn()`` on the ranks where ``cond`` holds (the leader's meta.json, the commit), its
+    failure raised on every rank (the peers waited for it in a barrier until the process group's
+    timeout, or for good beside a caller that caught the error and went on: a review's
+    reproduction, 2026-12-07)."""
     error = None
-    if leader:
+    if cond:
         try:
-            files.begin(path)
+            fn()
         except Exception as e:
             error = e
+    agree(group, error, f"{NAME}.save", device, what)
+    if error is not None:
+        raise error
+
+
+def begin_save(path: str, leader: bool, group, device, extra=None) -> bool:
+    """Collective: the caller's ``extra`` checked (files.check_plain; every rank's, though only
+    the leader's is written) and the leader's files.begin (the save's lock and fresh .tmp), a
+    failure on any rank raised on every rank (the peers waited for it in a barrier until the
+    timeout: a review's reproduction, 2026-12-07); whether this rank holds the lock."""
+    error = None
+    try:
+        files.check_plain(extra)
+        if leader:
+            files.begin(path)
+    except Exception as e:
+        error = e
     try:
         agree(group, error, f"{NAME}.save", device, "could not begin the save")
     except BaseException:

@@ -25,7 +25,7 @@ from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
 
 from zerofuse.checkpoint import files
 from zerofuse.checkpoint.dcp_read import SafeLoadPlanner, SafeReader
-from zerofuse.checkpoint.collective import begin_save
+from zerofuse.checkpoint.collective import begin_save, on_one
 from zerofuse.checkpoint.native import _saving_ranks, _table
 from zerofuse.checkpoint.optim_checks import (check_kind, check_optimizer, check_owner, check_torch_options,
                                               plain_options, restore_scale, saved_kind)
@@ -194,7 +194,6 @@ def save(path: str, model, optimizer=None, *, extra=None) -> None:
     protocol] (a meta.json naming the format is written after DCP's files)."""
     eng = engine_of(model, f"{NAME}.save")
     check_owner(optimizer, eng, f"{NAME}.save")
-    files.check_plain(extra)
     _refuse_tp(eng)
     if eng.stage != 3:
         eng.finish_param_sync()
@@ -204,12 +203,13 @@ def save(path: str, model, optimizer=None, *, extra=None) -> None:
     group = eng.comm.group
     locked = False
     try:
-        locked = begin_save(path, eng.rank == 0, group, eng.units[0].device if eng.units else
-                                   torch.device("cpu"))
+        device = eng.units[0].device if eng.units else torch.device("cpu")
+        locked = begin_save(path, eng.rank == 0, group, device, extra)
         tmp = path + ".tmp"
         dcp.save(_state_dict(eng, model, optimizer), storage_writer=dcp.FileSystemWriter(tmp, sync_files=True),
                  process_group=group)
-        if eng.rank == 0:
+
+        def commit():
             scale = {} if optimizer is None else {"scale": float(optimizer.scale.item()),
                                                      "growth_tracker": int(optimizer._growth_tracker.item())}
             files.write_tensors(os.path.join(tmp, "zerofuse_extra.pt"), {"extra": extra} | scale)
@@ -218,6 +218,8 @@ def save(path: str, model, optimizer=None, *, extra=None) -> None:
                 "format": "dcp", "world_size": eng.world_size, "stage": eng.stage, "precision": eng.precision,
                 "optimizer": None if optimizer is None else optimizer.kind, "aliases": _aliases(eng, model)})
             files.commit(path)
+
+        on_one(eng.rank == 0, commit, group, device, "could not commit the checkpoint")
     finally:  # (a save failed mid-way held the path's lock for the process's life)
         if locked:
             files.release(path)

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from zerofuse.checkpoint import files
-from zerofuse.checkpoint.collective import agree, begin_save
+from zerofuse.checkpoint.collective import agree, begin_save, on_one
 from zerofuse.checkpoint.optim_checks import check_optimizer, check_owner, plain_options, restore_scale
 from zerofuse.checkpoint.sources import FORMAT, VALUE, Full
 from zerofuse.moe import expert_spec
@@ -76,7 +76,6 @@ def _saved_shape(p) -> list[int]:
 def save(path: str, model: torch.nn.Module, optimizer=None, *, extra=None) -> None:
     eng = engine_of(model, f"{NAME}.save")
     check_owner(optimizer, eng, f"{NAME}.save")
-    files.check_plain(extra)
     if eng.stage != 3:
         eng.finish_param_sync()
     eng.flush_full_params()  # (inside full_params: the block's writes so far are what is saved)
@@ -91,20 +90,25 @@ def save(path: str, model: torch.nn.Module, optimizer=None, *, extra=None) -> No
     locked = False
     device = eng.units[0].device if eng.units else torch.device("cpu")
     try:
-        locked = begin_save(path, leader, group, device)
+        locked = begin_save(path, leader, group, device, extra)
         stage_dir = os.path.join(tmp, f"pp{eng.pp_rank}") if pp else tmp  # each pipeline stage's own layout
-        if pp and eng.rank == 0 and eng.tp_rank == 0:
+
+        def make_stage_dir():
             os.makedirs(stage_dir)
             files.fsync_dir(tmp)
-        dist.barrier(group=group)
+
+        on_one(pp and eng.rank == 0 and eng.tp_rank == 0, make_stage_dir, group, device,
+               "could not make their pipeline stage's directory")
+        # every stage's leader writes its meta.json last in _save_stage: all of them before the commit
         _save_stage(stage_dir, eng, model, optimizer, extra, group, device)
-        if pp:  # every stage's leader writes its meta.json last in _save_stage: all of them before the commit
-            dist.barrier(group=group)
-        if leader:
+
+        def commit():
             if pp:
                 files.fsync_dir(tmp)
                 files.write_json(os.path.join(tmp, files.META), {"format": FORMAT, "pp": eng.pp_size})
             files.commit(path)
+
+        on_one(leader, commit, group, device, "could not commit the checkpoint")
     finally:  # (a save failed mid-way held the path's lock for the process's life: other saves waited forever)
         if locked:
             files.release(path)
@@ -115,10 +119,12 @@ def _save_stage(directory: str, eng, model, optimizer, extra, group, device) -> 
     """The ZeRO (and TP) layout of ``model``'s params into ``directory``, its meta.json last."""
     tp = eng.tp_comm is not None
     sub = os.path.join(directory, f"tp{eng.tp_rank}") if tp else directory
-    if tp and eng.rank == 0:
+
+    def make_sub():
         os.makedirs(sub)
         files.fsync_dir(directory)
-    dist.barrier(group=group)
+
+    on_one(tp and eng.rank == 0, make_sub, group, device, "could not make their TP rank's directory")
     error = None
     if eng.rank < _saving_ranks(eng):
         try:
@@ -128,13 +134,15 @@ def _save_stage(directory: str, eng, model, optimizer, extra, group, device) -> 
     agree(group, error, f"{NAME}.save", device, "could not write their part of the checkpoint")
     if error is not None:
         raise error
-    if tp and eng.rank == 0:
+    def tp_meta():
         files.fsync_dir(sub)
         files.write_json(os.path.join(sub, files.META), _meta(eng, model, optimizer))
         files.fsync_dir(sub)
+
     if tp:
-        dist.barrier(group=group)
-    if eng.rank == 0 and eng.tp_rank == 0:
+        on_one(eng.rank == 0, tp_meta, group, device, "could not write their TP rank's meta.json")
+
+    def top_meta():
         if tp:
             # (and of TP-sharded frozen params, saved per TP part with the buffers in common.pt)
             specs = {n: spec.to_json() for n, p in (*zip(eng.names, eng.params), *model.state_dict(keep_vars=True).items())
@@ -144,6 +152,8 @@ def _save_stage(directory: str, eng, model, optimizer, extra, group, device) -> 
             top = _meta(eng, model, optimizer)
         files.fsync_dir(directory)
         files.write_json(os.path.join(directory, files.META), top)
+
+    on_one(eng.rank == 0 and eng.tp_rank == 0, top_meta, group, device, "could not write the meta.json")
 
 
 def _write_shards(directory: str, eng, model, optimizer, extra) -> None:
