@@ -284,3 +284,73 @@ def test_an_in_place_op_on_a_received_input_names_the_stage():
     assert second.startswith("RuntimeError: zerofuse.pipeline.Pipeline: stage 1 wrote a leaf in place, one of its "
                              "inputs or a param (a leaf Variable that requires grad"), second
     assert "expected no in-place op on a stage's inputs" in second, second
+
+
+def _zero_layout_rank(rank, ws, case):
+    from dist_utils import error_text
+    from zerofuse import zero
+    from zerofuse.models import GPT, GPTConfig
+    from zerofuse.pipeline import Pipeline, merge_stages, split_gpt
+
+    model = GPT(GPTConfig(vocab_size=61, seq_len=16, n_layer=4, n_head=2, dim=32), seed=0)
+    stages = split_gpt(model, 2 * ws, [rank, rank + ws], device="cpu")
+    alone = [torch.distributed.new_group([r]) for r in range(ws)][rank]  # dp 1
+    world = torch.distributed.group.WORLD
+    if case == "zero3_merged":
+        held = merge_stages(stages)
+        zero.parallelize(held, stage=3, group=alone, pp_group=world)
+        return error_text(lambda: Pipeline(stages, schedule="interleaved", microbatches=2, zero_module=held))
+    for s in stages:
+        zero.parallelize(s, stage=1, group=alone, pp_group=world)
+    return error_text(lambda: Pipeline(stages, schedule="interleaved", microbatches=2))
+
+
+def test_virtual_stages_made_data_parallel_in_ways_that_train_wrong_are_refused():
+    """Interleaved, two stages per rank: merged and made ZeRO-3, the embeddings and head (the merged
+    module's root unit, gathered by its forward, which never runs) were read unfilled: NaN losses
+    from the first step. Each stage made data-parallel on its own: each optimizer clipped by its
+    stages' part of the grad norm (0.87 and 0.86 where the norm was 1.22). Both silently (a
+    review's reproductions, 2026-12-07)."""
+    for case, want in (("zero3_merged", "zero_module is never run itself"),
+                       ("separate", "2 stages on this rank each made data-parallel on its own")):
+        for got in run_distributed(_zero_layout_rank, 2, case, timeout=120):
+            assert got.startswith(f"ValueError: zerofuse.pipeline.Pipeline: {want}"), (case, got)
+
+
+def _eval_raises_rank(rank, ws):
+    import time
+
+    from dist_utils import error_text
+    from zerofuse.comm import Communicator
+    from zerofuse.pipeline import Pipeline, split_modules
+
+    def loss(o, t):
+        if not torch.is_grad_enabled():
+            raise ValueError("bad eval batch")
+        return _mse(o, t)
+
+    pipe = Pipeline(split_modules(_mlp(), ws, [rank], loss_fn=loss), schedule="1f1b", microbatches=2,
+                    comm=Communicator(None, timeout=3))
+    x, t = _data()
+    bad = [error_text(lambda: pipe.forward_only(None, t)), error_text(lambda: pipe.forward_only(x.tolist(), t))]
+    t0 = time.monotonic()
+    out = error_text(lambda: pipe.forward_only(x, t))
+    seconds = time.monotonic() - t0
+    if rank == ws - 1:
+        time.sleep(12)  # (the last stage's process goes on: its peers must not wait for it)
+    return bad, out, seconds
+
+
+def test_an_evaluation_that_raised_on_the_last_stage_fails_its_peers_at_the_timeout():
+    """The loss reached the other ranks by a plain broadcast: with the last stage raising in
+    forward_only they waited for the process group's timeout (or as long as that rank lived), then
+    failed with a bare gloo error; forward_only(None or a list) failed with an AttributeError (a
+    review's reproductions, 2026-12-07)."""
+    first, last = run_distributed(_eval_raises_rank, 2, timeout=120)
+    for rank in (first, last):
+        assert rank[0] == ["ValueError: zerofuse.pipeline.Pipeline.forward_only: expected idx as a tensor (the whole "
+                           "batch, every rank passes it), got NoneType",
+                           "ValueError: zerofuse.pipeline.Pipeline.forward_only: expected idx as a tensor (the whole "
+                           "batch, every rank passes it), got list"], rank
+    assert last[1] == "ValueError: bad eval batch", last
+    assert "zerofuse.comm: all_reduce_coalesced" in first[1] and first[2] < 10, first

@@ -33,7 +33,6 @@ import contextlib
 import time
 
 import torch
-import torch.distributed as dist
 
 from zerofuse.comm import Communicator
 from zerofuse.pipeline.backward import Backwards
@@ -45,6 +44,17 @@ NAME = "zerofuse.pipeline.Pipeline"
 
 
 _current: list = [None]
+
+
+def _check_batch(who: str, idx, targets) -> None:
+    for what, t in (("idx", idx), ("targets", targets)):
+        if (t is not None or what == "idx") and not isinstance(t, torch.Tensor):
+            raise ValueError(f"{NAME}.{who}: expected {what} as a tensor (the whole batch, every rank passes it), "
+                             f"got {type(t).__name__}")
+    if targets is None or targets.shape[0] != idx.shape[0]:
+        raise ValueError(f"{NAME}.{who}: expected targets with the batch's {idx.shape[0]} rows (the last stage "
+                         f"computes the loss, every rank passes them), got "
+                         f"{None if targets is None else list(targets.shape)}")
 
 
 def current_action():
@@ -113,9 +123,20 @@ class Pipeline(Transfers, Backwards):
             elif not a.kind.startswith(("SEND", "RECV")):
                 compute_i = i
         engines = [self._engine] if self._engine is not None else [getattr(s, "_zerofuse_zero", None) for s in stages]
+        if self._engine is not None and self._engine.stage == 3:
+            raise ValueError(f"{NAME}: zero_module is never run itself (its stages are): ZeRO-3 gathers the params "
+                             "outside its blocks (embeddings, final norm, head) in its forward, and the stages read "
+                             "them unfilled (NaN losses: a review's reproduction, 2026-12-07); expected zero_module "
+                             "made data-parallel with ZeRO stage 0, 1 or 2, got ZeRO-3")
+        if sum(e is not None for e in engines) > 1:
+            raise ValueError(f"{NAME}: {v} stages on this rank each made data-parallel on its own: each one's "
+                             "optimizer would clip (and check fp16 overflow, LAMB/LARS trust ratios) by its own "
+                             "stages' part of the grad norm (a review's reproduction, 2026-12-07); expected them "
+                             "merged, zerofuse.zero.parallelize(zerofuse.pipeline.merge_stages(stages), ...) passed "
+                             "as zero_module")
         if schedule == "zb" and any(e is not None and e.stage == 3 for e in engines):
             raise ValueError(f"{NAME}: schedule 'zb' needs the stage's weights whole until its W pass; expected ZeRO "
-                             "stage 0, 1 or 2 with it, got ZeRO-3 (use '1f1b' or 'interleaved')")
+                             "stage 0, 1 or 2 with it, got ZeRO-3 (use '1f1b')")
         if zero3_reshard not in ("microbatch", "step"):
             raise ValueError(f"{NAME}: expected zero3_reshard 'microbatch' or 'step', got {zero3_reshard!r}")
         self._hold = [e for e in engines if e is not None and e.stage == 3] if zero3_reshard == "step" else []
@@ -169,14 +190,7 @@ class Pipeline(Transfers, Backwards):
     def step(self, idx: torch.Tensor, targets: torch.Tensor, *, document_ids: torch.Tensor | None = None) -> torch.Tensor:
         t_step = time.perf_counter()
         m = self.m
-        for what, t in (("idx", idx), ("targets", targets)):
-            if (t is not None or what == "idx") and not isinstance(t, torch.Tensor):
-                raise ValueError(f"{NAME}.step: expected {what} as a tensor (the whole batch, every rank passes it), "
-                                 f"got {type(t).__name__}")
-        if targets is None or targets.shape[0] != idx.shape[0]:
-            raise ValueError(f"{NAME}.step: expected targets with the batch's {idx.shape[0]} rows (the last stage "
-                             f"computes the loss, every rank passes them), got "
-                             f"{None if targets is None else list(targets.shape)}")
+        _check_batch("step", idx, targets)
         if idx.shape[0] % m or not idx.shape[0]:
             raise ValueError(f"{NAME}.step: expected the batch size ({idx.shape[0]}) to be a positive multiple of the "
                              f"number of micro-batches ({m})")
@@ -276,10 +290,7 @@ class Pipeline(Transfers, Backwards):
         on every rank."""
         from zerofuse.pipeline.schedules import Action
 
-        if targets is None or not isinstance(targets, torch.Tensor) or targets.shape[0] != idx.shape[0]:
-            raise ValueError(f"{NAME}.forward_only: expected targets with the batch's {idx.shape[0]} rows (the loss "
-                             f"is what it returns; every rank passes them), got "
-                             f"{None if targets is None else list(getattr(targets, 'shape', []))}")
+        _check_batch("forward_only", idx, targets)
         docs = self._documents(idx, document_ids, 1)
         self._refuse_broken("forward_only")
         self._set_batch(idx)
@@ -406,8 +417,10 @@ class Pipeline(Transfers, Backwards):
         loss = torch.zeros((), dtype=torch.float32, device=self._device)
         if last in self.stages:
             loss = torch.stack([self._losses[i].float() for i in range(self.m)]).mean()
-        if self.p > 1:
-            dist.broadcast(loss, dist.get_global_rank(self.comm.group, stage_to_rank(last, self.p)), group=self.comm.group)
+        if self.p > 1:  # the last stage's, summed with the others' zeros: through the Communicator, whose wait is
+            # bounded and names the collective (a last stage that raised in forward_only left the peers in a
+            # broadcast for the process group's timeout: a review's reproduction, 2026-12-07)
+            self.comm.all_reduce_coalesced([loss], op="sum").wait()
         return loss
 
     def remove_hooks(self) -> None:
