@@ -127,13 +127,35 @@ def test_a_rank_file_of_another_save_or_cut_short_is_refused_before_anything_is_
     # a rank that reads the file says why, the others that it failed; none is changed
     peer = "of the group could not read their part of the checkpoint"
     out = run_distributed(_load_untouched, 3, path, timeout=240)
-    assert any("rank1.pt: the '" in said and "(a file of another save?)" in said for said, _ in out)
-    assert all(("rank1.pt: the '" in said or peer in said) and untouched for said, untouched in out), out
+    another = "rank1.pt is of another save than the checkpoint's"
+    assert any(another in said for said, _ in out)
+    assert all((another in said or peer in said) and untouched for said, untouched in out), out
     with open(os.path.join(path, "rank1.pt"), "r+b") as f:
         f.truncate(os.path.getsize(os.path.join(path, "rank1.pt")) // 2)
     out = run_distributed(_load_untouched, 3, path, timeout=240)
     assert any("cannot read" in said and "rank1.pt" in said for said, _ in out), out
     assert all(("cannot read" in said or peer in said) and untouched for said, untouched in out), out
+
+
+def test_a_file_of_another_save_with_the_same_layout_is_refused(tmp_path):
+    """A rank file (or common.pt) of an earlier save of the same run has the same layout: every size
+    check passed, and load and consolidate took its values silently (a review's reproduction,
+    2026-12-07). Each file records its save's id, and the meta.json's is expected."""
+    path, other = str(tmp_path / "ckpt"), str(tmp_path / "other")
+    run_distributed(_save_small, 2, path, timeout=240)
+    run_distributed(_save_small, 2, other, timeout=240)  # the same model and layout, saved again
+    for victim in ("rank1.pt", "common.pt"):
+        mixed = str(tmp_path / f"mixed-{victim}")
+        shutil.copytree(path, mixed)
+        shutil.copy(os.path.join(other, victim), os.path.join(mixed, victim))
+        out = run_distributed(_load_untouched, 2, mixed, timeout=240)
+        another = f"{victim} is of another save than the checkpoint's (save id "
+        assert any(another in said for said, _ in out), out
+        assert all((another in said or "of the group could not read" in said) and untouched
+                   for said, untouched in out), out
+        with pytest.raises(ValueError, match=f"{victim} is of another save than the checkpoint's"):
+            zerofuse.checkpoint.consolidate(mixed)
+    zerofuse.checkpoint.consolidate(path)  # (its own files: as before)
 
 
 @pytest.mark.parametrize("ws", [2, 3])

@@ -184,6 +184,34 @@ def test_checkpoint_across_ep_sizes(tmp_path, save_at, load_at):
         assert torch.equal(consolidated[name], want), name
 
 
+def _frozen_experts_rank(rank, ws, path, fmt):
+    from dist_utils import error_text
+    from zerofuse import checkpoint
+    from zerofuse.parallel import init_mesh
+
+    mesh = init_mesh(dp=ws, ep=2)
+    model = GPT(GPTConfig(**CFG), seed=0, ep_group=mesh.ep_group, edp_group=mesh.edp_group, dp_group=mesh.dp_group)
+    for m in model.moe_layers:
+        m.w1.requires_grad_(False)
+    zerofuse.zero.parallelize(model, stage=2, group=mesh.dp_group, bucket_mb=0.01)
+    opt = zerofuse.zero.Optimizer(model, "adamw", lr=LR)
+    return [error_text(lambda: checkpoint.save(path, model, opt, format=fmt)),
+            error_text(lambda: checkpoint.load(path, model, opt))]
+
+
+@pytest.mark.parametrize("fmt", ["zerofuse", "dcp"])
+def test_frozen_expert_parallel_params_are_refused_by_checkpoints(tmp_path, fmt):
+    """Frozen experts are no ZeRO params: the save wrote them once, from rank 0 (ep rank 0's experts
+    as the whole tensor), and a load gave every ep rank ep rank 0's experts, silently (a review's
+    reproduction, 2026-12-07). Refused until they are saved whole."""
+    outs = run_distributed(_frozen_experts_rank, 2, str(tmp_path / "ck"), fmt, timeout=120)
+    for out in outs:
+        for got in out:
+            assert "expert-parallel params that do not train (['blocks.0.mlp.w1'" in got and \
+                "are not saved or loaded yet" in got, outs
+    assert not (tmp_path / "ck").exists()
+
+
 def test_router_loss_figures_are_the_mean_over_forwards():
     """The job's aux and z loss figures over a step of several micro-batch forwards (grad
     accumulation) are the forwards' mean, what the step trained on (they were summed: 4x as large

@@ -26,7 +26,7 @@ from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
 from zerofuse.checkpoint import files
 from zerofuse.checkpoint.dcp_read import SafeLoadPlanner, SafeReader
 from zerofuse.checkpoint.collective import begin_save, on_one
-from zerofuse.checkpoint.native import _saving_ranks, _table
+from zerofuse.checkpoint.native import _saving_ranks, _table, refuse_frozen_experts
 from zerofuse.checkpoint.optim_checks import (check_kind, check_optimizer, check_owner, check_torch_options,
                                               plain_options, restore_scale, saved_kind)
 from zerofuse.tp.spec import spec_of
@@ -143,8 +143,9 @@ def _state_dict(eng, model, optimizer, loading: bool = False, live=None) -> dict
     return sd
 
 
-def _refuse_tp(eng) -> None:
-    if any(spec_of(p) is not None for p in eng.params):
+def _refuse_tp(eng, model) -> None:
+    refuse_frozen_experts(eng, model, NAME)
+    if any(spec_of(p) is not None for p in model.state_dict(keep_vars=True).values()):  # (frozen ones too)
         raise NotImplementedError(f"{NAME}: format='dcp' does not take tensor-parallel models yet; save in zerofuse's "
                                   "format (it reshards across TP sizes) and export from a consolidated copy")
     if eng.edp_comm is not None:
@@ -194,7 +195,7 @@ def save(path: str, model, optimizer=None, *, extra=None) -> None:
     protocol] (a meta.json naming the format is written after DCP's files)."""
     eng = engine_of(model, f"{NAME}.save")
     check_owner(optimizer, eng, f"{NAME}.save")
-    _refuse_tp(eng)
+    _refuse_tp(eng, model)
     if eng.stage != 3:
         eng.finish_param_sync()
     eng.flush_full_params()  # (inside full_params: the block's writes so far are what is saved)
@@ -204,7 +205,7 @@ def save(path: str, model, optimizer=None, *, extra=None) -> None:
     locked = False
     try:
         device = eng.units[0].device if eng.units else torch.device("cpu")
-        locked = begin_save(path, eng.rank == 0, group, device, extra)
+        locked, _ = begin_save(path, eng.rank == 0, group, device, extra)  # (DCP's own files hold no save id)
         tmp = path + ".tmp"
         dcp.save(_state_dict(eng, model, optimizer), storage_writer=dcp.FileSystemWriter(tmp, sync_files=True),
                  process_group=group)
@@ -232,7 +233,7 @@ def load(path: str, model, optimizer=None):
     just the model's tensors at the top level) into a ZeRO model and its zero.Optimizer."""
     who = f"{NAME}.load"
     eng = engine_of(model, who)
-    _refuse_tp(eng)
+    _refuse_tp(eng, model)
     root = files.resolve(os.path.abspath(path)) if not is_dcp(path) else os.path.abspath(path)
     reader = SafeReader(root)
     md = reader.read_metadata()

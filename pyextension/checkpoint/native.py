@@ -73,9 +73,25 @@ def _saved_shape(p) -> list[int]:
     return list(spec.full_shape if spec is not None else p.shape)
 
 
+def refuse_frozen_experts(eng, model, who: str) -> None:
+    """Expert-parallel tensors ZeRO does not manage (frozen experts' weights) are refused: each ep rank
+    holds other experts, and the files hold such tensors once, from one rank (ep rank 0's experts
+    were saved as every expert, loaded into every ep rank silently: a review's reproduction,
+    2026-12-07)."""
+    managed = {id(p) for p in eng.params}
+    frozen = [n for n, t in model.state_dict(keep_vars=True).items()
+              if id(t) not in managed and expert_spec(t) is not None]
+    if frozen:
+        raise NotImplementedError(f"{who}: expert-parallel params that do not train ({frozen[:3]}"
+                                  f"{' ...' if len(frozen) > 3 else ''}: requires_grad=False when the model was "
+                                  "made data-parallel) are not saved or loaded yet (each ep rank holds other experts); train "
+                                  "them with lr 0 (a param group with lr=0, weight_decay=0), or use ep 1")
+
+
 def save(path: str, model: torch.nn.Module, optimizer=None, *, extra=None) -> None:
     eng = engine_of(model, f"{NAME}.save")
     check_owner(optimizer, eng, f"{NAME}.save")
+    refuse_frozen_experts(eng, model, f"{NAME}.save")
     if eng.stage != 3:
         eng.finish_param_sync()
     eng.flush_full_params()  # (inside full_params: the block's writes so far are what is saved)
@@ -90,7 +106,7 @@ def save(path: str, model: torch.nn.Module, optimizer=None, *, extra=None) -> No
     locked = False
     device = eng.units[0].device if eng.units else torch.device("cpu")
     try:
-        locked = begin_save(path, leader, group, device, extra)
+        locked, save_id = begin_save(path, leader, group, device, extra)
         stage_dir = os.path.join(tmp, f"pp{eng.pp_rank}") if pp else tmp  # each pipeline stage's own layout
 
         def make_stage_dir():
@@ -100,12 +116,13 @@ def save(path: str, model: torch.nn.Module, optimizer=None, *, extra=None) -> No
         on_one(pp and eng.rank == 0 and eng.tp_rank == 0, make_stage_dir, group, device,
                "could not make their pipeline stage's directory")
         # every stage's leader writes its meta.json last in _save_stage: all of them before the commit
-        _save_stage(stage_dir, eng, model, optimizer, extra, group, device)
+        _save_stage(stage_dir, eng, model, optimizer, extra, group, device, save_id)
 
         def commit():
             if pp:
                 files.fsync_dir(tmp)
-                files.write_json(os.path.join(tmp, files.META), {"format": FORMAT, "pp": eng.pp_size})
+                files.write_json(os.path.join(tmp, files.META), {"format": FORMAT, "pp": eng.pp_size,
+                                                                 "save_id": save_id})
             files.commit(path)
 
         on_one(leader, commit, group, device, "could not commit the checkpoint")
@@ -115,7 +132,7 @@ def save(path: str, model: torch.nn.Module, optimizer=None, *, extra=None) -> No
     dist.barrier(group=group)
 
 
-def _save_stage(directory: str, eng, model, optimizer, extra, group, device) -> None:
+def _save_stage(directory: str, eng, model, optimizer, extra, group, device, save_id: int) -> None:
     """The ZeRO (and TP) layout of ``model``'s params into ``directory``, its meta.json last."""
     tp = eng.tp_comm is not None
     sub = os.path.join(directory, f"tp{eng.tp_rank}") if tp else directory
@@ -128,7 +145,7 @@ def _save_stage(directory: str, eng, model, optimizer, extra, group, device) -> 
     error = None
     if eng.rank < _saving_ranks(eng):
         try:
-            _write_shards(sub, eng, model, optimizer, extra)
+            _write_shards(sub, eng, model, optimizer, extra, save_id)
         except Exception as e:  # (a full disk on one rank: the others went on into the next barrier)
             error = e
     agree(group, error, f"{NAME}.save", device, "could not write their part of the checkpoint")
@@ -136,7 +153,7 @@ def _save_stage(directory: str, eng, model, optimizer, extra, group, device) -> 
         raise error
     def tp_meta():
         files.fsync_dir(sub)
-        files.write_json(os.path.join(sub, files.META), _meta(eng, model, optimizer))
+        files.write_json(os.path.join(sub, files.META), _meta(eng, model, optimizer, save_id))
         files.fsync_dir(sub)
 
     if tp:
@@ -147,32 +164,32 @@ def _save_stage(directory: str, eng, model, optimizer, extra, group, device) -> 
             # (and of TP-sharded frozen params, saved per TP part with the buffers in common.pt)
             specs = {n: spec.to_json() for n, p in (*zip(eng.names, eng.params), *model.state_dict(keep_vars=True).items())
                      if (spec := spec_of(p)) is not None}
-            top = {"format": FORMAT, "tp": eng.tp_comm.world_size, "specs": specs}
+            top = {"format": FORMAT, "tp": eng.tp_comm.world_size, "specs": specs, "save_id": save_id}
         else:
-            top = _meta(eng, model, optimizer)
+            top = _meta(eng, model, optimizer, save_id)
         files.fsync_dir(directory)
         files.write_json(os.path.join(directory, files.META), top)
 
     on_one(eng.rank == 0 and eng.tp_rank == 0, top_meta, group, device, "could not write the meta.json")
 
 
-def _write_shards(directory: str, eng, model, optimizer, extra) -> None:
+def _write_shards(directory: str, eng, model, optimizer, extra, save_id: int) -> None:
     units = []
     for u in eng.units:
         entry = {"param": u.shard}
         if optimizer is not None:
             entry.update(optimizer.unit_states[u.index])
         units.append(entry)
-    files.write_tensors(os.path.join(directory, f"rank{eng.rank}.pt"), {"units": units})
+    files.write_tensors(os.path.join(directory, f"rank{eng.rank}.pt"), {"units": units, "save_id": save_id})
     if eng.rank == 0:
         managed = {id(p) for p in eng.params}
         rest = {n: t.detach() for n, t in model.state_dict(keep_vars=True).items() if id(t) not in managed}
-        files.write_tensors(os.path.join(directory, "common.pt"), {"rest": rest, "extra": extra})
+        files.write_tensors(os.path.join(directory, "common.pt"), {"rest": rest, "extra": extra, "save_id": save_id})
 
 
-def _meta(eng, model, optimizer) -> dict:
+def _meta(eng, model, optimizer, save_id: int) -> dict:
     return {
-        "format": FORMAT, "world_size": eng.world_size, "stage": eng.stage, "precision": eng.precision,
+        "format": FORMAT, "save_id": save_id, "world_size": eng.world_size, "stage": eng.stage, "precision": eng.precision,
         "names": eng.names, "shapes": [_saved_shape(p) for p in eng.params],
         "tables": [_table(eng, r) for r in range(_saving_ranks(eng))],
         # state_dict names of params shared under another name (tied weights)
@@ -214,6 +231,7 @@ def load(path: str, model: torch.nn.Module, optimizer=None):
     """Load into a ZeRO model (any world size, stage and TP size) and its zero.Optimizer."""
     who = f"{NAME}.load"
     eng = engine_of(model, who)
+    refuse_frozen_experts(eng, model, who)
     full = Full(path)
     model_tp = eng.tp_comm.world_size if eng.tp_comm is not None else 1
     same_tp = full.tp == model_tp and full.parts is not None  # the fast path: this rank's own TP part

@@ -16,16 +16,28 @@ FORMAT = 2
 VALUE = "value"  # the param's value: the fp32 master where saved, else the param shard
 
 
+def same_save(where: str, got, want) -> None:
+    """A file of a checkpoint is of its save: the save id it records is its meta.json's (files saved
+    before 2026-12-07 record none: not checked). A rank file copied in from another save of the same
+    model passed every size check and loaded silently (a review's reproduction, 2026-12-07)."""
+    if want is not None and got != want:
+        raise ValueError(f"{NAME}: {where} is of another save than the checkpoint's (save id {got}, expected {want} "
+                         "as its meta.json says): a file copied in from another checkpoint?")
+
+
 class Source:
     """One saved ZeRO layout (a checkpoint without TP, or one TP part): which rank file holds
-    which piece of which param; rank files are opened (memory-mapped) only when a piece is read."""
+    which piece of which param; rank files are opened (memory-mapped) only when a piece is read.
+    save_id: the enclosing meta.json's (TP parts, pipeline stages), which this one's must be."""
 
-    def __init__(self, directory: str):
+    def __init__(self, directory: str, save_id: int | None = None):
         self.dir = directory
         self.meta = files.read_json(os.path.join(directory, files.META))
         if self.meta.get("format") != FORMAT:
             raise ValueError(f"{NAME}: checkpoint format {self.meta.get('format')!r} at {directory!r}; this zerofuse "
                              f"reads format {FORMAT}")
+        same_save(os.path.join(directory, files.META), self.meta.get("save_id"), save_id)
+        self.save_id = self.meta.get("save_id")
         self.shapes = {n: tuple(s) for n, s in zip(self.meta["names"], self.meta["shapes"])}
         self.pieces: dict[str, list] = {}
         for r, table in enumerate(self.meta["tables"]):
@@ -36,7 +48,10 @@ class Source:
 
     def blob(self, r: int) -> dict:
         if r not in self._blobs:
-            self._blobs[r] = files.read_tensors(os.path.join(self.dir, f"rank{r}.pt"))
+            file = os.path.join(self.dir, f"rank{r}.pt")
+            blob = files.read_tensors(file)
+            same_save(file, blob.get("save_id") if isinstance(blob, dict) else None, self.save_id)
+            self._blobs[r] = blob
         return self._blobs[r]
 
     def _saved(self, r: int, unit: int, key: str) -> torch.Tensor:
@@ -100,28 +115,33 @@ class Source:
     def common(self) -> dict:
         """{'rest': buffers and frozen params, 'extra': what save was given}"""
         if self._common is None:
-            self._common = files.read_tensors(os.path.join(self.dir, "common.pt"))
+            file = os.path.join(self.dir, "common.pt")
+            common = files.read_tensors(file)
+            same_save(file, common.get("save_id") if isinstance(common, dict) else None, self.save_id)
+            self._common = common
         return self._common
 
 
-def layout(path: str) -> tuple[str, dict, list[Source] | None]:
-    """(the resolved directory, its top meta, the TP parts' Sources or None without TP)."""
+def layout(path: str, save_id: int | None = None) -> tuple[str, dict, list[Source] | None]:
+    """(the resolved directory, its top meta, the TP parts' Sources or None without TP); save_id:
+    as Source's."""
     root = files.resolve(os.path.abspath(path))
     top = files.read_json(os.path.join(root, files.META))
     if top.get("format") != FORMAT:
         raise ValueError(f"{NAME}: checkpoint format {top.get('format')!r} at {root!r}; this zerofuse reads "
                          f"format {FORMAT}")
+    same_save(os.path.join(root, files.META), top.get("save_id"), save_id)
     if "tp" not in top:
         return root, top, None
-    return root, top, [Source(os.path.join(root, f"tp{t}")) for t in range(top["tp"])]
+    return root, top, [Source(os.path.join(root, f"tp{t}"), top.get("save_id")) for t in range(top["tp"])]
 
 
 class _StageFull:
     """Full (un-TP-sharded) tensors of one saved layout (a whole checkpoint, or a pipeline stage's)."""
 
-    def __init__(self, path: str):
-        self.root, top, parts = layout(path)
-        self.parts = parts if parts is not None else [Source(self.root)]
+    def __init__(self, path: str, save_id: int | None = None):
+        self.root, top, parts = layout(path, save_id)
+        self.parts = parts if parts is not None else [Source(self.root, save_id)]
         self.tp = len(self.parts)
         self.specs = {n: TPSpec.from_json(d, self.tp, 0) for n, d in top.get("specs", {}).items()}
         self.meta = self.parts[0].meta
@@ -163,8 +183,8 @@ class Full:
             raise ValueError(f"{NAME}: checkpoint format {top.get('format')!r} at {root!r}; this zerofuse reads "
                              f"format {FORMAT}")
         self.pp = top.get("pp", 1)
-        self.stages = [_StageFull(os.path.join(root, f"pp{k}")) for k in range(self.pp)] if "pp" in top \
-            else [_StageFull(root)]
+        self.stages = [_StageFull(os.path.join(root, f"pp{k}"), top.get("save_id")) for k in range(self.pp)] \
+            if "pp" in top else [_StageFull(root)]
         first = self.stages[0]
         self.parts = first.parts if self.pp == 1 else None
         self.tp = first.tp
