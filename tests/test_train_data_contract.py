@@ -252,3 +252,37 @@ def test_shard_faults_name_the_file_and_the_flag(tmp_path):
     (tmp_path / "t.txt").write_text("hello " * 100)
     with pytest.raises(train.UsageError, match=r"is a glob pattern: it names GPT-2 token shards .* got char"):
         _flags("--data", str(tmp_path / "*.txt"), "--tokenizer", "char", "--seq-len", "8")
+
+
+def test_files_that_hold_no_uint16_tokens_are_refused_by_what_they_are(tmp_path):
+    """An llm.c Llama-3 shard (uint32) was read as raw uint16, header included, and refused only by a
+    header value past GPT-2's vocabulary; UTF-8 text or a .npy file named .bin trained as uint16
+    pairs of its bytes, silently (a review's reproductions, 2026-12-07)."""
+    llama = tmp_path / "llama3_train.bin"
+    header = np.zeros(256, dtype=np.int32)
+    header[:3] = (20240801, 7, 100)
+    llama.write_bytes(header.tobytes() + np.arange(100, dtype=np.uint32).tobytes())
+    text = tmp_path / "text.bin"
+    text.write_text("First Citizen:\nBefore we proceed any further, hear me speak. Ça va?\n" * 4)
+    npy = tmp_path / "ids.bin"
+    with open(npy, "wb") as f:
+        np.save(f, np.arange(300, dtype=np.uint16))
+    for path, what in ((llama, r"an llm.c Llama-3 token file \(magic 20240801, version 7, uint32 tokens\)"),
+                       (text, r"got text \(tokenize it"), (npy, r"got a NumPy .npy file")):
+        with pytest.raises(ValueError, match=f"^--data: {path}: .*{what}"):
+            tok.read_shard(path)
+    ids = np.random.default_rng(1).integers(0, tok.GPT2_VOCAB, 4000).astype(np.uint16)
+    ids.tofile(tmp_path / "raw.bin")  # (raw GPT-2 ids read as before)
+    assert np.array_equal(tok.read_shard(tmp_path / "raw.bin"), ids)
+
+
+@pytest.mark.skipif(not tok.gpt2_available(), reason=f"GPT-2 BPE not installed: {tok.GPT2_INSTALL}")
+def test_a_cut_tokenizer_cache_is_made_again(tmp_path):
+    """A tokenizer cache cut short (a full disk, a copy) was used as it was: every later run failed on
+    its header, naming the cache, not the text (a review's reproduction, 2026-12-07)."""
+    text = tmp_path / "t.txt"
+    text.write_text("To be, or not to be: that is the question.\n" * 20)
+    cache = tok.tokenize_cached(text)
+    want = tok.read_shard(cache).tolist()
+    cache.write_bytes(cache.read_bytes()[:-6])
+    assert tok.tokenize_cached(text) == cache and tok.read_shard(cache).tolist() == want

@@ -142,3 +142,18 @@ def test_a_resume_keeps_the_first_val_loss_and_purges_the_stopped_runs_events(tm
     assert [s for tag, s in writer.scalars if tag == "loss/val"] == [2, 4]
     vals = [(m["step"], m["val_loss"]) for m in plotted[1] if "val_loss" in m]
     assert sorted(s for s, _ in vals) == [0, 2, 4] and (0, first) in vals
+
+
+def test_a_resume_on_another_validation_set_says_so_and_reports_no_initial_val(tmp_path, capsys):
+    """--eval-batches (or dp x --batch, --seed) draws the validation set: a resume that changed it
+    compared the first run's initial val loss (another set) with its own, without a word (a review's
+    reproduction, 2026-12-07)."""
+    from zerofuse.train.loop import Trainer
+
+    assert Trainer(tiny_job_args(tmp_path, "--steps", "2", "--eval-batches", "2"), None).run() == 0
+    assert json.loads((tmp_path / "summary.json").read_text())["initial_val_loss"] is not None
+    assert Trainer(tiny_job_args(tmp_path, "--steps", "3", "--resume", "--eval-batches", "3"), None).run() == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["start_step"] == 2 and summary["initial_val_loss"] is None
+    out = capsys.readouterr().out
+    assert "--resume: the validation set is not the checkpoint's run's (--eval-batches 3 x dp x --batch" in out, out

@@ -235,3 +235,11 @@ class Validation:
     def get(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's (inputs, targets) of validation batch k, each (batch, seq_len)."""
         return self.sampler.read(self.starts[k], f"validation batch {k}")
+
+
+def validation_key(args) -> list[int]:
+    """What Validation draws its set from besides the data: --eval-batches, dp x --batch, --seed. A
+    checkpoint records it; a resume that changes it says so and reports no initial val loss (the
+    first run's, on another set, was compared with this run's, silently: a review's reproduction,
+    2026-12-07)."""
+    return [args.eval_batches, args.dp * args.batch, args.seed]

@@ -15,6 +15,7 @@ from zerofuse.models.gpt import Block
 
 from . import build
 from .build import lr_lambda  # noqa: F401  (zerofuse.train.lr_lambda)
+from .data import validation_key
 from .metrics import check_not_stuck
 
 
@@ -175,7 +176,8 @@ class Trainer:
         extra = {"step": self.step, "scheduler": self.sched.state_dict(), "tokenizer": self.corpus.identity(),
                  "config": dataclasses.asdict(self.cfg), "seed": self.args.seed,
                  "initial_val_loss": self.initial_val_loss, "precision": self.args.precision,
-                 "batch": [self.args.grad_accum, self.args.dp, self.args.batch]}
+                 "batch": [self.args.grad_accum, self.args.dp, self.args.batch],
+                 "validation": validation_key(self.args)}
         checkpoint.save(str(self.ckpt), self.model, self.opt, extra=extra)
 
     def sample(self) -> str:

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 MAGIC, VERSION, HEADER_INTS = 20240520, 1, 256
+LLAMA3_MAGIC = 20240801  # llm.c's Llama-3 shards: version 7, uint32 tokens
 HEADER_BYTES = 4 * HEADER_INTS
 GPT2_VOCAB = 50257  # token ids 0..50256; 50256 is <|endoftext|>
 GPT2_EOT = 50256
@@ -59,7 +60,26 @@ def _is_token_file(path: Path) -> bool:
         return True
     with open(path, "rb") as f:
         head = np.frombuffer(f.read(4).ljust(4, b"\0"), dtype=np.int32)
-    return int(head[0]) == MAGIC
+    return int(head[0]) in (MAGIC, LLAMA3_MAGIC)
+
+
+def _not_tokens(raw: bytes) -> str | None:
+    """What a file without llm.c's header holds instead of raw uint16 tokens, judged by its first
+    bytes (``raw``): a NumPy .npy file, or text (every byte of the first 64+ printable UTF-8: token
+    pairs never are, ids below 256 have a zero high byte; one was trained on as uint16 pairs of its
+    bytes, silently: a review's reproduction, 2026-12-07), else None."""
+    if raw.startswith(b"\x93NUMPY"):
+        return "a NumPy .npy file (np.load it and write it with zerofuse.train.tokens.write_shard)"
+    if len(raw) < 64:
+        return None
+    import codecs  # noqa: PLC0415
+    try:
+        text = codecs.getincrementaldecoder("utf-8")().decode(raw, final=False)
+    except UnicodeDecodeError:
+        return None
+    if all(c.isprintable() or c in "\t\n\r" for c in text):
+        return "text (tokenize it: --data takes the text file itself, named other than .bin)"
+    return None
 
 
 def expand(spec: str, flag: str = "--data") -> list[Path]:
@@ -92,6 +112,9 @@ def read_shard(path, flag: str = "--data") -> np.ndarray:
     except OSError as e:  # (the bare "[Errno 13] Permission denied" named no flag)
         raise ValueError(f"{flag}: {path}: expected a readable token file, got: {e.strerror}") from None
     head = np.frombuffer(raw[:len(raw) // 4 * 4], dtype=np.int32)
+    if len(head) >= 3 and head[0] == LLAMA3_MAGIC:  # (read as raw uint16, header and all, before)
+        raise ValueError(f"{flag}: {path}: an llm.c Llama-3 token file (magic {LLAMA3_MAGIC}, version "
+                         f"{int(head[1])}, uint32 tokens); expected GPT-2 uint16 tokens (magic {MAGIC})")
     if len(head) >= 3 and head[0] == MAGIC:
         if head[1] != VERSION:
             raise ValueError(f"{flag}: {path}: llm.c token file version {int(head[1])}; expected {VERSION} "
@@ -102,6 +125,10 @@ def read_shard(path, flag: str = "--data") -> np.ndarray:
                              f"with the header), the file has {size} bytes (truncated or not an llm.c file)")
         offset = HEADER_BYTES
     else:
+        other = _not_tokens(raw)
+        if other is not None:
+            raise ValueError(f"{flag}: {path}: expected an llm.c token file (magic {MAGIC}) or a raw uint16 array, "
+                             f"got {other}")
         if size % 2:
             raise ValueError(f"{flag}: {path}: expected an llm.c token file (magic {MAGIC}) or a raw uint16 array "
                              f"(an even number of bytes), got {size} bytes and no llm.c header")
@@ -239,11 +266,11 @@ def tokenize_cached(text_path, fallback_dir=None, flag: str = "--data") -> Path:
     where = text_path.parent if os.access(text_path.parent, os.W_OK) else Path(fallback_dir or ".")
     where.mkdir(parents=True, exist_ok=True)
     cache = where / name
-    if cache.is_file():
+    if _whole_shard(cache):
         return cache
     fd, _ = flock(str(where / f"{name}.lock"))
     try:
-        if not cache.is_file():
+        if not _whole_shard(cache):  # (a cut or corrupt cache failed every later run on its header)
             raw = text_path.read_bytes()
             if hashlib.sha256(raw).hexdigest() != digest:  # (the cache's name would not be its text's)
                 raise ValueError(f"{flag}: {text_path} changed while it was read; expected a text that stays put")
@@ -258,3 +285,15 @@ def tokenize_cached(text_path, fallback_dir=None, flag: str = "--data") -> Path:
     finally:
         os.close(fd)
     return cache
+
+
+def _whole_shard(path: Path) -> bool:
+    """A file with llm.c's GPT-2 header whose token count its size agrees with (a tokenizer cache
+    to use as it is); anything else is made again."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = np.frombuffer(f.read(12).ljust(12, b"\0"), dtype=np.int32)
+    except OSError:
+        return False
+    return int(head[0]) == MAGIC and int(head[1]) == VERSION and size == HEADER_BYTES + 2 * int(head[2])
