@@ -113,3 +113,48 @@ def test_the_routers_bias_is_fp32_under_a_bf16_default_dtype():
     finally:
         torch.set_default_dtype(before)
     assert router.expert_bias.dtype == torch.float32
+
+
+def test_a_dropped_choice_takes_nothing_from_another_tokens_inf():
+    """On the native CPU path a dropped choice read row 0 of the expert outputs and scaled it by 0:
+    an inf there (token 0's expert output overflowing fp16) made the dropped tokens' outputs NaN,
+    and an inf in an output's gradient the dropped rows' gradients (a review's reproduction,
+    2026-12-07). As the Triton kernels: nothing, and token 0 keeps its inf."""
+    from zerofuse.ops.moe import moe_permute, moe_unpermute
+
+    x, w = torch.tensor([[1.0, 2.0], [3.0, 4.0]]), torch.full((2, 2), 0.5)
+    experts = torch.tensor([[0, -1], [1, -1]])  # each token's second choice dropped
+    out, pos, src, counts = moe_permute(x, experts, 2)
+    y = out.clone()
+    y[0] = float("inf")
+    assert moe_unpermute(y, pos, src, w).tolist() == [[float("inf")] * 2, [1.5, 2.0]]
+    xr = x.clone().requires_grad_()
+    out, pos, src, counts = moe_permute(xr, experts, 2)
+    g = torch.ones_like(out)
+    g[0] = float("inf")
+    out.backward(g)
+    assert xr.grad.tolist() == [[float("inf")] * 2, [1.0, 1.0]]
+    yr = out.detach().clone().requires_grad_()
+    z = moe_unpermute(yr, pos, src, w)
+    gz = torch.ones_like(z)
+    gz[0] = float("inf")
+    z.backward(gz)
+    kept = (src >= 0).unsqueeze(1)
+    assert torch.isfinite(yr.grad[~kept.squeeze(1)]).all() and (yr.grad[~kept.squeeze(1)] == 0).all(), yr.grad
+
+
+def test_capacity_is_the_factor_as_written_and_bad_sizes_are_named():
+    """ceil(1.1 * 50 * 1 / 5) is 11; in floats the product is 11.000000000000002 and capacity was 12.
+    A float top_k or num_experts failed inside torch (topk(): argument 'k' must be int; empty() takes
+    1 positional argument), a 0-d x with an IndexError (a review's reproductions, 2026-12-07)."""
+    from zerofuse.moe import MoE, Router
+
+    assert Router(D, 5, 1, capacity_factor=1.1).capacity(50) == 11
+    assert Router(D, 4, 2, capacity_factor=1.25).capacity(10) == 7  # (6.25: up)
+    for args, name in (((D, H, 4, 1.5), "top_k"), ((D, H, 2.0, 1), "num_experts"), ((D, 24.0, 4, 1), "hidden")):
+        with pytest.raises(TypeError, match=f"zerofuse.moe.MoE: expected {name} to be an int, got"):
+            MoE(*args)
+    with pytest.raises(TypeError, match="zerofuse.moe.Router: expected top_k to be an int, got 1.5"):
+        Router(D, 4, 1.5)
+    with pytest.raises(ValueError, match=r"zerofuse.moe.MoE: expected x \[..., 16\], got \[\]"):
+        MoE(D, H, 4, 1)(torch.tensor(1.0))

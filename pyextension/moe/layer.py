@@ -18,6 +18,8 @@ counts).
 """
 from __future__ import annotations
 
+import numbers
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -88,6 +90,9 @@ class MoE(torch.nn.Module):
         super().__init__()
         if activation not in _ACTIVATIONS:
             raise ValueError(f"{NAME}: expected activation one of {_ACTIVATIONS}, got {activation!r}")
+        for name, v in (("dim", dim), ("hidden", hidden), ("num_experts", num_experts), ("top_k", top_k)):
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral):  # (a float failed deep in torch, unnamed)
+                raise TypeError(f"{NAME}: expected {name} to be an int, got {v!r}")
         if dim < 1 or hidden < 1:
             raise ValueError(f"{NAME}: expected dim and hidden >= 1, got {dim}, {hidden}")
         # the router's loads (aux-loss-free bias, the global aux loss) sum over the expert-parallel
@@ -142,6 +147,8 @@ class MoE(torch.nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
+        if x.dim() < 1 or shape[-1] != self.router.weight.shape[1]:  # (a 0-d x: a bare IndexError)
+            raise ValueError(f"{NAME}: expected x [..., {self.router.weight.shape[1]}], got {list(shape)}")
         flat = x.reshape(-1, shape[-1])
         r = self.router(flat)
         self.aux_loss = r.aux_loss + r.z_loss

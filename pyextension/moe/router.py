@@ -23,7 +23,9 @@ Per-step statistics stay on the device (``last_load``: choices per expert, ``las
 """
 from __future__ import annotations
 
+import fractions
 import math
+import numbers
 from typing import NamedTuple
 
 import torch
@@ -47,6 +49,9 @@ class Router(torch.nn.Module):
                  aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0, bias_update_rate: float = 0.0,
                  capacity_factor: float = 0.0, group=None, aux_loss_scope: str = "local", seq_group=None):
         super().__init__()
+        for name, v in (("dim", dim), ("num_experts", num_experts), ("top_k", top_k)):
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral):  # (a float top_k failed in torch.topk)
+                raise TypeError(f"{NAME}: expected {name} to be an int, got {v!r}")
         if num_experts < 1:
             raise ValueError(f"{NAME}: expected num_experts >= 1, got {num_experts}")
         if not 1 <= top_k <= num_experts:
@@ -176,7 +181,10 @@ class Router(torch.nn.Module):
         return counts[:-1] / counts[-1].clamp_min(1), share / all_tokens.clamp_min(1)
 
     def capacity(self, tokens: int) -> int:
-        return math.ceil(self.capacity_factor * tokens * self.top_k / self.num_experts)
+        """ceil(capacity_factor * tokens * top_k / num_experts), the factor taken as the decimal it
+        prints as (1.1 is 11/10: in floats 1.1 * 50 / 5 is 11.000000000000002, and the ceiling kept 12
+        where 11 was asked for; Megatron's float formula does so too)."""
+        return math.ceil(fractions.Fraction(repr(self.capacity_factor)) * tokens * self.top_k / self.num_experts)
 
     def _drop(self, experts: Tensor) -> tuple[Tensor, Tensor]:
         """Choices past an expert's capacity in (token, slot) order become -1."""

@@ -97,6 +97,9 @@ def _combine(y: Tensor, pos: Tensor, w: Tensor | None, dtype: torch.dtype) -> Te
     acc = torch.float64 if torch.float64 in (y.dtype, dtype) else torch.float32
     t, k = pos.shape
     rows = y.index_select(0, pos.clamp(min=0).reshape(-1)).view(t, k, y.shape[1]).to(acc)
+    # a dropped choice reads row 0 as a stand-in: zeroed, not scaled by 0 (0 * inf is NaN: another
+    # token's overflow made the dropped tokens NaN; a review's reproduction, 2026-12-07)
+    rows = rows.masked_fill_((pos < 0).unsqueeze(-1), 0)
     scale = (pos >= 0).to(acc) if w is None else torch.where(pos >= 0, w.to(acc), 0)
     return torch.einsum("tkd,tk->td", rows, scale).to(dtype)
 
@@ -181,7 +184,7 @@ def _unpermute_bwd(dout, y, src, weights):
     k = weights.shape[1]
     acc = torch.float64 if torch.float64 in (y.dtype, dout.dtype) else torch.float32
     f = src.clamp(min=0)
-    g = dout.index_select(0, f // k).to(acc)
+    g = dout.index_select(0, f // k).to(acc).masked_fill_((src < 0).unsqueeze(1), 0)  # (as _combine's rows)
     w = torch.where(src >= 0, weights.reshape(-1).to(acc).index_select(0, f), 0)
     dy = (g * w.unsqueeze(1)).to(y.dtype)
     dots = torch.where(src >= 0, (g * y.to(acc)).sum(1), 0)
