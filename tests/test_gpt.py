@@ -183,3 +183,46 @@ def test_a_whole_model_saves_and_loads_with_torch_save():
         assert loaded._tied() == cfg.tie_embeddings
         loaded.load_state_dict(model.state_dict(), assign=True)
         assert loaded._tied() == cfg.tie_embeddings
+
+
+def test_api_edges_a_review_found(capsys):
+    """Each failed before 2026-12-07 (a review's reproductions): a tied model loading a lone
+    head.weight kept the old embedding under assign=True (and loaded it under assign=False), and
+    two different matrices loaded silently; int32 targets refused by the unfused loss only; token
+    ids out of range or of another dtype a bare IndexError / embedding error; generate's int32
+    prompt came back int64, and a tiny temperature NaN; seed=None or True accepted (other weights)."""
+    import torch.nn.functional as F
+
+    cfg = GPTConfig(**SMALL, tie_embeddings=True)
+    new = torch.randn(65, 128)
+    for assign in (False, True):
+        m = GPT(cfg, seed=0)
+        m.load_state_dict({"head.weight": new}, strict=False, assign=assign)
+        assert m._tied() and torch.equal(m.wte.weight, new), assign
+    with pytest.raises(ValueError, match=r"ties wte.weight and head.weight \(one matrix\); expected them equal"):
+        GPT(cfg, seed=0).load_state_dict({**GPT(cfg, seed=0).state_dict(), "head.weight": new})
+    m = GPT(cfg, seed=0)
+    m.load_state_dict(GPT(cfg, seed=1).state_dict())  # (a tied model's own state_dict: both names, one matrix)
+    assert torch.equal(m.wte.weight, GPT(cfg, seed=1).wte.weight) and m._tied()
+
+    idx = torch.randint(0, 65, (2, 8), generator=torch.Generator().manual_seed(0))
+    unfused = GPT(GPTConfig(**SMALL, fused_loss=False), seed=0)
+    logits, loss = unfused(idx, idx.int())
+    assert loss.item() == F.cross_entropy(logits.float().reshape(16, -1), idx.reshape(16)).item()
+    with pytest.raises(IndexError, match=r"zerofuse.models.GPT: expected idx in \[0, 65\), got 65"):
+        unfused(torch.full((1, 4), 65))
+    with pytest.raises(TypeError, match="expected idx of int64 or int32 token ids, got torch.uint8"):
+        unfused(idx.to(torch.uint8))
+    out = unfused.generate(idx.int(), 3, temperature=1e-40, generator=torch.Generator().manual_seed(0))
+    assert out.dtype == torch.int32 and torch.equal(out, unfused.generate(idx.int(), 3, temperature=0))
+    for seed in (None, True, 1.5):
+        with pytest.raises(TypeError, match=f"expected seed to be an int, got {seed!r}"):
+            GPT(GPTConfig(**SMALL), seed=seed)
+
+
+def test_torch_attention_checks_document_ids_as_the_kernel_does():
+    m = GPT(GPTConfig(**SMALL, attention="torch"), seed=0)
+    idx = torch.zeros(2, 8, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"zerofuse.nn.Attention: expected document_ids of shape \[2, 8\] or "
+                                         r"\[1, 8\] \(batch, sequence\) on cpu, got \[2, 4\]"):
+        m(idx, document_ids=torch.zeros(2, 4, dtype=torch.long))

@@ -61,6 +61,11 @@ def test_the_renamed_weights_give_transformers_the_gpts_logits_and_back(case):
         assert hf_names.hf_config(back.config) == hf_names.hf_config(gpt.config)  # (GPT-2: biases, eps explicit)
         assert torch.equal(back(idx)[0], want)
     assert (back.head.weight is back.wte.weight) == gpt.config.tie_embeddings
+    # the model's own config is not a keyword's to change (tie_embeddings=True dropped an untied lm_head,
+    # norm_eps moved the logits by 0.38, silently: a review's reproduction, 2026-12-07)
+    with pytest.raises(ValueError, match=r"expected gpt_kwargs among zerofuse's own fields 'attention' and "
+                                         r"'fused_loss' .*got \['norm_eps'\]"):
+        hf_names.from_hf(hf, norm_eps=0.5)
 
 
 @pytest.mark.parametrize("case", ["gpt2-tied", "llama-gqa-tied", "llama-bias-llama3-scaling"])

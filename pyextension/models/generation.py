@@ -14,14 +14,15 @@ def sample(model, idx, max_new_tokens, temperature, top_k, generator):
         logits, _ = model(idx[:, -model.config.seq_len:])
         logits = model.gather_logits(logits[:, -1, :].contiguous()).float()
         if temperature == 0:  # (logits / 1e-6 before: a coin flip between logits a few ulps apart)
-            idx = torch.cat([idx, logits.argmax(-1, keepdim=True)], dim=1)
+            idx = torch.cat([idx, logits.argmax(-1, keepdim=True).to(idx.dtype)], dim=1)  # (int32 stays int32)
             continue
-        logits = logits / temperature
+        # less the row's max first: a tiny temperature overflowed the logits to inf, and softmax to NaN
+        logits = (logits - logits.max(-1, keepdim=True).values) / temperature
         if top_k is not None:
             kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
             logits = logits.masked_fill(logits < kth, float("-inf"))
         probs = torch.softmax(logits, dim=-1)
-        nxt = torch.multinomial(probs.cpu(), 1, generator=generator).to(idx.device)
+        nxt = torch.multinomial(probs.cpu(), 1, generator=generator).to(idx.device, idx.dtype)
         idx = torch.cat([idx, nxt], dim=1)
     return idx
 
@@ -29,7 +30,7 @@ def sample(model, idx, max_new_tokens, temperature, top_k, generator):
 def check_generate(idx, max_new_tokens, temperature, top_k) -> None:
     """generate's arguments (torch's errors deep in the loop before, or a silent greedy/no-op run)."""
     who = "zerofuse.models.GPT.generate"
-    if not isinstance(idx, Tensor) or idx.dim() != 2 or idx.shape[1] < 1 or idx.is_floating_point():
+    if not isinstance(idx, Tensor) or idx.dim() != 2 or idx.shape[1] < 1 or idx.dtype not in (torch.int64, torch.int32):
         got = f"{idx.dtype} {list(idx.shape)}" if isinstance(idx, Tensor) else type(idx).__name__
         raise ValueError(f"{who}: expected idx to be token ids (batch, seq >= 1), got {got}")
     for name, v, low in (("max_new_tokens", max_new_tokens, 0), ("top_k", top_k, 1)):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import numbers
 import zlib
 
 import torch
@@ -28,6 +29,7 @@ from zerofuse.models.generation import check_generate, sample
 from zerofuse.models import recompute
 from zerofuse.models.presets import PRESETS, GPTConfig, config
 from zerofuse.moe import expert_spec
+from zerofuse.ops.ids import check_ids
 from zerofuse.tp.spec import KeepsMarks
 
 
@@ -102,8 +104,26 @@ def _retie_after_load(model, _incompatible) -> None:
         model.head.weight = model.wte.weight
 
 
-def _note_tied_before_load(model, *_):
+def _note_tied_before_load(model, state_dict, prefix, *_):
+    """A tied model holds one matrix under two names: a state_dict giving one of them loads it into
+    both (load_state_dict(assign=True) kept the embedding and dropped a lone head.weight, assign=False
+    loaded it into both), one giving two different matrices is refused (each path kept another of
+    them, silently; a review's reproduction, 2026-12-07)."""
     model._zf_was_tied = model._tied()
+    if not model._zf_was_tied:
+        return
+    w, h = prefix + "wte.weight", prefix + "head.weight"
+    if w in state_dict and h in state_dict:
+        a, b = state_dict[w], state_dict[h]
+        comparable = isinstance(a, Tensor) and isinstance(b, Tensor) and not a.is_meta and not b.is_meta
+        if comparable and (a.shape != b.shape or not torch.equal(a, b.to(a.device))):
+            raise ValueError(f"zerofuse.models.GPT.load_state_dict: the model ties {w} and {h} (one matrix); "
+                             "expected them equal in the state_dict, got two different ones (load it into "
+                             "GPTConfig(tie_embeddings=False))")
+    elif h in state_dict:
+        state_dict[w] = state_dict[h]
+    elif w in state_dict:
+        state_dict[h] = state_dict[w]
 
 
 class GPT(KeepsMarks, torch.nn.Module):
@@ -138,7 +158,9 @@ class GPT(KeepsMarks, torch.nn.Module):
     def __init__(self, cfg: GPTConfig, *, seed: int = 0, device=None, tp_group=None, sequence_parallel: bool = False,
                  ep_group=None, edp_group=None, dp_group=None):
         super().__init__()
-        self._keep_marks_on_load()  # TP specs and SP's grad hooks survive to_empty / load(assign=True)
+        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):  # (formatted into the init's
+            raise TypeError(f"zerofuse.models.GPT: expected seed to be an int, got {seed!r}")  # streams: None took
+        self._keep_marks_on_load()  # weights of its own)  # TP specs and SP's grad hooks survive to_empty / load(assign=True)
         self.register_load_state_dict_pre_hook(_note_tied_before_load)
         self.register_load_state_dict_post_hook(_retie_after_load)
         self.edp_group = edp_group
@@ -287,6 +309,12 @@ class GPT(KeepsMarks, torch.nn.Module):
         parallelism: this rank's positions)."""
         if idx.dim() != 2:
             raise ValueError(f"zerofuse.models.GPT: expected idx of shape (batch, sequence), got {list(idx.shape)}")
+        if idx.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"zerofuse.models.GPT: expected idx of int64 or int32 token ids, got {idx.dtype}")
+        if idx.device.type == "cpu" and self.tp_group is None and not torch.compiler.is_compiling():
+            # (a bare "index out of range in self" before;
+            # a GPU's embedding asserts on the device, the TP embedding checks its own)
+            check_ids("zerofuse.models.GPT", "idx", idx, self.config.vocab_size)
         n = idx.shape[1]
         if n > self.config.seq_len:
             raise ValueError(f"zerofuse.models.GPT: sequence length {n} exceeds the model's seq_len "
@@ -333,8 +361,10 @@ class GPT(KeepsMarks, torch.nn.Module):
                 raise ValueError(f"zerofuse.models.GPT: expected targets of idx's shape {list(logits.shape[:-1])}, got "
                                  f"{list(targets.shape)}")
             b, n = targets.shape
-            if self.tp_group is None:
-                loss = TF.cross_entropy(logits.float().reshape(b * n, -1), targets.reshape(b * n))
+            if self.tp_group is None:  # (int32 targets, which the other paths take, were refused here)
+                t = targets.reshape(b * n)
+                loss = TF.cross_entropy(logits.float().reshape(b * n, -1),
+                                        t if t.is_floating_point() or t.dtype == torch.bool else t.long())
             else:
                 loss = tp.vocab_parallel_cross_entropy(logits, targets, self.tp_group, vocab_size=self.config.vocab_size)
         return logits, loss

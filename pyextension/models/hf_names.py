@@ -178,6 +178,10 @@ def from_hf(model: torch.nn.Module, **gpt_kwargs):
     in the model's dtype). gpt_kwargs: GPTConfig fields of zerofuse's own (attention, fused_loss)."""
     from zerofuse.models.gpt import GPT  # noqa: PLC0415 - gpt imports presets; this module is imported by gpt users
 
+    other = sorted(set(gpt_kwargs) - {"attention", "fused_loss"})
+    if other:  # (any field was taken: tie_embeddings=True dropped the model's own lm_head silently, 2026-12-07)
+        raise ValueError(f"{NAME}.from_hf: expected gpt_kwargs among zerofuse's own fields 'attention' and "
+                         f"'fused_loss' (the rest is the model's config), got {other}")
     cfg = config_from_hf(model.config)
     if gpt_kwargs:
         cfg = GPTConfig(**{**{f: getattr(cfg, f) for f in cfg.__dataclass_fields__}, **gpt_kwargs})

@@ -85,12 +85,12 @@ class Attention(torch.nn.Module):
             out = self.sdpa(q, k, v, is_causal=self.causal, enable_gqa=hq != hkv)
         elif self.sdpa is scaled_dot_product_attention:
             out = self.sdpa(q, k, v, is_causal=self.causal, enable_gqa=hq != hkv, document_ids=document_ids)
-        else:  # another sdpa (torch's): the documents as its mask (causal included)
-            from zerofuse.ops.attention import document_bounds, document_mask
+        else:  # another sdpa (torch's): the documents as its mask (causal included), checked as the kernel's
+            from zerofuse.nn.sdpa import _documents  # (a mis-shaped one: a bare broadcasting error before)
+            from zerofuse.ops.attention import document_mask
 
-            if not self.causal:
-                raise ValueError("zerofuse.nn.Attention: document_ids are for causal attention, got causal=False")
-            out = self.sdpa(q, k, v, attn_mask=document_mask(document_bounds(document_ids)), enable_gqa=hq != hkv)
+            docs = _documents(q, k, self.causal, document_ids, "zerofuse.nn.Attention")
+            out = self.sdpa(q, k, v, attn_mask=document_mask(docs), enable_gqa=hq != hkv)
         return self._project(out.transpose(1, 2).reshape(b, n, hq * d), proj_bias_grad)
 
     def _project(self, out: Tensor, bias_grad: bool) -> Tensor:
