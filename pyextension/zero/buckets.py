@@ -162,10 +162,11 @@ class Bucket:
         self.rs_work = None
         self.rs_out: torch.Tensor | None = None
 
-    def materialize(self, init) -> None:
+    def materialize(self, init, seen=None) -> None:
         """Meta model: ``init(params)`` writes every param's value (in fp32 where the bucket's dtype
-        is lower, so the values equal an fp32 init cast down); then stage 3 keeps its shard and
-        frees the full buffer. Memory: the full buffer (+ an fp32 copy) of this bucket only."""
+        is lower, so the values equal an fp32 init cast down); ``seen(params)`` reads them whole;
+        then stage 3 keeps its shard and frees the full buffer. Memory: the full buffer (+ an fp32
+        copy) of this bucket only."""
         with torch.no_grad():
             if self.dtype != torch.float32:
                 tmp = torch.empty(self.numel, dtype=torch.float32, device=self.device)
@@ -178,6 +179,8 @@ class Bucket:
                     p.data = v
             else:
                 init(self.params)
+            if seen is not None:
+                seen(self.params)
             self.meta = False
             if self.stage == 3:
                 self.shard.copy_(self.full[self.lo:self.hi])

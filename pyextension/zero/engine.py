@@ -143,7 +143,7 @@ class ZeroEngine(ExpertLayout, FindUnused, FullParams, Stage3Hooks, WorldOfOne):
 
         self._init_experts(model, expert_group, stage, name)
         # (the values before any is sharded; compared once the layouts are known to agree)
-        digest = values_digest(self.params, self.expert) if self.world_size > 1 else None
+        digest = self._digest = values_digest(self.params, self.expert) if self.world_size > 1 else None
 
         self.units: list[Bucket] = []
         self.wrap_units: dict[int, Bucket] = {}  # id(module) -> unit
@@ -171,7 +171,8 @@ class ZeroEngine(ExpertLayout, FindUnused, FullParams, Stage3Hooks, WorldOfOne):
             [u for u in reversed(self.units) if u is not self.root] + ([self.root] if self.root is not None else [])
         self.host_units = host_units(ready_order, self.offload_ratio) if offload else set()
         check_same_layout(self.units, self.comm, (stage, precision, str(self.reduce_dtype), shapes), name)
-        if digest is not None:
+        self._digest = None
+        if digest is not None:  # (a meta model's rows filled as its buckets were materialized)
             check_same_values(digest, self.names, self.comm, name)
         self.buckets = BucketGroup(self.units, self.comm, max_inflight, order=ready_order)
         self.unit_of: dict[int, tuple[Bucket, int]] = {}
@@ -206,9 +207,20 @@ class ZeroEngine(ExpertLayout, FindUnused, FullParams, Stage3Hooks, WorldOfOne):
     def _bucket(self, name, group, kw) -> Bucket:
         b = Bucket(len(self.units), name, group, **kw)
         if b.meta:  # initialised while it is the only full bucket: the model never exists whole
-            b.materialize(self._init.run)
+            b.materialize(self._init.run, self._digest_materialized)
         self.units.append(b)
         return b
+
+    def _digest_materialized(self, params) -> None:
+        """A meta model's params as their bucket's init wrote them, whole: their values' digest, for
+        the same-weights check (skipped before them: ranks seeded apart kept each its own shard of
+        its own init, a patchwork, silently; a review's reproduction, 2026-12-07)."""
+        if self._digest is None:
+            return
+        for p in params:
+            i = self.param_index[id(p)]
+            if not self.expert[i]:
+                self._digest[i] = values_digest([p], [False])[0]
 
     # ------------------------------------------------------------------ layout
 

@@ -46,7 +46,12 @@ def install_clip_warning() -> None:
 def gathered_grads(eng):
     """Every param's full, reduced gradient as its ``.grad`` inside the block (gathered from the
     ranks' shards on entry, dropped on exit); in-place changes to a ``.grad`` (a user's own
-    clipping) are written back into this rank's shard. Collective: every rank enters."""
+    clipping) are written back into this rank's shard. Collective: every rank enters. Nested: the
+    inner block is the outer one's (its exit released the grads the outer one handed out, whose exit
+    then took the Nones for cleared grads and zeroed every one: a review's reproduction, 2026-12-07)."""
+    if eng.grads_out:
+        yield
+        return
     eng.finish_grad_sync()
     held = []  # (bucket, full grad buffer, grads handed out with their versions)
     for u in eng.units:

@@ -68,6 +68,15 @@ def _wrap_modules(model: torch.nn.Module, wrap) -> list[torch.nn.Module]:
     else:
         raise TypeError("zerofuse.zero.parallelize: expected wrap to be None, a list of module classes, a list of "
                         f"submodules or a callable(module) -> bool, got {type(wrap).__name__}")
+    if wrap is not None:  # a unit is gathered by its module's forward: a container's never runs (its unit
+        # stayed NaN placeholders and trained NaN losses, silently: a review's reproduction, 2026-12-07)
+        names = {id(m): n for n, m in model.named_modules()}
+        idle = [f"{names.get(id(m), '?')!r} ({type(m).__name__})" for m in mods
+                if type(m).forward is torch.nn.Module.forward]
+        if idle:
+            raise ValueError(f"zerofuse.zero.parallelize: expected wrap to name modules that run a forward (each "
+                             f"unit is gathered by its module's forward), got containers {idle[:3]}: wrap the "
+                             "modules inside them (e.g. wrap=[Block])")
     inside = set()  # drop modules nested in an earlier one: units do not nest
     out = []
     for m in mods:
@@ -108,7 +117,10 @@ def _gather_rows(mine: torch.Tensor, comm) -> torch.Tensor:
 
 
 _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_CHUNK = 1 << 22  # elements per int64 conversion: the digest's temporary memory stays 32 MiB
+# elements per int64 conversion: the digest's temporaries (an int64 copy and its squares, 16 bytes per
+# element) stay within 64 MiB and about half the param's own bytes (8+ chunks per param: a meta model's
+# materialization stays within its bound of one unit and two param copies)
+_CHUNK = 1 << 22
 
 
 def _bits_digest(p: torch.Tensor) -> torch.Tensor:
@@ -119,7 +131,7 @@ def _bits_digest(p: torch.Tensor) -> torch.Tensor:
     if bits is None:  # (no integer view: the raw bytes)
         bits = flat.contiguous().view(torch.uint8)
     out = torch.zeros(2, dtype=torch.int64, device=p.device)
-    for chunk in bits.split(_CHUNK):
+    for chunk in bits.split(min(_CHUNK, max(1 << 12, -(-bits.numel() // 8)))):
         c = chunk.to(torch.int64)
         out += torch.stack([c.sum(), (c * c).sum()])
     return out

@@ -288,6 +288,9 @@ class Optimizer(GradNorms, OptimizerState, torch.optim.Optimizer):
             check_options(g, f"param_groups[{gi}]")
         eng = self.engine
         eng.check_trainable()
+        if eng.stage == 3:  # inside full_params: the block's writes so far reach the shards and masters first
+            eng.flush_full_params()  # (the step ran on the shards of before them, and its refresh of the
+            # gathered units then dropped them: a review's reproduction, 2026-12-07)
         eng.finish_grad_sync()
         check_step_grads(eng, f"{NAME}.step")
         found = self._found_inf
