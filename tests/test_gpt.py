@@ -213,8 +213,9 @@ def test_api_edges_a_review_found(capsys):
         unfused(torch.full((1, 4), 65))
     with pytest.raises(TypeError, match="expected idx of int64 or int32 token ids, got torch.uint8"):
         unfused(idx.to(torch.uint8))
-    out = unfused.generate(idx.int(), 3, temperature=1e-40, generator=torch.Generator().manual_seed(0))
-    assert out.dtype == torch.int32 and torch.equal(out, unfused.generate(idx.int(), 3, temperature=0))
+    for tiny in (1e-40, 1e-46):  # (1e-46 is 0 in fp32: the logits were divided by zero)
+        out = unfused.generate(idx.int(), 3, temperature=tiny, generator=torch.Generator().manual_seed(0))
+        assert out.dtype == torch.int32 and torch.equal(out, unfused.generate(idx.int(), 3, temperature=0))
     for seed in (None, True, 1.5):
         with pytest.raises(TypeError, match=f"expected seed to be an int, got {seed!r}"):
             GPT(GPTConfig(**SMALL), seed=seed)
@@ -226,3 +227,18 @@ def test_torch_attention_checks_document_ids_as_the_kernel_does():
     with pytest.raises(ValueError, match=r"zerofuse.nn.Attention: expected document_ids of shape \[2, 8\] or "
                                          r"\[1, 8\] \(batch, sequence\) on cpu, got \[2, 4\]"):
         m(idx, document_ids=torch.zeros(2, 4, dtype=torch.long))
+
+
+def test_a_pipeline_stage_holding_both_ends_of_a_tied_gpt_loads_as_the_gpt():
+    """split_gpt's one stage (or merge_stages of the first and last) holds the tied matrix under both
+    names: load_state_dict(assign=True) untied it and two different matrices loaded silently (a
+    review's reproduction, 2026-12-07)."""
+    from zerofuse.pipeline import merge_stages, split_gpt
+
+    cfg = GPTConfig(**SMALL, tie_embeddings=True)
+    for held in (split_gpt(GPT(cfg, seed=0), 1, [0])[0], merge_stages(split_gpt(GPT(cfg, seed=0), 2, [0, 1]))):
+        sd = {k: v.clone() for k, v in GPT(cfg, seed=1).state_dict().items()}
+        held.load_state_dict(sd, assign=True)
+        assert held.head.weight is held.wte.weight and torch.equal(held.wte.weight, sd["wte.weight"])
+        with pytest.raises(ValueError, match="ties wte.weight and head.weight"):
+            held.load_state_dict({**sd, "head.weight": torch.randn_like(sd["head.weight"])})

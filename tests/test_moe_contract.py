@@ -151,6 +151,12 @@ def test_capacity_is_the_factor_as_written_and_bad_sizes_are_named():
 
     assert Router(D, 5, 1, capacity_factor=1.1).capacity(50) == 11
     assert Router(D, 4, 2, capacity_factor=1.25).capacity(10) == 7  # (6.25: up)
+    torch.manual_seed(0)
+    moe = MoE(D, H, 4, 2, capacity_factor=1.1)
+    compiled = torch.compile(moe, backend="aot_eager")
+    for n in (10, 13, 17):  # (the second size recompiles over a symbolic count: the ratio failed on it)
+        x = _tokens(n, n)
+        torch.testing.assert_close(compiled(x), moe(x), rtol=0, atol=0)
     for args, name in (((D, H, 4, 1.5), "top_k"), ((D, H, 2.0, 1), "num_experts"), ((D, 24.0, 4, 1), "hidden")):
         with pytest.raises(TypeError, match=f"zerofuse.moe.MoE: expected {name} to be an int, got"):
             MoE(*args)

@@ -267,8 +267,11 @@ def test_files_that_hold_no_uint16_tokens_are_refused_by_what_they_are(tmp_path)
     npy = tmp_path / "ids.bin"
     with open(npy, "wb") as f:
         np.save(f, np.arange(300, dtype=np.uint16))
+    odd = tmp_path / "odd.bin"  # (a BOM, a form feed, a no-break space: text all the same)
+    odd.write_text("\ufeffFirst Citizen:\fBefore we proceed\u00a0any further, hear me speak.\n" * 4, encoding="utf-8")
     for path, what in ((llama, r"an llm.c Llama-3 token file \(magic 20240801, version 7, uint32 tokens\)"),
-                       (text, r"got text \(tokenize it"), (npy, r"got a NumPy .npy file")):
+                       (text, r"got text \(tokenize it"), (odd, r"got text \(tokenize it"),
+                       (npy, r"got a NumPy .npy file")):
         with pytest.raises(ValueError, match=f"^--data: {path}: .*{what}"):
             tok.read_shard(path)
     ids = np.random.default_rng(1).integers(0, tok.GPT2_VOCAB, 4000).astype(np.uint16)
@@ -286,3 +289,18 @@ def test_a_cut_tokenizer_cache_is_made_again(tmp_path):
     want = tok.read_shard(cache).tolist()
     cache.write_bytes(cache.read_bytes()[:-6])
     assert tok.tokenize_cached(text) == cache and tok.read_shard(cache).tolist() == want
+
+
+def test_the_validation_key_names_the_validation_data():
+    """A resume on another --val-data of the same length was not noted: the first run's initial val
+    loss was reported beside this run's on other data (a review's reproduction, 2026-12-07)."""
+    import argparse
+
+    args = argparse.Namespace(eval_batches=2, dp=1, batch=2, seed=0)
+    rng = np.random.default_rng(0)
+    a, b = (rng.integers(0, 1000, 5000).astype(np.uint16) for _ in range(2))
+
+    def key(tokens):
+        return D.validation_key(args, D.Validation(D.Sampler(tokens, 16, 2, 1, 1, 0, 0), 2, 2, 1, 0, 0))
+
+    assert key(a) == key(a.copy()) and key(a) != key(b)

@@ -23,6 +23,16 @@ NAME = "zerofuse"
 _calls = {"fused": 0, "fallback": 0}
 
 
+def __getattr__(name: str):
+    """Names that moved to zerofuse/hf/rebind.py (2026-12-07): a patched model pickled before names
+    its bound forward's maker here."""
+    if name in ("_rebound_forward", "patch_attention", "make_rope", "attention_names"):
+        from zerofuse.hf import rebind  # noqa: PLC0415 - rebind imports this module
+
+        return getattr(rebind, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def attention_calls() -> dict:
     """How many attention calls ran the fused kernel and how many fell back (since import)."""
     return dict(_calls)

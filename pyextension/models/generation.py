@@ -13,7 +13,9 @@ def sample(model, idx, max_new_tokens, temperature, top_k, generator):
     for _ in range(max_new_tokens):
         logits, _ = model(idx[:, -model.config.seq_len:])
         logits = model.gather_logits(logits[:, -1, :].contiguous()).float()
-        if temperature == 0:  # (logits / 1e-6 before: a coin flip between logits a few ulps apart)
+        # (logits / 1e-6 before: a coin flip between logits a few ulps apart; a temperature fp32 takes
+        # for 0, 1e-46, divided the logits by zero)
+        if temperature == 0 or torch.tensor(temperature, dtype=logits.dtype).item() == 0:
             idx = torch.cat([idx, logits.argmax(-1, keepdim=True).to(idx.dtype)], dim=1)  # (int32 stays int32)
             continue
         # less the row's max first: a tiny temperature overflowed the logits to inf, and softmax to NaN

@@ -97,10 +97,23 @@ class Block(torch.nn.Module):
         return x, self.mlp(h)
 
 
+def is_tied(model) -> bool:
+    """Whether ``model`` (a GPT, or a pipeline stage holding both ends of one) uses its embedding's
+    weight as its output layer's."""
+    wte, head = getattr(model, "wte", None), getattr(model, "head", None)
+    return wte is not None and head is not None and getattr(head, "weight", None) is getattr(wte, "weight", 0)
+
+
+def keep_tied_on_load(model) -> None:
+    """The load_state_dict hooks below, on ``model`` (GPT's __init__; a pipeline stage's)."""
+    model.register_load_state_dict_pre_hook(_note_tied_before_load)
+    model.register_load_state_dict_post_hook(_retie_after_load)
+
+
 def _retie_after_load(model, _incompatible) -> None:
     """load_state_dict(assign=True) puts a Parameter of its own on each module: a tie the model had
     before is made again (the output layer otherwise trained apart from the embedding)."""
-    if model.__dict__.pop("_zf_was_tied", False) and not model._tied():
+    if model.__dict__.pop("_zf_was_tied", False) and not is_tied(model):
         model.head.weight = model.wte.weight
 
 
@@ -109,7 +122,7 @@ def _note_tied_before_load(model, state_dict, prefix, *_):
     both (load_state_dict(assign=True) kept the embedding and dropped a lone head.weight, assign=False
     loaded it into both), one giving two different matrices is refused (each path kept another of
     them, silently; a review's reproduction, 2026-12-07)."""
-    model._zf_was_tied = model._tied()
+    model._zf_was_tied = is_tied(model)
     if not model._zf_was_tied:
         return
     w, h = prefix + "wte.weight", prefix + "head.weight"
@@ -158,11 +171,11 @@ class GPT(KeepsMarks, torch.nn.Module):
     def __init__(self, cfg: GPTConfig, *, seed: int = 0, device=None, tp_group=None, sequence_parallel: bool = False,
                  ep_group=None, edp_group=None, dp_group=None):
         super().__init__()
-        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):  # (formatted into the init's
-            raise TypeError(f"zerofuse.models.GPT: expected seed to be an int, got {seed!r}")  # streams: None took
-        self._keep_marks_on_load()  # weights of its own)  # TP specs and SP's grad hooks survive to_empty / load(assign=True)
-        self.register_load_state_dict_pre_hook(_note_tied_before_load)
-        self.register_load_state_dict_post_hook(_retie_after_load)
+        # (the seed is formatted into the init's streams: None or True took weights of their own)
+        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+            raise TypeError(f"zerofuse.models.GPT: expected seed to be an int, got {seed!r}")
+        self._keep_marks_on_load()  # TP specs and SP's grad hooks survive to_empty / load(assign=True)
+        keep_tied_on_load(self)
         self.edp_group = edp_group
         self.config = cfg
         self.tp_group = tp_group
@@ -218,8 +231,7 @@ class GPT(KeepsMarks, torch.nn.Module):
             self.to(device)
 
     def _tied(self) -> bool:
-        wte, head = getattr(self, "wte", None), getattr(self, "head", None)
-        return wte is not None and head is not None and getattr(head, "weight", None) is getattr(wte, "weight", 0)
+        return is_tied(self)
 
     def _apply(self, fn, recurse=True):
         # torch's _apply gives each module a Parameter of its own where it cannot convert in place

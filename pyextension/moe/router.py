@@ -180,11 +180,23 @@ class Router(torch.nn.Module):
         share = dist.get_world_size(self.group) if scope_group else 1
         return counts[:-1] / counts[-1].clamp_min(1), share / all_tokens.clamp_min(1)
 
+    @property
+    def capacity_factor(self) -> float:
+        return self._capacity_factor
+
+    @capacity_factor.setter
+    def capacity_factor(self, value: float) -> None:
+        # the factor as the decimal it prints as, an integer ratio (1.1 is 11/10: in floats 1.1 * 50 / 5
+        # is 11.000000000000002, and the ceiling kept 12 where 11 was asked for; Megatron's float
+        # formula does so too); computed here, not per call: capacity() stays integer arithmetic,
+        # which torch.compile traces over symbolic token counts
+        self._capacity_factor = float(value)
+        self._capacity_ratio = fractions.Fraction(repr(self._capacity_factor)).as_integer_ratio()
+
     def capacity(self, tokens: int) -> int:
-        """ceil(capacity_factor * tokens * top_k / num_experts), the factor taken as the decimal it
-        prints as (1.1 is 11/10: in floats 1.1 * 50 / 5 is 11.000000000000002, and the ceiling kept 12
-        where 11 was asked for; Megatron's float formula does so too)."""
-        return math.ceil(fractions.Fraction(repr(self.capacity_factor)) * tokens * self.top_k / self.num_experts)
+        """ceil(capacity_factor * tokens * top_k / num_experts), exactly."""
+        num, den = self._capacity_ratio
+        return -(-(num * tokens * self.top_k) // (den * self.num_experts))
 
     def _drop(self, experts: Tensor) -> tuple[Tensor, Tensor]:
         """Choices past an expert's capacity in (token, slot) order become -1."""

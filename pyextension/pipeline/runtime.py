@@ -260,7 +260,7 @@ class Pipeline(Transfers, Backwards):
         self._sends = []
         if self._tied_mirror is not None:
             self._tied_mirror.grad = None  # sent: the first stage's weight holds the sum
-        # the schedule's time: the loss's broadcast below is reporting, not part of it
+        # the schedule's time: the loss's all-reduce below is reporting, not part of it
         self.compute_seconds, self.step_seconds = compute, time.perf_counter() - t_step
         return self._mean_loss()
 

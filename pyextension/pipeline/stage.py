@@ -55,6 +55,10 @@ class Stage(torch.nn.Module):
                     node.add_module(p, torch.nn.ModuleDict() if nxt.isdigit() else torch.nn.Module())
                 node = node._modules[p]
             node.add_module(path[-1], module)
+        from zerofuse.models.gpt import is_tied, keep_tied_on_load  # noqa: PLC0415 - gpt's users import this
+
+        if is_tied(self):  # both ends of a tied GPT here (one stage, or merged): loaded as the GPT loads them
+            keep_tied_on_load(self)  # (assign=True untied them, and two different matrices loaded silently)
         self.parts = [name for name, _ in parts]
         self._run = run
         self.index, self.num_stages = index, num_stages

@@ -32,6 +32,15 @@ from zerofuse.tp import comm as C
 from zerofuse.tp.spec import KeepsMarks, TPSpec, spec_of, split_range
 
 
+def __getattr__(name: str):
+    """Names that moved to zerofuse/tp/cross_entropy.py (2026-12-07)."""
+    if name in ("vocab_parallel_cross_entropy", "_VocabParallelCE"):
+        from zerofuse.tp import cross_entropy  # noqa: PLC0415 - cross_entropy imports this module
+
+        return getattr(cross_entropy, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def _group(group):
     if not dist.is_initialized():
         raise RuntimeError("zerofuse.tp: torch.distributed is not initialized (call init_process_group first)")

@@ -192,12 +192,13 @@ def resume(t) -> int:
     if extra.get("precision") not in (None, args.precision):  # (bf16's rounding from here on: not a resume)
         t.notes.append(f"--resume: --precision {args.precision} (the checkpoint's run: {extra['precision']}) from "
                        f"step {step}")
-    was_val, now_val = extra.get("validation"), validation_key(args)
+    was_val, now_val = extra.get("validation"), validation_key(args, t.val_data)
     if was_val is not None and list(was_val) != now_val:
+        data = "" if list(was_val[3:]) == now_val[3:] else ", other validation data"
         t.notes.append(f"--resume: the validation set is not the checkpoint's run's (--eval-batches {now_val[0]} x "
                        f"dp x --batch {now_val[1]}, --seed {now_val[2]}; its run: {was_val[0]} x {was_val[1]}, --seed "
-                       f"{was_val[2]}): val losses from step {step} compare with its only as other samples, and its "
-                       "initial val loss is not reported")
+                       f"{was_val[2]}{data}): val losses from step {step} compare with its only as other samples, and "
+                       "its initial val loss is not reported")
         t.initial_val_loss = None
     # the sampler draws (accum, dp x batch) window starts per step: the same data at any dp x batch split
     was = extra.get("batch")

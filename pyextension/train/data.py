@@ -4,6 +4,7 @@ makes a step's batches a pure function of (seed, step)."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 from pathlib import Path
 
@@ -237,9 +238,14 @@ class Validation:
         return self.sampler.read(self.starts[k], f"validation batch {k}")
 
 
-def validation_key(args) -> list[int]:
-    """What Validation draws its set from besides the data: --eval-batches, dp x --batch, --seed. A
-    checkpoint records it; a resume that changes it says so and reports no initial val loss (the
-    first run's, on another set, was compared with this run's, silently: a review's reproduction,
-    2026-12-07)."""
-    return [args.eval_batches, args.dp * args.batch, args.seed]
+def validation_key(args, val: Validation) -> list:
+    """What the validation set is drawn from: --eval-batches, dp x --batch, --seed and the data (its
+    shards' lengths and first and last tokens: another --val-data). A checkpoint records it; a resume
+    that changes it says so and reports no initial val loss (the first run's, on another set, was
+    compared with this run's, silently: a review's reproduction, 2026-12-07)."""
+    h = hashlib.sha256()
+    for s in val.sampler.shards:
+        h.update(np.int64(len(s)).tobytes())
+        h.update(np.ascontiguousarray(s[:1024]).tobytes())
+        h.update(np.ascontiguousarray(s[-1024:]).tobytes())
+    return [args.eval_batches, args.dp * args.batch, args.seed, h.hexdigest()[:16]]

@@ -177,7 +177,7 @@ class Trainer:
                  "config": dataclasses.asdict(self.cfg), "seed": self.args.seed,
                  "initial_val_loss": self.initial_val_loss, "precision": self.args.precision,
                  "batch": [self.args.grad_accum, self.args.dp, self.args.batch],
-                 "validation": validation_key(self.args)}
+                 "validation": validation_key(self.args, self.val_data)}
         checkpoint.save(str(self.ckpt), self.model, self.opt, extra=extra)
 
     def sample(self) -> str:

@@ -65,9 +65,10 @@ def _is_token_file(path: Path) -> bool:
 
 def _not_tokens(raw: bytes) -> str | None:
     """What a file without llm.c's header holds instead of raw uint16 tokens, judged by its first
-    bytes (``raw``): a NumPy .npy file, or text (every byte of the first 64+ printable UTF-8: token
-    pairs never are, ids below 256 have a zero high byte; one was trained on as uint16 pairs of its
-    bytes, silently: a review's reproduction, 2026-12-07), else None."""
+    bytes (``raw``): a NumPy .npy file, or text (its first 64+ bytes UTF-8, 95% of the characters
+    printable or spaces: a BOM, a form feed or a no-break space is text too; token pairs are not,
+    ids below 256 have a zero high byte; one was trained on as uint16 pairs of its bytes, silently:
+    a review's reproduction, 2026-12-07), else None."""
     if raw.startswith(b"\x93NUMPY"):
         return "a NumPy .npy file (np.load it and write it with zerofuse.train.tokens.write_shard)"
     if len(raw) < 64:
@@ -77,7 +78,8 @@ def _not_tokens(raw: bytes) -> str | None:
         text = codecs.getincrementaldecoder("utf-8")().decode(raw, final=False)
     except UnicodeDecodeError:
         return None
-    if all(c.isprintable() or c in "\t\n\r" for c in text):
+    text = text.removeprefix("\ufeff")
+    if text and sum(c.isprintable() or c.isspace() for c in text) >= 0.95 * len(text) and "\0" not in text:
         return "text (tokenize it: --data takes the text file itself, named other than .bin)"
     return None
 

@@ -142,6 +142,7 @@ class Bucket:
         self.views = False  # gflat's regions are the params' .grad (hold_grads_as_views)
         self.host_shard = False  # stage 3, offload="optimizer+params": shard in host memory (offload_shard)
         self._staged: torch.Tensor | None = None  # its device copy while a gather reads it
+        self.uploaded = None  # CUDA: an event after the last copy up of a host shard (written once it passed)
         if stage == 3 and not self.meta:
             self.free()
         # gradients
@@ -230,6 +231,8 @@ class Bucket:
         src = self.shard
         if self.host_shard:  # up to the device first (a copy on the current stream, which the gather follows)
             src = self._staged = self.shard.to(self.device, non_blocking=True, copy=True)
+            if src.is_cuda:
+                self.uploaded = torch.cuda.current_stream(src.device).record_event()
         self.gather_work = comm.all_gather_coalesced(src, [self.full])
         self.state = GATHERING
 

@@ -68,15 +68,6 @@ def _wrap_modules(model: torch.nn.Module, wrap) -> list[torch.nn.Module]:
     else:
         raise TypeError("zerofuse.zero.parallelize: expected wrap to be None, a list of module classes, a list of "
                         f"submodules or a callable(module) -> bool, got {type(wrap).__name__}")
-    if wrap is not None:  # a unit is gathered by its module's forward: a container's never runs (its unit
-        # stayed NaN placeholders and trained NaN losses, silently: a review's reproduction, 2026-12-07)
-        names = {id(m): n for n, m in model.named_modules()}
-        idle = [f"{names.get(id(m), '?')!r} ({type(m).__name__})" for m in mods
-                if type(m).forward is torch.nn.Module.forward]
-        if idle:
-            raise ValueError(f"zerofuse.zero.parallelize: expected wrap to name modules that run a forward (each "
-                             f"unit is gathered by its module's forward), got containers {idle[:3]}: wrap the "
-                             "modules inside them (e.g. wrap=[Block])")
     inside = set()  # drop modules nested in an earlier one: units do not nest
     out = []
     for m in mods:
@@ -84,6 +75,16 @@ def _wrap_modules(model: torch.nn.Module, wrap) -> list[torch.nn.Module]:
             continue
         out.append(m)
         inside.update(id(s) for s in m.modules())
+    if wrap is not None:  # a unit is gathered by its module's forward: a container's never runs (its unit
+        # stayed NaN placeholders and trained NaN losses, silently: a review's reproduction, 2026-12-07);
+        # one nested in a unit is that unit's
+        names = {id(m): n for n, m in model.named_modules()}
+        idle = [f"{names.get(id(m), '?')!r} ({type(m).__name__})" for m in out
+                if type(m).forward is torch.nn.Module.forward]
+        if idle:
+            raise ValueError(f"zerofuse.zero.parallelize: expected wrap to name modules that run a forward (each "
+                             f"unit is gathered by its module's forward), got containers {idle[:3]}: wrap the "
+                             "modules inside them (e.g. wrap=[Block])")
     return out
 
 
@@ -118,8 +119,8 @@ def _gather_rows(mine: torch.Tensor, comm) -> torch.Tensor:
 
 _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 # elements per int64 conversion: the digest's temporaries (an int64 copy and its squares, 16 bytes per
-# element) stay within 64 MiB and about half the param's own bytes (8+ chunks per param: a meta model's
-# materialization stays within its bound of one unit and two param copies)
+# element) stay within 64 MiB and, in 8+ chunks per param, within 2 bytes per element of it (half an
+# fp32 param's bytes: a meta model's materialization stays within one unit and two param copies)
 _CHUNK = 1 << 22
 
 

@@ -322,8 +322,9 @@ class HostSteps:
             u.shard.copy_(master)
             return
         current = torch.cuda.current_stream(self.eng.device)
-        if u.host_shard:  # stage-3 parameter offload: the shard is host memory an upload may be reading
-            current.synchronize()
+        if u.host_shard:  # stage-3 parameter offload: the shard is host memory its last upload may be reading
+            if u.uploaded is not None:
+                u.uploaded.synchronize()
             u.shard.copy_(master)
             return
         with torch.cuda.stream(self.stream):

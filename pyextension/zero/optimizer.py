@@ -288,9 +288,10 @@ class Optimizer(GradNorms, OptimizerState, torch.optim.Optimizer):
             check_options(g, f"param_groups[{gi}]")
         eng = self.engine
         eng.check_trainable()
-        if eng.stage == 3:  # inside full_params: the block's writes so far reach the shards and masters first
-            eng.flush_full_params()  # (the step ran on the shards of before them, and its refresh of the
-            # gathered units then dropped them: a review's reproduction, 2026-12-07)
+        # inside full_params: the block's writes so far reach the shards and masters first (the step ran
+        # on those of before them, and stage 3's refresh of the gathered units then dropped them, stage
+        # 1/2 bf16's masters put them back: a review's reproduction, 2026-12-07); outside it: nothing
+        eng.flush_full_params()
         eng.finish_grad_sync()
         check_step_grads(eng, f"{NAME}.step")
         found = self._found_inf
