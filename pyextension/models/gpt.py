@@ -323,10 +323,6 @@ class GPT(KeepsMarks, torch.nn.Module):
             raise ValueError(f"zerofuse.models.GPT: expected idx of shape (batch, sequence), got {list(idx.shape)}")
         if idx.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"zerofuse.models.GPT: expected idx of int64 or int32 token ids, got {idx.dtype}")
-        if idx.device.type == "cpu" and self.tp_group is None and not torch.compiler.is_compiling():
-            # (a bare "index out of range in self" before;
-            # a GPU's embedding asserts on the device, the TP embedding checks its own)
-            check_ids("zerofuse.models.GPT", "idx", idx, self.config.vocab_size)
         n = idx.shape[1]
         if n > self.config.seq_len:
             raise ValueError(f"zerofuse.models.GPT: sequence length {n} exceeds the model's seq_len "
@@ -338,7 +334,13 @@ class GPT(KeepsMarks, torch.nn.Module):
                                  f"divide by the tensor-parallel size {self.tp_size}")
             r, m = self._tp_comm.rank, n // self.tp_size
             pos = pos[r * m:(r + 1) * m]
-        return self.wte(idx) if self.wpe is None else self.wte(idx) + self.wpe(pos)
+        try:
+            tok = self.wte(idx)
+        except IndexError:  # an id out of range (torch's CPU embedding: a bare "index out of range in self"),
+            # named once it failed: the check on every forward read the device (a step's host syncs)
+            check_ids("zerofuse.models.GPT", "idx", idx, self.config.vocab_size)
+            raise
+        return tok if self.wpe is None else tok + self.wpe(pos)
 
     def run_block(self, block: torch.nn.Module, x: Tensor, delta: Tensor | None,
                   document_ids: Tensor | None = None) -> tuple[Tensor, Tensor]:
