@@ -110,18 +110,20 @@ def _lars_kernel(META, OWN, CONSTS, n, nblocks, PNORMS, GNORMS, MULT, FOUND, P_T
             row = tl.load(META + 2 * (n + 1) + t)
             pn = tl.load(PNORMS + row).to(tl.float64)
             gn = tl.load(GNORMS + row).to(tl.float64)  # |grad * grad_mult| (l2norm's mult, before the squares)
-            local = tl.where((pn > 0) & (gn > 0), tc * pn / (gn + wd * pn + eps), 1.0)
+            scaled = (pn > 0) & (gn > 0)
+            local = tl.where(scaled, tc * pn / (gn + wd * pn + eps), 1.0)
             step = (lr * local).to(tl.float32)
+            wd_t = tl.where(scaled, wd32, 0.0)  # (LARC's: decay only with the ratio; csrc/cpu/lars.cpp)
             P = _ptr(META, 3, n, t, P_TY, ALIGNED)
             G = _ptr(META, 4, n, t, G_TY, ALIGNED)
             B = _ptr(META, 5, n, t, tl.float32, ALIGNED)
             W = _ptr(META, 6, n, t, tl.float32, ALIGNED)
             offs = start + tl.arange(0, BLOCK)
             if start + BLOCK <= numel:
-                _lars_block(P, G, B, W, offs, offs < numel, MULT, step, m32, wd32, HAS_MASTER, HAS_MULT, False,
+                _lars_block(P, G, B, W, offs, offs < numel, MULT, step, m32, wd_t, HAS_MASTER, HAS_MULT, False,
                             EMULATE_RNE)
             else:
-                _lars_block(P, G, B, W, offs, offs < numel, MULT, step, m32, wd32, HAS_MASTER, HAS_MULT, True,
+                _lars_block(P, G, B, W, offs, offs < numel, MULT, step, m32, wd_t, HAS_MASTER, HAS_MULT, True,
                             EMULATE_RNE)
 
 

@@ -118,11 +118,12 @@ def lars_step(params, grads, momentum_buffers, *, lr, momentum, weight_decay, tr
     """One LARS step (You, Gitman & Ginsburg 2017, "Large Batch Training of Convolutional Networks",
     Algorithm 1), in place: per tensor, local_lr = trust_coefficient * |x| / (|g| + wd |x| + eps)
     (1 when |x| or |g| is 0, as NVIDIA's LARC does), v = momentum v + lr * local_lr * (g + wd x),
-    x -= v."""
+    x -= v; wd is 0 where |x| or |g| is 0 (LARC adds the decay only with the ratio)."""
     for x, g, v in zip(params, grads, momentum_buffers):
         xn, gn = float(x.double().norm()), float(g.double().norm())
-        local = trust_coefficient * xn / (gn + weight_decay * xn + eps) if xn > 0 and gn > 0 else 1.0
-        v.mul_(momentum).add_(g + weight_decay * x, alpha=lr * local)
+        scaled = xn > 0 and gn > 0
+        local = trust_coefficient * xn / (gn + weight_decay * xn + eps) if scaled else 1.0
+        v.mul_(momentum).add_(g + (weight_decay if scaled else 0.0) * x, alpha=lr * local)
         x.sub_(v)
 
 

@@ -133,7 +133,11 @@ def test_zero_optimizer_refuses_what_it_would_ignore(world_of_one):
                              ("adam", {"amsgrad": True}, "'amsgrad'] = True"),
                              ("adam", {"decoupled_weight_decay": True}, "choose optimizer='adamw' or 'adam'"),
                              ("adamw", {"decoupled_weight_decay": False}, "choose optimizer='adamw' or 'adam'"),
-                             ("adamw", {"max_grad_norm": 1.0}, "clipping is global")):
+                             ("adamw", {"max_grad_norm": 1.0}, "clipping is global"),
+                             # (accepted in a group and dropped, though refused as keywords: 2026-12-07)
+                             ("lars", {"dampening": 0.5}, "'dampening'] = 0.5 is not supported"),
+                             ("adamw", {"bias_correction": False}, "'bias_correction'] = False is not supported"),
+                             ("lamb", {"grad_averaging": False}, "'grad_averaging'] = False is not supported")):
         with pytest.raises(TypeError, match=msg):
             zerofuse.zero.Optimizer(model, kind, param_groups=[{"params": ps, **extra}])
     opt = zerofuse.zero.Optimizer(model, "adamw", param_groups=[{"params": ps, "name": "all", "maximize": False}])

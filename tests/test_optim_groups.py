@@ -67,3 +67,32 @@ def test_a_none_momentum_buffer_starts_anew_as_torch_sgds():
     fresh.step()
     loaded.step()
     assert torch.equal(q.detach(), ref.detach())  # as a fresh buffer (lr 0.1 from the loaded group as fresh's)
+
+
+@pytest.mark.parametrize("option", [{"maximize": True}, {"amsgrad": True}, {"grad_averaging": False}])
+def test_options_lamb_has_none_of_are_refused_in_a_group(option):
+    """maximize=True in a FusedLAMB group descended, silently (a review's reproduction, 2026-12-07)."""
+    p = _params(1)[0]
+    opt = FusedLAMB([{"params": [p], **option}])
+    (key, value), = option.items()
+    with pytest.raises(ValueError, match=rf"FusedLAMB: {key}={value} in a param group"):
+        opt.step()
+
+
+@pytest.mark.parametrize("cpu_path", ["native", "triton"])
+def test_lars_decays_no_param_whose_grad_is_zero(cpu_path, monkeypatch):
+    """LARC adds the weight decay only with the trust ratio: a param whose grads were all zero decayed
+    at the full lr (0.87 after 5 steps of lr 1, wd 1e-2, momentum 0.9) where LARC leaves it and 1e-12
+    grads moved it to 0.987 (a review's reproduction, 2026-12-07)."""
+    from zerofuse import kernels, reference
+
+    monkeypatch.setattr(kernels, "TRITON_ON_CPU", cpu_path == "triton")
+    p = torch.nn.Parameter(torch.ones(6))
+    opt = FusedLARS([p], lr=1.0, momentum=0.9, weight_decay=1e-2, trust_coefficient=1e-3)
+    ref, buf = torch.ones(6, dtype=torch.float64), torch.zeros(6, dtype=torch.float64)
+    for _ in range(5):
+        p.grad = torch.zeros(6)
+        opt.step()
+        reference.lars_step([ref], [torch.zeros(6, dtype=torch.float64)], [buf], lr=1.0, momentum=0.9,
+                            weight_decay=1e-2, trust_coefficient=1e-3)
+    assert torch.equal(p.detach(), torch.ones(6)) and torch.equal(ref, torch.ones(6, dtype=torch.float64))

@@ -2,6 +2,8 @@
 //   local_lr = trust_coefficient * |p| / (|g| + wd * |p| + eps)   (1 when |p| or |g| is 0, as
 //              NVIDIA's LARC does, so zero-initialised tensors still move)
 //   buf = momentum * buf + lr * local_lr * (g + wd * p);  p -= buf
+// with wd 0 where |p| or |g| is 0, as LARC adds it only with the ratio (a param whose grad was all
+// zeros decayed at the full lr, ~10x faster than one with 1e-12 grads: a review's reproduction, 2026-12-07)
 // per element in fp32 with g = grad * grad_mult. The per-tensor norms come in as an argument
 // (zerofuse::l2norm over params then grads with mult=grad_mult on the grads, one launch): |g| is
 // the norm of grad * grad_mult (a loss-scaled grad's norm taken before unscaling overflowed).
@@ -53,9 +55,10 @@ void lars_cpu(at::TensorList params,            // n tensors, fp32/bf16/fp16, up
   std::vector<LarsConsts> consts(n);
   for (int64_t i = 0; i < n; ++i) {
     const double pn = nrm[i], gn = nrm[n + i];  // (|grad * grad_mult|: l2norm's mult, before the squares)
-    const double local = pn > 0 && gn > 0 ? trust_coefficient * pn / (gn + weight_decay * pn + eps) : 1.0;
-    consts[i] = LarsConsts{static_cast<float>(momentum), static_cast<float>(weight_decay), static_cast<float>(mult),
-                           static_cast<float>(lr * local)};
+    const bool scaled = pn > 0 && gn > 0;
+    const double local = scaled ? trust_coefficient * pn / (gn + weight_decay * pn + eps) : 1.0;
+    consts[i] = LarsConsts{static_cast<float>(momentum), static_cast<float>(scaled ? weight_decay : 0.0),
+                           static_cast<float>(mult), static_cast<float>(lr * local)};
   }
   const SpanPlan plan = plan_params(params);
   for_each_chunk(plan, params, grads, masters, /*write_param=*/true, [&](const Chunk& c) {

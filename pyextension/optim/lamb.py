@@ -49,6 +49,14 @@ class FusedLAMB(FusedOptimizerMixin, torch.optim.Optimizer):
         if not 0 <= group["min_trust"] <= group["max_trust"]:
             raise ValueError(f"{name}: expected 0 <= min_trust <= max_trust, got {group['min_trust']}, "
                              f"{group['max_trust']}")
+        # other optimizers' options LAMB has none of (maximize=True descended, silently; a review's
+        # reproduction, 2026-12-07), as FusedLARS refuses SGD's
+        for arg in ("maximize", "amsgrad", "nesterov"):
+            if group.get(arg):
+                raise ValueError(f"{name}: {arg}=True in a param group is not supported by LAMB")
+        if group.get("grad_averaging", True) is False:
+            raise ValueError(f"{name}: grad_averaging=False in a param group (Apex's) is not supported: LAMB here "
+                             "averages the gradients into exp_avg with (1 - beta1)")
 
     def _update(self, group, params, grads, states, masters, steps, mult, found, prepared):
         beta1, beta2 = group["betas"]

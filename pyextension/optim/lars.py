@@ -1,7 +1,8 @@
 """FusedLARS: LARS with momentum (You, Gitman & Ginsburg 2017, Algorithm 1), fused.
 
 Per tensor: local_lr = trust_coefficient * |p| / (|g| + weight_decay * |p| + eps) (1 when a norm
-is 0, as NVIDIA's LARC), buf = momentum * buf + lr * local_lr * (g + weight_decay * p), p -= buf.
+is 0, as NVIDIA's LARC), buf = momentum * buf + lr * local_lr * (g + weight_decay * p), p -= buf,
+with no weight decay where a norm is 0 (LARC's: a param with all-zero grads is not decayed).
 The norms of all params and grads come from one zerofuse::l2norm pass, the update from one
 zerofuse::lars_ pass. State key 'momentum_buffer' (as torch.optim.SGD), + 'master' with
 master_weights. The math is zerofuse.reference.lars_step.

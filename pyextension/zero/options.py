@@ -57,7 +57,9 @@ def check_options(opts: dict, where: str) -> None:
 # torch.optim options zerofuse.zero.Optimizer does not implement, with the value it does: a param
 # group setting another was silently ignored (maximize=True: a review's reproduction, 2026-11-27);
 # other keys a group carries (a name, foreach, ...) stay allowed, as in torch
-_FIXED = {"maximize": False, "amsgrad": False, "differentiable": False, "nesterov": False}
+# (SGD's dampening, Apex's grad_averaging, and Adam's bias_correction likewise: 2026-12-07)
+_FIXED = {"maximize": False, "amsgrad": False, "differentiable": False, "nesterov": False, "dampening": 0,
+          "grad_averaging": True}
 
 
 def check_group_keys(group: dict, optimizer: str, where: str) -> None:
@@ -65,6 +67,7 @@ def check_group_keys(group: dict, optimizer: str, where: str) -> None:
     fixed = dict(_FIXED)
     if optimizer in ("adamw", "adam"):
         fixed["decoupled_weight_decay"] = optimizer == "adamw"
+        fixed["bias_correction"] = True
     for key, want in fixed.items():
         if key in group and group[key] != want:
             hint = " (choose optimizer='adamw' or 'adam')" if key == "decoupled_weight_decay" else ""
