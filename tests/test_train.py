@@ -476,8 +476,10 @@ def test_launch_environment(monkeypatch):
     monkeypatch.setenv("SLURM_NNODES", "2")
     monkeypatch.setenv("SLURM_LOCALID", "1")
     assert train._dist_env() == {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
-    monkeypatch.setenv("SLURM_JOB_NODELIST", "gpu[03-05,09],cpu1")
-    assert train._slurm_master() == "gpu03"
+    for nodes, first in (("gpu[03-05,09],cpu1", "gpu03"), ("n[1-2]-ib", "n1-ib"),  # (n1 and rack1 before)
+                         ("rack[1-2]-node[01-02]", "rack1-node01"), ("a,b", "a")):
+        monkeypatch.setenv("SLURM_JOB_NODELIST", nodes)
+        assert train._slurm_master() == first
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert train._dist_env()["WORLD_SIZE"] == "2"  # torchrun's variables win

@@ -157,3 +157,20 @@ def test_a_resume_on_another_validation_set_says_so_and_reports_no_initial_val(t
     assert summary["start_step"] == 2 and summary["initial_val_loss"] is None
     out = capsys.readouterr().out
     assert "--resume: the validation set is not the checkpoint's run's (--eval-batches 3 x dp x --batch" in out, out
+
+
+def test_a_new_run_removes_the_last_runs_summary_and_plot(tmp_path, monkeypatch):
+    """A run that failed left the earlier run's summary.json (steps_done 3) beside its own metrics (a
+    review's reproduction, 2026-12-07)."""
+    from zerofuse.train.loop import Trainer
+
+    assert Trainer(tiny_job_args(tmp_path, "--steps", "2"), None).run() == 0
+    assert (tmp_path / "summary.json").is_file()
+
+    def fail(self):
+        raise RuntimeError("a failed step")
+
+    monkeypatch.setattr(Trainer, "evaluate", fail)
+    with pytest.raises(RuntimeError, match="a failed step"):
+        Trainer(tiny_job_args(tmp_path, "--steps", "2"), None).run()
+    assert not (tmp_path / "summary.json").exists() and not (tmp_path / "loss.png").exists()

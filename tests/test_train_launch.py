@@ -111,3 +111,21 @@ def test_slurm_rank1_refused_says_why_and_tells_rank0(tmp_path, tasks):
     assert outs[0][1].startswith("zerofuse-train: error: rank 1: --data:"), outs
     assert "zerofuse-train: error: rank 1 was refused at its start (its error says why)" in outs[1][1], outs
     assert time.monotonic() - t0 < 120
+
+
+@pytest.mark.timeout(300)
+def test_slurm_rank1_with_a_bad_flag_tells_rank0(tmp_path):
+    """argparse's refusal (and a bad launcher variable) came before the path that tells the peers: rank 1
+    exited 2 and rank 0 waited max(--timeout, STARTUP_S) at the rendezvous (a review's reproduction,
+    2026-12-07)."""
+    base = _slurm_env()
+    argv = [sys.executable, "-m", "zerofuse.train", *tiny_job_argv(tmp_path, "--steps", "2", "--nproc", "2")]
+    t0 = time.monotonic()
+    ranks = [subprocess.Popen(argv + (["--steps", "abc"] if r == 1 else []), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True,
+                              env=dict(base, SLURM_PROCID=str(r), SLURM_LOCALID=str(r))) for r in (1, 0)]
+    outs = [p.communicate(timeout=200) for p in ranks]
+    assert [p.returncode for p in ranks] == [2, 2], outs
+    assert "argument --steps: invalid int value: 'abc'" in outs[0][1], outs
+    assert "zerofuse-train: error: rank 1 was refused at its start (its error says why)" in outs[1][1], outs
+    assert time.monotonic() - t0 < 120

@@ -60,18 +60,38 @@ def _process_start() -> float | None:
         return None
 
 
+def _abort_peers(env: dict | None) -> None:
+    """A rank of a torchrun / SLURM job refused at its start: the others, which would wait for it at
+    the rendezvous, are told to exit too (our launcher's agent stops its ranks itself). Only where
+    the environment names this rank's place (RANK < WORLD_SIZE, integers)."""
+    if env is None or os.environ.get("ZEROFUSE_TRAIN_LAUNCHED") == "1":
+        return
+    try:
+        rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+    except (KeyError, TypeError, ValueError):
+        return
+    if 0 <= rank < world:
+        abort_rendezvous(env)
+
+
 def main(argv: list[str] | None = None) -> int:
     global T0
     if argv is None:  # the command line's job (zerofuse-train, python -m): timed from the process's start
         T0 = min(T0, _process_start() or T0)
     die_with_parent()  # (a rank our launcher started: before anything that waits)
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = _parser().parse_args(argv)
     env = _dist_env()
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as e:  # argparse's usage error (printed): the peers told too, as validate()'s below
+        if e.code == EXIT_USAGE:  # (they waited max(--timeout, STARTUP_S) for this rank; a review's
+            _abort_peers(env)  # reproduction, 2026-12-07)
+        raise
     try:
         check_dist_env(env)
     except UsageError as e:  # (each process's own environment: every one says so)
         print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
+        _abort_peers(env)
         return EXIT_USAGE
     with contextlib.ExitStack() as held:
         try:
@@ -84,9 +104,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
             else:  # (each rank its own: a --data missing on one node was said nowhere)
                 print(f"{PROG}: error: rank {env['RANK']}: {e}", file=sys.stderr, flush=True)
-            if env is not None and os.environ.get("ZEROFUSE_TRAIN_LAUNCHED") != "1":  # torchrun / SLURM: the
-                abort_rendezvous(env)  # others would wait for this rank at the rendezvous (our launcher's
-                # agent stops them itself)
+            _abort_peers(env)
             return EXIT_USAGE
         if env is None and args.nproc > 1:
             return launch(argv, args.nproc, args.timeout, args.out)

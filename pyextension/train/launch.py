@@ -25,9 +25,13 @@ _AGENT_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT) 
 
 
 def _slurm_master() -> str:
+    """The first host of SLURM's node list: its first entry with each bracket's first value
+    ("gpu[03-05,09],cpu1" -> "gpu03", "rack[1-2]-node[01-02]" -> "rack1-node01"; text after a
+    bracket was dropped: "n[1-2]-ib" gave "n1", a review's reproduction, 2026-12-07)."""
     nodes = os.environ.get("SLURM_STEP_NODELIST") or os.environ.get("SLURM_JOB_NODELIST") or "127.0.0.1"
-    first = re.match(r"([^,\[]+)(?:\[([^\],-]+))?", nodes)  # "gpu[03-05,09],cpu1" -> "gpu03"
-    return first.group(1) + (first.group(2) or "") if first else "127.0.0.1"
+    host = re.split(r",(?![^\[]*\])", nodes)[0]  # (a comma inside brackets is a range's)
+    host = re.sub(r"\[([^\]]*)\]", lambda m: re.split(r"[-,]", m.group(1))[0], host)
+    return host or "127.0.0.1"
 
 
 def _slurm_port() -> int:

@@ -31,6 +31,10 @@ class RankZeroLog:
         self.out = Path(self.args.out)
         self.out.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.out / "metrics.jsonl"
+        # an earlier run's summary and plot go: this run writes its own at its end (a run that failed
+        # before left the last one's beside its own metrics; a review's reproduction, 2026-12-07)
+        for name in ("summary.json", "loss.png"):
+            (self.out / name).unlink(missing_ok=True)
         self.history = self._trim_metrics(trainer.step)
         self.metrics = open(self.metrics_path, "a")
         try:
