@@ -129,3 +129,27 @@ def test_slurm_rank1_with_a_bad_flag_tells_rank0(tmp_path):
     assert "argument --steps: invalid int value: 'abc'" in outs[0][1], outs
     assert "zerofuse-train: error: rank 1 was refused at its start (its error says why)" in outs[1][1], outs
     assert time.monotonic() - t0 < 120
+
+
+def test_the_launcher_reports_the_signal_its_ranks_stopped_on(tmp_path, monkeypatch, capsys):
+    """SIGTERM, then SIGUSR1 during the stop's checkpoint: the ranks stopped on SIGTERM (their summary
+    says so), the launcher said SIGUSR1 and exited 138, the last signal the agent raised (a review's
+    reproduction, 2026-12-07)."""
+    import json
+    import signal
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.launcher import api
+
+    from zerofuse.train.launch import launch
+
+    def fake_launch(config, entrypoint):
+        def run(*args):
+            (tmp_path / "metrics.jsonl").write_text("{}\n")
+            (tmp_path / "summary.json").write_text(json.dumps({"stopped_by": "SIGTERM"}))
+            raise SignalException("got SIGUSR1", sigval=signal.SIGUSR1)
+        return run
+
+    monkeypatch.setattr(api, "elastic_launch", fake_launch)
+    assert launch(["--steps", "2"], 2, 30.0, str(tmp_path)) == 128 + signal.SIGTERM
+    assert "stopped by SIGTERM" in capsys.readouterr().err

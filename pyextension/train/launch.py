@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import json
 import os
 import re
 import signal
@@ -196,8 +197,9 @@ def launch(argv: list[str], nproc: int, timeout: float = 600.0, out: str | None 
                   "written: their errors above say why; --resume takes the last complete checkpoint)",
                   file=sys.stderr, flush=True)
             return 1
-        print(f"{PROG}: stopped by {e.sigval.name}", file=sys.stderr, flush=True)
-        return 128 + int(e.sigval)
+        sig = _stopped_by(out, t_launch) or e.sigval
+        print(f"{PROG}: stopped by {sig.name}", file=sys.stderr, flush=True)
+        return 128 + int(sig)
     except ChildFailedError as e:
         codes = {f.exitcode for f in e.failures.values()}
         # a rank stopped cleanly (128 + signal), or by the signal's default action outside the
@@ -217,6 +219,21 @@ def launch(argv: list[str], nproc: int, timeout: float = 600.0, out: str | None 
             else:
                 os.environ[k] = v
     return 0
+
+
+def _stopped_by(out: str | None, t0: float):
+    """The signal the ranks stopped on, as the summary.json they wrote since ``t0`` says: the agent
+    raises the last signal the launcher got (SIGTERM then SIGUSR1 during the stop's save: the ranks
+    stopped on SIGTERM, the launcher said SIGUSR1 and exited 138; a review's reproduction, 2026-12-07)."""
+    path = os.path.join(out, "summary.json") if out is not None else None
+    if path is None or not _since(path, t0):
+        return None
+    try:
+        with open(path) as f:
+            name = json.load(f).get("stopped_by")
+        return signal.Signals[name] if name in signal.Signals.__members__ else None
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def _since(path: str, t0: float) -> bool:
