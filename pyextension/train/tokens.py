@@ -14,6 +14,7 @@ the text's hash.
 """
 from __future__ import annotations
 
+import codecs
 import glob
 import hashlib
 import os
@@ -73,7 +74,6 @@ def _not_tokens(raw: bytes) -> str | None:
         return "a NumPy .npy file (np.load it and write it with zerofuse.train.tokens.write_shard)"
     if len(raw) < 64:
         return None
-    import codecs  # noqa: PLC0415
     try:
         text = codecs.getincrementaldecoder("utf-8")().decode(raw, final=False)
     except UnicodeDecodeError:

@@ -24,19 +24,16 @@ class Stage3Hooks:
         # model.state_dict() / load_state_dict() where the params are freed shards (NaN placeholders,
         # zero/buckets.py) raise: a state dict of NaNs, writes lost; inside full_params they are the
         # model's (a load written back on exit); keep_vars=True (the Parameters themselves, as
-        # zerofuse.checkpoint lists them) stays allowed
-        self._hooks.append(model.register_state_dict_pre_hook(self._check_state_dict))
-        # (a function, not the bound method: torch marks its post hooks with an attribute)
-        self._hooks.append(model.register_state_dict_post_hook(functools.partial(Stage3Hooks._own_state_dict, self)))
-        self._hooks.append(model.register_load_state_dict_pre_hook(self._refuse_load_state_dict))
-        # and a submodule's own state_dict() (torch runs the hooks of the module called and its
-        # descendants only: a block's gave NaN placeholders outside full_params, and inside it views
-        # that the block's end left without storage, a crash when read; a review's reproduction)
+        # zerofuse.checkpoint lists them) stays allowed. On the model and on every module holding a
+        # param of ours: torch runs the hooks of the module called and its descendants only (a block's
+        # own state_dict() gave NaN placeholders outside full_params, and inside it views that the
+        # block's end left without storage, a crash when read; a review's reproduction, 2026-12-07)
         for m in model.modules():
-            if m is not model and any(id(p) in self.param_index for p in m.parameters(recurse=False)):
+            if m is model or any(id(p) in self.param_index for p in m.parameters(recurse=False)):
                 self._hooks.append(m.register_state_dict_pre_hook(self._check_state_dict))
-                self._hooks.append(m.register_state_dict_post_hook(
-                    functools.partial(Stage3Hooks._own_state_dict, self, whole=False)))
+                # (a function, not the bound method: torch marks its post hooks with an attribute)
+                self._hooks.append(m.register_state_dict_post_hook(functools.partial(Stage3Hooks._own_state_dict,
+                                                                                     self)))
                 self._hooks.append(m.register_load_state_dict_pre_hook(self._refuse_load_state_dict))
         self._hooks.append(model.register_forward_pre_hook(self._root_pre_forward))
         self._hooks.append(model.register_forward_hook(self._root_post_forward))
@@ -145,14 +142,13 @@ class Stage3Hooks:
                                "the params are freed shards there (NaN placeholders); call it inside "
                                "full_params, or save with zerofuse.checkpoint.save")
 
-    def _own_state_dict(self, module, state_dict, prefix, local_metadata, whole: bool = True) -> None:
+    def _own_state_dict(self, module, state_dict, prefix, local_metadata) -> None:
         """The state dict's tensors are the gathered units' buffers' views, which the end of
         full_params (or the next backward) frees: copies, as torch's full state dicts (they were
         left with no storage: torch.save wrote no data, reading them crashed). keep_vars=True's
         Parameters stay themselves."""
         live = {u.full.untyped_storage().data_ptr() for u in self.units if u.state != FREE}
-        keys = list(state_dict) if whole else [prefix + n for n in module._parameters]
-        for k in keys:  # (a submodule's hook: its own params' entries)
+        for k in [prefix + n for n in module._parameters]:  # (its own params': each holder has this hook)
             t = state_dict.get(k)
             if (isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter)
                     and t.untyped_storage().data_ptr() in live):
