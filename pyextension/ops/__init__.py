@@ -163,6 +163,7 @@ def registered_in_torch() -> list[str]:
 from zerofuse.ops.signatures import batched  # noqa: E402
 from zerofuse.ops.flatten import flatten_into, packed_offsets, unflatten_from  # noqa: E402
 from zerofuse.ops import norms  # noqa: E402,F401
+from zerofuse.ops import norms_cpu  # noqa: E402,F401
 from zerofuse.ops import attention  # noqa: E402,F401
 from zerofuse.ops import attention_qkv  # noqa: E402,F401
 from zerofuse.ops import linear_cross_entropy  # noqa: E402,F401
