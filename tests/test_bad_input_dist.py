@@ -151,6 +151,10 @@ WORLD1 = [
          r"clip_grad_norm_: expected max_norm to be a number > 0, got '1.0'"),
     Case("clip_grad_norm_-nan", lambda: _opt().clip_grad_norm_(math.nan), tuple, ValueError,
          r"clip_grad_norm_: expected max_norm to be a number > 0, got nan"),
+    Case("clip_grad_norm_-norm_type-inf", lambda: _opt().clip_grad_norm_(1.0, math.inf), tuple, ValueError,
+         r"clip_grad_norm_: expected norm_type 2 \(the fused norm is the 2-norm\), got inf"),
+    Case("clip_grad_norm_-error_if_nonfinite-str", lambda: _opt().clip_grad_norm_(1.0, error_if_nonfinite="yes"),
+         tuple, TypeError, r"clip_grad_norm_: expected error_if_nonfinite to be a bool, got 'yes'"),
     Case("Optimizer-load-foreign-state", lambda: _opt().load_state_dict({"state": {}, "param_groups": []}), tuple,
          ValueError, r"load_state_dict: the state is for a different layout .*expected world_size=1, .*got None"),
     Case("Optimizer-load-other-optimizer", lambda: _opt("adam").load_state_dict(_opt("lars").state_dict()), tuple,
@@ -383,6 +387,19 @@ def _clip_returns_a_nan_norm_and_skips():
         assert all(torch.equal(a, b) for a, b in zip(before, m.parameters()))
 
 
+def _clip_error_if_nonfinite_raises_before_clipping():
+    m = Z()
+    opt = zero.Optimizer(m, "adamw")
+    m(torch.tensor([[math.inf, 1.0, 1.0, 1.0]])).sum().backward()
+    try:
+        opt.clip_grad_norm_(1.0, norm_type=2.0, error_if_nonfinite=True, foreach=True)
+    except RuntimeError as e:
+        assert "total norm of order 2.0 of the gradients is non-finite" in str(e), e
+    else:
+        raise AssertionError("error_if_nonfinite=True did not raise on an inf gradient")
+    assert opt._clip_coef is None  # raised before clipping: the step is as without the call
+
+
 def _cross_entropy_all_ignored_is_zero():
     loss = tp.vocab_parallel_cross_entropy(r(3, 5, requires_grad=True), torch.full((3,), -100))
     assert loss.item() == 0.0  # mean over no target: 0 (torch's F.cross_entropy gives NaN)
@@ -401,6 +418,7 @@ def _cross_entropy_nan_logit_as_torch():
 BEHAVIOUR = [
     Behaviour("zero-inf-grad-clipped-skips", _inf_grad_under_clipping_skips),
     Behaviour("zero-nan-grad-clip_grad_norm_-skips", _clip_returns_a_nan_norm_and_skips),
+    Behaviour("zero-clip-error_if_nonfinite", _clip_error_if_nonfinite_raises_before_clipping),
     Behaviour("cross_entropy-all-ignored", _cross_entropy_all_ignored_is_zero),
     Behaviour("cross_entropy-nan-logit", _cross_entropy_nan_logit_as_torch),
 ]

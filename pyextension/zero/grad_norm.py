@@ -84,18 +84,35 @@ class GradNorms:
         return clip_inputs(grads, max_norm, self.scale if self.fp16 else None, None, prepared=kept[0], eps=1e-6)
 
     @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                        foreach: bool | None = None) -> torch.Tensor:
         """Clip the gradient of the coming step to global norm max_norm (fused into the step) and
-        return the global norm before clipping, the same on every rank."""
+        return the global norm before clipping, the same on every rank. torch's arguments: the
+        2-norm only (norm_type 2); error_if_nonfinite raises, on every rank, before clipping (one
+        host sync; without it a non-finite norm skips the step); foreach is accepted (the grads are
+        flat buffers: one fused pass either way)."""
         if isinstance(max_norm, torch.Tensor) and max_norm.numel() == 1:  # (torch's clip takes one too)
             max_norm = float(max_norm)
         if isinstance(max_norm, bool) or not isinstance(max_norm, numbers.Real) or not max_norm > 0:
             raise ValueError(f"{NAME}.clip_grad_norm_: expected max_norm to be a number > 0, got {max_norm!r}")
+        if isinstance(norm_type, torch.Tensor) and norm_type.numel() == 1:
+            norm_type = float(norm_type)
+        if isinstance(norm_type, bool) or not isinstance(norm_type, numbers.Real) or float(norm_type) != 2.0:
+            raise ValueError(f"{NAME}.clip_grad_norm_: expected norm_type 2 (the fused norm is the 2-norm), got "
+                             f"{norm_type!r}")
+        for name, v in (("error_if_nonfinite", error_if_nonfinite), ("foreach", foreach)):
+            if not isinstance(v, bool) and not (name == "foreach" and v is None):
+                raise TypeError(f"{NAME}.clip_grad_norm_: expected {name} to be a bool"
+                                f"{' or None' if name == 'foreach' else ''}, got {v!r}")
         if self.host is not None and self.host.overlapped:
             raise RuntimeError(f"{NAME}.clip_grad_norm_: with offload='optimizer' and no max_grad_norm the host steps "
                                "start during backward, before this call could clip them: pass max_grad_norm to the "
                                "Optimizer instead (or offload_overlap=False)")
         norm = self._grad_norm()
+        if error_if_nonfinite and not bool(torch.isfinite(norm).all()):  # (the norm is every rank's: all raise)
+            raise RuntimeError(f"{NAME}.clip_grad_norm_: the total norm of order 2.0 of the gradients is non-finite "
+                               f"({float(norm)}), so it cannot be clipped; with error_if_nonfinite=False the step "
+                               "that follows is skipped instead")
         found = (~torch.isfinite(norm)).float()
         if self._clip_coef is not None:  # clipped already for this step: as torch's second call, on the
             # clipped grads (it replaced the first clip: a clip_grad_norm_(inf) to log the norm undid
