@@ -5,6 +5,8 @@ one runs in this process; mismatched world sizes, layouts and collectives run on
 (tests/dist_utils.py), every row on both, in one spawn. Tables: tests/bad_input.py."""
 from __future__ import annotations
 
+import copy
+import io
 import math
 import os
 import re
@@ -17,6 +19,7 @@ import torch.distributed as dist
 import zerofuse
 from zerofuse import parallel, tp, zero
 from zerofuse.comm import Communicator
+from zerofuse.models import GPT, GPTConfig
 
 from bad_input import TARGET, Behaviour, Case, params, print_census
 from dist_utils import run_distributed
@@ -332,6 +335,13 @@ TWO_RANKS = [
     Case("2-VocabParallelEmbedding-sp-odd", lambda i: tp.VocabParallelEmbedding(6, 4, sequence_parallel=True)(i),
          lambda: (torch.zeros(2, 5, dtype=torch.long),), ValueError, r"zerofuse.tp.VocabParallelEmbedding: sequence "
          r"parallelism needs the sequence length \(dim 1\) to divide by the TP size 2, got idx of shape \[2, 5\]"),
+    # (pickle's "cannot pickle 'ProcessGroup' object" before, naming neither the module nor what to do)
+    Case("2-ColumnParallelLinear-deepcopy", lambda: copy.deepcopy(tp.ColumnParallelLinear(4, 6)), tuple, TypeError,
+         r"zerofuse: ColumnParallelLinear cannot be pickled or deep-copied: group holds a process group .*Save its "
+         r"state_dict\(\)"),
+    Case("2-GPT-torch.save", lambda: torch.save(GPT(GPTConfig(vocab_size=8, seq_len=4, n_layer=1, n_head=2, dim=8),
+                                                     tp_group=torch.distributed.group.WORLD), io.BytesIO()), tuple,
+         TypeError, r"zerofuse: GPT cannot be pickled or deep-copied: tp_group holds a process group"),
     Case("2-parallelize-models-differ", _rank_model, tuple, ValueError,
          r"expected the same model and settings on every rank of the group, got layouts that differ"),
     Case("2-parallelize-group-holds-the-tp-peers", lambda: zero.parallelize(
@@ -415,12 +425,26 @@ def _cross_entropy_nan_logit_as_torch():
     torch.testing.assert_close(ours[1], theirs[1])
 
 
+def _cross_entropy_float64_as_torch():
+    logits = torch.randn(4, 7, dtype=torch.float64, generator=torch.Generator().manual_seed(0)) * 5
+    t = torch.tensor([1, 6, 0, 3])
+    ours_in, theirs_in = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    ours = tp.vocab_parallel_cross_entropy(ours_in, t)
+    theirs = torch.nn.functional.cross_entropy(theirs_in, t)
+    assert ours.dtype == torch.float64  # (computed in float32 before: off by ~4e-7)
+    torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-12)
+    ours.backward()
+    theirs.backward()
+    torch.testing.assert_close(ours_in.grad, theirs_in.grad, rtol=1e-12, atol=1e-12)
+
+
 BEHAVIOUR = [
     Behaviour("zero-inf-grad-clipped-skips", _inf_grad_under_clipping_skips),
     Behaviour("zero-nan-grad-clip_grad_norm_-skips", _clip_returns_a_nan_norm_and_skips),
     Behaviour("zero-clip-error_if_nonfinite", _clip_error_if_nonfinite_raises_before_clipping),
     Behaviour("cross_entropy-all-ignored", _cross_entropy_all_ignored_is_zero),
     Behaviour("cross_entropy-nan-logit", _cross_entropy_nan_logit_as_torch),
+    Behaviour("cross_entropy-float64", _cross_entropy_float64_as_torch),
 ]
 
 TABLES = {"before init_process_group": NO_DIST, "world of one": WORLD1, "two ranks": TWO_RANKS,

@@ -29,7 +29,7 @@ class _VocabParallelCE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, targets, comm, vocab_start, ignore_index):
-        x = logits.float()
+        x = logits.to(torch.promote_types(logits.dtype, torch.float32))  # (float64 stays: F.cross_entropy's)
         m = x.max(dim=-1).values
         C.all_reduce(m, comm, op="max")
         e = torch.exp(x - m.unsqueeze(-1))

@@ -195,6 +195,23 @@ class KeepsMarks:
             if n in marks:
                 put_marks(p, marks[n])
 
+    def __reduce_ex__(self, protocol):
+        """Pickling (torch.save(model), copy.deepcopy) of a module holding a process group or a
+        Communicator (tensor/expert parallelism) is refused by name: a group is this process's live
+        connection, and a copy's params would lose their marks and the SP grad hooks."""
+        import torch.distributed as dist  # noqa: PLC0415
+
+        from zerofuse.comm import Communicator  # noqa: PLC0415
+
+        for name, m in self.named_modules():
+            held = [k for k, v in m.__dict__.items() if isinstance(v, (dist.ProcessGroup, Communicator))]
+            if held:
+                raise TypeError(f"zerofuse: {type(self).__name__} cannot be pickled or deep-copied: "
+                                f"{(name + '.') if name else ''}{held[0]} holds a process group (tensor or expert "
+                                "parallelism). Save its state_dict() (or use zerofuse.checkpoint) and build the "
+                                "module again to load it")
+        return super().__reduce_ex__(protocol)
+
     def _keep_marks_on_load(self) -> None:
         # (module-level hooks: local ones made the module unpicklable, torch.save(model) failed)
         self.register_load_state_dict_pre_hook(_marks_before_load)
