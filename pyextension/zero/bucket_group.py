@@ -1,6 +1,6 @@
 """ZeRO's ``BucketGroup``: every bucket's gradient and parameter collectives, with at most
-``max_inflight`` gradient reductions in flight ([Note: bucket buffers] in zerofuse/zero/buckets.py,
-which holds the ``Bucket`` itself).
+``max_inflight`` gradient reductions in flight ([Note: bucket buffers] in zerofuse/zero/bucket_grads.py;
+the ``Bucket`` itself in zerofuse/zero/buckets.py).
 
 [Note: launch order]
 Every rank launches the buckets' reductions in one fixed order, the order their grads become ready

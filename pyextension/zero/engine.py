@@ -5,7 +5,7 @@ Stage 0/1/2: trainable params are grouped, in reverse registration order (the or
 become ready), into units of about ``bucket_mb``; stage 3: one unit per wrap module (default: each
 child of the model's main ModuleList, e.g. the transformer blocks) plus a root unit for the rest
 (embeddings, final norm, head, and any param shared between units). See zerofuse/zero/buckets.py
-for a bucket's buffers and [Note: bucket buffers] for their lifetimes.
+for a bucket's buffers and [Note: bucket buffers] (zero/bucket_grads.py) for their lifetimes.
 
 [Note: ZeRO hooks]
 - grads: a post-accumulate-grad hook on every param adds .grad into its unit's gflat and drops it;
@@ -39,7 +39,8 @@ import torch.distributed as dist
 from zerofuse.comm import Communicator
 from zerofuse.tp.spec import tp_group_of
 from zerofuse.zero.bucket_group import BucketGroup
-from zerofuse.zero.buckets import LOW_PRECISION, Bucket
+from zerofuse.zero.bucket_grads import LOW_PRECISION
+from zerofuse.zero.buckets import Bucket
 from zerofuse.zero.fixed_layout import TrainableCheck, guard_conversions
 from zerofuse.zero.full_params import FullParams
 from zerofuse.zero.grads import SHARDED, close_dead_backward, gathered_grads, install_clip_warning, reset_backward
