@@ -180,7 +180,9 @@ def cross_entropy(z, target, ignore_index=-100, reduction="mean", label_smoothin
     lse = torch.logsumexp(z, dim=-1)
     valid = target != ignore_index
     z_t = z.gather(-1, target.masked_fill(~valid, 0).unsqueeze(-1)).squeeze(-1)
-    loss = (1 - label_smoothing) * (lse - z_t) + label_smoothing * (lse - z.mean(-1)) + z_loss * lse * lse
+    loss = (1 - label_smoothing) * (lse - z_t) + z_loss * lse * lse
+    if label_smoothing:  # (a -inf logit: z.mean is -inf, and 0 * inf made the loss NaN without smoothing)
+        loss = loss + label_smoothing * (lse - z.mean(-1))
     loss = torch.where(valid, loss, torch.zeros_like(loss))
     if reduction == "none":
         return loss

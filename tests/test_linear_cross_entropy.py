@@ -410,3 +410,20 @@ def test_row_statistics_of_rows_led_by_minus_infinity(monkeypatch, block):
     want = torch.logsumexp(z.double(), 1)
     assert lse[1] == float("-inf")
     assert_close(lse[[0, 2]], want[[0, 2]])
+
+
+def test_minus_infinity_logits_against_the_reference_and_torch(kernel_path):
+    """A -inf bias on some ids (a masked vocabulary), no smoothing: the op, the float64 reference and
+    F.cross_entropy agree (the reference added 0 * (lse - mean(z)) = 0 * inf: NaN; a review's
+    reproduction, 2026-12-07)."""
+    g = torch.Generator().manual_seed(5)
+    hidden, weight = torch.randn(6, 8, generator=g), torch.randn(11, 8, generator=g)
+    bias = torch.zeros(11)
+    bias[:3] = float("-inf")
+    target = torch.tensor([3, 4, 10, 7, 5, 9])
+    z = (hidden.double() @ weight.double().t() + bias.double())
+    want = torch.nn.functional.cross_entropy(z, target)
+    assert torch.isfinite(want)
+    torch.testing.assert_close(reference.cross_entropy(z, target), want, rtol=1e-12, atol=1e-12)
+    ours = linear_cross_entropy(hidden, weight, target, bias=bias)
+    assert_close(ours, want.float())

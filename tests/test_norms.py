@@ -131,6 +131,38 @@ def test_a_float64_residual_is_added_and_normalised_in_float64(norm, path):
     assert_close(y, want_y)
 
 
+@pytest.mark.parametrize("pdtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("norm", ["layer", "rms"])
+def test_low_precision_params_with_a_float64_residual(norm, pdtype, path):
+    """bf16 x and params + a float64 residual: h float64, and y and the grads as the float64
+    reference with the params cast up (aten's CPU layer_norm refused the bf16/fp32 params next to a
+    float64 h, forward and backward: a review's reproduction, 2026-12-07; rms_norm took them)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 9, generator=g).to(torch.bfloat16)
+    r = torch.randn(4, 9, generator=g, dtype=torch.float64)
+    w, b = (torch.randn(9, generator=g).to(pdtype) for _ in range(2))
+    ours = [t.clone().requires_grad_() for t in (x, r, w, b)]
+    refs = [t.detach().double().requires_grad_() for t in (x, r, w, b)]
+    if norm == "layer":
+        y, h = ZF.add_layer_norm(ours[0], ours[1], (9,), ours[2], ours[3])
+        want_y, want_h = reference.layer_norm(refs[0], (9,), refs[2], refs[3], 1e-5, residual=refs[1])
+    else:
+        y, h = ZF.add_rms_norm(ours[0], ours[1], (9,), ours[2], eps=1e-6)
+        want_y, want_h = reference.rms_norm(refs[0], (9,), refs[2], 1e-6, residual=refs[1])
+    assert h.dtype == y.dtype == torch.float64
+    assert torch.equal(h, want_h)
+    torch.testing.assert_close(y, want_y, rtol=1e-12, atol=1e-12)
+    dy = torch.randn(4, 9, generator=g, dtype=torch.float64)
+    (y * dy).sum().backward()
+    (want_y * dy).sum().backward()
+    for a, e in zip(ours, refs):
+        if a.grad is None:  # (rms: no bias)
+            assert e.grad is None
+            continue
+        assert a.grad.dtype == a.dtype
+        assert_close(a.grad, e.grad.to(a.dtype))
+
+
 @pytest.mark.parametrize("norm", ["layer", "rms"])
 def test_backward_ops_read_strided_stats_by_row(norm, path):
     """mean / rstd passed as strided views (a column of a wider tensor) give the gradients of the

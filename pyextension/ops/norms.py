@@ -109,6 +109,15 @@ def _shaped(t: Tensor, shape) -> Tensor:
     return torch.ops.aten._unsafe_view(t, shape)
 
 
+def _like_h(t: Tensor | None, h: Tensor) -> Tensor | None:
+    """A layer-norm param for aten's kernels on h: in h's dtype (a float64 residual promoted h past
+    bf16/fp32 params, which aten's CPU layer_norm refused), fp32 params kept with a bf16/fp16 h (as
+    aten takes them; nn.functional's torch path casts the same way)."""
+    if t is None or t.dtype == h.dtype or (t.dtype == torch.float32 and h.dtype in (torch.bfloat16, torch.float16)):
+        return t
+    return t.to(h.dtype)
+
+
 def _norm_fwd(x, weight, bias, residual, eps, is_rms, stats=True):
     """(y, h or None without a residual, mean or None, rstd): y and h shaped like x. stats=False
     (nothing to differentiate): the Triton kernels store no mean/rstd (None); the others may."""
@@ -131,7 +140,7 @@ def _norm_fwd(x, weight, bias, residual, eps, is_rms, stats=True):
         y, rstd = torch.ops.aten._fused_rms_norm(h2, [n], w, eps)
         mean = None
     else:
-        y, mean, rstd = torch.ops.aten.native_layer_norm(h2, [n], w, b, eps)
+        y, mean, rstd = torch.ops.aten.native_layer_norm(h2, [n], _like_h(w, h), _like_h(b, h), eps)
         mean = mean.view(-1).to(_stat_dtype(h))
     return _shaped(y, h.shape), (h if residual is not None else None), mean, rstd.view(-1).to(_stat_dtype(h))
 
@@ -205,9 +214,10 @@ def _norm_bwd(dy, dh, x, weight, bias, mean, rstd, is_rms, dr_dtype=None):
         else:
             # (it takes the stats in x's dtype: h's, float64 after a float64 residual)
             dx, dw, db = torch.ops.aten.native_layer_norm_backward(
-                dy2, x2, [n], mean.view(-1, 1).to(x2.dtype), stat.to(x2.dtype), w, bias,
-                [True, w is not None, bias is not None]
+                dy2.to(x2.dtype), x2, [n], mean.view(-1, 1).to(x2.dtype), stat.to(x2.dtype), _like_h(w, x2),
+                _like_h(bias, x2), [True, w is not None, bias is not None]
             )
+            dw = dw.to(w.dtype) if dw is not None else None
         dx = dx.view(x.shape) if dh is None else dx.view(x.shape) + dh
         db = db.to(bias.dtype) if db is not None else None
     out = dx, (dw if dw is not None else _empty(x)), (db if db is not None else _empty(x))
