@@ -27,7 +27,7 @@ def _flags(*argv, env=None):
     if "--device" not in argv:
         argv = ("--device", "cpu", *argv)
     with mock.patch.dict(os.environ, env or {}):
-        for k in {"RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"} - (env or {}).keys():
+        for k in {"RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_STEP_NUM_TASKS"} - (env or {}).keys():
             os.environ.pop(k, None)
         printed = io.StringIO()
         try:

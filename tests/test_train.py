@@ -22,7 +22,7 @@ TIMEOUT = 150
 TINY = ["--layers", "2", "--heads", "2", "--dim", "32", "--seq-len", "32", "--batch", "4", "--eval-batches", "3",
         "--lr", "1e-2", "--warmup", "2", "--sample-tokens", "16", "--log-every", "1"]
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID",
-               "SLURM_NTASKS", "TORCHELASTIC_RUN_ID")
+               "SLURM_NTASKS", "SLURM_STEP_NUM_TASKS", "SLURM_STEP_NUM_NODES", "SLURM_JOB_ID", "TORCHELASTIC_RUN_ID")
 
 
 def _env() -> dict:
@@ -471,9 +471,14 @@ def test_launch_environment(monkeypatch):
     for k in LAUNCH_VARS:
         monkeypatch.delenv(k, raising=False)
     assert train._dist_env() is None
+    monkeypatch.setenv("SLURM_PROCID", "0")
+    monkeypatch.setenv("SLURM_NTASKS", "8")
+    monkeypatch.setenv("SLURM_NNODES", "4")
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    assert train._dist_env() is None  # an sbatch script (no srun step): one process, not rank 0 of 8
     monkeypatch.setenv("SLURM_PROCID", "3")
-    monkeypatch.setenv("SLURM_NTASKS", "4")
-    monkeypatch.setenv("SLURM_NNODES", "2")
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "4")  # an srun step of 4 tasks on 2 nodes, in that allocation
+    monkeypatch.setenv("SLURM_STEP_NUM_NODES", "2")
     monkeypatch.setenv("SLURM_LOCALID", "1")
     assert train._dist_env() == {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
     for nodes, first in (("gpu[03-05,09],cpu1", "gpu03"), ("n[1-2]-ib", "n1-ib"),  # (n1 and rack1 before)

@@ -283,6 +283,7 @@ def test_notes_print_once_under_slurm(monkeypatch, capsys):
     for k in ("RANK", "WORLD_SIZE", "ZEROFUSE_TRAIN_LAUNCHED"):
         monkeypatch.delenv(k, raising=False)
     monkeypatch.setenv("SLURM_NTASKS", "2")
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "2")
     printed = []
     for rank in ("0", "1"):
         monkeypatch.setenv("SLURM_PROCID", rank)

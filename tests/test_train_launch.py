@@ -4,6 +4,7 @@ ends at once; ranks left running by a launcher that exited first keep --out from
 under SLURM a rank 0 refused --out tells the other ranks at the rendezvous."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -24,12 +25,14 @@ pytestmark = pytest.mark.usefixtures("cpu_kernels")
     (dict(RANK="x", WORLD_SIZE="2"), "environment: RANK='x': expected a whole number"),
     (dict(RANK="3", WORLD_SIZE="2"), r"environment: RANK=3 of WORLD_SIZE=2: expected 0 <= rank < world size >= 1"),
     (dict(RANK="0", WORLD_SIZE="0"), r"environment: RANK=0 of WORLD_SIZE=0"),
-    (dict(SLURM_PROCID="0", SLURM_NTASKS="abc"), "environment: SLURM_NTASKS='abc': expected a whole number"),
-    (dict(SLURM_PROCID="5", SLURM_NTASKS="2"), "environment: SLURM_PROCID=5 of SLURM_NTASKS=2"),
+    (dict(SLURM_PROCID="0", SLURM_STEP_NUM_TASKS="abc"), "environment: SLURM_STEP_NUM_TASKS='abc': expected a whole "
+     "number"),
+    (dict(SLURM_PROCID="5", SLURM_STEP_NUM_TASKS="2"), "environment: SLURM_PROCID=5 of SLURM_STEP_NUM_TASKS=2"),
 ], ids=["world-abc", "rank-x", "rank-past-world", "world-0", "slurm-ntasks-abc", "slurm-procid-past"])
 def test_the_launchers_variables_are_checked_by_name(tmp_path, monkeypatch, capsys, env, msg):
     """int() tracebacks before; RANK=3 of 2 waited STARTUP_S for peers; WORLD_SIZE=0 blamed --nproc."""
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"):
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS",
+              "SLURM_STEP_NUM_TASKS"):
         monkeypatch.delenv(k, raising=False)
     for k, v in env.items():
         monkeypatch.setenv(k, v)
@@ -68,7 +71,7 @@ def _slurm_env(tasks=2):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    return dict(os.environ, SLURM_NTASKS=str(tasks), SLURM_JOB_ID="4242", SLURM_STEP_ID="0",
+    return dict(os.environ, SLURM_NTASKS=str(tasks), SLURM_STEP_NUM_TASKS=str(tasks), SLURM_JOB_ID="4242", SLURM_STEP_ID="0",
                 SLURM_JOB_NODELIST="127.0.0.1", MASTER_PORT=str(port))
 
 
@@ -111,6 +114,21 @@ def test_slurm_rank1_refused_says_why_and_tells_rank0(tmp_path, tasks):
     assert outs[0][1].startswith("zerofuse-train: error: rank 1: --data:"), outs
     assert "zerofuse-train: error: rank 1 was refused at its start (its error says why)" in outs[1][1], outs
     assert time.monotonic() - t0 < 120
+
+
+@pytest.mark.timeout(300)
+def test_an_sbatch_script_without_srun_launches_its_ranks_here(tmp_path):
+    """A batch script carries SLURM_PROCID=0 and SLURM_NTASKS=2 but is one process, in no srun step:
+    taken for rank 0 of 2, the job waited max(--timeout, STARTUP_S) in the rendezvous for a rank
+    that never comes, printing nothing (a review's reproduction, 2026-12-07). It launches --nproc
+    ranks here, with a note."""
+    env = {k: v for k, v in _slurm_env().items() if not k.startswith("SLURM_STEP")}
+    env.update(SLURM_PROCID="0", SLURM_LOCALID="0", SLURM_NNODES="1")
+    argv = [sys.executable, "-m", "zerofuse.train", *tiny_job_argv(tmp_path, "--steps", "2", "--nproc", "2")]
+    p = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "SLURM allocated SLURM_NTASKS=2 tasks, but this process is no srun task" in p.stderr, p.stderr[-3000:]
+    assert json.loads((tmp_path / "summary.json").read_text())["world_size"] == 2
 
 
 @pytest.mark.timeout(300)

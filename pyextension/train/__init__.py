@@ -6,7 +6,7 @@ Launch (one code path, three ways in):
   c10d rendezvous on localhost) starts N local ranks, each running this module unchanged; the
   launcher forwards SIGINT/SIGTERM to them. ``--nproc 1``: runs in this process as a world of one.
 - ``torchrun ... -m zerofuse.train`` (RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR in the environment),
-- ``srun python -m zerofuse.train`` (SLURM_PROCID/SLURM_NTASKS/... mapped to torch's variables).
+- ``srun python -m zerofuse.train`` (SLURM_PROCID/SLURM_STEP_NUM_TASKS/... of the srun step mapped to torch's variables).
 Bad flags are rejected before any process starts (exit code 2, one line naming the flag).
 
 Determinism: a step's batches are a pure function of (seed, step) (the global batch is drawn from one

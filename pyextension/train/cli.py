@@ -38,7 +38,7 @@ def _parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("parallelism")
     g.add_argument("--nproc", type=int, help="local ranks to launch (default: 2 on CPU, the GPU count on CUDA); "
                                              "under torchrun/SLURM the launcher's world size")
-    g.add_argument("--dp", type=int, help="data-parallel size (default: nproc / tp)")
+    g.add_argument("--dp", type=int, help="data-parallel size (default: nproc / (tp × pp))")
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
     g.add_argument("--sequence-parallel", action="store_true", help="shard activations along the sequence (tp > 1)")
     g.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=2, help="ZeRO stage (default 2)")
@@ -146,7 +146,7 @@ def _parser() -> argparse.ArgumentParser:
 def validate(args) -> None:
     """Check flags and fill in derived defaults (args.world, dp, device, precision, lr, ...) in place.
     Raises UsageError naming the flag, what was expected and what came."""
-    from .launch import _launcher_world  # launch imports this module's constants
+    from .launch import _launcher_world, slurm_without_srun  # launch imports this module's constants
     cuda = torch.cuda.is_available()
     args.device = args.device or ("cuda" if cuda else "cpu")
     _check(args.device != "cuda" or cuda, "--device cuda: expected a CUDA device, but torch sees none")
@@ -155,6 +155,8 @@ def validate(args) -> None:
            "--precision fp16: expected --device cuda (fp16 is not supported on CPU; use bf16 or fp32)")
     world = _launcher_world()
     if world is None:
+        if (batch := slurm_without_srun()) is not None:
+            note(batch)
         args.nproc = args.nproc if args.nproc is not None else (torch.cuda.device_count() if args.device == "cuda"
                                                                 else 2)
         _check(args.nproc >= 1, f"--nproc: expected >= 1, got {args.nproc}")

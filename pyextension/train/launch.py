@@ -47,12 +47,32 @@ def _dist_env() -> dict | None:
     env = os.environ
     if "RANK" in env and "WORLD_SIZE" in env:
         return {k: env.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
-    if "SLURM_PROCID" in env and env.get("SLURM_NTASKS", "1") != "1":  # (check_dist_env: SLURM_NTASKS=abc)
-        world, nodes = env.get("SLURM_NTASKS", ""), env.get("SLURM_NNODES", "1")
+    if srun_task() and env.get(SLURM_WORLD, "1") != "1":  # (check_dist_env: SLURM_STEP_NUM_TASKS=abc)
+        world, nodes = env.get(SLURM_WORLD, ""), env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_NNODES", "1")
         per_node = str(max(1, int(world) // int(nodes))) if world.isdigit() and nodes.isdigit() and int(nodes) else world
         return {"RANK": env["SLURM_PROCID"], "WORLD_SIZE": world, "LOCAL_RANK": env.get("SLURM_LOCALID", "0"),
                 "LOCAL_WORLD_SIZE": per_node}
     return None
+
+
+SLURM_WORLD = "SLURM_STEP_NUM_TASKS"  # the step's tasks (srun's); SLURM_NTASKS is the allocation's
+
+
+def srun_task() -> bool:
+    """A task of an srun job step (srun sets SLURM_STEP_NUM_TASKS). An sbatch script itself also
+    carries SLURM_PROCID=0 and SLURM_NTASKS=N, but runs once, outside any step: taken for rank 0 of
+    N, a job started there without srun waited in the rendezvous for ranks that never come, saying
+    nothing (a review's reproduction, 2026-12-07); it launches --nproc ranks here instead."""
+    return "SLURM_PROCID" in os.environ and SLURM_WORLD in os.environ
+
+
+def slurm_without_srun() -> str | None:
+    """A note when SLURM allocated several tasks but this process is no srun task (see srun_task)."""
+    n = os.environ.get("SLURM_NTASKS", "1")
+    if "RANK" in os.environ or srun_task() or "SLURM_JOB_ID" not in os.environ or n == "1":
+        return None
+    return (f"SLURM allocated SLURM_NTASKS={n} tasks, but this process is no srun task (a batch script runs "
+            "once): it launches --nproc ranks on this node; start it with srun to run one rank per SLURM task")
 
 
 def check_dist_env(env: dict | None) -> None:
@@ -62,8 +82,8 @@ def check_dist_env(env: dict | None) -> None:
     if env is None:
         return
     slurm = not ("RANK" in os.environ and "WORLD_SIZE" in os.environ)  # (_dist_env mapped SLURM's onto them)
-    names = ({"RANK": "SLURM_PROCID", "WORLD_SIZE": "SLURM_NTASKS", "LOCAL_RANK": "SLURM_LOCALID",
-              "LOCAL_WORLD_SIZE": "SLURM_NTASKS / SLURM_NNODES"} if slurm else {k: k for k in env})
+    names = ({"RANK": "SLURM_PROCID", "WORLD_SIZE": SLURM_WORLD, "LOCAL_RANK": "SLURM_LOCALID",
+              "LOCAL_WORLD_SIZE": f"{SLURM_WORLD} / SLURM_STEP_NUM_NODES"} if slurm else {k: k for k in env})
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         v = env.get(key)
         if v is not None and not (v.isascii() and v.isdigit()):
