@@ -40,7 +40,26 @@ def stubbed(monkeypatch):
     (the real self-tests run in test_doctor_exits_zero_and_lists_ops, both CPU paths; here they
     took ~40-80 s per test in the interpreter)."""
     for name, info in list(ops.OPS.items()):
-        monkeypatch.setitem(ops.OPS, name, ops.OpInfo(name, info.kind, lambda device: None))
+        monkeypatch.setitem(ops.OPS, name, ops.OpInfo(name, info.kind, lambda device, n=name: _seen_as(n)))
+
+
+def _seen_as(name):
+    """A range named as the op: what the doctor's profiler takes for a call of it."""
+    with torch.profiler.record_function(name):
+        pass
+
+
+def test_a_selftest_that_never_calls_its_op_fails_the_doctor(monkeypatch, capsys, stubbed):
+    """rotary_embedding_ and the MoE backward ops passed on self-tests that never called them (a
+    review's reproduction, 2026-12-07)."""
+    from zerofuse import kernels
+
+    monkeypatch.setattr(kernels, "TRITON_ON_CPU", False)  # (checked where the cpu runs the native paths)
+    name = "zerofuse::rotary_embedding_"
+    monkeypatch.setitem(ops.OPS, name, ops.OpInfo(name, "Triton", lambda device: _seen_as("zerofuse::rotary_embedding")))
+    failures = doctor.selftest([torch.device("cpu")])
+    assert failures == [f"{name}: its self-test passed without calling it (the dispatcher saw no call)"]
+    assert f"FAIL  {name}" in capsys.readouterr().out
 
 
 def test_a_failing_selftest_fails_the_doctor(monkeypatch, capsys, stubbed):
@@ -72,6 +91,7 @@ def test_a_selftest_failing_only_through_launch_handles_says_so(monkeypatch, cap
     calls = []
 
     def fails_the_second_time(device):
+        _seen_as(name)
         calls.append(device)
         if len(calls) > 1:
             torch.testing.assert_close(torch.ones(2), torch.zeros(2))
@@ -94,3 +114,14 @@ def test_the_handles_selftest_passes_and_runs_nothing_without_handles(monkeypatc
     assert doctor.handles_selftest([torch.device("cpu")]) == [] and runs == [torch.device("cpu")]
     out = capsys.readouterr().out
     assert "through launch handles" in out and doctor.HANDLES_FAILED not in out
+
+
+def test_without_a_build_stamp_the_doctor_cannot_tell(monkeypatch, capsys):
+    """No stamp beside a checkout's csrc/: it said "the extension matches the sources" (a review's
+    reproduction, 2026-12-07)."""
+    from zerofuse import _stamp
+
+    monkeypatch.setattr(_stamp, "STAMP", "no-such-stamp.json")
+    assert doctor.main(["--no-selftest"]) == 0
+    out = capsys.readouterr().out
+    assert "cannot tell whether the extension matches csrc/: no build stamp" in out and "matches the sources" not in out

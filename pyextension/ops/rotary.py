@@ -259,6 +259,10 @@ def _selftest(device: torch.device) -> None:
         (oq.sum() + ok.square().sum()).backward()  # the inverse rotation of the gradients
         back, _ = rotary_embedding(torch.ones_like(oq), 2 * ok.detach(), cos, sin, pos.to(device), interleaved, True)
         torch.testing.assert_close(q.grad, back, atol=1e-6, rtol=1e-6)
+        qi, ki = q.detach().clone(), k.detach().clone()  # the in-place op (the doctor passed it without a call)
+        rotary_embedding_(qi, ki, cos, sin, pos.to(device), interleaved, False)
+        torch.testing.assert_close(qi, oq.detach(), atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(ki, ok.detach(), atol=1e-6, rtol=1e-6)
 
 
 register(_NAME, "Triton", _selftest)
