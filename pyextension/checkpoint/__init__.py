@@ -22,7 +22,7 @@ import os
 
 import torch
 
-from zerofuse.checkpoint import files, native, optim_checks
+from zerofuse.checkpoint import files, native, optim_checks, sources
 from zerofuse.checkpoint.hf import export_hf
 
 NAME = files.NAME
@@ -142,7 +142,7 @@ def consolidate(path: str, *, optimizer: bool = True) -> dict:
     if not isinstance(optimizer, bool):
         raise TypeError(f"{NAME}.consolidate: expected optimizer True or False, got {optimizer!r}")
     with files.reading(path):  # (a save of the path meanwhile waits)
-        return _dcp().consolidate(path, optimizer) if _is_dcp(path) else native.consolidate(path, optimizer)
+        return _dcp().consolidate(path, optimizer) if _is_dcp(path) else sources.consolidate(path, optimizer)
 
 
 __all__ = ["save", "load", "consolidate", "export_hf", "FORMATS"]

@@ -13,7 +13,8 @@ With tensor parallelism each TP rank's ZeRO group writes the layout above into `
 top-level meta.json holds the TP size and every sharded param's TPSpec. With pipeline parallelism
 each stage writes its own params' layout (the above, with its TP parts) into ``pp{s}/`` and the
 top-level meta.json holds the number of stages; any pipeline layout loads it (a stage reads the
-params it holds from whichever saved stage has them), and ``consolidate`` merges the stages.
+params it holds from whichever saved stage has them), and ``consolidate`` (sources.py) merges the
+stages.
 
 Loading reads, for each piece of this rank's new shards, the overlapping pieces of the saved rank
 files that hold them (found from meta.json; the other files are never opened), memory-mapped, on
@@ -397,38 +398,3 @@ def _finish_load(eng, model, optimizer, opt_meta, rest, saved_precision: str, ma
     # the gathered params follow (stage 3 inside full_params: the units gathered, whose old values
     # the block's exit wrote back over the load: a review's reproduction, 2026-12-07)
     eng.params_written()
-
-
-@torch.no_grad()
-def consolidate(path: str, optimizer: bool = True) -> dict:
-    """{'model': a plain state_dict (full tensors; fp32 from the masters when the run kept them),
-    'optimizer': torch.optim-format state (params numbered in the saved order) or None,
-    'extra': what save() was given}. Runs in one process, no process group needed; tensor-parallel
-    checkpoints are merged into the unsharded model's tensors."""
-    full = Full(path)
-    meta = full.meta
-    opt_meta = meta["optimizer"] if optimizer else None
-    model, opt_state = {}, {}
-    for i, name in enumerate(meta["names"]):
-        model[name] = full.get(name, VALUE)
-        if opt_meta is not None:
-            st = {key: full.get(name, key) for key in opt_meta["state_keys"]}
-            gi = next((j for j, g in enumerate(opt_meta["param_groups"]) if name in g["params"]), None)
-            if gi is None:
-                raise ValueError(f"zerofuse.checkpoint.consolidate: the checkpoint at {path!r} has optimizer state "
-                                 f"for {name!r} but no param group holding it (a damaged meta.json)")
-            if opt_meta["kind"] in ("adam", "adamw", "lamb"):
-                st["step"] = torch.tensor(opt_meta["steps"][gi])
-            opt_state[i] = st
-    first = full.common()
-    model.update(first.get("rest", {}))
-    for alias, name in meta.get("aliases", {}).items():
-        model[alias] = model[name]
-    optim = None
-    if opt_meta is not None:
-        index = {n: i for i, n in enumerate(meta["names"])}
-        groups = [{k: (tuple(v) if isinstance(v, list) else v) for k, v in g.items() if k != "params"}
-                  | {"params": [index[n] for n in g["params"]]} for g in opt_meta["param_groups"]]
-        optim = {"state": opt_state, "param_groups": groups}
-    return {"model": model, "optimizer": optim, "extra": first.get("extra"),
-            "optimizer_names": list(meta["names"]) if optim is not None else None}

@@ -1,6 +1,7 @@
 """The read side of zerofuse's checkpoint format (native.py): a saved ZeRO layout (Source), a
 checkpoint's full tensors one param at a time across TP parts (Full) and across pipeline stages
-(each stage saved its own params into ``pp{s}/``, with its own ZeRO/TP layout inside)."""
+(each stage saved its own params into ``pp{s}/``, with its own ZeRO/TP layout inside), and
+``consolidate``: the whole checkpoint as plain state dicts, in one process."""
 from __future__ import annotations
 
 import math
@@ -239,3 +240,37 @@ def _merged_meta(metas: list[dict]) -> dict:
         out["optimizer"] = {**opts[0], "param_groups": groups, "steps": steps}
     return out
 
+
+@torch.no_grad()
+def consolidate(path: str, optimizer: bool = True) -> dict:
+    """{'model': a plain state_dict (full tensors; fp32 from the masters when the run kept them),
+    'optimizer': torch.optim-format state (params numbered in the saved order) or None,
+    'extra': what save() was given}. Runs in one process, no process group needed; tensor-parallel
+    checkpoints are merged into the unsharded model's tensors."""
+    full = Full(path)
+    meta = full.meta
+    opt_meta = meta["optimizer"] if optimizer else None
+    model, opt_state = {}, {}
+    for i, name in enumerate(meta["names"]):
+        model[name] = full.get(name, VALUE)
+        if opt_meta is not None:
+            st = {key: full.get(name, key) for key in opt_meta["state_keys"]}
+            gi = next((j for j, g in enumerate(opt_meta["param_groups"]) if name in g["params"]), None)
+            if gi is None:
+                raise ValueError(f"zerofuse.checkpoint.consolidate: the checkpoint at {path!r} has optimizer state "
+                                 f"for {name!r} but no param group holding it (a damaged meta.json)")
+            if opt_meta["kind"] in ("adam", "adamw", "lamb"):
+                st["step"] = torch.tensor(opt_meta["steps"][gi])
+            opt_state[i] = st
+    first = full.common()
+    model.update(first.get("rest", {}))
+    for alias, name in meta.get("aliases", {}).items():
+        model[alias] = model[name]
+    optim = None
+    if opt_meta is not None:
+        index = {n: i for i, n in enumerate(meta["names"])}
+        groups = [{k: (tuple(v) if isinstance(v, list) else v) for k, v in g.items() if k != "params"}
+                  | {"params": [index[n] for n in g["params"]]} for g in opt_meta["param_groups"]]
+        optim = {"state": opt_state, "param_groups": groups}
+    return {"model": model, "optimizer": optim, "extra": first.get("extra"),
+            "optimizer_names": list(meta["names"]) if optim is not None else None}

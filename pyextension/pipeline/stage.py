@@ -55,7 +55,7 @@ class Stage(torch.nn.Module):
                     node.add_module(p, torch.nn.ModuleDict() if nxt.isdigit() else torch.nn.Module())
                 node = node._modules[p]
             node.add_module(path[-1], module)
-        from zerofuse.models.gpt import is_tied, keep_tied_on_load  # noqa: PLC0415 - gpt's users import this
+        from zerofuse.models.tied import is_tied, keep_tied_on_load  # noqa: PLC0415
 
         if is_tied(self):  # both ends of a tied GPT here (one stage, or merged): loaded as the GPT loads them
             keep_tied_on_load(self)  # (assign=True untied them, and two different matrices loaded silently)
