@@ -24,8 +24,8 @@ from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, Sharde
 from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
 
 from zerofuse.checkpoint import files
-from zerofuse.checkpoint.dcp_read import SafeLoadPlanner, SafeReader
-from zerofuse.checkpoint.collective import begin_save, on_one
+from zerofuse.checkpoint.dcp_read import SafeLoadPlanner, SafeReader, check_tied, storage_problem
+from zerofuse.checkpoint.collective import agree, begin_save, on_one
 from zerofuse.checkpoint.native import _saving_ranks, _table, refuse_frozen_experts
 from zerofuse.checkpoint.optim_checks import (check_kind, check_optimizer, check_owner, check_torch_options,
                                               plain_options, restore_scale, saved_kind)
@@ -239,6 +239,10 @@ def load(path: str, model, optimizer=None):
     md = reader.read_metadata()
     meta = _meta(root)
     nested = _is_nested(md, meta, eng.names)
+    problem = storage_problem(md, root)  # (every rank, agreed: a node's missing file fails them all at once)
+    agree(eng.comm.group, problem, who, eng.device, "cannot read the checkpoint's storage files")
+    if problem:
+        raise ValueError(f"{who}: the DCP checkpoint at {root!r} cannot be loaded: {problem}")
     opt_meta = None
     check_owner(optimizer, eng, who)
     if optimizer is not None:
@@ -270,6 +274,7 @@ def load(path: str, model, optimizer=None):
     if unexpected := sorted(set(saved) - set(model.state_dict(keep_vars=True))):  # (a bigger model's: loaded before)
         raise ValueError(f"{who}: the DCP checkpoint at {root!r} is for a different model; not in the model: "
                          f"{unexpected}")
+    check_tied(model, eng, md, saved, "model." if nested else "", who, root)
     rest = {n: t for n, t in model.state_dict(keep_vars=True).items() if id(t) not in eng.param_index}
     if absent := [n for n in rest if n not in saved]:  # (kept their values, silently: a frozen param its init)
         raise ValueError(f"{who}: the DCP checkpoint at {root!r} is for a different model; buffers or frozen params "
@@ -382,6 +387,8 @@ def consolidate(path: str, optimizer: bool = True) -> dict:
     md = reader.read_metadata()
     meta = _meta(root)
     nested = _is_nested(md, meta)
+    if problem := storage_problem(md, root):
+        raise ValueError(f"zerofuse.checkpoint.consolidate: the DCP checkpoint at {root!r} cannot be read: {problem}")
     flat = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in md.state_dict_metadata.items()
             if isinstance(m, TensorStorageMetadata)
             and (not nested or k.startswith(("model.", "optim.state.") if optimizer else "model."))}

@@ -31,13 +31,17 @@ _ALLOWED = {
 }
 
 
+class _Refused(pickle.UnpicklingError):
+    """A .metadata refused for what it would run (not for being damaged)."""
+
+
 class _MetadataUnpickler(pickle._Unpickler):  # (the Python one: its BUILD can be checked)
     def find_class(self, module, name):
         if (module, name) in _ALLOWED or (module == "torch" and isinstance(getattr(torch, name, None),
                                                                            (torch.dtype, torch.layout,
                                                                             torch.memory_format))):
             return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"{module}.{name} is not a DCP metadata type")
+        raise _Refused(f"{module}.{name} is not a DCP metadata type")
 
     def load_build(self):
         """BUILD sets the state of the object below it: aimed at an admitted class itself (not an
@@ -45,14 +49,13 @@ class _MetadataUnpickler(pickle._Unpickler):  # (the Python one: its BUILD can b
         every later path join, the job's saves included, broken by a file that was refused)."""
         target = self.stack[-2]
         if isinstance(target, type):
-            raise pickle.UnpicklingError(f"a BUILD of the class {target.__qualname__} (setting its "
-                                         "attributes) is not DCP metadata")
+            raise _Refused(f"a BUILD of the class {target.__qualname__} (setting its attributes) is not DCP "
+                           "metadata")
         # only DCP's own metadata objects take a state: a PosixPath's set its cached string apart from
         # its parts, the name checked below other than the file DCP opened (a review's reproduction,
         # 2026-12-07: another checkpoint's file read into the model)
         if not type(target).__module__.startswith("torch.distributed.checkpoint."):
-            raise pickle.UnpicklingError(f"a BUILD of a {type(target).__qualname__} (setting its state) is not "
-                                         "DCP metadata")
+            raise _Refused(f"a BUILD of a {type(target).__qualname__} (setting its state) is not DCP metadata")
         super().load_build()
 
     dispatch = dict(pickle._Unpickler.dispatch)
@@ -64,11 +67,17 @@ class SafeReader(dcp.FileSystemReader):
 
     def read_metadata(self, *args, **kwargs):
         file = os.path.join(str(self.path), DCP_META)
+        if not os.path.isfile(file):  # (meta.json said format 'dcp': the native reader's "reads format 2" before)
+            raise ValueError(f"{NAME}: the DCP checkpoint at {str(self.path)!r} has no {DCP_META} (DCP writes it "
+                             "last: an incomplete or damaged checkpoint)")
         try:
             with open(file, "rb") as f:
                 md = _MetadataUnpickler(f).load()
-        except pickle.UnpicklingError as e:
+        except _Refused as e:
             raise ValueError(f"{NAME}: refused to load {file!r}: {e} (loading it could run code)") from None
+        except (pickle.UnpicklingError, EOFError, ValueError, IndexError, KeyError, TypeError,
+                AttributeError) as e:  # (a bare EOFError, or "could run code" for a cut file)
+            raise ValueError(f"{NAME}: {file!r} is damaged or cut short ({type(e).__name__}: {e})") from None
         if getattr(md, "storage_meta", None) is None:
             from torch.distributed.checkpoint.metadata import StorageMeta
             md.storage_meta = StorageMeta()
@@ -94,6 +103,32 @@ def _check_storage_paths(md, root: str, file: str) -> None:
         object.__setattr__(info, "relative_path", rel)  # the name checked is the one DCP joins
 
 
+def storage_problem(md, root: str) -> str | None:
+    """Why the storage files the metadata names cannot all be read (missing, or shorter than the
+    metadata reads), None when they can: checked before a load writes anything (DCP raised its
+    CheckpointException, a BaseException, midway: the model and the moments partly overwritten;
+    a review's reproduction, 2026-12-07)."""
+    ends: dict[str, int] = {}
+    for info in (getattr(md, "storage_data", None) or {}).values():
+        rel = str(info.relative_path)
+        ends[rel] = max(ends.get(rel, 0), int(info.offset) + int(info.length))
+    for rel, end in sorted(ends.items()):
+        file = os.path.join(root, rel)
+        if not os.path.isfile(file):
+            return f"its storage file {file!r} is missing"
+        if (size := os.path.getsize(file)) < end:
+            return f"its storage file {file!r} is cut short ({size} bytes; the metadata reads up to {end})"
+    return None
+
+
+def read_saved(root: str, md, keys: list[str]) -> dict:
+    """The saved tensors ``keys`` (DCP's flat keys), whole, read by this process alone."""
+    want = {k: torch.empty(md.state_dict_metadata[k].size, dtype=md.state_dict_metadata[k].properties.dtype)
+            for k in keys}
+    dcp.load(want, storage_reader=SafeReader(root), planner=SafeLoadPlanner(flatten_state_dict=False), no_dist=True)
+    return want
+
+
 class SafeLoadPlanner(DefaultLoadPlanner):
     """Non-tensor values (param groups, step counts saved as numbers) load with weights_only=True."""
 
@@ -109,3 +144,18 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             set_element(self.original_state_dict, self.mappings[fqn], obj)
         else:
             self.state_dict[fqn] = obj
+
+
+def check_tied(model, eng, md, saved, prefix: str, who: str, root: str) -> None:
+    """A model holding one matrix under two names (tied embeddings) loads a checkpoint holding two
+    only if they are equal (an untied model's loaded silently, the second name's matrix dropped, where
+    the native format refuses and torch keeps the other: a review's reproduction, 2026-12-07)."""
+    names = set(eng.names)
+    pairs = [(n, eng.names[eng.param_index[id(t)]]) for n, t in model.state_dict(keep_vars=True).items()
+             if n not in names and id(t) in eng.param_index and n in saved]
+    if not pairs:
+        return
+    got = read_saved(root, md, sorted({prefix + n for pair in pairs for n in pair}))
+    if differ := [f"{a} and {b}" for a, b in pairs if not torch.equal(got[prefix + a], got[prefix + b])]:
+        raise ValueError(f"{who}: the model ties {', '.join(differ)} (one matrix); the DCP checkpoint at {root!r} "
+                         "holds two different ones (an untied model's: load it into an untied model)")

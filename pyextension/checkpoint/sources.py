@@ -26,6 +26,16 @@ def same_save(where: str, got, want) -> None:
                          "as its meta.json says): a file copied in from another checkpoint?")
 
 
+def check_format(meta: dict, directory: str) -> None:
+    if meta.get("format") == "dcp":  # (".metadata" missing: "this zerofuse reads format 2" before: a review's
+        # reproduction, 2026-12-07)
+        raise ValueError(f"{NAME}: the DCP checkpoint at {directory!r} has no {files.DCP_META} (DCP writes it last: "
+                         "an incomplete or damaged checkpoint)")
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{NAME}: checkpoint format {meta.get('format')!r} at {directory!r}; this zerofuse reads "
+                         f"format {FORMAT}")
+
+
 class Source:
     """One saved ZeRO layout (a checkpoint without TP, or one TP part): which rank file holds
     which piece of which param; rank files are opened (memory-mapped) only when a piece is read.
@@ -34,9 +44,7 @@ class Source:
     def __init__(self, directory: str, save_id: int | None = None):
         self.dir = directory
         self.meta = files.read_json(os.path.join(directory, files.META))
-        if self.meta.get("format") != FORMAT:
-            raise ValueError(f"{NAME}: checkpoint format {self.meta.get('format')!r} at {directory!r}; this zerofuse "
-                             f"reads format {FORMAT}")
+        check_format(self.meta, directory)
         same_save(os.path.join(directory, files.META), self.meta.get("save_id"), save_id)
         self.save_id = self.meta.get("save_id")
         self.shapes = {n: tuple(s) for n, s in zip(self.meta["names"], self.meta["shapes"])}
@@ -180,9 +188,7 @@ class Full:
     def __init__(self, path: str):
         root = files.resolve(os.path.abspath(path))
         top = files.read_json(os.path.join(root, files.META))
-        if top.get("format") != FORMAT:
-            raise ValueError(f"{NAME}: checkpoint format {top.get('format')!r} at {root!r}; this zerofuse reads "
-                             f"format {FORMAT}")
+        check_format(top, root)
         self.pp = top.get("pp", 1)
         self.stages = [_StageFull(os.path.join(root, f"pp{k}"), top.get("save_id")) for k in range(self.pp)] \
             if "pp" in top else [_StageFull(root)]
