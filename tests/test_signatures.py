@@ -315,18 +315,44 @@ def _faces():
                                                                                          torch.tensor([1, 2, 10])))}
 
 
+def _torch_faces():
+    TF = torch.nn.functional
+    k, v = torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
+    return {"sdpa": lambda x: TF.scaled_dot_product_attention(x, k, v, is_causal=True),
+            "qkv_attention": lambda x: TF.scaled_dot_product_attention(
+                *(t.view(1, 5, 2, 8).transpose(1, 2) for t in x.split(16, -1)), is_causal=True),
+            "layer_norm": lambda x: TF.layer_norm(x, (8,)),
+            "rms_norm": lambda x: TF.rms_norm(x, (8,), torch.ones(8))}
+
+
 @pytest.mark.parametrize("name", ["sdpa", "qkv_attention", "layer_norm", "rms_norm", "linear_cross_entropy"])
-def test_forward_ad_is_refused_not_dropped(name):
+def test_forward_ad_is_torchs_or_refused_never_dropped(name):
     """Under forward AD the kernels alone would return outputs without tangents (a silently wrong
-    jvp): the faces go through their autograd Functions, which have no jvp and say so, also when a
-    plan was recorded for the same tensors outside the dual level."""
+    jvp): the faces compute with torch's ops there, whose tangents (or refusal: torch's CPU sdpa has
+    no forward AD) are torch's own, also when a plan was recorded for the same tensors outside the
+    dual level (the Functions raised torch's generic "implement the jvp" error, naming no face,
+    where torch's norms take forward AD: a review's reproduction, 2026-12-07); the fused loss,
+    which has no torch op to fall back on, refuses by name."""
     import torch.autograd.forward_ad as fwad
 
     x, face = _faces()[name]
     face(x), face(x)  # (a plan, where one applies, for x without forward AD)
+    t = torch.randn_like(x)
+    if name == "linear_cross_entropy":
+        with fwad.dual_level(), pytest.raises(NotImplementedError, match="linear_cross_entropy: forward-mode AD"):
+            face(fwad.make_dual(x, t))
+        return
+    ref = _torch_faces()[name]
     with fwad.dual_level():
-        with pytest.raises(NotImplementedError, match="jvp"):
-            face(fwad.make_dual(x, torch.randn_like(x)))
+        try:
+            want = fwad.unpack_dual(ref(fwad.make_dual(x, t))).tangent
+        except NotImplementedError as e:
+            with pytest.raises(NotImplementedError, match=str(e).splitlines()[0][:40]):
+                face(fwad.make_dual(x, t))
+            return
+        got = fwad.unpack_dual(face(fwad.make_dual(x, t))).tangent
+    assert got is not None
+    torch.testing.assert_close(got, want)
 
 
 @pytest.mark.parametrize("name", ["sdpa", "qkv_attention", "layer_norm", "rms_norm"])
@@ -375,6 +401,6 @@ def test_rotary_embedding_forward_ad_gives_the_rotated_tangent(kernel_path, whic
         got = fwad.unpack_dual(oq).tangent, fwad.unpack_dual(ok).tangent
     want = F.rotary_embedding(tq if which != "k" else torch.zeros_like(q), tk if which != "q" else torch.zeros_like(k),
                               cos, sin)
-    for a, e in zip(got, want):
-        assert a is not None
-        torch.testing.assert_close(a, e)
+    for a, e, dual in zip(got, want, (which != "k", which != "q")):
+        assert a is not None or not dual  # (torch's ops give an input without a tangent none: zeros)
+        torch.testing.assert_close(a if a is not None else torch.zeros_like(e), e)

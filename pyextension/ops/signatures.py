@@ -34,10 +34,13 @@ def torch_only() -> bool:
     functional_call) and torch.jit.trace. zerofuse's autograd Functions have no functorch rules and
     its Triton kernels read storage the transforms' wrappers lack (both raised); a jit trace baked
     the shape its outputs were viewed to into the graph (another input's shape came back wrong; a
-    review's reproductions, 2026-12-06)."""
+    review's reproductions, 2026-12-06). Also inside forward AD's dual level: torch's ops carry the
+    tangents (the Functions have no jvp: torch's generic "implement the jvp" error named no face,
+    where torch's own norms and attention take forward AD; a review's reproduction, 2026-12-07)."""
     if torch.compiler.is_compiling():  # (dynamo: the compiled ops; nothing for it to trace here)
         return False
-    return torch._C._are_functorch_transforms_active() or torch._C._get_tracing_state() is not None
+    return (_forward_ad._current_level >= 0 or torch._C._are_functorch_transforms_active()
+            or torch._C._get_tracing_state() is not None)
 
 
 def batched(t) -> bool:
@@ -58,8 +61,8 @@ def autograd_modes() -> int:
 def needs_autograd(*tensors) -> bool:
     """Whether a face's call goes through its autograd Function: grad mode on outside inference
     mode and a tensor requiring grad (torch records no graph in inference mode, even under
-    enable_grad), or forward AD active: the Functions have no jvp and say so, where the kernels
-    alone would drop the tangents silently (torch's own ops propagate them, or raise)."""
+    enable_grad), or forward AD active (the faces take torch's ops there first, torch_only; the
+    Functions have no jvp, and the kernels alone would drop the tangents silently)."""
     if _forward_ad._current_level >= 0:
         return True
     return torch.is_grad_enabled() and not torch.is_inference_mode_enabled() and any(
