@@ -157,3 +157,37 @@ def _eval_losses(params: dict) -> torch.Tensor:
         logits, _ = model(x[:, :-1])
     return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1),
                                              reduction="none")
+
+
+class _Scaled(torch.nn.Module):
+    def __init__(self, n):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(n))
+
+    def forward(self, c):
+        return (self.w * c).sum()
+
+
+def _wire_rank(rank, ws, stage, reduce_dtype, coeffs):
+    m = zerofuse.zero.parallelize(_Scaled(coeffs.shape[1]), stage=stage, reduce_dtype=reduce_dtype)
+    m(coeffs[rank]).backward()  # w's grad on this rank: coeffs[rank]
+    with zerofuse.zero.full_grads(m):
+        return m.w.grad.clone()
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_a_low_precision_wire_divides_each_grad_before_its_cast(stage):
+    """The grads are pre-divided by the world size so that the wire's dtype holds the sum: an fp16
+    grad of 70000 (ws 2, mean 35000) was cast first, inf, then divided (the params NaN after the
+    step); a bf16 grad rounded on the cast and again on the division (ws 3). Now one rounding each:
+    the fp16 mean is finite, the bf16 one equals round(fp32 sum of round(g / ws)) bit for bit (a
+    review's reproductions, 2026-12-07)."""
+    big = torch.tensor([[70000.0] * 4, [0.0] * 4])
+    got = run_distributed(_wire_rank, 2, stage, torch.float16, big, timeout=120)
+    for g in got:
+        torch.testing.assert_close(g.float(), torch.full((4,), 35000.0), rtol=2 ** -10, atol=0)
+    g = torch.Generator().manual_seed(3)
+    small = torch.randn(3, 3000, generator=g).bfloat16().float()
+    want = sum((c / 3).bfloat16().float() for c in small).bfloat16()
+    for got in run_distributed(_wire_rank, 3, stage, torch.bfloat16, small, timeout=120):
+        assert torch.equal(got.bfloat16(), want)

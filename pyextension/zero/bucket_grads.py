@@ -101,6 +101,8 @@ class BucketGrads:
         self._deferred = []
         idx = [i for i in idx if self.params[i].grad is not None]
         fresh = [i for i in idx if not self.written[i]]
+        if self.grad_div != 1.0 and self.reduce_dtype in LOW_PRECISION:
+            fresh = []  # (one by one: add_grad divides before the cast, see there)
         if len(fresh) > 1:
             self._make_gflat()
             grads = [self.params[i].grad for i in fresh]
@@ -139,8 +141,14 @@ class BucketGrads:
         g = grad.reshape(-1)
         if self.written[i]:
             view.add_(g, alpha=self.grad_div)
+        elif self.grad_div != 1.0 and self.reduce_dtype in LOW_PRECISION:
+            # divided in the grad's precision, rounded once into the bf16/fp16 buffer (cast first, a
+            # grad between 65504 and 65504 x world size was inf in fp16 before the division meant to
+            # keep it finite, and bf16 rounded twice: a review's reproduction, 2026-12-07)
+            torch.mul(g, self.grad_div, out=view)
+            self.written[i] = True
         else:
-            view.copy_(g)
+            view.copy_(g)  # (fp32 buffer: the copy is exact or the one rounding, then one multiply)
             if self.grad_div != 1.0:
                 view.mul_(self.grad_div)
             self.written[i] = True
