@@ -185,6 +185,7 @@ class ZeroEngine(ExpertLayout, FindUnused, FullParams, Stage3Hooks, WorldOfOne):
         self.events: list[tuple[str, int, str]] = []  # ("reduce_scatter", unit, "backward" | "end"): overlap evidence
         self._final_queued = False
         self._in_backward = False
+        self.clip_pending = False  # the live Optimizer's clip_grad_norm_ not yet applied by a step (fold_clip)
         self._hooks = []
         self.optimizer_ref = None  # the zero.Optimizer built on this engine (a weakref), for model.zero_grad
         self._fwd_order: list[Bucket] = []
@@ -245,6 +246,8 @@ class ZeroEngine(ExpertLayout, FindUnused, FullParams, Stage3Hooks, WorldOfOne):
     def _grad_ready(self, p: torch.Tensor) -> None:
         if p.grad is None:
             return
+        if self.clip_pending:  # a backward after clip_grad_norm_ in one step: the clip applies to the grads before it
+            self.fold_clip()
         if not self._final_queued:  # (stage 3: a pre-backward hook may have queued it)
             self._final_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)

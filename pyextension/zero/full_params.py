@@ -80,6 +80,15 @@ class FullParams:
         """The zero.Optimizer built on this engine, while it lives (None otherwise)."""
         return self.optimizer_ref() if self.optimizer_ref is not None else None
 
+    def fold_clip(self) -> None:
+        """A backward begins after clip_grad_norm_ in the same step: the live Optimizer's fold_clip
+        (none left: nothing to apply the clip)."""
+        opt = self.live_optimizer()
+        if opt is None:
+            self.clip_pending = False
+        else:
+            opt.fold_clip()
+
     def host_steps_started(self, pending_too: bool = False) -> bool:
         """Whether the Optimizer's offloaded host steps of this backward are running already
         (offload_overlap: they start as each unit's grads arrive); pending_too: or a delayed update

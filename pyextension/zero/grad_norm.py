@@ -86,8 +86,9 @@ class GradNorms:
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
                         foreach: bool | None = None) -> torch.Tensor:
-        """Clip the gradient of the coming step to global norm max_norm (fused into the step) and
-        return the global norm before clipping, the same on every rank. torch's arguments: the
+        """Clip the gradient of the coming step to global norm max_norm (fused into the step; a later
+        backward of the same step first folds it into the grads so far: fold_clip) and return the
+        global norm before clipping, the same on every rank. torch's arguments: the
         2-norm only (norm_type 2); error_if_nonfinite raises, on every rank, before clipping (one
         host sync; without it a non-finite norm skips the step); foreach is accepted (the grads are
         flat buffers: one fused pass either way)."""
@@ -124,7 +125,28 @@ class GradNorms:
         self._clipped_norm = norm * coef  # the norm the step's grads have now (max_grad_norm clips that)
         self._found_inf = found
         self.last_grad_norm = norm
+        self.engine.clip_pending = True
+        if getattr(self.engine, "_views", None) is not None:  # .grad views: a next backward adds into the
+            self.fold_clip()  # buffers themselves, nothing sees it begin: clipped now, as torch
         return norm
+
+    @torch.no_grad()
+    def fold_clip(self) -> None:
+        """A backward after clip_grad_norm_ within one step (gradient accumulation): torch's clip
+        scaled the grads it saw there and then, the later ones adding unscaled; the coefficient kept
+        for step() scaled those too (a review's reproduction, 2026-12-07). Folded into the reduced
+        shards before the new backward adds its own (called as it begins)."""
+        self.engine.clip_pending = False
+        if self._clip_coef is None:
+            return
+        if self.host is not None:
+            raise RuntimeError(f"{NAME}: a backward after clip_grad_norm_ in the same step under offload (its host "
+                               "copies of the grads are not rescaled): call clip_grad_norm_ after the step's last "
+                               "backward, or pass max_grad_norm to the Optimizer")
+        for u in self.engine.units:
+            if u.has_grad():
+                u.grad_shard().mul_(self._clip_coef)
+        self._clip_coef = self._clipped_norm = None
 
     def _per_param_norms(self, sums: torch.Tensor, idx: torch.Tensor | None) -> torch.Tensor:
         """sums (pieces, k) of this rank's squares -> (pieces, k) summed over every rank's pieces

@@ -219,6 +219,7 @@ class Optimizer(GroupSteps, GradNorms, OptimizerState, torch.optim.Optimizer):
         from zerofuse.zero.grads import abandon_backward
         abandon_backward(self.engine)
         self._clip_coef = self._found_inf = None
+        self.engine.clip_pending = False
         for plan in self._plans.values():
             plan.release_grads()
         # what a capture built (launch tables, constants) holds device memory its uploads and fills
@@ -276,6 +277,7 @@ class Optimizer(GroupSteps, GradNorms, OptimizerState, torch.optim.Optimizer):
         self.last_step_skipped = found
         self._clip_coef = None
         self._found_inf = None
+        eng.clip_pending = False
         if eng.stage != 3:
             eng.start_param_sync()
         else:
@@ -312,8 +314,10 @@ class Optimizer(GroupSteps, GradNorms, OptimizerState, torch.optim.Optimizer):
             self.host.discard()
         self.engine.zero_grad(set_to_none)
         # a clip_grad_norm_ of the grads dropped here is dropped with them (torch's clipping edits
-        # the grads; ours is applied by step(): a stale one skipped or scaled the next step)
+        # the grads; ours is applied by step() or the next backward's fold_clip: a stale one skipped
+        # or scaled the next step)
         self._clip_coef = self._found_inf = None
+        self.engine.clip_pending = False
         if set_to_none and self.engine.stage in (2, 3):  # the shards are freed: so are the plans' views of them
             for plan in self._plans.values():
                 plan.release_grads()

@@ -72,6 +72,8 @@ class WorldOfOne:
         pending = False
         for p in self.params:
             if p.grad is not None:
+                if self.clip_pending:  # (as _grad_ready's: the clip applies to the grads taken before)
+                    self.fold_clip()
                 unit, i = self.unit_of[id(p)]
                 unit.defer(i)
                 pending = True
