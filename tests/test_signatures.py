@@ -306,7 +306,7 @@ def _faces():
     import zerofuse.nn.functional as F
 
     qkv = torch.randn(1, 5, 3 * 2 * 8)
-    k, v = torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
+    k, v = _kv()
     return {"sdpa": (torch.randn(1, 2, 5, 8), lambda x: F.scaled_dot_product_attention(x, k, v, is_causal=True)),
             "qkv_attention": (qkv, lambda x: F.qkv_attention(x, 2, is_causal=True)),
             "layer_norm": (torch.randn(3, 8), lambda x: F.layer_norm(x, (8,))),
@@ -315,12 +315,18 @@ def _faces():
                                                                                          torch.tensor([1, 2, 10])))}
 
 
+def _kv():
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(1, 2, 5, 8, generator=g), torch.randn(1, 2, 5, 8, generator=g)
+
+
 def _torch_faces():
     TF = torch.nn.functional
-    k, v = torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
+    k, v = _kv()
     return {"sdpa": lambda x: TF.scaled_dot_product_attention(x, k, v, is_causal=True),
             "qkv_attention": lambda x: TF.scaled_dot_product_attention(
-                *(t.view(1, 5, 2, 8).transpose(1, 2) for t in x.split(16, -1)), is_causal=True),
+                *(t.view(1, 5, 2, 8).transpose(1, 2) for t in x.split(16, -1)), is_causal=True
+            ).transpose(1, 2).reshape(1, 5, 16),
             "layer_norm": lambda x: TF.layer_norm(x, (8,)),
             "rms_norm": lambda x: TF.rms_norm(x, (8,), torch.ones(8))}
 
@@ -343,16 +349,37 @@ def test_forward_ad_is_torchs_or_refused_never_dropped(name):
             face(fwad.make_dual(x, t))
         return
     ref = _torch_faces()[name]
-    with fwad.dual_level():
+    with fwad.dual_level():  # (torch's CPU flash sdpa refuses forward AD: the faces as torch)
         try:
-            want = fwad.unpack_dual(ref(fwad.make_dual(x, t))).tangent
+            ref(fwad.make_dual(x, t))
         except NotImplementedError as e:
             with pytest.raises(NotImplementedError, match=str(e).splitlines()[0][:40]):
                 face(fwad.make_dual(x, t))
-            return
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with fwad.dual_level(), sdpa_kernel(SDPBackend.MATH):  # (the math backend takes it: the tangents compared)
+        want = fwad.unpack_dual(ref(fwad.make_dual(x, t))).tangent
         got = fwad.unpack_dual(face(fwad.make_dual(x, t))).tangent
-    assert got is not None
+    assert got is not None and want is not None
     torch.testing.assert_close(got, want)
+
+
+def test_forward_ad_through_packed_documents_is_torchs_with_their_mask():
+    """document_ids under forward AD: the documents as torch's mask (refused, as under torch.func,
+    once forward AD took torch's ops: a review's reproduction, 2026-12-07)."""
+    import torch.autograd.forward_ad as fwad
+    import zerofuse.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v, t = (torch.randn(1, 2, 6, 8, generator=g) for _ in range(4))
+    ids = torch.tensor([[0, 0, 0, 1, 1, 1]])
+    same = (ids[:, None, :, None] == ids[:, None, None, :]) & torch.ones(6, 6, dtype=torch.bool).tril()
+    with fwad.dual_level(), sdpa_kernel(SDPBackend.MATH):
+        got = F.scaled_dot_product_attention(fwad.make_dual(q, t), k, v, is_causal=True, document_ids=ids)
+        want = torch.nn.functional.scaled_dot_product_attention(fwad.make_dual(q, t), k, v, attn_mask=same)
+        torch.testing.assert_close(fwad.unpack_dual(got).primal, fwad.unpack_dual(want).primal)
+        torch.testing.assert_close(fwad.unpack_dual(got).tangent, fwad.unpack_dual(want).tangent)
 
 
 @pytest.mark.parametrize("name", ["sdpa", "qkv_attention", "layer_norm", "rms_norm"])

@@ -101,7 +101,7 @@ def _flat(t: Tensor | None, n: int) -> Tensor | None:
 
 
 def _torch_norm(fn, is_rms, input, residual, normalized_shape, weight, bias, eps, input_bias):
-    """The norm by torch's ops (torch_only: torch.func transforms, jit.trace): (y, h), input_bias
+    """The norm by torch's ops (torch_only: torch.func transforms, jit.trace, forward AD): (y, h), input_bias
     given its gradient by a zero-valued add."""
     shape = _shape(normalized_shape, fn)
     _check(fn, input, shape, weight, bias, residual, input_bias)

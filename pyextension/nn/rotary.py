@@ -24,7 +24,7 @@ def rotary_embedding(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, positions: 
     """(RoPE(q), RoPE(k)). positions: None (row n at position n), (seq,) or (batch, seq) integer
     positions into the tables (offsets, packed sequences). inplace=True rotates q and k themselves
     (and returns them): no autograd through it."""
-    if torch_only():  # torch.func transforms, jit.trace: the reference's torch ops
+    if torch_only():  # torch.func transforms, jit.trace, forward AD: the reference's torch ops
         return _torch_rope(q, k, cos, sin, positions, interleaved, inplace)
     for name, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
         if not isinstance(t, Tensor) or not t.is_floating_point():
@@ -50,16 +50,16 @@ def rotary_embedding(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, positions: 
     # out of place: a head_dim of non-unit stride (a transposed layout) read through a copy, as sdpa's
     # face does (the kernels take unit-stride rows; inplace=True must write q and k themselves)
     q, k = (t.contiguous() if t.dim() == 4 and t.numel() and t.stride(-1) != 1 else t for t in (q, k))
-    if needs_autograd(q, k):  # the op's autograd without custom_op's Python dispatch (forward AD: its jvp)
+    if needs_autograd(q, k):  # the op's autograd without custom_op's Python dispatch
         return _ops.eager_rope(q, k, cos, sin, positions, bool(interleaved))
     return _ops.rope_pair(q, k, cos, sin, positions, bool(interleaved), False)
 
 
 def _torch_rope(q, k, cos, sin, positions, interleaved, inplace):
     """rotary_embedding by the reference's torch ops, in fp32 (float64 in float64), rounded once as
-    the kernel (torch_only: torch.func transforms, jit.trace)."""
+    the kernel (torch_only: torch.func transforms, jit.trace, forward AD)."""
     if q.dim() != 4 or k.dim() != 4:
-        raise RuntimeError(f"{_WHERE}: under torch.func transforms (vmap over the batch) expected 4-D q and k "
+        raise RuntimeError(f"{_WHERE}: under torch.func transforms or forward AD (torch's ops) expected 4-D q and k "
                            f"(batch, heads, seq, head_dim), got {q.dim()}-D and {k.dim()}-D")
     if inplace and wants_grad(q, k):
         raise ValueError(f"{_WHERE}: inplace=True has no autograd; use inplace=False where gradients flow")

@@ -63,10 +63,15 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
     version (every layer of a forward passes the same ids): refill a reused ids buffer with an op
     that bumps its version (copy_, indexing), not a torch.distributed collective, ``.data`` or
     numpy writes, which torch does not count (then pass ``ids.clone()``)."""
-    if torch_only():  # (torch.func transforms, jit.trace: torch's own)
+    if torch_only():  # (torch.func transforms, jit.trace, forward AD: torch's own)
         if document_ids is not None:
-            raise RuntimeError("zerofuse.nn.functional.scaled_dot_product_attention: document_ids is not supported "
-                               "under torch.func transforms or torch.jit.trace; pass an attn_mask of the documents")
+            if torch._C._are_functorch_transforms_active() or torch._C._get_tracing_state() is not None:
+                raise RuntimeError("zerofuse.nn.functional.scaled_dot_product_attention: document_ids is not "
+                                   "supported under torch.func transforms or torch.jit.trace; pass an attn_mask of "
+                                   "the documents")
+            # forward AD: the documents as torch's mask (refused before, as under the transforms: a
+            # review's reproduction, 2026-12-07)
+            attn_mask, is_causal = _with_documents(attn_mask, _documents(query, key, is_causal, document_ids)), False
         kw = {"enable_gqa": enable_gqa} if enable_gqa else {}
         return torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal,
                                                                 scale=scale, **kw)
@@ -206,7 +211,7 @@ def qkv_attention(qkv: Tensor, num_heads: int, num_kv_heads: int | None = None, 
     the split heads. document_ids (B, N): packed documents, as scaled_dot_product_attention's. Under
     autocast qkv is cast to its dtype first (as torch's sdpa's inputs are)."""
     sig = None
-    native = torch_only()  # (torch.func transforms, jit.trace: the split heads through torch's sdpa)
+    native = torch_only()  # (torch.func transforms, jit.trace, forward AD: the split heads through torch's sdpa)
     if not torch.compiler.is_compiling() and not native:  # a plan for these arguments' signature: no checks, no choices
         sig = signature(qkv, num_heads, num_kv_heads, is_causal, scale, document_ids, _kernels.TRITON_ON_CPU,
                         autocast_on(qkv), autograd_modes())
