@@ -425,6 +425,18 @@ def _cross_entropy_nan_logit_as_torch():
     torch.testing.assert_close(ours[1], theirs[1])
 
 
+def _tp_module_copies_shallow_not_deep():
+    layer = tp.ColumnParallelLinear(4, 6)
+    twin = copy.copy(layer)  # (refused with deepcopy and pickling by the same __reduce_ex__ before)
+    assert twin.group is layer.group and twin.weight is layer.weight
+    try:
+        copy.deepcopy(layer)
+    except TypeError as e:
+        assert "cannot be pickled or deep-copied" in str(e), e
+    else:
+        raise AssertionError("deepcopy of a module holding a process group was not refused")
+
+
 def _cross_entropy_float64_as_torch():
     logits = torch.randn(4, 7, dtype=torch.float64, generator=torch.Generator().manual_seed(0)) * 5
     t = torch.tensor([1, 6, 0, 3])
@@ -445,6 +457,7 @@ BEHAVIOUR = [
     Behaviour("cross_entropy-all-ignored", _cross_entropy_all_ignored_is_zero),
     Behaviour("cross_entropy-nan-logit", _cross_entropy_nan_logit_as_torch),
     Behaviour("cross_entropy-float64", _cross_entropy_float64_as_torch),
+    Behaviour("tp-module-copy", _tp_module_copies_shallow_not_deep),
 ]
 
 TABLES = {"before init_process_group": NO_DIST, "world of one": WORLD1, "two ranks": TWO_RANKS,

@@ -69,6 +69,8 @@ def test_a_missing_or_damaged_metadata_is_named(tmp_path, damage):
     path = str(tmp_path / "ck")
     run_distributed(_save_rank, 2, path, timeout=240)
     meta = os.path.join(path, ".metadata")
+    with open(meta, "rb") as src, open(os.path.join(str(tmp_path), "whole.metadata"), "wb") as dst:
+        dst.write(src.read())
     if damage == "missing":
         os.remove(meta)
     else:
@@ -78,6 +80,13 @@ def test_a_missing_or_damaged_metadata_is_named(tmp_path, damage):
         zerofuse.checkpoint.consolidate(path)
     for err, _ in run_distributed(_load_rank, 2, path, timeout=240):
         assert want in err, err
+    if damage == "cut":  # (cuts inside a number's bytes raised a bare struct.error)
+        whole = open(os.path.join(str(tmp_path), "whole.metadata"), "rb").read()
+        for cut in (5, 9, len(whole) // 2, len(whole) - 3):
+            with open(meta, "wb") as f:
+                f.write(whole[:cut])
+            with pytest.raises(ValueError, match=want):
+                zerofuse.checkpoint.consolidate(path)
 
 
 def test_an_untied_models_checkpoint_is_refused_by_a_tied_model(tmp_path):

@@ -164,13 +164,13 @@ class _Scaled(torch.nn.Module):
         super().__init__()
         self.w = torch.nn.Parameter(torch.zeros(n))
 
-    def forward(self, c):
-        return (self.w * c).sum()
+    def forward(self, c):  # (the square's term: a grad that itself requires grad under create_graph)
+        return (self.w * c).sum() + 0.0 * self.w.square().sum()
 
 
-def _wire_rank(rank, ws, stage, reduce_dtype, coeffs):
+def _wire_rank(rank, ws, stage, reduce_dtype, coeffs, create_graph=False):
     m = zerofuse.zero.parallelize(_Scaled(coeffs.shape[1]), stage=stage, reduce_dtype=reduce_dtype)
-    m(coeffs[rank]).backward()  # w's grad on this rank: coeffs[rank]
+    m(coeffs[rank]).backward(create_graph=create_graph)  # w's grad on this rank: coeffs[rank]
     with zerofuse.zero.full_grads(m):
         return m.w.grad.clone()
 
@@ -191,3 +191,6 @@ def test_a_low_precision_wire_divides_each_grad_before_its_cast(stage):
     want = sum((c / 3).bfloat16().float() for c in small).bfloat16()
     for got in run_distributed(_wire_rank, 3, stage, torch.bfloat16, small, timeout=120):
         assert torch.equal(got.bfloat16(), want)
+    # (create_graph: the out= multiply refused grads requiring grad; a review's reproduction)
+    for got in run_distributed(_wire_rank, 3, stage, torch.bfloat16, small, True, timeout=120):
+        assert torch.equal(got.detach().bfloat16(), want)

@@ -274,7 +274,7 @@ def load(path: str, model, optimizer=None):
     if unexpected := sorted(set(saved) - set(model.state_dict(keep_vars=True))):  # (a bigger model's: loaded before)
         raise ValueError(f"{who}: the DCP checkpoint at {root!r} is for a different model; not in the model: "
                          f"{unexpected}")
-    check_tied(model, eng, md, saved, "model." if nested else "", who, root)
+    check_tied(model, eng, md, saved, "model." if nested else "", who, root, meta.get("aliases", {}))
     rest = {n: t for n, t in model.state_dict(keep_vars=True).items() if id(t) not in eng.param_index}
     if absent := [n for n in rest if n not in saved]:  # (kept their values, silently: a frozen param its init)
         raise ValueError(f"{who}: the DCP checkpoint at {root!r} is for a different model; buffers or frozen params "

@@ -29,6 +29,8 @@ from zerofuse.models.generation import check_generate, sample
 from zerofuse.models import recompute
 from zerofuse.models.presets import PRESETS, GPTConfig, config
 from zerofuse.models.tied import is_tied, keep_tied_on_load
+# (whole-model pickles made before the hooks moved to tied.py name them here)
+from zerofuse.models.tied import _note_tied_before_load, _retie_after_load  # noqa: F401
 from zerofuse.moe import expert_spec
 from zerofuse.ops.ids import check_ids
 from zerofuse.tp.spec import KeepsMarks

@@ -195,6 +195,12 @@ class KeepsMarks:
             if n in marks:
                 put_marks(p, marks[n])
 
+    def __copy__(self):
+        """A shallow copy shares the groups, as before (copy.copy also asks __reduce_ex__)."""
+        new = type(self).__new__(type(self))
+        new.__setstate__(self.__dict__.copy())
+        return new
+
     def __reduce_ex__(self, protocol):
         """Pickling (torch.save(model), copy.deepcopy) of a module holding a process group or a
         Communicator (tensor/expert parallelism) is refused by name: a group is this process's live

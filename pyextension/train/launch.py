@@ -71,8 +71,9 @@ def slurm_without_srun() -> str | None:
     n = os.environ.get("SLURM_NTASKS", "1")
     if "RANK" in os.environ or srun_task() or "SLURM_JOB_ID" not in os.environ or n == "1":
         return None
-    return (f"SLURM allocated SLURM_NTASKS={n} tasks, but this process is no srun task (a batch script runs "
-            "once): it launches --nproc ranks on this node; start it with srun to run one rank per SLURM task")
+    return (f"SLURM allocated SLURM_NTASKS={n} tasks, but this process is no srun task (a batch script or an "
+            "salloc shell, in no srun step): it launches --nproc ranks on this node; start it with srun to run one "
+            "rank per SLURM task")
 
 
 def check_dist_env(env: dict | None) -> None:

@@ -145,7 +145,7 @@ class BucketGrads:
             # divided in the grad's precision, rounded once into the bf16/fp16 buffer (cast first, a
             # grad between 65504 and 65504 x world size was inf in fp16 before the division meant to
             # keep it finite, and bf16 rounded twice: a review's reproduction, 2026-12-07)
-            torch.mul(g, self.grad_div, out=view)
+            torch.mul(g.detach(), self.grad_div, out=view)  # (detached: out= takes no autograd, create_graph)
             self.written[i] = True
         else:
             view.copy_(g)  # (fp32 buffer: the copy is exact or the one rounding, then one multiply)
