@@ -493,7 +493,7 @@ def test_launch_environment(monkeypatch):
 def test_slurm_ports_differ_by_job_and_step(monkeypatch):
     """29500 + job % 1000 gave jobs 1234 and 2234 (and two steps of one job) one port: the second
     job's rank 0 failed to bind and its rank 1 joined the first job's group and hung."""
-    from zerofuse.train.launch import _slurm_port
+    from zerofuse.train.launch_env import _slurm_port
 
     ports = set()
     for job, step in (("1234", "0"), ("2234", "0"), ("1234", "1"), ("3234", None)):

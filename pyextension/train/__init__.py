@@ -36,8 +36,9 @@ import sys  # noqa: E402
 from .cli import (DEFAULT_MODEL, EXIT_USAGE, OPT_DEFAULTS, PRESET_NAMES, PROG, UsageError,  # noqa: E402
                   _parser, validate)
 from .data import VAL_FRACTION, Corpus, Sampler  # noqa: E402
-from .launch import (STOP_SIGNALS, _dist_env, _slurm_master, abort_rendezvous, check_dist_env,  # noqa: E402, F401
-                     die_with_parent, launch, out_lock, rank_lock, takes_out_lock)
+from .launch import (STOP_SIGNALS, abort_rendezvous, die_with_parent, launch, out_lock,  # noqa: E402, F401
+                     rank_lock, takes_out_lock)
+from .launch_env import _dist_env, _slurm_master, check_dist_env  # noqa: E402, F401
 from .loop import Trainer, lr_lambda  # noqa: E402
 from .report import PEAK_FLOPS, RankZeroLog  # noqa: E402
 

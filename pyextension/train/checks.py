@@ -31,7 +31,7 @@ def note(message: str) -> None:
     """A one-line note on the flags, printed once a job: by the process that checks them first (the
     --nproc launcher, or one process alone), not again by each rank it starts (a torchrun job: by
     rank 0)."""
-    from .launch import _dist_env  # (launch imports this module's neighbours)
+    from .launch_env import _dist_env  # (launch_env imports this module's neighbours)
 
     rank = os.environ.get("RANK") or (_dist_env() or {}).get("RANK", "0")  # torchrun's, or SLURM's (srun sets
     # no RANK: every task printed the note)

@@ -146,7 +146,7 @@ def _parser() -> argparse.ArgumentParser:
 def validate(args) -> None:
     """Check flags and fill in derived defaults (args.world, dp, device, precision, lr, ...) in place.
     Raises UsageError naming the flag, what was expected and what came."""
-    from .launch import _launcher_world, slurm_without_srun  # launch imports this module's constants
+    from .launch_env import _launcher_world, slurm_without_srun  # launch_env imports this module's UsageError
     cuda = torch.cuda.is_available()
     args.device = args.device or ("cuda" if cuda else "cpu")
     _check(args.device != "cuda" or cuda, "--device cuda: expected a CUDA device, but torch sees none")
