@@ -24,7 +24,7 @@ from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, Sharde
 from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
 
 from zerofuse.checkpoint import files
-from zerofuse.checkpoint.dcp_read import SafeLoadPlanner, SafeReader, check_tied, storage_problem
+from zerofuse.checkpoint.dcp_read import SafeLoadPlanner, SafeReader, check_tied, read_saved, storage_problem
 from zerofuse.checkpoint.collective import agree, begin_save, on_one
 from zerofuse.checkpoint.native import _saving_ranks, _table, refuse_frozen_experts
 from zerofuse.checkpoint.optim_checks import (check_kind, check_optimizer, check_owner, check_torch_options,
@@ -389,11 +389,9 @@ def consolidate(path: str, optimizer: bool = True) -> dict:
     nested = _is_nested(md, meta)
     if problem := storage_problem(md, root):
         raise ValueError(f"zerofuse.checkpoint.consolidate: the DCP checkpoint at {root!r} cannot be read: {problem}")
-    flat = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in md.state_dict_metadata.items()
-            if isinstance(m, TensorStorageMetadata)
-            and (not nested or k.startswith(("model.", "optim.state.") if optimizer else "model."))}
-    want = dict(flat)  # DCP's keys: the nested dict's path joined by dots
-    dcp.load(want, storage_reader=reader, planner=SafeLoadPlanner(flatten_state_dict=False), no_dist=True)
+    want = read_saved(root, md, [k for k, m in md.state_dict_metadata.items() if isinstance(m, TensorStorageMetadata)
+                                 and (not nested or k.startswith(("model.", "optim.state.") if optimizer
+                                                                 else "model."))])  # (DCP's flat keys)
     model = {k.removeprefix("model.") if nested else k: t for k, t in want.items() if not nested or k.startswith("model.")}
     for alias, first in meta.get("aliases", {}).items():
         if first in model:
