@@ -24,7 +24,7 @@ from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, Sharde
 from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
 
 from zerofuse.checkpoint import files
-from zerofuse.checkpoint.dcp_read import SafeLoadPlanner, SafeReader, check_tied, read_saved, storage_problem
+from zerofuse.checkpoint.dcp_read import EXTRA, SafeLoadPlanner, SafeReader, check_tied, read_saved, storage_problem
 from zerofuse.checkpoint.collective import agree, begin_save, on_one
 from zerofuse.checkpoint.native import _saving_ranks, _table, refuse_frozen_experts
 from zerofuse.checkpoint.optim_checks import (check_kind, check_optimizer, check_owner, check_torch_options,
@@ -213,7 +213,7 @@ def save(path: str, model, optimizer=None, *, extra=None) -> None:
         def commit():
             scale = {} if optimizer is None else {"scale": float(optimizer.scale.item()),
                                                      "growth_tracker": int(optimizer._growth_tracker.item())}
-            files.write_tensors(os.path.join(tmp, "zerofuse_extra.pt"), {"extra": extra} | scale)
+            files.write_tensors(os.path.join(tmp, EXTRA), {"extra": extra} | scale)
             files.fsync_dir(tmp)
             files.write_json(os.path.join(tmp, files.META), {
                 "format": "dcp", "world_size": eng.world_size, "stage": eng.stage, "precision": eng.precision,
@@ -239,7 +239,7 @@ def load(path: str, model, optimizer=None):
     md = reader.read_metadata()
     meta = _meta(root)
     nested = _is_nested(md, meta, eng.names)
-    problem = storage_problem(md, root)  # (every rank, agreed: a node's missing file fails them all at once)
+    problem = storage_problem(md, root, meta)  # (every rank, agreed: a node's missing file fails them all at once)
     agree(eng.comm.group, problem, who, eng.device, "cannot read the checkpoint's storage files")
     if problem:
         raise ValueError(f"{who}: the DCP checkpoint at {root!r} cannot be loaded: {problem}")
@@ -312,7 +312,7 @@ def load(path: str, model, optimizer=None):
     else:
         eng.params_loaded()  # weights only: a live zero.Optimizer's fp32 masters follow them (else its step wrote the old back)
         eng.params_written()  # (stage 3 inside full_params: the gathered units too)
-    extra_file = os.path.join(root, "zerofuse_extra.pt")
+    extra_file = os.path.join(root, EXTRA)
     ours = files.read_tensors(extra_file) if os.path.isfile(extra_file) else {}
     if optimizer is not None:  # fp16's loss scale (not saved before: the load restarted it from initial_scale)
         saved_precision = files.read_json(os.path.join(root, files.META)).get("precision") \
@@ -387,7 +387,7 @@ def consolidate(path: str, optimizer: bool = True) -> dict:
     md = reader.read_metadata()
     meta = _meta(root)
     nested = _is_nested(md, meta)
-    if problem := storage_problem(md, root):
+    if problem := storage_problem(md, root, meta):
         raise ValueError(f"zerofuse.checkpoint.consolidate: the DCP checkpoint at {root!r} cannot be read: {problem}")
     want = read_saved(root, md, [k for k, m in md.state_dict_metadata.items() if isinstance(m, TensorStorageMetadata)
                                  and (not nested or k.startswith(("model.", "optim.state.") if optimizer
@@ -406,7 +406,7 @@ def consolidate(path: str, optimizer: bool = True) -> dict:
                 state.setdefault(index[fqn], {})[key] = t
         groups = [g | {"params": [index[n] for n in g.get("params", [])]} for g in _param_groups(reader, md)]
         optim = {"state": state, "param_groups": groups}
-    extra_file = os.path.join(root, "zerofuse_extra.pt")
+    extra_file = os.path.join(root, EXTRA)
     extra = files.read_tensors(extra_file)["extra"] if os.path.isfile(extra_file) else None
     return {"model": model, "optimizer": optim, "extra": extra,
             "optimizer_names": list(model) if optim is not None else None}  # (index's order)

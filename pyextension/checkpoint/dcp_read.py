@@ -15,6 +15,7 @@ from zerofuse.checkpoint import files
 
 NAME = files.NAME
 DCP_META = files.DCP_META
+EXTRA = "zerofuse_extra.pt"  # (save writes it before meta.json; load reads the loss scale and extra from it)
 
 
 # Everything DCP's .metadata pickles (torch 2.8-2.13): its metadata dataclasses and torch's own
@@ -102,11 +103,15 @@ def _check_storage_paths(md, root: str, file: str) -> None:
         object.__setattr__(info, "relative_path", rel)  # the name checked is the one DCP joins
 
 
-def storage_problem(md, root: str) -> str | None:
+def storage_problem(md, root: str, meta: dict | None = None) -> str | None:
     """Why the storage files the metadata names cannot all be read (missing, or shorter than the
     metadata reads), None when they can: checked before a load writes anything (DCP raised its
     CheckpointException, a BaseException, midway: the model and the moments partly overwritten;
-    a review's reproduction, 2026-12-07)."""
+    a review's reproduction, 2026-12-07). A checkpoint zerofuse saved (``meta`` its meta.json)
+    also needs the zerofuse_extra.pt written before that meta.json (without it the load kept the
+    loss scale it had and returned no extra, silently)."""
+    if (meta or {}).get("format") == "dcp" and not os.path.isfile(file := os.path.join(root, EXTRA)):
+        return f"its file {file!r} (the loss scale and the caller's extra, which zerofuse's save writes) is missing"
     ends: dict[str, int] = {}
     for info in (getattr(md, "storage_data", None) or {}).values():
         rel = str(info.relative_path)
