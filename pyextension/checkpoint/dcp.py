@@ -24,7 +24,8 @@ from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, Sharde
 from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
 
 from zerofuse.checkpoint import files
-from zerofuse.checkpoint.dcp_read import EXTRA, SafeLoadPlanner, SafeReader, check_tied, read_saved, storage_problem
+from zerofuse.checkpoint.dcp_read import (EXTRA, SafeLoadPlanner, SafeReader, check_tied, param_groups, read_saved,
+                                         saved_steps, storage_problem)
 from zerofuse.checkpoint.collective import agree, begin_save, on_one
 from zerofuse.checkpoint.native import _saving_ranks, _table, refuse_frozen_experts
 from zerofuse.checkpoint.optim_checks import (check_kind, check_optimizer, check_owner, check_torch_options,
@@ -285,11 +286,11 @@ def load(path: str, model, optimizer=None):
     if optimizer is not None and not nested:
         raise ValueError(f"{who}: the DCP checkpoint at {root!r} holds no optimizer state ('optim')")
     if optimizer is not None:  # checked before anything is loaded
-        saved_groups = _param_groups(reader, md)
+        saved_groups = param_groups(reader, md)
         _check_groups(optimizer, eng, saved_groups, who, root)
         check_kind(meta.get("optimizer") or saved_kind(saved_groups), optimizer.kind, who, "zerofuse.zero.Optimizer")
         check_torch_options(saved_groups, who, root)
-        steps = _group_steps(optimizer, eng, _saved_steps(reader, md), who, root)
+        steps = _group_steps(optimizer, eng, saved_steps(reader, md), who, root)
         for entry in want["optim"]["state"].values():
             entry.pop("step", None)  # one count per group, set below (each param's was written into it)
         absent = sorted(n for n, entry in want["optim"]["state"].items()
@@ -332,19 +333,6 @@ def _check_groups(optimizer, eng, saved_groups: list[dict], who: str, root: str)
                              f"than the optimizer's: saved {sorted(saved_g['params'])}, optimizer {sorted(names)}")
 
 
-def _saved_steps(reader, md) -> dict[str, float]:
-    """Each param's saved step count (``optim.state.<fqn>.step``: a tensor, or a number)."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata  # noqa: PLC0415
-    keys = {k: m for k, m in md.state_dict_metadata.items() if k.startswith("optim.state.") and k.endswith(".step")}
-    if not keys:
-        return {}
-    want = {k: torch.empty(m.size, dtype=m.properties.dtype) if isinstance(m, TensorStorageMetadata) else None
-            for k, m in keys.items()}
-    planner = SafeLoadPlanner(flatten_state_dict=False)
-    dcp.load(want, storage_reader=reader, planner=planner, no_dist=True)
-    return {k.removeprefix("optim.state.").removesuffix(".step"): float(planner.state_dict[k]) for k in keys}
-
-
 def _group_steps(optimizer, eng, saved: dict[str, float], who: str, root: str) -> list[float]:
     """The step count of each param group: torch counts per param (a param without a grad at a step
     is not counted), zerofuse per group, so the counts of a group's params must agree."""
@@ -362,20 +350,6 @@ def _group_steps(optimizer, eng, saved: dict[str, float], who: str, root: str) -
                              f"(the {optimizer.kind!r} optimizer's bias correction needs it)")
         out.append(next(iter(got.values()), 0.0))
     return out
-
-
-def _param_groups(reader, md) -> list[dict]:
-    """The optimizer's param groups of a DCP checkpoint (plain values, read with weights_only)."""
-    keys = [k for k in md.state_dict_metadata if k.startswith("optim.param_groups")]
-    planner = SafeLoadPlanner(flatten_state_dict=False)
-    dcp.load({k: None for k in keys}, storage_reader=reader, planner=planner, no_dist=True)
-    if keys == ["optim.param_groups"]:  # the list saved as one value
-        return list(planner.state_dict["optim.param_groups"])
-    by_group: dict[int, dict] = {}
-    for k in keys:
-        i, opt_key = k.removeprefix("optim.param_groups.").split(".", 1)
-        by_group.setdefault(int(i), {})[opt_key] = planner.state_dict[k]
-    return [by_group[i] for i in sorted(by_group)]
 
 
 @torch.no_grad()
@@ -404,7 +378,7 @@ def consolidate(path: str, optimizer: bool = True) -> dict:
             if k.startswith("optim.state."):
                 fqn, key = k.removeprefix("optim.state.").rsplit(".", 1)
                 state.setdefault(index[fqn], {})[key] = t
-        groups = [g | {"params": [index[n] for n in g.get("params", [])]} for g in _param_groups(reader, md)]
+        groups = [g | {"params": [index[n] for n in g.get("params", [])]} for g in param_groups(reader, md)]
         optim = {"state": state, "param_groups": groups}
     extra_file = os.path.join(root, EXTRA)
     extra = files.read_tensors(extra_file)["extra"] if os.path.isfile(extra_file) else None

@@ -165,3 +165,30 @@ def check_tied(model, eng, md, saved, prefix: str, who: str, root: str, recorded
     if differ := [f"{a} and {b}" for a, b in pairs if not torch.equal(got[prefix + a], got[prefix + b])]:
         raise ValueError(f"{who}: the model ties {', '.join(differ)} (one matrix); the DCP checkpoint at {root!r} "
                          "holds two different ones (an untied model's: load it into an untied model)")
+
+
+def saved_steps(reader, md) -> dict[str, float]:
+    """Each param's saved step count (``optim.state.<fqn>.step``: a tensor, or a number)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata  # noqa: PLC0415
+    keys = {k: m for k, m in md.state_dict_metadata.items() if k.startswith("optim.state.") and k.endswith(".step")}
+    if not keys:
+        return {}
+    want = {k: torch.empty(m.size, dtype=m.properties.dtype) if isinstance(m, TensorStorageMetadata) else None
+            for k, m in keys.items()}
+    planner = SafeLoadPlanner(flatten_state_dict=False)
+    dcp.load(want, storage_reader=reader, planner=planner, no_dist=True)
+    return {k.removeprefix("optim.state.").removesuffix(".step"): float(planner.state_dict[k]) for k in keys}
+
+
+def param_groups(reader, md) -> list[dict]:
+    """The optimizer's param groups of a DCP checkpoint (plain values, read with weights_only)."""
+    keys = [k for k in md.state_dict_metadata if k.startswith("optim.param_groups")]
+    planner = SafeLoadPlanner(flatten_state_dict=False)
+    dcp.load({k: None for k in keys}, storage_reader=reader, planner=planner, no_dist=True)
+    if keys == ["optim.param_groups"]:  # the list saved as one value
+        return list(planner.state_dict["optim.param_groups"])
+    by_group: dict[int, dict] = {}
+    for k in keys:
+        i, opt_key = k.removeprefix("optim.param_groups.").split(".", 1)
+        by_group.setdefault(int(i), {})[opt_key] = planner.state_dict[k]
+    return [by_group[i] for i in sorted(by_group)]
