@@ -30,7 +30,6 @@ for a bucket's buffers and [Note: bucket buffers] (zero/bucket_grads.py) for the
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 
 import torch
@@ -43,13 +42,14 @@ from zerofuse.zero.bucket_grads import LOW_PRECISION
 from zerofuse.zero.buckets import Bucket
 from zerofuse.zero.fixed_layout import TrainableCheck, guard_conversions
 from zerofuse.zero.full_params import FullParams
-from zerofuse.zero.grads import SHARDED, close_dead_backward, gathered_grads, install_clip_warning, reset_backward
+from zerofuse.zero.grads import SHARDED, gathered_grads, install_clip_warning, reset_backward
 from zerofuse.zero.layout import (bucket_groups, check_groups_disjoint, check_same_layout, check_same_values,
                                   unit_groups, values_digest)
 from zerofuse.zero.experts import ExpertLayout
 from zerofuse.zero.materialize import Initializer, materialize_rest
 from zerofuse.zero.offload import auto_ratio, host_units
 from zerofuse.zero.options import PRECISIONS, check_args
+from zerofuse.zero.param_sync import ParamSync
 from zerofuse.zero.stage3 import Stage3Hooks
 from zerofuse.zero.unused import FindUnused
 from zerofuse.zero.world_of_one import WorldOfOne
@@ -57,7 +57,7 @@ from zerofuse.zero.world_of_one import WorldOfOne
 ALIGN = 128
 
 
-class ZeroEngine(ExpertLayout, FindUnused, FullParams, Stage3Hooks, WorldOfOne):
+class ZeroEngine(ExpertLayout, FindUnused, FullParams, ParamSync, Stage3Hooks, WorldOfOne):
 
     def __init__(self, model, *, stage, group, precision, reduce_dtype, bucket_mb, overlap, prefetch, wrap,
                  reshard_after_forward=True, tp_group=None, max_inflight=2, device=None, param_init_fn=None,
@@ -371,43 +371,6 @@ class ZeroEngine(ExpertLayout, FindUnused, FullParams, Stage3Hooks, WorldOfOne):
         for u in self.units:
             u.zero_grad(set_to_none)
         self.release_grads()
-
-    # ------------------------------------------------------------------ params, stage 1/2
-
-    def start_param_sync(self) -> None:
-        """All-gather every unit's updated shard (forward order first); waited per module by the
-        forward pre-hooks, or by finish_param_sync."""
-        if self.stage == 0:  # every rank stepped the whole buffer
-            return
-        self.buckets.start_param_sync()
-        if not self.overlap or self.param_gather == "step":
-            self.finish_param_sync()
-
-    def finish_param_sync(self) -> None:
-        self.buckets.finish_param_sync()
-
-    def _install_param_wait_hooks(self, model) -> None:
-        self._hooks.append(model.register_forward_pre_hook(functools.partial(close_dead_backward, self)))
-        if self.param_gather != "module" or self.stage == 0:  # (whole when the step returns)
-            return
-        # param_gather="module": a state_dict (torch.save after a step) waits for every gather too, and
-        # so does a load (the gathers landed on top of the loaded values: ranks apart, silently)
-        self._hooks.append(model.register_state_dict_pre_hook(lambda *_: self.finish_param_sync()))
-        self._hooks.append(model.register_load_state_dict_pre_hook(lambda *_: self.finish_param_sync()))
-        for m in model.modules():
-            units = []
-            for p in m.parameters(recurse=False):
-                if id(p) in self.unit_of and self.unit_of[id(p)][0] not in units:
-                    units.append(self.unit_of[id(p)][0])
-            if units:
-                self._hooks.append(m.register_forward_pre_hook(self._make_wait_hook(units)))
-
-    def _make_wait_hook(self, units):
-        def hook(_mod, _args):
-            for u in units:
-                u.finish_param_sync(self.comm)
-
-        return hook
 
     # ------------------------------------------------------------------ state
 
