@@ -13,7 +13,7 @@ import torch.distributed as dist
 import zerofuse
 from zerofuse.models import GPT, GPTConfig
 
-from dist_utils import run_distributed
+from dist_utils import error_text, run_distributed
 from tolerances import assert_close_training
 
 pytestmark = pytest.mark.usefixtures("native_kernels")
@@ -185,7 +185,6 @@ def test_checkpoint_across_ep_sizes(tmp_path, save_at, load_at):
 
 
 def _frozen_experts_rank(rank, ws, path, fmt):
-    from dist_utils import error_text
     from zerofuse import checkpoint
     from zerofuse.parallel import init_mesh
 
@@ -210,6 +209,23 @@ def test_frozen_expert_parallel_params_are_refused_by_checkpoints(tmp_path, fmt)
             assert "expert-parallel params that do not train (['blocks.0.mlp.w1'" in got and \
                 "are not saved or loaded yet" in got, outs
     assert not (tmp_path / "ck").exists()
+
+
+def _strided_ep_groups_rank(rank, ws):
+    from zerofuse.moe import MoE
+    eps = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    edps = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    layer = MoE(8, 6, 4, 2, ep_group=eps[rank % 2])
+    return error_text(lambda: zerofuse.zero.parallelize(layer, stage=1, expert_group=edps[rank // 2]))
+
+
+def test_expert_groups_not_laid_out_as_init_mesh_are_refused():
+    """ep groups {0, 2}, {1, 3} (edp {0, 1}, {2, 3}) trained, but checkpoints' tables assume init_mesh's
+    layout: a save and a resume at the same layout gave the ranks other experts' weights, silently
+    (a review's reproduction, 2026-12-07). Refused by parallelize on every rank, naming the layout."""
+    for got in run_distributed(_strided_ep_groups_rank, 4, timeout=120):
+        assert "expected the expert-parallel groups laid out as zerofuse.parallel.init_mesh" in got, got
+        assert "dp rank 1: edp rank 1, ep rank 0; dp rank 2: edp rank 0, ep rank 1" in got, got
 
 
 def test_router_loss_figures_are_the_mean_over_forwards():

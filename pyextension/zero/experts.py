@@ -6,9 +6,11 @@ stage 3 keeps a wrapped module's experts in a companion unit gathered and freed 
 already sums the tokens of its ep group."""
 from __future__ import annotations
 
+import torch
+
 from zerofuse.comm import Communicator
 from zerofuse.zero.buckets import Bucket
-from zerofuse.zero.layout import bucket_groups
+from zerofuse.zero.layout import gather_rows, bucket_groups
 
 
 class ExpertLayout:
@@ -37,6 +39,22 @@ class ExpertLayout:
         if self.edp_comm.world_size * ep != self.world_size:
             raise ValueError(f"{name}: expected the expert-data-parallel group ({self.edp_comm.world_size} ranks) "
                              f"times the expert-parallel size ({ep}) to be the data-parallel size {self.world_size}")
+        self._check_expert_mesh(ep, name)
+
+    def _check_expert_mesh(self, ep: int, name: str) -> None:
+        """Every rank's groups must be laid out as [Note: expert-parallel mesh] (zerofuse/parallel.py)
+        says, dp_rank = edp_rank * ep + ep_rank, which checkpoints' tables of pieces assume: groups
+        built otherwise (ep groups {0, 2}, {1, 3}) saved and resumed other experts' weights, silently
+        (a review's reproduction, 2026-12-07). One all-gather over the DP group, at setup."""
+        ep_ranks = {p._zf_ep.rank for p, e in zip(self.params, self.expert) if e}
+        mine = torch.tensor([self.rank, self.edp_comm.rank, min(ep_ranks), max(ep_ranks)], dtype=torch.int64)
+        rows = gather_rows(mine, self.comm).tolist()
+        bad = [f"dp rank {r}: edp rank {e}, ep rank {lo}" + (f"..{hi}" if hi != lo else "")
+               for r, e, lo, hi in rows if lo != hi or r != e * ep + lo]
+        if bad:
+            raise ValueError(f"{name}: expected the expert-parallel groups laid out as zerofuse.parallel.init_mesh "
+                             f"makes them (dp_rank = edp_rank * ep + ep_rank, ep={ep}: ep groups of adjacent DP ranks, "
+                             f"every MoE layer over the same ep group), got {'; '.join(bad)}")
 
     def _build_expert_buckets(self, named, bucket_mb, kw) -> None:
         """Stages 0-2: the expert params' buckets, over the expert-DP group."""

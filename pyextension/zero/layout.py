@@ -99,14 +99,14 @@ def check_same_layout(units, comm, settings: tuple, who: str) -> None:
     sig = repr(([(u.names, u.padded) for u in units], settings)).encode()
     digest = int.from_bytes(hashlib.blake2b(sig, digest_size=7).digest(), "little")  # exact in int64
     numel = sum(u.padded for u in units)
-    rows = _gather_rows(torch.tensor([digest, len(units), numel], dtype=torch.int64), comm).tolist()
+    rows = gather_rows(torch.tensor([digest, len(units), numel], dtype=torch.int64), comm).tolist()
     if any(row != rows[0] for row in rows):
         seen = "; ".join(f"rank {r}: {n} units of {e} elements, digest {d:014x}" for r, (d, n, e) in enumerate(rows))
         raise ValueError(f"{who}: expected the same model and settings on every rank of the group, got layouts that "
                          f"differ ({seen})")
 
 
-def _gather_rows(mine: torch.Tensor, comm) -> torch.Tensor:
+def gather_rows(mine: torch.Tensor, comm) -> torch.Tensor:
     """Every rank's int64 tensor ``mine`` (the same shape on each) over comm's group: (world, *shape)
     on the CPU; one all-gather on the group's device (NCCL's: the current CUDA device)."""
     nccl = str(dist.get_backend(comm.group)) == "nccl"
@@ -155,7 +155,7 @@ def check_same_values(digest: torch.Tensor, names, comm, who: str) -> None:
     the params. One all-gather, at setup."""
     if comm.world_size == 1 or digest.numel() == 0:
         return
-    every = _gather_rows(digest, comm)
+    every = gather_rows(digest, comm)
     same = every == every[0]
     differ = [names[i] for i in range(len(names)) if not bool(same[:, i].all())]
     if differ:
