@@ -231,8 +231,8 @@ def moe_route(logits, top_k, score="softmax", normalize=True, bias=None):
     choice = scores if bias is None else scores + bias.double()
     experts = torch.topk(choice, top_k, dim=-1, sorted=True).indices
     weights = scores.gather(1, experts)
-    if normalize and top_k > 1:
-        weights = weights / weights.sum(-1, keepdim=True)
+    if normalize and top_k > 1:  # (+ 1e-20: Megatron's; the router's, where fp32 sigmoid scores underflow)
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
     return weights, experts
 
 

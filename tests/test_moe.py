@@ -3,6 +3,9 @@ counts, top-k 1/2/4, empty experts, dropped choices, fp32/bf16, both paths, forw
 op checks; the router against its reference and its balancing terms; the MoE layer against a loop
 over the experts."""
 import math
+import re
+
+import numpy as np
 
 import pytest
 import torch
@@ -246,6 +249,35 @@ def test_router_bad_options_are_refused(kwargs):
         return
     with pytest.raises(ValueError, match="zerofuse.moe.Router: expected"):
         Router(8, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs, err, want", [
+    (dict(dim=-1), ValueError, "expected dim >= 1, got -1"), (dict(dim=0), ValueError, "expected dim >= 1, got 0"),
+    (dict(normalize="no"), TypeError, "expected normalize to be a bool, got 'no'"),
+    (dict(aux_loss_coef=True), TypeError, "expected aux_loss_coef to be a number, got True"),
+    (dict(capacity_factor=True), TypeError, "expected capacity_factor to be a number, got True"),
+    (dict(z_loss_coef=torch.tensor(0.1)), TypeError, "expected z_loss_coef to be a number, got tensor"),
+    (dict(aux_loss_coef=float("nan")), ValueError, "expected aux_loss_coef >= 0, got nan")])
+def test_router_arguments_are_checked_by_name(kwargs, err, want):
+    """A review's reproductions (2026-12-07): dim -1 failed inside torch, dim 0, normalize="no" and
+    True as a coefficient were taken; a numpy or tensor coefficient was called "< 0"."""
+    with pytest.raises(err, match=re.escape(want)):
+        Router(**({"dim": 8, "num_experts": 4, "top_k": 2} | kwargs))
+    if "aux_loss_coef" in kwargs and kwargs["aux_loss_coef"] is True:  # numpy's floats are numbers
+        assert Router(8, 4, 2, aux_loss_coef=np.float32(0.5)).aux_loss_coef == 0.5
+
+
+@pytest.mark.parametrize("aux", [0.0, 1e-2])
+def test_sigmoid_scores_underflowing_give_finite_weights(aux):
+    """fp32 sigmoid scores of very negative logits are 0: the normalized top-k weights were 0/0, NaN
+    (a review's reproduction, 2026-12-07); the sum gets Megatron's 1e-20, as the reference."""
+    r = Router(2, 4, 2, score="sigmoid", aux_loss_coef=aux)
+    with torch.no_grad():
+        r.weight.fill_(-100.0)
+    out = r(torch.full((3, 2), 1.0, requires_grad=True))
+    assert torch.isfinite(out.weights).all() and torch.isfinite(out.aux_loss)
+    want, _ = reference.moe_route(torch.full((3, 4), -800.0), 2, "sigmoid")
+    assert torch.isfinite(want).all()
 
 
 def _loop_moe(m: MoE, x: torch.Tensor) -> torch.Tensor:

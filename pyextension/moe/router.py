@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 NAME = "zerofuse.moe.Router"
+SUM_EPS = 1e-20  # added to a sum of sigmoid scores before dividing by it (Megatron-Core's)
 
 
 class Routing(NamedTuple):
@@ -52,8 +53,11 @@ class Router(torch.nn.Module):
         for name, v in (("dim", dim), ("num_experts", num_experts), ("top_k", top_k)):
             if isinstance(v, bool) or not isinstance(v, numbers.Integral):  # (a float top_k failed in torch.topk)
                 raise TypeError(f"{NAME}: expected {name} to be an int, got {v!r}")
-        if num_experts < 1:
-            raise ValueError(f"{NAME}: expected num_experts >= 1, got {num_experts}")
+        for name, v in (("dim", dim), ("num_experts", num_experts)):
+            if v < 1:  # (dim -1 failed inside torch, naming no argument; dim 0 was taken)
+                raise ValueError(f"{NAME}: expected {name} >= 1, got {v}")
+        if not isinstance(normalize, bool):  # ("no" was taken as true)
+            raise TypeError(f"{NAME}: expected normalize to be a bool, got {normalize!r}")
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"{NAME}: expected 1 <= top_k <= num_experts ({num_experts}), got {top_k}")
         if score not in ("softmax", "sigmoid"):
@@ -63,7 +67,9 @@ class Router(torch.nn.Module):
         self.aux_loss_scope = aux_loss_scope
         for name, v in (("aux_loss_coef", aux_loss_coef), ("z_loss_coef", z_loss_coef),
                         ("bias_update_rate", bias_update_rate), ("capacity_factor", capacity_factor)):
-            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+            if isinstance(v, bool) or not isinstance(v, numbers.Real):  # (True was taken as 1.0; numpy's
+                raise TypeError(f"{NAME}: expected {name} to be a number, got {v!r}")  # floats refused as < 0)
+            if not (math.isfinite(v) and v >= 0):
                 raise ValueError(f"{NAME}: expected {name} >= 0, got {v!r}")
         self.num_experts, self.top_k, self.score, self.normalize = num_experts, top_k, score, normalize
         self.aux_loss_coef, self.z_loss_coef = float(aux_loss_coef), float(z_loss_coef)
@@ -126,15 +132,15 @@ class Router(torch.nn.Module):
         choice = scores + self.expert_bias if self.bias_update_rate > 0 else scores
         experts = torch.topk(choice.detach(), self.top_k, dim=-1, sorted=True).indices
         weights = scores.gather(1, experts)
-        if self.normalize and self.top_k > 1:
-            weights = weights / weights.sum(-1, keepdim=True)
+        if self.normalize and self.top_k > 1:  # (+ SUM_EPS: sigmoid scores underflowing to 0 gave 0/0, NaN)
+            weights = weights / (weights.sum(-1, keepdim=True) + SUM_EPS)
         e = self.num_experts
         load = torch.bincount(experts.reshape(-1), minlength=e)
         zero = logits.new_zeros(())
         aux = zero
         tokens = x.shape[0]
         if self.aux_loss_coef > 0:
-            p = scores if self.score == "softmax" else scores / scores.sum(-1, keepdim=True)
+            p = scores if self.score == "softmax" else scores / (scores.sum(-1, keepdim=True) + SUM_EPS)
             # f_e counts the router's own choices, without the balancing bias (Megatron-Core's
             # compute_routing_scores_for_aux_loss, DeepSeek-V3 eq. 18): counted after the bias,
             # the loss pushed against it (a review's reproduction, 2026-12-06)
