@@ -130,6 +130,27 @@ def test_generate_greedy_and_its_arguments():
             model.generate(kw.pop("idx"), kw.pop("max_new_tokens"), **kw)
 
 
+def test_generate_draws_only_ids_below_vocab_size():
+    """A padded vocabulary (GPT-2's 50257 of 50304): its padding ids were drawn and fed back, and the
+    job's sample dropped them silently (a review's reproduction, 2026-12-07). vocab_size=60 of 65
+    with the padding's logits the largest: none drawn, greedy or sampled; bad values named."""
+    model = GPT(GPTConfig(**SMALL), seed=0)
+    forward = model.forward
+    def loud_padding(i, *a, **k):
+        logits, loss = forward(i, *a, **k)
+        return logits.index_fill(-1, torch.arange(60, 65), 50.0), loss
+    model.forward = loud_padding
+    idx = torch.randint(0, 60, (4, 3), generator=torch.Generator().manual_seed(2))
+    for t in (0.0, 1.0):
+        out = model.generate(idx, 8, temperature=t, vocab_size=60, generator=torch.Generator().manual_seed(3))
+        assert out.shape == (4, 11) and int(out[:, 3:].max()) < 60, out
+    assert int(model.generate(idx, 4, temperature=0.0)[:, 3:].min()) >= 60  # (without it: the padding wins)
+    for bad in (0, 66, True, 60.0):
+        with pytest.raises(ValueError, match=r"expected vocab_size to be an int in \[1, 65\] \(the model's "
+                                             rf"vocabulary\) or None, got {bad!r}"):
+            model.generate(idx, 1, vocab_size=bad)
+
+
 @pytest.mark.parametrize("fused", [True, False], ids=["fused_loss", "unfused_loss"])
 def test_targets_and_idx_of_other_shapes_are_refused(fused):
     """The unfused loss reshaped the logits by the targets' shape: targets (2, 5) for idx (2, 10)

@@ -42,6 +42,9 @@ def test_llmc_and_raw_shards_read_the_same_tokens(tmp_path):
     ("truncate", r"header says 5000 tokens \(11024 bytes with the header\), the file has 11000 bytes"),
     ("version", r"llm.c token file version 7; expected 1"),
     ("odd", r"expected an llm.c token file \(magic 20240520\) or a raw uint16 array .* got 9 bytes"),
+    # the magic's low half 1000 (a review's reproduction, 2026-12-07: the header trained on as 512 tokens)
+    ("magic", r"its header reads as llm.c's \(version 1, 5000 tokens, the file's size\) but its magic is "
+              r"20186088; expected 20240520 \(a damaged file\)"),
 ])
 def test_bad_shards_name_the_file_and_the_fault(tmp_path, damage, message):
     path = tmp_path / "x.bin"
@@ -51,6 +54,10 @@ def test_bad_shards_name_the_file_and_the_fault(tmp_path, damage, message):
     elif damage == "version":
         b = bytearray(path.read_bytes())
         b[4:8] = np.int32(7).tobytes()
+        path.write_bytes(bytes(b))
+    elif damage == "magic":
+        b = bytearray(path.read_bytes())
+        b[0:2] = np.uint16(1000).tobytes()
         path.write_bytes(bytes(b))
     else:
         path.write_bytes(b"123456789")

@@ -8,11 +8,15 @@ import torch
 from torch import Tensor
 
 
-def sample(model, idx, max_new_tokens, temperature, top_k, generator):
-    """The sampling loop of GPT.generate (its arguments checked by check_generate)."""
+def sample(model, idx, max_new_tokens, temperature, top_k, generator, vocab_size=None):
+    """The sampling loop of GPT.generate (its arguments checked by check_generate). vocab_size: only
+    ids below it are drawn (a padded vocabulary's padding ids, GPT-2's 50257..50303, were drawn
+    and fed back: a review's reproduction, 2026-12-07)."""
     for _ in range(max_new_tokens):
         logits, _ = model(idx[:, -model.config.seq_len:])
         logits = model.gather_logits(logits[:, -1, :].contiguous()).float()
+        if vocab_size is not None:
+            logits = logits[:, :vocab_size]
         # (logits / 1e-6 before: a coin flip between logits a few ulps apart; a temperature fp32 takes
         # for 0, 1e-46, divided the logits by zero)
         if temperature == 0 or torch.tensor(temperature, dtype=logits.dtype).item() == 0:
@@ -29,7 +33,7 @@ def sample(model, idx, max_new_tokens, temperature, top_k, generator):
     return idx
 
 
-def check_generate(idx, max_new_tokens, temperature, top_k) -> None:
+def check_generate(idx, max_new_tokens, temperature, top_k, vocab_size=None, model_vocab=None) -> None:
     """generate's arguments (torch's errors deep in the loop before, or a silent greedy/no-op run)."""
     who = "zerofuse.models.GPT.generate"
     if not isinstance(idx, Tensor) or idx.dim() != 2 or idx.shape[1] < 1 or idx.dtype not in (torch.int64, torch.int32):
@@ -40,5 +44,9 @@ def check_generate(idx, max_new_tokens, temperature, top_k) -> None:
                                                    or v < low):
             raise ValueError(f"{who}: expected {name} to be an int >= {low}{' or None' if name == 'top_k' else ''}, "
                              f"got {v!r}")
+    if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, numbers.Integral)
+                                   or not 1 <= vocab_size <= model_vocab):
+        raise ValueError(f"{who}: expected vocab_size to be an int in [1, {model_vocab}] (the model's vocabulary) "
+                         f"or None, got {vocab_size!r}")
     if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not 0 <= temperature < math.inf:
         raise ValueError(f"{who}: expected temperature to be a finite number >= 0 (0: greedy), got {temperature!r}")

@@ -365,13 +365,14 @@ class GPT(KeepsMarks, torch.nn.Module):
 
     @torch.no_grad()
     def generate(self, idx: Tensor, max_new_tokens: int, *, temperature: float = 1.0, top_k: int | None = None,
-                 generator: torch.Generator | None = None) -> Tensor:
+                 generator: torch.Generator | None = None, vocab_size: int | None = None) -> Tensor:
         """Sample max_new_tokens tokens after idx (B, N); returns (B, N + max_new_tokens). temperature 0:
-        greedy (the argmax; no random numbers drawn). With tensor parallelism every TP rank calls it
+        greedy (the argmax; no random numbers drawn). vocab_size: draw only ids below it (a padded
+        vocabulary's real size, GPT-2's 50257 of 50304). With tensor parallelism every TP rank calls it
         with the same idx and generator state."""
-        check_generate(idx, max_new_tokens, temperature, top_k)
+        check_generate(idx, max_new_tokens, temperature, top_k, vocab_size, self.config.vocab_size)
         with self._sequence_parallel_off():  # any length: the sequence is not sharded here
-            return sample(self, idx, max_new_tokens, temperature, top_k, generator)
+            return sample(self, idx, max_new_tokens, temperature, top_k, generator, vocab_size)
 
 
 # GPTConfig, PRESETS and config live in presets.py; importable from here as before

@@ -186,7 +186,8 @@ class Trainer:
         prompt = self.corpus.prompt()
         idx = torch.tensor([prompt], dtype=torch.long, device=self.device)
         g = torch.Generator().manual_seed(args.seed)
-        out = self.model.generate(idx, args.sample_tokens, temperature=0.8, top_k=40, generator=g)
+        out = self.model.generate(idx, args.sample_tokens, temperature=0.8, top_k=40, generator=g,
+                                  vocab_size=self.corpus.vocab_size)  # (not GPT-2's padding ids)
         return self.corpus.decode(out[0, len(prompt):].tolist())
 
     # ------------------------------------------------------------------ the job

@@ -127,6 +127,11 @@ def read_shard(path, flag: str = "--data") -> np.ndarray:
                              f"with the header), the file has {size} bytes (truncated or not an llm.c file)")
         offset = HEADER_BYTES
     else:
+        if len(head) >= 3 and head[1] == VERSION and head[2] >= 0 and size == HEADER_BYTES + 2 * int(head[2]):
+            # (a damaged magic whose low half stayed below the vocabulary: the header was trained on as
+            # 512 tokens, silently; a review's reproduction, 2026-12-07)
+            raise ValueError(f"{flag}: {path}: its header reads as llm.c's (version {VERSION}, {int(head[2])} tokens, "
+                             f"the file's size) but its magic is {int(head[0])}; expected {MAGIC} (a damaged file)")
         other = _not_tokens(raw)
         if other is not None:
             raise ValueError(f"{flag}: {path}: expected an llm.c token file (magic {MAGIC}) or a raw uint16 array, "
