@@ -354,3 +354,57 @@ def test_an_evaluation_that_raised_on_the_last_stage_fails_its_peers_at_the_time
                            "batch, every rank passes it), got list"], rank
     assert last[1] == "ValueError: bad eval batch", last
     assert "zerofuse.comm: all_reduce_coalesced" in first[1] and first[2] < 10, first
+
+
+def _apart_rank(rank, ws, case):
+    import time
+
+    from dist_utils import error_text
+    from zerofuse.comm import Communicator
+    from zerofuse.pipeline import Pipeline, split_modules
+
+    stages = split_modules(_mlp(), ws, [rank], loss_fn=_mse)
+    comm = Communicator(None, timeout=20)
+    if case == "eval_vs_step":
+        pipe = Pipeline(stages, schedule="1f1b", microbatches=2, comm=comm)
+        x, t = _data()
+        t0 = time.monotonic()
+        err = error_text(lambda: pipe.step(x, t) if rank == 0 else pipe.forward_only(x, t))
+        return err, time.monotonic() - t0
+    schedule, micro = {"microbatches": ("1f1b", 4 - 2 * rank), "schedule": (("1f1b", "gpipe")[rank], 2)}[case]
+    t0 = time.monotonic()
+    err = error_text(lambda: Pipeline(stages, schedule=schedule, microbatches=micro, comm=comm))
+    return err, time.monotonic() - t0
+
+
+@pytest.mark.parametrize("case", ["microbatches", "schedule", "eval_vs_step"])
+def test_ranks_built_or_called_apart_fail_by_name_or_at_the_timeout(case):
+    """Ranks given other microbatches or schedules waited out the communicator's timeout on a receive
+    that never came; one rank in step and its peer in forward_only had gloo abort a process (a tag of
+    another size; a review's reproductions, 2026-12-07). Now: refused at construction on every rank,
+    naming each rank's settings; a step against an evaluation fails at the timeout, as a hang does."""
+    outs = run_distributed(_apart_rank, 2, case, timeout=150)
+    for err, seconds in outs:
+        if case == "eval_vs_step":
+            assert err and seconds < 60, outs
+            continue
+        assert "expected the same schedule, microbatches and split on every pipeline rank" in err, outs
+        want = ("rank 0: schedule '1f1b', microbatches 4" if case == "microbatches"
+                else "rank 1: schedule 'gpipe', microbatches 2")
+        assert want in err and seconds < 10, outs
+
+
+def test_stages_and_microbatches_of_the_wrong_kind_are_named():
+    """A module or None as a stage failed with a bare AttributeError; microbatches=0 was named 'm' (a
+    review's reproductions, 2026-12-07)."""
+    from zerofuse.pipeline import Pipeline, split_modules
+
+    for bad, msg in (([None], r"expected stages to be zerofuse.pipeline.Stage \(from split_gpt or split_modules\), "
+                               r"got \['NoneType'\]"),
+                     ([torch.nn.Linear(2, 2)], r"got \['Linear'\]")):
+        with pytest.raises(ValueError, match=msg):
+            Pipeline(bad, microbatches=2)
+    stages = split_modules(_mlp(), 1, [0], loss_fn=_mse)
+    for m in (0, 2.0, True):
+        with pytest.raises(ValueError, match=rf"expected microbatches to be an int >= 1, got {m!r}"):
+            Pipeline(stages, microbatches=m)

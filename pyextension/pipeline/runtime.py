@@ -31,6 +31,7 @@ schedule's REDUCE_GRAD), overlapping the rest of the pipeline's backward.
 from __future__ import annotations
 
 import contextlib
+import numbers
 import time
 
 import torch
@@ -38,7 +39,8 @@ import torch
 from zerofuse.comm import Communicator
 from zerofuse.pipeline.backward import Backwards
 from zerofuse.pipeline.forward import NAME, Forwards
-from zerofuse.pipeline.schedules import build_schedule, stage_to_rank
+from zerofuse.pipeline.schedules import SCHEDULES, build_schedule, stage_to_rank
+from zerofuse.pipeline.stage import Stage
 from zerofuse.pipeline.transfers import Transfers
 from zerofuse.pipeline.zb import ZeroBubble
 
@@ -86,6 +88,11 @@ class Pipeline(Transfers, Forwards, Backwards):
         stages = list(stages)
         if not stages:
             raise ValueError(f"{NAME}: expected at least one stage, got none")
+        if bad := [type(s).__name__ for s in stages if not isinstance(s, Stage)]:  # (a bare AttributeError before)
+            raise ValueError(f"{NAME}: expected stages to be zerofuse.pipeline.Stage (from split_gpt or split_modules), "
+                             f"got {bad}")
+        if isinstance(microbatches, bool) or not isinstance(microbatches, numbers.Integral) or microbatches < 1:
+            raise ValueError(f"{NAME}: expected microbatches to be an int >= 1, got {microbatches!r}")
         self.group = group
         self.comm = comm or Communicator(group)
         p, r = self.comm.world_size, self.comm.rank
@@ -101,8 +108,10 @@ class Pipeline(Transfers, Forwards, Backwards):
         self.stages = {s.index: s for s in stages}
         self.p, self.v, self.m, self.num_stages, self.rank = p, v, microbatches, num, r
         self._broken: str | None = None  # the error of a step that raised midway (_refuse_broken)
+        self._tag_base = 0  # (Transfers._tag: forward_only's tags after step's)
         self.schedule = schedule
         self.actions = build_schedule(schedule, p, microbatches, v)[r]
+        self._agree_settings()
         last = {}
         for i, a in enumerate(self.actions):
             if a.kind in ("B", "W"):
@@ -170,6 +179,22 @@ class Pipeline(Transfers, Forwards, Backwards):
 
     # ------------------------------------------------------------------ zero-bubble hooks
 
+
+    def _agree_settings(self) -> None:
+        """At construction, the pipeline's ranks compare their schedule, micro-batch count and stages:
+        ranks built apart (microbatches 4 and 2, or 1f1b and gpipe) waited out the communicator's
+        timeout on a receive that never came, or gloo aborted a process on a transfer's tag reused
+        for another size (a review's reproduction, 2026-12-07). One all-gather, refused on every rank."""
+        if self.p == 1:
+            return
+        from zerofuse.zero.layout import gather_rows  # noqa: PLC0415
+        mine = torch.tensor([SCHEDULES.index(self.schedule), self.m, self.v, self.num_stages], dtype=torch.int64)
+        rows = gather_rows(mine, self.comm).tolist()
+        if any(row != rows[0] for row in rows):
+            seen = "; ".join(f"rank {r}: schedule {SCHEDULES[s]!r}, microbatches {m}, {v} stage(s) of {n}"
+                             for r, (s, m, v, n) in enumerate(rows))
+            raise ValueError(f"{NAME}: expected the same schedule, microbatches and split on every pipeline rank, got "
+                             f"{seen}")
     def _check_no_recompute(self) -> None:
         """'zb' and activation checkpointing: its W pass is a second backward through each block,
         module by module: full checkpointing recomputed every block once per module with params
@@ -295,6 +320,7 @@ class Pipeline(Transfers, Forwards, Backwards):
         self._set_batch(idx)
         self._inputs, self._outputs, self._losses, self._recv, self._sends, self._posted = {}, {}, {}, {}, [], {}
         m, self.m = self.m, 1
+        self._tag_base = 4 * self.num_stages * m + 3  # (after step's tags and _tied_tag's)
         try:
             for s in sorted(self.stages):
                 if s > 0 and s - 1 not in self.stages:
@@ -310,7 +336,7 @@ class Pipeline(Transfers, Forwards, Backwards):
             self._mark_broken(e)
             raise
         finally:
-            self.m = m
+            self.m, self._tag_base = m, 0
             self._inputs, self._outputs = {}, {}
 
     def _mark_broken(self, e: BaseException) -> None:

@@ -49,8 +49,10 @@ class Transfers:
     end) and _posted (receives posted ahead, by key)."""
 
     def _tag(self, kind: str, stage: int, mb: int, is_header: bool = False) -> int:
-        """gloo's tag of a transfer: unique per (direction, stage, micro-batch, header or data) in a step."""
-        return ((stage * 2 + (kind == "B")) * 2 + is_header) * self.m + mb
+        """gloo's tag of a transfer: unique per (direction, stage, micro-batch, header or data) in a step;
+        forward_only's after step's and the tied embedding's (_tag_base: a rank evaluating while its
+        peer stepped matched a step's tag of another size, and gloo aborted the process)."""
+        return ((stage * 2 + (kind == "B")) * 2 + is_header) * self.m + mb + self._tag_base
 
     def _spec(self, stage: int):
         return self._specs.get((stage, self._mb_shape, self._mode))
