@@ -14,17 +14,32 @@ class LayerNorm(torch.nn.LayerNorm):
     def forward(self, input: Tensor, residual: Tensor | None = None, *, input_bias: Tensor | None = None):
         """norm(input), or (norm(h), h) with h = input + residual; input_bias: see
         zerofuse.nn.functional.add_layer_norm (with a residual only)."""
-        if residual is None:
-            return F.layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps)
-        return F.add_layer_norm(input, residual, self.normalized_shape, self.weight, self.bias, self.eps,
-                                input_bias=input_bias)
+        return _layer_norm(input, residual, self.normalized_shape, self.weight, self.bias, self.eps, input_bias)
 
 
 class RMSNorm(torch.nn.RMSNorm):
     def forward(self, input: Tensor, residual: Tensor | None = None, *, input_bias: Tensor | None = None):
-        if residual is None:
-            return F.rms_norm(input, self.normalized_shape, self.weight, self.eps)
-        return F.add_rms_norm(input, residual, self.normalized_shape, self.weight, self.eps, input_bias=input_bias)
+        return _rms_norm(input, residual, self.normalized_shape, self.weight, self.eps, input_bias)
+
+
+def _layer_norm(input, residual, normalized_shape, weight, bias, eps, input_bias):
+    if residual is None:
+        return F.layer_norm(input, normalized_shape, weight, bias, eps)
+    return F.add_layer_norm(input, residual, normalized_shape, weight, bias, eps, input_bias=input_bias)
+
+
+def _rms_norm(input, residual, normalized_shape, weight, eps, input_bias):
+    if residual is None:
+        return F.rms_norm(input, normalized_shape, weight, eps)
+    return F.add_rms_norm(input, residual, normalized_shape, weight, eps, input_bias=input_bias)
+
+
+# torch.fx records the modules' forwards as these calls (residual or not decided when the graph runs):
+# a norm traced as the root took its residual=None for a placeholder, and its graph returned
+# (norm(h), h) for one input
+for _name in ("_layer_norm", "_rms_norm"):
+    torch.fx.wrap(_name)
+del _name
 
 
 def _swap(mod: torch.nn.Module) -> None:
