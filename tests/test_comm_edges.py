@@ -123,3 +123,66 @@ def test_a_work_waited_from_two_threads_and_an_out_shard_requiring_grad():
     for bad, err, out in run_distributed(_threads_and_grads, 2, timeout=240):
         assert bad == [] and err == "no error"
         assert out == [3.0] * 4
+
+
+def _refusals(rank, ws):
+    """Each refused at the call, on every rank alike (nothing launched: the communicator stays usable)."""
+    import torch.distributed as dist
+
+    from zerofuse.comm import Communicator, P2POp
+
+    comm = Communicator(timeout=30)
+    out = {}
+    out["fp32 sum int64"] = error_text(lambda: comm.reduce_scatter_fp32_sum(torch.ones(2 * ws, dtype=torch.int64)))
+    out["fp32 sum float64"] = error_text(lambda: comm.reduce_scatter_fp32_sum(torch.ones(2 * ws, dtype=torch.float64)))
+    x = torch.zeros(4)
+    out["transposed overlap"] = error_text(lambda: comm.all_gather_coalesced(torch.ones(4 // ws), [x.view(2, 2).t(), x]))
+    y = torch.ones(4)
+    comm.all_reduce_coalesced([y[::2], y[1::2]]).wait()  # interleaved: no element shared, allowed
+    out["interleaved"] = y.tolist()
+    z = torch.full((8,), float(rank))
+    peer = 1 - rank
+    out["p2p same buffer"] = error_text(lambda: comm.batch_p2p([P2POp("send", z, peer), P2POp("recv", z[2:6], peer)]))
+    out["p2p tag"] = error_text(lambda: comm.send(z, peer, tag=2 ** 31))
+    out["p2p peer"] = error_text(lambda: comm.send(z, 2 ** 40))
+    out["torch op"] = error_text(lambda: comm.all_reduce_coalesced([torch.ones(2)], op=dist.ReduceOp.SUM))
+    out["rs op"] = error_text(lambda: comm.reduce_scatter_coalesced([torch.ones(2 * ws)], torch.ones(2), op=None))
+    for bad in (["a", 1], [None, 1], [float("nan"), 1]):
+        out[f"splits {bad[0]}"] = error_text(lambda: comm.all_to_all(torch.empty(2), torch.ones(2), [1, 1], bad))
+    w = torch.ones(3)
+    comm.all_reduce_coalesced([w]).wait()
+    out["after"] = w.tolist()
+    return out
+
+
+@pytest.mark.parametrize("ws", [1, 2])
+def test_bad_calls_are_refused_at_the_call_by_name(ws):
+    """A review's reproductions (2026-12-07): reduce_scatter_fp32_sum summed int64 and float64 in fp32
+    (2**40 + 1 came back 2**40, silently); written tensors overlapping through a transpose were refused
+    at wait(), after the collective; a send and a receive on one buffer corrupted every element; torch's
+    ReduceOp, a tag or peer past int32, and splits of "a" or None failed in pybind's or int()'s words."""
+    outs = run_distributed(_refusals, ws, timeout=120)
+    for r in outs:
+        for dt in ("int64", "float64"):
+            assert r[f"fp32 sum {dt}"] == ("ValueError: zerofuse.comm.reduce_scatter_fp32_sum: expected flat bf16, "
+                                           f"fp16 or fp32 (summed in fp32), got torch.{dt}; reduce_scatter_coalesced "
+                                           "sums it in its own dtype"), r
+        assert r["transposed overlap"] == ("ValueError: zerofuse.comm.all_gather_coalesced: expected tensors[0] and "
+                                           "tensors[1] not to share memory (both are written), got tensors that "
+                                           "overlap"), r
+        assert r["interleaved"] == [float(ws)] * 4, r
+        assert r["torch op"].startswith("ValueError: zerofuse.comm.all_reduce_coalesced: expected op 'sum', 'avg', "
+                                        "'max' or 'min', got <RedOpType.SUM"), r
+        assert r["rs op"] == ("ValueError: zerofuse.comm.reduce_scatter_coalesced: expected op 'sum', 'avg', 'max' or "
+                              "'min', got None"), r
+        for bad in ("a", None, "nan"):
+            assert r[f"splits {bad}"].startswith("ValueError: zerofuse::comm.all_to_all: expected input_splits to be "
+                                                 "whole row counts"), r
+        assert r["after"] == [float(ws)] * 3, r
+        if ws == 2:
+            assert r["p2p same buffer"] == ("ValueError: zerofuse.comm.batch_p2p: expected ops[0].tensor and "
+                                            "ops[1].tensor (send, recv) not to share memory (a receive writes it), "
+                                            "got tensors that overlap"), r
+            assert r["p2p tag"] == "ValueError: zerofuse.comm.batch_p2p: expected ops[0].tag < 2**31 (an int32), got " \
+                "2147483648", r
+            assert "expected ops[0].peer to be a rank of the group (0 <= peer < 2), got 1099511627776" in r["p2p peer"], r

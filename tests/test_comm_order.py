@@ -101,7 +101,7 @@ def _checked_calls(rank, ws):
 def test_the_checker_publishes_no_refused_call_and_takes_equivalent_calls_as_equal(monkeypatch):
     monkeypatch.setenv("ZEROFUSE_CHECK_COLLECTIVES", "1")
     outs = run_distributed(_checked_calls, 2, timeout=TIMEOUT)
-    assert outs[0]["refused"].startswith("ValueError: zerofuse.comm.batch_p2p: expected ops[0].tensor contiguous"), outs
+    assert outs[0]["refused"].startswith("ValueError: zerofuse.comm.batch_p2p: expected ops[0].tensor to be contiguous"), outs
     assert [o["received"] for o in outs] == [0.0, 0.0] and all(o["mixed"] == [[2.0] * 2] * 2 for o in outs), outs
     assert [o["ints"] for o in outs] == ["no error [1, 3, 5]"] * 2, outs
 

@@ -557,6 +557,24 @@ def test_overlap_off_launches_at_the_end_and_matches():
     assert_close_params(params, ref_params, alt_params)
 
 
+def _events_rank(rank, ws):
+    model = make_model()
+    zerofuse.zero.parallelize(model, stage=2, bucket_mb=0.25)
+    opt = zerofuse.zero.Optimizer(model, "adamw", lr=LR, weight_decay=WD)
+    sizes = []
+    for _ in range(3):
+        _train(rank, ws, model, opt, 1, clip=False)
+        sizes.append(len(model._zerofuse_zero.events))
+    return sizes, len(model._zerofuse_zero.units)
+
+
+def test_the_launch_record_is_the_last_backwards():
+    """engine.events kept every step's launches: one entry per unit and step, host memory growing
+    without bound (a review's reproduction, 2026-12-07: 18 -> 1818 entries over 100 steps)."""
+    for sizes, units in run_distributed(_events_rank, 2, timeout=240):
+        assert sizes == [units] * 3, (sizes, units)
+
+
 def _errors_rank(rank, ws):
     msgs = {}
 

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import numbers
 import time
 import weakref
@@ -59,7 +60,7 @@ from zerofuse.comm.checker import CollectiveChecker, CollectiveMismatch  # noqa:
 from zerofuse.comm.checker import one_dtype as _one_dtype
 from zerofuse.comm.checker import scale_of as _scale
 from zerofuse.comm.fp32_sum import _SummedWork
-from zerofuse.comm.lists import _bytes_of_bools, _checked_list, check_args
+from zerofuse.comm.lists import _bytes_of_bools, _checked_list, check_args, check_p2p
 from zerofuse.comm.waits import MAX_TIMEOUT_S, _timeout, _waited, group_timeout, wait_seconds, wait_timeout  # noqa: F401  (re-exported)
 
 # per group name: ranks of a group number their communicators alike whatever other groups they
@@ -81,6 +82,12 @@ def _next_uid(name: str, group: dist.ProcessGroup, store, rank: int) -> str:
 
 def _is_int(v) -> bool:
     return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _whole(n) -> bool:
+    """A whole row count: an int, or a float or a one-element tensor holding one (not a bool)."""
+    n = n.item() if isinstance(n, torch.Tensor) and n.numel() == 1 else n
+    return not isinstance(n, bool) and isinstance(n, numbers.Real) and math.isfinite(n) and n == int(n)
 
 
 def _group_label(group: dist.ProcessGroup) -> str:
@@ -219,7 +226,8 @@ class Communicator(CollectiveChecker):
         scratch after (on gloo it is all-reduced in place). ``tag``: a name ZEROFUSE_CHECK_COLLECTIVES
         compares too (ZeRO's bucket: two buckets of one size launched in different orders on two ranks
         were reduced together, silently)."""
-        check_args("reduce_scatter_coalesced", tensors, scale=scale, reduce_dtype=reduce_dtype, out_shard=out_shard)
+        check_args("reduce_scatter_coalesced", tensors, scale=scale, reduce_dtype=reduce_dtype, op=op,
+                   out_shard=out_shard)
         *tensors, out_shard = _bytes_of_bools("reduce_scatter_coalesced", [*tensors, out_shard], op, scale)
         tensors = _checked_list("reduce_scatter_coalesced", "tensors", tensors, written=False)
         if isinstance(out_shard, torch.Tensor):  # written, not differentiated (a leaf requiring grad: every
@@ -251,7 +259,7 @@ class Communicator(CollectiveChecker):
         """Reduce every tensor over the ranks, in place (at ``wait()``), through one flat buffer.
         A single contiguous tensor in the reduce dtype is reduced in place with no copy: its
         contents are undefined until ``wait()``. ``tag``: as reduce_scatter_coalesced's."""
-        check_args("all_reduce_coalesced", tensors, scale=scale, reduce_dtype=reduce_dtype)
+        check_args("all_reduce_coalesced", tensors, scale=scale, reduce_dtype=reduce_dtype, op=op)
         tensors = _bytes_of_bools("all_reduce_coalesced", list(tensors), op, scale)
         tensors = _checked_list("all_reduce_coalesced", "tensors", tensors, written=True, promoted=reduce_dtype is None)
         reduce_dtype = torch.uint8 if reduce_dtype is torch.bool else reduce_dtype
@@ -274,6 +282,9 @@ class Communicator(CollectiveChecker):
         if not isinstance(flat, torch.Tensor):
             raise ValueError(f"zerofuse.comm.reduce_scatter_fp32_sum: expected flat to be a tensor, got "
                              f"{type(flat).__name__}")
+        if flat.dtype not in (torch.bfloat16, torch.float16, torch.float32):  # (int64 and float64 were summed
+            raise ValueError(f"zerofuse.comm.reduce_scatter_fp32_sum: expected flat bf16, fp16 or fp32 (summed in "  # in
+                             f"fp32), got {flat.dtype}; reduce_scatter_coalesced sums it in its own dtype")  # fp32)
         if not flat.is_contiguous() or flat.numel() % ws:
             raise ValueError(f"zerofuse.comm.reduce_scatter_fp32_sum: expected a contiguous flat tensor of a "
                              f"multiple of world_size ({ws}) elements, got {list(flat.shape)} "
@@ -330,20 +341,7 @@ class Communicator(CollectiveChecker):
                     or not _is_int(o.peer) or not _is_int(o.tag):  # (a float peer was truncated to a rank)
                 raise ValueError(f"zerofuse.comm.batch_p2p: expected ops[{i}] to be a P2POp('send'|'recv', tensor, "
                                  f"peer: int, tag: int), got {o!r}")
-        ws = self.world_size
-        for i, o in enumerate(ops if self.check else ()):  # the C++ call's checks, before the checker publishes
-            # (a call refused after it counted the pair's transfer: the next one was compared with
-            # the peer's previous, a false mismatch that failed the communicator)
-            if not o.tensor.is_contiguous() or o.tensor.device != ops[0].tensor.device or o.tag < 0:
-                raise ValueError(f"zerofuse.comm.batch_p2p: expected ops[{i}].tensor contiguous on "
-                                 f"{ops[0].tensor.device} and ops[{i}].tag >= 0, got strides "
-                                 f"{list(o.tensor.stride())} on {o.tensor.device}, tag {o.tag}")
-            if not 0 <= o.peer < ws:
-                raise ValueError(f"zerofuse.comm.batch_p2p: expected ops[{i}].peer to be a rank of the group "
-                                 f"(0 <= peer < {ws}), got {o.peer}")
-            if o.peer == self.rank:
-                raise ValueError(f"zerofuse.comm.batch_p2p: expected ops[{i}].peer to be another rank than this one "
-                                 f"({self.rank}), got {o.peer}")
+        check_p2p(ops, self.world_size, self.rank)
         checks = self._checked_p2p(ops) if self.check else None
         cuda = any(o.tensor.is_cuda for o in ops)
         return Work(self._c.batch_p2p([(o.op == "send", o.tensor, int(o.peer), int(o.tag)) for o in ops]), self,
@@ -360,11 +358,12 @@ class Communicator(CollectiveChecker):
             if isinstance(given, torch.Tensor) or not isinstance(given, Sequence):
                 raise ValueError(f"zerofuse::comm.all_to_all: expected {name} to be a list of row counts, got "
                                  f"{type(given).__name__}")
-        in_s, out_s = [int(n) for n in input_splits], [int(n) for n in output_splits]
-        for name, given, got in (("input_splits", input_splits, in_s), ("output_splits", output_splits, out_s)):
-            if any(isinstance(n, bool) or n != m for n, m in zip(given, got)):  # (1.7 rows were taken as 1)
+        for name, given in (("input_splits", input_splits), ("output_splits", output_splits)):
+            # (1.7 rows were taken as 1; "a" or None failed in int() naming no argument)
+            if not all(map(_whole, given)):
                 raise ValueError(f"zerofuse::comm.all_to_all: expected {name} to be whole row counts, got "
                                  f"{list(given)}")
+        in_s, out_s = [int(n) for n in input_splits], [int(n) for n in output_splits]  # (0-d tensors too)
         if self._one:
             return local.all_to_all(output, input, out_s, in_s)
         local.check_all_to_all(output, input, out_s, in_s, self.world_size, lengths=False)

@@ -12,7 +12,7 @@ def _checked_list(where: str, name: str, tensors: list, *, written: bool, promot
     """Refusals at the call that the C++ side made at wait(), after the collective (or in its own
     op's terms): complex tensors, integer and floating tensors reduced in one promoted dtype (an int64
     count past 2**24 or an int32 counter beside bf16 grads came back rounded), written tensors that
-    share memory (contiguous ones: the flat copy-back refused them after the collective). Returns
+    share memory (dense ones, a transpose too: the flat copy-back refused them after the collective). Returns
     the tensors detached (a param that requires grad taken as the flat buffer: the in-place scaling
     raised after the collective, in autograd's words)."""
     kinds = set()
@@ -36,7 +36,7 @@ def _checked_list(where: str, name: str, tensors: list, *, written: bool, promot
                              f"shape {list(t.shape)}: expanded); pass a tensor of its own, e.g. .clone()")
     if written and len(tensors) > 1:
         spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), i)
-                       for i, t in enumerate(tensors) if isinstance(t, torch.Tensor) and t.numel() and t.is_contiguous())
+                       for i, t in enumerate(tensors) if isinstance(t, torch.Tensor) and t.numel() and _dense(t))
         end, owner = 0, -1
         for lo, hi, i in spans:
             if lo < end:
@@ -47,10 +47,30 @@ def _checked_list(where: str, name: str, tensors: list, *, written: bool, promot
     return [t.detach() if isinstance(t, torch.Tensor) and t.requires_grad else t for t in tensors]
 
 
-def check_args(where: str, tensors=None, name: str = "tensors", *, scale=None, reduce_dtype=None, **single) -> None:
+def _dense(t: torch.Tensor) -> bool:
+    """Whether t's elements fill numel() slots from its data_ptr, in some order (a transpose: as
+    ATen's is_non_overlapping_and_dense, which the copy-back's overlap check uses at wait(); only
+    contiguous tensors were compared at the call, a transposed one refused at wait(), after the
+    collective had run: a review's reproduction, 2026-12-07)."""
+    expected = 1
+    for n, st in sorted(((n, st) for n, st in zip(t.shape, t.stride()) if n != 1), key=lambda d: d[1]):
+        if st != expected:
+            return False
+        expected *= n
+    return True
+
+
+OPS = ("sum", "avg", "max", "min")
+
+
+def check_args(where: str, tensors=None, name: str = "tensors", *, scale=None, reduce_dtype=None, op="sum",
+               **single) -> None:
     """The argument types of a collective, by name (None, a float or a dtype given as a string failed
     inside the call with AttributeError, or pybind's list of overloads; a NaN scale made every
-    result NaN: a review's reproduction, 2026-12-07)."""
+    result NaN; torch's ReduceOp.SUM as op: pybind's overloads over ranks, 'RedOpType.SUM' over
+    one: reviews' reproductions, 2026-12-07)."""
+    if not isinstance(op, str) or op not in OPS:
+        raise ValueError(f"zerofuse.comm.{where}: expected op 'sum', 'avg', 'max' or 'min', got {op!r}")
     if tensors is not None:
         if isinstance(tensors, torch.Tensor) or not isinstance(tensors, (list, tuple)):
             raise ValueError(f"zerofuse.comm.{where}: expected {name} to be a list of tensors, got "
@@ -81,3 +101,43 @@ def _bytes_of_bools(where: str, tensors: list, op: str | None = None, scale=None
         raise ValueError(f"zerofuse.comm.{where}: expected no bool tensors for {how} (a bool sum is no bool: cast "
                          f"them to an integer dtype, or reduce with op 'max' (any) or 'min' (all)), got bool")
     return [t.view(torch.uint8) if isinstance(t, torch.Tensor) and t.dtype == torch.bool else t for t in tensors]
+
+
+def check_p2p(ops, ws: int, rank: int) -> None:
+    """batch_p2p's ops (their types checked), then refuse_shared_p2p."""
+    for i, o in enumerate(ops):  # the C++ call's checks (csrc/comm/p2p.cpp, in its words) before the checker
+        # publishes (a call refused after it counted the pair's transfer: the next one was compared
+        # with the peer's previous, a false mismatch that failed the communicator); and a tag or peer
+        # past int32 (pybind's "incompatible function arguments" before)
+        name, t = f"zerofuse.comm.batch_p2p: expected ops[{i}]", o.tensor
+        if not 0 <= o.peer < ws:
+            raise ValueError(f"{name}.peer to be a rank of the group (0 <= peer < {ws}), got {o.peer}")
+        if o.peer == rank:
+            raise ValueError(f"{name}.peer to be another rank than this one ({rank}), got {o.peer}")
+        if not t.is_contiguous():
+            raise ValueError(f"{name}.tensor to be contiguous, got strides {list(t.stride())} for shape "
+                             f"{list(t.shape)}")
+        if t.device != ops[0].tensor.device:
+            raise ValueError(f"{name}.tensor on {ops[0].tensor.device} like ops[0].tensor, got {t.device}")
+        if o.tag < 0:
+            raise ValueError(f"{name}.tag >= 0, got {o.tag}")
+        if o.tag >= 2 ** 31:
+            raise ValueError(f"{name}.tag < 2**31 (an int32), got {o.tag}")
+    refuse_shared_p2p(ops)
+
+
+def refuse_shared_p2p(ops) -> None:
+    """A received-into tensor sharing memory with another op's (a send of the same buffer, as
+    all_to_all refuses its in place): the receive landed while the send read, every element wrong on
+    gloo, silently (a review's reproduction, 2026-12-07). The tensors are contiguous: byte spans."""
+    spans = sorted((o.tensor.data_ptr(), o.tensor.data_ptr() + o.tensor.numel() * o.tensor.element_size(), i)
+                   for i, o in enumerate(ops) if o.tensor.numel())
+    for k, (lo, hi, i) in enumerate(spans):
+        for lo2, _hi2, j in spans[k + 1:]:
+            if lo2 >= hi:
+                break
+            if "recv" in (ops[i].op, ops[j].op):
+                a, b = sorted((i, j))
+                raise ValueError(f"zerofuse.comm.batch_p2p: expected ops[{a}].tensor and ops[{b}].tensor ("
+                                 f"{ops[a].op}, {ops[b].op}) not to share memory (a receive writes it), got tensors "
+                                 "that overlap")

@@ -182,7 +182,10 @@ class ZeroEngine(ExpertLayout, FindUnused, FullParams, ParamSync, Stage3Hooks, W
                 self.unit_of[id(p)] = (u, i)
 
         self.sync_grads = True
-        self.events: list[tuple[str, int, str]] = []  # ("reduce_scatter", unit, "backward" | "end"): overlap evidence
+        # ("reduce_scatter", unit, "backward" | "end") of the last backward: overlap evidence (every step's
+        # were kept: one entry per unit and step, host memory without bound; a review's reproduction)
+        self.events: list[tuple[str, int, str]] = []
+        self._events_closed = False  # the last backward closed: the next launch starts a new record
         self._final_queued = False
         self._in_backward = False
         self.clip_pending = False  # the live Optimizer's clip_grad_norm_ not yet applied by a step (fold_clip)
@@ -277,9 +280,15 @@ class ZeroEngine(ExpertLayout, FindUnused, FullParams, ParamSync, Stage3Hooks, W
         """Every grad of ``unit`` in this backward is in (or marked unused)."""
         if self.sync_grads and self.overlap:
             for u in self.buckets.ready(unit):  # in the ranks' common order ([Note: launch order])
-                self.events.append(("reduce_scatter", u.index, "backward"))
+                self._record(u, "backward")
         if self.stage == 3 and unit is not self.root and not self.hold_params and not self._in_full_params:
             unit.free()
+
+    def _record(self, unit, when: str) -> None:
+        if self._events_closed:
+            self.events.clear()
+            self._events_closed = False
+        self.events.append(("reduce_scatter", unit.index, when))
 
     def _after_reduction(self, unit) -> None:
         """A grad for a unit whose reduction this backward launched already: that reduction is
@@ -305,7 +314,8 @@ class ZeroEngine(ExpertLayout, FindUnused, FullParams, ParamSync, Stage3Hooks, W
         self._forget_walk()
         # units with unused params, or all of them without overlap, are launched here
         for u in self.buckets.finish_grad_sync(launch_rest=self.sync_grads):
-            self.events.append(("reduce_scatter", u.index, "end"))
+            self._record(u, "end")
+        self._events_closed = True
         self.buckets.restart()
         for u in self.units:
             u.ready = 0
