@@ -4,9 +4,12 @@
 #include <c10/core/CPUAllocator.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <atomic>
 #include <mutex>
 #include <unordered_map>
+#include <utility>
+#include <vector>
 
 namespace zerofuse {
 namespace {
@@ -28,6 +31,10 @@ struct Counting final : c10::Allocator {
   std::atomic<int64_t> region_seq{0};  // blocks allocated before it are freed uncounted (cpu_memory_counter_begin)
   std::mutex blocks_mutex;
   std::unordered_map<void*, Block> blocks;
+  // (seq, bytes) of blocks freed unsubtracted inside a region: the region that made them subtracts
+  // them when the one inside it ends (they stayed counted: an outer peak_memory block's figure grew
+  // by each one, without bound over a loop of inner blocks; a review's reproduction, 2026-12-07)
+  std::vector<std::pair<int64_t, int64_t>> skipped;
 
   static void release(void* data);
 
@@ -63,11 +70,15 @@ void Counting::release(void* data) {
     if (it == counter.blocks.end()) return;
     block = std::move(it->second);
     counter.blocks.erase(it);
+    // a block from before the open region (an earlier region's, a cycle the collector frees now) is
+    // not subtracted: the region's figure errs high, never low (it read 0 for a 16 MiB tensor made
+    // inside a region that freed an earlier region's block; a review's reproduction, 2026-12-06)
+    if (block.seq < counter.region_seq.load()) {
+      counter.skipped.emplace_back(block.seq, block.bytes);
+      block.bytes = 0;
+    }
   }
-  // a block from before the open region (an earlier region's, a cycle the collector frees now) is
-  // not subtracted: the region's figure errs high, never low (it read 0 for a 16 MiB tensor made
-  // inside a region that freed an earlier region's block; a review's reproduction, 2026-12-06)
-  if (block.seq >= counter.region_seq.load()) counter.current.fetch_sub(block.bytes);
+  if (block.bytes) counter.current.fetch_sub(block.bytes);
 }  // block.inner frees the memory here, outside the lock
 
 std::mutex install_mutex;
@@ -97,6 +108,17 @@ void cpu_memory_counter_reset_peak() { counter.peak.store(counter.current.load()
 
 int64_t cpu_memory_counter_begin() { return counter.region_seq.exchange(counter.next_seq.load()); }
 
-void cpu_memory_counter_end(int64_t previous) { counter.region_seq.store(previous); }
+void cpu_memory_counter_end(int64_t previous) {
+  std::lock_guard<std::mutex> lock(counter.blocks_mutex);
+  counter.region_seq.store(previous);
+  int64_t bytes = 0;  // the enclosing region's own blocks freed inside this one: subtracted now
+  auto& skipped = counter.skipped;
+  skipped.erase(std::remove_if(skipped.begin(), skipped.end(), [&](const std::pair<int64_t, int64_t>& b) {
+                  if (b.first < previous) return false;
+                  bytes += b.second;
+                  return true;
+                }), skipped.end());
+  counter.current.fetch_sub(bytes);
+}
 
 }  // namespace zerofuse

@@ -15,8 +15,9 @@ int64_t cpu_memory_counter_current();  // bytes allocated through the counter an
 int64_t cpu_memory_counter_peak();     // the most of them at once since the last reset
 void cpu_memory_counter_reset_peak();  // peak := current
 // a region starts: blocks allocated before it are not subtracted when freed (current only errs
-// high); returns the enclosing region's start, which cpu_memory_counter_end restores at its end
-// (the peak is left alone: peak_memory closes the enclosing regions' figures first, then resets it)
+// high); returns the enclosing region's start, which cpu_memory_counter_end restores at its end,
+// subtracting then the enclosing region's blocks freed inside this one (the peak is left alone:
+// peak_memory closes the enclosing regions' figures first, then resets it)
 int64_t cpu_memory_counter_begin();
 void cpu_memory_counter_end(int64_t previous);
 

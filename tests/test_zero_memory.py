@@ -168,6 +168,23 @@ def test_nested_blocks_keep_the_outer_peak():
     assert outer.peak == 16 * n and inner.peak == 4 * n
 
 
+def test_an_outer_blocks_tensor_freed_in_an_inner_block_leaves_the_outer_figures():
+    """A tensor the outer block made, freed inside an inner one, stayed counted for good: the outer
+    block's live bytes grew by it on each pass of a loop (16, 32, 48 MiB with nothing alive; peak 64
+    for 16; under no_sync one full gradient a step; a review's reproduction, 2026-12-07). Subtracted
+    when the inner block ends."""
+    n = 1 << 20
+    with zerofuse.zero.peak_memory() as outer:
+        for _ in range(3):
+            a = torch.empty(4 * n)
+            with zerofuse.zero.peak_memory() as inner:
+                del a
+            assert outer._now()[0] == 0 and inner.end == 0
+        b = torch.empty(4 * n)
+        del b
+    assert outer.peak == 16 * n and outer.end == 0
+
+
 def test_cpu_peak_counts_the_block_and_takes_onednn_scratch():
     """peak_memory on CPU wraps torch's CPU allocator: a 1000-float tensor made and freed in the
     block is a peak of 4000 bytes; a bf16 / fp16 matmul (oneDNN takes scratch through
