@@ -87,7 +87,7 @@ def _failed_backward_rank(rank, ws, stage, zero_grad_after):
     opt = zerofuse.zero.Optimizer(model, "adamw", lr=3e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-2)
     g = torch.Generator().manual_seed(1)
-    norms = []
+    norms, gathered = [], []
     for step in range(4):
         x, y = torch.randn(4 * ws, 9, generator=g), torch.randn(4 * ws, 3, generator=g)
         _Boom.armed = step == 1
@@ -101,6 +101,9 @@ def _failed_backward_rank(rank, ws, stage, zero_grad_after):
                 failed = True
                 if zero_grad_after:
                     o.zero_grad()
+                    if o is opt:  # stage 3: none left gathered (they stayed until the next forward's hooks)
+                        gathered.append(sum(u.state != "free" for u in model._zerofuse_zero.units)
+                                        if stage == 3 else 0)
         if failed:
             continue
         norms.append((float(opt.clip_grad_norm_(float("inf"))),
@@ -111,7 +114,7 @@ def _failed_backward_rank(rank, ws, stage, zero_grad_after):
     _Boom.armed = False
     with zerofuse.zero.full_params(model):
         err = max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))
-    return norms, err
+    return norms, err, gathered
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
@@ -119,10 +122,13 @@ def _failed_backward_rank(rank, ws, stage, zero_grad_after):
 def test_a_caught_failed_backward_does_not_stop_gradient_sync(stage, zero_grad_after):
     """The failed backward's end-of-backward callback never ran: it stayed queued, so no later backward
     queued one again and every later step reduced nothing (partial or zero grads, no error). Now the
-    next forward finds it (or zero_grad resets it): the run goes on as torch's."""
-    for norms, err in run_distributed(_failed_backward_rank, 2, stage, zero_grad_after, timeout=120):
+    next forward finds it (or zero_grad resets it): the run goes on as torch's. zero_grad after it
+    frees stage 3's units as its end would have (they stayed gathered until the next forward's hooks:
+    a review's reproduction, 2026-12-07)."""
+    for norms, err, gathered in run_distributed(_failed_backward_rank, 2, stage, zero_grad_after, timeout=120):
         assert len(norms) == 3 and all(a == pytest.approx(b, rel=1e-5) for a, b in norms), norms
         assert err < 1e-5, err
+        assert gathered == ([0] if zero_grad_after else []), gathered
 
 
 class _ReadsChildWeight(torch.nn.Module):

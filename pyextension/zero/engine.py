@@ -376,10 +376,13 @@ class ZeroEngine(ExpertLayout, FindUnused, FullParams, ParamSync, Stage3Hooks, W
         """Forget the grads (also those a hookless engine left in .grad): set_to_none=True frees the
         grad shards (except the buffers stage 0, and stage 2 over one rank, keep at a fixed address:
         Optimizer.zero_grad), False fills them with zeros (as torch's)."""
+        dead = self._final_queued and torch._C._current_graph_task_id() == -1  # a backward that raised
         self.buckets.finish_grad_sync()
         reset_backward(self)  # (a backward that raised left its counters: zero_grad starts afresh)
         for u in self.units:
             u.zero_grad(set_to_none)
+            if dead and self.stage == 3 and not self.hold_params and not self._in_full_params:
+                u.free()  # (as its end would have: they stayed gathered until the next forward's hooks)
         self.release_grads()
 
     # ------------------------------------------------------------------ state
