@@ -22,7 +22,8 @@ TIMEOUT = 150
 TINY = ["--layers", "2", "--heads", "2", "--dim", "32", "--seq-len", "32", "--batch", "4", "--eval-batches", "3",
         "--lr", "1e-2", "--warmup", "2", "--sample-tokens", "16", "--log-every", "1"]
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID",
-               "SLURM_NTASKS", "SLURM_STEP_NUM_TASKS", "SLURM_STEP_NUM_NODES", "SLURM_JOB_ID", "TORCHELASTIC_RUN_ID")
+               "SLURM_NTASKS", "SLURM_STEP_NUM_TASKS", "SLURM_STEP_NUM_NODES", "SLURM_JOB_ID", "TORCHELASTIC_RUN_ID",
+               "SLURM_STEP_TASKS_PER_NODE", "SLURM_NODEID")
 
 
 def _env() -> dict:
@@ -481,6 +482,17 @@ def test_launch_environment(monkeypatch):
     monkeypatch.setenv("SLURM_STEP_NUM_NODES", "2")
     monkeypatch.setenv("SLURM_LOCALID", "1")
     assert train._dist_env() == {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
+    # an uneven step, 5 tasks as 3 + 2: the first node's third task (LOCAL_WORLD_SIZE 2 before)
+    for k, v in (("SLURM_PROCID", "2"), ("SLURM_STEP_NUM_TASKS", "5"), ("SLURM_LOCALID", "2"), ("SLURM_NODEID", "0"),
+                 ("SLURM_STEP_TASKS_PER_NODE", "3,2")):
+        monkeypatch.setenv(k, v)
+    assert train._dist_env() == {"RANK": "2", "WORLD_SIZE": "5", "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "3"}
+    for spec, node, want in (("2(x3),1", "3", "1"), ("2(x3),1", "1", "2"), ("4(x2)", "1", "4")):
+        monkeypatch.setenv("SLURM_STEP_TASKS_PER_NODE", spec)
+        monkeypatch.setenv("SLURM_NODEID", node)
+        assert train._dist_env()["LOCAL_WORLD_SIZE"] == want, (spec, node)
+    monkeypatch.delenv("SLURM_STEP_TASKS_PER_NODE")
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "4")
     for nodes, first in (("gpu[03-05,09],cpu1", "gpu03"), ("n[1-2]-ib", "n1-ib"),  # (n1 and rack1 before)
                          ("rack[1-2]-node[01-02]", "rack1-node01"), ("a,b", "a")):
         monkeypatch.setenv("SLURM_JOB_NODELIST", nodes)

@@ -34,8 +34,22 @@ def _dist_env() -> dict | None:
         world, nodes = env.get(SLURM_WORLD, ""), env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_NNODES", "1")
         per_node = str(max(1, int(world) // int(nodes))) if world.isdigit() and nodes.isdigit() and int(nodes) else world
         return {"RANK": env["SLURM_PROCID"], "WORLD_SIZE": world, "LOCAL_RANK": env.get("SLURM_LOCALID", "0"),
-                "LOCAL_WORLD_SIZE": per_node}
+                "LOCAL_WORLD_SIZE": _step_tasks_here() or per_node}
     return None
+
+
+def _step_tasks_here() -> str | None:
+    """This node's task count in the srun step, from SLURM_STEP_TASKS_PER_NODE ("3,2", "2(x3),1")
+    and SLURM_NODEID (the tasks over the nodes, evenly, before: 5 tasks on 2 nodes read 2 a node
+    where the first holds 3, LOCAL_RANK 2 past LOCAL_WORLD_SIZE), None where they do not tell."""
+    counts: list[str] = []
+    for part in os.environ.get("SLURM_STEP_TASKS_PER_NODE", "").split(","):
+        m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if m is None:
+            return None
+        counts += [m.group(1)] * int(m.group(2) or 1)
+    node = os.environ.get("SLURM_NODEID", "")
+    return counts[int(node)] if node.isdigit() and int(node) < len(counts) else None
 
 
 SLURM_WORLD = "SLURM_STEP_NUM_TASKS"  # the step's tasks (srun's); SLURM_NTASKS is the allocation's
