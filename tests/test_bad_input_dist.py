@@ -133,6 +133,10 @@ WORLD1 = [
          dict(growth_interval=0)),
     Case("Optimizer-backoff_factor-2", _opt, tuple, ValueError, OZ + r"expected backoff_factor in \(0, 1\], got 2",
          dict(backoff_factor=2)),
+    Case("Optimizer-backoff_factor-str", _opt, tuple, TypeError, OZ + r"expected backoff_factor to be a number, got 'x'",
+         dict(backoff_factor="x")),  # (Python's bare "'<' not supported" before: a review's reproduction, 2026-12-07)
+    Case("Optimizer-max_grad_norm-str", _opt, tuple, TypeError,
+         OZ + r"expected max_grad_norm to be a number or None, got 'x'", dict(max_grad_norm="x")),
     Case("Optimizer-group-foreign-param", _groups, lambda: (lambda ps: [{"params": [torch.nn.Parameter(r(3))]}],),
          ValueError, OZ + r"param_groups\[0\] holds a tensor of shape \[3\] that is not a trainable parameter"),
     Case("Optimizer-group-param-twice", _groups, lambda: (lambda ps: [{"params": ps + ps[:1]}],), ValueError,

@@ -158,6 +158,17 @@ def test_lamb_on_shards_with_all_reduced_norms_equals_unsharded(world_size, cpu_
         (lambda p: FusedLAMB([p], mode="lars"), ValueError, r"FusedLAMB: expected mode 'paper' or 'nvlamb', got 'lars'"),
         (lambda p: FusedLAMB([p], min_trust=2.0, max_trust=1.0), ValueError, r"expected 0 <= min_trust <= max_trust"),
         (lambda p: FusedLARS([p], momentum=-0.1), ValueError, r"FusedLARS: expected momentum finite and >= 0, got -0.1"),
+        # a review's reproductions (2026-12-07): Python's bare "'>=' not supported", or "no" taken as True
+        (lambda p: FusedLARS([p], lr="a"), TypeError, r"FusedLARS: expected lr to be a number, got 'a'"),
+        (lambda p: FusedLARS([p], momentum=None), TypeError, r"FusedLARS: expected momentum to be a number, got None"),
+        (lambda p: FusedLAMB([p], eps=None), TypeError, r"FusedLAMB: expected eps to be a number, got None"),
+        (lambda p: FusedLAMB([p], min_trust=None), TypeError, r"FusedLAMB: expected min_trust to be a number, got None"),
+        (lambda p: FusedLAMB([p], max_grad_norm="1"), TypeError,
+         r"FusedLAMB: expected max_grad_norm to be a number or None, got '1'"),
+        (lambda p: FusedAdamW([p], max_grad_norm="1"), TypeError,
+         r"FusedAdamW: expected max_grad_norm to be a number or None, got '1'"),
+        (lambda p: FusedLAMB([p], bias_correction="no"), TypeError,
+         r"FusedLAMB: expected bias_correction True or False, got 'no'"),
     ],
 )
 def test_bad_options_raise(make, exc, msg):

@@ -449,3 +449,25 @@ def test_the_state_dicts_load_in_either_order(precision, first):
     steps (a review's reproduction, 2026-12-07). The masters of elements the load did not change
     keep their bits."""
     assert run_distributed(_load_order_rank, 2, precision, first, timeout=180) == [True, True]
+
+
+def test_lars_state_holds_no_step_count_as_torchs_sgd(world_of_one):
+    """zero.Optimizer("lars") put a "step" into every param's state that stayed 0 (LARS counts none,
+    as FusedLARS and torch.optim.SGD; a review's reproduction, 2026-12-07); a state dict saved with
+    it still loads."""
+    model = GPT(GPTConfig(**CFG), seed=0)
+    zerofuse.zero.parallelize(model, stage=2, bucket_mb=0.02)
+    opt = zerofuse.zero.Optimizer(model, "lars", lr=0.1)
+    b = _batch()
+    for _ in range(3):
+        model(b[:, :-1], b[:, 1:])[1].backward()
+        opt.step()
+        opt.zero_grad()
+    sd = opt.state_dict()
+    assert {tuple(sorted(st)) for st in sd["state"].values()} == {("momentum_buffer",)}
+    old = copy.deepcopy(sd)
+    for st in old["state"].values():
+        st["step"] = torch.tensor(0.0)
+    before = {i: st["momentum_buffer"].clone() for i, st in sd["state"].items()}
+    opt.load_state_dict(old)
+    assert all(torch.equal(opt.state_dict()["state"][i]["momentum_buffer"], t) for i, t in before.items())

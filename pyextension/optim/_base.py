@@ -11,6 +11,7 @@ as the attributes grad_scale / found_inf before calling step().
 """
 from __future__ import annotations
 
+import numbers
 import operator
 import warnings
 
@@ -367,6 +368,16 @@ def _check_amp_arg(name: str, arg: str, value) -> None:
         raise TypeError(f"{name}.step: expected {arg} to be a number or a 1-element tensor, got {type(value).__name__}")
     if arg == "grad_scale" and not torch.is_tensor(value) and not (0 < value < float("inf")):
         raise ValueError(f"{name}.step: expected grad_scale to be finite and > 0, got {value}")
+
+
+def check_real(name: str, arg: str, value, none: bool = False) -> None:
+    """value a real number (or None where ``none``): a string or None compared with 0 raised Python's
+    bare "'>=' not supported" naming no argument; a bool was taken as 0 or 1 (a review's
+    reproduction, 2026-12-07)."""
+    if none and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name}: expected {arg} to be a number{' or None' if none else ''}, got {value!r}")
 
 
 def check_betas(name: str, betas) -> None:

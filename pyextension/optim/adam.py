@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from zerofuse.ops import adam_
-from zerofuse.optim._base import FusedOptimizerMixin, check_betas, check_unsupported
+from zerofuse.optim._base import FusedOptimizerMixin, check_betas, check_real, check_unsupported
 
 
 def _check(name, amsgrad, capturable, differentiable, fused, betas):
@@ -32,6 +32,7 @@ class _FusedAdamBase(FusedOptimizerMixin):
     _decoupled: bool
 
     def _extra_defaults(self, master_weights, max_grad_norm):
+        check_real(self._name(), "max_grad_norm", max_grad_norm, none=True)
         if max_grad_norm is not None and not max_grad_norm >= 0:  # 0: no clipping, as the other optimizers'
             raise ValueError(f"{self._name()}: expected max_grad_norm >= 0 or None (0: no clipping), got "
                              f"{max_grad_norm}")

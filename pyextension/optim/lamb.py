@@ -15,7 +15,7 @@ import torch
 
 from zerofuse.ops import lamb_
 from zerofuse.ops.lamb import TRUST_MODES
-from zerofuse.optim._base import FusedOptimizerMixin, check_betas
+from zerofuse.optim._base import FusedOptimizerMixin, check_betas, check_real
 
 
 class FusedLAMB(FusedOptimizerMixin, torch.optim.Optimizer):
@@ -23,6 +23,7 @@ class FusedLAMB(FusedOptimizerMixin, torch.optim.Optimizer):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01, *, bias_correction=True,
                  max_grad_norm=1.0, mode="nvlamb", min_trust=0.0, max_trust=10.0, master_weights=False):
+        check_real("zerofuse.optim.FusedLAMB", "max_grad_norm", max_grad_norm, none=True)
         if max_grad_norm is not None and not max_grad_norm >= 0:
             raise ValueError(f"zerofuse.optim.FusedLAMB: expected max_grad_norm >= 0 or None, got {max_grad_norm}")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, bias_correction=bias_correction,
@@ -37,6 +38,10 @@ class FusedLAMB(FusedOptimizerMixin, torch.optim.Optimizer):
         and min_trust > max_trust or a beta2 of 1.5 ran (a review's reproduction, 2026-12-07)."""
         name = "zerofuse.optim.FusedLAMB"
         check_betas("FusedLAMB", group["betas"])
+        for arg in ("eps", "weight_decay", "min_trust", "max_trust") + (() if torch.is_tensor(group["lr"]) else ("lr",)):
+            check_real(name, arg, group[arg])
+        if not isinstance(group["bias_correction"], bool):  # ("no" was taken as True)
+            raise TypeError(f"{name}: expected bias_correction True or False, got {group['bias_correction']!r}")
         for arg in ("eps", "weight_decay"):
             value = group[arg]
             if not (value >= 0 and math.isfinite(value)):  # inf: NaN params

@@ -14,7 +14,7 @@ import math
 import torch
 
 from zerofuse.ops import lars_
-from zerofuse.optim._base import FusedOptimizerMixin
+from zerofuse.optim._base import FusedOptimizerMixin, check_real
 
 
 class FusedLARS(FusedOptimizerMixin, torch.optim.Optimizer):
@@ -23,6 +23,7 @@ class FusedLARS(FusedOptimizerMixin, torch.optim.Optimizer):
 
     def __init__(self, params, lr=0.1, momentum=0.9, weight_decay=0.0, *, trust_coefficient=1e-3, eps=1e-8,
                  max_grad_norm=None, master_weights=False):
+        check_real("zerofuse.optim.FusedLARS", "max_grad_norm", max_grad_norm, none=True)
         if max_grad_norm is not None and not max_grad_norm >= 0:  # 0: no clipping
             raise ValueError(f"zerofuse.optim.FusedLARS: expected max_grad_norm >= 0 or None, got {max_grad_norm}")
         defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, trust_coefficient=trust_coefficient,
@@ -39,6 +40,7 @@ class FusedLARS(FusedOptimizerMixin, torch.optim.Optimizer):
             value = group[arg]
             if arg == "lr" and torch.is_tensor(value):
                 continue
+            check_real(name, arg, value)
             if not (value >= 0 and math.isfinite(value)):  # inf: NaN params
                 raise ValueError(f"{name}: expected {arg} finite and >= 0, got {value}")
         for arg in ("nesterov", "maximize"):

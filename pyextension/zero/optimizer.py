@@ -30,6 +30,7 @@ import weakref
 import torch
 
 from zerofuse.ops._optim import StepPlans
+from zerofuse.optim._base import check_real
 from zerofuse.zero.engine import engine_of
 from zerofuse.zero.grad_norm import GradNorms
 from zerofuse.zero.grads import check_step_grads
@@ -89,6 +90,7 @@ class Optimizer(GroupSteps, GradNorms, OptimizerState, torch.optim.Optimizer):
         if optimizer == "lamb" and max_grad_norm is None:  # as Apex; 0 turns it off (zerofuse-train --clip 0
             max_grad_norm = 1.0  # with LAMB clipped at 1.0 when 0 was taken as "not given")
         check_options(defaults, "")
+        check_real(NAME, "max_grad_norm", max_grad_norm, none=True)
         if max_grad_norm is not None and not max_grad_norm >= 0:
             raise ValueError(f"{NAME}: expected max_grad_norm >= 0 or None (0: no clipping), got {max_grad_norm}")
         max_grad_norm = max_grad_norm or None
@@ -199,7 +201,8 @@ class Optimizer(GroupSteps, GradNorms, OptimizerState, torch.optim.Optimizer):
         for u, st in zip(eng.units, self.unit_states):
             for sg in u.segments:
                 p = u.params[sg.param]
-                entry = {"step": self._steps[self._group_of[id(p)]].view(())}
+                # (LARS counts no steps, as FusedLARS and torch's SGD: a "step" that stayed 0 before)
+                entry = {"step": self._steps[self._group_of[id(p)]].view(())} if self.kind != "lars" else {}
                 entry.update({k: t.narrow(0, sg.shard_offset, sg.length) for k, t in st.items()})
                 self.state[p] = entry
 

@@ -132,7 +132,7 @@ class OptimizerState:
                     hint = " (a state of another precision: master weights)" if k == "master" else ""
                     raise ValueError(f"{where}: state[{i}][{k!r}]: expected a tensor of shape {tuple(t.shape)}, "
                                      f"got {what}{hint}; zerofuse.checkpoint converts between layouts")
-            extra_keys = set(saved) - set(self.state[params[int(i)]]) if isinstance(saved, dict) else set()
+            extra_keys = set(saved) - set(self.state[params[int(i)]]) - {"step"} if isinstance(saved, dict) else set()
             if extra_keys:
                 raise ValueError(f"{where}: state[{i}] holds {sorted(extra_keys)} that this optimizer does not keep "
                                  "(a state of another precision or optimizer)")

@@ -79,6 +79,11 @@ def check_group_keys(group: dict, optimizer: str, where: str) -> None:
 
 def check_scaler(initial_scale, growth_factor, backoff_factor, growth_interval, min_scale=1.0) -> None:
     """The dynamic loss scale's settings (fp16), as torch.amp.GradScaler takes them."""
+    from zerofuse.optim._base import check_real  # noqa: PLC0415
+
+    for arg, value in (("initial_scale", initial_scale), ("growth_factor", growth_factor),
+                       ("backoff_factor", backoff_factor), ("min_scale", min_scale)):
+        check_real(NAME, arg, value)
     int_interval = isinstance(growth_interval, int) and not isinstance(growth_interval, bool)
     for arg, value, ok, want in (
             ("initial_scale", initial_scale, 0 < initial_scale < float("inf"), "finite and > 0"),
