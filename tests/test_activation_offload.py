@@ -16,7 +16,7 @@ from zerofuse.models import GPT, GPTConfig, recompute
 
 from dist_utils import run_distributed
 from test_recompute import CFG
-from test_train import _ok, metrics, run
+from train_common import _ok, metrics, run
 
 pytestmark = pytest.mark.usefixtures("native_kernels")
 

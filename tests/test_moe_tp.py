@@ -138,7 +138,7 @@ def test_moe_job_with_tp_logs_the_unsplit_jobs_losses_and_router_figures(tmp_pat
     dropless count (without sequence parallelism every TP rank sends its copy: the count was tp x short)."""
     import json
 
-    from test_train import _ok, metrics, run
+    from train_common import _ok, metrics, run
 
     _ok(run(*unsplit, *JOB, "--out", tmp_path / "unsplit"))
     _ok(run(*split, *JOB, "--out", tmp_path / "split"))

@@ -3,7 +3,6 @@ cache, the shipped GPT-2-tokenized sample, the sampler over shards, the gpt2-* p
 end-to-end run on the sample."""
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +16,7 @@ from zerofuse.models import GPT, config
 from zerofuse.train import tokens as tok
 from zerofuse.train.data import GPT2_DEFAULT, TEXT_DEFAULT
 
-from test_train import _env
+from train_common import _env
 
 needs_bpe = pytest.mark.skipif(not tok.gpt2_available(), reason=f"GPT-2 BPE not installed: {tok.GPT2_INSTALL}")
 

@@ -20,7 +20,7 @@ from zerofuse.train import data as D
 from zerofuse.train import tokens as tok
 from zerofuse.train.data import GPT2_DEFAULT
 
-from test_train import _ok, run
+from train_common import _ok, run
 from test_train_data import _flags
 
 

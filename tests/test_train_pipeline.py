@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import zerofuse.checkpoint
-from test_train import _ok, metrics, run
+from train_common import _ok, metrics, run
 
 PP = ["--layers", "4", "--steps", "6", "--ckpt-every", "3", "--eval-every", "3", "--sample-tokens", "0"]
 
@@ -161,7 +161,7 @@ def test_document_masking_at_pp2_matches_the_unsplit_job(tmp_path):
 def test_bad_pipeline_flags_exit_2(argv, message, tmp_path, capsys, monkeypatch):
     """Refused by the flag checks, before any rank starts (in this process: the CLI's exit code and
     its one line are test_train.py's test_bad_flag_exits_2_before_starting's, in a subprocess)."""
-    from test_train import TINY
+    from train_common import TINY
     from zerofuse import train
 
     def started(*a, **k):

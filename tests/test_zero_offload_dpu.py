@@ -199,7 +199,7 @@ def test_the_job_offloads_with_a_measured_ratio_and_a_delayed_update(tmp_path):
     offload (the same kernel on a CPU); with --offload-delayed-update 1 the first two steps' losses
     too (step 1 undelayed), the third differs (taken at the params of step 1), and the run ends
     with its update applied (a finite final validation loss)."""
-    from test_train import _ok, metrics, run
+    from train_common import _ok, metrics, run
 
     flags = ["--nproc", 2, "--zero-stage", 2, "--steps", 4, "--eval-every", 0, "--sample-tokens", 0]
     _ok(run(*flags, "--out", tmp_path / "base"))
@@ -297,7 +297,7 @@ def test_the_evaluation_cadence_does_not_change_the_training(tmp_path):
     """--offload-delayed-update with --eval-every: an evaluation that applied the pending update made
     the next step's grad undelayed, so the losses depended on --eval-every (a review's reproduction,
     2026-12-06); a mid-run evaluation scores the params one update behind, the end applies it."""
-    from test_train import _ok, metrics, run
+    from train_common import _ok, metrics, run
 
     flags = ["--nproc", 2, "--zero-stage", 2, "--steps", 4, "--sample-tokens", 0, "--ckpt-every", 0,
              "--offload", "optimizer", "--offload-delayed-update", 1]
