@@ -88,6 +88,19 @@ def test_export_hf_writes_what_from_pretrained_loads(tmp_path, world_of_one, cas
         torch.testing.assert_close(hf(idx).logits, gpt(idx)[0], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("case", ["gpt2-tied", "llama-mqa"])
+def test_the_config_names_end_of_text_only_where_the_vocabulary_holds_it(case, recwarn):
+    """GPT-2's config left bos/eos out: transformers took 50256, outside a vocabulary of 97
+    (from_pretrained warned; generate stopped on no token), Llama's its 1 and 2 (a review's
+    reproduction, 2026-12-07). None there; GPT-2's 50256 in a GPT-2-sized vocabulary."""
+    for vocab, want in ((97, None), (50304, 50256)):
+        cfg = hf_names.hf_config(GPTConfig(**{**BASE, **CASES[case], "vocab_size": vocab}))
+        assert cfg["bos_token_id"] == cfg["eos_token_id"] == want, cfg
+        hf_cfg = transformers.AutoConfig.for_model(**cfg)
+        assert hf_cfg.bos_token_id == hf_cfg.eos_token_id == want
+    assert not [w for w in recwarn if "token_id" in str(w.message)], [str(w.message) for w in recwarn]
+
+
 def test_what_maps_to_nothing_is_refused_by_name():
     assert hf_names.representable(GPTConfig(**BASE)) is None
     assert hf_names.representable(GPTConfig(**BASE, norm="rmsnorm")) == "norm='rmsnorm' (GPT-2: 'layernorm')"

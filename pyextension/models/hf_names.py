@@ -22,6 +22,7 @@ import torch
 from zerofuse.models.presets import GPTConfig
 
 NAME = "zerofuse.models.hf_names"
+GPT2_EOT = 50256  # GPT-2's <|endoftext|>, its bos and eos
 
 # per block (ours, GPT-2's): the LayerNorms, and the Linears that are Conv1D there ((in, out) weights)
 _GPT2_NORMS = (("norm1", "ln_1"), ("norm2", "ln_2"))
@@ -59,19 +60,25 @@ def hf_config(cfg: GPTConfig) -> dict:
     kind, why = _kind(cfg)
     if kind is None:
         raise ValueError(f"{NAME}: no transformers model computes this GPT: {', '.join(why)}")
+    # GPT-2's <|endoftext|> where the vocabulary holds it, else none (transformers' defaults, 50256 or
+    # Llama's 1 and 2, named ids a character vocabulary has not: from_pretrained warned, generate
+    # stopped on no token or another; a review's reproduction, 2026-12-07)
+    end = GPT2_EOT if cfg.vocab_size > GPT2_EOT else None
+    ids = {"bos_token_id": end, "eos_token_id": end}
     if kind == "gpt2":
-        return {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": cfg.vocab_size,
-                "n_positions": cfg.seq_len, "n_embd": cfg.dim, "n_layer": cfg.n_layer, "n_head": cfg.n_head,
-                "n_inner": cfg.hidden, "activation_function": "gelu_new",
-                "layer_norm_epsilon": 1e-5 if cfg.norm_eps is None else cfg.norm_eps,
-                "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "tie_word_embeddings": cfg.tie_embeddings}
+        return ids | {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": cfg.vocab_size,
+                       "n_positions": cfg.seq_len, "n_embd": cfg.dim, "n_layer": cfg.n_layer, "n_head": cfg.n_head,
+                       "n_inner": cfg.hidden, "activation_function": "gelu_new",
+                       "layer_norm_epsilon": 1e-5 if cfg.norm_eps is None else cfg.norm_eps,
+                       "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
+                       "tie_word_embeddings": cfg.tie_embeddings}
     eps = cfg.norm_eps if cfg.norm_eps is not None else torch.finfo(torch.float32).eps  # (RMSNorm's default)
-    out = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": cfg.vocab_size,
-           "hidden_size": cfg.dim, "intermediate_size": cfg.hidden, "num_hidden_layers": cfg.n_layer,
-           "num_attention_heads": cfg.n_head, "num_key_value_heads": cfg.n_kv_head,
-           "head_dim": cfg.dim // cfg.n_head, "max_position_embeddings": cfg.seq_len, "rms_norm_eps": eps,
-           "hidden_act": "silu", "rope_theta": cfg.rope_base, "attention_bias": cfg.bias, "mlp_bias": cfg.bias,
-           "tie_word_embeddings": cfg.tie_embeddings}
+    out = ids | {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": cfg.vocab_size,
+                 "hidden_size": cfg.dim, "intermediate_size": cfg.hidden, "num_hidden_layers": cfg.n_layer,
+                 "num_attention_heads": cfg.n_head, "num_key_value_heads": cfg.n_kv_head,
+                 "head_dim": cfg.dim // cfg.n_head, "max_position_embeddings": cfg.seq_len, "rms_norm_eps": eps,
+                 "hidden_act": "silu", "rope_theta": cfg.rope_base, "attention_bias": cfg.bias, "mlp_bias": cfg.bias,
+                 "tie_word_embeddings": cfg.tie_embeddings}
     if cfg.rope_scaling is not None:
         out["rope_scaling"] = {k: v for k, v in cfg.rope_scaling.items() if k != "type"} | {"rope_type": "llama3"}
     return out
