@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import multiprocessing as mp
+import re
 import shutil
 
 import pytest
@@ -179,6 +180,48 @@ def test_tables_that_miss_a_piece_are_refused_before_anything_is_written(tmp_pat
     assert any("the checkpoint's shards cover" in said and f"of {name!r}" in said and "a row missing" in said
                for said, _ in out), out
     assert all(("a row missing" in said or peer in said) and untouched for said, untouched in out), out
+
+
+def _edit(meta, how):
+    if how == "no tables":
+        del meta["tables"]
+    elif how == "no optimizer":
+        del meta["optimizer"]
+    elif how == "steps empty":
+        meta["optimizer"]["steps"] = []
+    elif how == "length a string":
+        meta["tables"][0][0][3] = str(meta["tables"][0][0][3])
+    elif how == "a list":
+        meta = [1]
+    elif how == "a shape short":
+        meta["shapes"] = meta["shapes"][:-1]
+    elif how == "negative offset":
+        meta["tables"][1][0][2] = -8
+    return meta
+
+
+@pytest.mark.parametrize("how, key", [("no tables", "'tables'"), ("no optimizer", "'optimizer'"),
+                                      ("steps empty", "'optimizer'.'steps'"), ("length a string", "each row of"),
+                                      ("a list", "the file"), ("a shape short", "'shapes'"),
+                                      ("negative offset", "each row of 'tables'[1]")])
+def test_an_edited_meta_json_is_refused_by_name(tmp_path, how, key):
+    """An edited or damaged meta.json failed in Python's words (KeyError 'tables', IndexError, a str
+    added to an int, a negative offset as a copy's size error; a review's reproductions,
+    2026-12-07): load on every rank and consolidate name the file, the key and the value."""
+    import json
+
+    path = str(tmp_path / "ckpt")
+    run_distributed(_save_small, 2, path, timeout=240)
+    meta_path = os.path.join(path, files.META)
+    with open(meta_path) as f:
+        meta = _edit(json.load(f), how)
+    with open(meta_path, "w") as f:
+        json.dump(meta, f)
+    want = f"meta.json: expected {key}"
+    for said, untouched in run_distributed(_load_untouched, 2, path, timeout=240):
+        assert want in said and "(a damaged or edited meta.json)" in said and untouched, said
+    with pytest.raises(ValueError, match=re.escape(want)):
+        zerofuse.checkpoint.consolidate(path)
 
 
 def test_extra_that_would_need_unpickling_is_refused_at_save(tmp_path):

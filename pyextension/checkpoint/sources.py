@@ -26,7 +26,58 @@ def same_save(where: str, got, want) -> None:
                          "as its meta.json says): a file copied in from another checkpoint?")
 
 
+def _nat(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def check_meta(meta, file: str) -> None:
+    """A layout's meta.json holds what save wrote, in its types (an edited or damaged one failed in
+    Python's words midway: KeyError 'tables', IndexError, a str length added to an int, a negative
+    offset in a copy's size error; a review's reproductions, 2026-12-07)."""
+    def refuse(key: str, want: str, got) -> None:
+        got = repr(got)
+        raise ValueError(f"{NAME}: {file}: expected {key} {want}, got {got[:120] + ('...' if len(got) > 120 else '')} "
+                         "(a damaged or edited meta.json)")
+
+    if not isinstance(meta, dict):
+        refuse("the file", "to hold an object", meta)
+    names, shapes, tables = meta.get("names"), meta.get("shapes"), meta.get("tables")
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        refuse("'names'", "a list of parameter names", names)
+    if not isinstance(shapes, list) or len(shapes) != len(names) or not all(
+            isinstance(sh, list) and all(map(_nat, sh)) for sh in shapes):
+        refuse("'shapes'", f"a list of {len(names)} shapes (one per name, lists of sizes >= 0)", shapes)
+    if not isinstance(tables, list) or not all(isinstance(t, list) for t in tables):
+        refuse("'tables'", "a list of the ranks' tables", tables)
+    known = set(names)
+    for r, table in enumerate(tables):
+        for row in table:
+            if not (isinstance(row, list) and len(row) == 5 and row[0] in known and all(map(_nat, row[1:]))):
+                refuse(f"each row of 'tables'[{r}]", "[a name of 'names', unit, shard offset, length, param offset] "
+                       "with whole numbers >= 0", row)
+    if "optimizer" not in meta:
+        refuse("'optimizer'", "(null, or the optimizer's kind, state keys, param groups and steps)", None)
+    opt = meta["optimizer"]
+    if opt is None:
+        return
+    groups = opt.get("param_groups") if isinstance(opt, dict) else None
+    if not isinstance(opt, dict) or not isinstance(opt.get("kind"), str) or not isinstance(groups, list) or not all(
+            isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups):
+        refuse("'optimizer'", "an object with 'kind' and 'param_groups' (each with its 'params')", opt)
+    if not isinstance(opt.get("state_keys"), list) or not all(isinstance(k, str) for k in opt["state_keys"]):
+        refuse("'optimizer'.'state_keys'", "a list of state names", opt.get("state_keys"))
+    steps = opt.get("steps")
+    if not isinstance(steps, list) or len(steps) != len(groups) or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 for v in steps):
+        refuse("'optimizer'.'steps'", f"{len(groups)} step counts >= 0 (one per param group)", steps)
+    for key in ("scale", "growth_tracker"):
+        if not isinstance(opt.get(key), (int, float)) or isinstance(opt.get(key), bool):
+            refuse(f"'optimizer'.'{key}'", "a number", opt.get(key))
+
+
 def check_format(meta: dict, directory: str) -> None:
+    if not isinstance(meta, dict):
+        check_meta(meta, os.path.join(directory, files.META))  # (refuses it by name)
     if meta.get("format") == "dcp":  # (".metadata" missing: "this zerofuse reads format 2" before: a review's
         # reproduction, 2026-12-07)
         raise ValueError(f"{NAME}: the DCP checkpoint at {directory!r} has no {files.DCP_META} (DCP writes it last: "
@@ -45,6 +96,7 @@ class Source:
         self.dir = directory
         self.meta = files.read_json(os.path.join(directory, files.META))
         check_format(self.meta, directory)
+        check_meta(self.meta, os.path.join(directory, files.META))
         same_save(os.path.join(directory, files.META), self.meta.get("save_id"), save_id)
         self.save_id = self.meta.get("save_id")
         self.shapes = {n: tuple(s) for n, s in zip(self.meta["names"], self.meta["shapes"])}
@@ -136,6 +188,7 @@ def layout(path: str, save_id: int | None = None) -> tuple[str, dict, list[Sourc
     as Source's."""
     root = files.resolve(os.path.abspath(path))
     top = files.read_json(os.path.join(root, files.META))
+    check_format(top, root)
     if top.get("format") != FORMAT:
         raise ValueError(f"{NAME}: checkpoint format {top.get('format')!r} at {root!r}; this zerofuse reads "
                          f"format {FORMAT}")
