@@ -56,6 +56,21 @@ def _pow2_at_least(n: int) -> int:
 # ---------------------------------------------------------------- checks
 
 
+def check_backward_args(fn: str, dloss: Tensor, lse: Tensor, hidden: Tensor, reduction: str) -> None:
+    """The backward's dloss and lse (read per token by the kernels: a short lse or a (2, T) dloss
+    segfaulted the interpreter's kernels, and the torch path broadcast or took a per-token dloss for
+    'mean'; a review's reproduction, 2026-12-07)."""
+    t = hidden.shape[0]
+    want = (t,) if reduction == "none" else ()
+    if tuple(dloss.shape) != want or not dloss.is_floating_point() or dloss.device != hidden.device:
+        raise RuntimeError(f"{fn}: expected dloss to be a floating-point tensor of shape {want} (reduction "
+                           f"{reduction!r}) on {hidden.device}, got {dloss.dtype} {list(dloss.shape)} on {dloss.device}")
+    stat = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    if tuple(lse.shape) != (t,) or lse.dtype != stat or lse.device != hidden.device:
+        raise RuntimeError(f"{fn}: expected lse to be the forward's, {stat} of shape ({t},) on {hidden.device}, got "
+                           f"{lse.dtype} {list(lse.shape)} on {lse.device}")
+
+
 def check_args(fn: str, hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None, label_smoothing: float,
                z_loss: float, softcap: float, reduction: str, chunk_size: int) -> None:
     """Shapes, dtypes, devices and options (no values: the ids are checked where the data is)."""
@@ -263,6 +278,9 @@ def linear_cross_entropy(
 @linear_cross_entropy.register_fake
 def _(hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, softcap, reduction, chunk_size, grad):
     check_args(_NAME, hidden, weight, target, bias, label_smoothing, z_loss, softcap, reduction, chunk_size)
+    if grad and reduction == "none":  # (as the op: the fake returned outputs)
+        raise RuntimeError(f"{_NAME}: grad=True needs reduction 'mean' or 'sum' (reduction 'none' recomputes in "
+                           "backward)")
     stat = torch.float64 if hidden.dtype == torch.float64 else torch.float32
     t = hidden.shape[0]
     loss = hidden.new_empty((t,) if reduction == "none" else (), dtype=stat)
@@ -282,6 +300,7 @@ def linear_cross_entropy_backward(
     or one per token for reduction 'none'), each chunk's logits recomputed from hidden and weight."""
     check_args(_NAME + "_backward", hidden, weight, target, bias, label_smoothing, z_loss, softcap, reduction,
                chunk_size)
+    check_backward_args(_NAME + "_backward", dloss, lse, hidden, reduction)
     v = weight.shape[0]
     scale = row_scale(target != ignore_index, reduction, hidden.dtype, dloss)
     chunk = chunk_size or default_chunk(hidden.shape[0], v, hidden.shape[1])
@@ -293,6 +312,7 @@ def linear_cross_entropy_backward(
 def _(dloss, hidden, weight, target, bias, lse, ignore_index, label_smoothing, z_loss, softcap, reduction, chunk_size):
     check_args(_NAME + "_backward", hidden, weight, target, bias, label_smoothing, z_loss, softcap, reduction,
                chunk_size)
+    check_backward_args(_NAME + "_backward", dloss, lse, hidden, reduction)
     db = torch.empty_like(bias) if bias is not None else hidden.new_empty(0)
     return torch.empty_like(hidden), torch.empty_like(weight), db
 

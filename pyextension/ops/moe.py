@@ -66,6 +66,37 @@ def _check_unpermute(fn: str, y: Tensor, pos: Tensor, src: Tensor, weights: Tens
             raise RuntimeError(f"{fn}: expected {name} to be int64 (moe_permute's), got {t.dtype}")
 
 
+def _check_permute_bwd(fn: str, dout: Tensor, pos: Tensor) -> None:
+    """moe_permute_backward's arguments (none were checked: a short dout was read past its end on the
+    Triton path, a bare IndexError on torch's; a review's reproduction, 2026-12-07)."""
+    if pos.dim() != 2 or pos.dtype != torch.int64:
+        raise RuntimeError(f"{fn}: expected pos to be int64 [tokens, top_k] (moe_permute's), got {pos.dim()}-D "
+                           f"{pos.dtype}")
+    if dout.dim() != 2 or not dout.is_floating_point() or dout.shape[0] != pos.numel() or dout.device != pos.device:
+        raise RuntimeError(f"{fn}: expected dout to be a floating-point tensor [tokens * top_k = {pos.numel()}, dim] "
+                           f"on {pos.device}, got {dout.dtype} {list(dout.shape)} on {dout.device}")
+
+
+def _check_unpermute_bwd(fn: str, dout: Tensor, y: Tensor, src: Tensor, weights: Tensor) -> None:
+    """moe_unpermute_backward's arguments (as _check_permute_bwd's)."""
+    if weights.dim() != 2 or not weights.is_floating_point():
+        raise RuntimeError(f"{fn}: expected weights to be a floating-point tensor [tokens, top_k], got "
+                           f"{weights.dim()}-D {weights.dtype}")
+    t, k = weights.shape
+    if y.dim() != 2 or not y.is_floating_point() or y.shape[0] != t * k:
+        raise RuntimeError(f"{fn}: expected y to be a floating-point tensor [tokens * top_k = {t * k}, dim], got "
+                           f"{y.dtype} {list(y.shape)}")
+    if src.dtype != torch.int64 or tuple(src.shape) != (t * k,):
+        raise RuntimeError(f"{fn}: expected src to be int64 [{t * k}] (moe_permute's), got {src.dtype} "
+                           f"{list(src.shape)}")
+    if dout.dim() != 2 or not dout.is_floating_point() or tuple(dout.shape) != (t, y.shape[1]):
+        raise RuntimeError(f"{fn}: expected dout to be a floating-point tensor [{t}, {y.shape[1]}], got {dout.dtype} "
+                           f"{list(dout.shape)}")
+    for name, x in (("dout", dout), ("src", src), ("weights", weights)):
+        if x.device != y.device:
+            raise RuntimeError(f"{fn}: expected {name} on y's device {y.device}, got {x.device}")
+
+
 def routing_indices(experts: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
     """(pos [T, k], src [T * k], counts [E]) of a stable grouping of the choices by expert."""
     t, k = experts.shape
@@ -130,11 +161,14 @@ def _(x, experts, num_experts):
 @torch.library.custom_op(_P + "_backward", mutates_args=())
 def moe_permute_backward(dout: Tensor, pos: Tensor) -> Tensor:
     """dx [T, d] = sum over kept choices of dout at the choice's row."""
+    _check_permute_bwd(_P + "_backward", dout, pos)
+    check_ids(_P + "_backward", "pos", pos, dout.shape[0], allowed=-1)
     return _combine(dout, pos, None, dout.dtype)
 
 
 @moe_permute_backward.register_fake
 def _(dout, pos):
+    _check_permute_bwd(_P + "_backward", dout, pos)
     return dout.new_empty(pos.shape[0], dout.shape[1])
 
 
@@ -175,6 +209,8 @@ def _(y, pos, src, weights):
 @torch.library.custom_op(_U + "_backward", mutates_args=())
 def moe_unpermute_backward(dout: Tensor, y: Tensor, src: Tensor, weights: Tensor) -> tuple[Tensor, Tensor]:
     """(dy [T * k, d] in y's dtype, dweights [T, k] fp32)."""
+    _check_unpermute_bwd(_U + "_backward", dout, y, src, weights)
+    check_ids(_U + "_backward", "src", src, src.numel(), allowed=-1)
     return _unpermute_bwd(dout, y, src, weights)
 
 
@@ -195,6 +231,7 @@ def _unpermute_bwd(dout, y, src, weights):
 
 @moe_unpermute_backward.register_fake
 def _(dout, y, src, weights):
+    _check_unpermute_bwd(_U + "_backward", dout, y, src, weights)
     acc = torch.float64 if torch.float64 in (y.dtype, dout.dtype) else torch.float32
     # dy contiguous on both paths, whatever y's layout
     return torch.empty(y.shape, dtype=y.dtype, device=y.device), weights.new_empty(weights.shape, dtype=acc)

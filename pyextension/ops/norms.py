@@ -72,8 +72,9 @@ def _check_fwd(fn: str, x: Tensor, weight: Tensor | None, bias: Tensor | None, r
                            f"(the faces take 0), got {x.dtype} {list(x.shape)}")
     n = x.shape[-1]
     for name, p in (("weight", weight), ("bias", bias)):
-        if p is not None and (p.numel() != n or p.device != x.device or not p.is_floating_point()):
-            raise RuntimeError(f"{fn}: expected {name} to be a floating-point tensor of {n} elements (the hidden "
+        # (1-D: the gradients are (n,); a (2, 8) weight's were refused by autograd: a review, 2026-12-07)
+        if p is not None and (p.shape != (n,) or p.device != x.device or not p.is_floating_point()):
+            raise RuntimeError(f"{fn}: expected {name} to be a 1-D floating-point tensor of {n} elements (the hidden "
                                f"size) on {x.device}, got {p.dtype} {list(p.shape)} on {p.device}")
     _check_like_x(fn, "residual", residual, x)
 
