@@ -23,13 +23,10 @@ from zerofuse.kernels import norms as K
 from zerofuse.ops import eager_apply, first_order, register
 
 _EMPTY = (0,)
-
-
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def _cpu_kernel(*ts: Tensor | None) -> bool:
-    """Whether csrc/cpu/norms.cpp takes these CPU tensors (fp32/fp16/bf16; fp64 takes aten's)."""
+def _cpu_kernel(*ts: Tensor | None) -> bool:  # csrc/cpu/norms.cpp takes them (fp32/fp16/bf16; fp64: aten's)
     return all(t is None or (t.device.type == "cpu" and t.dtype in _KERNEL_DTYPES) for t in ts)
 
 
@@ -41,8 +38,7 @@ def _use_triton(x: Tensor, residual: Tensor | None = None) -> bool:
     return fits and (x.is_cuda or (x.device.type == "cpu" and kernels.triton_on_cpu()))
 
 
-def _stat_dtype(x: Tensor) -> torch.dtype:
-    """mean/rstd are fp32, fp64 for fp64 inputs."""
+def _stat_dtype(x: Tensor) -> torch.dtype:  # mean/rstd: fp32, fp64 for fp64 inputs
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
@@ -50,7 +46,7 @@ def _2d(t: Tensor | None, n: int) -> Tensor | None:
     return None if t is None else t.reshape(-1, n).contiguous()
 
 
-def _empty(x: Tensor) -> Tensor:
+def _empty(x: Tensor) -> Tensor:  # (custom ops may not return their inputs: an empty h)
     return x.new_empty(_EMPTY)
 
 
