@@ -26,7 +26,7 @@ gives one program per block (the loop then runs once: the same code, the same re
 Vector access: a block that lies wholly inside its tensor runs unmasked, so with 16-byte aligned
 addresses (`_Table.aligned`, told to the compiler by tl.multiple_of) its loads and stores are
 16-byte vectors; only each tensor's last block is masked. (A mask against a runtime element count
-makes every access a 4-byte one: checked in the PTX, tests/test_optim.py.) A skipped step
+makes every access a 4-byte one: checked in the PTX, tests/test_optim_flat.py.) A skipped step
 (found_inf != 0) is a uniform branch, not a mask, for the same reason.
 
 [Note: step scalars] Step counts live in 1-element fp32 tensors on the device (torch's fused

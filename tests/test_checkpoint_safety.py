@@ -197,13 +197,25 @@ def _edit(meta, how):
         meta["shapes"] = meta["shapes"][:-1]
     elif how == "negative offset":
         meta["tables"][1][0][2] = -8
+    elif how == "no precision":
+        del meta["precision"]
+    elif how == "aliases a list":
+        meta["aliases"] = ["x"]
+    elif how == "a group's stray name":
+        meta["optimizer"]["param_groups"][0]["params"].append("nope")
+    elif how == "pp a string":
+        meta["pp"] = "2"
     return meta
 
 
 @pytest.mark.parametrize("how, key", [("no tables", "'tables'"), ("no optimizer", "'optimizer'"),
                                       ("steps empty", "'optimizer'.'steps'"), ("length a string", "each row of"),
                                       ("a list", "the file"), ("a shape short", "'shapes'"),
-                                      ("negative offset", "each row of 'tables'[1]")])
+                                      ("negative offset", "each row of 'tables'[1]"),
+                                      # (a review of the check: KeyError, AttributeError, TypeError still)
+                                      ("no precision", "'precision'"), ("aliases a list", "'aliases'"),
+                                      ("a group's stray name", "'optimizer'.'param_groups' to hold"),
+                                      ("pp a string", "'pp' a whole number >= 1")])
 def test_an_edited_meta_json_is_refused_by_name(tmp_path, how, key):
     """An edited or damaged meta.json failed in Python's words (KeyError 'tables', IndexError, a str
     added to an int, a negative offset as a copy's size error; a review's reproductions,

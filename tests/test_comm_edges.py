@@ -137,6 +137,8 @@ def _refusals(rank, ws):
     out["fp32 sum float64"] = error_text(lambda: comm.reduce_scatter_fp32_sum(torch.ones(2 * ws, dtype=torch.float64)))
     x = torch.zeros(4)
     out["transposed overlap"] = error_text(lambda: comm.all_gather_coalesced(torch.ones(4 // ws), [x.view(2, 2).t(), x]))
+    v = torch.zeros(8)  # a strided view over another's elements (neither check compared it: a review, 2026-12-07)
+    out["strided overlap"] = error_text(lambda: comm.all_gather_coalesced(torch.ones(8 // ws), [v[::2], v[:4]]))
     y = torch.ones(4)
     comm.all_reduce_coalesced([y[::2], y[1::2]]).wait()  # interleaved: no element shared, allowed
     out["interleaved"] = y.tolist()
@@ -170,6 +172,7 @@ def test_bad_calls_are_refused_at_the_call_by_name(ws):
         assert r["transposed overlap"] == ("ValueError: zerofuse.comm.all_gather_coalesced: expected tensors[0] and "
                                            "tensors[1] not to share memory (both are written), got tensors that "
                                            "overlap"), r
+        assert r["strided overlap"] == r["transposed overlap"], r
         assert r["interleaved"] == [float(ws)] * 4, r
         assert r["torch op"].startswith("ValueError: zerofuse.comm.all_reduce_coalesced: expected op 'sum', 'avg', "
                                         "'max' or 'min', got <RedOpType.SUM"), r

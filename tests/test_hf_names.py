@@ -91,13 +91,18 @@ def test_export_hf_writes_what_from_pretrained_loads(tmp_path, world_of_one, cas
 @pytest.mark.parametrize("case", ["gpt2-tied", "llama-mqa"])
 def test_the_config_names_end_of_text_only_where_the_vocabulary_holds_it(case, recwarn):
     """GPT-2's config left bos/eos out: transformers took 50256, outside a vocabulary of 97
-    (from_pretrained warned; generate stopped on no token), Llama's its 1 and 2 (a review's
-    reproduction, 2026-12-07). None there; GPT-2's 50256 in a GPT-2-sized vocabulary."""
-    for vocab, want in ((97, None), (50304, 50256)):
-        cfg = hf_names.hf_config(GPTConfig(**{**BASE, **CASES[case], "vocab_size": vocab}))
-        assert cfg["bos_token_id"] == cfg["eos_token_id"] == want, cfg
-        hf_cfg = transformers.AutoConfig.for_model(**cfg)
-        assert hf_cfg.bos_token_id == hf_cfg.eos_token_id == want
+    (from_pretrained warned; generate stopped on no token; a review's reproduction, 2026-12-07).
+    GPT-2's: 50256 in a GPT-2-sized vocabulary, else None; Llama's: transformers' 1 and 2 (a Llama-2
+    vocabulary's own), unless told the tokenizer's (the job tells its corpus's: 50256 or None)."""
+    gpt2 = case.startswith("gpt2")
+    for vocab, eos, want in ((97, "unset", None if gpt2 else 2), (50304, "unset", 50256 if gpt2 else 2),
+                             (32000, "unset", None if gpt2 else 2), (50304, 50256, 50256), (97, None, None)):
+        cfg = GPTConfig(**{**BASE, **CASES[case], "vocab_size": vocab})
+        hf = hf_names.hf_config(cfg) if eos == "unset" else hf_names.hf_config(cfg, eos)
+        hf_cfg = transformers.AutoConfig.for_model(**hf)
+        assert hf_cfg.eos_token_id == want and hf_cfg.bos_token_id == (1 if want == 2 else want), (vocab, eos, hf)
+    with pytest.raises(ValueError, match=r"expected eos_token_id an id below the vocabulary size 97 or None, got 97"):
+        hf_names.hf_config(GPTConfig(**{**BASE, **CASES[case]}), 97)
     assert not [w for w in recwarn if "token_id" in str(w.message)], [str(w.message) for w in recwarn]
 
 

@@ -83,6 +83,9 @@ def test_in_place_rope_refuses_q_and_k_sharing_elements_and_takes_slices_of_one_
     with pytest.raises(RuntimeError, match=r"expected q and k not to share memory"):
         ZF.rotary_embedding(buf[:, :2], buf[:, 1:], cos, sin, inplace=True)  # heads 0-1 and 1-2
     assert torch.equal(buf, before)  # refused before rotating either
+    k16 = q.view(torch.bfloat16)[..., :8]  # k of another dtype over q's bytes (a review of the check)
+    with pytest.raises(RuntimeError, match=r"expected q and k not to share memory"):
+        Z.rotary_embedding_(q, k16, cos.bfloat16(), sin.bfloat16(), None, False, False)
     qkv = torch.randn(2, 6, 48)  # q, k, v heads side by side in each row: disjoint, interleaved in memory
     q, k = (qkv[..., i * 16:(i + 1) * 16].view(2, 6, 2, 8).transpose(1, 2) for i in (0, 1))
     want = [reference.rotary_embedding(t.clone(), cos, sin) for t in (q, k)]

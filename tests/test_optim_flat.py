@@ -9,7 +9,7 @@ from zerofuse import reference
 from zerofuse.optim import FusedAdam, FusedAdamW, FusedLAMB, FusedLARS, functional
 
 from dist_utils import run_distributed
-from optim_common import SHAPES, _grads, _params, path  # noqa: F401  (path: the fixture)
+from optim_common import SHAPES, _grads, _params, _run, path  # noqa: F401  (path: the fixture)
 
 
 # ---------------------------------------------------------------------------------- flat buffers
@@ -364,3 +364,20 @@ def test_an_apex_state_dict_loads_with_its_step_count():
                             (FusedLAMB, {"grad_averaging": False}, "grad_averaging=False")):
         with pytest.raises(ValueError, match=rf"param_groups\[0\] of an Apex state dict has {match}"):
             cls(ps).load_state_dict({"state": copy.deepcopy(moments), "param_groups": [group | bad]})
+
+
+@pytest.mark.parametrize("make, kw", [
+    (FusedAdamW, dict(max_grad_norm=1.0)), (FusedLAMB, dict(eps=1e-6, weight_decay=0.01, min_trust=0.01)),
+    (FusedLARS, dict(momentum=0.9, weight_decay=1e-4, trust_coefficient=1e-3))])
+def test_hyperparameters_as_tensors_or_numpy_values_step_as_numbers(make, kw, cpu_kernels):
+    """The number checks (2026-12-07) refused 0-d tensors and numpy bools that stepped bit for bit as
+    numbers before (a review of the checks); they are taken again."""
+    import numpy as np
+
+    def run(**given):
+        params, _ = _run(make, _params(), steps=3, **given)
+        return params
+    want = run(**kw)
+    got = run(**{k: torch.tensor(v, dtype=torch.float64) for k, v in kw.items()}, **({"bias_correction": np.True_} if make is FusedLAMB
+                                                                  else {}))
+    assert all(torch.equal(a, b) for a, b in zip(got, want))

@@ -371,13 +371,18 @@ def _apart_rank(rank, ws, case):
         t0 = time.monotonic()
         err = error_text(lambda: pipe.step(x, t) if rank == 0 else pipe.forward_only(x, t))
         return err, time.monotonic() - t0
-    schedule, micro = {"microbatches": ("1f1b", 4 - 2 * rank), "schedule": (("1f1b", "gpipe")[rank], 2)}[case]
+    if case == "interleaved_m":  # rank 1's 3 refused by its own schedule check: rank 0 waited in the gather
+        stages = split_modules(_mlp(), 2 * ws, [rank, rank + ws], loss_fn=_mse)
+    schedule, micro = {"microbatches": ("1f1b", 4 - 2 * rank), "schedule": (("1f1b", "gpipe")[rank], 2),
+                       "interleaved_m": ("interleaved", 4 - rank), "microbatches 0": ("1f1b", 2 - 2 * rank),
+                       "unknown schedule": (("1f1b", "1F1B")[rank], 2)}[case]
     t0 = time.monotonic()
     err = error_text(lambda: Pipeline(stages, schedule=schedule, microbatches=micro, comm=comm))
     return err, time.monotonic() - t0
 
 
-@pytest.mark.parametrize("case", ["microbatches", "schedule", "eval_vs_step"])
+@pytest.mark.parametrize("case", ["microbatches", "schedule", "eval_vs_step", "interleaved_m", "microbatches 0",
+                                  "unknown schedule"])
 def test_ranks_built_or_called_apart_fail_by_name_or_at_the_timeout(case):
     """Ranks given other microbatches or schedules waited out the communicator's timeout on a receive
     that never came; one rank in step and its peer in forward_only had gloo abort a process (a tag of
@@ -389,12 +394,15 @@ def test_ranks_built_or_called_apart_fail_by_name_or_at_the_timeout(case):
             assert err and seconds < 60, outs
             continue
         assert "expected the same schedule, microbatches and split on every pipeline rank" in err, outs
-        want = ("rank 0: schedule '1f1b', microbatches 4" if case == "microbatches"
-                else "rank 1: schedule 'gpipe', microbatches 2")
+        want = {"microbatches": "rank 0: schedule '1f1b', microbatches 4",
+                "schedule": "rank 1: schedule 'gpipe', microbatches 2",
+                "interleaved_m": "rank 1: schedule 'interleaved', microbatches 3",
+                "microbatches 0": "rank 1: schedule '1f1b', microbatches 0",
+                "unknown schedule": "rank 1: schedule unknown, microbatches 2"}[case]
         assert want in err and seconds < 10, outs
 
 
-def test_stages_and_microbatches_of_the_wrong_kind_are_named():
+def test_stages_and_microbatches_of_the_wrong_kind_are_named(world_of_one):
     """A module or None as a stage failed with a bare AttributeError; microbatches=0 was named 'm' (a
     review's reproductions, 2026-12-07)."""
     from zerofuse.pipeline import Pipeline, split_modules
@@ -408,3 +416,15 @@ def test_stages_and_microbatches_of_the_wrong_kind_are_named():
     for m in (0, 2.0, True):
         with pytest.raises(ValueError, match=rf"expected microbatches to be an int >= 1, got {m!r}"):
             Pipeline(stages, microbatches=m)
+
+
+def test_a_compiled_stage_is_a_stage(world_of_one):
+    """torch.compile(stage) (an OptimizedModule passing attribute access to its Stage) was refused by
+    the stage type check (a review of the check, 2026-12-07); it runs as the stage."""
+    from zerofuse.pipeline import Pipeline, split_modules
+
+    stages = split_modules(_mlp(), 1, [0], loss_fn=_mse)
+    x, t = _data()
+    want = Pipeline(stages, microbatches=2).step(x, t)
+    compiled = Pipeline([torch.compile(stages[0], backend="eager")], microbatches=2)
+    assert torch.equal(compiled.step(x, t), want)

@@ -68,10 +68,14 @@ def test_launch_environment(monkeypatch):
                  ("SLURM_STEP_TASKS_PER_NODE", "3,2")):
         monkeypatch.setenv(k, v)
     assert train._dist_env() == {"RANK": "2", "WORLD_SIZE": "5", "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "3"}
-    for spec, node, want in (("2(x3),1", "3", "1"), ("2(x3),1", "1", "2"), ("4(x2)", "1", "4")):
+    # (a list of another length than the step's nodes is not this step's: the even split, 5 // 2)
+    for spec, nodes, node, want in (("2(x3),1", "4", "3", "1"), ("2(x3),1", "4", "1", "2"), ("4(x2)", "2", "1", "4"),
+                                    ("2(x3),1", "2", "0", "2")):
         monkeypatch.setenv("SLURM_STEP_TASKS_PER_NODE", spec)
+        monkeypatch.setenv("SLURM_STEP_NUM_NODES", nodes)
         monkeypatch.setenv("SLURM_NODEID", node)
         assert train._dist_env()["LOCAL_WORLD_SIZE"] == want, (spec, node)
+    monkeypatch.setenv("SLURM_STEP_NUM_NODES", "2")
     monkeypatch.delenv("SLURM_STEP_TASKS_PER_NODE")
     monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "4")
     for nodes, first in (("gpu[03-05,09],cpu1", "gpu03"), ("n[1-2]-ib", "n1-ib"),  # (n1 and rack1 before)

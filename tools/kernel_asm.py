@@ -3,7 +3,7 @@ global memory instructions by width, from the PTX (triton ships the compiler and
 
 Why: a streaming kernel reaches memory bandwidth only with wide (16-byte) accesses, and whether
 Triton emits them depends on what its analysis can prove about pointers and masks; this is checked
-on a CPU machine by tests/test_optim.py, and shown to a developer by
+on a CPU machine by tests/test_optim_flat.py, and shown to a developer by
 
     python tools/kernel_asm.py [--arch 90]
     python tools/kernel_asm.py --attention   # the attention kernels (tile access widths)

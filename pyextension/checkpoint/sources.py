@@ -50,6 +50,11 @@ def check_meta(meta, file: str) -> None:
     if not isinstance(tables, list) or not all(isinstance(t, list) for t in tables):
         refuse("'tables'", "a list of the ranks' tables", tables)
     known = set(names)
+    if not isinstance(meta.get("precision"), str):
+        refuse("'precision'", "a precision's name", meta.get("precision"))
+    aliases = meta.get("aliases", {})
+    if not isinstance(aliases, dict) or not all(isinstance(a, str) and n in known for a, n in aliases.items()):
+        refuse("'aliases'", "an object of names to names of 'names'", aliases)
     for r, table in enumerate(tables):
         for row in table:
             if not (isinstance(row, list) and len(row) == 5 and row[0] in known and all(map(_nat, row[1:]))):
@@ -64,6 +69,8 @@ def check_meta(meta, file: str) -> None:
     if not isinstance(opt, dict) or not isinstance(opt.get("kind"), str) or not isinstance(groups, list) or not all(
             isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups):
         refuse("'optimizer'", "an object with 'kind' and 'param_groups' (each with its 'params')", opt)
+    if stray := [n for g in groups for n in g["params"] if n not in known]:
+        refuse("'optimizer'.'param_groups' to hold", "names of 'names'", stray)
     if not isinstance(opt.get("state_keys"), list) or not all(isinstance(k, str) for k in opt["state_keys"]):
         refuse("'optimizer'.'state_keys'", "a list of state names", opt.get("state_keys"))
     steps = opt.get("steps")
@@ -76,8 +83,17 @@ def check_meta(meta, file: str) -> None:
 
 
 def check_format(meta: dict, directory: str) -> None:
+    """meta.json's format, and a top meta's layout (pipeline stages, TP parts) in its types."""
+    file = os.path.join(directory, files.META)
     if not isinstance(meta, dict):
-        check_meta(meta, os.path.join(directory, files.META))  # (refuses it by name)
+        check_meta(meta, file)  # (refuses it by name)
+    for key in ("pp", "tp"):
+        if key in meta and not (_nat(meta[key]) and meta[key] >= 1):
+            raise ValueError(f"{NAME}: {file}: expected '{key}' a whole number >= 1, got {meta[key]!r} (a damaged or "
+                             "edited meta.json)")
+    if not isinstance(meta.get("specs", {}), dict):
+        raise ValueError(f"{NAME}: {file}: expected 'specs' an object of names to TP specs, got {meta['specs']!r} (a "
+                         "damaged or edited meta.json)")
     if meta.get("format") == "dcp":  # (".metadata" missing: "this zerofuse reads format 2" before: a review's
         # reproduction, 2026-12-07)
         raise ValueError(f"{NAME}: the DCP checkpoint at {directory!r} has no {files.DCP_META} (DCP writes it last: "

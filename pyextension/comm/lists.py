@@ -7,12 +7,15 @@ import numbers
 
 import torch
 
+from zerofuse._overlap import byte_span, shared
+
 
 def _checked_list(where: str, name: str, tensors: list, *, written: bool, promoted: bool = False) -> list:
     """Refusals at the call that the C++ side made at wait(), after the collective (or in its own
     op's terms): complex tensors, integer and floating tensors reduced in one promoted dtype (an int64
     count past 2**24 or an int32 counter beside bf16 grads came back rounded), written tensors that
-    share memory (dense ones, a transpose too: the flat copy-back refused them after the collective). Returns
+    share memory (exactly: a transpose or a strided view too; the flat copy-back refused some of them
+    after the collective, took others). Returns
     the tensors detached (a param that requires grad taken as the flat buffer: the in-place scaling
     raised after the collective, in autograd's words)."""
     kinds = set()
@@ -34,30 +37,18 @@ def _checked_list(where: str, name: str, tensors: list, *, written: bool, promot
             raise ValueError(f"zerofuse.comm.{where}: expected {name}[{i}] to hold each element once (it is "
                              f"written), got a tensor whose elements share memory (strides {list(t.stride())}, "
                              f"shape {list(t.shape)}: expanded); pass a tensor of its own, e.g. .clone()")
-    if written and len(tensors) > 1:
-        spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), i)
-                       for i, t in enumerate(tensors) if isinstance(t, torch.Tensor) and t.numel() and _dense(t))
-        end, owner = 0, -1
-        for lo, hi, i in spans:
-            if lo < end:
-                raise ValueError(f"zerofuse.comm.{where}: expected {name}[{min(i, owner)}] and {name}[{max(i, owner)}] "
-                                 "not to share memory (both are written), got tensors that overlap")
-            if hi > end:
-                end, owner = hi, i
+    if written and len(tensors) > 1:  # (exact: interleaved views sharing no element pass; a strided view
+        # over another tensor's elements was compared by neither check: gathered into both, silently)
+        spans = sorted((*byte_span(t), i) for i, t in enumerate(tensors) if isinstance(t, torch.Tensor) and t.numel())
+        for k, (_, hi, i) in enumerate(spans):
+            for lo2, _hi2, j in spans[k + 1:]:
+                if lo2 >= hi:
+                    break
+                both = shared(tensors[i], tensors[j])
+                if both is not None and bool(both):
+                    raise ValueError(f"zerofuse.comm.{where}: expected {name}[{min(i, j)}] and {name}[{max(i, j)}] "
+                                     "not to share memory (both are written), got tensors that overlap")
     return [t.detach() if isinstance(t, torch.Tensor) and t.requires_grad else t for t in tensors]
-
-
-def _dense(t: torch.Tensor) -> bool:
-    """Whether t's elements fill numel() slots from its data_ptr, in some order (a transpose: as
-    ATen's is_non_overlapping_and_dense, which the copy-back's overlap check uses at wait(); only
-    contiguous tensors were compared at the call, a transposed one refused at wait(), after the
-    collective had run: a review's reproduction, 2026-12-07)."""
-    expected = 1
-    for n, st in sorted(((n, st) for n, st in zip(t.shape, t.stride()) if n != 1), key=lambda d: d[1]):
-        if st != expected:
-            return False
-        expected *= n
-    return True
 
 
 OPS = ("sum", "avg", "max", "min")

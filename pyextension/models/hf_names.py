@@ -55,16 +55,29 @@ def representable(cfg: GPTConfig) -> str | None:
     return None if kind else ", ".join(why)
 
 
-def hf_config(cfg: GPTConfig) -> dict:
-    """The transformers config (as config.json holds it) of the model GPT(cfg) is."""
+_UNSET = object()
+
+
+def hf_config(cfg: GPTConfig, eos_token_id=_UNSET) -> dict:
+    """The transformers config (as config.json holds it) of the model GPT(cfg) is. eos_token_id (also
+    the bos): the tokenizer's, None for none; unset, GPT-2's config names <|endoftext|> (50256) where
+    the vocabulary holds it and none in a smaller one, Llama's leaves transformers' defaults (1, 2)
+    where they exist (transformers' 50256 named an id a character vocabulary has not: from_pretrained
+    warned, generate stopped on no token; a review's reproduction, 2026-12-07)."""
     kind, why = _kind(cfg)
     if kind is None:
         raise ValueError(f"{NAME}: no transformers model computes this GPT: {', '.join(why)}")
-    # GPT-2's <|endoftext|> where the vocabulary holds it, else none (transformers' defaults, 50256 or
-    # Llama's 1 and 2, named ids a character vocabulary has not: from_pretrained warned, generate
-    # stopped on no token or another; a review's reproduction, 2026-12-07)
-    end = GPT2_EOT if cfg.vocab_size > GPT2_EOT else None
-    ids = {"bos_token_id": end, "eos_token_id": end}
+    if eos_token_id is _UNSET and kind == "gpt2":
+        end = GPT2_EOT if cfg.vocab_size > GPT2_EOT else None
+    elif eos_token_id is _UNSET:  # Llama's 1 and 2 where the vocabulary holds them
+        end = _UNSET if cfg.vocab_size > 2 else None
+    elif eos_token_id is None or (isinstance(eos_token_id, int) and not isinstance(eos_token_id, bool)
+                                  and 0 <= eos_token_id < cfg.vocab_size):
+        end = eos_token_id
+    else:
+        raise ValueError(f"{NAME}: expected eos_token_id an id below the vocabulary size {cfg.vocab_size} or None, "
+                         f"got {eos_token_id!r}")
+    ids = {} if end is _UNSET else {"bos_token_id": end, "eos_token_id": end}
     if kind == "gpt2":
         return ids | {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": cfg.vocab_size,
                        "n_positions": cfg.seq_len, "n_embd": cfg.dim, "n_layer": cfg.n_layer, "n_head": cfg.n_head,

@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from zerofuse import kernels, reference
+from zerofuse._overlap import shared
 from zerofuse.kernels import rotary as K
 from zerofuse.ops import eager_apply, first_order, empty_in_layout, register
 from zerofuse.ops.signatures import batched
@@ -192,32 +193,19 @@ def rotary_embedding_(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, positions:
 
 def _refuse_shared(q: Tensor, k: Tensor) -> None:
     """q and k sharing an element: rotated twice, silently (q is k, or overlapping heads of one
-    buffer; a review's reproduction, 2026-12-07). Exact, so q and k as disjoint slices of one fused
-    projection still rotate in place: where their memory spans cross, each marks its elements in a
-    scratch mask of the span (on CUDA the refusal is a device-side assert, as the ids' checks)."""
-    if (not q.numel() or not k.numel() or q.dtype != k.dtype  # (check_args: one dtype)
-            or q.untyped_storage().data_ptr() != k.untyped_storage().data_ptr()):
+    buffer; a review's reproduction, 2026-12-07). Exact (zerofuse/_overlap.py), so q and k as
+    disjoint slices of one fused projection still rotate in place (their spans cross: a scratch
+    mask's work per call); on CUDA the refusal is a device-side assert, as the ids' checks."""
+    both = shared(q, k)
+    if both is None:
         return
-
-    def span(t):
-        lo = t.storage_offset() + sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if st < 0)
-        hi = t.storage_offset() + sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if st > 0)
-        return lo, hi
-
-    (ql, qh), (kl, kh) = span(q), span(k)
-    if qh < kl or kh < ql:
-        return
-    base = min(ql, kl)
-    mask = torch.zeros(max(qh, kh) - base + 1, dtype=torch.int8, device=q.device)
-    mask.as_strided(q.shape, q.stride(), q.storage_offset() - base).fill_(1)
-    shared = mask.as_strided(k.shape, k.stride(), k.storage_offset() - base).any()
     msg = (f"{_NAME}_: expected q and k not to share memory (both are rotated in place: a shared element is rotated "
            f"twice), got q {list(q.shape)} and k {list(k.shape)} over the same elements; rotate a clone of one")
     if q.device.type == "cpu":
-        if bool(shared):
+        if bool(both):
             raise RuntimeError(msg)
     else:
-        torch._assert_async(~shared, msg)
+        torch._assert_async(~both, msg)
 
 
 @rotary_embedding_.register_fake

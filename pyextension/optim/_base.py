@@ -374,8 +374,8 @@ def check_real(name: str, arg: str, value, none: bool = False) -> None:
     """value a real number (or None where ``none``): a string or None compared with 0 raised Python's
     bare "'>=' not supported" naming no argument; a bool was taken as 0 or 1 (a review's
     reproduction, 2026-12-07)."""
-    if none and value is None:
-        return
+    if (none and value is None) or isinstance(value, torch.Tensor):  # (a tensor: as zero.Optimizer's options,
+        return  # checked by value where it is used)
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name}: expected {arg} to be a number{' or None' if none else ''}, got {value!r}")
 

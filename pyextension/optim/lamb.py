@@ -10,6 +10,7 @@ global norm of max_grad_norm (None or 0: no clipping). State keys 'step', 'exp_a
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
@@ -38,10 +39,11 @@ class FusedLAMB(FusedOptimizerMixin, torch.optim.Optimizer):
         and min_trust > max_trust or a beta2 of 1.5 ran (a review's reproduction, 2026-12-07)."""
         name = "zerofuse.optim.FusedLAMB"
         check_betas("FusedLAMB", group["betas"])
-        for arg in ("eps", "weight_decay", "min_trust", "max_trust") + (() if torch.is_tensor(group["lr"]) else ("lr",)):
+        for arg in ("lr", "eps", "weight_decay", "min_trust", "max_trust"):
             check_real(name, arg, group[arg])
-        if not isinstance(group["bias_correction"], bool):  # ("no" was taken as True)
-            raise TypeError(f"{name}: expected bias_correction True or False, got {group['bias_correction']!r}")
+        bc = group["bias_correction"]  # ("no" was taken as True; Apex's 0 and 1 and numpy's bools are taken)
+        if not (isinstance(bc, numbers.Integral) and bc in (0, 1) or type(bc).__module__ == "numpy" and bc in (0, 1)):
+            raise TypeError(f"{name}: expected bias_correction True or False, got {bc!r}")
         for arg in ("eps", "weight_decay"):
             value = group[arg]
             if not (value >= 0 and math.isfinite(value)):  # inf: NaN params

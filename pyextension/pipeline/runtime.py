@@ -88,16 +88,18 @@ class Pipeline(Transfers, Forwards, Backwards):
         stages = list(stages)
         if not stages:
             raise ValueError(f"{NAME}: expected at least one stage, got none")
-        if bad := [type(s).__name__ for s in stages if not isinstance(s, Stage)]:  # (a bare AttributeError before)
+        # (a bare AttributeError before; a torch.compile'd Stage is one)
+        if bad := [type(s).__name__ for s in stages if not isinstance(getattr(s, "_orig_mod", s), Stage)]:
             raise ValueError(f"{NAME}: expected stages to be zerofuse.pipeline.Stage (from split_gpt or split_modules), "
                              f"got {bad}")
-        if isinstance(microbatches, bool) or not isinstance(microbatches, numbers.Integral) or microbatches < 1:
-            raise ValueError(f"{NAME}: expected microbatches to be an int >= 1, got {microbatches!r}")
         self.group = group
         self.comm = comm or Communicator(group)
         p, r = self.comm.world_size, self.comm.rank
         v = len(stages)
         num = stages[0].num_stages
+        self._agree_settings(schedule, microbatches, v, num)  # before any check some ranks alone may fail
+        if isinstance(microbatches, bool) or not isinstance(microbatches, numbers.Integral) or microbatches < 1:
+            raise ValueError(f"{NAME}: expected microbatches to be an int >= 1, got {microbatches!r}")
         if num != p * v:
             raise ValueError(f"{NAME}: expected {p} (pipeline size) x {v} (stages on this rank) = {p * v} stages in the "
                              f"model, got a split into {num}")
@@ -111,7 +113,6 @@ class Pipeline(Transfers, Forwards, Backwards):
         self._tag_base = 0  # (Transfers._tag: forward_only's tags after step's)
         self.schedule = schedule
         self.actions = build_schedule(schedule, p, microbatches, v)[r]
-        self._agree_settings()
         last = {}
         for i, a in enumerate(self.actions):
             if a.kind in ("B", "W"):
@@ -180,21 +181,28 @@ class Pipeline(Transfers, Forwards, Backwards):
     # ------------------------------------------------------------------ zero-bubble hooks
 
 
-    def _agree_settings(self) -> None:
-        """At construction, the pipeline's ranks compare their schedule, micro-batch count and stages:
-        ranks built apart (microbatches 4 and 2, or 1f1b and gpipe) waited out the communicator's
-        timeout on a receive that never came, or gloo aborted a process on a transfer's tag reused
-        for another size (a review's reproduction, 2026-12-07). One all-gather, refused on every rank."""
-        if self.p == 1:
+    def _agree_settings(self, schedule, m, v: int, num: int) -> None:
+        """At construction, before any check one rank alone may fail, the pipeline's ranks compare
+        their schedule, micro-batch count and stages: ranks built apart (microbatches 4 and 2, or
+        1f1b and gpipe) waited out the communicator's timeout on a receive that never came, or gloo
+        aborted a process on a transfer's tag reused for another size (a review's reproduction,
+        2026-12-07). One all-gather, refused on every rank; the same bad value on every rank is then
+        refused by name by each."""
+        if self.comm.world_size == 1:
             return
         from zerofuse.zero.layout import gather_rows  # noqa: PLC0415
-        mine = torch.tensor([SCHEDULES.index(self.schedule), self.m, self.v, self.num_stages], dtype=torch.int64)
+        known = isinstance(schedule, str) and schedule in SCHEDULES
+        whole = isinstance(m, numbers.Integral) and not isinstance(m, bool) and -2 ** 62 < m < 2 ** 62
+        mine = torch.tensor([SCHEDULES.index(schedule) if known else -1, m if whole else -2 ** 62, v, num],
+                            dtype=torch.int64)
         rows = gather_rows(mine, self.comm).tolist()
         if any(row != rows[0] for row in rows):
-            seen = "; ".join(f"rank {r}: schedule {SCHEDULES[s]!r}, microbatches {m}, {v} stage(s) of {n}"
+            seen = "; ".join(f"rank {r}: schedule {repr(SCHEDULES[s]) if s >= 0 else 'unknown'}, microbatches "
+                             f"{m if m != -2 ** 62 else 'not an int'}, {v} stage(s) of {n}"
                              for r, (s, m, v, n) in enumerate(rows))
             raise ValueError(f"{NAME}: expected the same schedule, microbatches and split on every pipeline rank, got "
                              f"{seen}")
+
     def _check_no_recompute(self) -> None:
         """'zb' and activation checkpointing: its W pass is a second backward through each block,
         module by module: full checkpointing recomputed every block once per module with params

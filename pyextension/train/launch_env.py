@@ -48,7 +48,9 @@ def _step_tasks_here() -> str | None:
         if m is None:
             return None
         counts += [m.group(1)] * int(m.group(2) or 1)
-    node = os.environ.get("SLURM_NODEID", "")
+    node, nodes = os.environ.get("SLURM_NODEID", ""), os.environ.get("SLURM_STEP_NUM_NODES", "")
+    if nodes.isdigit() and int(nodes) != len(counts):  # (not this step's list: the split over the nodes)
+        return None
     return counts[int(node)] if node.isdigit() and int(node) < len(counts) else None
 
 

@@ -258,7 +258,8 @@ class Trainer:
                 from zerofuse.checkpoint import export_hf
                 from zerofuse.models import hf_names
                 if hf_names.representable(self.cfg) is None:  # transformers' GPT-2 or Llama (the CLI noted if not)
-                    export_hf(str(self.ckpt), str(Path(args.out) / "hf"), config=hf_names.hf_config(self.cfg),
+                    config = hf_names.hf_config(self.cfg, self.corpus.document_start)  # (its tokenizer's eos)
+                    export_hf(str(self.ckpt), str(Path(args.out) / "hf"), config=config,
                               rename=functools.partial(hf_names.to_hf, self.cfg))
                 else:
                     export_hf(str(self.ckpt), str(Path(args.out) / "hf"),

@@ -59,7 +59,8 @@ class OptimizerState:
 
     def state_dict(self) -> dict:
         """torch.optim's layout: ``state[i]`` (i counting params over the groups, as torch) holds
-        ``step`` and this rank's piece of each state of param i (1-D, where it has one), and
+        ``step`` (not under LARS, as torch's SGD) and this rank's piece of each state of param i (1-D,
+        where it has one), and
         ``param_groups`` the options with param indices; ``zerofuse`` names the layout (world size,
         rank, stage, optimizer, buckets) and holds the fp16 loss scale. Load it back at the same
         layout; zerofuse.checkpoint saves and reshards across world sizes and stages."""
