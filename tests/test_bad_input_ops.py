@@ -167,7 +167,7 @@ NATIVE = [
 # zerofuse::attention and the norm ops: checked in Python before any kernel (Triton on CUDA and
 # interpreted; C++ / torch CPU kernels), on both paths, and by their fake impls
 ATT = "zerofuse::attention"
-NORM_W = r"expected weight to be a floating-point tensor of 1000 elements \(the hidden size\) on cpu, got "
+NORM_W = r"expected weight to be a 1-D floating-point tensor of 1000 elements \(the hidden size\) on cpu, got "
 TENSOR_OPS = [
     Case("attention-key-on-meta", ops.attention, lambda: (r(1, 2, 5, 8), r(1, 2, 5, 8, device=META), r(1, 2, 5, 8),
                                                           False, 0.5),
