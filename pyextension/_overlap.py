@@ -33,3 +33,20 @@ def shared(a: Tensor, b: Tensor) -> Tensor | None:
 
     view(a).fill_(1)
     return (view(b) != 0).any()
+
+
+def shared_pair(tensors, counts=None) -> tuple[int, int] | None:
+    """The first pair i < j of ``tensors`` (non-tensors and empty ones skipped) sharing a byte, among
+    the pairs ``counts(i, j)`` admits (all without it), or None: spans swept in address order, only
+    crossing ones compared by ``shared``."""
+    spans = sorted((*byte_span(t), i) for i, t in enumerate(tensors) if isinstance(t, Tensor) and t.numel())
+    for k, (_, hi, i) in enumerate(spans):
+        for lo2, _hi2, j in spans[k + 1:]:
+            if lo2 >= hi:
+                break
+            if counts is not None and not counts(i, j):
+                continue
+            both = shared(tensors[i], tensors[j])
+            if both is not None and bool(both):
+                return min(i, j), max(i, j)
+    return None

@@ -7,7 +7,7 @@ import numbers
 
 import torch
 
-from zerofuse._overlap import byte_span, shared
+from zerofuse._overlap import shared_pair
 
 
 def _checked_list(where: str, name: str, tensors: list, *, written: bool, promoted: bool = False) -> list:
@@ -37,17 +37,11 @@ def _checked_list(where: str, name: str, tensors: list, *, written: bool, promot
             raise ValueError(f"zerofuse.comm.{where}: expected {name}[{i}] to hold each element once (it is "
                              f"written), got a tensor whose elements share memory (strides {list(t.stride())}, "
                              f"shape {list(t.shape)}: expanded); pass a tensor of its own, e.g. .clone()")
-    if written and len(tensors) > 1:  # (exact: interleaved views sharing no element pass; a strided view
-        # over another tensor's elements was compared by neither check: gathered into both, silently)
-        spans = sorted((*byte_span(t), i) for i, t in enumerate(tensors) if isinstance(t, torch.Tensor) and t.numel())
-        for k, (_, hi, i) in enumerate(spans):
-            for lo2, _hi2, j in spans[k + 1:]:
-                if lo2 >= hi:
-                    break
-                both = shared(tensors[i], tensors[j])
-                if both is not None and bool(both):
-                    raise ValueError(f"zerofuse.comm.{where}: expected {name}[{min(i, j)}] and {name}[{max(i, j)}] "
-                                     "not to share memory (both are written), got tensors that overlap")
+    # (exact: interleaved views sharing no element pass; a strided view over another tensor's elements
+    # was compared by neither check: gathered into both, silently)
+    if written and len(tensors) > 1 and (pair := shared_pair(tensors)) is not None:
+        raise ValueError(f"zerofuse.comm.{where}: expected {name}[{pair[0]}] and {name}[{pair[1]}] not to share "
+                         "memory (both are written), got tensors that overlap")
     return [t.detach() if isinstance(t, torch.Tensor) and t.requires_grad else t for t in tensors]
 
 
@@ -120,15 +114,9 @@ def check_p2p(ops, ws: int, rank: int) -> None:
 def refuse_shared_p2p(ops) -> None:
     """A received-into tensor sharing memory with another op's (a send of the same buffer, as
     all_to_all refuses its in place): the receive landed while the send read, every element wrong on
-    gloo, silently (a review's reproduction, 2026-12-07). The tensors are contiguous: byte spans."""
-    spans = sorted((o.tensor.data_ptr(), o.tensor.data_ptr() + o.tensor.numel() * o.tensor.element_size(), i)
-                   for i, o in enumerate(ops) if o.tensor.numel())
-    for k, (lo, hi, i) in enumerate(spans):
-        for lo2, _hi2, j in spans[k + 1:]:
-            if lo2 >= hi:
-                break
-            if "recv" in (ops[i].op, ops[j].op):
-                a, b = sorted((i, j))
-                raise ValueError(f"zerofuse.comm.batch_p2p: expected ops[{a}].tensor and ops[{b}].tensor ("
-                                 f"{ops[a].op}, {ops[b].op}) not to share memory (a receive writes it), got tensors "
-                                 "that overlap")
+    gloo, silently (a review's reproduction, 2026-12-07)."""
+    pair = shared_pair([o.tensor for o in ops], lambda i, j: "recv" in (ops[i].op, ops[j].op))
+    if pair is not None:
+        a, b = pair
+        raise ValueError(f"zerofuse.comm.batch_p2p: expected ops[{a}].tensor and ops[{b}].tensor ({ops[a].op}, "
+                         f"{ops[b].op}) not to share memory (a receive writes it), got tensors that overlap")
