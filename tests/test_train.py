@@ -153,9 +153,10 @@ def test_skipped_steps_are_flagged_outside_fp16(tmp_path):
     """fp32 with --clip: a step whose grad norm is not finite is skipped by the optimizer; its
     record says so ("skipped": true, the NaN/inf norm kept: it was logged as null, the record of a
     run without clipping) and the summary counts the skipped steps. --lr 1e30 makes step 2's grads
-    non-finite; the params then stay, so every later step is skipped too."""
+    non-finite; the params then stay, so every later step is skipped too (one log point at step 3:
+    its window holds step 1, trained, so the job goes on; test_a_window_all_skipped_stops_the_job)."""
     p = run("--nproc", 1, "--steps", 3, "--warmup", 0, "--lr", "1e30", "--clip", 1, "--eval-every", 0,
-            "--sample-tokens", 0, "--out", tmp_path)
+            "--sample-tokens", 0, "--log-every", 3, "--out", tmp_path)
     _ok(p)
     rows = metrics(tmp_path)
     assert math.isfinite(rows[0]["grad_norm"]) and "skipped" not in rows[0]
@@ -164,6 +165,19 @@ def test_skipped_steps_are_flagged_outside_fp16(tmp_path):
     assert rows[2]["loss"] == rows[1]["loss"]  # the params did not move
     assert json.loads((tmp_path / "summary.json").read_text())["skipped_steps"] == 2
     assert "skipped steps  2" in p.stdout
+
+
+def test_a_window_all_skipped_stops_the_job(tmp_path):
+    """fp32: every step of a log window skipped for a non-finite grad norm is a diverged run (no loss
+    scale backs off outside fp16): the job stops there with an error, the window's records written
+    (it finished as a success, the params never moving, a review, 2026-12-07)."""
+    p = run("--nproc", 1, "--steps", 4, "--warmup", 0, "--lr", "1e30", "--clip", 1, "--eval-every", 0,
+            "--sample-tokens", 0, "--out", tmp_path)
+    assert p.returncode != 0, p.stdout
+    assert ("every step since the last log point (2-2) was skipped for a non-finite gradient norm (bf16/fp32"
+            in p.stderr), p.stderr
+    rows = metrics(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2] and rows[1]["skipped"] is True and "skipped" not in rows[0]
 
 
 def _children(pid: int) -> list[int]:

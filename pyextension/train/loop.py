@@ -237,7 +237,6 @@ class Trainer:
                 if end:
                     self.opt.apply_pending()
                 records = self.metrics.flush()  # the log point: the device is read here only
-                check_not_stuck(self.opt, records)
                 if self.moe is not None:  # collective over the DP group (every rank under --pp or --tp), like the flush
                     records[-1]["moe"] = self.moe_figures()
                 if evaluate:
@@ -246,6 +245,7 @@ class Trainer:
                 if self.log:
                     for m in records:
                         self.log.step(m)
+                check_not_stuck(self.opt, records)  # (after the window's records are written)
                 if save:
                     self.save()
                 self.metrics.restart_clock()

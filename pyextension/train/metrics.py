@@ -128,13 +128,17 @@ class StopVote:
 
 
 def check_not_stuck(opt, records: list[dict]) -> None:
-    """At a log point: every step of the window skipped (fp16 overflow, a non-finite grad norm) with
-    the loss scale at its floor is a diverged run, stopped with an error (it went on skipping every
-    step, the params never moving, and finished as a success)."""
-    if not records or not all(m.get("skipped") for m in records) or not getattr(opt, "fp16", False):
+    """At a log point: every step of the window skipped (fp16 overflow, a non-finite grad norm) is a
+    diverged run, stopped with an error (it went on skipping every step, the params never moving, and
+    finished as a success): in fp16 once the loss scale is at its floor (above it, backing off may
+    still recover), in bf16/fp32 at once (no loss scale backs off there; Megatron stops at a NaN norm)."""
+    if not records or not all(m.get("skipped") for m in records):
         return
+    where = f"every step since the last log point ({records[0]['step']}-{records[-1]['step']}) was skipped"
+    if not getattr(opt, "fp16", False):
+        raise RuntimeError(f"zerofuse-train: {where} for a non-finite gradient norm (bf16/fp32: no loss scale "
+                           f"backs off): the run diverged (lower the learning rate, or resume from a checkpoint)")
     scale = opt.loss_scale
     if scale <= opt.min_scale:
-        raise RuntimeError(f"zerofuse-train: every step since the last log point ({records[0]['step']}-"
-                           f"{records[-1]['step']}) was skipped for a non-finite gradient with the fp16 loss scale at "
+        raise RuntimeError(f"zerofuse-train: {where} for a non-finite gradient with the fp16 loss scale at "
                            f"its minimum ({scale:g}): the run diverged (lower the learning rate, or train in bf16)")
