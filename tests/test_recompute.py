@@ -111,6 +111,24 @@ def test_offload_on_a_block_compiled_without_it_is_refused():
         model(torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long))
 
 
+@pytest.mark.parametrize("mode", ["none", "full"])
+def test_another_mode_on_a_block_compiled_for_selective_is_refused(mode):
+    """A block compile_block compiled for "selective" checkpoints inside its compiled forward: the
+    model switched to "none" went on recomputing, to "full" wrapped it in a second checkpoint, both
+    silently (a review, 2026-12-07)."""
+    from zerofuse.models import recompute
+
+    model = GPT(GPTConfig(**dict(CFG, n_layer=1)), seed=0)
+    assert recompute.compile_block(model.blocks[0], "selective", backend="eager") == "selective"
+    model.activation_checkpointing = mode
+    with pytest.raises(ValueError, match=rf"compile_block compiled for activation_checkpointing 'selective' checkpoints "
+                                         rf"inside its compiled forward, expected activation_checkpointing 'selective', "
+                                         rf"got '{mode}'"):
+        model(torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long))
+    model.activation_checkpointing = "selective"  # the mode it was compiled for: trains
+    model(torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long))[1].backward()
+
+
 def test_bad_mode_is_refused():
     model = GPT(GPTConfig(**CFG), seed=0)
     model.activation_checkpointing = "some"

@@ -224,7 +224,13 @@ def run(block, mode: str, *args, offload: bool = False):
         raise ValueError("zerofuse.models.GPT: expected activation_offload with activation_checkpointing 'full' or "
                          "'selective' (it offloads what checkpointing keeps), got activation_offload=True with "
                          "activation_checkpointing 'none'")
-    inside = getattr(block, "_zerofuse_checkpointed", None) == mode  # compile_block checkpoints it inside
+    compiled_for = getattr(block, "_zerofuse_checkpointed", None)  # compile_block checkpoints it inside
+    if compiled_for is not None and compiled_for != mode:  # (its forward went on checkpointing under 'none';
+        # under 'full' an eager checkpoint wrapped its checkpointed forward: both silently)
+        raise ValueError(f"zerofuse.models.GPT: a block compile_block compiled for activation_checkpointing "
+                         f"{compiled_for!r} checkpoints inside its compiled forward, expected activation_checkpointing "
+                         f"{compiled_for!r}, got {mode!r}: compile the blocks again for the new mode")
+    inside = compiled_for == mode
     if inside and offload:  # (its compiled forward's own checkpoint: nothing was offloaded, silently)
         raise ValueError("zerofuse.models.GPT: a block compile_block compiled for activation_checkpointing "
                          f"{mode!r} without offload, expected activation_offload=False, got True: compile the "
