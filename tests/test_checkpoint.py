@@ -11,7 +11,7 @@ import zerofuse
 from zerofuse.models import GPT, GPTConfig
 
 from dist_utils import run_distributed
-from test_zero import GLOBAL_BATCH, LR, WD, batches, full_state, make_model
+from zero_common import GLOBAL_BATCH, LR, WD, batches, make_model
 
 pytestmark = pytest.mark.usefixtures("native_kernels")
 

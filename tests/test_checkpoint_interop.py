@@ -17,7 +17,7 @@ from zerofuse.checkpoint import files
 
 from dist_utils import run_distributed
 from test_checkpoint import STEPS_AFTER, STEPS_BEFORE, _steps
-from test_zero import GLOBAL_BATCH, LR, WD, batches, make_model
+from zero_common import GLOBAL_BATCH, LR, WD, batches, make_model
 
 pytestmark = pytest.mark.usefixtures("native_kernels")
 STEPS = STEPS_BEFORE + STEPS_AFTER

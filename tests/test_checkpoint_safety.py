@@ -18,7 +18,7 @@ from zerofuse.checkpoint import files
 import dist_utils
 from dist_utils import run_distributed
 from test_checkpoint import _steps
-from test_zero import LR, batches, make_model
+from zero_common import LR, batches, make_model
 
 pytestmark = pytest.mark.usefixtures("native_kernels")
 
