@@ -9,6 +9,7 @@ import numbers
 import torch
 
 from zerofuse.ops.lamb import TRUST_MODES
+from zerofuse.optim._base import check_real
 
 NAME = "zerofuse.zero.Optimizer"
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -36,8 +37,7 @@ def check_options(opts: dict, where: str) -> None:
         if arg not in opts or torch.is_tensor(opts[arg]):
             continue
         value = opts[arg]
-        if not isinstance(value, numbers.Real) or isinstance(value, bool):  # (numpy floats are: a scheduler's)
-            raise TypeError(f"{NAME}: expected {name(arg)} to be a number, got {type(value).__name__}")
+        check_real(NAME, name(arg), value)  # (numpy floats are numbers: a scheduler's)
         if not value >= 0 or (arg != "max_trust" and not math.isfinite(value)):  # inf: NaN params (lr, wd, ...)
             raise ValueError(f"{NAME}: expected {name(arg)} finite and >= 0, got {value}")
     if "bias_correction" in opts and not isinstance(opts["bias_correction"], bool):  # ("no" was True)
