@@ -167,7 +167,10 @@ def _bad_pipeline_rank(rank, ws):
                lambda: Pipeline(split_modules(layers, 2, [rank]), schedule="1f1b", microbatches=2).step(
                    torch.ones(4, 2), None),
                lambda: Pipeline([zero.parallelize(split_modules(layers, 2, [rank])[0], stage=3, group=alone)], schedule="zb",
-                                microbatches=2)):
+                                microbatches=2),
+               # every rank given stage 0 (split_gpt(model, p, [0])): rank 0's was accepted, its first
+               # step waiting out the timeout for rank 1's refused pipeline (a review, 2026-12-07)
+               lambda: Pipeline(split_modules(layers, 2, [0]), schedule="1f1b", microbatches=2)):
         try:
             fn()
         except ValueError as e:
@@ -186,3 +189,4 @@ def test_bad_input_is_refused_clearly():
     assert "expected the batch size (3) to be a positive multiple of the number of micro-batches (2)" in errors[4]
     assert "expected targets with the batch's 4 rows (the last stage computes the loss" in errors[5], errors[5]
     assert "schedule 'zb' needs the stage's weights whole until its W pass" in errors[6] and "got ZeRO-3" in errors[6]
+    assert errors[7].endswith(": rank 1 of 2 must hold stages [1] (stage s on rank s % p), got [0]"), errors[7]

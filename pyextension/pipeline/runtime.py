@@ -97,16 +97,18 @@ class Pipeline(Transfers, Forwards, Backwards):
         p, r = self.comm.world_size, self.comm.rank
         v = len(stages)
         num = stages[0].num_stages
-        self._agree_settings(schedule, microbatches, v, num)  # before any check some ranks alone may fail
+        held = self._agree_settings(schedule, microbatches, v, num,  # before any check one rank alone may fail
+                                    [s.index for s in stages])
         if isinstance(microbatches, bool) or not isinstance(microbatches, numbers.Integral) or microbatches < 1:
             raise ValueError(f"{NAME}: expected microbatches to be an int >= 1, got {microbatches!r}")
         if num != p * v:
             raise ValueError(f"{NAME}: expected {p} (pipeline size) x {v} (stages on this rank) = {p * v} stages in the "
                              f"model, got a split into {num}")
-        want = [r + k * p for k in range(v)]
-        if [s.index for s in stages] != want:
-            raise ValueError(f"{NAME}: rank {r} of {p} must hold stages {want} (stage s on rank s % p), got "
-                             f"{[s.index for s in stages]}")
+        # every rank's stages, checked on every rank (one rank's own check left its peers waiting in
+        # the first step's transfers: split_gpt(model, p, [0]) on each, a review, 2026-12-07)
+        if bad := [f"rank {q} of {p} must hold stages {[q + k * p for k in range(v)]} (stage s on rank s % p), got "
+                   f"{idx}" for q, idx in enumerate(held) if idx != [q + k * p for k in range(v)]]:
+            raise ValueError(f"{NAME}: {'; '.join(bad)}")
         self.stages = {s.index: s for s in stages}
         self.p, self.v, self.m, self.num_stages, self.rank = p, v, microbatches, num, r
         self._broken: str | None = None  # the error of a step that raised midway (_refuse_broken)
@@ -181,27 +183,29 @@ class Pipeline(Transfers, Forwards, Backwards):
     # ------------------------------------------------------------------ zero-bubble hooks
 
 
-    def _agree_settings(self, schedule, m, v: int, num: int) -> None:
+    def _agree_settings(self, schedule, m, v: int, num: int, mine: list[int]) -> list[list[int]]:
         """At construction, before any check one rank alone may fail, the pipeline's ranks compare
         their schedule, micro-batch count and stages: ranks built apart (microbatches 4 and 2, or
         1f1b and gpipe) waited out the communicator's timeout on a receive that never came, or gloo
         aborted a process on a transfer's tag reused for another size (a review's reproduction,
         2026-12-07). One all-gather, refused on every rank; the same bad value on every rank is then
-        refused by name by each."""
+        refused by name by each. Returns each rank's stage indices (mine: this rank's; a second
+        all-gather, its length agreed by the first)."""
         if self.comm.world_size == 1:
-            return
+            return [mine]
         from zerofuse.zero.layout import gather_rows  # noqa: PLC0415
         known = isinstance(schedule, str) and schedule in SCHEDULES
         whole = isinstance(m, numbers.Integral) and not isinstance(m, bool) and -2 ** 62 < m < 2 ** 62
-        mine = torch.tensor([SCHEDULES.index(schedule) if known else -1, m if whole else -2 ** 62, v, num],
-                            dtype=torch.int64)
-        rows = gather_rows(mine, self.comm).tolist()
+        settings = torch.tensor([SCHEDULES.index(schedule) if known else -1, m if whole else -2 ** 62, v, num],
+                                dtype=torch.int64)
+        rows = gather_rows(settings, self.comm).tolist()
         if any(row != rows[0] for row in rows):
             seen = "; ".join(f"rank {r}: schedule {repr(SCHEDULES[s]) if s >= 0 else 'unknown'}, microbatches "
                              f"{m if m != -2 ** 62 else 'not an int'}, {v} stage(s) of {n}"
                              for r, (s, m, v, n) in enumerate(rows))
             raise ValueError(f"{NAME}: expected the same schedule, microbatches and split on every pipeline rank, got "
                              f"{seen}")
+        return gather_rows(torch.tensor(mine, dtype=torch.int64), self.comm).tolist()
 
     def _check_no_recompute(self) -> None:
         """'zb' and activation checkpointing: its W pass is a second backward through each block,
