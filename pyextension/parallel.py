@@ -67,6 +67,15 @@ def _is_int(n) -> bool:
     return isinstance(n, int) and not isinstance(n, bool)  # True would pass as a size of 1
 
 
+def _is_backend(backend) -> bool:
+    """None, a backend name torch knows (registered ones too) or 'cpu:gloo,cuda:nccl' pairs."""
+    if backend is None:
+        return True
+    known = [b for b in dist.Backend.backend_list if b != "undefined"]
+    return isinstance(backend, str) and bool(backend) and all(
+        part.rpartition(":")[2].lower() in known for part in backend.split(","))
+
+
 def init_mesh(dp: int | None = None, tp: int = 1, pp: int = 1, *, ep: int = 1, backend: str | None = None) -> Mesh:
     """Split the default group into pp × dp × tp (dp=None: world_size // (tp * pp)), each DP group
     into dp / ep expert-parallel groups of ep ranks. Collective: every rank calls it with the same
@@ -86,6 +95,10 @@ def init_mesh(dp: int | None = None, tp: int = 1, pp: int = 1, *, ep: int = 1, b
     for key, n in (("tp", tp), ("pp", pp), ("ep", ep)):
         if not _is_int(n) or n < 1:
             raise ValueError(f"{NAME}: expected {key} to be an int >= 1, got {n!r}")
+    if not _is_backend(backend):  # (torch's bare "Unknown backend type" AssertionError at new_group)
+        raise ValueError(f"{NAME}: expected backend None (the default group's) or one of "
+                         f"{[b for b in dist.Backend.backend_list if b != 'undefined']} (or 'device:backend,...'), "
+                         f"got {backend!r}")
     if dp is None:
         if world % (tp * pp):
             raise ValueError(f"{NAME}: expected tp × pp ({tp} × {pp}) to divide the world size ({world})")

@@ -1,8 +1,9 @@
 """The debug checker of ``zerofuse.comm.Communicator`` (``ZEROFUSE_CHECK_COLLECTIVES=1``): every rank
 publishes each call's signature in the group's store before the collective and compares it with
 every other rank's, so that a mismatch raises :class:`CollectiveMismatch` on every rank instead of
-a hang or a mix of data. A mixin of Communicator (it reads the communicator's store, uid, rank,
-world size and timeout).
+a hang or a mix of data. A mixin of Communicator (it reads the communicator's group, store,
+uid, rank, world size and timeout). Messages name ranks globally, and a group's members where it
+is not the world.
 
 Calls are numbered by the checker itself, one count per communicator advanced at every published
 call: the C++ sequence number (used before) does not advance when a call is refused by its
@@ -15,6 +16,7 @@ import datetime
 import functools
 
 import torch
+import torch.distributed as dist
 
 
 class CollectiveMismatch(RuntimeError):
@@ -72,6 +74,19 @@ def _ints(part: str) -> list[int]:
 
 class CollectiveChecker:
     _check_seq = -1  # the number of the last call published (per instance once set)
+    _members: list[int] | None = None  # the group's global ranks (per instance once read)
+
+    def _g(self, r: int) -> int:
+        """Group rank r's global rank: messages name ranks globally (a mesh's TP group named its
+        members 0 and 1, which were other ranks, busy with other work: a review, 2026-12-07)."""
+        if self._members is None:
+            self._members = dist.get_process_group_ranks(self.group)
+        return self._members[r]
+
+    def _where(self) -> str:
+        """What a message adds on a group other than the world: its members."""
+        self._g(0)
+        return "" if self._members == list(range(dist.get_world_size())) else f" (a group of ranks {self._members})"
 
     def _check_splits(self, seq: int, in_s: list[int], out_s: list[int]) -> None:
         """Rank r's out_splits[s] must be rank s's in_splits[r], for every pair: every rank checks
@@ -87,9 +102,10 @@ class CollectiveChecker:
         if bad:
             s, r = bad[0]
             raise CollectiveMismatch(
-                f"zerofuse.comm: all_to_all #{seq} differs across ranks: rank {s} sends "
-                f"{ins[s][r] if len(ins[s]) > r else None} rows to rank {r}, which expects "
-                f"{outs[r][s] if len(outs[r]) > s else None} (rank pairs (sender, receiver) that differ: {bad})")
+                f"zerofuse.comm: all_to_all #{seq} differs across ranks: rank {self._g(s)} sends "
+                f"{ins[s][r] if len(ins[s]) > r else None} rows to rank {self._g(r)}, which expects "
+                f"{outs[r][s] if len(outs[r]) > s else None} (rank pairs (sender, receiver) that differ: "
+                f"{[(self._g(a), self._g(b)) for a, b in bad]}){self._where()}")
 
     def _checked_p2p(self, ops) -> list:
         """Publish each transfer's signature under its pair's own count and compare it with the
@@ -137,8 +153,8 @@ class CollectiveChecker:
                 self._c.fail(str(e))
                 raise
             except Exception as e:  # noqa: BLE001 - backend-specific timeout types
-                message = (f"zerofuse.comm: rank {peer} did not post the {other} matching rank {self.rank}'s {op} "
-                           f"#{n} ({sig}) within {timeout:.0f} s")
+                message = (f"zerofuse.comm: rank {self._g(peer)} did not post the {other} matching rank "
+                           f"{self._g(self.rank)}'s {op} #{n} ({sig}) within {timeout:.0f} s{self._where()}")
                 self._c.fail(message)
                 raise CollectiveMismatch(message) from e
 
@@ -149,8 +165,8 @@ class CollectiveChecker:
         _forget(self.store, key + other)  # (this rank is its only reader)
         if theirs != sig:
             raise CollectiveMismatch(
-                f"zerofuse.comm: transfer #{n} from rank {src} to rank {dst} differs: rank {self.rank} posted "
-                f"{op} {sig}, rank {peer} posted {other} {theirs}")
+                f"zerofuse.comm: transfer #{n} from rank {self._g(src)} to rank {self._g(dst)} differs: rank "
+                f"{self._g(self.rank)} posted {op} {sig}, rank {self._g(peer)} posted {other} {theirs}{self._where()}")
 
     def _checked(self, name: str, **parts) -> int | None:
         """Publishes and compares this call's signature; returns its number (None: no checker)."""
@@ -166,15 +182,15 @@ class CollectiveChecker:
         except Exception as e:  # noqa: BLE001 - the store reports a timeout in backend-specific types
             missing = [r for r, k in enumerate(keys) if not self.store.check([k])]
             raise CollectiveMismatch(
-                f"zerofuse.comm: rank(s) {missing} did not reach collective #{seq} within {self.timeout:.0f} s; "
-                f"rank {self.rank} issued {mine}") from e
+                f"zerofuse.comm: rank(s) {[self._g(r) for r in missing]} did not reach collective #{seq} within "
+                f"{self.timeout:.0f} s; rank {self._g(self.rank)} issued {mine}{self._where()}") from e
         calls = {r: self.store.get(k).decode() for r, k in enumerate(keys)}
         if len(set(calls.values())) > 1:
             by_call: dict[str, list[int]] = {}
             for r, c in calls.items():
-                by_call.setdefault(c, []).append(r)
+                by_call.setdefault(c, []).append(self._g(r))
             detail = "; ".join(f"rank(s) {ranks}: {c}" for c, ranks in by_call.items())
-            raise CollectiveMismatch(f"zerofuse.comm: collective #{seq} differs across ranks: {detail}")
+            raise CollectiveMismatch(f"zerofuse.comm: collective #{seq} differs across ranks{self._where()}: {detail}")
         # every rank has published this call, so every rank is done reading the previous one's keys
         # (its signature and its all-to-all splits): this rank's go (the store grew by a key per
         # rank and call over a whole run)
