@@ -351,6 +351,9 @@ def _empty_lists_are_no_ops():
     assert adam_([], [], [], [], [], **ADAM) is None
     total, each = l2norm([], per_tensor=True)
     assert total.item() == 0.0 and each.numel() == 0
+    from torch._subclasses.fake_tensor import FakeTensorMode  # the op itself: none to dispatch on, refused
+    with FakeTensorMode(), pytest.raises(RuntimeError, match="zerofuse::l2norm: expected at least one tensor"):
+        torch.ops.zerofuse.l2norm([], True, None, 0)  # (its fake gave CPU results for what the op refuses)
 
 
 def _empty_tensors_step():

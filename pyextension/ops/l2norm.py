@@ -25,7 +25,11 @@ def _check_mult_from(mult_from: int) -> None:
 def _l2norm_fake(tensors, per_tensor, mult=None, mult_from=0):
     check_param_lists("l2norm", tensors, {}, {}, params_name="tensors")
     _check_mult_from(mult_from)
-    device = tensors[0].device if tensors else torch.device("cpu")
+    if not tensors:  # (as the op: no tensor to dispatch on; it returned CPU results for a traced call the
+        # op then refused; zerofuse.ops.l2norm takes an empty list before dispatch)
+        raise RuntimeError("zerofuse::l2norm: expected at least one tensor in tensors, got none "
+                           "(zerofuse.ops.l2norm takes an empty list: its norm is 0)")
+    device = tensors[0].device
     return (torch.empty((), device=device, dtype=torch.float32),
             torch.empty(len(tensors) if per_tensor else 0, device=device, dtype=torch.float32))
 
