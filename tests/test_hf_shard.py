@@ -197,3 +197,36 @@ def test_shard_refusals():
     assert out["retry"] == "no error"
     # assign=True replaced ZeRO's bucket views (nothing trained after it, or a KeyError in backward)
     assert "expected load_state_dict(assign=False) on a model made data-parallel" in out["assign"]
+
+
+def _generate_rank(rank, ws, synced):
+    from zerofuse import kernels
+
+    kernels.TRITON_ON_CPU = False
+    prompt = batch(1, 5, seed=100 + rank)  # each rank its own prompt, as data-parallel ranks have
+    stock = build("llama").eval()
+    with torch.no_grad():
+        free = stock.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    # rank 0 stops at its first new token, rank 1 runs all 8 steps
+    eos = int(free[0, 5]) if rank == 0 else next(t for t in range(1, 1000) if t not in free[0].tolist())
+    with torch.no_grad():
+        want = stock.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=eos)
+    model = zerofuse.shard(zerofuse.patch(build("llama")), dp=ws, zero_stage=3).eval()
+    kw = {} if synced is None else {"synced_gpus": synced}
+    with torch.no_grad():
+        got = model.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=eos, **kw)
+    dist.barrier()  # what a training loop does next
+    return got.tolist(), want.tolist()
+
+
+def test_generate_under_zero3_waits_for_every_rank(cpu_kernels):
+    """Ranks generating to other lengths (rank 0 at eos after one token): transformers syncs its
+    decoding steps across ranks only for DeepSpeed ZeRO-3 and FSDP, so rank 1's next step waited in
+    ZeRO-3's all-gather for a rank that had left generate, until the timeout (a review's
+    reproduction, 2026-12-07). ZeRO-3 over several ranks makes synced_gpus generate's default;
+    each rank gets stock's sequence."""
+    for synced in (None, True):
+        out = run_distributed(_generate_rank, 2, synced, timeout=120)
+        assert [len(got[0]) for got, _ in out] == [6, 13], out
+        for got, want in out:
+            assert got == want

@@ -32,3 +32,15 @@ def forward_slot(mod) -> str:
     ``_old_forward``: a patch goes there, under the hook (every such module was taken as patched
     already and left stock, silently; the attention and the LM forward replaced the hook)."""
     return "_old_forward" if "_hf_hook" in vars(mod) and "_old_forward" in vars(mod) else "forward"
+
+
+def generate_synced(model, *args, **kwargs):
+    """transformers' ``generate`` with ``synced_gpus=True`` unless the caller says otherwise, for a
+    model ZeRO-3 shards over several ranks (``model.generate = Bound(model, generate_synced)``,
+    zerofuse.zero.parallelize): every decoding step's forward gathers params with the other ranks,
+    so a rank whose sequences all ended (eos) keeps stepping until every rank's have. transformers
+    turns it on by itself for DeepSpeed ZeRO-3 and FSDP only: ranks stopping at other lengths waited
+    in ZeRO-3's all-gather until the timeout (a review's reproduction, 2026-12-07)."""
+    kwargs.setdefault("synced_gpus", True)
+    return type(model).generate(model, *args, **kwargs)
+

@@ -7,6 +7,11 @@ import torch
 from zerofuse.zero.engine import ZeroEngine, engine_of
 
 
+def _hf_generation(model) -> bool:
+    """A transformers model with generate (GenerationMixin), told without importing transformers."""
+    return any(c.__name__ == "GenerationMixin" and c.__module__.startswith("transformers.") for c in type(model).__mro__)
+
+
 def parallelize(model: torch.nn.Module, *, stage: int, group=None, precision: str = "fp32",
                 reduce_dtype: torch.dtype | None = None, bucket_mb: float = 25.0, overlap: bool = True,
                 prefetch: int = 1, wrap=None, reshard_after_forward: bool = True,
@@ -70,6 +75,9 @@ def parallelize(model: torch.nn.Module, *, stage: int, group=None, precision: st
                         param_gather=param_gather, find_unused_parameters=find_unused_parameters,
                         gradient_as_bucket_view=gradient_as_bucket_view)
     model._zerofuse_zero = engine
+    if stage == 3 and engine.world_size > 1 and _hf_generation(model):  # (as DeepSpeed's ZeRO-3 gets from transformers)
+        from zerofuse.hf.bound import Bound, generate_synced  # noqa: PLC0415 - transformers' models only
+        model.generate = Bound(model, generate_synced)
     model.no_sync = engine.no_sync
     model.zero_grad = engine.model_zero_grad
     model.register_load_state_dict_pre_hook(_refuse_assign)
