@@ -164,3 +164,27 @@ def test_capacity_is_the_factor_as_written_and_bad_sizes_are_named():
         Router(D, 4, 1.5)
     with pytest.raises(ValueError, match=r"zerofuse.moe.MoE: expected x \[..., 16\], got \[\]"):
         MoE(D, H, 4, 1)(torch.tensor(1.0))
+
+
+def test_capacity_dropping_keeps_o_tk_memory(native_kernels):
+    """Router._drop placed each choice among its expert's with a (T k, E) int64 one-hot's cumsum:
+    three T k E tensors (3.2 GB per MoE layer at 65536 tokens, top 8 of 256 experts; a review,
+    2026-12-07). Now a stable grouping by expert: O(T k). The drops are those of the (token, slot)
+    order, checked against a loop."""
+    import zerofuse
+    from zerofuse.moe import Router
+
+    t, k, e = 2048, 8, 256
+    experts = torch.stack([torch.randperm(e, generator=torch.Generator().manual_seed(i))[:k] for i in range(t)])
+    experts[:, 0] = 3  # expert 3 over capacity: the later tokens' choices of it are dropped
+    r = Router(D, e, k, capacity_factor=1.0)
+    with zerofuse.zero.peak_memory() as peak:
+        kept, dropped = r._drop(experts)
+    assert peak.peak < 16 * t * k * 8, peak.peak  # (the one-hot's three tensors: 3 * t * k * e * 8 = 100 MiB)
+    cap, seen, want = r.capacity(t), [0] * e, experts.clone()
+    for i in range(t):
+        for j in range(k):
+            x = int(experts[i, j])
+            want[i, j] = x if seen[x] < cap else -1
+            seen[x] += 1
+    assert torch.equal(kept, want) and int(dropped) == int((want < 0).sum()) > 0
