@@ -304,3 +304,15 @@ def test_the_validation_key_names_the_validation_data():
         return D.validation_key(args, D.Validation(D.Sampler(tokens, 16, 2, 1, 1, 0, 0), 2, 2, 1, 0, 0))
 
     assert key(a) == key(a.copy()) and key(a) != key(b)
+
+
+def test_write_shard_refuses_what_its_header_cannot_count(tmp_path):
+    """llm.c's header counts tokens in an int32: 2**31 tokens (4 GiB) raised numpy's bare "Python
+    integer 2147483648 out of bounds for int32" (a review, 2026-12-07). Bad ids are named too."""
+    many = np.broadcast_to(np.uint16(7), (2 ** 31,))  # (no memory: one element, stride 0)
+    with pytest.raises(ValueError, match=r"write_shard: expected fewer than 2\*\*31 tokens in one shard .* got "
+                                         r"2147483648: split them"):
+        tok.write_shard(tmp_path / "big.bin", many)
+    with pytest.raises(ValueError, match=r"write_shard: expected token ids in \[0, 65535\], got \[-1, 3\]"):
+        tok.write_shard(tmp_path / "neg.bin", [3, -1])
+    assert not list(tmp_path.iterdir())  # nothing written

@@ -168,6 +168,9 @@ def check_ids(tokens: np.ndarray, path, vocab: int = GPT2_VOCAB, flag: str = "--
 def write_shard(path, tokens) -> None:
     """An llm.c token file (header + uint16 tokens), written atomically."""
     tokens = np.asarray(tokens)
+    if tokens.size >= 2 ** 31:  # (the header's int32 count: numpy's bare OverflowError naming nothing)
+        raise ValueError(f"write_shard: expected fewer than 2**31 tokens in one shard (the llm.c header counts them "
+                         f"in an int32), got {tokens.size}: split them into several shards")
     if tokens.size and (tokens.min() < 0 or tokens.max() >= 2 ** 16):
         raise ValueError(f"write_shard: expected token ids in [0, 65535], got [{tokens.min()}, {tokens.max()}]")
     header = np.zeros(HEADER_INTS, dtype=np.int32)
