@@ -1,5 +1,6 @@
 """What the fused optimizers' tests share (tests/test_optim*.py): the ``path`` fixture (C++ CPU
-kernels, Triton in the interpreter, CUDA), seeded params and grads, and a run of steps."""
+kernels, Triton in the interpreter, CUDA), seeded params and grads, a run of steps, and a small model
+with its training loop (tests/test_optim_contract.py, test_optim_masters.py)."""
 import pytest
 import torch
 
@@ -49,3 +50,17 @@ def _run(opt_cls, params, steps=20, scheduler=False, **kw):
         if sched:
             sched.step()
     return params, opt
+
+
+def small_model(dtype=torch.float32, seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4)).to(dtype)
+
+
+def train_steps(model, opt, steps, start=0):
+    for i in range(start, start + steps):
+        g = torch.Generator().manual_seed(i)
+        x, y = torch.randn(5, 8, generator=g), torch.randn(5, 4, generator=g)
+        ((model(x.to(model[0].weight.dtype)).float() - y) ** 2).mean().backward()
+        opt.step()
+        opt.zero_grad()

@@ -14,23 +14,11 @@ import torch
 import zerofuse
 from zerofuse.optim import FusedAdam, FusedAdamW, FusedLAMB
 
+from optim_common import small_model, train_steps
 from tolerances import assert_close
 
 pytestmark = pytest.mark.usefixtures("cpu_kernels")
 
-
-def _model(dtype=torch.float32, seed=0):
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4)).to(dtype)
-
-
-def _train(model, opt, steps, start=0):
-    for i in range(start, start + steps):
-        g = torch.Generator().manual_seed(i)
-        x, y = torch.randn(5, 8, generator=g), torch.randn(5, 4, generator=g)
-        ((model(x.to(model[0].weight.dtype)).float() - y) ** 2).mean().backward()
-        opt.step()
-        opt.zero_grad()
 
 
 @pytest.mark.parametrize("master_weights", [True, False])
@@ -38,19 +26,19 @@ def test_bf16_params_resume_from_their_own_state_dict_bit_for_bit(master_weights
     """torch's load_state_dict casts every floating state to its param's dtype: the fp32 masters
     and moments of bf16 params came back bf16 (the next step refused the master; without masters
     the moments were rounded: 4.8e-4 off an uninterrupted run after 5 steps)."""
-    straight = _model(torch.bfloat16)
+    straight = small_model(torch.bfloat16)
     opt = FusedAdamW(straight.parameters(), lr=1e-2, master_weights=master_weights)
-    _train(straight, opt, 3)
+    train_steps(straight, opt, 3)
     saved_model, saved = copy.deepcopy(straight.state_dict()), copy.deepcopy(opt.state_dict())
-    _train(straight, opt, 5, start=3)
-    resumed = _model(torch.bfloat16, seed=1)
+    train_steps(straight, opt, 5, start=3)
+    resumed = small_model(torch.bfloat16, seed=1)
     resumed.load_state_dict(saved_model)
     opt2 = FusedAdamW(resumed.parameters(), lr=1e-2, master_weights=master_weights)
     opt2.load_state_dict(saved)
     for p in resumed.parameters():
         keys = ("exp_avg", "exp_avg_sq") + (("master",) if master_weights else ())
         assert all(opt2.state[p][k].dtype == torch.float32 for k in keys)
-    _train(resumed, opt2, 5, start=3)
+    train_steps(resumed, opt2, 5, start=3)
     for a, b in zip(straight.parameters(), resumed.parameters()):
         assert torch.equal(a, b)
     for a, b in zip(opt.state.values(), opt2.state.values()):
@@ -64,42 +52,42 @@ def test_adams_decoupled_weight_decay_is_read_per_group():
     (0.015-0.018 off)."""
     results = []
     for cls in (torch.optim.Adam, FusedAdam):
-        model = _model()
+        model = small_model()
         ps = list(model.parameters())
         opt = cls([{"params": ps[:2]}], lr=1e-2, weight_decay=0.1)
         opt.add_param_group({"params": ps[2:], "decoupled_weight_decay": True})
-        _train(model, opt, 3)
+        train_steps(model, opt, 3)
         opt.param_groups[0]["decoupled_weight_decay"] = True
-        _train(model, opt, 3, start=3)
+        train_steps(model, opt, 3, start=3)
         results.append(list(model.parameters()))
     for a, b in zip(*results):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
     # an AdamW's state dict loaded into FusedAdam steps as AdamW (torch.optim.Adam does)
     for cls in (torch.optim.Adam, FusedAdam):
-        src = _model()
+        src = small_model()
         adamw = torch.optim.AdamW(src.parameters(), lr=1e-2, weight_decay=0.1)
-        _train(src, adamw, 2)
+        train_steps(src, adamw, 2)
         opt = cls(src.parameters(), lr=1e-2, weight_decay=0.1)
         opt.load_state_dict(adamw.state_dict())
-        _train(src, opt, 3, start=2)
+        train_steps(src, opt, 3, start=2)
         results.append(list(src.parameters()))
     for a, b in zip(results[2], results[3]):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
 
 
 def test_amsgrad_in_a_group_is_refused_not_ignored():
-    model = _model()
+    model = small_model()
     opt = FusedAdam(model.parameters(), lr=1e-2)
     opt.param_groups[0]["amsgrad"] = True
     with pytest.raises(ValueError, match=r"amsgrad=True in a param group is not supported"):
-        _train(model, opt, 1)
-    src = _model()
+        train_steps(model, opt, 1)
+    src = small_model()
     torch_opt = torch.optim.Adam(src.parameters(), lr=1e-2, amsgrad=True)
-    _train(src, torch_opt, 1)
+    train_steps(src, torch_opt, 1)
     opt = FusedAdam(src.parameters(), lr=1e-2)
     opt.load_state_dict(torch_opt.state_dict())
     with pytest.raises(ValueError, match="amsgrad"):
-        _train(src, opt, 1)
+        train_steps(src, opt, 1)
 
 
 @pytest.mark.parametrize("cls", [FusedAdamW, FusedLAMB])
@@ -107,19 +95,19 @@ def test_a_groups_max_grad_norm_is_the_threshold(cls):
     """Every group carries max_grad_norm (torch.optim puts the defaults there): changing it in
     param_groups, as one changes the lr, takes effect (it was read from the constructor's only);
     groups disagreeing is an error (the norm is global)."""
-    want_model, got_model = _model(), _model()
+    want_model, got_model = small_model(), small_model()
     want = cls(want_model.parameters(), lr=1e-2, max_grad_norm=0.05)
     got = cls(got_model.parameters(), lr=1e-2, max_grad_norm=1.0)
     for g in got.param_groups:
         g["max_grad_norm"] = 0.05
-    _train(want_model, want, 3)
-    _train(got_model, got, 3)
+    train_steps(want_model, want, 3)
+    train_steps(got_model, got, 3)
     for a, b in zip(want_model.parameters(), got_model.parameters()):
         assert torch.equal(a, b)
     ps = list(got_model.parameters())
     split = cls([{"params": ps[:2]}, {"params": ps[2:], "max_grad_norm": 2.0}], lr=1e-2, max_grad_norm=1.0)
     with pytest.raises(ValueError, match="expected one max_grad_norm in every param group"):
-        _train(got_model, split, 1)
+        train_steps(got_model, split, 1)
 
 
 def test_zero_optimizer_refuses_what_it_would_ignore(world_of_one):
@@ -127,7 +115,7 @@ def test_zero_optimizer_refuses_what_it_would_ignore(world_of_one):
     or a max_grad_norm of its own, is refused (they were accepted and ignored: 0.16 off
     torch.optim.Adam with maximize); add_param_group after construction says why (a bare IndexError
     before). Other keys (a group name) stay allowed, as in torch."""
-    model = zerofuse.zero.parallelize(_model(), stage=1)
+    model = zerofuse.zero.parallelize(small_model(), stage=1)
     ps = list(model.parameters())
     for kind, extra, msg in (("adam", {"maximize": True}, "'maximize'] = True is not supported"),
                              ("adam", {"amsgrad": True}, "'amsgrad'] = True"),
@@ -145,17 +133,17 @@ def test_zero_optimizer_refuses_what_it_would_ignore(world_of_one):
         opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]})
     opt.param_groups[0]["maximize"] = True  # set after construction (or loaded): refused at the step
     with pytest.raises(TypeError, match="'maximize'] = True is not supported"):
-        _train(model, opt, 1)
+        train_steps(model, opt, 1)
     opt.param_groups[0]["maximize"] = False
     import numpy as np  # a scheduler's table of numpy floats (accepted before the per-step check; torch takes them)
     opt.param_groups[0]["lr"], opt.param_groups[0]["betas"] = np.float32(1e-3), (np.float32(0.9), np.float64(0.99))
-    _train(model, opt, 1)
+    train_steps(model, opt, 1)
     for key, value in (("lr", -1.0), ("betas", (1.5, 0.9)), ("eps", float("inf"))):  # (these were stepped with)
         opt.param_groups[0][key], before = value, opt.param_groups[0][key]
         with pytest.raises(ValueError, match=rf"param_groups\[0\]\['?{key}'?\]"):
-            _train(model, opt, 1)
+            train_steps(model, opt, 1)
         opt.param_groups[0][key] = before
-    _train(model, opt, 1)
+    train_steps(model, opt, 1)
 
 
 def test_fused_adam_takes_max_grad_norm_0_as_no_clipping():
@@ -163,9 +151,9 @@ def test_fused_adam_takes_max_grad_norm_0_as_no_clipping():
     value took it so: a review, 2026-12-06)."""
     got = []
     for mgn in (0, None):
-        model = _model()
+        model = small_model()
         opt = FusedAdamW(model.parameters(), lr=1e-2, max_grad_norm=mgn)
-        _train(model, opt, 3)
+        train_steps(model, opt, 3)
         got.append([p.detach().clone() for p in model.parameters()])
         assert opt.last_grad_norm is None
     for a, b in zip(*got):
@@ -177,7 +165,7 @@ def test_zero_optimizer_sync_lr_follows_a_tensor_lr_updated_in_place(world_of_on
     kept the first value (0.06 off torch after 10 steps); it copies the tensor every call."""
     results = []
     for zero in (False, True):
-        model = _model()
+        model = small_model()
         if zero:
             model = zerofuse.zero.parallelize(model, stage=1)
             opt = zerofuse.zero.Optimizer(model, "adamw", lr=torch.tensor(0.01))
@@ -186,7 +174,7 @@ def test_zero_optimizer_sync_lr_follows_a_tensor_lr_updated_in_place(world_of_on
             opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(0.01))
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.3)
         for i in range(6):
-            _train(model, opt, 1, start=i)
+            train_steps(model, opt, 1, start=i)
             sched.step()
             if zero:
                 opt.sync_lr()
@@ -201,7 +189,7 @@ def test_model_zero_grad_of_a_parallelized_model_clears_its_grads(stage, world_o
     """model.zero_grad() (as torch training loops call it) on a parallelized model: the grads live in
     the units' shards, which Module.zero_grad never touched, so every step added all earlier grads
     (0.045 off the plain model after 5 steps); it is now the Optimizer's zero_grad."""
-    plain, wrapped = _model(), zerofuse.zero.parallelize(_model(), stage=stage)
+    plain, wrapped = small_model(), zerofuse.zero.parallelize(small_model(), stage=stage)
     opts = (torch.optim.AdamW(plain.parameters(), lr=1e-2), zerofuse.zero.Optimizer(wrapped, "adamw", lr=1e-2))
     for model, opt in zip((plain, wrapped), opts):
         for i in range(5):
@@ -220,12 +208,12 @@ def test_weights_loaded_into_a_bf16_parallelized_model_are_the_ones_trained(stag
     """bf16 params keep fp32 masters in the Optimizer: model.load_state_dict wrote the params and
     the next step wrote the old masters back over them (0.66 off the loaded weights after one step
     at lr 1e-6). The model's load hook now refreshes the masters."""
-    model = zerofuse.zero.parallelize(_model(), stage=stage, precision="bf16")
+    model = zerofuse.zero.parallelize(small_model(), stage=stage, precision="bf16")
     opt = zerofuse.zero.Optimizer(model, "adamw", lr=1e-6, weight_decay=0.0)
-    _train(model, opt, 2)
-    loaded = {k: v.clone() for k, v in _model(torch.bfloat16, seed=7).state_dict().items()}
+    train_steps(model, opt, 2)
+    loaded = {k: v.clone() for k, v in small_model(torch.bfloat16, seed=7).state_dict().items()}
     model.load_state_dict(loaded)
-    _train(model, opt, 1, start=2)
+    train_steps(model, opt, 1, start=2)
     for name, value in model.state_dict().items():
         torch.testing.assert_close(value, loaded[name], rtol=0, atol=1e-2, msg=name)
 
@@ -235,8 +223,8 @@ def test_stage3_state_dict_outside_full_params_raises_instead_of_crashing(world_
     model.state_dict() handed them out and reading them crashed the process (SIGSEGV), and
     load_state_dict wrote into them. Now both raise saying what to use; inside full_params the
     state dict is the model's."""
-    plain = _model()
-    model = zerofuse.zero.parallelize(_model(), stage=3)
+    plain = small_model()
+    model = zerofuse.zero.parallelize(small_model(), stage=3)
     with pytest.raises(RuntimeError, match=r"state_dict\(\) at stage 3 outside zerofuse.zero.full_params"):
         model.state_dict()
     with pytest.raises(RuntimeError, match=r"load_state_dict\(\) at stage 3.*zerofuse.checkpoint.load"):
@@ -253,8 +241,8 @@ def test_stage3_params_read_outside_a_gather_are_nan_placeholders_of_their_shape
     (a norm, an EMA, print) crashed the process (SIGSEGV). Now it reads as NaNs of the param's
     shape, dtype and numel (parameter counts stay right), an in-place write raises, and gathers
     and training are unchanged."""
-    plain = _model()
-    model = zerofuse.zero.parallelize(_model(), stage=3)
+    plain = small_model()
+    model = zerofuse.zero.parallelize(small_model(), stage=3)
     opt = zerofuse.zero.Optimizer(model, "adamw", lr=1e-2)
     ref_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
     for step in range(2):
@@ -269,8 +257,8 @@ def test_stage3_params_read_outside_a_gather_are_nan_placeholders_of_their_shape
         with zerofuse.zero.full_params(model):
             for p, q in zip(model.parameters(), plain.parameters()):
                 assert_close(p, q, op="training_params")
-        _train(model, opt, 1, start=step)
-        _train(plain, ref_opt, 1, start=step)
+        train_steps(model, opt, 1, start=step)
+        train_steps(plain, ref_opt, 1, start=step)
 
 
 @pytest.mark.parametrize("stage", [0, 2, 3])
@@ -279,8 +267,8 @@ def test_converting_a_parallelized_model_raises_instead_of_detaching_its_params(
     into the buckets) with a copy nothing steps: at stages 0-2 the loss stayed the same step after
     step, at stage 3 a kernel failed on mixed dtypes. Now a conversion that would change a param
     raises before anything (a buffer either) is converted; no-op conversions pass."""
-    plain = _model()
-    model = zerofuse.zero.parallelize(_model(), stage=stage)
+    plain = small_model()
+    model = zerofuse.zero.parallelize(small_model(), stage=stage)
     model.register_buffer("scale", torch.ones(3))
     opt = zerofuse.zero.Optimizer(model, "adamw", lr=1e-2)
     ref_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
@@ -291,8 +279,8 @@ def test_converting_a_parallelized_model_raises_instead_of_detaching_its_params(
                                                r"zerofuse.zero.parallelize"):
             convert(model)
     assert model.scale.dtype == torch.float32
-    _train(model, opt, 2)
-    _train(plain, ref_opt, 2)
+    train_steps(model, opt, 2)
+    train_steps(plain, ref_opt, 2)
     with zerofuse.zero.full_params(model):
         for p, q in zip(model.parameters(), plain.parameters()):
             assert_close(p, q, op="training_params")
@@ -304,7 +292,7 @@ def test_requires_grad_changed_after_parallelize_raises_at_the_step(stage, chang
     """A param unfrozen after parallelize was never stepped (0.30 off torch after 3 steps), one frozen
     after it was still stepped on zero grads (1e-3 off: torch.optim skips it). Now the step raises
     naming the param, before changing anything; set back, training goes on as torch's."""
-    plain, model = _model(), _model()
+    plain, model = small_model(), small_model()
     if change == "unfreeze":
         for m in (plain, model):
             m[0].weight.requires_grad_(False)
@@ -319,8 +307,8 @@ def test_requires_grad_changed_after_parallelize_raises_at_the_step(stage, chang
         opt.step()
     model[0].weight.requires_grad_(change != "unfreeze")
     opt.zero_grad()
-    _train(model, opt, 2)
-    _train(plain, ref_opt, 2)
+    train_steps(model, opt, 2)
+    train_steps(plain, ref_opt, 2)
     with zerofuse.zero.full_params(model):
         for p, q in zip(model.parameters(), plain.parameters()):
             assert_close(p, q, op="training_params")
@@ -347,240 +335,3 @@ def test_stage3_backward_twice_through_a_retained_graph_matches_torch(world_of_o
     with zerofuse.zero.full_params(model):
         for p, q in zip(model.parameters(), plain.parameters()):
             assert_close(p, q, op="training_params")
-
-
-def _stage3_run(precision, edit, stage=3):
-    model = zerofuse.zero.parallelize(_model(), stage=stage, precision=precision)
-    opt = zerofuse.zero.Optimizer(model, "adamw", lr=1e-2)
-    for step in range(3):
-        edit(model, step, opt)
-        _train(model, opt, 1, start=step)
-    with zerofuse.zero.full_params(model):
-        return {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_stage3_writes_inside_full_params_reach_the_shards(precision, world_of_one):
-    """full_params at stage 3 was read-only: an in-place init or a load_state_dict inside it was
-    silently dropped at exit (and load_state_dict refused). Now each rank's part is written back and
-    the fp32 masters of bf16 params refreshed: the same run as stage 0 loading the same weights. A
-    block that only reads changes nothing, bit for bit (the masters are not rounded to bf16)."""
-    def halve(model, step, _opt):
-        if step == 1:
-            with zerofuse.zero.full_params(model), torch.no_grad():
-                model[0].weight.mul_(0.5)
-                model.load_state_dict({**model.state_dict(), "2.bias": torch.ones(4)})
-
-    def halve_at_stage0(model, step, _opt):
-        if step == 1:
-            state = model.state_dict()
-            model.load_state_dict({**state, "0.weight": state["0.weight"] * 0.5, "2.bias": torch.ones(4)})
-
-    def read(model, step, _opt):
-        with zerofuse.zero.full_params(model):
-            assert all(torch.isfinite(p).all() for p in model.parameters())
-
-    got, want = _stage3_run(precision, halve), _stage3_run(precision, halve_at_stage0, stage=0)
-    for name in want:
-        torch.testing.assert_close(got[name], want[name], rtol=0, atol=0, msg=name)
-    plain_run, read_run = _stage3_run(precision, lambda *_: None), _stage3_run(precision, read)
-    assert all(torch.equal(read_run[n], plain_run[n]) for n in plain_run)
-    assert not all(torch.equal(got[n], plain_run[n]) for n in plain_run)
-
-
-@pytest.mark.parametrize("stage", [0, 1, 2])
-def test_writes_inside_full_params_at_stages_0_to_2_reach_the_fp32_masters(stage, world_of_one):
-    """bf16 params keep fp32 masters in the Optimizer: an in-place edit of a param (an init, weight
-    surgery) was overwritten by its old master at the next step. Inside full_params, as at stage 3,
-    the masters of the elements written are refreshed on exit, the others keep their fp32 bits (a
-    whole bucket's masters were replaced by their bf16 rounding before 2026-12-06): the run of stage 0
-    editing the param and its master by hand; a block that only reads changes nothing, bit for bit."""
-    def halve(model, step, _opt):
-        if step == 1:
-            with zerofuse.zero.full_params(model), torch.no_grad():
-                model[0].weight.mul_(0.5)
-
-    def halve_by_hand(model, step, opt):
-        if step == 1:
-            with torch.no_grad():
-                w = model[0].weight
-                w.mul_(0.5)  # (a power of two: no element of w is left as it was but its zeros)
-                opt.state[w]["master"].copy_(w.reshape(-1))
-
-    def read(model, step, _opt):
-        with zerofuse.zero.full_params(model):
-            assert all(torch.isfinite(p).all() for p in model.parameters())
-
-    got, want = _stage3_run("bf16", halve, stage=stage), _stage3_run("bf16", halve_by_hand, stage=0)
-    for name in want:
-        torch.testing.assert_close(got[name], want[name], rtol=0, atol=0, msg=name)
-    plain_run, read_run = _stage3_run("bf16", lambda *_: None, stage=stage), _stage3_run("bf16", read, stage=stage)
-    assert all(torch.equal(read_run[n], plain_run[n]) for n in plain_run)
-    assert not all(torch.equal(got[n], plain_run[n]) for n in plain_run)
-
-
-# ---------------------------------------------------------------- what a review reproduced (2026-11-28)
-
-def _bf16_step(opt, p):
-    p.grad = torch.ones_like(p)
-    opt.step()
-
-
-@pytest.mark.parametrize("how", ["copy_", "data"])
-def test_a_write_to_a_bf16_param_between_steps_reaches_its_master(how):
-    """master_weights=True: a write to the param (p.copy_: a load, an EMA swap; p.data = ...) was
-    undone by the next step, which wrote round(old master - update) over it."""
-    p = torch.nn.Parameter(torch.zeros(8, dtype=torch.bfloat16))
-    q = torch.nn.Parameter(torch.zeros(8, dtype=torch.bfloat16))
-    ours, theirs = FusedAdamW([p], lr=1e-3, weight_decay=0.0, master_weights=True), torch.optim.AdamW([q], lr=1e-3)
-    for opt, t in ((ours, p), (theirs, q)):
-        _bf16_step(opt, t)
-        with torch.no_grad():
-            if how == "copy_":
-                t.copy_(torch.full((8,), 5.0))
-            else:
-                t.data = torch.full((8,), 5.0, dtype=torch.bfloat16)
-        _bf16_step(opt, t)
-    assert torch.equal(p, q) and float(p[0]) == 5.0
-
-
-def test_a_partial_write_keeps_the_other_elements_masters_and_data_writes_are_told():
-    """A write to some elements refreshes only their masters (the others kept their fp32 bits:
-    the whole master was set to the bf16 param before, a 1-ulp jump for every unwritten element);
-    an in-place op on p.data moves no version counter: params_written() hands it to the masters
-    (the next step undid it, silently: a review's reproduction, 2026-12-07)."""
-    runs = {}
-    for case in ("none", "partial", "data"):
-        p = torch.nn.Parameter(torch.ones(8, dtype=torch.bfloat16))
-        opt = FusedAdamW([p], lr=1e-3, weight_decay=0.0, master_weights=True)
-        _bf16_step(opt, p)
-        if case == "partial":
-            with torch.no_grad():
-                p[:2] = 5.0
-        elif case == "data":
-            p.data[:2].fill_(5.0)
-            opt.params_written()
-        _bf16_step(opt, p)
-        runs[case] = (p.detach().float().clone(), opt.state[p]["master"].clone())
-    for case in ("partial", "data"):
-        got, master = runs[case]
-        assert (got[:2] - 5.0).abs().max() < 0.05, (case, got)  # (the step moves it by at most lr)
-        assert torch.equal(master[2:], runs["none"][1][2:]), (case, master, runs["none"][1])
-
-
-@pytest.mark.parametrize("cls", [FusedAdam, FusedAdamW, FusedLAMB, zerofuse.optim.FusedLARS])
-@pytest.mark.parametrize("case", ["other_param_without_grad", "frozen_while_written"])
-def test_a_write_reaches_its_master_when_the_step_plan_was_rebuilt(cls, case, kernel_path):
-    """The versions telling a written param lived in the step plan, rebuilt whenever the set of
-    params with a grad changed (another param's grad None, the written one frozen meanwhile): the
-    write was undone by the next step, silently (found by a review, 2026-12-06)."""
-    p, q = (torch.nn.Parameter(torch.zeros(8, dtype=torch.bfloat16)) for _ in range(2))
-    opt = cls([p, q], lr=1e-3, weight_decay=0.0, master_weights=True)
-    p.grad, q.grad = torch.ones_like(p), torch.ones_like(q)
-    opt.step()
-    with torch.no_grad():
-        p.copy_(torch.full((8,), 5.0))
-    p.grad = torch.zeros_like(p)  # (a zero grad: the step moves p by at most lr)
-    q.grad = None if case == "other_param_without_grad" else q.grad
-    if case == "frozen_while_written":
-        p.grad = None
-        opt.step()
-        p.grad = torch.zeros_like(p)
-    opt.step()
-    assert (p.float() - 5.0).abs().max() < 0.05, p
-
-
-def test_a_write_after_loading_the_optimizer_reaches_its_master(kernel_path):
-    """A fresh optimizer given a state_dict (its masters), then weights written into the params (not
-    the checkpoint's), then a step: the write was undone (no versions to compare yet)."""
-    p = torch.nn.Parameter(torch.full((8,), 0.5, dtype=torch.bfloat16))
-    first = FusedAdamW([p], lr=1e-3, weight_decay=0.0, master_weights=True)
-    _bf16_step(first, p)
-    q = torch.nn.Parameter(p.detach().clone())
-    opt = FusedAdamW([q], lr=1e-3, weight_decay=0.0, master_weights=True)
-    opt.load_state_dict(first.state_dict())
-    with torch.no_grad():
-        q.fill_(-1.0)
-    q.grad = torch.zeros_like(q)
-    opt.step()
-    assert (q.float() + 1.0).abs().max() < 0.01, q
-
-
-def test_fused_adam_steps_after_deepcopy_and_pickle():
-    """FusedAdam set its decoupled flag on the instance only: a deepcopied or unpickled optimizer
-    (torch's __getstate__ keeps defaults, state and groups) raised AttributeError at its step."""
-    import pickle
-
-    p = torch.nn.Parameter(torch.ones(4))
-    opt = FusedAdam([p], lr=0.1, weight_decay=0.1)
-    p.grad = torch.ones(4)
-    for other in (copy.deepcopy(opt), pickle.loads(pickle.dumps(opt))):
-        q = other.param_groups[0]["params"][0]
-        q.grad = torch.ones(4)
-        other.step()
-        assert 0.85 < float(q[0]) < 0.95, q  # moved by ~lr, not stepped twice, not refused
-
-
-def test_a_sparse_grad_after_the_first_step_is_refused_clearly(kernel_path):
-    """The sparse check ran when a step plan was built: a sparse grad at a later step with a kept plan
-    failed in torch's contiguous() ('unsupported memory format option')."""
-    p = torch.nn.Parameter(torch.ones(4, 3))
-    opt = FusedAdamW([p], lr=0.1)
-    p.grad = torch.ones(4, 3)
-    opt.step()
-    p.grad = torch.ones(4, 3).to_sparse()
-    with pytest.raises(RuntimeError, match="zerofuse.optim.FusedAdamW: sparse gradients are not supported"):
-        opt.step()
-
-
-def test_masters_after_a_round_trip_through_torch_and_after_model_bfloat16():
-    """A FusedAdamW state loaded into torch.optim.AdamW and back: torch cast the master to bf16 and
-    the next step refused it (and it was stale); a model converted to bf16 after a step kept a plan
-    without masters (master_weights=True ignored)."""
-    p = torch.nn.Parameter(torch.linspace(-1, 1, 8).bfloat16())
-    opt = FusedAdamW([p], lr=1e-3, master_weights=True)
-    _bf16_step(opt, p)
-    via = torch.optim.AdamW([p], lr=1e-3)
-    via.load_state_dict(opt.state_dict())
-    _bf16_step(via, p)
-    back = FusedAdamW([p], lr=1e-3, master_weights=True)
-    back.load_state_dict(via.state_dict())
-    assert "master" not in back.state[p]  # made again from the param: torch stepped it, not the master
-    _bf16_step(back, p)
-    assert back.state[p]["master"].dtype == torch.float32
-    w = torch.nn.Parameter(torch.ones(8))
-    opt = FusedAdamW([w], lr=1e-4, master_weights=True, weight_decay=0.0)
-    _bf16_step(opt, w)
-    w.data = w.data.bfloat16()  # what model.bfloat16() does: the same Parameter
-    _bf16_step(opt, w)
-    assert opt.state[w]["master"].dtype == torch.float32
-
-
-def test_a_refused_group_option_steps_no_group_and_a_number_found_inf_without_grads():
-    a, b = torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(4))
-    opt = FusedAdam([a], lr=0.1)
-    opt.add_param_group({"params": [b], "amsgrad": True})
-    a.grad, b.grad = torch.ones(4), torch.ones(4)
-    with pytest.raises(ValueError, match="amsgrad=True in a param group is not supported"):
-        opt.step()
-    assert torch.equal(a, torch.zeros(4)) and not opt.state[a]  # (group 0 was stepped before the refusal)
-    c = torch.nn.Parameter(torch.zeros(4))
-    for found in (0.0, 1):  # no param has a grad: nothing to skip ('float' has no attribute 'ne' before)
-        FusedAdamW([c]).step(found_inf=found)
-
-
-def test_load_state_dict_lets_go_of_the_old_states():
-    """torch.optim frees the old moments at load_state_dict; the kept step plans held them until the
-    next step (a rollback into a live optimizer held both sets)."""
-    import gc
-    import weakref
-
-    p = torch.nn.Parameter(torch.zeros(4))
-    opt = FusedAdamW([p])
-    p.grad = torch.ones(4)
-    opt.step()
-    saved = copy.deepcopy(opt.state_dict())
-    old = weakref.ref(opt.state[p]["exp_avg"])
-    opt.load_state_dict(saved)
-    gc.collect()
-    assert old() is None
