@@ -140,3 +140,50 @@ def test_edits_and_discards_before_the_host_steps_start_hold(stage, between, wor
         want = _between(stage, None, between, reduce_dtype)
         got = _between(stage, "optimizer", between, reduce_dtype)
         assert all(torch.equal(got[n], want[n]) for n in want), (reduce_dtype, between.__name__)
+
+
+def test_each_host_step_waits_for_its_grads_copy_when_step_comes_first(world_of_one, monkeypatch):
+    """On a GPU each unit's grads reach pinned memory by a copy whose event its host step waits
+    for. step() reset the events (apply_pending's _finish) while host steps were still queued on
+    the busy offload thread: those started, found no event and stepped a buffer the copy had not
+    reached, silently (a review, 2026-12-07). CPU simulation: _to_host records a fake event as the
+    CUDA branch does, the first host step holds the thread until step() has begun."""
+    import threading
+
+    from zerofuse.zero import offload as O
+
+    class Copy:
+        def __init__(self, i):
+            self.i = i
+
+        def synchronize(self):
+            waited.append(self.i)
+
+    waited, in_step = [], threading.Event()
+    to_host, step_units, apply_pending = O.HostSteps._to_host, O.HostSteps._step_units, O.HostSteps.apply_pending
+
+    def fake_to_host(self, u):
+        to_host(self, u)
+        self.events[u.index] = Copy(u.index)
+
+    def slow_step_units(self, units, *a):
+        if units[0].index == self.units[0].index:
+            in_step.wait(30)  # (host Adam slower than the device's backward)
+        return step_units(self, units, *a)
+
+    def marked_apply_pending(self):
+        out = apply_pending(self)
+        in_step.set()
+        return out
+
+    monkeypatch.setattr(O.HostSteps, "_to_host", fake_to_host)
+    monkeypatch.setattr(O.HostSteps, "_step_units", slow_step_units)
+    monkeypatch.setattr(O.HostSteps, "apply_pending", marked_apply_pending)
+    model = GPT(GPTConfig(**CFG), seed=0)
+    zerofuse.zero.parallelize(model, stage=2, bucket_mb=0.01, offload="optimizer")
+    opt = zerofuse.zero.Optimizer(model, "adamw", lr=LR)
+    assert opt.host.overlapped and len(opt.host.units) > 2
+    b = batches(1)[0]
+    model(b[:, :-1], b[:, 1:])[1].backward()
+    opt.step()
+    assert sorted(waited) == sorted(u.index for u in opt.host.units)

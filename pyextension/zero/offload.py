@@ -215,13 +215,18 @@ class HostSteps:
         # the groups' options as of now: the thread may run after step() returned (a delayed
         # update) and the scheduler wrote the next step's lr into the group
         args = [(_options(opt.param_groups[gi]), self.host_steps[gi].clone(), runs) for gi, runs in groups.items()]
-        self.futures[u.index] = (self.pool.submit(self._step_units, units, args, mult), units)
+        # the copies' events as of now: read by the thread when it starts, they were gone for every
+        # unit still queued once step() reset them (_finish), and its host step read a pinned buffer
+        # the copy had not reached (garbage at step 1, the last step's grads after; a review, 2026-12-07)
+        copies = [self.events[v.index] for v in units]
+        self.futures[u.index] = (self.pool.submit(self._step_units, units, args, mult, copies), units)
 
-    def _step_units(self, units, args, mult) -> None:
-        """On the offload thread: the units' host Adam step (master, m, v in place)."""
-        for v in units:
-            if self.events[v.index] is not None:
-                self.events[v.index].synchronize()
+    def _step_units(self, units, args, mult, copies=()) -> None:
+        """On the offload thread: the units' host Adam step (master, m, v in place), after their
+        grads' device-to-host copies (``copies``: their events, None on a CPU)."""
+        for event in copies:
+            if event is not None:
+                event.synchronize()
         states, grads = self.opt.unit_states, self.grads
         decoupled = self.opt.kind == "adamw"
         for group, step, runs in args:
