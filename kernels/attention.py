@@ -279,7 +279,8 @@ def _launch(kernel, tuned, grid, *args, tune_key: tuple = (), **consts):
     key = (kernel, *tune_key)
     meta = _CHOSEN.get(key)
     if meta is None:
-        tuned[grid](*args, UPCAST=False, **consts)  # benchmarks the configs, launches the best
+        with torch.cuda.device(args[0].device):  # (launch_triton's device: the query's)
+            tuned[grid](*args, UPCAST=False, **consts)  # benchmarks the configs, launches the best
         _CHOSEN[key] = tuned.best_config.all_kwargs()  # (BLOCK_M, BLOCK_N, num_warps, num_stages, ...)
         return
     launch_triton(kernel, grid(meta), *args, UPCAST=False, **meta, **consts)

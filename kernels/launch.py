@@ -89,10 +89,28 @@ def tail_args(kernel, n_args: int, consts: dict) -> tuple:
     return tuple(out)
 
 
+def other_device(args) -> int | None:
+    """The CUDA device of the first tensor in ``args`` where it is not the current device, else
+    None. A launch (the JIT's and a handle's) goes to the current device's stream: a patched HF
+    model loaded with device_map over several GPUs runs its layers on cuda:1 while the current
+    device is cuda:0, and every op launched there, unordered after cuda:1's work that made its
+    inputs (found by reading, 2026-12-07; no op sets a device guard)."""
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            i = a.get_device()
+            return i if i >= 0 and i != torch._C._cuda_getDevice() else None
+    return None
+
+
 def launch_triton(kernel, grid, *args, **consts):
-    """``kernel[grid](*args, **consts)``; on CUDA under MODE "handles", through a handle after the
-    first call of each specialization ([Note: launch handles])."""
-    if MODE == "jit" or _INTERPRETED:
+    """``kernel[grid](*args, **consts)`` on the first tensor argument's device; on CUDA under MODE
+    "handles", through a handle after the first call of each specialization ([Note: launch handles])."""
+    if _INTERPRETED:
+        return kernel[grid](*args, **consts)
+    if (i := other_device(args)) is not None:
+        with torch.cuda.device(i):
+            return launch_triton(kernel, grid, *args, **consts)
+    if MODE == "jit":
         return kernel[grid](*args, **consts)
     return _launch_handle(kernel, grid, args, consts)
 

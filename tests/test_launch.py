@@ -319,3 +319,41 @@ def _gpu_ops():
         t.grad = torch.randn(t.shape, device="cuda", generator=g)
     FusedAdamW(p, lr=1e-3, max_grad_norm=1.0).step()
     return [y, o, x.grad, w.grad, b.grad, q.grad, k.grad, v.grad, *p]
+
+
+class _OnCuda1(torch.Tensor):
+    """A CPU tensor that says it is on cuda:1 (get_device), for the device guard's simulation."""
+
+    def get_device(self):
+        return 1
+
+
+def test_a_launch_runs_on_its_tensors_device(monkeypatch):
+    """Launches went to the current device's stream whatever the tensors' device: a patched HF
+    model over several GPUs (device_map) ran cuda:1's ops on cuda:0's stream (found by reading,
+    2026-12-07). Simulated: the current device 0, a tensor on 1; the launch runs under device 1,
+    and a tensor on the current device takes no guard."""
+    import contextlib
+
+    seen, current = [], [0]
+
+    @contextlib.contextmanager
+    def device(i):
+        before, current[0] = current[0], i
+        try:
+            yield
+        finally:
+            current[0] = before
+
+    monkeypatch.setattr(L, "_INTERPRETED", False)
+    monkeypatch.setattr(L, "MODE", "jit")
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: current[0], raising=False)
+    monkeypatch.setattr(torch.cuda, "device", device)
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda *args, **consts: seen.append(current[0])
+
+    L.launch_triton(Kernel(), (1,), torch.empty(2).as_subclass(_OnCuda1), 3)
+    L.launch_triton(Kernel(), (1,), 3, torch.empty(2))  # (CPU: get_device -1, no guard)
+    assert seen == [1, 0] and current == [0]
