@@ -9,7 +9,11 @@ forward. TFLOP/s are reported with the ratio to the bf16 matmul peak measured in
 (``matmul_peak``). A peer that cannot run a case (no flash-attn wheel, a cuDNN backend refusing
 the shape) is skipped with its reason, listed in pytest's summary. CPU: fp32 at small sizes (the
 same code path users get on CPU); smoke: one tiny shape. The zerofuse provider runs last, so its
-extra_info holds its speedup over each peer measured in the same run.
+extra_info holds its speedup over each peer measured in the same run. Every provider's result from
+its warm-up call (out, or the grads of q, k, v) is checked against zerofuse.reference.attention in
+float64 by the reference rule, the same reference in the dtype the peer ([Note: checked results] in
+bench/conftest.py), on the first batch row and as many heads as keep the float64 N x N scores at
+2^26 elements (one head from N = 8192 on): heads and rows are computed independently.
 """
 from __future__ import annotations
 
@@ -20,7 +24,8 @@ import pytest
 import torch
 
 import zerofuse.nn.functional as ZF
-from conftest import import_peer, timed  # bench/conftest.py
+from conftest import cached_reference, check_result, float64, import_peer, timed  # bench/conftest.py
+from zerofuse import reference as R
 
 GPU_N = [int(n) for n in os.environ.get("ZEROFUSE_BENCH_ATTENTION_N", "1024,4096,16384").split(",")]
 GPU_TOKENS = 16384
@@ -56,6 +61,30 @@ def matmul_peak(device, smoke) -> float:
     a @ b
     t = statistics.median(timed(lambda: a @ b, device) for _ in range(3 if smoke else 20))
     return 2 * n ** 3 / t / 1e12
+
+
+def _heads(h: int, n: int) -> int:
+    """Heads of the first batch row that the check compares (float64 scores of 2^26 elements at most)."""
+    return max(1, min(h, (1 << 26) // (n * n)))
+
+
+def _part(ts, hc: int):
+    """The compared part of (B, H, N, D) tensors: batch row 0, heads :hc."""
+    return [t.detach()[:1, :hc] for t in ts]
+
+
+def _reference(q, k, v, dout, causal: bool, grads: bool, ids=None):
+    """(float64 reference, the same in q's dtype) of the out (grads=False) or the grads of q, k, v,
+    on _part of them."""
+    hc = _heads(q.shape[1], q.shape[2])
+    ours, peer = float64(*_part((q, k, v), hc), grad=grads), [t.requires_grad_(grads) for t in _part((q, k, v), hc)]
+    ids = None if ids is None else ids[:1]
+    if not grads:
+        with torch.no_grad():
+            return R.attention(*ours, causal, document_ids=ids)[0], R.attention(*peer, causal, document_ids=ids)[0]
+    dout = _part([dout], hc)[0]
+    return (torch.autograd.grad(R.attention(*ours, causal, document_ids=ids)[0], ours, dout.double()),
+            torch.autograd.grad(R.attention(*peer, causal, document_ids=ids)[0], peer, dout))
 
 
 def _sdpa(provider: str):
@@ -105,8 +134,10 @@ def bench_attention(measure, device, smoke, matmul_peak, benchmark, causal, mode
                 with torch.no_grad():
                     return fn(q, k, v, is_causal=causal)
         elif mode == "bwd":
-            def setup():  # a fresh graph each round, outside the timing
+            def graph():  # a fresh graph each round, outside the timing
                 return (fn(q, k, v, is_causal=causal),)
+
+            setup = graph
 
             def run(out):
                 return torch.autograd.grad(out, (q, k, v), dout)
@@ -114,13 +145,18 @@ def bench_attention(measure, device, smoke, matmul_peak, benchmark, causal, mode
             def run():
                 return torch.autograd.grad(fn(q, k, v, is_causal=causal), (q, k, v), dout)
         try:
-            run(*(setup() if setup else ()))  # autotune / warm up outside the timing
+            got = run(*(setup() if setup else ()))  # autotune / warm up outside the timing; its result checked
         except RuntimeError as e:  # a torch backend without a kernel for this case: listed, not timed
             if provider == "zerofuse":
                 raise
             pytest.skip(f"{provider} cannot run B{b}H{h}N{n}D{d}: {str(e).splitlines()[0][:200]}")
         measure(run, case=f"{mode}/{'causal' if causal else 'full'}/{dtype}/B{b}H{h}N{n}D{d}", provider=provider,
                 flops=flops, setup=setup)
+    grads = mode != "fwd"
+    want, peer = cached_reference(("attention", causal, grads, dtype, case, device),
+                           lambda: _reference(q, k, v, dout, causal, grads))
+    check_result(_part(got if grads else [got], _heads(h, n)), want if grads else [want], peer if grads else [peer],
+                 what=f"{provider} attention {mode} {'grads' if grads else 'out'}")
     if benchmark.stats is not None:
         tflops = benchmark.extra_info["TFLOP/s"]
         benchmark.extra_info.update({"matmul_peak_TFLOP/s": round(matmul_peak, 2),
@@ -187,10 +223,14 @@ def bench_attention_documents(measure, device, smoke, benchmark, provider, case)
     def run():
         return torch.autograd.grad(fn(), (q, k, v), dout)
 
-    run()  # autotune / compile outside the timing
+    got = run()  # autotune / compile outside the timing; its result checked below
     pairs = 0.0  # (query, key) pairs seen: L (L + 1) / 2 per document of L tokens
     for row in ids.cpu():
         lengths = torch.unique_consecutive(row, return_counts=True)[1].double()
         pairs += float((lengths * (lengths + 1) / 2).sum())
     measure(run, case=f"fwd+bwd/documents/{dtype}/B{b}H{h}N{n}D{d}", provider=provider,
             flops=3.5 * 4 * h * d * pairs)
+    causal_only = provider == "zerofuse_causal"  # (causal over the whole row: its own reference)
+    want, peer = cached_reference(("attention_documents", causal_only, dtype, case, device),
+                           lambda: _reference(q, k, v, dout, True, True, None if causal_only else ids))
+    check_result(_part(got, _heads(h, n)), want, peer, what=f"{provider} attention grads")

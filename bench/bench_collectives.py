@@ -17,11 +17,17 @@ The *_interleaved benchmarks run zerofuse and its peers in turn within every rou
 barrier) and report medians of per-round ratios: on this 2-core VM, back-to-back providers moved
 single ratios by 20-40% (the 2026-11-21 CPU run's 0.83x of torch's cat + reduce_scatter_tensor for 256 small
 tensors was 1.3x when the two were interleaved).
+
+Checked ([Note: checked results] in bench/conftest.py): every workload runs once more, untimed, on
+every rank before its timing, and rank 0 compares what it produced with torch's computation on the
+ranks' inputs (regenerated from their seeds): the collectives' inputs are integer-valued floats, so
+their reduced tensors must equal the sums exactly (check_equal); the ZeRO-2 backward's gradients
+(zerofuse.zero.full_grads) the mean of the ranks' local gradients by the reference rule (float64
+reference, fp32 peer; no_comm: rank 0's own).
 """
 from __future__ import annotations
 
 import datetime
-import math
 import multiprocessing as mp
 import os
 import statistics
@@ -32,6 +38,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from collective_cases import (_bucket_grads, _bucket_mb, _bucketed, _check, _coalesced_inputs, _model_sizes, _mlp,
+                              _pad)  # bench/collective_cases.py: the inputs, and the check of the results
 from timing import timed  # bench/timing.py (the ranks import this suite by name)
 
 CPU = torch.device("cpu")  # the ranks run on gloo
@@ -46,32 +54,18 @@ LINK_MS = 10
 warnings.filterwarnings("ignore", message=".*reduce_scatter_tensor.* is deprecated")
 
 
-def _sizes(case: str, smoke: bool) -> list[int]:
-    """fp32 element counts: 256 tensors of 4 KB ("small") or log-uniform 4 KB - 4 MB ("mixed")."""
-    n = 16 if smoke else 256
-    if case == "small":
-        return [1024] * n
-    g = torch.Generator().manual_seed(0)
-    lo, hi = math.log(1024), math.log((1 << 12) if smoke else (1 << 20))
-    return [int(math.exp(lo + (hi - lo) * torch.rand((), generator=g).item())) for _ in range(n)]
-
-
-def _pad(n: int, ws: int) -> int:
-    return -(-n // ws) * ws
-
-
 class _Workload:
-    """One timed collective (op) and the bytes it moves, built the same way on every rank."""
+    """One timed collective (op) and the bytes it moves, built the same way on every rank; first()
+    runs it once more, untimed, and returns what it produced (rank 0 checks it: _check)."""
 
     def __init__(self, spec: tuple, rank: int, ws: int, smoke: bool):
         import zerofuse
         from zerofuse.comm import Communicator
 
         suite, case, provider = spec[:3]
-        g = torch.Generator().manual_seed(rank)
-        self.bytes = 0
+        self.bytes, self.subs = 0, None
         if suite in ("all_reduce", "reduce_scatter"):
-            ts = [torch.randn(n, generator=g) for n in _sizes(case, smoke)]
+            ts = _coalesced_inputs(case, rank, smoke)
             self.bytes = 4 * sum(t.numel() for t in ts)
             comm = Communicator() if provider == "zerofuse" else None
             if suite == "all_reduce":
@@ -81,6 +75,7 @@ class _Workload:
                     "torch_coalescing_manager": lambda: self._coalesced(lambda: [dist.all_reduce(t) for t in ts]),
                     "zerofuse": lambda: comm.all_reduce_coalesced(ts, op="sum").wait(),
                 }[provider]
+                self.result = lambda: ts
             else:
                 padded = [torch.cat([t, t.new_zeros(_pad(t.numel(), ws) - t.numel())]) for t in ts]
                 outs = [torch.empty(p.numel() // ws) for p in padded]
@@ -103,10 +98,12 @@ class _Workload:
                     "torch_cat_flat": cat_flat,
                     "zerofuse": lambda: comm.reduce_scatter_coalesced(ts, flat_out, op="sum").wait(),
                 }[provider]
+                self.result = (lambda: outs) if provider in ("per_tensor", "torch_coalescing_manager") else \
+                    (lambda: [flat_out])
         elif suite == "buckets":
-            params = [torch.nn.Parameter(torch.randn(n, generator=g)) for n in _model_sizes(smoke)]
-            for p in params:
-                p.grad = torch.randn_like(p)
+            params = [torch.nn.Parameter(torch.zeros(n)) for n in _model_sizes(smoke)]
+            for p, grad in zip(params, _bucket_grads(rank, smoke)):
+                p.grad = grad
             self.bytes = 4 * sum(p.numel() for p in params)
             comm = Communicator()
             if provider == "single":  # one reduce-scatter of every grad, copied into one flat buffer as the
@@ -115,15 +112,9 @@ class _Workload:
                 grads = [p.grad for p in reversed(params)]
                 out = torch.empty(comm.shard_numel(grads))
                 self.op = lambda: comm.reduce_scatter_coalesced(grads, out, op="sum").wait()
+                self.result = lambda: [out]
             else:  # ZeRO-2's buckets: grads in reverse order, about mb each, one reduce-scatter per bucket
-                mb = float(provider.removeprefix("bucket_").removesuffix("MB")) / (64 if smoke else 1)
-                buckets, cur = [], []
-                for p in reversed(params):
-                    cur.append(p.grad)
-                    if 4 * sum(t.numel() for t in cur) >= mb * (1 << 20):
-                        buckets.append(cur)
-                        cur = []
-                buckets += [cur] if cur else []
+                buckets = _bucketed([p.grad for p in params], _bucket_mb(provider, smoke))
                 outs = [torch.empty(comm.shard_numel(b)) for b in buckets]
 
                 def bucketed():
@@ -131,6 +122,7 @@ class _Workload:
                         w.wait()
 
                 self.op = bucketed
+                self.result = lambda: outs
         elif suite == "interleaved":
             # spec[1] = "<suite>/<case>", spec[2] = "name+name+...": the named workloads of that
             # suite, each timed on its own after a barrier, in turn within every round
@@ -146,10 +138,7 @@ class _Workload:
 
             self.op = rotate
         elif suite == "overlap":
-            torch.manual_seed(0)
-            width = 64 if smoke else 1024
-            model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(12)])
-            x = torch.randn(32 if smoke else 256, width, generator=g)
+            model, x = _mlp(rank, smoke)
             self.bytes = 4 * sum(p.numel() for p in model.parameters())
             if provider != "no_comm":  # ZeRO-2: bucketed reduce-scatters launched in backward (or after it)
                 if provider.startswith("link_"):
@@ -166,22 +155,28 @@ class _Workload:
                     model._zerofuse_zero.zero_grad()
                 model(x).square().mean().backward()  # the engine waits for every reduction at its end
 
-            self.op = step
+            def grads():  # (full_grads: an all-gather, on every rank)
+                if provider == "no_comm":
+                    return [p.grad.clone() for p in model.parameters()]
+                with zerofuse.zero.full_grads(model):
+                    return [p.grad.clone() for p in model.parameters()]
+
+            self.op, self.result = step, grads
+
+    def first(self):
+        """The op once, untimed, after a barrier (every rank), and its result; {name: result} of the
+        workloads of an interleaved one."""
+        if self.subs is not None:
+            return {name: sub.first() for name, sub in self.subs.items()}
+        dist.barrier()
+        self.op()
+        return [t.detach().clone() for t in self.result()]  # (the timed rounds write on)
 
     @staticmethod
     def _coalesced(launch):
         with dist._coalescing_manager(async_ops=True) as cm:
             launch()
         cm.wait()
-
-
-def _model_sizes(smoke: bool) -> list[int]:
-    """~300 MB of fp32 grads (75.6 M) shaped like 6 transformer blocks (d = 1024) (smoke: ~1.2 MB)."""
-    d = 64 if smoke else 1024
-    sizes = []
-    for _ in range(6):
-        sizes += [3 * d * d, 3 * d, d * d, d, d, d, 4 * d * d, 4 * d, 4 * d * d, d, d, d]
-    return sizes
 
 
 def _threads(ws: int) -> int:
@@ -200,6 +195,7 @@ def _helper(rank: int, ws: int, init_file: str, smoke: bool) -> None:
                 break
             spec, rounds = box[0]
             work = _Workload(spec, rank, ws, smoke)
+            work.first()
             for _ in range(rounds):
                 dist.barrier()
                 work.op()
@@ -225,12 +221,19 @@ class _Group:
         total = 1 if benchmark.disabled else rounds + warmup
         dist.broadcast_object_list([(spec, total)], src=0)
         work = _Workload(spec, 0, self.ws, self.smoke)
+        got = work.first()  # (checked after the timing: a wrong result's row is recorded as failed)
         benchmark.pedantic(work.op, setup=dist.barrier, rounds=1 if benchmark.disabled else rounds,
                            warmup_rounds=0 if benchmark.disabled else warmup)
         work.warmup = 0 if benchmark.disabled else warmup
         info = benchmark.extra_info
         info.update(case="/".join(map(str, spec[:2])) + f"/ws{self.ws}", provider=spec[2], world_size=self.ws,
                     device="cpu (gloo)", torch=torch.__version__)
+        if spec[0] == "interleaved":
+            sub_suite, sub_case = spec[1].split("/", 1)
+            for name, res in got.items():
+                _check((sub_suite, sub_case, name), res, self.ws, self.smoke)
+        else:
+            _check(spec, got, self.ws, self.smoke)
         return work
 
     def close(self):
@@ -366,7 +369,9 @@ def bench_backward_overlap_interleaved(benchmark, group, link):
     """bench_backward_overlap's three steps (backward alone, then buckets after it, then buckets
     from grad-ready hooks) in turn within each round; exposed_ratio is the median over rounds of
     (overlap_on - no_comm) / (overlap_off - no_comm) (goal: <= 0.5). link: with the simulated link
-    of LINK_MS per launch."""
+    of LINK_MS per launch. Rounds whose overlap_off step was not slower than no_comm's (no
+    communication time to expose, measured: the ratio has no meaning) are left out of the median;
+    exposed_ratio_rounds says how many of the rounds it is over."""
     pre = "link_" if link == "link" else ""
     names = ["no_comm", pre + "overlap_off", pre + "overlap_on"]
     times = _interleaved(benchmark, group, "overlap", "mlp12", names, rounds=10)
@@ -378,5 +383,6 @@ def bench_backward_overlap_interleaved(benchmark, group, link):
     benchmark.extra_info.update(
         comm_ms_overlap_off=round((med[names[1]] - med["no_comm"]) * 1e3, 3),
         exposed_comm_ms_overlap_on=round((med[names[2]] - med["no_comm"]) * 1e3, 3),
-        exposed_ratio=round(statistics.median(ratios), 3) if ratios else None,
+        exposed_ratio=round(statistics.median(ratios), 3) if ratios else None, exposed_ratio_rounds=len(ratios),
+        rounds=len(base),
         **{f"{n}_median_ms": round(m * 1e3, 3) for n, m in med.items()})

@@ -6,6 +6,12 @@ extra_info, speedups vs the peers in the same run. bench_hf_llama_memory records
 bytes allocated above the start during forward + backward (zerofuse.zero.peak_memory), with the ratio
 to stock's. Models are random-initialised from configs (nothing downloaded): Llama-3.2-1B's shape on
 a GPU (bf16, 4 x 2048 tokens), a small Llama with Llama-3's vocabulary on the cpu (fp32, 2 x 256).
+
+Checked ([Note: checked results] in bench/conftest.py): the loss of each provider's first step
+(the warm-up's; in the memory benchmark the measured forward's) against the stock model's in
+float64 by the reference rule, the stock model's in the dtype the peer, the losses in the model's
+dtype as tests/test_hf_patch.py compares them. A loss checks the forward only: the float64
+backward of the GPU shape would need ~40 GB more.
 """
 import copy
 
@@ -13,7 +19,7 @@ import pytest
 import torch
 
 import zerofuse
-from conftest import import_peer  # bench/conftest.py
+from conftest import cached_reference, check_result, import_peer  # bench/conftest.py
 from zerofuse.zero import peak_memory
 
 transformers = import_peer("transformers")
@@ -58,17 +64,38 @@ def _model(provider, device, smoke):
     return model, ids
 
 
+def _check_loss(loss, ids, device, smoke, what):
+    """loss (of the model of (device, smoke) on ids) against the stock model's in float64 and in its dtype."""
+    base = _base[(device.type, smoke)]
+
+    def losses():  # (the float64 loss from float64 logits: transformers' own loss upcasts them to fp32 only)
+        from zerofuse import reference
+
+        model = copy.deepcopy(base).to(device, torch.float64).train()
+        with torch.no_grad():
+            logits = model(ids).logits[:, :-1]
+            want = reference.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+            del model, logits
+            peer = copy.deepcopy(base).to(device).train()(ids, labels=ids).loss
+        return want, peer
+
+    want, peer = cached_reference(("hf_llama_loss", device, smoke), losses)
+    check_result(loss.to(base.dtype), want, peer.to(base.dtype), what=f"{what} loss")
+
+
 @pytest.mark.parametrize("provider", PROVIDERS)
 def bench_hf_llama_step(measure, benchmark, device, smoke, provider):
     model, ids = _model(provider, device, smoke)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
 
     def step():
-        model(ids, labels=ids).loss.backward()
+        loss = model(ids, labels=ids).loss
+        loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        return loss.detach()
 
-    step()  # optimizer states and kernel caches outside the timing
+    first = step()  # optimizer states and kernel caches outside the timing; its loss checked below
     tokens = ids.numel()
     params = sum(p.numel() for p in model.parameters())
     emb, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
@@ -82,6 +109,7 @@ def bench_hf_llama_step(measure, benchmark, device, smoke, provider):
     seconds = measure(step, case=case, provider=provider, flops=6.0 * params * tokens + attn, timing="wall")
     if seconds is not None:
         benchmark.extra_info["tokens_per_s"] = round(tokens / seconds, 1)
+    _check_loss(first, ids, device, smoke, provider)
 
 
 _peaks: dict = {}
@@ -92,12 +120,14 @@ def bench_hf_llama_memory(benchmark, device, smoke, provider):
     model, ids = _model(provider, device, smoke)
     model(ids, labels=ids).loss.backward()  # grads allocated once: the peak measures activations
     with peak_memory(device) as mem:
-        model(ids, labels=ids).loss.backward()
+        loss = model(ids, labels=ids).loss
+        loss.backward()
     benchmark.pedantic(lambda: None, rounds=1)  # untimed: the figure is the peak, in extra_info
     _peaks[provider] = mem.peak
     info = dict(case=f"hf_llama/fwd+bwd_peak/{ids.shape[0]}x{ids.shape[1]}", provider=provider, device=str(device),
-                peak_MiB=round(mem.peak / 2**20, 1))
+                timing="untimed", peak_MiB=round(mem.peak / 2**20, 1))
     if provider != "stock" and "stock" in _peaks:
         info["ratio_vs_stock"] = round(mem.peak / _peaks["stock"], 3)
     benchmark.extra_info.update(info)
+    _check_loss(loss.detach(), ids, device, smoke, provider)
 

@@ -15,6 +15,11 @@ its torch.compile and Liger's LigerSiLUMulFunction on a GPU) and of RoPE on q an
 reference's torch ops and their torch.compile); bench_bias_gelu GPT-2's bias + GELU after the fc
 matmul (vs F.gelu(x + b) and its torch.compile; backward includes the bias gradient's sum). GB/s
 counts each input and output once.
+
+Every timed provider's grads from its warm-up call are checked against zerofuse.reference in float64
+by the reference rule, torch eager's in the same dtype the peer ([Note: checked results] in
+bench/conftest.py); the linear cross-entropy's float64 reference a chunk of tokens at a time, its
+grads compared as the sum's (times the tokens: the mean's are far under bf16's atol).
 """
 import os
 
@@ -23,7 +28,8 @@ import torch
 import torch.nn.functional as F
 
 from zerofuse.nn.functional import linear_cross_entropy
-from conftest import import_peer  # bench/conftest.py
+from conftest import cached_reference, check_result, float64, import_peer  # bench/conftest.py
+from zerofuse import reference as R
 from zerofuse.zero import peak_memory
 
 GPU_SHAPES = [(4096, 1024, 128256), (8192, 2048, 128256), (8192, 768, 50304)]  # (tokens, dim, vocab)
@@ -81,6 +87,27 @@ def pytest_generate_tests(metafunc):
             metafunc.parametrize(name, shapes, ids=["x".join(map(str, s)) for s in shapes])
 
 
+def _grads_reference(ref, peer, inputs, dy=None):
+    """(float64 reference, peer in the inputs' dtype) of the grads of the inputs (requiring grad) of
+    ref(*inputs) and peer(*inputs), with output gradient dy (None: a scalar's)."""
+    leaves = [t for t in inputs if t.requires_grad]
+    ours = [float64(t, grad=True) if t.requires_grad else t for t in inputs]
+    theirs = [t.detach().requires_grad_() if t.requires_grad else t for t in inputs]
+    return (torch.autograd.grad(ref(*ours), [t for t in ours if t.requires_grad], None if dy is None else dy.double()),
+            torch.autograd.grad(peer(*theirs), [t for t in theirs if t.requires_grad], dy)[:len(leaves)])
+
+
+def _lce_reference(h, w, target):
+    """The grads of h and w: float64 (zerofuse.reference, logits of at most 2^26 elements at a time:
+    the sum of the chunks' losses / tokens) and torch eager's in h's dtype."""
+    h64, w64 = float64(h, w, grad=True)
+    t, chunk = h.shape[0], max(1, (1 << 26) // w.shape[0])
+    for a in range(0, t, chunk):
+        (R.linear_cross_entropy(h64[a:a + chunk], w64, target[a:a + chunk], reduction="sum") / t).backward()
+    hp, wp = h.detach().requires_grad_(), w.detach().requires_grad_()
+    return (h64.grad, w64.grad), torch.autograd.grad(_unfused(hp, wp, target), (hp, wp))
+
+
 @pytest.mark.parametrize("provider", PROVIDERS)
 def bench_linear_cross_entropy(measure, device, provider, shape):
     fn = _loss_fn(provider, device)
@@ -89,10 +116,12 @@ def bench_linear_cross_entropy(measure, device, provider, shape):
     def run():
         return torch.autograd.grad(fn(h, w, target), (h, w))
 
-    run()  # compile outside the timing
+    got = run()  # compile outside the timing; its result checked below
     t, d, v = shape
     measure(run, case=f"linear_cross_entropy/fwd+bwd/{_dtype(device)}/{t}x{d}x{v}", provider=provider,
             flops=6.0 * t * d * v)
+    want, peer = cached_reference(("linear_cross_entropy", shape, device), lambda: _lce_reference(h, w, target))
+    check_result(got, want, peer, what=f"{provider} linear_cross_entropy grads of hidden, weight", scale=t)
 
 
 def peak_bytes(fn, device) -> int:
@@ -116,7 +145,7 @@ def bench_linear_cross_entropy_memory(benchmark, device, smoke, provider):
     _peaks[(shape, provider)] = peak
     t, d, v = shape
     info = dict(case=f"linear_cross_entropy/peak/{_dtype(device)}/{t}x{d}x{v}", provider=provider,
-                device=str(device), peak_MiB=round(peak / 2**20, 1),
+                device=str(device), timing="untimed", peak_MiB=round(peak / 2**20, 1),
                 logits_MiB=round(t * v * 4 / 2**20, 1), weight_grad_MiB=round(v * d * w.element_size() / 2**20, 1))
     if provider == "zerofuse" and (shape, "torch") in _peaks:
         info["ratio_vs_torch"] = round(peak / _peaks[(shape, "torch")], 3)
@@ -154,10 +183,13 @@ def bench_swiglu(measure, device, provider, glu_shape):
     def run():
         return torch.autograd.grad(fn(gate, up), (gate, up), dy)
 
-    run()
+    got = run()
     # forward reads gate, up and writes y; backward reads dy, gate, up and writes dgate, dup
     measure(run, case=f"swiglu/fwd+bwd/{_dtype(device)}/{rows}x{hidden}", provider=provider,
             bytes_moved=8 * rows * hidden * gate.element_size())
+    want, peer = cached_reference(("swiglu", glu_shape, device),
+                                  lambda: _grads_reference(R.swiglu, _torch_glu, (gate, up), dy))
+    check_result(got, want, peer, what=f"{provider} swiglu grads of gate, up")
 
 
 def _torch_rope(q, k, cos, sin):
@@ -183,10 +215,17 @@ def bench_rotary_embedding(measure, device, provider, rope_shape):
     def run():
         return torch.autograd.grad(fn(q, k, cos, sin), (q, k), douts)
 
-    run()
+    got = run()
     # forward reads q, k and writes their rotations; backward reads and writes as much
     qk = (q.numel() + k.numel()) * q.element_size()
     measure(run, case=f"rotary/fwd+bwd/{_dtype(device)}/{b}x{hq}x{hkv}x{n}x{d}", provider=provider, bytes_moved=4 * qk)
+
+    def ref(q, k, cos, sin):  # (the sum of both outputs' products with their output gradients)
+        outs = _torch_rope(q, k, cos.to(q.dtype), sin.to(q.dtype))
+        return sum((o * g.to(o.dtype)).sum() for o, g in zip(outs, douts))
+
+    want, peer = cached_reference(("rotary", rope_shape, device), lambda: _grads_reference(ref, ref, (q, k, cos, sin)))
+    check_result(got, want, peer, what=f"{provider} rotary_embedding grads of q, k")
 
 
 def _torch_bias_gelu(x, b):
@@ -207,10 +246,13 @@ def bench_bias_gelu(measure, device, provider, gelu_shape):
     def run():
         return torch.autograd.grad(fn(x, b), (x, b), dy)
 
-    run()
+    got = run()
     # forward reads x and writes y; backward reads dy and x and writes dx (the bias terms are small)
     measure(run, case=f"bias_gelu/fwd+bwd/{_dtype(device)}/{rows}x{hidden}", provider=provider,
             bytes_moved=5 * rows * hidden * x.element_size())
+    want, peer = cached_reference(("bias_gelu", gelu_shape, device),
+                           lambda: _grads_reference(R.bias_gelu, _torch_bias_gelu, (x, b), dy))
+    check_result(got, want, peer, what=f"{provider} bias_gelu grads of x, bias")
 
 
 # A linear layer's bias gradient (the column sums of its output gradient): GPT-2 124M's qkv
@@ -230,6 +272,7 @@ def bench_bias_grad(measure, device, smoke, provider, bias_grad_shape):
     rows, n = bias_grad_shape
     dy = torch.randn(rows, n, generator=torch.Generator().manual_seed(0)).to(device, _dtype(device))
     fn = (lambda: dy.sum(0)) if provider == "torch" else (lambda: column_sum(dy))
-    torch.testing.assert_close(fn().float(), dy.float().sum(0), atol=0.5, rtol=2e-2)  # the same sums
+    got = fn()
     measure(fn, case=f"bias_grad/{_dtype(device)}/{rows}x{n}", provider=provider,
             bytes_moved=rows * n * dy.element_size())
+    check_result(got, dy.double().sum(0), dy.sum(0), what=f"{provider} column sums")

@@ -32,6 +32,13 @@ its time is the slowest rank's (extra_info also has rank 0's median); the stats 
 after WARMUP rounds. The single-process case uses both cores (2 threads); on the 2-core VM ep 2
 is one core per rank and ep 4 puts 4 ranks on 2 cores (oversubscribed: its times include waiting
 for a core, not only compute and gloo).
+
+Checked results ([Note: checked results] in bench/conftest.py): the loop's and zerofuse's grads (and
+DeepSpeed's grad of x) from their warm-up call against the loop's math in float64 on the experts the
+router chose (a choice, the same for every provider, not a rounding), the loop in the layer's dtype
+the peer; permute + unpermute's output and grads against its math in float64 (out[t] = sum over
+the slots of weight * x[t]), the same in the dtype the peer; the expert-parallel losses against
+the single-process layer's.
 """
 import math
 import os
@@ -43,6 +50,7 @@ import torch.distributed as dist
 
 from timing import timed  # bench/timing.py (the ranks import this suite by name)
 from zerofuse.moe import MoE
+from zerofuse.moe.router import SUM_EPS
 from zerofuse.ops.moe import moe_permute, moe_unpermute
 
 # (tokens, dim, hidden, experts, top_k)
@@ -67,6 +75,9 @@ def _layer(shape, device):
     torch.manual_seed(0)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     m = MoE(d, h, e, k, activation="swiglu").to(device)
+    with torch.no_grad():  # experts at 1 / sqrt(fan-in), outputs and grads of order 1: at MoE's init (0.02)
+        m.w1.normal_(0, d ** -0.5)  # the grads were ~1e-6, under fp32's atol, and no wrong result failed its check
+        m.w2.normal_(0, h ** -0.5)
     x = (torch.randn(t, d, device=device) * 0.5).to(dtype).requires_grad_()
     return m, x
 
@@ -86,10 +97,33 @@ def _loop(m: MoE, x: torch.Tensor) -> torch.Tensor:
     return out.to(x.dtype)
 
 
+def _reference(m: MoE, x: torch.Tensor):
+    """(float64 reference, the loop's in x's dtype) of the grads of sum(y^2) with respect to x, w1, w2
+    and the router's weight: the loop's math in float64, on the experts the router chooses for x."""
+    from conftest import float64
+
+    with torch.no_grad():
+        experts = m.router(x.detach()).experts
+    x64, w1, w2, wr = float64(x, m.w1, m.w2, m.router.weight, grad=True)
+    weights = torch.softmax(x64 @ wr.T, -1).gather(1, experts)
+    weights = weights / (weights.sum(-1, keepdim=True) + SUM_EPS)
+    out = torch.zeros_like(x64)
+    for e in range(m.router.num_experts):
+        tok, slot = (experts == e).nonzero(as_tuple=True)
+        hid = x64[tok] @ w1[e]
+        hid = torch.nn.functional.silu(hid[:, :m.hidden]) * hid[:, m.hidden:]
+        out = out.index_add(0, tok, (hid @ w2[e]) * weights[tok, slot].unsqueeze(1))
+    want = torch.autograd.grad(out.pow(2).sum(), [x64, w1, w2, wr])
+    xp = x.detach().requires_grad_()
+    return want, torch.autograd.grad(_loop(m, xp).float().pow(2).sum(), [xp, m.w1, m.w2, m.router.weight])
+
+
 def _deepspeed_error() -> str | None:
     """Why DeepSpeed-MoE cannot run here (its import error), or None."""
+    import importlib
+
     try:
-        import deepspeed.moe.layer  # noqa: F401
+        importlib.import_module("deepspeed.moe.layer")
     except Exception as exc:  # ImportError, or its accelerator set-up failing at import
         return f"deepspeed not importable: {type(exc).__name__}: {exc}"
     return None
@@ -146,9 +180,15 @@ def bench_moe_layer(measure, benchmark, device, provider, moe_shape):
     def run():
         return torch.autograd.grad(fn(x).float().pow(2).sum(), params)
 
-    run()
+    got = run()  # its result checked below
     flops = 3 * 2 * t * k * (d * 2 * h + h * d)  # forward + backward of the experts' GEMMs
     measure(run, case=f"moe_layer/fwd+bwd/{x.dtype}/{t}x{d}x{h}/E{e}k{k}", provider=provider, flops=flops)
+    from conftest import cached_reference, check_result
+
+    want, peer = cached_reference(("moe_layer", moe_shape, device), lambda: _reference(m, x))
+    if provider == "deepspeed":  # (its own parameters: the grad of x only)
+        got, want, peer = got[:1], want[:1], peer[:1]
+    check_result(got, want, peer, what=f"{provider} MoE grads of x, w1, w2, router weight")
 
 
 def _ep_rank(rank: int, ws: int, shape: tuple, providers: list[str], rounds: int) -> dict:
@@ -281,9 +321,9 @@ def bench_moe_permute_unpermute(measure, device, smoke, provider, moe_shape, mon
     def run():
         rows, pos, src, _ = moe_permute(x, experts, e)
         z = moe_unpermute(rows, pos, src, w)
-        return torch.autograd.grad(z.sum(), (x, w))
+        return z, *torch.autograd.grad(z.sum(), (x, w))
 
-    run()
+    got = run()  # its result checked below
     row = d * x.element_size()
     # the rows each op must move at least: permute reads and writes t*k; unpermute reads t*k, writes t;
     # their backwards: the rows' grad (dz gathered, t*k read and written) and dw (the t*k rows read),
@@ -291,3 +331,13 @@ def bench_moe_permute_unpermute(measure, device, smoke, provider, moe_shape, mon
     moved = (7 * t * k + 2 * t) * row
     measure(run, case=f"moe_permute_unpermute/fwd+bwd/{dtype}/{t}x{d}/E{e}k{k}", provider=provider,
             bytes_moved=moved)
+    from conftest import cached_reference, check_result, float64
+
+    def combined(x, w):  # what permute then unpermute compute: out[t] = sum over slots s of w[t, s] * x[t]
+        z = (w.unsqueeze(-1) * x.unsqueeze(1)).sum(1)
+        return z.detach(), *torch.autograd.grad(z.sum(), (x, w))
+
+    want, peer = cached_reference(("moe_permute", moe_shape, device),
+                                  lambda: (combined(*float64(x, w, grad=True)),
+                                           combined(x.detach().requires_grad_(), w.detach().requires_grad_())))
+    check_result(got, want, peer, what=f"{provider} permute + unpermute out, grads of x, weights")

@@ -4,7 +4,11 @@ torch.compile and Liger-Kernel (when installed).
 GB/s counts the minimum bytes: each input read once, each output written once (forward: x, weight,
 bias in; y, mean/rstd out; backward: x, dy, weight, mean/rstd in; dx, dweight, dbias out), against
 the device's measured bandwidth (roofline_ratio, bench/conftest.py). The zerofuse provider runs last so its
-extra_info holds its speedup over each peer measured in the same run.
+extra_info holds its speedup over each peer measured in the same run. Every provider's result (y, or
+the grads of x, weight, bias) from its warm-up call is checked against zerofuse.reference in float64
+by the reference rule, torch eager's in the same dtype the peer ([Note: checked results] in
+bench/conftest.py). Liger's modules get the same weight, bias and eps (LigerLayerNorm's defaults:
+eps 1e-6, no bias).
 """
 import os
 
@@ -12,7 +16,8 @@ import pytest
 import torch
 
 import zerofuse.nn.functional as ZF
-from conftest import import_peer  # bench/conftest.py
+from conftest import cached_reference, check_result, float64, import_peer  # bench/conftest.py
+from zerofuse import reference as R
 
 GPU_SHAPES = [(4096, 1024), (4096, 4096), (16384, 4096), (4096, 8192), (16384, 8192), (4096, 16384)]
 # CPU: outputs of at most 16 MB. Larger ones (32-64 MB) are mmapped fresh by glibc on each call and
@@ -21,16 +26,43 @@ CPU_SHAPES = [(4096, 1024), (1024, 4096)]
 SMOKE_SHAPES = [(64, 256)]
 
 
-def _liger(norm):
+def _liger(norm, w, b):
+    """Liger's module with the same weight, bias and eps as the other providers."""
     mod = import_peer("liger_kernel.transformers")
-    return mod.LigerLayerNorm if norm == "layer" else mod.LigerRMSNorm
+    n = w.shape[0]
+    m = mod.LigerLayerNorm(n, eps=1e-5, bias=True) if norm == "layer" else mod.LigerRMSNorm(n, eps=1e-6)
+    m = m.to(device=w.device, dtype=w.dtype)
+    with torch.no_grad():
+        for mine, theirs in zip(m.parameters(), [t for t in (w, b) if t is not None]):
+            mine.copy_(theirs)
+    return m
 
 
-def _forward_fn(norm, provider, n, dtype, device):
-    w = torch.nn.Parameter(torch.randn(n, device=device, dtype=dtype))
-    b = torch.nn.Parameter(torch.randn(n, device=device, dtype=dtype)) if norm == "layer" else None
+def _inputs(norm, m, n, dtype, device):
+    """x (requiring grad), dy, weight, bias (None for rms): the same for every provider."""
+    g = torch.Generator().manual_seed(0)
+    x, dy = (torch.randn(m, n, generator=g).to(device, dtype) for _ in range(2))
+    w, b = (torch.nn.Parameter(torch.randn(n, generator=g).to(device, dtype)) for _ in range(2))
+    return x.requires_grad_(), dy, w, (b if norm == "layer" else None)
+
+
+def _reference(norm, grads, x, dy, w, b):
+    """(float64 reference, torch eager in x's dtype) of y (grads=False) or of the grads of x, w, b."""
+    params = [t for t in (w, b) if t is not None]
+    ref = (lambda x, w, b: R.layer_norm(x, (x.shape[-1],), w, b)[0]) if norm == "layer" else \
+        (lambda x, w: R.rms_norm(x, (x.shape[-1],), w, 1e-6)[0])
+    peer, _ = _forward_fn(norm, "torch", w, b)
+    if not grads:
+        with torch.no_grad():
+            return ref(*float64(x, *params)), peer(x)
+    ours, xp = float64(x, *params, grad=True), x.detach().requires_grad_()
+    return torch.autograd.grad(ref(*ours), ours, dy.double()), torch.autograd.grad(peer(xp), [xp, *params], dy)
+
+
+def _forward_fn(norm, provider, w, b):
+    n = w.shape[0]
     if provider == "liger":
-        m = _liger(norm)(n).to(device=device, dtype=dtype)
+        m = _liger(norm, w, b)
         return m, list(m.parameters())
     if provider == "zerofuse":
         fn = (lambda x: ZF.layer_norm(x, (n,), w, b)) if norm == "layer" else (lambda x: ZF.rms_norm(x, (n,), w, 1e-6))
@@ -72,9 +104,8 @@ def bench_norm(measure, device, smoke, norm, dtype, mode, provider, shape):
     if device.type == "cpu" and provider == "liger":
         pytest.skip("Liger-Kernel's norm kernels need a GPU")
     m, n = shape
-    fn, params = _forward_fn(norm, provider, n, dtype, device)
-    x = torch.randn(m, n, device=device, dtype=dtype, requires_grad=True)
-    dy = torch.randn(m, n, device=device, dtype=dtype)
+    x, dy, w, b = _inputs(norm, m, n, dtype, device)
+    fn, params = _forward_fn(norm, provider, w, b)
     leaves = [x, *params]
     setup = None
     if mode == "fwd":
@@ -82,17 +113,23 @@ def bench_norm(measure, device, smoke, norm, dtype, mode, provider, shape):
             with torch.no_grad():
                 return fn(x)
     elif mode == "bwd":
-        def setup():  # a fresh graph each round, built outside the timing
+        def graph():  # a fresh graph each round, built outside the timing
             return (fn(x),)
+
+        setup = graph
 
         def run(y):
             return torch.autograd.grad(y, leaves, dy)
     else:
         def run():
             return torch.autograd.grad(fn(x), leaves, dy)
-    run(*(setup() if setup else ()))  # compile / autotune outside the timing
+    got = run(*(setup() if setup else ()))  # compile / autotune outside the timing; its result checked
     measure(run, case=f"{norm}/{mode}/{dtype}/{m}x{n}", provider=provider, bytes_moved=_bytes(norm, mode, m, n, dtype),
             setup=setup)
+    grads = mode != "fwd"
+    want, peer = cached_reference(("norm", norm, grads, dtype, shape, device),
+                                  lambda: _reference(norm, grads, x, dy, w, b))
+    check_result(got, want, peer, what=f"{provider} {norm}_norm {mode} {'grads' if grads else 'y'}")
 
 
 # The backward's weight/bias reduction, at GPT-2 shapes, to set colsum.ONE_LAUNCH_FLOATS from a
@@ -114,9 +151,8 @@ def bench_norm_bwd_reduction(measure, device, monkeypatch, provider, rshape):
         monkeypatch.setattr(colsum, "ONE_LAUNCH_FLOATS", 0)
     elif provider == "one_launch":
         monkeypatch.setattr(colsum, "ONE_LAUNCH_FLOATS", 1 << 24)
-    fn, params = _forward_fn("layer", "torch" if provider == "torch" else "zerofuse", n, torch.bfloat16, device)
-    x = torch.randn(m, n, device=device, dtype=torch.bfloat16, requires_grad=True)
-    dy = torch.randn(m, n, device=device, dtype=torch.bfloat16)
+    x, dy, w, b = _inputs("layer", m, n, torch.bfloat16, device)
+    fn, params = _forward_fn("layer", "torch" if provider == "torch" else "zerofuse", w, b)
 
     def setup():
         return (fn(x),)
@@ -124,6 +160,9 @@ def bench_norm_bwd_reduction(measure, device, monkeypatch, provider, rshape):
     def run(y):
         return torch.autograd.grad(y, [x, *params], dy)
 
-    run(*setup())
+    got = run(*setup())
     measure(run, case=f"layer/bwd/reduction/{m}x{n}", provider=provider,
             bytes_moved=_bytes("layer", "bwd", m, n, torch.bfloat16), setup=setup)
+    want, peer = cached_reference(("norm", "layer", True, torch.bfloat16, rshape, device),
+                           lambda: _reference("layer", True, x, dy, w, b))
+    check_result(got, want, peer, what=f"{provider} layer_norm bwd grads")

@@ -10,13 +10,19 @@ write param, m, v) against this machine's copy roofline.
 Sizes 100M and 300M parameters (16 B/param of state per provider: 1.6 / 4.8 GB); 1B would hold
 16 GB per provider, most of this 23 GB VM. GPU cases (the offloaded training step with its copies
 and overlap) are not in this suite yet.
+
+Every provider's params after its first (untimed) step are checked against zerofuse.reference's
+AdamW step in float64 by the reference rule, the same step in fp32 the peer ([Note: checked
+results] in bench/conftest.py), a chunk of 2^24 elements at a time (300M in float64 would not fit
+beside the providers' states).
 """
 import statistics
 
 import pytest
 import torch
 
-from conftest import import_peer, timed  # bench/conftest.py
+from conftest import check_pieces, import_peer, timed  # bench/conftest.py
+from zerofuse import reference
 from zerofuse.ops import adam_
 
 SIZES = {"100M": 100_000_000, "300M": 300_000_000}
@@ -44,16 +50,16 @@ def _zerofuse(n, per_bucket=False, bucket=BUCKET):
             views = [[t.narrow(0, a, k) for a, k in call] for t in (p, g, m, v)]
             adam_(*views, [step.clone()] * len(call), lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01,
                   decoupled=True)
-    return run
+    return run, p
 
 
+# (each builder returns (step, the flat param it updates); the first step, untimed, allocates states)
 def _torch_fused(n):
     p, g = _flat(n, 0)
     param = torch.nn.Parameter(p)
     param.grad = g
     opt = torch.optim.AdamW([param], lr=1e-3, weight_decay=0.01, fused=True)
-    opt.step()  # states allocated outside the timing
-    return opt.step
+    return opt.step, p
 
 
 def _deepspeed(n):
@@ -65,8 +71,31 @@ def _deepspeed(n):
         opt = ds.DeepSpeedCPUAdam([param], lr=1e-3, weight_decay=0.01, adamw_mode=True)
     except Exception as e:  # noqa: BLE001 - its C++ op builds at first use; without a compiler it cannot
         pytest.skip(f"DeepSpeedCPUAdam could not be built here: {type(e).__name__}: {e}")
-    opt.step()
-    return opt.step
+    return opt.step, p
+
+
+def _first_step(fn, p):
+    """fn's first step (untimed: states allocated), and a copy of the params it made, to check."""
+    fn()
+    return p.clone()
+
+
+def _check(got, n, what, chunk=1 << 24):
+    """got (the params after one step) against reference.adam_step from _flat(n, 0)'s params and
+    grads in float64 and fp32, a chunk at a time."""
+    p, g = _flat(n, 0)
+
+    def pieces():
+        for a in range(0, n, chunk):
+            out = []
+            for dtype in (torch.float64, torch.float32):
+                x, d = p[a:a + chunk].to(dtype, copy=True), g[a:a + chunk].to(dtype)
+                reference.adam_step(x, d, torch.zeros_like(x), torch.zeros_like(x), step=1, lr=1e-3, beta1=0.9,
+                                    beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True)
+                out.append(x)
+            yield got[a:a + chunk], *out
+
+    check_pieces(pieces(), what=f"{what}: params after one step")
 
 
 @pytest.mark.parametrize("provider", ["torch_fused", "deepspeed_cpu_adam", "zerofuse_per_bucket", "zerofuse"])
@@ -75,11 +104,12 @@ def bench_offload_host_step(measure, device, smoke, size, provider):
     if device.type != "cpu":
         pytest.skip("the host step of offload is a CPU benchmark")
     n, bucket = (50_000, 20_000) if smoke else (SIZES[size], BUCKET)
-    fn = {"zerofuse": lambda k: _zerofuse(k, bucket=bucket),
-          "zerofuse_per_bucket": lambda k: _zerofuse(k, per_bucket=True, bucket=bucket),
-          "torch_fused": _torch_fused, "deepspeed_cpu_adam": _deepspeed}[provider](n)
-    fn()
+    fn, p = {"zerofuse": lambda k: _zerofuse(k, bucket=bucket),
+             "zerofuse_per_bucket": lambda k: _zerofuse(k, per_bucket=True, bucket=bucket),
+             "torch_fused": _torch_fused, "deepspeed_cpu_adam": _deepspeed}[provider](n)
+    got = _first_step(fn, p)
     measure(fn, case=f"offload_host_adamw/{size}", provider=provider, bytes_moved=28 * n)
+    _check(got, n, provider)
 
 
 @pytest.mark.parametrize("peer", ["torch_fused", "deepspeed_cpu_adam"])
@@ -90,7 +120,10 @@ def bench_offload_host_step_interleaved(benchmark, device, smoke, size, peer):
     if device.type != "cpu":
         pytest.skip("the host step of offload is a CPU benchmark")
     n, bucket = (50_000, 20_000) if smoke else (SIZES[size], BUCKET)
-    fns = {"zerofuse": _zerofuse(n, bucket=bucket), peer: (_torch_fused if peer == "torch_fused" else _deepspeed)(n)}
+    built = {"zerofuse": _zerofuse(n, bucket=bucket), peer: (_torch_fused if peer == "torch_fused" else _deepspeed)(n)}
+    fns = {k: fn for k, (fn, _) in built.items()}
+    for k, (fn, p) in built.items():  # a first step each, untimed, checked
+        _check(_first_step(fn, p), n, k)
     times = {k: [] for k in fns}
     order = list(fns)
 

@@ -15,13 +15,20 @@ updates in a scratch buffer and stage 2 reads them back from the last-level cach
 stage 2 right after its stage 1, reading from L2 what fits ([Note: one-launch LAMB] in
 kernels/lamb.py), measured slower than the default two-launch form on an H200. A roofline_ratio above 1
 for LAMB means reuse: the 44 bytes are counted as if all came from memory.
+
+Every provider's params after its first (untimed) step are checked against the same step in float64
+by the reference rule ([Note: checked results] in bench/conftest.py): torch.optim.AdamW
+(foreach=False) for AdamW, its grads first clipped as zerofuse clips them for zerofuse_clip,
+zerofuse.reference.lamb_step for LAMB; the peer the same in fp32. Every provider starts from the same
+params and grads (seeded).
 """
 import statistics
 
 import pytest
 import torch
 
-from conftest import import_peer, timed  # bench/conftest.py
+from conftest import cached_reference, check_result, import_peer, timed  # bench/conftest.py
+from timing import host_ms  # bench/timing.py
 from zerofuse import reference
 from zerofuse.optim import FusedAdamW, FusedLAMB
 
@@ -38,10 +45,49 @@ def _split(total: int) -> list[int]:
 
 
 def _params(device, total):
-    params = [torch.nn.Parameter(torch.randn(n, device=device) * 0.02) for n in _split(total)]
+    g = torch.Generator(device=device).manual_seed(0)  # (the same for every provider: one reference)
+    params = [torch.nn.Parameter(torch.randn(n, device=device, generator=g) * 0.02) for n in _split(total)]
     for p in params:
-        p.grad = torch.randn_like(p) * 1e-3
+        p.grad = torch.randn(p.shape, device=device, generator=g) * 1e-3
     return params
+
+
+def _reference_step(params, kind: str, clip: bool) -> list:
+    """params (with grads, in their dtype) after one reference step of LAMB or AdamW (clip: the
+    grads first multiplied by max_norm / max(norm, max_norm), max_norm 1, as zerofuse clips)."""
+    if kind == "lamb":
+        _EagerLAMB(params).step()
+        return [p.detach() for p in params]
+    if clip:
+        norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params])))
+        for p in params:
+            p.grad.mul_(1.0 / max(norm, 1.0))
+    torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01, foreach=False).step()
+    return [p.detach() for p in params]
+
+
+def _reference(device, n: int, kind: str, clip: bool = False, dtype=torch.float32):
+    """(float64 reference, fp32 peer) of the params of _params(device, n), rounded to dtype first,
+    after one step."""
+    def copies(to):
+        out = []
+        for p in _params(device, n):
+            q = torch.nn.Parameter(p.detach().to(dtype).to(to))
+            q.grad = p.grad.to(dtype).to(to)
+            out.append(q)
+        return out
+
+    return _reference_step(copies(torch.float64), kind, clip), _reference_step(copies(torch.float32), kind, clip)
+
+
+def _check_step(got, device, n, kind, what, clip=False, dtype=torch.float32):
+    want, peer = cached_reference(("optim", kind, clip, dtype, n, device),
+                                  lambda: _reference(device, n, kind, clip, dtype))
+    check_result(got, want, peer, what=f"{what}: params after one step")
+
+
+def _snapshot(params) -> list:
+    return [p.detach().clone() for p in params]
 
 
 def _optimizer(provider, params):
@@ -75,11 +121,14 @@ def bench_adamw_step(measure, device, smoke, size, provider, monkeypatch):
         monkeypatch.setattr(multi_tensor, "GRID", "flat")
     if size == "100M" and device.type == "cpu" and provider == "torch_foreach" and not smoke:
         pytest.skip("torch's foreach AdamW at 100M parameters: seconds per step on a 2-core CPU")
-    params = _params(device, 20_000 if smoke else SIZES[size])
+    total = 20_000 if smoke else SIZES[size]
+    params = _params(device, total)
     opt = _optimizer(provider, params)
     opt.step()  # states allocated outside the timing
+    got = _snapshot(params)
     n = sum(p.numel() for p in params)
     measure(opt.step, case=f"adamw/{size}", provider=provider, bytes_moved=(32 if provider == "zerofuse_clip" else 28) * n)
+    _check_step(got, device, total, "adamw", provider, clip=provider == "zerofuse_clip")
 
 
 @pytest.mark.parametrize("grid", ["persistent", "flat"])
@@ -97,13 +146,17 @@ def bench_adamw_block_sweep(measure, device, smoke, size, block, warps, grid, mo
     monkeypatch.setattr(multi_tensor, "BLOCK", block)
     monkeypatch.setattr(multi_tensor, "_NUM_WARPS", warps)
     monkeypatch.setattr(multi_tensor, "GRID", grid)
-    params = [torch.nn.Parameter(p.detach().to(torch.bfloat16)) for p in _params(device, 20_000 if smoke else SIZES[size])]
-    for p in params:
-        p.grad = torch.randn_like(p) * 1e-3
+    total = 20_000 if smoke else SIZES[size]
+    params = []
+    for p in _params(device, total):
+        params.append(torch.nn.Parameter(p.detach().to(torch.bfloat16)))
+        params[-1].grad = p.grad.to(torch.bfloat16)
     opt = FusedAdamW(params, lr=1e-3, weight_decay=0.01, master_weights=True)
     opt.step()
+    got = _snapshot(opt.state[p]["master"] for p in params)  # (the fp32 masters: what the step computes)
     n = sum(p.numel() for p in params)
     measure(opt.step, case=f"adamw_bf16_masters/{size}", provider=f"block{block}_warps{warps}_{grid}", bytes_moved=28 * n)
+    _check_step(got, device, total, "adamw", f"block{block}_warps{warps}_{grid}", dtype=torch.bfloat16)
 
 
 @pytest.mark.parametrize("peer", ["torch_fused", "deepspeed_cpu_adam"])
@@ -116,15 +169,22 @@ def bench_adamw_interleaved(benchmark, device, smoke, size, peer):
     if peer == "deepspeed_cpu_adam" and device.type != "cpu":
         pytest.skip("DeepSpeedCPUAdam is a CPU optimizer")
     n = 20_000 if smoke else SIZES[size]
-    opts = {"zerofuse": _optimizer("zerofuse", _params(device, n)), peer: _optimizer(peer, _params(device, n))}
+    params = {"zerofuse": _params(device, n), peer: _params(device, n)}
+    opts = {name: _optimizer(name, ps) for name, ps in params.items()}
+    for name, opt in opts.items():  # a first step each, untimed (states allocated), checked
+        opt.step()
+        _check_step(_snapshot(params[name]), device, n, "adamw", name)
+    # the stream held while the host queues a step (device_ms): twice its host time, at most 50 ms (a
+    # 1M-param FusedAdamW step queues for ~1.2 ms on an H100, past timed()'s default hold of 1 ms)
+    hold = {name: min(50.0, max(1.0, 2 * host_ms(opt.step, device))) for name, opt in opts.items()}
     times = {name: [] for name in opts}
 
     order = list(opts)
 
     def pair():  # each round in the other order, so neither runs first (after the other's writes) always
         order.reverse()
-        for name in order:
-            times[name].append(timed(opts[name].step, device, cold=True))  # (as bench_adamw_step's: L2 flushed)
+        for name in order:  # (as bench_adamw_step's: L2 flushed)
+            times[name].append(timed(opts[name].step, device, cold=True, hold_ms=hold[name]))
 
     rounds = 1 if smoke else (10 if size == "100M" else 30)
     benchmark.pedantic(pair, rounds=rounds, warmup_rounds=0 if smoke else 2)
@@ -171,12 +231,15 @@ def bench_lamb_step(measure, registry, device, smoke, size, provider, benchmark,
         monkeypatch.setattr(K, "LAMB_ONE_LAUNCH", True)
     else:
         monkeypatch.setattr(K, "LAMB_ONE_LAUNCH", False)
-    params = _params(device, 20_000 if smoke else SIZES[size])
+    total = 20_000 if smoke else SIZES[size]
+    params = _params(device, total)
     opt = (_EagerLAMB(params) if provider == "torch_eager"
            else FusedLAMB(params, lr=1e-3, weight_decay=0.01, max_grad_norm=1.0))
     opt.step()
+    got = _snapshot(params)
     n = sum(p.numel() for p in params)
     seconds = measure(opt.step, case=f"lamb/{size}", provider=provider, bytes_moved=44 * n)
+    _check_step(got, device, total, "lamb", provider)
     if not provider.startswith("zerofuse") or seconds is None:
         return
     for peer, key in (("zerofuse", "time_vs_zerofuse_adamw"), ("zerofuse_clip", "time_vs_zerofuse_adamw_clipped")):

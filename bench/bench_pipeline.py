@@ -184,7 +184,6 @@ def _v(schedule: str, provider: str) -> int:
 def _rank(rank: int, ws: int, schedule: str, providers: list[str], rounds: int, smoke: bool) -> dict:
     """Per provider, per round: (wall seconds, compute seconds, loss or None, this rank's squared
     grad norm). Every round runs one step of each provider, the first one rotating."""
-    import zerofuse  # noqa: F401
     from zerofuse import kernels
     from zerofuse.models import GPT, GPTConfig
     from zerofuse.pipeline import split_gpt

@@ -14,7 +14,15 @@ vocabulary-parallel head + cross-entropy (its default). Both use zerofuse's atte
 The pytest process is rank 0 and times whole steps with pytest-benchmark; helper processes are the
 other ranks and run the same steps in lockstep (a barrier before each, outside the timing).
 Activation memory: bytes autograd saves for backward (params excluded) in the norms and in the
-whole model, zerofuse with and without SP (tests/common.py SavedActivations).
+whole model, zerofuse with and without SP (tests/common.py SavedActivations). The DTensor model's
+AdamW is torch's foreach one (the default picked the per-parameter loop for DTensor params, where
+bench_zero's peers step fused), in two param groups, the DTensor params and the plain ones (the
+norms', not in the plan): in one group the foreach kernels refuse the mix.
+
+Checked ([Note: checked results] in bench/conftest.py): every rank runs one untimed step before the
+timed ones; rank 0's losses of that step and of the first timed one (after one update) against
+torch's computation of the same two steps (conftest.gpt_losses: the plain GPT on the data-parallel
+ranks' batches, grads averaged, torch's AdamW) in float64 by the reference rule, fp32 the peer.
 """
 from __future__ import annotations
 
@@ -28,6 +36,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import cached_reference, check_result, gpt_losses  # bench/conftest.py
 
 CASES = [("tp2", "dtensor"), ("tp2", "zerofuse"), ("tp2", "zerofuse_sp"),
          ("dp2xtp2", "dtensor_fsdp2"), ("dp2xtp2", "zerofuse_z2"), ("dp2xtp2", "zerofuse_z2_sp")]
@@ -104,7 +113,13 @@ class _Workload:
             self.psi = model.num_params()
             mesh = _dtensor_model(model, dp, tpn, provider.endswith("fsdp2"))
             dp_rank = mesh.get_local_rank("dp")
-            self.opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+            # foreach, a group each for the DTensor params and the plain ones (the norms', not in the TP
+            # plan): in one group the foreach kernels refuse the mix
+            from torch.distributed.tensor import DTensor
+
+            groups = [[p for p in model.parameters() if isinstance(p, DTensor) == d] for d in (True, False)]
+            self.opt = torch.optim.AdamW([{"params": g} for g in groups if g], lr=1e-3, weight_decay=0.01,
+                                         foreach=True)
         else:
             mesh = zerofuse.parallel.init_mesh(dp=dp, tp=tpn)
             model = GPT(cfg, seed=0, tp_group=mesh.tp_group, sequence_parallel=provider.endswith("_sp"))
@@ -112,13 +127,14 @@ class _Workload:
             zerofuse.zero.parallelize(model, stage=2 if dp > 1 else 0, group=mesh.dp_group)
             self.opt = zerofuse.zero.Optimizer(model, "adamw", lr=1e-3, weight_decay=0.01)
             dp_rank = mesh.dp_rank
-        self.model = model
+        self.model, self.losses = model, []
         g = torch.Generator().manual_seed(dp_rank)
         self.x = torch.randint(0, 65, (shape["batch"], shape["model"]["seq_len"] + 1), generator=g)
         self.tokens = dp * self.x[:, :-1].numel()
 
     def step(self) -> None:
         _, loss = self.model(self.x[:, :-1], self.x[:, 1:])
+        self.losses.append(loss.detach().full_tensor() if hasattr(loss, "full_tensor") else loss.detach())
         loss.backward()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
@@ -147,7 +163,7 @@ def _helper(init_file: str, rank: int, ws: int, layout: str, provider: str, step
     _init(init_file, rank, ws)
     try:
         work = _Workload(layout, provider, rank, smoke)
-        for _ in range(steps):
+        for _ in range(steps + 1):  # (+ rank 0's untimed first step)
             dist.barrier()
             work.step()
         if provider.startswith("zerofuse"):
@@ -179,6 +195,8 @@ def bench_tp_step(benchmark, layout, provider, smoke, device):
     _init(init, 0, ws)
     try:
         work = _Workload(layout, provider, 0, smoke)
+        dist.barrier()
+        work.step()  # untimed, its loss and the next step's checked below
         benchmark.pedantic(work.step, setup=dist.barrier, rounds=rounds, warmup_rounds=warmup)
         acts = work.saved_activations() if provider.startswith("zerofuse") else None
     finally:
@@ -201,6 +219,11 @@ def bench_tp_step(benchmark, layout, provider, smoke, device):
             info["all_activation_ratio_sp_vs_no_sp"] = round(acts[1] / base[1], 3)
             assert acts[0] * tpn <= base[0], (acts, base)  # the norms keep 1/tp of their activations
         _ACTS[(layout, provider)] = acts
+    shape = _shape(smoke)
+    batches = [torch.randint(0, 65, (shape["batch"], shape["model"]["seq_len"] + 1),
+                             generator=torch.Generator().manual_seed(r)) for r in range(dp)]  # (as _Workload's)
+    want, peer = cached_reference(("tp_step_losses", dp, smoke), lambda: gpt_losses(shape["model"], batches))
+    check_result(torch.stack(work.losses[:2]), want, peer, what=f"{layout} {provider}: losses of the first two steps")
     if benchmark.stats is None:
         return
     median = benchmark.stats.stats.median

@@ -24,6 +24,11 @@ Gradient buckets: zerofuse stages 0-2 bucket_mb 25 (default) and 4 (*_b4), max_i
 bucket_cap_mb 25 (default; its first bucket 1 MiB); DeepSpeed reduce/allgather buckets of 25 MiB
 (set here: the 5e8-element default is a 1.9 GB fp32 buffer; overlap_comm its default, on at stage 3
 only); FSDP2 and zerofuse stage 3 reduce one unit per transformer block plus a root unit.
+
+Checked ([Note: checked results] in bench/conftest.py): every rank runs one untimed step before the
+timed ones; rank 0's losses of that step and of the first timed one (after one update) against
+torch's computation of the same two steps (conftest.gpt_losses: the plain GPT, both ranks' batches,
+grads averaged, torch's AdamW) in float64 by the reference rule, the same in fp32 the peer.
 """
 from __future__ import annotations
 
@@ -38,7 +43,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import import_peer  # bench/conftest.py
+from conftest import cached_reference, check_result, gpt_losses, import_peer  # bench/conftest.py
 
 WS = 2
 PROVIDERS = ["ddp", "fsdp2_reshard", "fsdp2_no_reshard", "deepspeed_z1", "deepspeed_z2", "deepspeed_z3",
@@ -74,7 +79,7 @@ class _Workload:
         g = torch.Generator().manual_seed(rank)
         self.x = torch.randint(0, 65, (shape["batch"], shape["model"]["seq_len"] + 1), generator=g)
         self.psi = model.num_params()
-        self.provider = provider
+        self.provider, self.losses = provider, []
         if provider == "ddp":
             self.model = torch.nn.parallel.DistributedDataParallel(model)
             self.opt = _adamw(self.model.parameters())
@@ -111,6 +116,7 @@ class _Workload:
     def step(self, mark=lambda label: None) -> None:
         mark("forward")
         _, loss = self.model(self.x[:, :-1], self.x[:, 1:])
+        self.losses.append(loss.detach())
         mark("backward")
         if self.provider.startswith("deepspeed"):
             self.model.backward(loss)
@@ -204,13 +210,15 @@ def _helper(init_file: str, provider: str, steps: int, smoke: bool) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=1, world_size=WS,
                             timeout=datetime.timedelta(seconds=600))
     try:
+        import importlib
+
         if provider.startswith("deepspeed"):
-            import deepspeed  # noqa: F401  (imports before the baseline)
-        import zerofuse  # noqa: F401
+            importlib.import_module("deepspeed")  # (imports before the baseline)
+        importlib.import_module("zerofuse")
         base = _rss_bytes()
         sampler = _PeakRSS()
         work = _Workload(provider, 1, smoke)
-        for _ in range(steps):
+        for _ in range(steps + 1):  # (+ rank 0's untimed first step)
             dist.barrier()
             work.step()
         rss, state_bytes = sampler.stop() - base, work.model_state_bytes()
@@ -246,8 +254,10 @@ def bench_zero_step(benchmark, provider, smoke, device):
                             timeout=datetime.timedelta(seconds=600))
     try:
         work = _Workload(provider, 0, smoke)
+        dist.barrier()
+        work.step()  # untimed, its loss and the next step's checked below
         benchmark.pedantic(work.step, setup=dist.barrier, rounds=rounds, warmup_rounds=warmup)
-        psi, tokens = work.psi, work.x[:, :-1].numel()
+        psi, tokens, got = work.psi, work.x[:, :-1].numel(), torch.stack(work.losses[:2])
         del work  # the memory pass builds its own model (the timed one would only add RSS)
         mem = {0: _memory_pass(provider, 0, smoke)}
         box = [None]
@@ -280,6 +290,11 @@ def bench_zero_step(benchmark, provider, smoke, device):
             info[f"{key}_MB_rank{rank}"] = round(val / MiB, 2)
     if state_bytes is not None:
         info["model_state_MB_rank1"] = round(state_bytes / MiB, 2)
+    shape = _shape(smoke)
+    batches = [torch.randint(0, 65, (shape["batch"], shape["model"]["seq_len"] + 1),
+                             generator=torch.Generator().manual_seed(r)) for r in range(WS)]  # (as _Workload's)
+    want, peer = cached_reference(("zero_step_losses", smoke), lambda: gpt_losses(shape["model"], batches))
+    check_result(got, want, peer, what=f"{provider}: losses of the first two steps")
     if benchmark.stats is None:
         return
     median = benchmark.stats.stats.median

@@ -10,17 +10,31 @@
   them from the device time (CUDA events, L2 flushed), the wall time per call beside it, except
   for whole training steps, timed by wall (``timing="wall"``).
 - bench/timing.py (re-exported here): ``timed``, one call's device time (GPU) or wall time (CPU),
-  the only clock of the suites that time by hand; ``device_ms``, ``setup_then_sync``.
+  the only clock of the suites that time by hand; ``device_ms``, ``setup_then_sync`` (and
+  ``host_ms``, which suites import from timing).
+- :func:`check_result`: every suite compares what it timed with a float64 reference by the
+  project's rule (tests/tolerances.py), so that a wrong kernel's time is not recorded as a result
+  (:func:`cached_reference` computes a case's reference once for all its providers).
 """
 from __future__ import annotations
 
 import os
 import statistics
+import sys
 
 import pytest
 import torch
 
 from timing import device_ms, setup_then_sync, synchronize, timed  # noqa: F401  (bench/timing.py; suites import them here too)
+
+# tests/tolerances.py, the project's one table of tolerances and its reference rule (appended, not
+# put first: tests/ has a conftest.py too, which the ranks of the distributed suites, importing
+# `conftest` by name, must not find before this one)
+_TESTS = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+if _TESTS not in map(os.path.normpath, sys.path):
+    sys.path.append(_TESTS)
+
+from tolerances import assert_within_peer_rule  # noqa: E402
 
 
 # torch.compile peers: a suite compiles the same functions for many shapes and dtypes, which
@@ -52,6 +66,10 @@ def pytest_runtest_makereport(item, call):
         return
     if outcome.get_result().failed:
         fixture.extra_info["failed"] = True
+        # nor a speedup of a later row over it (a wrong peer's time is no yardstick)
+        registry = item.funcargs.get("registry")
+        if registry is not None:
+            registry.medians.pop((fixture.extra_info.get("case"), fixture.extra_info.get("provider")), None)
     path = item.config.getoption("--bench-jsonl")
     if not path:
         return
@@ -90,6 +108,119 @@ def import_peer(module: str):
 def sync(device):
     """synchronize() bound to the benchmark device, for suites that time by hand."""
     return lambda: synchronize(device)
+
+
+# ------------------------------------------------------------------ results checked against a reference
+#
+# [Note: checked results] Every benchmark that times an op or a step checks what it timed: the
+# provider's output from its untimed warm-up call (or one extra untimed call) against a float64
+# reference of the same inputs (zerofuse.reference, or torch on float64 copies) by the project's
+# rule, tests/tolerances.py's assert_within_peer_rule: the error is at most twice that of the torch
+# peer's result in the same dtype plus the dtype's atol (no tolerance chosen here, none from what a
+# machine printed). Every provider, peers included (the torch peer itself is the rule's yardstick:
+# its check holds by definition). The check runs after the timing, so a failing row is still
+# recorded, marked failed (pytest_runtest_makereport above), and dropped from the speedups.
+# Collectives of integer-valued floats are exact: check_equal.
+
+
+def _tensors(x) -> list:
+    return [x] if isinstance(x, torch.Tensor) else list(x)
+
+
+def check_result(got, want64, peer, *, what: str = "result", scale: float = 1.0) -> None:
+    """The reference rule on a benchmark's result: ``got`` (a tensor, or a sequence of them, e.g.
+    a backward's grads, each checked alone) against ``want64`` (the float64 reference, any device)
+    and ``peer`` (torch's computation in got's dtype); AssertionError naming ``what`` if not.
+    ``scale``: all three multiplied by it first (in their dtypes: a power of two keeps them exact),
+    for results of a mean over many terms (the grads of a mean over T tokens, scale T: the sum's),
+    whose values would otherwise sit far under the
+    dtype's atol, which then passed any result (a mean over 8192 tokens: grads of 1e-5 against
+    bf16's atol of 1e-2)."""
+    gots, wants, peers = _tensors(got), _tensors(want64), _tensors(peer)
+    if not len(gots) == len(wants) == len(peers):
+        raise AssertionError(f"{what}: {len(gots)} results, {len(wants)} references, {len(peers)} peer results")
+    for i, (g, w, p) in enumerate(zip(gots, wants, peers)):
+        name = what if len(gots) == 1 else f"{what} [{i}]"
+        if not g.shape == w.shape == p.shape:
+            raise AssertionError(f"{name}: shape {tuple(g.shape)}, reference {tuple(w.shape)}, peer {tuple(p.shape)}")
+        g = g.detach()
+        w, p = w.detach().to(g.device), p.detach().to(g.device)
+        if scale != 1.0:
+            g, w, p = g * scale, w * scale, p * scale
+        assert_within_peer_rule(g, w, p, msg=name)
+
+
+def check_pieces(pieces, *, what: str = "result") -> None:
+    """check_result on one result given in pieces, (got, want64, peer) triples (a step too large to
+    hold in float64 at once, computed a chunk at a time): the rule on the whole, applied to each
+    piece's worst elements (the rule reads only the largest errors of got and of the peer)."""
+    worst = []
+    for g, w, p in pieces:
+        dev = g.device
+        g, w, p = (t.detach().reshape(-1).to(dev) for t in (g, w, p))
+        for t in (g, p):
+            i = int(torch.argmax(torch.nan_to_num((t.double() - w).abs(), nan=float("inf"))))
+            worst.append((g[i], w[i], p[i]))
+    if not worst:
+        raise AssertionError(f"{what}: no pieces")
+    check_result(*(torch.stack(t) for t in zip(*worst)), what=what)
+
+
+def check_equal(got, want, *, what: str = "result") -> None:
+    """Exact results (e.g. sums of integer-valued floats, whatever their order): every element
+    equal; AssertionError naming ``what`` and the largest difference if not."""
+    gots, wants = _tensors(got), _tensors(want)
+    if len(gots) != len(wants):
+        raise AssertionError(f"{what}: {len(gots)} results, {len(wants)} expected")
+    for i, (g, w) in enumerate(zip(gots, wants)):
+        name = what if len(gots) == 1 else f"{what} [{i}]"
+        if g.shape != w.shape or not torch.equal(g.detach(), w.to(g.device, g.dtype)):
+            diff = (g.double() - w.to(g.device).double()).abs().max().item() if g.shape == w.shape else None
+            raise AssertionError(f"{name}: not equal to torch's result (shape {tuple(g.shape)} vs {tuple(w.shape)}, "
+                                 f"max difference {diff})")
+
+
+def gpt_losses(model_kw: dict, batches: list, steps: int = 2) -> list:
+    """[float64, fp32] tensors of the losses on batches[0] of the first ``steps`` steps of
+    zerofuse's GPT(GPTConfig(**model_kw), seed=0) trained data-parallel on ``batches`` (one per
+    data-parallel rank, the grads averaged) with torch.optim.AdamW(lr=1e-3, weight_decay=0.01,
+    foreach=False): torch's computation of the distributed suites' training steps (bench_zero, bench_tp)."""
+    from zerofuse.models import GPT, GPTConfig
+
+    out = []
+    for dtype in (torch.float64, torch.float32):
+        model = GPT(GPTConfig(**model_kw), seed=0).to(dtype)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, foreach=False)
+        losses = []
+        for _ in range(steps):
+            for i, x in enumerate(batches):
+                _, loss = model(x[:, :-1], x[:, 1:])
+                (loss / len(batches)).backward()
+                if i == 0:
+                    losses.append(loss.detach())
+            opt.step()
+            opt.zero_grad()
+        out.append(torch.stack(losses))
+    return out
+
+
+_REFERENCE: dict = {}
+
+
+def cached_reference(key, make):
+    """make()'s value (a case's float64 reference and torch peer's result) for ``key``, computed
+    once for all the providers of a case (parametrised innermost: they run one after another) and
+    kept until another key is asked for: one case's tensors held at a time."""
+    if key not in _REFERENCE:
+        _REFERENCE.clear()  # (the last case's freed before this one's are made)
+        _REFERENCE[key] = make()
+    return _REFERENCE[key]
+
+
+def float64(*tensors, grad: bool = False):
+    """float64 copies of tensors (detached; requiring grad with grad=True): a reference's inputs."""
+    out = [t.detach().double().requires_grad_(grad) for t in tensors]
+    return out[0] if len(out) == 1 else out
 
 
 def _median_seconds(fn, device, rounds: int, cold: bool = False) -> float:

@@ -53,8 +53,9 @@ def render(data: dict, title: str) -> str:
                            and isinstance(v, (int, float)) and not isinstance(v, bool))
         results = "; ".join(x for x in (speedups, others) if x)
         seconds = e["time_ms"] / 1e3 if isinstance(e.get("time_ms"), (int, float)) else b["stats"]["median"]
-        # rounds of several providers in turn: no one provider's time (their medians are among the results)
-        shown = "" if e.get("timing") == "rounds" else f"{seconds * 1e3:.3f}"
+        # rounds of several providers in turn: no one provider's time (their medians are among the results);
+        # untimed rows (a memory peak: pytest-benchmark timed a no-op) have none either
+        shown = "" if e.get("timing") in ("rounds", "untimed") else f"{seconds * 1e3:.3f}"
         lines.append(
             f"| {b['name']} | {shown} | {e.get('GB/s', '')} | {e.get('TFLOP/s', '')} "
             f"| {e.get('roofline_ratio', e.get('peak_ratio', ''))} | {results} |"
@@ -63,6 +64,8 @@ def render(data: dict, title: str) -> str:
         lines += ["", "Time: the device time by CUDA events with the L2 flushed where the row's timing is device "
                       "(GB/s, TFLOP/s, ratios and speedups from it; wall_ms is the wall time per call, host "
                       "included); the wall median elsewhere (CPU rows, whole training steps)."]
+    if "untimed" in timings:
+        lines += ["", "Untimed rows (a memory peak, say: their figure is among the results) show no time."]
     if "rounds" in timings:
         lines += ["", "Rows without a time ran their providers in turn within each round: their speedups are the "
                       "median over rounds of the per-round ratios, each provider's median time among the results."]

@@ -55,14 +55,29 @@ def device_ms(fn, setup, device: torch.device, rounds: int, flush_bytes: int = 2
     return statistics.median(times)
 
 
-def timed(fn, device: torch.device, cold: bool = False) -> float:
+def host_ms(fn, device: torch.device, rounds: int = 3) -> float:
+    """The median wall time in ms of a call of fn, its device work not waited for (each call starts
+    on an empty queue): the host's time to queue it, which device_ms's hold must outlast. On a CPU
+    the call's whole time."""
+    times = []
+    for _ in range(rounds):
+        synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    synchronize(device)
+    return statistics.median(times)
+
+
+def timed(fn, device: torch.device, cold: bool = False, hold_ms: float = 1.0) -> float:
     """Seconds of one call of fn, for suites that time by hand (interleaved pairs): on a GPU its
     device time, by CUDA events around it once the queue is empty (cold=True: as device_ms times,
     the L2 flushed and the stream held while the host queues fn, so neither a warm L2 nor the host's
-    gaps between launches count); on a CPU its wall time."""
+    gaps between launches count; hold_ms: device_ms's, which must outlast the host's queueing of fn:
+    pass twice host_ms(fn), at most 50, as measure() does); on a CPU its wall time."""
     synchronize(device)
     if device.type == "cuda" and cold:
-        return device_ms(fn, None, device, rounds=1) / 1e3
+        return device_ms(fn, None, device, rounds=1, hold_ms=hold_ms) / 1e3
     if device.type == "cuda":
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
