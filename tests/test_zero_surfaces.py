@@ -148,35 +148,6 @@ def test_optimizer_state_is_per_param_views_and_state_dict_has_torchs_layout(sta
         assert sum(r["pieces"].get(name, (0,))[0] for r in results) == p.numel(), name
 
 
-def test_torchs_clip_grad_norm_on_a_zero_model_warns_once_and_a_plain_model_does_not(world_of_one, monkeypatch):
-    """torch.nn.utils.clip_grad_norm_ sees no .grad on a ZeRO model (None by design outside
-    full_grads) and returns 0: it warns, once, naming the optimizer's clip_grad_norm_; inside
-    full_grads, or on a plain model, it is torch's function, silent and with the same result."""
-    import warnings
-
-    from zerofuse.zero import grads as zgrads
-
-    monkeypatch.setattr(zgrads, "_warned", False)
-    x = _batch()
-    plain = GPT(GPTConfig(**CFG), seed=0)
-    model = GPT(GPTConfig(**CFG), seed=0)
-    zerofuse.zero.parallelize(model, stage=2)
-    for m in (plain, model):
-        _, loss = m(x[:, :-1], x[:, 1:])
-        loss.backward()
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        want = torch.nn.utils.clip_grad_norm_(plain.parameters(), 1e9)
-        assert not seen
-        with zerofuse.zero.full_grads(model):
-            got = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
-        assert not seen
-        torch.testing.assert_close(got, want, **tol(torch.float32))
-        assert float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)) == 0.0
-        torch.nn.utils.clip_grad_norm_(list(model.parameters()), 1.0)
-    assert len(seen) == 1 and "optimizer.clip_grad_norm_" in str(seen[0].message), [str(w.message) for w in seen]
-
-
 def _stage3_train(rank, ws, extra_forward):
     model = GPT(GPTConfig(**CFG), seed=0)
     zerofuse.zero.parallelize(model, stage=3)

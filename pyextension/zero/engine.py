@@ -42,7 +42,8 @@ from zerofuse.zero.bucket_grads import LOW_PRECISION
 from zerofuse.zero.buckets import Bucket
 from zerofuse.zero.fixed_layout import TrainableCheck, guard_conversions
 from zerofuse.zero.full_params import FullParams
-from zerofuse.zero.grads import SHARDED, gathered_grads, install_clip_warning, reset_backward
+from zerofuse.zero.grads import gathered_grads, reset_backward
+from zerofuse.zero.torch_guards import ENGINES, SHARDED, install_torch_guards, stepped_grads_added
 from zerofuse.zero.layout import (bucket_groups, check_groups_disjoint, check_same_layout, check_same_values,
                                   unit_groups, values_digest)
 from zerofuse.zero.experts import ExpertLayout
@@ -189,6 +190,7 @@ class ZeroEngine(ExpertLayout, FindUnused, FullParams, ParamSync, Stage3Hooks, W
         self._final_queued = False
         self._in_backward = False
         self.clip_pending = False  # the live Optimizer's clip_grad_norm_ not yet applied by a step (fold_clip)
+        self.stepped = False  # a step took the grads and no zero_grad cleared them (torch_guards.stepped_grads_added)
         self._hooks = []
         self.optimizer_ref = None  # the zero.Optimizer built on this engine (a weakref), for model.zero_grad
         self._fwd_order: list[Bucket] = []
@@ -199,7 +201,8 @@ class ZeroEngine(ExpertLayout, FindUnused, FullParams, ParamSync, Stage3Hooks, W
             if not self.hookless:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_ready))
             setattr(p, SHARDED, True)
-        install_clip_warning()
+        install_torch_guards()
+        ENGINES.add(self)
         guard_conversions(model, self.param_index.keys())  # (zero/fixed_layout.py)
         self.check_trainable = TrainableCheck(model, self.param_index.keys())
         if find_unused_parameters and not self.hookless:
@@ -253,6 +256,8 @@ class ZeroEngine(ExpertLayout, FindUnused, FullParams, ParamSync, Stage3Hooks, W
             self.fold_clip()
         if not self._final_queued:  # (stage 3: a pre-backward hook may have queued it)
             self._final_queued = True
+            if self.stepped:
+                stepped_grads_added()
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
         if self.find_unused:  # [Note: unused params]
             self._mark_unused_once()
@@ -379,11 +384,19 @@ class ZeroEngine(ExpertLayout, FindUnused, FullParams, ParamSync, Stage3Hooks, W
         dead = self._final_queued and torch._C._current_graph_task_id() == -1  # a backward that raised
         self.buckets.finish_grad_sync()
         reset_backward(self)  # (a backward that raised left its counters: zero_grad starts afresh)
+        self.stepped = False
         for u in self.units:
             u.zero_grad(set_to_none)
             if dead and self.stage == 3 and not self.hold_params and not self._in_full_params:
                 u.free()  # (as its end would have: they stayed gathered until the next forward's hooks)
         self.release_grads()
+
+    def __reduce_ex__(self, protocol):
+        """copy.deepcopy or pickling of a parallelized model (an EMA or teacher copy): refused by name
+        (torch's "cannot pickle 'ProcessGroup' object" before)."""
+        raise TypeError("zerofuse.zero: a model made data-parallel by zerofuse.zero.parallelize cannot be copied or "
+                           "pickled (it holds process groups and shards of the others' params): copy the model before "
+                           "parallelize, or load a copy from its state_dict() (stage 3: inside full_params)")
 
     # ------------------------------------------------------------------ state
 

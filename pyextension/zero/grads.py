@@ -4,42 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
-import warnings
 
 import torch
-
-SHARDED = "_zerofuse_sharded_grad"  # set on every param of a ZeRO model: its grad lives in a shard
-_warned = False
-
-
-def install_clip_warning() -> None:
-    """Wraps torch.nn.utils.clip_grad_norm_ (once, at the first parallelize) so that calling it on a
-    ZeRO model's params warns once: their .grad is None outside full_grads, so torch's function
-    sees no gradient and returns 0 without clipping anything. The check is one attribute read per
-    param torch iterates anyway. Code that bound the function before zerofuse.zero.parallelize ran
-    (``from torch.nn.utils import clip_grad_norm_`` at import) keeps torch's own, unwarned."""
-    from torch.nn.utils import clip_grad
-
-    if getattr(clip_grad.clip_grad_norm_, "_zerofuse_wrapped", False):
-        return
-    torch_clip = clip_grad.clip_grad_norm_
-
-    @functools.wraps(torch_clip)
-    def clip_grad_norm_(parameters, *args, **kwargs):
-        global _warned
-        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        if not _warned and any(getattr(p, SHARDED, False) and p.grad is None for p in params):
-            _warned = True
-            warnings.warn("torch.nn.utils.clip_grad_norm_ was called on params of a zerofuse ZeRO model: their "
-                          "gradients live in zerofuse's shards (.grad is None outside zerofuse.zero.full_grads), so "
-                          "it sees none, returns 0 and clips nothing. Use optimizer.clip_grad_norm_(max_norm) of "
-                          "zerofuse.zero.Optimizer (or its max_grad_norm=), or clip inside full_grads(model).",
-                          UserWarning, stacklevel=2)
-        return torch_clip(params, *args, **kwargs)
-
-    clip_grad_norm_._zerofuse_wrapped = True
-    clip_grad.clip_grad_norm_ = torch.nn.utils.clip_grad_norm_ = clip_grad_norm_
 
 
 @contextlib.contextmanager
@@ -149,6 +115,7 @@ def abandon_backward(eng) -> None:
     reductions in flight (over one rank they completed when launched) and every grad, so that the
     next backward starts as after zero_grad."""
     reset_backward(eng)
+    eng.stepped = False
     eng.buckets.clear_inflight()
     for u in eng.units:
         u.rs_work, u.rs_out = None, None

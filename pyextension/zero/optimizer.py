@@ -234,8 +234,21 @@ class Optimizer(GroupSteps, GradNorms, OptimizerState, torch.optim.Optimizer):
     def loss_scale(self) -> float:
         return float(self.scale.item())
 
+    # torch.amp.GradScaler then hands its scale and found_inf to step() (grad_scale / found_inf),
+    # which refuses them by name: its unscale_ reads .grad, None here (its bare "No inf checks were
+    # recorded" AssertionError after a backward of x65536 grads, a review's reproduction, 2026-12-07)
+    _step_supports_amp_scaling = True
+
     @torch.no_grad()
     def step(self, closure=None):
+        if "found_inf" in self.__dict__ or "grad_scale" in self.__dict__:
+            self.__dict__.pop("found_inf", None)  # (GradScaler's, left behind: a step without it goes on)
+            self.__dict__.pop("grad_scale", None)
+            raise RuntimeError(f"{NAME}.step: torch.amp.GradScaler cannot unscale a ZeRO model's gradients (they live "
+                               "in zerofuse's shards, .grad is None: it saw none and the step would take them still "
+                               "multiplied by its scale); train with parallelize(model, precision='fp16') and "
+                               "opt.scale_loss(loss).backward(), the Optimizer's own dynamic loss scale (GradScaler's "
+                               "rules), or in bf16, which needs none")
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -278,6 +291,7 @@ class Optimizer(GroupSteps, GradNorms, OptimizerState, torch.optim.Optimizer):
             torch._amp_update_scale_(self.scale, self._growth_tracker, found, *self._scaler_cfg)
             self.scale.clamp_(min=self.min_scale)  # (backed off without a floor it reached 0: every later step skipped)
         self.last_step_skipped = found
+        eng.stepped = True
         self._clip_coef = None
         self._found_inf = None
         eng.clip_pending = False
