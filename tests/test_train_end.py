@@ -174,3 +174,33 @@ def test_a_new_run_removes_the_last_runs_summary_and_plot(tmp_path, monkeypatch)
     with pytest.raises(RuntimeError, match="a failed step"):
         Trainer(tiny_job_args(tmp_path, "--steps", "2"), None).run()
     assert not (tmp_path / "summary.json").exists() and not (tmp_path / "loss.png").exists()
+
+
+def test_a_resume_says_when_its_training_data_changed_and_not_when_only_its_split_did(tmp_path, capsys):
+    """Another --data of the same vocabulary (or a glob matching other shards) at --resume went
+    unsaid: the checkpoint kept no key of its training data. And the batches note compared
+    (--grad-accum, dp x --batch) where the sampler's invariant is their product: --grad-accum 2 of
+    half the batch was named as other batches, its losses those of the run (a review, 2026-12-07)."""
+    import numpy as np
+
+    from zerofuse.train import tokens as tok
+    from zerofuse.train.loop import Trainer
+
+    rng = np.random.default_rng(0)
+    for name in ("a", "b", "v"):
+        tok.write_shard(tmp_path / f"{name}.bin", rng.integers(0, 1000, 4000))
+    data = ("--data", tmp_path / "a.bin", "--val-data", tmp_path / "v.bin", "--batch", 4)
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    assert Trainer(tiny_job_args(straight, *data, "--steps", 3), None).run() == 0
+    assert Trainer(tiny_job_args(resumed, *data, "--steps", 2, "--ckpt-every", 2), None).run() == 0
+    capsys.readouterr()
+    assert Trainer(tiny_job_args(resumed, *data, "--steps", 3, "--resume", "--batch", 2, "--grad-accum", 2),
+                   None).run() == 0
+    out = capsys.readouterr().out
+    assert "--resume: --grad-accum" not in out and "training data" not in out, out
+    want, got = (json.loads((d / "metrics.jsonl").read_text().splitlines()[-1]) for d in (straight, resumed))
+    assert got["step"] == want["step"] == 3 and got["loss"] == pytest.approx(want["loss"], rel=1e-5)
+    assert Trainer(tiny_job_args(resumed, "--data", tmp_path / "b.bin", *data[2:], "--steps", 4, "--resume"),
+                   None).run() == 0
+    out = capsys.readouterr().out
+    assert f"--resume: --data {tmp_path / 'b.bin'} is not the checkpoint's run's training data" in out, out

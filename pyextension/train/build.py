@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from .cli import PROG
-from .data import Corpus, Sampler, Validation, validation_key
+from .data import Corpus, Sampler, Validation, shards_digest, validation_key
 from .launch import _init_distributed, _StopFlag
 from .metrics import StepMetrics, StopVote
 from .report import RankZeroLog
@@ -200,10 +200,15 @@ def resume(t) -> int:
                        f"{was_val[2]}{data}): val losses from step {step} compare with its only as other samples, and "
                        "its initial val loss is not reported")
         t.initial_val_loss = None
-    # the sampler draws (accum, dp x batch) window starts per step: the same data at any dp x batch split
+    # the sampler draws accum x dp x batch window starts per step: the same global batch at any split
+    # of that product (it named a --grad-accum 2 on one rank resuming a 2-rank run as other batches)
     was = extra.get("batch")
-    if was is not None and (was[0], was[1] * was[2]) != (args.grad_accum, args.dp * args.batch):
+    if was is not None and was[0] * was[1] * was[2] != args.grad_accum * args.dp * args.batch:
         t.notes.append(f"--resume: --grad-accum {args.grad_accum} x dp {args.dp} x --batch {args.batch} (the "
                        f"checkpoint's run: {was[0]} x {was[1]} x {was[2]}) from step {step}: its batches are not "
                        "those the run would have had")
+    if extra.get("train_data") not in (None, shards_digest(t.train_data)):  # (same vocabulary: checked above)
+        t.notes.append(f"--resume: --data {args.data} is not the checkpoint's run's training data (another file, or "
+                       f"a glob that matches other shards): its batches from step {step} are not those the run would "
+                       "have had")
     return step

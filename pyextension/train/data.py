@@ -172,7 +172,8 @@ class Sampler:
     """Batches as a pure function of (seed, step): one generator seeded by (seed, step) draws the
     start offsets of the whole global batch (accum × dp × batch) and DP rank r takes slice r. So
     ranks get distinct data, --resume at step s continues exactly (the sampler state is the step),
-    and any layout with the same dp × batch sees the same data. Over several shards a start is drawn
+    and any layout with the same accum × dp × batch sees the same windows at each step (the
+    same global batch, its windows dealt to other ranks and micro-batches). Over several shards a start is drawn
     over all windows of all shards (a window never spans two shards)."""
 
     def __init__(self, tokens, seq_len: int, batch: int, accum: int, dp: int, dp_rank: int, seed: int,
@@ -238,14 +239,20 @@ class Validation:
         return self.sampler.read(self.starts[k], f"validation batch {k}")
 
 
-def validation_key(args, val: Validation) -> list:
-    """What the validation set is drawn from: --eval-batches, dp x --batch, --seed and the data (its
-    shards' lengths and first and last tokens: another --val-data). A checkpoint records it; a resume
-    that changes it says so and reports no initial val loss (the first run's, on another set, was
-    compared with this run's, silently: a review's reproduction, 2026-12-07)."""
+def shards_digest(sampler: Sampler) -> str:
+    """The data a sampler draws from, told apart cheaply: its shards' lengths and first and last
+    1024 tokens (another file, a glob that grew)."""
     h = hashlib.sha256()
-    for s in val.sampler.shards:
+    for s in sampler.shards:
         h.update(np.int64(len(s)).tobytes())
         h.update(np.ascontiguousarray(s[:1024]).tobytes())
         h.update(np.ascontiguousarray(s[-1024:]).tobytes())
-    return [args.eval_batches, args.dp * args.batch, args.seed, h.hexdigest()[:16]]
+    return h.hexdigest()[:16]
+
+
+def validation_key(args, val: Validation) -> list:
+    """What the validation set is drawn from: --eval-batches, dp x --batch, --seed and the data
+    (shards_digest: another --val-data). A checkpoint records it; a resume that changes it says so
+    and reports no initial val loss (the first run's, on another set, was compared with this run's,
+    silently: a review's reproduction, 2026-12-07)."""
+    return [args.eval_batches, args.dp * args.batch, args.seed, shards_digest(val.sampler)]

@@ -15,7 +15,7 @@ from zerofuse.models.gpt import Block
 
 from . import build
 from .build import lr_lambda  # noqa: F401  (zerofuse.train.lr_lambda)
-from .data import validation_key
+from .data import shards_digest, validation_key
 from .metrics import check_not_stuck
 
 
@@ -177,7 +177,7 @@ class Trainer:
                  "config": dataclasses.asdict(self.cfg), "seed": self.args.seed,
                  "initial_val_loss": self.initial_val_loss, "precision": self.args.precision,
                  "batch": [self.args.grad_accum, self.args.dp, self.args.batch],
-                 "validation": validation_key(self.args, self.val_data)}
+                 "validation": validation_key(self.args, self.val_data), "train_data": shards_digest(self.train_data)}
         checkpoint.save(str(self.ckpt), self.model, self.opt, extra=extra)
 
     def sample(self) -> str:
