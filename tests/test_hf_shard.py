@@ -230,3 +230,23 @@ def test_generate_under_zero3_waits_for_every_rank(cpu_kernels):
         assert [len(got[0]) for got, _ in out] == [6, 13], out
         for got, want in out:
             assert got == want
+
+
+def _subgroup_generate_rank(rank, ws):
+    """ZeRO-3 over ranks [0, 1]; rank 2 does other work (no generate)."""
+    from zerofuse import kernels
+
+    kernels.TRITON_ON_CPU = False
+    group = dist.new_group([0, 1])
+    if rank == 2:
+        return "idle"
+    model = zerofuse.zero.parallelize(zerofuse.patch(build("llama")), stage=3, group=group).eval()
+    with torch.no_grad():
+        out = model.generate(batch(1, 5, seed=100), max_new_tokens=4, do_sample=False, pad_token_id=0)
+    return out.shape[1]
+
+
+def test_generate_over_a_zero3_subgroup_is_not_synced_over_the_world(cpu_kernels):
+    """transformers' synced_gpus all-reduces over the whole world: made generate's default for ZeRO-3
+    over a subgroup, ranks 0 and 1 waited on rank 2, which never generates (a review, 2026-12-07)."""
+    assert run_distributed(_subgroup_generate_rank, 3, timeout=120) == [9, 9, "idle"]

@@ -347,6 +347,7 @@ def test_a_launch_runs_on_its_tensors_device(monkeypatch):
 
     monkeypatch.setattr(L, "_INTERPRETED", False)
     monkeypatch.setattr(L, "MODE", "jit")
+    monkeypatch.setattr(L, "_MULTI_GPU", True)  # (two devices visible)
     monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: current[0], raising=False)
     monkeypatch.setattr(torch.cuda, "device", device)
 

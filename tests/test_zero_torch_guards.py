@@ -60,6 +60,10 @@ def _clip_rank(rank, ws, stage):
     early = clip_grad.clip_grad_norm_.__wrapped__  # torch's own, as `from torch.nn.utils import clip_grad_norm_`
     out["early"] = error_text(lambda: early(params, 1.0))  # bound before parallelize gives
     out["value"] = error_text(lambda: torch.nn.utils.clip_grad_value_(params, 0.1))
+    out["public"] = error_text(lambda: torch.nn.utils.clip_grads_with_norm_(params, 1.0, torch.tensor(2.0)))
+    head = torch.nn.Linear(2, 2)
+    head(torch.ones(1, 2)).sum().backward()
+    out["mixed"] = error_text(lambda: torch.nn.utils.clip_grad_norm_(params + list(head.parameters()), 1.0))
     with zerofuse.zero.full_grads(model):  # every .grad whole: torch's functions as torch's
         inside = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9))
         torch.nn.utils.clip_grad_value_(model.parameters(), 1e9)
@@ -83,13 +87,15 @@ def test_torch_clip_and_optimizers_on_a_zero_model(ws, stage):
         assert r["early"].startswith("RuntimeError: torch.nn.utils.clip_grad_norm_ (bound before "
                                      "zerofuse.zero.parallelize ran"), r["early"]
         assert "clip_grad_value_ was called on params of a model made data-parallel" in r["value"], r["value"]
+        assert "(bound before zerofuse.zero.parallelize ran" in r["public"], r["public"]
+        assert "expected only the params of the model made data-parallel" in r["mixed"] and "got 2 other" in r["mixed"]
         assert r["inside"][0] == pytest.approx(r["inside"][1], rel=1e-5)
         for name in ("torch_adamw", "fused_adamw"):
             assert "AdamW.step: its params belong to a model made data-parallel by zerofuse.zero.parallelize" in r[name]
             assert "Build zerofuse.zero.Optimizer(model, 'adamw'" in r[name], r[name]
 
 
-def _habits_rank(rank, ws):
+def _habits_rank(rank, ws, stage=2):
     import copy
     import warnings
 
@@ -97,7 +103,7 @@ def _habits_rank(rank, ws):
 
     out = {}
     model = GPT(GPTConfig(**CFG), seed=0)
-    zerofuse.zero.parallelize(model, stage=2, bucket_mb=0.02)
+    zerofuse.zero.parallelize(model, stage=stage, bucket_mb=0.02)
     opt = zerofuse.zero.Optimizer(model, "adamw", lr=1e-2)
     x = _mine(rank, ws)
     scaler = torch.amp.GradScaler("cpu")
@@ -124,11 +130,13 @@ def _habits_rank(rank, ws):
     return out
 
 
-def test_grad_scaler_deepcopy_and_grads_cleared_by_hand_are_named():
+@pytest.mark.parametrize("ws,stage", [(2, 2), (2, 3), (1, 1), (1, 2)])
+def test_grad_scaler_deepcopy_and_grads_cleared_by_hand_are_named(ws, stage):
     """torch.amp.GradScaler: its bare "No inf checks were recorded" AssertionError after a backward of
     x65536 grads; copy.deepcopy(model): "cannot pickle 'ProcessGroup' object"; `p.grad = None` in
-    place of zero_grad: the next step added both steps' grads, silently (now one warning)."""
-    for r in run_distributed(_habits_rank, 2, timeout=120):
+    place of zero_grad: the next step added both steps' grads, silently (now one warning: from the
+    grad hooks, stage 3's pre-backward hook, over one rank where .grad is taken in)."""
+    for r in run_distributed(_habits_rank, ws, stage, timeout=120):
         assert r["scaler"].startswith("RuntimeError: zerofuse.zero.Optimizer.step: torch.amp.GradScaler cannot "
                                       "unscale a ZeRO model's gradients"), r["scaler"]
         assert "parallelize(model, precision='fp16') and opt.scale_loss(loss).backward()" in r["scaler"]
@@ -137,3 +145,33 @@ def test_grad_scaler_deepcopy_and_grads_cleared_by_hand_are_named():
         assert len(r["warnings"]) == 1, r["warnings"]
         assert "adding into the gradients the last optimizer step already took" in r["warnings"][0]
         assert "`p.grad = None` clears nothing; call opt.zero_grad()" in r["warnings"][0]
+
+
+def _one_rank_accumulation(rank, ws, stage):
+    """Two micro-batches, the first inside no_sync(): over one rank .grad then holds the second's
+    only, the first's in the buckets already."""
+    out = []
+    for clip in ("torch", "optimizer"):
+        model = GPT(GPTConfig(**CFG), seed=0)
+        zerofuse.zero.parallelize(model, stage=stage, bucket_mb=0.02)
+        opt = zerofuse.zero.Optimizer(model, "adamw", lr=1e-2)
+        x = _mine(rank, ws)
+        with model.no_sync():
+            model(x[:3, :-1], x[:3, 1:])[1].backward()
+        model(x[3:, :-1], x[3:, 1:])[1].backward()
+        norm = (torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05) if clip == "torch"
+                else opt.clip_grad_norm_(0.05))
+        opt.step()
+        with zerofuse.zero.full_params(model):
+            out.append((float(norm), {n: p.detach().clone() for n, p in model.named_parameters()}))
+    return out
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_torch_clip_over_one_rank_sees_every_micro_batch(stage):
+    """Over one rank (no grad hooks) torch's clip saw .grad, the last micro-batch's only after a
+    no_sync() window: it returned that norm and clipped those grads (a review, 2026-12-07). It is
+    the Optimizer's clip now, over the grads of both."""
+    (torch_norm, ours), (opt_norm, want) = run_distributed(_one_rank_accumulation, 1, stage, timeout=120)[0]
+    assert torch_norm == opt_norm
+    assert all(torch.equal(ours[n], want[n]) for n in want)

@@ -3,8 +3,18 @@ itself: zerofuse/zero/engine.py)."""
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from zerofuse.zero.engine import ZeroEngine, engine_of
+
+
+def _spans_world(engine) -> bool:
+    """Whether the engine's data-parallel ranks with its tensor- and pipeline-parallel peers are the
+    whole default group (zerofuse.shard's mesh), the group transformers' synced_gpus syncs over."""
+    size = engine.world_size
+    for comm in (engine.tp_comm, engine.pp_comm):
+        size *= comm.world_size if comm is not None else 1
+    return size == dist.get_world_size()
 
 
 def _hf_generation(model) -> bool:
@@ -75,7 +85,9 @@ def parallelize(model: torch.nn.Module, *, stage: int, group=None, precision: st
                         param_gather=param_gather, find_unused_parameters=find_unused_parameters,
                         gradient_as_bucket_view=gradient_as_bucket_view)
     model._zerofuse_zero = engine
-    if stage == 3 and engine.world_size > 1 and _hf_generation(model):  # (as DeepSpeed's ZeRO-3 gets from transformers)
+    if stage == 3 and engine.world_size > 1 and _hf_generation(model) and _spans_world(engine):
+        # (as DeepSpeed's ZeRO-3 gets from transformers, whose synced steps all-reduce over the whole world:
+        # ZeRO-3 over a subgroup whose ranks alone generate left it off, the others never joining it)
         from zerofuse.hf.bound import Bound, generate_synced  # noqa: PLC0415 - transformers' models only
         model.generate = Bound(model, generate_synced)
     model.no_sync = engine.no_sync

@@ -256,8 +256,7 @@ class ZeroEngine(ExpertLayout, FindUnused, FullParams, ParamSync, Stage3Hooks, W
             self.fold_clip()
         if not self._final_queued:  # (stage 3: a pre-backward hook may have queued it)
             self._final_queued = True
-            if self.stepped:
-                stepped_grads_added()
+            self.backward_began()
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
         if self.find_unused:  # [Note: unused params]
             self._mark_unused_once()
@@ -280,6 +279,12 @@ class ZeroEngine(ExpertLayout, FindUnused, FullParams, ParamSync, Stage3Hooks, W
         unit.add_deferred(also=i)  # with the deferred ones: one multi-tensor copy into gflat
         if unit.ready == len(unit.params):
             self._unit_complete(unit)
+
+    def backward_began(self) -> None:
+        """A backward's first grads arrive (a hooked one's, stage 3's pre-backward, over one rank
+        the grads taken from .grad): into grads a step took, if no zero_grad came between."""
+        if self.stepped:
+            stepped_grads_added()
 
     def _unit_complete(self, unit) -> None:
         """Every grad of ``unit`` in this backward is in (or marked unused)."""

@@ -124,6 +124,7 @@ class Stage3Hooks:
             self._in_backward = True
             if not self._final_queued:
                 self._final_queued = True
+                self.backward_began()
                 torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
             # a unit freed already in this backward is gathered again: a re-entrant checkpoint inside
             # a module called twice completed the unit's grads in its first recompute's backward, and

@@ -1,25 +1,33 @@
 """torch's own gradient functions and optimizers on a ZeRO model's params, which a DDP / FSDP2 user
-calls out of habit: outside ``zerofuse.zero.full_grads`` those params' ``.grad`` is None (the grads
-live in zerofuse's shards), so each saw no gradient and did nothing, silently. Installed at the
-first ``parallelize`` (``install_torch_guards``); a param of a ZeRO model carries ``SHARDED``.
+calls out of habit: outside ``zerofuse.zero.full_grads`` the grads live in zerofuse's shards and
+``.grad`` is None (over one rank it holds autograd's last backward only, until a step or the end of
+a ``no_sync()`` takes it into the buckets), so each saw no gradient, or part of it, and did nothing
+or the wrong thing, silently. Installed at the first ``parallelize`` (``install_torch_guards``); a
+param of a ZeRO model carries ``SHARDED``. Inside ``full_grads`` torch's functions run as torch's.
 
 - ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`` clips: the call is the model's
   ``zerofuse.zero.Optimizer``'s ``clip_grad_norm_`` (the global norm over every shard and rank,
   returned as torch's 0-d tensor; collective, as the DDP user calls it on every rank). It returned 0
-  and clipped nothing (a warning once per process). Over a subset of the model's trainable params,
-  or before the Optimizer exists, it is refused by name.
+  and clipped nothing (a warning once per process). A subset of the model's trainable params, or
+  other params with them, are refused by name, and so is a call before the Optimizer exists where
+  a .grad is None.
 - torch's function bound before ``parallelize`` (``from torch.nn.utils import clip_grad_norm_`` at
   import) is not the attribute replaced here; the module global it calls to clip
-  (``clip_grad._clip_grads_with_norm_``) is: it refuses a ZeRO model's params, naming the way out.
-- ``clip_grad_value_`` is refused by name (torch's own "Expected !nested_tensorlist[0].empty()").
+  (``clip_grad._clip_grads_with_norm_``, public as ``torch.nn.utils.clip_grads_with_norm_``) is: it
+  refuses a ZeRO model's params whose .grad is None, naming the way out.
+- ``clip_grad_value_`` is refused by name outside full_grads (torch's own "Expected
+  !nested_tensorlist[0].empty()", or over one rank the last micro-batch's grads clipped).
 - ``p.grad = None`` for each param (the DDP habit in place of ``opt.zero_grad()``) clears nothing:
-  a backward then adds into grads a step already took, which warns once (``stepped_grads_added``).
+  a backward then adds into grads a step already took, which warns once (``stepped_grads_added``,
+  from the engine's ``backward_began``: the grad hooks, stage 3's pre-backward hook, over one rank
+  the grads taken from .grad).
 - An optimizer other than ``zerofuse.zero.Optimizer`` (``torch.optim.AdamW(model.parameters())``,
   ``zerofuse.optim.FusedAdamW``) over a ZeRO model's params is refused at its first step, by a
-  global step pre-hook of torch.optim (checked once per optimizer): it stepped no param, silently
-  (a review's reproductions, 2026-12-07).
+  global step pre-hook of torch.optim (checked once per optimizer): over several ranks it stepped
+  no param, over one rank autograd's last .grad (the micro-batches before a no_sync() window's end
+  left out).
 
-Inside ``full_grads`` every param has its ``.grad``: torch's functions run as torch's.
+(a review's reproductions, 2026-12-07)
 """
 from __future__ import annotations
 
@@ -34,23 +42,35 @@ ENGINES: weakref.WeakSet = weakref.WeakSet()  # every ZeroEngine alive
 _CHECKED: weakref.WeakSet = weakref.WeakSet()  # optimizers whose params were checked at their first step
 
 
-def _unseen(params) -> list:
-    """The params of a ZeRO model whose gradient torch would not see: trainable, .grad None, their
-    model outside full_grads (inside it a param of a unit without grads this step has none too)."""
-    out = [p for p in params if getattr(p, SHARDED, False) and p.requires_grad and p.grad is None]
+def _sharded(params) -> list:
+    """The trainable params of ZeRO models among ``params``, their model outside full_grads (inside
+    it every one has its whole .grad: torch's functions run as torch's). Their .grad is None, or
+    over one rank autograd's last backward only (grads accumulated under no_sync() moved into the
+    buckets already): torch's functions see none, or part, of their gradient."""
+    out = [p for p in params if getattr(p, SHARDED, False) and p.requires_grad]
     if out and any(e.grads_out and id(out[0]) in e.param_index for e in list(ENGINES)):
         return []
     return out
 
 
+def _unseen(params) -> list:
+    """_sharded's params whose .grad is None (what torch's clip saw as no gradient: a norm of 0)."""
+    return [p for p in _sharded(params) if p.grad is None]
+
+
 def _engine_of(params, who: str):
-    """The one ZeRO engine holding every given param of a ZeRO model, all of its trainable params given."""
+    """The one ZeRO engine holding every given param, all of its trainable params given."""
     ids = {id(p) for p in params}
     engines = [e for e in list(ENGINES) if any(i in e.param_index for i in ids)]
     if len(engines) != 1:
         raise RuntimeError(f"{who}: expected the params of one model made data-parallel by zerofuse.zero.parallelize, "
                            f"got params of {len(engines)}: clip each model with its Optimizer's clip_grad_norm_")
     eng = engines[0]
+    others = sum(1 for p in params if id(p) not in eng.param_index)
+    if others:  # (their grads were left out of the norm and unclipped, silently: a review, 2026-12-07)
+        raise RuntimeError(f"{who}: expected only the params of the model made data-parallel by "
+                           f"zerofuse.zero.parallelize (the norm is its Optimizer's), got {others} other param(s) too: "
+                           "clip them apart, or all inside zerofuse.zero.full_grads(model) with torch's function")
     missing = [n for n, p in zip(eng.names, eng.params) if p.requires_grad and id(p) not in ids]
     if missing:
         raise RuntimeError(f"{who}: expected every trainable param of the ZeRO model (its gradients live in "
@@ -80,14 +100,18 @@ def install_torch_guards() -> None:
     @functools.wraps(torch_norm)
     def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        if not _unseen(params):  # a plain model's, or inside full_grads: torch's
+        if not _sharded(params):  # a plain model's, or inside full_grads: torch's
             return torch_norm(params, max_norm, norm_type, error_if_nonfinite, foreach)
         who = "torch.nn.utils.clip_grad_norm_"
         eng = _engine_of(params, who)
         opt = eng.live_optimizer()
         if opt is None:
+            if not _unseen(params):  # (one rank, every .grad autograd's: nothing in the buckets yet)
+                return torch_norm(params, max_norm, norm_type, error_if_nonfinite, foreach)
             _refuse_unseen(who, "build zerofuse.zero.Optimizer(model, ...) first (this call is then its "
                                 "clip_grad_norm_), or clip inside zerofuse.zero.full_grads(model)")
+        # (over one rank too: torch's clipped the last backward's .grad only where no_sync() had moved
+        # the earlier micro-batches' into the buckets; the Optimizer's takes .grad in first)
         return opt.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite, foreach).reshape(())
 
     @functools.wraps(torch_inner)
@@ -103,7 +127,7 @@ def install_torch_guards() -> None:
     @functools.wraps(torch_value)
     def clip_grad_value_(parameters, clip_value, foreach=None):
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        if _unseen(params):
+        if _sharded(params):  # (over one rank too: the .grad of the last backward only, after no_sync())
             _refuse_unseen("torch.nn.utils.clip_grad_value_", "call it inside zerofuse.zero.full_grads(model) (every "
                                                               "grad gathered whole), or clip by norm with the "
                                                               "Optimizer's max_grad_norm")
@@ -111,7 +135,8 @@ def install_torch_guards() -> None:
 
     clip_grad_norm_._zerofuse_wrapped = True
     clip_grad.clip_grad_norm_ = torch.nn.utils.clip_grad_norm_ = clip_grad_norm_
-    clip_grad._clip_grads_with_norm_ = _clip_grads_with_norm_
+    # (the module global torch's clip_grad_norm_ calls, and torch.nn.utils' public name of it)
+    clip_grad._clip_grads_with_norm_ = torch.nn.utils.clip_grads_with_norm_ = _clip_grads_with_norm_
     clip_grad.clip_grad_value_ = torch.nn.utils.clip_grad_value_ = clip_grad_value_
     register_optimizer_step_pre_hook(_foreign_optimizer_step)
 

@@ -78,6 +78,7 @@ class WorldOfOne:
                 unit.defer(i)
                 pending = True
         if pending:
+            self.backward_began()
             self._final_queued = True  # ended here, not by an autograd callback
             self._close_backward()
 
@@ -126,6 +127,7 @@ class WorldOfOne:
                 v.zero_() if g is None else v.copy_(g)
                 p.grad = v
         if any(u.gflat._version != u.seen for u in self.units):
+            self.backward_began()
             for u in self.units:
                 u.dirty = True
             self._final_queued = True
