@@ -40,9 +40,10 @@ def _liger(norm, w, b):
 
 def _inputs(norm, m, n, dtype, device):
     """x (requiring grad), dy, weight, bias (None for rms): the same for every provider."""
-    g = torch.Generator().manual_seed(0)
-    x, dy = (torch.randn(m, n, generator=g).to(device, dtype) for _ in range(2))
-    w, b = (torch.nn.Parameter(torch.randn(n, generator=g).to(device, dtype)) for _ in range(2))
+    g = torch.Generator(device=device).manual_seed(0)  # (drawn on the device: on the host, 31e9 numbers over
+    # the GPU shapes took ~6 minutes of a lease's call; a review, 2026-12-07)
+    x, dy = (torch.randn(m, n, generator=g, device=device).to(dtype) for _ in range(2))
+    w, b = (torch.nn.Parameter(torch.randn(n, generator=g, device=device).to(dtype)) for _ in range(2))
     return x.requires_grad_(), dy, w, (b if norm == "layer" else None)
 
 

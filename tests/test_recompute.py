@@ -125,6 +125,8 @@ def test_another_mode_on_a_block_compiled_for_selective_is_refused(mode):
                                          rf"inside its compiled forward, expected activation_checkpointing 'selective', "
                                          rf"got '{mode}'"):
         model(torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long))
+    with torch.no_grad():  # without grad nothing is checkpointed: evaluating with checkpointing off is fine
+        model(torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long))
     model.activation_checkpointing = "selective"  # the mode it was compiled for: trains
     model(torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long))[1].backward()
 

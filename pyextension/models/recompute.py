@@ -225,8 +225,9 @@ def run(block, mode: str, *args, offload: bool = False):
                          "'selective' (it offloads what checkpointing keeps), got activation_offload=True with "
                          "activation_checkpointing 'none'")
     compiled_for = getattr(block, "_zerofuse_checkpointed", None)  # compile_block checkpoints it inside
-    if compiled_for is not None and compiled_for != mode:  # (its forward went on checkpointing under 'none';
-        # under 'full' an eager checkpoint wrapped its checkpointed forward: both silently)
+    if compiled_for is not None and compiled_for != mode and torch.is_grad_enabled():  # (its forward went on
+        # checkpointing under 'none', under 'full' an eager checkpoint wrapped its checkpointed forward: both
+        # silently; without grad it checkpoints nothing: an evaluation with checkpointing off is one)
         raise ValueError(f"zerofuse.models.GPT: a block compile_block compiled for activation_checkpointing "
                          f"{compiled_for!r} checkpoints inside its compiled forward, expected activation_checkpointing "
                          f"{compiled_for!r}, got {mode!r}: compile the blocks again for the new mode")
