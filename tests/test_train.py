@@ -153,8 +153,8 @@ def test_skipped_steps_are_flagged_outside_fp16(tmp_path):
     """fp32 with --clip: a step whose grad norm is not finite is skipped by the optimizer; its
     record says so ("skipped": true, the NaN/inf norm kept: it was logged as null, the record of a
     run without clipping) and the summary counts the skipped steps. --lr 1e30 makes step 2's grads
-    non-finite; the params then stay, so every later step is skipped too (one log point at step 3:
-    its window holds step 1, trained, so the job goes on; test_a_window_all_skipped_stops_the_job)."""
+    non-finite; the params then stay, so every later step is skipped too (below SKIP_LIMIT
+    in a row: the job goes on; test_steps_skipped_in_a_row_stop_the_job)."""
     p = run("--nproc", 1, "--steps", 3, "--warmup", 0, "--lr", "1e30", "--clip", 1, "--eval-every", 0,
             "--sample-tokens", 0, "--log-every", 3, "--out", tmp_path)
     _ok(p)
@@ -167,17 +167,18 @@ def test_skipped_steps_are_flagged_outside_fp16(tmp_path):
     assert "skipped steps  2" in p.stdout
 
 
-def test_a_window_all_skipped_stops_the_job(tmp_path):
-    """fp32: every step of a log window skipped for a non-finite grad norm is a diverged run (no loss
-    scale backs off outside fp16): the job stops there with an error, the window's records written
-    (it finished as a success, the params never moving, a review, 2026-12-07)."""
-    p = run("--nproc", 1, "--steps", 4, "--warmup", 0, "--lr", "1e30", "--clip", 1, "--eval-every", 0,
-            "--sample-tokens", 0, "--out", tmp_path)
+def test_steps_skipped_in_a_row_stop_the_job(tmp_path):
+    """fp32: SKIP_LIMIT (10) steps in a row skipped for a non-finite grad norm is a diverged run (no
+    loss scale backs off outside fp16, the params stay): the job stops there with an error, the
+    records written (it finished as a success, the params never moving, a review, 2026-12-07).
+    Counted across log windows (--log-every 3 here): one skip in a short window is ridden out."""
+    p = run("--nproc", 1, "--steps", 14, "--warmup", 0, "--lr", "1e30", "--clip", 1, "--eval-every", 0,
+            "--sample-tokens", 0, "--log-every", 3, "--out", tmp_path)
     assert p.returncode != 0, p.stdout
-    assert ("every step since the last log point (2-2) was skipped for a non-finite gradient norm (bf16/fp32"
-            in p.stderr), p.stderr
+    assert ("the last 11 steps (2-12) were all skipped for a non-finite gradient norm (bf16/fp32" in p.stderr), p.stderr
     rows = metrics(tmp_path)
-    assert [r["step"] for r in rows] == [1, 2] and rows[1]["skipped"] is True and "skipped" not in rows[0]
+    assert [r["step"] for r in rows] == list(range(1, 13)) and "skipped" not in rows[0]
+    assert all(r["skipped"] is True for r in rows[1:])
 
 
 def _children(pid: int) -> list[int]:

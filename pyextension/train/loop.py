@@ -211,7 +211,7 @@ class Trainer:
                 self.initial_val_loss = val
             if self.log:
                 self.log.start(val)
-            t_train = time.perf_counter()
+            t_train, skip_run = time.perf_counter(), 0  # (skip_run: steps skipped in a row, check_not_stuck)
             self.metrics.restart_clock()
             while self.step < args.steps and not self.stopped:
                 if self.launches is None and self.step == self.start_step + 1:  # (the first builds the plans)
@@ -245,7 +245,7 @@ class Trainer:
                 if self.log:
                     for m in records:
                         self.log.step(m)
-                check_not_stuck(self.opt, records)  # (after the window's records are written)
+                skip_run = check_not_stuck(self.opt, records, skip_run)  # (after the window's records are written)
                 if save:
                     self.save()
                 self.metrics.restart_clock()

@@ -127,18 +127,31 @@ class StopVote:
             self.work = None
 
 
-def check_not_stuck(opt, records: list[dict]) -> None:
-    """At a log point: every step of the window skipped (fp16 overflow, a non-finite grad norm) is a
-    diverged run, stopped with an error (it went on skipping every step, the params never moving, and
-    finished as a success): in fp16 once the loss scale is at its floor (above it, backing off may
-    still recover), in bf16/fp32 at once (no loss scale backs off there; Megatron stops at a NaN norm)."""
-    if not records or not all(m.get("skipped") for m in records):
-        return
-    where = f"every step since the last log point ({records[0]['step']}-{records[-1]['step']}) was skipped"
+SKIP_LIMIT = 10  # bf16/fp32: this many steps in a row skipped is a diverged run
+
+
+def check_not_stuck(opt, records: list[dict], run: int = 0) -> int:
+    """At a log point, with ``run`` the skipped steps in a row before this window: returns the run
+    after it. A diverged run is stopped with an error (it went on skipping every step, the params
+    never moving, and finished as a success): in fp16, a window skipped whole with the loss scale at
+    its floor (above it, backing off may still recover); in bf16/fp32, SKIP_LIMIT steps in a row
+    skipped (no loss scale backs off there: the params stay, so one bad batch's skip is ridden out
+    and a diverged model's is not; counted across windows, whose length --log-every, evaluations and
+    checkpoints set: a one-step window stopped at one skip, a review, 2026-12-07)."""
+    for m in records:
+        run = run + 1 if m.get("skipped") else 0
+    if not records:
+        return run
     if not getattr(opt, "fp16", False):
-        raise RuntimeError(f"zerofuse-train: {where} for a non-finite gradient norm (bf16/fp32: no loss scale "
-                           f"backs off): the run diverged (lower the learning rate, or resume from a checkpoint)")
-    scale = opt.loss_scale
-    if scale <= opt.min_scale:
-        raise RuntimeError(f"zerofuse-train: {where} for a non-finite gradient with the fp16 loss scale at "
-                           f"its minimum ({scale:g}): the run diverged (lower the learning rate, or train in bf16)")
+        if run >= SKIP_LIMIT:
+            last = records[-1]["step"]
+            raise RuntimeError(f"zerofuse-train: the last {run} steps ({last - run + 1}-{last}) were all skipped for a "
+                               "non-finite gradient norm (bf16/fp32: no loss scale backs off): the run diverged "
+                               "(lower the learning rate, or resume from a checkpoint)")
+        return run
+    if all(m.get("skipped") for m in records) and opt.loss_scale <= opt.min_scale:
+        raise RuntimeError(f"zerofuse-train: every step since the last log point ({records[0]['step']}-"
+                           f"{records[-1]['step']}) was skipped for a non-finite gradient with the fp16 loss scale at "
+                           f"its minimum ({opt.loss_scale:g}): the run diverged (lower the learning rate, or train in "
+                           "bf16)")
+    return run
