@@ -28,7 +28,7 @@ import triton.language as tl
 
 from zerofuse.kernels import interpreted
 from zerofuse.kernels.common import next_power_of_2
-from zerofuse.kernels.launch import launch_triton
+from zerofuse.kernels.launch import launch_triton, other_device
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -279,7 +279,8 @@ def _launch(kernel, tuned, grid, *args, tune_key: tuple = (), **consts):
     key = (kernel, *tune_key)
     meta = _CHOSEN.get(key)
     if meta is None:
-        with torch.cuda.device(args[0].device):  # (launch_triton's device: the query's)
+        i = other_device(args)  # (launch_triton's device guard: the query's device)
+        with torch.cuda.device(i) if i is not None else contextlib.nullcontext():
             tuned[grid](*args, UPCAST=False, **consts)  # benchmarks the configs, launches the best
         _CHOSEN[key] = tuned.best_config.all_kwargs()  # (BLOCK_M, BLOCK_N, num_warps, num_stages, ...)
         return
