@@ -204,3 +204,20 @@ def test_a_resume_says_when_its_training_data_changed_and_not_when_only_its_spli
                    None).run() == 0
     out = capsys.readouterr().out
     assert f"--resume: --data {tmp_path / 'b.bin'} is not the checkpoint's run's training data" in out, out
+
+
+def test_the_offload_split_is_said_and_summarised(tmp_path, capsys):
+    """--offload-ratio went unsaid, and whole units may round it to all or nothing (0.5 of a model
+    that fits one bucket stepped everything on the host; a review's reproduction, 2026-12-07): the
+    start says the fraction the host units hold, summary.json keeps it."""
+    from zerofuse.train.loop import Trainer
+
+    args = ("--steps", 1, "--zero-stage", 2, "--offload", "optimizer")
+    assert Trainer(tiny_job_args(tmp_path / "half", *args, "--offload-ratio", 0.5), None).run() == 0
+    assert Trainer(tiny_job_args(tmp_path / "none", *args, "--offload-ratio", 0), None).run() == 0
+    out = capsys.readouterr().out
+    assert ("offload: optimizer, 100.0% of this rank's optimizer shard stepped on the host (--offload-ratio 0.5; "
+            "the units first ready in backward, whole)") in out, out
+    assert "offload: optimizer, 0.0% of this rank's optimizer shard stepped on the host (--offload-ratio 0.0" in out
+    got = [json.loads((tmp_path / d / "summary.json").read_text())["offload_host_fraction"] for d in ("half", "none")]
+    assert got == [1.0, 0.0]

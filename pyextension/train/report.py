@@ -98,6 +98,12 @@ class RankZeroLog:
                 # the policy sees inductor's out= matmuls, which it must not cache; recompute.compile_block)
                 self.write("activation checkpointing: selective recomputes the matmuls too under per-block "
                            "compile with --activation-offload (full's memory and recompute)")
+        if (split := offload_split(t)) is not None:  # (the ratio asked for went unsaid, and whole units
+            # may round it to all or nothing: a review's reproduction, 2026-12-07)
+            asked, got = split
+            self.write(f"offload: {a.offload}, {got:.1%} of this rank's optimizer shard stepped on the host "
+                       f"(--offload-ratio {a.offload_ratio}{f', measured {asked:.3f}' if a.offload_ratio == 'auto' else ''}"
+                       f"; the units first ready in backward, whole)")
         for note in getattr(t, "notes", []):
             self.write(note)
         where = f"resumed at step {t.step}" if t.step else "step 0"
@@ -156,7 +162,8 @@ class RankZeroLog:
         tok_s = tokens / step_time if step_time else None
         return {
             "world_size": t.world, "pp": a.pp, "dp": a.dp, "tp": a.tp, "sequence_parallel": a.sequence_parallel,
-            "zero_stage": a.zero_stage, "offload": a.offload, "precision": a.precision, "optimizer": a.optimizer, "device": t.device.type,
+            "zero_stage": a.zero_stage, "offload": a.offload,
+            "offload_host_fraction": (offload_split(t) or (None, None))[1], "precision": a.precision, "optimizer": a.optimizer, "device": t.device.type,
             "device_name": torch.cuda.get_device_name(t.device) if t.device.type == "cuda" else "cpu",
             "model": {"preset": a.model_name, "params": t.n_params, "active_params": t.n_active_params,
                       **dataclasses.asdict(t.cfg)},
@@ -292,3 +299,16 @@ def _tensorboard(out: Path, purge_step: int | None):
     except Exception:  # tensorboard not installed: optional
         return None
     return SummaryWriter(str(out / "tensorboard"), purge_step=purge_step)
+
+
+def offload_split(t) -> tuple[float, float] | None:
+    """With --offload: (the ratio the engine used, --offload-ratio or auto's measured one; the
+    fraction of this rank's optimizer shard its host units hold: zero/offload.py host_units rounds
+    to whole units), else None."""
+    eng = getattr(t.model, "_zerofuse_zero", None)
+    if eng is None or not eng.offload:
+        return None
+    total = sum(u.shard_numel for u in eng.units)
+    host = sum(u.shard_numel for u in eng.units if u.index in eng.host_units)
+    return float(eng.offload_ratio), host / total if total else 0.0
+
