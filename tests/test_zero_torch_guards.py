@@ -127,6 +127,15 @@ def _habits_rank(rank, ws, stage=2):
             else:
                 opt.zero_grad()
     out["warnings"] = [str(w.message) for w in seen if "zerofuse" in str(w.message)]
+    torch_guards._warned_stepped = False
+    with warnings.catch_warnings(record=True) as seen:  # a GAN's D: G's backward adds to D's stepped grads,
+        warnings.simplefilter("always")  # D's zero_grad clears them before its next step (no warning)
+        for _ in range(2):
+            model(x[:, :-1], x[:, 1:])[1].backward()
+            opt.step()
+            model(x[:, :-1], x[:, 1:])[1].backward()  # (the generator's backward through D)
+            opt.zero_grad()
+    out["gan_warnings"] = [str(w.message) for w in seen if "zerofuse" in str(w.message)]
     return out
 
 
@@ -143,8 +152,9 @@ def test_grad_scaler_deepcopy_and_grads_cleared_by_hand_are_named(ws, stage):
         assert r["deepcopy"].startswith("zerofuse.zero: a model made data-parallel by zerofuse.zero.parallelize "
                                         "cannot be copied or pickled"), r["deepcopy"]
         assert len(r["warnings"]) == 1, r["warnings"]
-        assert "adding into the gradients the last optimizer step already took" in r["warnings"][0]
+        assert "this step takes gradients a backward added to the ones the last step already took" in r["warnings"][0]
         assert "`p.grad = None` clears nothing; call opt.zero_grad()" in r["warnings"][0]
+        assert r["gan_warnings"] == [], r["gan_warnings"]
 
 
 def _one_rank_accumulation(rank, ws, stage):
@@ -175,3 +185,30 @@ def test_torch_clip_over_one_rank_sees_every_micro_batch(stage):
     (torch_norm, ours), (opt_norm, want) = run_distributed(_one_rank_accumulation, 1, stage, timeout=120)[0]
     assert torch_norm == opt_norm
     assert all(torch.equal(ours[n], want[n]) for n in want)
+
+
+def _frozen_and_early_rank(rank, ws):
+    from torch.nn.utils import clip_grad
+
+    model = GPT(GPTConfig(**CFG), seed=0)
+    model.wte.weight.requires_grad_(False)  # a frozen embedding (a LoRA base, ...)
+    zerofuse.zero.parallelize(model, stage=2, bucket_mb=0.02)
+    opt = zerofuse.zero.Optimizer(model, "adamw", lr=1e-2)
+    x = _mine(rank, ws)
+    with model.no_sync():  # one micro-batch in the buckets (over one rank: taken from .grad)
+        model(x[:3, :-1], x[:3, 1:])[1].backward()
+    model(x[3:, :-1], x[3:, 1:])[1].backward()
+    early = clip_grad.clip_grad_norm_.__wrapped__  # torch's own, bound before parallelize
+    out = {"early": error_text(lambda: early(model.parameters(), 1.0))}
+    out["norms"] = (float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)), float(opt.clip_grad_norm_(1e9)))
+    return out
+
+
+@pytest.mark.parametrize("ws", [1, 2])
+def test_frozen_params_pass_and_an_early_bound_clip_after_no_sync_is_refused(ws):
+    """model.parameters() with a frozen param (not in the ZeRO model's buckets) was refused as
+    another model's; torch's clip bound before parallelize, over one rank after a no_sync() window,
+    clipped the last micro-batch's .grad only (a review of the diff, 2026-12-07)."""
+    for r in run_distributed(_frozen_and_early_rank, ws, timeout=120):
+        assert r["norms"][0] == pytest.approx(r["norms"][1], rel=1e-6), r["norms"]
+        assert "(bound before zerofuse.zero.parallelize ran" in r["early"], r["early"]

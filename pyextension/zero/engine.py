@@ -43,7 +43,7 @@ from zerofuse.zero.buckets import Bucket
 from zerofuse.zero.fixed_layout import TrainableCheck, guard_conversions
 from zerofuse.zero.full_params import FullParams
 from zerofuse.zero.grads import gathered_grads, reset_backward
-from zerofuse.zero.torch_guards import ENGINES, SHARDED, install_torch_guards, stepped_grads_added
+from zerofuse.zero.torch_guards import ENGINES, SHARDED, TorchHabits, install_torch_guards
 from zerofuse.zero.layout import (bucket_groups, check_groups_disjoint, check_same_layout, check_same_values,
                                   unit_groups, values_digest)
 from zerofuse.zero.experts import ExpertLayout
@@ -58,7 +58,7 @@ from zerofuse.zero.world_of_one import WorldOfOne
 ALIGN = 128
 
 
-class ZeroEngine(ExpertLayout, FindUnused, FullParams, ParamSync, Stage3Hooks, WorldOfOne):
+class ZeroEngine(ExpertLayout, FindUnused, FullParams, ParamSync, Stage3Hooks, WorldOfOne, TorchHabits):
 
     def __init__(self, model, *, stage, group, precision, reduce_dtype, bucket_mb, overlap, prefetch, wrap,
                  reshard_after_forward=True, tp_group=None, max_inflight=2, device=None, param_init_fn=None,
@@ -190,7 +190,8 @@ class ZeroEngine(ExpertLayout, FindUnused, FullParams, ParamSync, Stage3Hooks, W
         self._final_queued = False
         self._in_backward = False
         self.clip_pending = False  # the live Optimizer's clip_grad_norm_ not yet applied by a step (fold_clip)
-        self.stepped = False  # a step took the grads and no zero_grad cleared them (torch_guards.stepped_grads_added)
+        # a step took the grads and no zero_grad cleared them; a backward added into them since (torch_guards)
+        self.stepped = self.stale_added = False
         self._hooks = []
         self.optimizer_ref = None  # the zero.Optimizer built on this engine (a weakref), for model.zero_grad
         self._fwd_order: list[Bucket] = []
@@ -279,12 +280,6 @@ class ZeroEngine(ExpertLayout, FindUnused, FullParams, ParamSync, Stage3Hooks, W
         unit.add_deferred(also=i)  # with the deferred ones: one multi-tensor copy into gflat
         if unit.ready == len(unit.params):
             self._unit_complete(unit)
-
-    def backward_began(self) -> None:
-        """A backward's first grads arrive (a hooked one's, stage 3's pre-backward, over one rank
-        the grads taken from .grad): into grads a step took, if no zero_grad came between."""
-        if self.stepped:
-            stepped_grads_added()
 
     def _unit_complete(self, unit) -> None:
         """Every grad of ``unit`` in this backward is in (or marked unused)."""
@@ -389,19 +384,12 @@ class ZeroEngine(ExpertLayout, FindUnused, FullParams, ParamSync, Stage3Hooks, W
         dead = self._final_queued and torch._C._current_graph_task_id() == -1  # a backward that raised
         self.buckets.finish_grad_sync()
         reset_backward(self)  # (a backward that raised left its counters: zero_grad starts afresh)
-        self.stepped = False
+        self.stepped = self.stale_added = False
         for u in self.units:
             u.zero_grad(set_to_none)
             if dead and self.stage == 3 and not self.hold_params and not self._in_full_params:
                 u.free()  # (as its end would have: they stayed gathered until the next forward's hooks)
         self.release_grads()
-
-    def __reduce_ex__(self, protocol):
-        """copy.deepcopy or pickling of a parallelized model (an EMA or teacher copy): refused by name
-        (torch's "cannot pickle 'ProcessGroup' object" before)."""
-        raise TypeError("zerofuse.zero: a model made data-parallel by zerofuse.zero.parallelize cannot be copied or "
-                           "pickled (it holds process groups and shards of the others' params): copy the model before "
-                           "parallelize, or load a copy from its state_dict() (stage 3: inside full_params)")
 
     # ------------------------------------------------------------------ state
 

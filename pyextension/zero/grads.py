@@ -115,7 +115,7 @@ def abandon_backward(eng) -> None:
     reductions in flight (over one rank they completed when launched) and every grad, so that the
     next backward starts as after zero_grad."""
     reset_backward(eng)
-    eng.stepped = False
+    eng.stepped = eng.stale_added = False
     eng.buckets.clear_inflight()
     for u in eng.units:
         u.rs_work, u.rs_out = None, None

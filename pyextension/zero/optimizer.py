@@ -34,6 +34,7 @@ from zerofuse.optim._base import check_real
 from zerofuse.zero.engine import engine_of
 from zerofuse.zero.grad_norm import GradNorms
 from zerofuse.zero.grads import check_step_grads
+from zerofuse.zero.torch_guards import stepped_grads_added
 from zerofuse.zero.group_steps import GroupSteps
 from zerofuse.zero.options import DEFAULTS, NAME, STATE_KEYS, check_group_keys, check_options, check_scaler
 from zerofuse.zero.optimizer_state import OptimizerState
@@ -264,6 +265,8 @@ class Optimizer(GroupSteps, GradNorms, OptimizerState, torch.optim.Optimizer):
         eng.flush_full_params()
         eng.finish_grad_sync()
         check_step_grads(eng, f"{NAME}.step")
+        if eng.stale_added:  # (warned here, where the stale grads are used: a GAN's D, whose grads G's
+            stepped_grads_added()  # backward adds to, zero_grads them before its next step)
         found = self._found_inf
         fused = None
         if self._clip_coef is None and self.max_grad_norm is not None:
@@ -291,7 +294,7 @@ class Optimizer(GroupSteps, GradNorms, OptimizerState, torch.optim.Optimizer):
             torch._amp_update_scale_(self.scale, self._growth_tracker, found, *self._scaler_cfg)
             self.scale.clamp_(min=self.min_scale)  # (backed off without a floor it reached 0: every later step skipped)
         self.last_step_skipped = found
-        eng.stepped = True
+        eng.stepped, eng.stale_added = True, False
         self._clip_coef = None
         self._found_inf = None
         eng.clip_pending = False

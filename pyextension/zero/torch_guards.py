@@ -14,13 +14,15 @@ param of a ZeRO model carries ``SHARDED``. Inside ``full_grads`` torch's functio
 - torch's function bound before ``parallelize`` (``from torch.nn.utils import clip_grad_norm_`` at
   import) is not the attribute replaced here; the module global it calls to clip
   (``clip_grad._clip_grads_with_norm_``, public as ``torch.nn.utils.clip_grads_with_norm_``) is: it
-  refuses a ZeRO model's params whose .grad is None, naming the way out.
+  refuses a ZeRO model's params whose .grad is None, or over one rank part of their gradient (a
+  no_sync() window's taken into the buckets), naming the way out.
 - ``clip_grad_value_`` is refused by name outside full_grads (torch's own "Expected
   !nested_tensorlist[0].empty()", or over one rank the last micro-batch's grads clipped).
 - ``p.grad = None`` for each param (the DDP habit in place of ``opt.zero_grad()``) clears nothing:
-  a backward then adds into grads a step already took, which warns once (``stepped_grads_added``,
-  from the engine's ``backward_began``: the grad hooks, stage 3's pre-backward hook, over one rank
-  the grads taken from .grad).
+  a backward then adds into grads a step already took, and the step after it warns once
+  (``stepped_grads_added``; the engine's ``backward_began`` marks it: the grad hooks, stage 3's
+  pre-backward hook, over one rank the grads taken from .grad). A zero_grad before that step (a
+  GAN's discriminator, whose grads the generator's backward adds to) clears the mark.
 - An optimizer other than ``zerofuse.zero.Optimizer`` (``torch.optim.AdamW(model.parameters())``,
   ``zerofuse.optim.FusedAdamW``) over a ZeRO model's params is refused at its first step, by a
   global step pre-hook of torch.optim (checked once per optimizer): over several ranks it stepped
@@ -58,6 +60,14 @@ def _unseen(params) -> list:
     return [p for p in _sharded(params) if p.grad is None]
 
 
+def _taken(params) -> bool:
+    """Over one rank (no grad hooks): whether the buckets of the params' ZeRO model hold grads taken
+    from .grad already (the end of a no_sync() window): .grad is then the last backward's only."""
+    sharded = _sharded(params)
+    eng = next((e for e in list(ENGINES) if sharded and id(sharded[0]) in e.param_index), None)
+    return eng is not None and eng.hookless and any(u.dirty or u.has_grad() for u in eng.units)
+
+
 def _engine_of(params, who: str):
     """The one ZeRO engine holding every given param, all of its trainable params given."""
     ids = {id(p) for p in params}
@@ -66,7 +76,7 @@ def _engine_of(params, who: str):
         raise RuntimeError(f"{who}: expected the params of one model made data-parallel by zerofuse.zero.parallelize, "
                            f"got params of {len(engines)}: clip each model with its Optimizer's clip_grad_norm_")
     eng = engines[0]
-    others = sum(1 for p in params if id(p) not in eng.param_index)
+    others = sum(1 for p in params if id(p) not in eng.param_index and p.grad is not None)  # (frozen ones: none)
     if others:  # (their grads were left out of the norm and unclipped, silently: a review, 2026-12-07)
         raise RuntimeError(f"{who}: expected only the params of the model made data-parallel by "
                            f"zerofuse.zero.parallelize (the norm is its Optimizer's), got {others} other param(s) too: "
@@ -117,9 +127,10 @@ def install_torch_guards() -> None:
     @functools.wraps(torch_inner)
     def _clip_grads_with_norm_(parameters, max_norm, total_norm, foreach=None):
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        if _unseen(params):
+        if _unseen(params) or _taken(params):  # (over one rank after no_sync(): the last micro-batch's .grad)
             _refuse_unseen("torch.nn.utils.clip_grad_norm_ (bound before zerofuse.zero.parallelize ran, e.g. `from "
-                           "torch.nn.utils import clip_grad_norm_` at import: torch's own, which saw a norm of 0)",
+                           "torch.nn.utils import clip_grad_norm_` at import: torch's own, which saw none or part "
+                           "of it)",
                            "call torch.nn.utils.clip_grad_norm_ by its module (zerofuse's then clips), or the "
                            "Optimizer's clip_grad_norm_")
         return torch_inner(params, max_norm, total_norm, foreach)
@@ -162,14 +173,33 @@ _warned_stepped = False
 
 
 def stepped_grads_added() -> None:
-    """A backward began adding into grads the last step() took, with no zero_grad between (the
-    engine's ``stepped``): torch accumulates too, but a DDP user clearing with ``p.grad = None``
+    """At a step: a backward added into grads the last step() took, with no zero_grad between (the
+    engine's ``stale_added``): torch accumulates too, but a DDP user clearing with ``p.grad = None``
     cleared nothing here, and every later step added up every earlier grad, silently (a review's
     reproduction, 2026-12-07). Warned once per process."""
     global _warned_stepped
     if _warned_stepped:
         return
     _warned_stepped = True
-    warnings.warn("zerofuse.zero: a backward is adding into the gradients the last optimizer step already took (no "
-                  "zero_grad() since): a ZeRO model's grads live in zerofuse's shards, so `p.grad = None` clears "
+    warnings.warn("zerofuse.zero: this step takes gradients a backward added to the ones the last step already took "
+                  "(no zero_grad() since): a ZeRO model's grads live in zerofuse's shards, so `p.grad = None` clears "
                   "nothing; call opt.zero_grad() (or model.zero_grad()) after each step", UserWarning, stacklevel=3)
+
+
+class TorchHabits:
+    """The engine's side (a mixin of ZeroEngine, which sets ``stepped``)."""
+
+    def backward_began(self) -> None:
+        """A backward's first grads arrive (a hooked one's, stage 3's pre-backward, over one rank
+        the grads taken from .grad): into grads a step took, if no zero_grad came between; the
+        next step() warns if still so (stepped_grads_added)."""
+        if self.stepped:
+            self.stale_added = True
+
+    def __reduce_ex__(self, protocol):
+        """copy.deepcopy or pickling of a parallelized model (an EMA or teacher copy): refused by name
+        (torch's "cannot pickle 'ProcessGroup' object" before)."""
+        raise TypeError("zerofuse.zero: a model made data-parallel by zerofuse.zero.parallelize cannot be copied or "
+                        "pickled (it holds process groups and shards of the others' params): copy the model before "
+                        "parallelize, or load a copy from its state_dict() (stage 3: inside full_params)")
+
