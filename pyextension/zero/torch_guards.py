@@ -44,27 +44,31 @@ ENGINES: weakref.WeakSet = weakref.WeakSet()  # every ZeroEngine alive
 _CHECKED: weakref.WeakSet = weakref.WeakSet()  # optimizers whose params were checked at their first step
 
 
+def _holder(p):
+    """The ZeRO engine whose buckets hold param p (None: none alive)."""
+    return next((e for e in list(ENGINES) if id(p) in e.param_index), None)
+
+
 def _sharded(params) -> list:
     """The trainable params of ZeRO models among ``params``, their model outside full_grads (inside
     it every one has its whole .grad: torch's functions run as torch's). Their .grad is None, or
     over one rank autograd's last backward only (grads accumulated under no_sync() moved into the
     buckets already): torch's functions see none, or part, of their gradient."""
     out = [p for p in params if getattr(p, SHARDED, False) and p.requires_grad]
-    if out and any(e.grads_out and id(out[0]) in e.param_index for e in list(ENGINES)):
+    if out and (eng := _holder(out[0])) is not None and eng.grads_out:
         return []
     return out
 
 
-def _unseen(params) -> list:
-    """_sharded's params whose .grad is None (what torch's clip saw as no gradient: a norm of 0)."""
-    return [p for p in _sharded(params) if p.grad is None]
+def _unseen(sharded) -> list:
+    """Those of _sharded's params whose .grad is None (what torch's clip saw as no gradient: a norm of 0)."""
+    return [p for p in sharded if p.grad is None]
 
 
-def _taken(params) -> bool:
-    """Over one rank (no grad hooks): whether the buckets of the params' ZeRO model hold grads taken
-    from .grad already (the end of a no_sync() window): .grad is then the last backward's only."""
-    sharded = _sharded(params)
-    eng = next((e for e in list(ENGINES) if sharded and id(sharded[0]) in e.param_index), None)
+def _taken(sharded) -> bool:
+    """Over one rank (no grad hooks): whether the buckets of _sharded's params' ZeRO model hold grads
+    taken from .grad already (the end of a no_sync() window): .grad is then the last backward's only."""
+    eng = _holder(sharded[0]) if sharded else None
     return eng is not None and eng.hookless and any(u.dirty or u.has_grad() for u in eng.units)
 
 
@@ -110,13 +114,14 @@ def install_torch_guards() -> None:
     @functools.wraps(torch_norm)
     def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        if not _sharded(params):  # a plain model's, or inside full_grads: torch's
+        sharded = _sharded(params)
+        if not sharded:  # a plain model's, or inside full_grads: torch's
             return torch_norm(params, max_norm, norm_type, error_if_nonfinite, foreach)
         who = "torch.nn.utils.clip_grad_norm_"
         eng = _engine_of(params, who)
         opt = eng.live_optimizer()
         if opt is None:
-            if not _unseen(params):  # (one rank, every .grad autograd's: nothing in the buckets yet)
+            if not _unseen(sharded):  # (one rank, every .grad autograd's: nothing in the buckets yet)
                 return torch_norm(params, max_norm, norm_type, error_if_nonfinite, foreach)
             _refuse_unseen(who, "build zerofuse.zero.Optimizer(model, ...) first (this call is then its "
                                 "clip_grad_norm_), or clip inside zerofuse.zero.full_grads(model)")
@@ -127,7 +132,8 @@ def install_torch_guards() -> None:
     @functools.wraps(torch_inner)
     def _clip_grads_with_norm_(parameters, max_norm, total_norm, foreach=None):
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        if _unseen(params) or _taken(params):  # (over one rank after no_sync(): the last micro-batch's .grad)
+        sharded = _sharded(params)
+        if _unseen(sharded) or _taken(sharded):  # (over one rank after no_sync(): the last micro-batch's .grad)
             _refuse_unseen("torch.nn.utils.clip_grad_norm_ (bound before zerofuse.zero.parallelize ran, e.g. `from "
                            "torch.nn.utils import clip_grad_norm_` at import: torch's own, which saw none or part "
                            "of it)",
